@@ -1,0 +1,7 @@
+"""coconet: a language and compiler for distributed ML programs in which computation and
+communication are both first-class."""
+
+from coconetc.errors import CompileError, Diagnostic, ScheduleError, Span
+
+__version__ = "0.1.0"
+__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__"]

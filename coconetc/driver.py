@@ -1,0 +1,106 @@
+"""The whole front half of the compiler, top to bottom:
+
+    source --parse--> AST --check--> typed IR --schedule (each directive checked)--> scheduled IR
+
+`load_file`/`load_source` return a Module holding every program and every schedule applied,
+or raise one CompileError listing every error of the file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coconetc.errors import CompileError, Diagnostic
+from coconetc.frontend import ast
+from coconetc.frontend.checker import check_program
+from coconetc.frontend.parser import parse
+from coconetc.ir.nodes import Program
+from coconetc.schedule import apply_all, from_ast
+from coconetc.schedule.directives import Directive
+
+
+@dataclass(frozen=True)
+class ScheduleIR:
+    name: str
+    program: str
+    directives: tuple[Directive, ...]
+    ir: Program | None  # None for `schedule auto` (the autotuner decides)
+
+    @property
+    def auto(self) -> bool:
+        return self.ir is None
+
+
+@dataclass
+class Module:
+    file: str
+    source: str
+    programs: dict[str, Program] = field(default_factory=dict)
+    schedules: dict[str, dict[str, ScheduleIR]] = field(default_factory=dict)
+
+    def program(self, name: str | None) -> Program:
+        if name is None:
+            if len(self.programs) != 1:
+                raise KeyError(f"{self.file} holds {len(self.programs)} programs "
+                               f"({', '.join(self.programs)}); choose one with --program")
+            return next(iter(self.programs.values()))
+        if name not in self.programs:
+            raise KeyError(f"no program '{name}' in {self.file} (programs: {', '.join(self.programs)})")
+        return self.programs[name]
+
+    def schedule(self, program: str, name: str) -> ScheduleIR:
+        scheds = self.schedules.get(program, {})
+        if name not in scheds:
+            raise KeyError(f"no schedule '{name}' for program '{program}' "
+                           f"(schedules: {', '.join(scheds) or 'none'})")
+        return scheds[name]
+
+
+def load_file(path: str | Path) -> Module:
+    path = Path(path)
+    return load_source(path.read_text(), str(path))
+
+
+def load_source(source: str, file: str = "<string>") -> Module:
+    tree = parse(source, file)
+    mod, errors = Module(file, source), []
+    for prog in tree.programs:
+        _collect(errors, _program, mod, prog)
+    for sched in tree.schedules:
+        _collect(errors, _schedule, mod, sched, tree)
+    if errors:
+        raise CompileError(sorted(errors, key=lambda d: (d.span.line, d.span.col)))
+    return mod
+
+
+def _collect(errors: list[Diagnostic], fn, *args) -> None:
+    try:
+        fn(*args)
+    except CompileError as err:
+        errors.extend(err.diagnostics)
+
+
+def _program(mod: Module, prog: ast.Program) -> None:
+    if prog.name in mod.programs:
+        raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
+    mod.programs[prog.name] = check_program(prog)
+    mod.schedules[prog.name] = {}
+
+
+def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module) -> None:
+    if sched.program not in mod.programs:
+        if any(p.name == sched.program for p in tree.programs):
+            return  # the program itself has errors, reported already
+        raise CompileError.at(sched.program_span, f"schedule '{sched.name}' is for unknown program "
+                              f"'{sched.program}'")
+    known = mod.schedules[sched.program]
+    if sched.name in known:
+        raise CompileError.at(sched.span, f"schedule '{sched.name}' for '{sched.program}' is defined twice")
+    directives = tuple(from_ast(sched.body or ()))
+    if sched.name == "auto":
+        if directives:
+            raise CompileError.at(sched.span, "schedule auto takes no directives: the autotuner chooses")
+        known[sched.name] = ScheduleIR("auto", sched.program, (), None)
+        return
+    ir = apply_all(mod.programs[sched.program], directives)
+    known[sched.name] = ScheduleIR(sched.name, sched.program, directives, ir)

@@ -1,0 +1,70 @@
+"""Source spans and compile errors, printed as `file:line:col: message`, the line, a caret."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Span:
+    """A region of a source file: 1-based line and column of its first and last character."""
+
+    file: str
+    line: int
+    col: int
+    end_line: int = 0
+    end_col: int = 0
+    source: str = ""  # the whole file text, so a diagnostic can quote its line
+
+    def __repr__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+    def __eq__(self, other: object) -> bool:  # spans never make two IR nodes unequal
+        return isinstance(other, Span)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+NOWHERE = Span("<builtin>", 0, 0)
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    span: Span
+    message: str
+
+    def render(self) -> str:
+        s = self.span
+        head = f"{s.file}:{s.line}:{s.col}: error: {self.message}"
+        lines = s.source.splitlines()
+        if not 1 <= s.line <= len(lines):
+            return head
+        text = lines[s.line - 1]
+        end = s.end_col if s.end_line == s.line and s.end_col > s.col else s.col
+        width = max(1, min(end, len(text) + 1) - s.col)
+        return f"{head}\n    {text}\n    {' ' * (s.col - 1)}{'^' * width}"
+
+
+class CompileError(Exception):
+    """One or more diagnostics; str() renders them all."""
+
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = list(diagnostics)
+        super().__init__(self.render())
+
+    @classmethod
+    def at(cls, span: Span, message: str) -> CompileError:
+        return cls([Diagnostic(span, message)])
+
+    def render(self) -> str:
+        return "\n".join(d.render() for d in self.diagnostics)
+
+
+class ScheduleError(CompileError):
+    """An illegal schedule directive: names the directive, the stage and the reason."""
+
+    def __init__(self, span: Span, directive: str, stage: str, reason: str):
+        self.directive, self.stage, self.reason = directive, stage, reason
+        where = f" on '{stage}'" if stage else ""
+        super().__init__([Diagnostic(span, f"{directive}{where}: {reason}")])

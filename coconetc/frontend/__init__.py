@@ -1,0 +1,1 @@
+"""Front end: source text -> AST (parser.py) -> typed IR (checker.py)."""

@@ -1,0 +1,311 @@
+"""AST -> typed IR. Checks names, single assignment, dtypes, shapes and layouts, and reports
+every error of a program at once (a stage that fails is skipped, so one mistake is reported
+once, not again at each use)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coconetc.errors import CompileError, Diagnostic, Span
+from coconetc.frontend import ast
+from coconetc.ir import nodes as ir
+from coconetc.ir.nodes import COLLECTIVES, POINTWISE_UNARY
+from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REDUCE_OPS, REPLICATED, TType, scalar_type, sliced
+from coconetc.ir.typing import TypeErr, type_op
+
+_BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "**": "pow", "<": "lt", "<=": "le",
+           ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
+# name -> (positional parameters, keyword parameters with defaults)
+_SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
+    **{u: (("x",), {}) for u in POINTWISE_UNARY if u != "neg"},
+    "min": (("a", "b"), {}), "max": (("a", "b"), {}),
+    "where": (("cond", "a", "b"), {}), "cast": (("x", "dtype"), {}),
+    "dropout": (("x", "p", "seed"), {}), "sum": (("x",), {}), "norm": (("x",), {}),
+    "segment_norm": (("x",), {}), "matmul": (("a", "b"), {}),
+    "layernorm": (("x", "gamma", "beta", "eps"), {}),
+    "conv2d": (("x", "w"), {"stride": 1, "padding": 0}),
+    "allreduce": (("op", "x"), {}), "reducescatter": (("op", "x"), {"dim": 0}),
+    "allgather": (("x",), {}), "broadcast": (("x", "root"), {}),
+    "reduce": (("op", "x", "root"), {}), "scatter": (("x",), {"dim": 0}),
+    "send": (("x", "direction"), {}),
+    "update": (("t", "value"), {}),
+}
+# parameters that are compile-time words or integers, not values
+_WORD_ARGS = {"op": REDUCE_OPS, "dtype": DTYPES, "direction": ("next", "prev")}
+_INT_ARGS = ("root", "dim", "stride", "padding")
+
+
+class _Skip(Exception):
+    """Raised when an expression reads a stage that already failed (reported once)."""
+
+
+@dataclass
+class _Ctx:
+    params: dict[str, ir.Param]
+    stages: dict[str, ir.Stage] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    errors: list[Diagnostic] = field(default_factory=list)
+    stage: str = ""
+    sites: int = 0
+
+    def type_of(self, name: str, span: Span) -> TType:
+        if name in self.failed:
+            raise _Skip
+        if name in self.params:
+            return self.params[name].type
+        if name in self.stages:
+            return self.stages[name].type
+        raise TypeErr(span, f"unknown name '{name}'")
+
+
+def check_program(prog: ast.Program) -> ir.Program:
+    """Type a program; raises CompileError with every error found."""
+    ctx = _Ctx({})
+    params = [_param(p, ctx) for p in prog.params]
+    ctx.params = {p.name: p for p in params if p is not None}
+    updates: dict[str, str] = {}
+    outputs: list[tuple[str, str]] = []
+    for stmt in prog.body:
+        try:
+            _statement(stmt, ctx, updates, outputs)
+        except TypeErr as err:
+            ctx.errors.extend(err.diagnostics)
+            ctx.failed.update(t.id for t in getattr(stmt, "targets", ()))
+        except _Skip:
+            ctx.failed.update(t.id for t in getattr(stmt, "targets", ()))
+    if ctx.errors:
+        raise CompileError(ctx.errors)
+    return ir.Program(prog.name, tuple(params), tuple(ctx.stages.values()), tuple(outputs),
+                      tuple(updates.items()), span=prog.span)
+
+
+def _param(p: ast.Param, ctx: _Ctx) -> ir.Param | None:
+    def err(span: Span, msg: str) -> None:
+        ctx.errors.append(Diagnostic(span, msg))
+    if p.name in ctx.params:
+        err(p.span, f"parameter '{p.name}' is declared twice")
+    ctx.params[p.name] = None  # type: ignore[assignment]  # marks the name as taken
+    if p.dtype not in DTYPES:
+        return err(p.dtype_span, f"unknown dtype '{p.dtype}' (one of {', '.join(DTYPES)})")
+    if p.shape is None:
+        if p.layout is not None:
+            return err(p.layout.span, f"scalar '{p.name}' takes no layout (scalars are replicated)")
+        return ir.Param(p.name, scalar_type(p.dtype), scalar=True, span=p.span)
+    shape = tuple(d.name if isinstance(d, ast.DimName) else d.value for d in p.shape)
+    for d in p.shape:
+        if isinstance(d, ast.DimInt) and d.value < 1:
+            err(d.span, "a dimension must be at least 1")
+    lay, scattered = _layout(p.layout, len(shape), ctx)
+    if lay is None:
+        return None
+    return ir.Param(p.name, TType(p.dtype, shape, lay), scattered=scattered, span=p.span)
+
+
+def _layout(decl: ast.LayoutDecl | None, ndim: int, ctx: _Ctx):
+    if decl is None:
+        return REPLICATED, False
+    kinds = {"local": LOCAL, "replicated": REPLICATED}
+    if decl.kind not in (*kinds, "sliced"):
+        ctx.errors.append(Diagnostic(decl.span, f"unknown layout '{decl.kind}' (local, replicated, sliced(d))"))
+        return None, False
+    if decl.dim is not None and decl.kind != "sliced":
+        ctx.errors.append(Diagnostic(decl.span, f"layout '{decl.kind}' takes no dimension"))
+        return None, False
+    lay = kinds.get(decl.kind) or sliced(decl.dim or 0)
+    if lay.sliced and not lay.dim < ndim:
+        ctx.errors.append(Diagnostic(decl.span, f"sliced({lay.dim}) is out of range for a {ndim}-d tensor"))
+        return None, False
+    if decl.scattered is None:
+        return lay, False
+    if decl.scattered != "scattered":
+        ctx.errors.append(Diagnostic(decl.span, f"unexpected '{decl.scattered}' after the layout (did you mean 'scattered'?)"))
+        return None, False
+    if ndim != 1:
+        ctx.errors.append(Diagnostic(decl.span, "only a 1-d tensor can be scattered"))
+        return None, False
+    return lay, True
+
+
+def _statement(stmt: ast.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> None:
+    if isinstance(stmt, ast.Return):
+        return _return(stmt, ctx, outputs)
+    if isinstance(stmt, ast.ExprStmt):
+        value = stmt.value
+        if not (isinstance(value, ast.Call) and value.fn == "update"):
+            raise TypeErr(stmt.span, "an expression on its own does nothing; assign it: name = ...")
+        target = value.args[0].id if value.args and isinstance(value.args[0], ast.Name) else "t"
+        name = f"{target}_new"
+        while name in ctx.stages or name in ctx.params:
+            name += "_"
+        targets = (ast.Name(name, stmt.span),)
+    else:
+        targets, value = stmt.targets, stmt.value
+    if len(targets) != 1:
+        raise TypeErr(targets[1].span, "a program statement defines one name (several names are for schedules)")
+    name = targets[0]
+    if name.id in ctx.params or name.id in ctx.stages or name.id in ctx.failed:
+        raise TypeErr(name.span, f"'{name.id}' is already defined (names are single-assignment)")
+    ctx.stage, ctx.sites = name.id, 0
+    expr = _top(value, ctx, updates)
+    if expr.type.dtype == "bool":
+        raise TypeErr(value.span, "a comparison can only be the condition of where()")
+    ctx.stages[name.id] = ir.Stage(name.id, expr, stmt.span)
+
+
+def _top(value: ast.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
+    """A stage's right-hand side: collectives and update() may only stand here."""
+    if isinstance(value, ast.Call) and value.fn == "update":
+        return _update(value, ctx, updates)
+    if isinstance(value, ast.Call) and value.fn in COLLECTIVES:
+        return _call(value, ctx, top=True)
+    return _expr(value, ctx)
+
+
+def _update(call: ast.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
+    pos, _ = _bind(call)
+    t = pos[0]
+    if not isinstance(t, ast.Name) or t.id not in ctx.params or ctx.params[t.id] is None:
+        raise TypeErr(t.span, "update's first argument must be a parameter tensor")
+    param = ctx.params[t.id]
+    if param.scalar:
+        raise TypeErr(t.span, f"cannot update scalar '{t.id}' (scalars are inputs only)")
+    if t.id in updates:
+        raise TypeErr(t.span, f"'{t.id}' is already updated by '{updates[t.id]}'")
+    value = pos[1]
+    expr = (_call(value, ctx, top=True) if isinstance(value, ast.Call) and value.fn in COLLECTIVES
+            else _expr(value, ctx))
+    _check_update(param, expr, value.span)
+    updates[t.id] = ctx.stage
+    return expr
+
+
+def _check_update(param: ir.Param, expr: ir.Expr, span: Span) -> None:
+    pt, et = param.type, expr.type
+    if et.dtype != pt.dtype and not et.weak:
+        raise TypeErr(span, f"update of '{param.name}' ({pt.dtype}) with a {et.dtype} value; use cast")
+    if et.shape != pt.shape:
+        shown = ", ".join(map(str, et.shape))
+        raise TypeErr(span, f"update of '{param.name}' needs shape {pt}; the value has [{shown}]")
+    ok = et.layout == pt.layout or et.layout == REPLICATED or (pt.layout == LOCAL and not et.layout.sliced)
+    if not ok:
+        raise TypeErr(span, f"update of {pt.layout} '{param.name}' with a {et.layout} value "
+                      "(ranks would disagree; communicate first)")
+
+
+def _return(stmt: ast.Return, ctx: _Ctx, outputs: list) -> None:
+    if outputs:
+        raise TypeErr(stmt.span, "a program has one return statement")
+    for item in stmt.items:
+        ctx.type_of(item.name.id, item.name.span)
+        public = (item.alias or item.name).id
+        if public in (o[0] for o in outputs):
+            raise TypeErr(item.span, f"'{public}' is returned twice")
+        outputs.append((public, item.name.id))
+
+
+def _expr(e: ast.Expr, ctx: _Ctx) -> ir.Expr:
+    if isinstance(e, ast.Number):
+        return ir.Const(e.value, scalar_type("f32" if e.is_float else "i64"), e.span)
+    if isinstance(e, ast.Name):
+        return ir.Ref(e.id, ctx.type_of(e.id, e.span), e.span)
+    if isinstance(e, ast.Neg):
+        x = _expr(e.operand, ctx)
+        if isinstance(x, ir.Const):
+            return ir.Const(-x.value, x.type, e.span)
+        return _op("neg", (x,), {}, e.span)
+    if isinstance(e, ast.BinOp):
+        args = (_expr(e.left, ctx), _expr(e.right, ctx))
+        return _op(_BINOPS[e.op], args, {}, e.span)
+    return _call(e, ctx, top=False)
+
+
+def _op(op: str, args: tuple, attrs: dict, span: Span) -> ir.Op:
+    return ir.Op(op, args, type_op(op, args, attrs, span), tuple(sorted(attrs.items())), span)
+
+
+def _bind(call: ast.Call) -> tuple[list[ast.Expr], dict[str, object]]:
+    """Match a call's arguments to its signature: positional list, keyword values."""
+    if call.fn not in _SIGNATURES:
+        raise TypeErr(call.fn_span, f"unknown operation '{call.fn}'")
+    names, defaults = _SIGNATURES[call.fn]
+    allowed = names + tuple(defaults)
+    if len(call.args) > len(allowed):
+        raise TypeErr(call.span, f"{call.fn}() takes at most {len(allowed)} arguments, got {len(call.args)}")
+    bound: dict[str, object] = dict(zip(allowed, call.args))
+    for kw in call.kwargs:
+        if kw.name not in allowed:
+            raise TypeErr(kw.span, f"{call.fn}() has no argument '{kw.name}'")
+        if kw.name in bound:
+            raise TypeErr(kw.span, f"{call.fn}() got '{kw.name}' twice")
+        bound[kw.name] = kw.value
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise TypeErr(call.span, f"{call.fn}() is missing its argument '{missing[0]}' "
+                      f"({call.fn}({', '.join(names)}))")
+    return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
+
+
+def _word(name: str, e: object, call: ast.Call) -> object:
+    """A compile-time argument: a reduction op, dtype or direction word, or an integer."""
+    if name in _WORD_ARGS:
+        choices = _WORD_ARGS[name]
+        if not (isinstance(e, ast.Name) and e.id in choices):
+            span = getattr(e, "span", call.span)
+            raise TypeErr(span, f"{call.fn}()'s {name} must be one of {', '.join(choices)}")
+        return e.id
+    if isinstance(e, int):
+        return e
+    if isinstance(e, ast.Number) and not e.is_float:
+        return e.value
+    if isinstance(e, ast.Neg) and isinstance(e.operand, ast.Number) and not e.operand.is_float:
+        return -e.operand.value
+    raise TypeErr(getattr(e, "span", call.span), f"{call.fn}()'s {name} must be an integer literal")
+
+
+def _call(call: ast.Call, ctx: _Ctx, top: bool) -> ir.Expr:
+    if call.fn == "update":
+        raise TypeErr(call.span, "update() must be the whole right-hand side of a statement")
+    if call.fn in COLLECTIVES and not top:
+        raise TypeErr(call.span, f"{call.fn}() must be the whole right-hand side of a statement "
+                      "(give the computation around it its own stage)")
+    pos, kws = _bind(call)
+    names, _ = _SIGNATURES[call.fn]
+    attrs: dict[str, object] = {}
+    args: list[ir.Expr] = []
+    for n, a in list(zip(names, pos)) + list(kws.items()):
+        if n in _WORD_ARGS or n in _INT_ARGS:
+            attrs[n] = _word(n, a, call)
+        else:
+            args.append(_expr(a, ctx))  # type: ignore[arg-type]
+    _check_ints(call, attrs)
+    if call.fn == "dropout":
+        _check_dropout(call, args, ctx)
+        attrs["site"] = f"{ctx.stage}#{ctx.sites}"
+        ctx.sites += 1
+    if call.fn == "segment_norm":
+        _check_segmented(call, args[0], ctx)
+    if call.fn == "layernorm" and isinstance(args[3], ir.Const):
+        args[3] = ir.Const(float(args[3].value), scalar_type("f32"), args[3].span)
+    return _op(call.fn, tuple(args), attrs, call.span)
+
+
+def _check_ints(call: ast.Call, attrs: dict) -> None:
+    if attrs.get("stride", 1) < 1:
+        raise TypeErr(call.span, "conv2d's stride must be at least 1")
+    for k in ("root", "padding", "dim"):
+        if attrs.get(k, 0) < 0:
+            raise TypeErr(call.span, f"{call.fn}()'s {k} must not be negative")
+
+
+def _check_dropout(call: ast.Call, args: list[ir.Expr], ctx: _Ctx) -> None:
+    p = args[1]
+    if isinstance(p, ir.Const) and not 0 <= p.value < 1:
+        raise TypeErr(p.span, f"dropout probability must be in [0, 1), got {p.value}")
+    if p.type.dtype not in FLOATS and not isinstance(p, ir.Const):
+        raise TypeErr(p.span, "dropout's p must be a float")
+
+
+def _check_segmented(call: ast.Call, x: ir.Expr, ctx: _Ctx) -> None:
+    segmented = {p.type.shape for p in ctx.params.values() if p is not None and p.scattered}
+    if x.type.shape not in segmented:
+        raise TypeErr(call.span, "segment_norm needs a tensor with the shape of a scattered parameter")

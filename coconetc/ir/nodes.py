@@ -1,0 +1,147 @@
+"""IR nodes, all frozen (edit with dataclasses.replace). A program is a list of stages, each
+an expression tree whose leaves are references to parameters or earlier stages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from coconetc.errors import NOWHERE, Span
+from coconetc.ir.types import Layout, TType
+
+POINTWISE_UNARY = ("neg", "sqrt", "rsqrt", "exp", "log", "abs", "tanh", "sigmoid", "relu", "gelu")
+POINTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "min", "max")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+POINTWISE = POINTWISE_UNARY + POINTWISE_BINARY + COMPARISONS + ("where", "cast", "dropout")
+REDUCTIONS = ("sum", "norm", "segment_norm")
+TENSOR_OPS = ("matmul", "layernorm", "conv2d")
+COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "scatter", "send")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A parameter or an earlier stage, by name."""
+
+    name: str
+    type: TType
+    span: Span = NOWHERE
+
+
+@dataclass(frozen=True)
+class Const:
+    value: float | int
+    type: TType
+    span: Span = NOWHERE
+
+
+@dataclass(frozen=True)
+class Op:
+    """An operation. attrs are compile-time settings: ('op', 'sum'), ('dim', 1), ('root', 0),
+    ('dtype', 'f32'), ('stride', 1), ('padding', 0), ('direction', 'next'), ('site', 'out#0')."""
+
+    op: str
+    args: tuple[Expr, ...]
+    type: TType
+    attrs: tuple[tuple[str, Any], ...] = ()
+    span: Span = NOWHERE
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return dict(self.attrs).get(key, default)
+
+
+Expr = Ref | Const | Op
+
+
+def walk(e: Expr) -> Iterator[Expr]:
+    """Every node of an expression, parents before children."""
+    yield e
+    if isinstance(e, Op):
+        for a in e.args:
+            yield from walk(a)
+
+
+def refs(e: Expr) -> list[str]:
+    """Names an expression reads, in order of first appearance."""
+    return list(dict.fromkeys(n.name for n in walk(e) if isinstance(n, Ref)))
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: TType
+    scalar: bool = False
+    scattered: bool = False
+    span: Span = NOWHERE
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    expr: Expr
+    span: Span = NOWHERE
+
+    @property
+    def type(self) -> TType:
+        return self.expr.type
+
+    @property
+    def kind(self) -> str:
+        """'collective', 'tensor' (matmul/layernorm/conv2d at the top) or 'compute'."""
+        op = self.expr.op if isinstance(self.expr, Op) else ""
+        return "collective" if op in COLLECTIVES else "tensor" if op in TENSOR_OPS else "compute"
+
+
+@dataclass(frozen=True)
+class Fusion:
+    name: str
+    stages: tuple[str, ...]
+    span: Span = NOWHERE
+
+
+@dataclass(frozen=True)
+class Overlap:
+    producer: str
+    consumer: str  # a collective stage or a fusion
+    chunks: int
+    dim: int  # the dim of the producer's result that is cut into chunks
+    span: Span = NOWHERE
+
+
+@dataclass(frozen=True)
+class Program:
+    """A typed (possibly scheduled) program. outputs: (public name, stage) pairs returned as
+    new arrays; updates: (parameter, stage) pairs written into the parameter in place."""
+
+    name: str
+    params: tuple[Param, ...]
+    stages: tuple[Stage, ...]
+    outputs: tuple[tuple[str, str], ...] = ()
+    updates: tuple[tuple[str, str], ...] = ()
+    fusions: tuple[Fusion, ...] = ()
+    overlaps: tuple[Overlap, ...] = ()
+    span: Span = NOWHERE
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+    def stage(self, name: str) -> Stage | None:
+        return next((s for s in self.stages if s.name == name), None)
+
+    def type_of(self, name: str) -> TType:
+        p = self.param(name)
+        if p is not None:
+            return p.type
+        s = self.stage(name)
+        if s is None:
+            raise KeyError(name)
+        return s.type
+
+    def users(self, name: str) -> list[Stage]:
+        return [s for s in self.stages if name in refs(s.expr)]
+
+    def fusion_of(self, stage: str) -> Fusion | None:
+        return next((f for f in self.fusions if stage in f.stages), None)
+
+    def layout_of(self, name: str) -> Layout:
+        return self.type_of(name).layout

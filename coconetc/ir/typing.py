@@ -1,0 +1,252 @@
+"""Typing rules (LANGUAGE.md sections 1-3): dtype promotion with weak scalars, NumPy
+broadcasting of symbolic shapes, and layouts. Used by the checker to type a program and by
+the schedule primitives to re-type the stages they move onto slices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from coconetc.errors import CompileError, Span
+from coconetc.ir.nodes import (COLLECTIVES, COMPARISONS, POINTWISE_BINARY, POINTWISE_UNARY,
+                               Expr, Op)
+from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op,
+                               sliced)
+
+
+class TypeErr(CompileError):
+    def __init__(self, span: Span, message: str):
+        from coconetc.errors import Diagnostic
+        super().__init__([Diagnostic(span, message)])
+
+
+def _promote_weak(a: str, b: str) -> str:
+    """Two weak (scalar) dtypes: float beats integer, then the wider wins."""
+    if (a in FLOATS) != (b in FLOATS):
+        return a if a in FLOATS else b
+    return a if BITS[a] >= BITS[b] else b
+
+
+def result_dtype(types: Sequence[TType], span: Span) -> tuple[str, bool]:
+    """The dtype of a pointwise result, and whether it is weak."""
+    strong = [t for t in types if not t.weak]
+    if not strong:
+        dt = types[0].dtype
+        for t in types[1:]:
+            dt = _promote_weak(dt, t.dtype)
+        return dt, True
+    dts = sorted({t.dtype for t in strong})
+    if len(dts) > 1:
+        raise TypeErr(span, f"operands have different dtypes {' and '.join(dts)}; use cast(x, dtype)")
+    dt = dts[0]
+    if dt not in FLOATS and any(t.weak and t.dtype in FLOATS for t in types):
+        raise TypeErr(span, f"a float scalar with an {dt} tensor; use cast(x, dtype)")
+    return dt, False
+
+
+def broadcast(shapes: Sequence[tuple[Dim, ...]], span: Span) -> tuple[Dim, ...]:
+    """NumPy broadcasting: trailing dims align; equal dims or a literal 1 combine."""
+    n = max((len(s) for s in shapes), default=0)
+    out: list[Dim] = []
+    for i in range(n):
+        dims = {s[len(s) - n + i] for s in shapes if len(s) - n + i >= 0} - {1}
+        if len(dims) > 1:
+            shown = " vs ".join("[" + ", ".join(map(str, s)) + "]" for s in shapes)
+            raise TypeErr(span, f"shapes do not broadcast: {shown}")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
+def combine_layouts(types: Sequence[TType], ndim: int, span: Span) -> Layout:
+    """Pointwise layouts: equal, except that replicated combines with anything (a replicated
+    operand of a sliced computation is read at the slice). Sliced dims count in the result's
+    coordinates (trailing alignment)."""
+    seen: set[Layout] = set()
+    for t in types:
+        lay = t.layout
+        if lay.sliced:
+            lay = sliced(lay.dim + ndim - t.ndim)
+        if lay != REPLICATED:
+            seen.add(lay)
+    if len(seen) > 1:
+        shown = " and ".join(sorted(str(x) for x in seen))
+        raise TypeErr(span, f"cannot combine {shown} operands; a pointwise operation needs equal "
+                      "layouts (only replicated combines with anything)")
+    return seen.pop() if seen else REPLICATED
+
+
+def _no_bool(args: Sequence[Expr], span: Span, what: str) -> None:
+    for a in args:
+        if a.type.dtype == "bool":
+            raise TypeErr(a.span or span, f"a comparison can only be the condition of where(), not {what}")
+
+
+def pointwise(args: Sequence[Expr], span: Span, what: str, allow_bool_first: bool = False) -> TType:
+    _no_bool(args[1:] if allow_bool_first else args, span, f"an operand of {what}")
+    types = [a.type for a in args]
+    shape = broadcast([t.shape for t in types], span)
+    valued = types[1:] if allow_bool_first else types
+    dt, weak = result_dtype(valued, span)
+    return TType(dt, shape, combine_layouts(types, len(shape), span), weak and not shape)
+
+
+def _reduction(args, attrs, span) -> TType:
+    (x,) = args
+    _no_bool(args, span, "an operand of a reduction")
+    lay = x.type.layout
+    return TType(x.type.dtype, (), LOCAL if lay == LOCAL else REPLICATED)
+
+
+def _matmul(args, attrs, span) -> TType:
+    a, b = args
+    _no_bool(args, span, "an operand of matmul")
+    ta, tb = a.type, b.type
+    if tb.ndim != 2 or ta.ndim < 2:
+        raise TypeErr(span, f"matmul needs [..., M, K] x [K, N]; got {ta.ndim}-d x {tb.ndim}-d")
+    if ta.shape[-1] != tb.shape[0]:
+        raise TypeErr(span, f"matmul inner dims differ: {ta.shape[-1]} vs {tb.shape[0]}")
+    dt, _ = result_dtype([ta, tb], span)
+    shape = ta.shape[:-1] + tb.shape[1:]
+    return TType(dt, shape, _matmul_layout(ta, tb, span), False)
+
+
+def _matmul_layout(ta: TType, tb: TType, span: Span) -> Layout:
+    la, lb, last = ta.layout, tb.layout, ta.ndim - 1
+    if la == sliced(last) and lb == sliced(0):
+        return LOCAL  # row-parallel: partial sums
+    if la == REPLICATED and lb == sliced(1):
+        return sliced(last)  # column-parallel
+    if lb == REPLICATED and (la in (LOCAL, REPLICATED) or (la.sliced and la.dim < last)):
+        return la
+    if LOCAL in (la, lb) and not la.sliced and not lb.sliced:
+        return LOCAL
+    raise TypeErr(span, f"matmul of {la} x {lb} has no tensor-parallel meaning (use sliced(last) x "
+                  "sliced(0), replicated x sliced(1), or a replicated right operand)")
+
+
+def _layernorm(args, attrs, span) -> TType:
+    x, gamma, beta, eps = args
+    _no_bool(args, span, "an operand of layernorm")
+    t = x.type
+    if t.ndim < 1:
+        raise TypeErr(span, "layernorm needs a tensor")
+    for g in (gamma, beta):
+        if g.type.shape != t.shape[-1:]:
+            raise TypeErr(g.span or span, f"layernorm's gamma/beta must have shape [{t.shape[-1]}]")
+        if g.type.layout != REPLICATED:
+            raise TypeErr(g.span or span, "layernorm's gamma/beta must be replicated")
+    if eps.type.shape != ():
+        raise TypeErr(eps.span or span, "layernorm's eps must be a scalar")
+    if t.layout == sliced(t.ndim - 1):
+        raise TypeErr(span, "layernorm normalizes the last dim, which this tensor has sliced")
+    dt, _ = result_dtype([t, gamma.type, beta.type], span)
+    return TType(dt, t.shape, t.layout)
+
+
+def _conv2d(args, attrs, span) -> TType:
+    x, w = args
+    tx, tw = x.type, w.type
+    if tx.ndim != 4 or tw.ndim != 4:
+        raise TypeErr(span, "conv2d needs x: [N, C, H, W] and w: [O, C, KH, KW]")
+    if tx.shape[1] != tw.shape[1]:
+        raise TypeErr(span, f"conv2d channels differ: {tx.shape[1]} vs {tw.shape[1]}")
+    s, p = attrs.get("stride", 1), attrs.get("padding", 0)
+    ho, wo = (dim_op("+", dim_op("//", dim_op("-", dim_op("+", h, 2 * p), k), s), 1)
+              for h, k in ((tx.shape[2], tw.shape[2]), (tx.shape[3], tw.shape[3])))
+    dt, _ = result_dtype([tx, tw], span)
+    lx, lw = tx.layout, tw.layout
+    if lw == REPLICATED and lx in (LOCAL, REPLICATED, sliced(0)):
+        lay = lx
+    elif lx == sliced(1) and lw == sliced(1):
+        lay = LOCAL
+    elif lx == REPLICATED and lw == sliced(0):
+        lay = sliced(1)
+    else:
+        raise TypeErr(span, f"conv2d of {lx} x {lw} has no parallel meaning")
+    return TType(dt, (tx.shape[0], tw.shape[0], ho, wo), lay)
+
+
+def _segment_norm(args, attrs, span) -> TType:
+    (x,) = args
+    if x.type.ndim != 1:
+        raise TypeErr(span, "segment_norm needs a 1-d (scattered) tensor")
+    return TType(x.type.dtype, x.type.shape, x.type.layout)
+
+
+def _cast(args, attrs, span) -> TType:
+    t = args[0].type
+    _no_bool(args, span, "an operand of cast")
+    return TType(attrs["dtype"], t.shape, t.layout, False)
+
+
+def _dropout(args, attrs, span) -> TType:
+    x, p, seed = args
+    _no_bool(args, span, "an operand of dropout")
+    if p.type.shape != () or seed.type.shape != ():
+        raise TypeErr(span, "dropout(x, p, seed): p and seed must be scalars")
+    if seed.type.dtype not in ("i64", "i32"):
+        raise TypeErr(seed.span or span, f"dropout's seed must be an i64 scalar, not {seed.type.dtype}")
+    return x.type
+
+
+def _where(args, attrs, span) -> TType:
+    if args[0].type.dtype != "bool":
+        raise TypeErr(args[0].span or span, "where's condition must be a comparison (a < b, ...)")
+    return pointwise(args, span, "where", allow_bool_first=True)
+
+
+def _compare(args, attrs, span) -> TType:
+    t = pointwise(args, span, "a comparison")
+    return TType("bool", t.shape, t.layout)
+
+
+def _collective(op: str) -> Callable:
+    def rule(args, attrs, span) -> TType:
+        return collective_type(op, args[0].type, attrs, span)
+    return rule
+
+
+def collective_type(op: str, t: TType, attrs: dict, span: Span) -> TType:
+    lay = t.layout
+    if op in ("allreduce", "reducescatter", "broadcast", "reduce") and lay.sliced:
+        raise TypeErr(span, f"{op} needs a local (or replicated) input, not {lay}")
+    if op == "allgather" and not lay.sliced:
+        raise TypeErr(span, f"allgather needs a sliced input, not {lay}")
+    if op == "scatter" and lay != REPLICATED:
+        raise TypeErr(span, f"scatter needs a replicated input, not {lay}")
+    if op in ("reducescatter", "scatter"):
+        dim = attrs.get("dim", 0)
+        if not 0 <= dim < t.ndim:
+            raise TypeErr(span, f"{op} dim={dim} is out of range for a {t.ndim}-d tensor")
+        return TType(t.dtype, t.shape, sliced(dim))
+    result = {"allreduce": REPLICATED, "allgather": REPLICATED, "broadcast": REPLICATED,
+              "reduce": LOCAL, "send": lay}[op]
+    return TType(t.dtype, t.shape, result)
+
+
+RULES: dict[str, Callable] = {
+    "sum": _reduction, "norm": _reduction, "segment_norm": _segment_norm, "matmul": _matmul,
+    "layernorm": _layernorm, "conv2d": _conv2d, "cast": _cast, "dropout": _dropout,
+    "where": _where, **{c: _compare for c in COMPARISONS},
+    **{c: _collective(c) for c in COLLECTIVES},
+}
+
+
+def type_op(op: str, args: Sequence[Expr], attrs: dict, span: Span) -> TType:
+    """The type of `op(args)`; raises TypeErr at span when the operation is ill-typed."""
+    if op in POINTWISE_UNARY or op in POINTWISE_BINARY:
+        return pointwise(args, span, op)
+    return RULES[op](args, attrs, span)
+
+
+def retype(e: Expr, env: Callable[[str], TType]) -> Expr:
+    """Re-type an expression bottom-up after the types of the names it reads changed."""
+    from dataclasses import replace
+
+    from coconetc.ir.nodes import Const, Ref
+    if isinstance(e, Ref):
+        return replace(e, type=env(e.name))
+    if isinstance(e, Const):
+        return e
+    assert isinstance(e, Op)
+    args = tuple(retype(a, env) for a in e.args)
+    return replace(e, args=args, type=type_op(e.op, args, dict(e.attrs), e.span))

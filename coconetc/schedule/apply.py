@@ -1,0 +1,22 @@
+"""apply(program, directive) -> program: dispatch to one pure function per directive."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from coconetc.ir.nodes import Program
+from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
+from coconetc.schedule.fusion import fuse, overlap
+from coconetc.schedule.primitives import reorder, slice_params, split
+
+_APPLY = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse, OverlapD: overlap}
+
+
+def apply(p: Program, d: Directive) -> Program:
+    return _APPLY[type(d)](p, d)
+
+
+def apply_all(p: Program, directives: Iterable[Directive]) -> Program:
+    for d in directives:
+        p = apply(p, d)
+    return p

@@ -1,0 +1,140 @@
+"""Schedule directives as frozen records, built from a schedule block's statements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coconetc.errors import CompileError, Diagnostic, Span
+from coconetc.frontend import ast
+
+
+@dataclass(frozen=True)
+class Split:
+    """rs, ag = split(s, dim=0)"""
+
+    stage: str
+    dim: int
+    rs: str
+    ag: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class Reorder:
+    """a1, a2 = reorder(ag, s1, s2, ...)"""
+
+    ag: str
+    stages: tuple[str, ...]
+    outs: tuple[str, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Slice:
+    """slice(t, ...)"""
+
+    params: tuple[str, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """f = fuse(s1, s2, ...)"""
+
+    stages: tuple[str, ...]
+    name: str | None
+    span: Span
+
+
+@dataclass(frozen=True)
+class OverlapD:
+    """overlap(producer, consumer, chunks=k[, dim=d])"""
+
+    producer: str
+    consumer: str
+    chunks: int
+    dim: int | None
+    span: Span
+
+
+Directive = Split | Reorder | Slice | Fuse | OverlapD
+_ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0)}
+
+
+def from_ast(body: tuple[ast.Stmt, ...]) -> list[Directive]:
+    """Directive records for a schedule block; raises CompileError listing every bad line."""
+    out, errors = [], []
+    for stmt in body:
+        try:
+            out.append(_directive(stmt))
+        except CompileError as err:
+            errors.extend(err.diagnostics)
+    if errors:
+        raise CompileError(errors)
+    return out
+
+
+def _err(span: Span, msg: str) -> CompileError:
+    return CompileError([Diagnostic(span, msg)])
+
+
+def _directive(stmt: ast.Stmt) -> Directive:
+    if isinstance(stmt, ast.Return):
+        raise _err(stmt.span, "a schedule has no return statement")
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else ()
+    call = stmt.value
+    if not isinstance(call, ast.Call) or call.fn not in _ARITY:
+        span = call.fn_span if isinstance(call, ast.Call) else call.span
+        raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap")
+    lo, hi = _ARITY[call.fn]
+    if not lo <= len(targets) <= hi:
+        want = f"{lo}" if lo == hi else f"{lo} to {hi}"
+        raise _err(stmt.span, f"{call.fn} defines {want} names, not {len(targets)}")
+    names = [_name(a, call) for a in call.args]
+    kws = {k.name: k for k in call.kwargs}
+    outs = tuple(t.id for t in targets)
+    if call.fn == "split":
+        _only(call, kws, {"dim"})
+        return Split(_one(names, call), _int(kws.get("dim"), call, 0), outs[0], outs[1], stmt.span)
+    _only(call, kws, {"chunks", "dim"} if call.fn == "overlap" else set())
+    if not names:
+        raise _err(call.span, f"{call.fn}() needs at least one stage name")
+    if call.fn == "reorder":
+        return Reorder(names[0], tuple(names[1:]), outs, stmt.span)
+    if call.fn == "slice":
+        return Slice(tuple(names), stmt.span)
+    if call.fn == "fuse":
+        return Fuse(tuple(names), outs[0] if outs else None, stmt.span)
+    if len(names) != 2:
+        raise _err(call.span, "overlap(producer, consumer, chunks=k) takes two stage names")
+    if "chunks" not in kws:
+        raise _err(call.span, "overlap() needs chunks=k")
+    dim = _int(kws["dim"], call, 0) if "dim" in kws else None
+    return OverlapD(names[0], names[1], _int(kws["chunks"], call, 1), dim, stmt.span)
+
+
+def _name(a: ast.Expr, call: ast.Call) -> str:
+    if not isinstance(a, ast.Name):
+        raise _err(a.span, f"{call.fn}() takes stage or parameter names")
+    return a.id
+
+
+def _one(names: list[str], call: ast.Call) -> str:
+    if len(names) != 1:
+        raise _err(call.span, f"{call.fn}() takes one stage name")
+    return names[0]
+
+
+def _only(call: ast.Call, kws: dict, allowed: set[str]) -> None:
+    for k, kw in kws.items():
+        if k not in allowed:
+            raise _err(kw.span, f"{call.fn}() has no argument '{k}'")
+
+
+def _int(kw: ast.Kwarg | None, call: ast.Call, lowest: int) -> int:
+    if kw is None:
+        return lowest
+    v = kw.value
+    if not (isinstance(v, ast.Number) and not v.is_float and v.value >= lowest):
+        raise _err(v.span, f"{call.fn}()'s {kw.name} must be an integer >= {lowest}")
+    return int(v.value)

@@ -1,0 +1,124 @@
+"""fuse and overlap: they change how stages run together, never what they compute."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from coconetc.errors import ScheduleError
+from coconetc.ir.nodes import Fusion, Op, Overlap, Program, Ref, Stage, walk
+from coconetc.ir.rewrite import depends_on
+from coconetc.schedule.directives import Fuse, OverlapD
+from coconetc.schedule.primitives import _fresh, _stage
+
+_UNFUSABLE = ("matmul", "conv2d")
+
+
+def fuse(p: Program, d: Fuse) -> Program:
+    """f = fuse(rs, m1, w1, agw)
+
+    before:  rs = reducescatter(...)  m1 = ...  w1 = ...  agw = allgather(w1)   (four units)
+    after:   the same stages, run as one fused collective named f: each chunk of the slice
+             is computed on as soon as it is reduced, and gathered as soon as it is computed.
+    """
+    stages = [_stage(p, n, d, "fuse") for n in dict.fromkeys(d.stages)]
+    name = d.name or f"fused{len(p.fusions)}"
+    if d.name:
+        _fresh(p, (d.name,), d, "fuse")
+    _check_members(stages, d)
+    _check_convex(p, {s.name for s in stages}, d, name)
+    return replace(p, stages=_contiguous(p, {s.name for s in stages}),
+                   fusions=p.fusions + (Fusion(name, tuple(s.name for s in stages), d.span),))
+
+
+def _check_members(stages: list[Stage], d: Fuse) -> None:
+    colls = [s for s in stages if s.kind == "collective"]
+    kinds = sorted(s.expr.op for s in colls)
+    if len(colls) > 2 or (len(colls) == 2 and kinds != ["allgather", "reducescatter"]):
+        raise ScheduleError(d.span, "fuse", colls[-1].name,
+                            "a fusion holds at most one collective, or one reducescatter/allgather "
+                            f"pair; here: {', '.join(f'{s.name} ({s.expr.op})' for s in colls)}")
+    for s in stages:
+        bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and n.op in _UNFUSABLE), None)
+        if bad:
+            raise ScheduleError(d.span, "fuse", s.name, f"{bad} cannot be fused into a loop "
+                                "(overlap it with its collective instead)")
+    if len(colls) == 2:
+        rs = next(s for s in colls if s.expr.op == "reducescatter")
+        ag = next(s for s in colls if s.expr.op == "allgather")
+        if rs.type.layout != ag.expr.args[0].type.layout:
+            raise ScheduleError(d.span, "fuse", ag.name, f"it gathers {ag.expr.args[0].type.layout} "
+                                f"data but {rs.name} scatters {rs.type.layout}")
+
+
+def _check_convex(p: Program, group: set[str], d: Fuse, name: str) -> None:
+    """No stage outside the group may sit between two members (that would be a cycle)."""
+    deps = depends_on(p)
+    for s in p.stages:
+        if s.name in group:
+            continue
+        if deps[s.name] & group and any(s.name in deps[g] for g in group):
+            raise ScheduleError(d.span, "fuse", s.name, f"'{s.name}' reads the fusion and the fusion "
+                                "reads it: fusing would make a cycle; add it to the fusion")
+
+
+def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:
+    """Reorder stages so that the group's members are adjacent (valid by convexity)."""
+    deps = depends_on(p)
+    idx = [i for i, s in enumerate(p.stages) if s.name in group]
+    first, last = idx[0], idx[-1]
+    middle = p.stages[first:last + 1]
+    before = [s for s in middle if s.name not in group and not deps[s.name] & group]
+    after = [s for s in middle if s.name not in group and deps[s.name] & group]
+    members = [s for s in middle if s.name in group]
+    return p.stages[:first] + tuple(before + members + after) + p.stages[last + 1:]
+
+
+def overlap(p: Program, d: OverlapD) -> Program:
+    """overlap(y, f, chunks=4)
+
+    before:  y = matmul(x, w)    f = fuse(rs, out, ago)          (y, then all of f)
+    after:   y is computed in 4 chunks along one dim of its result; each chunk's communication
+             in f starts as soon as the chunk is ready, while the next chunk computes.
+    """
+    prod = p.stage(d.producer)
+    if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op == "matmul"):
+        raise ScheduleError(d.span, "overlap", d.producer, "the producer must be a matmul stage")
+    coll = _consumer_collective(p, d)
+    if not (isinstance(coll.expr.args[0], Ref) and coll.expr.args[0].name == d.producer):
+        raise ScheduleError(d.span, "overlap", d.consumer,
+                            f"its collective '{coll.name}' does not read '{d.producer}' directly")
+    if any(o.producer == d.producer for o in p.overlaps):
+        raise ScheduleError(d.span, "overlap", d.producer, "the producer is already overlapped")
+    dims = _chunkable(prod, coll)
+    dim = dims[0] if d.dim is None and dims else d.dim
+    if dim not in dims:
+        raise ScheduleError(d.span, "overlap", d.consumer, f"cannot chunk along dim {dim}; "
+                            f"chunkable dims: {', '.join(map(str, dims)) or 'none'}")
+    return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
+
+
+def _consumer_collective(p: Program, d: OverlapD) -> Stage:
+    fusion = next((f for f in p.fusions if f.name == d.consumer), None)
+    if fusion is None:
+        s = p.stage(d.consumer)
+        if s is None or s.kind != "collective":
+            raise ScheduleError(d.span, "overlap", d.consumer, "the consumer must be a collective or a fusion")
+        return s
+    colls = [p.stage(n) for n in fusion.stages if p.stage(n).kind == "collective"]
+    if not colls:
+        raise ScheduleError(d.span, "overlap", d.consumer, "the fusion holds no collective")
+    return colls[0]
+
+
+def _chunkable(prod: Stage, coll: Stage) -> list[int]:
+    """Dims of the producer's result that both sides can cut: not the producer's own sliced
+    dim, not the dim the collective scatters or gathers."""
+    t = prod.type
+    banned = {t.layout.dim} if t.layout.sliced else set()
+    if coll.expr.op in ("reducescatter", "scatter"):
+        banned.add(coll.expr.attr("dim", 0))
+    if coll.expr.op == "allgather":
+        banned.add(coll.expr.args[0].type.layout.dim)
+    return [i for i in range(t.ndim) if i not in banned]
+
+
