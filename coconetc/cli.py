@@ -1,0 +1,165 @@
+"""The coconetc command: check, show, run. User errors print as diagnostics, without a
+Python traceback (--debug shows it)."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+import numpy as np
+
+from coconetc.driver import Module, load_file
+from coconetc.errors import CompileError
+
+_DEBUG = {"on": False}
+
+
+def _fail(message: str) -> None:
+    click.echo(message, err=True)
+    sys.exit(1)
+
+
+def _load(path: str) -> Module:
+    try:
+        return load_file(path)
+    except CompileError as err:
+        if _DEBUG["on"]:
+            traceback.print_exc()
+        _fail(err.render())
+    except OSError as err:
+        _fail(f"coconetc: cannot read {path}: {err.strerror}")
+    raise AssertionError
+
+
+def _pick_program(mod: Module, program: str | None, schedule: str | None) -> str:
+    if program is None and schedule not in (None, "all") and len(mod.programs) > 1:
+        owners = [p for p, s in mod.schedules.items() if schedule in s]
+        if len(owners) == 1:
+            return owners[0]
+    try:
+        return mod.program(program).name
+    except KeyError as err:
+        _fail(f"coconetc: {err.args[0]}")
+    raise AssertionError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
+@click.version_option(package_name="coconet")
+def main(debug: bool) -> None:
+    """coconet: compile distributed ML programs with checked schedules."""
+    _DEBUG["on"] = debug
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path())
+def check(files: tuple[str, ...]) -> None:
+    """Parse and type-check FILES and apply every schedule; print all errors."""
+    failed = False
+    for f in files:
+        try:
+            mod = load_file(f)
+        except CompileError as err:
+            click.echo(err.render(), err=True)
+            failed = True
+            continue
+        except OSError as err:
+            click.echo(f"coconetc: cannot read {f}: {err.strerror}", err=True)
+            failed = True
+            continue
+        n = sum(len(s) for s in mod.schedules.values())
+        click.echo(f"{f}: ok ({len(mod.programs)} programs: {', '.join(mod.programs)}; {n} schedules)")
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.argument("file", type=click.Path())
+@click.option("--program", "-p", help="The program (default: the file's only program).")
+@click.option("--schedule", "-s", help="Show the program after this schedule.")
+@click.option("--format", "fmt", type=click.Choice(["text", "dot"]), default="text")
+def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None:
+    """Print a program's IR as .ccn text, or its stage graph as Graphviz dot."""
+    from coconetc.ir import printer
+    mod = _load(file)
+    name = _pick_program(mod, program, schedule)
+    ir = mod.programs[name]
+    if schedule:
+        try:
+            sched = mod.schedule(name, schedule)
+        except KeyError as err:
+            _fail(f"coconetc: {err.args[0]}")
+        if sched.ir is None:
+            _fail("coconetc: 'auto' is chosen by the autotuner; show a named schedule")
+        ir = sched.ir
+    click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
+
+
+def _sizes(items: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value.isdigit() or not name.isidentifier():
+            _fail(f"coconetc: --size takes NAME=INT, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
+@main.command()
+@click.argument("file", type=click.Path())
+@click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--program", "-p", help="The program (default: the file's only program).")
+@click.option("--schedule", "-s", help="A schedule to run and check, or 'all'.")
+@click.option("--size", "sizes", multiple=True, metavar="NAME=INT", help="A size symbol, e.g. N=4096.")
+@click.option("--groups", "-g", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--save", type=click.Path(), help="Write every rank's inputs and results (.npz).")
+@click.option("--interp", is_flag=True, help="Run on the reference interpreter (simulated ranks).")
+def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> None:
+    """Run a program (and check a schedule against it) on random inputs."""
+    if not interp:
+        _fail("coconetc: the compiled CPU backend is not built yet; run with --interp")
+    if ranks % groups:
+        _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
+    mod = _load(file)
+    name = _pick_program(mod, program, schedule)
+    sz = _sizes(sizes)
+    names = [None] if schedule is None else list(mod.schedules[name]) if schedule == "all" else [schedule]
+    bad = False
+    for s in names:
+        bad |= _run_one(mod, name, s, ranks, groups, sz, seed, save)
+    sys.exit(1 if bad else 0)
+
+
+def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
+    from coconetc.interp.harness import size_symbols
+    from coconetc.interp.session import run_interp, save_npz
+    if schedule is not None and mod.schedule(name, schedule).auto:
+        click.echo(f"{name} [auto]: skipped (the autotuner chooses; not built yet)")
+        return False
+    try:
+        rep = run_interp(mod, name, schedule, ranks, groups, sizes, seed)
+    except (KeyError, ValueError, TypeError) as err:
+        if _DEBUG["on"]:
+            traceback.print_exc()
+        _fail(f"coconetc: {err.args[0] if err.args else err}")
+    shown = ", ".join(f"{k}={sizes.get(k, '10')}" for k in size_symbols(mod.programs[name]))
+    label = f"{name}" + (f" [{schedule}]" if schedule else "")
+    click.echo(f"{label}: {ranks} ranks, {groups} group(s), {shown}: interpreted in {rep.seconds * 1e3:.1f} ms")
+    r0 = rep.results[0]
+    for kind, vals in (("output", r0.outputs), ("updated", r0.updates)):
+        for k, v in vals.items():
+            click.echo(f"  rank 0 {kind} {k}: {v.dtype}{list(v.shape)} mean {np.mean(v.astype(np.float64)) if v.size else 0:.6g}")
+    if save:
+        path = save if schedule is None or len(save) == 0 else save
+        save_npz(path, rep)
+        click.echo(f"  saved {path}")
+    if schedule is None:
+        return False
+    if rep.problems:
+        click.echo("  MISMATCH against the unscheduled program:", err=True)
+        for prob in rep.problems[:20]:
+            click.echo(f"    {prob}", err=True)
+        return True
+    click.echo("  matches the unscheduled program on every rank")
+    return False

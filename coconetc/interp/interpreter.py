@@ -1,0 +1,232 @@
+"""The reference interpreter: runs a typed or scheduled program on R simulated ranks with
+NumPy. Every node is evaluated for all ranks at once (a list with one array per rank), so
+collectives and cross-rank reductions are plain functions of that list."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coconetc.interp import ops
+from coconetc.interp.bind import Bound, bind
+from coconetc.interp.values import COMPUTE, STORAGE, global_index, slice_range
+from coconetc.ir.nodes import COLLECTIVES, Const, Expr, Op, Program, Ref
+from coconetc.ir.types import eval_dim
+
+Values = list[np.ndarray]
+
+
+@dataclass
+class Result:
+    outputs: dict[str, np.ndarray]  # public name -> value
+    updates: dict[str, np.ndarray]  # parameter -> new value (scattered: joined)
+    segments: tuple[int, ...] | None
+
+
+def run(p: Program, inputs: Sequence[Mapping[str, Any]], groups: int = 1) -> list[Result]:
+    """Run `p`; inputs[r] maps parameter names to rank r's arguments. Returns one Result a rank."""
+    b = bind(p, inputs, groups)
+    ev = _Evaluator(p, b)
+    for s in p.stages:
+        vals = ev.eval(s.expr)
+        st = STORAGE[s.type.dtype]
+        for r in range(b.ranks):
+            b.env[r][s.name] = np.asarray(vals[r]).astype(st, copy=False)
+    return [Result({pub: b.env[r][s] for pub, s in p.outputs},
+                   {t: b.env[r][s] for t, s in p.updates}, b.segments) for r in range(b.ranks)]
+
+
+class _Evaluator:
+    def __init__(self, p: Program, b: Bound):
+        self.p, self.b = p, b
+        self.gs = b.group_size
+
+    def eval(self, e: Expr) -> Values:
+        if isinstance(e, Ref):
+            ct = COMPUTE[e.type.dtype]
+            return [np.asarray(self.b.env[r][e.name]).astype(ct) for r in range(self.b.ranks)]
+        if isinstance(e, Const):
+            v = np.asarray(e.value, dtype=COMPUTE[e.type.dtype])
+            return [v] * self.b.ranks
+        if e.op in COLLECTIVES:
+            return getattr(self, "_" + e.op)(e, self.eval(e.args[0]))
+        if e.op in ops.POINTWISE_FNS:
+            return self._pointwise(e)
+        return getattr(self, "_" + e.op)(e)
+
+    # --- helpers ---------------------------------------------------------------------
+    def gshape(self, e: Expr) -> tuple[int, ...]:
+        return tuple(eval_dim(d, self.b.sizes) for d in e.type.shape)
+
+    def offsets(self, e: Expr, r: int) -> tuple[int, ...]:
+        lay, shape = e.type.layout, self.gshape(e)
+        offs = [0] * len(shape)
+        if lay.sliced:
+            offs[lay.dim] = slice_range(shape[lay.dim], self.gs, r % self.gs)[0]
+        return tuple(offs)
+
+    def group(self, r: int) -> range:
+        g = r // self.gs
+        return range(g * self.gs, (g + 1) * self.gs)
+
+    def _at_slice(self, out: Expr, arg: Expr, vals: Values) -> Values:
+        """Read a replicated operand of a sliced computation at the slice's indices."""
+        lay = out.type.layout
+        if not lay.sliced or arg.type.layout.sliced:
+            return vals
+        axis = lay.dim - (out.type.ndim - arg.type.ndim)
+        if axis < 0 or arg.type.shape[axis] == 1:
+            return vals
+        n = self.gshape(out)[lay.dim]
+        res = []
+        for r, v in enumerate(vals):
+            lo, hi = slice_range(n, self.gs, r % self.gs)
+            res.append(np.take(v, np.arange(lo, hi), axis=axis))
+        return res
+
+    # --- pointwise -------------------------------------------------------------------
+    def _pointwise(self, e: Op) -> Values:
+        ct = COMPUTE[e.type.dtype]
+        if e.op == "dropout":
+            return self._dropout(e)
+        argvals = [self._at_slice(e, a, self.eval(a)) for a in e.args]
+        fn = ops.POINTWISE_FNS[e.op]
+        res = []
+        for r in range(self.b.ranks):
+            args = [v[r] for v in argvals]
+            if e.op == "cast":
+                res.append(args[0].astype(STORAGE[e.type.dtype]).astype(ct))
+                continue
+            if e.op not in ("where",) + ops.COMPARE_OPS:
+                args = [np.asarray(a).astype(ct) for a in args]
+            elif e.op == "where":
+                args = [args[0]] + [np.asarray(a).astype(ct) for a in args[1:]]
+            else:
+                cmp_t = np.result_type(*[np.asarray(a).dtype for a in args])
+                args = [np.asarray(a).astype(cmp_t) for a in args]
+            res.append(fn(*args))
+        return res
+
+    def _dropout(self, e: Op) -> Values:
+        from coconetc.interp.rng import dropout_keep, site_key
+        x = self.eval(e.args[0])
+        ps, seeds = self.eval(e.args[1]), self.eval(e.args[2])
+        ct = COMPUTE[e.type.dtype]
+        key = site_key(e.attr("site"))
+        res = []
+        for r in range(self.b.ranks):
+            p = float(ps[r])
+            idx = global_index(self.gshape(e), x[r].shape, self.offsets(e, r))
+            keep = dropout_keep(int(seeds[r]), key, idx, p)
+            scale = ct.type(1.0 / (1.0 - p)) if p < 1 else ct.type(0)
+            res.append(np.where(keep, x[r] * scale, ct.type(0)).astype(ct))
+        return res
+
+    # --- reductions ------------------------------------------------------------------
+    def _cross(self, e: Op, partial: list[np.ndarray]) -> list[np.ndarray]:
+        """Sum per-rank partial results over the group when the input was sliced."""
+        if not e.args[0].type.layout.sliced:
+            return partial
+        return [sum(partial[q] for q in self.group(r)) for r in range(self.b.ranks)]
+
+    def _sum(self, e: Op) -> Values:
+        x = self.eval(e.args[0])
+        part = self._cross(e, [np.sum(v, dtype=np.float64) for v in x])
+        return [np.asarray(v, dtype=COMPUTE[e.type.dtype]) for v in part]
+
+    def _norm(self, e: Op) -> Values:
+        x = self.eval(e.args[0])
+        part = self._cross(e, [np.sum(np.square(v, dtype=np.float64)) for v in x])
+        return [np.asarray(math.sqrt(v), dtype=COMPUTE[e.type.dtype]) for v in part]
+
+    def _segment_norm(self, e: Op) -> Values:
+        x = self.eval(e.args[0])
+        n = self.gshape(e)[0]
+        segs = self.b.segments or (n,)
+        bounds = np.cumsum((0,) + tuple(segs))
+        parts = []
+        for r, v in enumerate(x):
+            off = self.offsets(e, r)[0]
+            gidx = np.arange(off, off + len(v))
+            seg_of = np.searchsorted(bounds, gidx, side="right") - 1
+            parts.append(np.bincount(seg_of, weights=np.square(v, dtype=np.float64), minlength=len(segs)))
+        totals = self._cross(e, parts)
+        res = []
+        for r, v in enumerate(x):
+            off = self.offsets(e, r)[0]
+            seg_of = np.searchsorted(bounds, np.arange(off, off + len(v)), side="right") - 1
+            res.append(np.sqrt(totals[r])[seg_of].astype(COMPUTE[e.type.dtype]))
+        return res
+
+    # --- tensor operations -----------------------------------------------------------
+    def _matmul(self, e: Op) -> Values:
+        a, b = (self.eval(x) for x in e.args)
+        ct = COMPUTE[e.type.dtype]
+        return [np.matmul(a[r].astype(ct), b[r].astype(ct)) for r in range(self.b.ranks)]
+
+    def _layernorm(self, e: Op) -> Values:
+        x, g, b, eps = (self.eval(a) for a in e.args)
+        ct = COMPUTE[e.type.dtype]
+        return [ops.layernorm(x[r].astype(ct), g[r].astype(ct), b[r].astype(ct), float(eps[r]))
+                for r in range(self.b.ranks)]
+
+    def _conv2d(self, e: Op) -> Values:
+        x, w = (self.eval(a) for a in e.args)
+        ct = COMPUTE[e.type.dtype]
+        s, pad = e.attr("stride", 1), e.attr("padding", 0)
+        return [ops.conv2d(x[r].astype(ct), w[r].astype(ct), s, pad) for r in range(self.b.ranks)]
+
+    # --- collectives (within each group) ---------------------------------------------
+    def _reduced(self, e: Op, x: Values) -> Values:
+        op = e.attr("op")
+        out = []
+        for r in range(self.b.ranks):
+            out.append(ops.reduce_values([x[q] for q in self.group(r)], op))
+        return out
+
+    def _allreduce(self, e: Op, x: Values) -> Values:
+        return self._reduced(e, x)
+
+    def _reducescatter(self, e: Op, x: Values) -> Values:
+        full = self._reduced(e, x)
+        return self._scatter(e, full)
+
+    def _scatter(self, e: Op, x: Values) -> Values:
+        d = e.type.layout.dim
+        n = self.gshape(e)[d]
+        res = []
+        for r, v in enumerate(x):
+            lo, hi = slice_range(n, self.gs, r % self.gs)
+            res.append(np.take(v, np.arange(lo, hi), axis=d))
+        return res
+
+    def _allgather(self, e: Op, x: Values) -> Values:
+        d = e.args[0].type.layout.dim
+        return [np.concatenate([x[q] for q in self.group(r)], axis=d) for r in range(self.b.ranks)]
+
+    def _root(self, e: Op) -> int:
+        root = e.attr("root")
+        if root >= self.gs:
+            raise ValueError(f"{e.op}: root {root} is not a rank of a group of {self.gs}")
+        return root
+
+    def _broadcast(self, e: Op, x: Values) -> Values:
+        root = self._root(e)
+        return [x[self.group(r)[root]] for r in range(self.b.ranks)]
+
+    def _reduce(self, e: Op, x: Values) -> Values:
+        root = self._root(e)
+        red = self._reduced(e, x)
+        return [red[r] if r % self.gs == root else x[r] for r in range(self.b.ranks)]
+
+    def _send(self, e: Op, x: Values) -> Values:
+        step = 1 if e.attr("direction") == "next" else -1
+        res = []
+        for r in range(self.b.ranks):
+            src = r - step * self.gs
+            res.append(x[src] if 0 <= src < self.b.ranks else np.zeros_like(x[r]))
+        return res

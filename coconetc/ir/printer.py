@@ -1,0 +1,125 @@
+"""The IR as readable .ccn text. A printed program parses and checks back to the same IR; a
+scheduled program prints as the program it has become (split collectives, sliced parameters,
+gathers) plus a schedule block holding its fusions and overlaps."""
+
+from __future__ import annotations
+
+from coconetc.ir.nodes import Const, Expr, Op, Program, Ref
+from coconetc.ir.types import DimExpr
+
+_INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2), "pow": ("**", 4),
+          "lt": ("<", 0), "le": ("<=", 0), "gt": (">", 0), "ge": (">=", 0), "eq": ("==", 0),
+          "ne": ("!=", 0)}
+_NEG = 3  # unary minus binds tighter than * and looser than **
+_ATTR_ORDER = {"allreduce": ("op",), "reducescatter": ("op",), "reduce": ("op",),
+               "cast": (), "send": (), "broadcast": (), "scatter": ()}
+
+
+def expr(e: Expr, parent: int = -1) -> str:
+    """Precedence-aware: parentheses only where the grammar needs them."""
+    if isinstance(e, Ref):
+        return e.name
+    if isinstance(e, Const):
+        return _number(e.value)
+    assert isinstance(e, Op)
+    if e.op in _INFIX:
+        sym, prec = _INFIX[e.op]
+        right_assoc = e.op == "pow"
+        left = expr(e.args[0], prec + (1 if right_assoc else 0))
+        right = expr(e.args[1], prec if right_assoc else prec + 1)
+        if right_assoc and isinstance(e.args[0], Op) and e.args[0].op == "neg":
+            left = f"({left})"
+        text = f"{left} {sym} {right}"
+        return f"({text})" if prec < parent or (prec == 0 and parent == 0) else text
+    if e.op == "neg":
+        text = "-" + expr(e.args[0], _NEG)
+        return f"({text})" if _NEG < parent else text
+    return _call(e)
+
+
+def _number(v: float | int) -> str:
+    if isinstance(v, int):
+        return str(v)
+    text = repr(float(v))
+    return text if ("." in text or "e" in text or "n" in text) else text + ".0"
+
+
+def _call(e: Op) -> str:
+    words = [str(e.attr(k)) for k in _ATTR_ORDER.get(e.op, ())]
+    args = words + [expr(a) for a in e.args]
+    attrs = dict(e.attrs)
+    if e.op == "cast":
+        args.append(attrs["dtype"])
+    elif e.op == "send":
+        args.append(attrs["direction"])
+    elif e.op in ("broadcast", "reduce"):
+        args.append(str(attrs["root"]))
+    elif e.op in ("reducescatter", "scatter"):
+        args.append(f"dim={attrs.get('dim', 0)}")
+    elif e.op == "conv2d":
+        args += [f"stride={attrs.get('stride', 1)}", f"padding={attrs.get('padding', 0)}"]
+    return f"{e.op}({', '.join(args)})"
+
+
+def _dim(d) -> str:
+    return str(d) if not isinstance(d, DimExpr) else str(d)
+
+
+def program(p: Program) -> str:
+    params = []
+    for q in p.params:
+        if q.scalar:
+            params.append(f"{q.name}: {q.type.dtype}")
+            continue
+        dims = ", ".join(_dim(d) for d in q.type.shape)
+        scattered = " scattered" if q.scattered else ""
+        params.append(f"{q.name}: {q.type.dtype}[{dims}] {q.type.layout}{scattered}")
+    lines = [f"program {p.name}(", *(f"    {x}," for x in params), ") {"]
+    updates = {s: t for t, s in p.updates}
+    for s in p.stages:
+        rhs = expr(s.expr)
+        if s.name in updates:
+            rhs = f"update({updates[s.name]}, {rhs})"
+        lines.append(f"    {s.name} = {rhs}")
+    if p.outputs:
+        items = [s if pub == s else f"{s} as {pub}" for pub, s in p.outputs]
+        lines.append(f"    return {', '.join(items)}")
+    lines.append("}")
+    return "\n".join(lines) + "\n" + _schedule_block(p)
+
+
+def _schedule_block(p: Program) -> str:
+    if not p.fusions and not p.overlaps:
+        return ""
+    lines = [f"schedule printed for {p.name} {{"]
+    for f in p.fusions:
+        lines.append(f"    {f.name} = fuse({', '.join(f.stages)})")
+    for o in p.overlaps:
+        lines.append(f"    overlap({o.producer}, {o.consumer}, chunks={o.chunks}, dim={o.dim})")
+    return "\n".join(lines) + "\n}\n"
+
+
+def dot(p: Program) -> str:
+    """Graphviz dot of the stage graph; edges carry the layout of the value they move."""
+    from coconetc.ir.nodes import refs
+    lines = [f'digraph "{p.name}" {{', "  rankdir=LR;", "  node [fontname=monospace];"]
+    fused = {n: f.name for f in p.fusions for n in f.stages}
+    for q in p.params:
+        lines.append(f'  "{q.name}" [shape=box, label="{q.name}\\n{q.type}"];')
+    for f in p.fusions:
+        lines.append(f'  subgraph "cluster_{f.name}" {{ label="{f.name}"; style=dashed;')
+        lines += [f'    "{n}";' for n in f.stages]
+        lines.append("  }")
+    for s in p.stages:
+        op = s.expr.op if isinstance(s.expr, Op) else "ref"
+        shape = "ellipse" if s.kind == "collective" else "box"
+        style = ", style=rounded" if s.name in fused and shape == "box" else ""
+        lines.append(f'  "{s.name}" [shape={shape}{style}, label="{s.name} = {op}\\n{s.type}"];')
+        for r in refs(s.expr):
+            lines.append(f'  "{r}" -> "{s.name}" [label="{p.layout_of(r)}"];')
+    for t, s in p.updates:
+        lines.append(f'  "{s}" -> "{t}" [style=dashed, label="update"];')
+    for o in p.overlaps:
+        lines.append(f'  "{o.producer}" -> "{o.consumer}" [style=dotted, label="overlap x{o.chunks}"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
