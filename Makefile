@@ -1,0 +1,27 @@
+# Every target creates the virtualenv it needs (.venv) and installs the project into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,test]'
+	# PyTorch (CPU build, from local disk here) is only for baselines and interop tests.
+	$(PY) -m pip install -q torch==2.13.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/coconetc run examples/adam.ccn --ranks 4 --schedule all --size N=4099 --interp
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check coconetc tests
+
+test: lint
+	$(PY) -m pytest -n 2 tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info
