@@ -4,4 +4,10 @@ communication are both first-class."""
 from coconetc.errors import CompileError, Diagnostic, ScheduleError, Span
 
 __version__ = "0.1.0"
-__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__"]
+__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "load"]
+
+
+def load(path, log=None):
+    """Compile a .ccn file for the CPU (cached) and import it: one function per program."""
+    from coconetc.build.loader import load as _load
+    return _load(path, log)

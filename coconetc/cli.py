@@ -61,6 +61,8 @@ def check(files: tuple[str, ...]) -> None:
         try:
             mod = load_file(f)
         except CompileError as err:
+            if _DEBUG["on"]:
+                traceback.print_exc()
             click.echo(err.render(), err=True)
             failed = True
             continue
@@ -95,14 +97,38 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 
 
-def _sizes(items: tuple[str, ...]) -> dict[str, int]:
+def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
     out = {}
     for item in items:
         name, _, value = item.partition("=")
         if not value.isdigit() or not name.isidentifier():
             _fail(f"coconetc: --size takes NAME=INT, got {item!r}")
+        if name not in known:
+            _fail(f"coconetc: --size {item}: the program has no size symbol '{name}' "
+                  f"(size symbols: {', '.join(known) or 'none'})")
         out[name] = int(value)
     return out
+
+
+def _schedule_names(mod: Module, name: str, schedule: str | None) -> list[str | None]:
+    if schedule is None:
+        return [None]
+    if schedule != "all":
+        try:
+            return [mod.schedule(name, schedule).name]
+        except KeyError as err:
+            _fail(f"coconetc: {err.args[0]}")
+    if not mod.schedules[name]:
+        click.echo(f"{name}: no schedules to run")
+    return list(mod.schedules[name])
+
+
+def _save_path(save: str, schedule: str | None, several: bool) -> str:
+    """With several schedules, one file each: out.npz -> out.zero.npz."""
+    if not several:
+        return save
+    stem, dot, ext = save.rpartition(".")
+    return f"{stem}.{schedule}.{ext}" if dot and ext == "npz" else f"{save}.{schedule}"
 
 
 @main.command()
@@ -121,29 +147,31 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
         _fail("coconetc: the compiled CPU backend is not built yet; run with --interp")
     if ranks % groups:
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
+    from coconetc.interp.harness import size_symbols
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
-    sz = _sizes(sizes)
-    names = [None] if schedule is None else list(mod.schedules[name]) if schedule == "all" else [schedule]
+    sz = _sizes(sizes, size_symbols(mod.programs[name]))
+    names = _schedule_names(mod, name, schedule)
     bad = False
     for s in names:
-        bad |= _run_one(mod, name, s, ranks, groups, sz, seed, save)
+        path = _save_path(save, s, len(names) > 1) if save else None
+        bad |= _run_one(mod, name, s, ranks, groups, sz, seed, path)
     sys.exit(1 if bad else 0)
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
-    from coconetc.interp.harness import size_symbols
+    from coconetc.interp.harness import DEFAULT_SIZE, size_symbols
     from coconetc.interp.session import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
         click.echo(f"{name} [auto]: skipped (the autotuner chooses; not built yet)")
         return False
     try:
         rep = run_interp(mod, name, schedule, ranks, groups, sizes, seed)
-    except (KeyError, ValueError, TypeError) as err:
+    except (KeyError, ValueError, TypeError, MemoryError) as err:
         if _DEBUG["on"]:
             traceback.print_exc()
-        _fail(f"coconetc: {err.args[0] if err.args else err}")
-    shown = ", ".join(f"{k}={sizes.get(k, '10')}" for k in size_symbols(mod.programs[name]))
+        _fail(f"coconetc: {err.args[0] if err.args else type(err).__name__}")
+    shown = ", ".join(f"{k}={sizes.get(k, DEFAULT_SIZE)}" for k in size_symbols(mod.programs[name]))
     label = f"{name}" + (f" [{schedule}]" if schedule else "")
     click.echo(f"{label}: {ranks} ranks, {groups} group(s), {shown}: interpreted in {rep.seconds * 1e3:.1f} ms")
     r0 = rep.results[0]
@@ -151,9 +179,8 @@ def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
         for k, v in vals.items():
             click.echo(f"  rank 0 {kind} {k}: {v.dtype}{list(v.shape)} mean {np.mean(v.astype(np.float64)) if v.size else 0:.6g}")
     if save:
-        path = save if schedule is None or len(save) == 0 else save
-        save_npz(path, rep)
-        click.echo(f"  saved {path}")
+        save_npz(save, rep)
+        click.echo(f"  saved {save}")
     if schedule is None:
         return False
     if rep.problems:

@@ -119,7 +119,8 @@ class _Evaluator:
         key = site_key(e.attr("site"))
         res = []
         for r in range(self.b.ranks):
-            p = float(ps[r])
+            # a literal p is used as written (a double), as the generated code does
+            p = float(e.args[1].value) if isinstance(e.args[1], Const) else float(ps[r])
             idx = global_index(self.gshape(e), x[r].shape, self.offsets(e, r))
             keep = dropout_keep(int(seeds[r]), key, idx, p)
             scale = ct.type(1.0 / (1.0 - p)) if p < 1 else ct.type(0)

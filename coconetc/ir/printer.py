@@ -4,7 +4,7 @@ gathers) plus a schedule block holding its fusions and overlaps."""
 
 from __future__ import annotations
 
-from coconetc.ir.nodes import Const, Expr, Op, Program, Ref
+from coconetc.ir.nodes import Const, Expr, Op, Overlap, Program, Ref, refs
 from coconetc.ir.types import DimExpr
 
 _INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2), "pow": ("**", 4),
@@ -20,15 +20,14 @@ def expr(e: Expr, parent: int = -1) -> str:
     if isinstance(e, Ref):
         return e.name
     if isinstance(e, Const):
-        return _number(e.value)
+        text = _number(e.value)  # a negative literal binds like unary minus: (-2) ** x
+        return f"({text})" if text.startswith("-") and _NEG < parent else text
     assert isinstance(e, Op)
     if e.op in _INFIX:
         sym, prec = _INFIX[e.op]
         right_assoc = e.op == "pow"
         left = expr(e.args[0], prec + (1 if right_assoc else 0))
-        right = expr(e.args[1], prec if right_assoc else prec + 1)
-        if right_assoc and isinstance(e.args[0], Op) and e.args[0].op == "neg":
-            left = f"({left})"
+        right = expr(e.args[1], _NEG if right_assoc else prec + 1)  # grammar: atom ** unary
         text = f"{left} {sym} {right}"
         return f"({text})" if prec < parent or (prec == 0 and parent == 0) else text
     if e.op == "neg":
@@ -40,6 +39,8 @@ def expr(e: Expr, parent: int = -1) -> str:
 def _number(v: float | int) -> str:
     if isinstance(v, int):
         return str(v)
+    if v in (float("inf"), float("-inf")):  # a literal too large for a double, e.g. 1e999
+        return "1e999" if v > 0 else "-1e999"
     text = repr(float(v))
     return text if ("." in text or "e" in text or "n" in text) else text + ".0"
 
@@ -101,8 +102,7 @@ def _schedule_block(p: Program) -> str:
 
 def dot(p: Program) -> str:
     """Graphviz dot of the stage graph; edges carry the layout of the value they move."""
-    from coconetc.ir.nodes import refs
-    lines = [f'digraph "{p.name}" {{', "  rankdir=LR;", "  node [fontname=monospace];"]
+    lines = [f'digraph "{p.name}" {{', "  rankdir=LR;", "  compound=true;", "  node [fontname=monospace];"]
     fused = {n: f.name for f in p.fusions for n in f.stages}
     for q in p.params:
         lines.append(f'  "{q.name}" [shape=box, label="{q.name}\\n{q.type}"];')
@@ -120,6 +120,16 @@ def dot(p: Program) -> str:
     for t, s in p.updates:
         lines.append(f'  "{s}" -> "{t}" [style=dashed, label="update"];')
     for o in p.overlaps:
-        lines.append(f'  "{o.producer}" -> "{o.consumer}" [style=dotted, label="overlap x{o.chunks}"];')
+        lines.append(f'  "{o.producer}" -> {_overlap_head(p, o)}style=dotted, label="overlap x{o.chunks}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _overlap_head(p: Program, o: Overlap) -> str:
+    """An overlap's consumer may be a fusion, which is a cluster, not a node: the edge goes to
+    the member that reads the producer and is clipped at the cluster's border (lhead)."""
+    fusion = next((f for f in p.fusions if f.name == o.consumer), None)
+    if fusion is None:
+        return f'"{o.consumer}" ['
+    head = next((n for n in fusion.stages if o.producer in refs(p.stage(n).expr)), fusion.stages[0])
+    return f'"{head}" [lhead="cluster_{fusion.name}", '

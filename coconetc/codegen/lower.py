@@ -1,0 +1,414 @@
+"""Lowering a (scheduled) program to the body of one C++ function: Python decides every
+statement here; the template only lays the functions out.
+
+Conventions of the generated function (see templates/module.cpp.j2):
+  * `comm` is this call's coconet::Comm (group split done), `seg_starts` the scattered
+    segments' start offsets, `S_<sym>` the size symbols' values.
+  * Every value `x` (parameter, stage or temporary) is a pointer `v_x` to this rank's local
+    elements in storage type; a parameter that is still scattered is a Segments object `p_x`.
+  * Stages returned by the program write straight into the output arrays the caller allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
+from coconetc.ir import printer
+from coconetc.ir.nodes import COLLECTIVES, POINTWISE, Const, Expr, Op, Program, Ref, Stage, walk
+from coconetc.ir.types import Dim, DimExpr, TType
+from coconetc.interp.rng import site_key
+
+_OPS = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
+
+
+@dataclass
+class Signature:
+    """What the Python side passes, in order."""
+
+    tensors: list[str] = field(default_factory=list)  # tensor parameters (scattered ones too)
+    scalars: list[str] = field(default_factory=list)  # scalar parameters
+    outputs: list[str] = field(default_factory=list)  # public output names
+    sizes: list[str] = field(default_factory=list)  # size symbols
+
+
+@dataclass
+class Function:
+    name: str
+    comment: str
+    body: list[str]
+    signature: Signature
+
+
+def cdim(d: Dim) -> str:
+    if isinstance(d, int):
+        return f"int64_t({d})"
+    if isinstance(d, str):
+        return f"S_{d}"
+    assert isinstance(d, DimExpr)
+    return f"({cdim(d.a)} {'/' if d.op == '//' else d.op} {cdim(d.b)})"
+
+
+def _prod(items: list[str]) -> str:
+    return " * ".join(items) if items else "int64_t(1)"
+
+
+class Lowerer:
+    def __init__(self, p: Program, fn: str, file: str):
+        self.p, self.fn, self.file = p, fn, file
+        self.lines: list[str] = []
+        self.types: dict[str, TType] = {q.name: q.type for q in p.params}
+        self.scattered = {q.name for q in p.params if q.scattered}
+        self.ntemp = 0
+        self.sig = Signature(sizes=sorted({s for q in p.params for d in q.type.shape
+                                           for s in _symbols(d)}))
+
+    # --- shapes ------------------------------------------------------------------------
+    def gdims(self, t: TType) -> list[str]:
+        return [cdim(d) for d in t.shape]
+
+    def ldims(self, t: TType) -> list[str]:
+        dims = self.gdims(t)
+        if t.layout.sliced:
+            dims[t.layout.dim] = f"coconet::slice_range({dims[t.layout.dim]}, comm.size, comm.rank).size()"
+        return dims
+
+    def offset(self, t: TType) -> str:
+        if not t.layout.sliced:
+            return "int64_t(0)"
+        return f"coconet::slice_range({self.gdims(t)[t.layout.dim]}, comm.size, comm.rank).begin"
+
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    # --- the function ---------------------------------------------------------------------
+    def lower(self) -> Function:
+        self._prologue()
+        in_place = self._in_place_updates()
+        outputs = {s: pub for pub, s in self.p.outputs}
+        for s in self.p.stages:
+            self._stage(s, outputs.get(s.name), in_place.get(s.name))
+        self._epilogue(in_place)
+        comment = f"program {self.p.name} ({self.file})"
+        return Function(self.fn, comment, self.lines, self.sig)
+
+    def _prologue(self) -> None:
+        for i, sym in enumerate(self.sig.sizes):
+            self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
+        for q in self.p.params:
+            ct = CTYPE[q.type.dtype]
+            if q.scalar:
+                k = len(self.sig.scalars)
+                self.sig.scalars.append(q.name)
+                src = "iscalars" if q.type.dtype.startswith("i") else "scalars"
+                self.emit(f"const {ct} v_{q.name}[1] = {{{ct}(a.{src}[{k}])}};")
+                continue
+            k = len(self.sig.tensors)
+            self.sig.tensors.append(q.name)
+            if q.name in self.scattered:
+                self.emit(f"const coconet::Segments<{ct}> p_{q.name} = a.segments<{ct}>({k});")
+            else:
+                self.emit(f"{ct}* const v_{q.name} = a.tensor<{ct}>({k});")
+        self.sig.outputs = [pub for pub, _ in self.p.outputs]
+        for op in (n for s in self.p.stages for n in walk(s.expr)):
+            if isinstance(op, Op) and op.op in ("broadcast", "reduce"):
+                root = op.attr("root")
+                self.emit(f'coconet::require({root} < comm.size, "{op.op}: root {root} is not a '
+                          f'rank of a group of " + std::to_string(comm.size));')
+
+    def _in_place_updates(self) -> dict[str, str]:
+        """Stages that may write their parameter's buffer directly: no later stage reads the
+        parameter, and the stage reads it (if at all) only at the element it writes."""
+        result = {}
+        order = [s.name for s in self.p.stages]
+        returned = {s for _, s in self.p.outputs}
+        for t, src in self.p.updates:
+            if t in self.scattered or src in returned or any(s == t for _, s in self.p.outputs):
+                continue
+            later = order[order.index(src) + 1:]
+            if any(t in _reads(self.p.stage(n).expr) for n in later):
+                continue
+            if self._reads_elementwise_only(self.p.stage(src), t):
+                result[src] = t
+        return result
+
+    def _reads_elementwise_only(self, s: Stage, t: str) -> bool:
+        if t not in _reads(s.expr):
+            return True
+        if s.kind == "collective" or any(isinstance(n, Op) and n.op not in POINTWISE
+                                         for n in walk(s.expr)):
+            return False
+        return all(n.type.shape == s.type.shape and n.type.layout == s.type.layout
+                   for n in walk(s.expr) if isinstance(n, Ref) and n.name == t)
+
+    def _epilogue(self, in_place: dict[str, str]) -> None:
+        for t, src in self.p.updates:
+            if in_place.get(src) == t:
+                continue
+            n = _prod(self.ldims(self.types[t]))
+            if t in self.scattered:
+                self.emit(f"coconet::copy_in(v_{src}, p_{t}, 0, {n});  // update {t}")
+            else:
+                self.emit(f"std::copy_n(v_{src}, {n}, v_{t});  // update {t}")
+        for pub, s in self.p.outputs:
+            if self.p.param(s) is not None:
+                self.emit(f"std::copy_n(v_{s}, {_prod(self.ldims(self.types[s]))}, a.output<{CTYPE[self.types[s].dtype]}>({self.sig.outputs.index(pub)}));")
+
+    # --- stages -------------------------------------------------------------------------
+    def _stage(self, s: Stage, output: str | None, param: str | None) -> None:
+        line = s.span.line if s.span and s.span.line else "?"
+        self.emit(f"// stage {s.name} ({self.file}:{line}): {s.name} = {printer.expr(s.expr)}")
+        ct = CTYPE[s.type.dtype]
+        if output is not None and self.p.param(s.name) is None:
+            self.emit(f"{ct}* const v_{s.name} = a.output<{ct}>({self.sig.outputs.index(output)});")
+        elif param is not None:
+            self.emit(f"{ct}* const v_{s.name} = v_{param};  // updates {param} in place")
+        else:
+            self._alloc(s.name, s.type)
+        self.types[s.name] = s.type
+        e = s.expr
+        if isinstance(e, Op) and e.op in COLLECTIVES:
+            x = self._materialize(e.args[0], s.name)
+            self._collective(s.name, e, x)
+        elif isinstance(e, Op) and e.op not in POINTWISE:
+            self._kernel(s.name, e)
+        else:
+            self._loop(s.name, s.type, self._hoist(e, s.name))
+
+    def _alloc(self, name: str, t: TType) -> None:
+        ct = CTYPE[t.dtype]
+        self.emit(f"std::vector<{ct}> buf_{name}(static_cast<size_t>({_prod(self.ldims(t))}));")
+        self.emit(f"{ct}* const v_{name} = buf_{name}.data();")
+
+    def _temp(self, stage: str, t: TType) -> str:
+        name = f"t{self.ntemp}_{stage}"
+        self.ntemp += 1
+        self._alloc(name, t)
+        self.types[name] = t
+        return name
+
+    def _materialize(self, e: Expr, stage: str) -> str:
+        """A value's name: a reference as it is, anything else computed into a temporary."""
+        if isinstance(e, Ref):
+            return e.name
+        name = self._temp(stage, e.type)
+        if isinstance(e, Op) and e.op not in POINTWISE:
+            self._kernel(name, e)
+        else:
+            self._loop(name, e.type, self._hoist(e, stage))
+        return name
+
+    def _hoist(self, e: Expr, stage: str) -> Expr:
+        """Replace the non-pointwise parts of an expression by temporaries computed first."""
+        if isinstance(e, (Ref, Const)):
+            return e
+        if e.op not in POINTWISE:
+            return Ref(self._materialize(e, stage), e.type)
+        from dataclasses import replace
+        return replace(e, args=tuple(self._hoist(a, stage) for a in e.args))
+
+    # --- pointwise loops ------------------------------------------------------------------
+    def _loop(self, dst: str, t: TType, e: Expr) -> None:
+        ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
+        refs = [r for r in walk(e) if isinstance(r, Ref)]
+        segmented = any(r.name in self.scattered for r in refs)
+        needs_coords = any(self._access(r, t) is None for r in refs) or (
+            any(isinstance(x, Op) and x.op == "dropout" for x in walk(e)) and self._gidx_simple(t) is None)
+        load = self._loader(t)
+        body = emit(e, load, self._extra(t))
+        store = f"v_{dst}[i] = coconet::from_compute<{ct}>({body});"
+        self.emit("{")
+        if needs_coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"  const int64_t L{k} = {d};")
+        if segmented:
+            self.emit(f"  const int64_t off = {self.offset(t)};")
+            self.emit(f"  coconet::for_each_piece(seg_starts, off, off + {n}, "
+                      "[&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
+            self.emit("    for (int64_t j = 0; j < len; ++j) {")
+            self.emit("      const int64_t i = b0 + j;")
+            self.emit(f"      {store}")
+            self.emit("    }")
+            self.emit("  });")
+        else:
+            self.emit(f"  const int64_t n = {n};")
+            self.emit("  COCONET_PARALLEL_FOR(n)")
+            self.emit("  for (int64_t i = 0; i < n; ++i) {")
+            if needs_coords:
+                self._coords(t)
+            self.emit(f"    {store}")
+            self.emit("  }")
+        self.emit("}")
+
+    def _coords(self, t: TType) -> None:
+        self.emit("    int64_t rest = i;")
+        for k in reversed(range(t.ndim)):
+            if k == 0:
+                self.emit("    const int64_t c0 = rest;")
+            else:
+                self.emit(f"    const int64_t c{k} = rest % L{k}; rest /= L{k};")
+        if t.ndim == 0:
+            self.emit("    (void)rest;")
+
+    def _access(self, r: Ref, t: TType) -> str | None:
+        """Index expression for an operand when no coordinates are needed, else None."""
+        rt = r.type
+        if r.name in self.scattered:
+            return "SEG"
+        if rt.ndim == 0:
+            return "0"
+        same = rt.shape == t.shape
+        if same and (rt.layout == t.layout or (not rt.layout.sliced and not t.layout.sliced)):
+            return "i"
+        if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
+            inner = _prod(self.gdims(t)[1:])
+            return f"i + {self.offset(t)} * {inner}"
+        return None
+
+    def _loader(self, t: TType):
+        def load(r: Ref) -> str:
+            idx = self._access(r, t)
+            if idx == "SEG":
+                return f"coconet::to_compute(p_{r.name}.ptrs[s][a0 + j])"
+            if idx is None:
+                idx = self._generic_index(r.type, t)
+            return f"coconet::to_compute(v_{r.name}[{idx}])"
+        return load
+
+    def _generic_index(self, rt: TType, t: TType) -> str:
+        """Index of an operand element from the result's coordinates c0.. (broadcasting, and
+        a replicated operand of a sliced result read at the slice)."""
+        shift = t.ndim - rt.ndim
+        ld = self.ldims(rt)
+        terms = []
+        for k in range(rt.ndim):
+            if rt.shape[k] == 1:
+                continue
+            coord = f"c{k + shift}"
+            if t.layout.sliced and t.layout.dim == k + shift and not rt.layout.sliced:
+                coord = f"({coord} + {self.offset(t)})"
+            terms.append(f"{coord} * {_prod(ld[k + 1:])}")
+        return " + ".join(terms) or "0"
+
+    def _gidx_simple(self, t: TType) -> str | None:
+        if not t.layout.sliced:
+            return "i"
+        if t.layout.dim == 0:
+            return f"(i + {self.offset(t)} * {_prod(self.gdims(t)[1:])})"
+        return None
+
+    def _extra(self, t: TType):
+        def extra(op: Op) -> str:
+            assert op.op == "dropout", op.op
+            x, p, seed = op.args
+            load = self._loader(t)
+            gidx = self._gidx_simple(t) or self._global_index(t)
+            xs = emit(x, load, self._extra(t))
+            ps = literal(p.value, "f64") if isinstance(p, Const) else f"double({emit(p, load)})"
+            seeds = f"int64_t({emit(seed, load)})"
+            key = site_key(op.attr("site"))
+            return (f"coconet::dropout<{COMPUTE[t.dtype]}>({xs}, {ps}, {seeds}, {key}u /* "
+                    f"{op.attr('site')} */, static_cast<uint64_t>({gidx}))")
+        return extra
+
+    def _global_index(self, t: TType) -> str:
+        g = self.gdims(t)
+        terms = []
+        for k in range(t.ndim):
+            coord = f"c{k}" if k != t.layout.dim else f"(c{k} + {self.offset(t)})"
+            terms.append(f"{coord} * {_prod(g[k + 1:])}")
+        return " + ".join(terms) or "0"
+
+    # --- reductions and tensor operations ---------------------------------------------------
+    def _kernel(self, dst: str, e: Op) -> None:
+        args = [self._materialize(a, dst) if not isinstance(a, Const) else None for a in e.args]
+        ct = CTYPE[e.type.dtype]
+        x = args[0]
+        xt = self.types[x] if x else None
+        if e.op in ("sum", "norm"):
+            src = f"p_{x}" if x in self.scattered else f"v_{x}"
+            fn = "sum_of" if e.op == "sum" else "sumsq_of"
+            n = _prod(self.ldims(xt))
+            self.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
+            if xt.layout.sliced:
+                self.emit("  acc = coconet::allreduce_sum(acc, comm);")
+            value = "acc" if e.op == "sum" else "std::sqrt(acc)"
+            self.emit(f"  v_{dst}[0] = coconet::from_compute<{ct}>(static_cast<{COMPUTE[e.type.dtype]}>({value})); }}")
+        elif e.op == "segment_norm":
+            src = f"p_{x}" if x in self.scattered else f"v_{x}"
+            self.emit(f"coconet::segment_norm({src}, v_{dst}, {_prod(self.ldims(xt))}, {self.offset(xt)}, "
+                      f"seg_starts, {'true' if xt.layout.sliced else 'false'}, comm);")
+        elif e.op == "matmul":
+            a_t, b_t = self.types[args[0]], self.types[args[1]]
+            la, lb = self.ldims(a_t), self.ldims(b_t)
+            rows = _prod(la[:-1])
+            self.emit(f"coconet::matmul<{ct}>(v_{args[0]}, v_{args[1]}, v_{dst}, {rows}, {la[-1]}, {lb[1]});")
+        elif e.op == "layernorm":
+            lx = self.ldims(xt)
+            eps = e.args[3]
+            eps_s = literal(eps.value, "f64") if isinstance(eps, Const) else f"double(coconet::to_compute(v_{eps.name}[0]))"
+            self.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{args[1]}, v_{args[2]}, {eps_s}, "
+                      f"{_prod(lx[:-1])}, {lx[-1]}, v_{dst});")
+        elif e.op == "conv2d":
+            lx, lw = self.ldims(xt), self.ldims(self.types[args[1]])
+            s, pad = e.attr("stride", 1), e.attr("padding", 0)
+            self.emit(f"coconet::conv2d<{ct}>(v_{x}, v_{args[1]}, v_{dst}, {', '.join(lx)}, "
+                      f"{lw[0]}, {lw[2]}, {lw[3]}, {s}, {pad});")
+        else:
+            raise NotImplementedError(f"cpu backend: {e.op}")
+
+    # --- collectives ----------------------------------------------------------------------
+    def _shape3(self, t: TType, d: int) -> str:
+        g = self.gdims(t)
+        return f"{_prod(g[:d])}, {g[d]}, {_prod(g[d + 1:])}"
+
+    def _collective(self, dst: str, e: Op, x: str) -> None:
+        xt, t = self.types[x], e.type
+        op = _OPS.get(e.attr("op"), "")
+        n = _prod(self.ldims(xt))
+        seg = x in self.scattered
+        if e.op == "allreduce":
+            if seg:
+                ct = CTYPE[t.dtype]
+                self.emit(f"coconet::allreduce({op}, p_{x}, coconet::Segments<{ct}>::one(v_{dst}, {n}), comm);")
+            else:
+                self.emit(f"coconet::allreduce({op}, v_{x}, v_{dst}, {n}, comm);")
+        elif e.op == "reducescatter":
+            if seg:
+                self.emit(f"coconet::reduce_scatter({op}, p_{x}, v_{dst}, comm);")
+            else:
+                self.emit(f"coconet::reduce_scatter({op}, v_{x}, v_{dst}, {self._shape3(xt, t.layout.dim)}, comm);")
+        elif e.op == "allgather":
+            self.emit(f"coconet::allgather(v_{x}, v_{dst}, {self._shape3(t, xt.layout.dim)}, comm);")
+        elif e.op == "scatter":
+            src = self._contiguous(x, xt)
+            self.emit(f"coconet::scatter_copy({src}, v_{dst}, {self._shape3(xt, t.layout.dim)}, comm);")
+        elif e.op == "broadcast":
+            self.emit(f"coconet::broadcast({self._contiguous(x, xt)}, v_{dst}, {n}, {e.attr('root')}, comm);")
+        elif e.op == "reduce":
+            self.emit(f"coconet::reduce({op}, {self._contiguous(x, xt)}, v_{dst}, {n}, {e.attr('root')}, comm);")
+        elif e.op == "send":
+            d = "coconet::Direction::next" if e.attr("direction") == "next" else "coconet::Direction::prev"
+            self.emit(f"coconet::send_shift({self._contiguous(x, xt)}, v_{dst}, {n}, {d}, comm);")
+
+    def _contiguous(self, x: str, xt: TType) -> str:
+        """A pointer to x's elements; a scattered parameter is gathered into a temporary."""
+        if x not in self.scattered:
+            return f"v_{x}"
+        name = self._temp(x, xt)
+        self.emit(f"coconet::copy_out(coconet::Segments<const {CTYPE[xt.dtype]}>(p_{x}), 0, "
+                  f"{_prod(self.ldims(xt))}, v_{name});")
+        return f"v_{name}"
+
+
+def _symbols(d: Dim) -> set[str]:
+    from coconetc.ir.types import dim_symbols
+    return dim_symbols(d)
+
+
+def _reads(e: Expr) -> set[str]:
+    return {n.name for n in walk(e) if isinstance(n, Ref)}
+
+
+def lower(p: Program, fn: str, file: str) -> Function:
+    return Lowerer(p, fn, file).lower()

@@ -1,0 +1,159 @@
+// coconet runtime: the math the generated code calls inside and around its loops.
+//
+// Pointwise helpers take and return compute types (float for half/bfloat16) and must give the
+// interpreter's results (coconetc/interp/ops.py); reductions accumulate in double.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "collectives.h"
+#include "comm.h"
+#include "dtypes.h"
+#include "rng.h"
+#include "segments.h"
+
+namespace coconet {
+
+template <class C> COCONET_HD inline C minimum(C a, C b) { return b < a ? b : a; }
+template <class C> COCONET_HD inline C maximum(C a, C b) { return a < b ? b : a; }
+template <class C> COCONET_HD inline C power(C a, C b) { return static_cast<C>(std::pow(a, b)); }
+template <class C> COCONET_HD inline C rsqrt(C x) { return C(1) / std::sqrt(x); }
+template <class C> COCONET_HD inline C sigmoid(C x) { return C(1) / (C(1) + std::exp(-x)); }
+template <class C> COCONET_HD inline C relu(C x) { return x < C(0) ? C(0) : x; }
+// Exact GELU: x * Phi(x) (PyTorch's default), computed in double as the interpreter does.
+template <class C> COCONET_HD inline C gelu(C x) {
+  double d = static_cast<double>(x);
+  return static_cast<C>(0.5 * d * (1.0 + std::erf(d * 0.70710678118654752440)));
+}
+
+// cast(x, T): round to T's storage, continue in T's compute type.
+template <class T, class C> COCONET_HD inline compute_t<T> cast_to(C x) {
+  return to_compute<T>(static_cast<T>(static_cast<compute_t<T>>(x)));
+}
+template <> COCONET_HD inline float cast_to<half, float>(float x) { return round_to<half>(x); }
+template <> COCONET_HD inline float cast_to<bfloat16, float>(float x) { return round_to<bfloat16>(x); }
+
+// dropout: keep with probability 1-p (Philox, rng.h), scale survivors by 1/(1-p).
+template <class C>
+COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t gidx) {
+  if (!dropout_keep(static_cast<uint64_t>(seed), site, gidx, dropout_threshold(p))) return C(0);
+  return p < 1.0 ? x * static_cast<C>(1.0 / (1.0 - p)) : C(0);
+}
+
+// ---- reductions ------------------------------------------------------------------------------
+
+template <class T>
+double sum_of(const T* x, int64_t n) {
+  double acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(to_compute(x[i]));
+  return acc;
+}
+template <class T>
+double sumsq_of(const T* x, int64_t n) {
+  double acc = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double v = static_cast<double>(to_compute(x[i]));
+    acc += v * v;
+  }
+  return acc;
+}
+template <class T>
+double sum_of(const Segments<T>& x, int64_t) {
+  double acc = 0;
+  for (size_t s = 0; s < x.ptrs.size(); ++s) acc += sum_of(x.ptrs[s], x.sizes[s]);
+  return acc;
+}
+template <class T>
+double sumsq_of(const Segments<T>& x, int64_t) {
+  double acc = 0;
+  for (size_t s = 0; s < x.ptrs.size(); ++s) acc += sumsq_of(x.ptrs[s], x.sizes[s]);
+  return acc;
+}
+
+// segment_norm: out[i] = the L2 norm of the segment holding global element off + i.  x holds
+// n local elements starting at global index off; for a sliced x the per-segment sums of
+// squares are summed over the group.
+template <class X, class T>
+void segment_norm_impl(X load, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts,
+                       bool sliced, Comm& comm) {
+  size_t nseg = starts.size() - 1;
+  std::vector<double> sq(nseg, 0.0);
+  for_each_piece(starts, off, off + n, [&](size_t s, int64_t a, int64_t b, int64_t len) {
+    for (int64_t j = 0; j < len; ++j) {
+      double v = static_cast<double>(load(s, a + j, b + j));
+      sq[s] += v * v;
+    }
+  });
+  if (sliced) allreduce_sum(sq.data(), static_cast<int64_t>(nseg), comm);
+  for_each_piece(starts, off, off + n, [&](size_t s, int64_t, int64_t b, int64_t len) {
+    T v = from_compute<T>(static_cast<compute_t<T>>(std::sqrt(sq[s])));
+    for (int64_t j = 0; j < len; ++j) out[b + j] = v;
+  });
+}
+template <class T>
+void segment_norm(const T* x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts,
+                  bool sliced, Comm& comm) {
+  segment_norm_impl([&](size_t, int64_t, int64_t i) { return to_compute(x[i]); }, out, n, off,
+                    starts, sliced, comm);
+}
+template <class T>
+void segment_norm(const Segments<T>& x, T* out, int64_t n, int64_t off,
+                  const std::vector<int64_t>& starts, bool sliced, Comm& comm) {
+  segment_norm_impl([&](size_t s, int64_t a, int64_t) { return to_compute(x.ptrs[s][a]); }, out,
+                    n, off, starts, sliced, comm);
+}
+
+// ---- tensor operations -------------------------------------------------------------------------
+
+// layernorm over the last dim (h) of rows x h, in the compute type, as the interpreter.
+template <class T>
+void layernorm(const T* x, const T* gamma, const T* beta, double eps, int64_t rows, int64_t h,
+               T* out) {
+  using C = compute_t<T>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * h;
+    C mean = 0, var = 0;
+    for (int64_t j = 0; j < h; ++j) mean += to_compute(xr[j]);
+    mean /= static_cast<C>(h);
+    for (int64_t j = 0; j < h; ++j) {
+      C d = to_compute(xr[j]) - mean;
+      var += d * d;
+    }
+    var /= static_cast<C>(h);
+    C inv = C(1) / std::sqrt(var + static_cast<C>(eps));
+    for (int64_t j = 0; j < h; ++j)
+      out[r * h + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(gamma[j]) +
+                                       to_compute(beta[j]));
+  }
+}
+
+// conv2d NCHW x OIHW -> NOHW (cross-correlation, zero padding), accumulating in compute type.
+template <class T>
+void conv2d(const T* x, const T* w, T* out, int64_t N, int64_t C, int64_t H, int64_t W,
+            int64_t O, int64_t KH, int64_t KW, int64_t stride, int64_t pad) {
+  using A = compute_t<T>;
+  const int64_t HO = (H + 2 * pad - KH) / stride + 1, WO = (W + 2 * pad - KW) / stride + 1;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t i = 0; i < HO; ++i)
+        for (int64_t j = 0; j < WO; ++j) {
+          A acc = 0;
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t p = 0; p < KH; ++p) {
+              int64_t y = i * stride + p - pad;
+              if (y < 0 || y >= H) continue;
+              for (int64_t q = 0; q < KW; ++q) {
+                int64_t z = j * stride + q - pad;
+                if (z < 0 || z >= W) continue;
+                acc += to_compute(x[((n * C + c) * H + y) * W + z]) *
+                       to_compute(w[((o * C + c) * KH + p) * KW + q]);
+              }
+            }
+          out[((n * O + o) * HO + i) * WO + j] = from_compute<T>(acc);
+        }
+}
+
+}  // namespace coconet

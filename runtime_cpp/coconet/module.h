@@ -1,0 +1,82 @@
+// coconet runtime: what a generated CPU module includes.  CallArgs carries one call's
+// arguments from the Python side (coconetc/build/loader.py), which has already checked every
+// dtype, shape, layout size and segment list on every rank before anything here runs.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives.h"
+#include "comm.h"
+#include "dtypes.h"
+#include "errors.h"
+#include "gemm.h"
+#include "kernels.h"
+#include "rng.h"
+#include "segments.h"
+#include "slices.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#define COCONET_PRAGMA(x) _Pragma(#x)
+// Loops go parallel only when large and when the machine has cores to spare beyond the ranks.
+#define COCONET_PARALLEL_FOR(n) \
+  COCONET_PRAGMA(omp parallel for if ((n) > 65536 && ::coconet::omp_threads() > 1) num_threads(::coconet::omp_threads()))
+#else
+#define COCONET_PARALLEL_FOR(n)
+#endif
+
+namespace coconet {
+
+// Threads per rank: COCONET_THREADS, else the cores divided among the ranks on this node.
+inline int omp_threads() {
+  static int n = [] {
+    if (const char* env = std::getenv("COCONET_THREADS")) return std::max(1, std::atoi(env));
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    int local = 1;
+    MPI_Comm_size(node, &local);
+    MPI_Comm_free(&node);
+    int cores = static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, cores / std::max(1, local));
+  }();
+  return n;
+}
+
+struct CallArgs {
+  std::vector<uintptr_t> tensors;                    // data pointers, one per tensor parameter
+  std::vector<std::vector<uintptr_t>> seg_ptrs;      // per tensor parameter: its segments (scattered)
+  std::vector<int64_t> seg_sizes;                    // segment sizes (all scattered params share them)
+  std::vector<uintptr_t> outputs;                    // data pointers of the output arrays
+  std::vector<int64_t> sizes;                        // size symbols, sorted by name
+  std::vector<double> scalars;                       // scalar parameters (float ones)
+  std::vector<int64_t> iscalars;                     // scalar parameters (integer ones)
+  uintptr_t comm = 0;                                // MPI_Comm handle (mpi4py's _handleof)
+  int groups = 1;
+
+  template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
+  template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }
+  template <class T> Segments<T> segments(size_t k) const {
+    std::vector<T*> ptrs;
+    for (uintptr_t p : seg_ptrs.at(k)) ptrs.push_back(reinterpret_cast<T*>(p));
+    return Segments<T>(ptrs, seg_sizes);
+  }
+  MPI_Comm mpi_comm() const {
+    MPI_Comm c;
+    static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t), "MPI_Comm handle does not fit");
+    if (sizeof(MPI_Comm) == sizeof(uintptr_t)) {
+      std::memcpy(&c, &comm, sizeof(MPI_Comm));
+    } else {
+      int h = static_cast<int>(comm);
+      std::memcpy(&c, &h, sizeof(MPI_Comm));
+    }
+    return c;
+  }
+};
+
+}  // namespace coconet
