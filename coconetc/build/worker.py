@@ -1,0 +1,112 @@
+"""What every rank runs for `coconetc run` (without --interp): the compiled module on the same
+random inputs as the interpreter, timed, with every rank's results compared with the
+interpreter on rank 0. A rank that fails stops the whole job at once (MPI Abort)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="coconetc-worker")
+    ap.add_argument("file")
+    ap.add_argument("--program", required=True)
+    ap.add_argument("--schedule", action="append", default=[])
+    ap.add_argument("--size", action="append", default=[])
+    ap.add_argument("--groups", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--save")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    try:
+        return _main(_args(argv), comm)
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - any failure must stop every rank
+        sys.stderr.write(f"coconetc rank {comm.Get_rank()} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)
+        return 1
+
+
+def _main(a, comm) -> int:
+    import coconetc
+    from coconetc.interp.harness import adapt_inputs, compare, random_inputs
+    from coconetc.interp.interpreter import Result, run
+    sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
+    mod = coconetc.load(a.file, log=lambda msg: None)
+    fn = mod.programs[a.program]
+    base = mod.source_module.programs[a.program]
+    rank, R = comm.Get_rank(), comm.Get_size()
+    inputs = random_inputs(base, R, a.groups, sizes, a.seed)
+    bad = 0
+    for sched in a.schedule or [None]:
+        ir = fn._program(sched)
+        s_inputs = adapt_inputs(inputs, base, ir, a.groups)
+        times, res = [], None
+        for _ in range(max(1, a.reps)):
+            mine = copy.deepcopy(s_inputs[rank])
+            comm.Barrier()
+            t0 = time.perf_counter()
+            out = fn(schedule=sched, groups=a.groups, **mine)
+            times.append(time.perf_counter() - t0)
+            if res is None:
+                res = _result(ir, out, mine)
+        t = comm.reduce(statistics.median(times), op=_max(), root=0)
+        gathered = comm.gather(res, root=0)
+        if rank == 0:
+            ref = run(ir, s_inputs, a.groups)
+            got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
+            problems = compare(ref, got, ir, ir, a.groups)
+            label = f"{a.program} [{sched or 'default'}]"
+            status = "matches the interpreter on every rank" if not problems else "MISMATCH"
+            print(f"{label}: {R} ranks: {t * 1e3:.3f} ms (median of {a.reps}): {status}", flush=True)
+            for prob in problems[:20]:
+                print(f"    {prob}", flush=True)
+            bad += bool(problems)
+            if a.save:
+                _save(a.save, sched, s_inputs, got)
+    bad = comm.bcast(bad, root=0)
+    return 1 if bad else 0
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def _result(ir, out, args):
+    from coconetc.interp.harness import joined
+    outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
+    outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
+    updates = {t: np.asarray(joined(args[t])).copy() for t, _ in ir.updates}
+    return outputs, updates
+
+
+def _save(path, sched, inputs, got) -> None:
+    from coconetc.interp.harness import joined
+    arrays = {}
+    for r, (args, res) in enumerate(zip(inputs, got)):
+        for name, v in args.items():
+            arrays[f"r{r}.in.{name}"] = np.asarray(joined(v))
+            if isinstance(v, (list, tuple)):
+                arrays[f"r{r}.seg.{name}"] = np.array([len(x) for x in v], dtype=np.int64)
+        for name, v in {**res.outputs, **res.updates}.items():
+            arrays[f"r{r}.out.{name}"] = v
+    np.savez(path if sched is None else path.replace(".npz", f".{sched}.npz"), **arrays)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

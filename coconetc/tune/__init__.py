@@ -1,0 +1,1 @@
+"""The autotuner (not built yet): picks the fastest legal schedule."""

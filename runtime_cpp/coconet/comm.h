@@ -1,0 +1,130 @@
+// coconet runtime: ranks and groups (LANGUAGE.md section 4).
+//
+// A call runs on W processes forming G consecutive groups of W/G ranks; layouts and collectives
+// refer to the caller's group, and send(x, next|prev) talks to the same in-group rank of the
+// next/previous group.  Comm owns private communicators (a dup of the caller's communicator and
+// the group split), so the runtime's messages never match the user's own MPI traffic.
+#pragma once
+
+#include <mpi.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+
+namespace coconet {
+
+// Direction of send(x, next|prev).
+enum class Direction { next, prev };
+
+struct Comm {
+  MPI_Comm world = MPI_COMM_NULL;  // private dup of the caller's communicator (all W ranks)
+  MPI_Comm group = MPI_COMM_NULL;  // this rank's group (W/G ranks)
+  int world_rank = 0, world_size = 1;
+  int groups = 1, group_index = 0;  // G and this rank's group
+  int rank = 0, size = 1;           // rank and size in the group
+  int next_peer = MPI_PROC_NULL;    // world rank of the same in-group rank in the next group
+  int prev_peer = MPI_PROC_NULL;    // ... in the previous group
+
+  // Splits `base` into `groups` consecutive groups.  Collective over `base`; throws
+  // std::invalid_argument (before communicating) unless groups divides the size of `base`.
+  Comm(MPI_Comm base, int groups_ = 1) {
+    MPI_Comm_size(base, &world_size);
+    MPI_Comm_rank(base, &world_rank);
+    require(groups_ >= 1, "groups must be >= 1, got " + std::to_string(groups_));
+    require(world_size % groups_ == 0,
+            "groups=" + std::to_string(groups_) + " does not divide the number of processes (" +
+                std::to_string(world_size) + ")");
+    groups = groups_;
+    size = world_size / groups;
+    group_index = world_rank / size;
+    rank = world_rank % size;
+    next_peer = group_index + 1 < groups ? world_rank + size : MPI_PROC_NULL;
+    prev_peer = group_index > 0 ? world_rank - size : MPI_PROC_NULL;
+    COCONET_MPI(MPI_Comm_dup(base, &world));
+    COCONET_MPI(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
+    COCONET_MPI(MPI_Comm_split(world, group_index, rank, &group));
+    COCONET_MPI(MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN));
+  }
+
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  ~Comm() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;  // MPI already tore everything down
+    for (MPI_Comm& c : channels_) MPI_Comm_free(&c);
+    if (group != MPI_COMM_NULL) MPI_Comm_free(&group);
+    if (world != MPI_COMM_NULL) MPI_Comm_free(&world);
+  }
+
+  // World rank of send's peer: where data goes for `next`, where it comes from for `prev`.
+  int peer(Direction d) const { return d == Direction::next ? next_peer : prev_peer; }
+
+  // A communicator over the same group for traffic that must not interleave with other
+  // in-flight operations: channel 0 is `group`; channel i >= 1 is a private dup, created
+  // (collectively, on first use) and cached.  overlap() gives each in-flight chunk its own
+  // channel, so operations posted in data-dependent order never cross-match.
+  MPI_Comm channel(int i) {
+    if (i <= 0) return group;
+    while (static_cast<int>(channels_.size()) < i) {
+      MPI_Comm c;
+      COCONET_MPI(MPI_Comm_dup(group, &c));
+      COCONET_MPI(MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN));
+      channels_.push_back(c);
+    }
+    return channels_[static_cast<size_t>(i - 1)];
+  }
+
+ private:
+  std::vector<MPI_Comm> channels_;
+};
+
+// ---- a cache of Comms per (caller communicator, groups) ------------------------------------
+//
+// Creating a Comm costs two collective calls, so generated modules look it up here.  The cache
+// hangs off the caller's communicator as an MPI attribute: when the user frees that
+// communicator, MPI calls the delete callback and the cached Comms go with it.
+
+using CommCache = std::map<int, std::unique_ptr<Comm>>;
+
+// MPI attribute delete callback: frees the cached Comms of a communicator being freed.
+inline int comm_cache_delete(MPI_Comm, int, void* value, void*) {
+  delete static_cast<CommCache*>(value);
+  return MPI_SUCCESS;
+}
+
+// The process-wide attribute key of the cache.
+inline int comm_cache_keyval() {
+  static int keyval = [] {
+    int k = MPI_KEYVAL_INVALID;
+    COCONET_MPI(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, comm_cache_delete, &k, nullptr));
+    return k;
+  }();
+  return keyval;
+}
+
+// The Comm for `base` split into `groups` groups, created on first use (collective then).
+inline Comm& cached_comm(MPI_Comm base, int groups = 1) {
+  int key = comm_cache_keyval();
+  void* value = nullptr;
+  int found = 0;
+  COCONET_MPI(MPI_Comm_get_attr(base, key, &value, &found));
+  if (!found) {
+    value = new CommCache();
+    COCONET_MPI(MPI_Comm_set_attr(base, key, value));
+  }
+  auto& cache = *static_cast<CommCache*>(value);
+  auto it = cache.find(groups);
+  if (it != cache.end()) return *it->second;
+  auto comm = std::make_unique<Comm>(base, groups);
+  Comm& ref = *comm;
+  cache.emplace(groups, std::move(comm));
+  return ref;
+}
+
+}  // namespace coconet

@@ -1,0 +1,212 @@
+// coconet runtime: `overlap(producer, consumer, chunks=k)` in a schedule.
+//
+// The producer (e.g. a matmul) is computed chunk by chunk (chunk i of k along some dim, split
+// with the language's partition rule: chunk_range); right after chunk i is produced, the
+// consumer's communication for that chunk starts as a non-blocking Task (MPI_Iallreduce,
+// MPI_Ireduce_scatter, MPI_Iallgatherv, or a fused collective of fused.h), and every
+// outstanding task is tested (MPI_Testall, which drives MPI's progress engine) before the next
+// chunk is produced, so chunk i's communication runs while chunk i+1 is computed.  At the end
+// the tasks are waited for in the order they were started.
+//
+// Each chunk's task gets its own channel (a private communicator of the group, Comm::channel),
+// because a fused task posts messages while being tested, in an order that depends on timing;
+// on separate communicators nothing can cross-match.  Waiting in start order cannot deadlock:
+// a rank blocks only on its earliest unfinished task, and every rank that has moved past a
+// task has posted all of that task's messages.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "collectives.h"
+#include "comm.h"
+#include "dtypes.h"
+#include "errors.h"
+#include "fused.h"
+#include "reduce_ops.h"
+#include "segments.h"
+#include "slices.h"
+
+namespace coconet {
+
+// Chunk i of k of a dim of size n (the partition rule of slices.h).
+inline Range chunk_range(int64_t n, int k, int i) { return slice_range(n, k, i); }
+
+// Communication in flight: test() progresses it without blocking (true when done), wait()
+// finishes it.
+struct Task {
+  virtual ~Task() = default;
+  virtual bool test() = 0;
+  virtual void wait() = 0;
+};
+
+// A Task made of MPI requests, the buffers and count arrays they use, and a finishing step
+// (unpacking, avg's division) run once when the requests complete.
+class RequestTask : public Task {
+ public:
+  std::vector<MPI_Request> reqs;
+  std::vector<std::vector<char>> buffers;
+  std::vector<std::vector<int>> arrays;
+  std::function<void()> on_done;
+
+  bool test() override { return test_all(reqs) && finish(); }
+  void wait() override {
+    wait_all(reqs);
+    finish();
+  }
+
+  // A buffer of n elements of T owned by the task.
+  template <class T>
+  T* buffer(int64_t n) {
+    buffers.emplace_back(static_cast<size_t>(n) * sizeof(T));
+    return reinterpret_cast<T*>(buffers.back().data());
+  }
+
+  // An int array owned by the task (counts and displacements must outlive the operation).
+  int* array(std::vector<int> v) {
+    arrays.push_back(std::move(v));
+    return arrays.back().data();
+  }
+
+ private:
+  bool done_ = false;
+  bool finish() {
+    if (!done_ && on_done) on_done();
+    done_ = true;
+    return true;
+  }
+};
+
+// Wraps a fused operation (anything with test() and wait()) as a Task.
+template <class F>
+struct OpTask : Task {
+  F op;
+  template <class... A>
+  explicit OpTask(A&&... a) : op(std::forward<A>(a)...) {}
+  bool test() override { return op.test(); }
+  void wait() override { op.wait(); }
+};
+
+// ---- non-blocking collectives as tasks ---------------------------------------------------------
+
+// Non-blocking allreduce (out = in reduced; in == out allowed) on a channel.
+template <class T>
+std::unique_ptr<Task> start_allreduce(Op op, const T* in, T* out, int64_t count, Comm& comm,
+                                      int channel) {
+  auto t = std::make_unique<RequestTask>();
+  t->reqs.emplace_back();
+  COCONET_MPI(MPI_Iallreduce(send_or_in_place(in, out), out, mpi_count(count, "allreduce"),
+                             mpi_type<T>(), mpi_op<T>(op), comm.channel(channel),
+                             &t->reqs.back()));
+  int size = comm.size;
+  t->on_done = [=] { finish_avg(op, out, count, size); };
+  return t;
+}
+
+// Non-blocking reduce_scatter of [outer, n, inner] (outer > 1 packs rank-major first).
+template <class T>
+std::unique_ptr<Task> start_reduce_scatter(Op op, const T* in, T* out_slice, int64_t outer,
+                                           int64_t n, int64_t inner, Comm& comm, int channel) {
+  auto t = std::make_unique<RequestTask>();
+  Shape3 s{outer, n, inner};
+  std::vector<int64_t> c64 = slice_elems(s, comm.size, outer);
+  int* counts = t->array(int_counts(c64, "reduce_scatter"));
+  const T* src = in;
+  if (outer > 1) {
+    T* packed = t->buffer<T>(s.total());
+    pack_by_rank(in, packed, s, comm.size, 0, outer);
+    src = packed;
+  }
+  t->reqs.emplace_back();
+  COCONET_MPI(MPI_Ireduce_scatter(src, out_slice, counts, mpi_type<T>(), mpi_op<T>(op),
+                                  comm.channel(channel), &t->reqs.back()));
+  int64_t mine = c64[static_cast<size_t>(comm.rank)];
+  int size = comm.size;
+  t->on_done = [=] { finish_avg(op, out_slice, mine, size); };
+  return t;
+}
+
+// Non-blocking allgather of [outer, n, inner] slices (outer > 1 unpacks when done).
+template <class T>
+std::unique_ptr<Task> start_allgather(const T* in_slice, T* out, int64_t outer, int64_t n,
+                                      int64_t inner, Comm& comm, int channel) {
+  auto t = std::make_unique<RequestTask>();
+  Shape3 s{outer, n, inner};
+  std::vector<int64_t> c64 = slice_elems(s, comm.size, outer);
+  int* counts = t->array(int_counts(c64, "allgather"));
+  int* displs = t->array(int_counts(prefix(c64), "allgather"));
+  T* dst = outer > 1 ? t->buffer<T>(s.total()) : out;
+  t->reqs.emplace_back();
+  COCONET_MPI(MPI_Iallgatherv(in_slice, counts[comm.rank], mpi_type<T>(), dst, counts, displs,
+                              mpi_type<T>(), comm.channel(channel), &t->reqs.back()));
+  int size = comm.size;
+  if (outer > 1) t->on_done = [=] { unpack_by_rank(dst, out, s, size, 0, outer); };
+  return t;
+}
+
+// A fused reduce-scatter + compute + all-gather (fused.h) as a task.
+template <class T, class Compute>
+std::unique_ptr<Task> start_fused_rs_compute_ag(Op op, const Segments<const T>& in, Shape3 shape,
+                                                Comm& comm, int channel, int64_t chunk_elems,
+                                                Compute compute,
+                                                std::vector<GatherTarget> gathers) {
+  return std::make_unique<OpTask<FusedRsComputeAg<T, Compute>>>(
+      op, in, shape, comm, channel, chunk_elems, std::move(compute), std::move(gathers));
+}
+
+// A fused allreduce + compute (fused.h) as a task.
+template <class T, class Compute>
+std::unique_ptr<Task> start_fused_allreduce_compute(Op op, const Segments<const T>& in,
+                                                    Comm& comm, int channel,
+                                                    int64_t chunk_elems, Compute compute) {
+  return std::make_unique<OpTask<FusedAllreduceCompute<T, Compute>>>(op, in, comm, channel,
+                                                                     chunk_elems,
+                                                                     std::move(compute));
+}
+
+// ---- the overlap driver ----------------------------------------------------------------------
+
+// Tasks in flight, tested in start order and waited for in start order.
+class Overlap {
+ public:
+  void add(std::unique_ptr<Task> t) { tasks_.push_back(std::move(t)); }
+
+  // One non-blocking pass over the unfinished tasks.
+  void progress() {
+    for (size_t i = first_; i < tasks_.size(); ++i) {
+      bool done = tasks_[i]->test();
+      if (done && i == first_) ++first_;
+    }
+  }
+
+  // Finishes every task, oldest first.
+  void wait_all() {
+    for (; first_ < tasks_.size(); ++first_) tasks_[first_]->wait();
+  }
+
+ private:
+  std::vector<std::unique_ptr<Task>> tasks_;
+  size_t first_ = 0;  // tasks before this are done
+};
+
+// overlap(producer, consumer, chunks=k): for i in 0..k-1, produce(i) (compute chunk i), then
+// start(i, channel) returns chunk i's communication as a Task (channel: pass it to the
+// start_* function); outstanding tasks are tested between chunks and waited for at the end.
+template <class Produce, class Start>
+void overlap(int chunks, Produce produce, Start start) {
+  Overlap ov;
+  for (int i = 0; i < chunks; ++i) {
+    abort_on_exception("overlap producer", [&] { produce(i); });
+    ov.add(start(i, i + 1));
+    ov.progress();
+  }
+  ov.wait_all();
+}
+
+}  // namespace coconet

@@ -1,0 +1,64 @@
+// coconet runtime: the partition rule of the language.
+//
+// A dim of n elements split over R ranks: c = ceil(n / R), rank i holds [i*c, min((i+1)*c, n)),
+// clamped, so trailing ranks may hold nothing (n = 5, R = 4: sizes 2, 2, 1, 0).  The same rule
+// chunks a range for pipelining (overlap's chunks, the rounds of fused collectives).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace coconet {
+
+// A half-open range of indices [begin, end).
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  bool empty() const { return end <= begin; }
+};
+
+// c = ceil(n / R): the size of every non-trailing slice.
+inline int64_t slice_chunk(int64_t n, int64_t R) { return R > 0 ? (n + R - 1) / R : 0; }
+
+// The indices rank i of R holds along a dim of size n.
+inline Range slice_range(int64_t n, int64_t R, int64_t i) {
+  int64_t c = slice_chunk(n, R);
+  int64_t b = std::min(i * c, n);
+  return Range{b, std::min(b + c, n)};
+}
+
+// Slice sizes of all R ranks.
+inline std::vector<int64_t> slice_counts(int64_t n, int64_t R) {
+  std::vector<int64_t> counts(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) counts[static_cast<size_t>(i)] = slice_range(n, R, i).size();
+  return counts;
+}
+
+// Slice starts of all R ranks.
+inline std::vector<int64_t> slice_displs(int64_t n, int64_t R) {
+  std::vector<int64_t> displs(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) displs[static_cast<size_t>(i)] = slice_range(n, R, i).begin;
+  return displs;
+}
+
+// A tensor viewed as [outer, n, inner] around the sliced dim d (size n): outer = product of the
+// dims before d, inner = product of the dims after d.
+struct Shape3 {
+  int64_t outer = 1;
+  int64_t n = 0;
+  int64_t inner = 1;
+  int64_t total() const { return outer * n * inner; }
+};
+
+// The [outer, n, inner] view of `dims` around dim d.
+inline Shape3 shape3(const std::vector<int64_t>& dims, size_t d) {
+  Shape3 s;
+  s.n = dims.at(d);
+  for (size_t i = 0; i < d; ++i) s.outer *= dims[i];
+  for (size_t i = d + 1; i < dims.size(); ++i) s.inner *= dims[i];
+  return s;
+}
+
+}  // namespace coconet
