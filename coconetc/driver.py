@@ -64,10 +64,10 @@ def load_file(path: str | Path) -> Module:
 def load_source(source: str, file: str = "<string>") -> Module:
     tree = parse(source, file)
     mod, errors = Module(file, source), []
-    for prog in tree.programs:
-        _collect(errors, _program, mod, prog)
-    for sched in tree.schedules:
-        _collect(errors, _schedule, mod, sched, tree)
+    for i, prog in enumerate(tree.programs):
+        _collect(errors, _program, mod, prog, tree.programs[:i])
+    for i, sched in enumerate(tree.schedules):
+        _collect(errors, _schedule, mod, sched, tree, tree.schedules[:i])
     if errors:
         raise CompileError(sorted(errors, key=lambda d: (d.span.line, d.span.col)))
     return mod
@@ -80,26 +80,29 @@ def _collect(errors: list[Diagnostic], fn, *args) -> None:
         errors.extend(err.diagnostics)
 
 
-def _program(mod: Module, prog: ast.Program) -> None:
-    if prog.name in mod.programs:
+def _program(mod: Module, prog: ast.Program, earlier: tuple[ast.Program, ...]) -> None:
+    if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
     mod.programs[prog.name] = check_program(prog)
     mod.schedules[prog.name] = {}
 
 
-def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module) -> None:
+def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module,
+              earlier: tuple[ast.Schedule, ...]) -> None:
+    if sched.program in mod.programs or any(p.name == sched.program for p in tree.programs):
+        if any(s.program == sched.program and s.name == sched.name for s in earlier):
+            raise CompileError.at(sched.name_span or sched.span,
+                                  f"schedule '{sched.name}' for '{sched.program}' is defined twice")
     if sched.program not in mod.programs:
         if any(p.name == sched.program for p in tree.programs):
             return  # the program itself has errors, reported already
         raise CompileError.at(sched.program_span, f"schedule '{sched.name}' is for unknown program "
                               f"'{sched.program}'")
     known = mod.schedules[sched.program]
-    if sched.name in known:
-        raise CompileError.at(sched.span, f"schedule '{sched.name}' for '{sched.program}' is defined twice")
     directives = tuple(from_ast(sched.body or ()))
     if sched.name == "auto":
         if directives:
-            raise CompileError.at(sched.span, "schedule auto takes no directives: the autotuner chooses")
+            raise CompileError.at(sched.body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.program, (), None)
         return
     ir = apply_all(mod.programs[sched.program], directives)

@@ -25,6 +25,9 @@ class Span:
     def __hash__(self) -> int:
         return 0
 
+    def __bool__(self) -> bool:  # NOWHERE is false, so `node.span or fallback` works
+        return self.line > 0
+
 
 NOWHERE = Span("<builtin>", 0, 0)
 
@@ -37,13 +40,14 @@ class Diagnostic:
     def render(self) -> str:
         s = self.span
         head = f"{s.file}:{s.line}:{s.col}: error: {self.message}"
-        lines = s.source.splitlines()
+        lines = s.source.split("\n")  # as the lexer counts lines (not str.splitlines)
         if not 1 <= s.line <= len(lines):
             return head
-        text = lines[s.line - 1]
+        text = lines[s.line - 1].removesuffix("\r")
         end = s.end_col if s.end_line == s.line and s.end_col > s.col else s.col
         width = max(1, min(end, len(text) + 1) - s.col)
-        return f"{head}\n    {text}\n    {' ' * (s.col - 1)}{'^' * width}"
+        pad = "".join(c if c == "\t" else " " for c in text[:s.col - 1])  # tabs keep the caret aligned
+        return f"{head}\n    {text}\n    {pad.ljust(s.col - 1)}{'^' * width}"
 
 
 class CompileError(Exception):

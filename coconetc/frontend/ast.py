@@ -49,6 +49,7 @@ class BinOp:
     left: Expr
     right: Expr
     span: Span
+    op_span: Span | None = None  # the operator token itself, where type errors point
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class Schedule:
     body: tuple[Stmt, ...] | None  # None: `schedule auto for p` without a block
     span: Span
     program_span: Span
+    name_span: Span | None = None
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,8 @@ def check_program(prog: ast.Program) -> ir.Program:
     ctx = _Ctx({})
     params = [_param(p, ctx) for p in prog.params]
     ctx.params = {p.name: p for p in params if p is not None}
+    # a parameter with a bad declaration is reported once, not again at each use
+    ctx.failed.update(p.name for p in prog.params if p.name not in ctx.params)
     updates: dict[str, str] = {}
     outputs: list[tuple[str, str]] = []
     for stmt in prog.body:
@@ -148,8 +150,13 @@ def _statement(stmt: ast.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> None:
     ctx.stage, ctx.sites = name.id, 0
     expr = _top(value, ctx, updates)
     if expr.type.dtype == "bool":
-        raise TypeErr(value.span, "a comparison can only be the condition of where()")
+        raise TypeErr(_where_of(value), "a comparison can only be the condition of where()")
     ctx.stages[name.id] = ir.Stage(name.id, expr, stmt.span)
+
+
+def _where_of(e: ast.Expr) -> Span:
+    """Where an error about an expression points: a binary operation's operator."""
+    return (isinstance(e, ast.BinOp) and e.op_span) or e.span
 
 
 def _top(value: ast.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
@@ -174,6 +181,8 @@ def _update(call: ast.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
     value = pos[1]
     expr = (_call(value, ctx, top=True) if isinstance(value, ast.Call) and value.fn in COLLECTIVES
             else _expr(value, ctx))
+    if expr.type.dtype == "bool":
+        raise TypeErr(_where_of(value), "a comparison can only be the condition of where()")
     _check_update(param, expr, value.span)
     updates[t.id] = ctx.stage
     return expr
@@ -215,12 +224,14 @@ def _expr(e: ast.Expr, ctx: _Ctx) -> ir.Expr:
         return _op("neg", (x,), {}, e.span)
     if isinstance(e, ast.BinOp):
         args = (_expr(e.left, ctx), _expr(e.right, ctx))
-        return _op(_BINOPS[e.op], args, {}, e.span)
+        return _op(_BINOPS[e.op], args, {}, e.span, _where_of(e))
     return _call(e, ctx, top=False)
 
 
-def _op(op: str, args: tuple, attrs: dict, span: Span) -> ir.Op:
-    return ir.Op(op, args, type_op(op, args, attrs, span), tuple(sorted(attrs.items())), span)
+def _op(op: str, args: tuple, attrs: dict, span: Span, err_span: Span | None = None) -> ir.Op:
+    """err_span: where a type error points (default: the whole operation)."""
+    t = type_op(op, args, attrs, err_span or span)
+    return ir.Op(op, args, t, tuple(sorted(attrs.items())), span)
 
 
 def _bind(call: ast.Call) -> tuple[list[ast.Expr], dict[str, object]]:
@@ -230,7 +241,9 @@ def _bind(call: ast.Call) -> tuple[list[ast.Expr], dict[str, object]]:
     names, defaults = _SIGNATURES[call.fn]
     allowed = names + tuple(defaults)
     if len(call.args) > len(allowed):
-        raise TypeErr(call.span, f"{call.fn}() takes at most {len(allowed)} arguments, got {len(call.args)}")
+        n = len(allowed)
+        raise TypeErr(call.args[n].span, f"{call.fn}() takes at most {n} argument{'s' * (n != 1)}, "
+                      f"got {len(call.args)}")
     bound: dict[str, object] = dict(zip(allowed, call.args))
     for kw in call.kwargs:
         if kw.name not in allowed:
@@ -308,4 +321,4 @@ def _check_dropout(call: ast.Call, args: list[ir.Expr], ctx: _Ctx) -> None:
 def _check_segmented(call: ast.Call, x: ir.Expr, ctx: _Ctx) -> None:
     segmented = {p.type.shape for p in ctx.params.values() if p is not None and p.scattered}
     if x.type.shape not in segmented:
-        raise TypeErr(call.span, "segment_norm needs a tensor with the shape of a scattered parameter")
+        raise TypeErr(x.span or call.span, "segment_norm needs a tensor with the shape of a scattered parameter")

@@ -16,14 +16,27 @@ _OPEN = {"LPAR", "LSQB"}
 _CLOSE = {"RPAR", "RSQB"}
 
 
+_PAIRS = {"LPAR": "RPAR", "LSQB": "RSQB", "LBRACE": "RBRACE"}
+
+
 class _DropNewlinesInBrackets:
-    """Post-lexer: a newline inside ( ) or [ ] is whitespace; elsewhere it ends a statement."""
+    """Post-lexer: a newline inside ( ) or [ ] is whitespace; elsewhere it ends a statement.
+    It also keeps the brackets and braces still open, so that a syntax error can name the one
+    that was never closed."""
 
     always_accept = ("_NL",)
 
+    def __init__(self) -> None:
+        self.open: list[Token] = []
+
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
         depth = 0
+        self.open = []
         for tok in stream:
+            if tok.type in _PAIRS:
+                self.open.append(tok)
+            elif self.open and tok.type == _PAIRS[self.open[-1].type]:
+                self.open.pop()
             if tok.type in _OPEN:
                 depth += 1
             elif tok.type in _CLOSE:
@@ -54,22 +67,86 @@ def _word(term: str) -> str:
     return f"'{pattern.value}'" if pattern.type == "str" else term.lower()
 
 
+def _lines(source: str) -> list[str]:
+    """The source's lines as the lexer counts them (only '\\n' ends a line)."""
+    return [ln.removesuffix("\r") for ln in source.split("\n")]
+
+
+def _tok_span(tok: Token, file: str, source: str) -> Span:
+    return Span(file, tok.line, tok.column, tok.line, tok.column + len(str(tok)), source)
+
+
+# After these tokens, a bracket or brace left open on an earlier line is the likely mistake.
+_ENDERS = {"RBRACE", "$END"}
+_ITEM_WORDS = {"program", "schedule"}
+
+
+def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
+    """'(' is never closed: when the parser ran into a '}', the end of the file, or the next
+    program/schedule while a bracket or brace opened on an earlier line is still open."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken):
+        return None
+    tok, opened = err.token, _parser().options.postlex.open
+    if not opened:
+        return None
+    last = opened[-1]  # the innermost one
+    if tok.type != "$END" and (not (tok.type in _ENDERS or str(tok) in _ITEM_WORDS)
+                               or tok.line <= last.line):
+        return None
+    found = "the end of the file" if tok.type == "$END" else f"'{tok}' at line {tok.line}"
+    return Diagnostic(_tok_span(last, file, source),
+                      f"'{last}' is never closed (found {found})")
+
+
 def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic:
+    unclosed = _unclosed(err, file, source)
+    if unclosed is not None:
+        return unclosed
     line, col = max(err.line, 1), max(err.column, 1)
     width = 1
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
-        message = f"unexpected character {source[err.pos_in_stream]!r}"
-    elif isinstance(err, lark.exceptions.UnexpectedToken) and err.token.type != "$END":
-        tok = err.token
+        return Diagnostic(Span(file, line, col, line, col + 1, source),
+                          f"unexpected character {source[err.pos_in_stream]!r}")
+    tok = getattr(err, "token", None)
+    expected = sorted({_word(t) for t in getattr(err, "expected", ()) if not t.startswith("__")})
+    wanted = f"; expected {', '.join(expected)}" if expected else ""
+    if tok is not None and tok.type != "$END":
         shown = "end of line" if tok.type == "_NL" else repr(str(tok))
-        expected = sorted({_word(t) for t in err.expected if not t.startswith("__")})
-        message = f"unexpected {shown}" + (f"; expected {', '.join(expected)}" if expected else "")
+        message = f"unexpected {shown}{wanted}"
         width = max(1, len(str(tok).strip()))
+        opened = _parser().options.postlex.open
+        first = not _lines(source + "\n")[line - 1][:col - 1].strip()
+        if opened and opened[-1].type != "LBRACE" and opened[-1].line < tok.line and first:
+            o = opened[-1]
+            message += f" (is the '{o}' at line {o.line}, col {o.column} closed?)"
     else:
-        lines = source.splitlines() or [""]
+        lines = _lines(source)
+        while len(lines) > 1 and not lines[-1].strip():
+            lines.pop()
         line, col = len(lines), len(lines[-1]) + 1
-        message = "unexpected end of file (missing '}' or ')'?)"
+        message = f"unexpected end of file{wanted}"
     return Diagnostic(Span(file, line, col, line, col + width, source), message)
+
+
+# Deeper expressions than this are an error: every later pass walks expressions recursively.
+MAX_DEPTH = 100
+
+
+def _too_deep(tree: lark.Tree, file: str, source: str) -> Diagnostic | None:
+    """The first statement whose expression nests deeper than MAX_DEPTH (found without
+    recursion, before anything recursive walks the tree)."""
+    stack: list[tuple[lark.Tree, int, lark.Tree | None]] = [(tree, 0, None)]
+    while stack:
+        node, depth, stmt = stack.pop()
+        if node.data in ("assign", "exprstmt", "ret"):
+            stmt, depth = node, 0
+        if depth > MAX_DEPTH and stmt is not None:
+            m = stmt.meta
+            return Diagnostic(Span(file, m.line, m.column, m.end_line, m.end_column, source),
+                              f"expression nested more than {MAX_DEPTH} levels deep; "
+                              "split it into several stages")
+        stack.extend((c, depth + 1, stmt) for c in reversed(node.children) if isinstance(c, lark.Tree))
+    return None
 
 
 def parse(source: str, file: str = "<string>") -> ast.Module:
@@ -79,6 +156,9 @@ def parse(source: str, file: str = "<string>") -> ast.Module:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as err:
         raise CompileError([_syntax_error(err, file, source)]) from None
+    deep = _too_deep(tree, file, source)
+    if deep is not None:
+        raise CompileError([deep])
     items = _ToAst(file, source).transform(tree)
     progs = tuple(i for i in items if isinstance(i, ast.Program))
     scheds = tuple(i for i in items if isinstance(i, ast.Schedule))
@@ -92,6 +172,7 @@ class _ToAst(Transformer):
     def __init__(self, file: str, source: str):
         super().__init__()
         self.file, self.source = file, source
+        self._starts: list[int] | None = None  # offsets of the line starts, for _op_span
 
     def _span(self, m) -> Span:
         return Span(self.file, m.line, m.column, m.end_line, m.end_column, self.source)
@@ -127,7 +208,8 @@ class _ToAst(Transformer):
 
     def schedule(self, meta, ch):
         name, prog, body = ch
-        return ast.Schedule(str(name), str(prog), body, self._span(meta), self._tspan(prog))
+        return ast.Schedule(str(name), str(prog), body, self._span(meta), self._tspan(prog),
+                            self._tspan(name))
 
     def block(self, meta, ch):
         return tuple(s for s in ch if s is not None)
@@ -168,9 +250,33 @@ class _ToAst(Transformer):
     def neg(self, meta, ch):
         return ast.Neg(ch[0], self._span(meta))
 
+    def _op_span(self, op: str, left: ast.Expr, right: ast.Expr) -> Span | None:
+        """The operator between two operands: only ')', blanks and line continuations can
+        precede it there, so its first occurrence after the left operand is the one."""
+        if self._starts is None:
+            self._starts = [0]
+            for i, ch in enumerate(self.source):
+                if ch == "\n":
+                    self._starts.append(i + 1)
+        a, b = left.span, right.span
+        if not (1 <= a.end_line <= len(self._starts) and 1 <= b.line <= len(self._starts)):
+            return None
+        lo = self._starts[a.end_line - 1] + a.end_col - 1
+        hi = self._starts[b.line - 1] + b.col - 1
+        i = lo
+        while i < hi and not self.source.startswith(op, i):
+            i = self.source.find("\n", i, hi) if self.source[i] == "#" else i + 1
+            if i < 0:
+                return None
+        if i >= hi:
+            return None
+        line = self.source.count("\n", 0, i) + 1
+        col = i - self._starts[line - 1] + 1
+        return Span(self.file, line, col, line, col + len(op), self.source)
+
     def _bin(op):  # noqa: N805 - a factory for the binary-operator rules
         def rule(self, meta, ch):
-            return ast.BinOp(op, ch[0], ch[1], self._span(meta))
+            return ast.BinOp(op, ch[0], ch[1], self._span(meta), self._op_span(op, ch[0], ch[1]))
         return rule
 
     add, sub, mul, div, pow = _bin("+"), _bin("-"), _bin("*"), _bin("/"), _bin("**")

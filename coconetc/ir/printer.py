@@ -102,7 +102,8 @@ def _schedule_block(p: Program) -> str:
 
 def dot(p: Program) -> str:
     """Graphviz dot of the stage graph; edges carry the layout of the value they move."""
-    lines = [f'digraph "{p.name}" {{', "  rankdir=LR;", "  compound=true;", "  node [fontname=monospace];"]
+    lines = [f'digraph "{p.name}" {{', "  rankdir=LR;", "  compound=true;",
+             "  node [fontname=monospace];"]
     fused = {n: f.name for f in p.fusions for n in f.stages}
     for q in p.params:
         lines.append(f'  "{q.name}" [shape=box, label="{q.name}\\n{q.type}"];')
@@ -120,7 +121,8 @@ def dot(p: Program) -> str:
     for t, s in p.updates:
         lines.append(f'  "{s}" -> "{t}" [style=dashed, label="update"];')
     for o in p.overlaps:
-        lines.append(f'  "{o.producer}" -> {_overlap_head(p, o)}style=dotted, label="overlap x{o.chunks}"];')
+        head = _overlap_head(p, o)
+        lines.append(f'  "{o.producer}" -> {head}style=dotted, label="overlap x{o.chunks}"];')
     lines.append("}")
     return "\n".join(lines) + "\n"
 

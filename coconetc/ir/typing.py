@@ -26,8 +26,10 @@ def _promote_weak(a: str, b: str) -> str:
     return a if BITS[a] >= BITS[b] else b
 
 
-def result_dtype(types: Sequence[TType], span: Span) -> tuple[str, bool]:
-    """The dtype of a pointwise result, and whether it is weak."""
+def result_dtype(types: Sequence[TType], span: Span,
+                 spans: Sequence[Span] = ()) -> tuple[str, bool]:
+    """The dtype of a pointwise result, and whether it is weak. spans (one per type, when
+    known) locate the offending operand of an error."""
     strong = [t for t in types if not t.weak]
     if not strong:
         dt = types[0].dtype
@@ -38,8 +40,10 @@ def result_dtype(types: Sequence[TType], span: Span) -> tuple[str, bool]:
     if len(dts) > 1:
         raise TypeErr(span, f"operands have different dtypes {' and '.join(dts)}; use cast(x, dtype)")
     dt = dts[0]
-    if dt not in FLOATS and any(t.weak and t.dtype in FLOATS for t in types):
-        raise TypeErr(span, f"a float scalar with an {dt} tensor; use cast(x, dtype)")
+    bad = [i for i, t in enumerate(types) if t.weak and t.dtype in FLOATS]
+    if dt not in FLOATS and bad:
+        where = spans[bad[0]] if len(spans) == len(types) and spans[bad[0]] else span
+        raise TypeErr(where, f"a float scalar with an {dt} tensor; use cast(x, dtype)")
     return dt, False
 
 
@@ -84,8 +88,8 @@ def pointwise(args: Sequence[Expr], span: Span, what: str, allow_bool_first: boo
     _no_bool(args[1:] if allow_bool_first else args, span, f"an operand of {what}")
     types = [a.type for a in args]
     shape = broadcast([t.shape for t in types], span)
-    valued = types[1:] if allow_bool_first else types
-    dt, weak = result_dtype(valued, span)
+    valued = args[1:] if allow_bool_first else args
+    dt, weak = result_dtype([a.type for a in valued], span, [a.span for a in valued])
     return TType(dt, shape, combine_layouts(types, len(shape), span), weak and not shape)
 
 
@@ -201,18 +205,19 @@ def _compare(args, attrs, span) -> TType:
 
 def _collective(op: str) -> Callable:
     def rule(args, attrs, span) -> TType:
-        return collective_type(op, args[0].type, attrs, span)
+        return collective_type(op, args[0].type, attrs, span, args[0].span)
     return rule
 
 
-def collective_type(op: str, t: TType, attrs: dict, span: Span) -> TType:
-    lay = t.layout
+def collective_type(op: str, t: TType, attrs: dict, span: Span, arg_span: Span | None = None) -> TType:
+    """arg_span: the input's span, where a layout error points (else span, the call's)."""
+    lay, at = t.layout, arg_span or span
     if op in ("allreduce", "reducescatter", "broadcast", "reduce") and lay.sliced:
-        raise TypeErr(span, f"{op} needs a local (or replicated) input, not {lay}")
+        raise TypeErr(at, f"{op} needs a local (or replicated) input, not {lay}")
     if op == "allgather" and not lay.sliced:
-        raise TypeErr(span, f"allgather needs a sliced input, not {lay}")
+        raise TypeErr(at, f"allgather needs a sliced input, not {lay}")
     if op == "scatter" and lay != REPLICATED:
-        raise TypeErr(span, f"scatter needs a replicated input, not {lay}")
+        raise TypeErr(at, f"scatter needs a replicated input, not {lay}")
     if op in ("reducescatter", "scatter"):
         dim = attrs.get("dim", 0)
         if not 0 <= dim < t.ndim:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import ast
@@ -17,6 +17,7 @@ class Split:
     rs: str
     ag: str
     span: Span
+    where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Reorder:
     stages: tuple[str, ...]
     outs: tuple[str, ...]
     span: Span
+    where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Slice:
 
     params: tuple[str, ...]
     span: Span
+    where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Fuse:
     stages: tuple[str, ...]
     name: str | None
     span: Span
+    where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,30 @@ class OverlapD:
     chunks: int
     dim: int | None
     span: Span
+    where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
 Directive = Split | Reorder | Slice | Fuse | OverlapD
+
+
+def span_of(d: Directive, key: str) -> Span:
+    """Where in the directive an error about `key` points: a stage or parameter argument by
+    its name ('name#2' for its second mention), a defined name as '=name', a keyword argument's
+    value as 'dim=', the directive's word as '()' (also where an unknown key points)."""
+    where = dict(d.where)
+    return where.get(key) or where.get("()") or d.span
+
+
+def _where(targets, call: ast.Call) -> tuple[tuple[str, Span], ...]:
+    spans: dict[str, Span] = {"()": call.fn_span}
+    for t in targets:
+        spans.setdefault("=" + t.id, t.span)
+    for a in call.args:
+        if isinstance(a, ast.Name):
+            spans.setdefault(a.id + "#2" if a.id in spans else a.id, a.span)
+    for k in call.kwargs:
+        spans.setdefault(k.name + "=", k.value.span)
+    return tuple(spans.items())
 _ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0)}
 
 
@@ -93,24 +118,25 @@ def _directive(stmt: ast.Stmt) -> Directive:
     names = [_name(a, call) for a in call.args]
     kws = {k.name: k for k in call.kwargs}
     outs = tuple(t.id for t in targets)
+    where = _where(targets, call)
     if call.fn == "split":
         _only(call, kws, {"dim"})
-        return Split(_one(names, call), _int(kws.get("dim"), call, 0), outs[0], outs[1], stmt.span)
+        return Split(_one(names, call), _int(kws.get("dim"), call, 0), outs[0], outs[1], stmt.span, where)
     _only(call, kws, {"chunks", "dim"} if call.fn == "overlap" else set())
     if not names:
         raise _err(call.span, f"{call.fn}() needs at least one stage name")
     if call.fn == "reorder":
-        return Reorder(names[0], tuple(names[1:]), outs, stmt.span)
+        return Reorder(names[0], tuple(names[1:]), outs, stmt.span, where)
     if call.fn == "slice":
-        return Slice(tuple(names), stmt.span)
+        return Slice(tuple(names), stmt.span, where)
     if call.fn == "fuse":
-        return Fuse(tuple(names), outs[0] if outs else None, stmt.span)
+        return Fuse(tuple(names), outs[0] if outs else None, stmt.span, where)
     if len(names) != 2:
         raise _err(call.span, "overlap(producer, consumer, chunks=k) takes two stage names")
     if "chunks" not in kws:
         raise _err(call.span, "overlap() needs chunks=k")
     dim = _int(kws["dim"], call, 0) if "dim" in kws else None
-    return OverlapD(names[0], names[1], _int(kws["chunks"], call, 1), dim, stmt.span)
+    return OverlapD(names[0], names[1], _int(kws["chunks"], call, 1), dim, stmt.span, where)
 
 
 def _name(a: ast.Expr, call: ast.Call) -> str:

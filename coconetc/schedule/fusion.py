@@ -7,7 +7,7 @@ from dataclasses import replace
 from coconetc.errors import ScheduleError
 from coconetc.ir.nodes import Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
-from coconetc.schedule.directives import Fuse, OverlapD
+from coconetc.schedule.directives import Fuse, OverlapD, span_of
 from coconetc.schedule.primitives import _fresh, _stage
 
 _UNFUSABLE = ("matmul", "conv2d")
@@ -26,7 +26,10 @@ def fuse(p: Program, d: Fuse) -> Program:
         _fresh(p, (d.name,), d, "fuse")
     _check_members(stages, d)
     _check_convex(p, {s.name for s in stages}, d, name)
-    return replace(p, stages=_contiguous(p, {s.name for s in stages}),
+    order = _contiguous(p, {s.name for s in stages})
+    pos = {s.name: i for i, s in enumerate(order)}
+    updates = tuple(sorted(p.updates, key=lambda u: pos.get(u[1], -1)))  # canonical: stage order
+    return replace(p, stages=order, updates=updates,
                    fusions=p.fusions + (Fusion(name, tuple(s.name for s in stages), d.span),))
 
 
@@ -34,19 +37,19 @@ def _check_members(stages: list[Stage], d: Fuse) -> None:
     colls = [s for s in stages if s.kind == "collective"]
     kinds = sorted(s.expr.op for s in colls)
     if len(colls) > 2 or (len(colls) == 2 and kinds != ["allgather", "reducescatter"]):
-        raise ScheduleError(d.span, "fuse", colls[-1].name,
+        raise ScheduleError(span_of(d, colls[-1].name), "fuse", colls[-1].name,
                             "a fusion holds at most one collective, or one reducescatter/allgather "
                             f"pair; here: {', '.join(f'{s.name} ({s.expr.op})' for s in colls)}")
     for s in stages:
         bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and n.op in _UNFUSABLE), None)
         if bad:
-            raise ScheduleError(d.span, "fuse", s.name, f"{bad} cannot be fused into a loop "
+            raise ScheduleError(span_of(d, s.name), "fuse", s.name, f"{bad} cannot be fused into a loop "
                                 "(overlap it with its collective instead)")
     if len(colls) == 2:
         rs = next(s for s in colls if s.expr.op == "reducescatter")
         ag = next(s for s in colls if s.expr.op == "allgather")
         if rs.type.layout != ag.expr.args[0].type.layout:
-            raise ScheduleError(d.span, "fuse", ag.name, f"it gathers {ag.expr.args[0].type.layout} "
+            raise ScheduleError(span_of(d, ag.name), "fuse", ag.name, f"it gathers {ag.expr.args[0].type.layout} "
                                 f"data but {rs.name} scatters {rs.type.layout}")
 
 
@@ -56,8 +59,9 @@ def _check_convex(p: Program, group: set[str], d: Fuse, name: str) -> None:
     for s in p.stages:
         if s.name in group:
             continue
-        if deps[s.name] & group and any(s.name in deps[g] for g in group):
-            raise ScheduleError(d.span, "fuse", s.name, f"'{s.name}' reads the fusion and the fusion "
+        reader = next((g for g in d.stages if s.name in deps.get(g, ())), None)
+        if deps[s.name] & group and reader is not None:
+            raise ScheduleError(span_of(d, reader), "fuse", s.name, f"'{s.name}' reads the fusion and the fusion "
                                 "reads it: fusing would make a cycle; add it to the fusion")
 
 
@@ -82,17 +86,18 @@ def overlap(p: Program, d: OverlapD) -> Program:
     """
     prod = p.stage(d.producer)
     if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op == "matmul"):
-        raise ScheduleError(d.span, "overlap", d.producer, "the producer must be a matmul stage")
+        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer must be a matmul stage")
     coll = _consumer_collective(p, d)
     if not (isinstance(coll.expr.args[0], Ref) and coll.expr.args[0].name == d.producer):
-        raise ScheduleError(d.span, "overlap", d.consumer,
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
                             f"its collective '{coll.name}' does not read '{d.producer}' directly")
     if any(o.producer == d.producer for o in p.overlaps):
-        raise ScheduleError(d.span, "overlap", d.producer, "the producer is already overlapped")
+        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer is already overlapped")
     dims = _chunkable(prod, coll)
     dim = dims[0] if d.dim is None and dims else d.dim
     if dim not in dims:
-        raise ScheduleError(d.span, "overlap", d.consumer, f"cannot chunk along dim {dim}; "
+        at = span_of(d, "dim=" if d.dim is not None else d.consumer)
+        raise ScheduleError(at, "overlap", d.consumer, f"cannot chunk along dim {dim}; "
                             f"chunkable dims: {', '.join(map(str, dims)) or 'none'}")
     return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
 
@@ -102,11 +107,11 @@ def _consumer_collective(p: Program, d: OverlapD) -> Stage:
     if fusion is None:
         s = p.stage(d.consumer)
         if s is None or s.kind != "collective":
-            raise ScheduleError(d.span, "overlap", d.consumer, "the consumer must be a collective or a fusion")
+            raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the consumer must be a collective or a fusion")
         return s
     colls = [p.stage(n) for n in fusion.stages if p.stage(n).kind == "collective"]
     if not colls:
-        raise ScheduleError(d.span, "overlap", d.consumer, "the fusion holds no collective")
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the fusion holds no collective")
     return colls[0]
 
 

@@ -10,16 +10,16 @@ from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, 
                                  rename_program, retype_program)
 from coconetc.ir.types import REPLICATED, TType, sliced
 from coconetc.ir.typing import TypeErr
-from coconetc.schedule.directives import Reorder, Slice, Split
+from coconetc.schedule.directives import Reorder, Slice, Split, span_of
 
 
 def _stage(p: Program, name: str, d, directive: str) -> Stage:
     s = p.stage(name)
     if s is None:
         known = ", ".join(x.name for x in p.stages)
-        raise ScheduleError(d.span, directive, name, f"no stage named '{name}' (stages: {known})")
+        raise ScheduleError(span_of(d, name), directive, name, f"no stage named '{name}' (stages: {known})")
     if p.fusion_of(name) is not None:
-        raise ScheduleError(d.span, directive, name, "the stage is already fused; fuse last")
+        raise ScheduleError(span_of(d, name), directive, name, "the stage is already fused; fuse last")
     return s
 
 
@@ -27,7 +27,7 @@ def _fresh(p: Program, names, d, directive: str) -> None:
     seen: set[str] = set()
     for n in names:
         if p.param(n) or p.stage(n) or n in seen or any(f.name == n for f in p.fusions):
-            raise ScheduleError(d.span, directive, n, f"the name '{n}' is already taken")
+            raise ScheduleError(span_of(d, "=" + n), directive, n, f"the name '{n}' is already taken")
         seen.add(n)
 
 
@@ -40,11 +40,11 @@ def split(p: Program, d: Split) -> Program:
     """
     s = _stage(p, d.stage, d, "split")
     if not (isinstance(s.expr, Op) and s.expr.op == "allreduce"):
-        raise ScheduleError(d.span, "split", d.stage, "only an allreduce can be split")
+        raise ScheduleError(span_of(d, d.stage), "split", d.stage, "only an allreduce can be split")
     _fresh(p, (d.rs, d.ag), d, "split")
     x, t = s.expr.args[0], s.type
     if not 0 <= d.dim < t.ndim:
-        raise ScheduleError(d.span, "split", d.stage, f"dim={d.dim} is out of range for a {t.ndim}-d tensor")
+        raise ScheduleError(span_of(d, "dim="), "split", d.stage, f"dim={d.dim} is out of range for a {t.ndim}-d tensor")
     attrs = (("dim", d.dim), ("op", s.expr.attr("op")))
     rs_t = TType(t.dtype, t.shape, sliced(d.dim))
     rs = Stage(d.rs, Op("reducescatter", (x,), rs_t, attrs, s.expr.span), s.span)
@@ -61,11 +61,11 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
         if not isinstance(node, Op):
             continue
         if node.op in _MOVABLE or (node.op in COLLECTIVES and node.op != "send"):
-            raise ScheduleError(d.span, "reorder", s.name,
+            raise ScheduleError(span_of(d, s.name), "reorder", s.name,
                                 f"{node.op} does not commute with slicing; only pointwise "
                                 "computations, norm/sum, layernorm and send can move")
         if node.op == "layernorm" and dim == node.type.ndim - 1:
-            raise ScheduleError(d.span, "reorder", s.name,
+            raise ScheduleError(span_of(d, s.name), "reorder", s.name,
                                 "layernorm normalizes the last dim, which the slice would cut")
 
 
@@ -82,15 +82,16 @@ def reorder(p: Program, d: Reorder) -> Program:
     """
     ag = _stage(p, d.ag, d, "reorder")
     if not (isinstance(ag.expr, Op) and ag.expr.op == "allgather" and isinstance(ag.expr.args[0], Ref)):
-        raise ScheduleError(d.span, "reorder", d.ag, "the first argument must be an allgather stage")
+        raise ScheduleError(span_of(d, d.ag), "reorder", d.ag, "the first argument must be an allgather stage")
     src = ag.expr.args[0].name
     moved = list(dict.fromkeys(d.stages))
     if len(moved) != len(d.stages):
-        raise ScheduleError(d.span, "reorder", d.ag, "a stage is listed twice")
+        twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
+        raise ScheduleError(span_of(d, twice + "#2"), "reorder", twice, "the stage is listed twice")
     p = _retype_moved(p, ag, src, moved, d)
     needed = [m for m in moved if _needed_whole(p, m, moved)]
     if len(needed) != len(d.outs):
-        raise ScheduleError(d.span, "reorder", d.ag,
+        raise ScheduleError(span_of(d, "=" + d.outs[0] if d.outs else "()"), "reorder", d.ag,
                             f"{len(needed)} reordered value(s) are still needed whole "
                             f"({', '.join(needed) or 'none'}), so it returns {len(needed)} "
                             f"allgather(s); {len(d.outs)} name(s) given")
@@ -110,9 +111,9 @@ def _retype_moved(p: Program, ag: Stage, src: str, moved: list[str], d: Reorder)
     for m in moved:
         s = _stage(p, m, d, "reorder")
         if ag.name not in deps[m] and not any(x in deps[m] for x in moved):
-            raise ScheduleError(d.span, "reorder", m, f"the stage does not consume '{ag.name}'")
+            raise ScheduleError(span_of(d, m), "reorder", m, f"the stage does not consume '{ag.name}'")
         if s.type.layout.sliced:
-            raise ScheduleError(d.span, "reorder", m, "the stage already runs on slices")
+            raise ScheduleError(span_of(d, m), "reorder", m, "the stage already runs on slices")
         _movable(s, dim, d)
     stages = tuple(replace(s, expr=rename(s.expr, {ag.name: src})) if s.name in moved else s
                    for s in p.stages)
@@ -120,14 +121,17 @@ def _retype_moved(p: Program, ag: Stage, src: str, moved: list[str], d: Reorder)
         q = retype_program(replace(p, stages=stages))
     except TypeErr as err:
         bad = getattr(err, "stage", "")
-        raise ScheduleError(d.span, "reorder", bad, err.diagnostics[0].message) from None
+        raise ScheduleError(span_of(d, bad), "reorder", bad, err.diagnostics[0].message) from None
     for m in moved:
-        if q.type_of(m).layout != sliced(dim):
-            raise ScheduleError(d.span, "reorder", m, f"would run as {q.type_of(m).layout}, not on slices")
+        t = q.type_of(m)
+        if t.layout != sliced(dim) and not (t.ndim == 0 and t.layout == REPLICATED):
+            raise ScheduleError(span_of(d, m), "reorder", m, f"would run as {t.layout}, not on slices")
     return q
 
 
 def _needed_whole(p: Program, name: str, moved: list[str]) -> bool:
+    if not p.type_of(name).layout.sliced:
+        return False  # a norm/sum of slices: the partial results are already reduced
     if any(s == name for _, s in p.outputs):
         return True
     if any(s == name and not p.type_of(t).layout.sliced for t, s in p.updates):
@@ -147,23 +151,23 @@ def slice_params(p: Program, d: Slice) -> Program:
         return retype_program(p)
     except TypeErr as err:
         bad = getattr(err, "stage", ",".join(d.params))
-        raise ScheduleError(d.span, "slice", bad, err.diagnostics[0].message) from None
+        raise ScheduleError(span_of(d, bad), "slice", bad, err.diagnostics[0].message) from None
 
 
 def _slice_one(p: Program, name: str, d: Slice) -> Program:
     param = p.param(name)
     if param is None or param.scalar:
-        raise ScheduleError(d.span, "slice", name, "only a tensor parameter can be sliced")
+        raise ScheduleError(span_of(d, name), "slice", name, "only a tensor parameter can be sliced")
     if param.type.layout.sliced:
-        raise ScheduleError(d.span, "slice", name, "the parameter is already sliced")
+        raise ScheduleError(span_of(d, name), "slice", name, "the parameter is already sliced")
     users = p.users(name)
     layouts = {u.type.layout for u in users}
     if not users or len(layouts) != 1 or not next(iter(layouts)).sliced:
         shown = ", ".join(f"{u.name} ({u.type.layout})" for u in users) or "none"
-        raise ScheduleError(d.span, "slice", name, f"every use must run on slices after reorder; uses: {shown}")
+        raise ScheduleError(span_of(d, name), "slice", name, f"every use must run on slices after reorder; uses: {shown}")
     lay = next(iter(layouts))
     if lay.dim >= param.type.ndim or any(u.type.ndim != param.type.ndim for u in users):
-        raise ScheduleError(d.span, "slice", name, "its uses are sliced along a dim the parameter does not have")
+        raise ScheduleError(span_of(d, name), "slice", name, "its uses are sliced along a dim the parameter does not have")
     src = dict(p.updates).get(name)
     if src is not None:
         p = _unsliced_update(p, name, src, lay, d)
@@ -179,9 +183,9 @@ def _unsliced_update(p: Program, name: str, src: str, lay, d: Slice) -> Program:
         return p
     if not (isinstance(s.expr, Op) and s.expr.op == "allgather" and isinstance(s.expr.args[0], Ref)
             and p.type_of(s.expr.args[0].name).layout == lay):
-        raise ScheduleError(d.span, "slice", name, f"its update '{src}' is computed whole; reorder it first")
+        raise ScheduleError(span_of(d, name), "slice", name, f"its update '{src}' is computed whole; reorder it first")
     if p.fusion_of(src) is not None:
-        raise ScheduleError(d.span, "slice", name, f"'{src}' is already fused; slice before fuse")
+        raise ScheduleError(span_of(d, name), "slice", name, f"'{src}' is already fused; slice before fuse")
     updates = tuple((t, s.expr.args[0].name if t == name else v) for t, v in p.updates)
     p = replace(p, updates=updates)
     return drop_stage(p, src) if not is_used(p, src) else p

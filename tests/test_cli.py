@@ -1,0 +1,354 @@
+"""The coconetc command: check, show, run --interp. User errors come out as diagnostics with
+a caret and no Python traceback; --debug adds the traceback; run exits non-zero when a
+schedule's results differ from the program's."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+
+from coconetc import cli
+from coconetc.driver import Module, ScheduleIR, load_file, load_source
+from coconetc.interp.session import run_interp
+from coconetc.ir import printer
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.ccn"))
+COCONETC = REPO / ".venv" / "bin" / "coconetc"
+SCHEDULES = [(f, p, s) for f in EXAMPLES for p, scheds in load_file(f).schedules.items()
+             for s, x in scheds.items() if not x.auto]
+
+BROKEN = """\
+program sgd(g: f32[N] local, w: f32[N] replicated, lr: f32) {
+    g1 = allreduce(sum, g)
+    w1 = update(w, w - lr * g2)
+    h = g1 + undefined_thing
+}
+"""
+
+
+def invoke(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli.main, [str(a) for a in args])
+
+
+def clean_error(res: Result, *needles: str) -> None:
+    """Exit 1, the message on stderr, no traceback anywhere."""
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit)
+    for n in needles:
+        assert n in res.stderr, res.stderr
+
+
+@pytest.fixture
+def broken(tmp_path: Path) -> Path:
+    path = tmp_path / "broken.ccn"
+    path.write_text(BROKEN)
+    return path
+
+
+# ---- check ----
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_check_example(path: Path) -> None:
+    res = invoke("check", path)
+    assert res.exit_code == 0, res.output
+    assert f"{path}: ok" in res.stdout
+
+
+def test_check_several_files_one_broken(broken: Path) -> None:
+    res = invoke("check", REPO / "examples" / "sgd.ccn", broken)
+    assert res.exit_code == 1
+    assert "sgd.ccn: ok" in res.stdout
+    assert f"{broken}:3:" in res.stderr
+
+
+def test_check_broken_file_reports_every_error_with_a_caret(broken: Path) -> None:
+    res = invoke("check", broken)
+    clean_error(res, f"{broken}:3:29: error: unknown name 'g2'", f"{broken}:4:14: error: unknown name 'undefined_thing'")
+    lines = res.stderr.splitlines()
+    i = lines.index(f"{broken}:3:29: error: unknown name 'g2'")
+    assert lines[i + 1] == "        w1 = update(w, w - lr * g2)"
+    assert lines[i + 2] == "    " + " " * 28 + "^^"
+
+
+def test_check_debug_shows_the_traceback(broken: Path) -> None:
+    res = invoke("--debug", "check", broken)
+    assert res.exit_code == 1
+    assert "Traceback (most recent call last)" in res.stderr
+    assert "CompileError" in res.stderr
+    assert f"{broken}:3:29: error:" in res.stderr
+
+
+def test_show_debug_shows_the_traceback(broken: Path) -> None:
+    res = invoke("--debug", "show", broken)
+    assert res.exit_code == 1 and "Traceback" in res.stderr
+
+
+def test_check_missing_file(tmp_path: Path) -> None:
+    clean_error(invoke("check", tmp_path / "nope.ccn"), "cannot read", "nope.ccn")
+
+
+def test_subprocess_check_broken_file_has_no_traceback(broken: Path) -> None:
+    proc = subprocess.run([COCONETC, "check", broken], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert f"{broken}:3:29: error: unknown name 'g2'" in proc.stderr
+    assert "^^" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_subprocess_run_interp(tmp_path: Path) -> None:
+    out = tmp_path / "out.npz"
+    proc = subprocess.run([COCONETC, "run", REPO / "examples" / "adam.ccn", "--ranks", "3", "-s", "zero",
+                           "--interp", "--save", out], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "matches the unscheduled program on every rank" in proc.stdout
+    assert out.exists()
+
+
+def test_version() -> None:
+    res = invoke("--version")
+    assert res.exit_code == 0 and "0.1.0" in res.output
+
+
+# ---- show ----
+
+def test_show_text_is_the_printed_program() -> None:
+    path = REPO / "examples" / "sgd.ccn"
+    res = invoke("show", path)
+    assert res.exit_code == 0
+    assert res.stdout == printer.program(load_file(path).programs["sgd"])
+
+
+def test_show_schedule_text() -> None:
+    path = REPO / "examples" / "adam.ccn"
+    res = invoke("show", path, "--schedule", "zero")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == printer.program(load_file(path).schedule("adam", "zero").ir)
+    assert "m: f32[N] sliced(0)" in res.stdout and "schedule printed for adam {" in res.stdout
+
+
+def test_show_dot_with_schedule() -> None:
+    from test_printer import check_dot
+    res = invoke("show", REPO / "examples" / "mlp_out.ccn", "-s", "overlapped", "--format", "dot")
+    assert res.exit_code == 0, res.output
+    g = check_dot(res.stdout)
+    assert "cluster_f" in g.clusters and ("y", "rs") in g.edges
+
+
+def test_show_picks_the_program_that_owns_the_schedule() -> None:
+    res = invoke("show", REPO / "examples" / "conv2d.ccn", "-s", "rs_c_ag")
+    assert res.exit_code == 0 and "program conv_tp(" in res.stdout
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("-s", "nope"), "no schedule 'nope' for program 'adam'"),
+    (("-p", "nope"), "no program 'nope'"),
+    (("-s", "all"), "no schedule 'all'"),
+], ids=["schedule", "program", "all"])
+def test_show_unknown_names(args: tuple[str, ...], needle: str) -> None:
+    clean_error(invoke("show", REPO / "examples" / "adam.ccn", *args), needle)
+
+
+def test_show_auto_schedule_is_a_clean_error() -> None:
+    clean_error(invoke("show", REPO / "examples" / "sgd.ccn", "-s", "auto"), "autotuner")
+
+
+def test_show_needs_a_program_in_a_file_with_several() -> None:
+    clean_error(invoke("show", REPO / "examples" / "conv2d.ccn"), "holds 2 programs", "--program")
+
+
+# ---- run --interp ----
+
+@pytest.mark.parametrize(("path", "prog", "sched"), SCHEDULES,
+                         ids=[f"{f.stem}.{p}.{s}" for f, p, s in SCHEDULES])
+def test_run_every_schedule_matches(path: Path, prog: str, sched: str) -> None:
+    # the pipeline stage needs two groups (of 3 ranks) to send anything that is not zeros
+    ranks = ("--ranks", "6", "--groups", "2") if path.stem == "pipeline" else ("--ranks", "3")
+    res = invoke("run", path, "-p", prog, *ranks, "--schedule", sched, "--interp")
+    assert res.exit_code == 0, res.output
+    assert "matches the unscheduled program on every rank" in res.stdout
+    assert "MISMATCH" not in res.output
+
+
+def test_run_unscheduled() -> None:
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "--interp")
+    assert res.exit_code == 0, res.output
+    assert "sgd: 2 ranks, 1 group(s), N=10" in res.stdout and "matches" not in res.stdout
+
+
+def test_run_schedule_all() -> None:
+    res = invoke("run", REPO / "examples" / "adam.ccn", "--ranks", "3", "-s", "all", "--interp")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.count("matches the unscheduled program on every rank") == 3
+    for s in ("rs_c_ag", "zero", "fused"):
+        assert f"adam [{s}]: 3 ranks" in res.stdout
+
+
+def test_run_schedule_all_skips_auto() -> None:
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "-s", "all", "--interp")
+    assert res.exit_code == 0, res.output
+    assert "sgd [auto]: skipped" in res.stdout and res.stdout.count("matches") == 2
+
+
+def test_run_schedule_all_without_schedules() -> None:
+    res = invoke("run", REPO / "examples" / "conv2d.ccn", "-p", "conv_layer", "-s", "all", "--interp")
+    assert res.exit_code == 0, res.output
+    assert "conv_layer: no schedules to run" in res.stdout
+
+
+def test_run_groups_pipeline() -> None:
+    res = invoke("run", REPO / "examples" / "pipeline.ccn", "--ranks", "4", "--groups", "2",
+                 "-s", "sliced_p2p", "--interp")
+    assert res.exit_code == 0, res.output
+    assert "4 ranks, 2 group(s)" in res.stdout and "matches" in res.stdout
+
+
+def test_run_groups_must_divide_ranks() -> None:
+    clean_error(invoke("run", REPO / "examples" / "pipeline.ccn", "--ranks", "3", "--groups", "2",
+                       "--interp"), "3 ranks do not form 2 equal groups")
+
+
+def test_run_size(tmp_path: Path) -> None:
+    out = tmp_path / "o.npz"
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "--ranks", "3", "-s", "rs_c_ag", "--size", "N=13",
+                 "--interp", "--save", out)
+    assert res.exit_code == 0, res.output
+    assert "N=13" in res.stdout and "float32[13]" in res.stdout and "matches" in res.stdout
+    with np.load(out) as z:
+        assert z["r0.out.w"].shape == (13,) and z["r0.in.g"].shape == (13,)
+
+
+@pytest.mark.parametrize("item", ["N=abc", "N", "N=", "=13", "N=-1", "N=1.5", "M=13"])
+def test_run_bad_size_is_a_clean_error(item: str) -> None:
+    clean_error(invoke("run", REPO / "examples" / "sgd.ccn", "--size", item, "--interp"), "--size")
+
+
+def test_run_unknown_size_symbol_names_the_known_ones() -> None:
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "--size", "M=13", "--interp")
+    clean_error(res, "no size symbol 'M'", "size symbols: N")
+
+
+def test_run_size_too_large_is_a_clean_error() -> None:
+    clean_error(invoke("run", REPO / "examples" / "sgd.ccn", "--size", f"N={10**15}", "--interp"),
+                "coconetc:")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (("-s", "nope"), "no schedule 'nope' for program 'adam' (schedules: rs_c_ag, zero, fused)"),
+    (("-p", "nope"), "no program 'nope'"),
+    (("-p", "nope", "-s", "all"), "no program 'nope'"),
+], ids=["schedule", "program", "program-all"])
+def test_run_unknown_names(args: tuple[str, ...], needle: str) -> None:
+    clean_error(invoke("run", REPO / "examples" / "adam.ccn", *args, "--interp"), needle)
+
+
+def test_run_needs_interp() -> None:
+    clean_error(invoke("run", REPO / "examples" / "sgd.ccn"), "--interp")
+
+
+def test_run_broken_file(broken: Path) -> None:
+    clean_error(invoke("run", broken, "--interp"), f"{broken}:3:29: error:")
+
+
+# ---- run --save ----
+
+def test_save_keys_and_values(tmp_path: Path) -> None:
+    """lamb: every parameter as input, updated parameters as outputs, segments of scattered ones."""
+    path, out = REPO / "examples" / "lamb.ccn", tmp_path / "lamb.npz"
+    res = invoke("run", path, "--ranks", "2", "--interp", "--save", out, "--seed", "7")
+    assert res.exit_code == 0, res.output
+    prog = load_file(path).programs["lamb"]
+    want = {f"r{r}.in.{q.name}" for r in range(2) for q in prog.params}
+    want |= {f"r{r}.out.{t}" for r in range(2) for t in ("w", "m", "v")}
+    want |= {f"r{r}.seg.{t}" for r in range(2) for t in ("g", "w", "m", "v")}
+    ref = run_interp(load_file(path), "lamb", None, 2, seed=7)
+    with np.load(out) as z:
+        assert set(z.files) == want
+        np.testing.assert_array_equal(z["r0.out.w"], ref.results[0].updates["w"])
+        np.testing.assert_array_equal(z["r1.out.m"], ref.results[1].updates["m"])
+        assert z["r0.seg.g"].sum() == 10 and len(z["r0.seg.g"]) > 1
+        np.testing.assert_array_equal(z["r0.seg.g"], z["r0.seg.w"])
+
+
+def test_save_scheduled_zero(tmp_path: Path) -> None:
+    """After slice(m, v) the sliced state comes in and goes out as this rank's slice."""
+    out = tmp_path / "z.npz"
+    res = invoke("run", REPO / "examples" / "lamb.ccn", "--ranks", "2", "-s", "zero", "--interp",
+                 "--save", out)
+    assert res.exit_code == 0, res.output
+    with np.load(out) as z:
+        assert z["r0.in.m"].shape == (5,) and z["r0.out.m"].shape == (5,)
+        assert z["r0.out.w"].shape == (10,)
+        assert "r0.seg.g" in z.files and "r0.seg.m" not in z.files
+
+
+def test_save_outputs_by_public_name(tmp_path: Path) -> None:
+    out = tmp_path / "m.npz"
+    res = invoke("run", REPO / "examples" / "mlp_out.ccn", "-s", "overlapped", "--interp", "--save", out)
+    assert res.exit_code == 0, res.output
+    with np.load(out) as z:
+        assert {"r0.out.out", "r1.out.out", "r0.in.x", "r1.in.seed"} <= set(z.files)
+        assert not any(".seg." in k for k in z.files)
+
+
+def test_save_with_schedule_all_writes_one_file_each(tmp_path: Path) -> None:
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "-s", "all", "--interp", "--save", tmp_path / "s.npz")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.fused.npz", "s.rs_c_ag.npz"]
+
+
+# ---- run: a schedule whose results differ makes the command fail ----
+
+WRONG_SGD = """\
+program sgd(g: f32[N] local, w: f32[N] replicated, lr: f32) {
+    g1 = allreduce(sum, g)
+    w1 = update(w, w + lr * g1)
+}
+"""
+
+
+def _with_wrong_schedule(path: Path, name: str) -> Module:
+    """The real module, except that schedule `name` computes w + lr * g instead of w - lr * g."""
+    mod = load_file(path)
+    wrong = load_source(WRONG_SGD).programs["sgd"]
+    sched = mod.schedules["sgd"][name]
+    mod.schedules["sgd"][name] = dataclasses.replace(sched, ir=wrong)
+    assert isinstance(mod.schedules["sgd"][name], ScheduleIR)
+    return mod
+
+
+@pytest.mark.parametrize("which", ["fused", "all"])
+def test_run_mismatch_exits_nonzero(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    path = REPO / "examples" / "sgd.ccn"
+    monkeypatch.setattr(cli, "load_file", lambda _: _with_wrong_schedule(path, "fused"))
+    res = invoke("run", path, "-s", which, "--interp")
+    assert res.exit_code == 1, res.output
+    assert "MISMATCH against the unscheduled program" in res.stderr
+    assert "rank 0 updated 'w': max abs difference" in res.stderr
+    assert "Traceback" not in res.output
+    if which == "all":  # the good schedule still runs and matches
+        assert "sgd [rs_c_ag]" in res.stdout and "matches the unscheduled" in res.stdout
+
+
+def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter returns a wrong value for the scheduled run only."""
+    from coconetc.interp import session
+    real = session.run
+
+    def perturbed(p, inputs, groups=1):
+        results = real(p, inputs, groups)
+        if p.stage("g1") is None:  # the scheduled program (g1 was split)
+            results[1].updates["w"] = results[1].updates["w"] + 1
+        return results
+
+    monkeypatch.setattr(session, "run", perturbed)
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "-s", "rs_c_ag", "--interp")
+    assert res.exit_code == 1, res.output
+    assert "rank 1 updated 'w'" in res.stderr and "rank 0 updated" not in res.stderr

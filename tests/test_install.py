@@ -1,0 +1,55 @@
+"""A real, non-editable install into a fresh virtualenv works from anywhere: the grammar (and
+the C++ runtime headers) ship as package data. One install; it takes a minute or so."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _copy_sources(dst: Path) -> None:
+    """The files a commit of the work tree would hold (tracked, or new and not ignored), as a
+    fresh clone has them: no build/ or *.egg-info/ left behind in the repository, and no
+    empty directories (git keeps none), so a package directory without files shows up."""
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, names):
+        if (REPO / name).is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dst / name)
+
+
+def _run(*cmd: str | Path, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.mark.slow
+def test_pip_install_and_check_from_elsewhere(tmp_path: Path) -> None:
+    src, venv, work = tmp_path / "src", tmp_path / "venv", tmp_path / "work"
+    _copy_sources(src)
+    work.mkdir()
+    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
+    py, coconetc = venv / "bin" / "python", venv / "bin" / "coconetc"
+    _run(py, "-m", "pip", "install", "-q", "--disable-pip-version-check", src, cwd=tmp_path)
+    shutil.rmtree(src)  # the installed package must not lean on the source tree
+    shutil.copy(REPO / "examples" / "adam.ccn", work / "adam.ccn")
+
+    where = _run(py, "-c", "import coconetc, coconetc.paths as p; print(coconetc.__file__); "
+                 "print(p.grammar_file()); print(p.runtime_dir())", cwd=work).stdout.split()
+    site = str(venv)
+    assert all(w.startswith(site) for w in where), where
+    assert (Path(where[1])).is_file() and any((Path(where[2]) / "coconet").glob("*.h"))
+
+    res = subprocess.run([coconetc, "check", "adam.ccn"], cwd=work, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "adam.ccn: ok (1 programs: adam; 3 schedules)" in res.stdout
+    res = _run(coconetc, "run", "adam.ccn", "--ranks", "3", "-s", "zero", "--interp", cwd=work, timeout=120)
+    assert "matches the unscheduled program on every rank" in res.stdout
