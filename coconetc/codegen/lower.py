@@ -86,7 +86,16 @@ class Lowerer:
         self._prologue()
         in_place = self._in_place_updates()
         outputs = {s: pub for pub, s in self.p.outputs}
+        done: set[str] = set()
         for s in self.p.stages:
+            if s.name in done:
+                continue
+            fusion = self.p.fusion_of(s.name)
+            plan = fused_plan(self.p, fusion, self.scattered, self) if fusion else None
+            if plan is not None:
+                self._fused(plan, outputs, in_place)
+                done.update(fusion.stages)
+                continue
             self._stage(s, outputs.get(s.name), in_place.get(s.name))
         self._epilogue(in_place)
         comment = f"program {self.p.name} ({self.file})"
@@ -155,9 +164,12 @@ class Lowerer:
                 self.emit(f"std::copy_n(v_{s}, {_prod(self.ldims(self.types[s]))}, a.output<{CTYPE[self.types[s].dtype]}>({self.sig.outputs.index(pub)}));")
 
     # --- stages -------------------------------------------------------------------------
-    def _stage(self, s: Stage, output: str | None, param: str | None) -> None:
+    def _comment(self, s: Stage) -> None:
         line = s.span.line if s.span and s.span.line else "?"
         self.emit(f"// stage {s.name} ({self.file}:{line}): {s.name} = {printer.expr(s.expr)}")
+
+    def _place(self, s: Stage, output: str | None, param: str | None) -> None:
+        """Where stage s's value lives: an output array, its parameter (in place), or new."""
         ct = CTYPE[s.type.dtype]
         if output is not None and self.p.param(s.name) is None:
             self.emit(f"{ct}* const v_{s.name} = a.output<{ct}>({self.sig.outputs.index(output)});")
@@ -166,6 +178,10 @@ class Lowerer:
         else:
             self._alloc(s.name, s.type)
         self.types[s.name] = s.type
+
+    def _stage(self, s: Stage, output: str | None, param: str | None) -> None:
+        self._comment(s)
+        self._place(s, output, param)
         e = s.expr
         if isinstance(e, Op) and e.op in COLLECTIVES:
             x = self._materialize(e.args[0], s.name)
@@ -209,6 +225,7 @@ class Lowerer:
 
     # --- pointwise loops ------------------------------------------------------------------
     def _loop(self, dst: str, t: TType, e: Expr) -> None:
+        """A loop computing dst = e over dst's local elements."""
         ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
         refs = [r for r in walk(e) if isinstance(r, Ref)]
         segmented = any(r.name in self.scattered for r in refs)
@@ -357,6 +374,67 @@ class Lowerer:
         else:
             raise NotImplementedError(f"cpu backend: {e.op}")
 
+    # --- fused collectives -----------------------------------------------------------------
+    def _fused(self, plan: FusedPlan, outputs: dict, in_place: dict) -> None:
+        """One fused collective: each chunk of this rank's slice is reduced (fused.h), the
+        fusion's computations run on it at once, and gathered values are written straight into
+        their slice of the full-size result, which the collective fills in from the others."""
+        coll = plan.collective
+        self.emit(f"// fused {plan.name}: {', '.join(plan.members)} ({coll.expr.op} + computation"
+                  f"{' + allgather' if plan.gather else ''}, chunk by chunk)")
+        x = self._materialize(coll.expr.args[0], coll.name)
+        xt, ct = self.types[x], CTYPE[coll.type.dtype]
+        if plan.gather is not None:
+            self._comment(plan.gather)
+            self._place(plan.gather, outputs.get(plan.gather.name), in_place.get(plan.gather.name))
+        gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
+        off = self.offset(coll.type) if coll.type.layout.sliced else "int64_t(0)"
+        inner = _prod(self.gdims(coll.type)[1:])
+        o = f"off_{plan.name}"
+        self.emit(f"const int64_t {o} = {off} * {inner};")
+        stored = [c for c in plan.computes if self._needed_after(c.name, plan.members)]
+        for c in plan.computes:
+            self._comment(c)
+            self.types[c.name] = c.type
+            if c.name == gathered:
+                self.emit(f"  {CTYPE[c.type.dtype]}* const v_{c.name} = v_{plan.gather.name} + {o};"
+                          "  // computed in place inside the gathered result")
+            elif c in stored:
+                self._place(c, outputs.get(c.name), in_place.get(c.name))
+            else:
+                self.emit(f"  // ({c.name} lives in a register of the fused loop)")
+        src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
+               else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
+        self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, const {COMPUTE[coll.type.dtype]}* red) {{")
+        self.emit(f"  const int64_t lo = gb - {o}, hi = ge - {o};")
+        self.emit("    for (int64_t i = lo; i < hi; ++i) {")
+        chunk = {coll.name: "red[i - lo]"}
+        for c in plan.computes:
+            base = self._loader(c.type)
+            body = emit(c.expr, lambda r, base=base: chunk.get(r.name) or base(r), self._extra(c.type))
+            self.emit(f"      const {COMPUTE[c.type.dtype]} x_{c.name} = coconet::round_to<{CTYPE[c.type.dtype]}>({body});")
+            chunk[c.name] = f"x_{c.name}"
+            if c in stored or c.name == gathered:
+                self.emit(f"      v_{c.name}[i] = coconet::from_compute<{CTYPE[c.type.dtype]}>(x_{c.name});")
+        self.emit("    }")
+        self.emit("  };")
+        op = _OPS[coll.expr.attr("op")]
+        if coll.expr.op == "reducescatter":
+            targets = (f"{{coconet::gather_target(v_{plan.gather.name}, {_prod(self.gdims(plan.gather.type))})}}"
+                       if plan.gather is not None else "{}")
+            self.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
+                      f"coconet::Shape3{{{self._shape3(xt, coll.type.layout.dim)}}}, comm, "
+                      f"coconet::fused_chunk_elems(), compute_{plan.name}, {targets});")
+        else:
+            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src}, comm, "
+                      f"coconet::fused_chunk_elems(), compute_{plan.name});")
+        self.types[coll.name] = coll.type
+
+    def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
+        """Is a fused stage's value read outside its fusion (so it must be stored)?"""
+        return (any(u.name not in members for u in self.p.users(name))
+                or any(s == name for _, s in self.p.outputs) or any(s == name for _, s in self.p.updates))
+
     # --- collectives ----------------------------------------------------------------------
     def _shape3(self, t: TType, d: int) -> str:
         g = self.gdims(t)
@@ -399,6 +477,42 @@ class Lowerer:
         self.emit(f"coconet::copy_out(coconet::Segments<const {CTYPE[xt.dtype]}>(p_{x}), 0, "
                   f"{_prod(self.ldims(xt))}, v_{name});")
         return f"v_{name}"
+
+
+@dataclass
+class FusedPlan:
+    name: str
+    members: tuple[str, ...]
+    collective: Stage  # the reducescatter (or allreduce)
+    computes: list[Stage]  # pointwise stages on its chunks, in order
+    gather: Stage | None  # the allgather of one computed value
+
+
+def fused_plan(p: Program, fusion, scattered: set[str], low: Lowerer) -> FusedPlan | None:
+    """How a fusion runs as one fused collective, or None when this backend runs it stage by
+    stage: it needs a reducescatter along dim 0 (or an allreduce) whose reduced value and
+    computations are pointwise over the same elements (no reductions, no scattered operands)."""
+    stages = [p.stage(n) for n in fusion.stages]
+    colls = [s for s in stages if s.kind == "collective"]
+    first = next((s for s in colls if s.expr.op in ("reducescatter", "allreduce")), None)
+    if first is None or (first.expr.op == "reducescatter" and first.type.layout.dim != 0):
+        return None
+    gather = next((s for s in colls if s.expr.op == "allgather"), None)
+    if len(colls) != (2 if gather else 1) or (gather and first.expr.op != "reducescatter"):
+        return None
+    computes = [s for s in stages if s.kind != "collective"]
+    for s in computes:
+        if s.type.shape != first.type.shape or s.type.layout != first.type.layout:
+            return None
+        for n in walk(s.expr):
+            if isinstance(n, Op) and n.op not in POINTWISE:
+                return None
+            if isinstance(n, Ref) and (n.name in scattered or (
+                    n.name in fusion.stages and low._access(n, s.type) != "i")):
+                return None
+    if gather is not None and gather.expr.args[0].name not in {s.name for s in computes}:
+        return None
+    return FusedPlan(fusion.name, fusion.stages, first, computes, gather)
 
 
 def _symbols(d: Dim) -> set[str]:

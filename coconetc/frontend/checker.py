@@ -291,6 +291,9 @@ def _call(call: ast.Call, ctx: _Ctx, top: bool) -> ir.Expr:
         else:
             args.append(_expr(a, ctx))  # type: ignore[arg-type]
     _check_ints(call, attrs)
+    if call.fn in ("reducescatter", "scatter") and not attrs["dim"] < args[0].type.ndim:
+        raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
+                      f"{args[0].type.ndim}-d tensor")
     if call.fn == "dropout":
         _check_dropout(call, args, ctx)
         attrs["site"] = f"{ctx.stage}#{ctx.sites}"
@@ -302,12 +305,23 @@ def _call(call: ast.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     return _op(call.fn, tuple(args), attrs, call.span)
 
 
+def _arg_span(call: ast.Call, name: str) -> Span:
+    """The span of the argument bound to parameter `name` (the call's when it is defaulted)."""
+    for kw in call.kwargs:
+        if kw.name == name:
+            return kw.value.span
+    names, defaults = _SIGNATURES[call.fn]
+    allowed = names + tuple(defaults)
+    i = allowed.index(name) if name in allowed else len(call.args)
+    return call.args[i].span if i < len(call.args) else call.span
+
+
 def _check_ints(call: ast.Call, attrs: dict) -> None:
     if attrs.get("stride", 1) < 1:
-        raise TypeErr(call.span, "conv2d's stride must be at least 1")
+        raise TypeErr(_arg_span(call, "stride"), "conv2d's stride must be at least 1")
     for k in ("root", "padding", "dim"):
         if attrs.get(k, 0) < 0:
-            raise TypeErr(call.span, f"{call.fn}()'s {k} must not be negative")
+            raise TypeErr(_arg_span(call, k), f"{call.fn}()'s {k} must not be negative")
 
 
 def _check_dropout(call: ast.Call, args: list[ir.Expr], ctx: _Ctx) -> None:

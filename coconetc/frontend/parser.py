@@ -28,15 +28,20 @@ class _DropNewlinesInBrackets:
 
     def __init__(self) -> None:
         self.open: list[Token] = []
+        self.params = False  # the outermost open bracket is a program's parameter list
+        self.last: list[Token] = []  # the last two tokens seen (the newest last)
 
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
         depth = 0
-        self.open = []
+        self.open, self.last = [], []
         for tok in stream:
             if tok.type in _PAIRS:
+                if not self.open:
+                    self.params = len(self.last) == 2 and str(self.last[0]) == "program"
                 self.open.append(tok)
             elif self.open and tok.type == _PAIRS[self.open[-1].type]:
                 self.open.pop()
+            self.last = [*self.last[-1:], tok]
             if tok.type in _OPEN:
                 depth += 1
             elif tok.type in _CLOSE:
@@ -98,10 +103,24 @@ def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> D
                       f"'{last}' is never closed (found {found})")
 
 
+def _missing_comma(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
+    """`x: f32[N] local  w: f32`: the ':' of a parameter whose ',' is missing."""
+    post = _parser().options.postlex
+    if not (isinstance(err, lark.exceptions.UnexpectedToken) and err.token.type == "COLON"
+            and post.params and len(post.open) == 1 and len(post.last) == 2):
+        return None
+    # the token before the ':' (the contextual lexer may reject ':' before this post-lexer sees it)
+    seen_colon = post.last[-1].start_pos == err.token.start_pos
+    name = post.last[0] if seen_colon else post.last[-1]
+    if name.type != "NAME":
+        return None
+    return Diagnostic(_tok_span(name, file, source), f"missing ',' before parameter '{name}'")
+
+
 def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic:
-    unclosed = _unclosed(err, file, source)
-    if unclosed is not None:
-        return unclosed
+    found = _unclosed(err, file, source) or _missing_comma(err, file, source)
+    if found is not None:
+        return found
     line, col = max(err.line, 1), max(err.column, 1)
     width = 1
     if isinstance(err, lark.exceptions.UnexpectedCharacters):

@@ -15,7 +15,9 @@
 #include "comm.h"
 #include "dtypes.h"
 #include "errors.h"
+#include "fused.h"
 #include "gemm.h"
+#include "overlap.h"
 #include "kernels.h"
 #include "rng.h"
 #include "segments.h"
@@ -44,6 +46,15 @@ inline int omp_threads() {
     MPI_Comm_free(&node);
     int cores = static_cast<int>(std::thread::hardware_concurrency());
     return std::max(1, cores / std::max(1, local));
+  }();
+  return n;
+}
+
+// Elements per chunk of a fused collective: COCONET_CHUNK, else 2^16.
+inline int64_t fused_chunk_elems() {
+  static int64_t n = [] {
+    const char* env = std::getenv("COCONET_CHUNK");
+    return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(1) << 16;
   }();
   return n;
 }
