@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/coconetc run examples/adam.ccn --ranks 4 --schedule all --size N=4099 --interp
+	$(VENV)/bin/coconetc run examples/adam.ccn --ranks 4 --schedule all --size N=4099
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check coconetc tests

@@ -142,9 +142,10 @@ def _save_path(save: str, schedule: str | None, several: bool) -> str:
 @click.option("--save", type=click.Path(), help="Write every rank's inputs and results (.npz).")
 @click.option("--interp", is_flag=True, help="Run on the reference interpreter (simulated ranks).")
 def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> None:
-    """Run a program (and check a schedule against it) on random inputs."""
-    if not interp:
-        _fail("coconetc: the compiled CPU backend is not built yet; run with --interp")
+    """Run a program (and check a schedule against it) on random inputs.
+
+    Compiled (the default): builds the module, launches R ranks with mpiexec, compares every
+    rank's results with the interpreter and prints timings. --interp: simulated ranks only."""
     if ranks % groups:
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
     from coconetc.interp.harness import size_symbols
@@ -152,11 +153,49 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
     names = _schedule_names(mod, name, schedule)
+    if not interp:
+        _run_compiled(file, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
         bad |= _run_one(mod, name, s, ranks, groups, sz, seed, path)
     sys.exit(1 if bad else 0)
+
+
+def _run_compiled(file, name, names, ranks, groups, sizes, seed, save) -> None:
+    """Build in this process (progress on stderr), then run the worker on R ranks."""
+    from coconetc.build.builder import BuildError
+    from coconetc.build.launch import run_python
+    from coconetc.build.loader import compile_module
+    try:
+        compile_module(file)
+    except BuildError as err:
+        _fail(str(err))
+    argv = ["-m", "coconetc.build.worker", str(file), "--program", name, "--groups", str(groups),
+            "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
+    argv += [f"--schedule={s or 'default'}" for s in names
+             if s is None or not _load(file).schedule(name, s).auto]
+    if save:
+        argv += ["--save", save]
+    sys.exit(run_python(ranks, argv))
+
+
+@main.command()
+@click.argument("file", type=click.Path())
+@click.option("--output", "-o", type=click.Path(), help="Directory for the sources and the build.")
+@click.option("--backend", type=click.Choice(["cpu"]), default="cpu", show_default=True)
+def compile(file: str, output: str | None, backend: str) -> None:  # noqa: A001 - the command's name
+    """Generate C++ for every program and schedule of FILE and build the extension module."""
+    from coconetc.build.builder import BuildError
+    from coconetc.build.loader import compile_module
+    _load(file)
+    try:
+        _, src, so = compile_module(file, output)
+    except BuildError as err:
+        _fail(str(err))
+    click.echo(f"{file}: built {so}")
+    for (prog, sched), fn in src.functions.items():
+        click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:

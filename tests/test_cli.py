@@ -249,8 +249,18 @@ def test_run_unknown_names(args: tuple[str, ...], needle: str) -> None:
     clean_error(invoke("run", REPO / "examples" / "adam.ccn", *args, "--interp"), needle)
 
 
-def test_run_needs_interp() -> None:
-    clean_error(invoke("run", REPO / "examples" / "sgd.ccn"), "--interp")
+def test_run_compiled_on_mpi_ranks() -> None:
+    """Without --interp: build, launch 2 ranks with mpiexec, compare with the interpreter."""
+    import subprocess
+    import sys
+    exe = Path(sys.executable).parent / "coconetc"
+    res = subprocess.run([str(exe), "run", str(REPO / "examples" / "sgd.ccn"), "--ranks", "2",
+                          "--schedule", "all", "--size", "N=13"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for sched in ("default", "fused", "rs_c_ag"):
+        assert f"sgd [{sched}]: 2 ranks" in res.stdout
+    assert res.stdout.count("matches the interpreter on every rank") == 3
 
 
 def test_run_broken_file(broken: Path) -> None:
