@@ -60,6 +60,7 @@ class Lowerer:
         self.types: dict[str, TType] = {q.name: q.type for q in p.params}
         self.scattered = {q.name for q in p.params if q.scattered}
         self.ntemp = 0
+        self.consts: dict[str, str] = {}  # hoisted scalar constants: name -> C++ name
         self.sig = Signature(sizes=sorted({s for q in p.params for d in q.type.shape
                                            for s in _symbols(d)}))
 
@@ -224,8 +225,23 @@ class Lowerer:
         return replace(e, args=tuple(self._hoist(a, stage) for a in e.args))
 
     # --- pointwise loops ------------------------------------------------------------------
+    def _scalars_out(self, e: Expr, stage: str) -> Expr:
+        """Compute the scalar-only parts of a loop's expression (beta1 ** step, ...) once,
+        before the loop: each becomes a named constant the loader returns as it is."""
+        if isinstance(e, Op) and e.type.ndim == 0 and e.op in POINTWISE and e.op != "dropout":
+            name = f"k{len(self.consts)}_{stage}"
+            code = emit(e, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
+            self.emit(f"const {COMPUTE[e.type.dtype]} {name} = {code};")
+            self.consts[name] = name
+            return Ref(name, e.type)
+        if isinstance(e, Op):
+            from dataclasses import replace
+            return replace(e, args=tuple(self._scalars_out(a, stage) for a in e.args))
+        return e
+
     def _loop(self, dst: str, t: TType, e: Expr) -> None:
         """A loop computing dst = e over dst's local elements."""
+        e = self._scalars_out(e, dst)
         ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
         refs = [r for r in walk(e) if isinstance(r, Ref)]
         segmented = any(r.name in self.scattered for r in refs)
@@ -235,11 +251,12 @@ class Lowerer:
         body = emit(e, load, self._extra(t))
         store = f"v_{dst}[i] = coconet::from_compute<{ct}>({body});"
         self.emit("{")
+        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
+        self.emit("  (void)off;")
         if needs_coords:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"  const int64_t L{k} = {d};")
         if segmented:
-            self.emit(f"  const int64_t off = {self.offset(t)};")
             self.emit(f"  coconet::for_each_piece(seg_starts, off, off + {n}, "
                       "[&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
             self.emit("    for (int64_t j = 0; j < len; ++j) {")
@@ -270,6 +287,8 @@ class Lowerer:
     def _access(self, r: Ref, t: TType) -> str | None:
         """Index expression for an operand when no coordinates are needed, else None."""
         rt = r.type
+        if r.name in self.consts:
+            return "0"
         if r.name in self.scattered:
             return "SEG"
         if rt.ndim == 0:
@@ -279,11 +298,13 @@ class Lowerer:
             return "i"
         if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
             inner = _prod(self.gdims(t)[1:])
-            return f"i + {self.offset(t)} * {inner}"
+            return f"i + off * {inner}"
         return None
 
     def _loader(self, t: TType):
         def load(r: Ref) -> str:
+            if r.name in self.consts:
+                return self.consts[r.name]
             idx = self._access(r, t)
             if idx == "SEG":
                 return f"coconet::to_compute(p_{r.name}.ptrs[s][a0 + j])"
@@ -303,7 +324,7 @@ class Lowerer:
                 continue
             coord = f"c{k + shift}"
             if t.layout.sliced and t.layout.dim == k + shift and not rt.layout.sliced:
-                coord = f"({coord} + {self.offset(t)})"
+                coord = f"({coord} + off)"
             terms.append(f"{coord} * {_prod(ld[k + 1:])}")
         return " + ".join(terms) or "0"
 
@@ -311,7 +332,7 @@ class Lowerer:
         if not t.layout.sliced:
             return "i"
         if t.layout.dim == 0:
-            return f"(i + {self.offset(t)} * {_prod(self.gdims(t)[1:])})"
+            return f"(i + off * {_prod(self.gdims(t)[1:])})"
         return None
 
     def _extra(self, t: TType):
@@ -332,7 +353,7 @@ class Lowerer:
         g = self.gdims(t)
         terms = []
         for k in range(t.ndim):
-            coord = f"c{k}" if k != t.layout.dim else f"(c{k} + {self.offset(t)})"
+            coord = f"c{k}" if k != t.layout.dim else f"(c{k} + off)"
             terms.append(f"{coord} * {_prod(g[k + 1:])}")
         return " + ".join(terms) or "0"
 
@@ -405,13 +426,16 @@ class Lowerer:
                 self.emit(f"  // ({c.name} lives in a register of the fused loop)")
         src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
                else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
+        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
         self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, const {COMPUTE[coll.type.dtype]}* red) {{")
         self.emit(f"  const int64_t lo = gb - {o}, hi = ge - {o};")
+        self.emit(f"  const int64_t off = {off};")
+        self.emit("  (void)off;")
         self.emit("    for (int64_t i = lo; i < hi; ++i) {")
         chunk = {coll.name: "red[i - lo]"}
         for c in plan.computes:
             base = self._loader(c.type)
-            body = emit(c.expr, lambda r, base=base: chunk.get(r.name) or base(r), self._extra(c.type))
+            body = emit(exprs[c.name], lambda r, base=base: chunk.get(r.name) or base(r), self._extra(c.type))
             self.emit(f"      const {COMPUTE[c.type.dtype]} x_{c.name} = coconet::round_to<{CTYPE[c.type.dtype]}>({body});")
             chunk[c.name] = f"x_{c.name}"
             if c in stored or c.name == gathered:
