@@ -197,7 +197,7 @@ def _program(draw) -> str:
     stages = [n for n in names if n.startswith("s")] or ["s0"]
     directives = []
     for k in range(draw(st.integers(0, 5))):
-        a = lambda: draw(st.sampled_from(stages + ["p0", "lr", f"t{k}"]))  # noqa: E731
+        a = lambda k=k, stages=stages: draw(st.sampled_from(stages + ["p0", "lr", f"t{k}"]))  # noqa: E731
         form = draw(st.sampled_from(["split", "reorder", "slice", "fuse", "overlap"]))
         if form == "split":
             dim = draw(st.sampled_from(["", ", dim=1", ", dim=0", ", dim=5"]))
