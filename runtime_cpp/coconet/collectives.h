@@ -124,7 +124,7 @@ void allreduce(Op op, const Segments<TI>& in, const Segments<T>& out, Comm& comm
   static_assert(std::is_same<std::remove_const_t<TI>, T>::value, "allreduce: dtype mismatch");
   require(in.total() == out.total(), "allreduce: scattered input and output sizes differ");
   const Segments<const T> src = in;
-  std::vector<T> buf;
+  T* buf = scratch_as<T>(comm, 0, kScratchStage, std::min(stage, in.total()));
   for (int64_t a = 0; a < in.total(); a += stage) {
     int64_t b = std::min(a + stage, in.total()), n = b - a;
     const T* sp = nullptr;
@@ -135,10 +135,9 @@ void allreduce(Op op, const Segments<TI>& in, const Segments<T>& out, Comm& comm
       allreduce(op, sp, dp, n, comm);
       continue;
     }
-    buf.resize(static_cast<size_t>(n));
-    copy_out(src, a, b, buf.data());
-    allreduce(op, buf.data(), buf.data(), n, comm);
-    copy_in(buf.data(), out, a, b);
+    copy_out(src, a, b, buf);
+    allreduce(op, buf, buf, n, comm);
+    copy_in(static_cast<const T*>(buf), out, a, b);
   }
 }
 
@@ -162,19 +161,18 @@ template <class T>
 void reduce_scatter_rounds(Op op, const Segments<const T>& in, T* out_slice, Shape3 s,
                            Comm& comm, int64_t stage) {
   RoundPlan plan(s, comm.size, stage);
-  std::vector<T> buf;
+  T* buf = scratch_as<T>(comm, 0, kScratchStage, plan.C * comm.size);
   std::vector<int> counts(static_cast<size_t>(comm.size));
   for (int64_t k = 0; k < plan.rounds; ++k) {
-    buf.resize(static_cast<size_t>(plan.C) * comm.size);
     int64_t at = 0;
     for (int r = 0; r < comm.size; ++r) {
       Range g = plan.range(k, r);
-      copy_out(in, g.begin, g.end, buf.data() + at);
+      copy_out(in, g.begin, g.end, buf + at);
       counts[static_cast<size_t>(r)] = static_cast<int>(g.size());
       at += g.size();
     }
     T* dst = out_slice + plan.slice_offset(k, comm.rank);
-    COCONET_MPI(MPI_Reduce_scatter(buf.data(), dst, counts.data(), mpi_type<T>(), mpi_op<T>(op),
+    COCONET_MPI(MPI_Reduce_scatter(buf, dst, counts.data(), mpi_type<T>(), mpi_op<T>(op),
                                    comm.group));
   }
 }
@@ -207,12 +205,12 @@ void reduce_scatter_rows(Op op, const T* in, T* out_slice, Shape3 s, Comm& comm,
                          int64_t stage) {
   int64_t row = s.n * s.inner, mine = slice_range(s.n, comm.size, comm.rank).size() * s.inner;
   int64_t batch = std::max<int64_t>(1, stage / std::max<int64_t>(row, 1));
-  std::vector<T> buf(static_cast<size_t>(std::min(batch, s.outer) * row));
+  T* buf = scratch_as<T>(comm, 0, kScratchStage, std::min(batch, s.outer) * row);
   for (int64_t o0 = 0; o0 < s.outer; o0 += batch) {
     int64_t rows = std::min(batch, s.outer - o0);
     std::vector<int> counts = int_counts(slice_elems(s, comm.size, rows), "reduce_scatter");
-    pack_by_rank(in, buf.data(), s, comm.size, o0, rows);
-    COCONET_MPI(MPI_Reduce_scatter(buf.data(), out_slice + o0 * mine, counts.data(),
+    pack_by_rank(in, buf, s, comm.size, o0, rows);
+    COCONET_MPI(MPI_Reduce_scatter(buf, out_slice + o0 * mine, counts.data(),
                                    mpi_type<T>(), mpi_op<T>(op), comm.group));
   }
 }
@@ -228,7 +226,7 @@ void reduce_scatter(Op op, const T* in, T* out_slice, int64_t outer, int64_t n, 
     std::vector<int> c = int_counts(counts, "reduce_scatter");
     COCONET_MPI(MPI_Reduce_scatter(in, out_slice, c.data(), mpi_type<T>(), mpi_op<T>(op),
                                    comm.group));
-  } else if (outer == 1 || !fits_int(slice_elems(s, comm.size, 1))) {
+  } else if (outer == 1 || !fits_int(counts)) {  // huge slices: staged rounds
     reduce_scatter_rounds(op, Segments<const T>::one(in, s.total()), out_slice, s, comm, stage);
   } else {
     reduce_scatter_rows(op, in, out_slice, s, comm, stage);
@@ -260,7 +258,7 @@ template <class T>
 void allgather_rounds(const T* in_slice, const Segments<T>& out, Shape3 s, Comm& comm,
                       int64_t stage) {
   RoundPlan plan(s, comm.size, stage);
-  std::vector<T> buf(static_cast<size_t>(plan.rounds ? plan.C * comm.size : 0));
+  T* buf = scratch_as<T>(comm, 0, kScratchStage, plan.rounds ? plan.C * comm.size : 0);
   std::vector<int> counts(static_cast<size_t>(comm.size)), displs(counts.size());
   for (int64_t k = 0; k < plan.rounds; ++k) {
     for (int r = 0, at = 0; r < comm.size; at += counts[static_cast<size_t>(r)], ++r) {
@@ -269,11 +267,10 @@ void allgather_rounds(const T* in_slice, const Segments<T>& out, Shape3 s, Comm&
     }
     const T* src = in_slice + plan.slice_offset(k, comm.rank);
     COCONET_MPI(MPI_Allgatherv(src, counts[static_cast<size_t>(comm.rank)], mpi_type<T>(),
-                               buf.data(), counts.data(), displs.data(), mpi_type<T>(),
-                               comm.group));
+                               buf, counts.data(), displs.data(), mpi_type<T>(), comm.group));
     for (int r = 0; r < comm.size; ++r) {
       Range g = plan.range(k, r);
-      copy_in(buf.data() + displs[static_cast<size_t>(r)], out, g.begin, g.end);
+      copy_in(static_cast<const T*>(buf) + displs[static_cast<size_t>(r)], out, g.begin, g.end);
     }
   }
 }
@@ -283,15 +280,15 @@ template <class T>
 void allgather_rows(const T* in_slice, T* out, Shape3 s, Comm& comm, int64_t stage) {
   int64_t row = s.n * s.inner, mine = slice_range(s.n, comm.size, comm.rank).size() * s.inner;
   int64_t batch = std::max<int64_t>(1, stage / std::max<int64_t>(row, 1));
-  std::vector<T> buf(static_cast<size_t>(std::min(batch, s.outer) * row));
+  T* buf = scratch_as<T>(comm, 0, kScratchStage, std::min(batch, s.outer) * row);
   for (int64_t o0 = 0; o0 < s.outer; o0 += batch) {
     int64_t rows = std::min(batch, s.outer - o0);
     std::vector<int64_t> c64 = slice_elems(s, comm.size, rows);
     std::vector<int> counts = int_counts(c64, "allgather"), displs = int_counts(prefix(c64), "");
     COCONET_MPI(MPI_Allgatherv(in_slice + o0 * mine, counts[static_cast<size_t>(comm.rank)],
-                               mpi_type<T>(), buf.data(), counts.data(), displs.data(),
+                               mpi_type<T>(), buf, counts.data(), displs.data(),
                                mpi_type<T>(), comm.group));
-    unpack_by_rank(buf.data(), out, s, comm.size, o0, rows);
+    unpack_by_rank(static_cast<const T*>(buf), out, s, comm.size, o0, rows);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
@@ -62,6 +63,19 @@ struct Comm {
     if (world != MPI_COMM_NULL) MPI_Comm_free(&world);
   }
 
+  // A reusable scratch buffer of at least `bytes` bytes for (channel, index), kept (and grown)
+  // for the Comm's life, so operations called every training step do not pay for fresh pages
+  // each time.  Operations that can be in flight together use different keys; the contents are
+  // undefined on return.
+  void* scratch(int channel, int index, size_t bytes) {
+    Scratch& s = scratch_[{channel, index}];
+    if (s.size < bytes) {
+      s.data.reset(new char[bytes]);
+      s.size = bytes;
+    }
+    return s.data.get();
+  }
+
   // World rank of send's peer: where data goes for `next`, where it comes from for `prev`.
   int peer(Direction d) const { return d == Direction::next ? next_peer : prev_peer; }
 
@@ -81,8 +95,23 @@ struct Comm {
   }
 
  private:
+  struct Scratch {
+    std::unique_ptr<char[]> data;
+    size_t size = 0;
+  };
   std::vector<MPI_Comm> channels_;
+  std::map<std::pair<int, int>, Scratch> scratch_;
 };
+
+// Scratch memory for n elements of T (see Comm::scratch).
+template <class T>
+T* scratch_as(Comm& comm, int channel, int index, int64_t n) {
+  return static_cast<T*>(comm.scratch(channel, index, static_cast<size_t>(n) * sizeof(T)));
+}
+
+// Scratch keys of the runtime: channel 0 serves blocking operations (the fused collectives use
+// indexes 0..4, the staged collectives kScratchStage); overlap tasks use their own channel.
+constexpr int kScratchStage = 8;
 
 // ---- a cache of Comms per (caller communicator, groups) ------------------------------------
 //

@@ -34,7 +34,7 @@
 // Requirements: compute must not write the input ranges of later rounds (writing the input of
 // the current chunk, e.g. an in-place update of the reduced tensor itself, is fine); compute
 // must not throw (exceptions abort the job, errors.h).  Memory: 2 * R * C elements of T plus C
-// of compute_t<T>.
+// of compute_t<T>, from the Comm's scratch buffers (reused from call to call).
 #pragma once
 
 #include <mpi.h>
@@ -124,8 +124,9 @@ class FusedRsComputeAg {
       require(g.total() == shape.total(), "fused collective: gather target size mismatch");
     mpi_count(plan_.C, "fused collective chunk");
     comm_ = comm.channel(channel);
-    for (auto& s : slots_) s.resize(static_cast<size_t>(plan_.rounds ? plan_.C * R_ : 0));
-    red_.resize(static_cast<size_t>(plan_.rounds ? plan_.C : 0));
+    int64_t c = plan_.rounds ? plan_.C : 0;
+    for (int s = 0; s < 2; ++s) slots_[s] = scratch_as<T>(comm, channel, s, c * R_);
+    red_ = scratch_as<compute_t<T>>(comm, channel, 2, c);
     post_more();
   }
 
@@ -154,7 +155,7 @@ class FusedRsComputeAg {
     for (int p = 0; p < R_; ++p) {
       if (p == me_ || mine.empty()) continue;
       reqs_[slot].emplace_back();
-      COCONET_MPI(MPI_Irecv(slots_[slot].data() + p * plan_.C, static_cast<int>(mine.size()),
+      COCONET_MPI(MPI_Irecv(slots_[slot] + p * plan_.C, static_cast<int>(mine.size()),
                             mpi_type<T>(), p, kTagReduce, comm_, &reqs_[slot].back()));
     }
     for (int p = 0; p < R_; ++p) {
@@ -167,17 +168,17 @@ class FusedRsComputeAg {
   // Combines round k's contributions (rank order) into red_.
   void reduce_round(int64_t k) {
     Range mine = plan_.range(k, me_);
-    const T* slot = slots_[k % 2].data();
+    const T* slot = slots_[k % 2];
     for (int r = 0; r < R_; ++r) {
       if (r != me_) {
-        accumulate(op_, r == 0, red_.data(), slot + r * plan_.C, mine.size());
+        accumulate(op_, r == 0, red_, slot + r * plan_.C, mine.size());
         continue;
       }
       in_.for_each(mine.begin, mine.end, [&](const T* p, int64_t at, int64_t len) {
-        accumulate(op_, r == 0, red_.data() + at, p, len);
+        accumulate(op_, r == 0, red_ + at, p, len);
       });
     }
-    finish_chunk<T>(op_, red_.data(), mine.size(), R_);
+    finish_chunk<T>(op_, red_, mine.size(), R_);
   }
 
   // Posts round k's gathers: my piece of every target to every peer, theirs into place.
@@ -204,7 +205,7 @@ class FusedRsComputeAg {
     int64_t k = done_;
     reduce_round(k);
     Range mine = plan_.range(k, me_);
-    compute_in_pieces(mine.begin, mine.end, red_.data(), piece_, compute_, [&] { progress(); });
+    compute_in_pieces(mine.begin, mine.end, red_, piece_, compute_, [&] { progress(); });
     post_gather(k);
     ++done_;
     post_more();
@@ -235,10 +236,10 @@ class FusedRsComputeAg {
   std::vector<GatherTarget> gathers_;
   int64_t piece_;
   MPI_Comm comm_ = MPI_COMM_NULL;
-  std::vector<T> slots_[2];
+  T* slots_[2] = {nullptr, nullptr};  // per round parity: R chunks, one per peer (scratch)
   std::vector<MPI_Request> reqs_[2];
   std::vector<MPI_Request> gather_reqs_;
-  std::vector<compute_t<T>> red_;
+  compute_t<T>* red_ = nullptr;  // the reduced chunk (scratch)
   int64_t posted_ = 0, done_ = 0;
 };
 
@@ -275,12 +276,14 @@ class FusedAllreduceCompute {
         compute_(std::move(compute)), piece_(std::max<int64_t>(progress_elems, 1)) {
     mpi_count(C_, "fused allreduce chunk");
     comm_ = comm.channel(channel);
+    C_ = std::min(C_, std::max<int64_t>(in_.total(), 1));
     rounds_ = (in_.total() + C_ - 1) / C_;
+    int64_t c = rounds_ ? C_ : 0;
     for (int s = 0; s < 2; ++s) {
-      sbuf_[s].resize(static_cast<size_t>(rounds_ ? C_ : 0));
-      rbuf_[s].resize(sbuf_[s].size());
+      sbuf_[s] = scratch_as<T>(comm, channel, s, c);
+      rbuf_[s] = scratch_as<T>(comm, channel, 2 + s, c);
     }
-    red_.resize(sbuf_[0].size());
+    red_ = scratch_as<compute_t<T>>(comm, channel, 4, c);
     post_more();
   }
 
@@ -310,21 +313,21 @@ class FusedAllreduceCompute {
       src = len == c.size() ? p : nullptr;
     });
     if (!src) {
-      copy_out(in_, c.begin, c.end, sbuf_[s].data());
-      src = sbuf_[s].data();
+      copy_out(in_, c.begin, c.end, sbuf_[s]);
+      src = sbuf_[s];
     }
-    COCONET_MPI(MPI_Iallreduce(src, rbuf_[s].data(), static_cast<int>(c.size()), mpi_type<T>(),
+    COCONET_MPI(MPI_Iallreduce(src, rbuf_[s], static_cast<int>(c.size()), mpi_type<T>(),
                                mpi_op<T>(op_), comm_, &req_[s]));
   }
 
   // Converts chunk done_ to the compute type and computes on it.
   void run_round() {
     Range c = chunk(done_);
-    const T* r = rbuf_[done_ % 2].data();
-    for (int64_t i = 0; i < c.size(); ++i) red_[static_cast<size_t>(i)] = to_compute(r[i]);
-    finish_chunk<T>(op_, red_.data(), c.size(), R_);
+    const T* r = rbuf_[done_ % 2];
+    for (int64_t i = 0; i < c.size(); ++i) red_[i] = to_compute(r[i]);
+    finish_chunk<T>(op_, red_, c.size(), R_);
     MPI_Request& next = req_[(done_ + 1) % 2];
-    compute_in_pieces(c.begin, c.end, red_.data(), piece_, compute_, [&] {
+    compute_in_pieces(c.begin, c.end, red_, piece_, compute_, [&] {
       int flag;
       COCONET_MPI(MPI_Test(&next, &flag, MPI_STATUS_IGNORE));
     });
@@ -355,9 +358,10 @@ class FusedAllreduceCompute {
   int64_t piece_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int64_t rounds_ = 0, posted_ = 0, done_ = 0;
-  std::vector<T> sbuf_[2], rbuf_[2];
+  T* sbuf_[2] = {nullptr, nullptr};  // packed input of a chunk crossing segments (scratch)
+  T* rbuf_[2] = {nullptr, nullptr};  // reduced chunks (scratch)
   MPI_Request req_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  std::vector<compute_t<T>> red_;
+  compute_t<T>* red_ = nullptr;  // the reduced chunk in the compute type (scratch)
 };
 
 // Blocking fused allreduce + compute over a logical 1-D tensor given as segments.
