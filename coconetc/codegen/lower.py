@@ -85,22 +85,43 @@ class Lowerer:
     # --- the function ---------------------------------------------------------------------
     def lower(self) -> Function:
         self._prologue()
+        self.order = execution_order(self.p)
         in_place = self._in_place_updates()
         outputs = {s: pub for pub, s in self.p.outputs}
+        for unit in self._units():
+            if isinstance(unit, FusedPlan):
+                self._fused(unit, outputs, in_place)
+            elif len(unit) > 1:
+                self._chain(unit, outputs, in_place)
+            else:
+                self._stage(unit[0], outputs.get(unit[0].name), in_place.get(unit[0].name))
+        self._epilogue(in_place)
+        comment = f"program {self.p.name} ({self.file})"
+        return Function(self.fn, comment, self.lines, self.sig)
+
+    def _units(self) -> list:
+        """What runs as one piece: a fused collective, a chain of pointwise stages over the
+        same elements (one loop, intermediates in registers), or a single stage."""
+        units: list = []
         done: set[str] = set()
-        for s in self.p.stages:
+        for s in self.order:
             if s.name in done:
                 continue
             fusion = self.p.fusion_of(s.name)
             plan = fused_plan(self.p, fusion, self.scattered, self) if fusion else None
             if plan is not None:
-                self._fused(plan, outputs, in_place)
+                units.append(plan)
                 done.update(fusion.stages)
-                continue
-            self._stage(s, outputs.get(s.name), in_place.get(s.name))
-        self._epilogue(in_place)
-        comment = f"program {self.p.name} ({self.file})"
-        return Function(self.fn, comment, self.lines, self.sig)
+            elif (units and isinstance(units[-1], list) and self._chainable(s)
+                  and self._chainable(units[-1][-1]) and units[-1][-1].type == s.type):
+                units[-1].append(s)
+            else:
+                units.append([s])
+        return units
+
+    def _chainable(self, s: Stage) -> bool:
+        return (s.kind == "compute" and all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr))
+                and not any(isinstance(n, Ref) and n.name in self.scattered for n in walk(s.expr)))
 
     def _prologue(self) -> None:
         for i, sym in enumerate(self.sig.sizes):
@@ -130,7 +151,7 @@ class Lowerer:
         """Stages that may write their parameter's buffer directly: no later stage reads the
         parameter, and the stage reads it (if at all) only at the element it writes."""
         result = {}
-        order = [s.name for s in self.p.stages]
+        order = [s.name for s in self.order]
         returned = {s for _, s in self.p.outputs}
         for t, src in self.p.updates:
             if t in self.scattered or src in returned or any(s == t for _, s in self.p.outputs):
@@ -194,8 +215,12 @@ class Lowerer:
 
     def _alloc(self, name: str, t: TType) -> None:
         ct = CTYPE[t.dtype]
-        self.emit(f"std::vector<{ct}> buf_{name}(static_cast<size_t>({_prod(self.ldims(t))}));")
-        self.emit(f"{ct}* const v_{name} = buf_{name}.data();")
+        # kept across calls (per thread): no allocation and no page faults after the first call
+        self.emit(f"{ct}* const v_{name} = coconet::scratch<{ct}, {self._site()}>({_prod(self.ldims(t))});")
+
+    def _site(self) -> int:
+        self.nsite = getattr(self, "nsite", 0) + 1
+        return self.nsite
 
     def _temp(self, stage: str, t: TType) -> str:
         name = f"t{self.ntemp}_{stage}"
@@ -239,17 +264,47 @@ class Lowerer:
             return replace(e, args=tuple(self._scalars_out(a, stage) for a in e.args))
         return e
 
+    def _chain(self, stages: list[Stage], outputs: dict, in_place: dict) -> None:
+        """Consecutive pointwise stages over the same elements as one loop: a value read only
+        inside the chain stays in a register; the others are stored."""
+        names = {s.name for s in stages}
+        items = []
+        for s in stages:
+            self._comment(s)
+            store = self._needed_after(s.name, tuple(names))
+            if store:
+                self._place(s, outputs.get(s.name), in_place.get(s.name))
+            else:
+                self.types[s.name] = s.type
+                self.emit(f"// ({s.name} lives in a register of the loop below)")
+            items.append((s.name, self._scalars_out(s.expr, s.name), store))
+        self._loop_items(stages[0].type, items)
+
     def _loop(self, dst: str, t: TType, e: Expr) -> None:
         """A loop computing dst = e over dst's local elements."""
-        e = self._scalars_out(e, dst)
+        self._loop_items(t, [(dst, self._scalars_out(e, dst), True)])
+
+    def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]]) -> None:
         ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
-        refs = [r for r in walk(e) if isinstance(r, Ref)]
+        regs = {name for name, _, _ in items}
+        refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in regs]
         segmented = any(r.name in self.scattered for r in refs)
         needs_coords = any(self._access(r, t) is None for r in refs) or (
-            any(isinstance(x, Op) and x.op == "dropout" for x in walk(e)) and self._gidx_simple(t) is None)
-        load = self._loader(t)
-        body = emit(e, load, self._extra(t))
-        store = f"v_{dst}[i] = coconet::from_compute<{ct}>({body});"
+            any(isinstance(x, Op) and x.op == "dropout" for _, e, _ in items for x in walk(e))
+            and self._gidx_simple(t) is None)
+        base = self._loader(t)
+        if len(items) == 1:
+            name, e, _ = items[0]
+            store = f"v_{name}[i] = coconet::from_compute<{ct}>({emit(e, base, self._extra(t))});"
+        else:
+            lines, local = [], {}
+            for name, e, stored in items:
+                body = emit(e, lambda r: local.get(r.name) or base(r), self._extra(t))
+                lines.append(f"const {COMPUTE[t.dtype]} x_{name} = coconet::round_to<{ct}>({body});")
+                local[name] = f"x_{name}"
+                if stored:
+                    lines.append(f"v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
+            store = "\n      ".join(lines)
         self.emit("{")
         self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
         self.emit("  (void)off;")
@@ -537,6 +592,31 @@ def fused_plan(p: Program, fusion, scattered: set[str], low: Lowerer) -> FusedPl
     if gather is not None and gather.expr.args[0].name not in {s.name for s in computes}:
         return None
     return FusedPlan(fusion.name, fusion.stages, first, computes, gather)
+
+
+def execution_order(p: Program) -> list[Stage]:
+    """The stages in the order the generated code runs them: a collective that is not fused
+    waits until just before its first reader (or the end), so that pointwise stages it would
+    separate can share one loop. Data dependencies are kept."""
+    order: list[Stage] = []
+    pending: list[Stage] = []
+    for s in p.stages:
+        if s.kind == "collective" and p.fusion_of(s.name) is None:
+            pending.append(s)
+            continue
+        needed = _pending_needed(pending, _reads(s.expr))
+        order += needed
+        pending = [x for x in pending if x not in needed]
+        order.append(s)
+    return order + pending
+
+
+def _pending_needed(pending: list[Stage], reads: set[str]) -> list[Stage]:
+    need = set(reads)
+    for x in reversed(pending):
+        if x.name in need:
+            need |= _reads(x.expr)
+    return [x for x in pending if x.name in need]
 
 
 def _symbols(d: Dim) -> set[str]:

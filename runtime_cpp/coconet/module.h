@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <memory>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -57,6 +58,16 @@ inline int64_t fused_chunk_elems() {
     return env ? std::max<int64_t>(1, std::atoll(env)) : int64_t(1) << 16;
   }();
   return n;
+}
+
+// A temporary of n elements for allocation site Site of a generated function, kept per thread
+// across calls (grown when needed), so repeated calls neither allocate nor page-fault.  A
+// module function may run in several threads at once; one thread never reenters it.
+template <class T, int Site>
+T* scratch(int64_t n) {
+  static thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
 }
 
 struct CallArgs {
