@@ -89,7 +89,9 @@ class Lowerer:
         in_place = self._in_place_updates()
         outputs = {s: pub for pub, s in self.p.outputs}
         for unit in self._units():
-            if isinstance(unit, FusedPlan):
+            if isinstance(unit, OverlapPlan):
+                self._overlap(unit, outputs, in_place)
+            elif isinstance(unit, FusedPlan):
                 self._fused(unit, outputs, in_place)
             elif len(unit) > 1:
                 self._chain(unit, outputs, in_place)
@@ -104,11 +106,18 @@ class Lowerer:
         same elements (one loop, intermediates in registers), or a single stage."""
         units: list = []
         done: set[str] = set()
+        overlaps = {o.producer: overlap_plan(self.p, o) for o in self.p.overlaps}
+        consumers = {pl.collective.name for pl in overlaps.values() if pl is not None}
         for s in self.order:
             if s.name in done:
                 continue
+            if overlaps.get(s.name) is not None:
+                units.append(overlaps[s.name])
+                done.update((s.name, overlaps[s.name].collective.name))
+                continue
             fusion = self.p.fusion_of(s.name)
-            plan = fused_plan(self.p, fusion, self.scattered, self) if fusion else None
+            plan = (fused_plan(self.p, fusion, self.scattered, self)
+                    if fusion and not consumers & set(fusion.stages) else None)
             if plan is not None:
                 units.append(plan)
                 done.update(fusion.stages)
@@ -514,6 +523,37 @@ class Lowerer:
         return (any(u.name not in members for u in self.p.users(name))
                 or any(s == name for _, s in self.p.outputs) or any(s == name for _, s in self.p.updates))
 
+    # --- overlap ----------------------------------------------------------------------------
+    def _overlap(self, plan: OverlapPlan, outputs: dict, in_place: dict) -> None:
+        """The matmul in chunks of rows (dim 0 of its result); each chunk's collective starts
+        (non-blocking, overlap.h) as soon as the chunk is computed, while the next computes."""
+        y, c = plan.producer, plan.collective
+        self.emit(f"// overlap {y.name} -> {c.name}: {plan.chunks} chunks along dim 0 of {y.name}")
+        a = self._materialize(y.expr.args[0], y.name)
+        b = self._materialize(y.expr.args[1], y.name)
+        for s in (y, c):
+            self._comment(s)
+            self._place(s, outputs.get(s.name), in_place.get(s.name))
+        ct = CTYPE[y.type.dtype]
+        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y.name, a, b, c.name))
+        rows, per_row = ly[0], _prod(ly[1:-1])
+        chunk = f"coconet::chunk_range({rows}, {plan.chunks}, i)"
+        self.emit(f"coconet::overlap({plan.chunks}, [&](int i) {{")
+        self.emit(f"  const coconet::Range r = {chunk};")
+        self.emit(f"  coconet::matmul<{ct}>(v_{a} + r.begin * {per_row} * {la[-1]}, v_{b}, "
+                  f"v_{y.name} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {la[-1]}, {lb[1]});")
+        self.emit("}, [&](int i, int channel) {")
+        self.emit(f"  const coconet::Range r = {chunk};")
+        src, dst = f"v_{y.name} + r.begin * {_prod(ly[1:])}", f"v_{c.name} + r.begin * {_prod(lc[1:])}"
+        op = _OPS[c.expr.attr("op")]
+        if c.expr.op == "allreduce":
+            self.emit(f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, comm, channel);")
+        else:
+            g, d = self.gdims(y.type), c.type.layout.dim
+            self.emit(f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, r.size() * {_prod(g[1:d])}, "
+                      f"{g[d]}, {_prod(g[d + 1:])}, comm, channel);")
+        self.emit("});")
+
     # --- collectives ----------------------------------------------------------------------
     def _shape3(self, t: TType, d: int) -> str:
         g = self.gdims(t)
@@ -592,6 +632,30 @@ def fused_plan(p: Program, fusion, scattered: set[str], low: Lowerer) -> FusedPl
     if gather is not None and gather.expr.args[0].name not in {s.name for s in computes}:
         return None
     return FusedPlan(fusion.name, fusion.stages, first, computes, gather)
+
+
+@dataclass
+class OverlapPlan:
+    producer: Stage  # a matmul
+    collective: Stage  # the allreduce or reducescatter that reads it
+    chunks: int
+
+
+def overlap_plan(p: Program, o) -> OverlapPlan | None:
+    """overlap() as generated code: the matmul chunked along dim 0 of its result (a batch or
+    row dim), each chunk's allreduce/reducescatter started as soon as it is ready. None (run one
+    after the other) for other dims or collectives."""
+    y = p.stage(o.producer)
+    fusion = next((f for f in p.fusions if f.name == o.consumer), None)
+    names = fusion.stages if fusion else (o.consumer,)
+    coll = next((p.stage(n) for n in names if p.stage(n).kind == "collective"), None)
+    if coll is None or o.dim != 0 or y.type.ndim < 2 or y.type.layout.sliced:
+        return None
+    if coll.expr.op not in ("allreduce", "reducescatter") or not isinstance(coll.expr.args[0], Ref):
+        return None
+    if coll.expr.op == "reducescatter" and coll.type.layout.dim == 0:
+        return None
+    return OverlapPlan(y, coll, o.chunks)
 
 
 def execution_order(p: Program) -> list[Stage]:
