@@ -61,6 +61,7 @@ class Lowerer:
         self.scattered = {q.name for q in p.params if q.scattered}
         self.ntemp = 0
         self.consts: dict[str, str] = {}  # hoisted scalar constants: name -> C++ name
+        self.seg_inplace: dict[str, str] = {}  # allgather stage -> scattered parameter it fills
         self.sig = Signature(sizes=sorted({s for q in p.params for d in q.type.shape
                                            for s in _symbols(d)}))
 
@@ -86,9 +87,11 @@ class Lowerer:
     def lower(self) -> Function:
         self._prologue()
         self.order = execution_order(self.p)
+        units = self._units()
+        self.in_fused = {n for u in units if isinstance(u, FusedPlan) for n in u.members}
         in_place = self._in_place_updates()
         outputs = {s: pub for pub, s in self.p.outputs}
-        for unit in self._units():
+        for unit in units:
             if isinstance(unit, OverlapPlan):
                 self._overlap(unit, outputs, in_place)
             elif isinstance(unit, FusedPlan):
@@ -108,6 +111,7 @@ class Lowerer:
         done: set[str] = set()
         overlaps = {o.producer: overlap_plan(self.p, o) for o in self.p.overlaps}
         consumers = {pl.collective.name for pl in overlaps.values() if pl is not None}
+        planned: set[str] = set()
         for s in self.order:
             if s.name in done:
                 continue
@@ -116,11 +120,14 @@ class Lowerer:
                 done.update((s.name, overlaps[s.name].collective.name))
                 continue
             fusion = self.p.fusion_of(s.name)
-            plan = (fused_plan(self.p, fusion, self.scattered, self)
-                    if fusion and not consumers & set(fusion.stages) else None)
+            plan = None
+            if fusion and fusion.name not in planned and not consumers & set(fusion.stages):
+                plan = fused_plan(self.p, fusion, self.scattered, self)
+            if fusion:
+                planned.add(fusion.name)  # members the plan leaves out run one by one
             if plan is not None:
                 units.append(plan)
-                done.update(fusion.stages)
+                done.update(plan.members)
             elif (units and isinstance(units[-1], list) and self._chainable(s)
                   and self._chainable(units[-1][-1]) and units[-1][-1].type == s.type):
                 units[-1].append(s)
@@ -163,14 +170,25 @@ class Lowerer:
         order = [s.name for s in self.order]
         returned = {s for _, s in self.p.outputs}
         for t, src in self.p.updates:
-            if t in self.scattered or src in returned or any(s == t for _, s in self.p.outputs):
+            if src in returned or any(s == t for _, s in self.p.outputs):
                 continue
             later = order[order.index(src) + 1:]
             if any(t in _reads(self.p.stage(n).expr) for n in later):
                 continue
+            if t in self.scattered:
+                if self._gathers_only_into(src):
+                    self.seg_inplace[src] = t
+                continue
             if self._reads_elementwise_only(self.p.stage(src), t):
                 result[src] = t
         return result
+
+    def _gathers_only_into(self, src: str) -> bool:
+        """An allgather whose value is only the update of a scattered parameter: it can gather
+        straight into the parameter's segments."""
+        s = self.p.stage(src)
+        return (isinstance(s.expr, Op) and s.expr.op == "allgather" and not self.p.users(src)
+                and src not in self.in_fused)
 
     def _reads_elementwise_only(self, s: Stage, t: str) -> bool:
         if t not in _reads(s.expr):
@@ -183,7 +201,7 @@ class Lowerer:
 
     def _epilogue(self, in_place: dict[str, str]) -> None:
         for t, src in self.p.updates:
-            if in_place.get(src) == t:
+            if in_place.get(src) == t or self.seg_inplace.get(src) == t:
                 continue
             n = _prod(self.ldims(self.types[t]))
             if t in self.scattered:
@@ -212,8 +230,13 @@ class Lowerer:
 
     def _stage(self, s: Stage, output: str | None, param: str | None) -> None:
         self._comment(s)
-        self._place(s, output, param)
         e = s.expr
+        if s.name in self.seg_inplace:
+            t, x = self.seg_inplace[s.name], self._materialize(e.args[0], s.name)
+            self.types[s.name] = s.type
+            self.emit(f"coconet::allgather(v_{x}, p_{t}, comm);  // straight into {t}'s segments")
+            return
+        self._place(s, output, param)
         if isinstance(e, Op) and e.op in COLLECTIVES:
             x = self._materialize(e.args[0], s.name)
             self._collective(s.name, e, x)
@@ -494,8 +517,15 @@ class Lowerer:
         self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, const {COMPUTE[coll.type.dtype]}* red) {{")
         self.emit(f"  const int64_t lo = gb - {o}, hi = ge - {o};")
         self.emit(f"  const int64_t off = {off};")
-        self.emit("  (void)off;")
-        self.emit("    for (int64_t i = lo; i < hi; ++i) {")
+        self.emit("  (void)off; (void)hi;")
+        segmented = any(isinstance(n, Ref) and n.name in self.scattered
+                        for c in plan.computes for n in walk(exprs[c.name]))
+        if segmented:
+            self.emit("  coconet::for_each_piece(seg_starts, gb, ge, [&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
+            self.emit("    for (int64_t j = 0; j < len; ++j) {")
+            self.emit("      const int64_t i = lo + b0 + j;")
+        else:
+            self.emit("    for (int64_t i = lo; i < hi; ++i) {")
         chunk = {coll.name: "red[i - lo]"}
         for c in plan.computes:
             base = self._loader(c.type)
@@ -505,6 +535,8 @@ class Lowerer:
             if c in stored or c.name == gathered:
                 self.emit(f"      v_{c.name}[i] = coconet::from_compute<{CTYPE[c.type.dtype]}>(x_{c.name});")
         self.emit("    }")
+        if segmented:
+            self.emit("  });")
         self.emit("  };")
         op = _OPS[coll.expr.attr("op")]
         if coll.expr.op == "reducescatter":
@@ -609,30 +641,48 @@ class FusedPlan:
 
 def fused_plan(p: Program, fusion, scattered: set[str], low: Lowerer) -> FusedPlan | None:
     """How a fusion runs as one fused collective, or None when this backend runs it stage by
-    stage: it needs a reducescatter along dim 0 (or an allreduce) whose reduced value and
-    computations are pointwise over the same elements (no reductions, no scattered operands)."""
+    stage. It needs a reducescatter along dim 0 (or an allreduce). The pointwise stages at the
+    head of the fusion that run over the reduced elements are computed on each chunk as it
+    arrives; the gather is part of the fused collective when it gathers one of them. Stages that
+    need all chunks first (a norm, a segment_norm) and what follows run after it."""
     stages = [p.stage(n) for n in fusion.stages]
     colls = [s for s in stages if s.kind == "collective"]
     first = next((s for s in colls if s.expr.op in ("reducescatter", "allreduce")), None)
     if first is None or (first.expr.op == "reducescatter" and first.type.layout.dim != 0):
         return None
     gather = next((s for s in colls if s.expr.op == "allgather"), None)
-    if len(colls) != (2 if gather else 1) or (gather and first.expr.op != "reducescatter"):
+    computes: list[Stage] = []
+    inside = {first.name: None}  # ordered
+    for s in stages:
+        if s.kind == "collective":
+            continue
+        if not _chunkable_stage(s, first, inside, scattered, low):
+            break
+        computes.append(s)
+        inside[s.name] = None
+    if not computes:
         return None
-    computes = [s for s in stages if s.kind != "collective"]
-    for s in computes:
-        if s.type.shape != first.type.shape or s.type.layout != first.type.layout:
-            return None
-        for n in walk(s.expr):
-            if isinstance(n, Op) and n.op not in POINTWISE:
-                return None
-            if isinstance(n, Ref) and (n.name in scattered or (
-                    n.name in fusion.stages and low._access(n, s.type) != "i")):
-                return None
-    if gather is not None and gather.expr.args[0].name not in {s.name for s in computes}:
-        return None
-    return FusedPlan(fusion.name, fusion.stages, first, computes, gather)
+    if gather is not None and gather.expr.args[0].name not in inside:
+        gather = None
+    done = tuple(inside) + ((gather.name,) if gather is not None else ())
+    return FusedPlan(fusion.name, done, first, computes, gather)
 
+
+def _chunkable_stage(s: Stage, first: Stage, inside: set[str], scattered: set[str], low) -> bool:
+    if s.type.shape != first.type.shape or s.type.layout != first.type.layout:
+        return False
+    for n in walk(s.expr):
+        if isinstance(n, Op) and n.op not in POINTWISE:
+            return False
+        if isinstance(n, Ref) and n.name in scattered and s.type.ndim != 1:
+            return False
+        if isinstance(n, Ref) and n.name not in scattered and (
+                low.p.stage(n.name) is not None and n.name not in inside and
+                low.p.fusion_of(n.name) is low.p.fusion_of(s.name)):
+            return False  # reads a fusion member that runs after the fused collective
+        if isinstance(n, Ref) and n.name in inside and low._access(n, s.type) != "i":
+            return False
+    return True
 
 @dataclass
 class OverlapPlan:
