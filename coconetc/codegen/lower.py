@@ -331,7 +331,8 @@ class Lowerer:
         else:
             lines, local = [], {}
             for name, e, stored in items:
-                body = emit(e, lambda r: local.get(r.name) or base(r), self._extra(t))
+                load = lambda r: local.get(r.name) or base(r)  # noqa: E731
+                body = emit(e, load, self._extra(t, load))
                 lines.append(f"const {COMPUTE[t.dtype]} x_{name} = coconet::round_to<{ct}>({body});")
                 local[name] = f"x_{name}"
                 if stored:
@@ -422,13 +423,15 @@ class Lowerer:
             return f"(i + off * {_prod(self.gdims(t)[1:])})"
         return None
 
-    def _extra(self, t: TType):
+    def _extra(self, t: TType, load=None):
+        """Renders dropout (it needs the element's global index); `load` as for emit()."""
+        load = load or self._loader(t)
+
         def extra(op: Op) -> str:
             assert op.op == "dropout", op.op
             x, p, seed = op.args
-            load = self._loader(t)
             gidx = self._gidx_simple(t) or self._global_index(t)
-            xs = emit(x, load, self._extra(t))
+            xs = emit(x, load, extra)
             ps = literal(p.value, "f64") if isinstance(p, Const) else f"double({emit(p, load)})"
             seeds = f"int64_t({emit(seed, load)})"
             key = site_key(op.attr("site"))
@@ -497,14 +500,14 @@ class Lowerer:
             self._place(plan.gather, outputs.get(plan.gather.name), in_place.get(plan.gather.name))
         gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
         off = self.offset(coll.type) if coll.type.layout.sliced else "int64_t(0)"
-        inner = _prod(self.gdims(coll.type)[1:])
+        d0 = coll.type.layout.dim if coll.type.layout.sliced else 0
         o = f"off_{plan.name}"
-        self.emit(f"const int64_t {o} = {off} * {inner};")
+        self.emit(f"const int64_t {o} = {off} * {_prod(self.gdims(coll.type)[d0 + 1:])};")
         stored = [c for c in plan.computes if self._needed_after(c.name, plan.members)]
         for c in plan.computes:
             self._comment(c)
             self.types[c.name] = c.type
-            if c.name == gathered:
+            if c.name == gathered and d0 == 0:
                 self.emit(f"  {CTYPE[c.type.dtype]}* const v_{c.name} = v_{plan.gather.name} + {o};"
                           "  // computed in place inside the gathered result")
             elif c in stored:
@@ -514,10 +517,25 @@ class Lowerer:
         src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
                else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
         exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
+        chunk_names = {coll.name} | {c.name for c in plan.computes}
         self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, const {COMPUTE[coll.type.dtype]}* red) {{")
-        self.emit(f"  const int64_t lo = gb - {o}, hi = ge - {o};")
+        # [gb, ge) lies in one row of the [outer, n, inner] view; lo: its first local index
+        g = self.gdims(coll.type)
+        d = coll.type.layout.dim if coll.type.layout.sliced else 0
+        row, inner_d = _prod(g[d:]), _prod(g[d + 1:])
+        mine = self.ldims(coll.type)[d] if coll.type.layout.sliced else g[d]
+        self.emit(f"  const int64_t row_ = gb / ({row});")
+        self.emit(f"  const int64_t lo = row_ * {mine} * {inner_d} + (gb - row_ * ({row})) - {o}, hi = lo + (ge - gb);")
         self.emit(f"  const int64_t off = {off};")
         self.emit("  (void)off; (void)hi;")
+        t0 = plan.computes[0].type
+        coords = any(self._access(r, c.type) is None for c in plan.computes
+                     for r in walk(exprs[c.name]) if isinstance(r, Ref) and r.name not in chunk_names) or (
+            any(isinstance(x, Op) and x.op == "dropout" for c in plan.computes for x in walk(exprs[c.name]))
+            and self._gidx_simple(t0) is None)
+        if coords:
+            for k, dim in enumerate(self.ldims(t0)):
+                self.emit(f"  const int64_t L{k} = {dim};")
         segmented = any(isinstance(n, Ref) and n.name in self.scattered
                         for c in plan.computes for n in walk(exprs[c.name]))
         if segmented:
@@ -526,14 +544,19 @@ class Lowerer:
             self.emit("      const int64_t i = lo + b0 + j;")
         else:
             self.emit("    for (int64_t i = lo; i < hi; ++i) {")
+        if coords:
+            self._coords(t0)
         chunk = {coll.name: "red[i - lo]"}
         for c in plan.computes:
             base = self._loader(c.type)
-            body = emit(exprs[c.name], lambda r, base=base: chunk.get(r.name) or base(r), self._extra(c.type))
+            load = lambda r, base=base: chunk.get(r.name) or base(r)  # noqa: E731
+            body = emit(exprs[c.name], load, self._extra(c.type, load))
             self.emit(f"      const {COMPUTE[c.type.dtype]} x_{c.name} = coconet::round_to<{CTYPE[c.type.dtype]}>({body});")
             chunk[c.name] = f"x_{c.name}"
-            if c in stored or c.name == gathered:
+            if c in stored or (c.name == gathered and d0 == 0):
                 self.emit(f"      v_{c.name}[i] = coconet::from_compute<{CTYPE[c.type.dtype]}>(x_{c.name});")
+            if c.name == gathered and d0 != 0:  # this rank's part, at its global index
+                self.emit(f"      v_{plan.gather.name}[gb + (i - lo)] = coconet::from_compute<{CTYPE[c.type.dtype]}>(x_{c.name});")
         self.emit("    }")
         if segmented:
             self.emit("  });")
@@ -648,7 +671,7 @@ def fused_plan(p: Program, fusion, scattered: set[str], low: Lowerer) -> FusedPl
     stages = [p.stage(n) for n in fusion.stages]
     colls = [s for s in stages if s.kind == "collective"]
     first = next((s for s in colls if s.expr.op in ("reducescatter", "allreduce")), None)
-    if first is None or (first.expr.op == "reducescatter" and first.type.layout.dim != 0):
+    if first is None:
         return None
     gather = next((s for s in colls if s.expr.op == "allgather"), None)
     computes: list[Stage] = []

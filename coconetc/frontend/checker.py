@@ -171,6 +171,8 @@ def _top(value: ast.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
 def _update(call: ast.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
     pos, _ = _bind(call)
     t = pos[0]
+    if isinstance(t, ast.Name) and t.id in ctx.failed:
+        raise _Skip  # a parameter with a bad declaration, reported already
     if not isinstance(t, ast.Name) or t.id not in ctx.params or ctx.params[t.id] is None:
         raise TypeErr(t.span, "update's first argument must be a parameter tensor")
     param = ctx.params[t.id]
