@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
+from coconetc.codegen.emit import COMPUTE, CTYPE, literal
+from coconetc.codegen.loops import LoopEmitter, prod as _prod
+from coconetc.codegen.schedules import (FusedPlan, OverlapPlan, ScheduleEmitter, execution_order,
+                                        fused_plan, overlap_plan, reads as _reads)
 from coconetc.ir import printer
 from coconetc.ir.nodes import COLLECTIVES, POINTWISE, Const, Expr, Op, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, DimExpr, TType
-from coconetc.interp.rng import site_key
 
 _OPS = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
 
@@ -49,11 +51,9 @@ def cdim(d: Dim) -> str:
     return f"({cdim(d.a)} {'/' if d.op == '//' else d.op} {cdim(d.b)})"
 
 
-def _prod(items: list[str]) -> str:
-    return " * ".join(items) if items else "int64_t(1)"
+class Lowerer(LoopEmitter, ScheduleEmitter):
+    """Lowers one program; the loop and schedule emitters are in loops.py and schedules.py."""
 
-
-class Lowerer:
     def __init__(self, p: Program, fn: str, file: str):
         self.p, self.fn, self.file = p, fn, file
         self.lines: list[str] = []
@@ -281,172 +281,6 @@ class Lowerer:
         from dataclasses import replace
         return replace(e, args=tuple(self._hoist(a, stage) for a in e.args))
 
-    # --- pointwise loops ------------------------------------------------------------------
-    def _scalars_out(self, e: Expr, stage: str) -> Expr:
-        """Compute the scalar-only parts of a loop's expression (beta1 ** step, ...) once,
-        before the loop: each becomes a named constant the loader returns as it is."""
-        if isinstance(e, Op) and e.type.ndim == 0 and e.op in POINTWISE and e.op != "dropout":
-            name = f"k{len(self.consts)}_{stage}"
-            code = emit(e, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
-            self.emit(f"const {COMPUTE[e.type.dtype]} {name} = {code};")
-            self.consts[name] = name
-            return Ref(name, e.type)
-        if isinstance(e, Op):
-            from dataclasses import replace
-            return replace(e, args=tuple(self._scalars_out(a, stage) for a in e.args))
-        return e
-
-    def _chain(self, stages: list[Stage], outputs: dict, in_place: dict) -> None:
-        """Consecutive pointwise stages over the same elements as one loop: a value read only
-        inside the chain stays in a register; the others are stored."""
-        names = {s.name for s in stages}
-        items = []
-        for s in stages:
-            self._comment(s)
-            store = self._needed_after(s.name, tuple(names))
-            if store:
-                self._place(s, outputs.get(s.name), in_place.get(s.name))
-            else:
-                self.types[s.name] = s.type
-                self.emit(f"// ({s.name} lives in a register of the loop below)")
-            items.append((s.name, self._scalars_out(s.expr, s.name), store))
-        self._loop_items(stages[0].type, items)
-
-    def _loop(self, dst: str, t: TType, e: Expr) -> None:
-        """A loop computing dst = e over dst's local elements."""
-        self._loop_items(t, [(dst, self._scalars_out(e, dst), True)])
-
-    def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]]) -> None:
-        ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
-        regs = {name for name, _, _ in items}
-        refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in regs]
-        segmented = any(r.name in self.scattered for r in refs)
-        needs_coords = any(self._access(r, t) is None for r in refs) or (
-            any(isinstance(x, Op) and x.op == "dropout" for _, e, _ in items for x in walk(e))
-            and self._gidx_simple(t) is None)
-        base = self._loader(t)
-        if len(items) == 1:
-            name, e, _ = items[0]
-            store = f"v_{name}[i] = coconet::from_compute<{ct}>({emit(e, base, self._extra(t))});"
-        else:
-            lines, local = [], {}
-            for name, e, stored in items:
-                load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-                body = emit(e, load, self._extra(t, load))
-                lines.append(f"const {COMPUTE[t.dtype]} x_{name} = coconet::round_to<{ct}>({body});")
-                local[name] = f"x_{name}"
-                if stored:
-                    lines.append(f"v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
-            store = "\n      ".join(lines)
-        self.emit("{")
-        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
-        self.emit("  (void)off;")
-        if needs_coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"  const int64_t L{k} = {d};")
-        if segmented:
-            self.emit(f"  coconet::for_each_piece(seg_starts, off, off + {n}, "
-                      "[&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
-            self.emit("    for (int64_t j = 0; j < len; ++j) {")
-            self.emit("      const int64_t i = b0 + j;")
-            self.emit(f"      {store}")
-            self.emit("    }")
-            self.emit("  });")
-        else:
-            self.emit(f"  const int64_t n = {n};")
-            self.emit("  COCONET_PARALLEL_FOR(n)")
-            self.emit("  for (int64_t i = 0; i < n; ++i) {")
-            if needs_coords:
-                self._coords(t)
-            self.emit(f"    {store}")
-            self.emit("  }")
-        self.emit("}")
-
-    def _coords(self, t: TType) -> None:
-        self.emit("    int64_t rest = i;")
-        for k in reversed(range(t.ndim)):
-            if k == 0:
-                self.emit("    const int64_t c0 = rest;")
-            else:
-                self.emit(f"    const int64_t c{k} = rest % L{k}; rest /= L{k};")
-        if t.ndim == 0:
-            self.emit("    (void)rest;")
-
-    def _access(self, r: Ref, t: TType) -> str | None:
-        """Index expression for an operand when no coordinates are needed, else None."""
-        rt = r.type
-        if r.name in self.consts:
-            return "0"
-        if r.name in self.scattered:
-            return "SEG"
-        if rt.ndim == 0:
-            return "0"
-        same = rt.shape == t.shape
-        if same and (rt.layout == t.layout or (not rt.layout.sliced and not t.layout.sliced)):
-            return "i"
-        if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
-            inner = _prod(self.gdims(t)[1:])
-            return f"i + off * {inner}"
-        return None
-
-    def _loader(self, t: TType):
-        def load(r: Ref) -> str:
-            if r.name in self.consts:
-                return self.consts[r.name]
-            idx = self._access(r, t)
-            if idx == "SEG":
-                return f"coconet::to_compute(p_{r.name}.ptrs[s][a0 + j])"
-            if idx is None:
-                idx = self._generic_index(r.type, t)
-            return f"coconet::to_compute(v_{r.name}[{idx}])"
-        return load
-
-    def _generic_index(self, rt: TType, t: TType) -> str:
-        """Index of an operand element from the result's coordinates c0.. (broadcasting, and
-        a replicated operand of a sliced result read at the slice)."""
-        shift = t.ndim - rt.ndim
-        ld = self.ldims(rt)
-        terms = []
-        for k in range(rt.ndim):
-            if rt.shape[k] == 1:
-                continue
-            coord = f"c{k + shift}"
-            if t.layout.sliced and t.layout.dim == k + shift and not rt.layout.sliced:
-                coord = f"({coord} + off)"
-            terms.append(f"{coord} * {_prod(ld[k + 1:])}")
-        return " + ".join(terms) or "0"
-
-    def _gidx_simple(self, t: TType) -> str | None:
-        if not t.layout.sliced:
-            return "i"
-        if t.layout.dim == 0:
-            return f"(i + off * {_prod(self.gdims(t)[1:])})"
-        return None
-
-    def _extra(self, t: TType, load=None):
-        """Renders dropout (it needs the element's global index); `load` as for emit()."""
-        load = load or self._loader(t)
-
-        def extra(op: Op) -> str:
-            assert op.op == "dropout", op.op
-            x, p, seed = op.args
-            gidx = self._gidx_simple(t) or self._global_index(t)
-            xs = emit(x, load, extra)
-            ps = literal(p.value, "f64") if isinstance(p, Const) else f"double({emit(p, load)})"
-            seeds = f"int64_t({emit(seed, load)})"
-            key = site_key(op.attr("site"))
-            return (f"coconet::dropout<{COMPUTE[t.dtype]}>({xs}, {ps}, {seeds}, {key}u /* "
-                    f"{op.attr('site')} */, static_cast<uint64_t>({gidx}))")
-        return extra
-
-    def _global_index(self, t: TType) -> str:
-        g = self.gdims(t)
-        terms = []
-        for k in range(t.ndim):
-            coord = f"c{k}" if k != t.layout.dim else f"(c{k} + off)"
-            terms.append(f"{coord} * {_prod(g[k + 1:])}")
-        return " + ".join(terms) or "0"
-
     # --- reductions and tensor operations ---------------------------------------------------
     def _kernel(self, dst: str, e: Op) -> None:
         args = [self._materialize(a, dst) if not isinstance(a, Const) else None for a in e.args]
@@ -484,130 +318,6 @@ class Lowerer:
                       f"{lw[0]}, {lw[2]}, {lw[3]}, {s}, {pad});")
         else:
             raise NotImplementedError(f"cpu backend: {e.op}")
-
-    # --- fused collectives -----------------------------------------------------------------
-    def _fused(self, plan: FusedPlan, outputs: dict, in_place: dict) -> None:
-        """One fused collective: each chunk of this rank's slice is reduced (fused.h), the
-        fusion's computations run on it at once, and gathered values are written straight into
-        their slice of the full-size result, which the collective fills in from the others."""
-        coll = plan.collective
-        self.emit(f"// fused {plan.name}: {', '.join(plan.members)} ({coll.expr.op} + computation"
-                  f"{' + allgather' if plan.gather else ''}, chunk by chunk)")
-        x = self._materialize(coll.expr.args[0], coll.name)
-        xt, ct = self.types[x], CTYPE[coll.type.dtype]
-        if plan.gather is not None:
-            self._comment(plan.gather)
-            self._place(plan.gather, outputs.get(plan.gather.name), in_place.get(plan.gather.name))
-        gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
-        off = self.offset(coll.type) if coll.type.layout.sliced else "int64_t(0)"
-        d0 = coll.type.layout.dim if coll.type.layout.sliced else 0
-        o = f"off_{plan.name}"
-        self.emit(f"const int64_t {o} = {off} * {_prod(self.gdims(coll.type)[d0 + 1:])};")
-        stored = [c for c in plan.computes if self._needed_after(c.name, plan.members)]
-        for c in plan.computes:
-            self._comment(c)
-            self.types[c.name] = c.type
-            if c.name == gathered and d0 == 0:
-                self.emit(f"  {CTYPE[c.type.dtype]}* const v_{c.name} = v_{plan.gather.name} + {o};"
-                          "  // computed in place inside the gathered result")
-            elif c in stored:
-                self._place(c, outputs.get(c.name), in_place.get(c.name))
-            else:
-                self.emit(f"  // ({c.name} lives in a register of the fused loop)")
-        src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
-               else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
-        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
-        chunk_names = {coll.name} | {c.name for c in plan.computes}
-        self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, const {COMPUTE[coll.type.dtype]}* red) {{")
-        # [gb, ge) lies in one row of the [outer, n, inner] view; lo: its first local index
-        g = self.gdims(coll.type)
-        d = coll.type.layout.dim if coll.type.layout.sliced else 0
-        row, inner_d = _prod(g[d:]), _prod(g[d + 1:])
-        mine = self.ldims(coll.type)[d] if coll.type.layout.sliced else g[d]
-        self.emit(f"  const int64_t row_ = gb / ({row});")
-        self.emit(f"  const int64_t lo = row_ * {mine} * {inner_d} + (gb - row_ * ({row})) - {o}, hi = lo + (ge - gb);")
-        self.emit(f"  const int64_t off = {off};")
-        self.emit("  (void)off; (void)hi;")
-        t0 = plan.computes[0].type
-        coords = any(self._access(r, c.type) is None for c in plan.computes
-                     for r in walk(exprs[c.name]) if isinstance(r, Ref) and r.name not in chunk_names) or (
-            any(isinstance(x, Op) and x.op == "dropout" for c in plan.computes for x in walk(exprs[c.name]))
-            and self._gidx_simple(t0) is None)
-        if coords:
-            for k, dim in enumerate(self.ldims(t0)):
-                self.emit(f"  const int64_t L{k} = {dim};")
-        segmented = any(isinstance(n, Ref) and n.name in self.scattered
-                        for c in plan.computes for n in walk(exprs[c.name]))
-        if segmented:
-            self.emit("  coconet::for_each_piece(seg_starts, gb, ge, [&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
-            self.emit("    for (int64_t j = 0; j < len; ++j) {")
-            self.emit("      const int64_t i = lo + b0 + j;")
-        else:
-            self.emit("    for (int64_t i = lo; i < hi; ++i) {")
-        if coords:
-            self._coords(t0)
-        chunk = {coll.name: "red[i - lo]"}
-        for c in plan.computes:
-            base = self._loader(c.type)
-            load = lambda r, base=base: chunk.get(r.name) or base(r)  # noqa: E731
-            body = emit(exprs[c.name], load, self._extra(c.type, load))
-            self.emit(f"      const {COMPUTE[c.type.dtype]} x_{c.name} = coconet::round_to<{CTYPE[c.type.dtype]}>({body});")
-            chunk[c.name] = f"x_{c.name}"
-            if c in stored or (c.name == gathered and d0 == 0):
-                self.emit(f"      v_{c.name}[i] = coconet::from_compute<{CTYPE[c.type.dtype]}>(x_{c.name});")
-            if c.name == gathered and d0 != 0:  # this rank's part, at its global index
-                self.emit(f"      v_{plan.gather.name}[gb + (i - lo)] = coconet::from_compute<{CTYPE[c.type.dtype]}>(x_{c.name});")
-        self.emit("    }")
-        if segmented:
-            self.emit("  });")
-        self.emit("  };")
-        op = _OPS[coll.expr.attr("op")]
-        if coll.expr.op == "reducescatter":
-            targets = (f"{{coconet::gather_target(v_{plan.gather.name}, {_prod(self.gdims(plan.gather.type))})}}"
-                       if plan.gather is not None else "{}")
-            self.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
-                      f"coconet::Shape3{{{self._shape3(xt, coll.type.layout.dim)}}}, comm, "
-                      f"coconet::fused_chunk_elems(), compute_{plan.name}, {targets});")
-        else:
-            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src}, comm, "
-                      f"coconet::fused_chunk_elems(), compute_{plan.name});")
-        self.types[coll.name] = coll.type
-
-    def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
-        """Is a fused stage's value read outside its fusion (so it must be stored)?"""
-        return (any(u.name not in members for u in self.p.users(name))
-                or any(s == name for _, s in self.p.outputs) or any(s == name for _, s in self.p.updates))
-
-    # --- overlap ----------------------------------------------------------------------------
-    def _overlap(self, plan: OverlapPlan, outputs: dict, in_place: dict) -> None:
-        """The matmul in chunks of rows (dim 0 of its result); each chunk's collective starts
-        (non-blocking, overlap.h) as soon as the chunk is computed, while the next computes."""
-        y, c = plan.producer, plan.collective
-        self.emit(f"// overlap {y.name} -> {c.name}: {plan.chunks} chunks along dim 0 of {y.name}")
-        a = self._materialize(y.expr.args[0], y.name)
-        b = self._materialize(y.expr.args[1], y.name)
-        for s in (y, c):
-            self._comment(s)
-            self._place(s, outputs.get(s.name), in_place.get(s.name))
-        ct = CTYPE[y.type.dtype]
-        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y.name, a, b, c.name))
-        rows, per_row = ly[0], _prod(ly[1:-1])
-        chunk = f"coconet::chunk_range({rows}, {plan.chunks}, i)"
-        self.emit(f"coconet::overlap({plan.chunks}, [&](int i) {{")
-        self.emit(f"  const coconet::Range r = {chunk};")
-        self.emit(f"  coconet::matmul<{ct}>(v_{a} + r.begin * {per_row} * {la[-1]}, v_{b}, "
-                  f"v_{y.name} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {la[-1]}, {lb[1]});")
-        self.emit("}, [&](int i, int channel) {")
-        self.emit(f"  const coconet::Range r = {chunk};")
-        src, dst = f"v_{y.name} + r.begin * {_prod(ly[1:])}", f"v_{c.name} + r.begin * {_prod(lc[1:])}"
-        op = _OPS[c.expr.attr("op")]
-        if c.expr.op == "allreduce":
-            self.emit(f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, comm, channel);")
-        else:
-            g, d = self.gdims(y.type), c.type.layout.dim
-            self.emit(f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, r.size() * {_prod(g[1:d])}, "
-                      f"{g[d]}, {_prod(g[d + 1:])}, comm, channel);")
-        self.emit("});")
 
     # --- collectives ----------------------------------------------------------------------
     def _shape3(self, t: TType, d: int) -> str:
@@ -653,116 +363,9 @@ class Lowerer:
         return f"v_{name}"
 
 
-@dataclass
-class FusedPlan:
-    name: str
-    members: tuple[str, ...]
-    collective: Stage  # the reducescatter (or allreduce)
-    computes: list[Stage]  # pointwise stages on its chunks, in order
-    gather: Stage | None  # the allgather of one computed value
-
-
-def fused_plan(p: Program, fusion, scattered: set[str], low: Lowerer) -> FusedPlan | None:
-    """How a fusion runs as one fused collective, or None when this backend runs it stage by
-    stage. It needs a reducescatter along dim 0 (or an allreduce). The pointwise stages at the
-    head of the fusion that run over the reduced elements are computed on each chunk as it
-    arrives; the gather is part of the fused collective when it gathers one of them. Stages that
-    need all chunks first (a norm, a segment_norm) and what follows run after it."""
-    stages = [p.stage(n) for n in fusion.stages]
-    colls = [s for s in stages if s.kind == "collective"]
-    first = next((s for s in colls if s.expr.op in ("reducescatter", "allreduce")), None)
-    if first is None:
-        return None
-    gather = next((s for s in colls if s.expr.op == "allgather"), None)
-    computes: list[Stage] = []
-    inside = {first.name: None}  # ordered
-    for s in stages:
-        if s.kind == "collective":
-            continue
-        if not _chunkable_stage(s, first, inside, scattered, low):
-            break
-        computes.append(s)
-        inside[s.name] = None
-    if not computes:
-        return None
-    if gather is not None and gather.expr.args[0].name not in inside:
-        gather = None
-    done = tuple(inside) + ((gather.name,) if gather is not None else ())
-    return FusedPlan(fusion.name, done, first, computes, gather)
-
-
-def _chunkable_stage(s: Stage, first: Stage, inside: set[str], scattered: set[str], low) -> bool:
-    if s.type.shape != first.type.shape or s.type.layout != first.type.layout:
-        return False
-    for n in walk(s.expr):
-        if isinstance(n, Op) and n.op not in POINTWISE:
-            return False
-        if isinstance(n, Ref) and n.name in scattered and s.type.ndim != 1:
-            return False
-        if isinstance(n, Ref) and n.name not in scattered and (
-                low.p.stage(n.name) is not None and n.name not in inside and
-                low.p.fusion_of(n.name) is low.p.fusion_of(s.name)):
-            return False  # reads a fusion member that runs after the fused collective
-        if isinstance(n, Ref) and n.name in inside and low._access(n, s.type) != "i":
-            return False
-    return True
-
-@dataclass
-class OverlapPlan:
-    producer: Stage  # a matmul
-    collective: Stage  # the allreduce or reducescatter that reads it
-    chunks: int
-
-
-def overlap_plan(p: Program, o) -> OverlapPlan | None:
-    """overlap() as generated code: the matmul chunked along dim 0 of its result (a batch or
-    row dim), each chunk's allreduce/reducescatter started as soon as it is ready. None (run one
-    after the other) for other dims or collectives."""
-    y = p.stage(o.producer)
-    fusion = next((f for f in p.fusions if f.name == o.consumer), None)
-    names = fusion.stages if fusion else (o.consumer,)
-    coll = next((p.stage(n) for n in names if p.stage(n).kind == "collective"), None)
-    if coll is None or o.dim != 0 or y.type.ndim < 2 or y.type.layout.sliced:
-        return None
-    if coll.expr.op not in ("allreduce", "reducescatter") or not isinstance(coll.expr.args[0], Ref):
-        return None
-    if coll.expr.op == "reducescatter" and coll.type.layout.dim == 0:
-        return None
-    return OverlapPlan(y, coll, o.chunks)
-
-
-def execution_order(p: Program) -> list[Stage]:
-    """The stages in the order the generated code runs them: a collective that is not fused
-    waits until just before its first reader (or the end), so that pointwise stages it would
-    separate can share one loop. Data dependencies are kept."""
-    order: list[Stage] = []
-    pending: list[Stage] = []
-    for s in p.stages:
-        if s.kind == "collective" and p.fusion_of(s.name) is None:
-            pending.append(s)
-            continue
-        needed = _pending_needed(pending, _reads(s.expr))
-        order += needed
-        pending = [x for x in pending if x not in needed]
-        order.append(s)
-    return order + pending
-
-
-def _pending_needed(pending: list[Stage], reads: set[str]) -> list[Stage]:
-    need = set(reads)
-    for x in reversed(pending):
-        if x.name in need:
-            need |= _reads(x.expr)
-    return [x for x in pending if x.name in need]
-
-
 def _symbols(d: Dim) -> set[str]:
     from coconetc.ir.types import dim_symbols
     return dim_symbols(d)
-
-
-def _reads(e: Expr) -> set[str]:
-    return {n.name for n in walk(e) if isinstance(n, Ref)}
 
 
 def lower(p: Program, fn: str, file: str) -> Function:

@@ -1,0 +1,272 @@
+"""How fuse() and overlap() run in the CPU backend: plans (which stages a fused collective
+computes on its chunks, which collective an overlap chunks) and their emitters, a mixin of the
+Lowerer (lower.py); plus the order in which stages run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen.loops import prod as _prod
+from coconetc.ir.nodes import POINTWISE, Expr, Op, Program, Ref, Stage, walk
+
+_OPS = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
+
+
+def reads(e: Expr) -> set[str]:
+    return {n.name for n in walk(e) if isinstance(n, Ref)}
+
+
+_reads = reads
+
+
+class ScheduleEmitter:
+    # --- fused collectives -----------------------------------------------------------------
+    def _fused(self, plan: FusedPlan, outputs: dict, in_place: dict) -> None:
+        """One fused collective: each chunk of this rank's slice is reduced (fused.h), the
+        fusion's computations run on it at once, and gathered values are written straight into
+        their place in the full-size result, which the collective fills in from the others."""
+        coll = plan.collective
+        self.emit(f"// fused {plan.name}: {', '.join(plan.members)} ({coll.expr.op} + computation"
+                  f"{' + allgather' if plan.gather else ''}, chunk by chunk)")
+        x = self._materialize(coll.expr.args[0], coll.name)
+        if plan.gather is not None:
+            self._comment(plan.gather)
+            self._place(plan.gather, outputs.get(plan.gather.name), in_place.get(plan.gather.name))
+        d0 = coll.type.layout.dim if coll.type.layout.sliced else 0
+        off = self.offset(coll.type) if coll.type.layout.sliced else "int64_t(0)"
+        o = f"off_{plan.name}"
+        self.emit(f"const int64_t {o} = {off} * {_prod(self.gdims(coll.type)[d0 + 1:])};")
+        stored = self._fused_buffers(plan, outputs, in_place, d0, o)
+        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
+        self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, "
+                  f"const {COMPUTE[coll.type.dtype]}* red) {{")
+        self._chunk_prologue(coll, d0, off, o)
+        self._chunk_loop(plan, exprs, stored, d0)
+        self.emit("};")
+        self._fused_call(plan, x)
+        self.types[coll.name] = coll.type
+
+    def _fused_buffers(self, plan: FusedPlan, outputs: dict, in_place: dict, d0: int, o: str) -> list:
+        """Where the fused stages' values live; returns the ones that must be stored."""
+        gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
+        stored = [c for c in plan.computes if self._needed_after(c.name, plan.members)]
+        for c in plan.computes:
+            self._comment(c)
+            self.types[c.name] = c.type
+            if c.name == gathered and d0 == 0:
+                self.emit(f"{CTYPE[c.type.dtype]}* const v_{c.name} = v_{plan.gather.name} + {o};"
+                          "  // computed in place inside the gathered result")
+                stored.append(c)
+            elif c in stored:
+                self._place(c, outputs.get(c.name), in_place.get(c.name))
+            else:
+                self.emit(f"// ({c.name} lives in a register of the fused loop)")
+        return stored
+
+    def _chunk_prologue(self, coll: Stage, d: int, off: str, o: str) -> None:
+        """[gb, ge) lies in one row of the [outer, n, inner] view; lo is its first local index."""
+        g = self.gdims(coll.type)
+        row, inner_d = _prod(g[d:]), _prod(g[d + 1:])
+        mine = self.ldims(coll.type)[d] if coll.type.layout.sliced else g[d]
+        self.emit(f"  const int64_t row_ = gb / ({row});")
+        self.emit(f"  const int64_t lo = row_ * {mine} * {inner_d} + (gb - row_ * ({row})) - {o}, "
+                  "hi = lo + (ge - gb);")
+        self.emit(f"  const int64_t off = {off};")
+        self.emit("  (void)off; (void)hi;")
+
+    def _chunk_loop(self, plan: FusedPlan, exprs: dict, stored: list, d0: int) -> None:
+        coll, t0 = plan.collective, plan.computes[0].type
+        inside = {coll.name} | {c.name for c in plan.computes}
+        operands = [r for e in exprs.values() for r in walk(e) if isinstance(r, Ref) and r.name not in inside]
+        coords = any(self._access(r, t0) is None for r in operands) or (
+            any(isinstance(x, Op) and x.op == "dropout" for e in exprs.values() for x in walk(e))
+            and self._gidx_simple(t0) is None)
+        if coords:
+            for k, dim in enumerate(self.ldims(t0)):
+                self.emit(f"  const int64_t L{k} = {dim};")
+        segmented = any(r.name in self.scattered for r in operands)
+        if segmented:
+            self.emit("  coconet::for_each_piece(seg_starts, gb, ge, [&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
+            self.emit("    for (int64_t j = 0; j < len; ++j) {")
+            self.emit("      const int64_t i = lo + b0 + j;")
+        else:
+            self.emit("    for (int64_t i = lo; i < hi; ++i) {")
+        if coords:
+            self._coords(t0)
+        self._chunk_body(plan, exprs, stored, d0)
+        self.emit("    }")
+        if segmented:
+            self.emit("  });")
+
+    def _chunk_body(self, plan: FusedPlan, exprs: dict, stored: list, d0: int) -> None:
+        gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
+        regs = {plan.collective.name: "red[i - lo]"}
+        for c in plan.computes:
+            ct, base = CTYPE[c.type.dtype], self._loader(c.type)
+            load = lambda r, base=base: regs.get(r.name) or base(r)  # noqa: E731
+            body = emit(exprs[c.name], load, self._extra(c.type, load))
+            self.emit(f"      const {COMPUTE[c.type.dtype]} x_{c.name} = coconet::round_to<{ct}>({body});")
+            regs[c.name] = f"x_{c.name}"
+            if c in stored:
+                self.emit(f"      v_{c.name}[i] = coconet::from_compute<{ct}>(x_{c.name});")
+            if c.name == gathered and d0 != 0:  # this rank's part, at its global index
+                self.emit(f"      v_{plan.gather.name}[gb + (i - lo)] = coconet::from_compute<{ct}>(x_{c.name});")
+
+    def _fused_call(self, plan: FusedPlan, x: str) -> None:
+        coll = plan.collective
+        xt, ct = self.types[x], CTYPE[coll.type.dtype]
+        src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
+               else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
+        op, fn = _OPS[coll.expr.attr("op")], f"compute_{plan.name}"
+        if coll.expr.op != "reducescatter":
+            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src}, comm, "
+                      f"coconet::fused_chunk_elems(), {fn});")
+            return
+        targets = (f"{{coconet::gather_target(v_{plan.gather.name}, {_prod(self.gdims(plan.gather.type))})}}"
+                   if plan.gather is not None else "{}")
+        self.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
+                  f"coconet::Shape3{{{self._shape3(xt, coll.type.layout.dim)}}}, comm, "
+                  f"coconet::fused_chunk_elems(), {fn}, {targets});")
+
+    def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
+        """Is a fused stage's value read outside its fusion (so it must be stored)?"""
+        return (any(u.name not in members for u in self.p.users(name))
+                or any(s == name for _, s in self.p.outputs) or any(s == name for _, s in self.p.updates))
+
+    # --- overlap ----------------------------------------------------------------------------
+    def _overlap(self, plan: OverlapPlan, outputs: dict, in_place: dict) -> None:
+        """The matmul in chunks of rows (dim 0 of its result); each chunk's collective starts
+        (non-blocking, overlap.h) as soon as the chunk is computed, while the next computes."""
+        y, c = plan.producer, plan.collective
+        self.emit(f"// overlap {y.name} -> {c.name}: {plan.chunks} chunks along dim 0 of {y.name}")
+        a = self._materialize(y.expr.args[0], y.name)
+        b = self._materialize(y.expr.args[1], y.name)
+        for s in (y, c):
+            self._comment(s)
+            self._place(s, outputs.get(s.name), in_place.get(s.name))
+        ct = CTYPE[y.type.dtype]
+        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y.name, a, b, c.name))
+        rows, per_row = ly[0], _prod(ly[1:-1])
+        chunk = f"coconet::chunk_range({rows}, {plan.chunks}, i)"
+        self.emit(f"coconet::overlap({plan.chunks}, [&](int i) {{")
+        self.emit(f"  const coconet::Range r = {chunk};")
+        self.emit(f"  coconet::matmul<{ct}>(v_{a} + r.begin * {per_row} * {la[-1]}, v_{b}, "
+                  f"v_{y.name} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {la[-1]}, {lb[1]});")
+        self.emit("}, [&](int i, int channel) {")
+        self.emit(f"  const coconet::Range r = {chunk};")
+        src, dst = f"v_{y.name} + r.begin * {_prod(ly[1:])}", f"v_{c.name} + r.begin * {_prod(lc[1:])}"
+        op = _OPS[c.expr.attr("op")]
+        if c.expr.op == "allreduce":
+            self.emit(f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, comm, channel);")
+        else:
+            g, d = self.gdims(y.type), c.type.layout.dim
+            self.emit(f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, r.size() * {_prod(g[1:d])}, "
+                      f"{g[d]}, {_prod(g[d + 1:])}, comm, channel);")
+        self.emit("});")
+
+
+
+@dataclass
+class FusedPlan:
+    name: str
+    members: tuple[str, ...]
+    collective: Stage  # the reducescatter (or allreduce)
+    computes: list[Stage]  # pointwise stages on its chunks, in order
+    gather: Stage | None  # the allgather of one computed value
+
+
+def fused_plan(p: Program, fusion, scattered: set[str], low) -> FusedPlan | None:
+    """How a fusion runs as one fused collective, or None when this backend runs it stage by
+    stage. It needs a reducescatter along dim 0 (or an allreduce). The pointwise stages at the
+    head of the fusion that run over the reduced elements are computed on each chunk as it
+    arrives; the gather is part of the fused collective when it gathers one of them. Stages that
+    need all chunks first (a norm, a segment_norm) and what follows run after it."""
+    stages = [p.stage(n) for n in fusion.stages]
+    colls = [s for s in stages if s.kind == "collective"]
+    first = next((s for s in colls if s.expr.op in ("reducescatter", "allreduce")), None)
+    if first is None:
+        return None
+    gather = next((s for s in colls if s.expr.op == "allgather"), None)
+    computes: list[Stage] = []
+    inside = {first.name: None}  # ordered
+    for s in stages:
+        if s.kind == "collective":
+            continue
+        if not _chunkable_stage(s, first, inside, scattered, low):
+            break
+        computes.append(s)
+        inside[s.name] = None
+    if not computes:
+        return None
+    if gather is not None and gather.expr.args[0].name not in inside:
+        gather = None
+    done = tuple(inside) + ((gather.name,) if gather is not None else ())
+    return FusedPlan(fusion.name, done, first, computes, gather)
+
+
+def _chunkable_stage(s: Stage, first: Stage, inside: set[str], scattered: set[str], low) -> bool:
+    if s.type.shape != first.type.shape or s.type.layout != first.type.layout:
+        return False
+    for n in walk(s.expr):
+        if isinstance(n, Op) and n.op not in POINTWISE:
+            return False
+        if isinstance(n, Ref) and n.name in scattered and s.type.ndim != 1:
+            return False
+        if isinstance(n, Ref) and n.name not in scattered and (
+                low.p.stage(n.name) is not None and n.name not in inside and
+                low.p.fusion_of(n.name) is low.p.fusion_of(s.name)):
+            return False  # reads a fusion member that runs after the fused collective
+        if isinstance(n, Ref) and n.name in inside and low._access(n, s.type) != "i":
+            return False
+    return True
+
+@dataclass
+class OverlapPlan:
+    producer: Stage  # a matmul
+    collective: Stage  # the allreduce or reducescatter that reads it
+    chunks: int
+
+
+def overlap_plan(p: Program, o) -> OverlapPlan | None:
+    """overlap() as generated code: the matmul chunked along dim 0 of its result (a batch or
+    row dim), each chunk's allreduce/reducescatter started as soon as it is ready. None (run one
+    after the other) for other dims or collectives."""
+    y = p.stage(o.producer)
+    fusion = next((f for f in p.fusions if f.name == o.consumer), None)
+    names = fusion.stages if fusion else (o.consumer,)
+    coll = next((p.stage(n) for n in names if p.stage(n).kind == "collective"), None)
+    if coll is None or o.dim != 0 or y.type.ndim < 2 or y.type.layout.sliced:
+        return None
+    if coll.expr.op not in ("allreduce", "reducescatter") or not isinstance(coll.expr.args[0], Ref):
+        return None
+    if coll.expr.op == "reducescatter" and coll.type.layout.dim == 0:
+        return None
+    return OverlapPlan(y, coll, o.chunks)
+
+
+def execution_order(p: Program) -> list[Stage]:
+    """The stages in the order the generated code runs them: a collective that is not fused
+    waits until just before its first reader (or the end), so that pointwise stages it would
+    separate can share one loop. Data dependencies are kept."""
+    order: list[Stage] = []
+    pending: list[Stage] = []
+    for s in p.stages:
+        if s.kind == "collective" and p.fusion_of(s.name) is None:
+            pending.append(s)
+            continue
+        needed = _pending_needed(pending, _reads(s.expr))
+        order += needed
+        pending = [x for x in pending if x not in needed]
+        order.append(s)
+    return order + pending
+
+
+def _pending_needed(pending: list[Stage], reads: set[str]) -> list[Stage]:
+    need = set(reads)
+    for x in reversed(pending):
+        if x.name in need:
+            need |= _reads(x.expr)
+    return [x for x in pending if x.name in need]
+
+
