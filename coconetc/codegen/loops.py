@@ -50,22 +50,24 @@ class LoopEmitter:
             items.append((s.name, self._scalars_out(s.expr, s.name), store))
         self._loop_items(stages[0].type, items)
 
-    def _loop(self, dst: str, t: TType, e: Expr) -> None:
-        """A loop computing dst = e over dst's local elements."""
-        self._loop_items(t, [(dst, self._scalars_out(e, dst), True)])
+    def _loop(self, dst: str, t: TType, e: Expr, seg_dst: str | None = None) -> None:
+        """A loop computing dst = e over dst's local elements (seg_dst: stored into that
+        scattered parameter's segments instead)."""
+        self._loop_items(t, [(dst, self._scalars_out(e, dst), True)], seg_dst)
 
-    def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]]) -> None:
+    def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]], seg_dst: str | None = None) -> None:
         ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
         regs = {name for name, _, _ in items}
         refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in regs]
-        segmented = any(r.name in self.scattered for r in refs)
+        segmented = seg_dst is not None or any(r.name in self.scattered for r in refs)
         needs_coords = any(self._access(r, t) is None for r in refs) or (
             any(isinstance(x, Op) and x.op == "dropout" for _, e, _ in items for x in walk(e))
             and self._gidx_simple(t) is None)
         base = self._loader(t)
         if len(items) == 1:
             name, e, _ = items[0]
-            store = f"v_{name}[i] = coconet::from_compute<{ct}>({emit(e, base, self._extra(t))});"
+            target = f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]"
+            store = f"{target} = coconet::from_compute<{ct}>({emit(e, base, self._extra(t))});"
         else:
             lines, local = [], {}
             for name, e, stored in items:

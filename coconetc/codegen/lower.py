@@ -176,7 +176,7 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
             if any(t in _reads(self.p.stage(n).expr) for n in later):
                 continue
             if t in self.scattered:
-                if self._gathers_only_into(src):
+                if self._gathers_only_into(src) or self._segment_store(src, t):
                     self.seg_inplace[src] = t
                 continue
             if self._reads_elementwise_only(self.p.stage(src), t):
@@ -190,14 +190,23 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         return (isinstance(s.expr, Op) and s.expr.op == "allgather" and not self.p.users(src)
                 and src not in self.in_fused)
 
+    def _segment_store(self, src: str, t: str) -> bool:
+        """A pointwise stage whose value is only the update of a scattered parameter (read, if
+        at all, at the element it writes) can store straight into the parameter's segments."""
+        s = self.p.stage(src)
+        return (s.kind == "compute" and s.type.ndim == 1 and not s.type.layout.sliced
+                and not self.p.users(src) and src not in self.in_fused
+                and self._reads_elementwise_only(s, t))
+
     def _reads_elementwise_only(self, s: Stage, t: str) -> bool:
+        """Does s read t only at the element it writes? Non-pointwise parts (norms, matmuls)
+        are computed before the loop, so what they read does not count."""
         if t not in _reads(s.expr):
             return True
-        if s.kind == "collective" or any(isinstance(n, Op) and n.op not in POINTWISE
-                                         for n in walk(s.expr)):
+        if s.kind != "compute" or (isinstance(s.expr, Op) and s.expr.op not in POINTWISE):
             return False
-        return all(n.type.shape == s.type.shape and n.type.layout == s.type.layout
-                   for n in walk(s.expr) if isinstance(n, Ref) and n.name == t)
+        return all(r.type.shape == s.type.shape and r.type.layout == s.type.layout
+                   for r in _pointwise_refs(s.expr) if r.name == t)
 
     def _epilogue(self, in_place: dict[str, str]) -> None:
         for t, src in self.p.updates:
@@ -231,10 +240,15 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
     def _stage(self, s: Stage, output: str | None, param: str | None) -> None:
         self._comment(s)
         e = s.expr
-        if s.name in self.seg_inplace:
+        if s.name in self.seg_inplace and s.kind == "collective":
             t, x = self.seg_inplace[s.name], self._materialize(e.args[0], s.name)
             self.types[s.name] = s.type
             self.emit(f"coconet::allgather(v_{x}, p_{t}, comm);  // straight into {t}'s segments")
+            return
+        if s.name in self.seg_inplace:
+            self.types[s.name] = s.type
+            self.emit(f"// {s.name} is stored straight into {self.seg_inplace[s.name]}'s segments")
+            self._loop(s.name, s.type, self._hoist(e, s.name), seg_dst=self.seg_inplace[s.name])
             return
         self._place(s, output, param)
         if isinstance(e, Op) and e.op in COLLECTIVES:
@@ -366,6 +380,15 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
 def _symbols(d: Dim) -> set[str]:
     from coconetc.ir.types import dim_symbols
     return dim_symbols(d)
+
+
+def _pointwise_refs(e: Expr) -> list[Ref]:
+    """References in the pointwise part of an expression (not inside a hoisted operation)."""
+    if isinstance(e, Ref):
+        return [e]
+    if isinstance(e, Op) and e.op in POINTWISE:
+        return [r for a in e.args for r in _pointwise_refs(a)]
+    return []
 
 
 def lower(p: Program, fn: str, file: str) -> Function:
