@@ -60,6 +60,16 @@ inline int64_t fused_chunk_elems() {
   return n;
 }
 
+// Once per process: BLAS uses as many threads as OpenMP loops (the cores left per rank), so
+// ranks sharing a node do not oversubscribe it with spinning BLAS threads.
+inline void init_threads() {
+  static bool done = [] {
+    set_blas_threads(omp_threads());
+    return true;
+  }();
+  (void)done;
+}
+
 // A temporary of n elements for allocation site Site of a generated function, kept per thread
 // across calls (grown when needed), so repeated calls neither allocate nor page-fault.  A
 // module function may run in several threads at once; one thread never reenters it.
