@@ -59,10 +59,12 @@ def toolchain() -> Toolchain:
 
 @cache
 def compiler_hash() -> str:
-    """A hash of the compiler itself: its Python sources, templates and runtime headers."""
-    h = hashlib.sha256()
+    """The part of the compiler a build depends on besides the generated text (which the key
+    hashes itself): its version, its templates and the runtime headers the source includes."""
+    from coconetc import __version__
+    h = hashlib.sha256(__version__.encode())
     pkg = Path(__file__).resolve().parent.parent
-    files = sorted([*pkg.rglob("*.py"), *pkg.rglob("*.j2"), *runtime_dir().rglob("*.h")])
+    files = sorted([*pkg.rglob("*.j2"), *runtime_dir().rglob("*.h")])
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())

@@ -29,7 +29,7 @@ def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None
     mod = load_file(path)
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
     probe = generate(mod, "ccn_probe")
-    key = builder.build_key(probe.cpp, "cpu")
+    key = builder.build_key(probe.cpp + probe.cmake, "cpu")
     name = f"ccn_{stem}_{key}"
     src = generate(mod, name)
     where = Path(out_dir) if out_dir else builder.cache_dir() / name
