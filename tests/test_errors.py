@@ -313,7 +313,7 @@ def test_case_ids_are_unique() -> None:
                                     "x: f32 local", "x: f32[N] local scatered"])
 def test_a_bad_parameter_is_reported_once(params: str) -> None:
     """Regression: a parameter with a bad declaration also made every use 'unknown name'."""
-    err = errors_of(P("y = x + 1\nz = y * x\nreturn z", params))
+    err = errors_of(P("y = x + 1\nz = y * x\nx1 = update(x, z)\nreturn z", params))
     assert [d.span.line for d in err.diagnostics] == [1], err.render()
 
 

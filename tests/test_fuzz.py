@@ -124,10 +124,15 @@ def test_examples_are_fuzz_seeds(path: Path) -> None:
 
 # --- (c) well-formed-looking programs and schedules, random in their types --------------
 
-_P_DTYPES = ["f16", "f32", "i32", "i64"]
-_P_SHAPES = ["", "[N]", "[N]", "[M]", "[N, K]", "[B, N]", "[K, N]", "[1]", "[B, S, N]", "[N, C, H, W]"]
-_P_LAYOUTS = ["local", "replicated", "sliced", "sliced(1)", "sliced(2)", "local scattered",
-              "replicated scattered", ""]
+_P_SHAPES = ["[N]"] * 4 + ["[M]", "[1]", "[B, N]", "[N, K]", "[K, N]", "[B, S, N]"]
+_P_DTYPES = ["f32"] * 4 + ["f16", "i32", "i64"]
+
+
+def _layouts(ndim: int) -> list[str]:
+    good = ["local", "local", "replicated", "replicated", "sliced", f"sliced({ndim - 1})"]
+    if ndim == 1:
+        good += ["local scattered", "replicated scattered"]
+    return good + ["sliced(3)", ""]
 
 
 @st.composite
@@ -135,7 +140,7 @@ def _expr(draw, names: list[str], depth: int = 0) -> str:
     leaf = st.sampled_from(names + ["1", "0.5", "2", "-1"])
     if depth > 2 or draw(st.booleans()):
         return draw(leaf)
-    kind = draw(st.sampled_from(["bin", "un", "call2", "where", "cmp", "cast", "red", "tensor"]))
+    kind = draw(st.sampled_from(["bin", "bin", "un", "call2", "where", "cmp", "cast", "red", "tensor"]))
     sub = lambda: draw(_expr(names, depth + 1))  # noqa: E731
     if kind == "bin":
         return f"({sub()} {draw(st.sampled_from(['+', '-', '*', '/', '**']))} {sub()})"
@@ -146,7 +151,7 @@ def _expr(draw, names: list[str], depth: int = 0) -> str:
     if kind == "where":
         return f"where({sub()} < {sub()}, {sub()}, {sub()})"
     if kind == "cmp":
-        return f"{sub()} {draw(st.sampled_from(['<', '==', '>=']))} {sub()}"
+        return f"({sub()} {draw(st.sampled_from(['<', '==', '>=']))} {sub()})"
     if kind == "cast":
         return f"cast({sub()}, {draw(st.sampled_from(_P_DTYPES))})"
     if kind == "red":
@@ -163,62 +168,74 @@ def _expr(draw, names: list[str], depth: int = 0) -> str:
            f"padding={draw(st.sampled_from(['0', '1', '-1']))})"
 
 
+_COLLECTIVES = ["allreduce(sum, {a})", "allreduce(sum, {a})", "allreduce(avg, {a})",
+                "reducescatter(avg, {a}, dim=1)", "reducescatter(max, {a})", "allgather({a})",
+                "broadcast({a}, 0)", "reduce(sum, {a}, 1)", "scatter({a})", "scatter({a}, dim=1)",
+                "send({a}, next)", "send({a}, prev)"]
+
+
+@st.composite
+def _directives(draw, names: list[str], params: list[str]) -> list[str]:
+    """Random directives whose arguments are mostly names the schedule can see (the program's
+    stages, then what earlier directives defined), sometimes parameters or unknown names."""
+    names = list(names)
+    arg = lambda: draw(st.sampled_from(names * 4 + params + ["nope"]))  # noqa: E731
+    lines = []
+    for k in range(draw(st.integers(1, 5))):
+        form = draw(st.sampled_from(["split", "split", "reorder", "reorder", "slice", "fuse", "overlap"]))
+        if form == "split":
+            dim = draw(st.sampled_from(["", "", ", dim=1", ", dim=0", ", dim=2"]))
+            lines.append(f"    r{k}, g{k} = split({arg()}{dim})")
+            names += [f"r{k}", f"g{k}"]
+        elif form == "reorder":
+            outs = [f"o{k}_{i}" for i in range(draw(st.integers(0, 3)))]
+            moved = ", ".join(arg() for _ in range(draw(st.integers(1, 4))))
+            ag = draw(st.sampled_from([n for n in names if n.startswith("g")] or names))
+            lines.append(f"    {', '.join(outs) + ' = ' if outs else ''}reorder({ag}, {moved})")
+            names += outs
+        elif form == "slice":
+            lines.append(f"    slice({', '.join(draw(st.sampled_from(params)) for _ in range(draw(st.integers(1, 2))))})")
+        elif form == "fuse":
+            members = ", ".join(arg() for _ in range(draw(st.integers(1, 5))))
+            lines.append(f"    f{k} = fuse({members})")
+            names.append(f"f{k}")
+        else:
+            extra = draw(st.sampled_from(["", "", ", dim=0", ", dim=1", ", dim=2"]))
+            lines.append(f"    overlap({arg()}, {arg()}, chunks={draw(st.sampled_from(['1', '2', '4']))}{extra})")
+    return lines
+
+
 @st.composite
 def _program(draw) -> str:
-    params, names = [], []
-    for i in range(draw(st.integers(1, 5))):
+    params, names, tensors = [], [], []
+    for i in range(draw(st.integers(1, 4))):
         name = f"p{i}"
         shape = draw(st.sampled_from(_P_SHAPES))
-        lay = draw(st.sampled_from(_P_LAYOUTS)) if shape else ""
+        lay = draw(st.sampled_from(_layouts(shape.count(",") + 1)))
         params.append(f"{name}: {draw(st.sampled_from(_P_DTYPES))}{shape} {lay}".rstrip())
         names.append(name)
+        tensors.append(name)
     params += ["lr: f32", "seed: i64"]
     names += ["lr"]
-    lines = []
+    lines, stages = [], []
     for j in range(draw(st.integers(1, 6))):
         target = f"s{j}"
-        kind = draw(st.sampled_from(["expr", "expr", "coll", "update"]))
+        kind = draw(st.sampled_from(["expr", "expr", "coll", "coll", "update"]))
         if kind == "coll":
-            coll = draw(st.sampled_from([
-                "allreduce(sum, {a})", "reducescatter(avg, {a}, dim=1)", "reducescatter(max, {a})",
-                "allgather({a})", "broadcast({a}, 0)", "reduce(sum, {a}, 1)", "scatter({a})",
-                "scatter({a}, dim=2)", "send({a}, next)", "send({a}, prev)"]))
-            rhs = coll.format(a=draw(st.sampled_from(names)))
+            rhs = draw(st.sampled_from(_COLLECTIVES)).format(a=draw(st.sampled_from(names)))
         elif kind == "update":
-            rhs = f"update({draw(st.sampled_from(names))}, {draw(_expr(names))})"
+            rhs = f"update({draw(st.sampled_from(tensors + ['lr']))}, {draw(_expr(names))})"
         else:
             rhs = draw(_expr(names))
         lines.append(f"    {target} = {rhs}")
         names.append(target)
+        stages.append(target)
     if draw(st.booleans()):
         lines.append(f"    return {draw(st.sampled_from(names))}")
-    body = "\n".join(lines)
-    prog = f"program q({', '.join(params)}) {{\n{body}\n}}\n"
-    stages = [n for n in names if n.startswith("s")] or ["s0"]
-    directives = []
-    for k in range(draw(st.integers(0, 5))):
-        a = lambda k=k, stages=stages: draw(st.sampled_from(stages + ["p0", "lr", f"t{k}"]))  # noqa: E731
-        form = draw(st.sampled_from(["split", "reorder", "slice", "fuse", "overlap"]))
-        if form == "split":
-            dim = draw(st.sampled_from(["", ", dim=1", ", dim=0", ", dim=5"]))
-            directives.append(f"    r{k}, g{k} = split({a()}{dim})")
-            stages += [f"r{k}", f"g{k}"]
-        elif form == "reorder":
-            outs = ", ".join(f"o{k}_{i}" for i in range(draw(st.integers(1, 3))))
-            moved = ", ".join(a() for _ in range(draw(st.integers(1, 3))))
-            directives.append(f"    {outs} = reorder({a()}, {moved})")
-            stages += [f"o{k}_{i}" for i in range(3)]
-        elif form == "slice":
-            directives.append(f"    slice({draw(st.sampled_from(names))})")
-        elif form == "fuse":
-            members = ", ".join(a() for _ in range(draw(st.integers(1, 4))))
-            directives.append(f"    f{k} = fuse({members})")
-            stages.append(f"f{k}")
-        else:
-            extra = draw(st.sampled_from(["", ", dim=0", ", dim=1", ", dim=2"]))
-            directives.append(f"    overlap({a()}, {a()}, chunks={draw(st.sampled_from(['1', '2', '0']))}{extra})")
-    sched = "schedule z for q {\n" + "\n".join(directives) + "\n}\n" if directives else ""
-    return prog + sched
+    prog = f"program q({', '.join(params)}) {{\n" + "\n".join(lines) + "\n}\n"
+    if draw(st.booleans()):
+        return prog
+    return prog + "schedule z for q {\n" + "\n".join(draw(_directives(stages, tensors + ["lr"]))) + "\n}\n"
 
 
 @FUZZ
@@ -227,33 +244,31 @@ def test_random_programs_and_schedules(src: str) -> None:
     _load(src)
 
 
+def _program_texts(src: str) -> dict[str, tuple[list[str], list[str]]]:
+    """For each program of a file: its stage names and its parameter names."""
+    out = {}
+    for m in re.finditer(r"^program (\w+)\((.*?)\)\s*\{\n(.*?)^\}", src, re.M | re.S):
+        params = re.findall(r"(\w+)\s*:", m.group(2))
+        stages = re.findall(r"^\s+(\w+)\s*=", m.group(3), re.M)
+        out[m.group(1)] = (stages, params)
+    return out
+
+
 @st.composite
 def _example_schedule(draw) -> str:
-    """An example file with one extra schedule made of random directives over its names."""
+    """An example file with one extra schedule: sometimes a legal prefix of one of its own
+    schedules, then random directives over the program's names."""
     src = draw(st.sampled_from(SOURCES))
-    prog = draw(st.sampled_from(re.findall(r"^program (\w+)", src, re.M)))
-    words = sorted(set(re.findall(r"\b[a-z_][a-z0-9_]*\b", src)) - {"program", "schedule", "for"})
-    pick = lambda: draw(st.sampled_from(words))  # noqa: E731
+    progs = _program_texts(src)
+    prog = draw(st.sampled_from(sorted(progs)))
+    stages, params = progs[prog]
     bodies = re.findall(rf"^schedule \w+ for {prog} {{\n(.*?)^}}", src, re.M | re.S)
     lines = []
-    if bodies and draw(st.booleans()):  # start from a legal prefix of an existing schedule
+    if bodies and draw(st.booleans()):
         legal = draw(st.sampled_from(bodies)).splitlines()
         lines = legal[:draw(st.integers(0, len(legal)))]
-    for k in range(draw(st.integers(1, 3))):
-        form = draw(st.sampled_from(["split", "reorder", "slice", "fuse", "overlap"]))
-        args = ", ".join(pick() for _ in range(draw(st.integers(1, 4))))
-        if form == "split":
-            lines.append(f"    a{k}, b{k} = split({pick()}, dim={draw(st.integers(0, 3))})")
-        elif form == "reorder":
-            outs = ", ".join(f"c{k}_{i}" for i in range(draw(st.integers(1, 4))))
-            lines.append(f"    {outs} = reorder({args})")
-        elif form == "slice":
-            lines.append(f"    slice({args})")
-        elif form == "fuse":
-            lines.append(f"    f{k} = fuse({args})")
-        else:
-            lines.append(f"    overlap({pick()}, {pick()}, chunks={draw(st.integers(0, 4))}, "
-                         f"dim={draw(st.integers(0, 3))})")
+        stages = stages + re.findall(r"\b(\w+)\b(?=[^=]*=)", "\n".join(lines))
+    lines += draw(_directives(stages, params))
     return src + f"\nschedule extra for {prog} {{\n" + "\n".join(lines) + "\n}\n"
 
 

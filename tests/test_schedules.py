@@ -34,7 +34,7 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
         return {"N": s if small else 13}
     if program == "mlp_out":  # K sliced (row-parallel), S sliced (split on dim 1)
         return {"B": 2, "S": s, "K": s, "H": 3} if small else {"B": 2, "S": 5, "K": 7, "H": 6}
-    if program == "attn_out":  # S sliced
+    if program in ("attn_out", "f1"):  # S sliced
         return {"B": 2, "S": s, "H": 4} if small else {"B": 2, "S": 5, "H": 6}
     if program == "conv_layer":  # the batch N sliced
         return ({"N": s, "C": 2, "H": 3, "W": 4, "O": 2} if small
