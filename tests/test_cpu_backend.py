@@ -48,6 +48,7 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "mlp_out": ({"B": 2, "S": 5, "K": 7, "H": 6}, ("S", "K")),
     "stage": ({"B": 5, "H": 6}, ("B",)),
     "f1": ({"B": 2, "S": 5, "H": 6}, ("S",)),
+    "collectives": ({"N": 7, "M": 5}, ("N", "M")),
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4

@@ -42,6 +42,8 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
     if program == "conv_tp":  # input channels C sliced; the split cuts output channels O
         return ({"N": 1, "C": s, "H": 4, "W": 3, "O": s} if small
                 else {"N": 2, "C": 7, "H": 6, "W": 5, "O": 5})
+    if program == "collectives":  # N (scatter, sl) and M (reducescatter dim=1) sliced
+        return {"N": s, "M": s} if small else {"N": 7, "M": 5}
     if program == "stage":  # B sliced (split on dim 0)
         return {"B": s, "H": 3} if small else {"B": 5, "H": 3}
     raise KeyError(f"no sizes for program '{program}': add them here")
