@@ -76,8 +76,9 @@ def _main(a, comm) -> int:
             for prob in problems[:20]:
                 print(f"    {prob}", flush=True)
             bad += bool(problems)
-            if a.save:
-                _save(a.save, sched, s_inputs, got)
+            if a.save:  # one file per schedule when several run, as `run --interp` does
+                path = a.save if len(a.schedule) <= 1 else a.save.replace(".npz", f".{sched or 'default'}.npz")
+                _save(path, s_inputs, got)
     bad = comm.bcast(bad, root=0)
     return 1 if bad else 0
 
@@ -95,7 +96,7 @@ def _result(ir, out, args):
     return outputs, updates
 
 
-def _save(path, sched, inputs, got) -> None:
+def _save(path, inputs, got) -> None:
     from coconetc.interp.harness import joined
     arrays = {}
     for r, (args, res) in enumerate(zip(inputs, got)):
@@ -105,7 +106,7 @@ def _save(path, sched, inputs, got) -> None:
                 arrays[f"r{r}.seg.{name}"] = np.array([len(x) for x in v], dtype=np.int64)
         for name, v in {**res.outputs, **res.updates}.items():
             arrays[f"r{r}.out.{name}"] = v
-    np.savez(path if sched is None else path.replace(".npz", f".{sched}.npz"), **arrays)
+    np.savez(path, **arrays)
 
 
 if __name__ == "__main__":

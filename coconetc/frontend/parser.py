@@ -54,7 +54,8 @@ class _DropNewlinesInBrackets:
 @cache
 def _parser() -> lark.Lark:
     text = grammar_file().read_text()
-    return lark.Lark(text, parser="lalr", lexer="contextual", postlex=_DropNewlinesInBrackets(),
+    # cache=True: Lark keeps the analysed grammar in a temp file, keyed by its text and options
+    return lark.Lark(text, parser="lalr", lexer="contextual", postlex=_DropNewlinesInBrackets(), cache=True,
                      propagate_positions=True, maybe_placeholders=True)
 
 
