@@ -80,7 +80,8 @@ class ProgramFunction:
     def signature(self, schedule: str | None = None) -> dict[str, str]:
         """Parameter -> its type in this schedule's calling convention, e.g. 'f32[N] sliced(0)'."""
         p = self._program(schedule)
-        return {q.name: str(q.type) if not q.scalar else q.type.dtype for q in p.params}
+        return {q.name: q.type.dtype if q.scalar else str(q.type) + (" scattered" if q.scattered else "")
+                for q in p.params}
 
     def _program(self, schedule: str | None) -> Program:
         key = schedule or DEFAULT
