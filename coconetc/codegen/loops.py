@@ -21,17 +21,20 @@ _prod = prod
 
 class LoopEmitter:
     # --- pointwise loops ------------------------------------------------------------------
-    def _scalars_out(self, e: Expr, stage: str) -> Expr:
+    def _scalars_out(self, e: Expr, stage: str, refs_too: bool = True) -> Expr:
         """Compute the scalar-only parts of a loop's expression (beta1 ** step, ...) once,
-        before the loop: each becomes a named constant the loader returns as it is."""
-        if isinstance(e, Op) and e.type.ndim == 0 and e.op in POINTWISE and e.op != "dropout":
+        before the loop: each becomes a named local constant the loader returns as it is (so
+        the compiler keeps it in a register and can vectorize the loop). `refs_too`: also
+        0-d values read as they are (not in a 0-d loop, which may be computing them)."""
+        hoist_ref = refs_too and isinstance(e, Ref) and e.type.ndim == 0 and e.name not in self.consts
+        if hoist_ref or (isinstance(e, Op) and e.type.ndim == 0 and e.op in POINTWISE and e.op != "dropout"):
             name = f"k{len(self.consts)}_{stage}"
             code = emit(e, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
             self.emit(f"const {COMPUTE[e.type.dtype]} {name} = {code};")
             self.consts[name] = name
             return Ref(name, e.type)
         if isinstance(e, Op):
-            return replace(e, args=tuple(self._scalars_out(a, stage) for a in e.args))
+            return replace(e, args=tuple(self._scalars_out(a, stage, refs_too) for a in e.args))
         return e
 
     def _chain(self, stages: list[Stage], outputs: dict, in_place: dict) -> None:
@@ -53,7 +56,7 @@ class LoopEmitter:
     def _loop(self, dst: str, t: TType, e: Expr, seg_dst: str | None = None) -> None:
         """A loop computing dst = e over dst's local elements (seg_dst: stored into that
         scattered parameter's segments instead)."""
-        self._loop_items(t, [(dst, self._scalars_out(e, dst), True)], seg_dst)
+        self._loop_items(t, [(dst, self._scalars_out(e, dst, t.ndim > 0), True)], seg_dst)
 
     def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]], seg_dst: str | None = None) -> None:
         ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
@@ -85,22 +88,37 @@ class LoopEmitter:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"  const int64_t L{k} = {d};")
         if segmented:
-            self.emit(f"  coconet::for_each_piece(seg_starts, off, off + {n}, "
-                      "[&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
-            self.emit("    for (int64_t j = 0; j < len; ++j) {")
+            self.emit(f"  for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + {n})) {{")
+            self.emit("    const size_t s = pc.segment;")
+            self.emit("    const int64_t a0 = pc.at, b0 = pc.offset;")
+            self.emit("    COCONET_IVDEP")
+            self.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
             self.emit("      const int64_t i = b0 + j;")
             self.emit(f"      {store}")
             self.emit("    }")
-            self.emit("  });")
+            self.emit("  }")
         else:
+            # a plain loop (vectorizable: operands are locals, not captured by an OpenMP region),
+            # and an OpenMP copy of it for large loops when cores are left over
             self.emit(f"  const int64_t n = {n};")
-            self.emit("  COCONET_PARALLEL_FOR(n)")
-            self.emit("  for (int64_t i = 0; i < n; ++i) {")
-            if needs_coords:
-                self._coords(t)
-            self.emit(f"    {store}")
+            self.emit("#ifdef _OPENMP")
+            self.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
+            self.emit("#pragma omp parallel for num_threads(coconet::omp_threads())")
+            self._for(t, store, needs_coords)
+            self.emit("  } else")
+            self.emit("#endif")
+            self.emit("  {")
+            self.emit("  COCONET_IVDEP")
+            self._for(t, store, needs_coords)
             self.emit("  }")
         self.emit("}")
+
+    def _for(self, t: TType, store: str, needs_coords: bool) -> None:
+        self.emit("  for (int64_t i = 0; i < n; ++i) {")
+        if needs_coords:
+            self._coords(t)
+        self.emit(f"    {store}")
+        self.emit("  }")
 
     def _coords(self, t: TType) -> None:
         self.emit("    int64_t rest = i;")

@@ -136,7 +136,7 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         return units
 
     def _chainable(self, s: Stage) -> bool:
-        return (s.kind == "compute" and all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr))
+        return (s.kind == "compute" and s.type.ndim > 0 and all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr))
                 and not any(isinstance(n, Ref) and n.name in self.scattered for n in walk(s.expr)))
 
     def _prologue(self) -> None:

@@ -38,9 +38,10 @@ class ScheduleEmitter:
         o = f"off_{plan.name}"
         self.emit(f"const int64_t {o} = {off} * {_prod(self.gdims(coll.type)[d0 + 1:])};")
         stored = self._fused_buffers(plan, outputs, in_place, d0, o)
-        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
         self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, "
                   f"const {COMPUTE[coll.type.dtype]}* red) {{")
+        # scalars as locals of the callback (in registers; not captured, so no aliasing)
+        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
         self._chunk_prologue(coll, d0, off, o)
         self._chunk_loop(plan, exprs, stored, d0)
         self.emit("};")
@@ -87,17 +88,21 @@ class ScheduleEmitter:
                 self.emit(f"  const int64_t L{k} = {dim};")
         segmented = any(r.name in self.scattered for r in operands)
         if segmented:
-            self.emit("  coconet::for_each_piece(seg_starts, gb, ge, [&](size_t s, int64_t a0, int64_t b0, int64_t len) {")
-            self.emit("    for (int64_t j = 0; j < len; ++j) {")
+            self.emit("  for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {")
+            self.emit("    const size_t s = pc.segment;")
+            self.emit("    const int64_t a0 = pc.at, b0 = pc.offset;")
+            self.emit("    COCONET_IVDEP")
+            self.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
             self.emit("      const int64_t i = lo + b0 + j;")
         else:
+            self.emit("  COCONET_IVDEP")
             self.emit("    for (int64_t i = lo; i < hi; ++i) {")
         if coords:
             self._coords(t0)
         self._chunk_body(plan, exprs, stored, d0)
         self.emit("    }")
         if segmented:
-            self.emit("  });")
+            self.emit("  }")
 
     def _chunk_body(self, plan: FusedPlan, exprs: dict, stored: list, d0: int) -> None:
         gathered = plan.gather.expr.args[0].name if plan.gather is not None else None

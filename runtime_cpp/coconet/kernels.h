@@ -43,6 +43,23 @@ COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t
   return p < 1.0 ? x * static_cast<C>(1.0 / (1.0 - p)) : C(0);
 }
 
+// One piece of a logical range [begin, end) inside one segment: segment index, offset inside
+// the segment, offset inside the range, length.  A list, so loops over it need no lambda.
+struct Piece {
+  size_t segment;
+  int64_t at, offset, size;
+};
+inline std::vector<Piece> pieces(const std::vector<int64_t>& starts, int64_t begin, int64_t end) {
+  std::vector<Piece> out;
+  for_each_piece(starts, begin, end, [&](size_t s, int64_t a, int64_t b, int64_t len) {
+    out.push_back(Piece{s, a, b, len});
+  });
+  return out;
+}
+
+// Loops of more elements than this may run on several OpenMP threads.
+constexpr int64_t kParallelMin = 65536;
+
 // ---- reductions ------------------------------------------------------------------------------
 
 template <class T>

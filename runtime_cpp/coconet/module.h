@@ -34,6 +34,17 @@
 #define COCONET_PARALLEL_FOR(n)
 #endif
 
+// Before a generated pointwise loop: iterations are independent. Every loop reads a buffer it
+// also writes (an in-place update) only at the element it writes, so there is no loop-carried
+// dependence, and the compiler may vectorize without runtime alias checks.
+#if defined(__clang__)
+#define COCONET_IVDEP _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define COCONET_IVDEP _Pragma("GCC ivdep")
+#else
+#define COCONET_IVDEP
+#endif
+
 namespace coconet {
 
 // Threads per rank: COCONET_THREADS, else the cores divided among the ranks on this node.
