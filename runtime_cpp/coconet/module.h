@@ -26,12 +26,6 @@
 
 #ifdef _OPENMP
 #include <omp.h>
-#define COCONET_PRAGMA(x) _Pragma(#x)
-// Loops go parallel only when large and when the machine has cores to spare beyond the ranks.
-#define COCONET_PARALLEL_FOR(n) \
-  COCONET_PRAGMA(omp parallel for if ((n) > 65536 && ::coconet::omp_threads() > 1) num_threads(::coconet::omp_threads()))
-#else
-#define COCONET_PARALLEL_FOR(n)
 #endif
 
 // Before a generated pointwise loop: iterations are independent. Every loop reads a buffer it
