@@ -2,6 +2,7 @@
 
   * baseline: mpi4py Allreduce of the gradient + torch.optim.Adam(fused=True) on the full tensor
   * coconet examples/adam.ccn compiled for the CPU: default, rs_c_ag, zero, fused schedules
+  * the memory roofline of the zero schedule (its memory traffic / copy bandwidth, measured here)
 
 Run: python bench/adam_step.py [--n 4194304] [--ranks 2] [--reps 10]
 It relaunches itself under mpiexec; rank 0 prints a table of medians (and ratios to the
@@ -83,6 +84,13 @@ def main() -> int:
     shared = np.random.default_rng(0)
     w, m, v = (shared.uniform(0.5, 1.5, a.n).astype(np.float32) for _ in range(3))
     rows = [("mpi4py Allreduce + torch Adam(fused=True)", _timed(comm, _baseline(comm, g, w, a), a.reps))]
+    # roofline of the zero schedule: the bytes a rank must move through memory (read g; read and
+    # write its slices of m and v; read its slice of w; write all of w), at the copy bandwidth
+    # measured now, with every rank copying at once
+    src, dst = np.ones(a.n, np.float32), np.empty(a.n, np.float32)
+    bw = 2 * src.nbytes / _timed(comm, lambda: np.copyto(dst, src), a.reps)
+    mine = -(-a.n // comm.Get_size())
+    rows.append(("roofline of zero (memory traffic / copy bandwidth)", 4 * (2 * a.n + 5 * mine) / bw))
     for sched in ("default", "rs_c_ag", "zero", "fused"):
         rows.append((f"coconet {sched}", _timed(comm, _coconet(mod, sched, comm, g, w, m, v), a.reps)))
     if comm.Get_rank() == 0:
