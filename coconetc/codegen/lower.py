@@ -88,7 +88,8 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         self._prologue()
         self.order = execution_order(self.p)
         units = self._units()
-        self.in_fused = {n for u in units if isinstance(u, FusedPlan) for n in u.members}
+        self.in_fused = {n for u in units for n in (u.members if isinstance(u, FusedPlan) else
+                                                     u.fused.members if isinstance(u, OverlapPlan) and u.fused else ())}
         in_place = self._in_place_updates()
         outputs = {s: pub for pub, s in self.p.outputs}
         for unit in units:
@@ -116,8 +117,13 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
             if s.name in done:
                 continue
             if overlaps.get(s.name) is not None:
-                units.append(overlaps[s.name])
-                done.update((s.name, overlaps[s.name].collective.name))
+                ov = overlaps[s.name]
+                fusion = self.p.fusion_of(ov.collective.name)
+                ov.fused = fused_plan(self.p, fusion, self.scattered, self) if fusion else None
+                if fusion:
+                    planned.add(fusion.name)
+                units.append(ov)
+                done.update((s.name, ov.collective.name, *(ov.fused.members if ov.fused else ())))
                 continue
             fusion = self.p.fusion_of(s.name)
             plan = None

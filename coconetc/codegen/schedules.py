@@ -48,6 +48,45 @@ class ScheduleEmitter:
         self._fused_call(plan, x)
         self.types[coll.name] = coll.type
 
+    def _overlap_fused_buffers(self, plan: FusedPlan, outputs: dict, in_place: dict) -> None:
+        coll = plan.collective
+        if plan.gather is not None:
+            self._comment(plan.gather)
+            self._place(plan.gather, outputs.get(plan.gather.name), in_place.get(plan.gather.name))
+        d0 = coll.type.layout.dim if coll.type.layout.sliced else 0
+        off = self.offset(coll.type) if coll.type.layout.sliced else "int64_t(0)"
+        self.emit(f"const int64_t off_{plan.name} = {off} * {_prod(self.gdims(coll.type)[d0 + 1:])};")
+        self.overlap_stored = self._fused_buffers(plan, outputs, in_place, d0, f"off_{plan.name}")
+        self.types[coll.name] = coll.type
+
+    def _overlap_fused_task(self, plan: OverlapPlan, ly: list[str]) -> None:
+        """Chunk i of the matmul's rows goes through its own fused collective (a task of
+        overlap.h): the fusion's computation runs on each reduced piece of that chunk, and the
+        gathered value is sent as soon as it is computed. Indices inside the callback are made
+        global (base: the chunk's first element in the full tensor)."""
+        f, y = plan.fused, plan.producer
+        coll = f.collective
+        ct, d0 = CTYPE[coll.type.dtype], coll.type.layout.dim if coll.type.layout.sliced else 0
+        off = self.offset(coll.type) if coll.type.layout.sliced else "int64_t(0)"
+        g = self.gdims(y.type)
+        self.emit(f"  const int64_t base = r.begin * {_prod(ly[1:])}, count = r.size() * {_prod(ly[1:])};")
+        self.emit(f"  auto compute = [&, base](int64_t gb0, int64_t ge0, const {COMPUTE[coll.type.dtype]}* red) {{")
+        self.emit("    const int64_t gb = gb0 + base, ge = ge0 + base;")
+        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in f.computes}
+        self._chunk_prologue(coll, d0, off, f"off_{f.name}")
+        self._chunk_loop(f, exprs, self.overlap_stored, d0)
+        self.emit("  };")
+        targets = (f"{{coconet::gather_target(v_{f.gather.name} + base, count)}}" if f.gather is not None else "{}")
+        op = _OPS[coll.expr.attr("op")]
+        shape = (f"r.size() * {_prod(g[1:d0])}, {g[d0]}, {_prod(g[d0 + 1:])}" if coll.type.layout.sliced
+                 else "1, count, 1")
+        start = "start_fused_rs_compute_ag" if coll.expr.op == "reducescatter" else "start_fused_allreduce_compute"
+        shape_arg = f"coconet::Shape3{{{shape}}}, " if coll.expr.op == "reducescatter" else ""
+        extra = f", {targets}" if coll.expr.op == "reducescatter" else ""
+        self.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y.name} + base, count), "
+                  f"{shape_arg}comm, channel, coconet::fused_chunk_elems(), compute{extra});")
+        self.emit("});")
+
     def _fused_buffers(self, plan: FusedPlan, outputs: dict, in_place: dict, d0: int, o: str) -> list:
         """Where the fused stages' values live; returns the ones that must be stored."""
         gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
@@ -147,11 +186,16 @@ class ScheduleEmitter:
         self.emit(f"// overlap {y.name} -> {c.name}: {plan.chunks} chunks along dim 0 of {y.name}")
         a = self._materialize(y.expr.args[0], y.name)
         b = self._materialize(y.expr.args[1], y.name)
-        for s in (y, c):
-            self._comment(s)
-            self._place(s, outputs.get(s.name), in_place.get(s.name))
+        self._comment(y)
+        self._place(y, outputs.get(y.name), in_place.get(y.name))
+        if plan.fused is None:
+            self._comment(c)
+            self._place(c, outputs.get(c.name), in_place.get(c.name))
+        else:
+            self._overlap_fused_buffers(plan.fused, outputs, in_place)
         ct = CTYPE[y.type.dtype]
-        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y.name, a, b, c.name))
+        ly, la, lb = (self.ldims(self.types[n]) for n in (y.name, a, b))
+        lc = self.ldims(c.type)
         rows, per_row = ly[0], _prod(ly[1:-1])
         chunk = f"coconet::chunk_range({rows}, {plan.chunks}, i)"
         self.emit(f"coconet::overlap({plan.chunks}, [&](int i) {{")
@@ -160,6 +204,8 @@ class ScheduleEmitter:
                   f"v_{y.name} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {la[-1]}, {lb[1]});")
         self.emit("}, [&](int i, int channel) {")
         self.emit(f"  const coconet::Range r = {chunk};")
+        if plan.fused is not None:
+            return self._overlap_fused_task(plan, ly)
         src, dst = f"v_{y.name} + r.begin * {_prod(ly[1:])}", f"v_{c.name} + r.begin * {_prod(lc[1:])}"
         op = _OPS[c.expr.attr("op")]
         if c.expr.op == "allreduce":
@@ -231,6 +277,7 @@ class OverlapPlan:
     producer: Stage  # a matmul
     collective: Stage  # the allreduce or reducescatter that reads it
     chunks: int
+    fused: FusedPlan | None = None  # when the consumer is a fusion: each chunk's fused collective
 
 
 def overlap_plan(p: Program, o) -> OverlapPlan | None:
