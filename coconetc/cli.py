@@ -169,7 +169,7 @@ def _run_compiled(file, name, names, ranks, groups, sizes, seed, save) -> None:
     from coconetc.build.loader import compile_module
     try:
         compile_module(file)
-    except BuildError as err:
+    except (BuildError, CompileError) as err:
         _fail(str(err))
     argv = ["-m", "coconetc.build.worker", str(file), "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
@@ -191,7 +191,7 @@ def compile(file: str, output: str | None, backend: str) -> None:  # noqa: A001 
     _load(file)
     try:
         _, src, so = compile_module(file, output)
-    except BuildError as err:
+    except (BuildError, CompileError) as err:
         _fail(str(err))
     click.echo(f"{file}: built {so}")
     for (prog, sched), fn in src.functions.items():

@@ -362,3 +362,14 @@ def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPat
     res = invoke("run", REPO / "examples" / "sgd.ccn", "-s", "rs_c_ag", "--interp")
     assert res.exit_code == 1, res.output
     assert "rank 1 updated 'w'" in res.stderr and "rank 0 updated" not in res.stderr
+
+
+def test_compile_rejects_an_overlap_the_backend_cannot_run(tmp_path: Path) -> None:
+    """An overlap along dim 1 is legal, but the CPU backend says it cannot run it rather than
+    running the matmul and the collective one after the other under the schedule's name."""
+    src = tmp_path / "ov.ccn"
+    src.write_text("program p(x: f32[B, K] sliced(1), w: f32[K, H] sliced(0)) {\n"
+                   "    y = matmul(x, w)\n    s = allreduce(sum, y)\n    return s\n}\n"
+                   "schedule o for p {\n    overlap(y, s, chunks=2, dim=1)\n}\n")
+    assert invoke("check", src).exit_code == 0
+    clean_error(invoke("compile", src, "-o", tmp_path / "out"), f"{src}:7:5: error: overlap")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, literal
+from coconetc.errors import CompileError
 from coconetc.codegen.loops import LoopEmitter, prod as _prod
 from coconetc.codegen.schedules import (FusedPlan, OverlapPlan, ScheduleEmitter, execution_order,
                                         fused_plan, overlap_plan, reads as _reads)
@@ -110,7 +111,7 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         same elements (one loop, intermediates in registers), or a single stage."""
         units: list = []
         done: set[str] = set()
-        overlaps = {o.producer: overlap_plan(self.p, o) for o in self.p.overlaps}
+        overlaps = {o.producer: self._overlap_plan(o) for o in self.p.overlaps}
         consumers = {pl.collective.name for pl in overlaps.values() if pl is not None}
         planned: set[str] = set()
         for s in self.order:
@@ -140,6 +141,14 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
             else:
                 units.append([s])
         return units
+
+    def _overlap_plan(self, o) -> OverlapPlan:
+        plan = overlap_plan(self.p, o)
+        if plan is None:  # say so, rather than run it unoverlapped under the schedule's name
+            raise CompileError.at(o.span, "overlap: the CPU backend chunks a matmul along dim 0 of its "
+                                  "result (a batch or row dim) into an allreduce or a reducescatter "
+                                  f"along another dim; here dim={o.dim} into '{o.consumer}'")
+        return plan
 
     def _chainable(self, s: Stage) -> bool:
         return (s.kind == "compute" and s.type.ndim > 0 and all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr))
