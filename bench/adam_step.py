@@ -94,17 +94,21 @@ def main() -> int:
     for sched in ("default", "rs_c_ag", "zero", "fused"):
         rows.append((f"coconet {sched}", _timed(comm, _coconet(mod, sched, comm, g, w, m, v), a.reps)))
     if comm.Get_rank() == 0:
-        base = rows[0][1]
-        print(f"Adam step, f32, N = {a.n}, {comm.Get_size()} ranks, median of {a.reps}")
-        print(f"{'variant':45s} {'ms':>9s} {'speed-up vs baseline':>22s}")
-        for name, t in rows:
-            print(f"{name:45s} {t * 1e3:9.2f} {base / t:22.2f}")
-        out = HERE / "results"
-        out.mkdir(exist_ok=True)
-        (out / "adam_step.json").write_text(json.dumps(
-            {"n": a.n, "ranks": comm.Get_size(), "reps": a.reps,
-             "median_seconds": dict(rows)}, indent=2))
+        report(f"Adam step, f32, N = {a.n}, {comm.Get_size()} ranks, median of {a.reps}", rows,
+               "adam_step", {"n": a.n, "ranks": comm.Get_size(), "reps": a.reps})
     return 0
+
+
+def report(title: str, rows: list[tuple[str, float]], name: str, meta: dict) -> None:
+    """Print the table (milliseconds, speed-up against the first row) and write the JSON."""
+    base, width = rows[0][1], max(len(n) for n, _ in rows)
+    print(title)
+    print(f"{'variant':{width}s} {'ms':>9s} {'speed-up vs baseline':>22s}")
+    for label, t in rows:
+        print(f"{label:{width}s} {t * 1e3:9.2f} {base / t:22.2f}")
+    out = HERE / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({**meta, "median_seconds": dict(rows)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ bench/results/mlp_out.json."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from adam_step import _timed  # noqa: E402  (same timing rule: barrier, median)
+from adam_step import _timed, report  # noqa: E402  (same timing rule and table)
 
 
 def _baseline(comm, x, w, b, r):
@@ -78,14 +77,8 @@ def main() -> int:
         rows.append((f"coconet {sched}", _timed(
             comm, lambda s=sched, kw=args: mod.mlp_out(schedule=None if s == "default" else s, **kw), a.reps)))
     if rank == 0:
-        base = rows[0][1]
-        print(f"mlp_out, f16, B={a.b} S={a.s} K={a.k} H={a.h}, {R} ranks, median of {a.reps}")
-        print(f"{'variant':55s} {'ms':>9s} {'speed-up vs baseline':>22s}")
-        for name, t in rows:
-            print(f"{name:55s} {t * 1e3:9.2f} {base / t:22.2f}")
-        out = HERE / "results"
-        out.mkdir(exist_ok=True)
-        (out / "mlp_out.json").write_text(json.dumps({"sizes": vars(a), "median_seconds": dict(rows)}, indent=2))
+        report(f"mlp_out, f16, B={a.b} S={a.s} K={a.k} H={a.h}, {R} ranks, median of {a.reps}",
+               rows, "mlp_out", {"sizes": vars(a)})
     return 0
 
 

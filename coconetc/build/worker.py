@@ -45,6 +45,7 @@ def _main(a, comm) -> int:
     import coconetc
     from coconetc.interp.harness import adapt_inputs, compare, random_inputs
     from coconetc.interp.interpreter import Result, run
+    from coconetc.interp.session import save_results
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
     mod = coconetc.load(a.file, log=lambda msg: None)
     fn = mod.programs[a.program]
@@ -78,7 +79,7 @@ def _main(a, comm) -> int:
             bad += bool(problems)
             if a.save:  # one file per schedule when several run, as `run --interp` does
                 path = a.save if len(a.schedule) <= 1 else a.save.replace(".npz", f".{sched or 'default'}.npz")
-                _save(path, s_inputs, got)
+                save_results(path, s_inputs, got)
     bad = comm.bcast(bad, root=0)
     return 1 if bad else 0
 
@@ -94,19 +95,6 @@ def _result(ir, out, args):
     outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
     updates = {t: np.asarray(joined(args[t])).copy() for t, _ in ir.updates}
     return outputs, updates
-
-
-def _save(path, inputs, got) -> None:
-    from coconetc.interp.harness import joined
-    arrays = {}
-    for r, (args, res) in enumerate(zip(inputs, got)):
-        for name, v in args.items():
-            arrays[f"r{r}.in.{name}"] = np.asarray(joined(v))
-            if isinstance(v, (list, tuple)):
-                arrays[f"r{r}.seg.{name}"] = np.array([len(x) for x in v], dtype=np.int64)
-        for name, v in {**res.outputs, **res.updates}.items():
-            arrays[f"r{r}.out.{name}"] = v
-    np.savez(path, **arrays)
 
 
 if __name__ == "__main__":

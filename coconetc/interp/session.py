@@ -46,10 +46,15 @@ def run_interp(mod: Module, program: str, schedule: str | None, ranks: int, grou
 
 
 def save_npz(path: str, rep: Report) -> None:
+    save_results(path, rep.inputs, rep.results)
+
+
+def save_results(path: str, inputs: list, results: list[Result]) -> None:
     """Every rank's inputs and results: r{rank}.in.{param}, r{rank}.out.{name} (returned stages
-    by public name, updated parameters by parameter name), r{rank}.seg.{param} for scattered."""
+    by public name, updated parameters by parameter name), r{rank}.seg.{param} for scattered.
+    The interpreted and the compiled `coconetc run --save` both write this."""
     arrays: dict[str, np.ndarray] = {}
-    for r, (args, res) in enumerate(zip(rep.inputs, rep.results)):
+    for r, (args, res) in enumerate(zip(inputs, results)):
         for name, v in args.items():
             arrays[f"r{r}.in.{name}"] = np.asarray(joined(v))
             if isinstance(v, (list, tuple)):
