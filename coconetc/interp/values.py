@@ -15,10 +15,6 @@ TOLERANCE = {"f16": (2e-2, 2e-2), "bf16": (6e-2, 6e-2), "f32": (2e-4, 1e-5),
              "f64": (1e-9, 1e-12), "i32": (0, 0), "i64": (0, 0)}
 
 
-def dtype_name(dt: np.dtype) -> str | None:
-    return next((k for k, v in STORAGE.items() if v == dt and k != "bool"), None)
-
-
 def slice_range(n: int, parts: int, i: int) -> tuple[int, int]:
     """The language's partition: c = ceil(n / parts); part i holds [i*c, min((i+1)*c, n))."""
     c = -(-n // parts) if parts else 0
