@@ -120,7 +120,7 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
             if overlaps.get(s.name) is not None:
                 ov = overlaps[s.name]
                 fusion = self.p.fusion_of(ov.collective.name)
-                ov.fused = fused_plan(self.p, fusion, self.scattered, self) if fusion else None
+                ov.fused = fused_plan(self.p, fusion, self.scattered, self, rows_ok=False) if fusion else None
                 if fusion:
                     planned.add(fusion.name)
                 units.append(ov)

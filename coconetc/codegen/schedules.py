@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit
 from coconetc.codegen.loops import prod as _prod
-from coconetc.ir.nodes import POINTWISE, Expr, Op, Program, Ref, Stage, walk
+from coconetc.codegen.emit import literal
+from coconetc.ir.nodes import POINTWISE, Const, Expr, Op, Program, Ref, Stage, walk
 
 _OPS = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
 
@@ -41,7 +42,7 @@ class ScheduleEmitter:
         self.emit(f"auto compute_{plan.name} = [&](int64_t gb, int64_t ge, "
                   f"const {COMPUTE[coll.type.dtype]}* red) {{")
         # scalars as locals of the callback (in registers; not captured, so no aliasing)
-        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes}
+        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in plan.computes if not _is_rows(c)}
         self._chunk_prologue(coll, d0, off, o)
         self._chunk_loop(plan, exprs, stored, d0)
         self.emit("};")
@@ -72,7 +73,7 @@ class ScheduleEmitter:
         self.emit(f"  const int64_t base = r.begin * {_prod(ly[1:])}, count = r.size() * {_prod(ly[1:])};")
         self.emit(f"  auto compute = [&, base](int64_t gb0, int64_t ge0, const {COMPUTE[coll.type.dtype]}* red) {{")
         self.emit("    const int64_t gb = gb0 + base, ge = ge0 + base;")
-        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in f.computes}
+        exprs = {c.name: self._scalars_out(c.expr, c.name) for c in f.computes if not _is_rows(c)}
         self._chunk_prologue(coll, d0, off, f"off_{f.name}")
         self._chunk_loop(f, exprs, self.overlap_stored, d0)
         self.emit("  };")
@@ -90,7 +91,8 @@ class ScheduleEmitter:
     def _fused_buffers(self, plan: FusedPlan, outputs: dict, in_place: dict, d0: int, o: str) -> list:
         """Where the fused stages' values live; returns the ones that must be stored."""
         gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
-        stored = [c for c in plan.computes if self._needed_after(c.name, plan.members)]
+        later = _read_by_later_phase(plan.computes)
+        stored = [c for c in plan.computes if self._needed_after(c.name, plan.members) or c.name in later]
         for c in plan.computes:
             self._comment(c)
             self.types[c.name] = c.type
@@ -116,7 +118,43 @@ class ScheduleEmitter:
         self.emit("  (void)off; (void)hi;")
 
     def _chunk_loop(self, plan: FusedPlan, exprs: dict, stored: list, d0: int) -> None:
-        coll, t0 = plan.collective, plan.computes[0].type
+        """The callback's loops: runs of pointwise stages share one loop over the chunk; a
+        layernorm is a loop over the chunk's rows."""
+        for phase in _phases(plan.computes):
+            if phase[0].expr.op == "layernorm" if isinstance(phase[0].expr, Op) else False:
+                self._chunk_rows(plan, phase[0], stored, d0)
+            else:
+                self._chunk_pointwise(plan, phase, exprs, stored, d0)
+
+    def _chunk_rows(self, plan: FusedPlan, s: Stage, stored: list, d0: int) -> None:
+        x, g, b, eps = s.expr.args
+        coll, C, T = plan.collective, COMPUTE[s.type.dtype], CTYPE[s.type.dtype]
+        H = self.ldims(s.type)[-1]
+
+        def X(idx: str) -> str:
+            return f"red[{idx} - lo]" if x.name == coll.name else f"coconet::to_compute(v_{x.name}[{idx}])"
+        eps_s = literal(eps.value, "f64") if isinstance(eps, Const) else f"double(coconet::to_compute(v_{eps.name}[0]))"
+        gathered = plan.gather is not None and plan.gather.expr.args[0].name == s.name
+        self.emit(f"  for (int64_t row = lo; row < hi; row += {H}) {{  // layernorm {s.name}, row by row")
+        self.emit(f"    {C} mean = 0, var = 0;")
+        self.emit(f"    for (int64_t j = 0; j < {H}; ++j) mean += {X('row + j')};")
+        self.emit(f"    mean /= static_cast<{C}>({H});")
+        self.emit(f"    for (int64_t j = 0; j < {H}; ++j) {{ const {C} d = {X('row + j')} - mean; var += d * d; }}")
+        self.emit(f"    var /= static_cast<{C}>({H});")
+        self.emit(f"    const {C} inv = {C}(1) / std::sqrt(var + static_cast<{C}>({eps_s}));")
+        self.emit(f"    for (int64_t j = 0; j < {H}; ++j) {{")
+        self.emit(f"      const {C} y = coconet::round_to<{T}>(({X('row + j')} - mean) * inv * "
+                  f"coconet::to_compute(v_{g.name}[j]) + coconet::to_compute(v_{b.name}[j]));")
+        if s in stored:
+            self.emit(f"      v_{s.name}[row + j] = coconet::from_compute<{T}>(y);")
+        if gathered and d0 != 0:
+            self.emit(f"      v_{plan.gather.name}[gb + (row + j - lo)] = coconet::from_compute<{T}>(y);")
+        self.emit("    }")
+        self.emit("  }")
+
+    def _chunk_pointwise(self, plan: FusedPlan, phase: list, exprs: dict, stored: list, d0: int) -> None:
+        coll, t0 = plan.collective, phase[0].type
+        exprs = {c.name: exprs[c.name] for c in phase}
         inside = {coll.name} | {c.name for c in plan.computes}
         operands = [r for e in exprs.values() for r in walk(e) if isinstance(r, Ref) and r.name not in inside]
         coords = any(self._access(r, t0) is None for r in operands) or (
@@ -138,15 +176,15 @@ class ScheduleEmitter:
             self.emit("    for (int64_t i = lo; i < hi; ++i) {")
         if coords:
             self._coords(t0)
-        self._chunk_body(plan, exprs, stored, d0)
+        self._chunk_body(plan, phase, exprs, stored, d0)
         self.emit("    }")
         if segmented:
             self.emit("  }")
 
-    def _chunk_body(self, plan: FusedPlan, exprs: dict, stored: list, d0: int) -> None:
+    def _chunk_body(self, plan: FusedPlan, phase: list, exprs: dict, stored: list, d0: int) -> None:
         gathered = plan.gather.expr.args[0].name if plan.gather is not None else None
         regs = {plan.collective.name: "red[i - lo]"}
-        for c in plan.computes:
+        for c in phase:
             ct, base = CTYPE[c.type.dtype], self._loader(c.type)
             load = lambda r, base=base: regs.get(r.name) or base(r)  # noqa: E731
             body = emit(exprs[c.name], load, self._extra(c.type, load))
@@ -163,15 +201,19 @@ class ScheduleEmitter:
         src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
                else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
         op, fn = _OPS[coll.expr.attr("op")], f"compute_{plan.name}"
+        chunk, progress = "coconet::fused_chunk_elems()", ""
+        if plan.rows is not None:  # chunks and progress pieces of whole rows
+            chunk = f"coconet::round_up(coconet::fused_chunk_elems(), {plan.rows})"
+            progress = f", coconet::round_up(coconet::kProgressElems, {plan.rows})"
         if coll.expr.op != "reducescatter":
-            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src}, comm, "
-                      f"coconet::fused_chunk_elems(), {fn});")
+            src_seg = src
+            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src_seg}, comm, {chunk}, {fn}{progress});")
             return
         targets = (f"{{coconet::gather_target(v_{plan.gather.name}, {_prod(self.gdims(plan.gather.type))})}}"
                    if plan.gather is not None else "{}")
         self.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
                   f"coconet::Shape3{{{self._shape3(xt, coll.type.layout.dim)}}}, comm, "
-                  f"coconet::fused_chunk_elems(), {fn}, {targets});")
+                  f"{chunk}, {fn}, {targets}{progress});")
 
     def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
         """Is a fused stage's value read outside its fusion (so it must be stored)?"""
@@ -225,9 +267,10 @@ class FusedPlan:
     collective: Stage  # the reducescatter (or allreduce)
     computes: list[Stage]  # pointwise stages on its chunks, in order
     gather: Stage | None  # the allgather of one computed value
+    rows: str | None = None  # a layernorm is computed per chunk: chunks hold whole rows of this size
 
 
-def fused_plan(p: Program, fusion, scattered: set[str], low) -> FusedPlan | None:
+def fused_plan(p: Program, fusion, scattered: set[str], low, rows_ok: bool = True) -> FusedPlan | None:
     """How a fusion runs as one fused collective, or None when this backend runs it stage by
     stage. It needs a reducescatter along dim 0 (or an allreduce). The pointwise stages at the
     head of the fusion that run over the reduced elements are computed on each chunk as it
@@ -241,10 +284,13 @@ def fused_plan(p: Program, fusion, scattered: set[str], low) -> FusedPlan | None
     gather = next((s for s in colls if s.expr.op == "allgather"), None)
     computes: list[Stage] = []
     inside = {first.name: None}  # ordered
+    rows = None
     for s in stages:
         if s.kind == "collective":
             continue
-        if not _chunkable_stage(s, first, inside, scattered, low):
+        if rows_ok and _row_stage(s, first, inside, scattered, low):
+            rows = low.gdims(first.type)[-1]
+        elif not _chunkable_stage(s, first, inside, scattered, low):
             break
         computes.append(s)
         inside[s.name] = None
@@ -253,7 +299,19 @@ def fused_plan(p: Program, fusion, scattered: set[str], low) -> FusedPlan | None
     if gather is not None and gather.expr.args[0].name not in inside:
         gather = None
     done = tuple(inside) + ((gather.name,) if gather is not None else ())
-    return FusedPlan(fusion.name, done, first, computes, gather)
+    return FusedPlan(fusion.name, done, first, computes, gather, rows)
+
+
+def _row_stage(s: Stage, first: Stage, inside: dict, scattered: set[str], low) -> bool:
+    """layernorm(x, gamma, beta, eps) of a value of the fused chunk, over its last dim: with
+    chunks of whole rows, each chunk's rows are normalized as soon as they are computed."""
+    e = s.expr
+    if not (isinstance(e, Op) and e.op == "layernorm" and s.type == first.type and first.type.ndim >= 1):
+        return False
+    x, g, b, eps = e.args
+    return (isinstance(x, Ref) and x.name in inside and not scattered & set(_reads(e))
+            and all(isinstance(a, Ref) and a.name not in inside for a in (g, b))
+            and (isinstance(eps, Const) or (isinstance(eps, Ref) and eps.name not in inside)))
 
 
 def _chunkable_stage(s: Stage, first: Stage, inside: set[str], scattered: set[str], low) -> bool:
@@ -271,6 +329,31 @@ def _chunkable_stage(s: Stage, first: Stage, inside: set[str], scattered: set[st
         if isinstance(n, Ref) and n.name in inside and low._access(n, s.type) != "i":
             return False
     return True
+
+def _is_rows(s: Stage) -> bool:
+    return isinstance(s.expr, Op) and s.expr.op == "layernorm"
+
+
+def _phases(computes: list[Stage]) -> list[list[Stage]]:
+    """Runs of pointwise stages, and each row-wise stage on its own."""
+    phases: list[list[Stage]] = []
+    for c in computes:
+        if _is_rows(c) or not phases or _is_rows(phases[-1][0]):
+            phases.append([c])
+        else:
+            phases[-1].append(c)
+    return phases
+
+
+def _read_by_later_phase(computes: list[Stage]) -> set[str]:
+    """Values a later phase reads: they cannot stay in a register of the loop computing them."""
+    out: set[str] = set()
+    seen: set[str] = set()
+    for phase in _phases(computes):
+        out |= {n for c in phase for n in _reads(c.expr)} & seen
+        seen |= {c.name for c in phase}
+    return out
+
 
 @dataclass
 class OverlapPlan:

@@ -85,6 +85,9 @@ T* scratch(int64_t n) {
   return buf.data();
 }
 
+// n rounded up to a multiple of m (m > 0): chunks that hold whole rows.
+inline int64_t round_up(int64_t n, int64_t m) { return m > 0 ? (n + m - 1) / m * m : n; }
+
 struct CallArgs {
   std::vector<uintptr_t> tensors;                    // data pointers, one per tensor parameter
   std::vector<std::vector<uintptr_t>> seg_ptrs;      // per tensor parameter: its segments (scattered)
