@@ -154,7 +154,7 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
     names = _schedule_names(mod, name, schedule)
     if not interp:
-        _run_compiled(file, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
+        _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
@@ -162,19 +162,19 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     sys.exit(1 if bad else 0)
 
 
-def _run_compiled(file, name, names, ranks, groups, sizes, seed, save) -> None:
+def _run_compiled(mod: Module, name, names, ranks, groups, sizes, seed, save) -> None:
     """Build in this process (progress on stderr), then run the worker on R ranks."""
     from coconetc.build.builder import BuildError
     from coconetc.build.launch import run_python
     from coconetc.build.loader import compile_module
     try:
-        compile_module(file)
+        compile_module(mod.file)
     except (BuildError, CompileError) as err:
         _fail(str(err))
-    argv = ["-m", "coconetc.build.worker", str(file), "--program", name, "--groups", str(groups),
+    argv = ["-m", "coconetc.build.worker", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--schedule={s or 'default'}" for s in names
-             if s is None or not _load(file).schedule(name, s).auto]
+             if s is None or not mod.schedule(name, s).auto]
     if save:
         argv += ["--save", save]
     sys.exit(run_python(ranks, argv))

@@ -9,7 +9,7 @@ rank's arguments are wrong: no buffer is touched and nobody is left waiting in a
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,19 @@ from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 
 
+_PROBE = "ccn_module_name_placeholder"
+
+
 def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None):
     """Generate and build FILE's module; returns (Module, Sources, path of the .so)."""
     mod = load_file(path)
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
-    probe = generate(mod, "ccn_probe")
+    probe = generate(mod, _PROBE)
     key = builder.build_key(probe.cpp + probe.cmake, "cpu")
     name = f"ccn_{stem}_{key}"
-    src = generate(mod, name)
+    # the key hashes the sources under a placeholder name; name them without generating again
+    src = replace(probe, module=name, cpp=probe.cpp.replace(_PROBE, name),
+                  cmake=probe.cmake.replace(_PROBE, name))
     where = Path(out_dir) if out_dir else builder.cache_dir() / name
     so = builder.build(name, src.cpp, src.cmake, where, log)
     return mod, src, so

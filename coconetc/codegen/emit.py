@@ -11,6 +11,7 @@ from coconetc.ir.nodes import Const, Expr, Op, Ref
 CTYPE = {"f16": "coconet::half", "bf16": "coconet::bfloat16", "f32": "float", "f64": "double",
          "i32": "int32_t", "i64": "int64_t", "bool": "bool"}
 COMPUTE = {**CTYPE, "f16": "float", "bf16": "float"}
+REDUCE_OP = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
 
 # C++ precedence, higher binds tighter (only what we emit).
 _BIN = {"add": ("+", 6), "sub": ("-", 6), "mul": ("*", 7), "div": ("/", 7),

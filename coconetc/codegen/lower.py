@@ -13,16 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coconetc.codegen.emit import COMPUTE, CTYPE, literal
+from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, literal
 from coconetc.errors import CompileError
 from coconetc.codegen.loops import LoopEmitter, prod as _prod
 from coconetc.codegen.schedules import (FusedPlan, OverlapPlan, ScheduleEmitter, execution_order,
                                         fused_plan, overlap_plan, reads as _reads)
 from coconetc.ir import printer
 from coconetc.ir.nodes import COLLECTIVES, POINTWISE, Const, Expr, Op, Program, Ref, Stage, walk
-from coconetc.ir.types import Dim, DimExpr, TType
+from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
 
-_OPS = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
 
 
 @dataclass
@@ -61,10 +60,11 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         self.types: dict[str, TType] = {q.name: q.type for q in p.params}
         self.scattered = {q.name for q in p.params if q.scattered}
         self.ntemp = 0
+        self.nsite = 0  # allocation sites, each with its own buffer kept across calls
         self.consts: dict[str, str] = {}  # hoisted scalar constants: name -> C++ name
         self.seg_inplace: dict[str, str] = {}  # allgather stage -> scattered parameter it fills
         self.sig = Signature(sizes=sorted({s for q in p.params for d in q.type.shape
-                                           for s in _symbols(d)}))
+                                           for s in dim_symbols(d)}))
 
     # --- shapes ------------------------------------------------------------------------
     def gdims(self, t: TType) -> list[str]:
@@ -280,7 +280,7 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         self.emit(f"{ct}* const v_{name} = coconet::scratch<{ct}, {self._site()}>({_prod(self.ldims(t))});")
 
     def _site(self) -> int:
-        self.nsite = getattr(self, "nsite", 0) + 1
+        self.nsite += 1
         return self.nsite
 
     def _temp(self, stage: str, t: TType) -> str:
@@ -355,7 +355,7 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
 
     def _collective(self, dst: str, e: Op, x: str) -> None:
         xt, t = self.types[x], e.type
-        op = _OPS.get(e.attr("op"), "")
+        op = REDUCE_OP.get(e.attr("op"), "")
         n = _prod(self.ldims(xt))
         seg = x in self.scattered
         if e.op == "allreduce":
@@ -390,11 +390,6 @@ class Lowerer(LoopEmitter, ScheduleEmitter):
         self.emit(f"coconet::copy_out(coconet::Segments<const {CTYPE[xt.dtype]}>(p_{x}), 0, "
                   f"{_prod(self.ldims(xt))}, v_{name});")
         return f"v_{name}"
-
-
-def _symbols(d: Dim) -> set[str]:
-    from coconetc.ir.types import dim_symbols
-    return dim_symbols(d)
 
 
 def _pointwise_refs(e: Expr) -> list[Ref]:

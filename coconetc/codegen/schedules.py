@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, emit
 from coconetc.codegen.loops import prod as _prod
 from coconetc.codegen.emit import literal
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Op, Program, Ref, Stage, walk
 
-_OPS = {o: f"coconet::Op::{o}" for o in ("sum", "avg", "prod", "max", "min")}
 
 
 def reads(e: Expr) -> set[str]:
@@ -78,7 +77,7 @@ class ScheduleEmitter:
         self._chunk_loop(f, exprs, self.overlap_stored, d0)
         self.emit("  };")
         targets = (f"{{coconet::gather_target(v_{f.gather.name} + base, count)}}" if f.gather is not None else "{}")
-        op = _OPS[coll.expr.attr("op")]
+        op = REDUCE_OP[coll.expr.attr("op")]
         shape = (f"r.size() * {_prod(g[1:d0])}, {g[d0]}, {_prod(g[d0 + 1:])}" if coll.type.layout.sliced
                  else "1, count, 1")
         start = "start_fused_rs_compute_ag" if coll.expr.op == "reducescatter" else "start_fused_allreduce_compute"
@@ -200,14 +199,13 @@ class ScheduleEmitter:
         xt, ct = self.types[x], CTYPE[coll.type.dtype]
         src = (f"coconet::Segments<const {ct}>(p_{x})" if x in self.scattered
                else f"coconet::Segments<const {ct}>::one(v_{x}, {_prod(self.ldims(xt))})")
-        op, fn = _OPS[coll.expr.attr("op")], f"compute_{plan.name}"
+        op, fn = REDUCE_OP[coll.expr.attr("op")], f"compute_{plan.name}"
         chunk, progress = "coconet::fused_chunk_elems()", ""
         if plan.rows is not None:  # chunks and progress pieces of whole rows
             chunk = f"coconet::round_up(coconet::fused_chunk_elems(), {plan.rows})"
             progress = f", coconet::round_up(coconet::kProgressElems, {plan.rows})"
         if coll.expr.op != "reducescatter":
-            src_seg = src
-            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src_seg}, comm, {chunk}, {fn}{progress});")
+            self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src}, comm, {chunk}, {fn}{progress});")
             return
         targets = (f"{{coconet::gather_target(v_{plan.gather.name}, {_prod(self.gdims(plan.gather.type))})}}"
                    if plan.gather is not None else "{}")
@@ -249,7 +247,7 @@ class ScheduleEmitter:
         if plan.fused is not None:
             return self._overlap_fused_task(plan, ly)
         src, dst = f"v_{y.name} + r.begin * {_prod(ly[1:])}", f"v_{c.name} + r.begin * {_prod(lc[1:])}"
-        op = _OPS[c.expr.attr("op")]
+        op = REDUCE_OP[c.expr.attr("op")]
         if c.expr.op == "allreduce":
             self.emit(f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, comm, channel);")
         else:
