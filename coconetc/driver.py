@@ -1,6 +1,7 @@
 """The whole front half of the compiler, top to bottom:
 
     source --parse--> AST --check--> typed IR --schedule (each directive checked)--> scheduled IR
+           --plan (coconetc/plan; what no backend can run is an error at its directive)
 
 `load_file`/`load_source` return a Module holding every program and every schedule applied,
 or raise one CompileError listing every error of the file."""
@@ -15,6 +16,7 @@ from coconetc.frontend import ast
 from coconetc.frontend.checker import check_program
 from coconetc.frontend.parser import parse
 from coconetc.ir.nodes import Program
+from coconetc.plan import plan_program
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive
 
@@ -83,7 +85,9 @@ def _collect(errors: list[Diagnostic], fn, *args) -> None:
 def _program(mod: Module, prog: ast.Program, earlier: tuple[ast.Program, ...]) -> None:
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
-    mod.programs[prog.name] = check_program(prog)
+    ir = check_program(prog)
+    plan_program(ir)  # what every backend runs; it raises where none can
+    mod.programs[prog.name] = ir
     mod.schedules[prog.name] = {}
 
 
@@ -106,4 +110,5 @@ def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module,
         known[sched.name] = ScheduleIR("auto", sched.program, (), None)
         return
     ir = apply_all(mod.programs[sched.program], directives)
+    plan_program(ir, sched.name)
     known[sched.name] = ScheduleIR(sched.name, sched.program, directives, ir)

@@ -9,9 +9,10 @@ from pathlib import Path
 import jinja2
 
 from coconetc import __version__
-from coconetc.codegen.lower import Function, lower
+from coconetc.codegen.render import Function, render
 from coconetc.driver import Module
 from coconetc.ir.nodes import Program
+from coconetc.plan import plan_program
 
 DEFAULT = "default"  # the name of the unscheduled program among its schedules
 
@@ -47,7 +48,8 @@ def variants(mod: Module) -> dict[tuple[str, str], Program]:
 
 def generate(mod: Module, module_name: str) -> Sources:
     file = Path(mod.file).name
-    funcs = {key: lower(p, function_name(*key), file) for key, p in variants(mod).items()}
+    funcs = {key: render(plan_program(p, key[1]), function_name(*key), file, [pub for pub, _ in p.outputs])
+             for key, p in variants(mod).items()}
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),
                source="module.cpp")
     cpp = _env().get_template("module.cpp.j2").render(ctx)

@@ -1,15 +1,14 @@
-"""Pointwise loops of the CPU backend: one loop per stage or chain of stages, operands loaded
-at the right index (broadcasting, a replicated operand read at a slice, scattered segments),
-dropout at the element's global index. A mixin of the Lowerer (lower.py)."""
+"""Pointwise loops of the CPU backend: a Loop unit of the plan as one C++ loop, operands
+loaded at the right index (broadcasting, a replicated operand read at a slice, scattered
+segments), dropout at the element's global index. A mixin of the CpuRenderer (render.py)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
 from coconetc.interp.rng import site_key
-from coconetc.ir.nodes import POINTWISE, Const, Expr, Op, Ref, Stage, walk
+from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.types import TType
+from coconetc.plan.units import Let, Loop
 
 
 def prod(items: list[str]) -> str:
@@ -21,42 +20,17 @@ _prod = prod
 
 class LoopEmitter:
     # --- pointwise loops ------------------------------------------------------------------
-    def _scalars_out(self, e: Expr, stage: str, refs_too: bool = True) -> Expr:
-        """Compute the scalar-only parts of a loop's expression (beta1 ** step, ...) once,
-        before the loop: each becomes a named local constant the loader returns as it is (so
-        the compiler keeps it in a register and can vectorize the loop). `refs_too`: also
-        0-d values read as they are (not in a 0-d loop, which may be computing them)."""
-        hoist_ref = refs_too and isinstance(e, Ref) and e.type.ndim == 0 and e.name not in self.consts
-        if hoist_ref or (isinstance(e, Op) and e.type.ndim == 0 and e.op in POINTWISE and e.op != "dropout"):
-            name = f"k{len(self.consts)}_{stage}"
-            code = emit(e, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
-            self.emit(f"const {COMPUTE[e.type.dtype]} {name} = {code};")
-            self.consts[name] = name
-            return Ref(name, e.type)
-        if isinstance(e, Op):
-            return replace(e, args=tuple(self._scalars_out(a, stage, refs_too) for a in e.args))
-        return e
+    def render_lets(self, lets: tuple[Let, ...]) -> None:
+        """Scalars computed once before a loop: named locals the loader returns as they are
+        (so the compiler keeps them in registers and can vectorize the loop)."""
+        for k in lets:
+            code = emit(k.expr, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
+            self.emit(f"const {COMPUTE[k.expr.type.dtype]} {k.name} = {code};")
+            self.consts[k.name] = k.name
 
-    def _chain(self, stages: list[Stage], outputs: dict, in_place: dict) -> None:
-        """Consecutive pointwise stages over the same elements as one loop: a value read only
-        inside the chain stays in a register; the others are stored."""
-        names = {s.name for s in stages}
-        items = []
-        for s in stages:
-            self._comment(s)
-            store = self._needed_after(s.name, tuple(names))
-            if store:
-                self._place(s, outputs.get(s.name), in_place.get(s.name))
-            else:
-                self.types[s.name] = s.type
-                self.emit(f"// ({s.name} lives in a register of the loop below)")
-            items.append((s.name, self._scalars_out(s.expr, s.name), store))
-        self._loop_items(stages[0].type, items)
-
-    def _loop(self, dst: str, t: TType, e: Expr, seg_dst: str | None = None) -> None:
-        """A loop computing dst = e over dst's local elements (seg_dst: stored into that
-        scattered parameter's segments instead)."""
-        self._loop_items(t, [(dst, self._scalars_out(e, dst, t.ndim > 0), True)], seg_dst)
+    def render_loop(self, u: Loop) -> None:
+        self.render_lets(u.lets)
+        self._loop_items(u.type, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst or None)
 
     def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]], seg_dst: str | None = None) -> None:
         ct, n = CTYPE[t.dtype], _prod(self.ldims(t))

@@ -170,6 +170,83 @@ std::unique_ptr<Task> start_fused_allreduce_compute(Op op, const Segments<const 
                                                                      std::move(compute));
 }
 
+// ---- chunks along any dim: packed for their collective, unpacked into place ------------------
+
+// Block r of dim n of a tensor viewed as [outer, n, inner] <-> a dense [outer, |r|, inner].
+template <class T>
+void pack_block(const T* src, T* dst, int64_t outer, int64_t n, int64_t inner, Range r) {
+  const int64_t run = r.size() * inner;
+  for (int64_t o = 0; o < outer; ++o)
+    std::memcpy(dst + o * run, src + (o * n + r.begin) * inner, static_cast<size_t>(run) * sizeof(T));
+}
+
+template <class T>
+void unpack_block(const T* src, T* dst, int64_t outer, int64_t n, int64_t inner, Range r) {
+  const int64_t run = r.size() * inner;
+  for (int64_t o = 0; o < outer; ++o)
+    std::memcpy(dst + (o * n + r.begin) * inner, src + o * run, static_cast<size_t>(run) * sizeof(T));
+}
+
+// The packed input and output buffers of every chunk of an overlap along a dim other than 0.
+template <class T>
+class PackedChunks {
+ public:
+  PackedChunks(int chunks, int64_t outer, int64_t n, int64_t inner)
+      : chunks_(chunks), outer_(outer), n_(n), inner_(inner), in_(chunks), out_(chunks) {}
+  T* in(int i) {
+    auto& b = in_[static_cast<size_t>(i)];
+    b.resize(static_cast<size_t>(outer_ * chunk_range(n_, chunks_, i).size() * inner_));
+    return b.data();
+  }
+  T* out(int i, int64_t count) {
+    auto& b = out_[static_cast<size_t>(i)];
+    b.resize(static_cast<size_t>(count));
+    return b.data();
+  }
+
+ private:
+  int chunks_;
+  int64_t outer_, n_, inner_;
+  std::vector<std::vector<T>> in_, out_;
+};
+
+// A task whose packed result is unpacked into block r of dst ([outer, n, inner]) when done.
+template <class T>
+struct UnpackTask : Task {
+  std::unique_ptr<Task> inner_task;
+  const T* packed;
+  T* dst;
+  int64_t outer, n, inner;
+  Range r;
+  bool done = false;
+  void finish() {
+    if (!done) unpack_block(packed, dst, outer, n, inner, r);
+    done = true;
+  }
+  bool test() override {
+    if (!done && inner_task->test()) finish();
+    return done;
+  }
+  void wait() override {
+    inner_task->wait();
+    finish();
+  }
+};
+
+template <class T>
+std::unique_ptr<Task> then_unpack(std::unique_ptr<Task> t, const T* packed, T* dst, int64_t outer,
+                                  int64_t n, int64_t inner, Range r) {
+  auto u = std::make_unique<UnpackTask<T>>();
+  u->inner_task = std::move(t);
+  u->packed = packed;
+  u->dst = dst;
+  u->outer = outer;
+  u->n = n;
+  u->inner = inner;
+  u->r = r;
+  return u;
+}
+
 // ---- the overlap driver ----------------------------------------------------------------------
 
 // Tasks in flight, tested in start order and waited for in start order.

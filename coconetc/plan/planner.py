@@ -1,0 +1,477 @@
+"""From a scheduled program to its execution plan: one pure function, `plan_program`.
+
+Every decision about how a program runs is taken here, for every backend: the order of the
+stages, which pointwise stages share one loop, which values stay in registers, which stages
+write their parameter in place or straight into an output, where non-pointwise parts of an
+expression are computed first, what a fused collective computes on each chunk and what must
+wait for all chunks, how an overlap cuts its matmul. What a backend cannot run is a PlanError
+at the directive that asked for it, so `coconetc check` reports it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from coconetc.errors import Span
+from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
+from coconetc.ir.types import TType
+from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, overlap_spec,
+                                    same_elements)
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop, Overlap,
+                                 Phase, Plan, Reduce, Require, Unit)
+
+
+def plan_program(p: Program, schedule: str = "default") -> Plan:
+    """The execution plan of a (scheduled) program."""
+    return _Planner(p, schedule).run()
+
+
+def reads(e: Expr) -> set[str]:
+    return {n.name for n in walk(e) if isinstance(n, Ref)}
+
+
+def execution_order(p: Program) -> list[Stage]:
+    """The stages in the order they run: a collective that is not fused waits until just
+    before its first reader (or the end), so that pointwise stages it would separate can share
+    one loop; what a fusion reads runs before the fusion's first member. Data dependencies are
+    kept."""
+    order: list[Stage] = []
+    pending: list[Stage] = []
+    for s in p.stages:
+        if s.kind == "collective" and p.fusion_of(s.name) is None:
+            pending.append(s)
+            continue
+        fusion = p.fusion_of(s.name)
+        need = reads(s.expr)
+        if fusion is not None:
+            need = {n for m in fusion.stages for n in reads(p.stage(m).expr)}
+        needed = _pending_needed(pending, need)
+        order += needed
+        pending = [x for x in pending if x not in needed]
+        order.append(s)
+    return order + pending
+
+
+def _pending_needed(pending: list[Stage], need: set[str]) -> list[Stage]:
+    need = set(need)
+    for x in reversed(pending):
+        if x.name in need:
+            need |= reads(x.expr)
+    return [x for x in pending if x.name in need]
+
+
+class _Planner:
+    def __init__(self, p: Program, schedule: str):
+        self.p, self.schedule = p, schedule
+        self.types: dict[str, TType] = {q.name: q.type for q in p.params}
+        self.scattered = {q.name for q in p.params if q.scattered}
+        self.buffers: dict[str, Buffer] = {}
+        self.out: list[Unit] = []
+        self.ntemp = 0
+        self.lets: set[str] = set()
+        self.seg_inplace: dict[str, str] = {}  # stage -> scattered parameter it is stored into
+        self.outputs = {s: pub for pub, s in p.outputs}
+
+    # --- the whole program ----------------------------------------------------------------
+    def run(self) -> Plan:
+        p = self.p
+        for q in p.params:
+            kind = "scalar" if q.scalar else "segments" if q.scattered else "param"
+            self.buffers[q.name] = Buffer(q.name, q.type, kind, line=_line(q.span))
+        for s in p.stages:
+            e = s.expr
+            if isinstance(e, Op) and e.op in ("broadcast", "reduce"):
+                self.out.append(Require(e.op, int(e.attr("root"))))
+        self.order = execution_order(p)
+        groups = self._groups()
+        self.in_fused = {n for g in groups for n in _fused_members(g)}
+        self.in_place = self._in_place_updates()
+        for g in groups:
+            self._group(g)
+        self._epilogue()
+        params = tuple(q.name for q in p.params if not q.scalar) + tuple(q.name for q in p.params if q.scalar)
+        return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out))
+
+    def _groups(self) -> list:
+        """What runs as one piece: an overlap, a fused collective (with the members that wait
+        for all its chunks), a chain of pointwise stages over the same elements, a stage."""
+        p = self.p
+        groups: list = []
+        done: set[str] = set()
+        overlaps = {o.producer: o for o in p.overlaps}
+        for s in self.order:
+            if s.name in done:
+                continue
+            if s.name in overlaps:
+                ov = overlap_spec(p, overlaps[s.name], self.scattered)
+                groups.append(ov)
+                done.update((s.name, ov.collective.name))
+                if ov.fused is not None:
+                    done.update(ov.fused.fusion.stages)
+                continue
+            fusion = p.fusion_of(s.name)
+            if fusion is not None:
+                groups.append(self._fusion_group(fusion))
+                done.update(fusion.stages)
+                continue
+            self._chain_or_single(groups, s)
+        return groups
+
+    def _fusion_group(self, fusion: Fusion):
+        spec = fused_spec(self.p, fusion, self.scattered, rows_ok=True)
+        if spec is not None:
+            return spec
+        stages = [self.p.stage(n) for n in fusion.stages]
+        if any(s.kind == "collective" for s in stages):
+            raise AssertionError("fused_spec refuses with a PlanError")  # pragma: no cover
+        chain: list[Stage] = []
+        for s in stages:
+            if not self._chainable(s) or (chain and s.type != chain[0].type):
+                first = chain[0] if chain else s
+                raise PlanError.at(fusion.span, f"fuse: '{s.name}' cannot share one loop with "
+                                   f"'{first.name}' ({_why_not_chained(s, first, self.scattered)})")
+            chain.append(s)
+        return chain
+
+    def _chain_or_single(self, groups: list, s: Stage) -> None:
+        last = groups[-1] if groups else None
+        if (isinstance(last, list) and self._chainable(s) and self._chainable(last[-1])
+                and last[-1].type == s.type and self.p.fusion_of(last[-1].name) is None):
+            last.append(s)
+        else:
+            groups.append([s])
+
+    def _chainable(self, s: Stage) -> bool:
+        return (s.kind == "compute" and s.type.ndim > 0
+                and all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr))
+                and not any(isinstance(n, Ref) and n.name in self.scattered for n in walk(s.expr)))
+
+    # --- in-place decisions ---------------------------------------------------------------
+    def _in_place_updates(self) -> dict[str, str]:
+        """Stages that may write their parameter's buffer directly: no later stage reads the
+        parameter, and the stage reads it (if at all) only at the element it writes."""
+        result = {}
+        order = [s.name for s in self.order]
+        returned = set(self.outputs)
+        for t, src in self.p.updates:
+            if src in returned or t in returned:
+                continue
+            later = order[order.index(src) + 1:]
+            if any(t in reads(self.p.stage(n).expr) for n in later):
+                continue
+            if t in self.scattered:
+                if self._gathers_only_into(src) or self._segment_store(src, t):
+                    self.seg_inplace[src] = t
+                continue
+            if self._reads_elementwise_only(self.p.stage(src), t):
+                result[src] = t
+        return result
+
+    def _gathers_only_into(self, src: str) -> bool:
+        s = self.p.stage(src)
+        return (isinstance(s.expr, Op) and s.expr.op == "allgather" and not self.p.users(src)
+                and src not in self.in_fused)
+
+    def _segment_store(self, src: str, t: str) -> bool:
+        s = self.p.stage(src)
+        return (s.kind == "compute" and s.type.ndim == 1 and not s.type.layout.sliced
+                and not self.p.users(src) and src not in self.in_fused
+                and self._reads_elementwise_only(s, t))
+
+    def _reads_elementwise_only(self, s: Stage, t: str) -> bool:
+        """Does s read t only at the element it writes? Non-pointwise parts (norms, matmuls)
+        are computed before the loop, so what they read does not count."""
+        if t not in reads(s.expr):
+            return True
+        if s.kind != "compute" or (isinstance(s.expr, Op) and s.expr.op not in POINTWISE):
+            return False
+        return all(r.type.shape == s.type.shape and r.type.layout == s.type.layout
+                   for r in _pointwise_refs(s.expr) if r.name == t)
+
+    # --- buffers --------------------------------------------------------------------------
+    def _place(self, s: Stage) -> None:
+        """Where stage s's value lives: an output array, its parameter (in place), or new."""
+        pub, param = self.outputs.get(s.name), self.in_place.get(s.name)
+        if pub is not None and self.p.param(s.name) is None:
+            self._buffer(s.name, s.type, "output", pub, _line(s.span))
+        elif param is not None:
+            self._buffer(s.name, s.type, "alias", param, _line(s.span))
+        else:
+            self._buffer(s.name, s.type, "scratch", line=_line(s.span))
+
+    def _buffer(self, name: str, t: TType, kind: str, of: str = "", line: int = 0) -> None:
+        self.buffers[name] = Buffer(name, t, kind, of, line)
+        self.types[name] = t
+
+    def _temp(self, stage: str, t: TType) -> str:
+        name = f"t{self.ntemp}_{stage}"
+        self.ntemp += 1
+        self._buffer(name, t, "scratch")
+        return name
+
+    # --- units ----------------------------------------------------------------------------
+    def _group(self, g) -> None:
+        if isinstance(g, OverlapSpec):
+            self._overlap(g)
+        elif isinstance(g, FusedSpec):
+            self.out.append(self._fused(g))
+        elif len(g) > 1 or (self.p.fusion_of(g[0].name) is not None):
+            self._chain(g)
+        else:
+            self._stage(g[0])
+
+    def _chain(self, stages: list[Stage]) -> None:
+        """Consecutive pointwise stages over the same elements as one loop: a value read only
+        inside the chain stays in a register; the others are stored."""
+        names = tuple(s.name for s in stages)
+        items, lets = [], []
+        for s in stages:
+            store = self._needed_after(s.name, names)
+            if store:
+                self._place(s)
+            else:
+                self._buffer(s.name, s.type, "register", line=_line(s.span))
+            items.append(Item(s.name, self._scalars_out(s.expr, s.name, lets), store))
+        self.out.append(Loop(stages[0].type, tuple(items), tuple(lets), line=_line(stages[0].span)))
+
+    def _stage(self, s: Stage) -> None:
+        e, line = s.expr, _line(s.span)
+        if s.name in self.seg_inplace and s.kind == "collective":
+            t, x = self.seg_inplace[s.name], self._materialize(e.args[0], s.name)
+            self._buffer(s.name, s.type, "into", t, line)
+            self.out.append(Collective(s.name, "allgather", x, into=t, line=line))
+            return
+        if s.name in self.seg_inplace:
+            t = self.seg_inplace[s.name]
+            hoisted = self._hoist(e, s.name)
+            self._buffer(s.name, s.type, "into", t, line)
+            self._loop(s.name, s.type, hoisted, seg_dst=t, line=line)
+            return
+        if isinstance(e, Op) and e.op not in POINTWISE:
+            args = self._operands(e, s.name)
+            self._place(s)
+            self._kernel(s.name, e, args, line)
+            return
+        hoisted = self._hoist(e, s.name)
+        self._place(s)
+        self._loop(s.name, s.type, hoisted, line=line)
+
+    def _operands(self, e: Op, stage: str) -> list[str | None]:
+        if e.op in ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "scatter", "send"):
+            return [self._materialize(e.args[0], stage)]
+        return [self._materialize(a, stage) if not isinstance(a, Const) else None for a in e.args]
+
+    def _loop(self, dst: str, t: TType, e: Expr, seg_dst: str = "", line: int = 0) -> None:
+        lets: list[Let] = []
+        item = Item(dst, self._scalars_out(e, dst, lets, t.ndim > 0))
+        self.out.append(Loop(t, (item,), tuple(lets), seg_dst, line))
+
+    def _kernel(self, dst: str, e: Op, args: list[str | None], line: int) -> None:
+        x = args[0]
+        if e.op in ("sum", "norm", "segment_norm"):
+            self.out.append(Reduce(dst, e.op, x, self.types[x].layout.sliced, line))
+        elif e.op in ("matmul", "layernorm", "conv2d"):
+            attrs: tuple = ()
+            if e.op == "layernorm" and isinstance(e.args[3], Const):
+                attrs = (("eps", e.args[3].value),)
+            if e.op == "conv2d":
+                attrs = (("stride", e.attr("stride", 1)), ("padding", e.attr("padding", 0)))
+            self.out.append(Library(dst, e.op, tuple(a for a in args if a is not None), attrs, line))
+        else:
+            self._collective(dst, e, x, line)
+
+    def _collective(self, dst: str, e: Op, x: str, line: int) -> None:
+        packed = ""
+        if x in self.scattered and e.op in ("broadcast", "reduce", "scatter", "send"):
+            packed = self._temp(x, self.types[x])  # these take one contiguous buffer
+        self.out.append(Collective(dst, e.op, x, e.attr("op") or "", int(e.attr("root") or 0),
+                                   e.attr("direction") or "", packed=packed, line=line))
+
+    def _materialize(self, e: Expr, stage: str) -> str:
+        """A value's name: a reference as it is, anything else computed into a temporary."""
+        if isinstance(e, Ref):
+            return e.name
+        assert isinstance(e, Op), e
+        if e.op not in POINTWISE:
+            args = self._operands(e, stage)
+            name = self._temp(stage, e.type)
+            self._kernel(name, e, args, 0)
+            return name
+        hoisted = self._hoist(e, stage)
+        name = self._temp(stage, e.type)
+        self._loop(name, e.type, hoisted)
+        return name
+
+    def _hoist(self, e: Expr, stage: str) -> Expr:
+        """Replace the non-pointwise parts of an expression by temporaries computed first."""
+        if isinstance(e, (Ref, Const)):
+            return e
+        if e.op not in POINTWISE:
+            return Ref(self._materialize(e, stage), e.type)
+        return replace(e, args=tuple(self._hoist(a, stage) for a in e.args))
+
+    def _scalars_out(self, e: Expr, stage: str, lets: list[Let], refs_too: bool = True) -> Expr:
+        """The scalar-only parts of a loop's expression (beta1 ** step, ...) become Lets,
+        computed once before the loop. `refs_too`: also 0-d values read as they are (not in a
+        0-d loop, which may be computing them)."""
+        hoist_ref = refs_too and isinstance(e, Ref) and e.type.ndim == 0 and e.name not in self.lets
+        if hoist_ref or (isinstance(e, Op) and e.type.ndim == 0 and e.op in POINTWISE and e.op != "dropout"):
+            name = f"k{len(self.lets)}_{stage}"
+            lets.append(Let(name, e))
+            self.lets.add(name)
+            return Ref(name, e.type)
+        if isinstance(e, Op):
+            return replace(e, args=tuple(self._scalars_out(a, stage, lets, refs_too) for a in e.args))
+        return e
+
+    def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
+        """Is a value read outside these stages (so it must be stored)?"""
+        return (any(u.name not in members for u in self.p.users(name))
+                or name in self.outputs or any(s == name for _, s in self.p.updates))
+
+    # --- fused collectives ----------------------------------------------------------------
+    def _fused(self, f: FusedSpec) -> Fused:
+        coll = f.collective
+        x = self._materialize(coll.expr.args[0], coll.name)
+        if f.gather is not None:
+            self._place(f.gather)
+        gathered = f.gather.expr.args[0].name if f.gather is not None else ""
+        d0 = coll.type.layout.dim if coll.type.layout.sliced else 0
+        later = _read_by_later_phase(f.computes)
+        stored = {c.name for c in f.computes if self._needed_after(c.name, f.members) or c.name in later}
+        for c in f.computes:
+            if c.name == gathered and d0 == 0:
+                self._buffer(c.name, c.type, "view", f.gather.name, _line(c.span))
+                stored.add(c.name)
+            elif c.name in stored:
+                self._place(c)
+            else:
+                self._buffer(c.name, c.type, "register", line=_line(c.span))
+        store_reduced = self._needed_after(coll.name, f.members)
+        if store_reduced:
+            self._place(coll)
+        else:
+            self._buffer(coll.name, coll.type, "register", line=_line(coll.span))
+        lets: list[Let] = []
+        phases = []
+        for ph in _phases(f.computes):
+            rows = _is_rows(ph[0])
+            items = tuple(Item(c.name, c.expr if rows else self._scalars_out(c.expr, c.name, lets),
+                               c.name in stored) for c in ph)
+            phases.append(Phase("rows" if rows else "pointwise", items))
+        if store_reduced:
+            keep = Item(coll.name, Ref(coll.name, coll.type), True)
+            if phases and phases[0].kind == "pointwise":
+                phases[0] = Phase("pointwise", (keep,) + phases[0].items)
+            else:
+                phases.insert(0, Phase("pointwise", (keep,)))
+        after = self._after(f)
+        return Fused(f.fusion.name, f.members, coll.name, coll.expr.op, coll.expr.attr("op"), x,
+                     coll.type, tuple(phases), tuple(lets), f.gather.name if f.gather else "",
+                     gathered, f.rows, store_reduced, after, _line(f.fusion.span))
+
+    def _after(self, f: FusedSpec) -> tuple[Unit, ...]:
+        """The fusion's members that wait for every chunk, planned as units of their own."""
+        rest = [s for s in self.order if s.name in f.fusion.stages and s.name not in f.members]
+        saved, self.out = self.out, []
+        groups: list = []
+        for s in rest:
+            if groups and isinstance(groups[-1], list) and self._chainable(s) and \
+                    self._chainable(groups[-1][-1]) and groups[-1][-1].type == s.type:
+                groups[-1].append(s)
+            else:
+                groups.append([s])
+        for g in groups:
+            if len(g) > 1:
+                self._chain(g)
+            else:
+                self._stage(g[0])
+        after, self.out = self.out, saved
+        return tuple(after)
+
+    # --- overlap --------------------------------------------------------------------------
+    def _overlap(self, ov: OverlapSpec) -> None:
+        y, c = ov.producer, ov.collective
+        a = self._materialize(y.expr.args[0], y.name)
+        b = self._materialize(y.expr.args[1], y.name)
+        keep = ov.direct or self._needed_after(y.name, (c.name,))
+        if keep:
+            self._place(y)
+        else:
+            self._buffer(y.name, y.type, "chunks", line=_line(y.span))  # only packed chunks
+        fused = None
+        if ov.fused is None:
+            self._place(c)
+        else:
+            fused = self._fused(ov.fused)
+        self.out.append(Overlap(y.name, a, b, c.name, c.expr.op, c.expr.attr("op") or "", ov.chunks,
+                                ov.dim, ov.direct, fused, keep, _line(ov.span)))
+
+    # --- the end of the function ----------------------------------------------------------
+    def _epilogue(self) -> None:
+        for t, src in self.p.updates:
+            if self.in_place.get(src) == t or self.seg_inplace.get(src) == t:
+                continue
+            self.out.append(Copy(t, src, "update"))
+        for pub, s in self.p.outputs:
+            if self.p.param(s) is not None:
+                self.out.append(Copy(pub, s, "output"))
+
+
+def _line(span: Span | None) -> int:
+    return span.line if span is not None and span.line else 0
+
+
+def _fused_members(g) -> tuple[str, ...]:
+    if isinstance(g, FusedSpec):
+        return g.members
+    if isinstance(g, OverlapSpec) and g.fused is not None:
+        return g.fused.members
+    return ()
+
+
+def _pointwise_refs(e: Expr) -> list[Ref]:
+    """References in the pointwise part of an expression (not inside a hoisted operation)."""
+    if isinstance(e, Ref):
+        return [e]
+    if isinstance(e, Op) and e.op in POINTWISE:
+        return [r for a in e.args for r in _pointwise_refs(a)]
+    return []
+
+
+def _why_not_chained(s: Stage, first: Stage, scattered: set[str]) -> str:
+    if s.kind != "compute" or any(isinstance(n, Op) and n.op not in POINTWISE for n in walk(s.expr)):
+        op = next(n.op for n in walk(s.expr) if isinstance(n, Op) and n.op not in POINTWISE)
+        return f"'{s.name}' computes {op}, which is not pointwise"
+    if s.type.ndim == 0:
+        return f"'{s.name}' is a scalar"
+    if any(isinstance(n, Ref) and n.name in scattered for n in walk(s.expr)):
+        return f"'{s.name}' reads a scattered parameter outside a fused collective"
+    return f"they run over different elements: {s.type} and {first.type}"
+
+
+def _is_rows(s: Stage) -> bool:
+    return isinstance(s.expr, Op) and s.expr.op == "layernorm"
+
+
+def _phases(computes: list[Stage]) -> list[list[Stage]]:
+    """Runs of pointwise stages, and each row-wise stage on its own."""
+    phases: list[list[Stage]] = []
+    for c in computes:
+        if _is_rows(c) or not phases or _is_rows(phases[-1][0]):
+            phases.append([c])
+        else:
+            phases[-1].append(c)
+    return phases
+
+
+def _read_by_later_phase(computes: list[Stage]) -> set[str]:
+    """Values a later phase reads: they cannot stay in a register of the loop computing them."""
+    out: set[str] = set()
+    seen: set[str] = set()
+    for phase in _phases(computes):
+        out |= {n for c in phase for n in reads(c.expr)} & seen
+        seen |= {c.name for c in phase}
+    return out
+
+
+__all__ = ["PlanError", "plan_program", "execution_order", "same_elements"]

@@ -1,0 +1,88 @@
+"""The execution plan as text (`coconetc show --format plan`): the buffers, then one unit a
+line with the .ccn line it came from. Deterministic: the same plan prints the same text."""
+
+from __future__ import annotations
+
+from coconetc.ir import printer
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop,
+                                 Overlap, Plan, Reduce, Require, Unit)
+
+
+def show(plan: Plan) -> str:
+    lines = [f"plan {plan.program} [{plan.schedule}]", "buffers:"]
+    lines += [f"  {_buffer(b)}" for b in plan.buffers]
+    lines.append("units:")
+    for u in plan.units:
+        lines += _unit(u, "  ")
+    return "\n".join(lines) + "\n"
+
+
+def _buffer(b: Buffer) -> str:
+    where = {"output": f"output '{b.of}'", "alias": f"in place in {b.of}",
+             "view": f"inside {b.of} (this rank's part)", "into": f"into {b.of}'s segments"}
+    return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}"
+
+
+def _at(line: int) -> str:
+    return f"L{line:<4}" if line else "     "
+
+
+def _items(items: tuple[Item, ...]) -> str:
+    return "; ".join(f"{i.name}{'' if i.store else ' (register)'} = {printer.expr(i.expr)}" for i in items)
+
+
+def _lets(lets: tuple[Let, ...]) -> str:
+    return f" with {', '.join(f'{k.name} = {printer.expr(k.expr)}' for k in lets)}" if lets else ""
+
+
+def _unit(u: Unit, ind: str) -> list[str]:
+    if isinstance(u, Loop):
+        dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
+        return [f"{ind}{_at(u.line)} loop over {u.type}{dst}: {_items(u.items)}{_lets(u.lets)}"]
+    if isinstance(u, Reduce):
+        cross = " + sum across ranks" if u.cross_rank else ""
+        return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
+    if isinstance(u, Library):
+        attrs = "".join(f", {k}={v}" for k, v in u.attrs)
+        return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})"]
+    if isinstance(u, Collective):
+        return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]
+    if isinstance(u, Copy):
+        return [f"{ind}      copy {u.src} -> {u.dst} ({u.what})"]
+    if isinstance(u, Require):
+        return [f"{ind}      require root {u.root} of {u.op} < group size"]
+    if isinstance(u, Fused):
+        return _fused(u, ind)
+    assert isinstance(u, Overlap)
+    how = "rows in place" if u.direct else "each chunk packed"
+    head = (f"{ind}{_at(u.line)} overlap {u.producer} = matmul({u.a}, {u.b}) in {u.chunks} chunks along "
+            f"dim {u.dim} ({how}){'' if u.keep_producer else ' (not kept)'} -> ")
+    if u.fused is None:
+        return [head + f"{u.collective} = {u.op}({u.reduce + ', ' if u.reduce else ''}{u.producer}) per chunk"]
+    return [head + f"fused {u.fused.name} per chunk"] + _fused(u.fused, ind + "  ")
+
+
+def _coll(u: Collective) -> str:
+    args = [a for a in (u.reduce, u.src) if a]
+    if u.op in ("broadcast", "reduce"):
+        args.append(f"root={u.root}")
+    if u.direction:
+        args.append(u.direction)
+    extra = f" straight into {u.into}'s segments" if u.into else ""
+    extra += f" (packed into {u.packed})" if u.packed else ""
+    return f"{u.op}({', '.join(args)}){extra}"
+
+
+def _fused(u: Fused, ind: str) -> list[str]:
+    rows = f", chunks of whole rows of {u.rows}" if u.rows is not None else ""
+    out = [f"{ind}{_at(u.line)} fused {u.name}: {u.collective} = {u.op}({u.reduce}, {u.src}) chunk by "
+           f"chunk{rows}{' (reduced value kept)' if u.store_reduced else ''}{_lets(u.lets)}"]
+    for ph in u.phases:
+        out.append(f"{ind}        per chunk ({ph.kind}): {_items(ph.items)}")
+    if u.gather:
+        out.append(f"{ind}        per chunk: {u.gather} = allgather({u.gathered}) as each piece is computed")
+    if u.after:
+        out.append(f"{ind}        after all chunks:")
+        for a in u.after:
+            out += _unit(a, ind + "    ")
+    return out

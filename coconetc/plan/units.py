@@ -1,0 +1,199 @@
+"""The execution plan: what runs where, decided once for every backend.
+
+A Plan is the buffers a program's function uses and the ordered units it runs. Units name
+values (parameters, stages, temporaries) and say nothing about C++ or CUDA: a backend renders
+each unit (templates or small emit functions) and decides nothing of its own.
+
+Values are addressed by name; a Buffer says where a value's elements live on this rank:
+
+    param     a tensor parameter (this rank's part, as the caller passed it)
+    segments  a scattered parameter still in its caller's segments
+    scalar    a scalar parameter (a 0-d value)
+    output    a returned stage, written straight into the array handed back to the caller
+    alias     a stage whose elements are written into the parameter it updates (in place)
+    scratch   a buffer of the function's own, kept across calls
+    register  a value that never reaches memory (lives in a register of its loop)
+    chunks    an overlapped matmul's result that exists only as packed chunks
+    view      a stage computed in place inside the full-size buffer of the allgather `of`
+    into      a stage stored straight into the segments of the scattered parameter `of`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coconetc.ir.nodes import Expr
+from coconetc.ir.types import Dim, TType
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    type: TType  # global type; its layout says which part of it this rank holds
+    kind: str  # one of the kinds above
+    of: str = ""  # alias/into: the parameter; output: the public name; view: the allgather
+    line: int = 0  # the .ccn line of the stage (0: parameters and temporaries)
+
+
+@dataclass(frozen=True)
+class Let:
+    """A scalar computed once before a loop (beta1 ** step, ...); loops read it by name."""
+
+    name: str
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Item:
+    """One value of a loop: expr over the loop's elements; `store`: written to its buffer."""
+
+    name: str
+    expr: Expr
+    store: bool = True
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Pointwise work over the elements of `type` (this rank's part): one pass computing
+    every item, intermediates in registers. seg_dst: the single item is stored into that
+    scattered parameter's segments."""
+
+    type: TType
+    items: tuple[Item, ...]
+    lets: tuple[Let, ...] = ()
+    seg_dst: str = ""
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """dst (0-d, or per element for segment_norm) = op over src; cross_rank: src is sliced,
+    so the partial results of the ranks are summed."""
+
+    dst: str
+    op: str  # sum | norm | segment_norm
+    src: str
+    cross_rank: bool
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Library:
+    """A library operation: matmul (GEMM), layernorm, conv2d. args: value names, or a Let
+    name for a scalar operand; attrs: the operation's settings."""
+
+    dst: str
+    op: str
+    args: tuple[str, ...]
+    attrs: tuple[tuple[str, object], ...] = ()
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Collective:
+    """dst = op(src) over the group's communicator. reduce: the reduction; root, direction:
+    broadcast/reduce and send settings; into: an allgather written straight into the segments
+    of this scattered parameter; packed: a scattered src first copied into this temporary."""
+
+    dst: str
+    op: str
+    src: str
+    reduce: str = ""
+    root: int = 0
+    direction: str = ""
+    into: str = ""
+    packed: str = ""
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Copy:
+    """An update not done in place (dst: the parameter) or a parameter returned (dst: the
+    public output name)."""
+
+    dst: str
+    src: str
+    what: str  # update | output
+
+
+@dataclass(frozen=True)
+class Require:
+    """A check of the call's group before anything runs (a root must be a rank)."""
+
+    op: str
+    root: int
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Work on one chunk of a fused collective: pointwise items in one loop over the chunk,
+    or a row-wise operation (layernorm) over the chunk's whole rows."""
+
+    kind: str  # pointwise | rows
+    items: tuple[Item, ...]
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A fused collective: `collective` (a reducescatter or an allreduce) reduces src chunk by
+    chunk; each chunk's phases run as soon as it arrives; `gather` (an allgather of the value
+    `gathered`) sends each computed piece to the other ranks at once. `rows`: chunks hold whole
+    rows of this many elements (a row-wise phase). `store_reduced`: the reduced value is also
+    kept (something after the chunks reads it). `after`: the fusion's stages that need every
+    chunk first (a norm, a segment_norm, and what reads them), run when the chunks are done."""
+
+    name: str
+    members: tuple[str, ...]
+    collective: str
+    op: str  # reducescatter | allreduce
+    reduce: str
+    src: str
+    type: TType  # the collective's result
+    phases: tuple[Phase, ...]
+    lets: tuple[Let, ...] = ()
+    gather: str = ""
+    gathered: str = ""
+    rows: Dim | None = None
+    store_reduced: bool = False
+    after: tuple[Unit, ...] = ()
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The matmul `producer` = a x b computed in `chunks` chunks along `dim` of its result;
+    each chunk's communication (`collective`, or the fused collective `fused`) starts as soon as
+    the chunk is computed, while the next chunk computes. direct: chunks along dim 0 are
+    contiguous rows of every buffer; otherwise each chunk is packed for its collective and its
+    result unpacked into place."""
+
+    producer: str
+    a: str
+    b: str
+    collective: str
+    op: str
+    reduce: str
+    chunks: int
+    dim: int
+    direct: bool
+    fused: Fused | None = None
+    keep_producer: bool = True  # the producer's full value is read later
+    line: int = 0
+
+
+Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap
+
+
+@dataclass(frozen=True)
+class Plan:
+    program: str
+    schedule: str
+    params: tuple[str, ...]  # in call order: tensors (scattered too) and scalars
+    buffers: tuple[Buffer, ...]
+    units: tuple[Unit, ...]
+
+    def buffer(self, name: str) -> Buffer:
+        for b in self.buffers:
+            if b.name == name:
+                return b
+        raise KeyError(name)
