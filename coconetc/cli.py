@@ -54,8 +54,13 @@ def main(debug: bool) -> None:
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-def check(files: tuple[str, ...]) -> None:
-    """Parse and type-check FILES and apply every schedule; print all errors."""
+@click.option("--backend", type=click.Choice(["cpu"]), default="cpu", show_default=True,
+              help="The backend whose limits to check (the plan's limits hold for every backend).")
+def check(files: tuple[str, ...], backend: str) -> None:
+    """Parse and type-check FILES, apply every schedule and plan it; print all errors.
+
+    What this accepts, the backend runs: a schedule no backend can run as asked is reported
+    here, at its directive's line and column."""
     failed = False
     for f in files:
         try:
@@ -79,9 +84,10 @@ def check(files: tuple[str, ...]) -> None:
 @click.argument("file", type=click.Path())
 @click.option("--program", "-p", help="The program (default: the file's only program).")
 @click.option("--schedule", "-s", help="Show the program after this schedule.")
-@click.option("--format", "fmt", type=click.Choice(["text", "dot"]), default="text")
+@click.option("--format", "fmt", type=click.Choice(["text", "dot", "plan"]), default="text")
 def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None:
-    """Print a program's IR as .ccn text, or its stage graph as Graphviz dot."""
+    """Print a program's IR as .ccn text, its stage graph as Graphviz dot, or its execution
+    plan (what every backend runs: buffers, then one unit a line with its .ccn line)."""
     from coconetc.ir import printer
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
@@ -94,6 +100,11 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
         if sched.ir is None:
             _fail("coconetc: 'auto' is chosen by the autotuner; show a named schedule")
         ir = sched.ir
+    if fmt == "plan":
+        from coconetc.plan import plan_program
+        from coconetc.plan.show import show as show_plan
+        click.echo(show_plan(plan_program(ir, schedule or "default")), nl=False)
+        return
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 
 

@@ -364,12 +364,67 @@ def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPat
     assert "rank 1 updated 'w'" in res.stderr and "rank 0 updated" not in res.stderr
 
 
-def test_compile_rejects_an_overlap_the_backend_cannot_run(tmp_path: Path) -> None:
-    """An overlap along dim 1 is legal, but the CPU backend says it cannot run it rather than
-    running the matmul and the collective one after the other under the schedule's name."""
-    src = tmp_path / "ov.ccn"
-    src.write_text("program p(x: f32[B, K] sliced(1), w: f32[K, H] sliced(0)) {\n"
-                   "    y = matmul(x, w)\n    s = allreduce(sum, y)\n    return s\n}\n"
-                   "schedule o for p {\n    overlap(y, s, chunks=2, dim=1)\n}\n")
-    assert invoke("check", src).exit_code == 0
-    clean_error(invoke("compile", src, "-o", tmp_path / "out"), f"{src}:7:5: error: overlap")
+PLAN_REFUSALS = {
+    # a fused consumer is chunked along dim 0 only: refused at the overlap, by check itself
+    "overlap_fused_dim1": ("""\
+program p(x: f32[B, S, K] sliced(2), w: f32[K, H] sliced(0), b: f32[H] replicated) {
+    y = matmul(x, w)
+    s = allreduce(sum, y)
+    out = s + b
+    return out
+}
+schedule o for p {
+    rs, ag = split(s, dim=2)
+    ago = reorder(ag, out)
+    f = fuse(rs, out, ago)
+    overlap(y, f, chunks=2, dim=1)
+}
+""", "11:5: error: overlap: a fused consumer is chunked along dim 0"),
+    # a fusion with nothing to compute on a chunk as it arrives: an error, not a silent fallback
+    "fuse_nothing_per_chunk": ("""\
+program q(g: f32[N] local, w: f32[N] replicated) {
+    g1 = allreduce(sum, g)
+    w1 = update(w, w - g1 / norm(g1))
+}
+schedule f for q {
+    rs, ag = split(g1)
+    agw = reorder(ag, w1)
+    fuse(rs, w1, agw)
+}
+""", "8:5: error: fuse: nothing to compute inside the collective: 'w1' cannot run on a chunk"),
+    # an allgather alone cannot carry a computation
+    "fuse_allgather_only": ("""\
+program q(g: f32[N] local, w: f32[N] replicated) {
+    g1 = allreduce(sum, g)
+    w1 = update(w, w - g1)
+}
+schedule f for q {
+    rs, ag = split(g1)
+    agw = reorder(ag, w1)
+    fuse(w1, agw)
+}
+""", "8:5: error: fuse: a fused collective reduces chunk by chunk"),
+    # computations that cannot share one loop
+    "fuse_other_elements": ("""\
+program q(a: f32[N] replicated, b: f32[M] replicated) {
+    x = a * 2
+    y = b + 1
+    return x, y
+}
+schedule f for q {
+    fuse(x, y)
+}
+""", "7:5: error: fuse: 'y' cannot share one loop with 'x'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLAN_REFUSALS))
+def test_check_reports_what_no_backend_runs(tmp_path: Path, case: str) -> None:
+    """A schedule the plan cannot run as asked is refused by `check` (and so by compile and
+    run), at the directive's line and column: never run differently under its name."""
+    text, where = PLAN_REFUSALS[case]
+    src = tmp_path / "p.ccn"
+    src.write_text(text)
+    clean_error(invoke("check", src), f"{src}:{where}")
+    clean_error(invoke("check", "--backend", "cpu", src), f"{src}:{where}")
+    clean_error(invoke("compile", src, "-o", tmp_path / "out"), f"{src}:{where}")

@@ -49,6 +49,9 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "stage": ({"B": 5, "H": 6}, ("B",)),
     "f1": ({"B": 2, "S": 5, "H": 6}, ("S",)),
     "collectives": ({"N": 7, "M": 5}, ("N", "M")),
+    "clipped_sgd": ({"N": 17}, ("N",)),
+    "row_parallel": ({"B": 2, "S": 5, "K": 7, "H": 4}, ("K", "H")),
+    "col_parallel": ({"M": 5, "K": 3, "H": 7}, ("H",)),
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4

@@ -30,7 +30,7 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
     """Per program: `small` makes every dim that gets sliced smaller than the group size (when
     the group has more than one rank); otherwise sizes that 2, 3 and 4 do not divide."""
     s = max(1, gs - 1)
-    if program in ("sgd", "adam", "lamb", "mixed_adam"):
+    if program in ("sgd", "adam", "lamb", "mixed_adam", "clipped_sgd"):
         return {"N": s if small else 13}
     if program == "mlp_out":  # K sliced (row-parallel), S sliced (split on dim 1)
         return {"B": 2, "S": s, "K": s, "H": 3} if small else {"B": 2, "S": 5, "K": 7, "H": 6}
@@ -46,6 +46,10 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
         return {"N": s, "M": s} if small else {"N": 7, "M": 5}
     if program == "stage":  # B sliced (split on dim 0)
         return {"B": s, "H": 3} if small else {"B": 5, "H": 3}
+    if program == "row_parallel":  # K sliced; S and H cut into chunks, H split by rs_seq
+        return {"B": 2, "S": s, "K": s, "H": s} if small else {"B": 2, "S": 5, "K": 7, "H": 4}
+    if program == "col_parallel":  # H sliced; M cut into chunks
+        return {"M": s, "K": 3, "H": s} if small else {"M": 5, "K": 3, "H": 7}
     raise KeyError(f"no sizes for program '{program}': add them here")
 
 

@@ -16,13 +16,14 @@ from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, 
 from coconetc.ir.types import TType
 from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, overlap_spec,
                                     same_elements)
+from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop, Overlap,
                                  Phase, Plan, Reduce, Require, Unit)
 
 
 def plan_program(p: Program, schedule: str = "default") -> Plan:
     """The execution plan of a (scheduled) program."""
-    return _Planner(p, schedule).run()
+    return verify(_Planner(p, schedule).run())
 
 
 def reads(e: Expr) -> set[str]:

@@ -1,0 +1,146 @@
+"""The execution plan: golden plans of every example's program and schedule (what
+`coconetc show --format plan` prints), stable across runs; the verifier catches broken plans;
+what the planner refuses is located at the directive.
+
+Golden plans live in tests/golden_plans/. After an intended change to the planner, regenerate
+them and read the diff:
+
+    COCONET_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_plan.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from coconetc.driver import Module, load_source
+from coconetc.errors import CompileError
+from coconetc.plan import plan_program
+from coconetc.plan.show import show
+from coconetc.ir.nodes import Ref
+from coconetc.plan.units import Fused, Item, Loop
+from coconetc.plan.verify import PlanInvalid, verify
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples").glob("*.ccn"))
+GOLDEN = Path(__file__).resolve().parent / "golden_plans"
+UPDATE = os.environ.get("COCONET_UPDATE_GOLDEN") == "1"
+
+
+@cache
+def _module(path: Path) -> Module:
+    return load_source(path.read_text(), str(path.relative_to(REPO)))
+
+
+def _cases() -> list[tuple[Path, str, str]]:
+    out = []
+    for f in EXAMPLES:
+        mod = _module(f)
+        for prog, scheds in mod.schedules.items():
+            out.append((f, prog, "default"))
+            out += [(f, prog, s) for s, x in scheds.items() if not x.auto]
+    return out
+
+
+CASES = _cases()
+IDS = [f"{f.stem}.{p}.{s}" for f, p, s in CASES]
+
+
+def _plan_text(path: Path, prog: str, sched: str) -> str:
+    mod = _module(path)
+    ir = mod.programs[prog] if sched == "default" else mod.schedule(prog, sched).ir
+    return show(plan_program(ir, sched))
+
+
+@pytest.mark.parametrize(("path", "prog", "sched"), CASES, ids=IDS)
+def test_golden_plan(path: Path, prog: str, sched: str) -> None:
+    text = _plan_text(path, prog, sched)
+    assert text.startswith(f"plan {prog} [{sched}]\nbuffers:\n") and "\nunits:\n  " in text
+    golden = GOLDEN / f"{path.stem}.{prog}.{sched}.plan"
+    if UPDATE:
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(text)
+        return
+    assert golden.exists(), f"{golden} is missing; generate it with COCONET_UPDATE_GOLDEN=1"
+    want = golden.read_text()
+    if want != text:
+        diff = "".join(difflib.unified_diff(want.splitlines(True), text.splitlines(True)))
+        pytest.fail(f"the plan differs from {golden} (COCONET_UPDATE_GOLDEN=1 rewrites it):\n{diff}")
+
+
+def test_no_stale_golden_plans() -> None:
+    wanted = {f"{i}.plan" for i in IDS}
+    stale = sorted(p.name for p in GOLDEN.glob("*") if p.name not in wanted)
+    assert not stale, f"golden plans of no example schedule: {stale}"
+
+
+def test_show_plan_is_stable_across_runs() -> None:
+    """Two processes with different hash seeds print the same plans (no set or dict order
+    leaks into a plan)."""
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        res = subprocess.run([sys.executable, "-c", "from coconetc.cli import main; main()", "show", str(REPO / "examples" / "lamb.ccn"),
+                              "-s", "zero", "--format", "plan"], capture_output=True, text=True, env=env,
+                             cwd=REPO, check=True)
+        outs.append(res.stdout)
+    assert outs[0] == outs[1] and "fused fused0" in outs[0]
+
+
+# --- the verifier ----------------------------------------------------------------------------
+def _plan(name: str, prog: str, sched: str):
+    mod = _module(REPO / "examples" / name)
+    return plan_program(mod.schedule(prog, sched).ir, sched)
+
+
+def test_verifier_catches_a_read_before_write() -> None:
+    plan = _plan("adam.ccn", "adam", "rs_c_ag")
+    units = list(plan.units)
+    first_loop = next(i for i, u in enumerate(units) if isinstance(u, Loop))
+    units.insert(0, units.pop(first_loop))  # the loop before the reducescatter it reads
+    with pytest.raises(PlanInvalid, match="reads 'rs' before it is written"):
+        verify(dataclasses.replace(plan, units=tuple(units)))
+
+
+def test_verifier_catches_a_register_read_elsewhere() -> None:
+    plan = _plan("adam.ccn", "adam", "zero")
+    bufs = tuple(dataclasses.replace(b, kind="register") if b.name == "m1" else b for b in plan.buffers)
+    fused = plan.units[0]
+    assert isinstance(fused, Fused)
+    # a later unit reading m1, which now never reaches memory
+    t = plan.buffer("m1").type
+    bad = dataclasses.replace(plan, buffers=bufs, units=plan.units + (Loop(t, (Item("v1", Ref("m1", t)),)),))
+    with pytest.raises(PlanInvalid, match="register"):
+        verify(bad)
+
+
+def test_verifier_catches_a_slice_not_held() -> None:
+    plan = _plan("adam.ccn", "adam", "rs_c_ag")
+    units = tuple(dataclasses.replace(u, type=plan.buffer("w").type) if isinstance(u, Loop) else u
+                  for u in plan.units)  # the sliced update loop run over full-size elements
+    with pytest.raises(PlanInvalid):
+        verify(dataclasses.replace(plan, units=units))
+
+
+def test_every_example_plan_verifies() -> None:
+    for path, prog, sched in CASES:
+        mod = _module(path)
+        ir = mod.programs[prog] if sched == "default" else mod.schedule(prog, sched).ir
+        verify(plan_program(ir, sched))
+
+
+def test_plan_errors_are_compile_errors() -> None:
+    src = ("program q(g: f32[N] local, w: f32[N] replicated) {\n    g1 = allreduce(sum, g)\n"
+           "    w1 = update(w, w - g1)\n}\nschedule f for q {\n    rs, ag = split(g1)\n"
+           "    agw = reorder(ag, w1)\n    fuse(w1, agw)\n}\n")
+    with pytest.raises(CompileError) as err:
+        load_source(src, "q.ccn")
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (8, 5)
