@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/coconetc run examples/adam.ccn --ranks 4 --schedule all --size N=4099
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check coconetc tests
+	$(VENV)/bin/ruff check coconetc tests cmake
 
 test: lint
 	$(PY) -m pytest -n 2 tests

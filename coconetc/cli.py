@@ -195,16 +195,61 @@ def _run_compiled(mod: Module, name, names, ranks, groups, sizes, seed, save) ->
 @click.argument("file", type=click.Path())
 @click.option("--output", "-o", type=click.Path(), help="Directory for the sources and the build.")
 @click.option("--backend", type=click.Choice(["cpu"]), default="cpu", show_default=True)
-def compile(file: str, output: str | None, backend: str) -> None:  # noqa: A001 - the command's name
-    """Generate C++ for every program and schedule of FILE and build the extension module."""
+@click.option("--emit-only", is_flag=True, help="Only write module.cpp and CMakeLists.txt to --output "
+              "(no build; for CMake's coconet_add_module).")
+@click.option("--name", help="With --emit-only: the Python module's name (default: ccn_<file stem>).")
+@click.option("--schedule", "-s", "schedules", multiple=True, metavar="NAME",
+              help="With --emit-only: keep only these schedules (repeatable; the program itself is always in).")
+def compile(file: str, output: str | None, backend: str, emit_only: bool, name: str | None,  # noqa: A001
+            schedules: tuple[str, ...]) -> None:
+    """Generate C++ for every program and schedule of FILE and build the extension module.
+
+    --emit-only: only write the sources of a module named --name (with the chosen schedules) to
+    --output, for a build system to compile (CMake's coconet_add_module)."""
     from coconetc.build.builder import BuildError
     from coconetc.build.loader import compile_module
-    _load(file)
+    mod = _load(file)
+    if emit_only or name or schedules:
+        _emit(mod, file, output, emit_only, name, schedules)
+        return
     try:
         _, src, so = compile_module(file, output)
     except (BuildError, CompileError) as err:
         _fail(str(err))
     click.echo(f"{file}: built {so}")
+    for (prog, sched), fn in src.functions.items():
+        click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
+
+
+def _emit(mod: Module, file: str, output, emit_only: bool, name, schedules) -> None:
+    """compile --emit-only: the sources of a module named NAME, for a build the caller runs."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from coconetc.codegen.cpu import generate
+    if not emit_only or not output:
+        _fail("coconetc: --name and --schedule go with --emit-only, which needs --output DIR")
+    stem = "".join(c if c.isalnum() else "_" for c in Path(file).stem)
+    name = name or f"ccn_{stem}"
+    if not name.isidentifier():
+        _fail(f"coconetc: --name {name!r} is not a valid Python module name")
+    known = {s for scheds in mod.schedules.values() for s in scheds}
+    unknown = sorted(set(schedules) - known)
+    if unknown:
+        _fail(f"coconetc: no schedule '{unknown[0]}' in {file} "
+              f"(schedules: {', '.join(sorted(known)) or 'none'})")
+    if schedules:
+        mod = replace(mod, schedules={p: {s: x for s, x in scheds.items() if s in schedules}
+                                      for p, scheds in mod.schedules.items()})
+    try:
+        src = generate(mod, name)
+    except CompileError as err:
+        _fail(err.render())
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "module.cpp").write_text(src.cpp)
+    (out / "CMakeLists.txt").write_text(src.cmake)
+    click.echo(f"{file}: wrote {out / 'module.cpp'} (module {name})")
     for (prog, sched), fn in src.functions.items():
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
