@@ -254,3 +254,41 @@ schedule s for p {
     for R in (1, 2, 3, 4):
         for N in (7, max(1, R - 1)):
             assert run_interp(mod, "p", "s", R, 1, {"N": N}).problems == []
+
+
+def test_reorder_retypes_the_stages_left_in_place():
+    """A stage that reads a moved value, left in place, reads its allgather afterwards: it is
+    replicated again (it was once typed as sliced, so its result came back as a slice)."""
+    mod = load_source("""
+program p(g: f32[N] local, w: f32[N] replicated, seed: i64) {
+    g1 = allreduce(sum, g)
+    c = g1 * 2
+    w1 = update(w, w - c)
+    d = dropout(c, 0.25, seed)
+    return d
+}
+schedule s for p {
+    rs, ag = split(g1)
+    agc, agw = reorder(ag, c, w1)
+}
+""")
+    ir = mod.schedule("p", "s").ir
+    assert str(ir.stage("d").type.layout) == "replicated"
+    for R in (1, 2, 3):
+        assert run_interp(mod, "p", "s", R, 1, {"N": 11}).problems == []
+
+
+def test_weak_integer_math_is_float():
+    """sigmoid(2 * 2) is a weak f32 (not an integer truncated to 0): the compiled code and the
+    interpreter agree on it (tests/test_accepted_runs.py found them apart)."""
+    mod = load_source("""
+program p(s: f32[N] replicated) {
+    out = s * sigmoid(2 * 2) + sqrt(2)
+    return out
+}
+""")
+    ir = mod.programs["p"]
+    assert ir.stage("out").type.dtype == "f32"
+    res = run(ir, [{"s": np.ones(3, np.float32)}], 1)
+    want = 1 / (1 + np.exp(-4.0)) + np.sqrt(2.0)
+    np.testing.assert_allclose(res[0].outputs["out"], np.full(3, want, np.float32), rtol=1e-6)

@@ -4,12 +4,12 @@ of the CpuRenderer (render.py). The plan says what each chunk computes; this lay
 from __future__ import annotations
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, emit, literal
-from coconetc.codegen.loops import prod as _prod
+from coconetc.codegen.loops import LoopEmitter, prod as _prod
 from coconetc.ir.nodes import Const, Op, Ref, walk
 from coconetc.plan.units import Fused, Item, Overlap, Phase
 
 
-class FusedEmitter:
+class FusedEmitter(LoopEmitter):
     # --- fused collectives ----------------------------------------------------------------
     def render_fused(self, u: Fused) -> None:
         """One fused collective: each chunk of this rank's slice is reduced (fused.h), the

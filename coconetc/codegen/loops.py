@@ -4,6 +4,7 @@ segments), dropout at the element's global index. A mixin of the CpuRenderer (re
 
 from __future__ import annotations
 
+from coconetc.codegen.base import RenderBase, prod
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
 from coconetc.interp.rng import site_key
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
@@ -11,14 +12,10 @@ from coconetc.ir.types import TType
 from coconetc.plan.units import Let, Loop
 
 
-def prod(items: list[str]) -> str:
-    return " * ".join(items) if items else "int64_t(1)"
-
-
 _prod = prod
 
 
-class LoopEmitter:
+class LoopEmitter(RenderBase):
     # --- pointwise loops ------------------------------------------------------------------
     def render_lets(self, lets: tuple[Let, ...]) -> None:
         """Scalars computed once before a loop: named locals the loader returns as they are
@@ -46,7 +43,8 @@ class LoopEmitter:
             target = f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]"
             store = f"{target} = coconet::from_compute<{ct}>({emit(e, base, self._extra(t))});"
         else:
-            lines, local = [], {}
+            lines: list[str] = []
+            local: dict[str, str] = {}
             for name, e, stored in items:
                 load = lambda r: local.get(r.name) or base(r)  # noqa: E731
                 body = emit(e, load, self._extra(t, load))

@@ -11,76 +11,17 @@ Conventions of the generated function (see templates/module.cpp.j2):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, literal
 from coconetc.codegen.fused import FusedEmitter
-from coconetc.codegen.loops import LoopEmitter, prod as _prod
-from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
+from coconetc.codegen.base import Function
+from coconetc.codegen.loops import prod as _prod
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 
 
-@dataclass
-class Signature:
-    """What the Python side passes, in order."""
-
-    tensors: list[str] = field(default_factory=list)  # tensor parameters (scattered ones too)
-    scalars: list[str] = field(default_factory=list)  # scalar parameters
-    outputs: list[str] = field(default_factory=list)  # public output names
-    sizes: list[str] = field(default_factory=list)  # size symbols
-
-
-@dataclass
-class Function:
-    name: str
-    comment: str
-    body: list[str]
-    signature: Signature
-
-
-def cdim(d: Dim) -> str:
-    if isinstance(d, int):
-        return f"int64_t({d})"
-    if isinstance(d, str):
-        return f"S_{d}"
-    assert isinstance(d, DimExpr)
-    return f"({cdim(d.a)} {'/' if d.op == '//' else d.op} {cdim(d.b)})"
-
-
-class CpuRenderer(LoopEmitter, FusedEmitter):
+class CpuRenderer(FusedEmitter):
     """Renders one plan; loops in loops.py, fused collectives and overlap in fused.py."""
 
-    def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
-        self.plan, self.fn, self.file = plan, fn, file
-        self.lines: list[str] = []
-        self.types: dict[str, TType] = {b.name: b.type for b in plan.buffers}
-        self.scattered = {b.name for b in plan.buffers if b.kind == "segments"}
-        self.nsite = 0
-        self.consts: dict[str, str] = {}  # Lets already declared: name -> C++ name
-        sizes = sorted({s for b in plan.buffers if b.kind in ("param", "segments") for d in b.type.shape
-                        for s in dim_symbols(d)})
-        self.sig = Signature(sizes=sizes, outputs=outputs)
-
-    # --- shapes ---------------------------------------------------------------------------
-    def gdims(self, t: TType) -> list[str]:
-        return [cdim(d) for d in t.shape]
-
-    def ldims(self, t: TType) -> list[str]:
-        dims = self.gdims(t)
-        if t.layout.sliced:
-            dims[t.layout.dim] = f"coconet::slice_range({dims[t.layout.dim]}, comm.size, comm.rank).size()"
-        return dims
-
-    def offset(self, t: TType) -> str:
-        if not t.layout.sliced:
-            return "int64_t(0)"
-        return f"coconet::slice_range({self.gdims(t)[t.layout.dim]}, comm.size, comm.rank).begin"
-
-    def emit(self, line: str) -> None:
-        self.lines.append(line)
-
-    # --- the function ---------------------------------------------------------------------
     def render(self) -> Function:
         for i, sym in enumerate(self.sig.sizes):
             self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
@@ -175,7 +116,7 @@ class CpuRenderer(LoopEmitter, FusedEmitter):
             self.emit(f"coconet::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, {la[-1]}, {lb[1]});")
         elif u.op == "layernorm":
             lx, attrs = self.ldims(xt), dict(u.attrs)
-            eps = (literal(attrs["eps"], "f64") if "eps" in attrs
+            eps = (literal(float(attrs["eps"]), "f64") if "eps" in attrs  # type: ignore[arg-type]
                    else f"double(coconet::to_compute(v_{u.args[3]}[0]))")
             self.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                       f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
@@ -186,10 +127,6 @@ class CpuRenderer(LoopEmitter, FusedEmitter):
                       f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']});")
 
     # --- collectives ----------------------------------------------------------------------
-    def shape3(self, t: TType, d: int) -> str:
-        g = self.gdims(t)
-        return f"{_prod(g[:d])}, {g[d]}, {_prod(g[d + 1:])}"
-
     def _collective(self, u: Collective) -> None:
         x, dst = u.src, u.dst
         xt, t = self.types[x], self.types[dst]

@@ -238,9 +238,15 @@ RULES: dict[str, Callable] = {
 
 def type_op(op: str, args: Sequence[Expr], attrs: dict, span: Span) -> TType:
     """The type of `op(args)`; raises TypeErr at span when the operation is ill-typed."""
+    if op in FLOAT_VALUED and args[0].type.weak and args[0].type.dtype in ("i32", "i64"):
+        return TType("f32", (), args[0].type.layout, True)  # sqrt(2) is a weak float, as in JAX
     if op in POINTWISE_UNARY or op in POINTWISE_BINARY:
         return pointwise(args, span, op)
     return RULES[op](args, attrs, span)
+
+
+# unary operations whose value is not an integer: of a weak integer, a weak f32
+FLOAT_VALUED = ("sqrt", "rsqrt", "exp", "log", "tanh", "sigmoid", "gelu")
 
 
 def retype(e: Expr, env: Callable[[str], TType]) -> Expr:

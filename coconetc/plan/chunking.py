@@ -7,13 +7,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coconetc.errors import CompileError
+from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import POINTWISE, Const, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, TType
 
 
 class PlanError(CompileError):
     """A legal schedule that no backend can run as asked; located at its directive."""
+
+
+def stage_of(p: Program, name: str) -> Stage:
+    """The stage named `name` (it exists: the checker resolved every name)."""
+    s = p.stage(name)
+    assert s is not None, name
+    return s
+
+
+def op_of(s: Stage) -> Op:
+    """A stage's top operation (for stages known to be operations: collectives, kernels)."""
+    assert isinstance(s.expr, Op), s.name
+    return s.expr
 
 
 @dataclass
@@ -34,7 +47,7 @@ class OverlapSpec:
     dim: int
     direct: bool  # chunks along dim 0: contiguous rows of every buffer
     fused: FusedSpec | None
-    span: object = None
+    span: Span | None = None
 
 
 def same_elements(rt: TType, t: TType) -> bool:
@@ -50,16 +63,16 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
     over the reduced elements are computed on each chunk as it arrives; the gather is part of
     the fused collective when it gathers one of them. Stages that need all chunks first (a
     norm, a segment_norm) and what follows them run when the chunks are done."""
-    stages = [p.stage(n) for n in fusion.stages]
+    stages = [stage_of(p, n) for n in fusion.stages]
     colls = [s for s in stages if s.kind == "collective"]
     if not colls:
         return None
-    first = next((s for s in colls if s.expr.op in ("reducescatter", "allreduce")), None)
+    first = next((s for s in colls if op_of(s).op in ("reducescatter", "allreduce")), None)
     if first is None:
         c = colls[0]
         raise PlanError.at(fusion.span, f"fuse: a fused collective reduces chunk by chunk: it needs "
-                           f"a reducescatter or an allreduce, and '{c.name}' is {c.expr.op}")
-    gather = next((s for s in colls if s.expr.op == "allgather"), None)
+                           f"a reducescatter or an allreduce, and '{c.name}' is {op_of(c).op}")
+    gather = next((s for s in colls if op_of(s).op == "allgather"), None)
     computes: list[Stage] = []
     inside = {first.name: None}  # ordered
     rows = None
@@ -73,15 +86,21 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
         computes.append(s)
         inside[s.name] = None
     if not computes:
-        s = next(s for s in stages if s.kind != "collective") if len(stages) > len(colls) else None
-        why = (f"'{s.name}' cannot run on a chunk of '{first.name}' as it arrives "
-               f"({_why_not_chunkable(p, s, first, inside, scattered, rows_ok)})" if s is not None
+        c0 = next((x for x in stages if x.kind != "collective"), None)
+        why = (f"'{c0.name}' cannot run on a chunk of '{first.name}' as it arrives "
+               f"({_why_not_chunkable(p, c0, first, inside, scattered, rows_ok)})" if c0 is not None
                else "it holds no computation")
         raise PlanError.at(fusion.span, f"fuse: nothing to compute inside the collective: {why}")
-    if gather is not None and gather.expr.args[0].name not in inside:
+    if gather is not None and _arg_name(gather) not in inside:
         gather = None
     done = tuple(inside) + ((gather.name,) if gather is not None else ())
     return FusedSpec(fusion, done, first, computes, gather, rows)
+
+
+def _arg_name(s: Stage) -> str:
+    a = op_of(s).args[0]
+    assert isinstance(a, Ref)
+    return a.name
 
 
 def _row_stage(s: Stage, first: Stage, inside: dict, scattered: set[str]) -> bool:
@@ -125,11 +144,11 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
     allreduce, a reducescatter along another dim or a fusion holding one, chunks are contiguous
     rows everywhere; along any other dim (or into an allgather) each chunk is packed for its
     collective. A fused consumer must take the direct way."""
-    y = p.stage(o.producer)
+    y = stage_of(p, o.producer)
     fusion = next((f for f in p.fusions if f.name == o.consumer), None)
     names = fusion.stages if fusion else (o.consumer,)
-    coll = next(p.stage(n) for n in names if p.stage(n).kind == "collective")
-    op = coll.expr.op
+    coll = next(stage_of(p, n) for n in names if stage_of(p, n).kind == "collective")
+    op = op_of(coll).op
     direct = (o.dim == 0 and y.type.ndim >= 2 and not y.type.layout.sliced
               and (op == "allreduce" or (op == "reducescatter" and coll.type.layout.dim != 0)))
     fused = None

@@ -14,8 +14,8 @@ from dataclasses import replace
 from coconetc.errors import Span
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.types import TType
-from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, overlap_spec,
-                                    same_elements)
+from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
+                                    same_elements, stage_of)
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop, Overlap,
                                  Phase, Plan, Reduce, Require, Unit)
@@ -44,7 +44,7 @@ def execution_order(p: Program) -> list[Stage]:
         fusion = p.fusion_of(s.name)
         need = reads(s.expr)
         if fusion is not None:
-            need = {n for m in fusion.stages for n in reads(p.stage(m).expr)}
+            need = {n for m in fusion.stages for n in reads(stage_of(p, m).expr)}
         needed = _pending_needed(pending, need)
         order += needed
         pending = [x for x in pending if x not in needed]
@@ -121,7 +121,7 @@ class _Planner:
         spec = fused_spec(self.p, fusion, self.scattered, rows_ok=True)
         if spec is not None:
             return spec
-        stages = [self.p.stage(n) for n in fusion.stages]
+        stages = [stage_of(self.p, n) for n in fusion.stages]
         if any(s.kind == "collective" for s in stages):
             raise AssertionError("fused_spec refuses with a PlanError")  # pragma: no cover
         chain: list[Stage] = []
@@ -157,23 +157,23 @@ class _Planner:
             if src in returned or t in returned:
                 continue
             later = order[order.index(src) + 1:]
-            if any(t in reads(self.p.stage(n).expr) for n in later):
+            if any(t in reads(stage_of(self.p, n).expr) for n in later):
                 continue
             if t in self.scattered:
                 if self._gathers_only_into(src) or self._segment_store(src, t):
                     self.seg_inplace[src] = t
                 continue
-            if self._reads_elementwise_only(self.p.stage(src), t):
+            if self._reads_elementwise_only(stage_of(self.p, src), t):
                 result[src] = t
         return result
 
     def _gathers_only_into(self, src: str) -> bool:
-        s = self.p.stage(src)
+        s = stage_of(self.p, src)
         return (isinstance(s.expr, Op) and s.expr.op == "allgather" and not self.p.users(src)
                 and src not in self.in_fused)
 
     def _segment_store(self, src: str, t: str) -> bool:
-        s = self.p.stage(src)
+        s = stage_of(self.p, src)
         return (s.kind == "compute" and s.type.ndim == 1 and not s.type.layout.sliced
                 and not self.p.users(src) and src not in self.in_fused
                 and self._reads_elementwise_only(s, t))
@@ -224,7 +224,8 @@ class _Planner:
         """Consecutive pointwise stages over the same elements as one loop: a value read only
         inside the chain stays in a register; the others are stored."""
         names = tuple(s.name for s in stages)
-        items, lets = [], []
+        items: list[Item] = []
+        lets: list[Let] = []
         for s in stages:
             store = self._needed_after(s.name, names)
             if store:
@@ -237,7 +238,7 @@ class _Planner:
     def _stage(self, s: Stage) -> None:
         e, line = s.expr, _line(s.span)
         if s.name in self.seg_inplace and s.kind == "collective":
-            t, x = self.seg_inplace[s.name], self._materialize(e.args[0], s.name)
+            t, x = self.seg_inplace[s.name], self._materialize(op_of(s).args[0], s.name)
             self._buffer(s.name, s.type, "into", t, line)
             self.out.append(Collective(s.name, "allgather", x, into=t, line=line))
             return
@@ -268,6 +269,7 @@ class _Planner:
 
     def _kernel(self, dst: str, e: Op, args: list[str | None], line: int) -> None:
         x = args[0]
+        assert x is not None
         if e.op in ("sum", "norm", "segment_norm"):
             self.out.append(Reduce(dst, e.op, x, self.types[x].layout.sliced, line))
         elif e.op in ("matmul", "layernorm", "conv2d"):
@@ -332,15 +334,16 @@ class _Planner:
     # --- fused collectives ----------------------------------------------------------------
     def _fused(self, f: FusedSpec) -> Fused:
         coll = f.collective
-        x = self._materialize(coll.expr.args[0], coll.name)
+        x = self._materialize(op_of(coll).args[0], coll.name)
         if f.gather is not None:
             self._place(f.gather)
-        gathered = f.gather.expr.args[0].name if f.gather is not None else ""
+        g0 = op_of(f.gather).args[0] if f.gather is not None else None
+        gathered = g0.name if isinstance(g0, Ref) else ""
         d0 = coll.type.layout.dim if coll.type.layout.sliced else 0
         later = _read_by_later_phase(f.computes)
         stored = {c.name for c in f.computes if self._needed_after(c.name, f.members) or c.name in later}
         for c in f.computes:
-            if c.name == gathered and d0 == 0:
+            if c.name == gathered and d0 == 0 and f.gather is not None:
                 self._buffer(c.name, c.type, "view", f.gather.name, _line(c.span))
                 stored.add(c.name)
             elif c.name in stored:
@@ -366,7 +369,7 @@ class _Planner:
             else:
                 phases.insert(0, Phase("pointwise", (keep,)))
         after = self._after(f)
-        return Fused(f.fusion.name, f.members, coll.name, coll.expr.op, coll.expr.attr("op"), x,
+        return Fused(f.fusion.name, f.members, coll.name, op_of(coll).op, op_of(coll).attr("op"), x,
                      coll.type, tuple(phases), tuple(lets), f.gather.name if f.gather else "",
                      gathered, f.rows, store_reduced, after, _line(f.fusion.span))
 
@@ -392,8 +395,8 @@ class _Planner:
     # --- overlap --------------------------------------------------------------------------
     def _overlap(self, ov: OverlapSpec) -> None:
         y, c = ov.producer, ov.collective
-        a = self._materialize(y.expr.args[0], y.name)
-        b = self._materialize(y.expr.args[1], y.name)
+        a = self._materialize(op_of(y).args[0], y.name)
+        b = self._materialize(op_of(y).args[1], y.name)
         keep = ov.direct or self._needed_after(y.name, (c.name,))
         if keep:
             self._place(y)
@@ -404,7 +407,7 @@ class _Planner:
             self._place(c)
         else:
             fused = self._fused(ov.fused)
-        self.out.append(Overlap(y.name, a, b, c.name, c.expr.op, c.expr.attr("op") or "", ov.chunks,
+        self.out.append(Overlap(y.name, a, b, c.name, op_of(c).op, op_of(c).attr("op") or "", ov.chunks,
                                 ov.dim, ov.direct, fused, keep, _line(ov.span)))
 
     # --- the end of the function ----------------------------------------------------------

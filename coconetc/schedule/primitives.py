@@ -101,6 +101,9 @@ def reorder(p: Program, d: Reorder) -> Program:
         gather = Stage(out, Op("allgather", (Ref(m, t),), replace(t, layout=REPLICATED), (), d.span), d.span)
         p = rename_program(replace(p, stages=insert_after(p.stages, m, gather)), {m: out},
                            skip={*moved, out})
+    # the stages left in place now read the gathered values: type them again (a stage that
+    # read a moved value was typed as sliced while it read the slice)
+    p = retype_program(p)
     return drop_stage(p, d.ag) if not is_used(p, d.ag) else p
 
 
