@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-quick lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -n 2 tests
+
+# while working: everything but the cases marked slow (installs, CMake builds, random programs)
+test-quick: lint
+	$(PY) -m pytest -n 2 -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,6 +18,8 @@ import pytest
 from coconetc.driver import load_source
 from coconetc.errors import CompileError
 
+pytestmark = pytest.mark.slow  # one module of 14 programs, then 28 launches: a few minutes
+
 COUNT = 14  # programs, each with its schedules
 SIZES = ["--size=N=11", "--size=B=2", "--size=S=5", "--size=K=7", "--size=H=4"]
 UNARY = ["sqrt(abs({}))", "relu({})", "tanh({})", "-{}", "abs({})", "sigmoid({})", "gelu({})"]
