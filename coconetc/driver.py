@@ -1,9 +1,10 @@
 """The whole front half of the compiler, top to bottom:
 
-    source --parse--> AST --check--> typed IR --schedule (each directive checked)--> scheduled IR
+    source --parse--> syntax tree --check--> typed IR --schedule (each directive checked)--> scheduled IR
 
-`load_file`/`load_source` return a Module holding every program and every schedule applied,
-or raise one CompileError listing every error of the file."""
+`load_file`/`load_source` return a SourceFile (one .ccn file, checked: every program and every
+schedule applied), or raise one CompileError listing every error of the file. ("Module" is kept
+for the generated Python extension module and the loader's CompiledModule.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coconetc.errors import CompileError, Diagnostic
-from coconetc.frontend import ast
+from coconetc.frontend import syntax
 from coconetc.frontend.checker import check_program
 from coconetc.frontend.parser import parse
 from coconetc.ir.nodes import Program
@@ -32,7 +33,9 @@ class ScheduleIR:
 
 
 @dataclass
-class Module:
+class SourceFile:
+    """A checked .ccn file: its typed programs and, per program, its scheduled variants."""
+
     file: str
     source: str
     programs: dict[str, Program] = field(default_factory=dict)
@@ -56,14 +59,14 @@ class Module:
         return scheds[name]
 
 
-def load_file(path: str | Path) -> Module:
+def load_file(path: str | Path) -> SourceFile:
     path = Path(path)
     return load_source(path.read_text(), str(path))
 
 
-def load_source(source: str, file: str = "<string>") -> Module:
+def load_source(source: str, file: str = "<string>") -> SourceFile:
     tree = parse(source, file)
-    mod, errors = Module(file, source), []
+    mod, errors = SourceFile(file, source), []
     for i, prog in enumerate(tree.programs):
         _collect(errors, _program, mod, prog, tree.programs[:i])
     for i, sched in enumerate(tree.schedules):
@@ -80,15 +83,15 @@ def _collect(errors: list[Diagnostic], fn, *args) -> None:
         errors.extend(err.diagnostics)
 
 
-def _program(mod: Module, prog: ast.Program, earlier: tuple[ast.Program, ...]) -> None:
+def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Program, ...]) -> None:
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
     mod.programs[prog.name] = check_program(prog)
     mod.schedules[prog.name] = {}
 
 
-def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module,
-              earlier: tuple[ast.Schedule, ...]) -> None:
+def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
+              earlier: tuple[syntax.Schedule, ...]) -> None:
     if sched.program in mod.programs or any(p.name == sched.program for p in tree.programs):
         if any(s.program == sched.program and s.name == sched.name for s in earlier):
             raise CompileError.at(sched.name_span or sched.span,

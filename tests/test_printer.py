@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import Module, load_source
+from coconetc.driver import SourceFile, load_source
 from coconetc.ir import printer
 from coconetc.ir.nodes import Program
 from coconetc.schedule import apply
@@ -31,7 +31,7 @@ DOT_GOLDEN = ("mlp_out.ccn", "mlp_out", "overlapped")
 
 
 @cache
-def _module(path: Path) -> Module:
+def _module(path: Path) -> SourceFile:
     """Loaded from any cwd; spans (and so the golden headers) name the file from the repo."""
     return load_source(path.read_text(), str(path.relative_to(REPO)))
 
@@ -68,7 +68,7 @@ def directive_text(d: Directive) -> str:
     return f"overlap({d.producer}, {d.consumer}, chunks={d.chunks}{dim})"
 
 
-def steps(mod: Module, prog: str, sched: str | None) -> tuple[str, Program]:
+def steps(mod: SourceFile, prog: str, sched: str | None) -> tuple[str, Program]:
     """The golden text: the program, then the program after each directive, applied one by
     one; and the final program."""
     ir = mod.programs[prog]

@@ -10,7 +10,7 @@ import jinja2
 
 from coconetc import __version__
 from coconetc.codegen.lower import Function, lower
-from coconetc.driver import Module
+from coconetc.driver import SourceFile
 from coconetc.ir.nodes import Program
 
 DEFAULT = "default"  # the name of the unscheduled program among its schedules
@@ -34,7 +34,7 @@ def function_name(program: str, schedule: str) -> str:
     return f"{program}__{schedule}"
 
 
-def variants(mod: Module) -> dict[tuple[str, str], Program]:
+def variants(mod: SourceFile) -> dict[tuple[str, str], Program]:
     """Every (program, schedule) that compiles to a function; the program itself as 'default'."""
     out = {}
     for name, prog in mod.programs.items():
@@ -45,7 +45,7 @@ def variants(mod: Module) -> dict[tuple[str, str], Program]:
     return out
 
 
-def generate(mod: Module, module_name: str) -> Sources:
+def generate(mod: SourceFile, module_name: str) -> Sources:
     file = Path(mod.file).name
     funcs = {key: lower(p, function_name(*key), file) for key, p in variants(mod).items()}
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),

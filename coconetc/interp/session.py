@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.driver import Module
+from coconetc.driver import SourceFile
 from coconetc.interp.harness import adapt_inputs, compare, joined, random_inputs
 from coconetc.interp.interpreter import Result, run
 from coconetc.ir.nodes import Program
@@ -26,7 +26,7 @@ class Report:
     problems: list[str] = field(default_factory=list)
 
 
-def run_interp(mod: Module, program: str, schedule: str | None, ranks: int, groups: int = 1,
+def run_interp(mod: SourceFile, program: str, schedule: str | None, ranks: int, groups: int = 1,
                sizes: Mapping[str, int] | None = None, seed: int = 0) -> Report:
     base = mod.programs[program]
     inputs = random_inputs(base, ranks, groups, sizes, seed)

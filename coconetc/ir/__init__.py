@@ -1,2 +1,2 @@
 """The typed IR: types.py (dtypes, dims, layouts), nodes.py (expressions, stages, programs),
-typing.py (the typing rules shared by the checker and the schedule primitives), printer.py."""
+typerules.py (the typing rules shared by the checker and the schedule primitives), printer.py."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.ir.nodes import Const, Expr, Op, Program, Ref, Stage, refs
-from coconetc.ir.typing import TypeErr, retype
+from coconetc.ir.typerules import TypeErr, retype
 
 
 def rename(e: Expr, mapping: dict[str, str]) -> Expr:

@@ -9,7 +9,7 @@ from coconetc.ir.nodes import COLLECTIVES, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, rename,
                                  rename_program, retype_program)
 from coconetc.ir.types import REPLICATED, TType, sliced
-from coconetc.ir.typing import TypeErr
+from coconetc.ir.typerules import TypeErr
 from coconetc.schedule.directives import Reorder, Slice, Split, span_of
 
 

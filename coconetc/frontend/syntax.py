@@ -140,7 +140,9 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class Module:
+class File:
+    """A parsed .ccn file: its programs and schedules, in order."""
+
     file: str
     source: str
     programs: tuple[Program, ...] = field(default=())
