@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from coconetc.driver import SourceFile, load_source
+from coconetc.errors import NOWHERE, Span
 from coconetc.ir import printer
 from coconetc.ir.nodes import Program
 from coconetc.schedule import apply
@@ -208,6 +209,20 @@ def test_round_trip_tricky_expressions() -> None:
     assert again == ir, text
     assert printer.program(again) == text
     assert "(-2) ** x" in text and "(-2.5) ** -y" in text and "1e999" in text
+
+
+def test_equality_ignores_spans_but_not_structure() -> None:
+    """Spans compare honestly (by file and position); IR nodes leave them out of ==, so the
+    round-trip tests above compare what a program says, not where it was written."""
+    ir = load_source(TRICKY, "tricky.ccn").programs["tricky"]
+    shifted = load_source("\n\n# moved down\n" + TRICKY, "other.ccn").programs["tricky"]
+    assert shifted == ir and shifted.stage("p1").span != ir.stage("p1").span
+    assert hash(shifted.stage("p1")) == hash(ir.stage("p1"))
+    for old, new in (("0.25", "0.5"), ("stride=2", "stride=1"), ("reduce(max", "reduce(min")):
+        assert load_source(TRICKY.replace(old, new), "tricky.ccn").programs["tricky"] != ir, new
+    a = Span("f.ccn", 1, 2, 1, 5, "the file's text")
+    assert a == Span("f.ccn", 1, 2, 1, 5) and len({a, Span("f.ccn", 1, 2, 1, 5)}) == 1
+    assert a != Span("f.ccn", 2, 2, 2, 5) and a != Span("g.ccn", 1, 2, 1, 5) and a != NOWHERE
 
 
 def test_negative_literal_binds_like_unary_minus() -> None:

@@ -4,7 +4,7 @@ an expression tree whose leaves are references to parameters or earlier stages."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coconetc.errors import NOWHERE, Span
@@ -25,14 +25,14 @@ class Ref:
 
     name: str
     type: TType
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
 class Const:
     value: float | int
     type: TType
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Op:
     args: tuple[Expr, ...]
     type: TType
     attrs: tuple[tuple[str, Any], ...] = ()
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
     def attr(self, key: str, default: Any = None) -> Any:
         return dict(self.attrs).get(key, default)
@@ -72,14 +72,14 @@ class Param:
     type: TType
     scalar: bool = False
     scattered: bool = False
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     expr: Expr
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
     @property
     def type(self) -> TType:
@@ -96,7 +96,7 @@ class Stage:
 class Fusion:
     name: str
     stages: tuple[str, ...]
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Overlap:
     consumer: str  # a collective stage or a fusion
     chunks: int
     dim: int  # the dim of the producer's result that is cut into chunks
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class Program:
     updates: tuple[tuple[str, str], ...] = ()
     fusions: tuple[Fusion, ...] = ()
     overlaps: tuple[Overlap, ...] = ()
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)

@@ -16,7 +16,7 @@ class Split:
     dim: int
     rs: str
     ag: str
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -27,7 +27,7 @@ class Reorder:
     ag: str
     stages: tuple[str, ...]
     outs: tuple[str, ...]
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -36,7 +36,7 @@ class Slice:
     """slice(t, ...)"""
 
     params: tuple[str, ...]
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -46,7 +46,7 @@ class Fuse:
 
     stages: tuple[str, ...]
     name: str | None
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -58,7 +58,7 @@ class OverlapD:
     consumer: str
     chunks: int
     dim: int | None
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
