@@ -9,30 +9,12 @@ from dataclasses import dataclass, field
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.ir import nodes as ir
-from coconetc.ir.nodes import COLLECTIVES, POINTWISE_UNARY
-from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REDUCE_OPS, REPLICATED, TType, scalar_type, sliced
+from coconetc.ir import ops
+from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REPLICATED, TType, scalar_type, sliced
 from coconetc.ir.typerules import TypeErr, type_op
 
-_BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "**": "pow", "<": "lt", "<=": "le",
-           ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
-# name -> (positional parameters, keyword parameters with defaults)
-_SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
-    **{u: (("x",), {}) for u in POINTWISE_UNARY if u != "neg"},
-    "min": (("a", "b"), {}), "max": (("a", "b"), {}),
-    "where": (("cond", "a", "b"), {}), "cast": (("x", "dtype"), {}),
-    "dropout": (("x", "p", "seed"), {}), "sum": (("x",), {}), "norm": (("x",), {}),
-    "segment_norm": (("x",), {}), "matmul": (("a", "b"), {}),
-    "layernorm": (("x", "gamma", "beta", "eps"), {}),
-    "conv2d": (("x", "w"), {"stride": 1, "padding": 0}),
-    "allreduce": (("op", "x"), {}), "reducescatter": (("op", "x"), {"dim": 0}),
-    "allgather": (("x",), {}), "broadcast": (("x", "root"), {}),
-    "reduce": (("op", "x", "root"), {}), "scatter": (("x",), {"dim": 0}),
-    "send": (("x", "direction"), {}),
-    "update": (("t", "value"), {}),
-}
-# parameters that are compile-time words or integers, not values
-_WORD_ARGS = {"op": REDUCE_OPS, "dtype": DTYPES, "direction": ("next", "prev")}
-_INT_ARGS = ("root", "dim", "stride", "padding")
+# update(t, value) is a statement form, not an operation of the registry
+_UPDATE = ops.OpDef("update", "pointwise", (ops.Arg("t"), ops.Arg("value")))
 
 
 class _Skip(Exception):
@@ -163,9 +145,14 @@ def _top(value: syntax.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
     """A stage's right-hand side: collectives and update() may only stand here."""
     if isinstance(value, syntax.Call) and value.fn == "update":
         return _update(value, ctx, updates)
-    if isinstance(value, syntax.Call) and value.fn in COLLECTIVES:
+    if _is_collective(value):
         return _call(value, ctx, top=True)
     return _expr(value, ctx)
+
+
+def _is_collective(e: syntax.Expr) -> bool:
+    d = ops.called(e.fn) if isinstance(e, syntax.Call) else None
+    return d is not None and d.kind == "collective"
 
 
 def _update(call: syntax.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
@@ -181,8 +168,7 @@ def _update(call: syntax.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
     if t.id in updates:
         raise TypeErr(t.span, f"'{t.id}' is already updated by '{updates[t.id]}'")
     value = pos[1]
-    expr = (_call(value, ctx, top=True) if isinstance(value, syntax.Call) and value.fn in COLLECTIVES
-            else _expr(value, ctx))
+    expr = _call(value, ctx, top=True) if _is_collective(value) else _expr(value, ctx)
     if expr.type.dtype == "bool":
         raise TypeErr(_where_of(value), "a comparison can only be the condition of where()")
     _check_update(param, expr, value.span)
@@ -223,10 +209,10 @@ def _expr(e: syntax.Expr, ctx: _Ctx) -> ir.Expr:
         x = _expr(e.operand, ctx)
         if isinstance(x, ir.Const):
             return ir.Const(-x.value, x.type, e.span)
-        return _op("neg", (x,), {}, e.span)
+        return _op(ops.prefix("-").name, (x,), {}, e.span)
     if isinstance(e, syntax.BinOp):
         args = (_expr(e.left, ctx), _expr(e.right, ctx))
-        return _op(_BINOPS[e.op], args, {}, e.span, _where_of(e))
+        return _op(ops.infix(e.op).name, args, {}, e.span, _where_of(e))
     return _call(e, ctx, top=False)
 
 
@@ -236,11 +222,18 @@ def _op(op: str, args: tuple, attrs: dict, span: Span, err_span: Span | None = N
     return ir.Op(op, args, t, tuple(sorted(attrs.items())), span)
 
 
+def _signature(call: syntax.Call) -> ops.OpDef:
+    d = _UPDATE if call.fn == "update" else ops.called(call.fn)
+    if d is None:
+        raise TypeErr(call.fn_span, f"unknown operation '{call.fn}'")
+    return d
+
+
 def _bind(call: syntax.Call) -> tuple[list[syntax.Expr], dict[str, object]]:
     """Match a call's arguments to its signature: positional list, keyword values."""
-    if call.fn not in _SIGNATURES:
-        raise TypeErr(call.fn_span, f"unknown operation '{call.fn}'")
-    names, defaults = _SIGNATURES[call.fn]
+    d = _signature(call)
+    names = tuple(a.name for a in d.params if a.required)
+    defaults = d.defaults()
     allowed = names + tuple(defaults)
     if len(call.args) > len(allowed):
         n = len(allowed)
@@ -260,13 +253,13 @@ def _bind(call: syntax.Call) -> tuple[list[syntax.Expr], dict[str, object]]:
     return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
 
 
-def _word(name: str, e: object, call: syntax.Call) -> object:
+def _word(arg: ops.Arg, e: object, call: syntax.Call) -> object:
     """A compile-time argument: a reduction op, dtype or direction word, or an integer."""
-    if name in _WORD_ARGS:
-        choices = _WORD_ARGS[name]
-        if not (isinstance(e, syntax.Name) and e.id in choices):
+    name = arg.name
+    if arg.kind == "word":
+        if not (isinstance(e, syntax.Name) and e.id in arg.choices):
             span = getattr(e, "span", call.span)
-            raise TypeErr(span, f"{call.fn}()'s {name} must be one of {', '.join(choices)}")
+            raise TypeErr(span, f"{call.fn}()'s {name} must be one of {', '.join(arg.choices)}")
         return e.id
     if isinstance(e, int):
         return e
@@ -280,24 +273,26 @@ def _word(name: str, e: object, call: syntax.Call) -> object:
 def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if call.fn == "update":
         raise TypeErr(call.span, "update() must be the whole right-hand side of a statement")
-    if call.fn in COLLECTIVES and not top:
+    d = _signature(call)
+    if d.kind == "collective" and not top:
         raise TypeErr(call.span, f"{call.fn}() must be the whole right-hand side of a statement "
                       "(give the computation around it its own stage)")
     pos, kws = _bind(call)
-    names, _ = _SIGNATURES[call.fn]
+    given = dict(zip((a.name for a in d.params if a.required), pos)) | kws
     attrs: dict[str, object] = {}
     args: list[ir.Expr] = []
-    for n, a in list(zip(names, pos)) + list(kws.items()):
-        if n in _WORD_ARGS or n in _INT_ARGS:
-            attrs[n] = _word(n, a, call)
+    for arg in d.params:
+        if arg.kind == "value":
+            args.append(_expr(given[arg.name], ctx))  # type: ignore[arg-type]
         else:
-            args.append(_expr(a, ctx))  # type: ignore[arg-type]
-    _check_ints(call, attrs)
-    if call.fn in ("reducescatter", "scatter") and not attrs["dim"] < args[0].type.ndim:
+            attrs[arg.name] = _word(arg, given[arg.name], call)
+    _check_ints(call, d, attrs)
+    if "dim" in attrs and not attrs["dim"] < args[0].type.ndim:  # type: ignore[operator]
         raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
                       f"{args[0].type.ndim}-d tensor")
     if call.fn == "dropout":
         _check_dropout(call, args, ctx)
+    if d.kind == "random":  # the RNG stream of this call site (LANGUAGE.md section 2)
         attrs["site"] = f"{ctx.stage}#{ctx.sites}"
         ctx.sites += 1
     if call.fn == "segment_norm":
@@ -312,18 +307,19 @@ def _arg_span(call: syntax.Call, name: str) -> Span:
     for kw in call.kwargs:
         if kw.name == name:
             return kw.value.span
-    names, defaults = _SIGNATURES[call.fn]
-    allowed = names + tuple(defaults)
+    d = _signature(call)
+    allowed = tuple(a.name for a in d.params if a.required) + tuple(d.defaults())
     i = allowed.index(name) if name in allowed else len(call.args)
     return call.args[i].span if i < len(call.args) else call.span
 
 
-def _check_ints(call: syntax.Call, attrs: dict) -> None:
-    if attrs.get("stride", 1) < 1:
-        raise TypeErr(_arg_span(call, "stride"), "conv2d's stride must be at least 1")
-    for k in ("root", "padding", "dim"):
-        if attrs.get(k, 0) < 0:
-            raise TypeErr(_arg_span(call, k), f"{call.fn}()'s {k} must not be negative")
+def _check_ints(call: syntax.Call, d: ops.OpDef, attrs: dict) -> None:
+    for a in d.settings:
+        if a.kind != "int" or attrs[a.name] >= a.minimum:
+            continue
+        if a.minimum > 0:
+            raise TypeErr(_arg_span(call, a.name), f"{call.fn}'s {a.name} must be at least {a.minimum}")
+        raise TypeErr(_arg_span(call, a.name), f"{call.fn}()'s {a.name} must not be negative")
 
 
 def _check_dropout(call: syntax.Call, args: list[ir.Expr], ctx: _Ctx) -> None:

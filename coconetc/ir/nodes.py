@@ -8,15 +8,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coconetc.errors import NOWHERE, Span
+from coconetc.ir import ops
 from coconetc.ir.types import Layout, TType
 
-POINTWISE_UNARY = ("neg", "sqrt", "rsqrt", "exp", "log", "abs", "tanh", "sigmoid", "relu", "gelu")
-POINTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "min", "max")
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
-POINTWISE = POINTWISE_UNARY + POINTWISE_BINARY + COMPARISONS + ("where", "cast", "dropout")
-REDUCTIONS = ("sum", "norm", "segment_norm")
-TENSOR_OPS = ("matmul", "layernorm", "conv2d")
-COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "scatter", "send")
+
+class OpNames:
+    """The names of the registered operations of some kinds, read from the registry each time
+    (so an operation registered at run time belongs at once): `op in POINTWISE`."""
+
+    def __init__(self, *kinds: str):
+        self.kinds = kinds
+
+    def __contains__(self, op: object) -> bool:
+        d = ops.REGISTRY.get(op) if isinstance(op, str) else None
+        return d is not None and d.kind in self.kinds
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ops.names(*self.kinds))
+
+    def __len__(self) -> int:
+        return len(ops.names(*self.kinds))
+
+    def __repr__(self) -> str:
+        return f"OpNames{ops.names(*self.kinds)}"
+
+
+POINTWISE = OpNames("pointwise", "random")  # what a loop can compute element by element
+REDUCTIONS = OpNames("reduction")
+TENSOR_OPS = OpNames("tensor")
+COLLECTIVES = OpNames("collective")
 
 
 @dataclass(frozen=True)
@@ -88,8 +108,8 @@ class Stage:
     @property
     def kind(self) -> str:
         """'collective', 'tensor' (matmul/layernorm/conv2d at the top) or 'compute'."""
-        op = self.expr.op if isinstance(self.expr, Op) else ""
-        return "collective" if op in COLLECTIVES else "tensor" if op in TENSOR_OPS else "compute"
+        kind = ops.get(self.expr.op).kind if isinstance(self.expr, Op) else ""
+        return kind if kind in ("collective", "tensor") else "compute"
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.errors import ScheduleError
+from coconetc.ir import ops
 from coconetc.ir.nodes import Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.schedule.directives import Fuse, OverlapD, span_of
 from coconetc.schedule.primitives import _fresh, _stage
-
-_UNFUSABLE = ("matmul", "conv2d")
 
 
 def fuse(p: Program, d: Fuse) -> Program:
@@ -41,7 +40,7 @@ def _check_members(stages: list[Stage], d: Fuse) -> None:
                             "a fusion holds at most one collective, or one reducescatter/allgather "
                             f"pair; here: {', '.join(f'{s.name} ({s.expr.op})' for s in colls)}")
     for s in stages:
-        bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and n.op in _UNFUSABLE), None)
+        bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and not ops.get(n.op).fusable), None)
         if bad:
             raise ScheduleError(span_of(d, s.name), "fuse", s.name, f"{bad} cannot be fused into a loop "
                                 "(overlap it with its collective instead)")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.errors import ScheduleError
-from coconetc.ir.nodes import COLLECTIVES, Op, Program, Ref, Stage, walk
+from coconetc.ir import ops
+from coconetc.ir.nodes import Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, rename,
                                  rename_program, retype_program)
 from coconetc.ir.types import REPLICATED, TType, sliced
@@ -53,20 +54,19 @@ def split(p: Program, d: Split) -> Program:
     return rename_program(replace(p, stages=stages), {s.name: d.ag})
 
 
-_MOVABLE = {"matmul": "matmul", "conv2d": "conv2d"}
-
-
 def _movable(s: Stage, dim: int, d: Reorder) -> None:
+    """Every operation of the stage commutes with slicing along dim (the registry's slicing)."""
     for node in walk(s.expr):
         if not isinstance(node, Op):
             continue
-        if node.op in _MOVABLE or (node.op in COLLECTIVES and node.op != "send"):
+        slicing = ops.get(node.op).slicing
+        if slicing == ops.NEVER:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
                                 f"{node.op} does not commute with slicing; only pointwise "
                                 "computations, norm/sum, layernorm and send can move")
-        if node.op == "layernorm" and dim == node.type.ndim - 1:
+        if slicing == ops.ROWS and dim == node.type.ndim - 1:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
-                                "layernorm normalizes the last dim, which the slice would cut")
+                                f"{node.op} normalizes the last dim, which the slice would cut")
 
 
 def reorder(p: Program, d: Reorder) -> Program:
