@@ -66,7 +66,7 @@ def load_file(path: str | Path) -> SourceFile:
 
 def load_source(source: str, file: str = "<string>") -> SourceFile:
     tree = parse(source, file)
-    mod, errors = SourceFile(file, source), []
+    mod, errors = SourceFile(file, source), list[Diagnostic]()
     for i, prog in enumerate(tree.programs):
         _collect(errors, _program, mod, prog, tree.programs[:i])
     for i, sched in enumerate(tree.schedules):
@@ -102,10 +102,11 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
         raise CompileError.at(sched.program_span, f"schedule '{sched.name}' is for unknown program "
                               f"'{sched.program}'")
     known = mod.schedules[sched.program]
-    directives = tuple(from_ast(sched.body or ()))
+    body = sched.body or ()
+    directives = tuple(from_ast(body))
     if sched.name == "auto":
         if directives:
-            raise CompileError.at(sched.body[0].span, "schedule auto takes no directives: the autotuner chooses")
+            raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.program, (), None)
         return
     ir = apply_all(mod.programs[sched.program], directives)

@@ -43,8 +43,8 @@ class _Ctx:
 def check_program(prog: syntax.Program) -> ir.Program:
     """Type a program; raises CompileError with every error found."""
     ctx = _Ctx({})
-    params = [_param(p, ctx) for p in prog.params]
-    ctx.params = {p.name: p for p in params if p is not None}
+    params = [q for q in (_param(p, ctx) for p in prog.params) if q is not None]
+    ctx.params = {p.name: p for p in params}
     # a parameter with a bad declaration is reported once, not again at each use
     ctx.failed.update(p.name for p in prog.params if p.name not in ctx.params)
     updates: dict[str, str] = {}
@@ -64,16 +64,18 @@ def check_program(prog: syntax.Program) -> ir.Program:
 
 
 def _param(p: syntax.Param, ctx: _Ctx) -> ir.Param | None:
-    def err(span: Span, msg: str) -> None:
+    def err(span: Span, msg: str) -> None:  # records the error; the parameter is then None
         ctx.errors.append(Diagnostic(span, msg))
     if p.name in ctx.params:
         err(p.span, f"parameter '{p.name}' is declared twice")
     ctx.params[p.name] = None  # type: ignore[assignment]  # marks the name as taken
     if p.dtype not in DTYPES:
-        return err(p.dtype_span, f"unknown dtype '{p.dtype}' (one of {', '.join(DTYPES)})")
+        err(p.dtype_span, f"unknown dtype '{p.dtype}' (one of {', '.join(DTYPES)})")
+        return None
     if p.shape is None:
         if p.layout is not None:
-            return err(p.layout.span, f"scalar '{p.name}' takes no layout (scalars are replicated)")
+            err(p.layout.span, f"scalar '{p.name}' takes no layout (scalars are replicated)")
+            return None
         return ir.Param(p.name, scalar_type(p.dtype), scalar=True, span=p.span)
     shape = tuple(d.name if isinstance(d, syntax.DimName) else d.value for d in p.shape)
     for d in p.shape:
@@ -118,10 +120,10 @@ def _statement(stmt: syntax.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> No
         if not (isinstance(value, syntax.Call) and value.fn == "update"):
             raise TypeErr(stmt.span, "an expression on its own does nothing; assign it: name = ...")
         target = value.args[0].id if value.args and isinstance(value.args[0], syntax.Name) else "t"
-        name = f"{target}_new"
-        while name in ctx.stages or name in ctx.params:
-            name += "_"
-        targets = (syntax.Name(name, stmt.span),)
+        new = f"{target}_new"
+        while new in ctx.stages or new in ctx.params:
+            new += "_"
+        targets: tuple[syntax.Name, ...] = (syntax.Name(new, stmt.span),)
     else:
         targets, value = stmt.targets, stmt.value
     if len(targets) != 1:
@@ -145,13 +147,13 @@ def _top(value: syntax.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
     """A stage's right-hand side: collectives and update() may only stand here."""
     if isinstance(value, syntax.Call) and value.fn == "update":
         return _update(value, ctx, updates)
-    if _is_collective(value):
+    if isinstance(value, syntax.Call) and _is_collective(value):
         return _call(value, ctx, top=True)
     return _expr(value, ctx)
 
 
-def _is_collective(e: syntax.Expr) -> bool:
-    d = ops.called(e.fn) if isinstance(e, syntax.Call) else None
+def _is_collective(call: syntax.Call) -> bool:
+    d = ops.called(call.fn)
     return d is not None and d.kind == "collective"
 
 
@@ -168,7 +170,8 @@ def _update(call: syntax.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
     if t.id in updates:
         raise TypeErr(t.span, f"'{t.id}' is already updated by '{updates[t.id]}'")
     value = pos[1]
-    expr = _call(value, ctx, top=True) if _is_collective(value) else _expr(value, ctx)
+    expr = (_call(value, ctx, top=True) if isinstance(value, syntax.Call) and _is_collective(value)
+            else _expr(value, ctx))
     if expr.type.dtype == "bool":
         raise TypeErr(_where_of(value), "a comparison can only be the condition of where()")
     _check_update(param, expr, value.span)
@@ -239,7 +242,7 @@ def _bind(call: syntax.Call) -> tuple[list[syntax.Expr], dict[str, object]]:
         n = len(allowed)
         raise TypeErr(call.args[n].span, f"{call.fn}() takes at most {n} argument{'s' * (n != 1)}, "
                       f"got {len(call.args)}")
-    bound: dict[str, object] = dict(zip(allowed, call.args))
+    bound: dict[str, syntax.Expr] = dict(zip(allowed, call.args))
     for kw in call.kwargs:
         if kw.name not in allowed:
             raise TypeErr(kw.span, f"{call.fn}() has no argument '{kw.name}'")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
+from typing import Any
 
 import lark
 from lark import Token, Transformer, v_args
@@ -79,7 +80,15 @@ def _lines(source: str) -> list[str]:
 
 
 def _tok_span(tok: Token, file: str, source: str) -> Span:
-    return Span(file, tok.line, tok.column, tok.line, tok.column + len(str(tok)), source)
+    line, col = tok.line or 0, tok.column or 0  # Lark leaves them None only for tokens it made up
+    return Span(file, line, col, line, col + len(str(tok)), source)
+
+
+def _postlex() -> _DropNewlinesInBrackets:
+    """The cached parser's post-lexer: what it saw of the last parse (open brackets, ...)."""
+    post = _parser().options.postlex
+    assert isinstance(post, _DropNewlinesInBrackets)
+    return post
 
 
 # After these tokens, a bracket or brace left open on an earlier line is the likely mistake.
@@ -92,7 +101,7 @@ def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> D
     program/schedule while a bracket or brace opened on an earlier line is still open."""
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    tok, opened = err.token, _parser().options.postlex.open
+    tok, opened = err.token, _postlex().open
     if not opened:
         return None
     last = opened[-1]  # the innermost one
@@ -106,7 +115,7 @@ def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> D
 
 def _missing_comma(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
     """`x: f32[N] local  w: f32`: the ':' of a parameter whose ',' is missing."""
-    post = _parser().options.postlex
+    post = _postlex()
     if not (isinstance(err, lark.exceptions.UnexpectedToken) and err.token.type == "COLON"
             and post.params and len(post.open) == 1 and len(post.last) == 2):
         return None
@@ -126,7 +135,7 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) 
     width = 1
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
         return Diagnostic(Span(file, line, col, line, col + 1, source),
-                          f"unexpected character {source[err.pos_in_stream]!r}")
+                          f"unexpected character {source[err.pos_in_stream or 0]!r}")
     tok = getattr(err, "token", None)
     expected = sorted({_word(t) for t in getattr(err, "expected", ()) if not t.startswith("__")})
     wanted = f"; expected {', '.join(expected)}" if expected else ""
@@ -134,7 +143,7 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) 
         shown = "end of line" if tok.type == "_NL" else repr(str(tok))
         message = f"unexpected {shown}{wanted}"
         width = max(1, len(str(tok).strip()))
-        opened = _parser().options.postlex.open
+        opened = _postlex().open
         first = not _lines(source + "\n")[line - 1][:col - 1].strip()
         if opened and opened[-1].type != "LBRACE" and opened[-1].line < tok.line and first:
             o = opened[-1]
@@ -185,6 +194,13 @@ def parse(source: str, file: str = "<string>") -> syntax.File:
     return syntax.File(file, source, progs, scheds)
 
 
+def _bin(op: str) -> Callable[[_ToAst, Any, list], syntax.BinOp]:
+    """The rule of one binary operator (a method of _ToAst)."""
+    def rule(self: _ToAst, meta: Any, ch: list) -> syntax.BinOp:
+        return syntax.BinOp(op, ch[0], ch[1], self._span(meta), self._op_span(op, ch[0], ch[1]))
+    return rule
+
+
 @v_args(meta=True)
 class _ToAst(Transformer):
     """Lark tree -> syntax nodes. One method per grammar rule."""
@@ -198,7 +214,7 @@ class _ToAst(Transformer):
         return Span(self.file, m.line, m.column, m.end_line, m.end_column, self.source)
 
     def _tspan(self, t: Token) -> Span:
-        return Span(self.file, t.line, t.column, t.end_line, t.end_column, self.source)
+        return Span(self.file, t.line or 0, t.column or 0, t.end_line or 0, t.end_column or 0, self.source)
 
     def start(self, meta, items):
         return list(items)
@@ -293,11 +309,6 @@ class _ToAst(Transformer):
         line = self.source.count("\n", 0, i) + 1
         col = i - self._starts[line - 1] + 1
         return Span(self.file, line, col, line, col + len(op), self.source)
-
-    def _bin(op):  # noqa: N805 - a factory for the binary-operator rules
-        def rule(self, meta, ch):
-            return syntax.BinOp(op, ch[0], ch[1], self._span(meta), self._op_span(op, ch[0], ch[1]))
-        return rule
 
     add, sub, mul, div, pow = _bin("+"), _bin("-"), _bin("*"), _bin("/"), _bin("**")
     lt, le, gt, ge, eq, ne = _bin("<"), _bin("<="), _bin(">"), _bin(">="), _bin("=="), _bin("!=")

@@ -4,7 +4,8 @@ collectives and cross-rank reductions are plain functions of that list."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +59,10 @@ class _Evaluator:
         if d.numpy is None:  # needs ranks, segments or the RNG: a method of its own
             return getattr(self, "_" + e.op)(e)
         if d.kind == "reduction":
-            return self._reduction(e, d)
+            return self._reduction(e, d.numpy, d.finish)
         if d.kind == "tensor":
-            return self._tensor(e, d)
-        return self._pointwise(e, d)
+            return self._tensor(e, d, d.numpy)
+        return self._pointwise(e, d, d.numpy)
 
     # --- helpers ---------------------------------------------------------------------
     def gshape(self, e: Expr) -> tuple[int, ...]:
@@ -94,7 +95,7 @@ class _Evaluator:
         return res
 
     # --- pointwise ---------------------------------------------------------------------
-    def _pointwise(self, e: Op, d: registry.OpDef) -> Values:
+    def _pointwise(self, e: Op, d: registry.OpDef, fn: Callable[..., Any]) -> Values:
         """The registry's NumPy function, element by element, in the compute type."""
         ct = COMPUTE[e.type.dtype]
         argvals = [self._at_slice(e, a, self.eval(a)) for a in e.args]
@@ -102,7 +103,7 @@ class _Evaluator:
         res = []
         for r in range(self.b.ranks):
             args = _operands(d.operands, [np.asarray(v[r]) for v in argvals], ct)
-            res.append(np.asarray(d.numpy(*args, **settings)).astype(ct, copy=False))
+            res.append(np.asarray(fn(*args, **settings)).astype(ct, copy=False))
         return res
 
     def _dropout(self, e: Op) -> Values:
@@ -126,15 +127,14 @@ class _Evaluator:
         """Sum per-rank partial results over the group when the input was sliced."""
         if not e.args[0].type.layout.sliced:
             return partial
-        return [sum(partial[q] for q in self.group(r)) for r in range(self.b.ranks)]
+        return [functools.reduce(np.add, [partial[q] for q in self.group(r)]) for r in range(self.b.ranks)]
 
-    def _reduction(self, e: Op, d: registry.OpDef) -> Values:
+    def _reduction(self, e: Op, partial: Callable[..., Any], finish: Callable[[Any], Any] | None) -> Values:
         """Per-rank partial results (the registry's function), summed over the group when the
         input was sliced, then finished (norm: the square root)."""
         x = self.eval(e.args[0])
-        part = self._cross(e, [d.numpy(v) for v in x])
-        finish = d.finish or (lambda v: v)
-        return [np.asarray(finish(v), dtype=COMPUTE[e.type.dtype]) for v in part]
+        part = self._cross(e, [partial(v) for v in x])
+        return [np.asarray(finish(v) if finish else v, dtype=COMPUTE[e.type.dtype]) for v in part]
 
     def _segment_norm(self, e: Op) -> Values:
         x = self.eval(e.args[0])
@@ -156,12 +156,12 @@ class _Evaluator:
         return res
 
     # --- tensor operations -----------------------------------------------------------
-    def _tensor(self, e: Op, d: registry.OpDef) -> Values:
+    def _tensor(self, e: Op, d: registry.OpDef, fn: Callable[..., Any]) -> Values:
         """The registry's function on each rank's operands, in the result's compute type."""
         vals = [self.eval(a) for a in e.args]
         ct = COMPUTE[e.type.dtype]
         settings = {a.name: registry.attr(e, a.name) for a in d.settings}
-        return [d.numpy(*(v[r].astype(ct) for v in vals), **settings) for r in range(self.b.ranks)]
+        return [fn(*(v[r].astype(ct) for v in vals), **settings) for r in range(self.b.ranks)]
 
     # --- collectives (within each group) ---------------------------------------------
     def _reduced(self, e: Op, x: Values) -> Values:

@@ -61,4 +61,4 @@ def save_results(path: str, inputs: list, results: list[Result]) -> None:
                 arrays[f"r{r}.seg.{name}"] = np.array([len(x) for x in v], dtype=np.int64)
         for name, v in {**res.outputs, **res.updates}.items():
             arrays[f"r{r}.out.{name}"] = v
-    np.savez(path, **arrays)
+    np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub: a key could be allow_pickle

@@ -106,6 +106,14 @@ class Stage:
         return self.expr.type
 
     @property
+    def top(self) -> Op:
+        """The operation at the top of the stage's expression (for a stage known to have one:
+        a collective or tensor stage)."""
+        if not isinstance(self.expr, Op):
+            raise TypeError(f"stage '{self.name}' is not an operation")
+        return self.expr
+
+    @property
     def kind(self) -> str:
         """'collective', 'tensor' (matmul/layernorm/conv2d at the top) or 'compute'."""
         kind = ops.get(self.expr.op).kind if isinstance(self.expr, Op) else ""
@@ -147,6 +155,13 @@ class Program:
 
     def stage(self, name: str) -> Stage | None:
         return next((s for s in self.stages if s.name == name), None)
+
+    def stage_named(self, name: str) -> Stage:
+        """The stage called name (KeyError if there is none)."""
+        s = self.stage(name)
+        if s is None:
+            raise KeyError(f"no stage '{name}' in program '{self.name}'")
+        return s
 
     def type_of(self, name: str) -> TType:
         p = self.param(name)

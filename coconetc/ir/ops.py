@@ -223,6 +223,7 @@ def _function2(name: str, fn: Callable[..., Any], cpp: str, flops: float = 1, tr
                    infix=infix, cost=Cost(flops, trans)))
 
 
+_fn: Callable[..., Any]  # the loops below share their variables
 for _name, _sym, _prec, _fn, _cprec in (("add", "+", 1, np.add, 6), ("sub", "-", 1, np.subtract, 6),
                                         ("mul", "*", 2, np.multiply, 7), ("div", "/", 2, ref.div, 7)):
     _binary(_name, _sym, _prec, _fn, _cprec)

@@ -110,8 +110,8 @@ def dot(p: Program) -> str:
         lines.append(f'  "{s.name}" [shape={shape}{style}, label="{s.name} = {op}\\n{s.type}"];')
         for r in refs(s.expr):
             lines.append(f'  "{r}" -> "{s.name}" [label="{p.layout_of(r)}"];')
-    for t, s in p.updates:
-        lines.append(f'  "{s}" -> "{t}" [style=dashed, label="update"];')
+    for t, src in p.updates:
+        lines.append(f'  "{src}" -> "{t}" [style=dashed, label="update"];')
     for o in p.overlaps:
         head = _overlap_head(p, o)
         lines.append(f'  "{o.producer}" -> {head}style=dotted, label="overlap x{o.chunks}"];')
@@ -125,5 +125,5 @@ def _overlap_head(p: Program, o: Overlap) -> str:
     fusion = next((f for f in p.fusions if f.name == o.consumer), None)
     if fusion is None:
         return f'"{o.consumer}" ['
-    head = next((n for n in fusion.stages if o.producer in refs(p.stage(n).expr)), fusion.stages[0])
+    head = next((n for n in fusion.stages if o.producer in refs(p.stage_named(n).expr)), fusion.stages[0])
     return f'"{head}" [lhead="cluster_{fusion.name}", '

@@ -178,14 +178,14 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
 
 def _unsliced_update(p: Program, name: str, src: str, lay, d: Slice) -> Program:
     """Make the update of a sliced parameter come from the slice, not its allgather."""
-    s = p.stage(src)
+    s = p.stage_named(src)
     if s.type.layout == lay:
         return p
-    if not (isinstance(s.expr, Op) and s.expr.op == "allgather" and isinstance(s.expr.args[0], Ref)
-            and p.type_of(s.expr.args[0].name).layout == lay):
+    gathered = s.expr.args[0] if isinstance(s.expr, Op) and s.expr.op == "allgather" else None
+    if not (isinstance(gathered, Ref) and p.type_of(gathered.name).layout == lay):
         raise ScheduleError(span_of(d, name), "slice", name, f"its update '{src}' is computed whole; reorder it first")
     if p.fusion_of(src) is not None:
         raise ScheduleError(span_of(d, name), "slice", name, f"'{src}' is already fused; slice before fuse")
-    updates = tuple((t, s.expr.args[0].name if t == name else v) for t, v in p.updates)
+    updates = tuple((t, gathered.name if t == name else v) for t, v in p.updates)
     p = replace(p, updates=updates)
     return drop_stage(p, src) if not is_used(p, src) else p
