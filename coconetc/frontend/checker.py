@@ -10,7 +10,7 @@ from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
-from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REPLICATED, TType, scalar_type, sliced
+from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
 from coconetc.ir.typerules import TypeErr, type_op
 
 # update(t, value) is a statement form, not an operation of the registry
@@ -286,23 +286,26 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     args: list[ir.Expr] = []
     for arg in d.params:
         if arg.kind == "value":
-            args.append(_expr(given[arg.name], ctx))  # type: ignore[arg-type]
+            args.append(_value(arg, _expr(given[arg.name], ctx)))  # type: ignore[arg-type]
         else:
             attrs[arg.name] = _word(arg, given[arg.name], call)
     _check_ints(call, d, attrs)
     if "dim" in attrs and not attrs["dim"] < args[0].type.ndim:  # type: ignore[operator]
         raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
                       f"{args[0].type.ndim}-d tensor")
-    if call.fn == "dropout":
-        _check_dropout(call, args, ctx)
     if d.kind == "random":  # the RNG stream of this call site (LANGUAGE.md section 2)
         attrs["site"] = f"{ctx.stage}#{ctx.sites}"
         ctx.sites += 1
     if call.fn == "segment_norm":
         _check_segmented(call, args[0], ctx)
-    if call.fn == "layernorm" and isinstance(args[3], ir.Const):
-        args[3] = ir.Const(float(args[3].value), scalar_type("f32"), args[3].span)
     return _op(call.fn, tuple(args), attrs, call.span)
+
+
+def _value(arg: ops.Arg, e: ir.Expr) -> ir.Expr:
+    """A literal where the parameter says what dtype a literal takes (layernorm's eps: f32)."""
+    if arg.literal is None or not isinstance(e, ir.Const):
+        return e
+    return ir.Const(float(e.value), scalar_type(arg.literal), e.span)
 
 
 def _arg_span(call: syntax.Call, name: str) -> Span:
@@ -323,14 +326,6 @@ def _check_ints(call: syntax.Call, d: ops.OpDef, attrs: dict) -> None:
         if a.minimum > 0:
             raise TypeErr(_arg_span(call, a.name), f"{call.fn}'s {a.name} must be at least {a.minimum}")
         raise TypeErr(_arg_span(call, a.name), f"{call.fn}()'s {a.name} must not be negative")
-
-
-def _check_dropout(call: syntax.Call, args: list[ir.Expr], ctx: _Ctx) -> None:
-    p = args[1]
-    if isinstance(p, ir.Const) and not 0 <= p.value < 1:
-        raise TypeErr(p.span, f"dropout probability must be in [0, 1), got {p.value}")
-    if p.type.dtype not in FLOATS and not isinstance(p, ir.Const):
-        raise TypeErr(p.span, "dropout's p must be a float")
 
 
 def _check_segmented(call: syntax.Call, x: ir.Expr, ctx: _Ctx) -> None:

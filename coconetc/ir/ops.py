@@ -44,13 +44,15 @@ REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
 class Arg:
     """One parameter. kind 'value': an expression operand; 'word': a compile-time word from
     `choices` (a reduction op, a dtype, a direction); 'int': an integer literal >= `minimum`.
-    A parameter with a default may be given by keyword (and is printed as one)."""
+    A parameter with a default may be given by keyword (and is printed as one). literal: the
+    dtype a number written for this value takes (layernorm's eps is an f32 even when written 1)."""
 
     name: str
     kind: str = "value"
     choices: tuple[str, ...] = ()
     default: Any = REQUIRED
     minimum: int = 0
+    literal: str | None = None
 
     @property
     def required(self) -> bool:
@@ -258,7 +260,7 @@ register(OpDef("segment_norm", "reduction", X, tr.segment_norm, PARTIAL, cost=Co
 
 register(OpDef("matmul", "tensor", AB, tr.matmul, NEVER, numpy=np.matmul, fusable=False,
                cost=Cost(2, inner=True)))
-register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg("eps")),
+register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg("eps", literal="f32")),
                tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1)))
 register(OpDef("conv2d", "tensor", (Arg("x"), Arg("w"), Arg("stride", "int", default=1, minimum=1),
                                     Arg("padding", "int", default=0)),

@@ -197,6 +197,11 @@ def cast(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
 
 def dropout(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     x, p, seed = args
+    from coconetc.ir.nodes import Const  # (nodes imports the registry, which imports this)
+    if isinstance(p, Const) and not 0 <= p.value < 1:
+        raise TypeErr(p.span, f"dropout probability must be in [0, 1), got {p.value}")
+    if not isinstance(p, Const) and p.type.dtype not in FLOATS:
+        raise TypeErr(p.span, "dropout's p must be a float")
     _no_bool(args, span, "an operand of dropout")
     if p.type.shape != () or seed.type.shape != ():
         raise TypeErr(span, "dropout(x, p, seed): p and seed must be scalars")
