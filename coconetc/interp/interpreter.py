@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.interp import ops
+from coconetc.interp import collectives
 from coconetc.interp.bind import Bound, bind
 from coconetc.interp.values import COMPUTE, STORAGE, global_index, slice_range
 from coconetc.ir import ops as registry
@@ -168,7 +168,7 @@ class _Evaluator:
         op = e.attr("op")
         out = []
         for r in range(self.b.ranks):
-            out.append(ops.reduce_values([x[q] for q in self.group(r)], op))
+            out.append(collectives.reduce_values([x[q] for q in self.group(r)], op))
         return out
 
     def _allreduce(self, e: Op, x: Values) -> Values:

@@ -37,7 +37,14 @@ TO_COMMON = "common"  # comparisons: to the operands' common (strong) type
 COND_FIRST = "cond"  # where: the first operand (a bool) as it is, the others to the result's
 AS_IS = "as_is"  # cast: the operand as it is
 
-REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
+class _Required:
+    """The default of a parameter that has none (it must be given)."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The interpreter's own math: combining one array per rank in a collective. Each
+"""The interpreter's own math for collectives: combining one array per rank. Each
 operation's NumPy function is in the registry (coconetc/ir/ops.py, coconetc/ir/reference.py)."""
 
 from __future__ import annotations
