@@ -6,6 +6,8 @@ Also: what the registry promises its readers."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -116,3 +118,12 @@ program c(x: f32[N, C, H, W] replicated, w: f32[O, C, 3, 3] replicated) {
     y = mod.program("c").stage("y").expr
     assert isinstance(y, Op) and dict(y.attrs) == {"padding": 1, "stride": 1}
     assert printer.expr(y) == "conv2d(x, w, stride=1, padding=1)"
+
+
+def test_the_registry_imports_no_interpreter_and_no_backend():
+    """The interpreter and the backends import the registry, never the other way round."""
+    code = ("import sys, coconetc.ir.ops, coconetc.ir.nodes, coconetc.frontend.checker; "
+            "print(sorted(m for m in sys.modules if m.startswith(('coconetc.interp', "
+            "'coconetc.codegen', 'coconetc.build'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
