@@ -9,7 +9,7 @@ import traceback
 import click
 import numpy as np
 
-from coconetc.driver import Module, load_file
+from coconetc.driver import SourceFile, load_file
 from coconetc.errors import CompileError
 
 _DEBUG = {"on": False}
@@ -20,7 +20,7 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-def _load(path: str) -> Module:
+def _load(path: str) -> SourceFile:
     try:
         return load_file(path)
     except CompileError as err:
@@ -32,7 +32,7 @@ def _load(path: str) -> Module:
     raise AssertionError
 
 
-def _pick_program(mod: Module, program: str | None, schedule: str | None) -> str:
+def _pick_program(mod: SourceFile, program: str | None, schedule: str | None) -> str:
     if program is None and schedule not in (None, "all") and len(mod.programs) > 1:
         owners = [p for p, s in mod.schedules.items() if schedule in s]
         if len(owners) == 1:
@@ -121,7 +121,7 @@ def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
     return out
 
 
-def _schedule_names(mod: Module, name: str, schedule: str | None) -> list[str | None]:
+def _schedule_names(mod: SourceFile, name: str, schedule: str | None) -> list[str | None]:
     if schedule is None:
         return [None]
     if schedule != "all":
@@ -173,7 +173,7 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     sys.exit(1 if bad else 0)
 
 
-def _run_compiled(mod: Module, name, names, ranks, groups, sizes, seed, save) -> None:
+def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save) -> None:
     """Build in this process (progress on stderr), then run the worker on R ranks."""
     from coconetc.build.builder import BuildError
     from coconetc.build.launch import run_python
@@ -221,7 +221,7 @@ def compile(file: str, output: str | None, backend: str, emit_only: bool, name: 
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
 
-def _emit(mod: Module, file: str, output, emit_only: bool, name, schedules) -> None:
+def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules) -> None:
     """compile --emit-only: the sources of a module named NAME, for a build the caller runs."""
     from dataclasses import replace
     from pathlib import Path

@@ -1,10 +1,11 @@
 """The whole front half of the compiler, top to bottom:
 
-    source --parse--> AST --check--> typed IR --schedule (each directive checked)--> scheduled IR
+    source --parse--> syntax tree --check--> typed IR --schedule (each directive checked)--> scheduled IR
            --plan (coconetc/plan; what no backend can run is an error at its directive)
 
-`load_file`/`load_source` return a Module holding every program and every schedule applied,
-or raise one CompileError listing every error of the file."""
+`load_file`/`load_source` return a SourceFile (one .ccn file, checked: every program and every
+schedule applied), or raise one CompileError listing every error of the file. ("Module" is kept
+for the generated Python extension module and the loader's CompiledModule.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coconetc.errors import CompileError, Diagnostic
-from coconetc.frontend import ast
+from coconetc.frontend import syntax
 from coconetc.frontend.checker import check_program
 from coconetc.frontend.parser import parse
 from coconetc.ir.nodes import Program
@@ -34,7 +35,9 @@ class ScheduleIR:
 
 
 @dataclass
-class Module:
+class SourceFile:
+    """A checked .ccn file: its typed programs and, per program, its scheduled variants."""
+
     file: str
     source: str
     programs: dict[str, Program] = field(default_factory=dict)
@@ -58,14 +61,14 @@ class Module:
         return scheds[name]
 
 
-def load_file(path: str | Path) -> Module:
+def load_file(path: str | Path) -> SourceFile:
     path = Path(path)
     return load_source(path.read_text(), str(path))
 
 
-def load_source(source: str, file: str = "<string>") -> Module:
+def load_source(source: str, file: str = "<string>") -> SourceFile:
     tree = parse(source, file)
-    mod, errors = Module(file, source), []
+    mod, errors = SourceFile(file, source), list[Diagnostic]()
     for i, prog in enumerate(tree.programs):
         _collect(errors, _program, mod, prog, tree.programs[:i])
     for i, sched in enumerate(tree.schedules):
@@ -82,7 +85,7 @@ def _collect(errors: list[Diagnostic], fn, *args) -> None:
         errors.extend(err.diagnostics)
 
 
-def _program(mod: Module, prog: ast.Program, earlier: tuple[ast.Program, ...]) -> None:
+def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Program, ...]) -> None:
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
     ir = check_program(prog)
@@ -91,8 +94,8 @@ def _program(mod: Module, prog: ast.Program, earlier: tuple[ast.Program, ...]) -
     mod.schedules[prog.name] = {}
 
 
-def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module,
-              earlier: tuple[ast.Schedule, ...]) -> None:
+def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
+              earlier: tuple[syntax.Schedule, ...]) -> None:
     if sched.program in mod.programs or any(p.name == sched.program for p in tree.programs):
         if any(s.program == sched.program and s.name == sched.name for s in earlier):
             raise CompileError.at(sched.name_span or sched.span,
@@ -103,10 +106,11 @@ def _schedule(mod: Module, sched: ast.Schedule, tree: ast.Module,
         raise CompileError.at(sched.program_span, f"schedule '{sched.name}' is for unknown program "
                               f"'{sched.program}'")
     known = mod.schedules[sched.program]
-    directives = tuple(from_ast(sched.body or ()))
+    body = sched.body or ()
+    directives = tuple(from_ast(body))
     if sched.name == "auto":
         if directives:
-            raise CompileError.at(sched.body[0].span, "schedule auto takes no directives: the autotuner chooses")
+            raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.program, (), None)
         return
     ir = apply_all(mod.programs[sched.program], directives)

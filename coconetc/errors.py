@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -14,16 +14,10 @@ class Span:
     col: int
     end_line: int = 0
     end_col: int = 0
-    source: str = ""  # the whole file text, so a diagnostic can quote its line
+    source: str = field(default="", compare=False)  # the whole file, to quote a line
 
     def __repr__(self) -> str:
         return f"{self.file}:{self.line}:{self.col}"
-
-    def __eq__(self, other: object) -> bool:  # spans never make two IR nodes unequal
-        return isinstance(other, Span)
-
-    def __hash__(self) -> int:
-        return 0
 
     def __bool__(self) -> bool:  # NOWHERE is false, so `node.span or fallback` works
         return self.line > 0

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import Module, load_file
+from coconetc.driver import SourceFile, load_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @cache
-def _load(name: str) -> Module:
+def _load(name: str) -> SourceFile:
     return load_file(EXAMPLES / name)
 
 
 @pytest.fixture(scope="session")
 def example():
-    """example("adam.ccn") -> the loaded Module (cached for the session)."""
+    """example("adam.ccn") -> the loaded SourceFile (cached for the session)."""
     return _load

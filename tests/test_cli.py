@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from coconetc import cli
-from coconetc.driver import Module, ScheduleIR, load_file, load_source
+from coconetc.driver import SourceFile, ScheduleIR, load_file, load_source
 from coconetc.interp.session import run_interp
 from coconetc.ir import printer
 
@@ -324,7 +324,7 @@ program sgd(g: f32[N] local, w: f32[N] replicated, lr: f32) {
 """
 
 
-def _with_wrong_schedule(path: Path, name: str) -> Module:
+def _with_wrong_schedule(path: Path, name: str) -> SourceFile:
     """The real module, except that schedule `name` computes w + lr * g instead of w - lr * g."""
     mod = load_file(path)
     wrong = load_source(WRONG_SGD).programs["sgd"]

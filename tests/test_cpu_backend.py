@@ -540,3 +540,46 @@ def test_zero_schedule_allocates_no_full_size_buffer(adam_mod):
     assert "S_N" not in zero, zero
     default = _allocation_sizes(_function_body(adam_mod.sources.cpp, "adam__default"))
     assert "S_N" in default, default
+
+
+# --- an operation registered at run time -------------------------------------------------------
+REGISTERED_OP = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, sys.argv[1])
+    from test_registry import SOFTPLUS  # softplus exists in this process only
+    from coconetc.build.loader import load
+    from coconetc.ir import ops
+    ops.register(SOFTPLUS)
+    r, ranks = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    mod = load(sys.argv[2], log=lambda msg: None)
+    rng = np.random.default_rng(1)
+    gs = [rng.standard_normal(11).astype(np.float32) for _ in range(ranks)]
+    b = rng.standard_normal(11).astype(np.float32)
+    want = 2 * np.log1p(np.exp(np.sum(gs, axis=0, dtype=np.float64) + b))
+    for schedule in ("default", "moved"):
+        np.testing.assert_allclose(mod.sp(g=gs[r], b=b, schedule=schedule), want, rtol=1e-5)
+        print(f"OK rank {r} {schedule}", flush=True)
+""")
+
+
+def test_pointwise_op_registered_at_run_time_compiles_and_runs(modules, tmp_path, capfd):
+    """softplus, registered in the process only (tests/test_registry.py), goes through the CPU
+    backend too: the shared emitter renders it from its registry entry, and on 2 ranks both the
+    program and its reordered schedule give NumPy's values."""
+    from test_registry import SOFTPLUS, SOURCE
+
+    from coconetc.build.loader import compile_module
+    from coconetc.ir import ops
+    path = tmp_path / "sp.ccn"
+    path.write_text(SOURCE)
+    with ops.registered(SOFTPLUS):
+        _, src, _ = compile_module(path, log=lambda msg: None)  # built here; the ranks import it
+    assert "std::log1p(std::exp(" in src.cpp
+    rc = run_python(2, ["-c", REGISTERED_OP, str(Path(__file__).parent), str(path)],
+                    timeout=LAUNCH_TIMEOUT)
+    out, err = capfd.readouterr()
+    assert rc == 0, f"exit code {rc}\n{out}\n{err[-3000:]}"
+    assert sorted(ln for ln in out.splitlines() if ln.startswith("OK")) == [
+        "OK rank 0 default", "OK rank 0 moved", "OK rank 1 default", "OK rank 1 moved"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import Module, load_source
+from coconetc.driver import SourceFile, load_source
 from coconetc.errors import CompileError
 from coconetc.plan import plan_program
 from coconetc.plan.show import show
@@ -35,7 +35,7 @@ UPDATE = os.environ.get("COCONET_UPDATE_GOLDEN") == "1"
 
 
 @cache
-def _module(path: Path) -> Module:
+def _module(path: Path) -> SourceFile:
     return load_source(path.read_text(), str(path.relative_to(REPO)))
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import Module, load_source
+from coconetc.driver import SourceFile, load_source
+from coconetc.errors import NOWHERE, Span
 from coconetc.ir import printer
 from coconetc.ir.nodes import Program
 from coconetc.schedule import apply
@@ -31,7 +32,7 @@ DOT_GOLDEN = ("mlp_out.ccn", "mlp_out", "overlapped")
 
 
 @cache
-def _module(path: Path) -> Module:
+def _module(path: Path) -> SourceFile:
     """Loaded from any cwd; spans (and so the golden headers) name the file from the repo."""
     return load_source(path.read_text(), str(path.relative_to(REPO)))
 
@@ -68,7 +69,7 @@ def directive_text(d: Directive) -> str:
     return f"overlap({d.producer}, {d.consumer}, chunks={d.chunks}{dim})"
 
 
-def steps(mod: Module, prog: str, sched: str | None) -> tuple[str, Program]:
+def steps(mod: SourceFile, prog: str, sched: str | None) -> tuple[str, Program]:
     """The golden text: the program, then the program after each directive, applied one by
     one; and the final program."""
     ir = mod.programs[prog]
@@ -208,6 +209,20 @@ def test_round_trip_tricky_expressions() -> None:
     assert again == ir, text
     assert printer.program(again) == text
     assert "(-2) ** x" in text and "(-2.5) ** -y" in text and "1e999" in text
+
+
+def test_equality_ignores_spans_but_not_structure() -> None:
+    """Spans compare honestly (by file and position); IR nodes leave them out of ==, so the
+    round-trip tests above compare what a program says, not where it was written."""
+    ir = load_source(TRICKY, "tricky.ccn").programs["tricky"]
+    shifted = load_source("\n\n# moved down\n" + TRICKY, "other.ccn").programs["tricky"]
+    assert shifted == ir and shifted.stage("p1").span != ir.stage("p1").span
+    assert hash(shifted.stage("p1")) == hash(ir.stage("p1"))
+    for old, new in (("0.25", "0.5"), ("stride=2", "stride=1"), ("reduce(max", "reduce(min")):
+        assert load_source(TRICKY.replace(old, new), "tricky.ccn").programs["tricky"] != ir, new
+    a = Span("f.ccn", 1, 2, 1, 5, "the file's text")
+    assert a == Span("f.ccn", 1, 2, 1, 5) and len({a, Span("f.ccn", 1, 2, 1, 5)}) == 1
+    assert a != Span("f.ccn", 2, 2, 2, 5) and a != Span("g.ccn", 1, 2, 1, 5) and a != NOWHERE
 
 
 def test_negative_literal_binds_like_unary_minus() -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from coconetc.build import builder
 from coconetc.codegen.cpu import DEFAULT, Sources, function_name, generate, variants
-from coconetc.driver import Module, load_file
+from coconetc.driver import SourceFile, load_file
 from coconetc.interp.bind import bind
 from coconetc.interp.values import STORAGE, slice_range
 from coconetc.ir.nodes import Param, Program
@@ -28,7 +28,7 @@ _PROBE = "ccn_module_name_placeholder"
 
 
 def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None):
-    """Generate and build FILE's module; returns (Module, Sources, path of the .so)."""
+    """Generate and build FILE's module; returns (SourceFile, Sources, path of the .so)."""
     mod = load_file(path)
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
     probe = generate(mod, _PROBE)
@@ -52,7 +52,7 @@ def load(path: str | Path, log=None) -> CompiledModule:
 
 
 class CompiledModule:
-    def __init__(self, mod: Module, src: Sources, ext: Any):
+    def __init__(self, mod: SourceFile, src: Sources, ext: Any):
         self.source_module, self.sources, self.ext = mod, src, ext
         self.programs: dict[str, ProgramFunction] = {}
         by_program: dict[str, dict[str, Program]] = {}

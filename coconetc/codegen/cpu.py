@@ -10,7 +10,7 @@ import jinja2
 
 from coconetc import __version__
 from coconetc.codegen.render import Function, render
-from coconetc.driver import Module
+from coconetc.driver import SourceFile
 from coconetc.ir.nodes import Program
 from coconetc.plan import plan_program
 
@@ -35,7 +35,7 @@ def function_name(program: str, schedule: str) -> str:
     return f"{program}__{schedule}"
 
 
-def variants(mod: Module) -> dict[tuple[str, str], Program]:
+def variants(mod: SourceFile) -> dict[tuple[str, str], Program]:
     """Every (program, schedule) that compiles to a function; the program itself as 'default'."""
     out = {}
     for name, prog in mod.programs.items():
@@ -46,7 +46,7 @@ def variants(mod: Module) -> dict[tuple[str, str], Program]:
     return out
 
 
-def generate(mod: Module, module_name: str) -> Sources:
+def generate(mod: SourceFile, module_name: str) -> Sources:
     file = Path(mod.file).name
     funcs = {key: render(plan_program(p, key[1]), function_name(*key), file, [pub for pub, _ in p.outputs])
              for key, p in variants(mod).items()}

@@ -7,32 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Diagnostic, Span
-from coconetc.frontend import ast
+from coconetc.frontend import syntax
 from coconetc.ir import nodes as ir
-from coconetc.ir.nodes import COLLECTIVES, POINTWISE_UNARY
-from coconetc.ir.types import DTYPES, FLOATS, LOCAL, REDUCE_OPS, REPLICATED, TType, scalar_type, sliced
-from coconetc.ir.typing import TypeErr, type_op
+from coconetc.ir import ops
+from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
+from coconetc.ir.typerules import TypeErr, type_op
 
-_BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "**": "pow", "<": "lt", "<=": "le",
-           ">": "gt", ">=": "ge", "==": "eq", "!=": "ne"}
-# name -> (positional parameters, keyword parameters with defaults)
-_SIGNATURES: dict[str, tuple[tuple[str, ...], dict[str, object]]] = {
-    **{u: (("x",), {}) for u in POINTWISE_UNARY if u != "neg"},
-    "min": (("a", "b"), {}), "max": (("a", "b"), {}),
-    "where": (("cond", "a", "b"), {}), "cast": (("x", "dtype"), {}),
-    "dropout": (("x", "p", "seed"), {}), "sum": (("x",), {}), "norm": (("x",), {}),
-    "segment_norm": (("x",), {}), "matmul": (("a", "b"), {}),
-    "layernorm": (("x", "gamma", "beta", "eps"), {}),
-    "conv2d": (("x", "w"), {"stride": 1, "padding": 0}),
-    "allreduce": (("op", "x"), {}), "reducescatter": (("op", "x"), {"dim": 0}),
-    "allgather": (("x",), {}), "broadcast": (("x", "root"), {}),
-    "reduce": (("op", "x", "root"), {}), "scatter": (("x",), {"dim": 0}),
-    "send": (("x", "direction"), {}),
-    "update": (("t", "value"), {}),
-}
-# parameters that are compile-time words or integers, not values
-_WORD_ARGS = {"op": REDUCE_OPS, "dtype": DTYPES, "direction": ("next", "prev")}
-_INT_ARGS = ("root", "dim", "stride", "padding")
+# update(t, value) is a statement form, not an operation of the registry
+_UPDATE = ops.OpDef("update", "pointwise", (ops.Arg("t"), ops.Arg("value")))
 
 
 class _Skip(Exception):
@@ -58,11 +40,11 @@ class _Ctx:
         raise TypeErr(span, f"unknown name '{name}'")
 
 
-def check_program(prog: ast.Program) -> ir.Program:
+def check_program(prog: syntax.Program) -> ir.Program:
     """Type a program; raises CompileError with every error found."""
     ctx = _Ctx({})
-    params = [_param(p, ctx) for p in prog.params]
-    ctx.params = {p.name: p for p in params if p is not None}
+    params = [q for q in (_param(p, ctx) for p in prog.params) if q is not None]
+    ctx.params = {p.name: p for p in params}
     # a parameter with a bad declaration is reported once, not again at each use
     ctx.failed.update(p.name for p in prog.params if p.name not in ctx.params)
     updates: dict[str, str] = {}
@@ -81,21 +63,23 @@ def check_program(prog: ast.Program) -> ir.Program:
                       tuple(updates.items()), span=prog.span)
 
 
-def _param(p: ast.Param, ctx: _Ctx) -> ir.Param | None:
-    def err(span: Span, msg: str) -> None:
+def _param(p: syntax.Param, ctx: _Ctx) -> ir.Param | None:
+    def err(span: Span, msg: str) -> None:  # records the error; the parameter is then None
         ctx.errors.append(Diagnostic(span, msg))
     if p.name in ctx.params:
         err(p.span, f"parameter '{p.name}' is declared twice")
     ctx.params[p.name] = None  # type: ignore[assignment]  # marks the name as taken
     if p.dtype not in DTYPES:
-        return err(p.dtype_span, f"unknown dtype '{p.dtype}' (one of {', '.join(DTYPES)})")
+        err(p.dtype_span, f"unknown dtype '{p.dtype}' (one of {', '.join(DTYPES)})")
+        return None
     if p.shape is None:
         if p.layout is not None:
-            return err(p.layout.span, f"scalar '{p.name}' takes no layout (scalars are replicated)")
+            err(p.layout.span, f"scalar '{p.name}' takes no layout (scalars are replicated)")
+            return None
         return ir.Param(p.name, scalar_type(p.dtype), scalar=True, span=p.span)
-    shape = tuple(d.name if isinstance(d, ast.DimName) else d.value for d in p.shape)
+    shape = tuple(d.name if isinstance(d, syntax.DimName) else d.value for d in p.shape)
     for d in p.shape:
-        if isinstance(d, ast.DimInt) and d.value < 1:
+        if isinstance(d, syntax.DimInt) and d.value < 1:
             err(d.span, "a dimension must be at least 1")
     lay, scattered = _layout(p.layout, len(shape), ctx)
     if lay is None:
@@ -103,7 +87,7 @@ def _param(p: ast.Param, ctx: _Ctx) -> ir.Param | None:
     return ir.Param(p.name, TType(p.dtype, shape, lay), scattered=scattered, span=p.span)
 
 
-def _layout(decl: ast.LayoutDecl | None, ndim: int, ctx: _Ctx):
+def _layout(decl: syntax.LayoutDecl | None, ndim: int, ctx: _Ctx):
     if decl is None:
         return REPLICATED, False
     kinds = {"local": LOCAL, "replicated": REPLICATED}
@@ -128,18 +112,18 @@ def _layout(decl: ast.LayoutDecl | None, ndim: int, ctx: _Ctx):
     return lay, True
 
 
-def _statement(stmt: ast.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> None:
-    if isinstance(stmt, ast.Return):
+def _statement(stmt: syntax.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> None:
+    if isinstance(stmt, syntax.Return):
         return _return(stmt, ctx, outputs)
-    if isinstance(stmt, ast.ExprStmt):
+    if isinstance(stmt, syntax.ExprStmt):
         value = stmt.value
-        if not (isinstance(value, ast.Call) and value.fn == "update"):
+        if not (isinstance(value, syntax.Call) and value.fn == "update"):
             raise TypeErr(stmt.span, "an expression on its own does nothing; assign it: name = ...")
-        target = value.args[0].id if value.args and isinstance(value.args[0], ast.Name) else "t"
-        name = f"{target}_new"
-        while name in ctx.stages or name in ctx.params:
-            name += "_"
-        targets = (ast.Name(name, stmt.span),)
+        target = value.args[0].id if value.args and isinstance(value.args[0], syntax.Name) else "t"
+        new = f"{target}_new"
+        while new in ctx.stages or new in ctx.params:
+            new += "_"
+        targets: tuple[syntax.Name, ...] = (syntax.Name(new, stmt.span),)
     else:
         targets, value = stmt.targets, stmt.value
     if len(targets) != 1:
@@ -154,26 +138,31 @@ def _statement(stmt: ast.Stmt, ctx: _Ctx, updates: dict, outputs: list) -> None:
     ctx.stages[name.id] = ir.Stage(name.id, expr, stmt.span)
 
 
-def _where_of(e: ast.Expr) -> Span:
+def _where_of(e: syntax.Expr) -> Span:
     """Where an error about an expression points: a binary operation's operator."""
-    return (isinstance(e, ast.BinOp) and e.op_span) or e.span
+    return (isinstance(e, syntax.BinOp) and e.op_span) or e.span
 
 
-def _top(value: ast.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
+def _top(value: syntax.Expr, ctx: _Ctx, updates: dict) -> ir.Expr:
     """A stage's right-hand side: collectives and update() may only stand here."""
-    if isinstance(value, ast.Call) and value.fn == "update":
+    if isinstance(value, syntax.Call) and value.fn == "update":
         return _update(value, ctx, updates)
-    if isinstance(value, ast.Call) and value.fn in COLLECTIVES:
+    if isinstance(value, syntax.Call) and _is_collective(value):
         return _call(value, ctx, top=True)
     return _expr(value, ctx)
 
 
-def _update(call: ast.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
+def _is_collective(call: syntax.Call) -> bool:
+    d = ops.called(call.fn)
+    return d is not None and d.kind == "collective"
+
+
+def _update(call: syntax.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
     pos, _ = _bind(call)
     t = pos[0]
-    if isinstance(t, ast.Name) and t.id in ctx.failed:
+    if isinstance(t, syntax.Name) and t.id in ctx.failed:
         raise _Skip  # a parameter with a bad declaration, reported already
-    if not isinstance(t, ast.Name) or t.id not in ctx.params or ctx.params[t.id] is None:
+    if not isinstance(t, syntax.Name) or t.id not in ctx.params or ctx.params[t.id] is None:
         raise TypeErr(t.span, "update's first argument must be a parameter tensor")
     param = ctx.params[t.id]
     if param.scalar:
@@ -181,7 +170,7 @@ def _update(call: ast.Call, ctx: _Ctx, updates: dict) -> ir.Expr:
     if t.id in updates:
         raise TypeErr(t.span, f"'{t.id}' is already updated by '{updates[t.id]}'")
     value = pos[1]
-    expr = (_call(value, ctx, top=True) if isinstance(value, ast.Call) and value.fn in COLLECTIVES
+    expr = (_call(value, ctx, top=True) if isinstance(value, syntax.Call) and _is_collective(value)
             else _expr(value, ctx))
     if expr.type.dtype == "bool":
         raise TypeErr(_where_of(value), "a comparison can only be the condition of where()")
@@ -203,7 +192,7 @@ def _check_update(param: ir.Param, expr: ir.Expr, span: Span) -> None:
                       "(ranks would disagree; communicate first)")
 
 
-def _return(stmt: ast.Return, ctx: _Ctx, outputs: list) -> None:
+def _return(stmt: syntax.Return, ctx: _Ctx, outputs: list) -> None:
     if outputs:
         raise TypeErr(stmt.span, "a program has one return statement")
     for item in stmt.items:
@@ -214,19 +203,19 @@ def _return(stmt: ast.Return, ctx: _Ctx, outputs: list) -> None:
         outputs.append((public, item.name.id))
 
 
-def _expr(e: ast.Expr, ctx: _Ctx) -> ir.Expr:
-    if isinstance(e, ast.Number):
+def _expr(e: syntax.Expr, ctx: _Ctx) -> ir.Expr:
+    if isinstance(e, syntax.Number):
         return ir.Const(e.value, scalar_type("f32" if e.is_float else "i64"), e.span)
-    if isinstance(e, ast.Name):
+    if isinstance(e, syntax.Name):
         return ir.Ref(e.id, ctx.type_of(e.id, e.span), e.span)
-    if isinstance(e, ast.Neg):
+    if isinstance(e, syntax.Neg):
         x = _expr(e.operand, ctx)
         if isinstance(x, ir.Const):
             return ir.Const(-x.value, x.type, e.span)
-        return _op("neg", (x,), {}, e.span)
-    if isinstance(e, ast.BinOp):
+        return _op(ops.prefix("-").name, (x,), {}, e.span)
+    if isinstance(e, syntax.BinOp):
         args = (_expr(e.left, ctx), _expr(e.right, ctx))
-        return _op(_BINOPS[e.op], args, {}, e.span, _where_of(e))
+        return _op(ops.infix(e.op).name, args, {}, e.span, _where_of(e))
     return _call(e, ctx, top=False)
 
 
@@ -236,17 +225,24 @@ def _op(op: str, args: tuple, attrs: dict, span: Span, err_span: Span | None = N
     return ir.Op(op, args, t, tuple(sorted(attrs.items())), span)
 
 
-def _bind(call: ast.Call) -> tuple[list[ast.Expr], dict[str, object]]:
-    """Match a call's arguments to its signature: positional list, keyword values."""
-    if call.fn not in _SIGNATURES:
+def _signature(call: syntax.Call) -> ops.OpDef:
+    d = _UPDATE if call.fn == "update" else ops.called(call.fn)
+    if d is None:
         raise TypeErr(call.fn_span, f"unknown operation '{call.fn}'")
-    names, defaults = _SIGNATURES[call.fn]
+    return d
+
+
+def _bind(call: syntax.Call) -> tuple[list[syntax.Expr], dict[str, object]]:
+    """Match a call's arguments to its signature: positional list, keyword values."""
+    d = _signature(call)
+    names = tuple(a.name for a in d.params if a.required)
+    defaults = d.defaults()
     allowed = names + tuple(defaults)
     if len(call.args) > len(allowed):
         n = len(allowed)
         raise TypeErr(call.args[n].span, f"{call.fn}() takes at most {n} argument{'s' * (n != 1)}, "
                       f"got {len(call.args)}")
-    bound: dict[str, object] = dict(zip(allowed, call.args))
+    bound: dict[str, syntax.Expr] = dict(zip(allowed, call.args))
     for kw in call.kwargs:
         if kw.name not in allowed:
             raise TypeErr(kw.span, f"{call.fn}() has no argument '{kw.name}'")
@@ -260,81 +256,79 @@ def _bind(call: ast.Call) -> tuple[list[ast.Expr], dict[str, object]]:
     return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
 
 
-def _word(name: str, e: object, call: ast.Call) -> object:
+def _word(arg: ops.Arg, e: object, call: syntax.Call) -> object:
     """A compile-time argument: a reduction op, dtype or direction word, or an integer."""
-    if name in _WORD_ARGS:
-        choices = _WORD_ARGS[name]
-        if not (isinstance(e, ast.Name) and e.id in choices):
+    name = arg.name
+    if arg.kind == "word":
+        if not (isinstance(e, syntax.Name) and e.id in arg.choices):
             span = getattr(e, "span", call.span)
-            raise TypeErr(span, f"{call.fn}()'s {name} must be one of {', '.join(choices)}")
+            raise TypeErr(span, f"{call.fn}()'s {name} must be one of {', '.join(arg.choices)}")
         return e.id
     if isinstance(e, int):
         return e
-    if isinstance(e, ast.Number) and not e.is_float:
+    if isinstance(e, syntax.Number) and not e.is_float:
         return e.value
-    if isinstance(e, ast.Neg) and isinstance(e.operand, ast.Number) and not e.operand.is_float:
+    if isinstance(e, syntax.Neg) and isinstance(e.operand, syntax.Number) and not e.operand.is_float:
         return -e.operand.value
     raise TypeErr(getattr(e, "span", call.span), f"{call.fn}()'s {name} must be an integer literal")
 
 
-def _call(call: ast.Call, ctx: _Ctx, top: bool) -> ir.Expr:
+def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if call.fn == "update":
         raise TypeErr(call.span, "update() must be the whole right-hand side of a statement")
-    if call.fn in COLLECTIVES and not top:
+    d = _signature(call)
+    if d.kind == "collective" and not top:
         raise TypeErr(call.span, f"{call.fn}() must be the whole right-hand side of a statement "
                       "(give the computation around it its own stage)")
     pos, kws = _bind(call)
-    names, _ = _SIGNATURES[call.fn]
+    given = dict(zip((a.name for a in d.params if a.required), pos)) | kws
     attrs: dict[str, object] = {}
     args: list[ir.Expr] = []
-    for n, a in list(zip(names, pos)) + list(kws.items()):
-        if n in _WORD_ARGS or n in _INT_ARGS:
-            attrs[n] = _word(n, a, call)
+    for arg in d.params:
+        if arg.kind == "value":
+            args.append(_value(arg, _expr(given[arg.name], ctx)))  # type: ignore[arg-type]
         else:
-            args.append(_expr(a, ctx))  # type: ignore[arg-type]
-    _check_ints(call, attrs)
-    if call.fn in ("reducescatter", "scatter") and not attrs["dim"] < args[0].type.ndim:
+            attrs[arg.name] = _word(arg, given[arg.name], call)
+    _check_ints(call, d, attrs)
+    if "dim" in attrs and not attrs["dim"] < args[0].type.ndim:  # type: ignore[operator]
         raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
                       f"{args[0].type.ndim}-d tensor")
-    if call.fn == "dropout":
-        _check_dropout(call, args, ctx)
+    if d.kind == "random":  # the RNG stream of this call site (LANGUAGE.md section 2)
         attrs["site"] = f"{ctx.stage}#{ctx.sites}"
         ctx.sites += 1
     if call.fn == "segment_norm":
         _check_segmented(call, args[0], ctx)
-    if call.fn == "layernorm" and isinstance(args[3], ir.Const):
-        args[3] = ir.Const(float(args[3].value), scalar_type("f32"), args[3].span)
     return _op(call.fn, tuple(args), attrs, call.span)
 
 
-def _arg_span(call: ast.Call, name: str) -> Span:
+def _value(arg: ops.Arg, e: ir.Expr) -> ir.Expr:
+    """A literal where the parameter says what dtype a literal takes (layernorm's eps: f32)."""
+    if arg.literal is None or not isinstance(e, ir.Const):
+        return e
+    return ir.Const(float(e.value), scalar_type(arg.literal), e.span)
+
+
+def _arg_span(call: syntax.Call, name: str) -> Span:
     """The span of the argument bound to parameter `name` (the call's when it is defaulted)."""
     for kw in call.kwargs:
         if kw.name == name:
             return kw.value.span
-    names, defaults = _SIGNATURES[call.fn]
-    allowed = names + tuple(defaults)
+    d = _signature(call)
+    allowed = tuple(a.name for a in d.params if a.required) + tuple(d.defaults())
     i = allowed.index(name) if name in allowed else len(call.args)
     return call.args[i].span if i < len(call.args) else call.span
 
 
-def _check_ints(call: ast.Call, attrs: dict) -> None:
-    if attrs.get("stride", 1) < 1:
-        raise TypeErr(_arg_span(call, "stride"), "conv2d's stride must be at least 1")
-    for k in ("root", "padding", "dim"):
-        if attrs.get(k, 0) < 0:
-            raise TypeErr(_arg_span(call, k), f"{call.fn}()'s {k} must not be negative")
+def _check_ints(call: syntax.Call, d: ops.OpDef, attrs: dict) -> None:
+    for a in d.settings:
+        if a.kind != "int" or attrs[a.name] >= a.minimum:
+            continue
+        if a.minimum > 0:
+            raise TypeErr(_arg_span(call, a.name), f"{call.fn}'s {a.name} must be at least {a.minimum}")
+        raise TypeErr(_arg_span(call, a.name), f"{call.fn}()'s {a.name} must not be negative")
 
 
-def _check_dropout(call: ast.Call, args: list[ir.Expr], ctx: _Ctx) -> None:
-    p = args[1]
-    if isinstance(p, ir.Const) and not 0 <= p.value < 1:
-        raise TypeErr(p.span, f"dropout probability must be in [0, 1), got {p.value}")
-    if p.type.dtype not in FLOATS and not isinstance(p, ir.Const):
-        raise TypeErr(p.span, "dropout's p must be a float")
-
-
-def _check_segmented(call: ast.Call, x: ir.Expr, ctx: _Ctx) -> None:
+def _check_segmented(call: syntax.Call, x: ir.Expr, ctx: _Ctx) -> None:
     segmented = {p.type.shape for p in ctx.params.values() if p is not None and p.scattered}
     if x.type.shape not in segmented:
         raise TypeErr(x.span or call.span, "segment_norm needs a tensor with the shape of a scattered parameter")

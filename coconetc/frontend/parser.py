@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
+from typing import Any
 
 import lark
 from lark import Token, Transformer, v_args
 
 from coconetc.errors import CompileError, Diagnostic, Span
-from coconetc.frontend import ast
+from coconetc.frontend import syntax
 from coconetc.paths import grammar_file
 
 _OPEN = {"LPAR", "LSQB"}
@@ -79,7 +80,15 @@ def _lines(source: str) -> list[str]:
 
 
 def _tok_span(tok: Token, file: str, source: str) -> Span:
-    return Span(file, tok.line, tok.column, tok.line, tok.column + len(str(tok)), source)
+    line, col = tok.line or 0, tok.column or 0  # Lark leaves them None only for tokens it made up
+    return Span(file, line, col, line, col + len(str(tok)), source)
+
+
+def _postlex() -> _DropNewlinesInBrackets:
+    """The cached parser's post-lexer: what it saw of the last parse (open brackets, ...)."""
+    post = _parser().options.postlex
+    assert isinstance(post, _DropNewlinesInBrackets)
+    return post
 
 
 # After these tokens, a bracket or brace left open on an earlier line is the likely mistake.
@@ -92,7 +101,7 @@ def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> D
     program/schedule while a bracket or brace opened on an earlier line is still open."""
     if not isinstance(err, lark.exceptions.UnexpectedToken):
         return None
-    tok, opened = err.token, _parser().options.postlex.open
+    tok, opened = err.token, _postlex().open
     if not opened:
         return None
     last = opened[-1]  # the innermost one
@@ -106,7 +115,7 @@ def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> D
 
 def _missing_comma(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
     """`x: f32[N] local  w: f32`: the ':' of a parameter whose ',' is missing."""
-    post = _parser().options.postlex
+    post = _postlex()
     if not (isinstance(err, lark.exceptions.UnexpectedToken) and err.token.type == "COLON"
             and post.params and len(post.open) == 1 and len(post.last) == 2):
         return None
@@ -126,7 +135,7 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) 
     width = 1
     if isinstance(err, lark.exceptions.UnexpectedCharacters):
         return Diagnostic(Span(file, line, col, line, col + 1, source),
-                          f"unexpected character {source[err.pos_in_stream]!r}")
+                          f"unexpected character {source[err.pos_in_stream or 0]!r}")
     tok = getattr(err, "token", None)
     expected = sorted({_word(t) for t in getattr(err, "expected", ()) if not t.startswith("__")})
     wanted = f"; expected {', '.join(expected)}" if expected else ""
@@ -134,7 +143,7 @@ def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) 
         shown = "end of line" if tok.type == "_NL" else repr(str(tok))
         message = f"unexpected {shown}{wanted}"
         width = max(1, len(str(tok).strip()))
-        opened = _parser().options.postlex.open
+        opened = _postlex().open
         first = not _lines(source + "\n")[line - 1][:col - 1].strip()
         if opened and opened[-1].type != "LBRACE" and opened[-1].line < tok.line and first:
             o = opened[-1]
@@ -169,7 +178,7 @@ def _too_deep(tree: lark.Tree, file: str, source: str) -> Diagnostic | None:
     return None
 
 
-def parse(source: str, file: str = "<string>") -> ast.Module:
+def parse(source: str, file: str = "<string>") -> syntax.File:
     """Parse a whole .ccn file. Raises CompileError on the first syntax error."""
     text = source if source.endswith("\n") else source + "\n"
     try:
@@ -180,14 +189,21 @@ def parse(source: str, file: str = "<string>") -> ast.Module:
     if deep is not None:
         raise CompileError([deep])
     items = _ToAst(file, source).transform(tree)
-    progs = tuple(i for i in items if isinstance(i, ast.Program))
-    scheds = tuple(i for i in items if isinstance(i, ast.Schedule))
-    return ast.Module(file, source, progs, scheds)
+    progs = tuple(i for i in items if isinstance(i, syntax.Program))
+    scheds = tuple(i for i in items if isinstance(i, syntax.Schedule))
+    return syntax.File(file, source, progs, scheds)
+
+
+def _bin(op: str) -> Callable[[_ToAst, Any, list], syntax.BinOp]:
+    """The rule of one binary operator (a method of _ToAst)."""
+    def rule(self: _ToAst, meta: Any, ch: list) -> syntax.BinOp:
+        return syntax.BinOp(op, ch[0], ch[1], self._span(meta), self._op_span(op, ch[0], ch[1]))
+    return rule
 
 
 @v_args(meta=True)
 class _ToAst(Transformer):
-    """Lark tree -> ast nodes. One method per grammar rule."""
+    """Lark tree -> syntax nodes. One method per grammar rule."""
 
     def __init__(self, file: str, source: str):
         super().__init__()
@@ -198,7 +214,7 @@ class _ToAst(Transformer):
         return Span(self.file, m.line, m.column, m.end_line, m.end_column, self.source)
 
     def _tspan(self, t: Token) -> Span:
-        return Span(self.file, t.line, t.column, t.end_line, t.end_column, self.source)
+        return Span(self.file, t.line or 0, t.column or 0, t.end_line or 0, t.end_column or 0, self.source)
 
     def start(self, meta, items):
         return list(items)
@@ -206,29 +222,29 @@ class _ToAst(Transformer):
     def program(self, meta, ch):
         name, *rest = ch
         params, body = tuple(p for p in rest[:-1] if p is not None), rest[-1]
-        return ast.Program(str(name), params, body, self._span(meta), self._tspan(name))
+        return syntax.Program(str(name), params, body, self._span(meta), self._tspan(name))
 
     def param(self, meta, ch):
         name, dtype, shape, layout = ch
-        return ast.Param(str(name), str(dtype), shape, layout, self._span(meta), self._tspan(dtype))
+        return syntax.Param(str(name), str(dtype), shape, layout, self._span(meta), self._tspan(dtype))
 
     def shape(self, meta, ch):
         return tuple(d for d in ch if d is not None)
 
     def dim_name(self, meta, ch):
-        return ast.DimName(str(ch[0]), self._tspan(ch[0]))
+        return syntax.DimName(str(ch[0]), self._tspan(ch[0]))
 
     def dim_int(self, meta, ch):
-        return ast.DimInt(int(ch[0]), self._tspan(ch[0]))
+        return syntax.DimInt(int(ch[0]), self._tspan(ch[0]))
 
     def layout(self, meta, ch):
         kind, dim, extra = ch
-        return ast.LayoutDecl(str(kind), None if dim is None else int(dim),
+        return syntax.LayoutDecl(str(kind), None if dim is None else int(dim),
                               None if extra is None else str(extra), self._span(meta))
 
     def schedule(self, meta, ch):
         name, prog, body = ch
-        return ast.Schedule(str(name), str(prog), body, self._span(meta), self._tspan(prog),
+        return syntax.Schedule(str(name), str(prog), body, self._span(meta), self._tspan(prog),
                             self._tspan(name))
 
     def block(self, meta, ch):
@@ -236,41 +252,41 @@ class _ToAst(Transformer):
 
     def assign(self, meta, ch):
         *targets, value = ch
-        names = tuple(ast.Name(str(t), self._tspan(t)) for t in targets)
-        return ast.Assign(names, value, self._span(meta))
+        names = tuple(syntax.Name(str(t), self._tspan(t)) for t in targets)
+        return syntax.Assign(names, value, self._span(meta))
 
     def ret(self, meta, ch):
-        return ast.Return(tuple(ch), self._span(meta))
+        return syntax.Return(tuple(ch), self._span(meta))
 
     def retitem(self, meta, ch):
         name, alias = ch
-        return ast.ReturnItem(ast.Name(str(name), self._tspan(name)),
-                              None if alias is None else ast.Name(str(alias), self._tspan(alias)),
+        return syntax.ReturnItem(syntax.Name(str(name), self._tspan(name)),
+                              None if alias is None else syntax.Name(str(alias), self._tspan(alias)),
                               self._span(meta))
 
     def exprstmt(self, meta, ch):
-        return ast.ExprStmt(ch[0], self._span(meta))
+        return syntax.ExprStmt(ch[0], self._span(meta))
 
     def number(self, meta, ch):
-        return ast.Number(str(ch[0]), self._tspan(ch[0]))
+        return syntax.Number(str(ch[0]), self._tspan(ch[0]))
 
     def name(self, meta, ch):
-        return ast.Name(str(ch[0]), self._tspan(ch[0]))
+        return syntax.Name(str(ch[0]), self._tspan(ch[0]))
 
     def call(self, meta, ch):
         fn, *args = ch
         args = [a for a in args if a is not None]
-        pos = tuple(a for a in args if not isinstance(a, ast.Kwarg))
-        kws = tuple(a for a in args if isinstance(a, ast.Kwarg))
-        return ast.Call(str(fn), pos, kws, self._span(meta), self._tspan(fn))
+        pos = tuple(a for a in args if not isinstance(a, syntax.Kwarg))
+        kws = tuple(a for a in args if isinstance(a, syntax.Kwarg))
+        return syntax.Call(str(fn), pos, kws, self._span(meta), self._tspan(fn))
 
     def kwarg(self, meta, ch):
-        return ast.Kwarg(str(ch[0]), ch[1], self._span(meta))
+        return syntax.Kwarg(str(ch[0]), ch[1], self._span(meta))
 
     def neg(self, meta, ch):
-        return ast.Neg(ch[0], self._span(meta))
+        return syntax.Neg(ch[0], self._span(meta))
 
-    def _op_span(self, op: str, left: ast.Expr, right: ast.Expr) -> Span | None:
+    def _op_span(self, op: str, left: syntax.Expr, right: syntax.Expr) -> Span | None:
         """The operator between two operands: only ')', blanks and line continuations can
         precede it there, so its first occurrence after the left operand is the one."""
         if self._starts is None:
@@ -293,11 +309,6 @@ class _ToAst(Transformer):
         line = self.source.count("\n", 0, i) + 1
         col = i - self._starts[line - 1] + 1
         return Span(self.file, line, col, line, col + len(op), self.source)
-
-    def _bin(op):  # noqa: N805 - a factory for the binary-operator rules
-        def rule(self, meta, ch):
-            return ast.BinOp(op, ch[0], ch[1], self._span(meta), self._op_span(op, ch[0], ch[1]))
-        return rule
 
     add, sub, mul, div, pow = _bin("+"), _bin("-"), _bin("*"), _bin("/"), _bin("**")
     lt, le, gt, ge, eq, ne = _bin("<"), _bin("<="), _bin(">"), _bin(">="), _bin("=="), _bin("!=")

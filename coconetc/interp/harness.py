@@ -112,8 +112,8 @@ def compare(ref: Sequence[Result], got: Sequence[Result], src: Program, dst: Pro
         for name, want in a.outputs.items():
             problems += _diff(f"rank {r} output '{name}'", want, b.outputs.get(name), loosest)
         for name, want in a.updates.items():
-            lay = dst.param(name).type.layout
-            if lay.sliced and not src.param(name).type.layout.sliced:
+            lay = dst.type_of(name).layout
+            if lay.sliced and not src.type_of(name).layout.sliced:
                 want = take_slice(want, lay.dim, want.shape[lay.dim], gs, r % gs)
             problems += _diff(f"rank {r} updated '{name}'", want, b.updates.get(name), loosest)
     return problems

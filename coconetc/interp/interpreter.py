@@ -4,17 +4,18 @@ collectives and cross-rank reductions are plain functions of that list."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from coconetc.interp import ops
+from coconetc.interp import collectives
 from coconetc.interp.bind import Bound, bind
 from coconetc.interp.values import COMPUTE, STORAGE, global_index, slice_range
-from coconetc.ir.nodes import COLLECTIVES, Const, Expr, Op, Program, Ref
+from coconetc.ir import ops as registry
+from coconetc.ir.nodes import Const, Expr, Op, Program, Ref
 from coconetc.ir.types import eval_dim
 
 Values = list[np.ndarray]
@@ -52,11 +53,16 @@ class _Evaluator:
         if isinstance(e, Const):
             v = np.asarray(e.value, dtype=COMPUTE[e.type.dtype])
             return [v] * self.b.ranks
-        if e.op in COLLECTIVES:
+        d = registry.get(e.op)
+        if d.kind == "collective":
             return getattr(self, "_" + e.op)(e, self.eval(e.args[0]))
-        if e.op in ops.POINTWISE_FNS:
-            return self._pointwise(e)
-        return getattr(self, "_" + e.op)(e)
+        if d.numpy is None:  # needs ranks, segments or the RNG: a method of its own
+            return getattr(self, "_" + e.op)(e)
+        if d.kind == "reduction":
+            return self._reduction(e, d.numpy, d.finish)
+        if d.kind == "tensor":
+            return self._tensor(e, d, d.numpy)
+        return self._pointwise(e, d, d.numpy)
 
     # --- helpers ---------------------------------------------------------------------
     def gshape(self, e: Expr) -> tuple[int, ...]:
@@ -88,27 +94,16 @@ class _Evaluator:
             res.append(np.take(v, np.arange(lo, hi), axis=axis))
         return res
 
-    # --- pointwise -------------------------------------------------------------------
-    def _pointwise(self, e: Op) -> Values:
+    # --- pointwise ---------------------------------------------------------------------
+    def _pointwise(self, e: Op, d: registry.OpDef, fn: Callable[..., Any]) -> Values:
+        """The registry's NumPy function, element by element, in the compute type."""
         ct = COMPUTE[e.type.dtype]
-        if e.op == "dropout":
-            return self._dropout(e)
         argvals = [self._at_slice(e, a, self.eval(a)) for a in e.args]
-        fn = ops.POINTWISE_FNS[e.op]
+        settings = {a.name: registry.attr(e, a.name) for a in d.settings}
         res = []
         for r in range(self.b.ranks):
-            args = [v[r] for v in argvals]
-            if e.op == "cast":
-                res.append(args[0].astype(STORAGE[e.type.dtype]).astype(ct))
-                continue
-            if e.op not in ("where",) + ops.COMPARE_OPS:
-                args = [np.asarray(a).astype(ct) for a in args]
-            elif e.op == "where":
-                args = [args[0]] + [np.asarray(a).astype(ct) for a in args[1:]]
-            else:
-                cmp_t = np.result_type(*[np.asarray(a).dtype for a in args])
-                args = [np.asarray(a).astype(cmp_t) for a in args]
-            res.append(fn(*args))
+            args = _operands(d.operands, [np.asarray(v[r]) for v in argvals], ct)
+            res.append(np.asarray(fn(*args, **settings)).astype(ct, copy=False))
         return res
 
     def _dropout(self, e: Op) -> Values:
@@ -132,17 +127,14 @@ class _Evaluator:
         """Sum per-rank partial results over the group when the input was sliced."""
         if not e.args[0].type.layout.sliced:
             return partial
-        return [sum(partial[q] for q in self.group(r)) for r in range(self.b.ranks)]
+        return [functools.reduce(np.add, [partial[q] for q in self.group(r)]) for r in range(self.b.ranks)]
 
-    def _sum(self, e: Op) -> Values:
+    def _reduction(self, e: Op, partial: Callable[..., Any], finish: Callable[[Any], Any] | None) -> Values:
+        """Per-rank partial results (the registry's function), summed over the group when the
+        input was sliced, then finished (norm: the square root)."""
         x = self.eval(e.args[0])
-        part = self._cross(e, [np.sum(v, dtype=np.float64) for v in x])
-        return [np.asarray(v, dtype=COMPUTE[e.type.dtype]) for v in part]
-
-    def _norm(self, e: Op) -> Values:
-        x = self.eval(e.args[0])
-        part = self._cross(e, [np.sum(np.square(v, dtype=np.float64)) for v in x])
-        return [np.asarray(math.sqrt(v), dtype=COMPUTE[e.type.dtype]) for v in part]
+        part = self._cross(e, [partial(v) for v in x])
+        return [np.asarray(finish(v) if finish else v, dtype=COMPUTE[e.type.dtype]) for v in part]
 
     def _segment_norm(self, e: Op) -> Values:
         x = self.eval(e.args[0])
@@ -164,29 +156,19 @@ class _Evaluator:
         return res
 
     # --- tensor operations -----------------------------------------------------------
-    def _matmul(self, e: Op) -> Values:
-        a, b = (self.eval(x) for x in e.args)
+    def _tensor(self, e: Op, d: registry.OpDef, fn: Callable[..., Any]) -> Values:
+        """The registry's function on each rank's operands, in the result's compute type."""
+        vals = [self.eval(a) for a in e.args]
         ct = COMPUTE[e.type.dtype]
-        return [np.matmul(a[r].astype(ct), b[r].astype(ct)) for r in range(self.b.ranks)]
-
-    def _layernorm(self, e: Op) -> Values:
-        x, g, b, eps = (self.eval(a) for a in e.args)
-        ct = COMPUTE[e.type.dtype]
-        return [ops.layernorm(x[r].astype(ct), g[r].astype(ct), b[r].astype(ct), float(eps[r]))
-                for r in range(self.b.ranks)]
-
-    def _conv2d(self, e: Op) -> Values:
-        x, w = (self.eval(a) for a in e.args)
-        ct = COMPUTE[e.type.dtype]
-        s, pad = e.attr("stride", 1), e.attr("padding", 0)
-        return [ops.conv2d(x[r].astype(ct), w[r].astype(ct), s, pad) for r in range(self.b.ranks)]
+        settings = {a.name: registry.attr(e, a.name) for a in d.settings}
+        return [fn(*(v[r].astype(ct) for v in vals), **settings) for r in range(self.b.ranks)]
 
     # --- collectives (within each group) ---------------------------------------------
     def _reduced(self, e: Op, x: Values) -> Values:
         op = e.attr("op")
         out = []
         for r in range(self.b.ranks):
-            out.append(ops.reduce_values([x[q] for q in self.group(r)], op))
+            out.append(collectives.reduce_values([x[q] for q in self.group(r)], op))
         return out
 
     def _allreduce(self, e: Op, x: Values) -> Values:
@@ -231,3 +213,15 @@ class _Evaluator:
             src = r - step * self.gs
             res.append(x[src] if 0 <= src < self.b.ranks else np.zeros_like(x[r]))
         return res
+
+
+def _operands(how: str, args: list[np.ndarray], ct: np.dtype) -> list[np.ndarray]:
+    """Bring one rank's operands to the type the operation computes in (registry.operands)."""
+    if how == registry.AS_IS:
+        return args
+    if how == registry.COND_FIRST:
+        return [args[0]] + [a.astype(ct) for a in args[1:]]
+    if how == registry.TO_COMMON:
+        common = np.result_type(*[a.dtype for a in args])
+        return [a.astype(common) for a in args]
+    return [a.astype(ct) for a in args]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.driver import Module
+from coconetc.driver import SourceFile
 from coconetc.interp.harness import adapt_inputs, compare, joined, random_inputs
 from coconetc.interp.interpreter import Result, run
 from coconetc.ir.nodes import Program
@@ -26,7 +26,7 @@ class Report:
     problems: list[str] = field(default_factory=list)
 
 
-def run_interp(mod: Module, program: str, schedule: str | None, ranks: int, groups: int = 1,
+def run_interp(mod: SourceFile, program: str, schedule: str | None, ranks: int, groups: int = 1,
                sizes: Mapping[str, int] | None = None, seed: int = 0) -> Report:
     base = mod.programs[program]
     inputs = random_inputs(base, ranks, groups, sizes, seed)
@@ -61,4 +61,4 @@ def save_results(path: str, inputs: list, results: list[Result]) -> None:
                 arrays[f"r{r}.seg.{name}"] = np.array([len(x) for x in v], dtype=np.int64)
         for name, v in {**res.outputs, **res.updates}.items():
             arrays[f"r{r}.out.{name}"] = v
-    np.savez(path, **arrays)
+    np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub: a key could be allow_pickle

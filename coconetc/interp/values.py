@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-STORAGE = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16),
-           "f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
-           "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "bool": np.dtype(bool)}
+from coconetc.ir.reference import STORAGE
+
+__all__ = ["COMPUTE", "STORAGE", "TOLERANCE", "global_index", "slice_range", "take_slice"]
 # f16 and bf16 compute in f32 inside a stage and are rounded when the stage is stored
 # (as PyTorch's "opmath"); the generated code does the same.
 COMPUTE = {**STORAGE, "f16": np.dtype(np.float32), "bf16": np.dtype(np.float32)}

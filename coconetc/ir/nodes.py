@@ -4,19 +4,39 @@ an expression tree whose leaves are references to parameters or earlier stages."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coconetc.errors import NOWHERE, Span
+from coconetc.ir import ops
 from coconetc.ir.types import Layout, TType
 
-POINTWISE_UNARY = ("neg", "sqrt", "rsqrt", "exp", "log", "abs", "tanh", "sigmoid", "relu", "gelu")
-POINTWISE_BINARY = ("add", "sub", "mul", "div", "pow", "min", "max")
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
-POINTWISE = POINTWISE_UNARY + POINTWISE_BINARY + COMPARISONS + ("where", "cast", "dropout")
-REDUCTIONS = ("sum", "norm", "segment_norm")
-TENSOR_OPS = ("matmul", "layernorm", "conv2d")
-COLLECTIVES = ("allreduce", "reducescatter", "allgather", "broadcast", "reduce", "scatter", "send")
+
+class OpNames:
+    """The names of the registered operations of some kinds, read from the registry each time
+    (so an operation registered at run time belongs at once): `op in POINTWISE`."""
+
+    def __init__(self, *kinds: str):
+        self.kinds = kinds
+
+    def __contains__(self, op: object) -> bool:
+        d = ops.REGISTRY.get(op) if isinstance(op, str) else None
+        return d is not None and d.kind in self.kinds
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ops.names(*self.kinds))
+
+    def __len__(self) -> int:
+        return len(ops.names(*self.kinds))
+
+    def __repr__(self) -> str:
+        return f"OpNames{ops.names(*self.kinds)}"
+
+
+POINTWISE = OpNames("pointwise", "random")  # what a loop can compute element by element
+REDUCTIONS = OpNames("reduction")
+TENSOR_OPS = OpNames("tensor")
+COLLECTIVES = OpNames("collective")
 
 
 @dataclass(frozen=True)
@@ -25,14 +45,14 @@ class Ref:
 
     name: str
     type: TType
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
 class Const:
     value: float | int
     type: TType
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -44,7 +64,7 @@ class Op:
     args: tuple[Expr, ...]
     type: TType
     attrs: tuple[tuple[str, Any], ...] = ()
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
     def attr(self, key: str, default: Any = None) -> Any:
         return dict(self.attrs).get(key, default)
@@ -72,31 +92,39 @@ class Param:
     type: TType
     scalar: bool = False
     scattered: bool = False
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
 class Stage:
     name: str
     expr: Expr
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
     @property
     def type(self) -> TType:
         return self.expr.type
 
     @property
+    def top(self) -> Op:
+        """The operation at the top of the stage's expression (for a stage known to have one:
+        a collective or tensor stage)."""
+        if not isinstance(self.expr, Op):
+            raise TypeError(f"stage '{self.name}' is not an operation")
+        return self.expr
+
+    @property
     def kind(self) -> str:
         """'collective', 'tensor' (matmul/layernorm/conv2d at the top) or 'compute'."""
-        op = self.expr.op if isinstance(self.expr, Op) else ""
-        return "collective" if op in COLLECTIVES else "tensor" if op in TENSOR_OPS else "compute"
+        kind = ops.get(self.expr.op).kind if isinstance(self.expr, Op) else ""
+        return kind if kind in ("collective", "tensor") else "compute"
 
 
 @dataclass(frozen=True)
 class Fusion:
     name: str
     stages: tuple[str, ...]
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -105,7 +133,7 @@ class Overlap:
     consumer: str  # a collective stage or a fusion
     chunks: int
     dim: int  # the dim of the producer's result that is cut into chunks
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -120,13 +148,20 @@ class Program:
     updates: tuple[tuple[str, str], ...] = ()
     fusions: tuple[Fusion, ...] = ()
     overlaps: tuple[Overlap, ...] = ()
-    span: Span = NOWHERE
+    span: Span = field(default=NOWHERE, compare=False)
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
 
     def stage(self, name: str) -> Stage | None:
         return next((s for s in self.stages if s.name == name), None)
+
+    def stage_named(self, name: str) -> Stage:
+        """The stage called name (KeyError if there is none)."""
+        s = self.stage(name)
+        if s is None:
+            raise KeyError(f"no stage '{name}' in program '{self.name}'")
+        return s
 
     def type_of(self, name: str) -> TType:
         p = self.param(name)

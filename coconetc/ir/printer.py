@@ -4,15 +4,11 @@ gathers) plus a schedule block holding its fusions and overlaps."""
 
 from __future__ import annotations
 
+from coconetc.ir import ops
 from coconetc.ir.nodes import Const, Expr, Op, Overlap, Program, Ref, refs
 from coconetc.ir.types import DimExpr
 
-_INFIX = {"add": ("+", 1), "sub": ("-", 1), "mul": ("*", 2), "div": ("/", 2), "pow": ("**", 4),
-          "lt": ("<", 0), "le": ("<=", 0), "gt": (">", 0), "ge": (">=", 0), "eq": ("==", 0),
-          "ne": ("!=", 0)}
-_NEG = 3  # unary minus binds tighter than * and looser than **
-_ATTR_ORDER = {"allreduce": ("op",), "reducescatter": ("op",), "reduce": ("op",),
-               "cast": (), "send": (), "broadcast": (), "scatter": ()}
+_NEG = 3  # unary minus binds tighter than * and looser than ** (the grammar's levels)
 
 
 def expr(e: Expr, parent: int = -1) -> str:
@@ -22,18 +18,17 @@ def expr(e: Expr, parent: int = -1) -> str:
     if isinstance(e, Const):
         text = _number(e.value)  # a negative literal binds like unary minus: (-2) ** x
         return f"({text})" if text.startswith("-") and _NEG < parent else text
-    assert isinstance(e, Op)
-    if e.op in _INFIX:
-        sym, prec = _INFIX[e.op]
-        right_assoc = e.op == "pow"
+    d = ops.get(e.op)
+    if d.infix is not None:
+        sym, prec, right_assoc = d.infix.symbol, d.infix.prec, d.infix.right
         left = expr(e.args[0], prec + (1 if right_assoc else 0))
         right = expr(e.args[1], _NEG if right_assoc else prec + 1)  # grammar: atom ** unary
         text = f"{left} {sym} {right}"
         return f"({text})" if prec < parent or (prec == 0 and parent == 0) else text
-    if e.op == "neg":
-        text = "-" + expr(e.args[0], _NEG)
+    if d.prefix is not None:
+        text = d.prefix + expr(e.args[0], _NEG)
         return f"({text})" if _NEG < parent else text
-    return _call(e)
+    return _call(e, d)
 
 
 def _number(v: float | int) -> str:
@@ -45,20 +40,17 @@ def _number(v: float | int) -> str:
     return text if ("." in text or "e" in text or "n" in text) else text + ".0"
 
 
-def _call(e: Op) -> str:
-    words = [str(e.attr(k)) for k in _ATTR_ORDER.get(e.op, ())]
-    args = words + [expr(a) for a in e.args]
-    attrs = dict(e.attrs)
-    if e.op == "cast":
-        args.append(attrs["dtype"])
-    elif e.op == "send":
-        args.append(attrs["direction"])
-    elif e.op in ("broadcast", "reduce"):
-        args.append(str(attrs["root"]))
-    elif e.op in ("reducescatter", "scatter"):
-        args.append(f"dim={attrs.get('dim', 0)}")
-    elif e.op == "conv2d":
-        args += [f"stride={attrs.get('stride', 1)}", f"padding={attrs.get('padding', 0)}"]
+def _call(e: Op, d: ops.OpDef) -> str:
+    """Arguments in the registry's order; those with a default always as keywords."""
+    values = iter(e.args)
+    args = []
+    for a in d.params:
+        if a.kind == "value":
+            args.append(expr(next(values)))
+        elif a.required:
+            args.append(str(e.attr(a.name)))
+        else:
+            args.append(f"{a.name}={ops.attr(e, a.name)}")
     return f"{e.op}({', '.join(args)})"
 
 
@@ -118,8 +110,8 @@ def dot(p: Program) -> str:
         lines.append(f'  "{s.name}" [shape={shape}{style}, label="{s.name} = {op}\\n{s.type}"];')
         for r in refs(s.expr):
             lines.append(f'  "{r}" -> "{s.name}" [label="{p.layout_of(r)}"];')
-    for t, s in p.updates:
-        lines.append(f'  "{s}" -> "{t}" [style=dashed, label="update"];')
+    for t, src in p.updates:
+        lines.append(f'  "{src}" -> "{t}" [style=dashed, label="update"];')
     for o in p.overlaps:
         head = _overlap_head(p, o)
         lines.append(f'  "{o.producer}" -> {head}style=dotted, label="overlap x{o.chunks}"];')
@@ -133,5 +125,5 @@ def _overlap_head(p: Program, o: Overlap) -> str:
     fusion = next((f for f in p.fusions if f.name == o.consumer), None)
     if fusion is None:
         return f'"{o.consumer}" ['
-    head = next((n for n in fusion.stages if o.producer in refs(p.stage(n).expr)), fusion.stages[0])
+    head = next((n for n in fusion.stages if o.producer in refs(p.stage_named(n).expr)), fusion.stages[0])
     return f'"{head}" [lhead="cluster_{fusion.name}", '

@@ -4,8 +4,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coconetc.ir.nodes import Const, Expr, Op, Program, Ref, Stage, refs
-from coconetc.ir.typing import TypeErr, retype
+from collections.abc import Callable
+
+from coconetc.ir.nodes import Const, Expr, Program, Ref, Stage, refs
+from coconetc.ir.typerules import TypeErr, type_op
+from coconetc.ir.types import TType
+
+
+def retype(e: Expr, env: Callable[[str], TType]) -> Expr:
+    """Re-type an expression bottom-up after the types of the names it reads changed."""
+    if isinstance(e, Ref):
+        return replace(e, type=env(e.name))
+    if isinstance(e, Const):
+        return e
+    args = tuple(retype(a, env) for a in e.args)
+    return replace(e, args=args, type=type_op(e.op, args, dict(e.attrs), e.span))
 
 
 def rename(e: Expr, mapping: dict[str, str]) -> Expr:
@@ -14,11 +27,10 @@ def rename(e: Expr, mapping: dict[str, str]) -> Expr:
         return replace(e, name=mapping.get(e.name, e.name))
     if isinstance(e, Const):
         return e
-    assert isinstance(e, Op)
     return replace(e, args=tuple(rename(a, mapping) for a in e.args))
 
 
-def rename_program(p: Program, mapping: dict[str, str], skip: set[str] = frozenset()) -> Program:
+def rename_program(p: Program, mapping: dict[str, str], skip: frozenset[str] | set[str] = frozenset()) -> Program:
     """Point every reader (stages not in skip, outputs, updates) at the new names."""
     stages = tuple(s if s.name in skip else replace(s, expr=rename(s.expr, mapping))
                    for s in p.stages)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from coconetc.ir.nodes import Program
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
 from coconetc.schedule.fusion import fuse, overlap
 from coconetc.schedule.primitives import reorder, slice_params, split
 
-_APPLY = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse, OverlapD: overlap}
+_APPLY: dict[type, Callable[[Program, Any], Program]] = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse, OverlapD: overlap}
 
 
 def apply(p: Program, d: Directive) -> Program:

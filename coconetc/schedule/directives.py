@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coconetc.errors import CompileError, Diagnostic, Span
-from coconetc.frontend import ast
+from coconetc.frontend import syntax
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class Split:
     dim: int
     rs: str
     ag: str
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -27,7 +27,7 @@ class Reorder:
     ag: str
     stages: tuple[str, ...]
     outs: tuple[str, ...]
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -36,7 +36,7 @@ class Slice:
     """slice(t, ...)"""
 
     params: tuple[str, ...]
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -46,7 +46,7 @@ class Fuse:
 
     stages: tuple[str, ...]
     name: str | None
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -58,7 +58,7 @@ class OverlapD:
     consumer: str
     chunks: int
     dim: int | None
-    span: Span
+    span: Span = field(compare=False)
     where: tuple[tuple[str, Span], ...] = field(default=(), compare=False, repr=False)
 
 
@@ -73,12 +73,12 @@ def span_of(d: Directive, key: str) -> Span:
     return where.get(key) or where.get("()") or d.span
 
 
-def _where(targets, call: ast.Call) -> tuple[tuple[str, Span], ...]:
+def _where(targets, call: syntax.Call) -> tuple[tuple[str, Span], ...]:
     spans: dict[str, Span] = {"()": call.fn_span}
     for t in targets:
         spans.setdefault("=" + t.id, t.span)
     for a in call.args:
-        if isinstance(a, ast.Name):
+        if isinstance(a, syntax.Name):
             spans.setdefault(a.id + "#2" if a.id in spans else a.id, a.span)
     for k in call.kwargs:
         spans.setdefault(k.name + "=", k.value.span)
@@ -86,7 +86,7 @@ def _where(targets, call: ast.Call) -> tuple[tuple[str, Span], ...]:
 _ARITY = {"split": (2, 2), "reorder": (0, 999), "slice": (0, 0), "fuse": (0, 1), "overlap": (0, 0)}
 
 
-def from_ast(body: tuple[ast.Stmt, ...]) -> list[Directive]:
+def from_ast(body: tuple[syntax.Stmt, ...]) -> list[Directive]:
     """Directive records for a schedule block; raises CompileError listing every bad line."""
     out, errors = [], []
     for stmt in body:
@@ -103,13 +103,13 @@ def _err(span: Span, msg: str) -> CompileError:
     return CompileError([Diagnostic(span, msg)])
 
 
-def _directive(stmt: ast.Stmt) -> Directive:
-    if isinstance(stmt, ast.Return):
+def _directive(stmt: syntax.Stmt) -> Directive:
+    if isinstance(stmt, syntax.Return):
         raise _err(stmt.span, "a schedule has no return statement")
-    targets = stmt.targets if isinstance(stmt, ast.Assign) else ()
+    targets = stmt.targets if isinstance(stmt, syntax.Assign) else ()
     call = stmt.value
-    if not isinstance(call, ast.Call) or call.fn not in _ARITY:
-        span = call.fn_span if isinstance(call, ast.Call) else call.span
+    if not isinstance(call, syntax.Call) or call.fn not in _ARITY:
+        span = call.fn_span if isinstance(call, syntax.Call) else call.span
         raise _err(span, "a schedule holds directives: split, reorder, slice, fuse, overlap")
     lo, hi = _ARITY[call.fn]
     if not lo <= len(targets) <= hi:
@@ -139,28 +139,28 @@ def _directive(stmt: ast.Stmt) -> Directive:
     return OverlapD(names[0], names[1], _int(kws["chunks"], call, 1), dim, stmt.span, where)
 
 
-def _name(a: ast.Expr, call: ast.Call) -> str:
-    if not isinstance(a, ast.Name):
+def _name(a: syntax.Expr, call: syntax.Call) -> str:
+    if not isinstance(a, syntax.Name):
         raise _err(a.span, f"{call.fn}() takes stage or parameter names")
     return a.id
 
 
-def _one(names: list[str], call: ast.Call) -> str:
+def _one(names: list[str], call: syntax.Call) -> str:
     if len(names) != 1:
         raise _err(call.span, f"{call.fn}() takes one stage name")
     return names[0]
 
 
-def _only(call: ast.Call, kws: dict, allowed: set[str]) -> None:
+def _only(call: syntax.Call, kws: dict, allowed: set[str]) -> None:
     for k, kw in kws.items():
         if k not in allowed:
             raise _err(kw.span, f"{call.fn}() has no argument '{k}'")
 
 
-def _int(kw: ast.Kwarg | None, call: ast.Call, lowest: int) -> int:
+def _int(kw: syntax.Kwarg | None, call: syntax.Call, lowest: int) -> int:
     if kw is None:
         return lowest
     v = kw.value
-    if not (isinstance(v, ast.Number) and not v.is_float and v.value >= lowest):
+    if not (isinstance(v, syntax.Number) and not v.is_float and v.value >= lowest):
         raise _err(v.span, f"{call.fn}()'s {kw.name} must be an integer >= {lowest}")
     return int(v.value)

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.errors import ScheduleError
+from coconetc.ir import ops
 from coconetc.ir.nodes import Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.schedule.directives import Fuse, OverlapD, span_of
 from coconetc.schedule.primitives import _fresh, _stage
-
-_UNFUSABLE = ("matmul", "conv2d")
 
 
 def fuse(p: Program, d: Fuse) -> Program:
@@ -35,21 +34,21 @@ def fuse(p: Program, d: Fuse) -> Program:
 
 def _check_members(stages: list[Stage], d: Fuse) -> None:
     colls = [s for s in stages if s.kind == "collective"]
-    kinds = sorted(s.expr.op for s in colls)
+    kinds = sorted(s.top.op for s in colls)
     if len(colls) > 2 or (len(colls) == 2 and kinds != ["allgather", "reducescatter"]):
         raise ScheduleError(span_of(d, colls[-1].name), "fuse", colls[-1].name,
                             "a fusion holds at most one collective, or one reducescatter/allgather "
-                            f"pair; here: {', '.join(f'{s.name} ({s.expr.op})' for s in colls)}")
+                            f"pair; here: {', '.join(f'{s.name} ({s.top.op})' for s in colls)}")
     for s in stages:
-        bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and n.op in _UNFUSABLE), None)
+        bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and not ops.get(n.op).fusable), None)
         if bad:
             raise ScheduleError(span_of(d, s.name), "fuse", s.name, f"{bad} cannot be fused into a loop "
                                 "(overlap it with its collective instead)")
     if len(colls) == 2:
-        rs = next(s for s in colls if s.expr.op == "reducescatter")
-        ag = next(s for s in colls if s.expr.op == "allgather")
-        if rs.type.layout != ag.expr.args[0].type.layout:
-            raise ScheduleError(span_of(d, ag.name), "fuse", ag.name, f"it gathers {ag.expr.args[0].type.layout} "
+        rs = next(s for s in colls if s.top.op == "reducescatter")
+        ag = next(s for s in colls if s.top.op == "allgather")
+        if rs.type.layout != ag.top.args[0].type.layout:
+            raise ScheduleError(span_of(d, ag.name), "fuse", ag.name, f"it gathers {ag.top.args[0].type.layout} "
                                 f"data but {rs.name} scatters {rs.type.layout}")
 
 
@@ -88,7 +87,7 @@ def overlap(p: Program, d: OverlapD) -> Program:
     if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op == "matmul"):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer must be a matmul stage")
     coll = _consumer_collective(p, d)
-    if not (isinstance(coll.expr.args[0], Ref) and coll.expr.args[0].name == d.producer):
+    if not (isinstance(coll.top.args[0], Ref) and coll.top.args[0].name == d.producer):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
                             f"its collective '{coll.name}' does not read '{d.producer}' directly")
     if any(o.producer == d.producer for o in p.overlaps):
@@ -109,7 +108,7 @@ def _consumer_collective(p: Program, d: OverlapD) -> Stage:
         if s is None or s.kind != "collective":
             raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the consumer must be a collective or a fusion")
         return s
-    colls = [p.stage(n) for n in fusion.stages if p.stage(n).kind == "collective"]
+    colls = [s for s in map(p.stage_named, fusion.stages) if s.kind == "collective"]
     if not colls:
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the fusion holds no collective")
     return colls[0]
@@ -120,10 +119,11 @@ def _chunkable(prod: Stage, coll: Stage) -> list[int]:
     dim, not the dim the collective scatters or gathers."""
     t = prod.type
     banned = {t.layout.dim} if t.layout.sliced else set()
-    if coll.expr.op in ("reducescatter", "scatter"):
-        banned.add(coll.expr.attr("dim", 0))
-    if coll.expr.op == "allgather":
-        banned.add(coll.expr.args[0].type.layout.dim)
+    op = coll.top
+    if op.op in ("reducescatter", "scatter"):
+        banned.add(ops.attr(op, "dim"))
+    if op.op == "allgather":
+        banned.add(op.args[0].type.layout.dim)
     return [i for i in range(t.ndim) if i not in banned]
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.errors import ScheduleError
-from coconetc.ir.nodes import COLLECTIVES, Op, Program, Ref, Stage, walk
+from coconetc.ir import ops
+from coconetc.ir.nodes import Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, rename,
                                  rename_program, retype_program)
 from coconetc.ir.types import REPLICATED, TType, sliced
-from coconetc.ir.typing import TypeErr
+from coconetc.ir.typerules import TypeErr
 from coconetc.schedule.directives import Reorder, Slice, Split, span_of
 
 
@@ -53,20 +54,19 @@ def split(p: Program, d: Split) -> Program:
     return rename_program(replace(p, stages=stages), {s.name: d.ag})
 
 
-_MOVABLE = {"matmul": "matmul", "conv2d": "conv2d"}
-
-
 def _movable(s: Stage, dim: int, d: Reorder) -> None:
+    """Every operation of the stage commutes with slicing along dim (the registry's slicing)."""
     for node in walk(s.expr):
         if not isinstance(node, Op):
             continue
-        if node.op in _MOVABLE or (node.op in COLLECTIVES and node.op != "send"):
+        slicing = ops.get(node.op).slicing
+        if slicing == ops.NEVER:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
                                 f"{node.op} does not commute with slicing; only pointwise "
                                 "computations, norm/sum, layernorm and send can move")
-        if node.op == "layernorm" and dim == node.type.ndim - 1:
+        if slicing == ops.ROWS and dim == node.type.ndim - 1:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
-                                "layernorm normalizes the last dim, which the slice would cut")
+                                f"{node.op} normalizes the last dim, which the slice would cut")
 
 
 def reorder(p: Program, d: Reorder) -> Program:
@@ -181,14 +181,14 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
 
 def _unsliced_update(p: Program, name: str, src: str, lay, d: Slice) -> Program:
     """Make the update of a sliced parameter come from the slice, not its allgather."""
-    s = p.stage(src)
+    s = p.stage_named(src)
     if s.type.layout == lay:
         return p
-    if not (isinstance(s.expr, Op) and s.expr.op == "allgather" and isinstance(s.expr.args[0], Ref)
-            and p.type_of(s.expr.args[0].name).layout == lay):
+    gathered = s.expr.args[0] if isinstance(s.expr, Op) and s.expr.op == "allgather" else None
+    if not (isinstance(gathered, Ref) and p.type_of(gathered.name).layout == lay):
         raise ScheduleError(span_of(d, name), "slice", name, f"its update '{src}' is computed whole; reorder it first")
     if p.fusion_of(src) is not None:
         raise ScheduleError(span_of(d, name), "slice", name, f"'{src}' is already fused; slice before fuse")
-    updates = tuple((t, s.expr.args[0].name if t == name else v) for t, v in p.updates)
+    updates = tuple((t, gathered.name if t == name else v) for t, v in p.updates)
     p = replace(p, updates=updates)
     return drop_stage(p, src) if not is_used(p, src) else p

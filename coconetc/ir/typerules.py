@@ -1,21 +1,29 @@
 """Typing rules (LANGUAGE.md sections 1-3): dtype promotion with weak scalars, NumPy
-broadcasting of symbolic shapes, and layouts. Used by the checker to type a program and by
-the schedule primitives to re-type the stages they move onto slices."""
+broadcasting of symbolic shapes, and layouts. Each operation's entry in the registry
+(coconetc/ir/ops.py) names its rule; `type_op` looks it up. Used by the checker to type a
+program and by the schedule primitives to re-type the stages they move onto slices.
+
+A rule is `rule(name, args, attrs, span) -> TType`: the operation's name, its typed operands,
+its compile-time attributes, and where an error points."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from coconetc.errors import CompileError, Span
-from coconetc.ir.nodes import (COLLECTIVES, COMPARISONS, POINTWISE_BINARY, POINTWISE_UNARY,
-                               Expr, Op)
+from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op,
                                sliced)
+
+if TYPE_CHECKING:
+    from coconetc.ir.nodes import Expr
+
+Attrs = dict[str, Any]
+Rule = Callable[[str, "Sequence[Expr]", Attrs, Span], TType]
 
 
 class TypeErr(CompileError):
     def __init__(self, span: Span, message: str):
-        from coconetc.errors import Diagnostic
         super().__init__([Diagnostic(span, message)])
 
 
@@ -93,14 +101,28 @@ def pointwise(args: Sequence[Expr], span: Span, what: str, allow_bool_first: boo
     return TType(dt, shape, combine_layouts(types, len(shape), span), weak and not shape)
 
 
-def _reduction(args, attrs, span) -> TType:
+def pointwise_rule(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """The default rule: broadcasting, dtype promotion, layouts (unary and binary operations)."""
+    return pointwise(args, span, name)
+
+
+def float_valued(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """sqrt, exp, sigmoid, ...: of a weak integer (sqrt(2)), a weak f32 as in JAX (its value is
+    not an integer); otherwise the pointwise rule."""
+    (x,) = args
+    if x.type.weak and x.type.dtype in ("i32", "i64"):
+        return TType("f32", (), x.type.layout, True)
+    return pointwise(args, span, name)
+
+
+def reduction(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     (x,) = args
     _no_bool(args, span, "an operand of a reduction")
     lay = x.type.layout
     return TType(x.type.dtype, (), LOCAL if lay == LOCAL else REPLICATED)
 
 
-def _matmul(args, attrs, span) -> TType:
+def matmul(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     a, b = args
     _no_bool(args, span, "an operand of matmul")
     ta, tb = a.type, b.type
@@ -127,7 +149,7 @@ def _matmul_layout(ta: TType, tb: TType, span: Span) -> Layout:
                   "sliced(0), replicated x sliced(1), or a replicated right operand)")
 
 
-def _layernorm(args, attrs, span) -> TType:
+def layernorm(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     x, gamma, beta, eps = args
     _no_bool(args, span, "an operand of layernorm")
     t = x.type
@@ -146,14 +168,14 @@ def _layernorm(args, attrs, span) -> TType:
     return TType(dt, t.shape, t.layout)
 
 
-def _conv2d(args, attrs, span) -> TType:
+def conv2d(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     x, w = args
     tx, tw = x.type, w.type
     if tx.ndim != 4 or tw.ndim != 4:
         raise TypeErr(span, "conv2d needs x: [N, C, H, W] and w: [O, C, KH, KW]")
     if tx.shape[1] != tw.shape[1]:
         raise TypeErr(span, f"conv2d channels differ: {tx.shape[1]} vs {tw.shape[1]}")
-    s, p = attrs.get("stride", 1), attrs.get("padding", 0)
+    s, p = attrs["stride"], attrs["padding"]  # defaults filled in by type_op
     ho, wo = (dim_op("+", dim_op("//", dim_op("-", dim_op("+", h, 2 * p), k), s), 1)
               for h, k in ((tx.shape[2], tw.shape[2]), (tx.shape[3], tw.shape[3])))
     dt, _ = result_dtype([tx, tw], span)
@@ -169,21 +191,26 @@ def _conv2d(args, attrs, span) -> TType:
     return TType(dt, (tx.shape[0], tw.shape[0], ho, wo), lay)
 
 
-def _segment_norm(args, attrs, span) -> TType:
+def segment_norm(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     (x,) = args
     if x.type.ndim != 1:
         raise TypeErr(span, "segment_norm needs a 1-d (scattered) tensor")
     return TType(x.type.dtype, x.type.shape, x.type.layout)
 
 
-def _cast(args, attrs, span) -> TType:
+def cast(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     t = args[0].type
     _no_bool(args, span, "an operand of cast")
     return TType(attrs["dtype"], t.shape, t.layout, False)
 
 
-def _dropout(args, attrs, span) -> TType:
+def dropout(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     x, p, seed = args
+    from coconetc.ir.nodes import Const  # (nodes imports the registry, which imports this)
+    if isinstance(p, Const) and not 0 <= p.value < 1:
+        raise TypeErr(p.span, f"dropout probability must be in [0, 1), got {p.value}")
+    if not isinstance(p, Const) and p.type.dtype not in FLOATS:
+        raise TypeErr(p.span, "dropout's p must be a float")
     _no_bool(args, span, "an operand of dropout")
     if p.type.shape != () or seed.type.shape != ():
         raise TypeErr(span, "dropout(x, p, seed): p and seed must be scalars")
@@ -192,21 +219,19 @@ def _dropout(args, attrs, span) -> TType:
     return x.type
 
 
-def _where(args, attrs, span) -> TType:
+def where(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     if args[0].type.dtype != "bool":
         raise TypeErr(args[0].span or span, "where's condition must be a comparison (a < b, ...)")
     return pointwise(args, span, "where", allow_bool_first=True)
 
 
-def _compare(args, attrs, span) -> TType:
+def compare(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     t = pointwise(args, span, "a comparison")
     return TType("bool", t.shape, t.layout)
 
 
-def _collective(op: str) -> Callable:
-    def rule(args, attrs, span) -> TType:
-        return collective_type(op, args[0].type, attrs, span, args[0].span)
-    return rule
+def collective(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    return collective_type(name, args[0].type, attrs, span, args[0].span)
 
 
 def collective_type(op: str, t: TType, attrs: dict, span: Span, arg_span: Span | None = None) -> TType:
@@ -219,7 +244,7 @@ def collective_type(op: str, t: TType, attrs: dict, span: Span, arg_span: Span |
     if op == "scatter" and lay != REPLICATED:
         raise TypeErr(at, f"scatter needs a replicated input, not {lay}")
     if op in ("reducescatter", "scatter"):
-        dim = attrs.get("dim", 0)
+        dim = attrs["dim"]
         if not 0 <= dim < t.ndim:
             raise TypeErr(span, f"{op} dim={dim} is out of range for a {t.ndim}-d tensor")
         return TType(t.dtype, t.shape, sliced(dim))
@@ -228,36 +253,8 @@ def collective_type(op: str, t: TType, attrs: dict, span: Span, arg_span: Span |
     return TType(t.dtype, t.shape, result)
 
 
-RULES: dict[str, Callable] = {
-    "sum": _reduction, "norm": _reduction, "segment_norm": _segment_norm, "matmul": _matmul,
-    "layernorm": _layernorm, "conv2d": _conv2d, "cast": _cast, "dropout": _dropout,
-    "where": _where, **{c: _compare for c in COMPARISONS},
-    **{c: _collective(c) for c in COLLECTIVES},
-}
-
-
-def type_op(op: str, args: Sequence[Expr], attrs: dict, span: Span) -> TType:
+def type_op(op: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     """The type of `op(args)`; raises TypeErr at span when the operation is ill-typed."""
-    if op in FLOAT_VALUED and args[0].type.weak and args[0].type.dtype in ("i32", "i64"):
-        return TType("f32", (), args[0].type.layout, True)  # sqrt(2) is a weak float, as in JAX
-    if op in POINTWISE_UNARY or op in POINTWISE_BINARY:
-        return pointwise(args, span, op)
-    return RULES[op](args, attrs, span)
-
-
-# unary operations whose value is not an integer: of a weak integer, a weak f32
-FLOAT_VALUED = ("sqrt", "rsqrt", "exp", "log", "tanh", "sigmoid", "gelu")
-
-
-def retype(e: Expr, env: Callable[[str], TType]) -> Expr:
-    """Re-type an expression bottom-up after the types of the names it reads changed."""
-    from dataclasses import replace
-
-    from coconetc.ir.nodes import Const, Ref
-    if isinstance(e, Ref):
-        return replace(e, type=env(e.name))
-    if isinstance(e, Const):
-        return e
-    assert isinstance(e, Op)
-    args = tuple(retype(a, env) for a in e.args)
-    return replace(e, args=args, type=type_op(e.op, args, dict(e.attrs), e.span))
+    from coconetc.ir import ops
+    d = ops.get(op)
+    return d.typing(op, args, {**d.defaults(), **attrs}, span)

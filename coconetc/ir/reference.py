@@ -1,20 +1,28 @@
-"""NumPy definitions of the language's operations (the interpreter's math)."""
+"""NumPy definitions of the operations' math: the reference semantics that the operation
+registry (ops.py) points at and the interpreter runs. Plain functions of arrays (no ranks, no
+RNG); what needs those lives in the interpreter."""
 
 from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
+
+# The NumPy dtype that stores each language dtype (bf16 from ml_dtypes).
+STORAGE = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16),
+           "f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
+           "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "bool": np.dtype(bool)}
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
+def gelu(x: np.ndarray) -> np.ndarray:
     """Exact GELU, x * Phi(x) (PyTorch's default, not the tanh approximation)."""
     return (0.5 * x * (1.0 + _erf(np.asarray(x, dtype=np.float64) / math.sqrt(2.0)))).astype(x.dtype)
 
 
-def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Floats divide; integers divide truncating toward zero (as C does)."""
     if np.issubdtype(np.result_type(a, b), np.integer):
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -22,38 +30,36 @@ def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.true_divide(a, b)
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
+def sigmoid(x: np.ndarray) -> np.ndarray:
     one = x.dtype.type(1)
     return one / (one + np.exp(-x))
 
 
-COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
-POINTWISE_FNS = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "pow": np.power,
-    "neg": np.negative, "min": np.minimum, "max": np.maximum,
-    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
-    "eq": np.equal, "ne": np.not_equal, "where": np.where,
-    "sqrt": np.sqrt, "rsqrt": lambda x: x.dtype.type(1) / np.sqrt(x), "exp": np.exp, "log": np.log,
-    "abs": np.abs, "tanh": np.tanh, "sigmoid": _sigmoid, "relu": lambda x: np.maximum(x, x.dtype.type(0)),
-    "gelu": _gelu, "cast": None, "dropout": None,
-}
+def rsqrt(x: np.ndarray) -> np.ndarray:
+    return x.dtype.type(1) / np.sqrt(x)
 
 
-def reduce_values(vals: list[np.ndarray], op: str) -> np.ndarray:
-    """Combine one array per rank: sum, avg, prod, max, min (in rank order)."""
-    fn = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]
-    acc = vals[0].copy()
-    for v in vals[1:]:
-        acc = fn(acc, v)
-    if op == "avg":
-        acc = _div(acc, np.asarray(len(vals), dtype=acc.dtype))
-    return acc
+def relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, x.dtype.type(0))
 
 
-def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float) -> np.ndarray:
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Round to the target dtype's storage (the interpreter then computes in its compute type)."""
+    return np.asarray(x).astype(STORAGE[dtype])
+
+
+def sum_partial(x: np.ndarray) -> np.float64:
+    return np.sum(x, dtype=np.float64)
+
+
+def sumsq_partial(x: np.ndarray) -> np.float64:
+    return np.sum(np.square(x, dtype=np.float64))
+
+
+def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     var = np.square(x - mean).mean(axis=-1, keepdims=True)
-    return ((x - mean) / np.sqrt(var + x.dtype.type(eps)) * gamma + beta).astype(x.dtype)
+    return ((x - mean) / np.sqrt(var + x.dtype.type(float(eps))) * gamma + beta).astype(x.dtype)
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, stride: int, padding: int) -> np.ndarray:

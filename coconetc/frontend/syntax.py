@@ -1,4 +1,6 @@
-"""The syntax tree: one class per grammar rule of grammar/coconet.lark, each with a Span."""
+"""The syntax tree: one class per grammar rule of grammar/coconet.lark, each with a Span.
+Spans never take part in comparisons (`field(compare=False)`): two trees are equal when they
+say the same thing, wherever it was written."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from coconetc.errors import Span
 @dataclass(frozen=True)
 class Number:
     text: str
-    span: Span
+    span: Span = field(compare=False)
 
     @property
     def is_float(self) -> bool:
@@ -24,14 +26,14 @@ class Number:
 @dataclass(frozen=True)
 class Name:
     id: str
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
 class Kwarg:
     name: str
     value: Expr
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,8 @@ class Call:
     fn: str
     args: tuple[Expr, ...]
     kwargs: tuple[Kwarg, ...]
-    span: Span
-    fn_span: Span
+    span: Span = field(compare=False)
+    fn_span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,15 @@ class BinOp:
     op: str  # + - * / ** < <= > >= == !=
     left: Expr
     right: Expr
-    span: Span
-    op_span: Span | None = None  # the operator token itself, where type errors point
+    span: Span = field(compare=False)
+    # the operator token itself, where type errors point
+    op_span: Span | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Neg:
     operand: Expr
-    span: Span
+    span: Span = field(compare=False)
 
 
 Expr = Number | Name | Call | BinOp | Neg
@@ -64,13 +67,13 @@ Expr = Number | Name | Call | BinOp | Neg
 @dataclass(frozen=True)
 class DimName:
     name: str
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
 class DimInt:
     value: int
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class LayoutDecl:
     kind: str  # as written: local, replicated, sliced (checked later)
     dim: int | None
     scattered: str | None  # the trailing word, normally "scattered"
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -87,34 +90,34 @@ class Param:
     dtype: str
     shape: tuple[DimName | DimInt, ...] | None  # None: a scalar
     layout: LayoutDecl | None
-    span: Span
-    dtype_span: Span
+    span: Span = field(compare=False)
+    dtype_span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
 class Assign:
     targets: tuple[Name, ...]
     value: Expr
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
 class ReturnItem:
     name: Name
     alias: Name | None
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
 class Return:
     items: tuple[ReturnItem, ...]
-    span: Span
+    span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
 class ExprStmt:
     value: Expr
-    span: Span
+    span: Span = field(compare=False)
 
 
 Stmt = Assign | Return | ExprStmt
@@ -125,8 +128,8 @@ class Program:
     name: str
     params: tuple[Param, ...]
     body: tuple[Stmt, ...]
-    span: Span
-    name_span: Span
+    span: Span = field(compare=False)
+    name_span: Span = field(compare=False)
 
 
 @dataclass(frozen=True)
@@ -134,13 +137,15 @@ class Schedule:
     name: str
     program: str
     body: tuple[Stmt, ...] | None  # None: `schedule auto for p` without a block
-    span: Span
-    program_span: Span
-    name_span: Span | None = None
+    span: Span = field(compare=False)
+    program_span: Span = field(compare=False)
+    name_span: Span | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
-class Module:
+class File:
+    """A parsed .ccn file: its programs and schedules, in order."""
+
     file: str
     source: str
     programs: tuple[Program, ...] = field(default=())

@@ -1,0 +1,284 @@
+"""The operation registry: one entry (an OpDef) per operation of the language, holding all
+the compiler knows about it: its kind, parameters (with keyword defaults), typing rule, how it
+commutes with slicing, its NumPy function, its C++ expression and its cost. The checker,
+typing, printer, interpreter, schedule legality and the C++ expression emitter read it.
+
+Adding a pointwise operation is one `register(OpDef(...))` here (or at run time, see
+tests/test_registry.py); docs/operations.md says how. This module imports no interpreter and no
+backend: the interpreter and the backends import it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from coconetc.ir import reference as ref
+from coconetc.ir import typerules as tr
+from coconetc.ir.types import DTYPES, REDUCE_OPS
+
+# --- what an entry holds ---------------------------------------------------------------
+
+KINDS = ("pointwise", "random", "reduction", "tensor", "collective")
+
+# How an operation commutes with slicing (what `reorder` needs to move it onto slices).
+FREE = "free"  # elementwise: runs on a slice; replicated operands are read at the slice
+PARTIAL = "partial"  # a reduction: per-slice partial results plus a cross-rank reduction
+ROWS = "rows"  # only when the slice leaves the last dim whole (layernorm)
+NEVER = "never"  # does not commute with slicing (matmul, conv2d, collectives)
+SLICINGS = (FREE, PARTIAL, ROWS, NEVER)
+
+# How operands are brought to a common type, in the interpreter and in C++ alike.
+TO_RESULT = "result"  # every operand is converted to the result's compute type
+TO_COMMON = "common"  # comparisons: to the operands' common (strong) type
+COND_FIRST = "cond"  # where: the first operand (a bool) as it is, the others to the result's
+AS_IS = "as_is"  # cast: the operand as it is
+
+class _Required:
+    """The default of a parameter that has none (it must be given)."""
+
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One parameter. kind 'value': an expression operand; 'word': a compile-time word from
+    `choices` (a reduction op, a dtype, a direction); 'int': an integer literal >= `minimum`.
+    A parameter with a default may be given by keyword (and is printed as one). literal: the
+    dtype a number written for this value takes (layernorm's eps is an f32 even when written 1)."""
+
+    name: str
+    kind: str = "value"
+    choices: tuple[str, ...] = ()
+    default: Any = REQUIRED
+    minimum: int = 0
+    literal: str | None = None
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+@dataclass(frozen=True)
+class Infix:
+    """An operator written between its operands. prec: the grammar's level (0 comparisons,
+    1 + -, 2 * /, 4 **; unary minus is 3); right: `atom ** unary` (binds to the right)."""
+
+    symbol: str
+    prec: int
+    right: bool = False
+
+
+ATOM = 9  # C++ precedence of a call or a name (higher binds tighter)
+
+
+@dataclass(frozen=True)
+class Cpp:
+    """C++ computing one element: `template` with {0}, {1}, ... for the operands, {ct} for the
+    result's compute type and {ctype} for its storage type. prec: the C++ precedence of the
+    result (ATOM for a call); operand_prec[i]: the precedence operand i needs to go without
+    parentheses (missing: 0, i.e. inside a call's parentheses)."""
+
+    template: str
+    prec: int = ATOM
+    operand_prec: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cost:
+    """For a cost model. flops: per result element (inner: also per step of the contracted
+    dim, K for matmul, C*KH*KW for conv2d); transcendental: exp/log/sqrt/erf calls per result
+    element; comm: bytes each rank sends per byte of input (ring algorithms, the (R-1)/R
+    factor left out). Memory traffic follows from the operand and result types."""
+
+    flops: float = 1.0
+    transcendental: float = 0.0
+    inner: bool = False
+    comm: float = 0.0
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """An operation. `numpy`: the reference function of the operands' arrays (converted as
+    `operands` says) and of the word/int parameters by keyword; for a reduction, the per-rank
+    partial result, combined across ranks by summing and then `finish`ed. numpy=None: the
+    interpreter implements the operation itself (it needs ranks, segments or the RNG).
+    `cpp`: the C++ expression of one element, for pointwise operations (None: the backend
+    renders it: dropout needs the element's index, the others are not expressions)."""
+
+    name: str
+    kind: str
+    params: tuple[Arg, ...]
+    typing: tr.Rule = tr.pointwise_rule
+    slicing: str = FREE
+    numpy: Callable[..., Any] | None = None
+    finish: Callable[[Any], Any] | None = None
+    cpp: Cpp | None = None
+    operands: str = TO_RESULT
+    cost: Cost = field(default_factory=Cost)
+    infix: Infix | None = None
+    prefix: str | None = None  # a prefix operator (unary minus)
+    fusable: bool = True  # may join a fused loop or fused collective
+    doc: str = ""
+
+    @property
+    def called(self) -> bool:
+        """Written `name(args)` in a program (not an operator)."""
+        return self.infix is None and self.prefix is None
+
+    @property
+    def values(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.params if a.kind == "value")
+
+    @property
+    def settings(self) -> tuple[Arg, ...]:
+        """The compile-time parameters (words and integers): the IR's attrs."""
+        return tuple(a for a in self.params if a.kind != "value")
+
+    def defaults(self) -> dict[str, Any]:
+        return {a.name: a.default for a in self.params if not a.required}
+
+
+# --- the registry ----------------------------------------------------------------------
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+def register(d: OpDef) -> OpDef:
+    if d.name in REGISTRY:
+        raise ValueError(f"operation '{d.name}' is already registered")
+    if d.kind not in KINDS or d.slicing not in SLICINGS:
+        raise ValueError(f"operation '{d.name}': kind {d.kind!r} / slicing {d.slicing!r}")
+    if d.kind == "pointwise" and (d.numpy is None or d.cpp is None):
+        raise ValueError(f"pointwise operation '{d.name}' needs a numpy function and a Cpp template")
+    REGISTRY[d.name] = d
+    return d
+
+
+def unregister(name: str) -> None:
+    del REGISTRY[name]
+
+
+@contextmanager
+def registered(d: OpDef) -> Iterator[OpDef]:
+    """`with registered(OpDef(...)):` the operation exists inside the block only."""
+    register(d)
+    try:
+        yield d
+    finally:
+        unregister(d.name)
+
+
+def get(name: str) -> OpDef:
+    if name not in REGISTRY:
+        raise KeyError(f"no operation '{name}' in the registry")
+    return REGISTRY[name]
+
+
+def called(name: str) -> OpDef | None:
+    """The operation a program calls as `name(...)`, if any."""
+    d = REGISTRY.get(name)
+    return d if d is not None and d.called else None
+
+
+def infix(symbol: str) -> OpDef:
+    return next(d for d in REGISTRY.values() if d.infix is not None and d.infix.symbol == symbol)
+
+
+def prefix(symbol: str) -> OpDef:
+    return next(d for d in REGISTRY.values() if d.prefix == symbol)
+
+
+def names(*kinds: str) -> tuple[str, ...]:
+    return tuple(n for n, d in REGISTRY.items() if d.kind in kinds)
+
+
+def attr(op: Any, name: str) -> Any:
+    """An IR Op's attribute, or the registry's default for it."""
+    return op.attr(name, get(op.op).defaults().get(name))
+
+
+# --- the operations ----------------------------------------------------------------------
+
+X = (Arg("x"),)
+AB = (Arg("a"), Arg("b"))
+OP = Arg("op", "word", REDUCE_OPS)
+ROOT = Arg("root", "int")
+
+
+def _unary(name: str, fn: Callable[..., Any], cpp: str, flops: float = 1, trans: float = 0) -> None:
+    rule = tr.float_valued if trans else tr.pointwise_rule  # transcendental: never an integer
+    register(OpDef(name, "pointwise", X, rule, numpy=fn, cpp=Cpp(cpp + "({0})"),
+                   cost=Cost(flops, trans)))
+
+
+def _binary(name: str, sym: str, prec: int, fn: Callable[..., Any], cpp_prec: int,
+            compare: bool = False) -> None:
+    rule = tr.compare if compare else tr.pointwise_rule
+    register(OpDef(name, "pointwise", AB, rule, numpy=fn, infix=Infix(sym, prec, sym == "**"),
+                   cpp=Cpp(f"{{0}} {sym} {{1}}", cpp_prec, (cpp_prec, cpp_prec + 1)),
+                   operands=TO_COMMON if compare else TO_RESULT))
+
+
+def _function2(name: str, fn: Callable[..., Any], cpp: str, flops: float = 1, trans: float = 0,
+               infix: Infix | None = None) -> None:
+    register(OpDef(name, "pointwise", AB, numpy=fn, cpp=Cpp(cpp + "<{ct}>({0}, {1})"),
+                   infix=infix, cost=Cost(flops, trans)))
+
+
+_fn: Callable[..., Any]  # the loops below share their variables
+for _name, _sym, _prec, _fn, _cprec in (("add", "+", 1, np.add, 6), ("sub", "-", 1, np.subtract, 6),
+                                        ("mul", "*", 2, np.multiply, 7), ("div", "/", 2, ref.div, 7)):
+    _binary(_name, _sym, _prec, _fn, _cprec)
+for _name, _sym, _fn, _cprec in (("lt", "<", np.less, 5), ("le", "<=", np.less_equal, 5),
+                                 ("gt", ">", np.greater, 5), ("ge", ">=", np.greater_equal, 5),
+                                 ("eq", "==", np.equal, 4), ("ne", "!=", np.not_equal, 4)):
+    _binary(_name, _sym, 0, _fn, _cprec, compare=True)
+_function2("pow", np.power, "coconet::power", 2, 2, infix=Infix("**", 4, right=True))
+_function2("min", np.minimum, "coconet::minimum")
+_function2("max", np.maximum, "coconet::maximum")
+register(OpDef("neg", "pointwise", X, numpy=np.negative, prefix="-", cpp=Cpp("-{0}", 8, (8,))))
+for _name, _fn, _cpp, _flops, _trans in (
+        ("sqrt", np.sqrt, "std::sqrt", 1, 1), ("rsqrt", ref.rsqrt, "coconet::rsqrt", 2, 1),
+        ("exp", np.exp, "std::exp", 1, 1), ("log", np.log, "std::log", 1, 1),
+        ("abs", np.abs, "std::abs", 1, 0), ("tanh", np.tanh, "std::tanh", 1, 1),
+        ("sigmoid", ref.sigmoid, "coconet::sigmoid", 3, 1), ("relu", ref.relu, "coconet::relu", 1, 0),
+        ("gelu", ref.gelu, "coconet::gelu", 4, 1)):
+    _unary(_name, _fn, _cpp, _flops, _trans)
+register(OpDef("where", "pointwise", (Arg("cond"), Arg("a"), Arg("b")), tr.where, numpy=np.where,
+               cpp=Cpp("(({0}) ? {ct}({1}) : {ct}({2}))"), operands=COND_FIRST))
+register(OpDef("cast", "pointwise", (Arg("x"), Arg("dtype", "word", DTYPES)), tr.cast,
+               numpy=ref.cast, cpp=Cpp("coconet::cast_to<{ctype}>({0})"), operands=AS_IS,
+               cost=Cost(0)))
+
+register(OpDef("dropout", "random", (Arg("x"), Arg("p"), Arg("seed")), tr.dropout,
+               cost=Cost(20), doc="the mask comes from the counter-based RNG (interp/rng.py)"))
+
+register(OpDef("sum", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sum_partial))
+register(OpDef("norm", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sumsq_partial,
+               finish=np.sqrt, cost=Cost(2)))
+register(OpDef("segment_norm", "reduction", X, tr.segment_norm, PARTIAL, cost=Cost(2)))
+
+register(OpDef("matmul", "tensor", AB, tr.matmul, NEVER, numpy=np.matmul, fusable=False,
+               cost=Cost(2, inner=True)))
+register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg("eps", literal="f32")),
+               tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1)))
+register(OpDef("conv2d", "tensor", (Arg("x"), Arg("w"), Arg("stride", "int", default=1, minimum=1),
+                                    Arg("padding", "int", default=0)),
+               tr.conv2d, NEVER, numpy=ref.conv2d, fusable=False, cost=Cost(2, inner=True)))
+
+_DIM = Arg("dim", "int", default=0)
+for _name, _params, _comm in (
+        ("allreduce", (OP, Arg("x")), 2.0), ("reducescatter", (OP, Arg("x"), _DIM), 1.0),
+        ("allgather", X, 1.0), ("broadcast", (Arg("x"), ROOT), 1.0),
+        ("reduce", (OP, Arg("x"), ROOT), 1.0), ("scatter", (Arg("x"), _DIM), 0.0),
+        ("send", (Arg("x"), Arg("direction", "word", ("next", "prev"))), 1.0)):
+    register(OpDef(_name, "collective", _params, tr.collective, FREE if _name == "send" else NEVER,
+                   cost=Cost(0, comm=_comm)))
