@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check coconetc tests cmake
+	$(VENV)/bin/mypy coconetc
 
 test: lint
 	$(PY) -m pytest -n 2 tests

@@ -4,6 +4,7 @@ Python traceback (--debug shows it)."""
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 import traceback
 
 import click
@@ -15,7 +16,7 @@ from coconetc.errors import CompileError
 _DEBUG = {"on": False}
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     click.echo(message, err=True)
     sys.exit(1)
 
