@@ -7,6 +7,7 @@ bug of the planner or the backend, never an acceptable outcome."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
@@ -131,6 +132,22 @@ def test_accepted_programs_run_and_match(accepted_file, ranks: int) -> None:
         if res.returncode != 0 or "matches the interpreter" not in res.stdout:
             bad.append(f"{name}: rc={res.returncode}\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}")
     assert not bad, "\n\n".join(bad)
+
+
+CASES = Path(__file__).with_name("programs") / "plan_cases.ccn"
+CASE_SIZES = {"ln": "B=2 S=5 K=6 H=4", "arf": "N=13", "lam": "N=13", "d2": "B=3 H=5"}
+
+
+@pytest.mark.parametrize("name", sorted(CASE_SIZES))
+def test_plan_cases_run_and_match(name: str) -> None:
+    sizes = [f"--size={s}" for s in CASE_SIZES[name].split()]
+    for ranks, chunk in ((2, None), (3, "2")):
+        env = {**os.environ, **({"COCONET_CHUNK": chunk} if chunk else {})}
+        res = subprocess.run([sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(CASES),
+                              "-p", name, "-s", "all", "--ranks", str(ranks), *sizes],
+                             capture_output=True, text=True, timeout=900, env=env)
+        assert res.returncode == 0, f"{name} on {ranks} ranks:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+        assert "MISMATCH" not in res.stdout and res.stdout.count("matches the interpreter") >= 2
 
 
 def _symbols(path: Path, name: str) -> set[str]:

@@ -123,8 +123,12 @@ def _why_not_chunkable(p: Program, s: Stage, first: Stage, inside: dict, scatter
                        rows_ok: bool) -> str:
     if s.type.shape != first.type.shape or s.type.layout != first.type.layout:
         return f"its elements ({s.type}) are not those of the chunk ({first.type})"
+    fusion = p.fusion_of(s.name)
+    members = set(fusion.stages) if fusion is not None else set()
     for n in walk(s.expr):
         if isinstance(n, Op) and n.op not in POINTWISE:
+            if not {r.name for r in walk(n) if isinstance(r, Ref)} & (members | set(inside)):
+                continue  # reads nothing of the fusion: computed before the fused collective
             if n.op == "layernorm" and not rows_ok:
                 return "a layernorm inside an overlapped fused collective"
             return f"{n.op} needs every chunk first"

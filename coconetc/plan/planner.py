@@ -355,11 +355,13 @@ class _Planner:
             self._place(coll)
         else:
             self._buffer(coll.name, coll.type, "register", line=_line(coll.span))
+        # what a chunk's stages compute from outside the fusion (norm(w), ...) comes first
+        exprs = {c.name: c.expr if _is_rows(c) else self._hoist(c.expr, c.name) for c in f.computes}
         lets: list[Let] = []
         phases = []
         for ph in _phases(f.computes):
             rows = _is_rows(ph[0])
-            items = tuple(Item(c.name, c.expr if rows else self._scalars_out(c.expr, c.name, lets),
+            items = tuple(Item(c.name, exprs[c.name] if rows else self._scalars_out(exprs[c.name], c.name, lets),
                                c.name in stored) for c in ph)
             phases.append(Phase("rows" if rows else "pointwise", items))
         if store_reduced:
