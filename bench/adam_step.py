@@ -72,7 +72,7 @@ def main() -> int:
     if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
         import coconetc
         coconetc.load(HERE.parent / "examples" / "adam.ccn")  # build once, before the ranks start
-        from coconetc.build.launch import run_python
+        from coconetc.launch.mpiexec import run_python
         return run_python(a.ranks, [__file__, *sys.argv[1:]])
     import coconetc
     from mpi4py import MPI

@@ -9,5 +9,5 @@ __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__",
 
 def load(path, log=None):
     """Compile a .ccn file for the CPU (cached) and import it: one function per program."""
-    from coconetc.build.loader import load as _load
+    from coconetc.runtime.loader import load as _load
     return _load(path, log)

@@ -148,7 +148,7 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     rank's results with the interpreter and prints timings. --interp: simulated ranks only."""
     if ranks % groups:
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
-    from coconetc.interp.harness import size_symbols
+    from coconetc.harness.core import size_symbols
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
@@ -165,13 +165,13 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
 def _run_compiled(mod: Module, name, names, ranks, groups, sizes, seed, save) -> None:
     """Build in this process (progress on stderr), then run the worker on R ranks."""
     from coconetc.build.builder import BuildError
-    from coconetc.build.launch import run_python
-    from coconetc.build.loader import compile_module
+    from coconetc.launch.mpiexec import run_python
+    from coconetc.runtime.loader import compile_module
     try:
         compile_module(mod.file)
     except (BuildError, CompileError) as err:
         _fail(str(err))
-    argv = ["-m", "coconetc.build.worker", mod.file, "--program", name, "--groups", str(groups),
+    argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--schedule={s or 'default'}" for s in names
              if s is None or not mod.schedule(name, s).auto]
@@ -187,7 +187,7 @@ def _run_compiled(mod: Module, name, names, ranks, groups, sizes, seed, save) ->
 def compile(file: str, output: str | None, backend: str) -> None:  # noqa: A001 - the command's name
     """Generate C++ for every program and schedule of FILE and build the extension module."""
     from coconetc.build.builder import BuildError
-    from coconetc.build.loader import compile_module
+    from coconetc.runtime.loader import compile_module
     _load(file)
     try:
         _, src, so = compile_module(file, output)
@@ -199,8 +199,8 @@ def compile(file: str, output: str | None, backend: str) -> None:  # noqa: A001 
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
-    from coconetc.interp.harness import DEFAULT_SIZE, size_symbols
-    from coconetc.interp.session import run_interp, save_npz
+    from coconetc.harness.core import DEFAULT_SIZE, size_symbols
+    from coconetc.harness.session import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
         click.echo(f"{name} [auto]: skipped (the autotuner chooses; not built yet)")
         return False

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 from coconetc import cli
 from coconetc.driver import Module, ScheduleIR, load_file, load_source
-from coconetc.interp.session import run_interp
+from coconetc.harness.session import run_interp
 from coconetc.ir import printer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
-from coconetc.interp.rng import site_key
+from coconetc.common.rng_keys import site_key
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Op, Ref, Stage, walk
 from coconetc.ir.types import TType
 
