@@ -1,10 +1,12 @@
 """`coconetc.load(file)`: compile (cached), import, and wrap the module so that each program is
 a Python function taking keyword arguments named as in the program.
 
-A call checks every argument on this rank (presence, type, dtype, rank, contiguity), then all
-ranks exchange what they were given (one small allgather), so that sizes bound across ranks
-(sliced dims) are checked identically everywhere and every rank raises the same error if any
-rank's arguments are wrong: no buffer is touched and nobody is left waiting in a collective."""
+A call checks every argument on this rank (presence, type, dtype, rank, contiguity, buffers
+that overlap, PyTorch autograd rules: coconetc/common/validate.py), then the ranks of the
+communicator agree on the call (coconetc/runtime/agree.py: one small non-blocking allgather
+under a watchdog): the function and schedule, groups, every scalar's value, the sizes bound
+across ranks. Any error raises on every rank before any buffer is touched, and nobody is left
+waiting in a collective. Nothing here imports the interpreter (coconetc/interp)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,14 @@ import numpy as np
 
 from coconetc.build import builder
 from coconetc.codegen.cpu import DEFAULT, Sources, function_name, generate, variants
+from coconetc.common.dtypes import STORAGE
+from coconetc.common.slices import slice_range
+from coconetc.common.validate import bind_sizes, check_param, describe, is_torch, overlapping
 from coconetc.driver import Module, load_file
-from coconetc.interp.bind import bind
-from coconetc.interp.values import STORAGE, slice_range
-from coconetc.ir.nodes import Param, Program
+from coconetc.errors import CompileError, Span
+from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim
+from coconetc.runtime import agree
 
 
 _PROBE = "ccn_module_name_placeholder"
@@ -29,7 +34,11 @@ _PROBE = "ccn_module_name_placeholder"
 
 def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None):
     """Generate and build FILE's module; returns (Module, Sources, path of the .so)."""
+    builder.require_cpu_extra()
     mod = load_file(path)
+    if not mod.programs:
+        raise CompileError.at(Span(str(path), 1, 1, 1, 1, mod.source),
+                              "no program in this file: nothing to compile")
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
     probe = generate(mod, _PROBE)
     key = builder.build_key(probe.cpp + probe.cmake, "cpu")
@@ -67,12 +76,19 @@ class CompiledModule:
         return f"<coconet module {self.sources.module}: {', '.join(self.programs)}>"
 
 
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
 @dataclass
 class _Local:
-    """What one rank was given: shapes and segment sizes (exchanged), or its error."""
+    """One call on this rank: its checked arguments, the PyTorch tensors it updates, and what
+    the other ranks are told (the call's description, or this rank's error)."""
 
-    shapes: dict[str, Any]
-    error: tuple[str, str] | None = None
+    program: Program | None
+    values: dict[str, Any]
+    torch_updated: list[Any]
+    torch_out: bool
+    shared: tuple
 
 
 class ProgramFunction:
@@ -96,20 +112,27 @@ class ProgramFunction:
         return self.schedules[key]
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
+        builder.require_cpu_extra()
         from mpi4py import MPI
         comm = MPI.COMM_WORLD if comm is None else comm
-        p = self._program(schedule)
-        local = _check_local(p, kwargs)
-        everyone = comm.allgather(_describe(p, local.shapes) if local.error is None else local.error)
-        _raise_first_error(everyone, comm.Get_rank(), local)
-        arrays = local.shapes
-        b = bind(p, [_dummies(p, d) for d in everyone], groups)
-        return self._run(p, arrays, b, comm, groups, schedule)
+        if not isinstance(comm, MPI.Comm) or comm.Is_inter():
+            raise TypeError(f"{self.name}(): comm must be an mpi4py intra-communicator, "
+                            f"got {type(comm).__name__}")
+        local = _check_local(self, schedule, groups, comm.Get_size(), kwargs)
+        what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
+        everyone = agree.exchange(comm, local.shared, what)
+        sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared)
+        out = self._run(local.program, local.values, sizes, segments, comm, groups, schedule)
+        if local.torch_updated:
+            import torch
+            torch.autograd.graph.increment_version(local.torch_updated)
+        if local.torch_out:
+            out = [_as_torch(o) for o in out]
+        return None if not out else out[0] if len(out) == 1 else tuple(out)
 
-    def _run(self, p: Program, arrays: dict, b, comm, groups: int, schedule):
+    def _run(self, p: Program, arrays: dict, sizes: dict, segments, comm, groups: int, schedule):
         from mpi4py import MPI
         args = self.ext.CallArgs()
-        seg_sizes = list(b.segments or ())
         tensors, seg_ptrs = [], []
         for q in p.params:
             if q.scalar:
@@ -121,20 +144,20 @@ class ProgramFunction:
             else:
                 tensors.append(v.ctypes.data)
                 seg_ptrs.append([])
-        rank = comm.Get_rank() % b.group_size
-        outs = [np.empty(_local_shape(p.stage(s).type if p.stage(s) else p.param(s).type, b.sizes,
-                                      b.group_size, rank), dtype=STORAGE[p.type_of(s).dtype])
+        gs = comm.Get_size() // groups
+        rank = comm.Get_rank() % gs
+        outs = [np.empty(_local_shape(p.stage(s).type if p.stage(s) else p.param(s).type, sizes,
+                                      gs, rank), dtype=STORAGE[p.type_of(s).dtype])
                 for _, s in p.outputs]
-        args.tensors, args.seg_ptrs, args.seg_sizes = tensors, seg_ptrs, seg_sizes
+        args.tensors, args.seg_ptrs, args.seg_sizes = tensors, seg_ptrs, list(segments or ())
         args.outputs = [o.ctypes.data for o in outs]
-        args.sizes = [b.sizes[s] for s in sorted(b.sizes)]
+        args.sizes = [sizes[s] for s in sorted(sizes)]
         scal = [q for q in p.params if q.scalar]
         args.scalars = [float(arrays[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
         args.iscalars = [int(arrays[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
         args.comm, args.groups = MPI._handleof(comm), groups
         getattr(self.ext, function_name(self.name, schedule or DEFAULT))(args)
-        outs = [_as_torch(o) if arrays.get("__torch__") else o for o in outs]
-        return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
+        return outs
 
 
 def _local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
@@ -150,47 +173,13 @@ def _as_torch(a: np.ndarray):
     return torch.from_numpy(a)
 
 
-def _to_numpy(q: Param, v: Any, updated: bool) -> np.ndarray:
-    """A NumPy view (never a copy) of an array or a CPU tensor, checked."""
-    if type(v).__module__.startswith("torch"):
-        if v.device.type != "cpu":
-            raise ValueError(f"'{q.name}' is on {v.device}; this module runs on the CPU")
-        if not v.is_contiguous():
-            raise ValueError(f"'{q.name}' is not contiguous; pass .contiguous()")
-        v = v.detach().numpy()
-    if not isinstance(v, np.ndarray):
-        raise TypeError(f"'{q.name}' must be a NumPy array or a PyTorch tensor ({q.type}), "
-                        f"got {type(v).__name__}")
-    if v.dtype != STORAGE[q.type.dtype]:
-        raise TypeError(f"'{q.name}' must have dtype {q.type.dtype}, got {v.dtype}")
-    if not v.flags.c_contiguous:
-        raise ValueError(f"'{q.name}' is not contiguous (C order); pass np.ascontiguousarray(...)")
-    if updated and not v.flags.writeable:
-        raise ValueError(f"'{q.name}' is updated in place but is read-only")
-    return v
-
-
-def _check_param(p: Program, q: Param, v: Any, updated: set[str]) -> Any:
-    if q.scalar:
-        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-            v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
-            raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
-        return v
-    if q.scattered and isinstance(v, (list, tuple)):
-        parts = [_to_numpy(q, x, q.name in updated) for x in v]
-        for x in parts:
-            if x.ndim != 1:
-                raise ValueError(f"'{q.name}': every segment must be 1-d, got shape {x.shape}")
-        return parts
-    a = _to_numpy(q, v, q.name in updated)
-    if a.ndim != q.type.ndim:
-        raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {a.shape}")
-    return [a] if q.scattered else a
-
-
-def _check_local(p: Program, kwargs: dict) -> _Local:
+# --- this rank's arguments -------------------------------------------------------------------
+def _check_local(fn: ProgramFunction, schedule, groups, size: int, kwargs: dict) -> _Local:
+    """This rank's arguments checked; `shared` is ("ok", description) or ("error", kind, text)."""
     try:
+        p = fn._program(schedule)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"{fn.name}(): groups must be a positive integer, got {groups!r}")
         names = {q.name for q in p.params}
         extra = sorted(set(kwargs) - names)
         if extra:
@@ -200,40 +189,77 @@ def _check_local(p: Program, kwargs: dict) -> _Local:
         for q in p.params:
             if q.name not in kwargs:
                 raise TypeError(f"{p.name}() missing argument '{q.name}'")
-            values[q.name] = _check_param(p, q, kwargs[q.name], updated)
-        values["__torch__"] = any(type(v).__module__.startswith("torch") for v in kwargs.values())
-        return _Local(values)
-    except (TypeError, ValueError) as err:
-        return _Local({}, (type(err).__name__, str(err)))
+            values[q.name] = check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
+        both = overlapping(p, values)
+        if both:
+            raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory (the same "
+                             "buffer, or views of one); pass separate arrays: the parameters of "
+                             "a coconet program may not alias")
+        torch_updated = _torch_updates(p, kwargs, updated)
+        torch_out = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
+                        for v in kwargs.values())
+        desc = (fn.ext.__name__, fn.name, schedule or DEFAULT, groups, size, _scalar_bits(p, values),
+                describe(p, values))
+        return _Local(p, values, torch_updated, torch_out, ("ok", desc))
+    except (TypeError, ValueError, RuntimeError) as err:
+        return _Local(None, {}, [], False, ("error", type(err).__name__, str(err)))
 
 
-def _raise_first_error(everyone: list, rank: int, local: _Local) -> None:
-    if local.error is not None:
-        kind, msg = local.error
-        raise {"TypeError": TypeError, "ValueError": ValueError}[kind](msg)
+def _torch_updates(p: Program, kwargs: dict, updated: set[str]) -> list[Any]:
+    """The PyTorch tensors the call updates in place. Outside torch.no_grad() one that requires
+    grad is refused, as PyTorch refuses an in-place operation on a leaf that requires grad;
+    under no_grad their version counters are bumped after the call (as torch.optim does)."""
+    found = []
+    for q in p.params:
+        if q.name not in updated:
+            continue
+        v = kwargs[q.name]
+        found += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if is_torch(t)]
+    if not found:
+        return []
+    import torch
+    for t in found:
+        if t.requires_grad and torch.is_grad_enabled():
+            name = next(q.name for q in p.params if q.name in updated and _holds(kwargs[q.name], t))
+            kind = "a leaf Variable" if t.is_leaf else "a tensor"
+            raise RuntimeError(f"'{name}': {kind} that requires grad is being used in an in-place "
+                               f"operation ({p.name} updates '{name}' in place); call it under "
+                               "torch.no_grad(), as optimizers do")
+    return found
+
+
+def _holds(v: Any, t: Any) -> bool:
+    return v is t or (isinstance(v, (list, tuple)) and any(x is t for x in v))
+
+
+def _scalar_bits(p: Program, values: dict) -> dict[str, tuple[Any, bytes]]:
+    """Each scalar's value and its bits in the parameter's dtype (what the ranks compare)."""
+    return {q.name: (values[q.name], np.asarray(values[q.name], STORAGE[q.type.dtype]).tobytes())
+            for q in p.params if q.scalar}
+
+
+# --- what every rank was given ---------------------------------------------------------------
+def _agree(everyone: list, rank: int, p: Program | None, mine: tuple):
+    """Raises (the same on every rank) unless every rank's call is well-formed and agrees;
+    returns (the size symbols, the segment sizes)."""
+    if mine[0] == "error":
+        raise _ERRORS[mine[1]](mine[2])
     for r, item in enumerate(everyone):
-        if isinstance(item, tuple):
-            raise ValueError(f"rank {r} was given bad arguments: {item[1]}")
-
-
-def _describe(p: Program, values: dict) -> dict:
-    """What the other ranks need to know of this rank's arguments: shapes, not data."""
-    out: dict[str, Any] = {}
-    for q in p.params:
-        v = values[q.name]
-        out[q.name] = v if q.scalar else [x.shape for x in v] if isinstance(v, list) else v.shape
-    return out
-
-
-def _dummies(p: Program, desc: dict) -> dict:
-    """Zero-cost stand-ins with another rank's shapes, for the cross-rank size checks."""
-    out: dict[str, Any] = {}
-    for q in p.params:
-        v, dt = desc[q.name], STORAGE[q.type.dtype]
-        if q.scalar:
-            out[q.name] = v
-        elif isinstance(v, list):
-            out[q.name] = [np.broadcast_to(np.zeros((), dt), s) for s in v]
-        else:
-            out[q.name] = np.broadcast_to(np.zeros((), dt), v)
-    return out
+        if item[0] == "error":
+            raise _ERRORS[item[1]](f"rank {r} was given bad arguments: {item[2]}")
+    descs = [item[1] for item in everyone]
+    what = ("module", "function", "schedule", "groups", "communicator size")
+    for k, label in enumerate(what):
+        bad = agree.differ([d[k] for d in descs])
+        if bad:
+            raise ValueError(f"{p.name}(): the ranks disagree on the {label}: {bad}")
+    groups, gs = descs[rank][3], len(descs) // descs[rank][3]
+    if len(descs) % groups == 0:
+        for name in descs[rank][5]:
+            for g in range(0, len(descs), gs):
+                bad = agree.differ([d[5][name] for d in descs[g:g + gs]], key=lambda vb: vb[1],
+                                   show=lambda vb: vb[0], first=g)
+                if bad:
+                    raise ValueError(f"{p.name}(): scalar '{name}' differs between ranks ({bad}); "
+                                     "a scalar must be the same on every rank of a group")
+    return bind_sizes(p, [d[6] for d in descs], groups)
