@@ -53,7 +53,7 @@ def _baseline(comm, g, w, args):
 
 
 def _coconet(mod, sched, comm, g, w, m, v):
-    from coconetc.interp.values import slice_range
+    from coconetc.common.slices import slice_range
     R, r = comm.Get_size(), comm.Get_rank()
     if sched == "zero":
         lo, hi = slice_range(len(m), R, r)

@@ -59,7 +59,7 @@ def main() -> int:
     import coconetc
     from mpi4py import MPI
 
-    from coconetc.interp.values import slice_range
+    from coconetc.common.slices import slice_range
     comm = MPI.COMM_WORLD
     os.environ.setdefault("COCONET_THREADS", "1")
     import torch

@@ -4,6 +4,12 @@ communication are both first-class."""
 from coconetc.errors import CompileError, Diagnostic, ScheduleError, Span
 
 __version__ = "0.1.0"
+
+# In an MPI job of several ranks, an uncaught exception aborts the job instead of leaving the
+# other ranks waiting (coconetc/runtime/hooks.py; nothing MPI is imported here).
+from coconetc.runtime import hooks as _hooks  # noqa: E402
+
+_hooks.install()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "load"]
 
 

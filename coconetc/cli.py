@@ -10,7 +10,8 @@ import click
 import numpy as np
 
 from coconetc.driver import Module, load_file
-from coconetc.errors import CompileError
+from coconetc.common.limits import INT64_MAX, too_big
+from coconetc.errors import CompileError, Span
 
 _DEBUG = {"on": False}
 
@@ -32,7 +33,14 @@ def _load(path: str) -> Module:
     raise AssertionError
 
 
+def _no_program(mod: Module) -> str:
+    return CompileError.at(Span(mod.file, 1, 1, 1, 1, mod.source),
+                           "no program in this file: nothing to check, run or compile").render()
+
+
 def _pick_program(mod: Module, program: str | None, schedule: str | None) -> str:
+    if not mod.programs:
+        _fail(_no_program(mod))
     if program is None and schedule not in (None, "all") and len(mod.programs) > 1:
         owners = [p for p, s in mod.schedules.items() if schedule in s]
         if len(owners) == 1:
@@ -68,6 +76,10 @@ def check(files: tuple[str, ...]) -> None:
             continue
         except OSError as err:
             click.echo(f"coconetc: cannot read {f}: {err.strerror}", err=True)
+            failed = True
+            continue
+        if not mod.programs:
+            click.echo(_no_program(mod), err=True)
             failed = True
             continue
         n = sum(len(s) for s in mod.schedules.values())
@@ -107,7 +119,26 @@ def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
             _fail(f"coconetc: --size {item}: the program has no size symbol '{name}' "
                   f"(size symbols: {', '.join(known) or 'none'})")
         out[name] = int(value)
+        if out[name] > INT64_MAX:
+            _fail(f"coconetc: --size {item}: a size must fit int64 (at most {INT64_MAX})")
     return out
+
+
+def _check_sizes(p, sizes: dict[str, int], default: int) -> None:
+    """Every tensor of the program, at these sizes, fits int64 in elements and bytes; else a
+    located error at the parameter or stage that does not."""
+    from coconetc.harness.core import size_symbols
+    from coconetc.ir.types import eval_dim
+    env = {s: sizes.get(s, default) for s in size_symbols(p)}
+    shown = ", ".join(f"{k}={v}" for k, v in env.items())
+    for item in (*p.params, *p.stages):
+        t = item.type
+        if not t.shape:
+            continue
+        big = too_big((eval_dim(d, env) for d in t.shape), t.dtype)
+        if big:
+            _fail(CompileError.at(item.span, f"with {shown}, '{item.name}' ({t}) is too large: "
+                                  f"{big}").render())
 
 
 def _schedule_names(mod: Module, name: str, schedule: str | None) -> list[str | None]:
@@ -152,6 +183,8 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
+    from coconetc.harness.core import DEFAULT_SIZE
+    _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     names = _schedule_names(mod, name, schedule)
     if not interp:
         _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
@@ -188,7 +221,8 @@ def compile(file: str, output: str | None, backend: str) -> None:  # noqa: A001 
     """Generate C++ for every program and schedule of FILE and build the extension module."""
     from coconetc.build.builder import BuildError
     from coconetc.runtime.loader import compile_module
-    _load(file)
+    if not _load(file).programs:
+        _fail(_no_program(_load(file)))
     try:
         _, src, so = compile_module(file, output)
     except (BuildError, CompileError) as err:

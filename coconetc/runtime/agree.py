@@ -62,12 +62,12 @@ def _calls(comm) -> _Calls:
     return got
 
 
-def exchange(comm, mine: Any, what: str) -> list[Any]:
-    """Every rank's `mine` (picklable), in rank order, or the job aborts past the deadline."""
+def exchange(comm, mine: Any, what: str, limit: float) -> list[Any]:
+    """Every rank's `mine` (picklable), in rank order, or the job aborts after `limit` seconds
+    (0: no limit)."""
     from mpi4py import MPI
     calls = _calls(comm)
     calls.n += 1
-    limit = timeout_s()
     w = _Watch(comm, calls.n, what, limit)
     data = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
     counts = np.zeros(comm.Get_size(), np.int64)

@@ -89,6 +89,7 @@ class _Local:
     torch_updated: list[Any]
     torch_out: bool
     shared: tuple
+    timeout: float = agree.DEFAULT_TIMEOUT
 
 
 class ProgramFunction:
@@ -120,7 +121,7 @@ class ProgramFunction:
                             f"got {type(comm).__name__}")
         local = _check_local(self, schedule, groups, comm.Get_size(), kwargs)
         what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
-        everyone = agree.exchange(comm, local.shared, what)
+        everyone = agree.exchange(comm, local.shared, what, local.timeout)
         sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared)
         out = self._run(local.program, local.values, sizes, segments, comm, groups, schedule)
         if local.torch_updated:
@@ -176,7 +177,9 @@ def _as_torch(a: np.ndarray):
 # --- this rank's arguments -------------------------------------------------------------------
 def _check_local(fn: ProgramFunction, schedule, groups, size: int, kwargs: dict) -> _Local:
     """This rank's arguments checked; `shared` is ("ok", description) or ("error", kind, text)."""
+    timeout = agree.DEFAULT_TIMEOUT
     try:
+        timeout = agree.timeout_s()
         p = fn._program(schedule)
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"{fn.name}(): groups must be a positive integer, got {groups!r}")
@@ -200,9 +203,9 @@ def _check_local(fn: ProgramFunction, schedule, groups, size: int, kwargs: dict)
                         for v in kwargs.values())
         desc = (fn.ext.__name__, fn.name, schedule or DEFAULT, groups, size, _scalar_bits(p, values),
                 describe(p, values))
-        return _Local(p, values, torch_updated, torch_out, ("ok", desc))
+        return _Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
     except (TypeError, ValueError, RuntimeError) as err:
-        return _Local(None, {}, [], False, ("error", type(err).__name__, str(err)))
+        return _Local(None, {}, [], False, ("error", type(err).__name__, str(err)), timeout)
 
 
 def _torch_updates(p: Program, kwargs: dict, updated: set[str]) -> list[Any]:
