@@ -145,7 +145,7 @@ def test_mutated_examples(src: str) -> None:
 
 @settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(_mutated().filter(lambda s: _generate(s) is not None))
+@given(src=_mutated().filter(lambda s: _generate(s) is not None))
 def test_mutants_that_check_compile_as_cpp(src: str, tmp_path_factory) -> None:
     """A few mutants that pass `check`, through the C++ compiler (syntax and types only, no
     build): what the compiler accepts, the C++ compiler accepts."""
