@@ -11,6 +11,7 @@ waiting in a collective. Nothing here imports the interpreter (coconetc/interp).
 from __future__ import annotations
 
 import importlib.util
+import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class _Local:
 class ProgramFunction:
     def __init__(self, name: str, schedules: dict[str, Program], ext: Any):
         self.name, self.schedules, self.ext = name, schedules, ext
+        self._bound: list = []  # the last call's shapes and their sizes (see _agree)
         base = schedules[DEFAULT]
         self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
                         f"comm=None, groups=1); schedules: {', '.join(schedules)}")
@@ -122,7 +124,8 @@ class ProgramFunction:
         local = _check_local(self, schedule, groups, comm.Get_size(), kwargs)
         what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
         everyone = agree.exchange(comm, local.shared, what, local.timeout)
-        sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared)
+        sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared,
+                                 self._bound)
         out = self._run(local.program, local.values, sizes, segments, comm, groups, schedule)
         if local.torch_updated:
             import torch
@@ -198,11 +201,11 @@ def _check_local(fn: ProgramFunction, schedule, groups, size: int, kwargs: dict)
             raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory (the same "
                              "buffer, or views of one); pass separate arrays: the parameters of "
                              "a coconet program may not alias")
-        torch_updated = _torch_updates(p, kwargs, updated)
         torch_out = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
                         for v in kwargs.values())
-        desc = (fn.ext.__name__, fn.name, schedule or DEFAULT, groups, size, _scalar_bits(p, values),
-                describe(p, values))
+        torch_updated = _torch_updates(p, kwargs, updated) if torch_out else []
+        head = (fn.ext.__name__, fn.name, schedule or DEFAULT, groups, size)
+        desc = (head, _scalar_bits(p, values), describe(p, values))
         return _Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
     except (TypeError, ValueError, RuntimeError) as err:
         return _Local(None, {}, [], False, ("error", type(err).__name__, str(err)), timeout)
@@ -235,34 +238,62 @@ def _holds(v: Any, t: Any) -> bool:
     return v is t or (isinstance(v, (list, tuple)) and any(x is t for x in v))
 
 
-def _scalar_bits(p: Program, values: dict) -> dict[str, tuple[Any, bytes]]:
-    """Each scalar's value and its bits in the parameter's dtype (what the ranks compare)."""
-    return {q.name: (values[q.name], np.asarray(values[q.name], STORAGE[q.type.dtype]).tobytes())
-            for q in p.params if q.scalar}
+_PACK = {"f16": "<e", "f32": "<f", "f64": "<d", "i32": "<i", "i64": "<q"}
+
+
+def _bits(dtype: str, v: int | float) -> bytes:
+    fmt = _PACK.get(dtype)
+    if fmt is not None:
+        try:
+            return struct.pack(fmt, v)
+        except (OverflowError, struct.error):  # beyond the dtype's range: as NumPy rounds it
+            pass
+    return np.asarray(v, STORAGE[dtype]).tobytes()
+
+
+def _scalar_bits(p: Program, values: dict) -> tuple[tuple[str, Any, bytes], ...]:
+    """Each scalar's name, value and bits in the parameter's dtype (what the ranks compare)."""
+    return tuple((q.name, values[q.name], _bits(q.type.dtype, values[q.name]))
+                 for q in p.params if q.scalar)
 
 
 # --- what every rank was given ---------------------------------------------------------------
-def _agree(everyone: list, rank: int, p: Program | None, mine: tuple):
+_HEAD = ("module", "function", "schedule", "groups", "communicator size")
+
+
+def _agree(everyone: list, rank: int, p: Program | None, mine: tuple, cache: list):
     """Raises (the same on every rank) unless every rank's call is well-formed and agrees;
-    returns (the size symbols, the segment sizes)."""
+    returns (the size symbols, the segment sizes). `cache` holds the last call's shapes and
+    what they bound (a training loop calls with the same shapes again and again)."""
     if mine[0] == "error":
         raise _ERRORS[mine[1]](mine[2])
     for r, item in enumerate(everyone):
         if item[0] == "error":
-            raise _ERRORS[item[1]](f"rank {r} was given bad arguments: {item[2]}")
+            raise ValueError(f"rank {r} was given bad arguments: {item[2]}")
     descs = [item[1] for item in everyone]
-    what = ("module", "function", "schedule", "groups", "communicator size")
-    for k, label in enumerate(what):
-        bad = agree.differ([d[k] for d in descs])
+    first = descs[0][:2]
+    if any(d[:2] != first for d in descs):  # rare: find what differs, to say so
+        _disagreement(descs, rank, p)
+    shapes = [d[2] for d in descs]
+    groups = first[0][3]
+    if cache and cache[0] is p and cache[1] == groups and cache[2] == shapes:
+        return cache[3]
+    bound = bind_sizes(p, shapes, groups)
+    cache[:] = [p, groups, shapes, bound]
+    return bound
+
+
+def _disagreement(descs: list, rank: int, p: Program) -> None:
+    for k, label in enumerate(_HEAD):
+        bad = agree.differ([d[0][k] for d in descs])
         if bad:
             raise ValueError(f"{p.name}(): the ranks disagree on the {label}: {bad}")
-    groups, gs = descs[rank][3], len(descs) // descs[rank][3]
-    if len(descs) % groups == 0:
-        for name in descs[rank][5]:
-            for g in range(0, len(descs), gs):
-                bad = agree.differ([d[5][name] for d in descs[g:g + gs]], key=lambda vb: vb[1],
-                                   show=lambda vb: vb[0], first=g)
-                if bad:
-                    raise ValueError(f"{p.name}(): scalar '{name}' differs between ranks ({bad}); "
-                                     "a scalar must be the same on every rank of a group")
-    return bind_sizes(p, [d[6] for d in descs], groups)
+    groups = descs[rank][0][3]
+    gs = len(descs) // groups if len(descs) % groups == 0 else len(descs)
+    for i, (name, _, _) in enumerate(descs[rank][1]):
+        for g in range(0, len(descs), gs):
+            bad = agree.differ([d[1][i] for d in descs[g:g + gs]], key=lambda nvb: nvb[2],
+                               show=lambda nvb: nvb[1], first=g)
+            if bad:
+                raise ValueError(f"{p.name}(): scalar '{name}' differs between ranks ({bad}); "
+                                 "a scalar must be the same on every rank of a group")
