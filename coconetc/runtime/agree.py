@@ -1,5 +1,5 @@
 """Every call's entry: the ranks of the caller's communicator exchange what each was given
-(one non-blocking allgather of a few hundred bytes) and check that they agree, before any
+(a non-blocking allgather of lengths, then one of a few hundred bytes each) and check that they agree, before any
 buffer is touched; a rank that does not arrive in time stops the job (a watchdog).
 
 Exchanged: this rank's error, or the call's description: the function, the schedule, groups,

@@ -3,7 +3,7 @@ a Python function taking keyword arguments named as in the program.
 
 A call checks every argument on this rank (presence, type, dtype, rank, contiguity, buffers
 that overlap, PyTorch autograd rules: coconetc/common/validate.py), then the ranks of the
-communicator agree on the call (coconetc/runtime/agree.py: one small non-blocking allgather
+communicator agree on the call (coconetc/runtime/agree.py: small non-blocking allgathers
 under a watchdog): the function and schedule, groups, every scalar's value, the sizes bound
 across ranks. Any error raises on every rank before any buffer is touched, and nobody is left
 waiting in a collective. Nothing here imports the interpreter (coconetc/interp)."""
