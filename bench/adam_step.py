@@ -53,7 +53,7 @@ def _baseline(comm, g, w, args):
 
 
 def _coconet(mod, sched, comm, g, w, m, v):
-    from coconetc.interp.values import slice_range
+    from coconetc.common.slices import slice_range
     R, r = comm.Get_size(), comm.Get_rank()
     if sched == "zero":
         lo, hi = slice_range(len(m), R, r)
@@ -72,7 +72,7 @@ def main() -> int:
     if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
         import coconetc
         coconetc.load(HERE.parent / "examples" / "adam.ccn")  # build once, before the ranks start
-        from coconetc.build.launch import run_python
+        from coconetc.launch.mpiexec import run_python
         return run_python(a.ranks, [__file__, *sys.argv[1:]])
     import coconetc
     from mpi4py import MPI

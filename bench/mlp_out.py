@@ -54,12 +54,12 @@ def main() -> int:
     if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
         import coconetc
         coconetc.load(HERE.parent / "examples" / "mlp_out.ccn")
-        from coconetc.build.launch import run_python
+        from coconetc.launch.mpiexec import run_python
         return run_python(a.ranks, [__file__, *sys.argv[1:]])
     import coconetc
     from mpi4py import MPI
 
-    from coconetc.interp.values import slice_range
+    from coconetc.common.slices import slice_range
     comm = MPI.COMM_WORLD
     os.environ.setdefault("COCONET_THREADS", "1")
     import torch

@@ -45,10 +45,10 @@ def _import(path: str):
 
 
 def _check(a, comm) -> int:
-    from coconetc.build.loader import CompiledModule
+    from coconetc.runtime.loader import CompiledModule
     from coconetc.codegen.cpu import function_name, variants
     from coconetc.driver import load_file
-    from coconetc.interp.harness import adapt_inputs, compare, joined, random_inputs
+    from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
 
     ext = _import(a.module)

@@ -86,7 +86,7 @@ find_package(MPI REQUIRED COMPONENTS CXX)
 find_package(OpenMP COMPONENTS CXX)
 
 # Open MPI refuses root without --allow-run-as-root and more ranks than cores without
-# --oversubscribe (coconetc/build/launch.py adds the same).
+# --oversubscribe (coconetc/launch/mpiexec.py adds the same).
 set(COCONET_MPIEXEC_FLAGS "")
 set(COCONET_MPI_ENVIRONMENT "")
 execute_process(COMMAND "${MPIEXEC_EXECUTABLE}" --version OUTPUT_VARIABLE _coconet_mpiexec_version

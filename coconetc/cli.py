@@ -11,7 +11,8 @@ import click
 import numpy as np
 
 from coconetc.driver import SourceFile, load_file
-from coconetc.errors import CompileError
+from coconetc.common.limits import INT64_MAX, too_big
+from coconetc.errors import CompileError, Span
 
 _DEBUG = {"on": False}
 
@@ -33,7 +34,14 @@ def _load(path: str) -> SourceFile:
     raise AssertionError
 
 
+def _no_program(mod: SourceFile) -> str:
+    return CompileError.at(Span(mod.file, 1, 1, 1, 1, mod.source),
+                           "no program in this file: nothing to check, run or compile").render()
+
+
 def _pick_program(mod: SourceFile, program: str | None, schedule: str | None) -> str:
+    if not mod.programs:
+        _fail(_no_program(mod))
     if program is None and schedule not in (None, "all") and len(mod.programs) > 1:
         owners = [p for p, s in mod.schedules.items() if schedule in s]
         if len(owners) == 1:
@@ -74,6 +82,10 @@ def check(files: tuple[str, ...], backend: str) -> None:
             continue
         except OSError as err:
             click.echo(f"coconetc: cannot read {f}: {err.strerror}", err=True)
+            failed = True
+            continue
+        if not mod.programs:
+            click.echo(_no_program(mod), err=True)
             failed = True
             continue
         n = sum(len(s) for s in mod.schedules.values())
@@ -119,7 +131,26 @@ def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
             _fail(f"coconetc: --size {item}: the program has no size symbol '{name}' "
                   f"(size symbols: {', '.join(known) or 'none'})")
         out[name] = int(value)
+        if out[name] > INT64_MAX:
+            _fail(f"coconetc: --size {item}: a size must fit int64 (at most {INT64_MAX})")
     return out
+
+
+def _check_sizes(p, sizes: dict[str, int], default: int) -> None:
+    """Every tensor of the program, at these sizes, fits int64 in elements and bytes; else a
+    located error at the parameter or stage that does not."""
+    from coconetc.harness.core import size_symbols
+    from coconetc.ir.types import eval_dim
+    env = {s: sizes.get(s, default) for s in size_symbols(p)}
+    shown = ", ".join(f"{k}={v}" for k, v in env.items())
+    for item in (*p.params, *p.stages):
+        t = item.type
+        if not t.shape:
+            continue
+        big = too_big((eval_dim(d, env) for d in t.shape), t.dtype)
+        if big:
+            _fail(CompileError.at(item.span, f"with {shown}, '{item.name}' ({t}) is too large: "
+                                  f"{big}").render())
 
 
 def _schedule_names(mod: SourceFile, name: str, schedule: str | None) -> list[str | None]:
@@ -160,10 +191,12 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     rank's results with the interpreter and prints timings. --interp: simulated ranks only."""
     if ranks % groups:
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
-    from coconetc.interp.harness import size_symbols
+    from coconetc.harness.core import size_symbols
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
+    from coconetc.harness.core import DEFAULT_SIZE
+    _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     names = _schedule_names(mod, name, schedule)
     if not interp:
         _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
@@ -177,13 +210,13 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
 def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save) -> None:
     """Build in this process (progress on stderr), then run the worker on R ranks."""
     from coconetc.build.builder import BuildError
-    from coconetc.build.launch import run_python
-    from coconetc.build.loader import compile_module
+    from coconetc.launch.mpiexec import run_python
+    from coconetc.runtime.loader import compile_module
     try:
         compile_module(mod.file)
     except (BuildError, CompileError) as err:
         _fail(str(err))
-    argv = ["-m", "coconetc.build.worker", mod.file, "--program", name, "--groups", str(groups),
+    argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--schedule={s or 'default'}" for s in names
              if s is None or not mod.schedule(name, s).auto]
@@ -208,8 +241,10 @@ def compile(file: str, output: str | None, backend: str, emit_only: bool, name: 
     --emit-only: only write the sources of a module named --name (with the chosen schedules) to
     --output, for a build system to compile (CMake's coconet_add_module)."""
     from coconetc.build.builder import BuildError
-    from coconetc.build.loader import compile_module
+    from coconetc.runtime.loader import compile_module
     mod = _load(file)
+    if not mod.programs:
+        _fail(_no_program(mod))
     if emit_only or name or schedules:
         _emit(mod, file, output, emit_only, name, schedules)
         return
@@ -256,8 +291,8 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules) 
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
-    from coconetc.interp.harness import DEFAULT_SIZE, size_symbols
-    from coconetc.interp.session import run_interp, save_npz
+    from coconetc.harness.core import DEFAULT_SIZE, size_symbols
+    from coconetc.harness.session import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
         click.echo(f"{name} [auto]: skipped (the autotuner chooses; not built yet)")
         return False

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 from coconetc import cli
 from coconetc.driver import SourceFile, ScheduleIR, load_file, load_source
-from coconetc.interp.session import run_interp
+from coconetc.harness.session import run_interp
 from coconetc.ir import printer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -428,3 +428,32 @@ def test_check_reports_what_no_backend_runs(tmp_path: Path, case: str) -> None:
     clean_error(invoke("check", src), f"{src}:{where}")
     clean_error(invoke("check", "--backend", "cpu", src), f"{src}:{where}")
     clean_error(invoke("compile", src, "-o", tmp_path / "out"), f"{src}:{where}")
+
+
+# ---- files with no program, sizes that overflow (issue 8) ----
+@pytest.mark.parametrize("command", ["check", "compile", "run", "show"])
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
+def test_file_without_a_program_is_an_error(tmp_path: Path, command: str, text: str) -> None:
+    path = tmp_path / "empty.ccn"
+    path.write_text(text)
+    res = invoke(command, path)
+    clean_error(res, f"{path}:1:1: error: no program in this file")
+
+
+@pytest.mark.parametrize("size, needle", [
+    ("N=4611686018427387904", "adam.ccn:2:14: error: with N=4611686018427387904, 'g' (f32[N] local) "
+                              "is too large: 4611686018427387904 elements of f32 (18446744073709551616 bytes)"),
+    ("N=99999999999999999999999", "a size must fit int64"),
+])
+def test_size_that_overflows_is_caught_before_allocation(size: str, needle: str) -> None:
+    for extra in ((), ("--interp",)):
+        res = invoke("run", REPO / "examples" / "adam.ccn", "--size", size, *extra)
+        clean_error(res, needle)
+
+
+def test_size_overflow_in_a_stage_is_located_at_the_stage(tmp_path: Path) -> None:
+    path = tmp_path / "outer.ccn"
+    path.write_text("program p(x: f32[N, 1] local, y: f32[1, N] local) {\n    z = matmul(x, y)\n"
+                    "    return z\n}\n")
+    res = invoke("run", path, "--interp", "--size", "N=3037000500")
+    clean_error(res, f"{path}:2:5: error: with N=3037000500, 'z' (f32[N, N] local) is too large")

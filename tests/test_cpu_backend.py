@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from coconetc.build import builder
-from coconetc.build.launch import run_python
+from coconetc.launch.mpiexec import run_python
 from coconetc.driver import load_file
 from coconetc.interp.values import TOLERANCE
 
@@ -109,7 +109,7 @@ def modules(request):
     The map holds each file's loaded module or the exception building or importing it raised
     (reported by the tests that use that file)."""
     import coconetc
-    from coconetc.build.loader import compile_module
+    from coconetc.runtime.loader import compile_module
     cache_root = request.config.cache.mkdir("coconet-build")
     old = os.environ.get(builder.ENV_CACHE)
     os.environ[builder.ENV_CACHE] = str(cache_root)
@@ -176,7 +176,7 @@ def test_chunked_matrix_is_not_empty():
 def _check_worker(modules, capfd, file, program, schedules, ranks, groups, sizes):
     """One mpiexec launch of the worker for all the schedules; each must match."""
     _module(modules, file.name)
-    argv = ["-m", "coconetc.build.worker", str(file), "--program", program, "--reps", "1",
+    argv = ["-m", "coconetc.launch.worker", str(file), "--program", program, "--reps", "1",
             "--groups", str(groups)]
     for s in schedules:
         argv += ["--schedule", s]
@@ -387,7 +387,7 @@ def test_scattered_updates_in_place(modules, schedule, kind):
 def test_torch_in_torch_out(modules):
     """Returned outputs come back as tensors when the inputs were tensors."""
     torch = pytest.importorskip("torch")
-    from coconetc.interp.harness import random_inputs
+    from coconetc.harness.core import random_inputs
     from coconetc.interp.interpreter import run
     fn = _module(modules, "layernorm.ccn").attn_out
     inputs = random_inputs(fn.schedules["default"], 1, 1, {"B": 2, "S": 5, "H": 6}, seed=4)[0]
@@ -415,7 +415,7 @@ def test_repeated_calls_with_changing_sizes(modules, file, program):
     """Every schedule called again and again in one process (one rank), the sizes shrinking
     and growing between calls, each call against the interpreter: buffers the module keeps
     between calls must not leak one call's values or sizes into the next."""
-    from coconetc.interp.harness import adapt_inputs, compare, joined, random_inputs
+    from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
     if program not in SIZES:
         pytest.fail(f"no sizes for {program} in SIZES")
@@ -477,7 +477,7 @@ LOAD_TIMED = textwrap.dedent("""
 def test_cached_load_is_fast(modules):
     """A fresh process loads an already built file from the cache: no CMake, well under 1 s
     (best of three processes, so that one slow start on a busy machine does not count)."""
-    from coconetc.build.loader import compile_module
+    from coconetc.runtime.loader import compile_module
     _module(modules, "adam.ccn")
     # built for the compiler as it is now: the cache key hashes the compiler's own sources,
     # which may have been edited since the session started
@@ -549,7 +549,7 @@ REGISTERED_OP = textwrap.dedent("""
     from mpi4py import MPI
     sys.path.insert(0, sys.argv[1])
     from test_registry import SOFTPLUS  # softplus exists in this process only
-    from coconetc.build.loader import load
+    from coconetc.runtime.loader import load
     from coconetc.ir import ops
     ops.register(SOFTPLUS)
     r, ranks = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -570,7 +570,7 @@ def test_pointwise_op_registered_at_run_time_compiles_and_runs(modules, tmp_path
     program and its reordered schedule give NumPy's values."""
     from test_registry import SOFTPLUS, SOURCE
 
-    from coconetc.build.loader import compile_module
+    from coconetc.runtime.loader import compile_module
     from coconetc.ir import ops
     path = tmp_path / "sp.ccn"
     path.write_text(SOURCE)

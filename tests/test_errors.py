@@ -291,6 +291,25 @@ CASES = [
     ("regression_deep_expression", P("y = " + " + ".join(["x"] * 1000)), 2, 5,
      "expression nested more than 100 levels deep"),
     ("regression_deep_negation", P("y = " + "-" * 500 + "x"), 2, 5, "expression nested more than 100 levels deep"),
+    # ---- names and literals (issue 8) --------------------------------------------------------
+    ("keyword_as_program_name", "program for(x: f32[N] local) {\n    y = x\n}\n", 1, 9,
+     "'for' is a keyword and cannot be a name"),
+    ("keyword_as_parameter", "program p(schedule: f32[N] local) {\n    y = schedule\n}\n", 1, 11,
+     "'schedule' is a keyword"),
+    ("keyword_as_stage", P("program = x"), 2, 5, "'program' is a keyword"),
+    ("keyword_as_schedule_name", SGD + "schedule return for sgd {\n    rs, ag = split(g1)\n}\n",
+     5, 10, "'return' is a keyword"),
+    ("keyword_as_directive_output", SGD + "schedule s for sgd {\n    rs, as = split(g1)\n}\n",
+     6, 9, "'as' is a keyword"),
+    ("dim_literal_beyond_int64", "program p(x: f32[9223372036854775808] local) {\n    y = x\n}\n",
+     1, 18, "integer literal 9223372036854775808 does not fit int64"),
+    ("dim_literals_bytes_beyond_int64", "program p(x: f64[4, 2305843009213693952] local) {\n    y = x\n}\n",
+     1, 11, "'x' is too large: 9223372036854775808 elements"),
+    ("dim_literal_bytes_beyond_int64", "program p(x: f32[2305843009213693952] local) {\n    y = x\n}\n",
+     1, 11, "(9223372036854775808 bytes) do not fit int64"),
+    ("integer_literal_beyond_int64", P("y = x * 99999999999999999999"), 2, 13,
+     "integer literal 99999999999999999999 does not fit int64"),
+    ("float_literal_beyond_f64", P("y = x * 1e400"), 2, 13, "number literal 1e400 is out of range"),
     ("regression_operator_after_comment", P("y = (x # a * comment\n+ z)", "x: f32[N] local, z: f32[M] local"),
      3, 5, "shapes do not broadcast"),
 ]
@@ -302,6 +321,15 @@ def test_error_location_and_message(source: str, line: int, col: int, fragment: 
     found = [(d.span.line, d.span.col, d.message) for d in err.diagnostics]
     assert any(d.span.line == line and d.span.col == col and fragment in d.message
                for d in err.diagnostics), f"wanted {line}:{col} '{fragment}', got {found}"
+
+
+def test_largest_int64_dimension_is_accepted_for_bytes_that_fit() -> None:
+    load_source("program p(x: i64[1152921504606846975] local) {\n    y = x\n}\n", "t.ccn")
+
+
+def test_keywords_are_the_grammars() -> None:
+    from coconetc.frontend.parser import keywords
+    assert keywords() >= {"program", "schedule", "for", "return", "as"}
 
 
 def test_case_ids_are_unique() -> None:

@@ -6,6 +6,7 @@ are kept as explicit regression cases in tests/test_errors.py."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -111,10 +112,69 @@ def _mutated(draw) -> str:
     return "".join(parts)
 
 
+_INT_LITERAL = re.compile(r"(?<![\w.])(\d{19,})(?![\w.])")
+
+
+def _generate(src: str) -> str | None:
+    """C++ for a mutant that loads (None if it does not): code generation may only refuse with
+    a located CompileError, and the C++ must hold no literal a C++ compiler rejects."""
+    from coconetc.codegen.cpu import generate
+    try:
+        mod = load_source(src, "t.ccn")
+    except CompileError:
+        return None
+    if not mod.programs:
+        return None
+    try:
+        cpp = generate(mod, "ccn_fuzz").cpp
+    except CompileError as err:
+        assert all(d.span.line >= 1 for d in err.diagnostics), str(err)
+        return None
+    for m in _INT_LITERAL.finditer(cpp):
+        assert int(m.group(1)) <= 2**63 - 1, f"integer literal {m.group(1)} in the C++"
+    assert not re.search(r"(?<![\w.])(inf|nan)f?(?![\w(])", cpp), "a non-finite literal in the C++"
+    return cpp
+
+
 @FUZZ
 @given(_mutated())
 def test_mutated_examples(src: str) -> None:
     _load(src)
+    _generate(src)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(src=_mutated().filter(lambda s: _generate(s) is not None))
+def test_mutants_that_check_compile_as_cpp(src: str, tmp_path_factory) -> None:
+    """A few mutants that pass `check`, through the C++ compiler (syntax and types only, no
+    build): what the compiler accepts, the C++ compiler accepts."""
+    compile_only = _syntax_only_command()
+    if compile_only is None:
+        pytest.skip("the cpu extra (pybind11, mpicxx) is not installed")
+    out = tmp_path_factory.mktemp("fuzzcpp") / "module.cpp"
+    out.write_text(_generate(src))
+    res = subprocess.run([*compile_only, str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"{res.stderr[-3000:]}\n--- mutant:\n{src}"
+
+
+def _syntax_only_command() -> list[str] | None:
+    import shutil
+    import sys
+    import sysconfig
+    try:
+        import pybind11
+    except ImportError:
+        return None
+    from coconetc.paths import runtime_dir
+    here = Path(sys.executable).parent / "mpicxx"
+    cxx = str(here) if here.exists() else shutil.which("mpicxx")
+    if cxx is None:
+        return None
+    import scipy_openblas32
+    return [cxx, "-std=c++17", "-fsyntax-only", "-fopenmp", f"-I{runtime_dir()}",
+            f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+            f"-I{scipy_openblas32.get_include_dir()}"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

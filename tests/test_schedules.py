@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from coconetc.driver import load_file, load_source
-from coconetc.interp.harness import adapt_inputs, compare, random_inputs
+from coconetc.harness.core import adapt_inputs, compare, random_inputs
 from coconetc.interp.interpreter import run
-from coconetc.interp.session import run_interp
+from coconetc.harness.session import run_interp
 from coconetc.ir.nodes import Op, Ref
 from coconetc.schedule.directives import Slice
 

@@ -1,2 +1,1 @@
-"""Building generated sources into extension modules (builder.py) and calling them from
-Python with NumPy arrays or PyTorch tensors (loader.py)."""
+"""Building generated sources into extension modules with CMake (builder.py)."""

@@ -47,6 +47,7 @@ def _bin(name: str) -> str:
 
 @cache
 def toolchain() -> Toolchain:
+    require_cpu_extra()
     import pybind11
     import scipy_openblas32 as blas
     libdir = Path(blas.get_lib_dir())
@@ -122,3 +123,21 @@ def _run_cmake(out_dir: Path, log) -> None:
         if res.returncode != 0:
             output = ((res.stdout or "") + (res.stderr or ""))[-6000:]
             raise BuildError(f"coconetc: {what} failed for {out_dir / 'module.cpp'}\n{output}")
+
+
+CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # what pip install 'coconet[cpu]' brings
+
+
+@cache
+def _missing_cpu_extra() -> tuple[str, ...]:
+    import importlib.util
+    return tuple(m for m in CPU_EXTRA if importlib.util.find_spec(m) is None)
+
+
+def require_cpu_extra() -> None:
+    """Building or calling a CPU module needs the `cpu` extra: say so, not 'No module named'."""
+    missing = _missing_cpu_extra()
+    if missing:
+        raise BuildError(f"coconetc: the CPU backend needs the 'cpu' extra, which is not installed "
+                         f"(missing: {', '.join(missing)}); install it with: "
+                         "pip install 'coconet[cpu]'")

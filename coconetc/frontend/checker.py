@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coconetc.common.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.ir import nodes as ir
@@ -81,6 +82,9 @@ def _param(p: syntax.Param, ctx: _Ctx) -> ir.Param | None:
     for d in p.shape:
         if isinstance(d, syntax.DimInt) and d.value < 1:
             err(d.span, "a dimension must be at least 1")
+    big = too_big((d.value for d in p.shape if isinstance(d, syntax.DimInt)), p.dtype)
+    if big:
+        err(p.span, f"'{p.name}' is too large: {big}")
     lay, scattered = _layout(p.layout, len(shape), ctx)
     if lay is None:
         return None

@@ -127,8 +127,24 @@ def _missing_comma(err: lark.exceptions.UnexpectedInput, file: str, source: str)
     return Diagnostic(_tok_span(name, file, source), f"missing ',' before parameter '{name}'")
 
 
+def _keyword_as_name(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
+    """`program = x`, `y = schedule + 1`: a keyword where it cannot start what it starts (an
+    item, a return) is a keyword used as a name."""
+    if not isinstance(err, lark.exceptions.UnexpectedToken) or err.token.type in ("NAME", "$END"):
+        return None
+    tok, text = err.token, str(err.token)
+    if text not in keywords():
+        return None
+    line = _lines(source + "\n")[tok.line - 1]
+    before, after = line[:tok.column - 1].strip(), line[tok.column - 1 + len(text):].lstrip()
+    if not before and after[:1].isidentifier():
+        return None  # `program p(...` where it may not be: the other rules say why
+    return Diagnostic(_tok_span(tok, file, source), f"'{text}' is a keyword and cannot be a name")
+
+
 def _syntax_error(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic:
-    found = _unclosed(err, file, source) or _missing_comma(err, file, source)
+    found = (_keyword_as_name(err, file, source) or _unclosed(err, file, source)
+             or _missing_comma(err, file, source))
     if found is not None:
         return found
     line, col = max(err.line, 1), max(err.column, 1)
@@ -178,6 +194,39 @@ def _too_deep(tree: lark.Tree, file: str, source: str) -> Diagnostic | None:
     return None
 
 
+@cache
+def keywords() -> frozenset[str]:
+    """The words the grammar reserves ("program", "for", ...): never names."""
+    return frozenset(t.pattern.value for t in _parser().terminals
+                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _bad_token(tok: Token) -> str | None:
+    text = str(tok)
+    if tok.type == "NAME" and text in keywords():
+        return f"'{text}' is a keyword and cannot be a name"
+    if tok.type == "INT" or (tok.type == "NUMBER" and not any(c in text for c in ".eE")):
+        if int(text) > INT64_MAX:
+            return f"integer literal {text} does not fit int64"
+    elif tok.type == "NUMBER" and float(text) == float("inf"):
+        return f"number literal {text} is out of range for f64"
+    return None
+
+
+def _bad_tokens(tree: lark.Tree, file: str, source: str) -> list[Diagnostic]:
+    """Names that are keywords (the contextual lexer lets `program for(...)` through) and
+    literals that no dtype can hold, each located."""
+    out = []
+    for tok in tree.scan_values(lambda v: isinstance(v, Token)):
+        why = _bad_token(tok)
+        if why:
+            out.append(Diagnostic(_tok_span(tok, file, source), why))
+    return sorted(out, key=lambda d: (d.span.line, d.span.col))
+
+
 def parse(source: str, file: str = "<string>") -> syntax.File:
     """Parse a whole .ccn file. Raises CompileError on the first syntax error."""
     text = source if source.endswith("\n") else source + "\n"
@@ -188,6 +237,9 @@ def parse(source: str, file: str = "<string>") -> syntax.File:
     deep = _too_deep(tree, file, source)
     if deep is not None:
         raise CompileError([deep])
+    bad = _bad_tokens(tree, file, source)
+    if bad:
+        raise CompileError(bad)
     items = _ToAst(file, source).transform(tree)
     progs = tuple(i for i in items if isinstance(i, syntax.Program))
     scheds = tuple(i for i in items if isinstance(i, syntax.Schedule))

@@ -18,6 +18,8 @@ import math
 import numpy as np
 import numpy.typing as npt
 
+from coconetc.common.rng_keys import site_key
+
 __all__ = ["philox4x32", "site_key", "dropout_threshold", "dropout_keep"]
 
 PHILOX_M0 = 0xD2511F53
@@ -25,9 +27,6 @@ PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9
 PHILOX_W1 = 0xBB67AE85
 PHILOX_ROUNDS = 10
-
-FNV1A_OFFSET = 0x811C9DC5
-FNV1A_PRIME = 0x01000193
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -85,14 +84,6 @@ def philox4x32(
         x2.astype(np.uint32),
         x3.astype(np.uint32),
     )
-
-
-def site_key(name: str) -> int:
-    """32-bit FNV-1a hash of the UTF-8 bytes of ``name``: the per-dropout-site counter word."""
-    h = FNV1A_OFFSET
-    for byte in name.encode("utf-8"):
-        h = ((h ^ byte) * FNV1A_PRIME) & _MASK32
-    return h
 
 
 def dropout_threshold(p: float) -> int:

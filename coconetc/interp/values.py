@@ -1,30 +1,20 @@
-"""How the interpreter stores values: NumPy dtypes, compute dtypes, slices of a group."""
+"""How the interpreter stores values: NumPy dtypes, compute dtypes, slices of a group. The
+storage dtypes and the slice partition live in coconetc/common (the loader uses them too)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from coconetc.ir.reference import STORAGE
+from coconetc.common.dtypes import STORAGE
+from coconetc.common.slices import slice_range, take_slice
 
 __all__ = ["COMPUTE", "STORAGE", "TOLERANCE", "global_index", "slice_range", "take_slice"]
+
 # f16 and bf16 compute in f32 inside a stage and are rounded when the stage is stored
 # (as PyTorch's "opmath"); the generated code does the same.
 COMPUTE = {**STORAGE, "f16": np.dtype(np.float32), "bf16": np.dtype(np.float32)}
 TOLERANCE = {"f16": (2e-2, 2e-2), "bf16": (6e-2, 6e-2), "f32": (2e-4, 1e-5),
              "f64": (1e-9, 1e-12), "i32": (0, 0), "i64": (0, 0)}
-
-
-def slice_range(n: int, parts: int, i: int) -> tuple[int, int]:
-    """The language's partition: c = ceil(n / parts); part i holds [i*c, min((i+1)*c, n))."""
-    c = -(-n // parts) if parts else 0
-    return min(i * c, n), min((i + 1) * c, n)
-
-
-def take_slice(a: np.ndarray, axis: int, n: int, parts: int, i: int) -> np.ndarray:
-    b, e = slice_range(n, parts, i)
-    index = [slice(None)] * a.ndim
-    index[axis] = slice(b, e)
-    return a[tuple(index)]
 
 
 def global_index(gshape: tuple[int, ...], local_shape: tuple[int, ...], offsets: tuple[int, ...]) -> np.ndarray:

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
-# The NumPy dtype that stores each language dtype (bf16 from ml_dtypes).
-STORAGE = {"f16": np.dtype(np.float16), "bf16": np.dtype(ml_dtypes.bfloat16),
-           "f32": np.dtype(np.float32), "f64": np.dtype(np.float64),
-           "i32": np.dtype(np.int32), "i64": np.dtype(np.int64), "bool": np.dtype(bool)}
+from coconetc.common.dtypes import STORAGE  # the NumPy dtype that stores each language dtype
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 

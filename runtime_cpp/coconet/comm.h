@@ -8,15 +8,43 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "errors.h"
 
 namespace coconet {
+
+// Threads per rank, process-wide: 0 until set, by COCONET_THREADS (module.h) or else by the
+// first Comm made, as the cores divided among the ranks of its communicator on this node.
+// Counting those ranks is a collective over the caller's communicator, never MPI_COMM_WORLD: a
+// call on a sub-communicator must not wait for ranks outside it.
+inline std::atomic<int>& process_threads() {
+  static std::atomic<int> n{0};
+  return n;
+}
+// Called once when process_threads() is first set (module.h: sizes the BLAS thread pool).
+inline void (*&on_threads_set())(int) {
+  static void (*f)(int) = nullptr;
+  return f;
+}
+
+// The cores of this node divided among the ranks of `comm` on it (collective over comm).
+inline int node_share(MPI_Comm comm) {
+  MPI_Comm node;
+  COCONET_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  int local = 1;
+  MPI_Comm_size(node, &local);
+  MPI_Comm_free(&node);
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, cores / std::max(1, local));
+}
 
 // Direction of send(x, next|prev).
 enum class Direction { next, prev };
@@ -47,6 +75,11 @@ struct Comm {
     prev_peer = group_index > 0 ? world_rank - size : MPI_PROC_NULL;
     COCONET_MPI(MPI_Comm_dup(base, &world));
     COCONET_MPI(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
+    int share = node_share(world);  // on every rank of `base` alike, whatever was set before
+    if (process_threads() == 0) {
+      process_threads() = share;
+      if (on_threads_set()) on_threads_set()(share);
+    }
     COCONET_MPI(MPI_Comm_split(world, group_index, rank, &group));
     COCONET_MPI(MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN));
   }

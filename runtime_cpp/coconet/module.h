@@ -1,5 +1,5 @@
 // coconet runtime: what a generated CPU module includes.  CallArgs carries one call's
-// arguments from the Python side (coconetc/build/loader.py), which has already checked every
+// arguments from the Python side (coconetc/runtime/loader.py), which has already checked every
 // dtype, shape, layout size and segment list on every rank before anything here runs.
 #pragma once
 
@@ -41,20 +41,9 @@
 
 namespace coconet {
 
-// Threads per rank: COCONET_THREADS, else the cores divided among the ranks on this node.
-inline int omp_threads() {
-  static int n = [] {
-    if (const char* env = std::getenv("COCONET_THREADS")) return std::max(1, std::atoi(env));
-    MPI_Comm node;
-    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    int local = 1;
-    MPI_Comm_size(node, &local);
-    MPI_Comm_free(&node);
-    int cores = static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, cores / std::max(1, local));
-  }();
-  return n;
-}
+// Threads per rank: COCONET_THREADS, else the cores divided among the ranks of the caller's
+// communicator on this node (counted by the first Comm, comm.h; 1 until then).
+inline int omp_threads() { return std::max(1, process_threads().load(std::memory_order_relaxed)); }
 
 // Elements per chunk of a fused collective: COCONET_CHUNK, else 2^16.
 inline int64_t fused_chunk_elems() {
@@ -65,11 +54,16 @@ inline int64_t fused_chunk_elems() {
   return n;
 }
 
-// Once per process: BLAS uses as many threads as OpenMP loops (the cores left per rank), so
-// ranks sharing a node do not oversubscribe it with spinning BLAS threads.
+// At the start of every generated function, before its Comm: COCONET_THREADS if set; and BLAS
+// gets as many threads as OpenMP loops (the cores left per rank), so ranks sharing a node do
+// not oversubscribe it with spinning BLAS threads.
 inline void init_threads() {
   static bool done = [] {
-    set_blas_threads(omp_threads());
+    on_threads_set() = [](int n) { set_blas_threads(n); };
+    if (const char* env = std::getenv("COCONET_THREADS")) {
+      process_threads() = std::max(1, std::atoi(env));
+      set_blas_threads(process_threads().load());
+    }
     return true;
   }();
   (void)done;

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.driver import SourceFile
-from coconetc.interp.harness import adapt_inputs, compare, joined, random_inputs
+from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
 from coconetc.interp.interpreter import Result, run
 from coconetc.ir.nodes import Program
 

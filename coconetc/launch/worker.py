@@ -43,9 +43,9 @@ def main(argv=None) -> int:
 
 def _main(a, comm) -> int:
     import coconetc
-    from coconetc.interp.harness import adapt_inputs, compare, random_inputs
+    from coconetc.harness.core import adapt_inputs, compare, random_inputs
     from coconetc.interp.interpreter import Result, run
-    from coconetc.interp.session import save_results
+    from coconetc.harness.session import save_results
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
     mod = coconetc.load(a.file, log=lambda msg: None)
     fn = mod.programs[a.program]
@@ -90,7 +90,7 @@ def _max():
 
 
 def _result(ir, out, args):
-    from coconetc.interp.harness import joined
+    from coconetc.harness.core import joined
     outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
     outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
     updates = {t: np.asarray(joined(args[t])).copy() for t, _ in ir.updates}

@@ -1,0 +1,104 @@
+"""The fixed cost of one call of a compiled module: examples/adam.ccn at N = 1, so that the
+time is the Python side (argument checks, the cross-rank agreement at the call's entry, the
+watchdog) plus the runtime's own collectives, not the arithmetic.
+
+Run: python bench/call_overhead.py [--ranks 2] [--reps 2000]
+It relaunches itself under mpiexec; rank 0 prints a table of medians and minimums over
+batches of 10 calls (microseconds per call, the slowest rank) and writes
+bench/results/call_overhead.json. For a before/after comparison, run it once with this tree
+and once with PYTHONPATH pointing at another checkout (the table names the coconetc it
+imported). References measured in the same run: an mpi4py allgather of a
+small dict (what a pickled exchange costs) and an MPI barrier."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ADAM = HERE.parent / "examples" / "adam.ccn"
+
+
+def _run_python():
+    try:
+        from coconetc.launch.mpiexec import run_python
+    except ImportError:  # an older checkout
+        from coconetc.launch.mpiexec import run_python
+    return run_python
+
+
+def _per_call(comm, fn, reps: int, batch: int = 10) -> tuple[float, float]:
+    """(median, minimum) over batches of `batch` back-to-back calls of the time per call, the
+    slowest rank's, in seconds. On a loaded machine the minimum is the batch least disturbed
+    by other processes (ranks that wait for each other suffer most from being descheduled)."""
+    from mpi4py import MPI
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(max(1, reps // batch)):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch)
+    return (comm.allreduce(statistics.median(times), op=MPI.MAX),
+            comm.allreduce(min(times), op=MPI.MAX))
+
+
+def _adam(mod, sched: str, comm, n: int):
+    R, r = comm.Get_size(), comm.Get_rank()
+    c = -(-n // R)
+    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
+    arrays = {k: np.ones(n, np.float32) for k in "gwmv"}
+    if sched == "zero":
+        arrays["m"], arrays["v"] = np.ones(mine, np.float32), np.ones(mine, np.float32)
+    args = dict(**arrays, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, step=1.0)
+    return lambda: mod.adam(schedule=sched, **args)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--n", type=int, default=1)
+    ap.add_argument("--out", default="call_overhead")
+    a = ap.parse_args()
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+        import coconetc
+        coconetc.load(ADAM)  # build once, before the ranks start
+        return _run_python()(a.ranks, [__file__, *sys.argv[1:]])
+    os.environ.setdefault("COCONET_THREADS", "1")
+    import coconetc
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    mod = coconetc.load(ADAM, log=lambda msg: None)
+    small = {"shapes": {k: (a.n,) for k in "gwmv"}, "scalars": [1e-3, 0.9, 0.999, 1e-8, 1.0]}
+    rows = [("mpi4py allgather of a small dict", _per_call(comm, lambda: comm.allgather(small), a.reps)),
+            ("MPI barrier", _per_call(comm, comm.Barrier, a.reps))]
+    for sched in ("default", "zero", "fused"):
+        rows.append((f"adam(schedule={sched!r}), N = {a.n}", _per_call(comm, _adam(mod, sched, comm, a.n), a.reps)))
+    if comm.Get_rank() == 0:
+        where = str(Path(coconetc.__file__).resolve().parent.parent)
+        width = max(len(n) for n, _ in rows)
+        print(f"call overhead: {comm.Get_size()} ranks, median per call of the slowest rank, "
+              f"{a.reps} calls each; coconetc from {where}")
+        print(f"{'':{width}s} {'median':>10s} {'min':>10s}")
+        for label, (med, best) in rows:
+            print(f"{label:{width}s} {med * 1e6:10.1f} {best * 1e6:10.1f} us")
+        out = HERE / "results"
+        out.mkdir(exist_ok=True)
+        (out / f"{a.out}.json").write_text(json.dumps(
+            {"ranks": comm.Get_size(), "reps": a.reps, "n": a.n, "coconetc": where,
+             "seconds_median_min": dict(rows)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""What a tensor's size must fit: its element count and its byte count are int64 everywhere
+(the generated code, NumPy, MPI counts are checked separately by the runtime)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+INT64_MAX = 2**63 - 1
+ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
+
+
+def too_big(dims: Iterable[int], dtype: str) -> str | None:
+    """None if the elements and the bytes of a tensor of these dims fit int64; else why not."""
+    dims = list(dims)
+    for d in dims:
+        if d > INT64_MAX:
+            return f"dimension {d} does not fit int64"
+    n = math.prod(dims)
+    if n > INT64_MAX:
+        return f"{n} elements do not fit int64"
+    if n * ITEMSIZE.get(dtype, 8) > INT64_MAX:
+        return f"{n} elements of {dtype} ({n * ITEMSIZE.get(dtype, 8)} bytes) do not fit int64"
+    return None

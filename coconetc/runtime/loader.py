@@ -1,0 +1,299 @@
+"""`coconetc.load(file)`: compile (cached), import, and wrap the module so that each program is
+a Python function taking keyword arguments named as in the program.
+
+A call checks every argument on this rank (presence, type, dtype, rank, contiguity, buffers
+that overlap, PyTorch autograd rules: coconetc/common/validate.py), then the ranks of the
+communicator agree on the call (coconetc/runtime/agree.py: small non-blocking allgathers
+under a watchdog): the function and schedule, groups, every scalar's value, the sizes bound
+across ranks. Any error raises on every rank before any buffer is touched, and nobody is left
+waiting in a collective. Nothing here imports the interpreter (coconetc/interp)."""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from coconetc.build import builder
+from coconetc.codegen.cpu import DEFAULT, Sources, function_name, generate, variants
+from coconetc.common.dtypes import STORAGE
+from coconetc.common.slices import slice_range
+from coconetc.common.validate import bind_sizes, check_param, describe, is_torch, overlapping
+from coconetc.driver import SourceFile, load_file
+from coconetc.errors import CompileError, Span
+from coconetc.ir.nodes import Program
+from coconetc.ir.types import eval_dim
+from coconetc.runtime import agree
+
+
+_PROBE = "ccn_module_name_placeholder"
+
+
+def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None):
+    """Generate and build FILE's module; returns (Module, Sources, path of the .so)."""
+    builder.require_cpu_extra()
+    mod = load_file(path)
+    if not mod.programs:
+        raise CompileError.at(Span(str(path), 1, 1, 1, 1, mod.source),
+                              "no program in this file: nothing to compile")
+    stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
+    probe = generate(mod, _PROBE)
+    key = builder.build_key(probe.cpp + probe.cmake, "cpu")
+    name = f"ccn_{stem}_{key}"
+    # the key hashes the sources under a placeholder name; name them without generating again
+    src = replace(probe, module=name, cpp=probe.cpp.replace(_PROBE, name),
+                  cmake=probe.cmake.replace(_PROBE, name))
+    where = Path(out_dir) if out_dir else builder.cache_dir() / name
+    so = builder.build(name, src.cpp, src.cmake, where, log)
+    return mod, src, so
+
+
+def load(path: str | Path, log=None) -> CompiledModule:
+    """Compile FILE (cached) and import it."""
+    mod, src, so = compile_module(path, None, log)
+    spec = importlib.util.spec_from_file_location(src.module, so)
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    return CompiledModule(mod, src, ext)
+
+
+class CompiledModule:
+    def __init__(self, mod: SourceFile, src: Sources, ext: Any):
+        self.source_module, self.sources, self.ext = mod, src, ext
+        self.programs: dict[str, ProgramFunction] = {}
+        by_program: dict[str, dict[str, Program]] = {}
+        for (prog, sched), ir in variants(mod).items():
+            by_program.setdefault(prog, {})[sched] = ir
+        for prog, scheds in by_program.items():
+            fn = ProgramFunction(prog, scheds, ext)
+            self.programs[prog] = fn
+            setattr(self, prog, fn)
+
+    def __repr__(self) -> str:
+        return f"<coconet module {self.sources.module}: {', '.join(self.programs)}>"
+
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+@dataclass
+class _Local:
+    """One call on this rank: its checked arguments, the PyTorch tensors it updates, and what
+    the other ranks are told (the call's description, or this rank's error)."""
+
+    program: Program | None
+    values: dict[str, Any]
+    torch_updated: list[Any]
+    torch_out: bool
+    shared: tuple
+    timeout: float = agree.DEFAULT_TIMEOUT
+
+
+class ProgramFunction:
+    def __init__(self, name: str, schedules: dict[str, Program], ext: Any):
+        self.name, self.schedules, self.ext = name, schedules, ext
+        self._bound: list = []  # the last call's shapes and their sizes (see _agree)
+        base = schedules[DEFAULT]
+        self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
+                        f"comm=None, groups=1); schedules: {', '.join(schedules)}")
+
+    def signature(self, schedule: str | None = None) -> dict[str, str]:
+        """Parameter -> its type in this schedule's calling convention, e.g. 'f32[N] sliced(0)'."""
+        p = self._program(schedule)
+        return {q.name: q.type.dtype if q.scalar else str(q.type) + (" scattered" if q.scattered else "")
+                for q in p.params}
+
+    def _program(self, schedule: str | None) -> Program:
+        key = schedule or DEFAULT
+        if key not in self.schedules:
+            raise ValueError(f"{self.name}(): unknown schedule {schedule!r} "
+                             f"(one of {', '.join(self.schedules)})")
+        return self.schedules[key]
+
+    def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
+        builder.require_cpu_extra()
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD if comm is None else comm
+        if not isinstance(comm, MPI.Comm) or comm.Is_inter():
+            raise TypeError(f"{self.name}(): comm must be an mpi4py intra-communicator, "
+                            f"got {type(comm).__name__}")
+        local = _check_local(self, schedule, groups, comm.Get_size(), kwargs)
+        what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
+        everyone = agree.exchange(comm, local.shared, what, local.timeout)
+        sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared,
+                                 self._bound)
+        out = self._run(local.program, local.values, sizes, segments, comm, groups, schedule)
+        if local.torch_updated:
+            import torch
+            torch.autograd.graph.increment_version(local.torch_updated)
+        if local.torch_out:
+            out = [_as_torch(o) for o in out]
+        return None if not out else out[0] if len(out) == 1 else tuple(out)
+
+    def _run(self, p: Program, arrays: dict, sizes: dict, segments, comm, groups: int, schedule):
+        from mpi4py import MPI
+        args = self.ext.CallArgs()
+        tensors, seg_ptrs = [], []
+        for q in p.params:
+            if q.scalar:
+                continue
+            v = arrays[q.name]
+            if isinstance(v, list):
+                tensors.append(0)
+                seg_ptrs.append([x.ctypes.data for x in v])
+            else:
+                tensors.append(v.ctypes.data)
+                seg_ptrs.append([])
+        gs = comm.Get_size() // groups
+        rank = comm.Get_rank() % gs
+        outs = [np.empty(_local_shape(p.stage(s).type if p.stage(s) else p.param(s).type, sizes,
+                                      gs, rank), dtype=STORAGE[p.type_of(s).dtype])
+                for _, s in p.outputs]
+        args.tensors, args.seg_ptrs, args.seg_sizes = tensors, seg_ptrs, list(segments or ())
+        args.outputs = [o.ctypes.data for o in outs]
+        args.sizes = [sizes[s] for s in sorted(sizes)]
+        scal = [q for q in p.params if q.scalar]
+        args.scalars = [float(arrays[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
+        args.iscalars = [int(arrays[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
+        args.comm, args.groups = MPI._handleof(comm), groups
+        getattr(self.ext, function_name(self.name, schedule or DEFAULT))(args)
+        return outs
+
+
+def _local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
+    shape = [eval_dim(d, sizes) for d in t.shape]
+    if t.layout.sliced:
+        lo, hi = slice_range(shape[t.layout.dim], gs, rank)
+        shape[t.layout.dim] = hi - lo
+    return tuple(shape)
+
+
+def _as_torch(a: np.ndarray):
+    import torch
+    return torch.from_numpy(a)
+
+
+# --- this rank's arguments -------------------------------------------------------------------
+def _check_local(fn: ProgramFunction, schedule, groups, size: int, kwargs: dict) -> _Local:
+    """This rank's arguments checked; `shared` is ("ok", description) or ("error", kind, text)."""
+    timeout = agree.DEFAULT_TIMEOUT
+    try:
+        timeout = agree.timeout_s()
+        p = fn._program(schedule)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"{fn.name}(): groups must be a positive integer, got {groups!r}")
+        names = {q.name for q in p.params}
+        extra = sorted(set(kwargs) - names)
+        if extra:
+            raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
+        updated = {t for t, _ in p.updates}
+        values: dict[str, Any] = {}
+        for q in p.params:
+            if q.name not in kwargs:
+                raise TypeError(f"{p.name}() missing argument '{q.name}'")
+            values[q.name] = check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
+        both = overlapping(p, values)
+        if both:
+            raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory (the same "
+                             "buffer, or views of one); pass separate arrays: the parameters of "
+                             "a coconet program may not alias")
+        torch_out = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
+                        for v in kwargs.values())
+        torch_updated = _torch_updates(p, kwargs, updated) if torch_out else []
+        head = (fn.ext.__name__, fn.name, schedule or DEFAULT, groups, size)
+        desc = (head, _scalar_bits(p, values), describe(p, values))
+        return _Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
+    except (TypeError, ValueError, RuntimeError) as err:
+        return _Local(None, {}, [], False, ("error", type(err).__name__, str(err)), timeout)
+
+
+def _torch_updates(p: Program, kwargs: dict, updated: set[str]) -> list[Any]:
+    """The PyTorch tensors the call updates in place. Outside torch.no_grad() one that requires
+    grad is refused, as PyTorch refuses an in-place operation on a leaf that requires grad;
+    under no_grad their version counters are bumped after the call (as torch.optim does)."""
+    found = []
+    for q in p.params:
+        if q.name not in updated:
+            continue
+        v = kwargs[q.name]
+        found += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if is_torch(t)]
+    if not found:
+        return []
+    import torch
+    for t in found:
+        if t.requires_grad and torch.is_grad_enabled():
+            name = next(q.name for q in p.params if q.name in updated and _holds(kwargs[q.name], t))
+            kind = "a leaf Variable" if t.is_leaf else "a tensor"
+            raise RuntimeError(f"'{name}': {kind} that requires grad is being used in an in-place "
+                               f"operation ({p.name} updates '{name}' in place); call it under "
+                               "torch.no_grad(), as optimizers do")
+    return found
+
+
+def _holds(v: Any, t: Any) -> bool:
+    return v is t or (isinstance(v, (list, tuple)) and any(x is t for x in v))
+
+
+_PACK = {"f16": "<e", "f32": "<f", "f64": "<d", "i32": "<i", "i64": "<q"}
+
+
+def _bits(dtype: str, v: int | float) -> bytes:
+    fmt = _PACK.get(dtype)
+    if fmt is not None:
+        try:
+            return struct.pack(fmt, v)
+        except (OverflowError, struct.error):  # beyond the dtype's range: as NumPy rounds it
+            pass
+    return np.asarray(v, STORAGE[dtype]).tobytes()
+
+
+def _scalar_bits(p: Program, values: dict) -> tuple[tuple[str, Any, bytes], ...]:
+    """Each scalar's name, value and bits in the parameter's dtype (what the ranks compare)."""
+    return tuple((q.name, values[q.name], _bits(q.type.dtype, values[q.name]))
+                 for q in p.params if q.scalar)
+
+
+# --- what every rank was given ---------------------------------------------------------------
+_HEAD = ("module", "function", "schedule", "groups", "communicator size")
+
+
+def _agree(everyone: list, rank: int, p: Program | None, mine: tuple, cache: list):
+    """Raises (the same on every rank) unless every rank's call is well-formed and agrees;
+    returns (the size symbols, the segment sizes). `cache` holds the last call's shapes and
+    what they bound (a training loop calls with the same shapes again and again)."""
+    if mine[0] == "error":
+        raise _ERRORS[mine[1]](mine[2])
+    for r, item in enumerate(everyone):
+        if item[0] == "error":
+            raise ValueError(f"rank {r} was given bad arguments: {item[2]}")
+    descs = [item[1] for item in everyone]
+    first = descs[0][:2]
+    if any(d[:2] != first for d in descs):  # rare: find what differs, to say so
+        _disagreement(descs, rank, p)
+    shapes = [d[2] for d in descs]
+    groups = first[0][3]
+    if cache and cache[0] is p and cache[1] == groups and cache[2] == shapes:
+        return cache[3]
+    bound = bind_sizes(p, shapes, groups)
+    cache[:] = [p, groups, shapes, bound]
+    return bound
+
+
+def _disagreement(descs: list, rank: int, p: Program) -> None:
+    for k, label in enumerate(_HEAD):
+        bad = agree.differ([d[0][k] for d in descs])
+        if bad:
+            raise ValueError(f"{p.name}(): the ranks disagree on the {label}: {bad}")
+    groups = descs[rank][0][3]
+    gs = len(descs) // groups if len(descs) % groups == 0 else len(descs)
+    for i, (name, _, _) in enumerate(descs[rank][1]):
+        for g in range(0, len(descs), gs):
+            bad = agree.differ([d[1][i] for d in descs[g:g + gs]], key=lambda nvb: nvb[2],
+                               show=lambda nvb: nvb[1], first=g)
+            if bad:
+                raise ValueError(f"{p.name}(): scalar '{name}' differs between ranks ({bad}); "
+                                 "a scalar must be the same on every rank of a group")
