@@ -349,7 +349,7 @@ def test_run_mismatch_exits_nonzero(monkeypatch: pytest.MonkeyPatch, which: str)
 
 def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter returns a wrong value for the scheduled run only."""
-    from coconetc.interp import session
+    from coconetc.harness import session
     real = session.run
 
     def perturbed(p, inputs, groups=1):
