@@ -34,7 +34,7 @@ def _abort_hook(previous):
         sys.stderr.flush()
         mpi.COMM_WORLD.Abort(1)
 
-    hook.coconet_abort = True
+    hook.coconet_abort = True  # type: ignore[attr-defined]
     return hook
 
 

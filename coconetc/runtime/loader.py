@@ -56,6 +56,7 @@ def load(path: str | Path, log=None) -> CompiledModule:
     """Compile FILE (cached) and import it."""
     mod, src, so = compile_module(path, None, log)
     spec = importlib.util.spec_from_file_location(src.module, so)
+    assert spec is not None and spec.loader is not None, so
     ext = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ext)
     return CompiledModule(mod, src, ext)
@@ -126,6 +127,7 @@ class ProgramFunction:
         everyone = agree.exchange(comm, local.shared, what, local.timeout)
         sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared,
                                  self._bound)
+        assert local.program is not None  # else _agree raised this rank's error
         out = self._run(local.program, local.values, sizes, segments, comm, groups, schedule)
         if local.torch_updated:
             import torch
@@ -150,7 +152,7 @@ class ProgramFunction:
                 seg_ptrs.append([])
         gs = comm.Get_size() // groups
         rank = comm.Get_rank() % gs
-        outs = [np.empty(_local_shape(p.stage(s).type if p.stage(s) else p.param(s).type, sizes,
+        outs = [np.empty(_local_shape(p.type_of(s), sizes,
                                       gs, rank), dtype=STORAGE[p.type_of(s).dtype])
                 for _, s in p.outputs]
         args.tensors, args.seg_ptrs, args.seg_sizes = tensors, seg_ptrs, list(segments or ())
@@ -270,6 +272,7 @@ def _agree(everyone: list, rank: int, p: Program | None, mine: tuple, cache: lis
     for r, item in enumerate(everyone):
         if item[0] == "error":
             raise ValueError(f"rank {r} was given bad arguments: {item[2]}")
+    assert p is not None  # this rank's own error was raised above
     descs = [item[1] for item in everyone]
     first = descs[0][:2]
     if any(d[:2] != first for d in descs):  # rare: find what differs, to say so
