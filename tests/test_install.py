@@ -60,3 +60,13 @@ def test_pip_install_and_check_from_elsewhere(tmp_path: Path) -> None:
                          cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "adam [zero]: 2 ranks" in res.stdout and "matches the interpreter on every rank" in res.stdout
+
+
+def test_every_package_is_listed_in_pyproject() -> None:
+    """A new folder of Python modules under coconetc/ is shipped: pyproject's explicit package
+    list names it (coconetc.plan was once forgotten, and only the slow install test saw it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "coconetc").rglob("__init__.py")}
+    missing = sorted(found - listed)
+    assert not missing, f"packages missing from pyproject.toml: {missing}"
