@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+ODD = 11  # the second size of every symbol (--odd)
 
 
 def _torch(v):
@@ -46,7 +47,7 @@ def _try(fn):
 
 def check_examples(archs: str) -> list[dict]:
     import torch
-    from coconetc.interp.harness import adapt_inputs, compare, joined, random_inputs
+    from coconetc.interp.harness import adapt_inputs, compare, random_inputs
     from coconetc.interp.interpreter import Result, run
     from coconetc.interp.values import STORAGE
     from coconetc import runtime_cuda
@@ -74,8 +75,8 @@ def check_examples(archs: str) -> list[dict]:
             for sched, ir in fn.schedules.items():
                 for k, sizes in enumerate((None, "odd")):
                     try:
-                        from coconetc.interp.harness import size_symbols, DEFAULT_SIZE
-                        sz = None if sizes is None else {s: DEFAULT_SIZE + 3 for s in size_symbols(base)}
+                        from coconetc.interp.harness import size_symbols
+                        sz = None if sizes is None else {s: ODD for s in size_symbols(base)}
                         inputs = adapt_inputs(random_inputs(base, 1, 1, sz, seed=7 + k), base, ir)
                         ref = run(ir, copy.deepcopy(inputs))
                         args = {q.name: _torch(inputs[0][q.name]) for q in ir.params}
@@ -92,7 +93,7 @@ def check_examples(archs: str) -> list[dict]:
                         rows.append(dict(file=f.name, program=prog, schedule=sched, sizes=sizes or "default",
                                          status="match" if not diffs else "MISMATCH", detail="; ".join(diffs[:3]),
                                          build_s=round(build_s, 1)))
-                    except Exception as e:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001
                         rows.append(dict(file=f.name, program=prog, schedule=sched, sizes=sizes or "default",
                                          status="ERROR", detail=(traceback.format_exc()[-600:])))
     return rows
@@ -140,10 +141,22 @@ def bench(n: int, archs: str, reps: int) -> list[dict]:
             continue
         w, m, v = w0.clone(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
         gg = g.clone()
-        call = lambda: mod.adam(schedule=sched, comm=comm, g=gg, w=w, m=m, v=v, lr=1e-3, beta1=0.9,  # noqa: E731
-                                beta2=0.999, eps=1e-8, step=1.0)
+        def call(sched=sched, gg=gg, w=w, m=m, v=v):
+            mod.adam(schedule=sched, comm=comm, g=gg, w=w, m=m, v=v, lr=1e-3, beta1=0.9, beta2=0.999,
+                     eps=1e-8, step=1.0)
         t = _timed(call, reps)
         rows.append(dict(what=f"coconet adam [{sched}] (CUDA, NCCL R=1)", ms=t * 1e3, gbps=7 * 4 * n / t / 1e9))
+    # one step of each from the same state: the generated fused step against torch's
+    for sched in ("fused", "zero"):
+        w, m, v = w0.clone(), torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda")
+        mod.adam(schedule=sched, comm=comm, g=g.clone(), w=w, m=m, v=v, lr=1e-3, beta1=0.9, beta2=0.999,
+                 eps=1e-8, step=1.0)
+        p2 = torch.nn.Parameter(w0.clone())
+        p2.grad = g.clone()
+        torch.optim.Adam([p2], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, fused=True).step()
+        torch.cuda.synchronize()
+        rows.append(dict(what=f"max |w - torch's w| after one step [{sched}]",
+                         ms=float((w - p2.detach()).abs().max()), gbps=0.0))
     for r in rows:
         r["vs_torch"] = r["ms"] / (t_base * 1e3)
         r["vs_copy_roofline"] = r["ms"] / (7 * 4 * n / bw * 1e3)
@@ -157,7 +170,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip-examples", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--odd", type=int, default=11, help="the second size of every size symbol")
     a = ap.parse_args()
+    global ODD
+    ODD = a.odd
     import torch
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     res: dict = {}
@@ -168,11 +185,15 @@ def main() -> None:
         for r in rows:
             print(f"| {r['file']} | {r['program']} | {r['schedule']} | {r.get('sizes', '')} | {r['status']} | "
                   f"{r['detail'][:300].replace(chr(10), ' ')} |", flush=True)
+    if a.skip_bench:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "cuda_gpu_check.json").write_text(json.dumps(res, indent=1))
+        return
     b = bench(a.n, a.archs, a.reps)
     res["bench"] = b
     print(f"\n| N = {a.n} | median ms | GB/s (7x4 B/elem) | x torch fused Adam | x copy roofline |\n| --- | --- | --- | --- | --- |")
     for r in b:
-        print(f"| {r['what']} | {r['ms']:.3f} | {r['gbps']:.0f} | {r['vs_torch']:.2f} | {r['vs_copy_roofline']:.2f} |")
+        print(f"| {r['what']} | {r['ms']:.4g} | {r['gbps']:.0f} | {r['vs_torch']:.2f} | {r['vs_copy_roofline']:.2f} |")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "cuda_gpu_check.json").write_text(json.dumps(res, indent=1))
 

@@ -112,7 +112,7 @@ class CudaProgram:
         args.tensors = [local[q.name].data_ptr() for q in p.params if not q.scalar]
         outs = []
         for _, s in p.outputs:
-            t = p.stage(s).type if p.stage(s) else p.param(s).type
+            t = p.type_of(s)
             outs.append(torch.empty(_local_shape(t, b.sizes, b.group_size, rank),
                                     dtype=getattr(torch, TORCH_DTYPES[t.dtype]), device=dev))
         args.outputs = [o.data_ptr() for o in outs]
@@ -120,8 +120,8 @@ class CudaProgram:
         scal = [q for q in p.params if q.scalar]
         args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
         args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
-        s = stream if stream is not None else torch.cuda.current_stream()
-        args.stream = int(getattr(s, "cuda_stream", s))
+        st: Any = stream if stream is not None else torch.cuda.current_stream()
+        args.stream = int(getattr(st, "cuda_stream", st))
         args.comm, args.groups = comm.handle, groups
         getattr(self.ext, function_name(self.name, key))(args)
         return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)

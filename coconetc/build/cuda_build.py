@@ -47,7 +47,7 @@ def find_nvcc() -> str | None:
 def wheel_dirs() -> tuple[Path, Path] | None:
     """(nvidia/nccl, nvidia/cu13) of the installed wheels, or None."""
     try:
-        import nvidia  # namespace package of the NVIDIA wheels
+        import nvidia  # type: ignore[import-untyped]  # namespace package of the NVIDIA wheels
     except ImportError:
         return None
     for root in map(Path, nvidia.__path__):

@@ -48,20 +48,25 @@ def unsupported(plan: Plan) -> list[Unsupported]:
         elif isinstance(u, Collective) and (u.into or u.packed):
             out.append(Unsupported(u.line, "collectives of scattered tensors are not in the CUDA backend yet"))
         elif isinstance(u, Fused):
-            if any(p.kind != "pointwise" for p in u.phases):
-                out.append(Unsupported(u.line, "a fused collective with a row-wise phase (layernorm) is not in "
-                                               "the CUDA backend yet"))
-            elif u.op == "reducescatter" and u.type.layout.dim != 0:
-                out.append(Unsupported(u.line, "a fused collective sliced along a dim other than 0 is not in "
-                                               "the CUDA backend yet"))
-            elif kinds.get(u.collective) not in ("register", "scratch"):
-                out.append(Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' "
-                                               "is not in the CUDA backend yet"))
+            out.extend(_fused_problems(u, kinds))
             for a in u.after:
                 unit(a)
     for u in plan.units:
         unit(u)
     return out
+
+
+def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
+    if any(p.kind != "pointwise" for p in u.phases):
+        return [Unsupported(u.line, "a fused collective with a row-wise phase (layernorm) is not in the CUDA "
+                                    "backend yet")]
+    if u.op == "reducescatter" and u.type.layout.dim != 0:
+        return [Unsupported(u.line, "a fused collective sliced along a dim other than 0 is not in the CUDA "
+                                    "backend yet")]
+    if kinds.get(u.collective) not in ("register", "scratch"):
+        return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
+                                    "not in the CUDA backend yet")]
+    return []
 
 
 class CudaRenderer(LoopEmitter):
