@@ -59,17 +59,28 @@ def test_matmul_is_cublas_and_collectives_are_nccl(example):
 
 def test_unsupported_units_are_reported_not_rendered(example):
     found = problems(example("mlp_out.ccn"))
-    assert set(found) == {("mlp_out", "overlapped"), ("mlp_out", "overlap_ar")}
+    assert set(found) == {("mlp_out", "overlapped")}
     assert found[("mlp_out", "overlapped")][0].line == 14
-    with pytest.raises(Unsupported, match="overlap"):
+    with pytest.raises(Unsupported, match="overlap into a fused collective"):
         generate(example("mlp_out.ccn"), "m")
+
+
+def test_overlap_chunks_on_two_streams(example):
+    src = generate(example("tp_overlap.ccn"), "m")
+    rows = "\n".join(generate(example("mlp_out.ccn"), "m", skip_unsupported=True)
+                     .functions[("mlp_out", "overlap_ar")].body)
+    assert "coconet::cuda::join(ctx.stream, ctx.comm_stream" in rows  # the chunk's event
+    assert "allreduce<coconet::half>(ncclSum, v_y + r.begin" in rows and "cctx);" in rows
+    packed = "\n".join(src.functions[("row_parallel", "rs_seq")].body)
+    assert "reduce_scatter<float>(ncclSum, P, Q" in packed and "unpack<float>(Q, v_rs" in packed
 
 
 def test_check_backend_cuda_reports_at_the_directive():
     res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                           str(EXAMPLES[0].parent / "mlp_out.ccn")], capture_output=True, text=True)
     assert res.returncode == 1
-    assert "mlp_out.ccn:14: error: mlp_out (schedule overlapped): overlap is not in the CUDA backend yet" in res.stderr
+    assert ("mlp_out.ccn:14: error: mlp_out (schedule overlapped): overlap into a fused collective is not in "
+            "the CUDA backend yet") in res.stderr
     ok = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                          str(EXAMPLES[0].parent / "adam.ccn")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

@@ -41,8 +41,8 @@ def unsupported(plan: Plan) -> list[Unsupported]:
             break
 
     def unit(u: Unit) -> None:
-        if isinstance(u, Overlap):
-            out.append(Unsupported(u.line, "overlap is not in the CUDA backend yet"))
+        if isinstance(u, Overlap) and u.fused is not None:
+            out.append(Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet"))
         elif isinstance(u, Reduce) and u.op == "segment_norm":
             out.append(Unsupported(u.line, "segment_norm is not in the CUDA backend yet"))
         elif isinstance(u, Collective) and (u.into or u.packed):
@@ -120,7 +120,9 @@ class CudaRenderer(LoopEmitter):
             self._comment(u.line, f"fused collective {u.name}: {', '.join(u.members)}")
             self._fused(u)
         else:
-            raise Unsupported(u.line, "overlap is not in the CUDA backend yet")
+            assert isinstance(u, Overlap)
+            self._comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")
+            self._overlap(u)
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:
@@ -145,6 +147,8 @@ class CudaRenderer(LoopEmitter):
             inner = _prod(self.gdims(b.type)[1:])
             self.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.offset(b.type)} * {inner};"
                       "  // computed in place inside the gathered result")
+        elif b.kind == "chunks":
+            self.emit(f"// {b.name}: only as packed chunks of its overlap")
         elif b.kind != "register":
             raise Unsupported(b.line, f"buffer kind '{b.kind}' is not in the CUDA backend yet")
 
@@ -337,6 +341,87 @@ class CudaRenderer(LoopEmitter):
         self._body(t, items, {u.collective: "coconet::to_compute(red[j])"})
         self.emit("    });")
         self.consts = saved
+
+
+    # --- overlap ---------------------------------------------------------------------------
+    def _overlap(self, u: Overlap) -> None:
+        """The matmul in chunks on the call's stream; each chunk's collective on the comm stream
+        after an event (so it runs while the next chunk's GEMM does); the call's stream waits
+        for the comm stream at the end. direct: chunks are rows of y in place; otherwise each
+        chunk is computed packed [outer, |r|, inner], its collective runs on the packed chunk
+        and the result is unpacked into its block of the collective's result."""
+        if u.fused is not None:
+            raise Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet")
+        y, c = u.producer, u.collective
+        yt, ctt = self.types[y], self.types[c]
+        ct = CTYPE[yt.dtype]
+        op = NCCL_OP.get(u.reduce, "")
+        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y, u.a, u.b, c))
+        gy = self.gdims(yt)
+        K, N = la[-1], lb[1]
+        ev, done = self.site(), self.site()
+        self.emit("{")
+        self.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
+        self.emit("  cctx.stream = ctx.comm_stream;")
+        self.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});  // inputs ready")
+        if u.direct:
+            rows, per_row = ly[0], _prod(ly[1:-1])
+            self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
+            self.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
+            self.emit("    if (r.empty()) continue;")
+            self.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + r.begin * {per_row} * {K}, v_{u.b}, "
+                      f"v_{y} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {K}, {N}, stream);")
+            self.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
+            src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
+            if u.op == "allreduce":
+                self.emit(f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, cctx);")
+            else:
+                d = ctt.layout.dim
+                self.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, r.size() * {_prod(gy[1:d])}, "
+                          f"{gy[d]}, {_prod(gy[d + 1:])}, cctx);")
+            self.emit("  }")
+        else:
+            self._overlap_packed(u, ct, op, ly, la, lb, lc, gy, ev)
+        self.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
+        self.emit("}")
+
+    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:
+        y, c = u.producer, u.collective
+        yt, ctt = self.types[y], self.types[c]
+        d, nd = u.dim, yt.ndim
+        K, N = la[-1], lb[1]
+        outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
+        oc, ic = _prod(lc[:d]), _prod(lc[d + 1:])
+        self.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(ly)});")
+        self.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(lc)});")
+        self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
+        self.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
+        self.emit("    if (r.empty()) continue;")
+        self.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
+        self.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
+        if d == nd - 1:  # a column block of b: P[M, |r|]
+            self.emit(f"    coconet::cuda::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
+                      f"v_{u.b} + r.begin, {N}, P, r.size(), stream);")
+        else:
+            rows_per = _prod(ly[d + 1:-1])
+            self.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
+            self.emit(f"      coconet::cuda::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
+                      f"P + o * r.size() * {inner}, r.size() * {rows_per}, {K}, {N}, stream);")
+        if u.keep_producer:
+            self.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
+        self.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
+        gp = [g if k != d else "r.size()" for k, g in enumerate(self.gdims(yt))]
+        if u.op == "allreduce":
+            self.emit(f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);")
+        elif u.op == "reducescatter":
+            dr = ctt.layout.dim
+            self.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {_prod(gp[:dr])}, {gp[dr]}, "
+                      f"{_prod(gp[dr + 1:])}, cctx);")
+        else:
+            da = yt.layout.dim
+            self.emit(f"    coconet::cuda::allgather<{ct}>(P, Q, {_prod(gp[:da])}, {gp[da]}, {_prod(gp[da + 1:])}, cctx);")
+        self.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
+        self.emit("  }")
 
 
 def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:

@@ -434,6 +434,15 @@ void copy(const T* src, T* dst, int64_t n, const Ctx& c) {
     COCONET_CUDA(cudaMemcpyAsync(dst, src, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
 }
 
+// Chunk r of dim n, packed as [outer, |r|, inner] in P, into its block of dst [outer, n, inner].
+template <class T>
+void unpack(const T* P, T* dst, int64_t outer, int64_t n, int64_t inner, Range r, cudaStream_t s) {
+  if (r.empty() || outer == 0 || inner == 0) return;
+  const size_t w = size_t(r.size() * inner) * sizeof(T);
+  COCONET_CUDA(cudaMemcpy2DAsync(dst + r.begin * inner, size_t(n * inner) * sizeof(T), P, w, w, size_t(outer),
+                                 cudaMemcpyDeviceToDevice, s));
+}
+
 // ---- fused collectives: chunk by chunk on two streams ---------------------------------------
 //
 // This rank's slice (outermost dim) of the reduced value, [0, mine) elements, is cut into chunks.
