@@ -63,8 +63,9 @@ def main(debug: bool) -> None:
 
 @main.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-@click.option("--backend", type=click.Choice(["cpu"]), default="cpu", show_default=True,
-              help="The backend whose limits to check (the plan's limits hold for every backend).")
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="The backend whose limits to check (the plan's limits hold for every backend; "
+                   "cuda also reports the plan units its renderer does not implement yet).")
 def check(files: tuple[str, ...], backend: str) -> None:
     """Parse and type-check FILES, apply every schedule and plan it; print all errors.
 
@@ -88,9 +89,24 @@ def check(files: tuple[str, ...], backend: str) -> None:
             click.echo(_no_program(mod), err=True)
             failed = True
             continue
+        if backend == "cuda" and _cuda_problems(f, mod):
+            failed = True
+            continue
         n = sum(len(s) for s in mod.schedules.values())
         click.echo(f"{f}: ok ({len(mod.programs)} programs: {', '.join(mod.programs)}; {n} schedules)")
     sys.exit(1 if failed else 0)
+
+
+def _cuda_problems(f: str, mod: SourceFile) -> bool:
+    """check --backend cuda: each plan unit the CUDA renderer does not implement yet, at its
+    .ccn line (the directive of a schedule; a parameter's line for the program itself)."""
+    from coconetc.codegen.cuda import problems
+    found = problems(mod)
+    for (prog, sched), errs in found.items():
+        for what in dict.fromkeys((e.line, e.what) for e in errs):
+            where = f"{f}:{what[0]}" if what[0] else f
+            click.echo(f"{where}: error: {prog} (schedule {sched}): {what[1]} (--backend cuda)", err=True)
+    return bool(found)
 
 
 @main.command()
@@ -228,14 +244,16 @@ def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save
 @main.command()
 @click.argument("file", type=click.Path())
 @click.option("--output", "-o", type=click.Path(), help="Directory for the sources and the build.")
-@click.option("--backend", type=click.Choice(["cpu"]), default="cpu", show_default=True)
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--arch", default=None, metavar="ARCHS",
+              help="cuda: the CUDA architectures, as CMake takes them (default 80;90).")
 @click.option("--emit-only", is_flag=True, help="Only write module.cpp and CMakeLists.txt to --output "
               "(no build; for CMake's coconet_add_module).")
 @click.option("--name", help="With --emit-only: the Python module's name (default: ccn_<file stem>).")
 @click.option("--schedule", "-s", "schedules", multiple=True, metavar="NAME",
               help="With --emit-only: keep only these schedules (repeatable; the program itself is always in).")
-def compile(file: str, output: str | None, backend: str, emit_only: bool, name: str | None,  # noqa: A001
-            schedules: tuple[str, ...]) -> None:
+def compile(file: str, output: str | None, backend: str, arch: str | None, emit_only: bool,  # noqa: A001
+            name: str | None, schedules: tuple[str, ...]) -> None:
     """Generate C++ for every program and schedule of FILE and build the extension module.
 
     --emit-only: only write the sources of a module named --name (with the chosen schedules) to
@@ -245,6 +263,9 @@ def compile(file: str, output: str | None, backend: str, emit_only: bool, name: 
     mod = _load(file)
     if not mod.programs:
         _fail(_no_program(mod))
+    if backend == "cuda":
+        _compile_cuda(file, mod, output, arch, emit_only)
+        return
     if emit_only or name or schedules:
         _emit(mod, file, output, emit_only, name, schedules)
         return
@@ -252,6 +273,32 @@ def compile(file: str, output: str | None, backend: str, emit_only: bool, name: 
         _, src, so = compile_module(file, output)
     except (BuildError, CompileError) as err:
         _fail(str(err))
+    click.echo(f"{file}: built {so}")
+    for (prog, sched), fn in src.functions.items():
+        click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
+
+
+def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | None, emit_only: bool) -> None:
+    """compile --backend cuda: module.cu + CMakeLists.txt (nvcc, NCCL/cuBLAS from the wheels),
+    built unless --emit-only. What the CUDA renderer does not implement yet is left out and
+    named (coconetc check --backend cuda says where)."""
+    from pathlib import Path
+
+    from coconetc.build.builder import BuildError
+    from coconetc.build.cuda_build import compile_cuda, write_sources
+    from coconetc.codegen.cuda import problems
+    if emit_only and not output:
+        _fail("coconetc: --emit-only needs --output DIR")
+    try:
+        _, src, so = compile_cuda(file, output, arch, skip_unsupported=True, build=not emit_only)
+    except (BuildError, CompileError) as err:
+        _fail(str(err))
+    for (prog, sched), errs in problems(mod).items():
+        click.echo(f"  left out: {prog}(schedule={sched!r}): {errs[0].what}", err=True)
+    if emit_only:
+        write_sources(src, Path(output or "."))
+        click.echo(f"{file}: wrote {Path(output or '.') / 'module.cu'} and CMakeLists.txt")
+        return
     click.echo(f"{file}: built {so}")
     for (prog, sched), fn in src.functions.items():
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")

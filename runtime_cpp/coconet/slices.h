@@ -9,24 +9,32 @@
 #include <cstdint>
 #include <vector>
 
+#ifndef COCONET_HD
+#ifdef __CUDACC__
+#define COCONET_HD __host__ __device__
+#else
+#define COCONET_HD
+#endif
+#endif
+
 namespace coconet {
 
 // A half-open range of indices [begin, end).
 struct Range {
   int64_t begin = 0;
   int64_t end = 0;
-  int64_t size() const { return end - begin; }
-  bool empty() const { return end <= begin; }
+  COCONET_HD int64_t size() const { return end - begin; }
+  COCONET_HD bool empty() const { return end <= begin; }
 };
 
 // c = ceil(n / R): the size of every non-trailing slice.
-inline int64_t slice_chunk(int64_t n, int64_t R) { return R > 0 ? (n + R - 1) / R : 0; }
+COCONET_HD inline int64_t slice_chunk(int64_t n, int64_t R) { return R > 0 ? (n + R - 1) / R : 0; }
 
 // The indices rank i of R holds along a dim of size n.
-inline Range slice_range(int64_t n, int64_t R, int64_t i) {
+COCONET_HD inline Range slice_range(int64_t n, int64_t R, int64_t i) {
   int64_t c = slice_chunk(n, R);
-  int64_t b = std::min(i * c, n);
-  return Range{b, std::min(b + c, n)};
+  int64_t b = i * c < n ? i * c : n;  // no std::min: also device code
+  return Range{b, b + c < n ? b + c : n};
 }
 
 // Slice sizes of all R ranks.

@@ -1,0 +1,428 @@
+"""The CUDA renderer: the same execution plan (coconetc/plan) the CPU renderer lays out as C++
+becomes CUDA C++ host code around kernels, NCCL and cuBLAS calls. It decides nothing: units it
+does not implement yet are listed by `unsupported(plan)`, which `coconetc check --backend cuda`
+reports at the directive, and rendering one raises.
+
+Conventions of the generated function (templates/module.cu.j2): `ctx` is the call's context
+(coconet::cuda::Ctx: communicators, the call's stream and a comm stream), `comm` its Group
+(size, rank; captured by kernels), `S_<sym>` the size symbols; every value `x` is a device
+pointer `v_x` (scalars: a coconet::cuda::Scalar, indexable as v_x[0] on host and device).
+A Loop is one grid-stride kernel (an extended __device__ lambda over the element index) whose
+body is the element math of codegen/emit.py, the text the CPU loops use."""
+
+from __future__ import annotations
+
+from coconetc.codegen.base import Function, prod as _prod
+from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
+from coconetc.codegen.loops import LoopEmitter
+from coconetc.ir.nodes import Expr, Op, Ref, walk
+from coconetc.ir.types import TType
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Let, Library, Loop, Overlap, Plan,
+                                 Reduce, Require, Unit)
+
+NCCL_OP = {"sum": "ncclSum", "avg": "ncclAvg", "prod": "ncclProd", "max": "ncclMax", "min": "ncclMin"}
+
+
+class Unsupported(Exception):
+    """A plan unit the CUDA renderer does not implement yet (line: its .ccn line)."""
+
+    def __init__(self, line: int, what: str):
+        super().__init__(what)
+        self.line, self.what = line, what
+
+
+def unsupported(plan: Plan) -> list[Unsupported]:
+    """What of this plan the CUDA renderer cannot render yet, one entry per unit."""
+    out: list[Unsupported] = []
+    kinds = {b.name: b.kind for b in plan.buffers}
+    for b in plan.buffers:
+        if b.kind in ("segments", "into"):
+            out.append(Unsupported(b.line, f"scattered tensors ('{b.name}') are not in the CUDA backend yet"))
+            break
+
+    def unit(u: Unit) -> None:
+        if isinstance(u, Overlap) and u.fused is not None:
+            out.append(Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet"))
+        elif isinstance(u, Reduce) and u.op == "segment_norm":
+            out.append(Unsupported(u.line, "segment_norm is not in the CUDA backend yet"))
+        elif isinstance(u, Collective) and (u.into or u.packed):
+            out.append(Unsupported(u.line, "collectives of scattered tensors are not in the CUDA backend yet"))
+        elif isinstance(u, Fused):
+            out.extend(_fused_problems(u, kinds))
+            for a in u.after:
+                unit(a)
+    for u in plan.units:
+        unit(u)
+    return out
+
+
+def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
+    if any(p.kind != "pointwise" for p in u.phases):
+        return [Unsupported(u.line, "a fused collective with a row-wise phase (layernorm) is not in the CUDA "
+                                    "backend yet")]
+    if u.op == "reducescatter" and u.type.layout.dim != 0:
+        return [Unsupported(u.line, "a fused collective sliced along a dim other than 0 is not in the CUDA "
+                                    "backend yet")]
+    if kinds.get(u.collective) not in ("register", "scratch"):
+        return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
+                                    "not in the CUDA backend yet")]
+    return []
+
+
+class CudaRenderer(LoopEmitter):
+    def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
+        super().__init__(plan, fn, file, outputs)
+        self.nevent = 0
+
+    def site(self) -> int:
+        self.nsite += 1
+        return self.nsite
+
+    def render(self) -> Function:
+        problems = unsupported(self.plan)
+        if problems:
+            raise problems[0]
+        for i, sym in enumerate(self.sig.sizes):
+            self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
+        for b in self.plan.buffers:
+            self._declare(b)
+        for u in self.plan.units:
+            self.unit(u)
+        comment = f"program {self.plan.program}, schedule {self.plan.schedule} ({self.file})"
+        return Function(self.fn, comment, self.lines, self.sig)
+
+    def _comment(self, line: int, what: str) -> None:
+        where = f"{self.file}:{line}" if line else self.file
+        self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+
+    def unit(self, u: Unit) -> None:
+        if isinstance(u, Loop):
+            self._comment(u.line, f"kernel: {', '.join(i.name for i in u.items)}")
+            self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items])
+        elif isinstance(u, Reduce):
+            self._comment(u.line, f"reduce {u.dst} = {u.op}({u.src})")
+            self._reduce(u)
+        elif isinstance(u, Library):
+            self._comment(u.line, f"{u.op} {u.dst}")
+            self._library(u)
+        elif isinstance(u, Collective):
+            self._comment(u.line, f"{u.op} {u.dst} (NCCL)")
+            self._collective(u)
+        elif isinstance(u, Copy):
+            n = _prod(self.ldims(self.types[u.src]))
+            ct = CTYPE[self.types[u.src].dtype]
+            dst = f"a.output<{ct}>({self.sig.outputs.index(u.dst)})" if u.what == "output" else f"v_{u.dst}"
+            self.emit(f"coconet::cuda::copy<{ct}>(v_{u.src}, {dst}, {n}, ctx);  // {u.what} {u.dst}")
+        elif isinstance(u, Require):
+            self.emit(f'coconet::cuda::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
+                      f'rank of a group of " + std::to_string(comm.size));')
+        elif isinstance(u, Fused):
+            self._comment(u.line, f"fused collective {u.name}: {', '.join(u.members)}")
+            self._fused(u)
+        else:
+            assert isinstance(u, Overlap)
+            self._comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")
+            self._overlap(u)
+
+    # --- buffers --------------------------------------------------------------------------
+    def _declare(self, b: Buffer) -> None:
+        ct = CTYPE[b.type.dtype]
+        if b.kind == "scalar":
+            k = len(self.sig.scalars)
+            self.sig.scalars.append(b.name)
+            src = "iscalars" if b.type.dtype.startswith("i") else "scalars"
+            self.emit(f"const coconet::cuda::Scalar<{ct}> v_{b.name}{{{ct}(a.{src}[{k}])}};")
+        elif b.kind == "param":
+            k = len(self.sig.tensors)
+            self.sig.tensors.append(b.name)
+            self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
+        elif b.kind == "output":
+            self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
+        elif b.kind == "alias":
+            self.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+        elif b.kind == "scratch":
+            self.emit(f"{ct}* const v_{b.name} = coconet::cuda::scratch<{ct}>({self.site()}, "
+                      f"{_prod(self.ldims(b.type))});")
+        elif b.kind == "view":
+            inner = _prod(self.gdims(b.type)[1:])
+            self.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.offset(b.type)} * {inner};"
+                      "  // computed in place inside the gathered result")
+        elif b.kind == "chunks":
+            self.emit(f"// {b.name}: only as packed chunks of its overlap")
+        elif b.kind != "register":
+            raise Unsupported(b.line, f"buffer kind '{b.kind}' is not in the CUDA backend yet")
+
+    # --- kernels --------------------------------------------------------------------------
+    def _lets(self, lets: tuple[Let, ...]) -> list[str]:
+        """The Lets, computed by each thread at the top of the kernel (they may read a device
+        value, such as a norm computed before the kernel)."""
+        out = []
+        for k in lets:
+            code = emit(k.expr, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
+            out.append(f"const {COMPUTE[k.expr.type.dtype]} {k.name} = {code};")
+            self.consts[k.name] = k.name
+        return out
+
+    def _needs_coords(self, t: TType, items: list[tuple[str, Expr, bool]], skip: set[str]) -> bool:
+        refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in skip]
+        return any(self._access(r, t) is None for r in refs) or (
+            any(isinstance(x, Op) and x.op == "dropout" for _, e, _ in items for x in walk(e))
+            and self._gidx_simple(t) is None)
+
+    def _body(self, t: TType, items: list[tuple[str, Expr, bool]], regs: dict[str, str],
+              extra_store=None) -> None:
+        base = self._loader(t)
+        local = dict(regs)
+        for name, e, stored in items:
+            ct = CTYPE[self.types[name].dtype]
+            load = lambda r: local.get(r.name) or base(r)  # noqa: E731
+            body = emit(e, load, self._extra(t, load))
+            self.emit(f"    const {COMPUTE[self.types[name].dtype]} x_{name} = coconet::round_to<{ct}>({body});")
+            local[name] = f"x_{name}"
+            if stored:
+                self.emit(f"    v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
+            if extra_store:
+                extra_store(name)
+
+    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]]) -> None:
+        saved = dict(self.consts)
+        n = _prod(self.ldims(t))
+        coords = self._needs_coords(t, items, {name for name, _, _ in items})
+        self.emit("{")
+        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
+        self.emit("  (void)off;")
+        if coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"  const int64_t L{k} = {d};")
+        self.emit(f"  coconet::cuda::launch({n}, stream, [=] __device__ (int64_t i) {{")
+        for line in self._lets(lets):
+            self.emit(f"    {line}")
+        if coords:
+            self._coords(t)
+        self._body(t, items, {})
+        self.emit("  });")
+        self.emit("}")
+        self.consts = saved
+
+    # --- reductions and library operations ------------------------------------------------
+    def _reduce(self, u: Reduce) -> None:
+        xt, t = self.types[u.src], self.types[u.dst]
+        if xt.dtype != t.dtype:
+            raise Unsupported(u.line, "a reduction whose result dtype differs from its input's")
+        norm = "true" if u.op == "norm" else "false"
+        self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>(v_{u.src}, v_{u.dst}, "
+                  f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
+
+    def _library(self, u: Library) -> None:
+        ct = CTYPE[self.types[u.dst].dtype]
+        x = u.args[0]
+        xt = self.types[x]
+        if u.op == "matmul":
+            la, lb = self.ldims(xt), self.ldims(self.types[u.args[1]])
+            self.emit(f"coconet::cuda::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, "
+                      f"{la[-1]}, {lb[1]}, stream);")
+        elif u.op == "layernorm":
+            lx, attrs = self.ldims(xt), dict(u.attrs)
+            if "eps" in attrs:
+                eps = literal(float(attrs["eps"]), "f64")  # type: ignore[arg-type]
+            else:  # a scalar parameter (on the host); a computed eps is not supported
+                b = self.plan.buffer(u.args[3])
+                if b.kind != "scalar":
+                    raise Unsupported(u.line, "layernorm with a computed eps is not in the CUDA backend yet")
+                eps = f"double(coconet::to_compute(v_{u.args[3]}[0]))"
+            self.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
+                      f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
+        else:
+            assert u.op == "conv2d", u.op
+            lx, lw, attrs = self.ldims(xt), self.ldims(self.types[u.args[1]]), dict(u.attrs)
+            self.emit(f"coconet::cuda::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
+                      f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']}, ctx);")
+
+    # --- collectives ----------------------------------------------------------------------
+    def _collective(self, u: Collective) -> None:
+        x, dst = u.src, u.dst
+        xt, t = self.types[x], self.types[dst]
+        ct = CTYPE[xt.dtype]
+        op = NCCL_OP.get(u.reduce, "")
+        n = _prod(self.ldims(xt))
+        if u.op == "allreduce":
+            self.emit(f"coconet::cuda::allreduce<{ct}>({op}, v_{x}, v_{dst}, {n}, ctx);")
+        elif u.op == "reducescatter":
+            self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, v_{x}, v_{dst}, {self.shape3(xt, t.layout.dim)}, ctx);")
+        elif u.op == "allgather":
+            self.emit(f"coconet::cuda::allgather<{ct}>(v_{x}, v_{dst}, {self.shape3(t, xt.layout.dim)}, ctx);")
+        elif u.op == "scatter":
+            self.emit(f"coconet::cuda::scatter_copy<{ct}>(v_{x}, v_{dst}, {self.shape3(xt, t.layout.dim)}, ctx);")
+        elif u.op == "broadcast":
+            self.emit(f"coconet::cuda::broadcast<{ct}>(v_{x}, v_{dst}, {n}, {u.root}, ctx);")
+        elif u.op == "reduce":
+            self.emit(f"coconet::cuda::reduce<{ct}>({op}, v_{x}, v_{dst}, {n}, {u.root}, ctx);")
+        else:
+            assert u.op == "send", u.op
+            nxt = "true" if u.direction == "next" else "false"
+            self.emit(f"coconet::cuda::send_shift<{ct}>(v_{x}, v_{dst}, {n}, {nxt}, ctx);")
+
+    # --- fused collectives ----------------------------------------------------------------
+    def _fused(self, u: Fused) -> None:
+        """Chunks of this rank's part of the reduced value: the reduction of chunk k+1 on the
+        comm stream while chunk k's kernel runs on the call's stream, then chunk k's gather on
+        the comm stream after an event (coconet::cuda::pipeline)."""
+        t = u.type
+        xt = self.types[u.src]
+        ct = CTYPE[t.dtype]
+        op = NCCL_OP[u.reduce]
+        g = self.gdims(xt)
+        if u.op == "reducescatter":
+            n0, inner = g[0], _prod(g[1:])
+        else:  # an allreduce: one "slice" of everything
+            n0, inner = _prod(g), "int64_t(1)"
+        nm = u.name
+        mine = _prod(self.ldims(t))
+        self.emit("{")
+        self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
+        self.emit(f"  const int64_t mine_{nm} = {mine};")
+        if u.op == "reducescatter":
+            # every rank takes part in every chunk's reduction: as many chunks as the largest slice
+            self.emit(f"  const int64_t most_{nm} = coconet::slice_chunk({n0}, comm.size) * {inner};")
+        else:
+            self.emit(f"  const int64_t most_{nm} = mine_{nm};")
+        self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
+        self.emit(f"  {ct}* const red0_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
+        self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
+        if u.op == "reducescatter":
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
+        else:
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+                      f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
+                      f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
+        self.emit(f"  auto compute = [&](int64_t k, {ct}* red) {{")
+        self.emit(f"    const int64_t lo = k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
+        self.emit("    if (hi <= lo) return;")
+        self._chunk_kernel(u)
+        self.emit("  };")
+        if u.gather:
+            self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
+                      f"{self.gdims(self.types[u.gather])[0]}, {_prod(self.gdims(self.types[u.gather])[1:])}, "
+                      f"k, ch_{nm}, ctx); }};")
+        else:
+            self.emit("  auto gather = [&](int64_t) {};")
+        if self.plan.buffer(u.collective).kind == "scratch":  # the reduced value is kept
+            self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+                      f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
+            self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
+            fn = "compute_keep"
+        else:
+            fn = "compute"
+        self.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.site() * 8}, "
+                  f"reduce_to, {fn}, gather);")
+        self.emit("}")
+        for a in u.after:
+            self.unit(a)
+
+    def _chunk_kernel(self, u: Fused) -> None:
+        saved = dict(self.consts)
+        t = u.type
+        lets = self._lets(u.lets)
+        inside = {u.collective} | {i.name for p in u.phases for i in p.items}
+        items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
+        coords = self._needs_coords(t, items, inside)
+        self.emit(f"    const int64_t off = {self.offset(t)};")
+        self.emit("    (void)off;")
+        if coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"    const int64_t L{k} = {d};")
+        self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
+        self.emit("    const int64_t i = lo + j;")
+        for line in lets:
+            self.emit(f"    {line}")
+        if coords:
+            self._coords(t)
+        self._body(t, items, {u.collective: "coconet::to_compute(red[j])"})
+        self.emit("    });")
+        self.consts = saved
+
+
+    # --- overlap ---------------------------------------------------------------------------
+    def _overlap(self, u: Overlap) -> None:
+        """The matmul in chunks on the call's stream; each chunk's collective on the comm stream
+        after an event (so it runs while the next chunk's GEMM does); the call's stream waits
+        for the comm stream at the end. direct: chunks are rows of y in place; otherwise each
+        chunk is computed packed [outer, |r|, inner], its collective runs on the packed chunk
+        and the result is unpacked into its block of the collective's result."""
+        if u.fused is not None:
+            raise Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet")
+        y, c = u.producer, u.collective
+        yt, ctt = self.types[y], self.types[c]
+        ct = CTYPE[yt.dtype]
+        op = NCCL_OP.get(u.reduce, "")
+        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y, u.a, u.b, c))
+        gy = self.gdims(yt)
+        K, N = la[-1], lb[1]
+        ev, done = self.site(), self.site()
+        self.emit("{")
+        self.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
+        self.emit("  cctx.stream = ctx.comm_stream;")
+        self.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});  // inputs ready")
+        if u.direct:
+            rows, per_row = ly[0], _prod(ly[1:-1])
+            self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
+            self.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
+            self.emit("    if (r.empty()) continue;")
+            self.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + r.begin * {per_row} * {K}, v_{u.b}, "
+                      f"v_{y} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {K}, {N}, stream);")
+            self.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
+            src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
+            if u.op == "allreduce":
+                self.emit(f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, cctx);")
+            else:
+                d = ctt.layout.dim
+                self.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, r.size() * {_prod(gy[1:d])}, "
+                          f"{gy[d]}, {_prod(gy[d + 1:])}, cctx);")
+            self.emit("  }")
+        else:
+            self._overlap_packed(u, ct, op, ly, la, lb, lc, gy, ev)
+        self.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
+        self.emit("}")
+
+    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:
+        y, c = u.producer, u.collective
+        yt, ctt = self.types[y], self.types[c]
+        d, nd = u.dim, yt.ndim
+        K, N = la[-1], lb[1]
+        outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
+        oc, ic = _prod(lc[:d]), _prod(lc[d + 1:])
+        self.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(ly)});")
+        self.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(lc)});")
+        self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
+        self.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
+        self.emit("    if (r.empty()) continue;")
+        self.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
+        self.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
+        if d == nd - 1:  # a column block of b: P[M, |r|]
+            self.emit(f"    coconet::cuda::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
+                      f"v_{u.b} + r.begin, {N}, P, r.size(), stream);")
+        else:
+            rows_per = _prod(ly[d + 1:-1])
+            self.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
+            self.emit(f"      coconet::cuda::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
+                      f"P + o * r.size() * {inner}, r.size() * {rows_per}, {K}, {N}, stream);")
+        if u.keep_producer:
+            self.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
+        self.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
+        gp = [g if k != d else "r.size()" for k, g in enumerate(self.gdims(yt))]
+        if u.op == "allreduce":
+            self.emit(f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);")
+        elif u.op == "reducescatter":
+            dr = ctt.layout.dim
+            self.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {_prod(gp[:dr])}, {gp[dr]}, "
+                      f"{_prod(gp[dr + 1:])}, cctx);")
+        else:
+            da = yt.layout.dim
+            self.emit(f"    coconet::cuda::allgather<{ct}>(P, Q, {_prod(gp[:da])}, {gp[da]}, {_prod(gp[da + 1:])}, cctx);")
+        self.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
+        self.emit("  }")
+
+
+def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:
+    return CudaRenderer(plan, fn, file, outputs).render()

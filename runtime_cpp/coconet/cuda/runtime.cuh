@@ -1,0 +1,532 @@
+// coconet CUDA runtime: what the generated CUDA code (coconetc/codegen/cuda) calls around its
+// kernels. Collectives are stock NCCL on the call's stream, matmul is cuBLAS (cublasGemmEx),
+// layernorm and conv2d are direct kernels, sum/norm are block reductions accumulated in double.
+// Element math comes from ../pointwise.h, the same text the CPU loops use.
+#pragma once
+
+#ifndef COCONET_NO_MPI
+#define COCONET_NO_MPI
+#endif
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../dtypes.h"
+#include "../pointwise.h"
+#include "../slices.h"
+
+namespace coconet {
+namespace cuda {
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("coconet (cuda): ") + what + ": " + cudaGetErrorString(e));
+}
+inline void check(ncclResult_t e, const char* what) {
+  if (e != ncclSuccess) throw std::runtime_error(std::string("coconet (nccl): ") + what + ": " + ncclGetErrorString(e));
+}
+inline void check(cublasStatus_t e, const char* what) {
+  if (e != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("coconet (cublas): ") + what + ": " + cublasGetStatusString(e));
+}
+#define COCONET_CUDA(x) ::coconet::cuda::check((x), #x)
+
+inline void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+// This call's group: trivially copyable, so kernels capture it (slice offsets in device code).
+struct Group {
+  int size = 1;
+  int rank = 0;
+};
+
+// A scalar parameter: indexable like a 0-d tensor (v_x[0]) on the host and in kernels.
+template <class T>
+struct Scalar {
+  T v;
+  COCONET_HD const T& operator[](int64_t) const { return v; }
+};
+
+// What Python passes: device pointers, sizes, scalars, the stream and the NCCL communicator.
+struct CallArgs {
+  std::vector<uintptr_t> tensors;
+  std::vector<uintptr_t> outputs;
+  std::vector<int64_t> sizes;
+  std::vector<double> scalars;
+  std::vector<int64_t> iscalars;
+  uintptr_t stream = 0;  // cudaStream_t (0: the legacy default stream)
+  uintptr_t comm = 0;    // ncclComm_t of all ranks
+  int groups = 1;
+  template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
+  template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }
+};
+
+// The call's context: the group's communicator (split from the world one when groups > 1),
+// the world communicator (send between groups), the compute stream and a comm stream.
+struct Ctx {
+  ncclComm_t world = nullptr;
+  ncclComm_t comm = nullptr;
+  int wsize = 1, wrank = 0, groups = 1;
+  Group group;
+  cudaStream_t stream = nullptr;
+  cudaStream_t comm_stream = nullptr;
+};
+
+inline Ctx context(const CallArgs& a) {
+  static std::mutex mu;
+  static std::map<std::pair<uintptr_t, int>, ncclComm_t> splits;
+  static std::map<int, cudaStream_t> comm_streams;
+  Ctx c;
+  c.world = reinterpret_cast<ncclComm_t>(a.comm);
+  c.stream = reinterpret_cast<cudaStream_t>(a.stream);
+  c.groups = a.groups;
+  COCONET_CUDA(ncclCommCount(c.world, &c.wsize));
+  COCONET_CUDA(ncclCommUserRank(c.world, &c.wrank));
+  require(a.groups >= 1 && c.wsize % a.groups == 0,
+          "groups=" + std::to_string(a.groups) + " does not divide " + std::to_string(c.wsize) + " ranks");
+  std::lock_guard<std::mutex> lock(mu);
+  if (a.groups == 1) {
+    c.comm = c.world;
+  } else {
+    auto key = std::make_pair(a.comm, a.groups);
+    auto it = splits.find(key);
+    if (it == splits.end()) {
+      ncclComm_t sub;
+      int gs = c.wsize / a.groups;
+      COCONET_CUDA(ncclCommSplit(c.world, c.wrank / gs, c.wrank % gs, &sub, nullptr));
+      it = splits.emplace(key, sub).first;
+    }
+    c.comm = it->second;
+  }
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  auto s = comm_streams.find(dev);
+  if (s == comm_streams.end()) {
+    cudaStream_t cs;
+    COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    s = comm_streams.emplace(dev, cs).first;
+  }
+  c.comm_stream = s->second;
+  COCONET_CUDA(ncclCommCount(c.comm, &c.group.size));
+  COCONET_CUDA(ncclCommUserRank(c.comm, &c.group.rank));
+  return c;
+}
+
+// Device buffers of the function's own, kept across calls (one per site; grown when needed).
+inline void* scratch_bytes(int site, size_t bytes) {
+  static std::mutex mu;
+  static std::map<int, std::pair<void*, size_t>> bufs;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& b = bufs[site];
+  if (b.second < bytes) {
+    if (b.first) COCONET_CUDA(cudaFree(b.first));
+    b.first = nullptr;
+    COCONET_CUDA(cudaMalloc(&b.first, bytes > 0 ? bytes : 1));
+    b.second = bytes;
+  }
+  return b.first;
+}
+template <class T> T* scratch(int site, int64_t n) {
+  return static_cast<T*>(scratch_bytes(site, static_cast<size_t>(n > 0 ? n : 1) * sizeof(T)));
+}
+
+// An event per site, made once.
+inline cudaEvent_t event(int site) {
+  static std::mutex mu;
+  static std::map<int, cudaEvent_t> evs;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = evs.find(site);
+  if (it == evs.end()) {
+    cudaEvent_t e;
+    COCONET_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    it = evs.emplace(site, e).first;
+  }
+  return it->second;
+}
+// `waiter` waits for what has been queued on `s` so far.
+inline void join(cudaStream_t s, cudaStream_t waiter, int site) {
+  cudaEvent_t e = event(site);
+  COCONET_CUDA(cudaEventRecord(e, s));
+  COCONET_CUDA(cudaStreamWaitEvent(waiter, e, 0));
+}
+
+// Elements per chunk of a fused collective (COCONET_CUDA_CHUNK, default 2^22).
+inline int64_t chunk_elems() {
+  static int64_t n = [] {
+    const char* s = std::getenv("COCONET_CUDA_CHUNK");
+    int64_t v = s ? std::atoll(s) : 0;
+    return v > 0 ? v : int64_t(1) << 22;
+  }();
+  return n;
+}
+
+// ---- kernels -----------------------------------------------------------------------------------
+
+template <class F>
+__global__ void each_kernel(int64_t n, F f) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) f(i);
+}
+
+// f(i) for i in [0, n): a grid-stride loop (bounds-checked), on stream s.
+template <class F>
+void launch(int64_t n, cudaStream_t s, F f) {
+  if (n <= 0) return;
+  const int threads = 256;
+  int64_t blocks = (n + threads - 1) / threads;
+  if (blocks > 65536) blocks = 65536;
+  each_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(n, f);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+template <class T, bool SQUARES>
+__global__ void partial_sum_kernel(const T* x, int64_t n, double* acc) {
+  __shared__ double part[256];
+  double s = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    double v = static_cast<double>(to_compute(x[i]));
+    s += SQUARES ? v * v : v;
+  }
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k /= 2) {
+    if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) atomicAdd(acc, part[0]);
+}
+
+template <class T, bool SQRT>
+__global__ void finish_sum_kernel(const double* acc, T* dst) {
+  double v = SQRT ? sqrt(acc[0]) : acc[0];
+  dst[0] = from_compute<T>(static_cast<compute_t<T>>(v));
+}
+
+// dst[0] = sum (or L2 norm) of x[0, n); cross_rank: the ranks' partial sums are added (NCCL).
+template <class T, bool NORM>
+void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+  double* acc = scratch<double>(site, 1);
+  COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
+  if (n > 0) {
+    int64_t blocks = (n + 255) / 256;
+    if (blocks > 4096) blocks = 4096;
+    partial_sum_kernel<T, NORM><<<static_cast<unsigned>(blocks), 256, 0, c.stream>>>(x, n, acc);
+    COCONET_CUDA(cudaGetLastError());
+  }
+  if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 1, ncclFloat64, ncclSum, c.comm, c.stream));
+  finish_sum_kernel<T, NORM><<<1, 1, 0, c.stream>>>(acc, dst);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+// layernorm over the last dim: one thread per row, in the compute type (as the CPU runtime).
+template <class T>
+__global__ void layernorm_kernel(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y) {
+  using C = compute_t<T>;
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
+    const T* xr = x + r * H;
+    C mean = 0, var = 0;
+    for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
+    mean /= static_cast<C>(H);
+    for (int64_t j = 0; j < H; ++j) {
+      C d = to_compute(xr[j]) - mean;
+      var += d * d;
+    }
+    var /= static_cast<C>(H);
+    C inv = C(1) / sqrt(var + static_cast<C>(eps));
+    for (int64_t j = 0; j < H; ++j)
+      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+  }
+}
+template <class T>
+void layernorm(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
+  if (rows <= 0) return;
+  int64_t blocks = (rows + 127) / 128;
+  if (blocks > 65536) blocks = 65536;
+  layernorm_kernel<T><<<static_cast<unsigned>(blocks), 128, 0, c.stream>>>(x, g, b, eps, rows, H, y);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+// conv2d NCHW x OIHW, one thread per output element, accumulated in double.
+template <class T>
+void conv2d(const T* x, const T* w, T* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
+            int64_t KW, int64_t stride, int64_t pad, const Ctx& c) {
+  const int64_t OH = (H + 2 * pad - KH) / stride + 1, OW = (W + 2 * pad - KW) / stride + 1;
+  launch(N * O * OH * OW, c.stream, [=] __device__(int64_t i) {
+    int64_t ow = i % OW, oh = (i / OW) % OH, o = (i / (OW * OH)) % O, n = i / (OW * OH * O);
+    double acc = 0;
+    for (int64_t ci = 0; ci < C; ++ci)
+      for (int64_t kh = 0; kh < KH; ++kh) {
+        int64_t ih = oh * stride - pad + kh;
+        if (ih < 0 || ih >= H) continue;
+        for (int64_t kw = 0; kw < KW; ++kw) {
+          int64_t iw = ow * stride - pad + kw;
+          if (iw < 0 || iw >= W) continue;
+          acc += static_cast<double>(to_compute(x[((n * C + ci) * H + ih) * W + iw])) *
+                 static_cast<double>(to_compute(w[((o * C + ci) * KH + kh) * KW + kw]));
+        }
+      }
+    y[i] = from_compute<T>(static_cast<compute_t<T>>(acc));
+  });
+}
+
+// ---- cuBLAS --------------------------------------------------------------------------------------
+
+inline cublasHandle_t blas() {
+  static std::mutex mu;
+  static std::map<int, cublasHandle_t> hs;
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = hs.find(dev);
+  if (it == hs.end()) {
+    cublasHandle_t h;
+    COCONET_CUDA(cublasCreate(&h));
+    it = hs.emplace(dev, h).first;
+  }
+  return it->second;
+}
+
+template <class T> struct BlasType;
+template <> struct BlasType<float> { static constexpr cudaDataType_t t = CUDA_R_32F; };
+template <> struct BlasType<double> { static constexpr cudaDataType_t t = CUDA_R_64F; };
+template <> struct BlasType<half> { static constexpr cudaDataType_t t = CUDA_R_16F; };
+template <> struct BlasType<bfloat16> { static constexpr cudaDataType_t t = CUDA_R_16BF; };
+
+// Row-major C[M, N] = A[M, K] (lda) x B[K, N] (ldb), ldc: cuBLAS is column-major, so it computes
+// C^T = B^T A^T. f16/bf16 accumulate in f32, f64 in f64, f32 in f32 (no TF32).
+template <class T>
+void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+          cudaStream_t s) {
+  if (M <= 0 || N <= 0) return;
+  cublasHandle_t h = blas();
+  COCONET_CUDA(cublasSetStream(h, s));
+  if (K <= 0) {
+    COCONET_CUDA(cudaMemset2DAsync(C, ldc * sizeof(T), 0, N * sizeof(T), M, s));
+    return;
+  }
+  if (std::is_same<T, double>::value) {
+    const double alpha = 1, beta = 0;
+    COCONET_CUDA(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
+                              BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_64F,
+                              CUBLAS_GEMM_DEFAULT));
+  } else {
+    const float alpha = 1, beta = 0;
+    COCONET_CUDA(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
+                              BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  }
+}
+template <class T>
+void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
+  gemm<T>(M, N, K, A, K, B, N, C, N, s);
+}
+
+// ---- NCCL ----------------------------------------------------------------------------------------
+
+template <class T> struct NcclType;
+template <> struct NcclType<float> { static constexpr ncclDataType_t t = ncclFloat32; };
+template <> struct NcclType<double> { static constexpr ncclDataType_t t = ncclFloat64; };
+template <> struct NcclType<half> { static constexpr ncclDataType_t t = ncclFloat16; };
+template <> struct NcclType<bfloat16> { static constexpr ncclDataType_t t = ncclBfloat16; };
+template <> struct NcclType<int32_t> { static constexpr ncclDataType_t t = ncclInt32; };
+template <> struct NcclType<int64_t> { static constexpr ncclDataType_t t = ncclInt64; };
+
+struct Group_ {  // ncclGroupStart/End as a scope
+  Group_() { COCONET_CUDA(ncclGroupStart()); }
+  ~Group_() noexcept(false) { COCONET_CUDA(ncclGroupEnd()); }
+};
+
+template <class T>
+void allreduce(ncclRedOp_t op, const T* x, T* y, int64_t n, const Ctx& c, cudaStream_t s = nullptr) {
+  COCONET_CUDA(ncclAllReduce(x, y, size_t(n), NcclType<T>::t, op, c.comm, s ? s : c.stream));
+}
+
+// x: [outer, n, inner] (every rank the whole), y: this rank's slice [outer, |slice|, inner].
+// Even split along the outermost dim: one ncclReduceScatter; otherwise (uneven slices, inner
+// dims) one grouped ncclReduce per rank and outer index, each to the rank that keeps it.
+template <class T>
+void reduce_scatter(ncclRedOp_t op, const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const Ctx& c) {
+  const int R = c.group.size;
+  if (outer == 1 && n % R == 0) {
+    COCONET_CUDA(ncclReduceScatter(x, y, size_t(n / R * inner), NcclType<T>::t, op, c.comm, c.stream));
+    return;
+  }
+  const int64_t mine = slice_range(n, R, c.group.rank).size();
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    Range sl = slice_range(n, R, r);
+    if (sl.empty()) continue;
+    for (int64_t o = 0; o < outer; ++o)
+      COCONET_CUDA(ncclReduce(x + (o * n + sl.begin) * inner, y + o * mine * inner, size_t(sl.size() * inner),
+                              NcclType<T>::t, op, r, c.comm, c.stream));
+  }
+}
+
+// x: this rank's slice [outer, |slice|, inner], y: [outer, n, inner] gathered.
+template <class T>
+void allgather(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const Ctx& c) {
+  const int R = c.group.size;
+  if (outer == 1 && n % R == 0) {
+    COCONET_CUDA(ncclAllGather(x, y, size_t(n / R * inner), NcclType<T>::t, c.comm, c.stream));
+    return;
+  }
+  const int64_t mine = slice_range(n, R, c.group.rank).size();
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    Range sl = slice_range(n, R, r);
+    if (sl.empty()) continue;
+    for (int64_t o = 0; o < outer; ++o)
+      COCONET_CUDA(ncclBroadcast(x + o * mine * inner, y + (o * n + sl.begin) * inner, size_t(sl.size() * inner),
+                                 NcclType<T>::t, r, c.comm, c.stream));
+  }
+}
+
+// This rank's slice of a replicated x: no communication.
+template <class T>
+void scatter_copy(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const Ctx& c) {
+  Range sl = slice_range(n, c.group.size, c.group.rank);
+  if (sl.empty() || outer == 0) return;
+  const size_t w = size_t(sl.size() * inner) * sizeof(T);
+  COCONET_CUDA(cudaMemcpy2DAsync(y, w, x + sl.begin * inner, size_t(n * inner) * sizeof(T), w, size_t(outer),
+                                 cudaMemcpyDeviceToDevice, c.stream));
+}
+
+template <class T>
+void broadcast(const T* x, T* y, int64_t n, int root, const Ctx& c) {
+  COCONET_CUDA(ncclBroadcast(x, y, size_t(n), NcclType<T>::t, root, c.comm, c.stream));
+}
+
+// The reduction on root; the other ranks keep x.
+template <class T>
+void reduce(ncclRedOp_t op, const T* x, T* y, int64_t n, int root, const Ctx& c) {
+  if (c.group.rank != root && x != y)
+    COCONET_CUDA(cudaMemcpyAsync(y, x, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
+  COCONET_CUDA(ncclReduce(x, y, size_t(n), NcclType<T>::t, op, root, c.comm, c.stream));
+}
+
+// send(x, next|prev): the same in-group rank of the next (previous) group gets x; the first
+// (last) group receives zeros. Grouped ncclSend/ncclRecv on the world communicator.
+template <class T>
+void send_shift(const T* x, T* y, int64_t n, bool next, const Ctx& c) {
+  const int gs = c.wsize / c.groups, g = c.wrank / gs;
+  const int to = next ? g + 1 : g - 1, from = next ? g - 1 : g + 1;
+  const bool has_to = to >= 0 && to < c.groups, has_from = from >= 0 && from < c.groups;
+  if (!has_from) COCONET_CUDA(cudaMemsetAsync(y, 0, size_t(n) * sizeof(T), c.stream));
+  if (!has_to && !has_from) return;
+  Group_ grp;
+  if (has_to) COCONET_CUDA(ncclSend(x, size_t(n), NcclType<T>::t, to * gs + c.wrank % gs, c.world, c.stream));
+  if (has_from) COCONET_CUDA(ncclRecv(y, size_t(n), NcclType<T>::t, from * gs + c.wrank % gs, c.world, c.stream));
+}
+
+template <class T>
+void copy(const T* src, T* dst, int64_t n, const Ctx& c) {
+  if (n > 0 && src != dst)
+    COCONET_CUDA(cudaMemcpyAsync(dst, src, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
+}
+
+// Chunk r of dim n, packed as [outer, |r|, inner] in P, into its block of dst [outer, n, inner].
+template <class T>
+void unpack(const T* P, T* dst, int64_t outer, int64_t n, int64_t inner, Range r, cudaStream_t s) {
+  if (r.empty() || outer == 0 || inner == 0) return;
+  const size_t w = size_t(r.size() * inner) * sizeof(T);
+  COCONET_CUDA(cudaMemcpy2DAsync(dst + r.begin * inner, size_t(n * inner) * sizeof(T), P, w, w, size_t(outer),
+                                 cudaMemcpyDeviceToDevice, s));
+}
+
+// ---- fused collectives: chunk by chunk on two streams ---------------------------------------
+//
+// This rank's slice (outermost dim) of the reduced value, [0, mine) elements, is cut into chunks.
+// The reduction of chunk k+1 runs on the comm stream while chunk k computes on the call's stream;
+// each computed chunk's gathered piece goes out on the comm stream after an event. The reduction
+// of one chunk is a grouped ncclReduce per rank (each rank's slice part of that chunk, to that
+// rank), so uneven slices need no padding; the gather is a grouped ncclBroadcast per rank.
+//   reduce_to(k, buf): issue chunk k's reduction into buf on the comm stream
+//   compute(k, lo, hi, red): queue chunk k's kernel (local elements [lo, hi), red[i - lo])
+//   gather(k, lo): issue chunk k's gather on the comm stream
+template <class T, class RF, class CF, class GF>
+void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduce_to, CF compute, GF gather) {
+  if (chunks <= 0) return;
+  cudaEvent_t start = event(site), done = event(site + 1), red_ev[2] = {event(site + 2), event(site + 3)},
+              comp_ev[2] = {event(site + 4), event(site + 5)};
+  T* red[2] = {red0, red1};
+  COCONET_CUDA(cudaEventRecord(start, c.stream));
+  COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, start, 0));
+  reduce_to(0, red[0]);
+  COCONET_CUDA(cudaEventRecord(red_ev[0], c.comm_stream));
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int b = int(k % 2), nb = 1 - b;
+    if (k + 1 < chunks) {
+      if (k >= 1) COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[nb], 0));  // buffer nb is free
+      reduce_to(k + 1, red[nb]);
+      COCONET_CUDA(cudaEventRecord(red_ev[nb], c.comm_stream));
+    }
+    COCONET_CUDA(cudaStreamWaitEvent(c.stream, red_ev[b], 0));
+    compute(k, red[b]);
+    COCONET_CUDA(cudaEventRecord(comp_ev[b], c.stream));
+    COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[b], 0));
+    gather(k);
+  }
+  COCONET_CUDA(cudaEventRecord(done, c.comm_stream));
+  COCONET_CUDA(cudaStreamWaitEvent(c.stream, done, 0));
+}
+
+// Chunk k of this rank's slice part: reduce each rank's piece [r's begin + k*CH, ...) to r.
+template <class T>
+void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    Range sl = slice_range(n, R, r);
+    const int64_t size = sl.size() * inner, lo = k * ch;
+    if (lo >= size) continue;
+    const int64_t cnt = size - lo < ch ? size - lo : ch;
+    COCONET_CUDA(ncclReduce(x + sl.begin * inner + lo, red, size_t(cnt), NcclType<T>::t, op, r, c.comm, c.comm_stream));
+  }
+}
+
+// Chunk k of every rank's slice part of the gathered value y (full size), each from its rank.
+template <class T>
+void gather_chunk(T* y, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    Range sl = slice_range(n, R, r);
+    const int64_t size = sl.size() * inner, lo = k * ch;
+    if (lo >= size) continue;
+    const int64_t cnt = size - lo < ch ? size - lo : ch;
+    T* at = y + sl.begin * inner + lo;
+    COCONET_CUDA(ncclBroadcast(at, at, size_t(cnt), NcclType<T>::t, r, c.comm, c.comm_stream));
+  }
+}
+
+// ---- communicators -----------------------------------------------------------------------------
+
+inline std::string unique_id() {
+  ncclUniqueId id;
+  COCONET_CUDA(ncclGetUniqueId(&id));
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+inline uintptr_t comm_init(const std::string& id_bytes, int nranks, int rank) {
+  require(id_bytes.size() == sizeof(ncclUniqueId), "an NCCL unique id is 128 bytes");
+  ncclUniqueId id;
+  std::memcpy(id.internal, id_bytes.data(), sizeof(id.internal));
+  ncclComm_t comm;
+  COCONET_CUDA(ncclCommInitRank(&comm, nranks, id, rank));
+  return reinterpret_cast<uintptr_t>(comm);
+}
+
+inline void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterpret_cast<ncclComm_t>(comm))); }
+
+}  // namespace cuda
+}  // namespace coconet

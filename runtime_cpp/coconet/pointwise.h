@@ -1,0 +1,40 @@
+// coconet runtime: the pointwise helpers the generated element math calls (codegen/emit.py and
+// the operation registry's C++ templates). Shared by the CPU loops and the CUDA kernels, so it
+// includes nothing that needs MPI or the host runtime.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "dtypes.h"
+#include "rng.h"
+
+namespace coconet {
+
+template <class C> COCONET_HD inline C minimum(C a, C b) { return b < a ? b : a; }
+template <class C> COCONET_HD inline C maximum(C a, C b) { return a < b ? b : a; }
+template <class C> COCONET_HD inline C power(C a, C b) { return static_cast<C>(std::pow(a, b)); }
+template <class C> COCONET_HD inline C rsqrt(C x) { return C(1) / std::sqrt(x); }
+template <class C> COCONET_HD inline C sigmoid(C x) { return C(1) / (C(1) + std::exp(-x)); }
+template <class C> COCONET_HD inline C relu(C x) { return x < C(0) ? C(0) : x; }
+// Exact GELU: x * Phi(x) (PyTorch's default), computed in double as the interpreter does.
+template <class C> COCONET_HD inline C gelu(C x) {
+  double d = static_cast<double>(x);
+  return static_cast<C>(0.5 * d * (1.0 + std::erf(d * 0.70710678118654752440)));
+}
+
+// cast(x, T): round to T's storage, continue in T's compute type.
+template <class T, class C> COCONET_HD inline compute_t<T> cast_to(C x) {
+  return to_compute<T>(static_cast<T>(static_cast<compute_t<T>>(x)));
+}
+template <> COCONET_HD inline float cast_to<half, float>(float x) { return round_to<half>(x); }
+template <> COCONET_HD inline float cast_to<bfloat16, float>(float x) { return round_to<bfloat16>(x); }
+
+// dropout: keep with probability 1-p (Philox, rng.h), scale survivors by 1/(1-p).
+template <class C>
+COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t gidx) {
+  if (!dropout_keep(static_cast<uint64_t>(seed), site, gidx, dropout_threshold(p))) return C(0);
+  return p < 1.0 ? x * static_cast<C>(1.0 / (1.0 - p)) : C(0);
+}
+
+}  // namespace coconet
