@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	# cuda: NCCL, cuBLAS and the CUDA runtime wheels, so the CUDA output is compiled and linked
+	# with nvcc in the tests (where nvcc is installed); nothing here needs a GPU.
+	$(PY) -m pip install -q -e '.[cpu,cuda,test]'
 	# PyTorch (CPU build, from local disk here) is only for baselines and interop tests.
 	$(PY) -m pip install -q torch==2.13.0
 	touch $(STAMP)
