@@ -8,7 +8,7 @@ Communicators: `nccl_comm(module, mpi_comm)` makes an NCCL communicator from an 
 
 A call checks on this rank, before anything runs: presence, dtype, device (the current CUDA
 device), rank, contiguity; then the shapes of all ranks are exchanged over MPI (when there is an
-MPI communicator) and bound to the program (interp/bind.py), so sizes bound across ranks are
+MPI communicator) and bound to the program (common/validate.py), so sizes bound across ranks are
 checked identically everywhere. Kernels and collectives run on the given CUDA stream (default:
 PyTorch's current stream); the call returns without synchronizing."""
 
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from coconetc.codegen.cpu import DEFAULT, function_name, variants
-from coconetc.interp.bind import bind
-from coconetc.interp.values import STORAGE, slice_range
+from coconetc.common.slices import slice_range
+from coconetc.common.validate import bind_sizes
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 
@@ -105,18 +105,19 @@ class CudaProgram:
         local = _check_local(p, kwargs)
         shapes = _describe(p, local)
         everyone = comm.mpi.allgather(shapes) if comm.mpi is not None and comm.size > 1 else [shapes]
-        b = bind(p, [_dummies(p, d) for d in everyone], groups)
-        rank = comm.rank % b.group_size
+        sizes, _ = bind_sizes(p, everyone, groups)
+        group_size = len(everyone) // groups
+        rank = comm.rank % group_size
         dev = torch.device("cuda", torch.cuda.current_device())
         args = self.ext.CallArgs()
         args.tensors = [local[q.name].data_ptr() for q in p.params if not q.scalar]
         outs = []
         for _, s in p.outputs:
             t = p.type_of(s)
-            outs.append(torch.empty(_local_shape(t, b.sizes, b.group_size, rank),
+            outs.append(torch.empty(_local_shape(t, sizes, group_size, rank),
                                     dtype=getattr(torch, TORCH_DTYPES[t.dtype]), device=dev))
         args.outputs = [o.data_ptr() for o in outs]
-        args.sizes = [b.sizes[s] for s in sorted(b.sizes)]
+        args.sizes = [sizes[s] for s in sorted(sizes)]
         scal = [q for q in p.params if q.scalar]
         args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
         args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
@@ -179,6 +180,3 @@ def _describe(p: Program, values: dict) -> dict:
     return {q.name: values[q.name] if q.scalar else tuple(values[q.name].shape) for q in p.params}
 
 
-def _dummies(p: Program, desc: dict) -> dict:
-    return {q.name: desc[q.name] if q.scalar else np.broadcast_to(np.zeros((), STORAGE[q.type.dtype]), desc[q.name])
-            for q in p.params}
