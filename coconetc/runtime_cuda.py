@@ -14,7 +14,6 @@ PyTorch's current stream); the call returns without synchronizing."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +59,9 @@ def nccl_comm(ext: Any, mpi_comm: Any = None) -> NcclComm:
 
 def load(path: str | Path, archs: str | None = None, log=None) -> CudaModule:
     from coconetc.build.cuda_build import compile_cuda
+    from coconetc.runtime.loader import import_extension
     mod, src, so = compile_cuda(path, None, archs, skip_unsupported=True, log=log)
-    spec = importlib.util.spec_from_file_location(src.module, so)
-    assert spec is not None and spec.loader is not None
-    ext = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ext)
-    return CudaModule(mod, src, ext)
+    return CudaModule(mod, src, import_extension(src.module, so))
 
 
 class CudaModule:

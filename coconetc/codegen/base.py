@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
-from coconetc.plan.units import Plan, Unit
+from coconetc.plan.units import Buffer, Plan, Unit
 
 
 @dataclass
@@ -77,6 +77,24 @@ class RenderBase:
     def shape3(self, t: TType, d: int) -> str:
         g = self.gdims(t)
         return f"{_prod(g[:d])}, {g[d]}, {_prod(g[d + 1:])}"
+
+    # --- the function: every backend lays it out the same way ------------------------------
+    def render(self) -> Function:
+        for i, sym in enumerate(self.sig.sizes):
+            self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
+        for b in self.plan.buffers:
+            self._declare(b)
+        for u in self.plan.units:
+            self.unit(u)
+        comment = f"program {self.plan.program}, schedule {self.plan.schedule} ({self.file})"
+        return Function(self.fn, comment, self.lines, self.sig)
+
+    def _comment(self, line: int, what: str) -> None:
+        where = f"{self.file}:{line}" if line else self.file
+        self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+
+    def _declare(self, b: Buffer) -> None:
+        raise NotImplementedError
 
     def unit(self, u: Unit) -> None:
         raise NotImplementedError

@@ -22,16 +22,6 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop,
 class CpuRenderer(FusedEmitter):
     """Renders one plan; loops in loops.py, fused collectives and overlap in fused.py."""
 
-    def render(self) -> Function:
-        for i, sym in enumerate(self.sig.sizes):
-            self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
-        for b in self.plan.buffers:
-            self._declare(b)
-        for u in self.plan.units:
-            self.unit(u)
-        comment = f"program {self.plan.program}, schedule {self.plan.schedule} ({self.file})"
-        return Function(self.fn, comment, self.lines, self.sig)
-
     def unit(self, u: Unit) -> None:
         if isinstance(u, Loop):
             self._comment(u.line, f"loop: {', '.join(i.name for i in u.items)}")
@@ -57,10 +47,6 @@ class CpuRenderer(FusedEmitter):
             assert isinstance(u, Overlap)
             self._comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")
             self.render_overlap(u)
-
-    def _comment(self, line: int, what: str) -> None:
-        where = f"{self.file}:{line}" if line else self.file
-        self.emit(f"// [{self.plan.schedule}] {what} ({where})")
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:

@@ -55,11 +55,16 @@ def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None
 def load(path: str | Path, log=None) -> CompiledModule:
     """Compile FILE (cached) and import it."""
     mod, src, so = compile_module(path, None, log)
-    spec = importlib.util.spec_from_file_location(src.module, so)
+    return CompiledModule(mod, src, import_extension(src.module, so))
+
+
+def import_extension(name: str, so: Path) -> Any:
+    """Imports a built extension module from its file (CPU or CUDA)."""
+    spec = importlib.util.spec_from_file_location(name, so)
     assert spec is not None and spec.loader is not None, so
     ext = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ext)
-    return CompiledModule(mod, src, ext)
+    return ext
 
 
 class CompiledModule:

@@ -82,18 +82,7 @@ class CudaRenderer(LoopEmitter):
         problems = unsupported(self.plan)
         if problems:
             raise problems[0]
-        for i, sym in enumerate(self.sig.sizes):
-            self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
-        for b in self.plan.buffers:
-            self._declare(b)
-        for u in self.plan.units:
-            self.unit(u)
-        comment = f"program {self.plan.program}, schedule {self.plan.schedule} ({self.file})"
-        return Function(self.fn, comment, self.lines, self.sig)
-
-    def _comment(self, line: int, what: str) -> None:
-        where = f"{self.file}:{line}" if line else self.file
-        self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+        return super().render()
 
     def unit(self, u: Unit) -> None:
         if isinstance(u, Loop):
