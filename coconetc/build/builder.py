@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -86,15 +88,22 @@ def build_key(source: str, options: str) -> str:
 
 def build(module: str, cpp: str, cmake: str, out_dir: Path, log=None) -> Path:
     """Write the sources to out_dir and build; returns the path of the extension module."""
+    return build_locked(module, {"module.cpp": cpp, "CMakeLists.txt": cmake}, out_dir, _run_cmake, log)
+
+
+def build_locked(module: str, files: dict[str, str], out_dir: Path,
+                 run: Callable[[Path, Any], None], log=None) -> Path:
+    """Under a file lock (several ranks may load at once): the module already built in
+    out_dir, or the files written and `run(out_dir, log)` building it (any backend)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         built = _find_module(out_dir, module)
         if built is not None:
             return built
-        (out_dir / "module.cpp").write_text(cpp)
-        (out_dir / "CMakeLists.txt").write_text(cmake)
-        _run_cmake(out_dir, log)
+        for name, text in files.items():
+            (out_dir / name).write_text(text)
+        run(out_dir, log)
         built = _find_module(out_dir, module)
         if built is None:
             raise BuildError(f"coconetc: the build finished but made no module in {out_dir}")

@@ -5,7 +5,6 @@ CPU builds (builder.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import shutil
@@ -16,7 +15,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from coconetc.build.builder import BuildError, cache_dir, compiler_hash
+from coconetc.build.builder import BuildError, build_locked, cache_dir, compiler_hash
 from coconetc.paths import runtime_dir
 
 ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
@@ -130,25 +129,7 @@ def write_sources(src, out_dir: Path) -> None:
 
 
 def build_module(module: str, cu: str, cmake: str, out_dir: Path, log=None) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        built = _find(out_dir, module)
-        if built is not None:
-            return built
-        (out_dir / "module.cu").write_text(cu)
-        (out_dir / "CMakeLists.txt").write_text(cmake)
-        _run(out_dir, log)
-        built = _find(out_dir, module)
-        if built is None:
-            raise BuildError(f"coconetc: the build finished but made no module in {out_dir}")
-        return built
-
-
-def _find(out_dir: Path, module: str) -> Path | None:
-    b = out_dir / "build"
-    hits = sorted(b.glob(f"{module}*.so")) if b.exists() else []
-    return hits[0] if hits else None
+    return build_locked(module, {"module.cu": cu, "CMakeLists.txt": cmake}, out_dir, _run, log)
 
 
 def _blas_headers(tc: CudaToolchain, out_dir: Path) -> Path:
