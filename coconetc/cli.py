@@ -130,9 +130,8 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
             _fail("coconetc: 'auto' is chosen by the autotuner; show a named schedule")
         ir = sched.ir
     if fmt == "plan":
-        from coconetc.plan import plan_program
         from coconetc.plan.show import show as show_plan
-        click.echo(show_plan(plan_program(ir, schedule or "default")), nl=False)
+        click.echo(show_plan(mod.plans[(name, schedule or "default")]), nl=False)
         return
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 

@@ -17,7 +17,7 @@ from coconetc.frontend import syntax
 from coconetc.frontend.checker import check_program
 from coconetc.frontend.parser import parse
 from coconetc.ir.nodes import Program
-from coconetc.plan import plan_program
+from coconetc.plan import Plan, plan_program
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive
 
@@ -42,6 +42,9 @@ class SourceFile:
     source: str
     programs: dict[str, Program] = field(default_factory=dict)
     schedules: dict[str, dict[str, ScheduleIR]] = field(default_factory=dict)
+    # (program, schedule) -> its execution plan, made once here for every backend ("default":
+    # the program itself; none for `schedule auto`)
+    plans: dict[tuple[str, str], Plan] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
         if name is None:
@@ -89,7 +92,7 @@ def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Progra
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
     ir = check_program(prog)
-    plan_program(ir)  # what every backend runs; it raises where none can
+    mod.plans[(prog.name, "default")] = plan_program(ir)  # raises where no backend can run it
     mod.programs[prog.name] = ir
     mod.schedules[prog.name] = {}
 
@@ -114,5 +117,5 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
         known[sched.name] = ScheduleIR("auto", sched.program, (), None)
         return
     ir = apply_all(mod.programs[sched.program], directives)
-    plan_program(ir, sched.name)
+    mod.plans[(sched.program, sched.name)] = plan_program(ir, sched.name)
     known[sched.name] = ScheduleIR(sched.name, sched.program, directives, ir)

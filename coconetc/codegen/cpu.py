@@ -12,7 +12,6 @@ from coconetc import __version__
 from coconetc.codegen.render import Function, render
 from coconetc.driver import SourceFile
 from coconetc.ir.nodes import Program
-from coconetc.plan import plan_program
 
 DEFAULT = "default"  # the name of the unscheduled program among its schedules
 
@@ -48,7 +47,7 @@ def variants(mod: SourceFile) -> dict[tuple[str, str], Program]:
 
 def generate(mod: SourceFile, module_name: str) -> Sources:
     file = Path(mod.file).name
-    funcs = {key: render(plan_program(p, key[1]), function_name(*key), file, [pub for pub, _ in p.outputs])
+    funcs = {key: render(mod.plans[key], function_name(*key), file, [pub for pub, _ in p.outputs])
              for key, p in variants(mod).items()}
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),
                source="module.cpp")

@@ -15,7 +15,6 @@ from coconetc.codegen.base import Function
 from coconetc.codegen.cpu import function_name, variants
 from coconetc.codegen.cuda.render import Unsupported, render, unsupported
 from coconetc.driver import SourceFile
-from coconetc.plan import plan_program
 
 DEFAULT_ARCHS = "80;90"
 
@@ -39,8 +38,8 @@ def _env() -> jinja2.Environment:
 def problems(mod: SourceFile) -> dict[tuple[str, str], list[Unsupported]]:
     """(program, schedule) -> what of its plan the CUDA renderer does not implement yet."""
     out = {}
-    for key, p in variants(mod).items():
-        found = unsupported(plan_program(p, key[1]))
+    for key in variants(mod):
+        found = unsupported(mod.plans[key])
         if found:
             out[key] = found
     return out
@@ -53,7 +52,7 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
     file = Path(mod.file).name
     funcs = {}
     for key, p in variants(mod).items():
-        plan = plan_program(p, key[1])
+        plan = mod.plans[key]
         if skip_unsupported and unsupported(plan):
             continue
         funcs[key] = render(plan, function_name(*key), file, [pub for pub, _ in p.outputs])
