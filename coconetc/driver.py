@@ -14,9 +14,12 @@ from pathlib import Path
 
 from coconetc.errors import CompileError, Diagnostic
 from coconetc.frontend import syntax
+from coconetc.frontend import externs
 from coconetc.frontend.checker import check_program
+from coconetc.frontend.defs import Scope, check_defs
 from coconetc.frontend.parser import parse
 from coconetc.ir.nodes import Program
+from coconetc.ir.ops import OpDef
 from coconetc.plan import Plan, plan_program
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive
@@ -45,6 +48,8 @@ class SourceFile:
     # (program, schedule) -> its execution plan, made once here for every backend ("default":
     # the program itself; none for `schedule auto`)
     plans: dict[tuple[str, str], Plan] = field(default_factory=dict)
+    # the extern operations the file declares (their registry entries), by name
+    externs: dict[str, OpDef] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
         if name is None:
@@ -72,8 +77,14 @@ def load_file(path: str | Path) -> SourceFile:
 def load_source(source: str, file: str = "<string>") -> SourceFile:
     tree = parse(source, file)
     mod, errors = SourceFile(file, source), list[Diagnostic]()
+    for i, ext in enumerate(tree.externs):
+        _collect(errors, _extern, mod, ext, tree.externs[:i])
+    scope, found = check_defs(tree)
+    errors += found
+    scope.failed |= {e.name for e in tree.externs if e.name not in mod.externs}
+    scope.externs = set(mod.externs)
     for i, prog in enumerate(tree.programs):
-        _collect(errors, _program, mod, prog, tree.programs[:i])
+        _collect(errors, _program, mod, prog, tree.programs[:i], scope)
     for i, sched in enumerate(tree.schedules):
         _collect(errors, _schedule, mod, sched, tree, tree.schedules[:i])
     if errors:
@@ -88,10 +99,17 @@ def _collect(errors: list[Diagnostic], fn, *args) -> None:
         errors.extend(err.diagnostics)
 
 
-def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Program, ...]) -> None:
+def _extern(mod: SourceFile, decl: syntax.ExternDecl, earlier: tuple[syntax.ExternDecl, ...]) -> None:
+    if any(e.name == decl.name for e in earlier):
+        raise CompileError.at(decl.name_span, f"extern operation '{decl.name}' is declared twice")
+    mod.externs[decl.name] = externs.declare(decl, mod.file)
+
+
+def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Program, ...],
+             scope: Scope) -> None:
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
-    ir = check_program(prog)
+    ir = check_program(prog, scope)
     mod.plans[(prog.name, "default")] = plan_program(ir)  # raises where no backend can run it
     mod.programs[prog.name] = ir
     mod.schedules[prog.name] = {}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from coconetc.common.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
+from coconetc.frontend.defs import Scope, bind, bind_def
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
 from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
@@ -30,6 +31,8 @@ class _Ctx:
     errors: list[Diagnostic] = field(default_factory=list)
     stage: str = ""
     sites: int = 0
+    scope: Scope = field(default_factory=Scope)
+    env: dict[str, ir.Expr] | None = None  # inside a defined operation's body: its operands
 
     def type_of(self, name: str, span: Span) -> TType:
         if name in self.failed:
@@ -41,9 +44,10 @@ class _Ctx:
         raise TypeErr(span, f"unknown name '{name}'")
 
 
-def check_program(prog: syntax.Program) -> ir.Program:
-    """Type a program; raises CompileError with every error found."""
-    ctx = _Ctx({})
+def check_program(prog: syntax.Program, scope: Scope | None = None) -> ir.Program:
+    """Type a program; raises CompileError with every error found. scope: the operations its
+    file defines and declares (frontend/defs.py)."""
+    ctx = _Ctx({}, scope=scope or Scope())
     params = [q for q in (_param(p, ctx) for p in prog.params) if q is not None]
     ctx.params = {p.name: p for p in params}
     # a parameter with a bad declaration is reported once, not again at each use
@@ -211,6 +215,8 @@ def _expr(e: syntax.Expr, ctx: _Ctx) -> ir.Expr:
     if isinstance(e, syntax.Number):
         return ir.Const(e.value, scalar_type("f32" if e.is_float else "i64"), e.span)
     if isinstance(e, syntax.Name):
+        if ctx.env is not None:  # a defined operation's parameter (checked by defs.py)
+            return ctx.env[e.id]
         return ir.Ref(e.id, ctx.type_of(e.id, e.span), e.span)
     if isinstance(e, syntax.Neg):
         x = _expr(e.operand, ctx)
@@ -229,8 +235,10 @@ def _op(op: str, args: tuple, attrs: dict, span: Span, err_span: Span | None = N
     return ir.Op(op, args, t, tuple(sorted(attrs.items())), span)
 
 
-def _signature(call: syntax.Call) -> ops.OpDef:
+def _signature(call: syntax.Call, ctx: _Ctx | None = None) -> ops.OpDef:
     d = _UPDATE if call.fn == "update" else ops.called(call.fn)
+    if d is not None and d.extern is not None and ctx is not None and call.fn not in ctx.scope.externs:
+        d = None  # declared by another file: not part of this one's language
     if d is None:
         raise TypeErr(call.fn_span, f"unknown operation '{call.fn}'")
     return d
@@ -239,25 +247,23 @@ def _signature(call: syntax.Call) -> ops.OpDef:
 def _bind(call: syntax.Call) -> tuple[list[syntax.Expr], dict[str, object]]:
     """Match a call's arguments to its signature: positional list, keyword values."""
     d = _signature(call)
-    names = tuple(a.name for a in d.params if a.required)
-    defaults = d.defaults()
-    allowed = names + tuple(defaults)
-    if len(call.args) > len(allowed):
-        n = len(allowed)
-        raise TypeErr(call.args[n].span, f"{call.fn}() takes at most {n} argument{'s' * (n != 1)}, "
-                      f"got {len(call.args)}")
-    bound: dict[str, syntax.Expr] = dict(zip(allowed, call.args))
-    for kw in call.kwargs:
-        if kw.name not in allowed:
-            raise TypeErr(kw.span, f"{call.fn}() has no argument '{kw.name}'")
-        if kw.name in bound:
-            raise TypeErr(kw.span, f"{call.fn}() got '{kw.name}' twice")
-        bound[kw.name] = kw.value
-    missing = [n for n in names if n not in bound]
-    if missing:
-        raise TypeErr(call.span, f"{call.fn}() is missing its argument '{missing[0]}' "
-                      f"({call.fn}({', '.join(names)}))")
-    return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
+    return bind(call, tuple(a.name for a in d.params if a.required), d.defaults())
+
+
+def _expand(call: syntax.Call, ctx: _Ctx) -> ir.Expr:
+    """A call of an operation the file defines: its body, typed with the call's operands. An
+    error in the body (shapes that do not broadcast, ...) is reported at the call."""
+    d = ctx.scope.defs[call.fn]
+    values = [_expr(a, ctx) for a in bind_def(call, d)]
+    outer, ctx.env = ctx.env, dict(zip((p.id for p in d.params), values))
+    try:
+        return _expr(d.body, ctx)
+    except TypeErr as err:
+        first = err.diagnostics[0]
+        where = f"line {first.span.line}, col {first.span.col}"
+        raise TypeErr(call.span, f"{call.fn}(): {first.message} (in its body, {where})") from None
+    finally:
+        ctx.env = outer
 
 
 def _word(arg: ops.Arg, e: object, call: syntax.Call) -> object:
@@ -280,7 +286,11 @@ def _word(arg: ops.Arg, e: object, call: syntax.Call) -> object:
 def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if call.fn == "update":
         raise TypeErr(call.span, "update() must be the whole right-hand side of a statement")
-    d = _signature(call)
+    if call.fn in ctx.scope.failed:
+        raise _Skip  # a definition with errors, reported at the definition
+    if call.fn in ctx.scope.defs:
+        return _expand(call, ctx)
+    d = _signature(call, ctx)
     if d.kind == "collective" and not top:
         raise TypeErr(call.span, f"{call.fn}() must be the whole right-hand side of a statement "
                       "(give the computation around it its own stage)")

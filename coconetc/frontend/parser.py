@@ -93,7 +93,7 @@ def _postlex() -> _DropNewlinesInBrackets:
 
 # After these tokens, a bracket or brace left open on an earlier line is the likely mistake.
 _ENDERS = {"RBRACE", "$END"}
-_ITEM_WORDS = {"program", "schedule"}
+_ITEM_WORDS = {"program", "schedule", "op", "extern"}
 
 
 def _unclosed(err: lark.exceptions.UnexpectedInput, file: str, source: str) -> Diagnostic | None:
@@ -183,7 +183,7 @@ def _too_deep(tree: lark.Tree, file: str, source: str) -> Diagnostic | None:
     stack: list[tuple[lark.Tree, int, lark.Tree | None]] = [(tree, 0, None)]
     while stack:
         node, depth, stmt = stack.pop()
-        if node.data in ("assign", "exprstmt", "ret"):
+        if node.data in ("assign", "exprstmt", "ret", "opdef"):
             stmt, depth = node, 0
         if depth > MAX_DEPTH and stmt is not None:
             m = stmt.meta
@@ -194,11 +194,16 @@ def _too_deep(tree: lark.Tree, file: str, source: str) -> Diagnostic | None:
     return None
 
 
+# Words that start a definition only where an item starts (`op lerp(...)`, `extern op ...`);
+# elsewhere they stay names (`reducescatter(op=sum, x)`, a stage called `op`).
+SOFT_KEYWORDS = frozenset({"op", "extern"})
+
+
 @cache
 def keywords() -> frozenset[str]:
     """The words the grammar reserves ("program", "for", ...): never names."""
     return frozenset(t.pattern.value for t in _parser().terminals
-                     if t.pattern.type == "str" and t.pattern.value.isidentifier())
+                     if t.pattern.type == "str" and t.pattern.value.isidentifier()) - SOFT_KEYWORDS
 
 
 INT64_MAX = 2**63 - 1
@@ -241,9 +246,10 @@ def parse(source: str, file: str = "<string>") -> syntax.File:
     if bad:
         raise CompileError(bad)
     items = _ToAst(file, source).transform(tree)
-    progs = tuple(i for i in items if isinstance(i, syntax.Program))
-    scheds = tuple(i for i in items if isinstance(i, syntax.Schedule))
-    return syntax.File(file, source, progs, scheds)
+    def of(cls):
+        return tuple(i for i in items if isinstance(i, cls))
+    return syntax.File(file, source, of(syntax.Program), of(syntax.Schedule), of(syntax.OpDecl),
+                       of(syntax.ExternDecl))
 
 
 def _bin(op: str) -> Callable[[_ToAst, Any, list], syntax.BinOp]:
@@ -275,6 +281,32 @@ class _ToAst(Transformer):
         name, *rest = ch
         params, body = tuple(p for p in rest[:-1] if p is not None), rest[-1]
         return syntax.Program(str(name), params, body, self._span(meta), self._tspan(name))
+
+    def _names(self, toks) -> tuple[syntax.Name, ...]:
+        return tuple(syntax.Name(str(t), self._tspan(t)) for t in toks if t is not None)
+
+    def opdef(self, meta, ch):
+        name, *params, body = ch
+        return syntax.OpDecl(str(name), self._names(params), body, self._span(meta), self._tspan(name))
+
+    def extern(self, meta, ch):
+        name, *rest = ch
+        params = self._names(t for t in rest if isinstance(t, Token))
+        settings = tuple(s for s in rest if isinstance(s, syntax.Setting))
+        return syntax.ExternDecl(str(name), params, settings, self._span(meta), self._tspan(name))
+
+    def setting(self, meta, ch):
+        key, *values = ch
+        return syntax.Setting(str(key), tuple(values), self._span(meta), self._tspan(key))
+
+    def sstring(self, meta, ch):
+        return syntax.String(str(ch[0])[1:-1], self._tspan(ch[0]))
+
+    def sword(self, meta, ch):
+        word, *ints = ch
+        given = tuple(int(i) for i in ints if i is not None)
+        written = "(" in self.source[meta.start_pos:meta.end_pos]
+        return syntax.Word(str(word), given if written else None, self._span(meta))
 
     def param(self, meta, ch):
         name, dtype, shape, layout = ch

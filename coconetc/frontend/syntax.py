@@ -143,6 +143,53 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class OpDecl:
+    """`op NAME(params) = body`: an operation defined by an expression of its parameters."""
+
+    name: str
+    params: tuple[Name, ...]
+    body: Expr
+    span: Span = field(compare=False)
+    name_span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Word:
+    """A setting's word, with its integers when written `word(1, 2)`."""
+
+    word: str
+    ints: tuple[int, ...] | None
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class String:
+    text: str  # without the quotes
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """`key = value, ...` inside an extern declaration."""
+
+    key: str
+    values: tuple[Word | String, ...]
+    span: Span = field(compare=False)
+    key_span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
+class ExternDecl:
+    """`extern op NAME(params) { settings }`: an operation implemented by library functions."""
+
+    name: str
+    params: tuple[Name, ...]
+    settings: tuple[Setting, ...]
+    span: Span = field(compare=False)
+    name_span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
 class File:
     """A parsed .ccn file: its programs and schedules, in order."""
 
@@ -150,3 +197,5 @@ class File:
     source: str
     programs: tuple[Program, ...] = field(default=())
     schedules: tuple[Schedule, ...] = field(default=())
+    ops: tuple[OpDecl, ...] = field(default=())
+    externs: tuple[ExternDecl, ...] = field(default=())

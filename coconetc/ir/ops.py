@@ -29,7 +29,8 @@ FREE = "free"  # elementwise: runs on a slice; replicated operands are read at t
 PARTIAL = "partial"  # a reduction: per-slice partial results plus a cross-rank reduction
 ROWS = "rows"  # only when the slice leaves the last dim whole (layernorm)
 NEVER = "never"  # does not commute with slicing (matmul, conv2d, collectives)
-SLICINGS = (FREE, PARTIAL, ROWS, NEVER)
+DIMS = "dims"  # only along the dims listed in OpDef.slice_dims (an extern operation's choice)
+SLICINGS = (FREE, PARTIAL, ROWS, NEVER, DIMS)
 
 # How operands are brought to a common type, in the interpreter and in C++ alike.
 TO_RESULT = "result"  # every operand is converted to the result's compute type
@@ -105,6 +106,32 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class Impl:
+    """A backend's implementation of an extern operation: the header the generated module
+    includes and the function it calls (docs/language.md, "Extern operations")."""
+
+    header: str
+    function: str
+
+
+@dataclass(frozen=True)
+class Extern:
+    """What an `extern op` declaration adds to its OpDef. like: the operand whose shape and
+    dtype the result has; reference: 'module:function' as written, resolved to a file or module
+    (where); cpp/cuda: the implementations (None: that backend has none); decl: the declaration
+    as .ccn text (the printer writes it before a program that calls the operation); file: the
+    .ccn file that declared it."""
+
+    like: int
+    reference: str
+    where: str
+    cpp: Impl | None
+    cuda: Impl | None
+    decl: str
+    file: str = ""
+
+
+@dataclass(frozen=True)
 class OpDef:
     """An operation. `numpy`: the reference function of the operands' arrays (converted as
     `operands` says) and of the word/int parameters by keyword; for a reduction, the per-rank
@@ -127,6 +154,8 @@ class OpDef:
     prefix: str | None = None  # a prefix operator (unary minus)
     fusable: bool = True  # may join a fused loop or fused collective
     doc: str = ""
+    slice_dims: tuple[int, ...] = ()  # slicing DIMS: the dims a slice may cut
+    extern: Extern | None = None  # declared by `extern op` in a .ccn file
 
     @property
     def called(self) -> bool:
@@ -160,6 +189,16 @@ def register(d: OpDef) -> OpDef:
         raise ValueError(f"pointwise operation '{d.name}' needs a numpy function and a Cpp template")
     REGISTRY[d.name] = d
     return d
+
+
+def register_extern(d: OpDef) -> OpDef:
+    """An `extern op` declaration's entry. A file loaded again (or another file declaring the
+    same name) replaces an earlier extern entry of that name; a built-in name is refused."""
+    old = REGISTRY.get(d.name)
+    if old is not None and old.extern is None:
+        raise ValueError(f"'{d.name}' is a built-in operation")
+    REGISTRY.pop(d.name, None)
+    return register(d)
 
 
 def unregister(name: str) -> None:

@@ -258,3 +258,38 @@ def type_op(op: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     from coconetc.ir import ops
     d = ops.get(op)
     return d.typing(op, args, {**d.defaults(), **attrs}, span)
+
+
+def extern_rule(like: int, slicing: str, dims: tuple[int, ...]) -> Rule:
+    """An extern operation's rule: the result has the shape, dtype and layout of operand
+    `like` (`type = x`). Other tensor operands are replicated and never reach the dim `like`
+    is sliced along (the library gets them whole), or sliced exactly as `like`. A slice of
+    `like` must be one the declaration allows (slicing: free, rows, dims(...), none)."""
+    def rule(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+        _no_bool(args, span, f"an operand of {name}")
+        t = args[like].type
+        lay = t.layout
+        if lay.sliced and not _slice_allowed(slicing, dims, lay.dim, t.ndim):
+            raise TypeErr(span, f"{name} does not commute with slicing along dim {lay.dim} "
+                          "(its declaration's slicing); gather it first")
+        for i, a in enumerate(args):
+            at = a.type
+            if i == like or at.ndim == 0 and not at.layout.sliced:
+                continue
+            same = at.layout == lay and (at.shape == t.shape or not lay.sliced)
+            whole = at.layout == REPLICATED and not (lay.sliced and at.ndim >= t.ndim - lay.dim)
+            if not (same or whole):
+                raise TypeErr(a.span or span, f"{name}'s operand {i + 1} is {at.layout} {at}; it must "
+                              f"be replicated (and not cut by the slice of operand {like + 1}) or "
+                              f"have operand {like + 1}'s shape and layout")
+        dt, _ = result_dtype([a.type for a in args], span, [a.span for a in args])
+        return TType(dt, t.shape, lay, t.weak)
+    return rule
+
+
+def _slice_allowed(slicing: str, dims: tuple[int, ...], dim: int, ndim: int) -> bool:
+    if slicing == "rows":
+        return dim < ndim - 1
+    if slicing == "dims":
+        return dim in dims
+    return slicing == "free"

@@ -59,7 +59,12 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
     for node in walk(s.expr):
         if not isinstance(node, Op):
             continue
-        slicing = ops.get(node.op).slicing
+        entry = ops.get(node.op)
+        slicing = entry.slicing
+        if slicing == ops.DIMS and dim not in entry.slice_dims:
+            raise ScheduleError(span_of(d, s.name), "reorder", s.name,
+                                f"{node.op} commutes with slicing only along dim "
+                                f"{', '.join(map(str, entry.slice_dims)) or '(none)'}, not dim {dim}")
         if slicing == ops.NEVER:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
                                 f"{node.op} does not commute with slicing; only pointwise "

@@ -1,0 +1,193 @@
+"""Operations a .ccn file defines at file scope (docs/language.md, "Defined operations"):
+
+    op lerp(a, b, t) = a + t * (b - a)       # expanded where it is called (checker.py)
+    extern op rmsnorm(x, w, eps) { ... }     # a registry entry (frontend/externs.py)
+
+`check_defs` checks every `op` definition on its own, before any program: the names its body
+reads must be its parameters, the operations it calls must exist (built-in, extern or defined
+in the file, in any order) and take the arguments given, it may not communicate, and no
+definition may call itself, directly or through others. Each error points into the
+definition. A program then calls a definition like any operation; the checker types the body
+with the call's operands (so parameters take their types from the call, broadcasting as
+built-ins do) and the program holds only built-in and extern operations: the interpreter,
+the schedules, the planner and every backend see nothing new."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coconetc.errors import Diagnostic, Span
+from coconetc.frontend import syntax
+from coconetc.ir import ops
+from coconetc.ir.typerules import TypeErr
+
+RESERVED = ("update",)  # statement forms that look like calls
+
+
+@dataclass
+class Scope:
+    """What one file adds to the language: its checked definitions (by name), the names of
+    definitions with errors (a call of one is skipped: reported once, at the definition), and
+    the extern operations it declares (only those may be called in this file)."""
+
+    defs: dict[str, syntax.OpDecl] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    externs: set[str] = field(default_factory=set)
+
+    def known(self, name: str) -> bool:
+        return name in self.defs or name in self.failed
+
+
+def builtin(name: str) -> ops.OpDef | None:
+    """The built-in (or extern) operation called `name(...)`, if any."""
+    return ops.called(name)
+
+
+def bind(call: syntax.Call, names: tuple[str, ...], defaults: dict[str, object]
+         ) -> tuple[list[syntax.Expr], dict[str, object]]:
+    """Match a call's arguments to parameters `names` (required) and `defaults` (keyword
+    settings): positional list, keyword values. Raises a TypeErr at the call's mistake."""
+    allowed = names + tuple(defaults)
+    if len(call.args) > len(allowed):
+        n = len(allowed)
+        raise TypeErr(call.args[n].span, f"{call.fn}() takes at most {n} argument{'s' * (n != 1)}, "
+                      f"got {len(call.args)}")
+    bound: dict[str, syntax.Expr] = dict(zip(allowed, call.args))
+    for kw in call.kwargs:
+        if kw.name not in allowed:
+            raise TypeErr(kw.span, f"{call.fn}() has no argument '{kw.name}'")
+        if kw.name in bound:
+            raise TypeErr(kw.span, f"{call.fn}() got '{kw.name}' twice")
+        bound[kw.name] = kw.value
+    missing = [n for n in names if n not in bound]
+    if missing:
+        raise TypeErr(call.span, f"{call.fn}() is missing its argument '{missing[0]}' "
+                      f"({call.fn}({', '.join(names)}))")
+    return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
+
+
+def bind_def(call: syntax.Call, d: syntax.OpDecl) -> list[syntax.Expr]:
+    """The operands of a call of a definition, in its parameters' order. A wrong number of
+    arguments is an error at the call."""
+    names = tuple(p.id for p in d.params)
+    if len(call.args) > len(names) or len(call.args) + len(call.kwargs) != len(names):
+        n = len(names)
+        got = len(call.args) + len(call.kwargs)
+        raise TypeErr(call.span, f"{call.fn}() takes {n} argument{'s' * (n != 1)} "
+                      f"({call.fn}({', '.join(names)})), got {got}")
+    return bind(call, names, {})[0]
+
+
+def check_defs(tree: syntax.File) -> tuple[Scope, list[Diagnostic]]:
+    """Every `op` definition of the file, checked; the scope programs are checked in."""
+    scope = Scope(externs={e.name for e in tree.externs})
+    errors: list[Diagnostic] = []
+    decls: dict[str, syntax.OpDecl] = {}
+    for d in tree.ops:
+        why = _name_problem(d, decls, scope)
+        if why:
+            errors.append(Diagnostic(d.name_span, why))
+            continue
+        decls[d.name] = d
+    calls: dict[str, list[str]] = {}
+    for d in decls.values():
+        found = _check_body(d, decls, scope, calls)
+        if found:
+            errors.extend(found)
+            scope.failed.add(d.name)
+    for d in decls.values():
+        cycle = _cycle(d.name, calls)
+        if cycle:
+            errors.append(Diagnostic(d.name_span, f"operation '{d.name}' is recursive "
+                                     f"({' -> '.join(cycle)}); an operation cannot call itself"))
+            scope.failed.add(d.name)
+    scope.defs = {n: d for n, d in decls.items() if n not in scope.failed}
+    return scope, errors
+
+
+def _name_problem(d: syntax.OpDecl, decls: dict[str, syntax.OpDecl], scope: Scope) -> str:
+    if d.name in RESERVED or (builtin(d.name) is not None and d.name not in scope.externs):
+        return f"'{d.name}' is a built-in operation; choose another name"
+    if d.name in scope.externs:
+        return f"'{d.name}' is already declared as an extern operation"
+    if d.name in decls:
+        return f"operation '{d.name}' is defined twice (first at line {decls[d.name].span.line})"
+    seen: set[str] = set()
+    for p in d.params:
+        if p.id in seen:
+            return f"parameter '{p.id}' of '{d.name}' is declared twice"
+        seen.add(p.id)
+    return ""
+
+
+def _check_body(d: syntax.OpDecl, decls: dict[str, syntax.OpDecl], scope: Scope,
+                calls: dict[str, list[str]]) -> list[Diagnostic]:
+    """Names, calls and arities in d's body, each error at its place in the body."""
+    params = {p.id for p in d.params}
+    errors: list[Diagnostic] = []
+    calls[d.name] = []
+
+    def err(span: Span, msg: str) -> None:
+        errors.append(Diagnostic(span, msg))
+
+    def visit(e: syntax.Expr) -> None:
+        if isinstance(e, syntax.Name):
+            if e.id not in params:
+                shown = ", ".join(p.id for p in d.params) or "none"
+                err(e.span, f"unknown name '{e.id}' in the body of '{d.name}' "
+                    f"(an operation reads only its parameters: {shown})")
+        elif isinstance(e, syntax.Neg):
+            visit(e.operand)
+        elif isinstance(e, syntax.BinOp):
+            visit(e.left)
+            visit(e.right)
+        elif isinstance(e, syntax.Call):
+            for operand in _call_operands(e, d, decls, scope, calls, err):
+                visit(operand)
+    visit(d.body)
+    return errors
+
+
+def _call_operands(call: syntax.Call, d: syntax.OpDecl, decls: dict[str, syntax.OpDecl],
+                   scope: Scope, calls: dict[str, list[str]], err) -> list[syntax.Expr]:
+    """The operand expressions of a call in d's body (words and integers left out), after
+    checking that the call names an operation that may stand there and fits its arguments."""
+    if call.fn in decls:
+        calls[d.name].append(call.fn)
+        try:
+            return bind_def(call, decls[call.fn])
+        except TypeErr as e:
+            errors = e.diagnostics
+            err(errors[0].span, errors[0].message)
+            return list(call.args) + [k.value for k in call.kwargs]
+    entry = builtin(call.fn)
+    if call.fn in RESERVED or entry is None or (entry.extern is not None and call.fn not in scope.externs):
+        err(call.fn_span, f"unknown operation '{call.fn}' in the body of '{d.name}'")
+        return list(call.args) + [k.value for k in call.kwargs]
+    if entry.kind == "collective":
+        err(call.fn_span, f"{call.fn}() communicates; an operation's body computes only "
+            "(call the collective in the program)")
+        return []
+    names = tuple(a.name for a in entry.params if a.required)
+    try:
+        pos, _ = bind(call, names, entry.defaults())
+    except TypeErr as e:
+        err(e.diagnostics[0].span, e.diagnostics[0].message)
+        return []
+    kinds = {a.name: a.kind for a in entry.params}
+    return [x for n, x in zip(names, pos) if kinds[n] == "value"]
+
+
+def _cycle(start: str, calls: dict[str, list[str]]) -> list[str]:
+    """A path start -> ... -> start through the call graph, if there is one."""
+    stack: list[tuple[str, list[str]]] = [(start, [start])]
+    seen: set[str] = set()
+    while stack:
+        name, path = stack.pop()
+        for callee in calls.get(name, ()):
+            if callee == start:
+                return [*path, start]
+            if callee not in seen:
+                seen.add(callee)
+                stack.append((callee, [*path, callee]))
+    return []
