@@ -9,6 +9,7 @@ from pathlib import Path
 import jinja2
 
 from coconetc import __version__
+from coconetc.build.builder import Libs
 from coconetc.codegen.render import Function, render
 from coconetc.driver import SourceFile
 from coconetc.ir.nodes import Program
@@ -45,12 +46,19 @@ def variants(mod: SourceFile) -> dict[tuple[str, str], Program]:
     return out
 
 
-def generate(mod: SourceFile, module_name: str) -> Sources:
+def extern_headers(mod: SourceFile, backend: str = "cpp") -> list[str]:
+    """The headers of the file's extern operations, for one backend ('cpp' or 'cuda')."""
+    impls = [getattr(d.extern, backend) for d in mod.externs.values() if d.extern is not None]
+    return list(dict.fromkeys(i.header for i in impls if i is not None))
+
+
+def generate(mod: SourceFile, module_name: str, libs: Libs | None = None) -> Sources:
     file = Path(mod.file).name
     funcs = {key: render(mod.plans[key], function_name(*key), file, [pub for pub, _ in p.outputs])
              for key, p in variants(mod).items()}
+    libs = libs or Libs.of(mod.file, bool(mod.externs))
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),
-               source="module.cpp")
+               source="module.cpp", headers=extern_headers(mod), libs=libs)
     cpp = _env().get_template("module.cpp.j2").render(ctx)
     cmake = _env().get_template("CMakeLists.txt.j2").render(ctx)
     return Sources(module_name, cpp, cmake, funcs)

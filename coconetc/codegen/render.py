@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, literal
 from coconetc.codegen.fused import FusedEmitter
-from coconetc.codegen.base import Function
+from coconetc.codegen.base import Function, RenderBase
+from coconetc.ir import ops
 from coconetc.codegen.loops import prod as _prod
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
@@ -94,6 +95,11 @@ class CpuRenderer(FusedEmitter):
                   f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
 
     def _library(self, u: Library) -> None:
+        entry = ops.get(u.op)
+        if entry.extern is not None:
+            assert entry.extern.cpp is not None, u.op  # declare() requires it
+            self.emit(extern_call(self, u, entry.extern.cpp.function) + ";")
+            return
         ct = CTYPE[self.types[u.dst].dtype]
         x = u.args[0]
         xt = self.types[x]
@@ -157,6 +163,26 @@ class CpuRenderer(FusedEmitter):
             self.emit(f"coconet::copy_in(v_{u.src}, p_{u.dst}, 0, {n});  // update {u.dst}")
         else:
             self.emit(f"std::copy_n(v_{u.src}, {n}, v_{u.dst});  // update {u.dst}")
+
+
+def extern_call(r: RenderBase, u: Library, function: str, extra: tuple[str, ...] = ()) -> str:
+    """An extern operation's call (docs/language.md, "Extern operations"): each tensor
+    operand as a pointer to this rank's elements, each 0-d operand as a value of the result's
+    compute type, then the result's pointer and its local shape as rows x last dim."""
+    t = r.types[u.dst]
+    ct = COMPUTE[t.dtype]
+    consts, names = dict(dict(u.attrs)["consts"]), iter(u.args)  # type: ignore[call-overload]
+    args = []
+    for i in range(len(ops.get(u.op).params)):
+        if i in consts:
+            args.append(f"static_cast<{ct}>({literal(consts[i], 'f64')})")
+            continue
+        a = next(names)
+        scalar = r.types[a].ndim == 0
+        args.append(f"static_cast<{ct}>(coconet::to_compute(v_{a}[0]))" if scalar else f"v_{a}")
+    dims = r.ldims(t)
+    rows, cols = (_prod(dims[:-1]), dims[-1]) if dims else ("int64_t(1)", "int64_t(1)")
+    return f"{function}({', '.join([*args, f'v_{u.dst}', rows, cols, *extra])})"
 
 
 def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:

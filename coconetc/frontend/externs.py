@@ -58,7 +58,7 @@ def declare(decl: syntax.ExternDecl, file: str) -> ops.OpDef:
                               "parameters (at least one)")
     like = _like(settings["type"], params)
     slicing, dims = _slicing(settings.get("slicing"))
-    fn, where = _reference(settings["reference"], file)
+    fn, where = _reference(settings["reference"], file, decl.name)
     cpp, cuda = _impl(settings["cpp"]), _impl(settings.get("cuda"))
     ext = ops.Extern(like, _one_string(settings["reference"]).text, where, cpp, cuda,
                      _text(decl, like, slicing, dims, where, cpp, cuda), file)
@@ -114,9 +114,14 @@ def _c_name(text: str) -> bool:
     return all(part.isidentifier() for part in text.split("::")) and bool(text)
 
 
-def _reference(s: syntax.Setting, file: str) -> tuple[Callable[..., Any], str]:
-    """The reference function and where it was found (a file path, or a module name)."""
+def _reference(s: syntax.Setting, file: str, op: str) -> tuple[Callable[..., Any], str]:
+    """The reference function and where it was found (a file path, or a module name). Text
+    the printer wrote (no file of its own) finds it through the operation's entry."""
     lit = _one_string(s)
+    old = ops.REGISTRY.get(op)
+    if (old is not None and old.extern is not None and old.extern.reference == lit.text
+            and not Path(file).exists() and old.numpy is not None):
+        return getattr(old.numpy, "reference", old.numpy), old.extern.where
     module, _, name = lit.text.rpartition(":")
     if not module or not name.isidentifier():
         raise CompileError.at(lit.span, f"reference '{lit.text}' must be 'module:function' "
@@ -162,22 +167,23 @@ def _load_path(path: Path) -> Any:
 def _checked(name: str, fn: Callable[..., Any], like: int) -> Callable[..., Any]:
     """The reference, checked on every call: it must give an array of its model's shape."""
     def call(*args: Any) -> np.ndarray:
+        """The reference, its result's shape checked."""
         out = np.asarray(fn(*args))
         want = np.shape(args[like])
         if out.shape != want:
             raise ValueError(f"the reference of {name} returned shape {out.shape}, not {want}")
         return out.astype(np.result_type(args[like]), copy=False)
+    call.reference = fn  # type: ignore[attr-defined]
     return call
 
 
 def _text(decl: syntax.ExternDecl, like: int, slicing: str, dims: tuple[int, ...], where: str,
           cpp: ops.Impl | None, cuda: ops.Impl | None) -> str:
-    """The declaration as .ccn text, the reference resolved (it parses anywhere)."""
+    """The declaration as .ccn text (the printer's)."""
     word = {v: k for k, v in SLICING_WORDS.items()}[slicing]
     if slicing == ops.DIMS:
         word += f"({', '.join(map(str, dims))})"
-    fn = _one_string(next(s for s in decl.settings if s.key == "reference")).text.rpartition(":")[2]
-    ref = f"{where}:{fn}"
+    ref = _one_string(next(s for s in decl.settings if s.key == "reference")).text
     lines = [f"extern op {decl.name}({', '.join(p.id for p in decl.params)}) {{",
              f"    type = {decl.params[like].id}", f"    slicing = {word}", f'    reference = "{ref}"']
     for key, impl in (("cpp", cpp), ("cuda", cuda)):

@@ -5,7 +5,7 @@ gathers) plus a schedule block holding its fusions and overlaps."""
 from __future__ import annotations
 
 from coconetc.ir import ops
-from coconetc.ir.nodes import Const, Expr, Op, Overlap, Program, Ref, refs
+from coconetc.ir.nodes import Const, Expr, Op, Overlap, Program, Ref, refs, walk
 from coconetc.ir.types import DimExpr
 
 _NEG = 3  # unary minus binds tighter than * and looser than ** (the grammar's levels)
@@ -67,7 +67,7 @@ def program(p: Program) -> str:
         dims = ", ".join(_dim(d) for d in q.type.shape)
         scattered = " scattered" if q.scattered else ""
         params.append(f"{q.name}: {q.type.dtype}[{dims}] {q.type.layout}{scattered}")
-    lines = [f"program {p.name}(", *(f"    {x}," for x in params), ") {"]
+    lines = [*_externs(p), f"program {p.name}(", *(f"    {x}," for x in params), ") {"]
     updates = {s: t for t, s in p.updates}
     for s in p.stages:
         rhs = expr(s.expr)
@@ -79,6 +79,13 @@ def program(p: Program) -> str:
         lines.append(f"    return {', '.join(items)}")
     lines.append("}")
     return "\n".join(lines) + "\n" + _schedule_block(p)
+
+
+def _externs(p: Program) -> list[str]:
+    """The declarations of the extern operations p calls (so that the text parses alone)."""
+    used = dict.fromkeys(n.op for s in p.stages for n in walk(s.expr) if isinstance(n, Op))
+    decls = [ext.decl for ext in (ops.get(n).extern for n in used) if ext is not None]
+    return [line for d in decls for line in d.splitlines()]
 
 
 def _schedule_block(p: Program) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from coconetc.errors import Span
+from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.types import TType
 from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
@@ -272,6 +273,10 @@ class _Planner:
         assert x is not None
         if e.op in ("sum", "norm", "segment_norm"):
             self.out.append(Reduce(dst, e.op, x, self.types[x].layout.sliced, line))
+        elif registry.get(e.op).extern is not None:  # constants by position, values by name
+            consts = tuple((i, a.value) for i, a in enumerate(e.args) if isinstance(a, Const))
+            self.out.append(Library(dst, e.op, tuple(a for a in args if a is not None),
+                                    (("consts", consts),), line))
         elif e.op in ("matmul", "layernorm", "conv2d"):
             attrs: tuple = ()
             if e.op == "layernorm" and isinstance(e.args[3], Const):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.build import builder
-from coconetc.codegen.cpu import DEFAULT, Sources, function_name, generate, variants
+from coconetc.codegen.cpu import DEFAULT, Sources, extern_headers, function_name, generate, variants
 from coconetc.common.dtypes import STORAGE
 from coconetc.common.slices import slice_range
 from coconetc.common.validate import bind_sizes, check_param, describe, is_torch, overlapping
@@ -33,16 +33,20 @@ from coconetc.runtime import agree
 _PROBE = "ccn_module_name_placeholder"
 
 
-def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None):
-    """Generate and build FILE's module; returns (Module, Sources, path of the .so)."""
+def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None, *,
+                   include_dirs=(), library_dirs=(), libraries=()):
+    """Generate and build FILE's module; returns (Module, Sources, path of the .so).
+    include_dirs, library_dirs, libraries: for the file's extern operations (-I, -L, -l)."""
     builder.require_cpu_extra()
     mod = load_file(path)
     if not mod.programs:
         raise CompileError.at(Span(str(path), 1, 1, 1, 1, mod.source),
                               "no program in this file: nothing to compile")
+    libs = builder.Libs.of(path, bool(mod.externs), include_dirs, library_dirs, libraries)
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
-    probe = generate(mod, _PROBE)
-    key = builder.build_key(probe.cpp + probe.cmake, "cpu")
+    probe = generate(mod, _PROBE, libs)
+    extra = libs.fingerprint(extern_headers(mod)) if libs != builder.Libs() else ""
+    key = builder.build_key(probe.cpp + probe.cmake, "cpu" + extra)
     name = f"ccn_{stem}_{key}"
     # the key hashes the sources under a placeholder name; name them without generating again
     src = replace(probe, module=name, cpp=probe.cpp.replace(_PROBE, name),
@@ -52,9 +56,12 @@ def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None
     return mod, src, so
 
 
-def load(path: str | Path, log=None) -> CompiledModule:
-    """Compile FILE (cached) and import it."""
-    mod, src, so = compile_module(path, None, log)
+def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), libraries=()) -> CompiledModule:
+    """Compile FILE (cached) and import it. include_dirs, library_dirs, libraries: where the
+    headers and libraries of the file's extern operations are, and what to link (the file's
+    own directory is searched for headers too)."""
+    mod, src, so = compile_module(path, None, log, include_dirs=include_dirs,
+                                  library_dirs=library_dirs, libraries=libraries)
     return CompiledModule(mod, src, import_extension(src.module, so))
 
 
