@@ -189,6 +189,21 @@ def _save_path(save: str, schedule: str | None, several: bool) -> str:
     return f"{stem}.{schedule}.{ext}" if dot and ext == "npz" else f"{save}.{schedule}"
 
 
+def _lib_options(f):
+    """-I, -L, -l: what the file's extern operations need to build (docs/language.md)."""
+    f = click.option("-l", "libraries", multiple=True, metavar="LIB",
+                     help="Link this library (extern operations; repeatable).")(f)
+    f = click.option("-L", "library_dirs", multiple=True, metavar="DIR",
+                     help="Search DIR for libraries (extern operations; repeatable).")(f)
+    return click.option("-I", "include_dirs", multiple=True, metavar="DIR",
+                        help="Search DIR for extern operations' headers (repeatable; the .ccn "
+                        "file's directory is searched too).")(f)
+
+
+def _libs(include_dirs, library_dirs, libraries) -> dict:
+    return dict(include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
+
+
 @main.command()
 @click.argument("file", type=click.Path())
 @click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
@@ -199,7 +214,9 @@ def _save_path(save: str, schedule: str | None, several: bool) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--save", type=click.Path(), help="Write every rank's inputs and results (.npz).")
 @click.option("--interp", is_flag=True, help="Run on the reference interpreter (simulated ranks).")
-def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> None:
+@_lib_options
+def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, include_dirs, library_dirs,
+        libraries) -> None:
     """Run a program (and check a schedule against it) on random inputs.
 
     Compiled (the default): builds the module, launches R ranks with mpiexec, compares every
@@ -214,7 +231,9 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     names = _schedule_names(mod, name, schedule)
     if not interp:
-        _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
+        libs = _libs(include_dirs, library_dirs, libraries)
+        _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
+                      libs)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
@@ -222,17 +241,19 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp) -> No
     sys.exit(1 if bad else 0)
 
 
-def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save) -> None:
+def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, libs: dict) -> None:
     """Build in this process (progress on stderr), then run the worker on R ranks."""
     from coconetc.build.builder import BuildError
     from coconetc.launch.mpiexec import run_python
     from coconetc.runtime.loader import compile_module
     try:
-        compile_module(mod.file)
+        compile_module(mod.file, **libs)
     except (BuildError, CompileError) as err:
         _fail(str(err))
     argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
+    argv += [f"--{flag}={v}" for flag, key in (("include-dir", "include_dirs"), ("library-dir", "library_dirs"),
+                                             ("library", "libraries")) for v in libs[key]]
     argv += [f"--schedule={s or 'default'}" for s in names
              if s is None or not mod.schedule(name, s).auto]
     if save:
@@ -251,8 +272,10 @@ def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save
 @click.option("--name", help="With --emit-only: the Python module's name (default: ccn_<file stem>).")
 @click.option("--schedule", "-s", "schedules", multiple=True, metavar="NAME",
               help="With --emit-only: keep only these schedules (repeatable; the program itself is always in).")
+@_lib_options
 def compile(file: str, output: str | None, backend: str, arch: str | None, emit_only: bool,  # noqa: A001
-            name: str | None, schedules: tuple[str, ...]) -> None:
+            name: str | None, schedules: tuple[str, ...], include_dirs: tuple[str, ...],
+            library_dirs: tuple[str, ...], libraries: tuple[str, ...]) -> None:
     """Generate C++ for every program and schedule of FILE and build the extension module.
 
     --emit-only: only write the sources of a module named --name (with the chosen schedules) to
@@ -262,14 +285,15 @@ def compile(file: str, output: str | None, backend: str, arch: str | None, emit_
     mod = _load(file)
     if not mod.programs:
         _fail(_no_program(mod))
+    libs = _libs(include_dirs, library_dirs, libraries)
     if backend == "cuda":
-        _compile_cuda(file, mod, output, arch, emit_only)
+        _compile_cuda(file, mod, output, arch, emit_only, libs)
         return
     if emit_only or name or schedules:
-        _emit(mod, file, output, emit_only, name, schedules)
+        _emit(mod, file, output, emit_only, name, schedules, libs)
         return
     try:
-        _, src, so = compile_module(file, output)
+        _, src, so = compile_module(file, output, **libs)
     except (BuildError, CompileError) as err:
         _fail(str(err))
     click.echo(f"{file}: built {so}")
@@ -277,7 +301,8 @@ def compile(file: str, output: str | None, backend: str, arch: str | None, emit_
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
 
-def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | None, emit_only: bool) -> None:
+def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | None, emit_only: bool,
+                  libs: dict) -> None:
     """compile --backend cuda: module.cu + CMakeLists.txt (nvcc, NCCL/cuBLAS from the wheels),
     built unless --emit-only. What the CUDA renderer does not implement yet is left out and
     named (coconetc check --backend cuda says where)."""
@@ -289,7 +314,7 @@ def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | No
     if emit_only and not output:
         _fail("coconetc: --emit-only needs --output DIR")
     try:
-        _, src, so = compile_cuda(file, output, arch, skip_unsupported=True, build=not emit_only)
+        _, src, so = compile_cuda(file, output, arch, skip_unsupported=True, build=not emit_only, **libs)
     except (BuildError, CompileError) as err:
         _fail(str(err))
     for (prog, sched), errs in problems(mod).items():
@@ -303,11 +328,12 @@ def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | No
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
 
-def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules) -> None:
+def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, libs: dict) -> None:
     """compile --emit-only: the sources of a module named NAME, for a build the caller runs."""
     from dataclasses import replace
     from pathlib import Path
 
+    from coconetc.build.builder import Libs
     from coconetc.codegen.cpu import generate
     if not emit_only or not output:
         _fail("coconetc: --name and --schedule go with --emit-only, which needs --output DIR")
@@ -324,7 +350,7 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules) 
         mod = replace(mod, schedules={p: {s: x for s, x in scheds.items() if s in schedules}
                                       for p, scheds in mod.schedules.items()})
     try:
-        src = generate(mod, name)
+        src = generate(mod, name, Libs.of(file, bool(mod.externs), **libs))
     except CompileError as err:
         _fail(err.render())
     out = Path(output)

@@ -57,10 +57,13 @@ def nccl_comm(ext: Any, mpi_comm: Any = None) -> NcclComm:
     return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm)
 
 
-def load(path: str | Path, archs: str | None = None, log=None) -> CudaModule:
+def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
+         libraries=()) -> CudaModule:
+    """include_dirs, library_dirs, libraries: for the file's extern operations (as coconetc.load)."""
     from coconetc.build.cuda_build import compile_cuda
     from coconetc.runtime.loader import import_extension
-    mod, src, so = compile_cuda(path, None, archs, skip_unsupported=True, log=log)
+    mod, src, so = compile_cuda(path, None, archs, skip_unsupported=True, log=log, include_dirs=include_dirs,
+                                library_dirs=library_dirs, libraries=libraries)
     return CudaModule(mod, src, import_extension(src.module, so))
 
 

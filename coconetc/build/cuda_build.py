@@ -104,18 +104,24 @@ def build_key(source: str, options: str) -> str:
 
 
 def compile_cuda(path: str | Path, out_dir: str | Path | None = None, archs: str | None = None,
-                 skip_unsupported: bool = False, build: bool = True, log=None):
+                 skip_unsupported: bool = False, build: bool = True, log=None, *,
+                 include_dirs=(), library_dirs=(), libraries=()):
     """Generate FILE's CUDA module and build it (cached); returns (SourceFile, CudaSources,
-    path of the .so or None when build is False)."""
+    path of the .so or None when build is False). include_dirs, library_dirs, libraries: for
+    the file's extern operations."""
+    from coconetc.build.builder import Libs
+    from coconetc.codegen.cpu import extern_headers
     from coconetc.codegen.cuda import DEFAULT_ARCHS, generate
     from coconetc.driver import load_file
     mod = load_file(path)
     archs = archs or DEFAULT_ARCHS
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
-    probe = generate(mod, _PROBE, archs, skip_unsupported)
+    libs = Libs.of(path, bool(mod.externs), include_dirs, library_dirs, libraries)
+    probe = generate(mod, _PROBE, archs, skip_unsupported, libs)
     if not build:
         return mod, probe, None
-    key = build_key(probe.cu + probe.cmake, f"cuda|{archs}")
+    extra = libs.fingerprint(extern_headers(mod, "cuda")) if libs != Libs() else ""
+    key = build_key(probe.cu + probe.cmake, f"cuda|{archs}{extra}")
     name = f"ccn_cuda_{stem}_{key}"
     src = replace(probe, module=name, cu=probe.cu.replace(_PROBE, name), cmake=probe.cmake.replace(_PROBE, name))
     where = Path(out_dir) if out_dir else cache_dir() / name

@@ -24,6 +24,9 @@ def _args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--save")
+    ap.add_argument("--include-dir", action="append", default=[])
+    ap.add_argument("--library-dir", action="append", default=[])
+    ap.add_argument("--library", action="append", default=[])
     return ap.parse_args(argv)
 
 
@@ -47,7 +50,8 @@ def _main(a, comm) -> int:
     from coconetc.interp.interpreter import Result, run
     from coconetc.harness.session import save_results
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
-    mod = coconetc.load(a.file, log=lambda msg: None)
+    mod = coconetc.load(a.file, log=lambda msg: None, include_dirs=a.include_dir,
+                        library_dirs=a.library_dir, libraries=a.library)
     fn = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
     rank, R = comm.Get_rank(), comm.Get_size()

@@ -12,7 +12,8 @@ import jinja2
 
 from coconetc import __version__
 from coconetc.codegen.base import Function
-from coconetc.codegen.cpu import function_name, variants
+from coconetc.build.builder import Libs
+from coconetc.codegen.cpu import extern_headers, function_name, variants
 from coconetc.codegen.cuda.render import Unsupported, render, unsupported
 from coconetc.driver import SourceFile
 
@@ -46,9 +47,10 @@ def problems(mod: SourceFile) -> dict[tuple[str, str], list[Unsupported]]:
 
 
 def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
-             skip_unsupported: bool = False) -> CudaSources:
+             skip_unsupported: bool = False, libs: Libs | None = None) -> CudaSources:
     """The module's sources. skip_unsupported: leave out the (program, schedule)s the CUDA
-    renderer cannot render yet (else the first one raises Unsupported)."""
+    renderer cannot render yet (else the first one raises Unsupported). libs: for extern
+    operations (headers, libraries)."""
     file = Path(mod.file).name
     funcs = {}
     for key, p in variants(mod).items():
@@ -56,8 +58,9 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
         if skip_unsupported and unsupported(plan):
             continue
         funcs[key] = render(plan, function_name(*key), file, [pub for pub, _ in p.outputs])
+    libs = libs or Libs.of(mod.file, bool(mod.externs))
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),
-               source="module.cu", archs=archs)
+               source="module.cu", archs=archs, headers=extern_headers(mod, "cuda"), libs=libs)
     cu = _env().get_template("module.cu.j2").render(ctx)
     cmake = _env().get_template("CMakeLists.txt.j2").render(ctx)
     return CudaSources(module_name, cu, cmake, funcs)

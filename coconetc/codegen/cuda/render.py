@@ -15,6 +15,8 @@ from __future__ import annotations
 from coconetc.codegen.base import Function, prod as _prod
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
 from coconetc.codegen.loops import LoopEmitter
+from coconetc.codegen.render import extern_call
+from coconetc.ir import ops
 from coconetc.ir.nodes import Expr, Op, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Let, Library, Loop, Overlap, Plan,
@@ -35,6 +37,7 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     """What of this plan the CUDA renderer cannot render yet, one entry per unit."""
     out: list[Unsupported] = []
     kinds = {b.name: b.kind for b in plan.buffers}
+    ndims = {b.name: b.type.ndim for b in plan.buffers}
     for b in plan.buffers:
         if b.kind in ("segments", "into"):
             out.append(Unsupported(b.line, f"scattered tensors ('{b.name}') are not in the CUDA backend yet"))
@@ -43,6 +46,8 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     def unit(u: Unit) -> None:
         if isinstance(u, Overlap) and u.fused is not None:
             out.append(Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet"))
+        elif isinstance(u, Library) and ops.get(u.op).extern is not None:
+            out.extend(_extern_problems(u, kinds, ndims))
         elif isinstance(u, Reduce) and u.op == "segment_norm":
             out.append(Unsupported(u.line, "segment_norm is not in the CUDA backend yet"))
         elif isinstance(u, Collective) and (u.into or u.packed):
@@ -54,6 +59,19 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     for u in plan.units:
         unit(u)
     return out
+
+
+def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -> list[Unsupported]:
+    ext = ops.get(u.op).extern
+    assert ext is not None
+    if ext.cuda is None:
+        return [Unsupported(u.line, f"extern operation '{u.op}' declares no cuda implementation "
+                                    "('cuda = \"header\", \"function\"')")]
+    computed = [a for a in u.args if ndims.get(a) == 0 and kinds.get(a) != "scalar"]
+    if computed:
+        return [Unsupported(u.line, f"a computed 0-d operand ('{computed[0]}') of extern operation "
+                                    f"'{u.op}' is not in the CUDA backend yet (it lives on the device)")]
+    return []
 
 
 def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
@@ -203,6 +221,11 @@ class CudaRenderer(LoopEmitter):
                   f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
 
     def _library(self, u: Library) -> None:
+        entry = ops.get(u.op)
+        if entry.extern is not None:  # the declared host function, on the call's stream
+            assert entry.extern.cuda is not None, u.op  # unsupported() says so first
+            self.emit(extern_call(self, u, entry.extern.cuda.function, ("stream",)) + ";")
+            return
         ct = CTYPE[self.types[u.dst].dtype]
         x = u.args[0]
         xt = self.types[x]
