@@ -13,7 +13,10 @@ _hooks.install()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "load"]
 
 
-def load(path, log=None):
-    """Compile a .ccn file for the CPU (cached) and import it: one function per program."""
+def load(path, log=None, *, include_dirs=(), library_dirs=(), libraries=()):
+    """Compile a .ccn file for the CPU (cached) and import it: one function per program.
+    include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
+    operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
+    is searched for headers too)."""
     from coconetc.runtime.loader import load as _load
-    return _load(path, log)
+    return _load(path, log, include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
