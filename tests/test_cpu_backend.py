@@ -52,6 +52,7 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "clipped_sgd": ({"N": 17}, ("N",)),
     "row_parallel": ({"B": 2, "S": 5, "K": 7, "H": 4}, ("K", "H")),
     "col_parallel": ({"M": 5, "K": 3, "H": 7}, ("H",)),
+    "mp_layer": ({"B": 5, "K": 7, "H": 4}, ("B", "K")),
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4

@@ -48,6 +48,8 @@ def sizes(program: str, gs: int, small: bool) -> dict[str, int]:
         return {"B": s, "H": 3} if small else {"B": 5, "H": 3}
     if program == "row_parallel":  # K sliced; S and H cut into chunks, H split by rs_seq
         return {"B": 2, "S": s, "K": s, "H": s} if small else {"B": 2, "S": 5, "K": 7, "H": 4}
+    if program == "mp_layer":  # K sliced (row-parallel), B split into rows, H cut into chunks
+        return {"B": s, "K": s, "H": s} if small else {"B": 5, "K": 7, "H": 4}
     if program == "col_parallel":  # H sliced; M cut into chunks
         return {"M": s, "K": 3, "H": s} if small else {"M": 5, "K": 3, "H": 7}
     raise KeyError(f"no sizes for program '{program}': add them here")

@@ -18,6 +18,7 @@ _CLOSE = {"RPAR", "RSQB"}
 
 
 _PAIRS = {"LPAR": "RPAR", "LSQB": "RSQB", "LBRACE": "RBRACE"}
+_SOFT = ("OP", "EXTERN")  # the soft keywords' terminals (SOFT_KEYWORDS below)
 
 
 class _DropNewlinesInBrackets:
@@ -32,10 +33,18 @@ class _DropNewlinesInBrackets:
         self.params = False  # the outermost open bracket is a program's parameter list
         self.last: list[Token] = []  # the last two tokens seen (the newest last)
 
+    def _item_start(self, tok: Token) -> bool:
+        """`op` / `extern` where a definition starts (first on a line outside any bracket or
+        block, or `op` after `extern`); anywhere else the lexer's keyword is a name."""
+        prev = self.last[-1].type if self.last else "_NL"
+        return not self.open and (prev in ("_NL", "RBRACE") or (tok.type == "OP" and prev == "EXTERN"))
+
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
         depth = 0
         self.open, self.last = [], []
         for tok in stream:
+            if tok.type in _SOFT and not self._item_start(tok):
+                tok = Token.new_borrow_pos("NAME", str(tok), tok)
             if tok.type in _PAIRS:
                 if not self.open:
                     self.params = len(self.last) == 2 and str(self.last[0]) == "program"

@@ -71,7 +71,8 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
                                 "computations, norm/sum, layernorm and send can move")
         if slicing == ops.ROWS and dim == node.type.ndim - 1:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
-                                f"{node.op} normalizes the last dim, which the slice would cut")
+                                f"{node.op} {'normalizes' if node.op == 'layernorm' else 'works on'} "
+                                "the last dim, which the slice would cut")
 
 
 def reorder(p: Program, d: Reorder) -> Program:
