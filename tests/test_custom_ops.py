@@ -361,3 +361,27 @@ def test_the_extern_example_runs_every_schedule_compiled():
                           "--schedule", "all"], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("matches the interpreter on every rank") == 3, res.stdout
+
+
+def _doc_block(title: str) -> str:
+    text = (REPO / "docs" / "language.md").read_text().split(f"## {title}\n", 1)[1]
+    return text.split("```\n", 2)[1]
+
+
+def test_the_examples_of_docs_language_md_check():
+    defined = _doc_block("Defined operations")
+    prog = ("program p(g: f32[N] local, w: f32[N] replicated, lr: f32) {\n    g1 = allreduce(sum, g)\n"
+            "    w1 = update(w, step(w, g1, lr) + rms(g1, 2.0))\n}\n")
+    assert load_source(defined + prog, "doc.ccn").programs["p"]
+    extern = _doc_block("Extern operations")
+    prog = ("program q(x: f32[B, H] local, w: f32[H] replicated) {\n    s = allreduce(sum, x)\n"
+            "    y = rmsnorm(s, w, 1e-5)\n    return y\n}\n")
+    mod = load_source(extern + prog, str(REPO / "examples" / "doc.ccn"))  # the reference beside it
+    assert mod.externs["rmsnorm"].extern.cuda.function == "cclib::rmsnorm_cuda"
+
+
+def test_an_expansion_that_grows_too_large_is_an_error_at_the_call():
+    """Each level doubles the expression: an error (not an hour of expanding) at the call."""
+    defs = "op f0(x) = x + 1\n" + "".join(f"op f{i}(x) = f{i - 1}(x) * f{i - 1}(x)\n" for i in range(1, 40))
+    (d,) = _error(defs + "program p(g: f32[N] local) {\n    y = f39(g)\n    return y\n}\n")
+    assert (d.span.line, d.span.col) == (42, 9) and "split it into several stages" in d.message

@@ -257,13 +257,52 @@ def _expand(call: syntax.Call, ctx: _Ctx) -> ir.Expr:
     values = [_expr(a, ctx) for a in bind_def(call, d)]
     outer, ctx.env = ctx.env, dict(zip((p.id for p in d.params), values))
     try:
-        return _expr(d.body, ctx)
+        out = _expr(d.body, ctx)
+    except _TooBig as err:
+        if outer is not None:
+            raise
+        first = err.diagnostics[0]  # reported at the program's call, naming where it grew
+        raise _TooBig(call.span, f"{call.fn}(): {first.message} (at line {first.span.line}, "
+                      f"col {first.span.col})") from None
     except TypeErr as err:
         first = err.diagnostics[0]
         where = f"line {first.span.line}, col {first.span.col}"
         raise TypeErr(call.span, f"{call.fn}(): {first.message} (in its body, {where})") from None
     finally:
         ctx.env = outer
+    depth, size = _extent(out)
+    if depth > MAX_EXPANDED_DEPTH or size > MAX_EXPANDED_SIZE:
+        raise _TooBig(call.span, f"{call.fn}() expands to an expression of {size} operations "
+                      f"nested {depth} levels deep (at most {MAX_EXPANDED_SIZE} and "
+                      f"{MAX_EXPANDED_DEPTH}); split it into several stages")
+    return out
+
+
+class _TooBig(TypeErr):
+    """A defined operation's expansion is too large (reported where it first grows too big)."""
+
+
+# Calls of defined operations nest their bodies; every later pass walks expressions recursively
+# (and an operand used twice in a body is computed twice: nested definitions can grow fast).
+MAX_EXPANDED_DEPTH = 300
+MAX_EXPANDED_SIZE = 20000
+
+
+def _extent(e: ir.Expr) -> tuple[int, int]:
+    """How deep an expression nests and how many nodes it has as a tree (an expansion shares
+    its operands' nodes, so both are counted once per node object, without recursion)."""
+    memo: dict[int, tuple[int, int]] = {}
+    stack: list[tuple[ir.Expr, bool]] = [(e, False)]
+    while stack:
+        node, done = stack.pop()
+        args = node.args if isinstance(node, ir.Op) else ()
+        if not done:
+            stack.append((node, True))
+            stack.extend((a, False) for a in args if id(a) not in memo)
+            continue
+        parts = [memo[id(a)] for a in args]
+        memo[id(node)] = (1 + max((d for d, _ in parts), default=0), 1 + sum(n for _, n in parts))
+    return memo[id(e)]
 
 
 def _word(arg: ops.Arg, e: object, call: syntax.Call) -> object:
