@@ -385,3 +385,21 @@ def test_an_expansion_that_grows_too_large_is_an_error_at_the_call():
     defs = "op f0(x) = x + 1\n" + "".join(f"op f{i}(x) = f{i - 1}(x) * f{i - 1}(x)\n" for i in range(1, 40))
     (d,) = _error(defs + "program p(g: f32[N] local) {\n    y = f39(g)\n    return y\n}\n")
     assert (d.span.line, d.span.col) == (42, 9) and "split it into several stages" in d.message
+
+
+def test_build_inputs_reach_cmake_and_the_cache_key(tmp_path):
+    from coconetc.build.builder import Libs
+    from coconetc.codegen.cpu import generate
+    f = _extern_file(tmp_path)
+    (tmp_path / "scale_rows.h").write_text(HEADER)
+    libs = Libs.of(f, True, [tmp_path / "inc"], [tmp_path / "lib"], ["scalerows"])
+    assert libs.include_dirs == (str(tmp_path / "inc"), str(tmp_path))  # the .ccn's own dir too
+    src = generate(load_file(f), "m", libs)
+    assert '#include "scale_rows.h"' in src.cpp and "scale_rows(v_" in src.cpp
+    for line in (f'target_include_directories(m PRIVATE "{tmp_path / "inc"}")',
+                 f'target_link_directories(m PRIVATE "{tmp_path / "lib"}")',
+                 'target_link_libraries(m PRIVATE "scalerows")'):
+        assert line in src.cmake
+    before = libs.fingerprint(["scale_rows.h"])
+    (tmp_path / "scale_rows.h").write_text(HEADER + "// edited\n")
+    assert libs.fingerprint(["scale_rows.h"]) != before  # an edited header rebuilds the module

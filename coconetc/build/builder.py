@@ -104,10 +104,11 @@ class Libs:
                 if f.is_file():
                     h.update(f.read_bytes())
                     break
-        for d in self.library_dirs:
-            for lib in self.libraries:
-                for f in sorted(Path(d).glob(f"lib{lib}.*")):
-                    h.update(f.read_bytes())
+        found = [Path(lib) for lib in self.libraries if Path(lib).is_file()]  # given as paths
+        found += [f for d in self.library_dirs for lib in self.libraries
+                  for f in sorted(Path(d).glob(f"lib{lib}.*"))]
+        for f in found:
+            h.update(f.read_bytes())
         return h.hexdigest()
 
 
