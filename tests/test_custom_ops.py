@@ -403,3 +403,14 @@ def test_build_inputs_reach_cmake_and_the_cache_key(tmp_path):
     before = libs.fingerprint(["scale_rows.h"])
     (tmp_path / "scale_rows.h").write_text(HEADER + "// edited\n")
     assert libs.fingerprint(["scale_rows.h"]) != before  # an edited header rebuilds the module
+
+
+def test_the_cuda_renderer_calls_the_extern_host_function_on_the_stream():
+    from coconetc.codegen.cuda import generate as cuda_generate
+    from coconetc.codegen.cuda import problems
+    mod = load_file(REPO / "examples" / "extern_ops.ccn")
+    assert not problems(mod)
+    src = cuda_generate(mod, "m")
+    assert '#include "rmsnorm.cuh"' in src.cu
+    assert "cclib::rmsnorm_cuda(v_rs, v_g, static_cast<float>(1e-05), v_t0_h, " in src.cu
+    assert src.cu.count(", stream);") >= 3 and str(REPO / "examples") in src.cmake
