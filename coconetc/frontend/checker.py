@@ -33,6 +33,7 @@ class _Ctx:
     sites: int = 0
     scope: Scope = field(default_factory=Scope)
     env: dict[str, ir.Expr] | None = None  # inside a defined operation's body: its operands
+    extents: dict[int, tuple[int, int, ir.Expr]] = field(default_factory=dict)  # see _extent
 
     def type_of(self, name: str, span: Span) -> TType:
         if name in self.failed:
@@ -270,7 +271,7 @@ def _expand(call: syntax.Call, ctx: _Ctx) -> ir.Expr:
         raise TypeErr(call.span, f"{call.fn}(): {first.message} (in its body, {where})") from None
     finally:
         ctx.env = outer
-    depth, size = _extent(out)
+    depth, size = _extent(out, ctx.extents)
     if depth > MAX_EXPANDED_DEPTH or size > MAX_EXPANDED_SIZE:
         raise _TooBig(call.span, f"{call.fn}() expands to an expression of {size} operations "
                       f"nested {depth} levels deep (at most {MAX_EXPANDED_SIZE} and "
@@ -285,13 +286,12 @@ class _TooBig(TypeErr):
 # Calls of defined operations nest their bodies; every later pass walks expressions recursively
 # (and an operand used twice in a body is computed twice: nested definitions can grow fast).
 MAX_EXPANDED_DEPTH = 300
-MAX_EXPANDED_SIZE = 20000
+MAX_EXPANDED_SIZE = 5000
 
 
-def _extent(e: ir.Expr) -> tuple[int, int]:
-    """How deep an expression nests and how many nodes it has as a tree (an expansion shares
-    its operands' nodes, so both are counted once per node object, without recursion)."""
-    memo: dict[int, tuple[int, int]] = {}
+def _extent(e: ir.Expr, memo: dict[int, tuple[int, int, ir.Expr]]) -> tuple[int, int]:
+    """How deep an expression nests and how many nodes it has as a tree, without recursion.
+    memo: what earlier expansions measured, by node (kept alive with it, so ids stay unique)."""
     stack: list[tuple[ir.Expr, bool]] = [(e, False)]
     while stack:
         node, done = stack.pop()
@@ -301,8 +301,8 @@ def _extent(e: ir.Expr) -> tuple[int, int]:
             stack.extend((a, False) for a in args if id(a) not in memo)
             continue
         parts = [memo[id(a)] for a in args]
-        memo[id(node)] = (1 + max((d for d, _ in parts), default=0), 1 + sum(n for _, n in parts))
-    return memo[id(e)]
+        memo[id(node)] = (1 + max((p[0] for p in parts), default=0), 1 + sum(p[1] for p in parts), node)
+    return memo[id(e)][:2]
 
 
 def _word(arg: ops.Arg, e: object, call: syntax.Call) -> object:
