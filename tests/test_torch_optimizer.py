@@ -207,3 +207,23 @@ def test_auto_without_a_tuning_cache_entry_says_so(built):
 def test_import_coconetc_does_not_import_torch():
     code = "import sys, coconetc; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_train_mlp_example_runs_and_resumes_on_other_ranks(built, tmp_path):
+    exe = Path(sys.executable).parent / "coconetc"
+    ckpt = tmp_path / "mlp.pt"
+    first = subprocess.run([str(exe), "launch", "-n", "2", str(REPO / "examples" / "train_mlp.py"),
+                            "--epochs", "5", "--checkpoint", str(ckpt)],
+                           capture_output=True, text=True, timeout=500)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "2 ranks, schedule zero: 5378 parameters, optimizer state on rank 0: 5378 of 10756" in first.stdout
+    assert "max weight difference between ranks: 0.0" in first.stdout and ckpt.exists()
+    mse = [float(ln.split()[-1]) for ln in first.stdout.splitlines() if "test mse" in ln]
+    assert mse and mse[-1] < 0.02, first.stdout  # it learns (the targets' variance is about 0.4)
+    again = subprocess.run([str(exe), "launch", "-n", "3", str(REPO / "examples" / "train_mlp.py"),
+                            "--epochs", "1", "--schedule", "default", "--checkpoint", str(ckpt),
+                            "--resume"], capture_output=True, text=True, timeout=500)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "3 ranks, schedule default" in again.stdout
+    assert "max weight difference between ranks: 0.0" in again.stdout
