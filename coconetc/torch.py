@@ -236,6 +236,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The whole state on every rank (slices gathered), as torch optimizers lay it out:
         {"state": {param index: {"step": tensor, name: tensor shaped like the parameter}},
          "param_groups": [{scalar: value, ..., "params": [indices]}]}."""
+        self._everyone_here("state_dict()")
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
         index = 0
@@ -291,6 +292,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                          **{str(self._roles.size): group.n})
             t.copy_(full[index])
         group.steps = int(steps.pop())
+
+    def _everyone_here(self, what: str) -> None:
+        """Every rank of the communicator must be here (gathering the state is collective): a
+        rank that is not makes the job end after COCONET_TIMEOUT, naming it, instead of hanging;
+        ranks whose groups differ in size raise on every rank."""
+        from coconetc.runtime import agree
+        mine = ("coconetc.torch", what, [g.n for g in self._groups])
+        label = f"DistributedOptimizer.{what} ({self._fn.name}, schedule {self._schedule!r})"
+        everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
+        bad = [r for r, x in enumerate(everyone) if x != mine]
+        if bad:
+            raise RuntimeError(f"{label}: rank {bad[0]} is not doing the same (it is at "
+                               f"{everyone[bad[0]]!r}, this rank at {mine!r}); every rank must call "
+                               f"{what} together, with the same parameter shapes")
 
     def _gather(self, name: str, local: torch.Tensor, n: int) -> torch.Tensor:
         """The whole tensor from every rank's slice (a copy of it when it is not sliced)."""

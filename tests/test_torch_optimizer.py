@@ -98,6 +98,25 @@ def test_checkpoint_from_zero_on_2_ranks_to_every_schedule_on_2_and_3(built, cap
     assert rc == 0, log
 
 
+@pytest.mark.slow
+def test_state_dict_on_one_rank_only_ends_the_job(built, capfd):
+    """Gathering the state is collective: rank 0 calling state_dict() alone is stopped by the
+    watchdog, which names the call and the missing rank."""
+    old = os.environ.get("COCONET_TIMEOUT")
+    os.environ["COCONET_TIMEOUT"] = "5"
+    try:
+        rc, lines, log = _launch(capfd, 2, "rank0_only")
+    finally:
+        if old is None:
+            os.environ.pop("COCONET_TIMEOUT")
+        else:
+            os.environ["COCONET_TIMEOUT"] = old
+    assert "BOTH CALLED 0" in lines and "BOTH CALLED 1" in lines, log
+    assert rc != 0 and "RANK 0 WAS NOT STOPPED" not in lines, log
+    assert "DistributedOptimizer.state_dict() (adam, schedule 'zero')" in log, log
+    assert "rank 1 did not arrive" in log, log
+
+
 # --- on one rank, in this process ----------------------------------------------------------------
 def test_layout_helpers(built):
     fn = built.adam

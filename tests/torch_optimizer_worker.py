@@ -14,7 +14,9 @@ MODE adam             every schedule of examples/adam.ccn; the state (m, v) agai
 MODE lamb             every schedule of examples/lamb.ccn against LAMB in PyTorch
 MODE save PATH        train under zero, save a checkpoint (ours and the reference's) to PATH,
                       then load it here under every schedule and continue
-MODE resume PATH      load PATH under every schedule on this rank count and continue"""
+MODE resume PATH      load PATH under every schedule on this rank count and continue
+MODE rank0_only       state_dict() on every rank, then on rank 0 alone: the watchdog must end
+                      the job (COCONET_TIMEOUT) instead of letting rank 0 hang"""
 
 from __future__ import annotations
 
@@ -259,6 +261,14 @@ def main() -> None:
             mode_lamb()
         elif mode == "save":
             mode_save(sys.argv[2])
+        elif mode == "rank0_only":
+            pair = Pair("zero")
+            pair.run(2)
+            pair.opt.state_dict()
+            print(f"BOTH CALLED {rank}", flush=True)
+            if rank == 0:
+                pair.opt.state_dict()
+                print("RANK 0 WAS NOT STOPPED", flush=True)
         elif mode == "resume":
             resume(sys.argv[2], "checkpoint")
         else:
