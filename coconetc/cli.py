@@ -1,4 +1,4 @@
-"""The coconetc command: check, show, run. User errors print as diagnostics, without a
+"""The coconetc command: check, show, run, compile, launch. User errors print as diagnostics, without a
 Python traceback (--debug shows it)."""
 
 from __future__ import annotations
@@ -393,3 +393,15 @@ def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
         return True
     click.echo("  matches the unscheduled program on every rank")
     return False
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
+@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch(ranks: int, script: str, args: tuple[str, ...]) -> None:
+    """Run `python SCRIPT ARGS...` on R MPI ranks (the mpiexec installed beside Python, with the
+    flags Open MPI needs as root or with more ranks than cores), e.g. a training script that
+    uses coconetc.torch.DistributedOptimizer. Exits non-zero if any rank failed."""
+    from coconetc.launch.mpiexec import run_python
+    sys.exit(run_python(ranks, [script, *args]))

@@ -457,3 +457,22 @@ def test_size_overflow_in_a_stage_is_located_at_the_stage(tmp_path: Path) -> Non
                     "    return z\n}\n")
     res = invoke("run", path, "--interp", "--size", "N=3037000500")
     clean_error(res, f"{path}:2:5: error: with N=3037000500, 'z' (f32[N, N] local) is too large")
+
+
+# ---- launch ----
+
+def test_launch_runs_a_python_script_on_every_rank(tmp_path: Path) -> None:
+    import sys
+    script = tmp_path / "hello.py"
+    script.write_text("import sys\nfrom mpi4py import MPI\nc = MPI.COMM_WORLD\n"
+                      "print(f'rank {c.Get_rank()} of {c.Get_size()} args {sys.argv[1:]}')\n"
+                      "sys.exit(3 if '--fail' in sys.argv and c.Get_rank() == 1 else 0)\n")
+    exe = Path(sys.executable).parent / "coconetc"
+    res = subprocess.run([str(exe), "launch", "-n", "2", str(script), "--x", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in (0, 1):
+        assert f"rank {r} of 2 args ['--x', '1']" in res.stdout
+    res = subprocess.run([str(exe), "launch", "-n", "2", str(script), "--fail"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0, res.stdout + res.stderr

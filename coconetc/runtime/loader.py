@@ -27,7 +27,7 @@ from coconetc.driver import SourceFile, load_file
 from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim
-from coconetc.runtime import agree
+from coconetc.runtime import agree, layout
 
 
 _PROBE = "ccn_module_name_placeholder"
@@ -119,6 +119,68 @@ class ProgramFunction:
         p = self._program(schedule)
         return {q.name: q.type.dtype if q.scalar else str(q.type) + (" scattered" if q.scattered else "")
                 for q in p.params}
+
+    def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
+                         **sizes: int) -> str:
+        """The schedule a call with SCHEDULE runs. A named one is itself; "auto" is the
+        autotuner's choice for these sizes and ranks, read from its tuning cache through
+        `coconetc.tune.cached_choice(fn, sizes, ranks, groups)` (issue 10); without an entry
+        this raises and says how to make one."""
+        if schedule != "auto":
+            self._program(schedule)
+            return schedule or DEFAULT
+        from coconetc import tune
+        choose = getattr(tune, "cached_choice", None)
+        ranks = layout.group_position(comm, None, None, groups)[0] * groups
+        choice = choose(self, dict(sizes), ranks, groups) if choose is not None else None
+        if choice is None:
+            shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+            raise ValueError(f"{self.name}(schedule='auto'): the tuning cache has no choice for "
+                             f"{shown} on {ranks} ranks; run `coconetc tune` for these sizes "
+                             f"first, or name a schedule ({', '.join(self.schedules)})")
+        self._program(choice)
+        return choice
+
+    # --- layout helpers (coconetc/runtime/layout.py) ---------------------------------------
+    def local_shape(self, name: str, *, schedule: str | None = None, comm: Any = None,
+                    rank: int | None = None, ranks: int | None = None, groups: int = 1,
+                    **sizes: int) -> tuple[int, ...]:
+        """This rank's shape of parameter NAME in SCHEDULE's calling convention for the given
+        size symbols, e.g. `adam.local_shape("m", schedule="zero", N=1000)` (rank and group
+        size from COMM (default COMM_WORLD) unless rank= and ranks= are given); () for a scalar."""
+        q, shape, gs, r = self._where(name, schedule, comm, rank, ranks, groups, sizes, "local_shape")
+        return layout.local_shape(q, shape, gs, r)
+
+    def local_index(self, name: str, *, schedule: str | None = None, comm: Any = None,
+                    rank: int | None = None, ranks: int | None = None, groups: int = 1,
+                    **sizes: int) -> tuple[slice, ...]:
+        """The index of this rank's part of NAME in the global array: `full[index]` is what this
+        rank passes (the whole array unless NAME is sliced in SCHEDULE)."""
+        q, shape, gs, r = self._where(name, schedule, comm, rank, ranks, groups, sizes, "local_index")
+        return layout.local_index(q, shape, gs, r)
+
+    def empty(self, name: str, *, framework: str = "numpy", **where: Any) -> Any:
+        """An uninitialised NumPy array (framework="numpy") or torch tensor ("torch") of NAME's
+        dtype and local shape; takes local_shape's keywords (schedule, comm, rank, ranks,
+        groups, sizes)."""
+        return layout.allocate(self.local_shape(name, **where), self._dtype(name, where),
+                               framework, fill=False)
+
+    def zeros(self, name: str, *, framework: str = "numpy", **where: Any) -> Any:
+        """As `empty`, filled with zeros."""
+        return layout.allocate(self.local_shape(name, **where), self._dtype(name, where),
+                               framework, fill=True)
+
+    def _dtype(self, name: str, where: dict) -> str:
+        return layout.param(self._program(where.get("schedule")), name, self.name).type.dtype
+
+    def _where(self, name, schedule, comm, rank, ranks, groups, sizes, what):
+        p = self._program(schedule)
+        what = f"{self.name}.{what}({name!r})"
+        q = layout.param(p, name, what)
+        shape = layout.bind(p, q, sizes, what)
+        gs, r = layout.group_position(comm, rank, ranks, groups)
+        return q, shape, gs, r
 
     def _program(self, schedule: str | None) -> Program:
         key = schedule or DEFAULT

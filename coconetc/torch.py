@@ -1,0 +1,328 @@
+"""`coconetc.torch.DistributedOptimizer`: a `.ccn` optimizer step as a `torch.optim.Optimizer`.
+
+    opt = DistributedOptimizer(model.parameters(), "examples/adam.ccn", schedule="zero",
+                               lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    loss.backward(); opt.step()             # every rank, with its own gradients
+
+The program's tensor parameter named by `weights` receives the model's parameters, the one
+named by `grads` their gradients; every other tensor parameter is optimizer state, kept here as
+zeros in the layout the schedule gives it (this rank's slice under `slice(...)`); the scalar
+named by `step` is the 1-based step count; every other scalar lives in `param_groups` (so
+`torch.optim.lr_scheduler` works). One call of the compiled function per parameter group and
+step. `state_dict()` is the whole optimizer state on every rank (slices gathered), and
+`load_state_dict()` slices it again for this optimizer's schedule and rank count.
+See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as err:  # pragma: no cover - depends on the environment
+    raise ImportError("coconetc.torch needs PyTorch (pip install torch)") from err
+
+from coconetc.runtime import layout
+
+__all__ = ["DistributedOptimizer"]
+
+_LOADED: dict[tuple[str, float], Any] = {}
+
+
+def _load(source: str | Path) -> Any:
+    """coconetc.load, once per file and version of it in this process."""
+    path = Path(source).resolve()
+    if not path.exists():
+        raise FileNotFoundError(f"DistributedOptimizer: no such .ccn file: {source}")
+    key = (str(path), path.stat().st_mtime)
+    if key not in _LOADED:
+        import coconetc
+        _LOADED[key] = coconetc.load(path, log=lambda msg: None)
+    return _LOADED[key]
+
+
+def _function(source, program: str | None) -> Any:
+    mod = _load(source)
+    if program is None:
+        if len(mod.programs) != 1:
+            raise ValueError(f"DistributedOptimizer: {source} holds programs "
+                             f"{', '.join(mod.programs)}; say which with program=")
+        program = next(iter(mod.programs))
+    if program not in mod.programs:
+        raise ValueError(f"DistributedOptimizer: no program {program!r} in {source} "
+                         f"(its programs: {', '.join(mod.programs)})")
+    return mod.programs[program]
+
+
+def _numel(params: list) -> int:
+    """Elements of all parameters (of every group)."""
+    total = 0
+    for x in params:
+        for p in x["params"] if isinstance(x, dict) else [x]:
+            total += p.numel()
+    return total
+
+
+class _Roles:
+    """Which parameter of the program is what, checked once against every schedule."""
+
+    def __init__(self, fn: Any, schedule: str, weights: str, grads: str, step: str,
+                 scalars: dict[str, Any]):
+        self.p = fn._program(schedule)
+        what = f"DistributedOptimizer({fn.name})"
+        q = {x.name: x for x in self.p.params}
+        for role, name in (("weights", weights), ("grads", grads)):
+            if name not in q or q[name].scalar:
+                raise ValueError(f"{what}: {role}={name!r} must name a tensor parameter "
+                                 f"(tensors: {', '.join(x.name for x in self.p.params if not x.scalar)})")
+        if step not in q or not q[step].scalar:
+            raise ValueError(f"{what}: step={step!r} must name a scalar parameter")
+        self.weights, self.grads, self.step = weights, grads, step
+        self.state = [x for x in self.p.params if not x.scalar and x.name not in (weights, grads)]
+        self.scalars = [x.name for x in self.p.params if x.scalar and x.name != step]
+        extra = sorted(set(scalars) - set(self.scalars))
+        if extra:
+            raise TypeError(f"{what}: unexpected keyword argument {extra[0]!r} (its scalars: "
+                            f"{', '.join(self.scalars)}; {step!r} is the step count)")
+        for x in self.p.params:
+            if x.scalar:
+                continue
+            if x.type.ndim != 1 or (x.type.layout.sliced and x.name in (weights, grads)):
+                raise ValueError(f"{what}: '{x.name}' is {x.type}: the optimizer needs a program "
+                                 "over flat 1-d tensors whose weights and gradients are not sliced")
+        self.scattered = q[weights].scattered
+        self.dtype = q[weights].type.dtype
+        self.grad_dtype = q[grads].type.dtype
+        self.size = q[weights].type.shape[0]
+        if not isinstance(self.size, str):
+            raise ValueError(f"{what}: '{weights}' is {q[weights].type}: its size must be a "
+                             "symbol (N), bound to the number of elements of a parameter group")
+        self.sliced = {x.name for x in self.state if x.type.layout.sliced}
+        self.segmented = {x.name for x in self.state if x.scattered and not x.type.layout.sliced}
+
+
+class _Group:
+    """One parameter group's buffers: the flat weights the parameters view (or the parameters
+    themselves as segments), the flat gradient, the state in the schedule's layout."""
+
+    def __init__(self, opt: DistributedOptimizer, params: list[torch.Tensor]):
+        roles = opt._roles
+        want = getattr(torch, layout.TORCH_DTYPES[roles.dtype])
+        for p in params:
+            if p.dtype != want or p.device.type != "cpu":
+                raise ValueError(f"DistributedOptimizer: a parameter is {p.dtype} on {p.device}; "
+                                 f"'{roles.weights}' is {roles.dtype} on the CPU")
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.n = sum(self.numels)
+        self.steps = 0
+        if roles.scattered:
+            for p in params:
+                if not p.is_contiguous():
+                    p.data = p.data.contiguous()
+            self.flat = None
+        else:  # packed once; the parameters then view the flat buffer
+            self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
+                torch.empty(0, dtype=want)
+            for p, view in zip(params, self._views(self.flat)):
+                p.data = view
+        gdt = getattr(torch, layout.TORCH_DTYPES[roles.grad_dtype])
+        self.gflat = torch.zeros(self.n, dtype=gdt)
+        self.gviews = self._views(self.gflat)
+        self.state = {q.name: opt._fn.zeros(q.name, framework="torch", schedule=opt._schedule,
+                                            comm=opt._comm, **{str(roles.size): self.n})
+                      for q in roles.state}
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [v.view_as(p) for v, p in zip(flat.split(self.numels), self.params)]
+
+    def gather_grads(self) -> None:
+        """The gradients into the flat gradient buffer (nothing to do where autograd already
+        accumulated into its views); a parameter without a gradient counts as zero."""
+        stale = [(p, v) for p, v in zip(self.params, self.gviews) if p.grad is not v]
+        if not stale:
+            return
+        given = [(p.grad, v) for p, v in stale if p.grad is not None]
+        if given:
+            torch._foreach_copy_([v for _, v in given], [g for g, _ in given])
+        missing = [v for p, v in stale if p.grad is None]
+        if missing:
+            torch._foreach_zero_(missing)
+        for p, v in stale:  # from now on autograd accumulates into the flat buffer
+            p.grad = v
+
+    def arguments(self, roles: _Roles) -> dict[str, Any]:
+        args: dict[str, Any]
+        if roles.scattered:
+            args = {roles.weights: [p.view(-1) for p in self.params],
+                    roles.grads: list(self.gflat.split(self.numels))}
+        else:
+            args = {roles.weights: self.flat, roles.grads: self.gflat}
+        for name, t in self.state.items():
+            args[name] = list(t.split(self.numels)) if name in roles.segmented else t
+        return args
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer whose step is a compiled coconet program (see the module's doc)."""
+
+    def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
+                 schedule: str = "default", comm: Any = None, weights: str = "w",
+                 grads: str = "g", step: str = "step", **scalars: Any):
+        from mpi4py import MPI
+        self._fn = _function(source, program)
+        self._comm = MPI.COMM_WORLD if comm is None else comm
+        params = list(params)
+        if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
+            schedule = self._fn.resolve_schedule("auto", comm=self._comm,
+                                                 **{self._fn_size(weights): _numel(params)})
+        self._fn._program(schedule)  # an unknown schedule raises, naming the known ones
+        self._schedule = schedule
+        self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars)
+        self._groups: list[_Group] = []
+        defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            missing = [s for s in self._roles.scalars if s not in g]
+            if missing:
+                raise TypeError(f"DistributedOptimizer({self._fn.name}): no value for the "
+                                f"scalar {missing[0]!r} (pass {missing[0]}=...)")
+
+    def _fn_size(self, weights: str) -> str:
+        q = layout.param(self._fn._program(None), weights, "DistributedOptimizer")
+        return str(q.type.shape[0]) if q.type.shape else "N"
+
+    @property
+    def schedule(self) -> str:
+        """The schedule each step runs (the tuner's choice under schedule="auto")."""
+        return self._schedule
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._groups.append(_Group(self, self.param_groups[-1]["params"]))
+
+    @property
+    def state_tensors(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's optimizer state, per parameter group: name -> tensor in the schedule's
+        layout (under `slice(m, v)`, this rank's slice)."""
+        return [dict(g.state) for g in self._groups]
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group, opts in zip(self._groups, self.param_groups):
+                if group.n == 0:
+                    continue
+                group.gather_grads()
+                group.steps += 1
+                args = group.arguments(self._roles)
+                for s in self._roles.scalars:
+                    v = opts[s]
+                    args[s] = v.item() if isinstance(v, torch.Tensor) else v
+                args[self._roles.step] = group.steps
+                self._fn(schedule=self._schedule, comm=self._comm, **args)
+                if group.flat is not None:  # the parameters view the flat buffer: bump them
+                    torch.autograd.graph.increment_version(group.params)
+        return loss
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The whole state on every rank (slices gathered), as torch optimizers lay it out:
+        {"state": {param index: {"step": tensor, name: tensor shaped like the parameter}},
+         "param_groups": [{scalar: value, ..., "params": [indices]}]}."""
+        self._everyone_here("state_dict()")
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        groups = []
+        index = 0
+        for group, opts in zip(self._groups, self.param_groups):
+            full = {name: self._gather(name, t, group.n) for name, t in group.state.items()}
+            idx = list(range(index, index + len(group.params)))
+            index += len(group.params)
+            if group.steps:
+                parts = {name: f.split(group.numels) for name, f in full.items()}
+                for k, (i, p) in enumerate(zip(idx, group.params)):
+                    entry = {"step": torch.tensor(float(group.steps))}
+                    entry.update({name: parts[name][k].view_as(p).clone() for name in parts})
+                    state[i] = entry
+            groups.append({**{k: v for k, v in opts.items() if k != "params"}, "params": idx})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state_dict() taken under any schedule and rank count: the state is sliced
+        again for this optimizer's schedule and this rank."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        for sg, group in zip(saved, self._groups):
+            if len(sg["params"]) != len(group.params):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+        states = {int(k): v for k, v in state_dict["state"].items()}
+        for sg, group, opts in zip(saved, self._groups, self.param_groups):
+            self._load_group(sg, group, states)
+            opts.update({k: v for k, v in sg.items() if k != "params"})
+
+    def _load_group(self, sg: dict, group: _Group, states: dict[int, dict]) -> None:
+        entries = [states.get(int(i)) for i in sg["params"]]
+        if all(e is None for e in entries):
+            group.steps = 0
+            for t in group.state.values():
+                t.zero_()
+            return
+        if any(e is None for e in entries):
+            raise ValueError("loaded state dict has state for only some parameters of a group")
+        steps = {float(e["step"]) for e in entries}  # type: ignore[index]
+        if len(steps) != 1:
+            raise ValueError(f"loaded state dict: the parameters of a group are at different steps {sorted(steps)}")
+        for name, t in group.state.items():
+            parts = []
+            for e, p in zip(entries, group.params):
+                v = e.get(name) if e is not None else None
+                if v is None or v.numel() != p.numel():
+                    raise ValueError(f"loaded state dict: {name!r} is missing or has the wrong size")
+                parts.append(v.reshape(-1).to(t.dtype))
+            full = torch.cat(parts)
+            index = self._fn.local_index(name, schedule=self._schedule, comm=self._comm,
+                                         **{str(self._roles.size): group.n})
+            t.copy_(full[index])
+        group.steps = int(steps.pop())
+
+    def _everyone_here(self, what: str) -> None:
+        """Every rank of the communicator must be here (gathering the state is collective): a
+        rank that is not makes the job end after COCONET_TIMEOUT, naming it, instead of hanging;
+        ranks whose groups differ in size raise on every rank."""
+        from coconetc.runtime import agree
+        mine = ("coconetc.torch", what, [g.n for g in self._groups])
+        label = f"DistributedOptimizer.{what} ({self._fn.name}, schedule {self._schedule!r})"
+        everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
+        bad = [r for r, x in enumerate(everyone) if x != mine]
+        if bad:
+            raise RuntimeError(f"{label}: rank {bad[0]} is not doing the same (it is at "
+                               f"{everyone[bad[0]]!r}, this rank at {mine!r}); every rank must call "
+                               f"{what} together, with the same parameter shapes")
+
+    def _gather(self, name: str, local: torch.Tensor, n: int) -> torch.Tensor:
+        """The whole tensor from every rank's slice (a copy of it when it is not sliced)."""
+        ranks, rank = self._comm.Get_size(), self._comm.Get_rank()
+        if name not in self._roles.sliced:
+            return local.clone()
+        full = torch.empty(n, dtype=local.dtype)
+        item = local.element_size()
+        counts, starts = [], []
+        for r in range(ranks):
+            sl = self._fn.local_index(name, schedule=self._schedule, rank=r, ranks=ranks,
+                                      **{str(self._roles.size): n})[0]
+            starts.append(sl.start * item)
+            counts.append((sl.stop - sl.start) * item)
+        assert counts[rank] == local.numel() * item
+        send = local.contiguous().view(torch.uint8).numpy() if local.numel() else np.empty(0, np.uint8)
+        recv = full.view(torch.uint8).numpy() if n else np.empty(0, np.uint8)
+        from mpi4py import MPI
+        self._comm.Allgatherv([send, MPI.BYTE], [recv, counts, starts, MPI.BYTE])
+        return full

@@ -1,0 +1,248 @@
+"""PyTorch integration (issue 12): coconetc.torch.DistributedOptimizer against torch.optim.Adam
+and a PyTorch LAMB on 2 and 3 MPI ranks, with a StepLR scheduler, under every schedule;
+checkpoints saved under `zero` on 2 ranks and loaded under every schedule on 2 and 3 ranks;
+the state held per rank; and the layout helpers of compiled functions (in this process).
+
+Multi-rank checks run tests/torch_optimizer_worker.py under mpiexec (coconetc/launch); the
+modules are built once into the pytest cache (shared with the other end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coconetc.build import builder
+from coconetc.common.slices import slice_range
+from coconetc.launch.mpiexec import run_python
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+ADAM, LAMB = REPO / "examples" / "adam.ccn", REPO / "examples" / "lamb.ccn"
+WORKER = Path(__file__).with_name("torch_optimizer_worker.py")
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+@pytest.fixture(scope="module")
+def built(request):
+    """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts); adam.ccn
+    and lamb.ccn built once here, so that the ranks only import them."""
+    from coconetc.runtime.loader import compile_module
+    old = os.environ.get(builder.ENV_CACHE)
+    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    for f in (ADAM, LAMB):
+        compile_module(f, log=lambda msg: None)
+    import coconetc
+    yield coconetc.load(ADAM, log=lambda msg: None)
+    if old is None:
+        os.environ.pop(builder.ENV_CACHE, None)
+    else:
+        os.environ[builder.ENV_CACHE] = old
+
+
+def _launch(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:
+    rc = run_python(ranks, [str(WORKER), *args], timeout=500)
+    out, err = capfd.readouterr()
+    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+
+
+def _check(lines: list[str], log: str, labels: list[str]) -> None:
+    assert not [ln for ln in lines if ln.startswith("FAIL")], log
+    ok = {ln.split()[1] for ln in lines if ln.startswith("OK ")}
+    for label in labels:
+        assert label in ok, f"{label} missing\n{log}"
+
+
+# --- on two and three ranks --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_adam_matches_torch_adam_every_schedule(built, capfd, ranks):
+    rc, lines, log = _launch(capfd, ranks, "adam")
+    labels = [f"adam:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "zero", "fused")
+              for what in ("params", "state", "lr_scheduled", "state_elements")]
+    _check(lines, log, labels + [f"adam:zero:R{ranks}:two_groups", f"adam:closure:R{ranks}"])
+    # memory per rank under zero: this rank's slice of m and v, 1/R of the state
+    n = 186
+    line = next(ln for ln in lines if ln.startswith(f"STATE zero R{ranks} "))
+    held = [int(x) for x in line.split("[")[1].split("]")[0].split(",")]
+    assert held == [2 * (hi - lo) for lo, hi in (slice_range(n, ranks, r) for r in range(ranks))]
+    assert sum(held) == 2 * n and max(held) <= 2 * -(-n // ranks), line
+    assert rc == 0, log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_lamb_matches_pytorch_lamb_every_schedule(built, capfd, ranks):
+    rc, lines, log = _launch(capfd, ranks, "lamb")
+    _check(lines, log, [f"lamb:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "zero")
+                        for what in ("params", "state")])
+    assert rc == 0, log
+
+
+@pytest.mark.slow
+def test_checkpoint_from_zero_on_2_ranks_to_every_schedule_on_2_and_3(built, capfd, tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    rc, lines, log = _launch(capfd, 2, "save", path)
+    scheds = ("default", "rs_c_ag", "zero", "fused")
+    _check(lines, log, ["save:zero:R2:same_on_every_rank"] +
+           [f"save:zero:R2->{s}:R2:{w}" for s in scheds for w in ("state_round_trip", "params", "state")])
+    assert rc == 0, log
+    rc, lines, log = _launch(capfd, 3, "resume", path)
+    _check(lines, log, [f"checkpoint->{s}:R3:{w}" for s in scheds
+                        for w in ("state_round_trip", "params", "state")])
+    assert rc == 0, log
+
+
+@pytest.mark.slow
+def test_state_dict_on_one_rank_only_ends_the_job(built, capfd):
+    """Gathering the state is collective: rank 0 calling state_dict() alone is stopped by the
+    watchdog, which names the call and the missing rank."""
+    old = os.environ.get("COCONET_TIMEOUT")
+    os.environ["COCONET_TIMEOUT"] = "5"
+    try:
+        rc, lines, log = _launch(capfd, 2, "rank0_only")
+    finally:
+        if old is None:
+            os.environ.pop("COCONET_TIMEOUT")
+        else:
+            os.environ["COCONET_TIMEOUT"] = old
+    assert "BOTH CALLED 0" in lines and "BOTH CALLED 1" in lines, log
+    assert rc != 0 and "RANK 0 WAS NOT STOPPED" not in lines, log
+    assert "DistributedOptimizer.state_dict() (adam, schedule 'zero')" in log, log
+    assert "rank 1 did not arrive" in log, log
+
+
+# --- on one rank, in this process ----------------------------------------------------------------
+def test_layout_helpers(built):
+    fn = built.adam
+    for ranks in (1, 2, 3, 4):
+        for r in range(ranks):
+            lo, hi = slice_range(10, ranks, r)
+            assert fn.local_shape("m", schedule="zero", rank=r, ranks=ranks, N=10) == (hi - lo,)
+            assert fn.local_index("m", schedule="zero", rank=r, ranks=ranks, N=10) == (slice(lo, hi),)
+            assert fn.local_shape("m", rank=r, ranks=ranks, N=10) == (10,)
+            assert fn.local_shape("w", schedule="zero", rank=r, ranks=ranks, N=10) == (10,)
+    assert fn.local_shape("m", schedule="zero", N=1000) == (1000,)  # COMM_WORLD: one rank here
+    assert fn.local_shape("lr", N=5) == ()
+    a = fn.zeros("v", schedule="zero", rank=1, ranks=3, N=7)
+    assert isinstance(a, np.ndarray) and a.dtype == np.float32 and a.shape == (3,) and not a.any()
+    t = fn.zeros("v", schedule="zero", rank=2, ranks=3, N=7, framework="torch")
+    assert t.dtype == torch.float32 and t.shape == (1,) and not t.any()
+    assert fn.empty("w", N=3, framework="torch").shape == (3,)
+    assert fn.empty("g", N=4).shape == (4,)
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(name="m"), TypeError, "the size N of 'm' is needed"),
+    (dict(name="m", N=3, M=2), TypeError, "'M' is not a size of adam"),
+    (dict(name="m", N=-1), ValueError, "size N must be a non-negative integer"),
+    (dict(name="q", N=3), ValueError, "adam has no parameter 'q'"),
+    (dict(name="m", N=3, schedule="nope"), ValueError, "unknown schedule 'nope'"),
+    (dict(name="m", N=3, rank=3, ranks=3), ValueError, "rank 3 is not one of 3 ranks"),
+    (dict(name="m", N=3, rank=0, ranks=3, groups=2), ValueError, "3 ranks do not form 2 equal groups"),
+])
+def test_layout_helper_errors(built, kwargs, error, needle):
+    with pytest.raises(error, match=needle):
+        built.adam.local_shape(**kwargs)
+
+
+def test_zeros_framework_error(built):
+    with pytest.raises(ValueError, match="framework must be one of 'numpy', 'torch', got 'jax'"):
+        built.adam.zeros("m", N=3, framework="jax")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def test_parameters_view_one_flat_buffer_and_versions_bump(built):
+    from coconetc.torch import DistributedOptimizer
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="zero", **HYPER)
+    flat = opt._groups[0].flat
+    ptr, off = flat.data_ptr(), 0
+    for p, b in zip(model.parameters(), before):
+        assert p.data_ptr() == ptr + 4 * off and torch.equal(p.detach(), b)
+        off += p.numel()
+    assert off == flat.numel() == 26
+    model(torch.ones(5, 3)).sum().backward()
+    versions = [p._version for p in model.parameters()]
+    opt.step()
+    assert [p._version for p in model.parameters()] == [v + 1 for v in versions]
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), opt._groups[0].gviews))
+    assert opt.state_tensors[0]["m"].shape == (26,)  # one rank: the whole state
+
+
+def test_state_dict_format_follows_torch(built):
+    from coconetc.torch import DistributedOptimizer
+    model = _model()
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), **HYPER)
+    assert opt.state_dict() == {"state": {}, "param_groups": [dict(HYPER, params=[0, 1, 2, 3])]}
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(5, 3)).sum().backward()
+        opt.step()
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1, 2, 3]
+    for i, p in enumerate(model.parameters()):
+        assert sd["state"][i]["step"].item() == 3.0
+        assert sd["state"][i]["m"].shape == p.shape == sd["state"][i]["v"].shape
+
+
+@pytest.mark.parametrize("kwargs, error, needle", [
+    (dict(lr=1e-2, beta1=0.9, beta2=0.999), TypeError, "no value for the scalar 'eps'"),
+    (dict(HYPER, wd=0.1), TypeError, "unexpected keyword argument 'wd'"),
+    (dict(HYPER, weights="x"), ValueError, "weights='x' must name a tensor parameter"),
+    (dict(HYPER, step="w"), ValueError, "step='w' must name a scalar parameter"),
+    (dict(HYPER, schedule="nope"), ValueError, "unknown schedule 'nope'"),
+    (dict(HYPER, program="sgd"), ValueError, "no program 'sgd'"),
+])
+def test_constructor_errors(built, kwargs, error, needle):
+    from coconetc.torch import DistributedOptimizer
+    with pytest.raises(error, match=needle):
+        DistributedOptimizer(_model().parameters(), str(ADAM), **kwargs)
+
+
+def test_wrong_parameter_dtype(built):
+    from coconetc.torch import DistributedOptimizer
+    with pytest.raises(ValueError, match="a parameter is torch.float64 .* 'w' is f32"):
+        DistributedOptimizer(_model().double().parameters(), str(ADAM), **HYPER)
+
+
+def test_auto_without_a_tuning_cache_entry_says_so(built):
+    with pytest.raises(ValueError, match="the tuning cache has no choice for N=10 on 1 ranks"):
+        built.adam.resolve_schedule("auto", N=10)
+    assert built.adam.resolve_schedule("zero", N=10) == "zero"
+    assert built.adam.resolve_schedule(None) == "default"
+
+
+def test_import_coconetc_does_not_import_torch():
+    code = "import sys, coconetc; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_train_mlp_example_runs_and_resumes_on_other_ranks(built, tmp_path):
+    exe = Path(sys.executable).parent / "coconetc"
+    ckpt = tmp_path / "mlp.pt"
+    first = subprocess.run([str(exe), "launch", "-n", "2", str(REPO / "examples" / "train_mlp.py"),
+                            "--epochs", "5", "--checkpoint", str(ckpt)],
+                           capture_output=True, text=True, timeout=500)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "2 ranks, schedule zero: 5378 parameters, optimizer state on rank 0: 5378 of 10756" in first.stdout
+    assert "max weight difference between ranks: 0.0" in first.stdout and ckpt.exists()
+    mse = [float(ln.split()[-1]) for ln in first.stdout.splitlines() if "test mse" in ln]
+    assert mse and mse[-1] < 0.02, first.stdout  # it learns (the targets' variance is about 0.4)
+    again = subprocess.run([str(exe), "launch", "-n", "3", str(REPO / "examples" / "train_mlp.py"),
+                            "--epochs", "1", "--schedule", "default", "--checkpoint", str(ckpt),
+                            "--resume"], capture_output=True, text=True, timeout=500)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "3 ranks, schedule default" in again.stdout
+    assert "max weight difference between ranks: 0.0" in again.stdout

@@ -1,0 +1,283 @@
+"""coconetc.torch.DistributedOptimizer on several ranks, run by tests/test_torch_optimizer.py as
+
+    mpiexec -n R python tests/torch_optimizer_worker.py MODE [ARGS]
+
+A small MLP is trained data-parallel: at step t every rank takes its part of one global batch
+(drawn from seed t, the same on every rank and in every run) and its loss is its rows' squared
+error over the global batch size, so the sum of the ranks' gradients is the global batch's.
+The reference is the same model copied, its local gradients summed with mpi4py's Allreduce and
+stepped by torch.optim.Adam (or by the LAMB written below), with the same StepLR schedule.
+Rank 0 prints "OK <label> <max |difference|>" or "FAIL <label>: <why>" per check.
+
+MODE adam             every schedule of examples/adam.ccn; the state (m, v) against torch's
+                      exp_avg/exp_avg_sq; state bytes per rank; two param groups; a closure
+MODE lamb             every schedule of examples/lamb.ccn against LAMB in PyTorch
+MODE save PATH        train under zero, save a checkpoint (ours and the reference's) to PATH,
+                      then load it here under every schedule and continue
+MODE resume PATH      load PATH under every schedule on this rank count and continue
+MODE rank0_only       state_dict() on every rank, then on rank 0 alone: the watchdog must end
+                      the job (COCONET_TIMEOUT) instead of letting rank 0 hang"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+from coconetc.common.slices import slice_range
+from coconetc.torch import DistributedOptimizer
+
+REPO = Path(__file__).resolve().parents[1]
+ADAM, LAMB = REPO / "examples" / "adam.ccn", REPO / "examples" / "lamb.ccn"
+ADAM_SCHEDULES = ["default", "rs_c_ag", "zero", "fused"]
+LAMB_SCHEDULES = ["default", "rs_c_ag", "zero"]
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+B, STEPS = 24, 60
+TOL = 1e-6  # max |difference| of any parameter or state element (values are O(0.1..1))
+
+comm = MPI.COMM_WORLD
+rank, R = comm.Get_rank(), comm.Get_size()
+failures: list[str] = []
+
+
+def report(label: str, diff: float, tol: float = TOL) -> None:
+    if diff <= tol:
+        if rank == 0:
+            print(f"OK {label} {diff:.3g}", flush=True)
+    else:
+        failures.append(label)
+        if rank == 0:
+            print(f"FAIL {label}: max |difference| {diff:.3g} > {tol:.3g}", flush=True)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)  # 3 layers of uneven sizes: 7*13 + 13 + 13*5 + 5 + 5*2 + 2 = 186
+    return torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5),
+                               torch.nn.Tanh(), torch.nn.Linear(5, 2))
+
+
+def local_loss(model: torch.nn.Module, t: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + t)
+    x, y = torch.randn(B, 7, generator=gen), torch.randn(B, 2, generator=gen)
+    lo, hi = slice_range(B, R, rank)
+    return ((model(x[lo:hi]) - y[lo:hi]) ** 2).sum() / B
+
+
+def allreduced_grads(model: torch.nn.Module, avg: bool = False) -> None:
+    """The reference's gradients: each rank's, summed (or averaged) with mpi4py."""
+    for p in model.parameters():
+        g = p.grad.numpy()
+        comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+        if avg:
+            p.grad /= R
+
+
+def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    d = max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+    return comm.allreduce(d, op=MPI.MAX)
+
+
+class Pair:
+    """Our model and optimizer beside the reference's, stepped together."""
+
+    def __init__(self, schedule: str, model=None, ref=None, source=ADAM, groups=None, **hyper):
+        self.model = model or make_model()
+        self.ref = ref or copy.deepcopy(self.model)
+        self.source = source
+        if source == ADAM:
+            self.opt = DistributedOptimizer(groups(self.model) if groups else self.model.parameters(),
+                                            str(source), schedule=schedule, **(hyper or HYPER))
+            h = hyper or HYPER
+            self.ref_opt = torch.optim.Adam(groups(self.ref) if groups else self.ref.parameters(),
+                                            lr=h["lr"], betas=(h["beta1"], h["beta2"]),
+                                            eps=h["eps"], foreach=False)
+        else:
+            self.opt = DistributedOptimizer(self.model.parameters(), str(source), schedule=schedule,
+                                            **hyper)
+            self.ref_opt = Lamb(self.ref.parameters(), **hyper)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=15, gamma=0.5)
+        self.ref_sched = torch.optim.lr_scheduler.StepLR(self.ref_opt, step_size=15, gamma=0.5)
+        self.t = 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.t += 1
+            self.opt.zero_grad()
+            local_loss(self.model, self.t).backward()
+            self.opt.step()
+            self.sched.step()
+            self.ref_opt.zero_grad()
+            local_loss(self.ref, self.t).backward()
+            allreduced_grads(self.ref, avg=self.source == LAMB)
+            self.ref_opt.step()
+            self.ref_sched.step()
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (per-parameter trust ratio ||w|| / ||r||) in PyTorch, as examples/lamb.ccn states it."""
+
+    def __init__(self, params, lr, beta1, beta2, eps, wd):
+        super().__init__(params, dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, b1, b2, eps, wd = (group[k] for k in ("lr", "beta1", "beta2", "eps", "wd"))
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(t=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["t"] += 1
+                t, m, v = st["t"], st["m"], st["v"]
+                m.mul_(b1).add_((1 - b1) * p.grad)
+                v.mul_(b2).add_((1 - b2) * p.grad * p.grad)
+                r = (m / (1 - b1 ** t)) / (torch.sqrt(v / (1 - b2 ** t)) + eps) + wd * p
+                p.sub_(lr * (p.norm() / r.norm()) * r)
+
+
+def state_diff(opt: DistributedOptimizer, ref_opt: torch.optim.Optimizer) -> float:
+    ours, theirs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    d = 0.0
+    for i, entry in ours.items():
+        d = max(d, (entry["m"] - theirs[i]["exp_avg"]).abs().max().item(),
+                (entry["v"] - theirs[i]["exp_avg_sq"]).abs().max().item())
+    return comm.allreduce(d, op=MPI.MAX)
+
+
+# --- modes -------------------------------------------------------------------------------------
+def mode_adam() -> None:
+    n = sum(p.numel() for p in make_model().parameters())
+    for schedule in ADAM_SCHEDULES:
+        pair = Pair(schedule)
+        pair.run(STEPS)
+        report(f"adam:{schedule}:R{R}:params", max_diff(pair.model, pair.ref))
+        report(f"adam:{schedule}:R{R}:state", state_diff(pair.opt, pair.ref_opt))
+        lr_ok = pair.opt.param_groups[0]["lr"] == pair.ref_opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 4
+        report(f"adam:{schedule}:R{R}:lr_scheduled", 0.0 if lr_ok else 1.0)
+        held = sum(t.numel() for g in pair.opt.state_tensors for t in g.values())
+        everyone = comm.allgather(held)
+        want = [2 * (hi - lo) for lo, hi in (slice_range(n, R, r) for r in range(R))] \
+            if schedule == "zero" else [2 * n] * R
+        if rank == 0:
+            print(f"STATE {schedule} R{R} elements per rank {everyone} of {2 * n}", flush=True)
+        report(f"adam:{schedule}:R{R}:state_elements", 0.0 if everyone == want else 1.0)
+    two_groups()
+    with_closure()
+
+
+def two_groups() -> None:
+    def groups(model):
+        ps = list(model.parameters())
+        return [{"params": ps[:2], "lr": 2e-2}, {"params": ps[2:]}]
+    pair = Pair("zero", groups=groups)
+    pair.run(STEPS // 2)
+    report(f"adam:zero:R{R}:two_groups", max_diff(pair.model, pair.ref))
+
+
+def with_closure() -> None:
+    pair = Pair("rs_c_ag")
+    for t in range(1, 11):
+        def closure(model=pair.model, t=t):
+            pair.opt.zero_grad()
+            loss = local_loss(model, t)
+            loss.backward()
+            return loss
+        loss = pair.opt.step(closure)
+        pair.ref_opt.zero_grad()
+        ref_loss = local_loss(pair.ref, t)
+        ref_loss.backward()
+        allreduced_grads(pair.ref)
+        pair.ref_opt.step()
+        if not isinstance(loss, torch.Tensor) or abs(loss.item() - ref_loss.item()) > 1e-5:
+            report(f"adam:closure:R{R}:loss", 1.0)
+            return
+    report(f"adam:closure:R{R}", max_diff(pair.model, pair.ref))
+
+
+def mode_lamb() -> None:
+    hyper = dict(HYPER, wd=0.01)
+    for schedule in LAMB_SCHEDULES:
+        pair = Pair(schedule, source=LAMB, **hyper)
+        pair.run(STEPS)
+        report(f"lamb:{schedule}:R{R}:params", max_diff(pair.model, pair.ref))
+        ours, theirs = pair.opt.state_dict()["state"], pair.ref_opt.state_dict()["state"]
+        d = max(max((ours[i]["m"] - theirs[i]["m"]).abs().max().item(),
+                    (ours[i]["v"] - theirs[i]["v"]).abs().max().item()) for i in ours)
+        report(f"lamb:{schedule}:R{R}:state", comm.allreduce(d, op=MPI.MAX))
+
+
+def mode_save(path: str) -> None:
+    pair = Pair("zero")
+    pair.run(STEPS // 2)
+    ckpt = dict(model=pair.model.state_dict(), opt=pair.opt.state_dict(),
+                sched=pair.sched.state_dict(), ref=pair.ref.state_dict(),
+                ref_opt=pair.ref_opt.state_dict(), ref_sched=pair.ref_sched.state_dict(), t=pair.t)
+    same = all(torch.equal(a, b) for a, b in zip(_flat(ckpt["opt"]), _flat(comm.bcast(ckpt["opt"]))))
+    report(f"save:zero:R{R}:same_on_every_rank", 0.0 if comm.allreduce(not same) == 0 else 1.0)
+    if rank == 0:
+        torch.save(ckpt, path)
+    comm.Barrier()
+    resume(path, f"save:zero:R{R}")
+
+
+def _flat(sd: dict) -> list[torch.Tensor]:
+    return [t for i in sorted(sd["state"]) for _, t in sorted(sd["state"][i].items())]
+
+
+def resume(path: str, origin: str) -> None:
+    """Every schedule: load the checkpoint, check the state round-trips, continue, compare."""
+    saved = torch.load(path, weights_only=False)
+    for schedule in ADAM_SCHEDULES:
+        ckpt = copy.deepcopy(saved)  # torch.optim.Adam.load_state_dict keeps the tensors it is given
+        model, ref = make_model(), make_model()
+        model.load_state_dict(ckpt["model"])
+        ref.load_state_dict(ckpt["ref"])
+        pair = Pair(schedule, model=model, ref=ref)
+        pair.opt.load_state_dict(ckpt["opt"])
+        pair.sched.load_state_dict(ckpt["sched"])
+        pair.ref_opt.load_state_dict(ckpt["ref_opt"])
+        pair.ref_sched.load_state_dict(ckpt["ref_sched"])
+        pair.t = ckpt["t"]
+        back = pair.opt.state_dict()
+        exact = all(torch.equal(a, b) for a, b in zip(_flat(back), _flat(ckpt["opt"])))
+        exact &= back["param_groups"] == ckpt["opt"]["param_groups"]
+        label = f"{origin}->{schedule}:R{R}"
+        report(f"{label}:state_round_trip", 0.0 if exact else 1.0)
+        pair.run(STEPS // 2)
+        report(f"{label}:params", max_diff(pair.model, pair.ref))
+        report(f"{label}:state", state_diff(pair.opt, pair.ref_opt))
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    try:
+        if mode == "adam":
+            mode_adam()
+        elif mode == "lamb":
+            mode_lamb()
+        elif mode == "save":
+            mode_save(sys.argv[2])
+        elif mode == "rank0_only":
+            pair = Pair("zero")
+            pair.run(2)
+            pair.opt.state_dict()
+            print(f"BOTH CALLED {rank}", flush=True)
+            if rank == 0:
+                pair.opt.state_dict()
+                print("RANK 0 WAS NOT STOPPED", flush=True)
+        elif mode == "resume":
+            resume(sys.argv[2], "checkpoint")
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+    except Exception:
+        traceback.print_exc()
+        comm.Abort(1)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
