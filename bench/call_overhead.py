@@ -29,8 +29,8 @@ ADAM = HERE.parent / "examples" / "adam.ccn"
 def _run_python():
     try:
         from coconetc.launch.mpiexec import run_python
-    except ImportError:  # an older checkout
-        from coconetc.launch.mpiexec import run_python
+    except ImportError:  # an older checkout (before the launcher moved)
+        from coconetc.build.launch import run_python  # type: ignore[no-redef]
     return run_python
 
 
