@@ -121,6 +121,9 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     ir = mod.programs[name]
+    if schedule == "auto":  # with or without `schedule auto for P` in the file
+        _show_auto(mod, name, fmt)
+        return
     if schedule:
         try:
             sched = mod.schedule(name, schedule)
@@ -501,8 +504,9 @@ def explain(file, program, schedule, ranks, sizes) -> None:
         _fail(_no_program(mod))
     names = [_pick_program(mod, program, schedule)] if program or (schedule and len(mod.programs) > 1) \
         else list(mod.programs)
-    for name in names:
+    for i, name in enumerate(names):
         try:
-            click.echo(ex.explain(mod, name, schedule, ranks, _sizes(sizes, ex.symbols(mod, name))))
+            text = ex.explain(mod, name, schedule, ranks, _sizes(sizes, ex.symbols(mod, name)))
+            click.echo(("\n" if i else "") + text, nl=False)
         except ex.ExplainError as err:
             _fail(f"coconetc: {err}")

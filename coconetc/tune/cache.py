@@ -94,10 +94,10 @@ def tuned_schedules(source: str) -> str:
     texts: dict[tuple[str, str], str] = {}
     for r in records(source):
         chosen = {r.get("choice"), *r.get("by_convention", {}).values()}
-        for label in chosen:
+        for label in sorted(x for x in chosen if x):  # the same text (and module) on every rank
             if label in r.get("generated", []):
                 texts[(r["program"], label)] = r["schedules"][label]
-    return "".join(texts.values())
+    return "".join(texts[k] for k in sorted(texts))
 
 
 def cached_choice(fn: Any, sizes: dict[str, int], ranks: int, groups: int = 1) -> str | None:
