@@ -76,7 +76,7 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
             f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
             *[f"--size={k}={v}" for k, v in sizes.items()],
             *[f"--schedule={c.label}" for c in pr.measured]]
-    rc = _run_worker(ranks, argv, len(pr.measured), progress, timeout)
+    rc = _run_worker(ranks, argv, len(pr.measured) * (reps + 1), progress, timeout)
     if rc != 0 or not out.exists():
         raise TuneError(f"coconetc tune: the ranks failed (exit code {rc}); see the messages above")
     res = json.loads(out.read_text())

@@ -1,6 +1,6 @@
 """What every rank runs for `coconetc tune`: each candidate schedule of the (augmented) file
-timed on the same random inputs (one warm-up call, then the median of --reps calls on each
-rank, the slowest rank's median counted), then for each calling convention the fastest
+timed on the same random inputs (one warm-up round, then --reps rounds of one call of each
+schedule; the median of each rank's calls, the slowest rank's median counted), then for each calling convention the fastest
 schedule checked once against the interpreter (the next fastest if it does not match).
 Rank 0 prints `PROGRESS i n label seconds` lines for the tuner's progress bar and writes the
 results as JSON to --out. A rank that fails stops the whole job (MPI Abort)."""
@@ -52,11 +52,7 @@ def _main(a, comm) -> int:
     fn = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
     inputs = random_inputs(base, comm.Get_size(), 1, sizes, a.seed)
-    measured: dict[str, float] = {}
-    for i, label in enumerate(a.schedule):
-        measured[label] = _time(fn, label, base, inputs, comm, a.reps)
-        if comm.Get_rank() == 0:
-            print(f"PROGRESS {i + 1} {len(a.schedule)} {label} {measured[label]!r}", flush=True)
+    measured = _time_all(fn, a.schedule, base, inputs, comm, a.reps)
     conv = {label: convention(fn._program(label), base) for label in a.schedule}
     verified: dict[str, list[str]] = {}
     ref: list = []  # the unscheduled program's results (rank 0, computed once)
@@ -76,18 +72,28 @@ def _main(a, comm) -> int:
     return 0 if choice is not None else 1
 
 
-def _time(fn, label, base, inputs, comm, reps: int) -> float:
+def _time_all(fn, labels: list[str], base, inputs, comm, reps: int) -> dict[str, float]:
+    """Round-robin: one call of every schedule per round (the first round warms up), so that
+    a change in the machine's load touches every schedule alike; the median of each rank's
+    calls, the slowest rank's median counted."""
     from coconetc.harness.core import adapt_inputs
-    mine = adapt_inputs(inputs, base, fn._program(label))[comm.Get_rank()]
-    times = []
+    rank = comm.Get_rank()
+    mine = {x: adapt_inputs(inputs, base, fn._program(x))[rank] for x in labels}
+    times: dict[str, list[float]] = {x: [] for x in labels}
+    total, done = len(labels) * (max(1, reps) + 1), 0
     for k in range(max(1, reps) + 1):
-        args = copy.deepcopy(mine)
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn(schedule=label, **args)
-        if k:  # the first call warms up (caches, pages, the communicator's buffers)
-            times.append(time.perf_counter() - t0)
-    return comm.allreduce(statistics.median(times), op=_max())
+        for label in labels:
+            args = copy.deepcopy(mine[label])
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn(schedule=label, **args)
+            if k:  # the first round warms up (caches, pages, the communicator's buffers)
+                times[label].append(time.perf_counter() - t0)
+            done += 1
+            if rank == 0:
+                last = times[label][-1] if times[label] else 0.0
+                print(f"PROGRESS {done} {total} {label} {last!r}", flush=True)
+    return {x: comm.allreduce(statistics.median(t), op=_max()) for x, t in times.items()}
 
 
 def _verify(fn, label, base, inputs, comm, ref: list) -> list[str]:
