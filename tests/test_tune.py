@@ -162,6 +162,19 @@ def test_cache_key_and_tuned_schedules(example) -> None:
     assert cache.tuned_schedules(mod.source) == ""  # the choices are hand-written
 
 
+def test_cached_choice_is_the_overall_choice(example) -> None:
+    """DistributedOptimizer's hook (it allocates the state in the choice's layouts)."""
+    mod = example("adam.ccn")
+
+    class Fn:
+        name, source = "adam", mod.source
+
+    assert cache.cached_choice(Fn(), {"N": 64}, 2) is None
+    _fake_record(mod, {"N": 64}, 2)
+    assert cache.cached_choice(Fn(), {"N": 64}, 2) == "zero"
+    assert cache.cached_choice(Fn(), {"N": 65}, 2) is None
+
+
 def test_explain_prints_the_cost_model_and_measured_times(example) -> None:
     res = invoke("explain", ADAM, "--size", "N=1000", "--ranks", "3")
     assert res.exit_code == 0, res.output
