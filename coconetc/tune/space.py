@@ -25,7 +25,7 @@ hand-written one's is the hand-written one (its label is kept)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coconetc.driver import SourceFile
 from coconetc.errors import NOWHERE, CompileError, ScheduleError
@@ -122,11 +122,21 @@ def generate(p: Program) -> list[tuple[str, tuple[Directive, ...]]]:
                 continue
             label = f"auto_{level}" + (f"_d{dim}" if dim else "")
             out.append((label, ds))
+            ds, consumers = _named_fusions(ds, consumers)  # `f = fuse(...)`, as the examples
             for k in CHUNKS:
                 more = _overlaps(apply_all(p, ds), ars, consumers, k)
                 if more:
                     out.append((f"{label}_overlap{k}", ds + more))
     return out
+
+
+def _named_fusions(ds: tuple[Directive, ...], consumers: dict[str, str]):
+    """The one unnamed fusion named `f` (what an overlap refers to, as the examples write it)."""
+    fuses = [d for d in ds if isinstance(d, Fuse) and d.name is None]
+    if len(fuses) != 1:
+        return ds, consumers
+    named = tuple(replace(d, name="f") if d is fuses[0] else d for d in ds)
+    return named, {a: "f" if c == "fused0" else c for a, c in consumers.items()}
 
 
 def state_params(p: Program) -> list[str]:
