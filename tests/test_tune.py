@@ -189,7 +189,13 @@ def test_explain_prints_the_cost_model_and_measured_times(example) -> None:
     assert "2.000 ms (tuner's choice)" in res.stdout
     assert "auto_rs_c_ag_slice" in res.stdout and "(generated)" in res.stdout
     one = invoke("explain", ADAM, "--ranks", "3", "-s", "auto")
-    assert one.exit_code == 0 and len(one.stdout.splitlines()) == 3 and "zero" in one.stdout
+    assert one.exit_code == 0 and one.stdout.splitlines()[2].startswith("zero ")
+    assert one.stdout.splitlines()[3].split()[:3] == ["L23", "fused", "fused0"]  # one row per unit
+
+
+def test_tune_needs_every_size() -> None:
+    res = invoke("tune", ADAM, "--ranks", "2")
+    assert res.exit_code == 1 and "--size N=INT" in res.stderr and "Traceback" not in res.output
 
 
 def test_show_auto(example) -> None:

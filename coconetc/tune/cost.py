@@ -70,7 +70,7 @@ class Cost:
     launches: int = 0
     flops: float = 0.0
     units: int = 0
-    detail: list[str] = field(default_factory=list)
+    parts: list[tuple[Unit, Cost]] = field(default_factory=list)  # per top-level unit
 
     def add(self, other: Cost) -> None:
         self.moved += other.moved
@@ -92,7 +92,7 @@ def cost(plan: Plan, sizes: dict[str, int], ranks: int) -> Cost:
     for u in plan.units:
         part = c.unit(u)
         total.add(part)
-        total.detail.append(f"{type(u).__name__.lower()}: moved {part.moved:.0f} sent {part.sent:.0f}")
+        total.parts.append((u, part))
     return total
 
 

@@ -70,4 +70,19 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
         note += " (generated)" if rec is not None and label in rec["generated"] else ""
         lines.append(f"{label:<26} {_human(c.moved):>11} {_human(c.sent):>11} {c.passes:>6} "
                      f"{c.launches:>8} {c.units:>5} {c.seconds() * 1e3:>8.3f} ms {got:>11}{note}")
+        if len(labels) == 1:
+            lines += _units(c)
     return "\n".join(lines) + "\n"
+
+
+def _units(c) -> list[str]:
+    """One row per plan unit (a single schedule explained)."""
+    out = []
+    for u, part in c.parts:
+        where = f"L{u.line}" if getattr(u, "line", 0) else "-"
+        what = type(u).__name__.lower()
+        name = getattr(u, "dst", "") or getattr(u, "name", "") or getattr(u, "producer", "")
+        label = f"  {where} {what} {name}".rstrip()
+        out.append(f"{label:<26} {_human(part.moved):>11} {_human(part.sent):>11} {part.passes:>6} "
+                   f"{part.launches:>8}")
+    return out
