@@ -10,6 +10,7 @@ any candidate (and at most MAX_GENERATED of them, the best modelled first)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,10 +62,23 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
     """Measures the candidates of PROGRAM and stores the record in the tuning cache; returns it."""
     cands = candidates(mod, program)
     pr = prune(cands, sizes, ranks, keep)
-    gen = [c for c in pr.measured if c.generated]
     echo(f"{program}: {len(cands)} legal schedules ({sum(c.generated for c in cands)} written by the "
          f"tuner); measuring {len(pr.measured)} ({len(pr.dropped)} pruned by the cost model)")
     work = Path(tempfile.mkdtemp(prefix="coconet-tune-"))
+    try:
+        res = _measure(mod, program, sizes, ranks, reps, pr, work, echo, progress, timeout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record = _record(mod, program, sizes, ranks, reps, pr, res)
+    cache.store(cache.key(mod.source, program, sizes, ranks), record)
+    return record
+
+
+def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, reps: int,
+             pr: Pruned, work: Path, echo: Callable[[str], None], progress: bool,
+             timeout: float | None) -> dict[str, Any]:
+    """Builds the file with the generated candidates appended and times them on R ranks."""
+    gen = [c for c in pr.measured if c.generated]
     stem = "".join(ch if ch.isalnum() else "_" for ch in Path(mod.file).stem)
     src = work / f"{stem}.ccn"
     src.write_text(augmented_source(mod, gen))
@@ -77,12 +91,9 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
             *[f"--size={k}={v}" for k, v in sizes.items()],
             *[f"--schedule={c.label}" for c in pr.measured]]
     rc = _run_worker(ranks, argv, len(pr.measured) * (reps + 1), progress, timeout)
-    if rc != 0 or not out.exists():
+    if not out.exists():  # (written, with no choice, when no winner matched the interpreter)
         raise TuneError(f"coconetc tune: the ranks failed (exit code {rc}); see the messages above")
-    res = json.loads(out.read_text())
-    record = _record(mod, program, sizes, ranks, reps, pr, res)
-    cache.store(cache.key(mod.source, program, sizes, ranks), record)
-    return record
+    return json.loads(out.read_text())
 
 
 def _record(mod: SourceFile, program: str, sizes, ranks: int, reps: int, pr: Pruned,
