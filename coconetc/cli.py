@@ -504,9 +504,12 @@ def explain(file, program, schedule, ranks, sizes) -> None:
         _fail(_no_program(mod))
     names = [_pick_program(mod, program, schedule)] if program or (schedule and len(mod.programs) > 1) \
         else list(mod.programs)
+    every = sorted({k for n in names for k in ex.symbols(mod, n)})
+    given = _sizes(sizes, every)  # each program takes the sizes of its own symbols
     for i, name in enumerate(names):
         try:
-            text = ex.explain(mod, name, schedule, ranks, _sizes(sizes, ex.symbols(mod, name)))
+            mine = {k: v for k, v in given.items() if k in ex.symbols(mod, name)}
+            text = ex.explain(mod, name, schedule, ranks, mine)
             click.echo(("\n" if i else "") + text, nl=False)
         except ex.ExplainError as err:
             _fail(f"coconetc: {err}")

@@ -80,6 +80,12 @@ def test_cost_counts_a_matmul_and_an_overlap(example) -> None:
     assert d.flops == 2 * 2 * 8 * 32 * 8  # 2*M*N*K with this rank's K = 16 / 2
     o = cost(mod.plans[("mlp_out", "overlapped")], sizes, 2)
     assert o.flops == d.flops and o.launches > d.launches
+    # the same allreduce, overlapped with its matmul in 2 chunks: half the shorter part hidden
+    a = cost(mod.plans[("mlp_out", "overlap_ar")], sizes, 2)
+    (gemm, comm, k), = a.pipelines
+    assert k == 2 and a.seconds() == pytest.approx(
+        a.moved / 18e9 + a.sent / 6e9 + a.flops / 20e9 + a.launches * 5e-6
+        - min(gemm.seconds(), comm.seconds()) / 2)
 
 
 # --- the schedules the tuner writes -----------------------------------------------------

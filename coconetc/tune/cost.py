@@ -34,7 +34,8 @@ The modelled time, for ranking schedules before measuring them, is
 
     t = moved / mem_bw + sent / link_bw + flops / flop_rate + launches * launch_s
 
-with a Machine's constants (defaults: one CPU rank with its neighbour busy; Machine(...)
+less, for each overlap of k chunks, (1 - 1/k) x the shorter of its GEMM's and its
+communication's time (that part runs under the other), with a Machine's constants (defaults: one CPU rank with its neighbour busy; Machine(...)
 for another machine). It is a ranking aid, not a prediction: `coconetc explain` prints it
 beside the measured time the tuning cache holds."""
 
@@ -71,6 +72,8 @@ class Cost:
     flops: float = 0.0
     units: int = 0
     parts: list[tuple[Unit, Cost]] = field(default_factory=list)  # per top-level unit
+    # overlaps: (the GEMM's cost, its communication's cost, chunks); see seconds()
+    pipelines: list[tuple[Cost, Cost, int]] = field(default_factory=list)
 
     def add(self, other: Cost) -> None:
         self.moved += other.moved
@@ -78,11 +81,18 @@ class Cost:
         self.passes += other.passes
         self.launches += other.launches
         self.flops += other.flops
+        self.pipelines += other.pipelines
 
     def seconds(self, m: Machine | None = None) -> float:
+        """The sum of the terms, less what each overlap hides: with k chunks, all but one
+        chunk of the shorter of its GEMM and its communication run under the other."""
         m = m or Machine()
-        return (self.moved / m.mem_bw + self.sent / m.link_bw + self.flops / m.flop_rate
-                + self.launches * m.launch_s)
+        t = (self.moved / m.mem_bw + self.sent / m.link_bw + self.flops / m.flop_rate
+             + self.launches * m.launch_s)
+        for gemm, comm, k in self.pipelines:
+            hidden = min(gemm.seconds(m), comm.seconds(m)) * (1 - 1 / max(1, k))
+            t -= hidden
+        return t
 
 
 def cost(plan: Plan, sizes: dict[str, int], ranks: int) -> Cost:
@@ -234,4 +244,5 @@ class _Counter:
         comm = self.fused(u.fused) if u.fused is not None else self.collective(u.op, u.producer, u.collective)
         return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, flops=gemm.flops,
                     passes=gemm.passes + comm.passes,
-                    launches=u.chunks * (gemm.launches + comm.launches))
+                    launches=u.chunks * (gemm.launches + comm.launches),
+                    pipelines=[(gemm, comm, u.chunks)])
