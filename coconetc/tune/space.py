@@ -60,7 +60,6 @@ class Candidate:
         return schedule_text(self.label, self.program, self.directives)
 
 
-
 def convention(ir: Program, base: Program) -> str:
     """The calling convention of a scheduled program relative to its program's: '' when every
     parameter keeps its declared layout, else e.g. 'm: sliced(0), v: sliced(0)'."""
@@ -79,8 +78,8 @@ def candidates(mod: SourceFile, program: str) -> list[Candidate]:
     out = [Candidate(DEFAULT, program, (), base, mod.plans[(program, DEFAULT)], False)]
     for name, s in mod.schedules.get(program, {}).items():
         if s.ir is not None:
-            out.append(Candidate(name, program, s.directives, s.ir, mod.plans[(program, name)], False,
-                             convention(s.ir, base)))
+            out.append(Candidate(name, program, s.directives, s.ir, mod.plans[(program, name)],
+                                 False, convention(s.ir, base)))
     seen = {printer.program(c.ir) for c in out}
     for label, ds in generate(base):
         ir = _checked(base, ds)
@@ -122,7 +121,7 @@ def generate(p: Program) -> list[tuple[str, tuple[Directive, ...]]]:
                 continue
             label = f"auto_{level}" + (f"_d{dim}" if dim else "")
             out.append((label, ds))
-            ds, consumers = _named_fusions(ds, consumers)  # `f = fuse(...)`, as the examples
+            ds, consumers = _named_fusions(p, ds, consumers)  # `f = fuse(...)`, as the examples
             for k in CHUNKS:
                 more = _overlaps(apply_all(p, ds), ars, consumers, k)
                 if more:
@@ -130,10 +129,10 @@ def generate(p: Program) -> list[tuple[str, tuple[Directive, ...]]]:
     return out
 
 
-def _named_fusions(ds: tuple[Directive, ...], consumers: dict[str, str]):
+def _named_fusions(p: Program, ds: tuple[Directive, ...], consumers: dict[str, str]):
     """The one unnamed fusion named `f` (what an overlap refers to, as the examples write it)."""
     fuses = [d for d in ds if isinstance(d, Fuse) and d.name is None]
-    if len(fuses) != 1:
+    if len(fuses) != 1 or p.param("f") is not None or p.stage("f") is not None:
         return ds, consumers
     named = tuple(replace(d, name="f") if d is fuses[0] else d for d in ds)
     return named, {a: "f" if c == "fused0" else c for a, c in consumers.items()}
