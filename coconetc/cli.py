@@ -1,4 +1,4 @@
-"""The coconetc command: check, show, run, compile, launch. User errors print as diagnostics, without a
+"""The coconetc command: check, show, run, compile, launch, tune, explain. User errors print as diagnostics, without a
 Python traceback (--debug shows it)."""
 
 from __future__ import annotations
@@ -121,19 +121,52 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     ir = mod.programs[name]
+    if schedule == "auto":  # with or without `schedule auto for P` in the file
+        _show_auto(mod, name, fmt)
+        return
     if schedule:
         try:
             sched = mod.schedule(name, schedule)
         except KeyError as err:
             _fail(f"coconetc: {err.args[0]}")
         if sched.ir is None:
-            _fail("coconetc: 'auto' is chosen by the autotuner; show a named schedule")
+            _show_auto(mod, name, fmt)
+            return
         ir = sched.ir
     if fmt == "plan":
         from coconetc.plan.show import show as show_plan
         click.echo(show_plan(mod.plans[(name, schedule or "default")]), nl=False)
         return
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
+
+
+def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
+    """show -s auto: the autotuner's newest choice for the program on this machine, as the
+    schedule block (text), its plan or its stage graph."""
+    from coconetc.driver import add_schedules
+    from coconetc.ir import printer
+    from coconetc.tune import cache
+    recs = cache.records(mod.source, name)
+    if not recs:
+        _fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file} on this machine; run "
+              f"`coconetc tune {mod.file} --program {name} --ranks R --size ...` first")
+    rec = recs[-1]
+    label, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
+    if text:
+        mod = add_schedules(mod, text)
+    if fmt == "plan":
+        from coconetc.plan.show import show as show_plan
+        click.echo(show_plan(mod.plans[(name, label)]), nl=False)
+        return
+    ir = mod.programs[name] if label == "default" else mod.schedule(name, label).ir
+    if fmt == "dot":
+        assert ir is not None
+        click.echo(printer.dot(ir), nl=False)
+        return
+    shown = ", ".join(f"{k}={v}" for k, v in rec["sizes"].items())
+    click.echo(f"# schedule auto for {name}: the tuner's choice for {shown} on {rec['ranks']} ranks "
+               f"({rec['measured'][label] * 1e3:.3f} ms): {label}")
+    click.echo(text or f"# (the program itself, unscheduled)\n{printer.program(mod.programs[name])}", nl=False)
 
 
 def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
@@ -366,7 +399,7 @@ def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
     from coconetc.harness.core import DEFAULT_SIZE, size_symbols
     from coconetc.harness.session import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
-        click.echo(f"{name} [auto]: skipped (the autotuner chooses; not built yet)")
+        click.echo(f"{name} [auto]: skipped (the autotuner chooses: coconetc tune, then show -s auto)")
         return False
     try:
         rep = run_interp(mod, name, schedule, ranks, groups, sizes, seed)
@@ -405,3 +438,78 @@ def launch(ranks: int, script: str, args: tuple[str, ...]) -> None:
     uses coconetc.torch.DistributedOptimizer. Exits non-zero if any rank failed."""
     from coconetc.launch.mpiexec import run_python
     sys.exit(run_python(ranks, [script, *args]))
+
+
+@main.command()
+@click.argument("file", type=click.Path())
+@click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--program", "-p", help="The program (default: the file's only program).")
+@click.option("--size", "sizes", multiple=True, metavar="NAME=INT", help="Every size symbol, e.g. N=4194304.")
+@click.option("--reps", type=click.IntRange(1), default=5, show_default=True,
+              help="Timed calls per schedule (after one warm-up); the median counts.")
+@click.option("--keep", type=float, default=2.0, show_default=True,
+              help="Measure a generated schedule only if its modelled time is at most KEEP x the best.")
+@click.option("--json", "json_path", type=click.Path(), help="Write the measurements and the choice here.")
+def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
+    """Choose the fastest schedule of a program at these sizes on R ranks (schedule="auto").
+
+    Measures the file's schedules and the ones the tuner writes itself (split, reorder, slice,
+    fuse, overlap), pruned with the cost model, checks the winner against the interpreter and
+    stores it in the tuning cache (docs/performance.md)."""
+    from coconetc.build.builder import BuildError
+    from coconetc.harness.core import size_symbols
+    from coconetc.tune import tuner
+    mod = _load(file)
+    name = _pick_program(mod, program, None)
+    known = size_symbols(mod.programs[name])
+    sz = _sizes(sizes, known)
+    missing = [k for k in known if k not in sz]
+    if missing:
+        _fail(f"coconetc: tune needs every size symbol: add {' '.join(f'--size {k}=INT' for k in missing)}")
+    _check_sizes(mod.programs[name], sz, 0)
+    try:
+        rec = tuner.tune(mod, name, sz, ranks, reps=reps, keep=keep, echo=lambda m: click.echo(m, err=True))
+    except (tuner.TuneError, BuildError) as err:
+        _fail(str(err))
+    except CompileError as err:
+        _fail(err.render())
+    click.echo(tuner.table(rec), nl=False)
+    hand = tuner.best_handwritten(rec)
+    if hand is not None:
+        ratio = rec["measured"][rec["choice"]] / rec["measured"][hand]
+        click.echo(f"choice {rec['choice']}: {ratio:.3f}x the time of the best hand-written schedule ({hand})")
+    if json_path:
+        import json
+        keys = ("measured", "choice", "generated", "schedules", "modelled", "by_convention",
+                "conventions", "sizes", "ranks", "machine")
+        with open(json_path, "w") as f:
+            json.dump({k: rec[k] for k in keys}, f, indent=1)
+        click.echo(f"wrote {json_path}")
+
+
+@main.command()
+@click.argument("file", type=click.Path())
+@click.option("--program", "-p", help="Only this program (default: every program).")
+@click.option("--schedule", "-s", help="Only this schedule ('auto': the tuner's choice).")
+@click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--size", "sizes", multiple=True, metavar="NAME=INT",
+              help="A size symbol (default: the sizes the program was last tuned at).")
+def explain(file, program, schedule, ranks, sizes) -> None:
+    """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
+    passes over memory, kernel launches and plan units, the modelled time, and the measured
+    time where the tuning cache has one for these sizes and ranks."""
+    from coconetc.tune import explain as ex
+    mod = _load(file)
+    if not mod.programs:
+        _fail(_no_program(mod))
+    names = [_pick_program(mod, program, schedule)] if program or (schedule and len(mod.programs) > 1) \
+        else list(mod.programs)
+    every = sorted({k for n in names for k in ex.symbols(mod, n)})
+    given = _sizes(sizes, every)  # each program takes the sizes of its own symbols
+    for i, name in enumerate(names):
+        try:
+            mine = {k: v for k, v in given.items() if k in ex.symbols(mod, name)}
+            text = ex.explain(mod, name, schedule, ranks, mine)
+            click.echo(("\n" if i else "") + text, nl=False)
+        except ex.ExplainError as err:
+            _fail(f"coconetc: {err}")

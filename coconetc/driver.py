@@ -137,3 +137,19 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
     ir = apply_all(mod.programs[sched.program], directives)
     mod.plans[(sched.program, sched.name)] = plan_program(ir, sched.name)
     known[sched.name] = ScheduleIR(sched.name, sched.program, directives, ir)
+
+
+def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFile:
+    """A copy of MOD with the schedule blocks of TEXT added (each checked and planned as the
+    file's own are); the autotuner's generated schedules join a file this way."""
+    from dataclasses import replace
+    tree = parse(text, file)
+    new = replace(mod, schedules={p: dict(s) for p, s in mod.schedules.items()}, plans=dict(mod.plans))
+    errors = list[Diagnostic]()
+    for i, sched in enumerate(tree.schedules):
+        if sched.name in new.schedules.get(sched.program, {}):
+            continue  # a schedule of the file itself keeps its own text
+        _collect(errors, _schedule, new, sched, tree, tree.schedules[:i])
+    if errors:
+        raise CompileError(errors)
+    return new

@@ -37,14 +37,20 @@ def command(ranks: int, argv: list[str]) -> list[str]:
     return cmd + argv
 
 
-def run_python(ranks: int, args: list[str], timeout: float | None = None) -> int:
-    """Run `python ARGS` on R ranks; returns the exit code (non-zero if any rank failed)."""
+def environment(ranks: int) -> dict[str, str]:
+    """os.environ plus what Open MPI needs to run R ranks on this machine."""
     env = dict(os.environ)
     if _is_open_mpi():
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
         if ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    return env
+
+
+def run_python(ranks: int, args: list[str], timeout: float | None = None) -> int:
+    """Run `python ARGS` on R ranks; returns the exit code (non-zero if any rank failed)."""
+    env = environment(ranks)
     cmd = command(ranks, [sys.executable, *args])
     try:
         return subprocess.run(cmd, env=env, timeout=timeout).returncode

@@ -23,7 +23,7 @@ from coconetc.codegen.cpu import DEFAULT, Sources, extern_headers, function_name
 from coconetc.common.dtypes import STORAGE
 from coconetc.common.slices import slice_range
 from coconetc.common.validate import bind_sizes, check_param, describe, is_torch, overlapping
-from coconetc.driver import SourceFile, load_file
+from coconetc.driver import SourceFile, add_schedules, load_file
 from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim
@@ -38,7 +38,7 @@ def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None
     """Generate and build FILE's module; returns (Module, Sources, path of the .so).
     include_dirs, library_dirs, libraries: for the file's extern operations (-I, -L, -l)."""
     builder.require_cpu_extra()
-    mod = load_file(path)
+    mod = _with_tuned(load_file(path))
     if not mod.programs:
         raise CompileError.at(Span(str(path), 1, 1, 1, 1, mod.source),
                               "no program in this file: nothing to compile")
@@ -54,6 +54,19 @@ def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None
     where = Path(out_dir) if out_dir else builder.cache_dir() / name
     so = builder.build(name, src.cpp, src.cmake, where, log)
     return mod, src, so
+
+
+def _with_tuned(mod: SourceFile) -> SourceFile:
+    """The file with the schedules the autotuner wrote and chose for it (tuning cache), so
+    that schedule="auto" can run them; a stale record that no longer checks is left out."""
+    from coconetc.tune import cache
+    text = cache.tuned_schedules(mod.source)
+    if not text:
+        return mod
+    try:
+        return add_schedules(mod, text)
+    except CompileError:
+        return mod
 
 
 def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), libraries=()) -> CompiledModule:
@@ -82,7 +95,8 @@ class CompiledModule:
         for (prog, sched), ir in variants(mod).items():
             by_program.setdefault(prog, {})[sched] = ir
         for prog, scheds in by_program.items():
-            fn = ProgramFunction(prog, scheds, ext)
+            fn = ProgramFunction(prog, scheds, ext, mod.source)
+            fn.file = mod.file
             self.programs[prog] = fn
             setattr(self, prog, fn)
 
@@ -107,8 +121,12 @@ class _Local:
 
 
 class ProgramFunction:
-    def __init__(self, name: str, schedules: dict[str, Program], ext: Any):
+    def __init__(self, name: str, schedules: dict[str, Program], ext: Any, source: str = ""):
         self.name, self.schedules, self.ext = name, schedules, ext
+        self.source = source  # the .ccn text (the tuning cache's key)
+        self.file = "FILE"  # its path, for messages
+        self._tuned: list | None = None  # the tuning cache's records of this program (schedule="auto")
+        self._auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see _agree)
         base = schedules[DEFAULT]
         self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
@@ -123,9 +141,10 @@ class ProgramFunction:
     def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
                          **sizes: int) -> str:
         """The schedule a call with SCHEDULE runs. A named one is itself; "auto" is the
-        autotuner's choice for these sizes and ranks, read from its tuning cache through
-        `coconetc.tune.cached_choice(fn, sizes, ranks, groups)` (issue 10); without an entry
-        this raises and says how to make one."""
+        autotuner's overall choice for these sizes and ranks, read from its tuning cache
+        through `coconetc.tune.cached_choice(fn, sizes, ranks, groups)` (it may take other
+        parameter layouts than the program's: DistributedOptimizer allocates its state in the
+        choice's layouts); without an entry this raises and says how to make one."""
         if schedule != "auto":
             self._program(schedule)
             return schedule or DEFAULT
@@ -140,6 +159,32 @@ class ProgramFunction:
                              f"first, or name a schedule ({', '.join(self.schedules)})")
         self._program(choice)
         return choice
+
+    def _auto(self, comm: Any, groups: int, kwargs: dict) -> str:
+        """schedule="auto" in a call: the tuner's fastest schedule whose calling convention
+        (parameter layouts and local shapes at the tuned sizes) matches the arrays given, the
+        program's own layouts first. None tuned: a ValueError with the command to run."""
+        from coconetc.tune import cache
+        size = comm.Get_size()
+        gs = size // groups if groups >= 1 and size % groups == 0 else size
+        rank = comm.Get_rank() % gs
+        memo = (size, rank, groups, tuple((k, _shape(v)) for k, v in sorted(kwargs.items())))
+        if memo in self._auto_memo:  # a training loop calls with the same shapes again and again
+            return self._auto_memo[memo]
+        if self._tuned is None:  # read once: the module holds the schedules tuned when it loaded
+            self._tuned = cache.records(self.source, self.name)
+        for rec in reversed(self._tuned):
+            if rec.get("ranks") != size or rec.get("groups", 1) != groups:
+                continue
+            for label in rec.get("by_convention", {}).values():
+                p = self.schedules.get(label)
+                if p is not None and _shapes_match(p, kwargs, rec["sizes"], gs, rank):
+                    self._auto_memo[memo] = label
+                    return label
+        raise ValueError(f"{self.name}(schedule='auto'): the tuning cache holds no schedule for "
+                         f"these arrays on {size} ranks; run `{_tune_command(self, kwargs, size)}` "
+                         f"first (and load the module again), or name a schedule "
+                         f"({', '.join(self.schedules)})")
 
     # --- layout helpers (coconetc/runtime/layout.py) ---------------------------------------
     def local_shape(self, name: str, *, schedule: str | None = None, comm: Any = None,
@@ -196,7 +241,14 @@ class ProgramFunction:
         if not isinstance(comm, MPI.Comm) or comm.Is_inter():
             raise TypeError(f"{self.name}(): comm must be an mpi4py intra-communicator, "
                             f"got {type(comm).__name__}")
-        local = _check_local(self, schedule, groups, comm.Get_size(), kwargs)
+        local = None
+        if schedule == "auto":  # an error is raised on every rank after the exchange, as any other
+            try:
+                schedule = self._auto(comm, groups, kwargs)
+            except ValueError as err:
+                local = _Local(None, {}, [], False, ("error", "ValueError", str(err)))
+        if local is None:
+            local = _check_local(self, schedule, groups, comm.Get_size(), kwargs)
         what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
         everyone = agree.exchange(comm, local.shared, what, local.timeout)
         sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared,
@@ -246,6 +298,46 @@ def _local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
         lo, hi = slice_range(shape[t.layout.dim], gs, rank)
         shape[t.layout.dim] = hi - lo
     return tuple(shape)
+
+
+def _shape(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_shape(x) for x in v)
+    return tuple(getattr(v, "shape", ())) if hasattr(v, "shape") else None
+
+
+def _shapes_match(p: Program, kwargs: dict, sizes: dict, gs: int, rank: int) -> bool:
+    """Every tensor argument has p's local shape at these sizes on this rank."""
+    try:
+        for q in p.params:
+            if q.scalar:
+                continue
+            v = kwargs.get(q.name)
+            got = ((sum(int(np.prod(x.shape)) for x in v),) if isinstance(v, (list, tuple))
+                   else tuple(getattr(v, "shape", ())))
+            if got != _local_shape(q.type, sizes, gs, rank):
+                return False
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
+def _tune_command(fn: ProgramFunction, kwargs: dict, ranks: int) -> str:
+    """`coconetc tune FILE --ranks R --size ...` with the sizes the program's own layouts
+    read from these arrays (those of unsliced dims)."""
+    p = fn.schedules[DEFAULT]
+    sizes: dict[str, int] = {}
+    for q in p.params:
+        v = kwargs.get(q.name)
+        if q.scalar or v is None:
+            continue
+        shape = ((sum(int(np.prod(x.shape)) for x in v),) if isinstance(v, (list, tuple))
+                 else tuple(getattr(v, "shape", ())))
+        for i, d in enumerate(q.type.shape):
+            if isinstance(d, str) and i < len(shape) and not (q.type.layout.sliced and q.type.layout.dim == i):
+                sizes.setdefault(d, int(shape[i]))
+    shown = " ".join(f"--size {k}={v}" for k, v in sorted(sizes.items()))
+    return f"coconetc tune {fn.file} --program {fn.name} --ranks {ranks} {shown}".rstrip()
 
 
 def _as_torch(a: np.ndarray):

@@ -164,3 +164,26 @@ def _int(kw: syntax.Kwarg | None, call: syntax.Call, lowest: int) -> int:
     if not (isinstance(v, syntax.Number) and not v.is_float and v.value >= lowest):
         raise _err(v.span, f"{call.fn}()'s {kw.name} must be an integer >= {lowest}")
     return int(v.value)
+
+
+def text(d: Directive) -> str:
+    """The directive as one line of a schedule block (what from_ast reads back)."""
+    if isinstance(d, Split):
+        dim = f", dim={d.dim}" if d.dim else ""
+        return f"{d.rs}, {d.ag} = split({d.stage}{dim})"
+    if isinstance(d, Reorder):
+        outs = f"{', '.join(d.outs)} = " if d.outs else ""
+        return f"{outs}reorder({', '.join((d.ag, *d.stages))})"
+    if isinstance(d, Slice):
+        return f"slice({', '.join(d.params)})"
+    if isinstance(d, Fuse):
+        name = f"{d.name} = " if d.name else ""
+        return f"{name}fuse({', '.join(d.stages)})"
+    dim = f", dim={d.dim}" if d.dim is not None else ""
+    return f"overlap({d.producer}, {d.consumer}, chunks={d.chunks}{dim})"
+
+
+def schedule_text(name: str, program: str, directives: tuple[Directive, ...] | list[Directive]) -> str:
+    """A whole schedule block as .ccn text."""
+    body = "".join(f"    {text(d)}\n" for d in directives)
+    return f"schedule {name} for {program} {{\n{body}}}\n"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coconetc.errors import ScheduleError
+from coconetc.errors import NOWHERE, ScheduleError
 from coconetc.ir import ops
 from coconetc.ir.nodes import Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, rename,
@@ -111,6 +111,18 @@ def reorder(p: Program, d: Reorder) -> Program:
     # read a moved value was typed as sliced while it read the slice)
     p = retype_program(p)
     return drop_stage(p, d.ag) if not is_used(p, d.ag) else p
+
+
+def reorder_gathers(p: Program, ag: str, stages: tuple[str, ...]) -> list[str]:
+    """The reordered values that `reorder(ag, *stages)` returns an allgather for (those still
+    needed whole), in the order listed; raises ScheduleError where the reorder is illegal."""
+    probe = Reorder(ag, stages, (), NOWHERE)
+    s = _stage(p, ag, probe, "reorder")
+    if not (isinstance(s.expr, Op) and s.expr.op == "allgather" and isinstance(s.expr.args[0], Ref)):
+        raise ScheduleError(NOWHERE, "reorder", ag, "the first argument must be an allgather stage")
+    moved = list(dict.fromkeys(stages))
+    q = _retype_moved(p, s, s.expr.args[0].name, moved, probe)
+    return [m for m in moved if _needed_whole(q, m, moved)]
 
 
 def _retype_moved(p: Program, ag: Stage, src: str, moved: list[str], d: Reorder) -> Program:

@@ -1,0 +1,248 @@
+"""The cost model: a pure function of an execution plan (coconetc/plan), the size symbols and
+the group size R. It reads what the plan decided (which values stay in registers, which loops
+are one pass, what a fused collective computes per chunk) and counts, per rank:
+
+    moved   bytes through memory (reads + writes of buffers; registers and scalars are free)
+    sent    bytes this rank sends (the receiver writes as many: `received` = `sent`)
+    passes  sweeps over memory (a loop, a reduction, a GEMM, a copy: 1; an allreduce: 2,
+            its reduce-scatter and its all-gather phase; any other collective: 1; a fused
+            collective: 1, the chunks are reduced, computed and gathered in one sweep)
+    launches units started (a loop, GEMM, collective, copy: 1; a reduction: 1, 2 when its
+            input is sliced (the partial results are all-reduced); a fused collective: 1 plus
+            what runs after its chunks; an overlap: chunks x (GEMM + its collective))
+    flops   arithmetic of the library operations (2*M*N*K for a matmul)
+
+With n = the bytes of a collective's input on this rank, N its full (gathered) size and the
+ring / pairwise factor f = (R-1)/R (ops.Cost.comm holds the factor in front of f):
+
+    allreduce      sent 2 f n       moved n + n + sent     (in, out, received)
+    reducescatter  sent f n         moved n + n/R + sent
+    allgather      sent f N         moved N/R + N + sent
+    broadcast      sent f n         moved n + n + sent     (pipelined ring)
+    reduce         sent f n         moved n + n + sent
+    scatter        sent 0           moved n/R
+    send           sent n           moved n + n + sent     (to the neighbouring group)
+    fused          its reducescatter (or allreduce) as above, without writing the reduced
+                   value unless the plan keeps it, + its per-chunk loop over the slice + the
+                   all-gather's received part f N (this rank's part is written by the loop)
+
+A loop over E elements (this rank's part of its type) reads each memory operand once
+(min(E, that operand's elements): a replicated operand of a sliced loop is read at the slice)
+and writes each stored item once: E * bytes per element.
+
+The modelled time, for ranking schedules before measuring them, is
+
+    t = moved / mem_bw + sent / link_bw + flops / flop_rate + launches * launch_s
+
+less, for each overlap of k chunks, (1 - 1/k) x the shorter of its GEMM's and its
+communication's time (that part runs under the other), with a Machine's constants (defaults: one CPU rank with its neighbour busy; Machine(...)
+for another machine). It is a ranking aid, not a prediction: `coconetc explain` prints it
+beside the measured time the tuning cache holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coconetc.common.slices import slice_range
+from coconetc.ir import ops
+from coconetc.ir.nodes import Ref, walk
+from coconetc.ir.types import BITS, TType, eval_dim
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Library, Loop, Overlap,
+                                 Plan, Reduce, Require, Unit)
+
+_NO_MEMORY = ("register", "scalar")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rough per-rank rates (bytes/s, flop/s, s per unit started)."""
+
+    mem_bw: float = 18e9
+    link_bw: float = 6e9
+    flop_rate: float = 20e9
+    launch_s: float = 5e-6
+
+
+@dataclass
+class Cost:
+    moved: float = 0.0
+    sent: float = 0.0
+    passes: int = 0
+    launches: int = 0
+    flops: float = 0.0
+    units: int = 0
+    parts: list[tuple[Unit, Cost]] = field(default_factory=list)  # per top-level unit
+    # overlaps: (the GEMM's cost, its communication's cost, chunks); see seconds()
+    pipelines: list[tuple[Cost, Cost, int]] = field(default_factory=list)
+
+    def add(self, other: Cost) -> None:
+        self.moved += other.moved
+        self.sent += other.sent
+        self.passes += other.passes
+        self.launches += other.launches
+        self.flops += other.flops
+        self.pipelines += other.pipelines
+
+    def seconds(self, m: Machine | None = None) -> float:
+        """The sum of the terms, less what each overlap hides: with k chunks, all but one
+        chunk of the shorter of its GEMM and its communication run under the other."""
+        m = m or Machine()
+        t = (self.moved / m.mem_bw + self.sent / m.link_bw + self.flops / m.flop_rate
+             + self.launches * m.launch_s)
+        for gemm, comm, k in self.pipelines:
+            hidden = min(gemm.seconds(m), comm.seconds(m)) * (1 - 1 / max(1, k))
+            t -= hidden
+        return t
+
+
+def cost(plan: Plan, sizes: dict[str, int], ranks: int) -> Cost:
+    """The plan's cost on one rank of a group of RANKS at these sizes (see the module doc)."""
+    c = _Counter(plan, sizes, ranks)
+    total = Cost(units=len(plan.units))
+    for u in plan.units:
+        part = c.unit(u)
+        total.add(part)
+        total.parts.append((u, part))
+    return total
+
+
+class _Counter:
+    def __init__(self, plan: Plan, sizes: dict[str, int], ranks: int):
+        self.plan, self.sizes, self.R = plan, sizes, max(1, ranks)
+        self.f = (self.R - 1) / self.R
+
+    # --- sizes ---------------------------------------------------------------------------
+    def elements(self, t: TType, whole: bool = False) -> int:
+        """Elements of t on this rank (the largest part, rank 0's, when t is sliced)."""
+        n = 1
+        for i, d in enumerate(t.shape):
+            k = eval_dim(d, self.sizes)
+            if t.layout.sliced and i == t.layout.dim and not whole:
+                lo, hi = slice_range(k, self.R, 0)
+                k = hi - lo
+            n *= k
+        return n
+
+    def nbytes(self, t: TType, whole: bool = False) -> float:
+        return self.elements(t, whole) * BITS[t.dtype] / 8
+
+    def buffer(self, name: str) -> Buffer | None:
+        try:
+            return self.plan.buffer(name)
+        except KeyError:
+            return None  # a Let (scalar computed before a loop)
+
+    # --- units ---------------------------------------------------------------------------
+    def unit(self, u: Unit) -> Cost:
+        if isinstance(u, Loop):
+            return self.loop(u.type, u.items, Cost(passes=1, launches=1))
+        if isinstance(u, Reduce):
+            return self.reduce(u)
+        if isinstance(u, Library):
+            return self.library(u)
+        if isinstance(u, Collective):
+            return self.collective(u.op, u.src, u.dst)
+        if isinstance(u, Fused):
+            return self.fused(u)
+        if isinstance(u, Overlap):
+            return self.overlap(u)
+        if isinstance(u, Copy):
+            b = self.buffer(u.src)
+            n = self.nbytes(b.type) if b is not None else 0.0
+            return Cost(moved=2 * n, passes=1, launches=1)
+        assert isinstance(u, Require)
+        return Cost()
+
+    def loop(self, t: TType, items: tuple[Item, ...], c: Cost) -> Cost:
+        """Each memory operand read once, each stored item written once, over t's elements."""
+        n = self.elements(t)
+        computed: set[str] = set()
+        read: set[str] = set()
+        for it in items:
+            for node in walk(it.expr):
+                if isinstance(node, Ref) and node.name not in computed:
+                    read.add(node.name)
+            computed.add(it.name)
+            if it.store:
+                c.moved += n * BITS[it.expr.type.dtype] / 8
+        for name in sorted(read):
+            b = self.buffer(name)
+            if b is not None and b.kind not in _NO_MEMORY:
+                c.moved += min(n, self.elements(b.type)) * BITS[b.type.dtype] / 8
+        return c
+
+    def reduce(self, u: Reduce) -> Cost:
+        src, dst = self.buffer(u.src), self.buffer(u.dst)
+        c = Cost(passes=1, launches=2 if u.cross_rank else 1)
+        c.moved = (self.nbytes(src.type) if src is not None else 0.0)
+        out = self.nbytes(dst.type) if dst is not None else 8.0
+        c.moved += out
+        if u.cross_rank:
+            c.sent = 2 * self.f * out
+        return c
+
+    def library(self, u: Library) -> Cost:
+        c = Cost(passes=1, launches=1)
+        for a in (*u.args, u.dst):
+            b = self.buffer(a)
+            if b is not None and b.kind not in _NO_MEMORY:
+                c.moved += self.nbytes(b.type)
+        dst = self.buffer(u.dst)
+        d = ops.get(u.op).cost
+        out = self.elements(dst.type) if dst is not None else 0
+        inner = 1
+        first = self.buffer(u.args[0]) if u.args else None
+        if d.inner and first is not None and first.type.shape:
+            inner = self.elements(first.type) // max(1, self._rows(first.type))
+        c.flops = d.flops * out * inner
+        return c
+
+    def _rows(self, t: TType) -> int:
+        """Elements of t before its last dim (the rows of a matmul operand)."""
+        last = eval_dim(t.shape[-1], self.sizes)
+        if t.layout.sliced and t.layout.dim == t.ndim - 1:
+            lo, hi = slice_range(last, self.R, 0)
+            last = hi - lo
+        return self.elements(t) // max(1, last)
+
+    def collective(self, op: str, src: str, dst: str) -> Cost:
+        sb, db = self.buffer(src), self.buffer(dst)
+        n_in = self.nbytes(sb.type) if sb is not None else 0.0
+        n_out = self.nbytes(db.type) if db is not None else n_in
+        factor = ops.get(op).cost.comm
+        if op == "send":
+            sent = n_in
+        elif op == "allgather":
+            sent = factor * self.f * n_out
+        else:
+            sent = factor * self.f * n_in
+        if op == "scatter":
+            return Cost(moved=n_out, passes=1, launches=1)
+        return Cost(moved=n_in + n_out + sent, sent=sent, passes=2 if op == "allreduce" else 1,
+                    launches=1)
+
+    def fused(self, u: Fused) -> Cost:
+        src = self.buffer(u.src)
+        n_in = self.nbytes(src.type) if src is not None else 0.0
+        sent = ops.get(u.op).cost.comm * self.f * n_in
+        c = Cost(moved=n_in + sent, sent=sent, passes=1, launches=1)
+        if u.store_reduced:
+            c.moved += self.nbytes(u.type)
+        for ph in u.phases:
+            self.loop(u.type, ph.items, c)
+        if u.gather:
+            g = self.buffer(u.gather)
+            whole = self.nbytes(g.type) if g is not None else 0.0
+            c.sent += self.f * whole
+            c.moved += self.f * whole
+        for a in u.after:
+            c.add(self.unit(a))
+        return c
+
+    def overlap(self, u: Overlap) -> Cost:
+        gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))
+        comm = self.fused(u.fused) if u.fused is not None else self.collective(u.op, u.producer, u.collective)
+        return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, flops=gemm.flops,
+                    passes=gemm.passes + comm.passes,
+                    launches=u.chunks * (gemm.launches + comm.launches),
+                    pipelines=[(gemm, comm, u.chunks)])

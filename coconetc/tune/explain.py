@@ -1,0 +1,88 @@
+"""`coconetc explain`: for each schedule of a program, the cost model's numbers (cost.py) next
+to the time the tuning cache measured at the same sizes and ranks, if any. The schedules the
+tuner wrote and measured for these sizes are listed too."""
+
+from __future__ import annotations
+
+from coconetc.driver import SourceFile, add_schedules
+from coconetc.harness.core import size_symbols
+from coconetc.tune import cache
+from coconetc.tune.cost import cost
+
+
+class ExplainError(Exception):
+    pass
+
+
+def symbols(mod: SourceFile, program: str) -> list[str]:
+    return size_symbols(mod.programs[program])
+
+
+def _sizes(mod: SourceFile, program: str, ranks: int, given: dict[str, int]) -> dict[str, int]:
+    need = symbols(mod, program)
+    if all(k in given for k in need):
+        return {k: given[k] for k in need}
+    recs = [r for r in cache.records(mod.source, program) if r.get("ranks") == ranks]
+    if recs and not given:
+        return dict(recs[-1]["sizes"])
+    missing = " ".join(f"--size {k}=INT" for k in need if k not in given)
+    raise ExplainError(f"explain {program}: give the sizes ({missing}); the tuning cache has "
+                       f"no record of '{program}' on {ranks} ranks to take them from")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
+
+
+def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
+            given: dict[str, int]) -> str:
+    """The table for one program (all its schedules, or SCHEDULE; 'auto': the tuned choice)."""
+    sizes = _sizes(mod, program, ranks, given)
+    rec = cache.lookup(mod.source, program, sizes, ranks)
+    if rec is not None:
+        extra = "".join(rec["schedules"][g] for g in rec["generated"] if g in rec["schedules"])
+        mod = add_schedules(mod, extra) if extra else mod
+    labels = ["default", *(s for s, x in mod.schedules.get(program, {}).items() if not x.auto)]
+    if schedule == "auto":
+        if rec is None:
+            raise ExplainError(f"no tuned choice for '{program}' at these sizes on {ranks} ranks; run "
+                               f"`coconetc tune {mod.file} --program {program} --ranks {ranks} "
+                               + " ".join(f"--size {k}={v}" for k, v in sizes.items()) + "`")
+        labels = [rec["choice"]]
+    elif schedule is not None:
+        if schedule != "default" and schedule not in mod.schedules.get(program, {}):
+            raise ExplainError(f"no schedule '{schedule}' for program '{program}' (schedules: "
+                               f"{', '.join(labels)})")
+        labels = [schedule]
+    measured = rec["measured"] if rec is not None else {}
+    shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+    head = (f"{'schedule':<26} {'moved':>11} {'sent/rank':>11} {'passes':>6} {'launches':>8} "
+            f"{'units':>5} {'modelled':>11} {'measured':>11}")
+    lines = [f"{program} at {shown} on {ranks} ranks (per rank; cost model: docs/performance.md)", head]
+    for label in labels:
+        c = cost(mod.plans[(program, label)], sizes, ranks)
+        got = f"{measured[label] * 1e3:.3f} ms" if label in measured else "-"
+        note = " (tuner's choice)" if rec is not None and label == rec["choice"] else ""
+        note += " (generated)" if rec is not None and label in rec["generated"] else ""
+        lines.append(f"{label:<26} {_human(c.moved):>11} {_human(c.sent):>11} {c.passes:>6} "
+                     f"{c.launches:>8} {c.units:>5} {c.seconds() * 1e3:>8.3f} ms {got:>11}{note}")
+        if len(labels) == 1:
+            lines += _units(c)
+    return "\n".join(lines) + "\n"
+
+
+def _units(c) -> list[str]:
+    """One row per plan unit (a single schedule explained)."""
+    out = []
+    for u, part in c.parts:
+        where = f"L{u.line}" if getattr(u, "line", 0) else "-"
+        what = type(u).__name__.lower()
+        name = getattr(u, "dst", "") or getattr(u, "name", "") or getattr(u, "producer", "")
+        label = f"  {where} {what} {name}".rstrip()
+        out.append(f"{label:<26} {_human(part.moved):>11} {_human(part.sent):>11} {part.passes:>6} "
+                   f"{part.launches:>8}")
+    return out

@@ -1,0 +1,167 @@
+"""`coconetc tune`: the candidates of a program (space.py), pruned with the cost model
+(cost.py), built into one module, timed on R ranks at the real sizes (worker.py), the
+winners checked against the interpreter, and the record stored in the tuning cache
+(cache.py).
+
+Pruning: the file's own schedules and the program itself are always measured; a generated
+schedule is measured when its modelled time is at most KEEP times the best modelled time of
+any candidate (and at most MAX_GENERATED of them, the best modelled first)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coconetc.driver import SourceFile
+from coconetc.tune import cache
+from coconetc.tune.cost import cost
+from coconetc.tune.space import DEFAULT, Candidate, candidates
+
+KEEP = 2.0
+MAX_GENERATED = 12
+
+
+class TuneError(Exception):
+    pass
+
+
+@dataclass
+class Pruned:
+    measured: list[Candidate]
+    dropped: list[Candidate]
+    modelled: dict[str, float]
+
+
+def prune(cands: list[Candidate], sizes: dict[str, int], ranks: int, keep: float = KEEP) -> Pruned:
+    modelled = {c.label: cost(c.plan, sizes, ranks).seconds() for c in cands}
+    best = min(modelled.values())
+    gen = sorted((c for c in cands if c.generated), key=lambda c: modelled[c.label])
+    chosen = [c for c in gen if modelled[c.label] <= keep * best][:MAX_GENERATED]
+    measured = [c for c in cands if not c.generated] + chosen
+    dropped = [c for c in gen if c not in chosen]
+    return Pruned(measured, dropped, modelled)
+
+
+def augmented_source(mod: SourceFile, generated: list[Candidate]) -> str:
+    """The file's text with the generated schedules appended (what the tuning module builds)."""
+    blocks = "".join("\n" + c.text for c in generated)
+    return mod.source.rstrip("\n") + "\n\n# schedules written by coconetc tune\n" + blocks
+
+
+def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, reps: int = 5,
+         keep: float = KEEP, echo: Callable[[str], None] = print, progress: bool = True,
+         timeout: float | None = 600) -> dict[str, Any]:
+    """Measures the candidates of PROGRAM and stores the record in the tuning cache; returns it."""
+    cands = candidates(mod, program)
+    pr = prune(cands, sizes, ranks, keep)
+    echo(f"{program}: {len(cands)} legal schedules ({sum(c.generated for c in cands)} written by the "
+         f"tuner); measuring {len(pr.measured)} ({len(pr.dropped)} pruned by the cost model)")
+    work = Path(tempfile.mkdtemp(prefix="coconet-tune-"))
+    try:
+        res = _measure(mod, program, sizes, ranks, reps, pr, work, echo, progress, timeout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record = _record(mod, program, sizes, ranks, reps, pr, res)
+    cache.store(cache.key(mod.source, program, sizes, ranks), record)
+    return record
+
+
+def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, reps: int,
+             pr: Pruned, work: Path, echo: Callable[[str], None], progress: bool,
+             timeout: float | None) -> dict[str, Any]:
+    """Builds the file with the generated candidates appended and times them on R ranks."""
+    gen = [c for c in pr.measured if c.generated]
+    stem = "".join(ch if ch.isalnum() else "_" for ch in Path(mod.file).stem)
+    src = work / f"{stem}.ccn"
+    src.write_text(augmented_source(mod, gen))
+    from coconetc.runtime.loader import compile_module
+    echo(f"building one module with {len(pr.measured)} schedules ...")
+    compile_module(src, include_dirs=[str(Path(mod.file).resolve().parent)])
+    out = work / "result.json"
+    argv = ["-m", "coconetc.tune.worker", str(src), "--program", program, f"--reps={reps}",
+            f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
+            *[f"--size={k}={v}" for k, v in sizes.items()],
+            *[f"--schedule={c.label}" for c in pr.measured]]
+    rc = _run_worker(ranks, argv, len(pr.measured) * (reps + 1), progress, timeout)
+    if not out.exists():  # (written, with no choice, when no winner matched the interpreter)
+        raise TuneError(f"coconetc tune: the ranks failed (exit code {rc}); see the messages above")
+    return json.loads(out.read_text())
+
+
+def _record(mod: SourceFile, program: str, sizes, ranks: int, reps: int, pr: Pruned,
+            res: dict[str, Any]) -> dict[str, Any]:
+    if res.get("choice") is None:
+        raise TuneError("coconetc tune: no schedule matched the interpreter: "
+                        + json.dumps(res.get("problems"))[:2000])
+    return {
+        "file": mod.file, "program": program, "sizes": dict(sizes), "ranks": ranks, "groups": 1,
+        "machine": cache.machine(), "time": time.time(), "reps": reps,
+        "measured": res["measured"], "choice": res["choice"],
+        "by_convention": res["by_convention"], "conventions": res["conventions"],
+        "problems": {k: v for k, v in res["problems"].items() if v},
+        "generated": [c.label for c in pr.measured if c.generated],
+        "schedules": {c.label: c.text for c in pr.measured},
+        "modelled": {c.label: pr.modelled[c.label] for c in pr.measured},
+        "pruned": {c.label: pr.modelled[c.label] for c in pr.dropped},
+    }
+
+
+def _run_worker(ranks: int, argv: list[str], n: int, progress: bool, timeout: float | None) -> int:
+    """Runs the worker on R ranks; its PROGRESS lines drive a progress bar on stderr."""
+    import click
+
+    from coconetc.launch.mpiexec import command, environment
+    cmd = command(ranks, [sys.executable, *argv])
+    proc = subprocess.Popen(cmd, env=environment(ranks), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    start = time.monotonic()
+    with click.progressbar(length=n, label="timing schedules", file=sys.stderr,
+                           show_pos=True, item_show_func=lambda s: s) as bar:
+        for line in proc.stdout:
+            if line.startswith("PROGRESS "):
+                _, _, _, label, secs = line.split()
+                bar.update(1, f"{label}: {float(secs) * 1e3:.2f} ms" if progress else None)
+            else:
+                sys.stdout.write(line)
+            if timeout is not None and time.monotonic() - start > timeout:
+                proc.kill()
+                break
+    return proc.wait()
+
+
+def table(record: dict[str, Any]) -> str:
+    """The measured schedules, fastest first, with what they are."""
+    meas = record["measured"]
+    best = min(meas.values())
+    choice = record["choice"]
+    lines = [f"{'schedule':<28} {'measured':>11} {'vs best':>8} {'modelled':>11}  notes"]
+    for label in sorted(meas, key=meas.__getitem__):
+        notes = []
+        if label == choice:
+            notes.append("CHOICE")
+        if label in record["generated"]:
+            notes.append("generated")
+        conv = record["conventions"].get(label, "")
+        if conv:
+            notes.append(f"takes {conv}")
+        if label in record.get("problems", {}):
+            notes.append("MISMATCH")
+        lines.append(f"{label:<28} {meas[label] * 1e3:>8.3f} ms {meas[label] / best:>7.2f}x "
+                     f"{record['modelled'].get(label, 0.0) * 1e3:>8.3f} ms  {', '.join(notes)}")
+    for conv, label in record["by_convention"].items():
+        who = conv or "the program's own layouts"
+        lines.append(f"schedule='auto' with {who}: {label}")
+    return "\n".join(lines) + "\n"
+
+
+def best_handwritten(record: dict[str, Any]) -> str | None:
+    hand = {k: v for k, v in record["measured"].items() if k not in record["generated"] and k != DEFAULT}
+    return min(hand, key=hand.__getitem__) if hand else None
