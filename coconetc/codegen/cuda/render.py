@@ -143,10 +143,10 @@ class CudaRenderer(LoopEmitter):
             k = len(self.sig.tensors)
             self.sig.tensors.append(b.name)
             self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
-            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name)
+            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
         elif b.kind == "output":
             self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
-            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name)
+            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
         elif b.kind == "alias":
             self.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
         elif b.kind == "scratch":
@@ -162,9 +162,13 @@ class CudaRenderer(LoopEmitter):
         elif b.kind != "register":
             raise Unsupported(b.line, f"buffer kind '{b.kind}' is not in the CUDA backend yet")
 
-    def _name(self, ptr: str, n: str, name: str) -> None:
-        """The buffer's name for the host emulation's race reports (nothing under nvcc)."""
-        self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
+    def _name(self, ptr: str, n: str, name: str, caller: bool = False) -> None:
+        """The buffer's name for the host emulation's race reports (nothing under nvcc).
+        caller: a parameter or output, produced on the call's stream before the call."""
+        if caller:
+            self.emit(f'COCONET_PARAM({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}", stream);')
+        else:
+            self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
 
     def _access_note(self, t: TType, items: list[tuple[str, Expr, bool]], lets: tuple[Let, ...], lo: str, hi: str,
                      regs: dict[str, str], indent: str) -> None:
@@ -416,7 +420,6 @@ class CudaRenderer(LoopEmitter):
         self.emit("{")
         self.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
         self.emit("  cctx.stream = ctx.comm_stream;")
-        self.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});  // inputs ready")
         if u.direct:
             rows, per_row = ly[0], _prod(ly[1:-1])
             self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")

@@ -263,6 +263,13 @@ inline void name_buffer(const void* p, size_t n, const std::string& name) {
   }
   st.regions[lo] = Region{hi, name, {}};
 }
+inline void access(Stream* s, std::vector<Span> spans, const std::string& what);
+// A parameter or output of the call: named, and written on the call's stream before the call
+// (what the caller queued there produced it), so the call's other streams must wait for it.
+inline void caller_buffer(const void* p, size_t n, const std::string& name, cudaStream_t s) {
+  name_buffer(p, n, name);
+  access(get(s), {bytes(p, n ? n : 1, true)}, "the caller's work before the call");
+}
 inline void forget_buffer(const void* p) {
   State& st = state();
   std::lock_guard<std::recursive_mutex> d(st.det);
@@ -1020,3 +1027,4 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 #define COCONET_W(p, lo, hi) ::coconet::cuda::emu::W((p), (lo), (hi))
 #define COCONET_RA(p) ::coconet::cuda::emu::RA(p)
 #define COCONET_BUFFER(p, nbytes, name) ::coconet::cuda::emu::name_buffer((p), (nbytes), (name))
+#define COCONET_PARAM(p, nbytes, name, stream) ::coconet::cuda::emu::caller_buffer((p), (nbytes), (name), (stream))

@@ -20,6 +20,7 @@
 #define COCONET_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define COCONET_ACCESS(...)
 #define COCONET_BUFFER(p, nbytes, name)
+#define COCONET_PARAM(p, nbytes, name, stream)
 #endif
 
 #include <cstdint>
@@ -484,13 +485,13 @@ void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduc
   for (int64_t k = 0; k < chunks; ++k) {
     const int b = int(k % 2), nb = 1 - b;
     if (k + 1 < chunks) {
-      if (k >= 1) COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[nb], 0));  // buffer nb is free
       reduce_to(k + 1, red[nb]);
       COCONET_CUDA(cudaEventRecord(red_ev[nb], c.comm_stream));
     }
     COCONET_CUDA(cudaStreamWaitEvent(c.stream, red_ev[b], 0));
     compute(k, red[b]);
     COCONET_CUDA(cudaEventRecord(comp_ev[b], c.stream));
+    // chunk k is computed: its gather may read it, and buffer b is free for chunk k + 2
     COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[b], 0));
     gather(k);
   }

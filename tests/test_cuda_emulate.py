@@ -1,0 +1,172 @@
+"""The CUDA backend run without a GPU, under the host emulation (runtime_cpp/coconet/cuda/emulate.h,
+docs/cuda.md): the same generated module.cu, compiled by g++ with -DCOCONET_EMULATE, streams as
+threads, NCCL on MPI, cuBLAS on the CPU GEMM.
+
+- every example and schedule the CUDA backend implements matches the interpreter at R = 1..4
+  (size 10: uneven for 3 and 4 ranks; and sizes smaller than R), one mpiexec launch per R;
+- dropout masks are bit-identical with the CPU backend;
+- race tests: every cudaStreamWaitEvent of the fused pipeline and every stream join of the
+  overlap, removed one at a time from the source, makes the emulated run fail naming the buffer
+  and both streams (the check is on the happens-before relation, not on timing)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from coconetc.build import cuda_build
+from coconetc.launch import mpiexec
+
+REPO = Path(__file__).resolve().parents[1]
+EX = REPO / "examples"
+WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
+FILES = ["adam", "clipped_sgd", "collectives", "conv2d", "layernorm", "mixed_adam", "mlp_out", "pipeline",
+         "residual_dropout", "sgd", "tp_overlap"]
+
+why = cuda_build.emulation_missing()
+pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
+
+
+def _launch(ranks: int, args: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **(env or {}))
+    e.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    e.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    e.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
+    return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def built():
+    """Every example's emulated module, built once here (the ranks then only import)."""
+    for f in FILES:
+        cuda_build.compile_emulated(EX / f"{f}.ccn", log=lambda msg: None)
+    return True
+
+
+def test_emulation_leaves_out_what_cuda_does_not_do(example):
+    from coconetc.codegen.cuda import emulation_problems
+    skip = emulation_problems(example("lamb.ccn"))
+    assert all("scattered" in w for w in skip.values()) and len(skip) == 4
+    skip = emulation_problems(example("extern_ops.ccn"))
+    assert skip and all("extern" in w for w in skip.values())
+    assert not emulation_problems(example("adam.ccn"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, size", [(1, 10), (2, 10), (3, 10), (4, 10), (4, 3)])
+def test_every_example_matches_interpreter(built, ranks, size):
+    res = _launch(ranks, ["match", str(size), *[str(EX / f"{f}.ccn") for f in FILES]])
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert lines and all(ln.startswith("MATCH ") for ln in lines), log
+    assert len(lines) >= 30, log  # 30 (program, schedule)s of the examples; a lost one shows here
+
+
+@pytest.mark.slow
+def test_dropout_masks_identical_to_cpu_backend(built):
+    for file, prog, scheds in [("residual_dropout", "f1", ["default"]),
+                               ("mlp_out", "mlp_out", ["default", "rs_c_ag", "overlap_ar"])]:
+        res = _launch(2, ["dropout", str(EX / f"{file}.ccn"), prog, *scheds])
+        log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+        assert res.returncode == 0, log
+        assert res.stdout.count("masks identical") == 2 * len(scheds), log
+
+
+# --- race detection ---------------------------------------------------------------------------------
+
+def _statement_removed(text: str, start: int) -> str:
+    """The text with the statement that starts at `start` (up to its ';' at depth 0) replaced by
+    `(void)0;` (so an `if (...)` before it keeps a body)."""
+    depth, k = 0, start
+    while True:
+        c = text[k]
+        depth += c == "("
+        depth -= c == ")"
+        if c == ";" and depth == 0:
+            break
+        k += 1
+    return text[:start] + "(void)0;" + text[k + 1:]
+
+
+def _waits_in(text: str, function: str) -> list[int]:
+    """Offsets of the COCONET_CUDA(cudaStreamWaitEvent(...)) statements inside `function`."""
+    lo = text.index(function)
+    hi = text.index("\n}\n", lo)
+    return [lo + m.start() for m in re.finditer(r"COCONET_CUDA\(cudaStreamWaitEvent\(", text[lo:hi])]
+
+
+def _joins_in(cu: str, fn: str) -> list[int]:
+    lo = cu.index(f"void {fn}(")
+    hi = cu.index("\n}\n", lo)
+    return [lo + m.start() for m in re.finditer(r"coconet::cuda::join\(", cu[lo:hi])]
+
+
+def _source(file: str, program: str, sched: str) -> str:
+    from coconetc.codegen.cuda import generate
+    from coconetc.build.cuda_build import _PROBE
+    from coconetc.driver import load_file
+    mod = load_file(EX / f"{file}.ccn")
+    mod = replace(mod, schedules={p: {s: x for s, x in sc.items() if s == sched} for p, sc in mod.schedules.items()})
+    return generate(mod, _PROBE, skip_unsupported=True, emulate=True).cu
+
+
+def _run_variant(tmp: Path, file: str, program: str, sched: str, cu: str, runtime: Path, size: int) -> str:
+    name, so = cuda_build.build_emulated(cu, f"race_{file}", tmp / f"b{abs(hash((cu, runtime)))}", runtime=runtime,
+                                         log=lambda msg: None)
+    res = _launch(2, ["race", str(EX / f"{file}.ccn"), program, sched, str(so), name, str(size)],
+                  env={"COCONET_CUDA_CHUNK": "2"}, timeout=300)
+    return res.stdout + res.stderr
+
+
+RACE_CASES = [  # (file, program, schedule, size): a fused and an overlap schedule
+    ("sgd", "sgd", "fused", 10),           # 5 elements a rank, 2-element chunks: 3 chunks
+    ("mlp_out", "mlp_out", "overlap_ar", 10),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, program, sched, size", RACE_CASES)
+def test_race_every_stream_wait_removed_is_reported(tmp_path, file, program, sched, size):
+    """Unchanged, the run passes; with any one stream wait of its pipeline removed (a
+    cudaStreamWaitEvent of coconet::cuda::pipeline or join in runtime.cuh, or a join call in the
+    generated function), every run fails naming the buffer and both streams."""
+    from coconetc.codegen.cpu import function_name
+    from coconetc.paths import runtime_dir
+    cu = _source(file, program, sched)
+    fn = function_name(program, sched)
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    cuh = (rt / "coconet" / "cuda" / "runtime.cuh").read_text()
+    variants: list[tuple[str, str, str]] = []  # (what, module.cu, runtime.cuh)
+    if "coconet::cuda::pipeline<" in cu:
+        for at in _waits_in(cuh, "void pipeline("):
+            variants.append((cuh[at:cuh.index(";", at)], cu, _statement_removed(cuh, at)))
+    joins = _joins_in(cu, fn)
+    if joins:
+        for at in _waits_in(cuh, "inline void join("):
+            variants.append(("join(): " + cuh[at:cuh.index(";", at)], cu, _statement_removed(cuh, at)))
+        for at in joins:
+            variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), cuh))
+    assert len(variants) >= 3, variants
+
+    out = _run_variant(tmp_path, file, program, sched, cu, rt, size)
+    assert out.count(": ok") == 2 and "race on buffer" not in out, out
+    for what, vcu, vcuh in variants:
+        vrt = tmp_path / f"rt{abs(hash(vcuh))}"
+        if not vrt.exists():
+            shutil.copytree(rt, vrt)
+            (vrt / "coconet" / "cuda" / "runtime.cuh").write_text(vcuh)
+        out = _run_variant(tmp_path, file, program, sched, vcu, vrt, size)
+        assert "coconet emulate: race on buffer '" in out, f"removed {what}: not reported\n{out[-3000:]}"
+        line = next(ln for ln in out.splitlines() if "race on buffer" in ln)
+        assert re.search(r"stream #\d+", line) and "the call's stream" in line, line
+        print(f"removed {what}:\n  {line.strip()}")
