@@ -173,3 +173,39 @@ def test_race_every_stream_wait_removed_is_reported(tmp_path, file, program, sch
         line = next(ln for ln in out.splitlines() if "race on buffer" in ln)
         assert re.search(r"stream #\d+", line) and "the call's stream" in line, line
         print(f"removed {what}:\n  {line.strip()}")
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "coconetc"
+    cmd = [str(exe)] if exe.exists() else [shutil.which("coconetc") or "coconetc"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_run_backend_cuda_needs_emulate():
+    res = _cli("run", str(EX / "sgd.ccn"), "--backend", "cuda")
+    assert res.returncode != 0 and "--emulate" in res.stderr
+    res = _cli("run", str(EX / "sgd.ccn"), "--emulate")
+    assert res.returncode != 0 and "--backend cuda" in res.stderr
+
+
+@pytest.mark.slow
+def test_run_emulate_command(built, tmp_path):
+    """coconetc run --backend cuda --emulate with the CPU run's flags; what the CUDA backend
+    does not implement is named and skipped."""
+    import numpy as np
+    save = tmp_path / "out.npz"
+    res = _cli("run", str(EX / "sgd.ccn"), "--backend", "cuda", "--emulate", "--ranks", "3", "-s", "all",
+               "--size", "N=7", "--save", str(save))
+    assert res.returncode == 0, res.stdout + res.stderr
+    for s in ("default", "fused", "rs_c_ag"):
+        assert f"sgd [{s}] (CUDA, host emulation): 3 ranks:" in res.stdout, res.stdout
+    assert res.stdout.count("matches the interpreter on every rank") == 3, res.stdout
+    saved = np.load(tmp_path / "out.fused.npz")
+    assert saved["r2.out.w"].shape == (7,)
+    res = _cli("run", str(EX / "residual_dropout.ccn"), "--backend", "cuda", "--emulate", "--ranks", "2", "-s",
+               "all")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "f1 [fused]: skipped: a fused collective sliced along a dim other than 0" in res.stdout, res.stdout
+    assert "f1 [default] (CUDA, host emulation): 2 ranks:" in res.stdout, res.stdout
