@@ -44,11 +44,22 @@ def _launch(ranks: int, args: list[str], env: dict | None = None, timeout: float
 
 
 @pytest.fixture(scope="module")
-def built():
-    """Every example's emulated module, built once here (the ranks then only import)."""
-    for f in FILES:
-        cuda_build.compile_emulated(EX / f"{f}.ccn", log=lambda msg: None)
-    return True
+def built(request):
+    """Every example's emulated module, built once here (the ranks then only import), in the
+    session's build cache that tests/test_cpu_backend.py uses too (the dropout test's CPU
+    modules are built there already)."""
+    from coconetc.build import builder
+    old = os.environ.get(builder.ENV_CACHE)
+    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    from concurrent.futures import ThreadPoolExecutor
+    builder.toolchain(), cuda_build.cuda_hash()  # computed once, before the threads
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda f: cuda_build.compile_emulated(EX / f"{f}.ccn", log=lambda msg: None), FILES))
+    yield True
+    if old is None:
+        os.environ.pop(builder.ENV_CACHE, None)
+    else:
+        os.environ[builder.ENV_CACHE] = old
 
 
 def test_emulation_leaves_out_what_cuda_does_not_do(example):

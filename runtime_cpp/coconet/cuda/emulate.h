@@ -240,6 +240,13 @@ inline Stream* get(cudaStream_t s) {
   return s ? s : legacy;
 }
 
+inline void name_stream(cudaStream_t s, const std::string& name) {
+  State& st = state();
+  Stream* x = get(s);
+  std::lock_guard<std::mutex> lock(st.mu);
+  x->name = name + " (stream #" + std::to_string(x->id) + ")";
+}
+
 inline std::string describe_stream(int id) {
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
@@ -386,8 +393,30 @@ inline void sync_all() {
 
 // ---- kernels: blocks in turn, threads as fibers ------------------------------------------------
 
+// A fiber switch: on x86-64 six callee-saved registers and the stack pointer (no system call);
+// elsewhere ucontext (swapcontext saves the signal mask with a system call: slower).
+#if defined(__x86_64__)
+#define COCONET_EMU_FAST_SWITCH 1
+extern "C" void coconet_emu_switch(void** save_sp, void* to_sp);
+__asm__(
+    ".text\n"
+    ".weak coconet_emu_switch\n"
+    ".type coconet_emu_switch, @function\n"
+    "coconet_emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size coconet_emu_switch, .-coconet_emu_switch\n");
+#endif
+
 struct Fiber {
+#ifdef COCONET_EMU_FAST_SWITCH
+  void* sp = nullptr;
+#else
   ucontext_t ctx;
+#endif
   std::unique_ptr<char[]> stack;
   bool done = false;
   unsigned tid = 0;
@@ -398,7 +427,11 @@ inline std::vector<std::unique_ptr<Fiber>>& fiber_pool() {  // per stream thread
   return pool;
 }
 struct BlockRun {
+#ifdef COCONET_EMU_FAST_SWITCH
+  void* sched = nullptr;
+#else
   ucontext_t sched;
+#endif
   Fiber* cur = nullptr;
   const std::function<void()>* body = nullptr;
   std::vector<std::unique_ptr<Fiber>>& fibers = fiber_pool();
@@ -413,6 +446,15 @@ inline void set_thread(unsigned t) {
   threadIdx.z = t / (blockDim.x * blockDim.y);
 }
 
+// back to the block's scheduler (a barrier, or the thread's end)
+inline void yield_fiber(BlockRun* b, Fiber* f) {
+#ifdef COCONET_EMU_FAST_SWITCH
+  coconet_emu_switch(&f->sp, b->sched);
+#else
+  swapcontext(&f->ctx, &b->sched);
+#endif
+}
+
 inline void fiber_entry() {
   BlockRun* b = block_run;
   try {
@@ -421,12 +463,20 @@ inline void fiber_entry() {
     if (b->error.empty()) b->error = e.what();
   }
   b->cur->done = true;
+#ifdef COCONET_EMU_FAST_SWITCH
+  yield_fiber(b, b->cur);  // never resumed
+  std::abort();
+#endif
 }
 
 inline void resume(BlockRun& b, Fiber* f) {
   b.cur = f;
   set_thread(f->tid);
+#ifdef COCONET_EMU_FAST_SWITCH
+  coconet_emu_switch(&b.sched, f->sp);
+#else
   swapcontext(&b.sched, &f->ctx);
+#endif
   b.cur = nullptr;
 }
 
@@ -434,11 +484,22 @@ inline void start(BlockRun& b, Fiber* f, unsigned tid) {
   if (!f->stack) f->stack.reset(new char[kFiberStack]);
   f->done = false;
   f->tid = tid;
+#ifdef COCONET_EMU_FAST_SWITCH
+  // the stack as coconet_emu_switch leaves it: six registers, then `ret` into fiber_entry,
+  // which starts with the stack aligned as after a call
+  uintptr_t top = (uintptr_t(f->stack.get()) + kFiberStack) & ~uintptr_t(15);
+  void** p = reinterpret_cast<void**>(top);
+  *--p = nullptr;  // fiber_entry's return address: it never returns
+  *--p = reinterpret_cast<void*>(&fiber_entry);
+  for (int k = 0; k < 6; ++k) *--p = nullptr;
+  f->sp = p;
+#else
   getcontext(&f->ctx);
   f->ctx.uc_stack.ss_sp = f->stack.get();
   f->ctx.uc_stack.ss_size = kFiberStack;
   f->ctx.uc_link = &b.sched;
   makecontext(&f->ctx, fiber_entry, 0);
+#endif
   resume(b, f);
 }
 
@@ -877,8 +938,7 @@ inline void __syncthreads() {
   m::BlockRun* b = m::block_run;
   if (!b || b->direct || !b->cur)
     throw std::runtime_error("coconet emulate: __syncthreads not reached by every thread of a block");
-  m::Fiber* f = b->cur;
-  swapcontext(&f->ctx, &b->sched);
+  m::yield_fiber(b, b->cur);
 }
 
 template <class T> inline T atomicAdd(T* p, T v) {  // a block's threads and a stream's blocks run in turn
@@ -1027,4 +1087,5 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 #define COCONET_W(p, lo, hi) ::coconet::cuda::emu::W((p), (lo), (hi))
 #define COCONET_RA(p) ::coconet::cuda::emu::RA(p)
 #define COCONET_BUFFER(p, nbytes, name) ::coconet::cuda::emu::name_buffer((p), (nbytes), (name))
+#define COCONET_STREAM_NAME(stream, name) ::coconet::cuda::emu::name_stream((stream), (name))
 #define COCONET_PARAM(p, nbytes, name, stream) ::coconet::cuda::emu::caller_buffer((p), (nbytes), (name), (stream))

@@ -21,6 +21,7 @@
 #define COCONET_ACCESS(...)
 #define COCONET_BUFFER(p, nbytes, name)
 #define COCONET_PARAM(p, nbytes, name, stream)
+#define COCONET_STREAM_NAME(stream, name)
 #endif
 
 #include <cstdint>
@@ -126,6 +127,7 @@ inline Ctx context(const CallArgs& a) {
   if (s == comm_streams.end()) {
     cudaStream_t cs;
     COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    COCONET_STREAM_NAME(cs, "the comm stream");
     s = comm_streams.emplace(dev, cs).first;
   }
   c.comm_stream = s->second;
