@@ -3,7 +3,8 @@ examples under the host emulation (coconetc.runtime_cuda.load_emulated, already 
 test), compared with the interpreter; dropout masks compared with the CPU backend; or one call
 of a module whose stream waits were edited (the race tests).
 
-    match SIZE FILE...          every (program, schedule) of each file's emulated module
+    match SIZE GROUPS FILE...   every (program, schedule) of each file's emulated module
+                                (GROUPS 0: one group, the pipeline example one stage a group)
     dropout FILE PROGRAM SCHED...   masks of the emulated and the CPU module, bit for bit
     race FILE PROGRAM SCHED SO NAME SIZE    one call of a prebuilt module; reports a race
 """
@@ -24,7 +25,9 @@ comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
 
 
-def groups_for(prog: str) -> int:
+def groups_for(prog: str, groups: int = 0) -> int:
+    if groups:
+        return groups
     if prog == "stage":  # send between groups: one stage per group
         return 2 if R % 2 == 0 else R
     return 1
@@ -41,14 +44,14 @@ def results(ir, out, args) -> tuple[dict, dict]:
     return outputs, updates
 
 
-def match(size: int, files: list[str]) -> int:
+def match(size: int, groups: int, files: list[str]) -> int:
     from coconetc.runtime_cuda import load_emulated
     bad = 0
     for f in files:
         mod = load_emulated(f, log=lambda msg: None)
         for name, prog in mod.programs.items():
             base = mod.source_module.programs[name]
-            g = groups_for(name)
+            g = groups_for(name, groups)
             inputs = random_inputs(base, R, g, sizes_of(base, size), seed=1)
             for sched, ir in prog.schedules.items():
                 s_inputs = adapt_inputs(inputs, base, ir, g)
@@ -114,7 +117,7 @@ def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int
 def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "match":
-        return match(int(argv[1]), argv[2:])
+        return match(int(argv[1]), int(argv[2]), argv[3:])
     if mode == "dropout":
         return dropout(argv[1], argv[2], argv[3:])
     assert mode == "race", mode

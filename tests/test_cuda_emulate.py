@@ -72,12 +72,14 @@ def test_emulation_leaves_out_what_cuda_does_not_do(example):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, size, chunk", [(1, 10, None), (2, 10, None), (3, 10, None), (4, 10, None),
-                                                (4, 3, None), (3, 10, "2")])
-def test_every_example_matches_interpreter(built, ranks, size, chunk):
-    """chunk: COCONET_CUDA_CHUNK, so every fused collective runs many chunks through both buffers."""
+@pytest.mark.parametrize("ranks, size, chunk, groups", [(1, 10, None, 0), (2, 10, None, 0), (3, 10, None, 0),
+                                                        (4, 10, None, 0), (4, 3, None, 0), (3, 10, "2", 0),
+                                                        (4, 10, "3", 2)])
+def test_every_example_matches_interpreter(built, ranks, size, chunk, groups):
+    """chunk: COCONET_CUDA_CHUNK, so every fused collective runs many chunks through both
+    buffers; groups: every program on 2 groups of 2 (ncclCommSplit)."""
     env = {"COCONET_CUDA_CHUNK": chunk} if chunk else {}
-    res = _launch(ranks, ["match", str(size), *[str(EX / f"{f}.ccn") for f in FILES]], env=env)
+    res = _launch(ranks, ["match", str(size), str(groups), *[str(EX / f"{f}.ccn") for f in FILES]], env=env)
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
