@@ -240,8 +240,19 @@ class EmulatedProgram(CudaProgram):
         return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _check_local_numpy(p: Program, kwargs: dict) -> dict:
+def _check_array(q: Param, v: Any) -> None:
     from coconetc.common.dtypes import STORAGE
+    if not isinstance(v, np.ndarray):
+        raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
+    if v.dtype != STORAGE[q.type.dtype]:
+        raise TypeError(f"'{q.name}' must have dtype {q.type.dtype}, got {v.dtype}")
+    if not v.flags.c_contiguous or not v.flags.writeable:
+        raise ValueError(f"'{q.name}' must be a C-contiguous writeable array")
+    if v.ndim != q.type.ndim:
+        raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {v.shape}")
+
+
+def _check_local_numpy(p: Program, kwargs: dict) -> dict:
     extra = sorted(set(kwargs) - {q.name for q in p.params})
     if extra:
         raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
@@ -258,13 +269,10 @@ def _check_local_numpy(p: Program, kwargs: dict) -> dict:
         elif q.scattered:
             raise ValueError(f"'{q.name}': scattered tensors are not in the CUDA backend yet")
         else:
-            if not isinstance(v, np.ndarray):
-                raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
-            if v.dtype != STORAGE[q.type.dtype]:
-                raise TypeError(f"'{q.name}' must have dtype {q.type.dtype}, got {v.dtype}")
-            if not v.flags.c_contiguous or not v.flags.writeable:
-                raise ValueError(f"'{q.name}' must be a C-contiguous writeable array")
-            if v.ndim != q.type.ndim:
-                raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {v.shape}")
+            _check_array(q, v)
         out[q.name] = v
+    from coconetc.common.validate import overlapping
+    both = overlapping(p, out)
+    if both:
+        raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory; pass separate arrays")
     return out

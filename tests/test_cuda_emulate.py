@@ -222,3 +222,36 @@ def test_run_emulate_command(built, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "f1 [fused]: skipped: a fused collective sliced along a dim other than 0" in res.stdout, res.stdout
     assert "f1 [default] (CUDA, host emulation): 2 ranks:" in res.stdout, res.stdout
+
+
+CALLS = r"""
+import sys
+import numpy as np
+from mpi4py import MPI  # noqa: F401 - MPI up first, as in a user's script
+from coconetc.runtime_cuda import load_emulated
+mod = load_emulated(sys.argv[1], log=lambda m: None)
+g, w = np.full(7, 2.0, np.float32), np.ones(7, np.float32)
+for sched in ("default", "fused", "rs_c_ag"):
+    w1 = w.copy()
+    mod.sgd(schedule=sched, g=g, w=w1, lr=0.25)
+    assert np.allclose(w1, 0.5), (sched, w1)
+for bad, err in [(dict(g=g.astype(np.float64), w=w.copy()), TypeError), (dict(g=g, w=g), ValueError),
+                 (dict(g=g, w=w.copy()[::2]), ValueError)]:
+    try:
+        mod.sgd(lr=0.1, **bad)
+    except err as e:
+        print("raised:", e)
+    else:
+        raise SystemExit(f"no {err.__name__} for {bad}")
+print("calls ok")
+"""
+
+
+@pytest.mark.slow
+def test_load_emulated_calling_convention(built):
+    """NumPy arrays in place of device memory, updated in place; wrong dtypes, aliasing and
+    non-contiguous arrays raise before anything runs (one rank, in a fresh process)."""
+    res = subprocess.run([sys.executable, "-c", CALLS, str(EX / "sgd.ccn")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "calls ok" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("raised:") == 3, res.stdout
