@@ -195,7 +195,10 @@ __global__ void each_kernel(int64_t n, F f) {
 // f(i) for i in [0, n): a grid-stride loop (bounds-checked), on stream s.
 template <class F>
 void launch(int64_t n, cudaStream_t s, F f) {
-  if (n <= 0) return;
+  if (n <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
   const int threads = 256;
   int64_t blocks = (n + threads - 1) / threads;
   if (blocks > 65536) blocks = 65536;
