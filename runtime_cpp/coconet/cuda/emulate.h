@@ -619,7 +619,17 @@ MPI_Op make_op(int op) {
   }
   return o;
 }
+inline MPI_Datatype builtin_type(ncclDataType_t t) {
+  switch (t) {
+    case ncclFloat32: return MPI_FLOAT;
+    case ncclFloat64: return MPI_DOUBLE;
+    case ncclInt32: return MPI_INT32_T;
+    case ncclInt64: return MPI_INT64_T;
+    default: return MPI_DATATYPE_NULL;  // f16/bf16: bytes with user operations
+  }
+}
 inline MPI_Datatype mpi_type(ncclDataType_t t) {
+  if (builtin_type(t) != MPI_DATATYPE_NULL) return builtin_type(t);
   static std::mutex mu;
   static std::map<size_t, MPI_Datatype> types;
   std::lock_guard<std::mutex> lock(mu);
@@ -633,6 +643,8 @@ inline MPI_Datatype mpi_type(ncclDataType_t t) {
   return it->second;
 }
 inline MPI_Op mpi_op(ncclDataType_t t, ncclRedOp_t op) {
+  if (builtin_type(t) != MPI_DATATYPE_NULL)  // MPI's own reductions (ncclAvg: a sum, divided after)
+    return op == ncclProd ? MPI_PROD : op == ncclMax ? MPI_MAX : op == ncclMin ? MPI_MIN : MPI_SUM;
   static std::mutex mu;
   static std::map<std::pair<int, int>, MPI_Op> ops;
   std::lock_guard<std::mutex> lock(mu);
