@@ -247,15 +247,25 @@ def _libs(include_dirs, library_dirs, libraries) -> dict:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--save", type=click.Path(), help="Write every rank's inputs and results (.npz).")
 @click.option("--interp", is_flag=True, help="Run on the reference interpreter (simulated ranks).")
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="The backend whose module runs (cuda: only with --emulate).")
+@click.option("--emulate", is_flag=True,
+              help="With --backend cuda: run the generated CUDA code under the host emulation "
+                   "(streams as threads, NCCL on MPI, stream races detected).")
 @_lib_options
-def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, include_dirs, library_dirs,
-        libraries) -> None:
+def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backend, emulate, include_dirs,
+        library_dirs, libraries) -> None:
     """Run a program (and check a schedule against it) on random inputs.
 
     Compiled (the default): builds the module, launches R ranks with mpiexec, compares every
-    rank's results with the interpreter and prints timings. --interp: simulated ranks only."""
+    rank's results with the interpreter and prints timings. --interp: simulated ranks only.
+    --backend cuda --emulate: the CUDA module under the host emulation, compared the same way."""
     if ranks % groups:
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
+    if backend == "cuda" and not emulate:
+        _fail("coconetc: run --backend cuda needs --emulate here (on a GPU, use coconetc.runtime_cuda)")
+    if emulate and (backend != "cuda" or interp):
+        _fail("coconetc: --emulate goes with --backend cuda (and not with --interp)")
     from coconetc.harness.core import size_symbols
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
@@ -263,6 +273,8 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, inclu
     from coconetc.harness.core import DEFAULT_SIZE
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     names = _schedule_names(mod, name, schedule)
+    if emulate:
+        _run_emulated(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
     if not interp:
         libs = _libs(include_dirs, library_dirs, libraries)
         _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
@@ -272,6 +284,37 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, inclu
         path = _save_path(save, s, len(names) > 1) if save else None
         bad |= _run_one(mod, name, s, ranks, groups, sz, seed, path)
     sys.exit(1 if bad else 0)
+
+
+def _run_emulated(mod: SourceFile, name, names, ranks, groups, sizes, seed, save) -> None:
+    """run --backend cuda --emulate: build the emulated CUDA module here, then the worker on R
+    ranks; what the CUDA backend does not implement is named and left out."""
+    from coconetc.build.builder import BuildError
+    from coconetc.build.cuda_build import compile_emulated
+    from coconetc.codegen.cuda import emulation_problems
+    from coconetc.launch.mpiexec import run_python
+    try:
+        compile_emulated(mod.file)
+    except (BuildError, CompileError) as err:
+        _fail(str(err))
+    skip = emulation_problems(mod)
+    keep = []
+    for s in names:
+        if s is not None and mod.schedule(name, s).auto:
+            continue
+        why = skip.get((name, s or "default"))
+        if why:
+            click.echo(f"{name} [{s or 'default'}]: skipped: {why} (--backend cuda)")
+        else:
+            keep.append(s)
+    if not keep:
+        sys.exit(0)
+    argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
+            "--seed", str(seed), "--emulate-cuda", *[f"--size={k}={v}" for k, v in sizes.items()]]
+    argv += [f"--schedule={s or 'default'}" for s in keep]
+    if save:
+        argv += ["--save", save]
+    sys.exit(run_python(ranks, argv))
 
 
 def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, libs: dict) -> None:

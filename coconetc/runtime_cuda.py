@@ -179,3 +179,100 @@ def _describe(p: Program, values: dict) -> dict:
     return {q.name: values[q.name] if q.scalar else tuple(values[q.name].shape) for q in p.params}
 
 
+
+
+# ---- host emulation ----------------------------------------------------------------------------------
+
+def load_emulated(path: str | Path, log=None) -> EmulatedModule:
+    """FILE's CUDA module built for the host emulation (build/cuda_build.py: compile_emulated):
+    the generated CUDA code run on the CPU, NCCL on MPI. Programs take NumPy arrays (host memory
+    stands for device memory), update parameters in place and return new NumPy outputs; every
+    call synchronizes and raises if the emulation found a stream race."""
+    from coconetc.build.cuda_build import compile_emulated
+    from coconetc.runtime.loader import import_extension
+    mod, src, so = compile_emulated(path, log=log)
+    return EmulatedModule(mod, src, import_extension(src.module, so))
+
+
+class EmulatedModule(CudaModule):
+    def __init__(self, mod: Any, src: Any, ext: Any):
+        super().__init__(mod, src, ext)
+        for name, prog in list(self.programs.items()):
+            self.programs[name] = EmulatedProgram(prog.name, prog.schedules, ext, self)
+            setattr(self, name, self.programs[name])
+
+
+class EmulatedProgram(CudaProgram):
+    def __init__(self, name: str, schedules: dict[str, Program], ext: Any, owner: EmulatedModule):
+        super().__init__(name, schedules, ext)
+        self.owner = owner
+
+    def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
+                 stream: Any = None, **kwargs):
+        from coconetc.common.dtypes import STORAGE
+        key = schedule or DEFAULT
+        if key not in self.schedules:
+            raise ValueError(f"{self.name}: no schedule '{key}' in the emulated CUDA module (have "
+                             f"{sorted(self.schedules)}; `coconetc check --backend cuda` says why)")
+        p = self.schedules[key]
+        comm = comm or self.owner.comm()
+        local = _check_local_numpy(p, kwargs)
+        shapes = _describe(p, local)
+        everyone = comm.mpi.allgather(shapes) if comm.mpi is not None and comm.size > 1 else [shapes]
+        sizes, _ = bind_sizes(p, everyone, groups)
+        group_size = len(everyone) // groups
+        rank = comm.rank % group_size
+        args = self.ext.CallArgs()
+        args.tensors = [local[q.name].ctypes.data for q in p.params if not q.scalar]
+        outs = []
+        for _, s in p.outputs:
+            t = p.type_of(s)
+            outs.append(np.zeros(_local_shape(t, sizes, group_size, rank), dtype=STORAGE[t.dtype]))
+        args.outputs = [o.ctypes.data for o in outs]
+        args.sizes = [sizes[s] for s in sorted(sizes)]
+        scal = [q for q in p.params if q.scalar]
+        args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
+        args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
+        args.stream = 0
+        args.comm, args.groups = comm.handle, groups
+        getattr(self.ext, function_name(self.name, key))(args)
+        self.ext.synchronize()
+        return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _check_array(q: Param, v: Any) -> None:
+    from coconetc.common.dtypes import STORAGE
+    if not isinstance(v, np.ndarray):
+        raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
+    if v.dtype != STORAGE[q.type.dtype]:
+        raise TypeError(f"'{q.name}' must have dtype {q.type.dtype}, got {v.dtype}")
+    if not v.flags.c_contiguous or not v.flags.writeable:
+        raise ValueError(f"'{q.name}' must be a C-contiguous writeable array")
+    if v.ndim != q.type.ndim:
+        raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {v.shape}")
+
+
+def _check_local_numpy(p: Program, kwargs: dict) -> dict:
+    extra = sorted(set(kwargs) - {q.name for q in p.params})
+    if extra:
+        raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
+    out: dict[str, Any] = {}
+    for q in p.params:
+        if q.name not in kwargs:
+            raise TypeError(f"{p.name}() missing argument '{q.name}'")
+        v = kwargs[q.name]
+        if q.scalar:
+            if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+                raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
+        elif q.scattered:
+            raise ValueError(f"'{q.name}': scattered tensors are not in the CUDA backend yet")
+        else:
+            _check_array(q, v)
+        out[q.name] = v
+    from coconetc.common.validate import overlapping
+    both = overlapping(p, out)
+    if both:
+        raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory; pass separate arrays")
+    return out

@@ -166,3 +166,71 @@ def _run(out_dir: Path, log) -> None:
         if res.returncode != 0:
             output = ((res.stdout or "") + (res.stderr or ""))[-6000:]
             raise BuildError(f"coconetc: {what} failed for {out_dir / 'module.cu'}\n{output}")
+
+
+# ---- host emulation (coconetc run --backend cuda --emulate) -------------------------------------
+
+def emulation_missing() -> str | None:
+    """Why the emulated CUDA module cannot be built here (None: it can)."""
+    from coconetc.build.builder import _missing_cpu_extra
+    gone = _missing_cpu_extra()
+    if gone:
+        return f"the host emulation needs the 'cpu' extra (missing: {', '.join(gone)})"
+    return None
+
+
+def compile_emulated(path: str | Path, out_dir: str | Path | None = None, log=None):
+    """FILE's CUDA module (the same module.cu nvcc builds) compiled by the MPI C++ compiler with
+    -DCOCONET_EMULATE (runtime_cpp/coconet/cuda/emulate.h: streams as threads, NCCL on MPI,
+    cuBLAS on the CPU GEMM), cached like the other builds. Leaves out what the CUDA renderer does
+    not implement and programs with extern operations (their own CUDA code is not emulated).
+    Returns (SourceFile, CudaSources, path of the .so)."""
+    from coconetc.codegen.cuda import generate
+    from coconetc.driver import load_file
+    mod = load_file(path)
+    probe = generate(mod, _PROBE, skip_unsupported=True, emulate=True)
+    name, so = build_emulated(probe.cu, Path(path).stem, out_dir, log=log)
+    return mod, replace(probe, module=name, cu=probe.cu.replace(_PROBE, name), cmake=""), so
+
+
+def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = None,
+                   runtime: str | Path | None = None, log=None) -> tuple[str, Path]:
+    """Build a generated module.cu (its module named by the placeholder of generate()) for the
+    host emulation; runtime: another copy of runtime_cpp/ (tests edit it). Returns (module
+    name, path of the .so), cached by a hash of everything that goes in."""
+    from coconetc.build import builder
+    why = emulation_missing()
+    if why:
+        raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
+    rt = Path(runtime) if runtime else runtime_dir()
+    h = hashlib.sha256()
+    headers = [f.read_bytes().decode() for f in sorted([*rt.rglob("*.h"), *rt.rglob("*.cuh")])]
+    for part in (compiler_hash(), *headers, cu, builder.toolchain().mpicxx, sys.version, sysconfig.get_platform(),
+                 "emulate"):
+        h.update(part.encode())
+        h.update(b"\0")
+    stem = "".join(c if c.isalnum() else "_" for c in stem)
+    name = f"ccn_emu_{stem}_{h.hexdigest()[:16]}"
+    where = Path(out_dir) if out_dir else cache_dir() / name
+    so = build_locked(name, {"module.cu": cu.replace(_PROBE, name)}, where,
+                      lambda d, lg: _run_emulated(name, d, lg, rt), log)
+    return name, so
+
+
+def _run_emulated(name: str, out_dir: Path, log, runtime: Path) -> None:
+    import pybind11
+    from coconetc.build import builder
+    tc = builder.toolchain()
+    say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    blas_dir = str(Path(tc.blas_lib).parent)
+    (out_dir / "build").mkdir(exist_ok=True)
+    so = out_dir / "build" / f"{name}.so"
+    cmd = [tc.mpicxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-DCOCONET_EMULATE", "-x", "c++",
+           str(out_dir / "module.cu"), "-x", "none", f"-I{runtime}", f"-I{pybind11.get_include()}",
+           f"-I{sysconfig.get_paths()['include']}", f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}",
+           f"-Wl,-rpath,{blas_dir}", "-o", str(so)]
+    say(f"coconetc: compiling {out_dir / 'module.cu'} (host emulation)")
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        output = ((res.stdout or "") + (res.stderr or ""))[-6000:]
+        raise BuildError(f"coconetc: compiling the emulated module failed for {out_dir / 'module.cu'}\n{output}")

@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,8 @@ def _args(argv):
     ap.add_argument("--include-dir", action="append", default=[])
     ap.add_argument("--library-dir", action="append", default=[])
     ap.add_argument("--library", action="append", default=[])
+    ap.add_argument("--emulate-cuda", action="store_true",
+                    help="the CUDA module under the host emulation instead of the CPU module")
     return ap.parse_args(argv)
 
 
@@ -50,15 +53,19 @@ def _main(a, comm) -> int:
     from coconetc.interp.interpreter import Result, run
     from coconetc.harness.session import save_results
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
-    mod = coconetc.load(a.file, log=lambda msg: None, include_dirs=a.include_dir,
-                        library_dirs=a.library_dir, libraries=a.library)
-    fn = mod.programs[a.program]
+    if a.emulate_cuda:
+        from coconetc.runtime_cuda import load_emulated
+        mod = load_emulated(a.file, log=lambda msg: None)
+    else:
+        mod = coconetc.load(a.file, log=lambda msg: None, include_dirs=a.include_dir,
+                            library_dirs=a.library_dir, libraries=a.library)
+    fn: Any = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
     rank, R = comm.Get_rank(), comm.Get_size()
     inputs = random_inputs(base, R, a.groups, sizes, a.seed)
     bad = 0
     for sched in a.schedule or [None]:
-        ir = fn._program(sched)
+        ir = fn.schedules[sched or "default"] if a.emulate_cuda else fn._program(sched)
         s_inputs = adapt_inputs(inputs, base, ir, a.groups)
         times, res = [], None
         for _ in range(max(1, a.reps)):
@@ -75,7 +82,7 @@ def _main(a, comm) -> int:
             ref = run(ir, s_inputs, a.groups)
             got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
             problems = compare(ref, got, ir, ir, a.groups)
-            label = f"{a.program} [{sched or 'default'}]"
+            label = f"{a.program} [{sched or 'default'}]" + (" (CUDA, host emulation)" if a.emulate_cuda else "")
             status = "matches the interpreter on every rank" if not problems else "MISMATCH"
             print(f"{label}: {R} ranks: {t * 1e3:.3f} ms (median of {a.reps}): {status}", flush=True)
             for prob in problems[:20]:

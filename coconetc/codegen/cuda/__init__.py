@@ -16,10 +16,13 @@ from coconetc.build.builder import Libs
 from coconetc.codegen.cpu import extern_headers, function_name, variants
 from coconetc.codegen.cuda.render import Unsupported, render, unsupported
 from coconetc.driver import SourceFile
+from coconetc.ir import ops
+from coconetc.plan.units import Fused, Library
 
 DEFAULT_ARCHS = "80;90"
 
-__all__ = ["CudaSources", "Unsupported", "generate", "problems", "unsupported", "DEFAULT_ARCHS"]
+__all__ = ["CudaSources", "Unsupported", "generate", "problems", "unsupported", "emulation_problems",
+           "DEFAULT_ARCHS"]
 
 
 @dataclass(frozen=True)
@@ -46,21 +49,41 @@ def problems(mod: SourceFile) -> dict[tuple[str, str], list[Unsupported]]:
     return out
 
 
+def emulation_problems(mod: SourceFile) -> dict[tuple[str, str], str]:
+    """(program, schedule) -> why the host emulation leaves it out: what the CUDA renderer does
+    not implement, or an extern operation (its own CUDA code is not emulated)."""
+    out = {key: errs[0].what for key, errs in problems(mod).items()}
+    for key in variants(mod):
+        if key not in out and any(isinstance(u, Library) and ops.get(u.op).extern is not None
+                                  for u in _units(mod.plans[key].units)):
+            out[key] = "an extern operation's own CUDA code is not run under the host emulation"
+    return out
+
+
+def _units(units):
+    for u in units:
+        yield u
+        if isinstance(u, Fused):
+            yield from _units(u.after)
+
+
 def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
-             skip_unsupported: bool = False, libs: Libs | None = None) -> CudaSources:
+             skip_unsupported: bool = False, libs: Libs | None = None, emulate: bool = False) -> CudaSources:
     """The module's sources. skip_unsupported: leave out the (program, schedule)s the CUDA
     renderer cannot render yet (else the first one raises Unsupported). libs: for extern
-    operations (headers, libraries)."""
+    operations (headers, libraries). emulate: for the host emulation (build/cuda_build.py:
+    compile_emulated), leaving out what emulation_problems names."""
     file = Path(mod.file).name
     funcs = {}
+    skip = emulation_problems(mod) if emulate else {}
     for key, p in variants(mod).items():
         plan = mod.plans[key]
-        if skip_unsupported and unsupported(plan):
+        if (skip_unsupported and unsupported(plan)) or key in skip:
             continue
         funcs[key] = render(plan, function_name(*key), file, [pub for pub, _ in p.outputs])
-    libs = libs or Libs.of(mod.file, bool(mod.externs))
+    libs = libs or Libs.of(mod.file, bool(mod.externs) and not emulate)
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),
-               source="module.cu", archs=archs, headers=extern_headers(mod, "cuda"), libs=libs)
+               source="module.cu", archs=archs, headers=[] if emulate else extern_headers(mod, "cuda"), libs=libs)
     cu = _env().get_template("module.cu.j2").render(ctx)
     cmake = _env().get_template("CMakeLists.txt.j2").render(ctx)
     return CudaSources(module_name, cu, cmake, funcs)

@@ -143,13 +143,16 @@ class CudaRenderer(LoopEmitter):
             k = len(self.sig.tensors)
             self.sig.tensors.append(b.name)
             self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
+            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
         elif b.kind == "output":
             self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
+            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
         elif b.kind == "alias":
             self.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
         elif b.kind == "scratch":
             self.emit(f"{ct}* const v_{b.name} = coconet::cuda::scratch<{ct}>({self.site()}, "
                       f"{_prod(self.ldims(b.type))});")
+            self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name)
         elif b.kind == "view":
             inner = _prod(self.gdims(b.type)[1:])
             self.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.offset(b.type)} * {inner};"
@@ -158,6 +161,44 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"// {b.name}: only as packed chunks of its overlap")
         elif b.kind != "register":
             raise Unsupported(b.line, f"buffer kind '{b.kind}' is not in the CUDA backend yet")
+
+    def _name(self, ptr: str, n: str, name: str, caller: bool = False) -> None:
+        """The buffer's name for the host emulation's race reports (nothing under nvcc).
+        caller: a parameter or output, produced on the call's stream before the call."""
+        if caller:
+            self.emit(f'COCONET_PARAM({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}", stream);')
+        else:
+            self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
+
+    def _access_note(self, t: TType, items: list[tuple[str, Expr, bool]], lets: tuple[Let, ...], lo: str, hi: str,
+                     regs: dict[str, str], indent: str) -> None:
+        """COCONET_ACCESS before a kernel: the element ranges it reads and writes, for the host
+        emulation's race detection (expands to nothing under nvcc). Element i of the loop is
+        i in [lo, hi); an operand indexed other than by i is read whole."""
+        inside = {name for name, _, _ in items} | set(regs)
+        spans: dict[str, str] = {}
+        refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref)]
+        refs += [r for k in lets for r in walk(k.expr) if isinstance(r, Ref)]
+        for r in refs:
+            if r.name in inside or r.name in self.consts or r.name in spans:
+                continue
+            kind = next((b.kind for b in self.plan.buffers if b.name == r.name), None)
+            if kind in (None, "scalar", "register"):  # a Let, a scalar on the host, a value in registers
+                continue
+            idx = self._access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else "0"
+            if idx == "0":
+                spans[r.name] = f"COCONET_R(v_{r.name}, 0, 1)"
+            elif idx == "i":
+                spans[r.name] = f"COCONET_R(v_{r.name}, {lo}, {hi})"
+            elif idx is not None and idx.startswith("i + "):
+                o = idx[4:]
+                spans[r.name] = f"COCONET_R(v_{r.name}, {o} + {lo}, {o} + {hi})"
+            else:
+                spans[r.name] = f"COCONET_RA(v_{r.name})"
+        out = list(spans.values())
+        out += [f"COCONET_R({ptr.split('[')[0].split('(')[-1]}, 0, {hi} - ({lo}))" for ptr in regs.values()]
+        out += [f"COCONET_W(v_{name}, {lo}, {hi})" for name, _, stored in items if stored]
+        self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
 
     # --- kernels --------------------------------------------------------------------------
     def _lets(self, lets: tuple[Let, ...]) -> list[str]:
@@ -201,6 +242,7 @@ class CudaRenderer(LoopEmitter):
         if coords:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"  const int64_t L{k} = {d};")
+        self._access_note(t, items, lets, "0", n, {}, "  ")
         self.emit(f"  coconet::cuda::launch({n}, stream, [=] __device__ (int64_t i) {{")
         for line in self._lets(lets):
             self.emit(f"    {line}")
@@ -301,6 +343,8 @@ class CudaRenderer(LoopEmitter):
         self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
         self.emit(f"  {ct}* const red0_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
         self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
+        self._name(f"red0_{nm}", f"ch_{nm}", f"red0 (chunk buffer 0 of fused {nm})")
+        self._name(f"red1_{nm}", f"ch_{nm}", f"red1 (chunk buffer 1 of fused {nm})")
         if u.op == "reducescatter":
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
@@ -344,6 +388,7 @@ class CudaRenderer(LoopEmitter):
         if coords:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"    const int64_t L{k} = {d};")
+        self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ")
         self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
         self.emit("    const int64_t i = lo + j;")
         for line in lets:
@@ -375,7 +420,6 @@ class CudaRenderer(LoopEmitter):
         self.emit("{")
         self.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
         self.emit("  cctx.stream = ctx.comm_stream;")
-        self.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});  // inputs ready")
         if u.direct:
             rows, per_row = ly[0], _prod(ly[1:-1])
             self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
@@ -406,6 +450,8 @@ class CudaRenderer(LoopEmitter):
         oc, ic = _prod(lc[:d]), _prod(lc[d + 1:])
         self.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(ly)});")
         self.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(lc)});")
+        self._name("P_all", _prod(ly), f"packed chunks of {y}")
+        self._name("Q_all", _prod(lc), f"packed chunks of {c}")
         self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
         self.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
         self.emit("    if (r.empty()) continue;")

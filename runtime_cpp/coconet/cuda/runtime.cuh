@@ -8,9 +8,21 @@
 #define COCONET_NO_MPI
 #endif
 
+#ifdef COCONET_EMULATE
+// Host emulation (g++ -DCOCONET_EMULATE): the CUDA runtime, NCCL and cuBLAS on the CPU and MPI.
+#include "emulate.h"
+#else
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
+// What the emulation (emulate.h) defines, here for nvcc: a kernel launch, the byte ranges a
+// kernel reads and writes (race detection under emulation) and a buffer's name.
+#define COCONET_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#define COCONET_ACCESS(...)
+#define COCONET_BUFFER(p, nbytes, name)
+#define COCONET_PARAM(p, nbytes, name, stream)
+#define COCONET_STREAM_NAME(stream, name)
+#endif
 
 #include <cstdint>
 #include <cstdlib>
@@ -115,6 +127,7 @@ inline Ctx context(const CallArgs& a) {
   if (s == comm_streams.end()) {
     cudaStream_t cs;
     COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    COCONET_STREAM_NAME(cs, "the comm stream");
     s = comm_streams.emplace(dev, cs).first;
   }
   c.comm_stream = s->second;
@@ -134,6 +147,7 @@ inline void* scratch_bytes(int site, size_t bytes) {
     b.first = nullptr;
     COCONET_CUDA(cudaMalloc(&b.first, bytes > 0 ? bytes : 1));
     b.second = bytes;
+    COCONET_BUFFER(b.first, bytes > 0 ? bytes : 1, "scratch #" + std::to_string(site));
   }
   return b.first;
 }
@@ -181,11 +195,14 @@ __global__ void each_kernel(int64_t n, F f) {
 // f(i) for i in [0, n): a grid-stride loop (bounds-checked), on stream s.
 template <class F>
 void launch(int64_t n, cudaStream_t s, F f) {
-  if (n <= 0) return;
+  if (n <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
   const int threads = 256;
   int64_t blocks = (n + threads - 1) / threads;
   if (blocks > 65536) blocks = 65536;
-  each_kernel<<<static_cast<unsigned>(blocks), threads, 0, s>>>(n, f);
+  COCONET_LAUNCH(each_kernel, static_cast<unsigned>(blocks), threads, 0, s, n, f);
   COCONET_CUDA(cudaGetLastError());
 }
 
@@ -220,11 +237,15 @@ void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, in
   if (n > 0) {
     int64_t blocks = (n + 255) / 256;
     if (blocks > 4096) blocks = 4096;
-    partial_sum_kernel<T, NORM><<<static_cast<unsigned>(blocks), 256, 0, c.stream>>>(x, n, acc);
+    void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, NORM>;
+    COCONET_ACCESS(COCONET_R(x, 0, n), COCONET_W(acc, 0, 1));
+    COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, n, acc);
     COCONET_CUDA(cudaGetLastError());
   }
   if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 1, ncclFloat64, ncclSum, c.comm, c.stream));
-  finish_sum_kernel<T, NORM><<<1, 1, 0, c.stream>>>(acc, dst);
+  void (*finish)(const double*, T*) = finish_sum_kernel<T, NORM>;
+  COCONET_ACCESS(COCONET_R(acc, 0, 1), COCONET_W(dst, 0, 1));
+  COCONET_LAUNCH(finish, 1, 1, 0, c.stream, acc, dst);
   COCONET_CUDA(cudaGetLastError());
 }
 
@@ -252,7 +273,9 @@ void layernorm(const T* x, const T* g, const T* b, double eps, int64_t rows, int
   if (rows <= 0) return;
   int64_t blocks = (rows + 127) / 128;
   if (blocks > 65536) blocks = 65536;
-  layernorm_kernel<T><<<static_cast<unsigned>(blocks), 128, 0, c.stream>>>(x, g, b, eps, rows, H, y);
+  void (*kernel)(const T*, const T*, const T*, double, int64_t, int64_t, T*) = layernorm_kernel<T>;
+  COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_W(y, 0, rows * H));
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), 128, 0, c.stream, x, g, b, eps, rows, H, y);
   COCONET_CUDA(cudaGetLastError());
 }
 
@@ -261,6 +284,7 @@ template <class T>
 void conv2d(const T* x, const T* w, T* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
             int64_t KW, int64_t stride, int64_t pad, const Ctx& c) {
   const int64_t OH = (H + 2 * pad - KH) / stride + 1, OW = (W + 2 * pad - KW) / stride + 1;
+  COCONET_ACCESS(COCONET_R(x, 0, N * C * H * W), COCONET_R(w, 0, O * C * KH * KW), COCONET_W(y, 0, N * O * OH * OW));
   launch(N * O * OH * OW, c.stream, [=] __device__(int64_t i) {
     int64_t ow = i % OW, oh = (i / OW) % OH, o = (i / (OW * OH)) % O, n = i / (OW * OH * O);
     double acc = 0;
@@ -466,13 +490,13 @@ void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduc
   for (int64_t k = 0; k < chunks; ++k) {
     const int b = int(k % 2), nb = 1 - b;
     if (k + 1 < chunks) {
-      if (k >= 1) COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[nb], 0));  // buffer nb is free
       reduce_to(k + 1, red[nb]);
       COCONET_CUDA(cudaEventRecord(red_ev[nb], c.comm_stream));
     }
     COCONET_CUDA(cudaStreamWaitEvent(c.stream, red_ev[b], 0));
     compute(k, red[b]);
     COCONET_CUDA(cudaEventRecord(comp_ev[b], c.stream));
+    // chunk k is computed: its gather may read it, and buffer b is free for chunk k + 2
     COCONET_CUDA(cudaStreamWaitEvent(c.comm_stream, comp_ev[b], 0));
     gather(k);
   }

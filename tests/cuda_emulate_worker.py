@@ -1,0 +1,135 @@
+"""What each rank runs for tests/test_cuda_emulate.py (under mpiexec): the CUDA modules of the
+examples under the host emulation (coconetc.runtime_cuda.load_emulated, already built by the
+test), compared with the interpreter; dropout masks compared with the CPU backend; or one call
+of a module whose stream waits were edited (the race tests).
+
+    match SIZE GROUPS FILE...   every (program, schedule) of each file's emulated module
+                                (GROUPS 0: one group, the pipeline example one stage a group)
+    dropout FILE PROGRAM SCHED...   masks of the emulated and the CPU module, bit for bit
+    race FILE PROGRAM SCHED SO NAME SIZE    one call of a prebuilt module; reports a race
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+from coconetc.harness.core import adapt_inputs, compare, random_inputs, size_symbols
+from coconetc.interp.interpreter import Result, run
+
+comm = MPI.COMM_WORLD
+rank, R = comm.Get_rank(), comm.Get_size()
+
+
+def groups_for(prog: str, groups: int = 0) -> int:
+    if groups:
+        return groups
+    if prog == "stage":  # send between groups: one stage per group
+        return 2 if R % 2 == 0 else R
+    return 1
+
+
+def sizes_of(p, size: int) -> dict[str, int]:
+    return {s: size for s in size_symbols(p)}
+
+
+def results(ir, out, args) -> tuple[dict, dict]:
+    outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
+    outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
+    updates = {t: np.asarray(args[t]).copy() for t, _ in ir.updates}
+    return outputs, updates
+
+
+def match(size: int, groups: int, files: list[str]) -> int:
+    from coconetc.runtime_cuda import load_emulated
+    bad = 0
+    for f in files:
+        mod = load_emulated(f, log=lambda msg: None)
+        for name, prog in mod.programs.items():
+            base = mod.source_module.programs[name]
+            g = groups_for(name, groups)
+            inputs = random_inputs(base, R, g, sizes_of(base, size), seed=1)
+            for sched, ir in prog.schedules.items():
+                s_inputs = adapt_inputs(inputs, base, ir, g)
+                mine = copy.deepcopy(s_inputs[rank])
+                out = prog(schedule=sched, groups=g, **mine)
+                gathered = comm.gather(results(ir, out, mine), root=0)
+                if rank == 0:
+                    ref = run(ir, s_inputs, g)
+                    got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
+                    problems = compare(ref, got, ir, ir, g)
+                    print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={size} "
+                          f"groups={g} {problems[:3]}", flush=True)
+                    bad += bool(problems)
+    return comm.bcast(bad, root=0)
+
+
+def dropout(file: str, prog: str, scheds: list[str]) -> int:
+    """The output h = dropout(...) (* 2) + r equals r exactly where an element was dropped."""
+    import coconetc
+    from coconetc.runtime_cuda import load_emulated
+    emu = load_emulated(file, log=lambda msg: None)
+    cpu = coconetc.load(file, log=lambda msg: None)
+    base = emu.source_module.programs[prog]
+    inputs = random_inputs(base, R, 1, sizes_of(base, 12), seed=3)
+    bad = 0
+    for sched in scheds:
+        ir = emu.programs[prog].schedules[sched]
+        mine = adapt_inputs(inputs, base, ir)[rank]
+        a = emu.programs[prog](schedule=sched, **copy.deepcopy(mine))
+        b = cpu.programs[prog](schedule=None if sched == "default" else sched, **copy.deepcopy(mine))
+        r = np.asarray(mine["r"])
+        ma, mb = np.asarray(a) == r, np.asarray(b) == r
+        same = bool(np.array_equal(ma, mb))
+        dropped = int(ma.sum())
+        print(f"DROPOUT {prog} {sched} rank {rank}: masks {'identical' if same else 'DIFFER'} "
+              f"({dropped} of {ma.size} dropped)", flush=True)
+        bad += (not same) or dropped == 0 or dropped == ma.size
+    return comm.allreduce(bad)
+
+
+def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int:
+    from coconetc.codegen.cuda import generate
+    from coconetc.driver import load_file
+    from coconetc.runtime.loader import import_extension
+    from coconetc.runtime_cuda import EmulatedModule
+    mod = load_file(file)
+    src = generate(mod, name, skip_unsupported=True, emulate=True)
+    emu = EmulatedModule(mod, src, import_extension(name, so))
+    base = mod.programs[prog]
+    ir = emu.programs[prog].schedules[sched]
+    inputs = adapt_inputs(random_inputs(base, R, 1, sizes_of(base, size), seed=2), base, ir)
+    try:
+        emu.programs[prog](schedule=sched, **inputs[rank])
+    except RuntimeError as e:
+        print(f"RANK {rank}: {e}", flush=True)
+        sys.stdout.flush()
+        comm.Abort(3)
+    comm.Barrier()
+    print(f"RANK {rank}: ok", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0]
+    if mode == "match":
+        return match(int(argv[1]), int(argv[2]), argv[3:])
+    if mode == "dropout":
+        return dropout(argv[1], argv[2], argv[3:])
+    assert mode == "race", mode
+    return race(argv[1], argv[2], argv[3], argv[4], argv[5], int(argv[6]))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(1 if main(sys.argv[1:]) else 0)
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - a failing rank stops the job
+        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        comm.Abort(1)

@@ -1,0 +1,257 @@
+"""The CUDA backend run without a GPU, under the host emulation (runtime_cpp/coconet/cuda/emulate.h,
+docs/cuda.md): the same generated module.cu, compiled by g++ with -DCOCONET_EMULATE, streams as
+threads, NCCL on MPI, cuBLAS on the CPU GEMM.
+
+- every example and schedule the CUDA backend implements matches the interpreter at R = 1..4
+  (size 10: uneven for 3 and 4 ranks; and sizes smaller than R), one mpiexec launch per R;
+- dropout masks are bit-identical with the CPU backend;
+- race tests: every cudaStreamWaitEvent of the fused pipeline and every stream join of the
+  overlap, removed one at a time from the source, makes the emulated run fail naming the buffer
+  and both streams (the check is on the happens-before relation, not on timing)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from coconetc.build import cuda_build
+from coconetc.launch import mpiexec
+
+REPO = Path(__file__).resolve().parents[1]
+EX = REPO / "examples"
+WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
+FILES = ["adam", "clipped_sgd", "collectives", "conv2d", "layernorm", "mixed_adam", "mlp_out", "pipeline",
+         "residual_dropout", "sgd", "tp_overlap"]
+
+why = cuda_build.emulation_missing()
+pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
+
+
+def _launch(ranks: int, args: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    e = dict(os.environ, **(env or {}))
+    e.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    e.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    e.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
+    return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def built(request):
+    """Every example's emulated module, built once here (the ranks then only import), in the
+    session's build cache that tests/test_cpu_backend.py uses too (the dropout test's CPU
+    modules are built there already)."""
+    from coconetc.build import builder
+    old = os.environ.get(builder.ENV_CACHE)
+    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    from concurrent.futures import ThreadPoolExecutor
+    builder.toolchain(), cuda_build.cuda_hash()  # computed once, before the threads
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        list(pool.map(lambda f: cuda_build.compile_emulated(EX / f"{f}.ccn", log=lambda msg: None), FILES))
+    yield True
+    if old is None:
+        os.environ.pop(builder.ENV_CACHE, None)
+    else:
+        os.environ[builder.ENV_CACHE] = old
+
+
+def test_emulation_leaves_out_what_cuda_does_not_do(example):
+    from coconetc.codegen.cuda import emulation_problems
+    skip = emulation_problems(example("lamb.ccn"))
+    assert all("scattered" in w for w in skip.values()) and len(skip) == 3
+    skip = emulation_problems(example("extern_ops.ccn"))
+    assert skip and all("extern" in w for w in skip.values())
+    assert not emulation_problems(example("adam.ccn"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, size, chunk, groups", [(1, 10, None, 0), (2, 10, None, 0), (3, 10, None, 0),
+                                                        (4, 10, None, 0), (4, 3, None, 0), (3, 10, "2", 0),
+                                                        (4, 10, "3", 2)])
+def test_every_example_matches_interpreter(built, ranks, size, chunk, groups):
+    """chunk: COCONET_CUDA_CHUNK, so every fused collective runs many chunks through both
+    buffers; groups: every program on 2 groups of 2 (ncclCommSplit)."""
+    env = {"COCONET_CUDA_CHUNK": chunk} if chunk else {}
+    res = _launch(ranks, ["match", str(size), str(groups), *[str(EX / f"{f}.ccn") for f in FILES]], env=env)
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert lines and all(ln.startswith("MATCH ") for ln in lines), log
+    assert len(lines) >= 30, log  # 30 (program, schedule)s of the examples; a lost one shows here
+
+
+@pytest.mark.slow
+def test_dropout_masks_identical_to_cpu_backend(built):
+    for file, prog, scheds in [("residual_dropout", "f1", ["default"]),
+                               ("mlp_out", "mlp_out", ["default", "rs_c_ag", "overlap_ar"])]:
+        res = _launch(2, ["dropout", str(EX / f"{file}.ccn"), prog, *scheds])
+        log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+        assert res.returncode == 0, log
+        assert res.stdout.count("masks identical") == 2 * len(scheds), log
+
+
+# --- race detection ---------------------------------------------------------------------------------
+
+def _statement_removed(text: str, start: int) -> str:
+    """The text with the statement that starts at `start` (up to its ';' at depth 0) replaced by
+    `(void)0;` (so an `if (...)` before it keeps a body)."""
+    depth, k = 0, start
+    while True:
+        c = text[k]
+        depth += c == "("
+        depth -= c == ")"
+        if c == ";" and depth == 0:
+            break
+        k += 1
+    return text[:start] + "(void)0;" + text[k + 1:]
+
+
+def _waits_in(text: str, function: str) -> list[int]:
+    """Offsets of the COCONET_CUDA(cudaStreamWaitEvent(...)) statements inside `function`."""
+    lo = text.index(function)
+    hi = text.index("\n}\n", lo)
+    return [lo + m.start() for m in re.finditer(r"COCONET_CUDA\(cudaStreamWaitEvent\(", text[lo:hi])]
+
+
+def _joins_in(cu: str, fn: str) -> list[int]:
+    lo = cu.index(f"void {fn}(")
+    hi = cu.index("\n}\n", lo)
+    return [lo + m.start() for m in re.finditer(r"coconet::cuda::join\(", cu[lo:hi])]
+
+
+def _source(file: str, program: str, sched: str) -> str:
+    from coconetc.codegen.cuda import generate
+    from coconetc.build.cuda_build import _PROBE
+    from coconetc.driver import load_file
+    mod = load_file(EX / f"{file}.ccn")
+    mod = replace(mod, schedules={p: {s: x for s, x in sc.items() if s == sched} for p, sc in mod.schedules.items()})
+    return generate(mod, _PROBE, skip_unsupported=True, emulate=True).cu
+
+
+def _run_variant(tmp: Path, file: str, program: str, sched: str, cu: str, runtime: Path, size: int) -> str:
+    name, so = cuda_build.build_emulated(cu, f"race_{file}", tmp / f"b{abs(hash((cu, runtime)))}", runtime=runtime,
+                                         log=lambda msg: None)
+    res = _launch(2, ["race", str(EX / f"{file}.ccn"), program, sched, str(so), name, str(size)],
+                  env={"COCONET_CUDA_CHUNK": "2"}, timeout=300)
+    return res.stdout + res.stderr
+
+
+RACE_CASES = [  # (file, program, schedule, size): a fused and an overlap schedule
+    ("sgd", "sgd", "fused", 10),           # 5 elements a rank, 2-element chunks: 3 chunks
+    ("mlp_out", "mlp_out", "overlap_ar", 10),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, program, sched, size", RACE_CASES)
+def test_race_every_stream_wait_removed_is_reported(tmp_path, file, program, sched, size):
+    """Unchanged, the run passes; with any one stream wait of its pipeline removed (a
+    cudaStreamWaitEvent of coconet::cuda::pipeline or join in runtime.cuh, or a join call in the
+    generated function), every run fails naming the buffer and both streams."""
+    from coconetc.codegen.cpu import function_name
+    from coconetc.paths import runtime_dir
+    cu = _source(file, program, sched)
+    fn = function_name(program, sched)
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    cuh = (rt / "coconet" / "cuda" / "runtime.cuh").read_text()
+    variants: list[tuple[str, str, str]] = []  # (what, module.cu, runtime.cuh)
+    if "coconet::cuda::pipeline<" in cu:
+        for at in _waits_in(cuh, "void pipeline("):
+            variants.append((cuh[at:cuh.index(";", at)], cu, _statement_removed(cuh, at)))
+    joins = _joins_in(cu, fn)
+    if joins:
+        for at in _waits_in(cuh, "inline void join("):
+            variants.append(("join(): " + cuh[at:cuh.index(";", at)], cu, _statement_removed(cuh, at)))
+        for at in joins:
+            variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), cuh))
+    assert len(variants) >= 3, variants
+
+    out = _run_variant(tmp_path, file, program, sched, cu, rt, size)
+    assert out.count(": ok") == 2 and "race on buffer" not in out, out
+    for what, vcu, vcuh in variants:
+        vrt = tmp_path / f"rt{abs(hash(vcuh))}"
+        if not vrt.exists():
+            shutil.copytree(rt, vrt)
+            (vrt / "coconet" / "cuda" / "runtime.cuh").write_text(vcuh)
+        out = _run_variant(tmp_path, file, program, sched, vcu, vrt, size)
+        assert "coconet emulate: race on buffer '" in out, f"removed {what}: not reported\n{out[-3000:]}"
+        line = next(ln for ln in out.splitlines() if "race on buffer" in ln)
+        assert re.search(r"stream #\d+", line) and "the call's stream" in line, line
+        print(f"removed {what}:\n  {line.strip()}")
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "coconetc"
+    cmd = [str(exe)] if exe.exists() else [shutil.which("coconetc") or "coconetc"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_run_backend_cuda_needs_emulate():
+    res = _cli("run", str(EX / "sgd.ccn"), "--backend", "cuda")
+    assert res.returncode != 0 and "--emulate" in res.stderr
+    res = _cli("run", str(EX / "sgd.ccn"), "--emulate")
+    assert res.returncode != 0 and "--backend cuda" in res.stderr
+
+
+@pytest.mark.slow
+def test_run_emulate_command(built, tmp_path):
+    """coconetc run --backend cuda --emulate with the CPU run's flags; what the CUDA backend
+    does not implement is named and skipped."""
+    import numpy as np
+    save = tmp_path / "out.npz"
+    res = _cli("run", str(EX / "sgd.ccn"), "--backend", "cuda", "--emulate", "--ranks", "3", "-s", "all",
+               "--size", "N=7", "--save", str(save))
+    assert res.returncode == 0, res.stdout + res.stderr
+    for s in ("default", "fused", "rs_c_ag"):
+        assert f"sgd [{s}] (CUDA, host emulation): 3 ranks:" in res.stdout, res.stdout
+    assert res.stdout.count("matches the interpreter on every rank") == 3, res.stdout
+    saved = np.load(tmp_path / "out.fused.npz")
+    assert saved["r2.out.w"].shape == (7,)
+    res = _cli("run", str(EX / "residual_dropout.ccn"), "--backend", "cuda", "--emulate", "--ranks", "2", "-s",
+               "all")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "f1 [fused]: skipped: a fused collective sliced along a dim other than 0" in res.stdout, res.stdout
+    assert "f1 [default] (CUDA, host emulation): 2 ranks:" in res.stdout, res.stdout
+
+
+CALLS = r"""
+import sys
+import numpy as np
+from mpi4py import MPI  # noqa: F401 - MPI up first, as in a user's script
+from coconetc.runtime_cuda import load_emulated
+mod = load_emulated(sys.argv[1], log=lambda m: None)
+g, w = np.full(7, 2.0, np.float32), np.ones(7, np.float32)
+for sched in ("default", "fused", "rs_c_ag"):
+    w1 = w.copy()
+    mod.sgd(schedule=sched, g=g, w=w1, lr=0.25)
+    assert np.allclose(w1, 0.5), (sched, w1)
+for bad, err in [(dict(g=g.astype(np.float64), w=w.copy()), TypeError), (dict(g=g, w=g), ValueError),
+                 (dict(g=g, w=w.copy()[::2]), ValueError)]:
+    try:
+        mod.sgd(lr=0.1, **bad)
+    except err as e:
+        print("raised:", e)
+    else:
+        raise SystemExit(f"no {err.__name__} for {bad}")
+print("calls ok")
+"""
+
+
+@pytest.mark.slow
+def test_load_emulated_calling_convention(built):
+    """NumPy arrays in place of device memory, updated in place; wrong dtypes, aliasing and
+    non-contiguous arrays raise before anything runs (one rank, in a fresh process)."""
+    res = subprocess.run([sys.executable, "-c", CALLS, str(EX / "sgd.ccn")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and "calls ok" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.count("raised:") == 3, res.stdout
