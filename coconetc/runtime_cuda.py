@@ -176,7 +176,8 @@ def _check_local(p: Program, kwargs: dict) -> dict:
 
 
 def _describe(p: Program, values: dict) -> dict:
-    return {q.name: values[q.name] if q.scalar else tuple(values[q.name].shape) for q in p.params}
+    return {q.name: values[q.name] if q.scalar else [tuple(x.shape) for x in values[q.name]]
+            if isinstance(values[q.name], list) else tuple(values[q.name].shape) for q in p.params}
 
 
 
@@ -219,11 +220,14 @@ class EmulatedProgram(CudaProgram):
         local = _check_local_numpy(p, kwargs)
         shapes = _describe(p, local)
         everyone = comm.mpi.allgather(shapes) if comm.mpi is not None and comm.size > 1 else [shapes]
-        sizes, _ = bind_sizes(p, everyone, groups)
+        sizes, segments = bind_sizes(p, everyone, groups)
         group_size = len(everyone) // groups
         rank = comm.rank % group_size
         args = self.ext.CallArgs()
-        args.tensors = [local[q.name].ctypes.data for q in p.params if not q.scalar]
+        tensors = [local[q.name] for q in p.params if not q.scalar]
+        args.tensors = [0 if isinstance(v, list) else v.ctypes.data for v in tensors]
+        args.seg_ptrs = [[x.ctypes.data for x in v] if isinstance(v, list) else [] for v in tensors]
+        args.seg_sizes = list(segments or ())
         outs = []
         for _, s in p.outputs:
             t = p.type_of(s)
@@ -266,8 +270,11 @@ def _check_local_numpy(p: Program, kwargs: dict) -> dict:
                 v = v.item()
             if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
                 raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
-        elif q.scattered:
-            raise ValueError(f"'{q.name}': scattered tensors are not in the CUDA backend yet")
+        elif q.scattered:  # a list of 1-D segments (or one array: one segment)
+            if not isinstance(v, list):
+                v = [v]
+            for x in v:
+                _check_array(q, x)
         else:
             _check_array(q, v)
         out[q.name] = v

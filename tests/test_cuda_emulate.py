@@ -27,7 +27,7 @@ from coconetc.launch import mpiexec
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
 WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
-FILES = ["adam", "clipped_sgd", "collectives", "conv2d", "layernorm", "mixed_adam", "mlp_out", "pipeline",
+FILES = ["adam", "clipped_sgd", "collectives", "conv2d", "lamb", "layernorm", "mixed_adam", "mlp_out", "pipeline",
          "residual_dropout", "sgd", "tp_overlap"]
 
 why = cuda_build.emulation_missing()
@@ -65,7 +65,7 @@ def built(request):
 def test_emulation_leaves_out_what_cuda_does_not_do(example):
     from coconetc.codegen.cuda import emulation_problems
     skip = emulation_problems(example("lamb.ccn"))
-    assert all("scattered" in w for w in skip.values()) and len(skip) == 3
+    assert set(skip) == {("lamb", "zero")} and "scattered" in skip[("lamb", "zero")]
     skip = emulation_problems(example("extern_ops.ccn"))
     assert skip and all("extern" in w for w in skip.values())
     assert not emulation_problems(example("adam.ccn"))
@@ -84,7 +84,7 @@ def test_every_example_matches_interpreter(built, ranks, size, chunk, groups):
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
     assert lines and all(ln.startswith("MATCH ") for ln in lines), log
-    assert len(lines) >= 30, log  # 30 (program, schedule)s of the examples; a lost one shows here
+    assert len(lines) >= 32, log  # 32 (program, schedule)s of the examples; a lost one shows here
 
 
 @pytest.mark.slow

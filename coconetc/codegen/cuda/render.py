@@ -38,22 +38,26 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     out: list[Unsupported] = []
     kinds = {b.name: b.kind for b in plan.buffers}
     ndims = {b.name: b.type.ndim for b in plan.buffers}
-    for b in plan.buffers:
-        if b.kind in ("segments", "into"):
-            out.append(Unsupported(b.line, f"scattered tensors ('{b.name}') are not in the CUDA backend yet"))
-            break
+    scattered = {b.name for b in plan.buffers if b.kind == "segments"}
 
     def unit(u: Unit) -> None:
         if isinstance(u, Overlap) and u.fused is not None:
             out.append(Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet"))
         elif isinstance(u, Library) and ops.get(u.op).extern is not None:
             out.extend(_extern_problems(u, kinds, ndims))
-        elif isinstance(u, Reduce) and u.op == "segment_norm":
-            out.append(Unsupported(u.line, "segment_norm is not in the CUDA backend yet"))
-        elif isinstance(u, Collective) and (u.into or u.packed):
-            out.append(Unsupported(u.line, "collectives of scattered tensors are not in the CUDA backend yet"))
+        elif isinstance(u, Reduce) and u.op != "segment_norm" and u.src in scattered:
+            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend yet"))
+        elif isinstance(u, Collective) and (u.packed or (u.src in scattered and u.op not in ("allreduce",
+                                                                                          "reducescatter"))):
+            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend "
+                                           "yet"))
         elif isinstance(u, Fused):
-            out.extend(_fused_problems(u, kinds))
+            refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
+            if u.src in scattered or refs & scattered or (u.gather in scattered):
+                out.append(Unsupported(u.line, "a fused collective over scattered tensors is not in the CUDA "
+                                               "backend yet"))
+            else:
+                out.extend(_fused_problems(u, kinds))
             for a in u.after:
                 unit(a)
     for u in plan.units:
@@ -91,6 +95,7 @@ class CudaRenderer(LoopEmitter):
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
         super().__init__(plan, fn, file, outputs)
         self.nevent = 0
+        self.seg_declared = False
 
     def site(self) -> int:
         self.nsite += 1
@@ -105,7 +110,7 @@ class CudaRenderer(LoopEmitter):
     def unit(self, u: Unit) -> None:
         if isinstance(u, Loop):
             self._comment(u.line, f"kernel: {', '.join(i.name for i in u.items)}")
-            self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items])
+            self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst)
         elif isinstance(u, Reduce):
             self._comment(u.line, f"reduce {u.dst} = {u.op}({u.src})")
             self._reduce(u)
@@ -119,6 +124,9 @@ class CudaRenderer(LoopEmitter):
             n = _prod(self.ldims(self.types[u.src]))
             ct = CTYPE[self.types[u.src].dtype]
             dst = f"a.output<{ct}>({self.sig.outputs.index(u.dst)})" if u.what == "output" else f"v_{u.dst}"
+            if u.dst in self.scattered:
+                self.emit(f"coconet::cuda::copy_in<{ct}>(v_{u.src}, p_{u.dst}, {n}, ctx);  // {u.what} {u.dst}")
+                return
             self.emit(f"coconet::cuda::copy<{ct}>(v_{u.src}, {dst}, {n}, ctx);  // {u.what} {u.dst}")
         elif isinstance(u, Require):
             self.emit(f'coconet::cuda::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
@@ -144,6 +152,18 @@ class CudaRenderer(LoopEmitter):
             self.sig.tensors.append(b.name)
             self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
             self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
+        elif b.kind == "segments":
+            k = len(self.sig.tensors)
+            self.sig.tensors.append(b.name)
+            if not self.seg_declared:
+                self.emit("const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);")
+                self.seg_declared = True
+            self.emit(f"const coconet::cuda::Segs<{ct}> p_{b.name} = a.segments<{ct}>({k});")
+            self.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
+            self.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
+                      "stream);")
+        elif b.kind == "into":
+            self.emit(f"// {b.name}: straight into {b.of}'s segments")
         elif b.kind == "output":
             self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
             self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
@@ -171,7 +191,7 @@ class CudaRenderer(LoopEmitter):
             self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
 
     def _access_note(self, t: TType, items: list[tuple[str, Expr, bool]], lets: tuple[Let, ...], lo: str, hi: str,
-                     regs: dict[str, str], indent: str) -> None:
+                     regs: dict[str, str], indent: str, extra: tuple[str, ...] = ()) -> None:
         """COCONET_ACCESS before a kernel: the element ranges it reads and writes, for the host
         emulation's race detection (expands to nothing under nvcc). Element i of the loop is
         i in [lo, hi); an operand indexed other than by i is read whole."""
@@ -186,7 +206,9 @@ class CudaRenderer(LoopEmitter):
             if kind in (None, "scalar", "register"):  # a Let, a scalar on the host, a value in registers
                 continue
             idx = self._access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else "0"
-            if idx == "0":
+            if idx == "SEG":  # this piece of a segment (a kernel per piece)
+                spans[r.name] = f"COCONET_R(sp_{r.name}, 0, pc.size)"
+            elif idx == "0":
                 spans[r.name] = f"COCONET_R(v_{r.name}, 0, 1)"
             elif idx == "i":
                 spans[r.name] = f"COCONET_R(v_{r.name}, {lo}, {hi})"
@@ -198,6 +220,7 @@ class CudaRenderer(LoopEmitter):
         out = list(spans.values())
         out += [f"COCONET_R({ptr.split('[')[0].split('(')[-1]}, 0, {hi} - ({lo}))" for ptr in regs.values()]
         out += [f"COCONET_W(v_{name}, {lo}, {hi})" for name, _, stored in items if stored]
+        out += extra
         self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
 
     # --- kernels --------------------------------------------------------------------------
@@ -232,7 +255,22 @@ class CudaRenderer(LoopEmitter):
             if extra_store:
                 extra_store(name)
 
-    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]]) -> None:
+    def _loader(self, t: TType):
+        base = super()._loader(t)
+
+        def load(r: Ref) -> str:
+            if r.name not in self.consts and r.name in self.scattered:
+                return f"coconet::to_compute(sp_{r.name}[j])"  # this piece of its segment
+            return base(r)
+        return load
+
+    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str = "") -> None:
+        regs = {name for name, _, _ in items}
+        segs = sorted({r.name for _, e, _ in items for r in walk(e)
+                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in regs} | ({seg_dst} - {""}))
+        if segs:
+            self._seg_loop(t, lets, items, seg_dst, segs)
+            return
         saved = dict(self.consts)
         n = _prod(self.ldims(t))
         coords = self._needs_coords(t, items, {name for name, _, _ in items})
@@ -253,11 +291,56 @@ class CudaRenderer(LoopEmitter):
         self.emit("}")
         self.consts = saved
 
+    def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
+                  segs: list[str]) -> None:
+        """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
+        this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
+        operand read through its piece's pointer sp_<x>[j]; element i = pc.offset + j."""
+        saved = dict(self.consts)
+        n = _prod(self.ldims(t))
+        coords = self._needs_coords(t, items, {name for name, _, _ in items})
+        ct = CTYPE[t.dtype]
+        if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
+            assert len(items) == 1, items
+            items = [(items[0][0], items[0][1], False)]
+        self.emit("{")
+        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
+        self.emit("  (void)off;")
+        if coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"  const int64_t L{k} = {d};")
+        self.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
+        self.emit("  const int64_t b0 = pc.offset;")
+        for x in segs:
+            self.emit(f"  {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+        self._access_note(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
+                          (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
+        self.emit("  coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t j) {")
+        self.emit("    const int64_t i = b0 + j;")
+        for line in self._lets(lets):
+            self.emit(f"    {line}")
+        if coords:
+            self._coords(t)
+        store = None
+        if seg_dst:
+            def store(name: str) -> None:
+                self.emit(f"    sp_{seg_dst}[j] = coconet::from_compute<{ct}>(x_{name});")
+        self._body(t, items, {}, store)
+        self.emit("  });")
+        self.emit("  }")
+        self.emit("}")
+        self.consts = saved
+
     # --- reductions and library operations ------------------------------------------------
     def _reduce(self, u: Reduce) -> None:
         xt, t = self.types[u.src], self.types[u.dst]
         if xt.dtype != t.dtype:
             raise Unsupported(u.line, "a reduction whose result dtype differs from its input's")
+        if u.op == "segment_norm":
+            src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"
+            self.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.ldims(xt))}, "
+                      f"{self.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
+            return
         norm = "true" if u.op == "norm" else "false"
         self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>(v_{u.src}, v_{u.dst}, "
                   f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
@@ -299,7 +382,16 @@ class CudaRenderer(LoopEmitter):
         ct = CTYPE[xt.dtype]
         op = NCCL_OP.get(u.reduce, "")
         n = _prod(self.ldims(xt))
-        if u.op == "allreduce":
+        if u.into:
+            self.emit(f"coconet::cuda::allgather<{ct}>(v_{x}, p_{u.into}, {_prod(self.gdims(xt))}, ctx);"
+                      f"  // straight into {u.into}'s segments")
+        elif x in self.scattered:  # NCCL per segment / piece, grouped
+            if u.op == "allreduce":
+                self.emit(f"coconet::cuda::allreduce<{ct}>({op}, p_{x}, v_{dst}, ctx);")
+            else:
+                assert u.op == "reducescatter", u.op
+                self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, p_{x}, v_{dst}, {n}, ctx);")
+        elif u.op == "allreduce":
             self.emit(f"coconet::cuda::allreduce<{ct}>({op}, v_{x}, v_{dst}, {n}, ctx);")
         elif u.op == "reducescatter":
             self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, v_{x}, v_{dst}, {self.shape3(xt, t.layout.dim)}, ctx);")
