@@ -104,12 +104,15 @@ class CudaProgram:
         local = _check_local(p, kwargs)
         shapes = _describe(p, local)
         everyone = comm.mpi.allgather(shapes) if comm.mpi is not None and comm.size > 1 else [shapes]
-        sizes, _ = bind_sizes(p, everyone, groups)
+        sizes, segments = bind_sizes(p, everyone, groups)
         group_size = len(everyone) // groups
         rank = comm.rank % group_size
         dev = torch.device("cuda", torch.cuda.current_device())
         args = self.ext.CallArgs()
-        args.tensors = [local[q.name].data_ptr() for q in p.params if not q.scalar]
+        tensors = [local[q.name] for q in p.params if not q.scalar]
+        args.tensors = [0 if isinstance(v, list) else v.data_ptr() for v in tensors]
+        args.seg_ptrs = [[x.data_ptr() for x in v] if isinstance(v, list) else [] for v in tensors]
+        args.seg_sizes = list(segments or ())
         outs = []
         for _, s in p.outputs:
             t = p.type_of(s)
@@ -168,8 +171,8 @@ def _check_local(p: Program, kwargs: dict) -> dict:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
                 raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
             out[q.name] = v
-        elif q.scattered:
-            raise ValueError(f"'{q.name}': scattered tensors are not in the CUDA backend yet")
+        elif q.scattered:  # a list of 1-D segments (or one tensor: one segment)
+            out[q.name] = [_check_tensor(q, x, q.name in updated) for x in (v if isinstance(v, (list, tuple)) else [v])]
         else:
             out[q.name] = _check_tensor(q, v, q.name in updated)
     return out
