@@ -64,8 +64,7 @@ def built(request):
 
 def test_emulation_leaves_out_what_cuda_does_not_do(example):
     from coconetc.codegen.cuda import emulation_problems
-    skip = emulation_problems(example("lamb.ccn"))
-    assert set(skip) == {("lamb", "zero")} and "scattered" in skip[("lamb", "zero")]
+    assert not emulation_problems(example("lamb.ccn"))  # scattered parameters, segment_norm
     skip = emulation_problems(example("extern_ops.ccn"))
     assert skip and all("extern" in w for w in skip.values())
     assert not emulation_problems(example("adam.ccn"))
@@ -84,7 +83,7 @@ def test_every_example_matches_interpreter(built, ranks, size, chunk, groups):
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
     assert lines and all(ln.startswith("MATCH ") for ln in lines), log
-    assert len(lines) >= 32, log  # 32 (program, schedule)s of the examples; a lost one shows here
+    assert len(lines) >= 33, log  # 33 (program, schedule)s of the examples; a lost one shows here
 
 
 @pytest.mark.slow

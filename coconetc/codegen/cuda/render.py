@@ -53,9 +53,9 @@ def unsupported(plan: Plan) -> list[Unsupported]:
                                            "yet"))
         elif isinstance(u, Fused):
             refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
-            if u.src in scattered or refs & scattered or (u.gather in scattered):
-                out.append(Unsupported(u.line, "a fused collective over scattered tensors is not in the CUDA "
-                                               "backend yet"))
+            if (u.src in scattered or refs & scattered) and (u.op != "reducescatter" or u.gather in scattered):
+                out.append(Unsupported(u.line, "a fused all-reduce over scattered tensors, or one gathering into "
+                                               "them, is not in the CUDA backend yet"))
             else:
                 out.extend(_fused_problems(u, kinds))
             for a in u.after:
@@ -260,7 +260,7 @@ class CudaRenderer(LoopEmitter):
 
         def load(r: Ref) -> str:
             if r.name not in self.consts and r.name in self.scattered:
-                return f"coconet::to_compute(sp_{r.name}[j])"  # this piece of its segment
+                return f"coconet::to_compute(sp_{r.name}[q])"  # this piece of its segment
             return base(r)
         return load
 
@@ -295,7 +295,7 @@ class CudaRenderer(LoopEmitter):
                   segs: list[str]) -> None:
         """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
         this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
-        operand read through its piece's pointer sp_<x>[j]; element i = pc.offset + j."""
+        operand read through its piece's pointer sp_<x>[q]; element i = pc.offset + q."""
         saved = dict(self.consts)
         n = _prod(self.ldims(t))
         coords = self._needs_coords(t, items, {name for name, _, _ in items})
@@ -315,8 +315,8 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"  {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
         self._access_note(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
                           (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
-        self.emit("  coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t j) {")
-        self.emit("    const int64_t i = b0 + j;")
+        self.emit("  coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
+        self.emit("    const int64_t i = b0 + q;")
         for line in self._lets(lets):
             self.emit(f"    {line}")
         if coords:
@@ -324,7 +324,7 @@ class CudaRenderer(LoopEmitter):
         store = None
         if seg_dst:
             def store(name: str) -> None:
-                self.emit(f"    sp_{seg_dst}[j] = coconet::from_compute<{ct}>(x_{name});")
+                self.emit(f"    sp_{seg_dst}[q] = coconet::from_compute<{ct}>(x_{name});")
         self._body(t, items, {}, store)
         self.emit("  });")
         self.emit("  }")
@@ -437,7 +437,10 @@ class CudaRenderer(LoopEmitter):
         self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
         self._name(f"red0_{nm}", f"ch_{nm}", f"red0 (chunk buffer 0 of fused {nm})")
         self._name(f"red1_{nm}", f"ch_{nm}", f"red1 (chunk buffer 1 of fused {nm})")
-        if u.op == "reducescatter":
+        if u.op == "reducescatter" and u.src in self.scattered:  # NCCL per piece of a segment
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"p_{u.src}, red, {n0}, k, ch_{nm}, ctx); }};")
+        elif u.op == "reducescatter":
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
         else:
@@ -480,8 +483,20 @@ class CudaRenderer(LoopEmitter):
         if coords:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"    const int64_t L{k} = {d};")
-        self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ")
-        self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
+        segs = sorted({r.name for _, e, _ in items for r in walk(e)
+                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in inside})
+        if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
+            self.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
+            self.emit("    const int64_t b0 = pc.offset;")
+            for x in segs:
+                self.emit(f"    {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+            self._access_note(t, items, u.lets, "lo + b0", "lo + b0 + pc.size", {}, "    ",
+                              ("COCONET_R(red, b0, b0 + pc.size)",))
+            self.emit("    coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
+            self.emit("    const int64_t j = b0 + q;")
+        else:
+            self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ")
+            self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
         self.emit("    const int64_t i = lo + j;")
         for line in lets:
             self.emit(f"    {line}")
@@ -489,6 +504,8 @@ class CudaRenderer(LoopEmitter):
             self._coords(t)
         self._body(t, items, {u.collective: "coconet::to_compute(red[j])"})
         self.emit("    });")
+        if segs:
+            self.emit("    }")
         self.consts = saved
 
 

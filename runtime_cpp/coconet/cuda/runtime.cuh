@@ -654,6 +654,20 @@ void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t n, int64_t inner, 
   }
 }
 
+// The same over a scattered x (logical [0, n), 1-D): each rank's chunk is reduced piece by piece
+// (one ncclReduce per piece inside one segment), grouped.
+template <class T>
+void reduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    const int64_t lo = sl.begin + k * ch, hi = std::min(sl.end, lo + ch);
+    for (const Piece& pc : pieces(x.starts, lo, hi))
+      COCONET_CUDA(ncclReduce(x.at(pc), red + pc.offset, size_t(pc.size), NcclType<T>::t, op, r, c.comm, c.comm_stream));
+  }
+}
+
 // Chunk k of every rank's slice part of the gathered value y (full size), each from its rank.
 template <class T>
 void gather_chunk(T* y, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
