@@ -82,9 +82,6 @@ def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
     if any(p.kind != "pointwise" for p in u.phases):
         return [Unsupported(u.line, "a fused collective with a row-wise phase (layernorm) is not in the CUDA "
                                     "backend yet")]
-    if u.op == "reducescatter" and u.type.layout.dim != 0:
-        return [Unsupported(u.line, "a fused collective sliced along a dim other than 0 is not in the CUDA "
-                                    "backend yet")]
     if kinds.get(u.collective) not in ("register", "scratch"):
         return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
                                     "not in the CUDA backend yet")]
@@ -191,7 +188,7 @@ class CudaRenderer(LoopEmitter):
             self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
 
     def _access_note(self, t: TType, items: list[tuple[str, Expr, bool]], lets: tuple[Let, ...], lo: str, hi: str,
-                     regs: dict[str, str], indent: str, extra: tuple[str, ...] = ()) -> None:
+                     regs: dict[str, str], indent: str, extra: tuple[str, ...] = (), runs: str = "") -> None:
         """COCONET_ACCESS before a kernel: the element ranges it reads and writes, for the host
         emulation's race detection (expands to nothing under nvcc). Element i of the loop is
         i in [lo, hi); an operand indexed other than by i is read whole."""
@@ -221,7 +218,10 @@ class CudaRenderer(LoopEmitter):
         out += [f"COCONET_R({ptr.split('[')[0].split('(')[-1]}, 0, {hi} - ({lo}))" for ptr in regs.values()]
         out += [f"COCONET_W(v_{name}, {lo}, {hi})" for name, _, stored in items if stored]
         out += extra
-        self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
+        if runs:  # and the spans the runtime lists (a chunk's runs in a gathered value)
+            self.emit(f"{indent}COCONET_ACCESS_RUNS({runs}, {', '.join(out)});")
+        else:
+            self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
 
     # --- kernels --------------------------------------------------------------------------
     def _lets(self, lets: tuple[Let, ...]) -> list[str]:
@@ -418,8 +418,10 @@ class CudaRenderer(LoopEmitter):
         ct = CTYPE[t.dtype]
         op = NCCL_OP[u.reduce]
         g = self.gdims(xt)
+        d = t.layout.dim if u.op == "reducescatter" else 0
+        outer = _prod(g[:d])
         if u.op == "reducescatter":
-            n0, inner = g[0], _prod(g[1:])
+            n0, inner = g[d], _prod(g[d + 1:])
         else:  # an allreduce: one "slice" of everything
             n0, inner = _prod(g), "int64_t(1)"
         nm = u.name
@@ -429,7 +431,7 @@ class CudaRenderer(LoopEmitter):
         self.emit(f"  const int64_t mine_{nm} = {mine};")
         if u.op == "reducescatter":
             # every rank takes part in every chunk's reduction: as many chunks as the largest slice
-            self.emit(f"  const int64_t most_{nm} = coconet::slice_chunk({n0}, comm.size) * {inner};")
+            self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
         else:
             self.emit(f"  const int64_t most_{nm} = mine_{nm};")
         self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
@@ -440,6 +442,9 @@ class CudaRenderer(LoopEmitter):
         if u.op == "reducescatter" and u.src in self.scattered:  # NCCL per piece of a segment
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"p_{u.src}, red, {n0}, k, ch_{nm}, ctx); }};")
+        elif u.op == "reducescatter" and d != 0:  # one ncclReduce per run of each rank's chunk
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"v_{u.src}, red, {outer}, {n0}, {inner}, k, ch_{nm}, ctx); }};")
         elif u.op == "reducescatter":
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
@@ -452,7 +457,11 @@ class CudaRenderer(LoopEmitter):
         self.emit("    if (hi <= lo) return;")
         self._chunk_kernel(u)
         self.emit("  };")
-        if u.gather:
+        if u.gather and d != 0:
+            gg = self.gdims(self.types[u.gather])
+            self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
+                      f"{_prod(gg[:d])}, {gg[d]}, {_prod(gg[d + 1:])}, k, ch_{nm}, ctx); }};")
+        elif u.gather:
             self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
                       f"{self.gdims(self.types[u.gather])[0]}, {_prod(self.gdims(self.types[u.gather])[1:])}, "
                       f"k, ch_{nm}, ctx); }};")
@@ -485,6 +494,7 @@ class CudaRenderer(LoopEmitter):
                 self.emit(f"    const int64_t L{k} = {d};")
         segs = sorted({r.name for _, e, _ in items for r in walk(e)
                        if isinstance(r, Ref) and r.name in self.scattered and r.name not in inside})
+        runs, store = self._gather_store(u)
         if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
             self.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
             self.emit("    const int64_t b0 = pc.offset;")
@@ -495,19 +505,40 @@ class CudaRenderer(LoopEmitter):
             self.emit("    coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
             self.emit("    const int64_t j = b0 + q;")
         else:
-            self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ")
+            self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ", (), runs)
             self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
         self.emit("    const int64_t i = lo + j;")
         for line in lets:
             self.emit(f"    {line}")
         if coords:
             self._coords(t)
-        self._body(t, items, {u.collective: "coconet::to_compute(red[j])"})
+        self._body(t, items, {u.collective: "coconet::to_compute(red[j])"}, store)
         self.emit("    });")
         if segs:
             self.emit("    }")
         self.consts = saved
 
+
+    def _gather_store(self, u: Fused):
+        """A fused reduce-scatter along dim d != 0 that gathers: the chunk kernel stores the
+        gathered value at its global place in the gathered buffer (the chunk's runs, declared
+        for the race detection), which the chunk's gather then broadcasts in place.
+        Returns (the runs' spans, the store callback), or ("", None)."""
+        t = u.type
+        d = t.layout.dim if u.op == "reducescatter" else 0
+        if not u.gather or d == 0:
+            return "", None
+        gg = self.gdims(self.types[u.gather])
+        gn, ginner = gg[d], _prod(gg[d + 1:])
+        self.emit(f"    const int64_t gm_ = {self.ldims(t)[d]} * {ginner};  // this rank's part of one outer index")
+        runs = (f"coconet::cuda::runs_w(v_{u.gather}, {_prod(gg[:d])}, {gn}, {ginner}, "
+                f"coconet::slice_range({gn}, comm.size, comm.rank), lo, hi)")
+
+        def store(name: str) -> None:
+            if name == u.gathered:
+                self.emit(f"    v_{u.gather}[(i / gm_ * {gn} + off) * {ginner} + i % gm_] = "
+                          f"coconet::from_compute<{CTYPE[t.dtype]}>(x_{name});")
+        return runs, store
 
     # --- overlap ---------------------------------------------------------------------------
     def _overlap(self, u: Overlap) -> None:

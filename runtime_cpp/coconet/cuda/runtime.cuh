@@ -683,6 +683,71 @@ void gather_chunk(T* y, int64_t n, int64_t inner, int64_t k, int64_t ch, const C
   }
 }
 
+// ---- fused collectives sliced along a dim other than the outermost --------------------------------
+//
+// The reduced value is [outer, n, inner] sliced along n; a rank's slice part is [outer, |slice|,
+// inner] (local linear index l), cut into chunks of ch local elements as above. A chunk's local
+// range [lo, hi) is one run of contiguous global elements per outer index it touches:
+// f(global start, offset in the chunk, count) for each.
+template <class F>
+void chunk_runs(int64_t outer, int64_t n, int64_t inner, Range sl, int64_t lo, int64_t hi, F f) {
+  const int64_t S = sl.size() * inner;
+  if (S <= 0) return;
+  for (int64_t o = lo / S; o < outer && o * S < hi; ++o) {
+    const int64_t a = std::max(lo, o * S), b = std::min(hi, (o + 1) * S);
+    if (b > a) f((o * n + sl.begin) * inner + (a - o * S), a - lo, b - a);
+  }
+}
+
+// Chunk k of every rank's slice part of x [outer, n, inner], reduced to that rank into red:
+// one grouped ncclReduce per run.
+template <class T>
+void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch,
+                  const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    const int64_t lo = k * ch, hi = std::min(outer * sl.size() * inner, lo + ch);
+    chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t o, int64_t cnt) {
+      COCONET_CUDA(ncclReduce(x + at, red + o, size_t(cnt), NcclType<T>::t, op, r, c.comm, c.comm_stream));
+    });
+  }
+}
+
+// Chunk k of every rank's slice part of the gathered y [outer, n, inner] (the rank's kernel wrote
+// its part at its global place), from that rank, in place: one grouped ncclBroadcast per run.
+template <class T>
+void gather_chunk(T* y, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    const int64_t lo = k * ch, hi = std::min(outer * sl.size() * inner, lo + ch);
+    chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t, int64_t cnt) {
+      COCONET_CUDA(ncclBroadcast(y + at, y + at, size_t(cnt), NcclType<T>::t, r, c.comm, c.comm_stream));
+    });
+  }
+}
+
+#ifdef COCONET_EMULATE
+// For the race detection: the runs of this rank's chunk [lo, hi) in the gathered y, written by the
+// chunk's kernel (COCONET_ACCESS_RUNS: those spans with the listed ones).
+template <class T>
+std::vector<emu::Span> runs_w(T* y, int64_t outer, int64_t n, int64_t inner, Range sl, int64_t lo, int64_t hi) {
+  std::vector<emu::Span> out;
+  chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t, int64_t cnt) { out.push_back(emu::W(y, at, at + cnt)); });
+  return out;
+}
+inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::vector<emu::Span>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+#define COCONET_ACCESS_RUNS(runs, ...) ::coconet::cuda::emu::declare(::coconet::cuda::with_spans({__VA_ARGS__}, runs))
+#else
+#define COCONET_ACCESS_RUNS(runs, ...)
+#endif
+
 // ---- communicators -----------------------------------------------------------------------------
 
 inline std::string unique_id() {
