@@ -17,7 +17,7 @@ from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
 from coconetc.codegen.loops import LoopEmitter
 from coconetc.codegen.render import extern_call
 from coconetc.ir import ops
-from coconetc.ir.nodes import Expr, Op, Ref, walk
+from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Let, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
@@ -79,9 +79,14 @@ def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -
 
 
 def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
-    if any(p.kind != "pointwise" for p in u.phases):
-        return [Unsupported(u.line, "a fused collective with a row-wise phase (layernorm) is not in the CUDA "
-                                    "backend yet")]
+    for p in u.phases:
+        if p.kind != "rows":
+            continue
+        x = p.items[0].expr.args[0] if isinstance(p.items[0].expr, Op) else None
+        if (not isinstance(x, Ref) or (x.name != u.collective and kinds.get(x.name) in (None, "register"))
+                or u.type.layout.dim == u.type.ndim - 1):
+            return [Unsupported(u.line, "a row-wise phase reading a value kept in registers, or sliced along "
+                                        "its rows, is not in the CUDA backend yet")]
     if kinds.get(u.collective) not in ("register", "scratch"):
         return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
                                     "not in the CUDA backend yet")]
@@ -427,7 +432,11 @@ class CudaRenderer(LoopEmitter):
         nm = u.name
         mine = _prod(self.ldims(t))
         self.emit("{")
-        self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
+        if u.rows is not None:  # chunks of whole rows (a row-wise phase)
+            rows = self.gdims(t)[-1]
+            self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems() + {rows} - 1) / {rows} * {rows};")
+        else:
+            self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
         self.emit(f"  const int64_t mine_{nm} = {mine};")
         if u.op == "reducescatter":
             # every rank takes part in every chunk's reduction: as many chunks as the largest slice
@@ -481,20 +490,37 @@ class CudaRenderer(LoopEmitter):
             self.unit(a)
 
     def _chunk_kernel(self, u: Fused) -> None:
+        """The chunk's phases in order: a pointwise phase is one kernel over the chunk's
+        elements, a row-wise phase (layernorm) one kernel of a thread per row of the chunk
+        (chunks hold whole rows); a value crossing phases is read from its buffer."""
         saved = dict(self.consts)
         t = u.type
-        lets = self._lets(u.lets)
         inside = {u.collective} | {i.name for p in u.phases for i in p.items}
-        items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
-        coords = self._needs_coords(t, items, inside)
+        pointwise = [(i.name, i.expr, i.store) for p in u.phases if p.kind == "pointwise" for i in p.items]
+        coords = self._needs_coords(t, pointwise, inside)
         self.emit(f"    const int64_t off = {self.offset(t)};")
         self.emit("    (void)off;")
         if coords:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"    const int64_t L{k} = {d};")
+        runs, store = self._gather_store(u)
+        for ph in u.phases:
+            items = [(i.name, i.expr, i.store) for i in ph.items]
+            if ph.kind == "rows":
+                self._chunk_rows(u, ph.items[0], runs, store is not None)
+            else:
+                self._chunk_pointwise(u, items, inside, coords, runs, store)
+        self.consts = saved
+
+    def _chunk_pointwise(self, u: Fused, items: list[tuple[str, Expr, bool]], inside: set[str], coords: bool,
+                         runs: str, store) -> None:
+        t = u.type
+        saved = dict(self.consts)
+        lets = self._lets(u.lets)
         segs = sorted({r.name for _, e, _ in items for r in walk(e)
                        if isinstance(r, Ref) and r.name in self.scattered and r.name not in inside})
-        runs, store = self._gather_store(u)
+        if not any(name == u.gathered for name, _, _ in items):
+            runs = ""
         if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
             self.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
             self.emit("    const int64_t b0 = pc.offset;")
@@ -518,6 +544,52 @@ class CudaRenderer(LoopEmitter):
             self.emit("    }")
         self.consts = saved
 
+    def _chunk_rows(self, u: Fused, item, runs: str, gstore: bool) -> None:
+        """layernorm over the chunk's whole rows, one thread per row (as the layernorm kernel),
+        in the compute type; x is the reduced chunk or a value stored by an earlier phase."""
+        assert isinstance(item.expr, Op) and item.expr.op == "layernorm", item
+        x, g, b, eps = item.expr.args
+        assert isinstance(x, Ref) and isinstance(g, Ref) and isinstance(b, Ref)
+        t = self.types[item.name]
+        C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
+        H = self.ldims(t)[-1]
+        eps_s = (literal(float(eps.value), "f64") if isinstance(eps, Const)
+                 else f"double(coconet::to_compute(v_{eps.name}[0]))" if isinstance(eps, Ref) else "")
+
+        def X(idx: str) -> str:
+            return (f"coconet::to_compute(red[{idx} - lo])" if x.name == u.collective
+                    else f"coconet::to_compute(v_{x.name}[{idx}])")
+        spans = ["COCONET_R(red, 0, hi - lo)" if x.name == u.collective else f"COCONET_R(v_{x.name}, lo, hi)",
+                 f"COCONET_RA(v_{g.name})", f"COCONET_RA(v_{b.name})"]
+        if item.store:
+            spans.append(f"COCONET_W(v_{item.name}, lo, hi)")
+        gathered = gstore and item.name == u.gathered
+        if gathered:
+            self.emit(f"    COCONET_ACCESS_RUNS({runs}, {', '.join(spans)});")
+        else:
+            self.emit(f"    COCONET_ACCESS({', '.join(spans)});")
+        self.emit(f"    coconet::cuda::launch((hi - lo) / ({H}), stream, [=] __device__ (int64_t q) {{"
+                  f"  // layernorm {item.name}, a thread per row")
+        self.emit(f"    const int64_t row = lo + q * ({H});")
+        self.emit(f"    {C} mean = 0, var = 0;")
+        self.emit(f"    for (int64_t c = 0; c < {H}; ++c) mean += {X('row + c')};")
+        self.emit(f"    mean /= static_cast<{C}>({H});")
+        self.emit(f"    for (int64_t c = 0; c < {H}; ++c) {{ const {C} d = {X('row + c')} - mean; var += d * d; }}")
+        self.emit(f"    var /= static_cast<{C}>({H});")
+        self.emit(f"    const {C} inv = {C}(1) / std::sqrt(var + static_cast<{C}>({eps_s}));")
+        self.emit(f"    for (int64_t c = 0; c < {H}; ++c) {{")
+        self.emit("      const int64_t i = row + c;")
+        self.emit(f"      const {C} x_{item.name} = coconet::round_to<{T}>(({X('i')} - mean) * inv * "
+                  f"coconet::to_compute(v_{g.name}[c]) + coconet::to_compute(v_{b.name}[c]));")
+        if item.store:
+            self.emit(f"      v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
+        if gathered:
+            gg = self.gdims(self.types[u.gather])
+            d = u.type.layout.dim
+            self.emit(f"      v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
+                      f"coconet::from_compute<{T}>(x_{item.name});")
+        self.emit("    }")
+        self.emit("    });")
 
     def _gather_store(self, u: Fused):
         """A fused reduce-scatter along dim d != 0 that gathers: the chunk kernel stores the
