@@ -42,7 +42,14 @@ def unsupported(plan: Plan) -> list[Unsupported]:
 
     def unit(u: Unit) -> None:
         if isinstance(u, Overlap) and u.fused is not None:
-            out.append(Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet"))
+            f = u.fused
+            if (not u.direct or f.op != "reducescatter" or f.type.layout.dim == 0 or f.after
+                    or f.src != u.producer):
+                out.append(Unsupported(u.line, "overlap into a fused collective other than a reduce-scatter along "
+                                               "a dim other than 0 of rows of the matmul is not in the CUDA "
+                                               "backend yet"))
+            else:
+                unit(f)
         elif isinstance(u, Library) and ops.get(u.op).extern is not None:
             out.extend(_extern_problems(u, kinds, ndims))
         elif isinstance(u, Reduce) and u.op != "segment_norm" and u.src in scattered:
@@ -414,10 +421,12 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"coconet::cuda::send_shift<{ct}>(v_{x}, v_{dst}, {n}, {nxt}, ctx);")
 
     # --- fused collectives ----------------------------------------------------------------
-    def _fused(self, u: Fused) -> None:
+    def _fused(self, u: Fused, block: tuple[str, str] | None = None) -> None:
         """Chunks of this rank's part of the reduced value: the reduction of chunk k+1 on the
         comm stream while chunk k's kernel runs on the call's stream, then chunk k's gather on
-        the comm stream after an event (coconet::cuda::pipeline)."""
+        the comm stream after an event (coconet::cuda::pipeline). block: only the rows
+        [row0, row1) of dim 0 (an overlap's chunk; the collective is sliced along d != 0, so they
+        are one contiguous range of this rank's part)."""
         t = u.type
         xt = self.types[u.src]
         ct = CTYPE[t.dtype]
@@ -437,8 +446,21 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems() + {rows} - 1) / {rows} * {rows};")
         else:
             self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
-        self.emit(f"  const int64_t mine_{nm} = {mine};")
-        if u.op == "reducescatter":
+        rows_arg = ""
+        if block is not None:
+            per = _prod(self.ldims(t)[1:])
+            self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
+            self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
+            self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, comm.size) "
+                      f"* {inner};")
+            rows_arg = f", {block[0]}, {block[1]}"
+        else:
+            self.emit(f"  const int64_t base_{nm} = 0;")
+            self.emit(f"  const int64_t mine_{nm} = {mine};")
+        self.emit(f"  (void)base_{nm};")
+        if block is not None:
+            pass  # most_ above
+        elif u.op == "reducescatter":
             # every rank takes part in every chunk's reduction: as many chunks as the largest slice
             self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
         else:
@@ -448,28 +470,16 @@ class CudaRenderer(LoopEmitter):
         self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
         self._name(f"red0_{nm}", f"ch_{nm}", f"red0 (chunk buffer 0 of fused {nm})")
         self._name(f"red1_{nm}", f"ch_{nm}", f"red1 (chunk buffer 1 of fused {nm})")
-        if u.op == "reducescatter" and u.src in self.scattered:  # NCCL per piece of a segment
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
-                      f"p_{u.src}, red, {n0}, k, ch_{nm}, ctx); }};")
-        elif u.op == "reducescatter" and d != 0:  # one ncclReduce per run of each rank's chunk
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
-                      f"v_{u.src}, red, {outer}, {n0}, {inner}, k, ch_{nm}, ctx); }};")
-        elif u.op == "reducescatter":
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
-                      f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
-        else:
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
-                      f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
-                      f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
+        self._reduce_to(u, ct, op, d, outer, n0, inner, rows_arg)
         self.emit(f"  auto compute = [&](int64_t k, {ct}* red) {{")
-        self.emit(f"    const int64_t lo = k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
+        self.emit(f"    const int64_t lo = base_{nm} + k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
         self.emit("    if (hi <= lo) return;")
         self._chunk_kernel(u)
         self.emit("  };")
         if u.gather and d != 0:
             gg = self.gdims(self.types[u.gather])
             self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
-                      f"{_prod(gg[:d])}, {gg[d]}, {_prod(gg[d + 1:])}, k, ch_{nm}, ctx); }};")
+                      f"{_prod(gg[:d])}, {gg[d]}, {_prod(gg[d + 1:])}, k, ch_{nm}, ctx{rows_arg}); }};")
         elif u.gather:
             self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
                       f"{self.gdims(self.types[u.gather])[0]}, {_prod(self.gdims(self.types[u.gather])[1:])}, "
@@ -477,7 +487,7 @@ class CudaRenderer(LoopEmitter):
         else:
             self.emit("  auto gather = [&](int64_t) {};")
         if self.plan.buffer(u.collective).kind == "scratch":  # the reduced value is kept
-            self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+            self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
                       f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
             self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
             fn = "compute_keep"
@@ -488,6 +498,23 @@ class CudaRenderer(LoopEmitter):
         self.emit("}")
         for a in u.after:
             self.unit(a)
+
+    def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
+        """The pipeline's reduce_to(k, red): chunk k's reduction on the comm stream."""
+        nm = u.name
+        if u.op == "reducescatter" and u.src in self.scattered:  # NCCL per piece of a segment
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"p_{u.src}, red, {n0}, k, ch_{nm}, ctx); }};")
+        elif u.op == "reducescatter" and d != 0:  # one ncclReduce per run of each rank's chunk
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"v_{u.src}, red, {outer}, {n0}, {inner}, k, ch_{nm}, ctx{rows_arg}); }};")
+        elif u.op == "reducescatter":
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
+        else:
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+                      f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
+                      f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
 
     def _chunk_kernel(self, u: Fused) -> None:
         """The chunk's phases in order: a pointwise phase is one kernel over the chunk's
@@ -620,7 +647,8 @@ class CudaRenderer(LoopEmitter):
         chunk is computed packed [outer, |r|, inner], its collective runs on the packed chunk
         and the result is unpacked into its block of the collective's result."""
         if u.fused is not None:
-            raise Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet")
+            self._overlap_fused(u, u.fused)
+            return
         y, c = u.producer, u.collective
         yt, ctt = self.types[y], self.types[c]
         ct = CTYPE[yt.dtype]
@@ -651,6 +679,37 @@ class CudaRenderer(LoopEmitter):
         else:
             self._overlap_packed(u, ct, op, ly, la, lb, lc, gy, ev)
         self.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
+        self.emit("}")
+
+    def _overlap_fused(self, u: Overlap, f: Fused) -> None:
+        """The matmul's row blocks (cuBLAS) on the call's stream; after each block an event, and
+        the fused collective of that block of rows on a side stream (its reductions and gathers
+        on the comm stream, its kernels on the side stream), so the next block's GEMM runs while
+        this block communicates and computes; the call's stream waits for the side stream at
+        the end."""
+        y = u.producer
+        ct = CTYPE[self.types[y].dtype]
+        ly, la, lb = (self.ldims(self.types[n]) for n in (y, u.a, u.b))
+        K, N = la[-1], lb[1]
+        rows, per_row = ly[0], _prod(ly[1:-1])
+        ev, done = self.site(), self.site()
+        self.emit("{")
+        self.emit("  coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream")
+        self.emit("  sctx.stream = coconet::cuda::side_stream();")
+        self.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
+        self.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
+        self.emit("    if (rb.empty()) continue;")
+        self.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + rb.begin * {per_row} * {K}, v_{u.b}, "
+                  f"v_{y} + rb.begin * {_prod(ly[1:])}, rb.size() * {per_row}, {K}, {N}, stream);")
+        self.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
+        self.emit("    {")
+        self.emit("    const coconet::cuda::Ctx& ctx = sctx;")
+        self.emit("    const cudaStream_t stream = ctx.stream;")
+        self._comment(f.line, f"fused collective {f.name}: {', '.join(f.members)} (rows rb of dim 0)")
+        self._fused(f, ("rb.begin", "rb.end"))
+        self.emit("    }")
+        self.emit("  }")
+        self.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
         self.emit("}")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:

@@ -217,6 +217,24 @@ inline void join(cudaStream_t s, cudaStream_t waiter, int site) {
   COCONET_CUDA(cudaStreamWaitEvent(waiter, e, 0));
 }
 
+// A second compute stream (per device, made once): an overlap's fused collective runs its kernels
+// there while the call's stream computes the next block of the matmul.
+inline cudaStream_t side_stream() {
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  auto s = streams.find(dev);
+  if (s == streams.end()) {
+    cudaStream_t cs;
+    COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    COCONET_STREAM_NAME(cs, "the side stream");
+    s = streams.emplace(dev, cs).first;
+  }
+  return s->second;
+}
+
 // Elements per chunk of a fused collective (COCONET_CUDA_CHUNK, default 2^22).
 inline int64_t chunk_elems() {
   static int64_t n = [] {
@@ -703,12 +721,13 @@ void chunk_runs(int64_t outer, int64_t n, int64_t inner, Range sl, int64_t lo, i
 // one grouped ncclReduce per run.
 template <class T>
 void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch,
-                  const Ctx& c) {
+                  const Ctx& c, int64_t row0 = 0, int64_t row1 = -1) {
   const int R = c.group.size;
+  if (row1 < 0) row1 = outer;
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
-    const int64_t lo = k * ch, hi = std::min(outer * sl.size() * inner, lo + ch);
+    const int64_t S = sl.size() * inner, lo = row0 * S + k * ch, hi = std::min(row1 * S, lo + ch);
     chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t o, int64_t cnt) {
       COCONET_CUDA(ncclReduce(x + at, red + o, size_t(cnt), NcclType<T>::t, op, r, c.comm, c.comm_stream));
     });
@@ -718,12 +737,14 @@ void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t outer, int64_t n, 
 // Chunk k of every rank's slice part of the gathered y [outer, n, inner] (the rank's kernel wrote
 // its part at its global place), from that rank, in place: one grouped ncclBroadcast per run.
 template <class T>
-void gather_chunk(T* y, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
+void gather_chunk(T* y, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c,
+                  int64_t row0 = 0, int64_t row1 = -1) {
   const int R = c.group.size;
+  if (row1 < 0) row1 = outer;
   Group_ g;
   for (int r = 0; r < R; ++r) {
     const Range sl = slice_range(n, R, r);
-    const int64_t lo = k * ch, hi = std::min(outer * sl.size() * inner, lo + ch);
+    const int64_t S = sl.size() * inner, lo = row0 * S + k * ch, hi = std::min(row1 * S, lo + ch);
     chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t, int64_t cnt) {
       COCONET_CUDA(ncclBroadcast(y + at, y + at, size_t(cnt), NcclType<T>::t, r, c.comm, c.comm_stream));
     });
