@@ -13,10 +13,19 @@ _hooks.install()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "load"]
 
 
-def load(path, log=None, *, include_dirs=(), library_dirs=(), libraries=()):
-    """Compile a .ccn file for the CPU (cached) and import it: one function per program.
+def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None):
+    """Compile a .ccn file (cached) and import it: one function per program.
+    backend: "cpu" (C++ and MPI; NumPy arrays or CPU tensors) or "cuda" (CUDA, NCCL, cuBLAS;
+    PyTorch CUDA tensors, see coconetc.runtime_cuda; `archs` as nvcc's, default "80;90").
     include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
     is searched for headers too)."""
+    if backend == "cuda":
+        from coconetc.runtime_cuda import load as _load_cuda
+        return _load_cuda(path, archs, log, include_dirs=include_dirs, library_dirs=library_dirs,
+                          libraries=libraries)
+    if backend != "cpu" or archs is not None:
+        raise ValueError(f"coconetc.load: backend must be 'cpu' or 'cuda' (archs only with cuda), "
+                         f"got backend={backend!r}, archs={archs!r}")
     from coconetc.runtime.loader import load as _load
     return _load(path, log, include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)

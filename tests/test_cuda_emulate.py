@@ -196,9 +196,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
 
 
-def test_run_backend_cuda_needs_emulate():
+def test_run_backend_cuda_needs_a_gpu_or_emulate():
     res = _cli("run", str(EX / "sgd.ccn"), "--backend", "cuda")
-    assert res.returncode != 0 and "--emulate" in res.stderr
+    assert res.returncode != 0 and "no CUDA device here" in res.stderr and "--emulate" in res.stderr
     res = _cli("run", str(EX / "sgd.ccn"), "--emulate")
     assert res.returncode != 0 and "--backend cuda" in res.stderr
 
@@ -255,3 +255,32 @@ def test_load_emulated_calling_convention(built):
                          timeout=300)
     assert res.returncode == 0 and "calls ok" in res.stdout, res.stdout + res.stderr
     assert res.stdout.count("raised:") == 3, res.stdout
+
+
+@pytest.mark.slow
+def test_wrong_call_on_one_rank_raises_on_every_rank(built):
+    """The emulated module's call entry is the CPU loader's agreement: a wrong argument on rank 1
+    only, a scalar or a schedule that differs, raise on both ranks before anything runs."""
+    res = _launch(2, ["wrong", str(EX / "sgd.ccn")], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in (0, 1):
+        assert res.stdout.count(f"RANK {r}: raised:") == 4 and f"RANK {r}: ok" in res.stdout, res.stdout
+    assert "rank 1 was given bad arguments" in res.stdout  # what rank 0 hears of rank 1's error
+
+
+@pytest.mark.slow
+def test_nccl_comm_from_torch_process_group(built):
+    """nccl_comm(module.ext, process_group=...) under torch.distributed (gloo here, NCCL on
+    GPUs): the communicator spans the group, calls agree over it, and sgd runs."""
+    pytest.importorskip("torch.distributed")
+    res = _launch(2, ["torchpg", str(EX / "sgd.ccn")], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "RANK 0: ok" in res.stdout and "RANK 1: ok" in res.stdout, res.stdout
+
+
+def test_load_backend_argument():
+    import coconetc
+    with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda'"):
+        coconetc.load(EX / "sgd.ccn", backend="tpu")
+    with pytest.raises(ValueError, match="archs only with cuda"):
+        coconetc.load(EX / "sgd.ccn", archs="90")
