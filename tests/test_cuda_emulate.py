@@ -284,3 +284,17 @@ def test_load_backend_argument():
         coconetc.load(EX / "sgd.ccn", backend="tpu")
     with pytest.raises(ValueError, match="archs only with cuda"):
         coconetc.load(EX / "sgd.ccn", archs="90")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_defined_operations_run_on_the_cuda_backend(ranks):
+    """Operations defined in a .ccn file (nested, in a fused reduce-scatter/all-gather) are
+    expanded before planning, so the CUDA backend runs them: emulated, against the interpreter."""
+    src = REPO / "tests" / "programs" / "custom_ops.ccn"
+    cuda_build.compile_emulated(src, log=lambda msg: None)
+    res = _launch(ranks, ["match", "11", "0", str(src)])
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert len(lines) >= 3 and all(ln.startswith("MATCH ") for ln in lines), log
