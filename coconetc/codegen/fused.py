@@ -100,6 +100,12 @@ class FusedEmitter(LoopEmitter):
             self.emit("    COCONET_IVDEP")
             self.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
             self.emit("      const int64_t i = lo + b0 + j;")
+        elif coords and t0.ndim > 0:  # runs along the last dim: no division per element
+            self.open_row_runs(t0, "lo", "hi")
+            self._chunk_body(u, ph, d0)
+            self.emit("    }")
+            self.emit("  }")
+            return
         else:
             self.emit("  COCONET_IVDEP")
             self.emit("    for (int64_t i = lo; i < hi; ++i) {")
