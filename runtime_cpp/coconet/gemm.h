@@ -23,6 +23,10 @@
 
 #include "dtypes.h"
 
+#if defined(__F16C__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
+
 #ifndef COCONET_NO_BLAS
 #ifndef COCONET_CBLAS
 #define COCONET_CBLAS(name) scipy_cblas_##name
@@ -104,8 +108,27 @@ void widen_into(const T* X, int64_t rows, int64_t cols, int64_t ld, float* out) 
   for (int64_t i = 0; i < rows; ++i) {
     const T* x = X + i * ld;
     float* o = out + i * cols;
-    for (int64_t j = 0; j < cols; ++j) o[j] = float(x[j]);
+    int64_t j = 0;
+#if defined(__F16C__) && !defined(__CUDACC__)
+    if constexpr (std::is_same<T, half>::value)  // exact, 8 at a time (vcvtph2ps)
+      for (; j + 8 <= cols; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j))));
+#endif
+    for (; j < cols; ++j) o[j] = float(x[j]);
   }
+}
+
+// Rounds n floats to T (to nearest even) into dst.
+template <class T>
+void narrow_into(const float* src, int64_t n, T* dst) {
+  int64_t j = 0;
+#if defined(__F16C__) && !defined(__CUDACC__)
+  if constexpr (std::is_same<T, half>::value)  // vcvtps2ph, round to nearest even
+    for (; j + 8 <= n; j += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; j < n; ++j) dst[j] = T(src[j]);
 }
 
 // A float buffer of at least n elements, kept per thread and per Site across calls (no
@@ -132,11 +155,7 @@ void gemm_widened_a(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, co
     const int64_t m = std::min(block, M - i0);
     widen_into(A + i0 * lda, m, K, lda, a);
     gemm_blas(m, N, K, a, K, B32, ldb, c, N);
-    for (int64_t i = 0; i < m; ++i) {
-      T* dst = C + (i0 + i) * ldc;
-      const float* src = c + i * N;
-      for (int64_t j = 0; j < N; ++j) dst[j] = T(src[j]);
-    }
+    for (int64_t i = 0; i < m; ++i) narrow_into(c + i * N, N, C + (i0 + i) * ldc);
   }
 }
 
