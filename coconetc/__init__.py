@@ -10,6 +10,11 @@ __version__ = "0.1.0"
 from coconetc.runtime import hooks as _hooks  # noqa: E402
 
 _hooks.install()
+# Open MPI 5's UCX one-sided component prints an error at every window creation on a machine
+# without a UCX network; the fused collectives' shared-memory windows (runtime_cpp/coconet/
+# fused_shm.h) use osc/sm. Read at MPI_Init, so it only helps when MPI starts after this import
+# (coconetc's launcher sets it for the ranks it starts).
+_hooks.quiet_osc_ucx()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "load"]
 
 

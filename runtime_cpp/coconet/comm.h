@@ -46,6 +46,95 @@ inline int node_share(MPI_Comm comm) {
   return std::max(1, cores / std::max(1, local));
 }
 
+// ---- an MPI-3 shared-memory window over a group on one node --------------------------------
+//
+// The fused collectives' fast path on one machine (fused.h, FusedShm): every rank of the group
+// gets a segment of one MPI_Win_allocate_shared window and can read every peer's segment with
+// plain loads.  Created on first use (collective over the group), kept across calls and grown
+// when a call needs more (every rank of the group computes the same size from the call's
+// shapes, so the collective regrowth is reached by all of them).
+class ShmWindow {
+ public:
+  ShmWindow() = default;
+  ShmWindow(const ShmWindow&) = delete;
+  ShmWindow& operator=(const ShmWindow&) = delete;
+  ~ShmWindow() { release(); }
+
+  // True when every rank of `group` shares this node (collective on the first call).
+  bool available(MPI_Comm group, int size) {
+    if (checked_) return node_ != MPI_COMM_NULL;
+    checked_ = true;
+    MPI_Comm node;
+    COCONET_MPI(MPI_Comm_split_type(group, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+    int n = 0;
+    MPI_Comm_size(node, &n);
+    if (n != size) {
+      MPI_Comm_free(&node);
+      return false;
+    }
+    node_ = node;  // same rank order as the group (key 0: ties keep the group's order)
+    bases_.assign(static_cast<size_t>(size), nullptr);
+    return true;
+  }
+
+  // Makes every rank's segment at least `bytes` long (collective when it grows).
+  void reserve(size_t bytes) {
+    if (bytes <= bytes_ && win_ != MPI_WIN_NULL) return;
+    if (win_ != MPI_WIN_NULL) COCONET_MPI(MPI_Barrier(node_));  // peers done reading it
+    release_window();
+    bytes = std::max<size_t>(bytes, 64);
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    char* mine = nullptr;
+    COCONET_MPI(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, node_, &mine,
+                                        &win_));
+    MPI_Info_free(&info);
+    COCONET_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
+    for (size_t r = 0; r < bases_.size(); ++r) {
+      MPI_Aint size = 0;
+      int disp = 1;
+      COCONET_MPI(MPI_Win_shared_query(win_, static_cast<int>(r), &size, &disp, &bases_[r]));
+    }
+    bytes_ = bytes;
+  }
+
+  // Rank r's segment (readable by every rank of the group).
+  char* base(int r) const { return static_cast<char*>(bases_[static_cast<size_t>(r)]); }
+
+  // Everything written to the window before it, by any rank, is visible to all after it.
+  void sync() {
+    COCONET_MPI(MPI_Win_sync(win_));
+    COCONET_MPI(MPI_Barrier(node_));
+    COCONET_MPI(MPI_Win_sync(win_));
+  }
+
+  // Frees the window and its communicator (idempotent; nothing once MPI is finalized).
+  void release() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    release_window();
+    if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+  }
+
+  int64_t calls = 0;  // fused calls run on the window (their parity picks a region)
+
+ private:
+  void release_window() {
+    if (win_ == MPI_WIN_NULL) return;
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+    bytes_ = 0;
+  }
+
+  bool checked_ = false;
+  MPI_Comm node_ = MPI_COMM_NULL;
+  MPI_Win win_ = MPI_WIN_NULL;
+  size_t bytes_ = 0;
+  std::vector<void*> bases_;
+};
+
 // Direction of send(x, next|prev).
 enum class Direction { next, prev };
 
@@ -57,6 +146,7 @@ struct Comm {
   int rank = 0, size = 1;           // rank and size in the group
   int next_peer = MPI_PROC_NULL;    // world rank of the same in-group rank in the next group
   int prev_peer = MPI_PROC_NULL;    // ... in the previous group
+  ShmWindow shm;                    // the group's shared-memory window (fused.h), on first use
 
   // Splits `base` into `groups` consecutive groups.  Collective over `base`; throws
   // std::invalid_argument (before communicating) unless groups divides the size of `base`.
@@ -91,6 +181,7 @@ struct Comm {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;  // MPI already tore everything down
+    shm.release();  // before the communicators it was made from
     for (MPI_Comm& c : channels_) MPI_Comm_free(&c);
     if (group != MPI_COMM_NULL) MPI_Comm_free(&group);
     if (world != MPI_COMM_NULL) MPI_Comm_free(&world);
