@@ -27,7 +27,7 @@ from coconetc.driver import SourceFile, load_file
 from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim
-from coconetc.runtime import agree, layout
+from coconetc.runtime import agree, layout, shm
 
 
 _PROBE = "ccn_module_name_placeholder"
@@ -236,6 +236,8 @@ class ProgramFunction:
         args.scalars = [float(arrays[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
         args.iscalars = [int(arrays[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
         args.comm, args.groups = MPI._handleof(comm), groups
+        if shm.WINDOWS:  # buffers of coconetc.empty: the runtime may read them in place
+            args.windows = shm.WINDOWS
         getattr(self.ext, function_name(self.name, schedule or DEFAULT))(args)
         return outs
 

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -120,7 +122,69 @@ class ShmWindow {
 
   int64_t calls = 0;  // fused calls run on the window (their parity picks a region)
 
+  // The user's shared windows known to the running call (coconetc.empty, set by the generated
+  // function from CallArgs::windows): (id, address, bytes, MPI_Win handle) each.
+  const std::vector<uint64_t>* user = nullptr;
+
+  // The id of the user window holding [p, p + bytes) of this rank, its offset there, when every
+  // rank of the group can read it (the window's group holds them all); id -1 otherwise.
+  std::pair<int64_t, int64_t> user_window_of(const void* p, size_t bytes) const {
+    if (!user || node_ == MPI_COMM_NULL) return {-1, 0};
+    const uint64_t a = reinterpret_cast<uintptr_t>(p);
+    for (size_t k = 0; k + 3 < user->size(); k += 4) {
+      const uint64_t at = (*user)[k + 1], n = (*user)[k + 2];
+      if (a < at || a + bytes > at + n) continue;
+      std::vector<int> ranks = window_ranks(handle(k));
+      bool all = std::find(ranks.begin(), ranks.end(), MPI_UNDEFINED) == ranks.end();
+      return all ? std::make_pair(static_cast<int64_t>((*user)[k]), static_cast<int64_t>(a - at))
+                 : std::make_pair(int64_t(-1), int64_t(0));
+    }
+    return {-1, 0};
+  }
+
+  // Rank r's memory at `offset` in the user window `id` (as every rank registered it).
+  const char* user_memory(int64_t id, int r, int64_t offset) const {
+    for (size_t k = 0; user && k + 3 < user->size(); k += 4) {
+      if (static_cast<int64_t>((*user)[k]) != id) continue;
+      MPI_Win w = handle(k);
+      int wr = window_ranks(w)[static_cast<size_t>(r)];
+      MPI_Aint size = 0;
+      int disp = 1;
+      void* base = nullptr;
+      COCONET_MPI(MPI_Win_shared_query(w, wr, &size, &disp, &base));
+      return static_cast<const char*>(base) + offset;
+    }
+    abort_all("fused collective: a peer's buffer is in a shared window this rank does not know");
+    return nullptr;
+  }
+
  private:
+  MPI_Win handle(size_t k) const {
+    MPI_Win w;
+    uint64_t h = (*user)[k + 3];
+    if (sizeof(MPI_Win) == sizeof(uint64_t)) {
+      std::memcpy(&w, &h, sizeof(MPI_Win));
+    } else {
+      int i = static_cast<int>(h);
+      std::memcpy(&w, &i, sizeof(MPI_Win));
+    }
+    return w;
+  }
+
+  // The ranks of this window's group (the node's ranks, in group order) in window w.
+  std::vector<int> window_ranks(MPI_Win w) const {
+    MPI_Group wg, ng;
+    COCONET_MPI(MPI_Win_get_group(w, &wg));
+    COCONET_MPI(MPI_Comm_group(node_, &ng));
+    std::vector<int> mine(bases_.size()), theirs(bases_.size());
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = static_cast<int>(i);
+    COCONET_MPI(MPI_Group_translate_ranks(ng, static_cast<int>(mine.size()), mine.data(), wg,
+                                          theirs.data()));
+    MPI_Group_free(&wg);
+    MPI_Group_free(&ng);
+    return theirs;
+  }
+
   void release_window() {
     if (win_ == MPI_WIN_NULL) return;
     MPI_Win_unlock_all(win_);

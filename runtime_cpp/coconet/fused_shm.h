@@ -147,12 +147,14 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   for (const GatherTarget& g : gathers)
     require(g.total() == total, "fused collective: gather target size mismatch");
   const int R = comm.size, me = comm.rank;
-  // region layout: [staged input][each gather target not kept in the input's own-slice part]
-  size_t region = align64(static_cast<size_t>(total) * sizeof(T));
+  // region layout: [header: where this rank's input is][staged input][each gather target not
+  // kept in the input's own-slice part]
+  constexpr size_t kHead = 64;
+  size_t region = kHead + align64(static_cast<size_t>(total) * sizeof(T));
   std::vector<size_t> goff(gathers.size(), 0);
   for (size_t k = 0; k < gathers.size(); ++k) {
     if (k == 0 && gathers[k].elem_size == sizeof(T)) continue;
-    goff[k] = region;
+    goff[k] = region - kHead;
     region += align64(static_cast<size_t>(total) * gathers[k].elem_size);
   }
   ShmWindow& win = comm.shm;
@@ -160,12 +162,22 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   win.reserve(twice ? 2 * region : region);
   const size_t at = twice ? static_cast<size_t>(win.calls % 2) * region : 0;
   ++win.calls;
-  auto seg = [&](int r) { return win.base(r) + at; };
+  auto head = [&](int r) { return reinterpret_cast<int64_t*>(win.base(r) + at); };
+  auto seg = [&](int r) { return win.base(r) + at + kHead; };
 
-  // 1. stage what the others reduce
+  // 1. stage what the others reduce, unless the input lies in a shared window (coconetc.empty)
+  std::pair<int64_t, int64_t> user{-1, 0};
+  if (in.count() == 1) user = win.user_window_of(in.ptrs[0], static_cast<size_t>(total) * sizeof(T));
+  head(me)[0] = user.first;
+  head(me)[1] = user.second;
   T* staged = reinterpret_cast<T*>(seg(me));
-  for_each_peer_piece(shape, R, me, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
+  if (user.first < 0)
+    for_each_peer_piece(shape, R, me, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
   win.sync();
+  std::vector<const T*> input(static_cast<size_t>(R));  // every rank's input, readable here
+  for (int r = 0; r < R; ++r)
+    input[static_cast<size_t>(r)] = reinterpret_cast<const T*>(
+        head(r)[0] < 0 ? seg(r) : win.user_memory(head(r)[0], r, head(r)[1]));
 
   // 2. reduce this rank's slice from every rank, compute, publish each target's chunk
   RoundPlan plan(shape, R, chunk_elems);
@@ -180,7 +192,7 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
           accumulate(op, r == 0, red + o, p, len);
         });
       } else {
-        accumulate(op, r == 0, red, reinterpret_cast<const T*>(seg(r)) + q.begin, q.size());
+        accumulate(op, r == 0, red, input[static_cast<size_t>(r)] + q.begin, q.size());
       }
     }
     finish_chunk<T>(op, red, q.size(), R);
