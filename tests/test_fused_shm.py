@@ -46,3 +46,29 @@ def test_empty_is_a_writable_array(framework: str):
     assert b.shape == (0,) and b.dtype == np.dtype(shm.STORAGE["bf16"])
     with pytest.raises(ValueError, match="unknown dtype"):
         coconetc.empty(3, "f8")
+
+
+def test_repeated_call_fast_path_checks_what_changed():
+    """A call with the same buffers as the last one skips the per-array checks (the loader's
+    fast path) but still takes new scalars and notices an array reshaped in place."""
+    pytest.importorskip("mpi4py")
+    import coconetc
+    fn = coconetc.load(REPO / "examples" / "adam.ccn", log=lambda msg: None).adam
+    n = 7
+    g = np.linspace(-1, 1, n).astype(np.float32)
+
+    def fresh():
+        return {k: np.full(n, 0.5, np.float32) for k in "wmv"}
+
+    a, b = fresh(), fresh()
+    for step in (1.0, 2.0, 3.0):  # a: the same buffers every call; b: the checks run each time
+        fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=step)
+        fn(g=g.copy(), **{k: v for k, v in b.items()}, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=step)
+        b = {k: v.copy() for k, v in b.items()}
+    for k in "wmv":
+        assert np.array_equal(a[k], b[k]), k
+    with pytest.raises(TypeError, match="step"):
+        fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step="x")
+    a["w"].shape = (1, n)
+    with pytest.raises(ValueError, match="'w'"):
+        fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=4.0)
