@@ -1,6 +1,7 @@
 """Run under mpiexec by tests/test_fused_shm.py: the zero and fused Adam schedules through the
 shared-memory fused collective (input staged, or in place in coconetc.empty's window) give the
-point-to-point path's results bit for bit, on COMM_WORLD and on a split sub-communicator, for
+point-to-point path's results bit for bit (default and rs_c_ag, whose allreduce and allgathers
+also go through the window, MPI's up to the order of the sum), on COMM_WORLD and on a split sub-communicator, for
 sizes the ranks do not divide and sizes below the number of ranks. Prints "ok" on rank 0."""
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ def check(fn, comm, n):
             for a, b, name in zip(want, got, "wmv"):
                 assert np.array_equal(a, b), f"{sched} {label} n={n} R={comm.Get_size()}: {name} differs"
         assert np.array_equal(ge, g), "the input in the window was changed"
+    for sched in ("default", "rs_c_ag"):  # allreduce, allgather through the window (or MPI)
+        want = step(fn, sched, comm, g, "p2p")
+        got = step(fn, sched, comm, g, "shm")
+        for a, b, name in zip(want, got, "wmv"):  # MPI may sum in another order
+            assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{sched} n={n} R={comm.Get_size()}: {name} differs"
 
 
 def main() -> int:
     fn = coconetc.load(sys.argv[1], log=lambda msg: None).adam
     world = MPI.COMM_WORLD
-    for n in (1, 2, 5, 4099, 70000):
+    for n in (1, 2, 5, 4099, 70000, 300001):
         check(fn, world, n)
     sub = world.Split(world.Get_rank() % 2, world.Get_rank())
     for n in (3, 4099):

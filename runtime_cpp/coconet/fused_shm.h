@@ -212,4 +212,53 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   if (!twice) win.sync();  // nobody stages the next call over a region still being read
 }
 
+// Messages below this many bytes go through MPI_Allreduce (two barriers cost more there).
+constexpr size_t kShmAllreduceMinBytes = size_t(1) << 14;
+
+// allreduce (collectives.h) through the group's window: a fused reduce-scatter whose "compute"
+// writes the reduced chunk into out and whose gather target is out (in == out allowed).
+template <class T>
+bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm) {
+  if (static_cast<size_t>(count) * sizeof(T) < kShmAllreduceMinBytes || !use_shm(comm)) return false;
+  auto copy = [out](int64_t b, int64_t e, const compute_t<T>* red) {
+    for (int64_t i = b; i < e; ++i) out[i] = from_compute<T>(red[i - b]);
+  };
+  std::vector<GatherTarget> gathers{gather_target(out, count)};
+  const int64_t chunk = int64_t(1) << 16;
+  fused_rs_compute_ag_shm<T>(op, Segments<const T>::one(in, count), Shape3{1, count, 1}, comm,
+                             chunk, copy, gathers, chunk);
+  return true;
+}
+
+// allgather (collectives.h) of a [1, n, inner] tensor through the group's window: each rank
+// copies its slice into its segment, then, after a barrier, the others' slices out of theirs.
+template <class T>
+bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
+  const size_t bytes = static_cast<size_t>(s.total()) * sizeof(T);
+  if (s.outer != 1 || bytes < kShmAllreduceMinBytes || !use_shm(comm)) return false;
+  ShmWindow& win = comm.shm;
+  const size_t region = align64(bytes);
+  const bool twice = 2 * region <= kShmDoubleBytes;
+  win.reserve(twice ? 2 * region : region);
+  const size_t at = twice ? static_cast<size_t>(win.calls % 2) * region : 0;
+  ++win.calls;
+  auto range = [&](int r) {
+    Range q = slice_range(s.n, comm.size, r);
+    return Range{q.begin * s.inner, q.end * s.inner};
+  };
+  Range mine = range(comm.rank);
+  const size_t n = static_cast<size_t>(mine.size()) * sizeof(T);
+  if (n) std::memcpy(win.base(comm.rank) + at + static_cast<size_t>(mine.begin) * sizeof(T), in_slice, n);
+  if (n && in_slice != out + mine.begin) std::memmove(out + mine.begin, in_slice, n);
+  win.sync();
+  for (int r = 0; r < comm.size; ++r) {
+    Range q = range(r);
+    if (r == comm.rank || q.empty()) continue;
+    std::memcpy(out + q.begin, win.base(r) + at + static_cast<size_t>(q.begin) * sizeof(T),
+                static_cast<size_t>(q.size()) * sizeof(T));
+  }
+  if (!twice) win.sync();
+  return true;
+}
+
 }  // namespace coconet
