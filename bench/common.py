@@ -145,7 +145,7 @@ def plot(title: str, results: dict[int, dict[str, Any]], best_baseline: list[str
         print("matplotlib not installed (pip install -e '.[bench]'): no plot")
         return
     sizes = sorted(results)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     ref = [min(results[n]["baselines"][b] for b in best_baseline if b in results[n]["baselines"]) for n in sizes]
     labels = list(results[sizes[0]]["baselines"]) + [f"coconet {k}" for k in results[sizes[0]]["coconet"]]
     for label in labels:
@@ -161,7 +161,7 @@ def plot(title: str, results: dict[int, dict[str, Any]], best_baseline: list[str
     ax.set_xlabel("elements")
     ax.set_ylabel("speed-up vs best baseline")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
