@@ -53,6 +53,9 @@ def main() -> int:
     world = MPI.COMM_WORLD
     for n in (1, 2, 5, 4099, 70000, 300001):
         check(fn, world, n)
+    os.environ["COCONET_SHM_DOUBLE"] = "0"  # one region a call, fenced by barriers
+    check(fn, world, 70000)
+    del os.environ["COCONET_SHM_DOUBLE"]
     sub = world.Split(world.Get_rank() % 2, world.Get_rank())
     for n in (3, 4099):
         check(fn, sub, n)

@@ -101,6 +101,23 @@ class ShmWindow {
     bytes_ = bytes;
   }
 
+  // Bytes of every rank's segment.
+  size_t bytes() const { return bytes_; }
+
+  // Where this call's region of `region` bytes starts in every segment; collective (every rank
+  // of the group makes the same calls).  While two regions fit in kDouble bytes, calls
+  // alternate between the two halves of the segment, so a rank may fill call k+1's region
+  // while a peer still reads call k's: nothing else is needed between calls.  Above that, the
+  // region starts at 0 and the call is fenced by a barrier before (`fenced`: and one after).
+  size_t region_for(size_t region, bool& fenced, size_t kDouble) {
+    fenced = 2 * region > kDouble;
+    reserve(fenced ? region : 2 * region);
+    const size_t at = fenced ? 0 : static_cast<size_t>(calls % 2) * (bytes_ / 2);
+    ++calls;
+    if (fenced) sync();  // nobody still reads a region of an earlier call
+    return at;
+  }
+
   // Rank r's segment (readable by every rank of the group).
   char* base(int r) const { return static_cast<char*>(bases_[static_cast<size_t>(r)]); }
 

@@ -13,9 +13,10 @@
 //      into this rank's segment at its global indices (for one target of the input's element
 //      size, the unused own-slice part of the staged input region);  sync;
 //   3. gather: each rank copies every other rank's part of every target out of their segments.
-// Regions are double-buffered (the parity of the call) while both fit in kShmDoubleBytes, so a
-// rank may stage call k+1 while a peer still reads call k: two barriers a call; above that, one
-// region and a third barrier at the end.  Memory: per rank, the full-size input (and each gather
+// Regions are double-buffered (the two halves of the segment, by the parity of the call) while
+// both fit in shm_double_bytes(), so a rank may stage call k+1 while a peer still reads call k: two
+// barriers a call; above that, one region and a barrier before and after the call
+// (ShmWindow::region_for, comm.h).  Memory: per rank, the full-size input (and each gather
 // target of another element size) in the window, grown when needed and kept across calls.
 // COCONET_FUSED=p2p forces the point-to-point path (it must be the same on every rank).
 #pragma once
@@ -92,8 +93,12 @@ void compute_in_pieces(int64_t begin, int64_t end, const C* reduced, int64_t pie
 
 // ---- the shared-memory path ---------------------------------------------------------------------
 
-// Window regions are double-buffered while both copies fit in this many bytes per rank.
-constexpr size_t kShmDoubleBytes = size_t(64) << 20;
+// Window regions are double-buffered while both copies fit in this many bytes per rank
+// (COCONET_SHM_DOUBLE bytes if set, the same on every rank: tests set 0 to fence every call).
+inline size_t shm_double_bytes() {
+  const char* env = std::getenv("COCONET_SHM_DOUBLE");
+  return env ? static_cast<size_t>(std::atoll(env)) : size_t(64) << 20;
+}
 
 // True when fused collectives on `comm` go through its shared-memory window: more than one rank,
 // all on this node, and COCONET_FUSED is not "p2p" (collective over the group on first use).
@@ -158,10 +163,8 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
     region += align64(static_cast<size_t>(total) * gathers[k].elem_size);
   }
   ShmWindow& win = comm.shm;
-  const bool twice = 2 * region <= kShmDoubleBytes;
-  win.reserve(twice ? 2 * region : region);
-  const size_t at = twice ? static_cast<size_t>(win.calls % 2) * region : 0;
-  ++win.calls;
+  bool fenced = false;
+  const size_t at = win.region_for(region, fenced, shm_double_bytes());
   auto head = [&](int r) { return reinterpret_cast<int64_t*>(win.base(r) + at); };
   auto seg = [&](int r) { return win.base(r) + at + kHead; };
 
@@ -209,7 +212,7 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
       raw_copy_in(seg(r) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size,
                   gathers[g], q.begin, q.end);
     });
-  if (!twice) win.sync();  // nobody stages the next call over a region still being read
+  if (fenced) win.sync();  // nobody stages the next call over a region still being read
 }
 
 // Messages below this many bytes go through MPI_Allreduce (two barriers cost more there).
@@ -237,11 +240,8 @@ bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
   const size_t bytes = static_cast<size_t>(s.total()) * sizeof(T);
   if (s.outer != 1 || bytes < kShmAllreduceMinBytes || !use_shm(comm)) return false;
   ShmWindow& win = comm.shm;
-  const size_t region = align64(bytes);
-  const bool twice = 2 * region <= kShmDoubleBytes;
-  win.reserve(twice ? 2 * region : region);
-  const size_t at = twice ? static_cast<size_t>(win.calls % 2) * region : 0;
-  ++win.calls;
+  bool fenced = false;
+  const size_t at = win.region_for(align64(bytes), fenced, shm_double_bytes());
   auto range = [&](int r) {
     Range q = slice_range(s.n, comm.size, r);
     return Range{q.begin * s.inner, q.end * s.inner};
@@ -257,7 +257,7 @@ bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
     std::memcpy(out + q.begin, win.base(r) + at + static_cast<size_t>(q.begin) * sizeof(T),
                 static_cast<size_t>(q.size()) * sizeof(T));
   }
-  if (!twice) win.sync();
+  if (fenced) win.sync();
   return true;
 }
 
