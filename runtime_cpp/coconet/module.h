@@ -104,6 +104,7 @@ struct CallArgs {
   std::vector<int64_t> iscalars;                     // scalar parameters (integer ones)
   uintptr_t comm = 0;                                // MPI_Comm handle (mpi4py's _handleof)
   int groups = 1;
+  std::vector<uint64_t> windows;  // coconetc.empty's shared windows: (id, address, bytes, MPI_Win) each
 
   template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
   template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }
