@@ -9,9 +9,9 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   point-to-point fused collective forced (COCONET_FUSED=p2p) instead of the shared-memory one,
   "zero, g in coconetc.empty" the zero schedule with the gradient allocated in the shared window
   (no staging copy).
-  * the memory roofline of each schedule: the bytes it must move through memory (below) over the
-    copy bandwidth measured in the same run. The bytes are counted here, by hand, for now
-    (another branch adds a cost model, coconetc/tune/cost.py, to compute them).
+  * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
+    over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
+    bandwidth measured in the same run.
 
 Run: python bench/adam_step.py [--sizes 16,18,20,22,24] [--ranks 2] [--reps 10] [--json PATH]
 It relaunches itself under mpiexec; rank 0 prints a table per size (milliseconds of the slowest
@@ -34,6 +34,8 @@ ALLREDUCE = "mpi4py Allreduce + torch Adam(fused=True)"
 GLOO = "torch.distributed gloo + torch Adam(fused=True)"
 ZERO = "mpi4py ReduceScatter + torch Adam(fused=True) on the slice + Allgather (hand-written ZeRO)"
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+
+ADAM_CCN = common.ROOT / "examples" / "adam.ccn"
 
 
 def _adam(params):
@@ -111,16 +113,6 @@ def coconet_step(mod, sched, comm, g, w, path=None, empty=False):
     return step
 
 
-def roofline_bytes(sched: str, n: int, R: int, size: int = 4) -> int:
-    """Bytes one rank must move through memory: read each input once, write each output once.
-    s = this rank's slice. default: g, m, v, w read (4N), m, v, w written (3N); rs_c_ag and
-    fused: g (N), m, v, w read at the slice (3s) and written whole (gathered, 3N); zero: g (N),
-    m and v read and written at the slice (4s), w read at the slice (s) and written whole (N)."""
-    s = -(-n // R)
-    return size * {"default": 7 * n, "rs_c_ag": 4 * n + 3 * s, "fused": 4 * n + 3 * s,
-                   "zero": 2 * n + 5 * s}[sched]
-
-
 def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
     g = rng.standard_normal(n).astype(np.float32)
@@ -136,7 +128,8 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
     base = {k: t["b", k] for k in base}
     ours = {k: t["c", k] for k in variants}
     R = comm.Get_size()
-    roof = {s: roofline_bytes(s, n, R) / bw for s in ("default", "rs_c_ag", "zero", "fused")}
+    moved = common.model_bytes(ADAM_CCN, "adam", ["default", "rs_c_ag", "zero", "fused"], {"N": n}, R)
+    roof = {s: b / bw for s, b in moved.items()}
     return {"baselines": base, "coconet": ours, "roofline": min(roof.values()),
             "roofline_by_schedule": roof, "reps": reps}
 
@@ -152,14 +145,14 @@ def main() -> int:
         return common.relaunch(a.ranks, __file__, ["adam.ccn"])
     comm = common.setup_rank()
     import coconetc
-    mod = coconetc.load(common.ROOT / "examples" / "adam.ccn", log=lambda msg: None)
+    mod = coconetc.load(ADAM_CCN, log=lambda msg: None)
     sizes = common.sizes_arg(a.sizes)
     bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
     results = {n: run_size(mod, comm, n, a.reps, bw) for n in sizes}
     if comm.Get_rank() == 0:
         common.report(f"Adam step, f32, {comm.Get_size()} ranks, median of reps", "adam_step", results,
                       [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
-                                                "roofline_note": "bytes counted in bench/adam_step.py"},
+                                                "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"},
                       a.json)
     return 0
 

@@ -107,6 +107,17 @@ def copy_bandwidth(comm, n_bytes: int, reps: int) -> float:
     return 2 * src.nbytes / comm.allreduce(best, op=MPI.MAX)
 
 
+def model_bytes(ccn: Path | str, program: str, schedules: list[str], sizes: dict[str, int],
+                ranks: int) -> dict[str, float]:
+    """Bytes one rank moves through memory under each schedule, from the cost model over the
+    schedule's execution plan (coconetc/tune/cost.py: what the plan reads and writes, the
+    collectives' traffic included): the memory roofline's numerator."""
+    from coconetc.driver import load_file
+    from coconetc.tune.cost import cost
+    mod = load_file(ccn)
+    return {s: cost(mod.plans[(program, s)], sizes, ranks).moved for s in schedules}
+
+
 def report(title: str, name: str, results: dict[int, dict[str, Any]], best_baseline: list[str],
            meta: dict, json_path: str | None) -> None:
     """Prints one table per size (milliseconds and speed-up against the best of

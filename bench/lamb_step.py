@@ -5,8 +5,8 @@ ranks, per-layer trust ratios), every variant side by side in one run, at every 
   * mpi4py Allreduce + LAMB in PyTorch
   * torch.distributed gloo + LAMB in PyTorch
   coconet examples/lamb.ccn (g, w, m, v passed as one array per layer): default, rs_c_ag, zero
-  * the memory roofline of each schedule: bytes counted here, by hand (as in adam_step.py),
-    over the copy bandwidth measured in the same run.
+  * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
+    over its plan (coconetc/tune/cost.py), over the copy bandwidth measured in the same run.
 
 Run: python bench/lamb_step.py [--sizes 16,18,20,22,24] [--layers 8] [--ranks 2] [--reps 10] [--json PATH]"""
 
@@ -24,6 +24,8 @@ import common  # noqa: E402
 ALLREDUCE = "mpi4py Allreduce + LAMB in PyTorch"
 GLOO = "torch.distributed gloo + LAMB in PyTorch"
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-6, wd=0.01)
+
+LAMB_CCN = common.ROOT / "examples" / "lamb.ccn"
 
 
 def torch_lamb(sizes: list[int], w, gt):
@@ -88,13 +90,6 @@ def coconet_step(mod, sched, comm, sizes, g, w):
     return lambda: mod.lamb(schedule=name, **args)
 
 
-def roofline_bytes(sched: str, n: int, R: int) -> int:
-    """As Adam's (adam_step.py): read each input once, write each output once; the trust
-    ratios' norms read w and the update at the slice once more (s each)."""
-    s = -(-n // R)
-    return 4 * {"default": 7 * n + 2 * n, "rs_c_ag": 4 * n + 5 * s, "zero": 2 * n + 7 * s}[sched]
-
-
 def run_size(mod, comm, n: int, layers: int, reps: int, bw: float) -> dict:
     sizes = [len(x) for x in np.array_split(np.arange(n), layers)]
     g = np.random.default_rng(comm.Get_rank()).standard_normal(n).astype(np.float32)
@@ -104,7 +99,8 @@ def run_size(mod, comm, n: int, layers: int, reps: int, bw: float) -> dict:
     for s in ("default", "rs_c_ag", "zero"):
         fns["c", s] = coconet_step(mod, s, comm, sizes, g, w)
     t = common.timed_all(comm, fns, reps)
-    roof = {s: roofline_bytes(s, n, comm.Get_size()) / bw for s in ("default", "rs_c_ag", "zero")}
+    moved = common.model_bytes(LAMB_CCN, "lamb", ["default", "rs_c_ag", "zero"], {"N": n}, comm.Get_size())
+    roof = {s: b / bw for s, b in moved.items()}
     return {"baselines": {k: v for (kind, k), v in t.items() if kind == "b"},
             "coconet": {k: v for (kind, k), v in t.items() if kind == "c"},
             "roofline": min(roof.values()), "roofline_by_schedule": roof, "reps": reps, "layers": layers}
@@ -122,14 +118,14 @@ def main() -> int:
         return common.relaunch(a.ranks, __file__, ["lamb.ccn"])
     comm = common.setup_rank()
     import coconetc
-    mod = coconetc.load(common.ROOT / "examples" / "lamb.ccn", log=lambda msg: None)
+    mod = coconetc.load(LAMB_CCN, log=lambda msg: None)
     sizes = common.sizes_arg(a.sizes)
     bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
     results = {n: run_size(mod, comm, n, a.layers, a.reps, bw) for n in sizes}
     if comm.Get_rank() == 0:
         common.report(f"LAMB step, f32, {a.layers} layers, {comm.Get_size()} ranks", "lamb_step", results,
                       [ALLREDUCE, GLOO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
-                                          "roofline_note": "bytes counted in bench/lamb_step.py"}, a.json)
+                                          "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"}, a.json)
     return 0
 
 
