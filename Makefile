@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint clean
+.PHONY: demo test test-quick lint clean bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/coconetc run examples/adam.ccn --ranks 4 --schedule all --size N=4099
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check coconetc tests cmake
+	$(VENV)/bin/ruff check coconetc tests cmake bench
 	$(VENV)/bin/mypy coconetc
 
 test: lint
@@ -29,6 +29,18 @@ test: lint
 # while working: everything but the cases marked slow (installs, CMake builds, random programs)
 test-quick: lint
 	$(PY) -m pytest -n 2 -m "not slow" tests
+
+# every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2), side by side in one run
+# each; tables on stdout, JSON and PNG plots in bench/results/ (docs/performance.md)
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/adam_step.py $(BENCH_ARGS)
+	$(PY) bench/lamb_step.py $(BENCH_ARGS)
+	$(PY) bench/mlp_out.py --dtype f16
+	$(PY) bench/mlp_out.py --dtype f32
+	$(PY) bench/stage_step.py
+	$(PY) bench/call_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

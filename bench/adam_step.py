@@ -1,114 +1,160 @@
-"""One data-parallel Adam step (f32, N elements, all-reduced gradient), side by side in one run:
+"""One data-parallel Adam step (f32, N elements, the gradient summed over the ranks), every
+variant side by side in one run, at every size (default 2^16 .. 2^24):
 
-  * baseline: mpi4py Allreduce of the gradient + torch.optim.Adam(fused=True) on the full tensor
-  * coconet examples/adam.ccn compiled for the CPU: default, rs_c_ag, zero, fused schedules
-  * the memory roofline of the zero schedule (its memory traffic / copy bandwidth, measured here)
+  baselines
+  * mpi4py Allreduce + torch Adam(fused=True)          (the gradient all-reduced in place)
+  * torch.distributed gloo + torch Adam(fused=True)    (torch.distributed.all_reduce, gloo)
+  * mpi4py ReduceScatter + torch Adam(fused=True) on the slice + Allgather  (hand-written ZeRO)
+  coconet examples/adam.ccn: default, rs_c_ag, zero, fused; "zero p2p" is zero with the
+  point-to-point fused collective forced (COCONET_FUSED=p2p) instead of the shared-memory one,
+  "zero, g in coconetc.empty" the zero schedule with the gradient allocated in the shared window
+  (no staging copy).
+  * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
+    over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
+    bandwidth measured in the same run.
 
-Run: python bench/adam_step.py [--n 4194304] [--ranks 2] [--reps 10]
-It relaunches itself under mpiexec; rank 0 prints a table of medians (and ratios to the
-baseline) and writes bench/results/adam_step.json. Not a test: numbers on a 2-core machine are
-noisy, so compare the ratios from one run."""
+Run: python bench/adam_step.py [--sizes 16,18,20,22,24] [--ranks 2] [--reps 10] [--json PATH]
+It relaunches itself under mpiexec; rank 0 prints a table per size (milliseconds of the slowest
+rank, medians; speed-up against the best baseline), writes the JSON (bench/results/adam_step.json
+unless --json) and a PNG plot beside it. Not a test: compare the ratios from one run."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ALLREDUCE = "mpi4py Allreduce + torch Adam(fused=True)"
+GLOO = "torch.distributed gloo + torch Adam(fused=True)"
+ZERO = "mpi4py ReduceScatter + torch Adam(fused=True) on the slice + Allgather (hand-written ZeRO)"
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+
+ADAM_CCN = common.ROOT / "examples" / "adam.ccn"
 
 
-def _timed(comm, fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        comm.Barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _adam(params):
+    import torch
+    return torch.optim.Adam(params, lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], fused=True)
 
 
-def _baseline(comm, g, w, args):
+def baseline_allreduce(comm, g, w):
     import torch
     from mpi4py import MPI
-    wt = torch.from_numpy(w.copy())
-    gt = torch.from_numpy(g.copy())
-    wt.grad = torch.zeros_like(wt)
-    opt = torch.optim.Adam([wt], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    wt, gt = torch.from_numpy(w.copy()), torch.from_numpy(g.copy())
+    wt.grad = gt  # the gradient is reduced in place, where the optimizer reads it
+    opt = _adam([wt])
 
     def step():
         comm.Allreduce(MPI.IN_PLACE, gt.numpy(), op=MPI.SUM)
-        wt.grad.copy_(gt)
         opt.step()
     return step
 
 
-def _coconet(mod, sched, comm, g, w, m, v):
-    from coconetc.common.slices import slice_range
-    R, r = comm.Get_size(), comm.Get_rank()
-    if sched == "zero":
-        lo, hi = slice_range(len(m), R, r)
-        m, v = m[lo:hi].copy(), v[lo:hi].copy()
-    args = dict(g=g, w=w.copy(), m=m.copy(), v=v.copy(), lr=1e-3, beta1=0.9, beta2=0.999,
-                eps=1e-8, step=1.0)
-    return lambda: mod.adam(schedule=None if sched == "default" else sched, **args)
+def baseline_gloo(comm, g, w):
+    import torch
+    dist = common.gloo(comm)
+    wt, gt = torch.from_numpy(w.copy()), torch.from_numpy(g.copy())
+    wt.grad = gt
+    opt = _adam([wt])
+
+    def step():
+        dist.all_reduce(gt)
+        opt.step()
+    return step
+
+
+def baseline_zero(comm, g, w):
+    import torch
+    from mpi4py import MPI
+    R, n = comm.Get_size(), len(g)
+    c = -(-n // R)
+    counts = [max(0, min(n, (r + 1) * c) - min(n, r * c)) for r in range(R)]
+    displs = [min(n, r * c) for r in range(R)]
+    lo, hi = displs[comm.Get_rank()], displs[comm.Get_rank()] + counts[comm.Get_rank()]
+    wfull = w.copy()
+    ws = torch.from_numpy(wfull[lo:hi])  # a view: the optimizer updates this rank's part of w
+    gs = torch.empty(hi - lo, dtype=torch.float32)
+    ws.grad = gs
+    opt = _adam([ws])
+
+    def step():
+        comm.Reduce_scatter(g, gs.numpy(), recvcounts=counts, op=MPI.SUM)
+        opt.step()
+        comm.Allgatherv(MPI.IN_PLACE, [wfull, counts, displs, MPI.FLOAT])
+    return step
+
+
+def coconet_step(mod, sched, comm, g, w, path=None, empty=False):
+    import coconetc
+    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
+    c = -(-n // R)
+    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
+    size = mine if sched == "zero" else n
+    m, v = np.zeros(size, np.float32), np.zeros(size, np.float32)
+    if empty:
+        gg = coconetc.empty((n,), "f32", comm=comm)
+        gg[...] = g
+        g = gg
+    args = dict(g=g, w=w.copy(), m=m, v=v, step=1.0, **HP)
+    name = None if sched == "default" else sched
+
+    def step():
+        if path:
+            os.environ["COCONET_FUSED"] = path
+        mod.adam(schedule=name, **args)
+        if path:
+            del os.environ["COCONET_FUSED"]
+    return step
+
+
+def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
+    rng = np.random.default_rng(comm.Get_rank())
+    g = rng.standard_normal(n).astype(np.float32)
+    w = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+    reps = common.reps_for(n, reps)
+    base = {label: make(comm, g, w)
+            for label, make in ((ALLREDUCE, baseline_allreduce), (GLOO, baseline_gloo), (ZERO, baseline_zero))}
+    variants = {s: coconet_step(mod, s, comm, g, w) for s in ("default", "rs_c_ag", "zero", "fused")}
+    variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
+    variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
+    t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
+                                **{("c", k): f for k, f in variants.items()}}, reps)
+    base = {k: t["b", k] for k in base}
+    ours = {k: t["c", k] for k in variants}
+    R = comm.Get_size()
+    moved = common.model_bytes(ADAM_CCN, "adam", ["default", "rs_c_ag", "zero", "fused"], {"N": n}, R)
+    roof = {s: b / bw for s, b in moved.items()}
+    return {"baselines": base, "coconet": ours, "roofline": min(roof.values()),
+            "roofline_by_schedule": roof, "reps": reps}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=1 << 22)
+    ap.add_argument("--sizes", default="16,18,20,22,24", help="exponents of 2 (or sizes), comma-separated")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
-        import coconetc
-        coconetc.load(HERE.parent / "examples" / "adam.ccn")  # build once, before the ranks start
-        from coconetc.launch.mpiexec import run_python
-        return run_python(a.ranks, [__file__, *sys.argv[1:]])
+    if not common.in_mpi_job():
+        return common.relaunch(a.ranks, __file__, ["adam.ccn"])
+    comm = common.setup_rank()
     import coconetc
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    os.environ.setdefault("COCONET_THREADS", "1")
-    mod = coconetc.load(HERE.parent / "examples" / "adam.ccn", log=lambda msg: None)
-    rng = np.random.default_rng(comm.Get_rank())
-    g = rng.standard_normal(a.n).astype(np.float32)
-    shared = np.random.default_rng(0)
-    w, m, v = (shared.uniform(0.5, 1.5, a.n).astype(np.float32) for _ in range(3))
-    rows = [("mpi4py Allreduce + torch Adam(fused=True)", _timed(comm, _baseline(comm, g, w, a), a.reps))]
-    # roofline of the zero schedule: the bytes a rank must move through memory (read g; read and
-    # write its slices of m and v; read its slice of w; write all of w), at the copy bandwidth
-    # measured now, with every rank copying at once
-    src, dst = np.ones(a.n, np.float32), np.empty(a.n, np.float32)
-    bw = 2 * src.nbytes / _timed(comm, lambda: np.copyto(dst, src), a.reps)
-    mine = -(-a.n // comm.Get_size())
-    rows.append(("roofline of zero (memory traffic / copy bandwidth)", 4 * (2 * a.n + 5 * mine) / bw))
-    for sched in ("default", "rs_c_ag", "zero", "fused"):
-        rows.append((f"coconet {sched}", _timed(comm, _coconet(mod, sched, comm, g, w, m, v), a.reps)))
+    mod = coconetc.load(ADAM_CCN, log=lambda msg: None)
+    sizes = common.sizes_arg(a.sizes)
+    bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
+    results = {n: run_size(mod, comm, n, a.reps, bw) for n in sizes}
     if comm.Get_rank() == 0:
-        report(f"Adam step, f32, N = {a.n}, {comm.Get_size()} ranks, median of {a.reps}", rows,
-               "adam_step", {"n": a.n, "ranks": comm.Get_size(), "reps": a.reps})
+        common.report(f"Adam step, f32, {comm.Get_size()} ranks, median of reps", "adam_step", results,
+                      [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
+                                                "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"},
+                      a.json)
     return 0
-
-
-def report(title: str, rows: list[tuple[str, float]], name: str, meta: dict) -> None:
-    """Print the table (milliseconds, speed-up against the first row) and write the JSON."""
-    base, width = rows[0][1], max(len(n) for n, _ in rows)
-    print(title)
-    print(f"{'variant':{width}s} {'ms':>9s} {'speed-up vs baseline':>22s}")
-    for label, t in rows:
-        print(f"{label:{width}s} {t * 1e3:9.2f} {base / t:22.2f}")
-    out = HERE / "results"
-    out.mkdir(exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps({**meta, "median_seconds": dict(rows)}, indent=2))
 
 
 if __name__ == "__main__":

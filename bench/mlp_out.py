@@ -1,84 +1,113 @@
-"""Megatron's row-parallel output layer (examples/mlp_out.ccn, f16): matmul of this rank's
-slice, all-reduce of the partial sums, bias + dropout + residual. Side by side in one run:
+"""Megatron's row-parallel output layer (examples/mlp_out.ccn): matmul of this rank's slice,
+all-reduce of the partial sums, bias + dropout + residual. Side by side in one run, for each
+sequence length S:
 
-  * baseline: torch.matmul + mpi4py Allreduce + torch bias/dropout/residual (f32 math on f16
-    storage is not what torch does on the CPU, so the baseline computes in f32 and rounds)
-  * coconet: default (matmul, allreduce, loop), rs_c_ag, overlap_ar (matmul chunks overlapped
-    with their allreduce), overlapped (matmul chunks each through a fused reduce-scatter +
-    dropout + all-gather)
+  baselines
+  * bare matmul                                     (torch.matmul of this rank's slice alone)
+  * torch matmul + mpi4py Allreduce + torch ops     (bias, dropout, residual)
+  * torch matmul + torch.distributed gloo all_reduce + torch ops
+    (with --dtype f16 the baselines compute in f32: the CPU has no f16 matmul worth timing, and
+    mpi4py has no f16 sum)
+  coconet: default (matmul, allreduce, loop), rs_c_ag, overlap_ar (matmul chunks overlapped
+  with their allreduce), overlapped (matmul chunks each through a fused reduce-scatter +
+  dropout + all-gather)
 
-Run: python bench/mlp_out.py [--b 8] [--s 512] [--k 1024] [--h 1024] [--ranks 2] [--reps 10]
-It relaunches itself under mpiexec; rank 0 prints medians and ratios and writes
-bench/results/mlp_out.json."""
+Run: python bench/mlp_out.py [--dtype f16|f32] [--b 8] [--s 128,512] [--k 1024] [--h 1024]
+     [--ranks 2] [--reps 10] [--json PATH]
+--dtype f32 compiles a copy of mlp_out.ccn with f32 in place of f16 (in the temp directory)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from adam_step import _timed, report  # noqa: E402  (same timing rule and table)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+BARE = "bare matmul"
+MPI4PY = "torch matmul + mpi4py Allreduce + torch ops"
+GLOO = "torch matmul + torch.distributed gloo all_reduce + torch ops"
 
 
-def _baseline(comm, x, w, b, r):
+def ccn_file(dtype: str) -> Path:
+    src = common.ROOT / "examples" / "mlp_out.ccn"
+    if dtype == "f16":
+        return src
+    out = Path(tempfile.gettempdir()) / f"coconet_bench_mlp_out_{dtype}.ccn"
+    text = src.read_text().replace("f16", dtype)
+    if not out.exists() or out.read_text() != text:
+        out.write_text(text)
+    return out
+
+
+def baseline(comm, x, w, b, r, how: str):
     import torch
     from mpi4py import MPI
     xt, wt = torch.from_numpy(x).float(), torch.from_numpy(w).float()
     bt, rt = torch.from_numpy(b).float(), torch.from_numpy(r).float()
     gen = torch.Generator().manual_seed(0)
+    dist = common.gloo(comm) if how == "gloo" else None
+    out_dtype = torch.from_numpy(r).dtype
 
-    y16 = np.empty((x.shape[0], x.shape[1], w.shape[1]), np.float32)
-
-    def step32():
+    def step():
         y = torch.matmul(xt, wt)
-        y16[...] = y.numpy()
-        comm.Allreduce(MPI.IN_PLACE, y16, op=MPI.SUM)  # mpi4py has no f16 sum: reduce in f32
-        s = torch.from_numpy(y16) + bt
+        if how == "bare":
+            return y
+        if dist is not None:
+            dist.all_reduce(y)
+        else:
+            comm.Allreduce(MPI.IN_PLACE, y.numpy(), op=MPI.SUM)
+        s = y + bt
         mask = torch.rand(s.shape, generator=gen) >= 0.1
-        return (torch.where(mask, s / 0.9, torch.zeros(())) + rt).half()
-    return step32
+        return (torch.where(mask, s / 0.9, torch.zeros(())) + rt).to(out_dtype)
+    return step
+
+
+def run_size(mod, comm, a, S: int) -> dict:
+    from coconetc.common.slices import slice_range
+    R, rank = comm.Get_size(), comm.Get_rank()
+    lo, hi = slice_range(a.k, R, rank)
+    dt = np.float16 if a.dtype == "f16" else np.float32
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (a.b, S, a.k)).astype(dt)[:, :, lo:hi].copy()
+    w = (rng.uniform(-1, 1, (a.k, a.h)) / a.k ** 0.5).astype(dt)[lo:hi].copy()
+    b, r = rng.uniform(-1, 1, a.h).astype(dt), rng.uniform(-1, 1, (a.b, S, a.h)).astype(dt)
+    fns = {("b", label): baseline(comm, x, w, b, r, how) for label, how in ((BARE, "bare"), (MPI4PY, "mpi4py"), (GLOO, "gloo"))}
+    args = dict(x=x, w=w, b=b, r=r, seed=1234)
+    for sched in ("default", "rs_c_ag", "overlap_ar", "overlapped"):
+        fns["c", sched] = lambda s=sched: mod.mlp_out(schedule=None if s == "default" else s, **args)
+    t = common.timed_all(comm, fns, a.reps)
+    return {"baselines": {k: v for (kind, k), v in t.items() if kind == "b"},
+            "coconet": {k: v for (kind, k), v in t.items() if kind == "c"}, "roofline": None,
+            "shape": {"B": a.b, "S": S, "K": a.k, "H": a.h}}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    for dim, default in (("b", 8), ("s", 512), ("k", 1024), ("h", 1024)):
+    ap.add_argument("--dtype", choices=("f16", "f32"), default="f16")
+    for dim, default in (("b", 8), ("k", 1024), ("h", 1024)):
         ap.add_argument(f"--{dim}", type=int, default=default)
+    ap.add_argument("--s", default="128,512", help="sequence lengths, comma-separated")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if "OMPI_COMM_WORLD_SIZE" not in os.environ and "PMI_SIZE" not in os.environ:
+    if not common.in_mpi_job():
         import coconetc
-        coconetc.load(HERE.parent / "examples" / "mlp_out.ccn")
-        from coconetc.launch.mpiexec import run_python
-        return run_python(a.ranks, [__file__, *sys.argv[1:]])
+        coconetc.load(ccn_file(a.dtype))
+        return common.relaunch(a.ranks, __file__, [])
+    comm = common.setup_rank()
     import coconetc
-    from mpi4py import MPI
-
-    from coconetc.common.slices import slice_range
-    comm = MPI.COMM_WORLD
-    os.environ.setdefault("COCONET_THREADS", "1")
-    import torch
-    torch.set_num_threads(1)
-    mod = coconetc.load(HERE.parent / "examples" / "mlp_out.ccn", log=lambda msg: None)
-    R, rank = comm.Get_size(), comm.Get_rank()
-    lo, hi = slice_range(a.k, R, rank)
-    rng = np.random.default_rng(0)
-    x = rng.uniform(-1, 1, (a.b, a.s, a.k)).astype(np.float16)[:, :, lo:hi].copy()
-    w = (rng.uniform(-1, 1, (a.k, a.h)) / a.k ** 0.5).astype(np.float16)[lo:hi].copy()
-    b, r = rng.uniform(-1, 1, a.h).astype(np.float16), rng.uniform(-1, 1, (a.b, a.s, a.h)).astype(np.float16)
-    rows = [("torch matmul + mpi4py Allreduce (f32) + torch dropout", _timed(comm, _baseline(comm, x, w, b, r), a.reps))]
-    for sched in ("default", "rs_c_ag", "overlap_ar", "overlapped"):
-        args = dict(x=x, w=w, b=b, r=r, seed=1234)
-        rows.append((f"coconet {sched}", _timed(
-            comm, lambda s=sched, kw=args: mod.mlp_out(schedule=None if s == "default" else s, **kw), a.reps)))
-    if rank == 0:
-        report(f"mlp_out, f16, B={a.b} S={a.s} K={a.k} H={a.h}, {R} ranks, median of {a.reps}",
-               rows, "mlp_out", {"sizes": vars(a)})
+    mod = coconetc.load(ccn_file(a.dtype), log=lambda msg: None)
+    results = {a.b * S * a.h: run_size(mod, comm, a, S) for S in map(int, a.s.split(","))}
+    if comm.Get_rank() == 0:
+        common.report(f"mlp_out, {a.dtype}, B={a.b} K={a.k} H={a.h} (elements of the output), "
+                      f"{comm.Get_size()} ranks", f"mlp_out_{a.dtype}", results, [MPI4PY, GLOO],
+                      {"ranks": comm.Get_size(), "dtype": a.dtype}, a.json)
     return 0
 
 

@@ -10,13 +10,35 @@ __version__ = "0.1.0"
 from coconetc.runtime import hooks as _hooks  # noqa: E402
 
 _hooks.install()
-__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "load"]
+# Open MPI 5's UCX one-sided component prints an error at every window creation on a machine
+# without a UCX network; the fused collectives' shared-memory windows (runtime_cpp/coconet/
+# fused_shm.h) use osc/sm. Read at MPI_Init, so it only helps when MPI starts after this import
+# (coconetc's launcher sets it for the ranks it starts).
+_hooks.quiet_osc_ucx()
+__all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load"]
 
 
-def load(path, log=None, *, include_dirs=(), library_dirs=(), libraries=()):
-    """Compile a .ccn file for the CPU (cached) and import it: one function per program.
+def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None):
+    """Compile a .ccn file (cached) and import it: one function per program.
+    backend: "cpu" (C++ and MPI; NumPy arrays or CPU tensors) or "cuda" (CUDA, NCCL, cuBLAS;
+    PyTorch CUDA tensors, see coconetc.runtime_cuda; `archs` as nvcc's, default "80;90").
     include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
     is searched for headers too)."""
+    if backend == "cuda":
+        from coconetc.runtime_cuda import load as _load_cuda
+        return _load_cuda(path, archs, log, include_dirs=include_dirs, library_dirs=library_dirs,
+                          libraries=libraries)
+    if backend != "cpu" or archs is not None:
+        raise ValueError(f"coconetc.load: backend must be 'cpu' or 'cuda' (archs only with cuda), "
+                         f"got backend={backend!r}, archs={archs!r}")
     from coconetc.runtime.loader import load as _load
     return _load(path, log, include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
+
+
+def empty(shape, dtype="f32", *, comm=None, framework="numpy"):
+    """An uninitialised NumPy array (or torch tensor, framework="torch") in MPI-3 shared memory
+    over the ranks of COMM (default COMM_WORLD) on this node: a fused collective reads such a
+    buffer in place instead of copying it (coconetc/runtime/shm.py). Collective over COMM."""
+    from coconetc.runtime.shm import empty as _empty
+    return _empty(shape, dtype, comm=comm, framework=framework)

@@ -248,7 +248,8 @@ def _libs(include_dirs, library_dirs, libraries) -> dict:
 @click.option("--save", type=click.Path(), help="Write every rank's inputs and results (.npz).")
 @click.option("--interp", is_flag=True, help="Run on the reference interpreter (simulated ranks).")
 @click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="The backend whose module runs (cuda: only with --emulate).")
+              help="The backend whose module runs (cuda: on this node's GPUs, one rank a GPU; "
+                   "with --emulate, on the CPU).")
 @click.option("--emulate", is_flag=True,
               help="With --backend cuda: run the generated CUDA code under the host emulation "
                    "(streams as threads, NCCL on MPI, stream races detected).")
@@ -259,11 +260,10 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
 
     Compiled (the default): builds the module, launches R ranks with mpiexec, compares every
     rank's results with the interpreter and prints timings. --interp: simulated ranks only.
-    --backend cuda --emulate: the CUDA module under the host emulation, compared the same way."""
+    --backend cuda: the CUDA module on the node's GPUs (torch CUDA tensors, NCCL), compared the
+    same way; with --emulate, under the host emulation (no GPU needed)."""
     if ranks % groups:
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
-    if backend == "cuda" and not emulate:
-        _fail("coconetc: run --backend cuda needs --emulate here (on a GPU, use coconetc.runtime_cuda)")
     if emulate and (backend != "cuda" or interp):
         _fail("coconetc: --emulate goes with --backend cuda (and not with --interp)")
     from coconetc.harness.core import size_symbols
@@ -273,8 +273,9 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     from coconetc.harness.core import DEFAULT_SIZE
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     names = _schedule_names(mod, name, schedule)
-    if emulate:
-        _run_emulated(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save)
+    if backend == "cuda" and not interp:
+        _run_cuda(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
+                  emulate)
     if not interp:
         libs = _libs(include_dirs, library_dirs, libraries)
         _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
@@ -286,18 +287,26 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     sys.exit(1 if bad else 0)
 
 
-def _run_emulated(mod: SourceFile, name, names, ranks, groups, sizes, seed, save) -> None:
-    """run --backend cuda --emulate: build the emulated CUDA module here, then the worker on R
-    ranks; what the CUDA backend does not implement is named and left out."""
+def _run_cuda(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, emulate: bool) -> None:
+    """run --backend cuda [--emulate]: build the CUDA module (for the host emulation, or with
+    nvcc for the GPUs) here, then the worker on R ranks; what the CUDA backend does not
+    implement is named and left out."""
     from coconetc.build.builder import BuildError
-    from coconetc.build.cuda_build import compile_emulated
+    from coconetc.build.cuda_build import compile_cuda, compile_emulated
     from coconetc.codegen.cuda import emulation_problems
     from coconetc.launch.mpiexec import run_python
+    from coconetc.codegen.cuda import problems
+    if not emulate and not _gpu_here():
+        _fail("coconetc: run --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
+              "add --emulate to run the generated CUDA code on the CPU")
     try:
-        compile_emulated(mod.file)
+        if emulate:
+            compile_emulated(mod.file)
+        else:
+            compile_cuda(mod.file, None, None, skip_unsupported=True)
     except (BuildError, CompileError) as err:
         _fail(str(err))
-    skip = emulation_problems(mod)
+    skip = emulation_problems(mod) if emulate else {k: e[0].what for k, e in problems(mod).items()}
     keep = []
     for s in names:
         if s is not None and mod.schedule(name, s).auto:
@@ -310,11 +319,20 @@ def _run_emulated(mod: SourceFile, name, names, ranks, groups, sizes, seed, save
     if not keep:
         sys.exit(0)
     argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
-            "--seed", str(seed), "--emulate-cuda", *[f"--size={k}={v}" for k, v in sizes.items()]]
+            "--seed", str(seed), "--emulate-cuda" if emulate else "--cuda",
+            *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--schedule={s or 'default'}" for s in keep]
     if save:
         argv += ["--save", save]
     sys.exit(run_python(ranks, argv))
+
+
+def _gpu_here() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, libs: dict) -> None:

@@ -22,7 +22,6 @@ import numpy as np
 
 from coconetc.codegen.cpu import DEFAULT, function_name, variants
 from coconetc.common.slices import slice_range
-from coconetc.common.validate import bind_sizes
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 
@@ -32,17 +31,27 @@ TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "
 
 @dataclass
 class NcclComm:
-    """An NCCL communicator (handle) with its MPI communicator (None: a one-rank job)."""
+    """An NCCL communicator (handle) with the MPI communicator or torch.distributed process
+    group it was made from (neither: a one-rank job)."""
 
     handle: int
     size: int
     rank: int
     mpi: Any = None
+    group: Any = None  # a torch.distributed ProcessGroup (None: mpi, or one rank)
 
 
-def nccl_comm(ext: Any, mpi_comm: Any = None) -> NcclComm:
+def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> NcclComm:
     """An NCCL communicator over the ranks of mpi_comm (default: MPI.COMM_WORLD when mpi4py
-    works, else one rank). Every rank of mpi_comm must call this together."""
+    works, else one rank), or over the ranks of an initialized torch.distributed process group
+    (`process_group=`, e.g. `torch.distributed.group.WORLD` under torchrun): rank 0 makes the
+    NCCL id, the group broadcasts it. Every rank of the group must call this together."""
+    if process_group is not None:
+        import torch.distributed as dist
+        size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        box = [ext.nccl_unique_id() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
+        return NcclComm(ext.nccl_comm_init(box[0], size, rank), size, rank, None, process_group)
     if mpi_comm is None:
         try:
             from mpi4py import MPI
@@ -55,6 +64,20 @@ def nccl_comm(ext: Any, mpi_comm: Any = None) -> NcclComm:
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     uid = mpi_comm.bcast(ext.nccl_unique_id() if rank == 0 else None, root=0)
     return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm)
+
+
+def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]:
+    """Every rank's `mine`: over MPI under the watchdog (runtime/agree.py), or over the
+    torch.distributed group (its own timeout applies)."""
+    from coconetc.runtime import agree
+    if comm.size == 1:
+        return [mine]
+    if comm.mpi is not None:
+        return agree.exchange(comm.mpi, mine, what, timeout)
+    import torch.distributed as dist
+    everyone: list[Any] = [None] * comm.size
+    dist.all_gather_object(everyone, mine, group=comm.group)
+    return everyone
 
 
 def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
@@ -90,22 +113,16 @@ class CudaModule:
 class CudaProgram:
     def __init__(self, name: str, schedules: dict[str, Program], ext: Any):
         self.name, self.schedules, self.ext = name, schedules, ext
+        self._bound: list = []  # the last call's shapes and the sizes they bound
 
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
         import torch
         key = schedule or DEFAULT
-        if key not in self.schedules:
-            raise ValueError(f"{self.name}: no schedule '{key}' in the CUDA module "
-                             f"(have {sorted(self.schedules)}; `coconetc check --backend cuda` says why)")
-        p = self.schedules[key]
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime_cuda.nccl_comm(module.ext, mpi_comm)")
-        local = _check_local(p, kwargs)
-        shapes = _describe(p, local)
-        everyone = comm.mpi.allgather(shapes) if comm.mpi is not None and comm.size > 1 else [shapes]
-        sizes, segments = bind_sizes(p, everyone, groups)
-        group_size = len(everyone) // groups
+        p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local(p, kwargs, stream))
+        group_size = ranks // groups
         rank = comm.rank % group_size
         dev = torch.device("cuda", torch.cuda.current_device())
         args = self.ext.CallArgs()
@@ -119,15 +136,51 @@ class CudaProgram:
             outs.append(torch.empty(_local_shape(t, sizes, group_size, rank),
                                     dtype=getattr(torch, TORCH_DTYPES[t.dtype]), device=dev))
         args.outputs = [o.data_ptr() for o in outs]
-        args.sizes = [sizes[s] for s in sorted(sizes)]
-        scal = [q for q in p.params if q.scalar]
-        args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
-        args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
+        _fill_args(args, p, local, sizes)
         st: Any = stream if stream is not None else torch.cuda.current_stream()
         args.stream = int(getattr(st, "cuda_stream", st))
         args.comm, args.groups = comm.handle, groups
         getattr(self.ext, function_name(self.name, key))(args)
         return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _enter(fn: CudaProgram, key: str, comm: NcclComm, groups: int, check) -> tuple:
+    """A call's entry, as the CPU loader's (runtime/loader.py): this rank's arguments checked
+    (`check(program)`), then one exchange with every rank of the communicator under the
+    watchdog (runtime/agree.py), so a wrong argument on any rank, or ranks that disagree on the
+    schedule, groups, a scalar's bits or a shape, raise the same error on every rank before
+    anything runs, and a rank that never arrives ends the job. Returns (program, this rank's
+    checked values, size symbols, ranks, the segment sizes of scattered parameters)."""
+    from coconetc.runtime import agree
+    from coconetc.runtime.loader import _agree, _scalar_bits
+    what = f"{fn.ext.__name__}.{fn.name}(schedule={key!r})"
+    p: Program | None = None
+    local: dict[str, Any] = {}
+    timeout = agree.DEFAULT_TIMEOUT
+    try:
+        timeout = agree.timeout_s()
+        if key not in fn.schedules:
+            raise ValueError(f"{fn.name}: no schedule '{key}' in the CUDA module (have "
+                             f"{sorted(fn.schedules)}; `coconetc check --backend cuda` says why)")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"{fn.name}(): groups must be a positive integer, got {groups!r}")
+        p = fn.schedules[key]
+        local = check(p)
+        head = (fn.ext.__name__, fn.name, key, groups, comm.size)
+        mine: tuple = ("ok", (head, _scalar_bits(p, local), _describe(p, local)))
+    except (TypeError, ValueError, RuntimeError) as err:
+        mine = ("error", type(err).__name__, str(err))
+    everyone = _exchange(comm, mine, what, timeout)
+    sizes, segments = _agree(everyone, comm.rank, p, mine, fn._bound)
+    assert p is not None  # else _agree raised this rank's error
+    return p, local, sizes, len(everyone), segments
+
+
+def _fill_args(args: Any, p: Program, local: dict, sizes: dict) -> None:
+    args.sizes = [sizes[s] for s in sorted(sizes)]
+    scal = [q for q in p.params if q.scalar]
+    args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
+    args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
 
 
 def _local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
@@ -138,10 +191,27 @@ def _local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _as_tensor(q: Param, v: Any) -> Any:
+    """A PyTorch CUDA tensor, or a zero-copy torch view of anything that exposes
+    `__cuda_array_interface__` (CuPy, Numba) or DLPack (JAX, CuPy), so updates reach the
+    caller's buffer."""
+    import torch
+    if isinstance(v, torch.Tensor):
+        return v
+    try:
+        if hasattr(v, "__cuda_array_interface__"):
+            return torch.as_tensor(v, device="cuda")
+        if hasattr(v, "__dlpack__"):
+            return torch.from_dlpack(v)
+    except Exception as err:  # a foreign array torch cannot view
+        raise TypeError(f"'{q.name}': cannot view {type(v).__name__} as a CUDA tensor ({err})") from None
+    raise TypeError(f"'{q.name}' must be a CUDA tensor ({q.type}: a PyTorch CUDA tensor, or an array "
+                    f"with __cuda_array_interface__ or DLPack), got {type(v).__name__}")
+
+
 def _check_tensor(q: Param, v: Any, updated: bool) -> Any:
     import torch
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"'{q.name}' must be a PyTorch CUDA tensor ({q.type}), got {type(v).__name__}")
+    v = _as_tensor(q, v)
     if v.device.type != "cuda" or v.device.index != torch.cuda.current_device():
         raise ValueError(f"'{q.name}' is on {v.device}; this module runs on cuda:{torch.cuda.current_device()}")
     if v.dtype != getattr(torch, TORCH_DTYPES[q.type.dtype]):
@@ -150,12 +220,27 @@ def _check_tensor(q: Param, v: Any, updated: bool) -> Any:
         raise ValueError(f"'{q.name}' is not contiguous; pass .contiguous()")
     if v.dim() != q.type.ndim:
         raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {tuple(v.shape)}")
-    if updated and v.requires_grad and v.is_leaf:
-        raise ValueError(f"'{q.name}' is updated in place but requires grad")
+    if updated and v.requires_grad and torch.is_grad_enabled():
+        kind = "a leaf Variable" if v.is_leaf else "a tensor"
+        raise RuntimeError(f"'{q.name}': {kind} that requires grad is being used in an in-place "
+                           "operation; call it under torch.no_grad(), as optimizers do")
     return v
 
 
-def _check_local(p: Program, kwargs: dict) -> dict:
+def _check_stream(stream: Any) -> None:
+    """stream=: None (PyTorch's current stream), a torch.cuda.Stream of the current device, or
+    a raw cudaStream_t as an int."""
+    import torch
+    if stream is None or (isinstance(stream, int) and not isinstance(stream, bool)):
+        return
+    if not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"stream must be a torch.cuda.Stream or a cudaStream_t int, got {type(stream).__name__}")
+    if stream.device.index != torch.cuda.current_device():
+        raise ValueError(f"stream is on {stream.device}; this module runs on cuda:{torch.cuda.current_device()}")
+
+
+def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
+    _check_stream(stream)
     extra = sorted(set(kwargs) - {q.name for q in p.params})
     if extra:
         raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
@@ -166,16 +251,32 @@ def _check_local(p: Program, kwargs: dict) -> dict:
             raise TypeError(f"{p.name}() missing argument '{q.name}'")
         v = kwargs[q.name]
         if q.scalar:
-            if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-                v = v.item()
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
-                raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
-            out[q.name] = v
+            out[q.name] = _scalar(q, v)
         elif q.scattered:  # a list of 1-D segments (or one tensor: one segment)
             out[q.name] = [_check_tensor(q, x, q.name in updated) for x in (v if isinstance(v, (list, tuple)) else [v])]
         else:
             out[q.name] = _check_tensor(q, v, q.name in updated)
+    _no_aliases(p, out)
     return out
+
+
+def _no_aliases(p: Program, values: dict) -> None:
+    """Two tensor parameters whose device memory overlaps (the same tensor, or views of one)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), q.name)
+                   for q in p.params if not q.scalar
+                   for t in (values[q.name] if isinstance(values[q.name], list) else [values[q.name]]) if t.numel())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{p.name}(): '{a}' and '{b}' overlap in memory (the same buffer, or "
+                             "views of one); pass separate tensors")
+
+
+def _scalar(q: Param, v: Any) -> Any:
+    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+        raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
+    return v
 
 
 def _describe(p: Program, values: dict) -> dict:
@@ -215,16 +316,9 @@ class EmulatedProgram(CudaProgram):
                  stream: Any = None, **kwargs):
         from coconetc.common.dtypes import STORAGE
         key = schedule or DEFAULT
-        if key not in self.schedules:
-            raise ValueError(f"{self.name}: no schedule '{key}' in the emulated CUDA module (have "
-                             f"{sorted(self.schedules)}; `coconetc check --backend cuda` says why)")
-        p = self.schedules[key]
         comm = comm or self.owner.comm()
-        local = _check_local_numpy(p, kwargs)
-        shapes = _describe(p, local)
-        everyone = comm.mpi.allgather(shapes) if comm.mpi is not None and comm.size > 1 else [shapes]
-        sizes, segments = bind_sizes(p, everyone, groups)
-        group_size = len(everyone) // groups
+        p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local_numpy(p, kwargs))
+        group_size = ranks // groups
         rank = comm.rank % group_size
         args = self.ext.CallArgs()
         tensors = [local[q.name] for q in p.params if not q.scalar]
@@ -236,10 +330,7 @@ class EmulatedProgram(CudaProgram):
             t = p.type_of(s)
             outs.append(np.zeros(_local_shape(t, sizes, group_size, rank), dtype=STORAGE[t.dtype]))
         args.outputs = [o.ctypes.data for o in outs]
-        args.sizes = [sizes[s] for s in sorted(sizes)]
-        scal = [q for q in p.params if q.scalar]
-        args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
-        args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
+        _fill_args(args, p, local, sizes)
         args.stream = 0
         args.comm, args.groups = comm.handle, groups
         getattr(self.ext, function_name(self.name, key))(args)
@@ -269,10 +360,7 @@ def _check_local_numpy(p: Program, kwargs: dict) -> dict:
             raise TypeError(f"{p.name}() missing argument '{q.name}'")
         v = kwargs[q.name]
         if q.scalar:
-            if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-                v = v.item()
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
-                raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
+            v = _scalar(q, v)
         elif q.scattered:  # a list of 1-D segments (or one array: one segment)
             if not isinstance(v, list):
                 v = [v]

@@ -7,6 +7,8 @@ of a module whose stream waits were edited (the race tests).
                                 (GROUPS 0: one group, the pipeline example one stage a group)
     dropout FILE PROGRAM SCHED...   masks of the emulated and the CPU module, bit for bit
     race FILE PROGRAM SCHED SO NAME SIZE    one call of a prebuilt module; reports a race
+    wrong FILE      sgd.ccn's calls that are wrong on one rank only: every rank must raise
+    torchpg FILE    the NCCL communicator made from a torch.distributed (gloo) process group
 """
 
 from __future__ import annotations
@@ -114,8 +116,71 @@ def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int
     return 0
 
 
+def wrong(file: str) -> int:
+    """Each call is wrong on rank 1 only (or differs between the ranks); every rank must raise
+    the same kind of error, naming the parameter, and leave w as it was; then a right call runs."""
+    from coconetc.runtime_cuda import load_emulated
+    mod = load_emulated(file, log=lambda msg: None)
+    n = 7
+    g, w = np.full(n, float(rank + 1), np.float32), np.ones(n, np.float32)
+    mine = rank == 1
+    cases = [("'w' must have dtype f32", dict(g=g, w=w.astype(np.float64) if mine else w, lr=0.5)),
+             ("scalar 'lr' differs", dict(g=g, w=w, lr=0.25 if mine else 0.5)),
+             ("overlap in memory", dict(g=g, w=g if mine else w, lr=0.5)),
+             ("dim 0", dict(g=g[:5] if mine else g, w=w, lr=0.5))]
+    for needle, kwargs in cases:
+        try:
+            mod.sgd(**kwargs)
+        except (TypeError, ValueError) as err:
+            assert needle in str(err), (needle, str(err))
+            assert (w == 1).all(), w
+            print(f"RANK {rank}: raised: {err}", flush=True)
+            continue
+        raise AssertionError(f"rank {rank}: no error for {needle}")
+    try:
+        mod.sgd(g=g, w=w, lr=0.5, schedule="fused" if mine else "default")
+        raise AssertionError(f"rank {rank}: no error for different schedules")
+    except ValueError as err:
+        assert "schedule" in str(err), str(err)
+    mod.sgd(g=g, w=w, lr=0.5)
+    assert np.allclose(w, 1 - 0.5 * sum(range(1, R + 1))), w
+    print(f"RANK {rank}: ok", flush=True)
+    return 0
+
+
+def torchpg(file: str) -> int:
+    """nccl_comm(process_group=...): the id broadcast over the torch.distributed group, the
+    call's agreement over it too (a wrong scalar on rank 1 raises on both), then sgd matches."""
+    import os
+
+    import torch.distributed as dist
+
+    from coconetc.runtime_cuda import load_emulated, nccl_comm
+    port = comm.bcast(29500 + (os.getpid() % 2000) if rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
+    mod = load_emulated(file, log=lambda msg: None)
+    c = nccl_comm(mod.ext, process_group=dist.group.WORLD)
+    assert (c.size, c.rank, c.mpi) == (R, rank, None), c
+    n = 9
+    g, w = np.full(n, float(rank + 1), np.float32), np.ones(n, np.float32)
+    try:
+        mod.sgd(g=g, w=w, lr=0.25 if rank == 1 else 0.5, comm=c)
+        raise AssertionError("no error for a scalar that differs")
+    except ValueError as err:
+        assert "scalar 'lr' differs" in str(err), str(err)
+    mod.sgd(g=g, w=w, lr=0.5, comm=c, schedule="fused")
+    assert np.allclose(w, 1 - 0.5 * sum(range(1, R + 1))), w
+    dist.destroy_process_group()
+    print(f"RANK {rank}: ok", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     mode = argv[0]
+    if mode == "torchpg":
+        return torchpg(argv[1])
+    if mode == "wrong":
+        return wrong(argv[1])
     if mode == "match":
         return match(int(argv[1]), int(argv[2]), argv[3:])
     if mode == "dropout":

@@ -195,9 +195,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=600)
 
 
-def test_run_backend_cuda_needs_emulate():
+def test_run_backend_cuda_needs_a_gpu_or_emulate():
     res = _cli("run", str(EX / "sgd.ccn"), "--backend", "cuda")
-    assert res.returncode != 0 and "--emulate" in res.stderr
+    assert res.returncode != 0 and "no CUDA device here" in res.stderr and "--emulate" in res.stderr
     res = _cli("run", str(EX / "sgd.ccn"), "--emulate")
     assert res.returncode != 0 and "--backend cuda" in res.stderr
 
@@ -254,3 +254,46 @@ def test_load_emulated_calling_convention(built):
                          timeout=300)
     assert res.returncode == 0 and "calls ok" in res.stdout, res.stdout + res.stderr
     assert res.stdout.count("raised:") == 3, res.stdout
+
+
+@pytest.mark.slow
+def test_wrong_call_on_one_rank_raises_on_every_rank(built):
+    """The emulated module's call entry is the CPU loader's agreement: a wrong argument on rank 1
+    only, a scalar or a schedule that differs, raise on both ranks before anything runs."""
+    res = _launch(2, ["wrong", str(EX / "sgd.ccn")], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for r in (0, 1):
+        assert res.stdout.count(f"RANK {r}: raised:") == 4 and f"RANK {r}: ok" in res.stdout, res.stdout
+    assert "rank 1 was given bad arguments" in res.stdout  # what rank 0 hears of rank 1's error
+
+
+@pytest.mark.slow
+def test_nccl_comm_from_torch_process_group(built):
+    """nccl_comm(module.ext, process_group=...) under torch.distributed (gloo here, NCCL on
+    GPUs): the communicator spans the group, calls agree over it, and sgd runs."""
+    pytest.importorskip("torch.distributed")
+    res = _launch(2, ["torchpg", str(EX / "sgd.ccn")], timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "RANK 0: ok" in res.stdout and "RANK 1: ok" in res.stdout, res.stdout
+
+
+def test_load_backend_argument():
+    import coconetc
+    with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda'"):
+        coconetc.load(EX / "sgd.ccn", backend="tpu")
+    with pytest.raises(ValueError, match="archs only with cuda"):
+        coconetc.load(EX / "sgd.ccn", archs="90")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_defined_operations_run_on_the_cuda_backend(ranks):
+    """Operations defined in a .ccn file (nested, in a fused reduce-scatter/all-gather) are
+    expanded before planning, so the CUDA backend runs them: emulated, against the interpreter."""
+    src = REPO / "tests" / "programs" / "custom_ops.ccn"
+    cuda_build.compile_emulated(src, log=lambda msg: None)
+    res = _launch(ranks, ["match", "11", "0", str(src)])
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert len(lines) >= 3 and all(ln.startswith("MATCH ") for ln in lines), log

@@ -62,6 +62,7 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["OMPI_MCA_mpi_yield_when_idle"] = "1"  # ranks share cores: do not spin
     env["OPENBLAS_NUM_THREADS"] = "1"
+    env.setdefault("OMPI_MCA_osc", "^ucx")  # coconetc.runtime.hooks.quiet_osc_ucx
     return env
 
 
@@ -77,6 +78,19 @@ def test_runtime_under_mpi(build_dir: Path, ranks: int):
     exe = build_dir / "coconet_runtime_tests"
     cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
     proc = _run(cmd, RUN_TIMEOUT, env=_env())
+    log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, log
+    passed, failed = _summary(proc.stdout)
+    assert failed == 0 and passed > 1000, log
+
+
+@pytest.mark.parametrize("ranks", [3])
+def test_runtime_point_to_point_fused_path(build_dir: Path, ranks: int):
+    """The same with COCONET_FUSED=p2p: the fused collectives' point-to-point path (the runs
+    above take the shared-memory one, every rank being on this machine)."""
+    exe = build_dir / "coconet_runtime_tests"
+    cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
+    proc = _run(cmd, RUN_TIMEOUT, env={**_env(), "COCONET_FUSED": "p2p"})
     log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, log
     passed, failed = _summary(proc.stdout)

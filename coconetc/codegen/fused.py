@@ -100,6 +100,12 @@ class FusedEmitter(LoopEmitter):
             self.emit("    COCONET_IVDEP")
             self.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
             self.emit("      const int64_t i = lo + b0 + j;")
+        elif coords and t0.ndim > 0:  # runs along the last dim: no division per element
+            self.open_row_runs(t0, "lo", "hi")
+            self._chunk_body(u, ph, d0)
+            self.emit("    }")
+            self.emit("  }")
+            return
         else:
             self.emit("  COCONET_IVDEP")
             self.emit("    for (int64_t i = lo; i < hi; ++i) {")
@@ -167,10 +173,16 @@ class FusedEmitter(LoopEmitter):
         ly, la, lb = (self.ldims(self.types[n]) for n in (y, u.a, u.b))
         rows, per_row = ly[0], _prod(ly[1:-1])
         chunk = f"coconet::chunk_range({rows}, {u.chunks}, i)"
-        self.emit(f"coconet::overlap({u.chunks}, [&](int i) {{")
+        K, N = la[-1], lb[1]
+        # b prepared once (f16/bf16 widened to f32 once, not once per chunk); each chunk's GEMM
+        # in row blocks with the communication in flight progressed between them (gemm_steps)
+        self.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
+        self.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
+        self.emit(f"coconet::overlap({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
         self.emit(f"  const coconet::Range r = {chunk};")
-        self.emit(f"  coconet::matmul<{ct}>(v_{u.a} + r.begin * {per_row} * {la[-1]}, v_{u.b}, "
-                  f"v_{y} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {la[-1]}, {lb[1]});")
+        self.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
+                  f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
+                  "[&] { ov.progress(); });")
         self.emit("}, [&](int i, int channel) {")
         self.emit(f"  const coconet::Range r = {chunk};")
         if u.fused is not None:
@@ -210,7 +222,7 @@ class FusedEmitter(LoopEmitter):
         shape_arg = f"coconet::Shape3{{{shape}}}, " if f.op == "reducescatter" else ""
         extra = f", {targets}" if f.op == "reducescatter" else ""
         self.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y} + base, count), "
-                  f"{shape_arg}comm, channel, coconet::fused_chunk_elems(), compute{extra});")
+                  f"{shape_arg}comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute{extra});")
         self.emit("});")
 
     def _overlap_packed(self, u: Overlap) -> None:

@@ -80,8 +80,11 @@ class LoopEmitter(RenderBase):
             self.emit("  } else")
             self.emit("#endif")
             self.emit("  {")
-            self.emit("  COCONET_IVDEP")
-            self._for(t, store, needs_coords)
+            if needs_coords and t.ndim > 0:
+                self.row_runs(t, "int64_t(0)", "n", [store])
+            else:
+                self.emit("  COCONET_IVDEP")
+                self._for(t, store, needs_coords)
             self.emit("  }")
         self.emit("}")
 
@@ -91,6 +94,33 @@ class LoopEmitter(RenderBase):
             self._coords(t)
         self.emit(f"    {store}")
         self.emit("  }")
+
+    def row_runs(self, t: TType, lo: str, hi: str, body: list[str]) -> None:
+        self.open_row_runs(t, lo, hi)
+        for line in body:
+            self.emit(f"      {line}")
+        self.emit("    }")
+        self.emit("  }")
+
+    def open_row_runs(self, t: TType, lo: str, hi: str) -> None:
+        """for i in [lo, hi) with coordinates c0.. (the L<k> in scope), as runs along the last
+        dim: the leading coordinates are divided out once per run, the last one counts up, so
+        the inner loop has no division and vectorizes (dropout's Philox included). Leaves
+        two braces open (open_row_runs); the body uses i and the c<k>."""
+        last = t.ndim - 1
+        self.emit(f"  for (int64_t i0 = {lo}, e0; i0 < {hi}; i0 = e0) {{")
+        self.emit(f"    int64_t rest = i0 / L{last};")
+        self.emit(f"    const int64_t j0 = i0 - rest * L{last};")
+        for k in reversed(range(last)):
+            if k == 0:
+                self.emit("    const int64_t c0 = rest;")
+            else:
+                self.emit(f"    const int64_t c{k} = rest % L{k}; rest /= L{k};")
+        self.emit("    (void)rest;")
+        self.emit(f"    e0 = std::min<int64_t>({hi}, i0 + (L{last} - j0));")
+        self.emit("    COCONET_IVDEP")
+        self.emit("    for (int64_t i = i0; i < e0; ++i) {")
+        self.emit(f"      const int64_t c{last} = j0 + (i - i0);")
 
     def _coords(self, t: TType) -> None:
         self.emit("    int64_t rest = i;")

@@ -43,6 +43,7 @@ def environment(ranks: int) -> dict[str, str]:
     if _is_open_mpi():
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+        env.setdefault("OMPI_MCA_osc", "^ucx")  # see coconetc.runtime.hooks.quiet_osc_ucx
         if ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     return env

@@ -30,6 +30,8 @@ def _args(argv):
     ap.add_argument("--library", action="append", default=[])
     ap.add_argument("--emulate-cuda", action="store_true",
                     help="the CUDA module under the host emulation instead of the CPU module")
+    ap.add_argument("--cuda", action="store_true",
+                    help="the CUDA module on this node's GPUs (one rank a GPU), torch CUDA tensors")
     return ap.parse_args(argv)
 
 
@@ -56,6 +58,8 @@ def _main(a, comm) -> int:
     if a.emulate_cuda:
         from coconetc.runtime_cuda import load_emulated
         mod = load_emulated(a.file, log=lambda msg: None)
+    elif a.cuda:
+        mod = _on_gpu(a.file, comm)
     else:
         mod = coconetc.load(a.file, log=lambda msg: None, include_dirs=a.include_dir,
                             library_dirs=a.library_dir, libraries=a.library)
@@ -65,7 +69,7 @@ def _main(a, comm) -> int:
     inputs = random_inputs(base, R, a.groups, sizes, a.seed)
     bad = 0
     for sched in a.schedule or [None]:
-        ir = fn.schedules[sched or "default"] if a.emulate_cuda else fn._program(sched)
+        ir = fn.schedules[sched or "default"] if a.emulate_cuda or a.cuda else fn._program(sched)
         s_inputs = adapt_inputs(inputs, base, ir, a.groups)
         times, res = [], None
         for _ in range(max(1, a.reps)):
@@ -82,7 +86,8 @@ def _main(a, comm) -> int:
             ref = run(ir, s_inputs, a.groups)
             got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
             problems = compare(ref, got, ir, ir, a.groups)
-            label = f"{a.program} [{sched or 'default'}]" + (" (CUDA, host emulation)" if a.emulate_cuda else "")
+            label = f"{a.program} [{sched or 'default'}]" + (" (CUDA, host emulation)" if a.emulate_cuda else
+                                                              " (CUDA)" if a.cuda else "")
             status = "matches the interpreter on every rank" if not problems else "MISMATCH"
             print(f"{label}: {R} ranks: {t * 1e3:.3f} ms (median of {a.reps}): {status}", flush=True)
             for prob in problems[:20]:
@@ -93,6 +98,45 @@ def _main(a, comm) -> int:
                 save_results(path, s_inputs, got)
     bad = comm.bcast(bad, root=0)
     return 1 if bad else 0
+
+
+class _GpuFunction:
+    """A CUDA module's program called like the CPU one: NumPy inputs copied to this rank's
+    GPU, results (and updated parameters) copied back after the stream is synchronized."""
+
+    def __init__(self, fn: Any, comm: Any):
+        self.fn, self.comm, self.schedules = fn, comm, fn.schedules
+
+    def __call__(self, schedule=None, groups=1, **kwargs):
+        import torch
+        dev = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() if isinstance(v, np.ndarray) else v
+               for k, v in kwargs.items()}
+        out = self.fn(schedule=schedule, groups=groups, comm=self.comm, **dev)
+        torch.cuda.synchronize()
+        for k, v in kwargs.items():
+            if isinstance(v, np.ndarray):
+                v[...] = dev[k].cpu().numpy()
+        outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
+        got = tuple(o.cpu().numpy() for o in outs)
+        return None if not got else got[0] if len(got) == 1 else got
+
+
+def _on_gpu(file: str, comm: Any) -> Any:
+    """FILE's CUDA module on GPU (this rank's node-local rank modulo the GPUs), with an NCCL
+    communicator over COMM_WORLD; its programs wrapped as _GpuFunction."""
+    import torch
+    from mpi4py import MPI
+
+    from coconetc.runtime_cuda import load
+    if not torch.cuda.is_available():
+        raise SystemExit("coconetc run --backend cuda: no CUDA device here (use --emulate)")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    mod = load(file, log=lambda msg: None)
+    nccl = mod.comm(comm)
+    for name, fn in list(mod.programs.items()):
+        mod.programs[name] = _GpuFunction(fn, nccl)  # type: ignore[assignment]
+    return mod
 
 
 def _max():

@@ -1,6 +1,8 @@
 """Every call's entry: the ranks of the caller's communicator exchange what each was given
-(a non-blocking allgather of lengths, then one of a few hundred bytes each) and check that they agree, before any
-buffer is touched; a rank that does not arrive in time stops the job (a watchdog).
+(a non-blocking allgather of fixed 1 KiB blocks, each holding a rank's description of a few
+hundred bytes; a second round, an allgatherv, only when some description is longer) and check
+that they agree, before any buffer is touched; a rank that does not arrive in time stops the
+job (a watchdog).
 
 Exchanged: this rank's error, or the call's description: the function, the schedule, groups,
 the communicator's size, every scalar's bits (in the parameter's dtype) and every shape. Any
@@ -26,6 +28,7 @@ ENV_TIMEOUT = "COCONET_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
 _TAG_WHO, _TAG_HERE = 31_001, 31_002  # only ever sent by a rank about to abort the job
 _GRACE = 1.0  # seconds the timed-out rank waits for the others to say where they are
+_BLOCK = 1024  # bytes per rank in the exchange's first (usually only) round
 
 
 def timeout_s() -> float:
@@ -72,10 +75,18 @@ def exchange(comm, mine: Any, what: str, limit: float) -> list[Any]:
     calls.n += 1
     w = _Watch(comm, calls.n, what, limit)
     data = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
-    counts = np.zeros(comm.Get_size(), np.int64)
-    w.wait(comm.Iallgather(np.array([len(data)], np.int64), counts))
-    out = np.empty(int(counts.sum()), np.uint8)
-    sizes = [int(c) for c in counts]
+    # one round in the usual case: fixed blocks of [length, the description if it fits]
+    R = comm.Get_size()
+    block = np.zeros(_BLOCK, np.uint8)
+    block[:8] = np.frombuffer(np.int64(len(data)).tobytes(), np.uint8)
+    if len(data) <= _BLOCK - 8:
+        block[8:8 + len(data)] = np.frombuffer(data, np.uint8)
+    blocks = np.empty((R, _BLOCK), np.uint8)
+    w.wait(comm.Iallgather(block, blocks))
+    sizes = [int(n) for n in blocks[:, :8].copy().view(np.int64)[:, 0]]
+    if max(sizes) <= _BLOCK - 8:
+        return [pickle.loads(blocks[r, 8:8 + c].tobytes()) for r, c in enumerate(sizes)]
+    out = np.empty(sum(sizes), np.uint8)  # some description is longer: a second round for all
     displs = [sum(sizes[:r]) for r in range(len(sizes))]
     w.wait(comm.Iallgatherv(np.frombuffer(data, np.uint8), [out, sizes, displs, MPI.BYTE]))
     return [pickle.loads(out[d:d + c].tobytes()) for d, c in zip(displs, sizes)]

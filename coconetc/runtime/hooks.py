@@ -45,3 +45,10 @@ def install() -> bool:
     if not getattr(sys.excepthook, "coconet_abort", False):
         sys.excepthook = _abort_hook(sys.excepthook)
     return True
+
+
+def quiet_osc_ucx() -> None:
+    """Open MPI 5 queries its UCX one-sided component for every MPI window and, on a machine
+    without a UCX network, prints an error each time; coconet's windows are shared memory
+    (osc/sm), so leave that component out unless the user chose the components."""
+    os.environ.setdefault("OMPI_MCA_osc", "^ucx")

@@ -104,9 +104,18 @@ struct RoundPlan {
 
 // ---- allreduce -------------------------------------------------------------------------------
 
+// The shared-memory allreduce of fused_shm.h (included at the end of this file): false when
+// the group is not on one node or the message is small (then MPI's allreduce runs instead).
+template <class T>
+bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm);
+// ... and its allgather of a [1, n, inner] tensor (false: MPI's runs instead).
+template <class T>
+bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm);
+
 // out = in reduced over the group (in == out allowed).  Result replicated on every rank.
 template <class T>
 void allreduce(Op op, const T* in, T* out, int64_t count, Comm& comm) {
+  if (allreduce_shm(op, in, out, count, comm)) return;
   for (int64_t at = 0; at < count; at += kMaxMpiElems) {
     int n = static_cast<int>(std::min(kMaxMpiElems, count - at));
     COCONET_MPI(MPI_Allreduce(send_or_in_place(in + at, out + at), out + at, n, mpi_type<T>(),
@@ -298,7 +307,7 @@ template <class T>
 void allgather(const T* in_slice, T* out, int64_t outer, int64_t n, int64_t inner, Comm& comm,
                int64_t stage = kStageElems) {
   Shape3 s{outer, n, inner};
-  if (s.total() == 0) return;
+  if (s.total() == 0 || allgather_shm(in_slice, out, s, comm)) return;
   std::vector<int64_t> counts = slice_elems(s, comm.size, 1), displs = prefix(counts);
   if (outer == 1 && fits_int(counts) && fits_int(displs)) {
     std::vector<int> c = int_counts(counts, "allgather"), d = int_counts(displs, "allgather");
@@ -390,3 +399,5 @@ void send_shift(const T* in, T* out, int64_t count, Direction d, Comm& comm) {
 }
 
 }  // namespace coconet
+
+#include "fused_shm.h"  // allreduce_shm (it needs RoundPlan from here)

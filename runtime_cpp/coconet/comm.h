@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -46,6 +48,174 @@ inline int node_share(MPI_Comm comm) {
   return std::max(1, cores / std::max(1, local));
 }
 
+// ---- an MPI-3 shared-memory window over a group on one node --------------------------------
+//
+// The fused collectives' fast path on one machine (fused.h, FusedShm): every rank of the group
+// gets a segment of one MPI_Win_allocate_shared window and can read every peer's segment with
+// plain loads.  Created on first use (collective over the group), kept across calls and grown
+// when a call needs more (every rank of the group computes the same size from the call's
+// shapes, so the collective regrowth is reached by all of them).
+class ShmWindow {
+ public:
+  ShmWindow() = default;
+  ShmWindow(const ShmWindow&) = delete;
+  ShmWindow& operator=(const ShmWindow&) = delete;
+  ~ShmWindow() { release(); }
+
+  // True when every rank of `group` shares this node (collective on the first call).
+  bool available(MPI_Comm group, int size) {
+    if (checked_) return node_ != MPI_COMM_NULL;
+    checked_ = true;
+    MPI_Comm node;
+    COCONET_MPI(MPI_Comm_split_type(group, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+    int n = 0;
+    MPI_Comm_size(node, &n);
+    if (n != size) {
+      MPI_Comm_free(&node);
+      return false;
+    }
+    node_ = node;  // same rank order as the group (key 0: ties keep the group's order)
+    bases_.assign(static_cast<size_t>(size), nullptr);
+    return true;
+  }
+
+  // Makes every rank's segment at least `bytes` long (collective when it grows).
+  void reserve(size_t bytes) {
+    if (bytes <= bytes_ && win_ != MPI_WIN_NULL) return;
+    if (win_ != MPI_WIN_NULL) COCONET_MPI(MPI_Barrier(node_));  // peers done reading it
+    release_window();
+    bytes = std::max<size_t>(bytes, 64);
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    char* mine = nullptr;
+    COCONET_MPI(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, node_, &mine,
+                                        &win_));
+    MPI_Info_free(&info);
+    COCONET_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
+    for (size_t r = 0; r < bases_.size(); ++r) {
+      MPI_Aint size = 0;
+      int disp = 1;
+      COCONET_MPI(MPI_Win_shared_query(win_, static_cast<int>(r), &size, &disp, &bases_[r]));
+    }
+    bytes_ = bytes;
+  }
+
+  // Bytes of every rank's segment.
+  size_t bytes() const { return bytes_; }
+
+  // Where this call's region of `region` bytes starts in every segment; collective (every rank
+  // of the group makes the same calls).  While two regions fit in kDouble bytes, calls
+  // alternate between the two halves of the segment, so a rank may fill call k+1's region
+  // while a peer still reads call k's: nothing else is needed between calls.  Above that, the
+  // region starts at 0 and the call is fenced by a barrier before (`fenced`: and one after).
+  size_t region_for(size_t region, bool& fenced, size_t kDouble) {
+    fenced = 2 * region > kDouble;
+    reserve(fenced ? region : 2 * region);
+    const size_t at = fenced ? 0 : static_cast<size_t>(calls % 2) * (bytes_ / 2);
+    ++calls;
+    if (fenced) sync();  // nobody still reads a region of an earlier call
+    return at;
+  }
+
+  // Rank r's segment (readable by every rank of the group).
+  char* base(int r) const { return static_cast<char*>(bases_[static_cast<size_t>(r)]); }
+
+  // Everything written to the window before it, by any rank, is visible to all after it.
+  void sync() {
+    COCONET_MPI(MPI_Win_sync(win_));
+    COCONET_MPI(MPI_Barrier(node_));
+    COCONET_MPI(MPI_Win_sync(win_));
+  }
+
+  // Frees the window and its communicator (idempotent; nothing once MPI is finalized).
+  void release() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    release_window();
+    if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+  }
+
+  int64_t calls = 0;  // fused calls run on the window (their parity picks a region)
+
+  // The user's shared windows known to the running call (coconetc.empty, set by the generated
+  // function from CallArgs::windows): (id, address, bytes, MPI_Win handle) each.
+  const std::vector<uint64_t>* user = nullptr;
+
+  // The id of the user window holding [p, p + bytes) of this rank, its offset there, when every
+  // rank of the group can read it (the window's group holds them all); id -1 otherwise.
+  std::pair<int64_t, int64_t> user_window_of(const void* p, size_t bytes) const {
+    if (!user || node_ == MPI_COMM_NULL) return {-1, 0};
+    const uint64_t a = reinterpret_cast<uintptr_t>(p);
+    for (size_t k = 0; k + 3 < user->size(); k += 4) {
+      const uint64_t at = (*user)[k + 1], n = (*user)[k + 2];
+      if (a < at || a + bytes > at + n) continue;
+      std::vector<int> ranks = window_ranks(handle(k));
+      bool all = std::find(ranks.begin(), ranks.end(), MPI_UNDEFINED) == ranks.end();
+      return all ? std::make_pair(static_cast<int64_t>((*user)[k]), static_cast<int64_t>(a - at))
+                 : std::make_pair(int64_t(-1), int64_t(0));
+    }
+    return {-1, 0};
+  }
+
+  // Rank r's memory at `offset` in the user window `id` (as every rank registered it).
+  const char* user_memory(int64_t id, int r, int64_t offset) const {
+    for (size_t k = 0; user && k + 3 < user->size(); k += 4) {
+      if (static_cast<int64_t>((*user)[k]) != id) continue;
+      MPI_Win w = handle(k);
+      int wr = window_ranks(w)[static_cast<size_t>(r)];
+      MPI_Aint size = 0;
+      int disp = 1;
+      void* base = nullptr;
+      COCONET_MPI(MPI_Win_shared_query(w, wr, &size, &disp, &base));
+      return static_cast<const char*>(base) + offset;
+    }
+    abort_all("fused collective: a peer's buffer is in a shared window this rank does not know");
+    return nullptr;
+  }
+
+ private:
+  MPI_Win handle(size_t k) const {
+    MPI_Win w;
+    uint64_t h = (*user)[k + 3];
+    if (sizeof(MPI_Win) == sizeof(uint64_t)) {
+      std::memcpy(&w, &h, sizeof(MPI_Win));
+    } else {
+      int i = static_cast<int>(h);
+      std::memcpy(&w, &i, sizeof(MPI_Win));
+    }
+    return w;
+  }
+
+  // The ranks of this window's group (the node's ranks, in group order) in window w.
+  std::vector<int> window_ranks(MPI_Win w) const {
+    MPI_Group wg, ng;
+    COCONET_MPI(MPI_Win_get_group(w, &wg));
+    COCONET_MPI(MPI_Comm_group(node_, &ng));
+    std::vector<int> mine(bases_.size()), theirs(bases_.size());
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = static_cast<int>(i);
+    COCONET_MPI(MPI_Group_translate_ranks(ng, static_cast<int>(mine.size()), mine.data(), wg,
+                                          theirs.data()));
+    MPI_Group_free(&wg);
+    MPI_Group_free(&ng);
+    return theirs;
+  }
+
+  void release_window() {
+    if (win_ == MPI_WIN_NULL) return;
+    MPI_Win_unlock_all(win_);
+    MPI_Win_free(&win_);
+    bytes_ = 0;
+  }
+
+  bool checked_ = false;
+  MPI_Comm node_ = MPI_COMM_NULL;
+  MPI_Win win_ = MPI_WIN_NULL;
+  size_t bytes_ = 0;
+  std::vector<void*> bases_;
+};
+
 // Direction of send(x, next|prev).
 enum class Direction { next, prev };
 
@@ -57,6 +227,7 @@ struct Comm {
   int rank = 0, size = 1;           // rank and size in the group
   int next_peer = MPI_PROC_NULL;    // world rank of the same in-group rank in the next group
   int prev_peer = MPI_PROC_NULL;    // ... in the previous group
+  ShmWindow shm;                    // the group's shared-memory window (fused.h), on first use
 
   // Splits `base` into `groups` consecutive groups.  Collective over `base`; throws
   // std::invalid_argument (before communicating) unless groups divides the size of `base`.
@@ -91,6 +262,7 @@ struct Comm {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;  // MPI already tore everything down
+    shm.release();  // before the communicators it was made from
     for (MPI_Comm& c : channels_) MPI_Comm_free(&c);
     if (group != MPI_COMM_NULL) MPI_Comm_free(&group);
     if (world != MPI_COMM_NULL) MPI_Comm_free(&world);

@@ -49,6 +49,12 @@ COCONET_HD inline float bits_to_float(uint32_t u) {
 #endif
 }
 
+// c ? a : b by masks (GCC turns a chain of ?: back into branches, which stops vectorization).
+COCONET_HD inline uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
+}
+
 // ---- binary16 --------------------------------------------------------------------------------
 
 // Rounds a subnormal-half magnitude (float bits ax, 2^-25 <= value < 2^-14) to its 10-bit count
@@ -59,27 +65,33 @@ COCONET_HD inline uint32_t half_subnormal_bits(uint32_t ax) {
   uint32_t q = mant >> shift;
   uint32_t rem = mant & ((1u << shift) - 1u);
   uint32_t halfway = 1u << (shift - 1u);
-  if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
-  return q;
+  const uint32_t up = rem > halfway ? 1u : 0u;  // selects, not branches: loops vectorize
+  const uint32_t tie = rem == halfway ? (q & 1u) : 0u;
+  return q + (up | tie);
 }
 
-// float -> binary16 bits, round to nearest even.
+// float -> binary16 bits, round to nearest even.  Every case is computed and one selected (no
+// branch, so loops that convert vectorize); the subnormal rounding sees the magnitude clamped
+// into its own range, so its shifts stay defined for every input.
 COCONET_HD inline uint16_t float_to_half_bits(float f) {
-  uint32_t x = float_to_bits(f);
-  uint32_t sign = (x >> 16) & 0x8000u;
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) {  // NaN: keep the top payload bits, never turn it into infinity
-    uint32_t payload = (ax >> 13) & 0x3ffu;
-    return static_cast<uint16_t>(sign | 0x7c00u | (payload ? payload : 0x200u));
-  }
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: inf
-  if (ax >= 0x38800000u) {  // normal half (>= 2^-14): rebias, round on the 13 dropped bits
-    uint32_t r = ax - 0x38000000u;
-    r += 0xfffu + ((r >> 13) & 1u);
-    return static_cast<uint16_t>(sign | (r >> 13));
-  }
-  if (ax < 0x33000000u) return static_cast<uint16_t>(sign);  // < 2^-25: rounds to zero
-  return static_cast<uint16_t>(sign | half_subnormal_bits(ax));
+  const uint32_t x = float_to_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  // NaN: keep the top payload bits, never turn it into infinity
+  const uint32_t payload = (ax >> 13) & 0x3ffu;
+  const uint32_t nan = 0x7c00u | (payload ? payload : 0x200u);
+  // normal half (>= 2^-14): rebias, round on the 13 dropped bits
+  uint32_t r = ax - 0x38000000u;
+  r += 0xfffu + ((r >> 13) & 1u);
+  const uint32_t normal = r >> 13;
+  uint32_t sub_in = ax < 0x33000000u ? 0x33000000u : ax;
+  sub_in = sub_in > 0x387fffffu ? 0x387fffffu : sub_in;
+  const uint32_t sub = half_subnormal_bits(sub_in);
+  uint32_t mag = select_bits(ax < 0x33000000u, 0u, sub);  // < 2^-25: rounds to zero
+  mag = select_bits(ax >= 0x38800000u, normal, mag);
+  mag = select_bits(ax >= 0x477ff000u, 0x7c00u, mag);  // >= 65520: inf
+  mag = select_bits(ax > 0x7f800000u, nan, mag);
+  return static_cast<uint16_t>(sign | mag);
 }
 
 // binary16 bits -> float (exact).
@@ -87,15 +99,18 @@ COCONET_HD inline float half_bits_to_float(uint16_t h) {
   uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mant << 13));
-  if (exp != 0) return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
-  if (mant == 0) return bits_to_float(sign);
-  uint32_t e = 113u;  // subnormal: normalize so the leading 1 becomes the implicit bit
-  while (!(mant & 0x400u)) {
-    mant <<= 1;
-    --e;
-  }
-  return bits_to_float(sign | (e << 23) | ((mant & 0x3ffu) << 13));
+  // zero or subnormal: mant * 2^-24, normalized by its leading zeros (integer only, no loop
+  // and no branch, so conversions vectorize)
+#if defined(__CUDA_ARCH__)
+  const uint32_t lz = static_cast<uint32_t>(__clz(static_cast<int>(mant | 1u)));
+#else
+  const uint32_t lz = static_cast<uint32_t>(__builtin_clz(mant | 1u));
+#endif
+  const uint32_t sub = mant ? (((134u - lz) << 23) | ((mant << (lz - 8u)) & 0x7fffffu)) : 0u;
+  const uint32_t mag = exp == 0x1fu ? 0x7f800000u | (mant << 13)
+                       : exp != 0   ? ((exp + 112u) << 23) | (mant << 13)
+                                    : sub;
+  return bits_to_float(sign | mag);
 }
 
 // ---- bfloat16 --------------------------------------------------------------------------------

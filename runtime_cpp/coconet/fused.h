@@ -48,61 +48,12 @@
 #include "comm.h"
 #include "dtypes.h"
 #include "errors.h"
+#include "fused_shm.h"
 #include "reduce_ops.h"
 #include "segments.h"
 #include "slices.h"
 
 namespace coconet {
-
-// A full-size output of a fused collective, gathered in place: compute() writes this rank's
-// part at global indices, the fused collective fills in the other ranks' parts.
-using GatherTarget = RawSegments;
-
-// A contiguous full-size output of `total` elements.
-template <class T>
-GatherTarget gather_target(T* full, int64_t total) {
-  return raw(full, total);
-}
-
-// A scattered full-size output.
-template <class T>
-GatherTarget gather_target(const Segments<T>& full) {
-  return raw(full);
-}
-
-// Elements of compute between two MPI progress calls.
-constexpr int64_t kProgressElems = int64_t(1) << 15;
-
-// Accumulates one contribution into dst in the compute type (first: dst = src).
-template <class T>
-void accumulate(Op op, bool first, compute_t<T>* dst, const T* src, int64_t n) {
-  if (first) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = to_compute(src[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = combine(op, dst[i], to_compute(src[i]));
-  }
-}
-
-// avg's division and the rounding of a reduced chunk to T's precision.
-template <class T>
-void finish_chunk(Op op, compute_t<T>* x, int64_t n, int group_size) {
-  const compute_t<T> div = static_cast<compute_t<T>>(group_size);
-  if (op == Op::avg && group_size > 1)
-    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / div;
-  if constexpr (is_half_like<T>::value)
-    for (int64_t i = 0; i < n; ++i) x[i] = round_to<T>(x[i]);
-}
-
-// Runs compute over [begin, end) in pieces, calling `progress` between pieces.
-template <class C, class Compute, class Progress>
-void compute_in_pieces(int64_t begin, int64_t end, const C* reduced, int64_t piece,
-                       Compute& compute, Progress&& progress) {
-  for (int64_t a = begin; a < end; a += piece) {
-    int64_t b = std::min(a + piece, end);
-    abort_on_exception("fused collective compute", [&] { compute(a, b, reduced + (a - begin)); });
-    progress();
-  }
-}
 
 // ---- reduce-scatter + compute + all-gather -----------------------------------------------------
 
@@ -251,6 +202,10 @@ template <class T, class Compute>
 void fused_rs_compute_ag(Op op, const Segments<const T>& in, Shape3 shape, Comm& comm,
                          int64_t chunk_elems, Compute compute, std::vector<GatherTarget> gathers,
                          int64_t progress_elems = kProgressElems) {
+  if (use_shm(comm)) {  // every rank of the group on this node: through the shared window
+    fused_rs_compute_ag_shm(op, in, shape, comm, chunk_elems, compute, gathers, progress_elems);
+    return;
+  }
   FusedRsComputeAg<T, Compute> f(op, in, shape, comm, 0, chunk_elems, std::move(compute),
                                  std::move(gathers), progress_elems);
   f.wait();

@@ -3,7 +3,8 @@
 // C[M, N] = A[M, K] x B[K, N], row-major, with leading dimensions (elements between rows).
 // A batched `[..., M, K] x [K, N]` is the same call with M = product of the leading dims.
 //   f32, f64      -> OpenBLAS sgemm / dgemm (scipy-openblas32 wheel: symbols scipy_cblas_*);
-//   f16, bf16     -> converted to f32, sgemm, rounded back (to nearest even);
+//   f16, bf16     -> B widened to f32 once (per-thread scratch), A widened and C rounded back
+//                    (to nearest even) in blocks of rows around one sgemm each;
 //   i32, i64      -> a plain i-k-j loop (wrapping arithmetic as in C++ on two's complement).
 // With COCONET_NO_BLAS defined, every type uses the loop (accumulating in the compute type),
 // so the header compiles and links without BLAS.  With BLAS, link the library (no header is
@@ -21,6 +22,10 @@
 #include <vector>
 
 #include "dtypes.h"
+
+#if defined(__F16C__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#endif
 
 #ifndef COCONET_NO_BLAS
 #ifndef COCONET_CBLAS
@@ -45,6 +50,11 @@ void COCONET_BLAS_SET_THREADS(int num_threads);
 #endif
 
 namespace coconet {
+
+// Row blocks of one GEMM start at multiples of this many rows: BLAS tiles rows in multiples of
+// its kernel's unroll (at most 64 here), so the blocks' tiles are the whole call's tiles and
+// every element gets the same sums in the same order, bit for bit.
+constexpr int64_t kGemmRowAlign = 64;
 
 // The reference loop: C = A x B, accumulating each row of C in the compute type.
 template <class T>
@@ -92,24 +102,71 @@ inline void gemm_blas(int64_t M, int64_t N, int64_t K, const double* A, int64_t 
                        A, int(lda), B, int(ldb), 0.0, C, int(ldc));
 }
 
-// Copies a [rows, cols] matrix with leading dim ld into a dense float matrix.
+// Widens rows x cols of X (leading dim ld) into the dense float matrix out.
 template <class T>
-std::vector<float> to_f32(const T* X, int64_t rows, int64_t cols, int64_t ld) {
-  std::vector<float> out(static_cast<size_t>(rows * cols));
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) out[static_cast<size_t>(i * cols + j)] = X[i * ld + j];
-  return out;
+void widen_into(const T* X, int64_t rows, int64_t cols, int64_t ld, float* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* x = X + i * ld;
+    float* o = out + i * cols;
+    int64_t j = 0;
+#if defined(__F16C__) && !defined(__CUDACC__)
+    if constexpr (std::is_same<T, half>::value)  // exact, 8 at a time (vcvtph2ps)
+      for (; j + 8 <= cols; j += 8)
+        _mm256_storeu_ps(o + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + j))));
+#endif
+    for (; j < cols; ++j) o[j] = float(x[j]);
+  }
 }
 
-// f16/bf16: widen to f32, sgemm, round back.
+// Rounds n floats to T (to nearest even) into dst.
+template <class T>
+void narrow_into(const float* src, int64_t n, T* dst) {
+  int64_t j = 0;
+#if defined(__F16C__) && !defined(__CUDACC__)
+  if constexpr (std::is_same<T, half>::value)  // vcvtps2ph, round to nearest even
+    for (; j + 8 <= n; j += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; j < n; ++j) dst[j] = T(src[j]);
+}
+
+// A float buffer of at least n elements, kept per thread and per Site across calls (no
+// allocation, no page faults after the first call of a size).
+template <int Site>
+float* gemm_scratch(int64_t n) {
+  static thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
+// f16/bf16 with B already widened to f32 (B32[K, N], leading dim ldb): A is widened and C
+// rounded back block by block of rows (sized so the f32 blocks of A and C stay about 4 MiB),
+// each block one sgemm straight from the widened block into an f32 block.
+template <class T>
+void gemm_widened_a(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const float* B32,
+                    int64_t ldb, T* C, int64_t ldc) {
+  const int64_t block =
+      std::min<int64_t>(M, std::max<int64_t>(kGemmRowAlign, (int64_t(1) << 20) / (K + N) /
+                                                                kGemmRowAlign * kGemmRowAlign));
+  float* a = gemm_scratch<1>(block * K);
+  float* c = gemm_scratch<2>(block * N);
+  for (int64_t i0 = 0; i0 < M; i0 += block) {
+    const int64_t m = std::min(block, M - i0);
+    widen_into(A + i0 * lda, m, K, lda, a);
+    gemm_blas(m, N, K, a, K, B32, ldb, c, N);
+    for (int64_t i = 0; i < m; ++i) narrow_into(c + i * N, N, C + (i0 + i) * ldc);
+  }
+}
+
+// f16/bf16: widen B once (per-thread scratch), then A block by block (gemm_widened_a); the
+// same products and sums as one sgemm of whole widened copies, without allocating them.
 template <class T>
 void gemm_widened(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
                   int64_t ldb, T* C, int64_t ldc) {
-  std::vector<float> a = to_f32(A, M, K, lda), b = to_f32(B, K, N, ldb);
-  std::vector<float> c(static_cast<size_t>(M * N));
-  gemm_blas(M, N, K, a.data(), K, b.data(), N, c.data(), N);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = T(c[static_cast<size_t>(i * N + j)]);
+  float* b = gemm_scratch<0>(K * N);
+  widen_into(B, K, N, ldb, b);
+  gemm_widened_a(M, N, K, A, lda, b, N, C, ldc);
 }
 
 #endif  // COCONET_NO_BLAS
@@ -140,6 +197,79 @@ void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, 
 template <class T>
 void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N) {
   gemm(M, N, K, A, K, B, N, C, N);
+}
+
+// ---- a matmul in steps (overlap.h): B prepared once, rows of C in blocks ------------------------
+
+// What a GEMM of T takes as its B operand once prepared: f32 for f16/bf16 (widened once per
+// overlap, not once per chunk), T itself otherwise.
+#ifndef COCONET_NO_BLAS
+template <class T>
+using gemm_b_t = std::conditional_t<is_half_like<T>::value, float, T>;
+#else
+template <class T>
+using gemm_b_t = T;
+#endif
+
+// B[K, N] (leading dim ldb) as gemm_steps takes it: f16/bf16 widened into a per-thread dense
+// f32 copy (leading dim N: pass gemm_b_ld), other types as they are.
+template <class T>
+const gemm_b_t<T>* gemm_prepare_b(const T* B, int64_t K, int64_t N, int64_t ldb) {
+#ifndef COCONET_NO_BLAS
+  if constexpr (is_half_like<T>::value) {
+    float* b = gemm_scratch<3>(K * N);
+    widen_into(B, K, N, ldb, b);
+    return b;
+  } else
+#endif
+  {
+    (void)K;
+    (void)N;
+    (void)ldb;
+    return B;
+  }
+}
+
+// The leading dim of gemm_prepare_b's result.
+template <class T>
+int64_t gemm_b_ld(int64_t N, int64_t ldb) {
+#ifndef COCONET_NO_BLAS
+  if constexpr (is_half_like<T>::value) return N;
+#endif
+  return ldb;
+}
+
+// Rows of C per step of gemm_steps: few enough GEMM calls that B's packing stays cheap.
+constexpr int64_t kGemmStepRows = 256;
+
+// C[M, N] = A[M, K] x Bp (prepared by gemm_prepare_b) in up to max_steps row blocks of about
+// kGemmStepRows rows or more (starting at multiples of kGemmRowAlign), calling between() after
+// every block but the last (overlap.h drives the communication in flight there).  Each element gets the products and sums of gemm().
+template <class T, class Between>
+void gemm_steps(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const gemm_b_t<T>* Bp,
+                int64_t ldbp, T* C, int64_t ldc, int max_steps, Between between) {
+  const int64_t steps =
+      std::max<int64_t>(1, std::min<int64_t>(max_steps, M / kGemmStepRows));
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t lo = M * s / steps / kGemmRowAlign * kGemmRowAlign;
+    const int64_t hi = s + 1 == steps ? M : M * (s + 1) / steps / kGemmRowAlign * kGemmRowAlign;
+    const T* a = A + lo * lda;
+    T* c = C + lo * ldc;
+#ifndef COCONET_NO_BLAS
+    if constexpr (is_half_like<T>::value) {
+      if (hi > lo && N > 0 && K > 0) {
+        require_blas_dims(hi - lo, N, K, lda, ldbp, ldc);
+        gemm_widened_a(hi - lo, N, K, a, lda, Bp, ldbp, c, ldc);
+      } else {
+        gemm(hi - lo, N, K, a, lda, static_cast<const T*>(nullptr), ldbp, c, ldc);
+      }
+    } else
+#endif
+    {
+      gemm(hi - lo, N, K, a, lda, Bp, ldbp, c, ldc);
+    }
+    if (s + 1 < steps) between();
+  }
 }
 
 }  // namespace coconet

@@ -54,6 +54,18 @@ inline int64_t fused_chunk_elems() {
   return n;
 }
 
+// Elements per chunk of a fused collective that runs as an overlap task over `count` elements
+// of a group of R ranks: COCONET_CHUNK when set, else large enough that the task takes two
+// rounds (each round's messages are posted as soon as the previous one is consumed, so few
+// large rounds let the transfers advance between the GEMM steps that test them), and at least
+// fused_chunk_elems().
+inline int64_t overlap_task_chunk_elems(int64_t count, int R) {
+  static const bool set = std::getenv("COCONET_CHUNK") != nullptr;
+  if (set) return fused_chunk_elems();
+  const int64_t per_rank = (count + R - 1) / std::max(R, 1);
+  return std::max(fused_chunk_elems(), (per_rank + 1) / 2);
+}
+
 // At the start of every generated function, before its Comm: COCONET_THREADS if set; and BLAS
 // gets as many threads as OpenMP loops (the cores left per rank), so ranks sharing a node do
 // not oversubscribe it with spinning BLAS threads.
@@ -92,6 +104,7 @@ struct CallArgs {
   std::vector<int64_t> iscalars;                     // scalar parameters (integer ones)
   uintptr_t comm = 0;                                // MPI_Comm handle (mpi4py's _handleof)
   int groups = 1;
+  std::vector<uint64_t> windows;  // coconetc.empty's shared windows: (id, address, bytes, MPI_Win) each
 
   template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
   template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }

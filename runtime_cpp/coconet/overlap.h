@@ -21,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -249,6 +250,10 @@ std::unique_ptr<Task> then_unpack(std::unique_ptr<Task> t, const T* packed, T* d
 
 // ---- the overlap driver ----------------------------------------------------------------------
 
+// Row blocks (GEMM calls) per chunk of an overlapped matmul, with the tasks in flight tested
+// between them (gemm.h gemm_steps).
+constexpr int kOverlapSteps = 4;
+
 // Tasks in flight, tested in start order and waited for in start order.
 class Overlap {
  public:
@@ -275,11 +280,21 @@ class Overlap {
 // overlap(producer, consumer, chunks=k): for i in 0..k-1, produce(i) (compute chunk i), then
 // start(i, channel) returns chunk i's communication as a Task (channel: pass it to the
 // start_* function); outstanding tasks are tested between chunks and waited for at the end.
+//
+// A producer that takes (int i, Overlap& ov) may call ov.progress() while it computes (the
+// generated matmul does, between row blocks: gemm.h gemm_steps), so the communication of
+// earlier chunks advances during a chunk's GEMM from this same thread (no progress thread
+// competing with the GEMM for a core).
 template <class Produce, class Start>
 void overlap(int chunks, Produce produce, Start start) {
   Overlap ov;
   for (int i = 0; i < chunks; ++i) {
-    abort_on_exception("overlap producer", [&] { produce(i); });
+    abort_on_exception("overlap producer", [&] {
+      if constexpr (std::is_invocable_v<Produce&, int, Overlap&>)
+        produce(i, ov);
+      else
+        produce(i);
+    });
     ov.add(start(i, i + 1));
     ov.progress();
   }

@@ -43,11 +43,49 @@ void gemm_suite() {
   same(C, std::vector<T>{make<T>(7), make<T>(10), make<T>(15), make<T>(22)}, 0.0, "matmul 2x2");
 }
 
+// gemm_steps (B prepared once, rows of C in blocks, a callback between blocks) and the blocked
+// f16/bf16 path give exactly what one GEMM call of the whole does (for f16/bf16: one sgemm of
+// whole widened copies, rounded back).
+template <class T>
+void gemm_steps_case(int64_t M, int64_t K, int64_t N, int max_steps) {
+  auto val = [](uint64_t seed, int64_t i) {
+    return std::is_integral<T>::value ? double(small_int(seed, 0, i)) : uniform(seed, 0, i);
+  };
+  std::vector<T> A(size_t(M * K)), B(size_t(K * N)), C(size_t(M * N)), want(size_t(M * N));
+  for (size_t i = 0; i < A.size(); ++i) A[i] = make<T>(val(3, int64_t(i)));
+  for (size_t i = 0; i < B.size(); ++i) B[i] = make<T>(val(4, int64_t(i)));
+#ifndef COCONET_NO_BLAS
+  if constexpr (coconet::is_half_like<T>::value) {
+    std::vector<float> a(A.begin(), A.end()), b(B.begin(), B.end()), c(size_t(M * N));
+    coconet::gemm_blas(M, N, K, a.data(), K, b.data(), N, c.data(), N);
+    for (size_t i = 0; i < c.size(); ++i) want[i] = T(c[i]);
+  } else
+#endif
+  {
+    gemm(M, N, K, A.data(), K, B.data(), N, want.data(), N);
+  }
+  int calls = 0;
+  const auto* bp = coconet::gemm_prepare_b<T>(B.data(), K, N, N);
+  coconet::gemm_steps<T>(M, N, K, A.data(), K, bp, coconet::gemm_b_ld<T>(N, N), C.data(), N,
+                         max_steps, [&] { ++calls; });
+  same(C, want, 0.0, label("gemm_steps M K N", M, K, N));
+  const int64_t steps = std::max<int64_t>(1, std::min<int64_t>(max_steps, M / coconet::kGemmStepRows));
+  check(calls == steps - 1, label("gemm_steps calls between blocks", calls, steps));
+  std::vector<T> C2(size_t(M * N));
+  gemm(M, N, K, A.data(), K, B.data(), N, C2.data(), N);
+  same(C2, want, 0.0, label("gemm (blocked widening) M K N", M, K, N));
+}
+
 }  // namespace
 
 void test_gemm() {
   set_blas_threads(1);
   for_each_dtype([&](auto tag) { gemm_suite<decltype(tag)>(); });
+  for_each_dtype([&](auto tag) {
+    gemm_steps_case<decltype(tag)>(1030, 17, 9, 4);
+    gemm_steps_case<decltype(tag)>(3000, 300, 100, 3);  // f16/bf16: two widening blocks
+    gemm_steps_case<decltype(tag)>(100, 5, 7, 4);       // fewer rows than one step
+  });
 }
 
 }  // namespace t

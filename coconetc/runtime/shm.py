@@ -1,0 +1,57 @@
+"""`coconetc.empty(shape, dtype, comm=...)`: arrays in MPI-3 shared memory, so that a fused
+collective reads the peers' buffers in place instead of staging a copy (the CPU analogue of
+NCCL's symmetric memory; runtime_cpp/coconet/fused_shm.h).
+
+Each call allocates one window (`MPI_Win_allocate_shared`, collective over the ranks of COMM on
+this node) and returns this rank's segment as a NumPy array or a torch tensor. The window is
+registered here and told to every module call (`CallArgs.windows`: id, address, bytes, handle),
+so the runtime can recognise a parameter that lives in one. A window lives until the process
+ends (freeing it is collective, which a garbage collector cannot be)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from coconetc.common.dtypes import STORAGE
+from coconetc.runtime.layout import FRAMEWORKS, TORCH_DTYPES
+
+_KEEP: list[Any] = []  # the windows and their node communicators, alive until the process ends
+WINDOWS: list[int] = []  # (id, address, bytes, MPI_Win handle) of every window, flattened
+_NEXT = [0]
+
+
+def empty(shape: int | tuple[int, ...], dtype: str = "f32", *, comm: Any = None,
+          framework: str = "numpy") -> Any:
+    """An uninitialised array of SHAPE and language DTYPE ("f32", "bf16", ...) in a shared
+    window over the ranks of COMM (default COMM_WORLD) on this node: a NumPy array
+    (framework="numpy") or a torch tensor ("torch"). Collective over COMM."""
+    from mpi4py import MPI
+    if dtype not in STORAGE:
+        raise ValueError(f"coconetc.empty(): unknown dtype {dtype!r} (one of {', '.join(STORAGE)})")
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"framework must be one of {', '.join(map(repr, FRAMEWORKS))}, got {framework!r}")
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"coconetc.empty(): negative size in shape {shape}")
+    comm = MPI.COMM_WORLD if comm is None else comm
+    dt = STORAGE[dtype]
+    nbytes = math.prod(shape) * dt.itemsize
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    win = MPI.Win.Allocate_shared(max(nbytes, 1), dt.itemsize, comm=node)
+    mem = win.tomemory()
+    wid = node.allreduce(_NEXT[0], op=MPI.MAX)  # the same id on every rank of the window
+    _NEXT[0] = wid + 1
+    _KEEP.append((win, node))
+    raw = np.frombuffer(mem, dtype=np.uint8, count=nbytes)  # type: ignore[call-overload]
+    arr = raw.view(dt).reshape(shape)
+    WINDOWS.extend([wid, arr.ctypes.data if nbytes else 0, nbytes, MPI._handleof(win)])
+    if framework == "numpy":
+        return arr
+    import torch
+    tdt = getattr(torch, TORCH_DTYPES[dtype])
+    if not nbytes:
+        return torch.empty(shape, dtype=tdt)
+    return torch.frombuffer(mem, dtype=tdt, count=math.prod(shape)).view(shape)

@@ -1,0 +1,264 @@
+// coconet runtime: the fused reduce-scatter + compute + all-gather through an MPI-3 shared-memory
+// window, when every rank of the group is on this node (the CPU analogue of NCCL's symmetric
+// memory), and the chunk arithmetic it shares with the point-to-point path of fused.h.
+//
+// Algorithm (fused_rs_compute_ag_shm; the window is the group's ShmWindow, comm.h):
+//   1. stage: each rank copies the parts of its input that the other ranks reduce (their slices)
+//      into its segment of the window, at their global indices (one pass over (R-1)/R of the
+//      input; its own slice is read where it lies);  sync (MPI_Win_sync + MPI_Barrier);
+//   2. reduce + compute: each rank reduces its slice chunk by chunk (RoundPlan: the same chunks,
+//      so the same compute() calls, as the point-to-point path) reading every peer's segment
+//      directly, in rank order, in the compute type; compute() runs on the chunk at once and
+//      writes this rank's outputs; the chunk of every gather target, still in cache, is copied
+//      into this rank's segment at its global indices (for one target of the input's element
+//      size, the unused own-slice part of the staged input region);  sync;
+//   3. gather: each rank copies every other rank's part of every target out of their segments.
+// Regions are double-buffered (the two halves of the segment, by the parity of the call) while
+// both fit in shm_double_bytes(), so a rank may stage call k+1 while a peer still reads call k: two
+// barriers a call; above that, one region and a barrier before and after the call
+// (ShmWindow::region_for, comm.h).  Memory: per rank, the full-size input (and each gather
+// target of another element size) in the window, grown when needed and kept across calls.
+// COCONET_FUSED=p2p forces the point-to-point path (it must be the same on every rank).
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "collectives.h"
+#include "comm.h"
+#include "dtypes.h"
+#include "errors.h"
+#include "reduce_ops.h"
+#include "segments.h"
+#include "slices.h"
+
+namespace coconet {
+
+// A full-size output of a fused collective, gathered in place: compute() writes this rank's
+// part at global indices, the fused collective fills in the other ranks' parts.
+using GatherTarget = RawSegments;
+
+// A contiguous full-size output of `total` elements.
+template <class T>
+GatherTarget gather_target(T* full, int64_t total) {
+  return raw(full, total);
+}
+
+// A scattered full-size output.
+template <class T>
+GatherTarget gather_target(const Segments<T>& full) {
+  return raw(full);
+}
+
+// Elements of compute between two MPI progress calls.
+constexpr int64_t kProgressElems = int64_t(1) << 15;
+
+// Accumulates one contribution into dst in the compute type (first: dst = src).
+template <class T>
+void accumulate(Op op, bool first, compute_t<T>* dst, const T* src, int64_t n) {
+  if (first) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_compute(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = combine(op, dst[i], to_compute(src[i]));
+  }
+}
+
+// avg's division and the rounding of a reduced chunk to T's precision.
+template <class T>
+void finish_chunk(Op op, compute_t<T>* x, int64_t n, int group_size) {
+  const compute_t<T> div = static_cast<compute_t<T>>(group_size);
+  if (op == Op::avg && group_size > 1)
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / div;
+  if constexpr (is_half_like<T>::value)
+    for (int64_t i = 0; i < n; ++i) x[i] = round_to<T>(x[i]);
+}
+
+// Runs compute over [begin, end) in pieces, calling `progress` between pieces.
+template <class C, class Compute, class Progress>
+void compute_in_pieces(int64_t begin, int64_t end, const C* reduced, int64_t piece,
+                       Compute& compute, Progress&& progress) {
+  for (int64_t a = begin; a < end; a += piece) {
+    int64_t b = std::min(a + piece, end);
+    abort_on_exception("fused collective compute", [&] { compute(a, b, reduced + (a - begin)); });
+    progress();
+  }
+}
+
+// ---- the shared-memory path ---------------------------------------------------------------------
+
+// Window regions are double-buffered while both copies fit in this many bytes per rank
+// (COCONET_SHM_DOUBLE bytes if set, the same on every rank: tests set 0 to fence every call).
+inline size_t shm_double_bytes() {
+  const char* env = std::getenv("COCONET_SHM_DOUBLE");
+  return env ? static_cast<size_t>(std::atoll(env)) : size_t(64) << 20;
+}
+
+// True when fused collectives on `comm` go through its shared-memory window: more than one rank,
+// all on this node, and COCONET_FUSED is not "p2p" (collective over the group on first use).
+inline bool use_shm(Comm& comm) {
+  if (comm.size <= 1) return false;
+  const char* env = std::getenv("COCONET_FUSED");
+  if (env && std::strcmp(env, "p2p") == 0) return false;
+  return comm.shm.available(comm.group, comm.size);
+}
+
+inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+
+// Copies the logical range [begin, end) of `s` to contiguous bytes at dst.
+inline void raw_copy_out(const RawSegments& s, int64_t begin, int64_t end, char* dst) {
+  const size_t es = s.elem_size;
+  for_each_piece(s.starts, begin, end, [&](size_t seg, int64_t so, int64_t ro, int64_t len) {
+    std::memcpy(dst + static_cast<size_t>(ro) * es, s.ptrs[seg] + static_cast<size_t>(so) * es,
+                static_cast<size_t>(len) * es);
+  });
+}
+
+// Copies contiguous bytes at src into the logical range [begin, end) of `s`.
+inline void raw_copy_in(const char* src, const RawSegments& s, int64_t begin, int64_t end) {
+  const size_t es = s.elem_size;
+  for_each_piece(s.starts, begin, end, [&](size_t seg, int64_t so, int64_t ro, int64_t len) {
+    std::memcpy(s.ptrs[seg] + static_cast<size_t>(so) * es, src + static_cast<size_t>(ro) * es,
+                static_cast<size_t>(len) * es);
+  });
+}
+
+// Calls f(r, range) for every non-empty piece of every other rank's slice of `shape`.
+template <class F>
+void for_each_peer_piece(Shape3 shape, int R, int me, F&& f) {
+  RoundPlan whole(shape, R, std::numeric_limits<int64_t>::max());  // one piece per outer row
+  for (int64_t k = 0; k < whole.rounds; ++k)
+    for (int r = 0; r < R; ++r) {
+      Range q = whole.range(k, r);
+      if (r != me && !q.empty()) f(r, q);
+    }
+}
+
+// Blocking fused reduce-scatter + compute + all-gather through the group's shared window (see
+// the top of this file); the same contract as fused_rs_compute_ag (fused.h).
+template <class T, class Compute>
+void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, Comm& comm,
+                             int64_t chunk_elems, Compute& compute,
+                             const std::vector<GatherTarget>& gathers, int64_t progress_elems) {
+  const int64_t total = shape.total();
+  require(in.total() == total, "fused collective: input has " + std::to_string(in.total()) +
+                                   " elements, shape " + std::to_string(total));
+  for (const GatherTarget& g : gathers)
+    require(g.total() == total, "fused collective: gather target size mismatch");
+  const int R = comm.size, me = comm.rank;
+  // region layout: [header: where this rank's input is][staged input][each gather target not
+  // kept in the input's own-slice part]
+  constexpr size_t kHead = 64;
+  size_t region = kHead + align64(static_cast<size_t>(total) * sizeof(T));
+  std::vector<size_t> goff(gathers.size(), 0);
+  for (size_t k = 0; k < gathers.size(); ++k) {
+    if (k == 0 && gathers[k].elem_size == sizeof(T)) continue;
+    goff[k] = region - kHead;
+    region += align64(static_cast<size_t>(total) * gathers[k].elem_size);
+  }
+  ShmWindow& win = comm.shm;
+  bool fenced = false;
+  const size_t at = win.region_for(region, fenced, shm_double_bytes());
+  auto head = [&](int r) { return reinterpret_cast<int64_t*>(win.base(r) + at); };
+  auto seg = [&](int r) { return win.base(r) + at + kHead; };
+
+  // 1. stage what the others reduce, unless the input lies in a shared window (coconetc.empty)
+  std::pair<int64_t, int64_t> user{-1, 0};
+  if (in.count() == 1) user = win.user_window_of(in.ptrs[0], static_cast<size_t>(total) * sizeof(T));
+  head(me)[0] = user.first;
+  head(me)[1] = user.second;
+  T* staged = reinterpret_cast<T*>(seg(me));
+  if (user.first < 0)
+    for_each_peer_piece(shape, R, me, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
+  win.sync();
+  std::vector<const T*> input(static_cast<size_t>(R));  // every rank's input, readable here
+  for (int r = 0; r < R; ++r)
+    input[static_cast<size_t>(r)] = reinterpret_cast<const T*>(
+        head(r)[0] < 0 ? seg(r) : win.user_memory(head(r)[0], r, head(r)[1]));
+
+  // 2. reduce this rank's slice from every rank, compute, publish each target's chunk
+  RoundPlan plan(shape, R, chunk_elems);
+  compute_t<T>* red = scratch_as<compute_t<T>>(comm, 0, 2, plan.rounds ? plan.C : 0);
+  const int64_t piece = std::max<int64_t>(progress_elems, 1);
+  for (int64_t k = 0; k < plan.rounds; ++k) {
+    Range q = plan.range(k, me);
+    if (q.empty()) continue;
+    for (int r = 0; r < R; ++r) {
+      if (r == me) {
+        in.for_each(q.begin, q.end, [&](const T* p, int64_t o, int64_t len) {
+          accumulate(op, r == 0, red + o, p, len);
+        });
+      } else {
+        accumulate(op, r == 0, red, input[static_cast<size_t>(r)] + q.begin, q.size());
+      }
+    }
+    finish_chunk<T>(op, red, q.size(), R);
+    compute_in_pieces(q.begin, q.end, red, piece, compute, [] {});
+    for (size_t g = 0; g < gathers.size(); ++g)
+      raw_copy_out(gathers[g], q.begin, q.end,
+                   seg(me) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size);
+  }
+  win.sync();
+
+  // 3. the other ranks' parts of every target
+  for (size_t g = 0; g < gathers.size(); ++g)
+    for_each_peer_piece(shape, R, me, [&](int r, Range q) {
+      raw_copy_in(seg(r) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size,
+                  gathers[g], q.begin, q.end);
+    });
+  if (fenced) win.sync();  // nobody stages the next call over a region still being read
+}
+
+// Messages below this many bytes go through MPI_Allreduce (two barriers cost more there).
+constexpr size_t kShmAllreduceMinBytes = size_t(1) << 14;
+
+// allreduce (collectives.h) through the group's window: a fused reduce-scatter whose "compute"
+// writes the reduced chunk into out and whose gather target is out (in == out allowed).
+template <class T>
+bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm) {
+  if (static_cast<size_t>(count) * sizeof(T) < kShmAllreduceMinBytes || !use_shm(comm)) return false;
+  auto copy = [out](int64_t b, int64_t e, const compute_t<T>* red) {
+    for (int64_t i = b; i < e; ++i) out[i] = from_compute<T>(red[i - b]);
+  };
+  std::vector<GatherTarget> gathers{gather_target(out, count)};
+  const int64_t chunk = int64_t(1) << 16;
+  fused_rs_compute_ag_shm<T>(op, Segments<const T>::one(in, count), Shape3{1, count, 1}, comm,
+                             chunk, copy, gathers, chunk);
+  return true;
+}
+
+// allgather (collectives.h) of a [1, n, inner] tensor through the group's window: each rank
+// copies its slice into its segment, then, after a barrier, the others' slices out of theirs.
+template <class T>
+bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
+  const size_t bytes = static_cast<size_t>(s.total()) * sizeof(T);
+  if (s.outer != 1 || bytes < kShmAllreduceMinBytes || !use_shm(comm)) return false;
+  ShmWindow& win = comm.shm;
+  bool fenced = false;
+  const size_t at = win.region_for(align64(bytes), fenced, shm_double_bytes());
+  auto range = [&](int r) {
+    Range q = slice_range(s.n, comm.size, r);
+    return Range{q.begin * s.inner, q.end * s.inner};
+  };
+  Range mine = range(comm.rank);
+  const size_t n = static_cast<size_t>(mine.size()) * sizeof(T);
+  if (n) std::memcpy(win.base(comm.rank) + at + static_cast<size_t>(mine.begin) * sizeof(T), in_slice, n);
+  if (n && in_slice != out + mine.begin) std::memmove(out + mine.begin, in_slice, n);
+  win.sync();
+  for (int r = 0; r < comm.size; ++r) {
+    Range q = range(r);
+    if (r == comm.rank || q.empty()) continue;
+    std::memcpy(out + q.begin, win.base(r) + at + static_cast<size_t>(q.begin) * sizeof(T),
+                static_cast<size_t>(q.size()) * sizeof(T));
+  }
+  if (fenced) win.sync();
+  return true;
+}
+
+}  // namespace coconet

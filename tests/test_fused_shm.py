@@ -1,0 +1,74 @@
+"""The fused collective through MPI-3 shared memory (runtime_cpp/coconet/fused_shm.h) against
+the point-to-point one, bit for bit, with the input staged or in coconetc.empty's window, on
+COMM_WORLD and a sub-communicator (tests/fused_shm_worker.py under mpiexec); and
+coconetc.empty itself on one rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coconetc.launch.mpiexec import run_python
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("fused_shm_worker.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_shm_path_matches_p2p(capfd, ranks: int):
+    pytest.importorskip("mpi4py")
+    import coconetc
+    coconetc.load(REPO / "examples" / "adam.ccn", log=lambda msg: None)  # built before the ranks start
+    rc = run_python(ranks, [str(WORKER), str(REPO / "examples" / "adam.ccn")], timeout=600)
+    out, err = capfd.readouterr()
+    assert rc == 0, out + err
+    assert "ok" in out.split()
+    assert "UCX" not in err
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_empty_is_a_writable_array(framework: str):
+    pytest.importorskip("mpi4py")
+    if framework == "torch":
+        pytest.importorskip("torch")
+    import coconetc
+    from coconetc.runtime import shm
+    before = len(shm.WINDOWS)
+    a = coconetc.empty((3, 5), "f32", framework=framework)
+    assert tuple(a.shape) == (3, 5)
+    a[...] = 2
+    assert float(a.sum()) == 30.0
+    assert len(shm.WINDOWS) == before + 4
+    b = coconetc.empty(0, "bf16")
+    assert b.shape == (0,) and b.dtype == np.dtype(shm.STORAGE["bf16"])
+    with pytest.raises(ValueError, match="unknown dtype"):
+        coconetc.empty(3, "f8")
+
+
+def test_repeated_call_fast_path_checks_what_changed():
+    """A call with the same buffers as the last one skips the per-array checks (the loader's
+    fast path) but still takes new scalars and notices an array reshaped in place."""
+    pytest.importorskip("mpi4py")
+    import coconetc
+    fn = coconetc.load(REPO / "examples" / "adam.ccn", log=lambda msg: None).adam
+    n = 7
+    g = np.linspace(-1, 1, n).astype(np.float32)
+
+    def fresh():
+        return {k: np.full(n, 0.5, np.float32) for k in "wmv"}
+
+    a, b = fresh(), fresh()
+    for step in (1.0, 2.0, 3.0):  # a: the same buffers every call; b: the checks run each time
+        fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=step)
+        fn(g=g.copy(), **{k: v for k, v in b.items()}, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=step)
+        b = {k: v.copy() for k, v in b.items()}
+    for k in "wmv":
+        assert np.array_equal(a[k], b[k]), k
+    with pytest.raises(TypeError, match="step"):
+        fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step="x")
+    a["w"].shape = (1, n)
+    with pytest.raises(ValueError, match="'w'"):
+        fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=4.0)
