@@ -121,12 +121,15 @@ class CudaProgram:
         key = schedule or DEFAULT
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime_cuda.nccl_comm(module.ext, mpi_comm)")
-        p, local, sizes, ranks = _enter(self, key, comm, groups, lambda p: _check_local(p, kwargs, stream))
+        p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local(p, kwargs, stream))
         group_size = ranks // groups
         rank = comm.rank % group_size
         dev = torch.device("cuda", torch.cuda.current_device())
         args = self.ext.CallArgs()
-        args.tensors = [local[q.name].data_ptr() for q in p.params if not q.scalar]
+        tensors = [local[q.name] for q in p.params if not q.scalar]
+        args.tensors = [0 if isinstance(v, list) else v.data_ptr() for v in tensors]
+        args.seg_ptrs = [[x.data_ptr() for x in v] if isinstance(v, list) else [] for v in tensors]
+        args.seg_sizes = list(segments or ())
         outs = []
         for _, s in p.outputs:
             t = p.type_of(s)
@@ -147,7 +150,7 @@ def _enter(fn: CudaProgram, key: str, comm: NcclComm, groups: int, check) -> tup
     watchdog (runtime/agree.py), so a wrong argument on any rank, or ranks that disagree on the
     schedule, groups, a scalar's bits or a shape, raise the same error on every rank before
     anything runs, and a rank that never arrives ends the job. Returns (program, this rank's
-    checked values, size symbols, ranks)."""
+    checked values, size symbols, ranks, the segment sizes of scattered parameters)."""
     from coconetc.runtime import agree
     from coconetc.runtime.loader import _agree, _scalar_bits
     what = f"{fn.ext.__name__}.{fn.name}(schedule={key!r})"
@@ -168,9 +171,9 @@ def _enter(fn: CudaProgram, key: str, comm: NcclComm, groups: int, check) -> tup
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     everyone = _exchange(comm, mine, what, timeout)
-    sizes, _ = _agree(everyone, comm.rank, p, mine, fn._bound)
+    sizes, segments = _agree(everyone, comm.rank, p, mine, fn._bound)
     assert p is not None  # else _agree raised this rank's error
-    return p, local, sizes, len(everyone)
+    return p, local, sizes, len(everyone), segments
 
 
 def _fill_args(args: Any, p: Program, local: dict, sizes: dict) -> None:
@@ -249,8 +252,8 @@ def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
         v = kwargs[q.name]
         if q.scalar:
             out[q.name] = _scalar(q, v)
-        elif q.scattered:
-            raise ValueError(f"'{q.name}': scattered tensors are not in the CUDA backend yet")
+        elif q.scattered:  # a list of 1-D segments (or one tensor: one segment)
+            out[q.name] = [_check_tensor(q, x, q.name in updated) for x in (v if isinstance(v, (list, tuple)) else [v])]
         else:
             out[q.name] = _check_tensor(q, v, q.name in updated)
     _no_aliases(p, out)
@@ -260,7 +263,8 @@ def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
 def _no_aliases(p: Program, values: dict) -> None:
     """Two tensor parameters whose device memory overlaps (the same tensor, or views of one)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), q.name)
-                   for q in p.params if not q.scalar for t in [values[q.name]] if t.numel())
+                   for q in p.params if not q.scalar
+                   for t in (values[q.name] if isinstance(values[q.name], list) else [values[q.name]]) if t.numel())
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
             raise ValueError(f"{p.name}(): '{a}' and '{b}' overlap in memory (the same buffer, or "
@@ -276,7 +280,8 @@ def _scalar(q: Param, v: Any) -> Any:
 
 
 def _describe(p: Program, values: dict) -> dict:
-    return {q.name: values[q.name] if q.scalar else tuple(values[q.name].shape) for q in p.params}
+    return {q.name: values[q.name] if q.scalar else [tuple(x.shape) for x in values[q.name]]
+            if isinstance(values[q.name], list) else tuple(values[q.name].shape) for q in p.params}
 
 
 
@@ -312,11 +317,14 @@ class EmulatedProgram(CudaProgram):
         from coconetc.common.dtypes import STORAGE
         key = schedule or DEFAULT
         comm = comm or self.owner.comm()
-        p, local, sizes, ranks = _enter(self, key, comm, groups, lambda p: _check_local_numpy(p, kwargs))
+        p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local_numpy(p, kwargs))
         group_size = ranks // groups
         rank = comm.rank % group_size
         args = self.ext.CallArgs()
-        args.tensors = [local[q.name].ctypes.data for q in p.params if not q.scalar]
+        tensors = [local[q.name] for q in p.params if not q.scalar]
+        args.tensors = [0 if isinstance(v, list) else v.ctypes.data for v in tensors]
+        args.seg_ptrs = [[x.ctypes.data for x in v] if isinstance(v, list) else [] for v in tensors]
+        args.seg_sizes = list(segments or ())
         outs = []
         for _, s in p.outputs:
             t = p.type_of(s)
@@ -353,8 +361,11 @@ def _check_local_numpy(p: Program, kwargs: dict) -> dict:
         v = kwargs[q.name]
         if q.scalar:
             v = _scalar(q, v)
-        elif q.scattered:
-            raise ValueError(f"'{q.name}': scattered tensors are not in the CUDA backend yet")
+        elif q.scattered:  # a list of 1-D segments (or one array: one segment)
+            if not isinstance(v, list):
+                v = [v]
+            for x in v:
+                _check_array(q, x)
         else:
             _check_array(q, v)
         out[q.name] = v

@@ -20,7 +20,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from coconetc.harness.core import adapt_inputs, compare, random_inputs, size_symbols
+from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs, size_symbols
 from coconetc.interp.interpreter import Result, run
 
 comm = MPI.COMM_WORLD
@@ -42,7 +42,7 @@ def sizes_of(p, size: int) -> dict[str, int]:
 def results(ir, out, args) -> tuple[dict, dict]:
     outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
     outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
-    updates = {t: np.asarray(args[t]).copy() for t, _ in ir.updates}
+    updates = {t: np.asarray(joined(args[t])).copy() for t, _ in ir.updates}  # scattered: segments joined
     return outputs, updates
 
 

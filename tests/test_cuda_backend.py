@@ -57,12 +57,34 @@ def test_matmul_is_cublas_and_collectives_are_nccl(example):
     assert "cublasGemmEx" in (Path(cuda_build.runtime_dir()) / "coconet" / "cuda" / "runtime.cuh").read_text()
 
 
-def test_unsupported_units_are_reported_not_rendered(example):
-    found = problems(example("mlp_out.ccn"))
-    assert set(found) == {("mlp_out", "overlapped")}
-    assert found[("mlp_out", "overlapped")][0].line == 14
-    with pytest.raises(Unsupported, match="overlap into a fused collective"):
-        generate(example("mlp_out.ccn"), "m")
+# What the CUDA renderer does not do yet (every example is in it now): a fused all-reduce over
+# scattered tensors.
+UNSUPPORTED = """program p(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {
+    g1 = allreduce(sum, g)
+    w1 = update(w, w - lr * g1)
+}
+schedule f for p {
+    fuse(g1, w1)
+}
+"""
+
+
+def test_unsupported_units_are_reported_not_rendered(tmp_path):
+    from coconetc.driver import load_file
+    path = tmp_path / "u.ccn"
+    path.write_text(UNSUPPORTED)
+    mod = load_file(str(path))
+    found = problems(mod)
+    assert set(found) == {("p", "f")}
+    assert found[("p", "f")][0].line == 6
+    with pytest.raises(Unsupported, match="fused all-reduce over scattered tensors"):
+        generate(mod, "m")
+    assert ("p", "default") in generate(mod, "m", skip_unsupported=True).functions
+
+
+def test_every_example_is_in_the_cuda_backend(example):
+    for path in EXAMPLES:
+        assert not problems(example(path.name)), path.name
 
 
 def test_overlap_chunks_on_two_streams(example):
@@ -75,12 +97,14 @@ def test_overlap_chunks_on_two_streams(example):
     assert "reduce_scatter<float>(ncclSum, P, Q" in packed and "unpack<float>(Q, v_rs" in packed
 
 
-def test_check_backend_cuda_reports_at_the_directive():
+def test_check_backend_cuda_reports_at_the_directive(tmp_path):
+    path = tmp_path / "u.ccn"
+    path.write_text(UNSUPPORTED)
     res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
-                          str(EXAMPLES[0].parent / "mlp_out.ccn")], capture_output=True, text=True)
+                          str(path)], capture_output=True, text=True)
     assert res.returncode == 1
-    assert ("mlp_out.ccn:14: error: mlp_out (schedule overlapped): overlap into a fused collective is not in "
-            "the CUDA backend yet") in res.stderr
+    assert ("u.ccn:6: error: p (schedule f): a fused all-reduce over scattered tensors, or one gathering into "
+            "them, is not in the CUDA backend yet") in res.stderr
     ok = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                          str(EXAMPLES[0].parent / "adam.ccn")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

@@ -17,7 +17,7 @@ from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
 from coconetc.codegen.loops import LoopEmitter
 from coconetc.codegen.render import extern_call
 from coconetc.ir import ops
-from coconetc.ir.nodes import Expr, Op, Ref, walk
+from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Let, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
@@ -38,22 +38,33 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     out: list[Unsupported] = []
     kinds = {b.name: b.kind for b in plan.buffers}
     ndims = {b.name: b.type.ndim for b in plan.buffers}
-    for b in plan.buffers:
-        if b.kind in ("segments", "into"):
-            out.append(Unsupported(b.line, f"scattered tensors ('{b.name}') are not in the CUDA backend yet"))
-            break
+    scattered = {b.name for b in plan.buffers if b.kind == "segments"}
 
     def unit(u: Unit) -> None:
         if isinstance(u, Overlap) and u.fused is not None:
-            out.append(Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet"))
+            f = u.fused
+            if (not u.direct or f.op != "reducescatter" or f.type.layout.dim == 0 or f.after
+                    or f.src != u.producer):
+                out.append(Unsupported(u.line, "overlap into a fused collective other than a reduce-scatter along "
+                                               "a dim other than 0 of rows of the matmul is not in the CUDA "
+                                               "backend yet"))
+            else:
+                unit(f)
         elif isinstance(u, Library) and ops.get(u.op).extern is not None:
             out.extend(_extern_problems(u, kinds, ndims))
-        elif isinstance(u, Reduce) and u.op == "segment_norm":
-            out.append(Unsupported(u.line, "segment_norm is not in the CUDA backend yet"))
-        elif isinstance(u, Collective) and (u.into or u.packed):
-            out.append(Unsupported(u.line, "collectives of scattered tensors are not in the CUDA backend yet"))
+        elif isinstance(u, Reduce) and u.op != "segment_norm" and u.src in scattered:
+            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend yet"))
+        elif isinstance(u, Collective) and (u.packed or (u.src in scattered and u.op not in ("allreduce",
+                                                                                          "reducescatter"))):
+            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend "
+                                           "yet"))
         elif isinstance(u, Fused):
-            out.extend(_fused_problems(u, kinds))
+            refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
+            if (u.src in scattered or refs & scattered) and (u.op != "reducescatter" or u.gather in scattered):
+                out.append(Unsupported(u.line, "a fused all-reduce over scattered tensors, or one gathering into "
+                                               "them, is not in the CUDA backend yet"))
+            else:
+                out.extend(_fused_problems(u, kinds))
             for a in u.after:
                 unit(a)
     for u in plan.units:
@@ -75,12 +86,14 @@ def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -
 
 
 def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
-    if any(p.kind != "pointwise" for p in u.phases):
-        return [Unsupported(u.line, "a fused collective with a row-wise phase (layernorm) is not in the CUDA "
-                                    "backend yet")]
-    if u.op == "reducescatter" and u.type.layout.dim != 0:
-        return [Unsupported(u.line, "a fused collective sliced along a dim other than 0 is not in the CUDA "
-                                    "backend yet")]
+    for p in u.phases:
+        if p.kind != "rows":
+            continue
+        x = p.items[0].expr.args[0] if isinstance(p.items[0].expr, Op) else None
+        if (not isinstance(x, Ref) or (x.name != u.collective and kinds.get(x.name) in (None, "register"))
+                or u.type.layout.dim == u.type.ndim - 1):
+            return [Unsupported(u.line, "a row-wise phase reading a value kept in registers, or sliced along "
+                                        "its rows, is not in the CUDA backend yet")]
     if kinds.get(u.collective) not in ("register", "scratch"):
         return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
                                     "not in the CUDA backend yet")]
@@ -91,6 +104,7 @@ class CudaRenderer(LoopEmitter):
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
         super().__init__(plan, fn, file, outputs)
         self.nevent = 0
+        self.seg_declared = False
 
     def site(self) -> int:
         self.nsite += 1
@@ -105,7 +119,7 @@ class CudaRenderer(LoopEmitter):
     def unit(self, u: Unit) -> None:
         if isinstance(u, Loop):
             self._comment(u.line, f"kernel: {', '.join(i.name for i in u.items)}")
-            self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items])
+            self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst)
         elif isinstance(u, Reduce):
             self._comment(u.line, f"reduce {u.dst} = {u.op}({u.src})")
             self._reduce(u)
@@ -119,6 +133,9 @@ class CudaRenderer(LoopEmitter):
             n = _prod(self.ldims(self.types[u.src]))
             ct = CTYPE[self.types[u.src].dtype]
             dst = f"a.output<{ct}>({self.sig.outputs.index(u.dst)})" if u.what == "output" else f"v_{u.dst}"
+            if u.dst in self.scattered:
+                self.emit(f"coconet::cuda::copy_in<{ct}>(v_{u.src}, p_{u.dst}, {n}, ctx);  // {u.what} {u.dst}")
+                return
             self.emit(f"coconet::cuda::copy<{ct}>(v_{u.src}, {dst}, {n}, ctx);  // {u.what} {u.dst}")
         elif isinstance(u, Require):
             self.emit(f'coconet::cuda::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
@@ -144,6 +161,18 @@ class CudaRenderer(LoopEmitter):
             self.sig.tensors.append(b.name)
             self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
             self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
+        elif b.kind == "segments":
+            k = len(self.sig.tensors)
+            self.sig.tensors.append(b.name)
+            if not self.seg_declared:
+                self.emit("const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);")
+                self.seg_declared = True
+            self.emit(f"const coconet::cuda::Segs<{ct}> p_{b.name} = a.segments<{ct}>({k});")
+            self.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
+            self.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
+                      "stream);")
+        elif b.kind == "into":
+            self.emit(f"// {b.name}: straight into {b.of}'s segments")
         elif b.kind == "output":
             self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
             self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
@@ -171,7 +200,7 @@ class CudaRenderer(LoopEmitter):
             self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
 
     def _access_note(self, t: TType, items: list[tuple[str, Expr, bool]], lets: tuple[Let, ...], lo: str, hi: str,
-                     regs: dict[str, str], indent: str) -> None:
+                     regs: dict[str, str], indent: str, extra: tuple[str, ...] = (), runs: str = "") -> None:
         """COCONET_ACCESS before a kernel: the element ranges it reads and writes, for the host
         emulation's race detection (expands to nothing under nvcc). Element i of the loop is
         i in [lo, hi); an operand indexed other than by i is read whole."""
@@ -186,7 +215,9 @@ class CudaRenderer(LoopEmitter):
             if kind in (None, "scalar", "register"):  # a Let, a scalar on the host, a value in registers
                 continue
             idx = self._access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else "0"
-            if idx == "0":
+            if idx == "SEG":  # this piece of a segment (a kernel per piece)
+                spans[r.name] = f"COCONET_R(sp_{r.name}, 0, pc.size)"
+            elif idx == "0":
                 spans[r.name] = f"COCONET_R(v_{r.name}, 0, 1)"
             elif idx == "i":
                 spans[r.name] = f"COCONET_R(v_{r.name}, {lo}, {hi})"
@@ -198,7 +229,11 @@ class CudaRenderer(LoopEmitter):
         out = list(spans.values())
         out += [f"COCONET_R({ptr.split('[')[0].split('(')[-1]}, 0, {hi} - ({lo}))" for ptr in regs.values()]
         out += [f"COCONET_W(v_{name}, {lo}, {hi})" for name, _, stored in items if stored]
-        self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
+        out += extra
+        if runs:  # and the spans the runtime lists (a chunk's runs in a gathered value)
+            self.emit(f"{indent}COCONET_ACCESS_RUNS({runs}, {', '.join(out)});")
+        else:
+            self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
 
     # --- kernels --------------------------------------------------------------------------
     def _lets(self, lets: tuple[Let, ...]) -> list[str]:
@@ -232,7 +267,22 @@ class CudaRenderer(LoopEmitter):
             if extra_store:
                 extra_store(name)
 
-    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]]) -> None:
+    def _loader(self, t: TType):
+        base = super()._loader(t)
+
+        def load(r: Ref) -> str:
+            if r.name not in self.consts and r.name in self.scattered:
+                return f"coconet::to_compute(sp_{r.name}[q])"  # this piece of its segment
+            return base(r)
+        return load
+
+    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str = "") -> None:
+        regs = {name for name, _, _ in items}
+        segs = sorted({r.name for _, e, _ in items for r in walk(e)
+                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in regs} | ({seg_dst} - {""}))
+        if segs:
+            self._seg_loop(t, lets, items, seg_dst, segs)
+            return
         saved = dict(self.consts)
         n = _prod(self.ldims(t))
         coords = self._needs_coords(t, items, {name for name, _, _ in items})
@@ -253,11 +303,56 @@ class CudaRenderer(LoopEmitter):
         self.emit("}")
         self.consts = saved
 
+    def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
+                  segs: list[str]) -> None:
+        """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
+        this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
+        operand read through its piece's pointer sp_<x>[q]; element i = pc.offset + q."""
+        saved = dict(self.consts)
+        n = _prod(self.ldims(t))
+        coords = self._needs_coords(t, items, {name for name, _, _ in items})
+        ct = CTYPE[t.dtype]
+        if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
+            assert len(items) == 1, items
+            items = [(items[0][0], items[0][1], False)]
+        self.emit("{")
+        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
+        self.emit("  (void)off;")
+        if coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"  const int64_t L{k} = {d};")
+        self.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
+        self.emit("  const int64_t b0 = pc.offset;")
+        for x in segs:
+            self.emit(f"  {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+        self._access_note(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
+                          (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
+        self.emit("  coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
+        self.emit("    const int64_t i = b0 + q;")
+        for line in self._lets(lets):
+            self.emit(f"    {line}")
+        if coords:
+            self._coords(t)
+        store = None
+        if seg_dst:
+            def store(name: str) -> None:
+                self.emit(f"    sp_{seg_dst}[q] = coconet::from_compute<{ct}>(x_{name});")
+        self._body(t, items, {}, store)
+        self.emit("  });")
+        self.emit("  }")
+        self.emit("}")
+        self.consts = saved
+
     # --- reductions and library operations ------------------------------------------------
     def _reduce(self, u: Reduce) -> None:
         xt, t = self.types[u.src], self.types[u.dst]
         if xt.dtype != t.dtype:
             raise Unsupported(u.line, "a reduction whose result dtype differs from its input's")
+        if u.op == "segment_norm":
+            src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"
+            self.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.ldims(xt))}, "
+                      f"{self.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
+            return
         norm = "true" if u.op == "norm" else "false"
         self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>(v_{u.src}, v_{u.dst}, "
                   f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
@@ -299,7 +394,16 @@ class CudaRenderer(LoopEmitter):
         ct = CTYPE[xt.dtype]
         op = NCCL_OP.get(u.reduce, "")
         n = _prod(self.ldims(xt))
-        if u.op == "allreduce":
+        if u.into:
+            self.emit(f"coconet::cuda::allgather<{ct}>(v_{x}, p_{u.into}, {_prod(self.gdims(xt))}, ctx);"
+                      f"  // straight into {u.into}'s segments")
+        elif x in self.scattered:  # NCCL per segment / piece, grouped
+            if u.op == "allreduce":
+                self.emit(f"coconet::cuda::allreduce<{ct}>({op}, p_{x}, v_{dst}, ctx);")
+            else:
+                assert u.op == "reducescatter", u.op
+                self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, p_{x}, v_{dst}, {n}, ctx);")
+        elif u.op == "allreduce":
             self.emit(f"coconet::cuda::allreduce<{ct}>({op}, v_{x}, v_{dst}, {n}, ctx);")
         elif u.op == "reducescatter":
             self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, v_{x}, v_{dst}, {self.shape3(xt, t.layout.dim)}, ctx);")
@@ -317,27 +421,48 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"coconet::cuda::send_shift<{ct}>(v_{x}, v_{dst}, {n}, {nxt}, ctx);")
 
     # --- fused collectives ----------------------------------------------------------------
-    def _fused(self, u: Fused) -> None:
+    def _fused(self, u: Fused, block: tuple[str, str] | None = None) -> None:
         """Chunks of this rank's part of the reduced value: the reduction of chunk k+1 on the
         comm stream while chunk k's kernel runs on the call's stream, then chunk k's gather on
-        the comm stream after an event (coconet::cuda::pipeline)."""
+        the comm stream after an event (coconet::cuda::pipeline). block: only the rows
+        [row0, row1) of dim 0 (an overlap's chunk; the collective is sliced along d != 0, so they
+        are one contiguous range of this rank's part)."""
         t = u.type
         xt = self.types[u.src]
         ct = CTYPE[t.dtype]
         op = NCCL_OP[u.reduce]
         g = self.gdims(xt)
+        d = t.layout.dim if u.op == "reducescatter" else 0
+        outer = _prod(g[:d])
         if u.op == "reducescatter":
-            n0, inner = g[0], _prod(g[1:])
+            n0, inner = g[d], _prod(g[d + 1:])
         else:  # an allreduce: one "slice" of everything
             n0, inner = _prod(g), "int64_t(1)"
         nm = u.name
         mine = _prod(self.ldims(t))
         self.emit("{")
-        self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
-        self.emit(f"  const int64_t mine_{nm} = {mine};")
-        if u.op == "reducescatter":
+        if u.rows is not None:  # chunks of whole rows (a row-wise phase)
+            rows = self.gdims(t)[-1]
+            self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems() + {rows} - 1) / {rows} * {rows};")
+        else:
+            self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
+        rows_arg = ""
+        if block is not None:
+            per = _prod(self.ldims(t)[1:])
+            self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
+            self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
+            self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, comm.size) "
+                      f"* {inner};")
+            rows_arg = f", {block[0]}, {block[1]}"
+        else:
+            self.emit(f"  const int64_t base_{nm} = 0;")
+            self.emit(f"  const int64_t mine_{nm} = {mine};")
+        self.emit(f"  (void)base_{nm};")
+        if block is not None:
+            pass  # most_ above
+        elif u.op == "reducescatter":
             # every rank takes part in every chunk's reduction: as many chunks as the largest slice
-            self.emit(f"  const int64_t most_{nm} = coconet::slice_chunk({n0}, comm.size) * {inner};")
+            self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
         else:
             self.emit(f"  const int64_t most_{nm} = mine_{nm};")
         self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
@@ -345,26 +470,24 @@ class CudaRenderer(LoopEmitter):
         self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
         self._name(f"red0_{nm}", f"ch_{nm}", f"red0 (chunk buffer 0 of fused {nm})")
         self._name(f"red1_{nm}", f"ch_{nm}", f"red1 (chunk buffer 1 of fused {nm})")
-        if u.op == "reducescatter":
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
-                      f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
-        else:
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
-                      f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
-                      f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
+        self._reduce_to(u, ct, op, d, outer, n0, inner, rows_arg)
         self.emit(f"  auto compute = [&](int64_t k, {ct}* red) {{")
-        self.emit(f"    const int64_t lo = k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
+        self.emit(f"    const int64_t lo = base_{nm} + k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
         self.emit("    if (hi <= lo) return;")
         self._chunk_kernel(u)
         self.emit("  };")
-        if u.gather:
+        if u.gather and d != 0:
+            gg = self.gdims(self.types[u.gather])
+            self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
+                      f"{_prod(gg[:d])}, {gg[d]}, {_prod(gg[d + 1:])}, k, ch_{nm}, ctx{rows_arg}); }};")
+        elif u.gather:
             self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
                       f"{self.gdims(self.types[u.gather])[0]}, {_prod(self.gdims(self.types[u.gather])[1:])}, "
                       f"k, ch_{nm}, ctx); }};")
         else:
             self.emit("  auto gather = [&](int64_t) {};")
         if self.plan.buffer(u.collective).kind == "scratch":  # the reduced value is kept
-            self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+            self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
                       f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
             self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
             fn = "compute_keep"
@@ -376,29 +499,145 @@ class CudaRenderer(LoopEmitter):
         for a in u.after:
             self.unit(a)
 
+    def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
+        """The pipeline's reduce_to(k, red): chunk k's reduction on the comm stream."""
+        nm = u.name
+        if u.op == "reducescatter" and u.src in self.scattered:  # NCCL per piece of a segment
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"p_{u.src}, red, {n0}, k, ch_{nm}, ctx); }};")
+        elif u.op == "reducescatter" and d != 0:  # one ncclReduce per run of each rank's chunk
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"v_{u.src}, red, {outer}, {n0}, {inner}, k, ch_{nm}, ctx{rows_arg}); }};")
+        elif u.op == "reducescatter":
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+                      f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
+        else:
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+                      f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
+                      f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
+
     def _chunk_kernel(self, u: Fused) -> None:
+        """The chunk's phases in order: a pointwise phase is one kernel over the chunk's
+        elements, a row-wise phase (layernorm) one kernel of a thread per row of the chunk
+        (chunks hold whole rows); a value crossing phases is read from its buffer."""
         saved = dict(self.consts)
         t = u.type
-        lets = self._lets(u.lets)
         inside = {u.collective} | {i.name for p in u.phases for i in p.items}
-        items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
-        coords = self._needs_coords(t, items, inside)
+        pointwise = [(i.name, i.expr, i.store) for p in u.phases if p.kind == "pointwise" for i in p.items]
+        coords = self._needs_coords(t, pointwise, inside)
         self.emit(f"    const int64_t off = {self.offset(t)};")
         self.emit("    (void)off;")
         if coords:
             for k, d in enumerate(self.ldims(t)):
                 self.emit(f"    const int64_t L{k} = {d};")
-        self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ")
-        self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
+        runs, store = self._gather_store(u)
+        for ph in u.phases:
+            items = [(i.name, i.expr, i.store) for i in ph.items]
+            if ph.kind == "rows":
+                self._chunk_rows(u, ph.items[0], runs, store is not None)
+            else:
+                self._chunk_pointwise(u, items, inside, coords, runs, store)
+        self.consts = saved
+
+    def _chunk_pointwise(self, u: Fused, items: list[tuple[str, Expr, bool]], inside: set[str], coords: bool,
+                         runs: str, store) -> None:
+        t = u.type
+        saved = dict(self.consts)
+        lets = self._lets(u.lets)
+        segs = sorted({r.name for _, e, _ in items for r in walk(e)
+                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in inside})
+        if not any(name == u.gathered for name, _, _ in items):
+            runs = ""
+        if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
+            self.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
+            self.emit("    const int64_t b0 = pc.offset;")
+            for x in segs:
+                self.emit(f"    {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+            self._access_note(t, items, u.lets, "lo + b0", "lo + b0 + pc.size", {}, "    ",
+                              ("COCONET_R(red, b0, b0 + pc.size)",))
+            self.emit("    coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
+            self.emit("    const int64_t j = b0 + q;")
+        else:
+            self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ", (), runs)
+            self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
         self.emit("    const int64_t i = lo + j;")
         for line in lets:
             self.emit(f"    {line}")
         if coords:
             self._coords(t)
-        self._body(t, items, {u.collective: "coconet::to_compute(red[j])"})
+        self._body(t, items, {u.collective: "coconet::to_compute(red[j])"}, store)
         self.emit("    });")
+        if segs:
+            self.emit("    }")
         self.consts = saved
 
+    def _chunk_rows(self, u: Fused, item, runs: str, gstore: bool) -> None:
+        """layernorm over the chunk's whole rows, one thread per row (as the layernorm kernel),
+        in the compute type; x is the reduced chunk or a value stored by an earlier phase."""
+        assert isinstance(item.expr, Op) and item.expr.op == "layernorm", item
+        x, g, b, eps = item.expr.args
+        assert isinstance(x, Ref) and isinstance(g, Ref) and isinstance(b, Ref)
+        t = self.types[item.name]
+        C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
+        H = self.ldims(t)[-1]
+        eps_s = (literal(float(eps.value), "f64") if isinstance(eps, Const)
+                 else f"double(coconet::to_compute(v_{eps.name}[0]))" if isinstance(eps, Ref) else "")
+
+        def X(idx: str) -> str:
+            return (f"coconet::to_compute(red[{idx} - lo])" if x.name == u.collective
+                    else f"coconet::to_compute(v_{x.name}[{idx}])")
+        spans = ["COCONET_R(red, 0, hi - lo)" if x.name == u.collective else f"COCONET_R(v_{x.name}, lo, hi)",
+                 f"COCONET_RA(v_{g.name})", f"COCONET_RA(v_{b.name})"]
+        if item.store:
+            spans.append(f"COCONET_W(v_{item.name}, lo, hi)")
+        gathered = gstore and item.name == u.gathered
+        if gathered:
+            self.emit(f"    COCONET_ACCESS_RUNS({runs}, {', '.join(spans)});")
+        else:
+            self.emit(f"    COCONET_ACCESS({', '.join(spans)});")
+        self.emit(f"    coconet::cuda::launch((hi - lo) / ({H}), stream, [=] __device__ (int64_t q) {{"
+                  f"  // layernorm {item.name}, a thread per row")
+        self.emit(f"    const int64_t row = lo + q * ({H});")
+        self.emit(f"    {C} mean = 0, var = 0;")
+        self.emit(f"    for (int64_t c = 0; c < {H}; ++c) mean += {X('row + c')};")
+        self.emit(f"    mean /= static_cast<{C}>({H});")
+        self.emit(f"    for (int64_t c = 0; c < {H}; ++c) {{ const {C} d = {X('row + c')} - mean; var += d * d; }}")
+        self.emit(f"    var /= static_cast<{C}>({H});")
+        self.emit(f"    const {C} inv = {C}(1) / std::sqrt(var + static_cast<{C}>({eps_s}));")
+        self.emit(f"    for (int64_t c = 0; c < {H}; ++c) {{")
+        self.emit("      const int64_t i = row + c;")
+        self.emit(f"      const {C} x_{item.name} = coconet::round_to<{T}>(({X('i')} - mean) * inv * "
+                  f"coconet::to_compute(v_{g.name}[c]) + coconet::to_compute(v_{b.name}[c]));")
+        if item.store:
+            self.emit(f"      v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
+        if gathered:
+            gg = self.gdims(self.types[u.gather])
+            d = u.type.layout.dim
+            self.emit(f"      v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
+                      f"coconet::from_compute<{T}>(x_{item.name});")
+        self.emit("    }")
+        self.emit("    });")
+
+    def _gather_store(self, u: Fused):
+        """A fused reduce-scatter along dim d != 0 that gathers: the chunk kernel stores the
+        gathered value at its global place in the gathered buffer (the chunk's runs, declared
+        for the race detection), which the chunk's gather then broadcasts in place.
+        Returns (the runs' spans, the store callback), or ("", None)."""
+        t = u.type
+        d = t.layout.dim if u.op == "reducescatter" else 0
+        if not u.gather or d == 0:
+            return "", None
+        gg = self.gdims(self.types[u.gather])
+        gn, ginner = gg[d], _prod(gg[d + 1:])
+        self.emit(f"    const int64_t gm_ = {self.ldims(t)[d]} * {ginner};  // this rank's part of one outer index")
+        runs = (f"coconet::cuda::runs_w(v_{u.gather}, {_prod(gg[:d])}, {gn}, {ginner}, "
+                f"coconet::slice_range({gn}, comm.size, comm.rank), lo, hi)")
+
+        def store(name: str) -> None:
+            if name == u.gathered:
+                self.emit(f"    v_{u.gather}[(i / gm_ * {gn} + off) * {ginner} + i % gm_] = "
+                          f"coconet::from_compute<{CTYPE[t.dtype]}>(x_{name});")
+        return runs, store
 
     # --- overlap ---------------------------------------------------------------------------
     def _overlap(self, u: Overlap) -> None:
@@ -408,7 +647,8 @@ class CudaRenderer(LoopEmitter):
         chunk is computed packed [outer, |r|, inner], its collective runs on the packed chunk
         and the result is unpacked into its block of the collective's result."""
         if u.fused is not None:
-            raise Unsupported(u.line, "overlap into a fused collective is not in the CUDA backend yet")
+            self._overlap_fused(u, u.fused)
+            return
         y, c = u.producer, u.collective
         yt, ctt = self.types[y], self.types[c]
         ct = CTYPE[yt.dtype]
@@ -439,6 +679,37 @@ class CudaRenderer(LoopEmitter):
         else:
             self._overlap_packed(u, ct, op, ly, la, lb, lc, gy, ev)
         self.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
+        self.emit("}")
+
+    def _overlap_fused(self, u: Overlap, f: Fused) -> None:
+        """The matmul's row blocks (cuBLAS) on the call's stream; after each block an event, and
+        the fused collective of that block of rows on a side stream (its reductions and gathers
+        on the comm stream, its kernels on the side stream), so the next block's GEMM runs while
+        this block communicates and computes; the call's stream waits for the side stream at
+        the end."""
+        y = u.producer
+        ct = CTYPE[self.types[y].dtype]
+        ly, la, lb = (self.ldims(self.types[n]) for n in (y, u.a, u.b))
+        K, N = la[-1], lb[1]
+        rows, per_row = ly[0], _prod(ly[1:-1])
+        ev, done = self.site(), self.site()
+        self.emit("{")
+        self.emit("  coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream")
+        self.emit("  sctx.stream = coconet::cuda::side_stream();")
+        self.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
+        self.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
+        self.emit("    if (rb.empty()) continue;")
+        self.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + rb.begin * {per_row} * {K}, v_{u.b}, "
+                  f"v_{y} + rb.begin * {_prod(ly[1:])}, rb.size() * {per_row}, {K}, {N}, stream);")
+        self.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
+        self.emit("    {")
+        self.emit("    const coconet::cuda::Ctx& ctx = sctx;")
+        self.emit("    const cudaStream_t stream = ctx.stream;")
+        self._comment(f.line, f"fused collective {f.name}: {', '.join(f.members)} (rows rb of dim 0)")
+        self._fused(f, ("rb.begin", "rb.end"))
+        self.emit("    }")
+        self.emit("  }")
+        self.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
         self.emit("}")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -70,8 +71,49 @@ struct Scalar {
   COCONET_HD const T& operator[](int64_t) const { return v; }
 };
 
+// ---- scattered tensors (`f32[N] ... scattered`): a list of 1-D device buffers (segments) taken as
+// one logical 1-D tensor, never copied into one buffer. The host walks the pieces of a logical
+// range (as the CPU runtime's segments.h) and issues one kernel, copy or NCCL call per piece.
+
+// One piece of a logical range [begin, end) inside one segment: segment, offset inside the
+// segment, offset inside the range, length.
+struct Piece {
+  size_t seg;
+  int64_t at, offset, size;
+};
+// starts[i] = first logical index of segment i; back() = total.
+inline std::vector<int64_t> segment_starts(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> starts(sizes.size() + 1, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) starts[i + 1] = starts[i] + sizes[i];
+  return starts;
+}
+inline std::vector<Piece> pieces(const std::vector<int64_t>& starts, int64_t begin, int64_t end) {
+  std::vector<Piece> out;
+  for (size_t s = 0; s + 1 < starts.size() && begin < end; ++s) {
+    const int64_t lo = std::max(begin, starts[s]), hi = std::min(end, starts[s + 1]);
+    if (hi > lo) out.push_back(Piece{s, lo - starts[s], lo - begin, hi - lo});
+  }
+  return out;
+}
+// A scattered tensor: its segments' device pointers and the segments' logical starts.
+template <class T>
+struct Segs {
+  std::vector<T*> ptrs;
+  std::vector<int64_t> starts{0};
+  T* at(const Piece& pc) const { return ptrs[pc.seg] + pc.at; }
+  int64_t size(size_t s) const { return starts[s + 1] - starts[s]; }
+};
+
 // What Python passes: device pointers, sizes, scalars, the stream and the NCCL communicator.
 struct CallArgs {
+  std::vector<std::vector<uintptr_t>> seg_ptrs;  // per tensor parameter: its segments (scattered)
+  std::vector<int64_t> seg_sizes;                // segment sizes (all scattered params share them)
+  template <class T> Segs<T> segments(size_t k) const {
+    Segs<T> s;
+    for (uintptr_t p : seg_ptrs.at(k)) s.ptrs.push_back(reinterpret_cast<T*>(p));
+    s.starts = segment_starts(seg_sizes);
+    return s;
+  }
   std::vector<uintptr_t> tensors;
   std::vector<uintptr_t> outputs;
   std::vector<int64_t> sizes;
@@ -173,6 +215,24 @@ inline void join(cudaStream_t s, cudaStream_t waiter, int site) {
   cudaEvent_t e = event(site);
   COCONET_CUDA(cudaEventRecord(e, s));
   COCONET_CUDA(cudaStreamWaitEvent(waiter, e, 0));
+}
+
+// A second compute stream (per device, made once): an overlap's fused collective runs its kernels
+// there while the call's stream computes the next block of the matmul.
+inline cudaStream_t side_stream() {
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  auto s = streams.find(dev);
+  if (s == streams.end()) {
+    cudaStream_t cs;
+    COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    COCONET_STREAM_NAME(cs, "the side stream");
+    s = streams.emplace(dev, cs).first;
+  }
+  return s->second;
 }
 
 // Elements per chunk of a fused collective (COCONET_CUDA_CHUNK, default 2^22).
@@ -458,6 +518,100 @@ void copy(const T* src, T* dst, int64_t n, const Ctx& c) {
     COCONET_CUDA(cudaMemcpyAsync(dst, src, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
 }
 
+// ---- scattered tensors: copies, NCCL per piece, segment_norm ------------------------------------
+
+// Contiguous src[0, n) into the logical range [0, n) of dst's segments.
+template <class T>
+void copy_in(const T* src, const Segs<T>& dst, int64_t n, const Ctx& c) {
+  for (const Piece& pc : pieces(dst.starts, 0, n))
+    COCONET_CUDA(cudaMemcpyAsync(dst.at(pc), src + pc.offset, size_t(pc.size) * sizeof(T), cudaMemcpyDeviceToDevice,
+                                 c.stream));
+}
+
+// y[0, N) = the reduction over ranks of every segment of x: one grouped ncclAllReduce per segment.
+template <class T>
+void allreduce(ncclRedOp_t op, const Segs<T>& x, T* y, const Ctx& c) {
+  Group_ g;
+  for (size_t s = 0; s < x.ptrs.size(); ++s)
+    if (x.size(s) > 0)
+      COCONET_CUDA(ncclAllReduce(x.ptrs[s], y + x.starts[s], size_t(x.size(s)), NcclType<T>::t, op, c.comm, c.stream));
+}
+
+// y: this rank's slice of the logical [0, n) reduced over ranks; one grouped ncclReduce per piece of
+// every rank's slice, to that rank (a non-root's receive buffer is its own piece: NCCL ignores it).
+template <class T>
+void reduce_scatter(ncclRedOp_t op, const Segs<T>& x, T* y, int64_t n, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    for (const Piece& pc : pieces(x.starts, sl.begin, sl.end))
+      COCONET_CUDA(ncclReduce(x.at(pc), r == c.group.rank ? y + pc.offset : x.at(pc), size_t(pc.size), NcclType<T>::t,
+                              op, r, c.comm, c.stream));
+  }
+}
+
+// Every rank's slice x of the logical [0, n) straight into the segments of y: one grouped
+// ncclBroadcast per piece, in place on the receivers.
+template <class T>
+void allgather(const T* x, const Segs<T>& y, int64_t n, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    for (const Piece& pc : pieces(y.starts, sl.begin, sl.end))
+      COCONET_CUDA(ncclBroadcast(r == c.group.rank ? x + pc.offset : y.at(pc), y.at(pc), size_t(pc.size),
+                                 NcclType<T>::t, r, c.comm, c.stream));
+  }
+}
+
+// out[i] = the L2 norm of the segment holding logical element off + i, i in [0, n): a block
+// reduction per piece into a double per segment, the ranks' sums added when x is sliced
+// (cross_rank), then a fill kernel per piece. xs[k]: piece k's elements of x.
+template <class T>
+void segment_norm_pieces(const std::vector<const T*>& xs, T* out, int64_t n, int64_t off,
+                         const std::vector<int64_t>& starts, bool cross_rank, const Ctx& c, int site) {
+  const size_t nseg = starts.size() - 1;
+  double* sq = scratch<double>(site, int64_t(nseg));
+  COCONET_BUFFER(sq, (nseg > 0 ? nseg : 1) * sizeof(double), "segment_norm partial sums");
+  COCONET_CUDA(cudaMemsetAsync(sq, 0, (nseg > 0 ? nseg : 1) * sizeof(double), c.stream));
+  const std::vector<Piece> ps = pieces(starts, off, off + n);
+  for (size_t k = 0; k < ps.size(); ++k) {
+    const Piece& pc = ps[k];
+    const T* x = xs[k];
+    int64_t blocks = (pc.size + 255) / 256;
+    if (blocks > 4096) blocks = 4096;
+    void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, true>;
+    COCONET_ACCESS(COCONET_R(x, 0, pc.size), COCONET_W(sq, int64_t(pc.seg), int64_t(pc.seg) + 1));
+    COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, pc.size, sq + pc.seg);
+    COCONET_CUDA(cudaGetLastError());
+  }
+  if (cross_rank && nseg > 0)
+    COCONET_CUDA(ncclAllReduce(sq, sq, nseg, ncclFloat64, ncclSum, c.comm, c.stream));
+  for (const Piece& pc : ps) {
+    T* o = out + pc.offset;
+    const double* q = sq + pc.seg;
+    COCONET_ACCESS(COCONET_R(q, 0, 1), COCONET_W(o, 0, pc.size));
+    launch(pc.size, c.stream, [=] __device__ (int64_t j) {
+      o[j] = from_compute<T>(static_cast<compute_t<T>>(sqrt(q[0])));
+    });
+  }
+}
+template <class T>
+void segment_norm(const T* x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts, bool cross_rank,
+                  const Ctx& c, int site) {
+  std::vector<const T*> xs;
+  for (const Piece& pc : pieces(starts, off, off + n)) xs.push_back(x + pc.offset);
+  segment_norm_pieces<T>(xs, out, n, off, starts, cross_rank, c, site);
+}
+template <class T>
+void segment_norm(const Segs<T>& x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts,
+                  bool cross_rank, const Ctx& c, int site) {
+  std::vector<const T*> xs;
+  for (const Piece& pc : pieces(starts, off, off + n)) xs.push_back(x.at(pc));
+  segment_norm_pieces<T>(xs, out, n, off, starts, cross_rank, c, site);
+}
+
 // Chunk r of dim n, packed as [outer, |r|, inner] in P, into its block of dst [outer, n, inner].
 template <class T>
 void unpack(const T* P, T* dst, int64_t outer, int64_t n, int64_t inner, Range r, cudaStream_t s) {
@@ -518,6 +672,20 @@ void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t n, int64_t inner, 
   }
 }
 
+// The same over a scattered x (logical [0, n), 1-D): each rank's chunk is reduced piece by piece
+// (one ncclReduce per piece inside one segment), grouped.
+template <class T>
+void reduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
+  const int R = c.group.size;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    const int64_t lo = sl.begin + k * ch, hi = std::min(sl.end, lo + ch);
+    for (const Piece& pc : pieces(x.starts, lo, hi))
+      COCONET_CUDA(ncclReduce(x.at(pc), red + pc.offset, size_t(pc.size), NcclType<T>::t, op, r, c.comm, c.comm_stream));
+  }
+}
+
 // Chunk k of every rank's slice part of the gathered value y (full size), each from its rank.
 template <class T>
 void gather_chunk(T* y, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c) {
@@ -532,6 +700,74 @@ void gather_chunk(T* y, int64_t n, int64_t inner, int64_t k, int64_t ch, const C
     COCONET_CUDA(ncclBroadcast(at, at, size_t(cnt), NcclType<T>::t, r, c.comm, c.comm_stream));
   }
 }
+
+// ---- fused collectives sliced along a dim other than the outermost --------------------------------
+//
+// The reduced value is [outer, n, inner] sliced along n; a rank's slice part is [outer, |slice|,
+// inner] (local linear index l), cut into chunks of ch local elements as above. A chunk's local
+// range [lo, hi) is one run of contiguous global elements per outer index it touches:
+// f(global start, offset in the chunk, count) for each.
+template <class F>
+void chunk_runs(int64_t outer, int64_t n, int64_t inner, Range sl, int64_t lo, int64_t hi, F f) {
+  const int64_t S = sl.size() * inner;
+  if (S <= 0) return;
+  for (int64_t o = lo / S; o < outer && o * S < hi; ++o) {
+    const int64_t a = std::max(lo, o * S), b = std::min(hi, (o + 1) * S);
+    if (b > a) f((o * n + sl.begin) * inner + (a - o * S), a - lo, b - a);
+  }
+}
+
+// Chunk k of every rank's slice part of x [outer, n, inner], reduced to that rank into red:
+// one grouped ncclReduce per run.
+template <class T>
+void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch,
+                  const Ctx& c, int64_t row0 = 0, int64_t row1 = -1) {
+  const int R = c.group.size;
+  if (row1 < 0) row1 = outer;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    const int64_t S = sl.size() * inner, lo = row0 * S + k * ch, hi = std::min(row1 * S, lo + ch);
+    chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t o, int64_t cnt) {
+      COCONET_CUDA(ncclReduce(x + at, red + o, size_t(cnt), NcclType<T>::t, op, r, c.comm, c.comm_stream));
+    });
+  }
+}
+
+// Chunk k of every rank's slice part of the gathered y [outer, n, inner] (the rank's kernel wrote
+// its part at its global place), from that rank, in place: one grouped ncclBroadcast per run.
+template <class T>
+void gather_chunk(T* y, int64_t outer, int64_t n, int64_t inner, int64_t k, int64_t ch, const Ctx& c,
+                  int64_t row0 = 0, int64_t row1 = -1) {
+  const int R = c.group.size;
+  if (row1 < 0) row1 = outer;
+  Group_ g;
+  for (int r = 0; r < R; ++r) {
+    const Range sl = slice_range(n, R, r);
+    const int64_t S = sl.size() * inner, lo = row0 * S + k * ch, hi = std::min(row1 * S, lo + ch);
+    chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t, int64_t cnt) {
+      COCONET_CUDA(ncclBroadcast(y + at, y + at, size_t(cnt), NcclType<T>::t, r, c.comm, c.comm_stream));
+    });
+  }
+}
+
+#ifdef COCONET_EMULATE
+// For the race detection: the runs of this rank's chunk [lo, hi) in the gathered y, written by the
+// chunk's kernel (COCONET_ACCESS_RUNS: those spans with the listed ones).
+template <class T>
+std::vector<emu::Span> runs_w(T* y, int64_t outer, int64_t n, int64_t inner, Range sl, int64_t lo, int64_t hi) {
+  std::vector<emu::Span> out;
+  chunk_runs(outer, n, inner, sl, lo, hi, [&](int64_t at, int64_t, int64_t cnt) { out.push_back(emu::W(y, at, at + cnt)); });
+  return out;
+}
+inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::vector<emu::Span>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+#define COCONET_ACCESS_RUNS(runs, ...) ::coconet::cuda::emu::declare(::coconet::cuda::with_spans({__VA_ARGS__}, runs))
+#else
+#define COCONET_ACCESS_RUNS(runs, ...)
+#endif
 
 // ---- communicators -----------------------------------------------------------------------------
 
