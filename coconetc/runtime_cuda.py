@@ -239,8 +239,9 @@ def _check_stream(stream: Any) -> None:
         raise ValueError(f"stream is on {stream.device}; this module runs on cuda:{torch.cuda.current_device()}")
 
 
-def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
-    _check_stream(stream)
+def _arguments(p: Program, kwargs: dict, tensor) -> dict:
+    """Names and scalars checked; each tensor, or each segment of a scattered one (a list of
+    1-D arrays, or one array: one segment), through `tensor(param, value, updated)`."""
     extra = sorted(set(kwargs) - {q.name for q in p.params})
     if extra:
         raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
@@ -252,10 +253,16 @@ def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
         v = kwargs[q.name]
         if q.scalar:
             out[q.name] = _scalar(q, v)
-        elif q.scattered:  # a list of 1-D segments (or one tensor: one segment)
-            out[q.name] = [_check_tensor(q, x, q.name in updated) for x in (v if isinstance(v, (list, tuple)) else [v])]
+        elif q.scattered:
+            out[q.name] = [tensor(q, x, q.name in updated) for x in (v if isinstance(v, (list, tuple)) else [v])]
         else:
-            out[q.name] = _check_tensor(q, v, q.name in updated)
+            out[q.name] = tensor(q, v, q.name in updated)
+    return out
+
+
+def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
+    _check_stream(stream)
+    out = _arguments(p, kwargs, _check_tensor)
     _no_aliases(p, out)
     return out
 
@@ -338,7 +345,7 @@ class EmulatedProgram(CudaProgram):
         return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _check_array(q: Param, v: Any) -> None:
+def _checked_array(q: Param, v: Any, updated: bool) -> Any:
     from coconetc.common.dtypes import STORAGE
     if not isinstance(v, np.ndarray):
         raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
@@ -348,27 +355,11 @@ def _check_array(q: Param, v: Any) -> None:
         raise ValueError(f"'{q.name}' must be a C-contiguous writeable array")
     if v.ndim != q.type.ndim:
         raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {v.shape}")
+    return v
 
 
 def _check_local_numpy(p: Program, kwargs: dict) -> dict:
-    extra = sorted(set(kwargs) - {q.name for q in p.params})
-    if extra:
-        raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
-    out: dict[str, Any] = {}
-    for q in p.params:
-        if q.name not in kwargs:
-            raise TypeError(f"{p.name}() missing argument '{q.name}'")
-        v = kwargs[q.name]
-        if q.scalar:
-            v = _scalar(q, v)
-        elif q.scattered:  # a list of 1-D segments (or one array: one segment)
-            if not isinstance(v, list):
-                v = [v]
-            for x in v:
-                _check_array(q, x)
-        else:
-            _check_array(q, v)
-        out[q.name] = v
+    out = _arguments(p, kwargs, _checked_array)
     from coconetc.common.validate import overlapping
     both = overlapping(p, out)
     if both:

@@ -36,14 +36,20 @@ def _args(argv):
 
 
 def main(argv=None) -> int:
+    return stop_job_on_failure(lambda comm: _main(_args(argv), comm), "coconetc")
+
+
+def stop_job_on_failure(body, label: str) -> int:
+    """body(COMM_WORLD) on this rank; any exception but SystemExit is printed and aborts the
+    whole job (MPI_Abort), so the other ranks never wait for this one."""
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     try:
-        return _main(_args(argv), comm)
+        return body(comm)
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - any failure must stop every rank
-        sys.stderr.write(f"coconetc rank {comm.Get_rank()} failed:\n{traceback.format_exc()}")
+        sys.stderr.write(f"{label} rank {comm.Get_rank()} failed:\n{traceback.format_exc()}")
         sys.stderr.flush()
         comm.Abort(1)
         return 1

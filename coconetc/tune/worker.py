@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-import traceback
 
 
 def _args(argv):
@@ -30,17 +29,8 @@ def _args(argv):
 
 
 def main(argv=None) -> int:
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    try:
-        return _main(_args(argv), comm)
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: BLE001 - any failure must stop every rank
-        sys.stderr.write(f"coconetc tune rank {comm.Get_rank()} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
-        return 1
+    from coconetc.launch.worker import stop_job_on_failure
+    return stop_job_on_failure(lambda comm: _main(_args(argv), comm), "coconetc tune")
 
 
 def _main(a, comm) -> int:
