@@ -286,12 +286,7 @@ class CudaRenderer(LoopEmitter):
         saved = dict(self.consts)
         n = _prod(self.ldims(t))
         coords = self._needs_coords(t, items, {name for name, _, _ in items})
-        self.emit("{")
-        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
-        self.emit("  (void)off;")
-        if coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"  const int64_t L{k} = {d};")
+        self._loop_head(t, coords)
         self._access_note(t, items, lets, "0", n, {}, "  ")
         self.emit(f"  coconet::cuda::launch({n}, stream, [=] __device__ (int64_t i) {{")
         for line in self._lets(lets):
@@ -302,6 +297,16 @@ class CudaRenderer(LoopEmitter):
         self.emit("  });")
         self.emit("}")
         self.consts = saved
+
+    def _loop_head(self, t: TType, coords: bool) -> None:
+        """A loop's block opens with this rank's slice offset and, when the body needs
+        coordinates, the local extent of each dim."""
+        self.emit("{")
+        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
+        self.emit("  (void)off;")
+        if coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"  const int64_t L{k} = {d};")
 
     def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
                   segs: list[str]) -> None:
@@ -315,12 +320,7 @@ class CudaRenderer(LoopEmitter):
         if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
             assert len(items) == 1, items
             items = [(items[0][0], items[0][1], False)]
-        self.emit("{")
-        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
-        self.emit("  (void)off;")
-        if coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"  const int64_t L{k} = {d};")
+        self._loop_head(t, coords)
         self.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
         self.emit("  const int64_t b0 = pc.offset;")
         for x in segs:

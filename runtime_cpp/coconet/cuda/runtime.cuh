@@ -137,6 +137,20 @@ struct Ctx {
   cudaStream_t comm_stream = nullptr;
 };
 
+// This device's stream in `streams` (non-blocking, made on first use); the caller holds the lock.
+inline cudaStream_t device_stream(std::map<int, cudaStream_t>& streams, const char* name) {
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  auto s = streams.find(dev);
+  if (s == streams.end()) {
+    cudaStream_t cs;
+    COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
+    COCONET_STREAM_NAME(cs, name);
+    s = streams.emplace(dev, cs).first;
+  }
+  return s->second;
+}
+
 inline Ctx context(const CallArgs& a) {
   static std::mutex mu;
   static std::map<std::pair<uintptr_t, int>, ncclComm_t> splits;
@@ -163,16 +177,7 @@ inline Ctx context(const CallArgs& a) {
     }
     c.comm = it->second;
   }
-  int dev = 0;
-  COCONET_CUDA(cudaGetDevice(&dev));
-  auto s = comm_streams.find(dev);
-  if (s == comm_streams.end()) {
-    cudaStream_t cs;
-    COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
-    COCONET_STREAM_NAME(cs, "the comm stream");
-    s = comm_streams.emplace(dev, cs).first;
-  }
-  c.comm_stream = s->second;
+  c.comm_stream = device_stream(comm_streams, "the comm stream");
   COCONET_CUDA(ncclCommCount(c.comm, &c.group.size));
   COCONET_CUDA(ncclCommUserRank(c.comm, &c.group.rank));
   return c;
@@ -223,16 +228,7 @@ inline cudaStream_t side_stream() {
   static std::mutex mu;
   static std::map<int, cudaStream_t> streams;
   std::lock_guard<std::mutex> lock(mu);
-  int dev = 0;
-  COCONET_CUDA(cudaGetDevice(&dev));
-  auto s = streams.find(dev);
-  if (s == streams.end()) {
-    cudaStream_t cs;
-    COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
-    COCONET_STREAM_NAME(cs, "the side stream");
-    s = streams.emplace(dev, cs).first;
-  }
-  return s->second;
+  return device_stream(streams, "the side stream");
 }
 
 // Elements per chunk of a fused collective (COCONET_CUDA_CHUNK, default 2^22).
