@@ -22,7 +22,7 @@ from coconetc.errors import NOWHERE, Span
 from coconetc.ir import printer
 from coconetc.ir.nodes import Program
 from coconetc.schedule import apply
-from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
+from coconetc.schedule.directives import text as directive_text  # what the tuner prints schedules with
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.ccn"))
@@ -50,23 +50,6 @@ def _cases() -> list[tuple[Path, str, str | None]]:
 
 CASES = _cases()
 IDS = [".".join(x for x in (f.stem, p, s) if x) for f, p, s in CASES]
-
-
-def directive_text(d: Directive) -> str:
-    """A directive record as the .ccn line that makes it."""
-    if isinstance(d, Split):
-        dim = f", dim={d.dim}" if d.dim else ""
-        return f"{d.rs}, {d.ag} = split({d.stage}{dim})"
-    if isinstance(d, Reorder):
-        outs = f"{', '.join(d.outs)} = " if d.outs else ""
-        return f"{outs}reorder({', '.join((d.ag, *d.stages))})"
-    if isinstance(d, Slice):
-        return f"slice({', '.join(d.params)})"
-    if isinstance(d, Fuse):
-        return f"{d.name + ' = ' if d.name else ''}fuse({', '.join(d.stages)})"
-    assert isinstance(d, OverlapD)
-    dim = "" if d.dim is None else f", dim={d.dim}"
-    return f"overlap({d.producer}, {d.consumer}, chunks={d.chunks}{dim})"
 
 
 def steps(mod: SourceFile, prog: str, sched: str | None) -> tuple[str, Program]:
