@@ -272,7 +272,9 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
     from coconetc.harness.core import DEFAULT_SIZE
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
-    names = _schedule_names(mod, name, schedule)
+    names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
+    if schedule == "auto" or any(s is not None and mod.schedule(name, s).auto for s in names):
+        mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto")
     if backend == "cuda" and not interp:
         _run_cuda(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
                   emulate)
@@ -285,6 +287,38 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
         path = _save_path(save, s, len(names) > 1) if save else None
         bad |= _run_one(mod, name, s, ranks, groups, sz, seed, path)
     sys.exit(1 if bad else 0)
+
+
+def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: int, sizes: dict,
+                  explicit: bool) -> tuple[SourceFile, list]:
+    """run: `auto` (-s auto, or the file's `schedule auto for P` among -s all) becomes the
+    tuner's choice for these sizes, ranks and groups on this machine (the tuning cache), the
+    choice's schedule added to the module when the tuner wrote it; with no record it is
+    skipped (-s auto: an error) naming the tune command to run."""
+    from coconetc.driver import add_schedules
+    from coconetc.harness.core import DEFAULT_SIZE, size_symbols
+    from coconetc.tune import cache
+    full = {k: sizes.get(k, DEFAULT_SIZE) for k in size_symbols(mod.programs[name])}
+    rec = cache.lookup(mod.source, name, full, ranks, groups)
+    shown = ", ".join(f"{k}={v}" for k, v in full.items())
+    keep = [s for s in names if not (s is not None and mod.schedule(name, s).auto)]
+    if explicit:
+        keep = []
+    if rec is None:
+        what = (f"no tuning record for {shown} on {ranks} ranks"
+                + (f" in {groups} groups" if groups > 1 else "") + " on this machine; run `coconetc tune "
+                f"{mod.file} --program {name} --ranks {ranks} " + " ".join(f"--size {k}={v}" for k, v in full.items())
+                + "` first")
+        if explicit:
+            _fail(f"coconetc: {name} [auto]: {what}")
+        click.echo(f"{name} [auto]: skipped: {what}")
+        return mod, keep
+    label, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
+    if label in rec.get("generated", []) and text:
+        mod = add_schedules(mod, text)
+    click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {label}")
+    chosen = None if label == "default" else label
+    return mod, keep if chosen in keep else keep + [chosen]
 
 
 def _run_cuda(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, emulate: bool) -> None:

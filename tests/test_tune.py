@@ -199,6 +199,28 @@ def test_explain_prints_the_cost_model_and_measured_times(example) -> None:
     assert one.stdout.splitlines()[3].split()[:3] == ["L23", "fused", "fused0"]  # one row per unit
 
 
+def test_run_schedule_auto_runs_the_tuners_choice(example, capfd) -> None:
+    """`run -s auto` runs the choice recorded for these sizes and ranks (a schedule the tuner
+    wrote included) and compares it with the interpreter; with no record it names the command."""
+    res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65", "--interp")
+    assert res.exit_code == 1 and "coconetc tune" in res.stderr and "--size N=65" in res.stderr
+    rec = _fake_record(example("adam.ccn"), {"N": 65}, 2)
+    res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65", "--interp")
+    assert res.exit_code == 0, res.output
+    assert "the tuner's choice for N=65 on 2 ranks: zero" in res.stdout
+    assert "adam [zero]: 2 ranks" in res.stdout and "match" in res.stdout
+    rec["choice"] = gen = "auto_rs_c_ag_slice"
+    cache.store(cache.key(example("adam.ccn").source, "adam", {"N": 65}, 2), rec)
+    capfd.readouterr()
+    res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65")  # compiled, 2 ranks
+    ranks_out = capfd.readouterr().out  # the ranks' lines (a subprocess)
+    assert res.exit_code == 0, res.output + ranks_out
+    assert f"the tuner's choice for N=65 on 2 ranks: {gen}" in res.stdout
+    assert f"adam [{gen}]: 2 ranks" in ranks_out and "matches the interpreter on every rank" in ranks_out
+    res = invoke("run", ADAM, "-s", "auto", "--ranks", "3", "--size", "N=65", "--interp")
+    assert res.exit_code == 1 and "no tuning record for N=65 on 3 ranks" in res.stderr
+
+
 def test_tune_needs_every_size() -> None:
     res = invoke("tune", ADAM, "--ranks", "2")
     assert res.exit_code == 1 and "--size N=INT" in res.stderr and "Traceback" not in res.output
