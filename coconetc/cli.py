@@ -151,7 +151,8 @@ def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
         _fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file} on this machine; run "
               f"`coconetc tune {mod.file} --program {name} --ranks R --size ...` first")
     rec = recs[-1]
-    label, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
+    choice, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
+    label = cache.schedule_name(choice)  # "zero@p2p": zero, with point-to-point fused collectives
     if text:
         mod = add_schedules(mod, text)
     if fmt == "plan":
@@ -165,7 +166,9 @@ def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
         return
     shown = ", ".join(f"{k}={v}" for k, v in rec["sizes"].items())
     click.echo(f"# schedule auto for {name}: the tuner's choice for {shown} on {rec['ranks']} ranks "
-               f"({rec['measured'][label] * 1e3:.3f} ms): {label}")
+               f"({rec['measured'][choice] * 1e3:.3f} ms): {choice}"
+               + (" (its fused collectives point-to-point: call it as schedule=" + repr(choice) + ")"
+                  if choice != label else ""))
     click.echo(text or f"# (the program itself, unscheduled)\n{printer.program(mod.programs[name])}", nl=False)
 
 
@@ -275,6 +278,8 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
     if schedule == "auto" or any(s is not None and mod.schedule(name, s).auto for s in names):
         mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto")
+        if interp or backend == "cuda":  # a CPU algorithm choice ("zero@p2p") means nothing there
+            names = list(dict.fromkeys(None if s is None else s.partition("@")[0] for s in names))
     if backend == "cuda" and not interp:
         _run_cuda(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
                   emulate)
@@ -314,7 +319,7 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
         click.echo(f"{name} [auto]: skipped: {what}")
         return mod, keep
     label, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
-    if label in rec.get("generated", []) and text:
+    if label in rec.get("generated", []) and text:  # "auto_x@p2p": the schedule auto_x
         mod = add_schedules(mod, text)
     click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {label}")
     chosen = None if label == "default" else label

@@ -22,7 +22,7 @@ def step(fn, sched, comm, g, path):
     base = np.random.default_rng(7)
     w = base.uniform(0.5, 1.5, n).astype(np.float32)
     m, v = (base.uniform(0.1, 1.0, n).astype(np.float32) for _ in range(2))
-    if sched == "zero":
+    if sched.partition("@")[0] == "zero":  # (a label may name the algorithm: zero@p2p)
         m, v = m[lo:hi].copy(), v[lo:hi].copy()
     os.environ["COCONET_FUSED"] = path
     for k in range(3):  # several calls: both parities of the window's regions
@@ -48,9 +48,40 @@ def check(fn, comm, n):
             assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{sched} n={n} R={comm.Get_size()}: {name} differs"
 
 
+def algorithms(fn, comm, n=70000):
+    """A schedule label's fused-collective algorithm ("zero@p2p", "zero@shm") overrides
+    COCONET_FUSED for that call: the same results bit for bit, and the window is used exactly
+    when the label (or, for a plain label, COCONET_FUSED) says so (the module's _shm_runs)."""
+    g = np.random.default_rng(300 + comm.Get_rank()).standard_normal(n).astype(np.float32)
+    runs = fn.ext._shm_runs
+    results = {}
+    for env in ("p2p", "shm"):
+        for label in ("zero", "zero@p2p", "zero@shm", "fused@p2p"):
+            before = runs()
+            results[env, label] = step(fn, label, comm, g, env)  # 3 calls, COCONET_FUSED=env
+            windowed = runs() - before
+            want = 0 if label.endswith("@p2p") or (label == "zero" and env == "p2p") else 3
+            assert windowed == want, f"{label} with COCONET_FUSED={env}: {windowed} calls on the window, want {want}"
+    for key, got in results.items():
+        ref = results["p2p", "fused@p2p" if key[1].startswith("fused") else "zero@p2p"]
+        for a, b, name in zip(ref, got, "wmv"):
+            assert np.array_equal(a, b), f"{key}: {name} differs"
+    w = np.ones(n, np.float32)
+    mine = fn.local_shape("m", schedule="zero", comm=comm, N=n)
+    try:
+        fn(schedule="zero@ring", comm=comm, g=g, w=w, m=np.ones(mine, np.float32), v=np.ones(mine, np.float32), lr=1.0, beta1=0.9,
+           beta2=0.9, eps=1e-8, step=1.0)
+    except ValueError as err:
+        assert "unknown fused-collective algorithm 'ring'" in str(err), err
+    else:
+        raise AssertionError("zero@ring ran")
+    assert np.all(w == 1), "w was changed by a call that was refused"
+
+
 def main() -> int:
     fn = coconetc.load(sys.argv[1], log=lambda msg: None).adam
     world = MPI.COMM_WORLD
+    algorithms(fn, world)
     for n in (1, 2, 5, 4099, 70000, 300001):
         check(fn, world, n)
     os.environ["COCONET_SHM_DOUBLE"] = "0"  # one region a call, fenced by barriers

@@ -221,6 +221,25 @@ def test_run_schedule_auto_runs_the_tuners_choice(example, capfd) -> None:
     assert res.exit_code == 1 and "no tuning record for N=65 on 3 ranks" in res.stderr
 
 
+def test_algorithm_choice_in_show_explain_and_run(example) -> None:
+    """A choice with a fused-collective algorithm ("zero@p2p") is the schedule zero: show -s
+    auto prints zero's block, explain prints a row for each algorithm measured, run -s auto
+    --interp runs zero."""
+    rec = _fake_record(example("adam.ccn"), {"N": 64}, 2)
+    rec["measured"]["zero@p2p"], rec["choice"] = 1.5e-3, "zero@p2p"
+    rec["schedules"]["zero@p2p"] = rec["schedules"]["zero"]
+    cache.store(cache.key(example("adam.ccn").source, "adam", {"N": 64}, 2), rec)
+    res = invoke("show", ADAM, "-s", "auto")
+    assert res.exit_code == 0, res.output
+    assert "zero@p2p" in res.stdout.splitlines()[0] and "schedule zero for adam {" in res.stdout
+    res = invoke("explain", ADAM, "--ranks", "2")
+    rows = {x.split()[0]: x for x in res.stdout.splitlines()[2:]}
+    assert "1.500 ms (tuner's choice)" in rows["zero@p2p"] and "2.000 ms" in rows["zero"]
+    assert rows["zero@p2p"].split()[1:7] == rows["zero"].split()[1:7]  # the same plan, the same model
+    res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=64", "--interp")
+    assert res.exit_code == 0 and "adam [zero]: 2 ranks" in res.stdout, res.output
+
+
 def test_tune_needs_every_size() -> None:
     res = invoke("tune", ADAM, "--ranks", "2")
     assert res.exit_code == 1 and "--size N=INT" in res.stderr and "Traceback" not in res.output
@@ -278,6 +297,9 @@ def test_tune_then_call_with_schedule_auto(tmp_path, tuning_file) -> None:
     assert "schedule auto_" in "".join(data["schedules"][g] for g in data["generated"])
     best = min(data["measured"].values())
     assert data["measured"][data["choice"]] <= 1.05 * best  # the choice is the fastest verified
+    # the fused-collective algorithm is a choice: each fused schedule also measured point-to-point
+    assert {"zero@p2p", "fused@p2p"} <= set(data["measured"]) and "default@p2p" not in data["measured"]
+    assert data["schedules"]["zero@p2p"] == data["schedules"]["zero"]
     # make the call-time choices schedules the tuner wrote, so that the module must carry them
     store = json.loads(tuning_file.read_text())
     (key, rec), = store.items()

@@ -30,6 +30,21 @@ from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim
 from coconetc.runtime import agree, layout, shm
 
+# A schedule label may name the algorithm of the call's fused collectives (and its all-reduces
+# and all-gathers): "zero@p2p" point-to-point messages, "zero@shm" the node's shared-memory
+# window (where every rank of the group is on one node; else point-to-point). Plain "zero": as
+# COCONET_FUSED says (default: the window where it can). The autotuner measures both.
+ALGORITHMS = {"p2p": 1, "shm": 2}
+
+
+def split_algorithm(schedule: str | None) -> tuple[str, int]:
+    """(the schedule's name, its CallArgs.fused code): "zero@p2p" -> ("zero", 1)."""
+    name, at, algo = (schedule or DEFAULT).partition("@")
+    if at and algo not in ALGORITHMS:
+        raise ValueError(f"schedule {schedule!r}: unknown fused-collective algorithm {algo!r} "
+                         f"(one of {', '.join(ALGORITHMS)})")
+    return name, ALGORITHMS.get(algo, 0)
+
 
 _PROBE = "ccn_module_name_placeholder"
 
@@ -199,7 +214,7 @@ class ProgramFunction:
             if rec.get("ranks") != size or rec.get("groups", 1) != groups:
                 continue
             for label in rec.get("by_convention", {}).values():
-                p = self.schedules.get(label)
+                p = self.schedules.get(split_algorithm(label)[0])
                 if p is not None and _shapes_match(p, kwargs, rec["sizes"], gs, rank):
                     self._auto_memo[memo] = label
                     return label
@@ -250,7 +265,7 @@ class ProgramFunction:
         return q, shape, gs, r
 
     def _program(self, schedule: str | None) -> Program:
-        key = schedule or DEFAULT
+        key = split_algorithm(schedule)[0]
         if key not in self.schedules:
             raise ValueError(f"{self.name}(): unknown schedule {schedule!r} "
                              f"(one of {', '.join(self.schedules)})")
@@ -321,7 +336,8 @@ class ProgramFunction:
         args.comm, args.groups = MPI._handleof(comm), groups
         if shm.WINDOWS:  # buffers of coconetc.empty: the runtime may read them in place
             args.windows = shm.WINDOWS
-        run = getattr(self.ext, function_name(self.name, schedule or DEFAULT))
+        name, args.fused = split_algorithm(schedule)
+        run = getattr(self.ext, function_name(self.name, name))
         if fast is not None:  # the next call with the same buffers reuses these arguments
             fast.args, fast.sizes, fast.run, fast.windows = args, (sizes, segments), run, len(shm.WINDOWS)
         run(args)

@@ -95,9 +95,22 @@ def tuned_schedules(source: str) -> str:
     for r in records(source):
         chosen = {r.get("choice"), *r.get("by_convention", {}).values()}
         for label in sorted(x for x in chosen if x):  # the same text (and module) on every rank
-            if label in r.get("generated", []):
-                texts[(r["program"], label)] = r["schedules"][label]
+            if label in r.get("generated", []):  # "auto_x@p2p": the schedule auto_x, once
+                texts[(r["program"], schedule_name(label))] = r["schedules"][label]
     return "".join(texts[k] for k in sorted(texts))
+
+
+def generated_texts(record: dict[str, Any]) -> str:
+    """The .ccn text of every schedule the tuner wrote and measured for this record, each
+    schedule once (a label with a fused-collective algorithm, "auto_x@p2p", is auto_x)."""
+    texts = {schedule_name(g): record["schedules"][g] for g in record.get("generated", [])
+             if g in record.get("schedules", {})}
+    return "".join(texts[k] for k in sorted(texts))
+
+
+def schedule_name(label: str) -> str:
+    """A measured label's schedule: "zero@p2p" (zero, with point-to-point fused collectives) -> "zero"."""
+    return label.partition("@")[0]
 
 
 def cached_choice(fn: Any, sizes: dict[str, int], ranks: int, groups: int = 1) -> str | None:

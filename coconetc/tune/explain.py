@@ -44,9 +44,12 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
     sizes = _sizes(mod, program, ranks, given)
     rec = cache.lookup(mod.source, program, sizes, ranks)
     if rec is not None:
-        extra = "".join(rec["schedules"][g] for g in rec["generated"] if g in rec["schedules"])
+        extra = cache.generated_texts(rec)
         mod = add_schedules(mod, extra) if extra else mod
     labels = ["default", *(s for s, x in mod.schedules.get(program, {}).items() if not x.auto)]
+    if rec is not None:  # each schedule measured with another fused-collective algorithm, after it
+        labels = [x for s in labels for x in [s, *sorted(m for m in rec["measured"]
+                                                          if cache.schedule_name(m) == s and m != s)]]
     if schedule == "auto":
         if rec is None:
             raise ExplainError(f"no tuned choice for '{program}' at these sizes on {ranks} ranks; run "
@@ -64,7 +67,7 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
             f"{'units':>5} {'modelled':>11} {'measured':>11}")
     lines = [f"{program} at {shown} on {ranks} ranks (per rank; cost model: docs/performance.md)", head]
     for label in labels:
-        c = cost(mod.plans[(program, label)], sizes, ranks)
+        c = cost(mod.plans[(program, cache.schedule_name(label))], sizes, ranks)
         got = f"{measured[label] * 1e3:.3f} ms" if label in measured else "-"
         note = " (tuner's choice)" if rec is not None and label == rec["choice"] else ""
         note += " (generated)" if rec is not None and label in rec["generated"] else ""

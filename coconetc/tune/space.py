@@ -33,6 +33,7 @@ from coconetc.ir import printer
 from coconetc.ir.nodes import Op, Program, Ref, Stage
 from coconetc.ir.rewrite import depends_on
 from coconetc.plan import Plan, PlanError, plan_program
+from coconetc.plan.units import Fused, Overlap
 from coconetc.schedule import apply_all
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split, schedule_text
 from coconetc.schedule.primitives import reorder_gathers
@@ -53,11 +54,36 @@ class Candidate:
     convention: str = ""  # see convention()
 
     @property
+    def schedule(self) -> str:
+        """The schedule's name: the label without its fused-collective algorithm ("zero@p2p")."""
+        return self.label.partition("@")[0]
+
+    @property
     def text(self) -> str:
         """The schedule as a .ccn block ('' for the program itself)."""
-        if self.label == DEFAULT:
+        if self.schedule == DEFAULT:
             return ""
-        return schedule_text(self.label, self.program, self.directives)
+        return schedule_text(self.schedule, self.program, self.directives)
+
+
+# The fused collectives' algorithms the tuner measures besides the default (the node's
+# shared-memory window where every rank is on one node): point-to-point messages.
+ALGORITHMS = ("p2p",)
+
+
+def algorithm_variants(cands: list[Candidate], ranks: int) -> list[Candidate]:
+    """The fused-collective algorithm as a choice: each candidate with a fused collective again
+    as "label@p2p" (runtime/loader.py: split_algorithm), the plain label running on the shared
+    window where it can. None on one rank (no communication to choose for)."""
+    if ranks <= 1:
+        return []
+    return [replace(c, label=f"{c.label}@{a}") for c in cands if has_fused(c.plan) for a in ALGORITHMS]
+
+
+def has_fused(plan: Plan) -> bool:
+    def fused(units) -> bool:
+        return any(isinstance(u, Fused) or (isinstance(u, Overlap) and u.fused is not None) for u in units)
+    return fused(plan.units)
 
 
 def convention(ir: Program, base: Program) -> str:

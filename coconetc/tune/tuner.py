@@ -23,7 +23,7 @@ from typing import Any
 from coconetc.driver import SourceFile
 from coconetc.tune import cache
 from coconetc.tune.cost import cost
-from coconetc.tune.space import DEFAULT, Candidate, candidates
+from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates
 
 KEEP = 2.0
 MAX_GENERATED = 12
@@ -62,8 +62,12 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
     """Measures the candidates of PROGRAM and stores the record in the tuning cache; returns it."""
     cands = candidates(mod, program)
     pr = prune(cands, sizes, ranks, keep)
+    variants = algorithm_variants(pr.measured, ranks)
     echo(f"{program}: {len(cands)} legal schedules ({sum(c.generated for c in cands)} written by the "
-         f"tuner); measuring {len(pr.measured)} ({len(pr.dropped)} pruned by the cost model)")
+         f"tuner); measuring {len(pr.measured)} ({len(pr.dropped)} pruned by the cost model)"
+         + (f", {len(variants)} of them also with point-to-point fused collectives (@p2p)" if variants else ""))
+    pr.measured += variants
+    pr.modelled.update({c.label: pr.modelled[c.schedule] for c in variants})
     work = Path(tempfile.mkdtemp(prefix="coconet-tune-"))
     try:
         res = _measure(mod, program, sizes, ranks, reps, pr, work, echo, progress, timeout)
@@ -78,7 +82,7 @@ def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, r
              pr: Pruned, work: Path, echo: Callable[[str], None], progress: bool,
              timeout: float | None) -> dict[str, Any]:
     """Builds the file with the generated candidates appended and times them on R ranks."""
-    gen = [c for c in pr.measured if c.generated]
+    gen = [c for c in pr.measured if c.generated and c.label == c.schedule]  # each text once
     stem = "".join(ch if ch.isalnum() else "_" for ch in Path(mod.file).stem)
     src = work / f"{stem}.ccn"
     src.write_text(augmented_source(mod, gen))

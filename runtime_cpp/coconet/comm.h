@@ -143,6 +143,10 @@ class ShmWindow {
   // function from CallArgs::windows): (id, address, bytes, MPI_Win handle) each.
   const std::vector<uint64_t>* user = nullptr;
 
+  // The running call's fused-collective algorithm (CallArgs::fused): 0 as COCONET_FUSED says,
+  // 1 point-to-point, 2 this window when every rank is on this node.
+  int algo = 0;
+
   // The id of the user window holding [p, p + bytes) of this rank, its offset there, when every
   // rank of the group can read it (the window's group holds them all); id -1 otherwise.
   std::pair<int64_t, int64_t> user_window_of(const void* p, size_t bytes) const {

@@ -24,6 +24,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -100,13 +101,26 @@ inline size_t shm_double_bytes() {
   return env ? static_cast<size_t>(std::atoll(env)) : size_t(64) << 20;
 }
 
+// Collectives run through a shared window in this process (the module's _shm_runs(): tests
+// see which algorithm a call took).
+inline std::atomic<int64_t>& shm_runs() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
 // True when fused collectives on `comm` go through its shared-memory window: more than one rank,
-// all on this node, and COCONET_FUSED is not "p2p" (collective over the group on first use).
+// all on this node, and neither the call (CallArgs::fused, e.g. schedule "zero@p2p") nor, when
+// the call does not say, COCONET_FUSED asks for point-to-point (collective over the group on
+// first use).
 inline bool use_shm(Comm& comm) {
-  if (comm.size <= 1) return false;
-  const char* env = std::getenv("COCONET_FUSED");
-  if (env && std::strcmp(env, "p2p") == 0) return false;
-  return comm.shm.available(comm.group, comm.size);
+  if (comm.size <= 1 || comm.shm.algo == 1) return false;
+  if (comm.shm.algo == 0) {
+    const char* env = std::getenv("COCONET_FUSED");
+    if (env && std::strcmp(env, "p2p") == 0) return false;
+  }
+  if (!comm.shm.available(comm.group, comm.size)) return false;
+  shm_runs().fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }

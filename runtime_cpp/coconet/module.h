@@ -104,6 +104,10 @@ struct CallArgs {
   std::vector<int64_t> iscalars;                     // scalar parameters (integer ones)
   uintptr_t comm = 0;                                // MPI_Comm handle (mpi4py's _handleof)
   int groups = 1;
+  // The fused collectives' algorithm for this call (a schedule label "S@p2p" / "S@shm", the
+  // autotuner's choice): 0 as COCONET_FUSED says, 1 point-to-point, 2 the shared window when
+  // every rank of the group is on this node.
+  int fused = 0;
   std::vector<uint64_t> windows;  // coconetc.empty's shared windows: (id, address, bytes, MPI_Win) each
 
   template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
