@@ -10,6 +10,7 @@ of a module whose stream waits were edited (the race tests).
     vector SIZE OFF FILE...     as match, every array placed at a 64-byte boundary (OFF 0: aligned
                                 for 16-byte vectors) or one element past it (OFF 1), printing each
                                 call's counts of kernels on the vector path and vector accesses
+                                (FILE@N: that file at size N)
     wrong FILE      sgd.ccn's calls that are wrong on one rank only: every rank must raise
     torchpg FILE    the NCCL communicator made from a torch.distributed (gloo) process group
 """
@@ -93,11 +94,12 @@ def vector(size: int, shift: int, files: list[str]) -> int:
     the element path and of vector accesses (the module's emulation_counts())."""
     from coconetc.runtime_cuda import load_emulated
     bad = 0
-    for f in files:
+    for spec in files:
+        f, _, n = spec.partition("@")
         mod = load_emulated(f, log=lambda msg: None)
         for name, prog in mod.programs.items():
             base = mod.source_module.programs[name]
-            inputs = random_inputs(base, R, 1, sizes_of(base, size), seed=4)
+            inputs = random_inputs(base, R, 1, sizes_of(base, int(n or size)), seed=4)
             for sched, ir in prog.schedules.items():
                 s_inputs = adapt_inputs(inputs, base, ir, 1)
                 mine = {k: placed(v, shift and getattr(v, "itemsize", 0)) for k, v in s_inputs[rank].items()}
@@ -111,7 +113,7 @@ def vector(size: int, shift: int, files: list[str]) -> int:
                     ref = run(ir, s_inputs, 1)
                     got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
                     problems = compare(ref, got, ir, ir, 1)
-                    print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={size} "
+                    print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={n or size} "
                           f"shift={shift} {problems[:3]}", flush=True)
                     bad += bool(problems)
     return comm.bcast(bad, root=0)

@@ -60,8 +60,9 @@ def test_loops_use_the_shared_element_emitter(example):
 
 def test_pointwise_kernels_hoist_lets_and_vectorize(example):
     """Lets once per thread, before its elements; a vector path of 16 bytes of the widest type
-    (f32: 4, f16: 8, f16 with f32: 4), taken when every operand pointer is aligned; none where an
-    operand is broadcast (coordinates) or a value is stored at its gathered place."""
+    (f32: 4, f16: 8, f16 with f32: 4), taken when every operand pointer is aligned, a broadcast
+    operand read per lane through its coordinates; none where a value is stored at its gathered
+    place."""
     text = "\n".join(generate(example("adam.ccn"), "m").functions[("adam", "default")].body)
     head = text[text.index("launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_v, v_w, v_m1, v_v1, v_w1)"):]
     assert head.index("k4_mh = 1.0f - coconet::power") < head.index("th.vectors()") < head.index("th.elements()")
@@ -72,7 +73,9 @@ def test_pointwise_kernels_hoist_lets_and_vectorize(example):
     mixed = "\n".join(generate(example("mixed_adam.ccn"), "m").functions[("mixed_adam", "default")].body)
     assert "launch_threads<4>" in mixed and "load<4>(v_g1 + i0)" in mixed  # f16 gradient, f32 state
     mlp = generate(example("mlp_out.ccn"), "m", skip_unsupported=True).functions
-    assert "launch_threads<1>(" in "\n".join(mlp[("mlp_out", "default")].body)  # the bias is broadcast
+    default = "\n".join(mlp[("mlp_out", "default")].body)  # f16 x and r as vectors, the broadcast bias per lane
+    lanes = default[default.index("launch_threads<8>"):default.index("th.elements()")]
+    assert "aligned<8>(v_s, v_r, v_out)" in lanes and "int64_t rest = i;" in lanes and "v_b[c2 * int64_t(1)]" in lanes
     assert "launch_threads<1>(" in "\n".join(mlp[("mlp_out", "overlapped")].body)  # stored at its gathered place
     drop = "\n".join(generate(load_file(str(VECTOR_OPS)), "m").functions[("drop16", "default")].body)
     assert "launch_threads<8>" in drop and "static_cast<uint64_t>(i)" in drop.split("th.elements()")[0]  # lanes

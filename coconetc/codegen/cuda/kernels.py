@@ -80,7 +80,7 @@ class KernelEmitter(LoopEmitter):
         for name, targets in k.outs.items():
             if name in outs:
                 outs[name] = outs[name] + targets
-        vec = None if coords else self._vector_operands(t, k, items, outs)
+        vec = self._vector_operands(t, k, items, outs)
         if vec is None:
             self.emit(f"{ind}coconet::cuda::launch_threads<1>({k.n}, false, stream, "
                       "[=] __device__ (const coconet::cuda::Thread<1>& th) {")
@@ -91,26 +91,33 @@ class KernelEmitter(LoopEmitter):
         for line in let_lines:
             self.emit(f"{ind}  {line}")
         if vec is not None:
-            self._vector_loop(t, k, items, outs, *vec, ind + "  ")
+            self._vector_loop(t, k, items, outs, coords, *vec, ind + "  ")
         self.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
                   + ("  // past the last whole vector, or all when not aligned" if vec else ""))
         load = self._loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
-        body = self._body(t, items, local, load, outs, lambda target, name: target)
-        for line in _indices(k.defs, body + ["i"] if coords else body):  # coordinates come from i
-            self.emit(f"{ind}    {line}")
-        if coords:
-            self._coords(t)
-        for line in body:
+        body = self._with_coords(t, coords, self._body(t, items, local, load, outs, lambda target, name: target))
+        for line in (*_indices(k.defs, body), *body):
             self.emit(f"{ind}    {line}")
         self.emit(f"{ind}  }}")
         self.emit(f"{ind}}});")
 
+    def _with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
+        """The body, after the element's coordinates c0.. from i (the L<k> in scope) when it
+        needs them (those it does not use (void)-ed)."""
+        if not coords:
+            return body
+        out = ["int64_t rest = i;"]
+        for d in reversed(range(t.ndim)):
+            out.append("const int64_t c0 = rest;" if d == 0 else f"const int64_t c{d} = rest % L{d}; rest /= L{d};")
+        out += [f"(void)c{d};" for d in range(t.ndim) if not re.search(rf"\bc{d}\b", " ".join(body))]
+        return out + (["(void)rest;"] if t.ndim == 0 else []) + body
+
     def _vector_operands(self, t: TType, k: Kernel, items: Items,
                          outs: Outs) -> tuple[int, dict[str, str]] | None:
         """(V, pointer at var = 0 of each operand read or stored V elements at a time), or None
-        when an operand is not contiguous in the loop variable. A 0-d operand is read per
-        element in both paths."""
+        when a stored value is not contiguous in the loop variable. A 0-d operand, and one read
+        through the element's coordinates (broadcast), are read per element in both paths."""
         inside = {name for name, _, _ in items}
         ptrs: dict[str, str] = {}
         sizes: list[int] = []
@@ -127,8 +134,8 @@ class KernelEmitter(LoopEmitter):
                     ptr = f"sp_{r.name}"
                 elif idx == "i" or (idx is not None and idx.startswith("i + ")):
                     ptr = _plus(f"v_{r.name}" + idx[1:], k.i_base)
-                else:
-                    return None
+                else:  # through the coordinates, per element
+                    continue
             ptrs[r.name] = ptr
             sizes.append(BYTES[self.types[r.name].dtype])
         for name, targets in outs.items():
@@ -142,7 +149,7 @@ class KernelEmitter(LoopEmitter):
             return None
         return VECTOR_BYTES // max(sizes), ptrs
 
-    def _vector_loop(self, t: TType, k: Kernel, items: Items, outs: Outs,
+    def _vector_loop(self, t: TType, k: Kernel, items: Items, outs: Outs, coords: bool,
                      V: int, ptrs: dict[str, str], ind: str) -> None:
         """Whole groups of V elements: each operand loaded as one vector, the element math of
         the V lanes unrolled, each stored value written as one vector."""
@@ -166,7 +173,7 @@ class KernelEmitter(LoopEmitter):
             if r.name not in self.consts and r.name in ptrs:
                 return f"coconet::to_compute(in_{r.name}[u])"
             return base(r)
-        body = self._body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]")
+        body = self._with_coords(t, coords, self._body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]"))
         for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
             self.emit(f"{ind}    {line}")
         self.emit(f"{ind}  }}")
