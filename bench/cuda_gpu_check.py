@@ -4,7 +4,9 @@ interpreter; then time the generated Adam step (schedules default, zero, fused; 
 N = 2^26) against torch.optim.Adam(fused=True), and the device copy bandwidth, in one run.
 
 Run: python bench/cuda_gpu_check.py [--n 67108864] [--archs 90] [--out DIR]
-Prints two tables (markdown) and writes DIR/cuda_gpu_check.json."""
+Prints two tables (markdown) and writes DIR/cuda_gpu_check.json. torch's allocations are
+aligned, so the pointwise kernels take their vector path; --skip-bench --misalign runs the
+examples again with every tensor one element off (their element path)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 ODD = 11  # the second size of every symbol (--odd)
+MISALIGN = False  # --misalign: every tensor one element past its allocation's start
 
 
 def _torch(v):
     import torch
     if isinstance(v, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(v).view(np.uint16) if v.dtype.name == "bfloat16" else v).cuda()
+        a = torch.from_numpy(np.ascontiguousarray(v).view(np.uint16) if v.dtype.name == "bfloat16" else v)
+        if MISALIGN:  # not 16-byte aligned: the pointwise kernels take their element path
+            return torch.empty(a.numel() + 1, dtype=a.dtype, device="cuda")[1:].view(a.shape).copy_(a)
+        return a.cuda()
     return v
 
 
@@ -172,9 +178,11 @@ def main() -> None:
     ap.add_argument("--skip-examples", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--odd", type=int, default=11, help="the second size of every size symbol")
+    ap.add_argument("--misalign", action="store_true",
+                    help="every tensor one element past its allocation's start (the kernels' element path)")
     a = ap.parse_args()
-    global ODD
-    ODD = a.odd
+    global ODD, MISALIGN
+    ODD, MISALIGN = a.odd, a.misalign
     import torch
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     res: dict = {}

@@ -7,6 +7,10 @@ of a module whose stream waits were edited (the race tests).
                                 (GROUPS 0: one group, the pipeline example one stage a group)
     dropout FILE PROGRAM SCHED...   masks of the emulated and the CPU module, bit for bit
     race FILE PROGRAM SCHED SO NAME SIZE    one call of a prebuilt module; reports a race
+    vector SIZE OFF FILE...     as match, every array placed at a 64-byte boundary (OFF 0: aligned
+                                for 16-byte vectors) or one element past it (OFF 1), printing each
+                                call's counts of kernels on the vector path and vector accesses
+                                (FILE@N: that file at size N)
     wrong FILE      sgd.ccn's calls that are wrong on one rank only: every rank must raise
     torchpg FILE    the NCCL communicator made from a torch.distributed (gloo) process group
 """
@@ -66,6 +70,51 @@ def match(size: int, groups: int, files: list[str]) -> int:
                     problems = compare(ref, got, ir, ir, g)
                     print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={size} "
                           f"groups={g} {problems[:3]}", flush=True)
+                    bad += bool(problems)
+    return comm.bcast(bad, root=0)
+
+
+def placed(a, shift: int):
+    """A copy of array a whose data starts `shift` bytes past a 64-byte boundary (lists: each)."""
+    if isinstance(a, list):
+        return [placed(x, shift) for x in a]
+    if not isinstance(a, np.ndarray):
+        return a
+    buf = np.empty(a.nbytes + 128, np.uint8)
+    start = (-buf.ctypes.data) % 64 + shift
+    out = buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def vector(size: int, shift: int, files: list[str]) -> int:
+    """Every (program, schedule) with its arrays placed at a 64-byte boundary or (shift 1) one
+    element past it,
+    against the interpreter; each call's counts of pointwise kernels on the vector path and on
+    the element path and of vector accesses (the module's emulation_counts())."""
+    from coconetc.runtime_cuda import load_emulated
+    bad = 0
+    for spec in files:
+        f, _, n = spec.partition("@")
+        mod = load_emulated(f, log=lambda msg: None)
+        for name, prog in mod.programs.items():
+            base = mod.source_module.programs[name]
+            inputs = random_inputs(base, R, 1, sizes_of(base, int(n or size)), seed=4)
+            for sched, ir in prog.schedules.items():
+                s_inputs = adapt_inputs(inputs, base, ir, 1)
+                mine = {k: placed(v, shift and getattr(v, "itemsize", 0)) for k, v in s_inputs[rank].items()}
+                before = mod.ext.emulation_counts()
+                out = prog(schedule=sched, **mine)
+                after = mod.ext.emulation_counts()
+                counts = " ".join(f"{k}={after[k] - before[k]}" for k in sorted(after))
+                print(f"COUNTS {f} {name} {sched} rank={rank} shift={shift} {counts}", flush=True)
+                gathered = comm.gather(results(ir, out, mine), root=0)
+                if rank == 0:
+                    ref = run(ir, s_inputs, 1)
+                    got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
+                    problems = compare(ref, got, ir, ir, 1)
+                    print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={n or size} "
+                          f"shift={shift} {problems[:3]}", flush=True)
                     bad += bool(problems)
     return comm.bcast(bad, root=0)
 
@@ -183,6 +232,8 @@ def main(argv: list[str]) -> int:
         return wrong(argv[1])
     if mode == "match":
         return match(int(argv[1]), int(argv[2]), argv[3:])
+    if mode == "vector":
+        return vector(int(argv[1]), int(argv[2]), argv[3:])
     if mode == "dropout":
         return dropout(argv[1], argv[2], argv[3:])
     assert mode == "race", mode

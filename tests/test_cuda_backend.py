@@ -5,6 +5,7 @@ Running the modules needs a GPU: bench/cuda_gpu_check.py does that (docs/cuda.md
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,11 @@ import pytest
 
 from coconetc.build import cuda_build
 from coconetc.codegen.cuda import Unsupported, generate, problems
+from coconetc.driver import load_file
 from coconetc.plan import plan_program
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.ccn"))
+VECTOR_OPS = Path(__file__).with_name("programs") / "vector_ops.ccn"
 ARCHS = "90"  # one architecture keeps the builds short; the default is 80;90
 
 
@@ -26,21 +29,69 @@ def test_sgd_fused_renders_a_chunk_pipeline_and_nccl(example):
     assert "coconet::cuda::pipeline<float>" in text
     assert "reduce_chunk<float>(ncclSum, v_g" in text
     assert "gather_chunk<float>(v_agw" in text
-    assert "[=] __device__ (int64_t j)" in text  # the chunk's kernel
+    assert "for (const int64_t j : th.elements())" in text  # the chunk's kernel
     default = "\n".join(src.functions[("sgd", "default")].body)
     assert "coconet::cuda::allreduce<float>(ncclSum, v_g" in default
-    assert "coconet::cuda::launch(" in default
+    assert "coconet::cuda::launch_threads<4>(" in default
+
+
+def _operands(line: str) -> str:
+    """An element line with each operand read (v_x[index] on the element path, in_x[u] in a
+    vector lane) written <x>."""
+    return re.sub(r"\b(?:v_(\w+)\[[^\[\]]*\]|in_(\w+)\[u\])", lambda m: f"<{m[1] or m[2]}>", line)
 
 
 def test_loops_use_the_shared_element_emitter(example):
-    """The kernel body is the CPU loop's element math (codegen/emit.py): same text."""
+    """The kernel body is the CPU loop's element math (codegen/emit.py): on the element path the
+    same text; in the vector path's lanes the same text but for the operands, read from the
+    vector loaded (in_x[u]) instead of memory (v_x[i])."""
     from coconetc.codegen.render import render as render_cpu
     mod = example("adam.ccn")
     p = mod.programs["adam"]
     cpu = "\n".join(render_cpu(plan_program(p, "default"), "f", "adam.ccn", []).body)
     cuda = "\n".join(generate(mod, "m").functions[("adam", "default")].body)
-    math = [ln.strip() for ln in cuda.splitlines() if ln.strip().startswith("const float x_")]
-    assert math and all(m in cpu for m in math)
+    vec, elem = cuda.split("th.elements()")
+    lanes = [ln.strip() for ln in vec.splitlines() if ln.strip().startswith("const float x_")]
+    math = [ln.strip() for ln in elem.splitlines() if ln.strip().startswith("const float x_")]
+    assert len(math) == 5 and all(m in cpu for m in math)
+    assert len(lanes) == 5 and "in_m[u]" in lanes[0]
+    assert [_operands(ln) for ln in lanes] == [_operands(m) for m in math]
+
+
+def test_pointwise_kernels_hoist_lets_and_vectorize(example):
+    """Lets once per thread, before its elements; a vector path of 16 bytes of the widest type
+    (f32: 4, f16: 8, f16 with f32: 4), taken when every operand pointer is aligned, a broadcast
+    operand read per lane through its coordinates; none where a value is stored at its gathered
+    place."""
+    text = "\n".join(generate(example("adam.ccn"), "m").functions[("adam", "default")].body)
+    head = text[text.index("launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_v, v_w, v_m1, v_v1, v_w1)"):]
+    assert head.index("k4_mh = 1.0f - coconet::power") < head.index("th.vectors()") < head.index("th.elements()")
+    assert head.count("coconet::power") == 2  # computed once per thread, not per element
+    assert "coconet::cuda::load<4>(v_m + i0)" in head and "coconet::cuda::store<4>(v_w1 + i0, out_w1)" in head
+    zero = "\n".join(generate(example("adam.ccn"), "m").functions[("adam", "zero")].body)
+    assert "aligned<4>(v_m + lo, red, v_v + lo, v_w + off * int64_t(1) + lo" in zero  # the chunk kernel
+    mixed = "\n".join(generate(example("mixed_adam.ccn"), "m").functions[("mixed_adam", "default")].body)
+    assert "launch_threads<4>" in mixed and "load<4>(v_g1 + i0)" in mixed  # f16 gradient, f32 state
+    mlp = generate(example("mlp_out.ccn"), "m", skip_unsupported=True).functions
+    default = "\n".join(mlp[("mlp_out", "default")].body)  # f16 x and r as vectors, the broadcast bias per lane
+    lanes = default[default.index("launch_threads<8>"):default.index("th.elements()")]
+    assert "aligned<8>(v_s, v_r, v_out)" in lanes and "int64_t rest = i;" in lanes and "v_b[c2 * int64_t(1)]" in lanes
+    assert "launch_threads<1>(" in "\n".join(mlp[("mlp_out", "overlapped")].body)  # stored at its gathered place
+    drop = "\n".join(generate(load_file(str(VECTOR_OPS)), "m").functions[("drop16", "default")].body)
+    assert "launch_threads<8>" in drop and "static_cast<uint64_t>(i)" in drop.split("th.elements()")[0]  # lanes
+    lamb = "\n".join(generate(example("lamb.ccn"), "m").functions[("lamb", "default")].body)
+    assert "load<4>(sp_m + q0)" in lamb  # a piece of a scattered tensor
+
+
+def test_one_rank_fused_collective_reads_its_source(example):
+    """At R = 1 a fused collective's chunks read the source directly: no chunk buffers, no
+    reduction (coconet::cuda::pipeline's source); a scattered source keeps the general way."""
+    text = "\n".join(generate(example("adam.ccn"), "m").functions[("adam", "fused")].body)
+    assert "const int64_t nred_fused0 = comm.size == 1 ? 0 : ch_fused0;" in text
+    assert "chunk_elems(comm.size == 1 ? most_fused0 : 0)" in text
+    assert "return v_g + base_fused0 + k * ch_fused0;" in text and "reduce_to, compute, gather, source);" in text
+    lamb = "\n".join(generate(example("lamb.ccn"), "m").functions[("lamb", "zero")].body)
+    assert "gather, source);" not in lamb and "chunk_elems()" in lamb
 
 
 def test_dropout_uses_the_philox_rng_at_the_global_index(example):

@@ -96,6 +96,54 @@ def test_dropout_masks_identical_to_cpu_backend(built):
         assert res.stdout.count("masks identical") == 2 * len(scheds), log
 
 
+VECTOR_OPS = REPO / "tests" / "programs" / "vector_ops.ccn"
+
+
+def _counts(out: str, file: str, program: str, sched: str, off: int) -> dict[str, int]:
+    """Rank 0's counts of one call (a COUNTS line of the worker's vector mode)."""
+    for ln in out.splitlines():
+        w = ln.split()
+        if ln.startswith("COUNTS ") and w[1].endswith(file) and w[2:6] == [program, sched, "rank=0", f"shift={off}"]:
+            return {k: int(v) for k, v in (x.split("=") for x in w[6:])}
+    raise AssertionError(f"no counts for {file} {program} {sched} shift={off}:\n{out}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_vector_and_element_paths_match_interpreter(built, ranks):
+    """Pointwise kernels on both of their paths against the interpreter, at a size that is no
+    multiple of any vector width and large enough that threads take several vectors: every array
+    at a 64-byte boundary (the vector path where every operand is aligned, then its tail), and
+    every array one element off (the element path: the alignment is checked at run time). The
+    emulation counts the kernels launched on each path and the vector accesses made (a
+    misaligned one would raise), so the vector path cannot silently be dead code. f32 (adam,
+    fused at R = 1 reading its source directly), f16 with f32 (mixed_adam), pieces of scattered
+    tensors (lamb), f16 with dropout in the vector lanes (plain and fused), f64, and (at size
+    12: [12, 12, 12]) dropout with a bias read per lane through its coordinates."""
+    cuda_build.compile_emulated(VECTOR_OPS, log=lambda msg: None)
+    files = [str(EX / "adam.ccn"), str(EX / "mixed_adam.ccn"), str(EX / "lamb.ccn"), str(VECTOR_OPS),
+             str(EX / "residual_dropout.ccn") + "@12"]
+    size = 40003
+    for off in (0, 1):
+        res = _launch(ranks, ["vector", str(size), str(off), *files])
+        out = res.stdout
+        log = f"--- stdout\n{out}\n--- stderr\n{res.stderr[-4000:]}"
+        assert res.returncode == 0, log
+        lines = [ln for ln in out.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+        assert len(lines) >= 14 and all(ln.startswith("MATCH ") for ln in lines), log
+        for file, prog, sched in [("adam.ccn", "adam", "default"), ("adam.ccn", "adam", "fused"),
+                                  ("mixed_adam.ccn", "mixed_adam", "default"), ("lamb.ccn", "lamb", "default"),
+                                  ("vector_ops.ccn", "drop16", "default"), ("vector_ops.ccn", "drop16", "fused"),
+                                  ("vector_ops.ccn", "axpy64", "default"), ("residual_dropout.ccn", "f1", "default")]:
+            c = _counts(out, file, prog, sched, off)  # rank 0: its slices start where the arrays do
+            least = 12 ** 3 // 4 * 3 // ranks if prog == "f1" else size // 8 // ranks
+            if off == 0:
+                assert c["vector_kernels"] >= 1 and c["vector_accesses"] >= least, (file, sched, c)
+            elif (file, sched) != ("lamb.ccn", "default"):  # lamb's norms are aligned scratch
+                assert c["vector_kernels"] == 0 and c["vector_accesses"] == 0 and c["scalar_kernels"] >= 1, \
+                    (file, sched, c)
+
+
 # --- race detection ---------------------------------------------------------------------------------
 
 def _statement_removed(text: str, start: int) -> str:

@@ -13,8 +13,8 @@ body is the element math of codegen/emit.py, the text the CPU loops use."""
 from __future__ import annotations
 
 from coconetc.codegen.base import Function, prod as _prod
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
-from coconetc.codegen.loops import LoopEmitter
+from coconetc.codegen.emit import COMPUTE, CTYPE, literal
+from coconetc.codegen.cuda.kernels import Kernel, KernelEmitter, Outs
 from coconetc.codegen.render import extern_call
 from coconetc.ir import ops
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
@@ -100,7 +100,7 @@ def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
     return []
 
 
-class CudaRenderer(LoopEmitter):
+class CudaRenderer(KernelEmitter):
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
         super().__init__(plan, fn, file, outputs)
         self.nevent = 0
@@ -236,36 +236,11 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
 
     # --- kernels --------------------------------------------------------------------------
-    def _lets(self, lets: tuple[Let, ...]) -> list[str]:
-        """The Lets, computed by each thread at the top of the kernel (they may read a device
-        value, such as a norm computed before the kernel)."""
-        out = []
-        for k in lets:
-            code = emit(k.expr, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
-            out.append(f"const {COMPUTE[k.expr.type.dtype]} {k.name} = {code};")
-            self.consts[k.name] = k.name
-        return out
-
     def _needs_coords(self, t: TType, items: list[tuple[str, Expr, bool]], skip: set[str]) -> bool:
         refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in skip]
         return any(self._access(r, t) is None for r in refs) or (
             any(isinstance(x, Op) and x.op == "dropout" for _, e, _ in items for x in walk(e))
             and self._gidx_simple(t) is None)
-
-    def _body(self, t: TType, items: list[tuple[str, Expr, bool]], regs: dict[str, str],
-              extra_store=None) -> None:
-        base = self._loader(t)
-        local = dict(regs)
-        for name, e, stored in items:
-            ct = CTYPE[self.types[name].dtype]
-            load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-            body = emit(e, load, self._extra(t, load))
-            self.emit(f"    const {COMPUTE[self.types[name].dtype]} x_{name} = coconet::round_to<{ct}>({body});")
-            local[name] = f"x_{name}"
-            if stored:
-                self.emit(f"    v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
-            if extra_store:
-                extra_store(name)
 
     def _loader(self, t: TType):
         base = super()._loader(t)
@@ -288,13 +263,7 @@ class CudaRenderer(LoopEmitter):
         coords = self._needs_coords(t, items, {name for name, _, _ in items})
         self._loop_head(t, coords)
         self._access_note(t, items, lets, "0", n, {}, "  ")
-        self.emit(f"  coconet::cuda::launch({n}, stream, [=] __device__ (int64_t i) {{")
-        for line in self._lets(lets):
-            self.emit(f"    {line}")
-        if coords:
-            self._coords(t)
-        self._body(t, items, {})
-        self.emit("  });")
+        self._kernel(t, Kernel(n), lets, items, coords, "  ")
         self.emit("}")
         self.consts = saved
 
@@ -316,7 +285,6 @@ class CudaRenderer(LoopEmitter):
         saved = dict(self.consts)
         n = _prod(self.ldims(t))
         coords = self._needs_coords(t, items, {name for name, _, _ in items})
-        ct = CTYPE[t.dtype]
         if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
             assert len(items) == 1, items
             items = [(items[0][0], items[0][1], False)]
@@ -327,18 +295,9 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"  {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
         self._access_note(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
                           (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
-        self.emit("  coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
-        self.emit("    const int64_t i = b0 + q;")
-        for line in self._lets(lets):
-            self.emit(f"    {line}")
-        if coords:
-            self._coords(t)
-        store = None
-        if seg_dst:
-            def store(name: str) -> None:
-                self.emit(f"    sp_{seg_dst}[q] = coconet::from_compute<{ct}>(x_{name});")
-        self._body(t, items, {}, store)
-        self.emit("  });")
+        outs: Outs = {items[0][0]: [(f"sp_{seg_dst}[q]", f"sp_{seg_dst}")]} if seg_dst else {}
+        self._kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords,
+                     "  ")
         self.emit("  }")
         self.emit("}")
         self.consts = saved
@@ -440,12 +399,8 @@ class CudaRenderer(LoopEmitter):
             n0, inner = _prod(g), "int64_t(1)"
         nm = u.name
         mine = _prod(self.ldims(t))
+        direct = u.src not in self.scattered  # one rank: each chunk's kernel can read the source itself
         self.emit("{")
-        if u.rows is not None:  # chunks of whole rows (a row-wise phase)
-            rows = self.gdims(t)[-1]
-            self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems() + {rows} - 1) / {rows} * {rows};")
-        else:
-            self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems();")
         rows_arg = ""
         if block is not None:
             per = _prod(self.ldims(t)[1:])
@@ -465,11 +420,16 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
         else:
             self.emit(f"  const int64_t most_{nm} = mine_{nm};")
+        self._chunk_size(u, direct)
         self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
-        self.emit(f"  {ct}* const red0_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
-        self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, ch_{nm});")
-        self._name(f"red0_{nm}", f"ch_{nm}", f"red0 (chunk buffer 0 of fused {nm})")
-        self._name(f"red1_{nm}", f"ch_{nm}", f"red1 (chunk buffer 1 of fused {nm})")
+        nred = f"ch_{nm}"
+        if direct:
+            nred = f"nred_{nm}"
+            self.emit(f"  const int64_t nred_{nm} = comm.size == 1 ? 0 : ch_{nm};  // one rank: no chunk buffers")
+        self.emit(f"  {ct}* const red0_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, {nred});")
+        self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, {nred});")
+        self._name(f"red0_{nm}", nred, f"red0 (chunk buffer 0 of fused {nm})")
+        self._name(f"red1_{nm}", nred, f"red1 (chunk buffer 1 of fused {nm})")
         self._reduce_to(u, ct, op, d, outer, n0, inner, rows_arg)
         self.emit(f"  auto compute = [&](int64_t k, {ct}* red) {{")
         self.emit(f"    const int64_t lo = base_{nm} + k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
@@ -493,11 +453,25 @@ class CudaRenderer(LoopEmitter):
             fn = "compute_keep"
         else:
             fn = "compute"
+        if direct:
+            self.emit(f"  auto source = [&](int64_t k) {{ return v_{u.src} + base_{nm} + k * ch_{nm}; }};"
+                      "  // one rank: chunk k's own elements")
         self.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.site() * 8}, "
-                  f"reduce_to, {fn}, gather);")
+                  f"reduce_to, {fn}, gather{', source' if direct else ''});")
         self.emit("}")
         for a in u.after:
             self.unit(a)
+
+    def _chunk_size(self, u: Fused, direct: bool) -> None:
+        """ch_<name>: COCONET_CUDA_CHUNK or 2^22 elements (whole rows for a row-wise phase); on
+        one rank, when the chunks read the source directly, all of them (nothing to overlap)."""
+        nm = u.name
+        whole = f"comm.size == 1 ? most_{nm} : 0" if direct else ""
+        if u.rows is not None:  # chunks of whole rows (a row-wise phase)
+            rows = self.gdims(u.type)[-1]
+            self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems({whole}) + {rows} - 1) / {rows} * {rows};")
+        else:
+            self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems({whole});")
 
     def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
         """The pipeline's reduce_to(k, red): chunk k's reduction on the comm stream."""
@@ -534,16 +508,15 @@ class CudaRenderer(LoopEmitter):
         for ph in u.phases:
             items = [(i.name, i.expr, i.store) for i in ph.items]
             if ph.kind == "rows":
-                self._chunk_rows(u, ph.items[0], runs, store is not None)
+                self._chunk_rows(u, ph.items[0], runs, bool(store))
             else:
                 self._chunk_pointwise(u, items, inside, coords, runs, store)
         self.consts = saved
 
     def _chunk_pointwise(self, u: Fused, items: list[tuple[str, Expr, bool]], inside: set[str], coords: bool,
-                         runs: str, store) -> None:
+                         runs: str, store: Outs) -> None:
         t = u.type
         saved = dict(self.consts)
-        lets = self._lets(u.lets)
         segs = sorted({r.name for _, e, _ in items for r in walk(e)
                        if isinstance(r, Ref) and r.name in self.scattered and r.name not in inside})
         if not any(name == u.gathered for name, _, _ in items):
@@ -555,18 +528,13 @@ class CudaRenderer(LoopEmitter):
                 self.emit(f"    {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
             self._access_note(t, items, u.lets, "lo + b0", "lo + b0 + pc.size", {}, "    ",
                               ("COCONET_R(red, b0, b0 + pc.size)",))
-            self.emit("    coconet::cuda::launch(pc.size, stream, [=] __device__ (int64_t q) {")
-            self.emit("    const int64_t j = b0 + q;")
+            k = Kernel("pc.size", "q", ("const int64_t j = b0 + q;", "const int64_t i = lo + j;"), "lo + b0",
+                       {u.collective: ("coconet::to_compute(red[j])", "red + b0")}, store)
         else:
             self._access_note(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ", (), runs)
-            self.emit("    coconet::cuda::launch(hi - lo, stream, [=] __device__ (int64_t j) {")
-        self.emit("    const int64_t i = lo + j;")
-        for line in lets:
-            self.emit(f"    {line}")
-        if coords:
-            self._coords(t)
-        self._body(t, items, {u.collective: "coconet::to_compute(red[j])"}, store)
-        self.emit("    });")
+            k = Kernel("hi - lo", "j", ("const int64_t i = lo + j;",), "lo",
+                       {u.collective: ("coconet::to_compute(red[j])", "red")}, store)
+        self._kernel(t, k, u.lets, items, coords, "    ")
         if segs:
             self.emit("    }")
         self.consts = saved
@@ -622,22 +590,17 @@ class CudaRenderer(LoopEmitter):
         """A fused reduce-scatter along dim d != 0 that gathers: the chunk kernel stores the
         gathered value at its global place in the gathered buffer (the chunk's runs, declared
         for the race detection), which the chunk's gather then broadcasts in place.
-        Returns (the runs' spans, the store callback), or ("", None)."""
+        Returns (the runs' spans, the store: {name: [(target, None)]}), or ("", {})."""
         t = u.type
         d = t.layout.dim if u.op == "reducescatter" else 0
         if not u.gather or d == 0:
-            return "", None
+            return "", {}
         gg = self.gdims(self.types[u.gather])
         gn, ginner = gg[d], _prod(gg[d + 1:])
         self.emit(f"    const int64_t gm_ = {self.ldims(t)[d]} * {ginner};  // this rank's part of one outer index")
         runs = (f"coconet::cuda::runs_w(v_{u.gather}, {_prod(gg[:d])}, {gn}, {ginner}, "
                 f"coconet::slice_range({gn}, comm.size, comm.rank), lo, hi)")
-
-        def store(name: str) -> None:
-            if name == u.gathered:
-                self.emit(f"    v_{u.gather}[(i / gm_ * {gn} + off) * {ginner} + i % gm_] = "
-                          f"coconet::from_compute<{CTYPE[t.dtype]}>(x_{name});")
-        return runs, store
+        return runs, {u.gathered: [(f"v_{u.gather}[(i / gm_ * {gn} + off) * {ginner} + i % gm_]", None)]}
 
     # --- overlap ---------------------------------------------------------------------------
     def _overlap(self, u: Overlap) -> None:

@@ -1101,3 +1101,36 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 #define COCONET_BUFFER(p, nbytes, name) ::coconet::cuda::emu::name_buffer((p), (nbytes), (name))
 #define COCONET_STREAM_NAME(stream, name) ::coconet::cuda::emu::name_stream((stream), (name))
 #define COCONET_PARAM(p, nbytes, name, stream) ::coconet::cuda::emu::caller_buffer((p), (nbytes), (name), (stream))
+
+// ---- pointwise kernels (runtime.cuh: launch_threads, load, store) -------------------------------
+// One emulated multiprocessor (so grids stay small and threads take several vectors); a vector
+// access must be aligned as on a GPU, where a misaligned one faults; the kernels launched on the
+// vector path and the vector accesses made are counted (the module's emulation_counts()).
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+  *v = 1;
+  return cudaSuccess;
+}
+namespace coconet {
+namespace cuda {
+namespace emu {
+struct Counts {
+  std::atomic<int64_t> vector_kernels{0}, scalar_kernels{0}, vector_accesses{0};
+};
+inline Counts& counts() {
+  static Counts c;
+  return c;
+}
+inline void vector_access(const void* p, size_t bytes) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0)
+    throw std::runtime_error("coconet emulate: a " + std::to_string(bytes) +
+                             "-byte vector access at a misaligned address (a fault on a GPU)");
+  counts().vector_accesses.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace emu
+}  // namespace cuda
+}  // namespace coconet
+#define COCONET_UNROLL
+#define COCONET_VECTOR_ACCESS(p, bytes) ::coconet::cuda::emu::vector_access((p), (bytes))
+#define COCONET_COUNT_KERNEL(vector) \
+  ((vector) ? ::coconet::cuda::emu::counts().vector_kernels : ::coconet::cuda::emu::counts().scalar_kernels) += 1

@@ -22,6 +22,9 @@
 #define COCONET_BUFFER(p, nbytes, name)
 #define COCONET_PARAM(p, nbytes, name, stream)
 #define COCONET_STREAM_NAME(stream, name)
+#define COCONET_UNROLL _Pragma("unroll")
+#define COCONET_VECTOR_ACCESS(p, bytes)
+#define COCONET_COUNT_KERNEL(vector)
 #endif
 
 #include <cstdint>
@@ -32,6 +35,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -231,14 +235,15 @@ inline cudaStream_t side_stream() {
   return device_stream(streams, "the side stream");
 }
 
-// Elements per chunk of a fused collective (COCONET_CUDA_CHUNK, default 2^22).
-inline int64_t chunk_elems() {
+// Elements per chunk of a fused collective: COCONET_CUDA_CHUNK, else `whole` when it is positive
+// (one rank: nothing to overlap, so one chunk), else 2^22.
+inline int64_t chunk_elems(int64_t whole = 0) {
   static int64_t n = [] {
     const char* s = std::getenv("COCONET_CUDA_CHUNK");
     int64_t v = s ? std::atoll(s) : 0;
-    return v > 0 ? v : int64_t(1) << 22;
+    return v > 0 ? v : 0;
   }();
-  return n;
+  return n > 0 ? n : whole > 0 ? whole : int64_t(1) << 22;
 }
 
 // ---- kernels -----------------------------------------------------------------------------------
@@ -259,6 +264,121 @@ void launch(int64_t n, cudaStream_t s, F f) {
   int64_t blocks = (n + threads - 1) / threads;
   if (blocks > 65536) blocks = 65536;
   COCONET_LAUNCH(each_kernel, static_cast<unsigned>(blocks), threads, 0, s, n, f);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+// ---- pointwise kernels: Lets once per thread, 16-byte vector accesses where aligned -------------
+//
+// A Loop (and a fused collective's chunk) is one kernel whose lambda runs once per thread: it
+// computes the Lets, then walks the thread's elements (grid-stride). With V > 1 elements per
+// vector (16 bytes of the widest operand type) and every operand pointer aligned for V of its
+// elements (checked on the host before the launch: aligned<V>), the thread first takes whole
+// groups of V elements (th.vectors(): one vector load or store per operand), then the tail past
+// the last whole group one element at a time (th.elements(), which is everything otherwise).
+
+// lo, lo + step, ... below hi, for a range-for in device code.
+struct Strided {
+  int64_t lo, hi, step;
+  struct It {
+    int64_t i, step;
+    COCONET_HD int64_t operator*() const { return i; }
+    COCONET_HD It& operator++() {
+      i += step;
+      return *this;
+    }
+    COCONET_HD bool operator!=(const It& e) const { return i < e.i; }
+  };
+  COCONET_HD It begin() const { return It{lo, step}; }
+  COCONET_HD It end() const { return It{hi, step}; }
+};
+
+// One thread's share of the elements [0, n) of a pointwise kernel (see above).
+template <int V>
+struct Thread {
+  int64_t n, first, stride;
+  bool vec;
+  // the first element of each whole group of V elements this thread takes (none unless vec)
+  COCONET_HD Strided vectors() const { return vec ? Strided{first * V, n / V * V, stride * V} : Strided{0, 0, 1}; }
+  // the elements it takes one at a time: those past the last whole group, or all of them
+  COCONET_HD Strided elements() const { return Strided{(vec ? n / V * V : 0) + first, n, stride}; }
+};
+
+// V elements of T held in registers, aligned as one vector access (V * sizeof(T) bytes, at most 16).
+template <class T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+  COCONET_HD T& operator[](int k) { return v[k]; }
+  COCONET_HD const T& operator[](int k) const { return v[k]; }
+};
+template <int V, class T>
+COCONET_HD inline Vec<T, V> load(const T* p) {
+  COCONET_VECTOR_ACCESS(p, sizeof(Vec<T, V>));
+#ifdef COCONET_EMULATE
+  Vec<T, V> x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+#else
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+#endif
+}
+template <int V, class T>
+COCONET_HD inline void store(T* p, const Vec<T, V>& x) {
+  COCONET_VECTOR_ACCESS(p, sizeof(Vec<T, V>));
+#ifdef COCONET_EMULATE
+  std::memcpy(p, &x, sizeof x);
+#else
+  *reinterpret_cast<Vec<T, V>*>(p) = x;
+#endif
+}
+
+// Whether every pointer is aligned for a vector of V of its elements.
+template <int V>
+inline bool aligned() {
+  return true;
+}
+template <int V, class T, class... Rest>
+inline bool aligned(const T* p, const Rest*... rest) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V) == 0 && aligned<V>(rest...);
+}
+
+template <int V, class F>
+__global__ void threads_kernel(int64_t n, bool vec, F f) {
+  f(Thread<V>{n, blockIdx.x * int64_t(blockDim.x) + threadIdx.x, int64_t(gridDim.x) * blockDim.x, vec});
+}
+
+// This device's multiprocessors (asked once per device).
+inline int sm_count() {
+  static std::mutex mu;
+  static std::map<int, int> sms;
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = sms.find(dev);
+  if (it == sms.end()) {
+    int n = 0;
+    COCONET_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    it = sms.emplace(dev, n > 0 ? n : 1).first;
+  }
+  return it->second;
+}
+
+// f(th) once per thread of a grid over [0, n) on stream s (th: a Thread<V>); vec: every operand is
+// aligned<V> (the vector path). Blocks of 256 threads, as many as the work needs but at most 32
+// per multiprocessor (4 waves of 8 resident blocks), so that a thread takes several vectors and
+// its Lets are computed once for all of them.
+template <int V, class F>
+void launch_threads(int64_t n, bool vec, cudaStream_t s, F f) {
+  if (n <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
+  vec = vec && V > 1 && n >= V;
+  const int threads = 256;
+  const int64_t work = vec ? (n + V - 1) / V : n;
+  const int64_t blocks = std::min<int64_t>((work + threads - 1) / threads, int64_t(sm_count()) * 32);
+  void (*kernel)(int64_t, bool, F) = threads_kernel<V, F>;
+  COCONET_COUNT_KERNEL(vec);
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), threads, 0, s, n, vec, f);
   COCONET_CUDA(cudaGetLastError());
 }
 
@@ -627,9 +747,20 @@ void unpack(const T* P, T* dst, int64_t outer, int64_t n, int64_t inner, Range r
 //   reduce_to(k, buf): issue chunk k's reduction into buf on the comm stream
 //   compute(k, lo, hi, red): queue chunk k's kernel (local elements [lo, hi), red[i - lo])
 //   gather(k, lo): issue chunk k's gather on the comm stream
-template <class T, class RF, class CF, class GF>
-void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduce_to, CF compute, GF gather) {
+//   source(k): chunk k's own elements, for a group of one rank (the reduction over one rank is
+//     the value itself and the gather is in place): then each chunk's kernel reads the source
+//     directly on the call's stream; nothing is copied, reduced or gathered (nullptr: no such
+//     source, e.g. a scattered one, and one rank goes the general way)
+template <class T, class RF, class CF, class GF, class SF = std::nullptr_t>
+void pipeline(int64_t chunks, T* red0, T* red1, const Ctx& c, int site, RF reduce_to, CF compute, GF gather,
+              SF source = nullptr) {
   if (chunks <= 0) return;
+  if constexpr (!std::is_same<SF, std::nullptr_t>::value) {
+    if (c.group.size == 1) {
+      for (int64_t k = 0; k < chunks; ++k) compute(k, source(k));
+      return;
+    }
+  }
   cudaEvent_t start = event(site), done = event(site + 1), red_ev[2] = {event(site + 2), event(site + 3)},
               comp_ev[2] = {event(site + 4), event(site + 5)};
   T* red[2] = {red0, red1};

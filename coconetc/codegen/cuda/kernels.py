@@ -1,0 +1,198 @@
+"""Pointwise kernels of the CUDA renderer: a Loop, a piece of a scattered loop, or a fused
+collective's chunk becomes one coconet::cuda::launch_threads kernel (runtime.cuh) whose lambda
+runs once per thread: the Lets first, then the thread's elements (grid-stride).
+
+When every memory operand is read or stored contiguously by the loop variable (plus a slice or
+chunk offset), the kernel also has a vector path: V elements at a time (16 bytes of the widest
+operand type), one aligned vector load or store per operand, the element math of each of the V
+lanes unrolled; the host takes it at run time only when every operand pointer is aligned for V
+of its elements (coconet::cuda::aligned), and the elements past the last whole group of V, or
+all of them otherwise, take the one-element path. Both paths use the element math of
+codegen/emit.py, the CPU loops' text; the vector lanes read an operand as in_<x>[u] where the
+element path reads v_<x>[index]. A kernel whose operands need coordinates (broadcasting) or that
+stores a gathered value at its global place has only the element path."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen.loops import LoopEmitter
+from coconetc.ir.nodes import Expr, Ref, walk
+from coconetc.ir.types import TType
+from coconetc.plan.units import Let
+
+BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
+VECTOR_BYTES = 16
+
+Items = list[tuple[str, Expr, bool]]
+Outs = dict[str, list[tuple[str, str | None]]]  # value -> [(element path's target, vector pointer or None)]
+
+
+@dataclass
+class Kernel:
+    """How a kernel's elements are indexed. `var` is the loop variable over [0, n); `defs`
+    define the element's other indices from it (i, the rank's local element, for one); element
+    i of a buffer is at pointer + i_base + var. regs: values read from a chunk buffer, name ->
+    (the element path's text, the buffer's pointer at var = 0). outs: extra stores, name ->
+    [(the element path's target, its pointer at var = 0, or None: not contiguous)]."""
+    n: str
+    var: str = "i"
+    defs: tuple[str, ...] = ()
+    i_base: str = ""
+    regs: dict[str, tuple[str, str]] = field(default_factory=dict)
+    outs: Outs = field(default_factory=dict)
+
+
+def _plus(ptr: str, base: str) -> str:
+    return f"{ptr} + {base}" if base else ptr
+
+
+def _indices(defs: tuple[str, ...], body: list[str]) -> list[str]:
+    """The index definitions (`const int64_t i = ...;`), each one nothing after it uses
+    followed by a (void) of it."""
+    out = []
+    for k, line in enumerate(defs):
+        name = line.split()[2]
+        out.append(line)
+        if not re.search(rf"\b{name}\b", " ".join((*defs[k + 1:], *body))):
+            out.append(f"(void){name};")
+    return out
+
+
+class KernelEmitter(LoopEmitter):
+    def _lets(self, lets: tuple[Let, ...]) -> list[str]:
+        """The Lets, computed once by each thread before its elements (they may read a device
+        value, such as a norm computed before the kernel)."""
+        out = []
+        for k in lets:
+            code = emit(k.expr, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
+            out.append(f"const {COMPUTE[k.expr.type.dtype]} {k.name} = {code};")
+            self.consts[k.name] = k.name
+        return out
+
+    def _kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str) -> None:
+        """The launch of one pointwise kernel (the caller has declared its accesses)."""
+        let_lines = self._lets(lets)
+        outs: Outs = {name: [(f"v_{name}[i]", _plus(f"v_{name}", k.i_base))] if stored else []
+                      for name, _, stored in items}
+        for name, targets in k.outs.items():
+            if name in outs:
+                outs[name] = outs[name] + targets
+        vec = self._vector_operands(t, k, items, outs)
+        if vec is None:
+            self.emit(f"{ind}coconet::cuda::launch_threads<1>({k.n}, false, stream, "
+                      "[=] __device__ (const coconet::cuda::Thread<1>& th) {")
+        else:
+            V, ptrs = vec
+            self.emit(f"{ind}coconet::cuda::launch_threads<{V}>({k.n}, coconet::cuda::aligned<{V}>("
+                      f"{', '.join(ptrs.values())}), stream, [=] __device__ (const coconet::cuda::Thread<{V}>& th) {{")
+        for line in let_lines:
+            self.emit(f"{ind}  {line}")
+        if vec is not None:
+            self._vector_loop(t, k, items, outs, coords, *vec, ind + "  ")
+        self.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
+                  + ("  // past the last whole vector, or all when not aligned" if vec else ""))
+        load = self._loader(t)
+        local = {name: text for name, (text, _) in k.regs.items()}
+        body = self._with_coords(t, coords, self._body(t, items, local, load, outs, lambda target, name: target))
+        for line in (*_indices(k.defs, body), *body):
+            self.emit(f"{ind}    {line}")
+        self.emit(f"{ind}  }}")
+        self.emit(f"{ind}}});")
+
+    def _with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
+        """The body, after the element's coordinates c0.. from i (the L<k> in scope) when it
+        needs them (those it does not use (void)-ed)."""
+        if not coords:
+            return body
+        out = ["int64_t rest = i;"]
+        for d in reversed(range(t.ndim)):
+            out.append("const int64_t c0 = rest;" if d == 0 else f"const int64_t c{d} = rest % L{d}; rest /= L{d};")
+        out += [f"(void)c{d};" for d in range(t.ndim) if not re.search(rf"\bc{d}\b", " ".join(body))]
+        return out + (["(void)rest;"] if t.ndim == 0 else []) + body
+
+    def _vector_operands(self, t: TType, k: Kernel, items: Items,
+                         outs: Outs) -> tuple[int, dict[str, str]] | None:
+        """(V, pointer at var = 0 of each operand read or stored V elements at a time), or None
+        when a stored value is not contiguous in the loop variable. A 0-d operand, and one read
+        through the element's coordinates (broadcast), are read per element in both paths."""
+        inside = {name for name, _, _ in items}
+        ptrs: dict[str, str] = {}
+        sizes: list[int] = []
+        for r in (r for _, e, _ in items for r in walk(e) if isinstance(r, Ref)):
+            if r.name in inside or r.name in self.consts or r.name in ptrs:
+                continue
+            if r.name in k.regs:
+                ptr = k.regs[r.name][1]
+            else:
+                idx = self._access(r, t)
+                if idx == "0":
+                    continue
+                if idx == "SEG":
+                    ptr = f"sp_{r.name}"
+                elif idx == "i" or (idx is not None and idx.startswith("i + ")):
+                    ptr = _plus(f"v_{r.name}" + idx[1:], k.i_base)
+                else:  # through the coordinates, per element
+                    continue
+            ptrs[r.name] = ptr
+            sizes.append(BYTES[self.types[r.name].dtype])
+        for name, targets in outs.items():
+            if len(targets) > 1 or any(p is None for _, p in targets):
+                return None
+            for _, p in targets:
+                assert p is not None
+                ptrs[f"out {name}"] = p
+                sizes.append(BYTES[self.types[name].dtype])
+        if not sizes:
+            return None
+        return VECTOR_BYTES // max(sizes), ptrs
+
+    def _vector_loop(self, t: TType, k: Kernel, items: Items, outs: Outs, coords: bool,
+                     V: int, ptrs: dict[str, str], ind: str) -> None:
+        """Whole groups of V elements: each operand loaded as one vector, the element math of
+        the V lanes unrolled, each stored value written as one vector."""
+        v0 = f"{k.var}0"
+        self.emit(f"{ind}for (const int64_t {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
+                  "load or store per operand")
+        for name, ptr in ptrs.items():
+            if not name.startswith("out "):
+                self.emit(f"{ind}  const auto in_{name} = coconet::cuda::load<{V}>({ptr} + {v0});")
+        stored = [name for name, targets in outs.items() if targets]
+        by_type: dict[str, list[str]] = {}
+        for s in stored:
+            by_type.setdefault(CTYPE[self.types[s].dtype], []).append(f"out_{s}")
+        for ct, names in by_type.items():
+            self.emit(f"{ind}  coconet::cuda::Vec<{ct}, {V}> {', '.join(names)};")
+        self.emit(f"{ind}  COCONET_UNROLL")
+        self.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
+        base = self._loader(t)
+
+        def load(r: Ref) -> str:
+            if r.name not in self.consts and r.name in ptrs:
+                return f"coconet::to_compute(in_{r.name}[u])"
+            return base(r)
+        body = self._with_coords(t, coords, self._body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]"))
+        for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
+            self.emit(f"{ind}    {line}")
+        self.emit(f"{ind}  }}")
+        for s in stored:
+            self.emit(f"{ind}  coconet::cuda::store<{V}>({ptrs[f'out {s}']} + {v0}, out_{s});")
+        self.emit(f"{ind}}}")
+
+    def _body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:
+        """The element math of every item (codegen/emit.py), each value rounded to its type and
+        kept in x_<name>, stored where outs says (target(element path's target, name): the
+        text written to)."""
+        local = dict(regs)
+        lines = []
+        for name, e, _ in items:
+            ct = CTYPE[self.types[name].dtype]
+            load = lambda r: local.get(r.name) or base(r)  # noqa: E731
+            body = emit(e, load, self._extra(t, load))
+            lines.append(f"const {COMPUTE[self.types[name].dtype]} x_{name} = coconet::round_to<{ct}>({body});")
+            local[name] = f"x_{name}"
+            for tgt, _ in outs.get(name, []):
+                lines.append(f"{target(tgt, name)} = coconet::from_compute<{ct}>(x_{name});")
+        return lines
