@@ -13,7 +13,13 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
     over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
     bandwidth measured in the same run.
 
+--backend cuda (a machine with a GPU; R = 1, NCCL refuses two ranks on one GPU): the generated
+CUDA Adam step (default, rs_c_ag, zero, fused) against torch.optim.Adam(fused=True) on the same
+GPU, and each one's fraction of the device copy bandwidth (28 bytes an element) measured in the
+same run; default size 2^26 (bench/cuda_gpu_check.py holds the timing code).
+
 Run: python bench/adam_step.py [--sizes 16,18,20,22,24] [--ranks 2] [--reps 10] [--json PATH]
+     python bench/adam_step.py --backend cuda [--sizes 26] [--archs 90] [--reps 20] [--json PATH]
 It relaunches itself under mpiexec; rank 0 prints a table per size (milliseconds of the slowest
 rank, medians; speed-up against the best baseline), writes the JSON (bench/results/adam_step.json
 unless --json) and a PNG plot beside it. Not a test: compare the ratios from one run."""
@@ -136,11 +142,17 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="16,18,20,22,24", help="exponents of 2 (or sizes), comma-separated")
+    ap.add_argument("--sizes", default=None,
+                    help="exponents of 2 (or sizes), comma-separated (default 16,18,20,22,24; cuda: 26)")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 10; cuda: 20)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--archs", default="90", help="cuda: the architectures to compile for")
     a = ap.parse_args()
+    if a.backend == "cuda":
+        return cuda_main(a)
+    a.sizes, a.reps = a.sizes or "16,18,20,22,24", a.reps or 10
     if not common.in_mpi_job():
         return common.relaunch(a.ranks, __file__, ["adam.ccn"])
     comm = common.setup_rank()
@@ -154,6 +166,42 @@ def main() -> int:
                       [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
                                                 "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"},
                       a.json)
+    return 0
+
+
+def cuda_main(a) -> int:
+    """--backend cuda: one GPU, R = 1 (bench/cuda_gpu_check.py: bench)."""
+    import json
+
+    import torch
+    if not torch.cuda.is_available():
+        print("adam_step.py --backend cuda: no CUDA device here (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    import cuda_gpu_check
+    torch_label = "torch.optim.Adam(fused=True)"
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ranks": 1, "sizes": {}}
+    for n in common.sizes_arg(a.sizes or "26"):
+        rows = cuda_gpu_check.bench(n, a.archs, a.reps or 20)
+        copy_row = rows[0]
+        copy_s = 2 * n * 4 / (copy_row["gbps"] * 1e9)
+        roof = 7 * 4 * n / (2 * n * 4 / copy_s)  # Adam's 28 bytes an element at the copy bandwidth
+        ours = {r["what"].split("[")[1].split("]")[0]: r["ms"] / 1e3 for r in rows if r["what"].startswith("coconet")}
+        base = {torch_label: next(r["ms"] for r in rows if r["what"] == torch_label) / 1e3}
+        out["sizes"][n] = {"baselines": base, "coconet": ours, "roofline": roof,
+                           "copy_bandwidth_Bps": copy_row["gbps"] * 1e9,
+                           "max_abs_diff_vs_torch": {r["what"]: r["ms"] for r in rows if r["what"].startswith("max")}}
+        print(f"\nAdam step, f32, N = {n}, one GPU ({out['device']}); ms, median of {a.reps or 20}")
+        print("| variant | ms | x torch fused Adam | fraction of copy bandwidth |\n| --- | --- | --- | --- |")
+        t0 = base[torch_label]
+        for label, t in [*base.items(), *ours.items()]:
+            print(f"| {label} | {t * 1e3:.3f} | {t / t0:.2f} | {roof / t:.0%} |", flush=True)
+    top = out["sizes"][max(out["sizes"])]
+    out.update(baselines=top["baselines"], coconet=top["coconet"], roofline=top["roofline"])
+    path = Path(a.json) if a.json else common.ROOT / "bench" / "results" / "adam_step_cuda.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
     return 0
 
 
