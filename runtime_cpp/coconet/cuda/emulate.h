@@ -1101,3 +1101,6 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 #define COCONET_BUFFER(p, nbytes, name) ::coconet::cuda::emu::name_buffer((p), (nbytes), (name))
 #define COCONET_STREAM_NAME(stream, name) ::coconet::cuda::emu::name_stream((stream), (name))
 #define COCONET_PARAM(p, nbytes, name, stream) ::coconet::cuda::emu::caller_buffer((p), (nbytes), (name), (stream))
+
+// The NCCL device API subset symmetric.cuh uses (symmetric memory, LSA pointers and barriers).
+#include "emulate_nccl_device.h"
