@@ -373,3 +373,22 @@ def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
         res = _launch(2, ["check", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
                       env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
         assert res.returncode == 0 and verdict in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_symmetric_window_is_race_checked(tmp_path):
+    """The race detection sees the kernel's reads of the symmetric window: with the copy into the
+    window moved to the comm stream (no event orders it before the kernel), both ranks report it."""
+    from coconetc.paths import runtime_dir
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    sym = rt / "coconet" / "cuda" / "symmetric.cuh"
+    old = "cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream)"
+    assert old in sym.read_text()
+    sym.write_text(sym.read_text().replace(old, old.replace("c.stream", "c.comm_stream")))
+    name, so = cuda_build.build_emulated(_source("sgd", "sgd", "fused"), "sym_race", tmp_path / "b", runtime=rt,
+                                         log=lambda msg: None)
+    res = _launch(2, ["race", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
+                  env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
+    out = res.stdout + res.stderr
+    assert "race on buffer 'the symmetric window'" in out and "cudaMemcpyAsync on the comm stream" in out, out
