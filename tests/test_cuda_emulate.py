@@ -322,13 +322,13 @@ def _sym_run(ranks: int, size: int, algo: str, groups: int = 0, extra: dict | No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, size, groups", [(1, 10, 0), (2, 10, 0), (3, 10, 0), (4, 10, 0), (4, 3, 0),
-                                                 (4, 10, 2), (3, 40001, 0)])
+                                                 (4, 10, 2), (3, 60001, 0)])
 def test_symmetric_kernel_matches_interpreter(built, ranks, size, groups):
     """COCONET_CUDA_FUSED=symmetric: every fused unit the symmetric kernel covers runs as that
     kernel (the trace line of every rank and unit says so) and every schedule matches the
     interpreter: uneven slices (3, 4 ranks), empty ones (size 3 on 4 ranks), split communicators
-    (2 groups), and 13334 elements a rank (26 blocks of 512 threads, each barrier paired across
-    ranks; the grid-stride loop of one block)."""
+    (2 groups), and 20001 elements a rank (the full grid of 32 blocks of 512 threads, each
+    barrier paired across ranks, and threads that take a second element in the grid-stride loop)."""
     res, log, lines = _sym_run(ranks, size, "symmetric", groups)
     assert res.returncode == 0, log
     assert len(lines) == 11 and all(ln.startswith("MATCH ") for ln in lines), log  # 11 schedules
