@@ -11,6 +11,7 @@ of a module whose stream waits were edited (the race tests).
                                 for 16-byte vectors) or one element past it (OFF 1), printing each
                                 call's counts of kernels on the vector path and vector accesses
                                 (FILE@N: that file at size N)
+    check FILE PROGRAM SCHED SO NAME SIZE   one call of a prebuilt module against the interpreter
     wrong FILE      sgd.ccn's calls that are wrong on one rank only: every rank must raise
     torchpg FILE    the NCCL communicator made from a torch.distributed (gloo) process group
 """
@@ -165,6 +166,26 @@ def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int
     return 0
 
 
+def check(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int:
+    """One call of a prebuilt (edited) module, compared with the interpreter."""
+    from coconetc.codegen.cuda import generate
+    from coconetc.driver import load_file
+    from coconetc.runtime.loader import import_extension
+    from coconetc.runtime_cuda import EmulatedModule
+    mod = load_file(file)
+    emu = EmulatedModule(mod, generate(mod, name, skip_unsupported=True, emulate=True), import_extension(name, so))
+    base = mod.programs[prog]
+    ir = emu.programs[prog].schedules[sched]
+    inputs = adapt_inputs(random_inputs(base, R, 1, sizes_of(base, size), seed=2), base, ir)
+    mine = copy.deepcopy(inputs[rank])
+    gathered = comm.gather(results(ir, emu.programs[prog](schedule=sched, **mine), mine), root=0)
+    if rank == 0:
+        ref = run(ir, inputs, 1)
+        problems = compare(ref, [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)], ir, ir, 1)
+        print(f"{'MATCH' if not problems else 'MISMATCH'} {file} {prog} {sched} R={R} {problems[:3]}", flush=True)
+    return 0
+
+
 def wrong(file: str) -> int:
     """Each call is wrong on rank 1 only (or differs between the ranks); every rank must raise
     the same kind of error, naming the parameter, and leave w as it was; then a right call runs."""
@@ -236,6 +257,8 @@ def main(argv: list[str]) -> int:
         return vector(int(argv[1]), int(argv[2]), argv[3:])
     if mode == "dropout":
         return dropout(argv[1], argv[2], argv[3:])
+    if mode == "check":
+        return check(argv[1], argv[2], argv[3], argv[4], argv[5], int(argv[6]))
     assert mode == "race", mode
     return race(argv[1], argv[2], argv[3], argv[4], argv[5], int(argv[6]))
 

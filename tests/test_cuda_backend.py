@@ -41,6 +41,31 @@ def _operands(line: str) -> str:
     return re.sub(r"\b(?:v_(\w+)\[[^\[\]]*\]|in_(\w+)\[u\])", lambda m: f"<{m[1] or m[2]}>", line)
 
 
+def test_fused_symmetric_branch_runs_the_pipeline_element_math(example):
+    """A fused reduce-scatter along dim 0 renders a run-time choice: the symmetric kernel
+    (runtime symmetric.cuh), whose element function is the pipeline chunk kernel's body with the
+    reduced value passed in, or else the pipeline. Other fused units render the pipeline only."""
+    for file, prog, sched, ct in [("sgd.ccn", "sgd", "fused", "float"), ("adam.ccn", "adam", "zero", "float"),
+                                  ("mixed_adam.ccn", "mixed_adam", "zero", "coconet::half"),
+                                  ("clipped_sgd.ccn", "clipped_sgd", "fused", "float")]:
+        text = "\n".join(generate(example(file), "m").functions[(prog, sched)].body)
+        sym, pipe = text.split("} else  // the chunked pipeline on the host API")
+        sym, pipe = sym.split("// [")[-1], pipe.split("coconet::cuda::pipeline<")[0]  # this unit's
+        assert 'if (coconet::cuda::use_symmetric(ctx, "fused0")) {' in sym
+        assert f"coconet::cuda::fused_symmetric<{ct}, {ct}>(ncclSum, v_g" in sym
+        assert f"auto reduce_to = [&](int64_t k, {ct}* red)" in pipe
+        math = [ln.strip() for ln in sym.splitlines() if ln.strip().startswith(("const float x_", "v_"))]
+        elements = pipe.split("th.elements()")[-1]  # the chunk kernel's element path (after its vector lanes)
+        assert math and math == [ln.strip().replace("red[j]", "red_v") for ln in elements.splitlines()
+                                 if ln.strip().startswith(("const float x_", "v_"))]
+    keep = "\n".join(generate(example("clipped_sgd.ccn"), "m").functions[("clipped_sgd", "fused")].body)
+    assert "fused_symmetric<float, float>(ncclSum, v_g, S_N, int64_t(1), static_cast<float*>(nullptr), v_rs," in keep
+    for file, prog, sched in [("residual_dropout.ccn", "f1", "fused"), ("lamb.ccn", "lamb", "zero"),
+                              ("layernorm.ccn", "attn_out", "fused"), ("mlp_out.ccn", "mlp_out", "overlapped")]:
+        text = "\n".join(generate(example(file), "m", skip_unsupported=True).functions[(prog, sched)].body)
+        assert "use_symmetric" not in text and "coconet::cuda::pipeline<" in text
+
+
 def test_loops_use_the_shared_element_emitter(example):
     """The kernel body is the CPU loop's element math (codegen/emit.py): on the element path the
     same text; in the vector path's lanes the same text but for the operands, read from the

@@ -76,8 +76,9 @@ def test_emulation_leaves_out_what_cuda_does_not_do(example):
                                                         (4, 10, "3", 2)])
 def test_every_example_matches_interpreter(built, ranks, size, chunk, groups):
     """chunk: COCONET_CUDA_CHUNK, so every fused collective runs many chunks through both
-    buffers; groups: every program on 2 groups of 2 (ncclCommSplit)."""
-    env = {"COCONET_CUDA_CHUNK": chunk} if chunk else {}
+    buffers; groups: every program on 2 groups of 2 (ncclCommSplit). Fused units run as the
+    chunked pipeline (the symmetric kernel: test_symmetric_kernel_matches_interpreter)."""
+    env = {"COCONET_CUDA_FUSED": "pipeline", **({"COCONET_CUDA_CHUNK": chunk} if chunk else {})}
     res = _launch(ranks, ["match", str(size), str(groups), *[str(EX / f"{f}.ccn") for f in FILES]], env=env)
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
@@ -125,7 +126,8 @@ def test_vector_and_element_paths_match_interpreter(built, ranks):
              str(EX / "residual_dropout.ccn") + "@12"]
     size = 40003
     for off in (0, 1):
-        res = _launch(ranks, ["vector", str(size), str(off), *files])
+        # the pipeline's kernels (at R > 1 `auto` would run adam's fused units as the symmetric kernel)
+        res = _launch(ranks, ["vector", str(size), str(off), *files], env={"COCONET_CUDA_FUSED": "pipeline"})
         out = res.stdout
         log = f"--- stdout\n{out}\n--- stderr\n{res.stderr[-4000:]}"
         assert res.returncode == 0, log
@@ -186,7 +188,7 @@ def _run_variant(tmp: Path, file: str, program: str, sched: str, cu: str, runtim
     name, so = cuda_build.build_emulated(cu, f"race_{file}", tmp / f"b{abs(hash((cu, runtime)))}", runtime=runtime,
                                          log=lambda msg: None)
     res = _launch(2, ["race", str(EX / f"{file}.ccn"), program, sched, str(so), name, str(size)],
-                  env={"COCONET_CUDA_CHUNK": "2"}, timeout=300)
+                  env={"COCONET_CUDA_CHUNK": "2", "COCONET_CUDA_FUSED": "pipeline"}, timeout=300)
     return res.stdout + res.stderr
 
 
@@ -350,3 +352,92 @@ def test_defined_operations_run_on_the_cuda_backend(ranks):
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
     assert len(lines) >= 3 and all(ln.startswith("MATCH ") for ln in lines), log
+
+
+# --- the fused collective as one kernel over symmetric memory (symmetric.cuh) ----------------------
+
+SYM_FILES = ["adam", "clipped_sgd", "mixed_adam", "sgd"]  # their fused units: reduce-scatters along dim 0
+SYM_UNITS = 5  # adam zero, adam fused, clipped_sgd fused, mixed_adam zero, sgd fused
+SYMMETRIC = "runs the symmetric kernel"
+
+
+def _sym_run(ranks: int, size: int, algo: str, groups: int = 0, extra: dict | None = None):
+    env = {"COCONET_CUDA_FUSED": algo, "COCONET_CUDA_FUSED_TRACE": "1", **(extra or {})}
+    res = _launch(ranks, ["match", str(size), str(groups), *[str(EX / f"{f}.ccn") for f in SYM_FILES]], env=env)
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    return res, log, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, size, groups", [(1, 10, 0), (2, 10, 0), (3, 10, 0), (4, 10, 0), (4, 3, 0),
+                                                 (4, 10, 2), (3, 60001, 0)])
+def test_symmetric_kernel_matches_interpreter(built, ranks, size, groups):
+    """COCONET_CUDA_FUSED=symmetric: every fused unit the symmetric kernel covers runs as that
+    kernel (the trace line of every rank and unit says so) and every schedule matches the
+    interpreter: uneven slices (3, 4 ranks), empty ones (size 3 on 4 ranks), split communicators
+    (2 groups), and 20001 elements a rank (the full grid of 32 blocks of 512 threads, each
+    barrier paired across ranks, and threads that take a second element in the grid-stride loop)."""
+    res, log, lines = _sym_run(ranks, size, "symmetric", groups)
+    assert res.returncode == 0, log
+    assert len(lines) == 11 and all(ln.startswith("MATCH ") for ln in lines), log  # 11 schedules
+    assert res.stderr.count(SYMMETRIC) == SYM_UNITS * ranks, log
+    assert "runs the pipeline" not in res.stderr, log
+
+
+@pytest.mark.slow
+def test_symmetric_kernel_is_chosen_at_run_time(built):
+    """auto: the symmetric kernel where every rank is in one LSA team (one node) and the group has
+    more than one rank; the pipeline with one rank, or when the ranks are emulated as nodes of one
+    rank each (COCONET_EMULATE_LSA_SIZE=1), or without the device API; pipeline forces the
+    pipeline; symmetric where it cannot run raises on every rank."""
+    res, log, lines = _sym_run(2, 10, "auto")
+    assert res.returncode == 0 and all(ln.startswith("MATCH ") for ln in lines), log
+    assert res.stderr.count(SYMMETRIC) == SYM_UNITS * 2 and "runs the pipeline" not in res.stderr, log
+    for ranks, algo, extra in [(1, "auto", {}), (2, "auto", {"COCONET_EMULATE_LSA_SIZE": "1"}),
+                               (2, "auto", {"COCONET_EMULATE_NO_DEVICE_API": "1"}), (2, "pipeline", {})]:
+        res, log, lines = _sym_run(ranks, 10, algo, extra=extra)
+        assert res.returncode == 0 and all(ln.startswith("MATCH ") for ln in lines), log
+        assert res.stderr.count("runs the pipeline") == SYM_UNITS * ranks and SYMMETRIC not in res.stderr, log
+    res, log, _ = _sym_run(2, 10, "symmetric", extra={"COCONET_EMULATE_LSA_SIZE": "1"})
+    assert res.returncode != 0, log
+    assert "COCONET_CUDA_FUSED=symmetric, but fused fused0 cannot run over symmetric memory: not every rank" in log
+
+
+@pytest.mark.slow
+def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
+    """The comparison can fail: unchanged, sgd fused matches on 2 ranks; with the kernel's
+    reduction over peers cut to this rank's own input (an edit of symmetric.cuh) it mismatches."""
+    from coconetc.paths import runtime_dir
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    sym = rt / "coconet" / "cuda" / "symmetric.cuh"
+    text = sym.read_text()
+    assert text.count("for (int p = 1; p < R; ++p)") == 1
+    cu = _source("sgd", "sgd", "fused")
+    for edited, verdict in [(False, "MATCH "), (True, "MISMATCH ")]:
+        if edited:
+            sym.write_text(text.replace("for (int p = 1; p < R; ++p)", "for (int p = 1; p < 1; ++p)"))
+        name, so = cuda_build.build_emulated(cu, "sym_sgd", tmp_path / f"b{edited}", runtime=rt, log=lambda msg: None)
+        res = _launch(2, ["check", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
+                      env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
+        assert res.returncode == 0 and verdict in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_symmetric_window_is_race_checked(tmp_path):
+    """The race detection sees the kernel's reads of the symmetric window: with the copy into the
+    window moved to the comm stream (no event orders it before the kernel), both ranks report it."""
+    from coconetc.paths import runtime_dir
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    sym = rt / "coconet" / "cuda" / "symmetric.cuh"
+    old = "cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream)"
+    assert old in sym.read_text()
+    sym.write_text(sym.read_text().replace(old, old.replace("c.stream", "c.comm_stream")))
+    name, so = cuda_build.build_emulated(_source("sgd", "sgd", "fused"), "sym_race", tmp_path / "b", runtime=rt,
+                                         log=lambda msg: None)
+    res = _launch(2, ["race", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
+                  env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
+    out = res.stdout + res.stderr
+    assert "race on buffer 'the symmetric window'" in out and "cudaMemcpyAsync on the comm stream" in out, out

@@ -400,6 +400,8 @@ class CudaRenderer(KernelEmitter):
         nm = u.name
         mine = _prod(self.ldims(t))
         direct = u.src not in self.scattered  # one rank: each chunk's kernel can read the source itself
+        if block is None and self._symmetric_ok(u):
+            self._fused_symmetric(u, ct, op, n0, inner, mine)
         self.emit("{")
         rows_arg = ""
         if block is not None:
@@ -472,6 +474,47 @@ class CudaRenderer(KernelEmitter):
             self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems({whole}) + {rows} - 1) / {rows} * {rows};")
         else:
             self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems({whole});")
+    def _symmetric_ok(self, u: Fused) -> bool:
+        """Can this fused unit also run as one kernel over symmetric memory (symmetric.cuh)? A
+        reduce-scatter along dim 0 of a contiguous tensor, pointwise phases only."""
+        refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
+        return (u.op == "reducescatter" and u.type.layout.dim == 0 and u.rows is None
+                and u.reduce in ("sum", "avg", "max", "min") and all(p.kind == "pointwise" for p in u.phases)
+                and not ({u.src, u.gather} | refs) & self.scattered)
+
+    def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str) -> None:
+        """The fused unit as one kernel over NCCL symmetric memory where the run time allows it
+        (coconet::cuda::use_symmetric; else the pipeline after it): the element function is the
+        pipeline chunk kernel's body, the reduced value passed in (red_v) instead of read from
+        the chunk buffer."""
+        saved = dict(self.consts)
+        t = u.type
+        items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
+        inside = {u.collective} | {name for name, _, _ in items}
+        coords = self._needs_coords(t, items, inside)
+        self.emit(f'if (coconet::cuda::use_symmetric(ctx, "{u.name}")) {{  // one kernel over symmetric memory')
+        self.emit(f"  const int64_t off = {self.offset(t)};")
+        self.emit("  (void)off;")
+        if coords:
+            for k, d in enumerate(self.ldims(t)):
+                self.emit(f"  const int64_t L{k} = {d};")
+        lets = self._lets(u.lets)
+        self._access_note(t, items, u.lets, "0", mine, {}, "  ")
+        g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
+        gt = CTYPE[self.types[u.gather].dtype] if u.gather else ct
+        keep = f"v_{u.collective}" if self.plan.buffer(u.collective).kind == "scratch" else f"static_cast<{ct}*>(nullptr)"
+        self.emit(f"  coconet::cuda::fused_symmetric<{ct}, {gt}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, ctx, "
+                  f"[=] __device__ (int64_t i, {ct} red_v) {{")
+        for line in lets:
+            self.emit(f"    {line}")
+        outs = {name: [(f"v_{name}[i]", "")] if stored else [] for name, _, stored in items}
+        body = self._body(t, items, {u.collective: "coconet::to_compute(red_v)"}, self._loader(t), outs,
+                          lambda target, name: target)
+        for line in self._with_coords(t, coords, body):
+            self.emit(f"    {line}")
+        self.emit("  });")
+        self.emit("} else  // the chunked pipeline on the host API")
+        self.consts = saved
 
     def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
         """The pipeline's reduce_to(k, red): chunk k's reduction on the comm stream."""

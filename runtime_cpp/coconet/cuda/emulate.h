@@ -1134,3 +1134,5 @@ inline void vector_access(const void* p, size_t bytes) {
 #define COCONET_VECTOR_ACCESS(p, bytes) ::coconet::cuda::emu::vector_access((p), (bytes))
 #define COCONET_COUNT_KERNEL(vector) \
   ((vector) ? ::coconet::cuda::emu::counts().vector_kernels : ::coconet::cuda::emu::counts().scalar_kernels) += 1
+// The NCCL device API subset symmetric.cuh uses (symmetric memory, LSA pointers and barriers).
+#include "emulate_nccl_device.h"

@@ -917,3 +917,6 @@ inline void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterp
 
 }  // namespace cuda
 }  // namespace coconet
+
+// The fused collective as one kernel over symmetric memory (NCCL device API), chosen at run time.
+#include "symmetric.cuh"
