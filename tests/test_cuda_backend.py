@@ -57,17 +57,19 @@ def test_matmul_is_cublas_and_collectives_are_nccl(example):
     assert "cublasGemmEx" in (Path(cuda_build.runtime_dir()) / "coconet" / "cuda" / "runtime.cuh").read_text()
 
 
-# What the CUDA renderer does not do yet (every example is in it now): a fused all-reduce over
-# scattered tensors.
-UNSUPPORTED = """program p(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {
-    g1 = allreduce(sum, g)
-    w1 = update(w, w - lr * g1)
+# What the CUDA renderer does not do yet (every example is in it now): an overlap into a fused
+# all-reduce.
+UNSUPPORTED = """program p(x: f32[B, K] sliced(1), w: f32[K, H] sliced(0), r: f32[B, H] replicated) {
+    y = matmul(x, w)
+    s = allreduce(sum, y)
+    out = s + r
+    return out
 }
 schedule f for p {
-    fuse(g1, w1)
+    f = fuse(s, out)
+    overlap(y, f, chunks=2)
 }
 """
-
 
 def test_unsupported_units_are_reported_not_rendered(tmp_path):
     from coconetc.driver import load_file
@@ -76,8 +78,8 @@ def test_unsupported_units_are_reported_not_rendered(tmp_path):
     mod = load_file(str(path))
     found = problems(mod)
     assert set(found) == {("p", "f")}
-    assert found[("p", "f")][0].line == 6
-    with pytest.raises(Unsupported, match="fused all-reduce over scattered tensors"):
+    assert found[("p", "f")][0].line == 9
+    with pytest.raises(Unsupported, match="overlap into a fused collective other than"):
         generate(mod, "m")
     assert ("p", "default") in generate(mod, "m", skip_unsupported=True).functions
 
@@ -103,8 +105,8 @@ def test_check_backend_cuda_reports_at_the_directive(tmp_path):
     res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                           str(path)], capture_output=True, text=True)
     assert res.returncode == 1
-    assert ("u.ccn:6: error: p (schedule f): a fused all-reduce over scattered tensors, or one gathering into "
-            "them, is not in the CUDA backend yet") in res.stderr
+    assert ("u.ccn:9: error: p (schedule f): overlap into a fused collective other than a reduce-scatter along "
+            "a dim other than 0 of rows of the matmul is not in the CUDA backend yet") in res.stderr
     ok = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                          str(EXAMPLES[0].parent / "adam.ccn")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

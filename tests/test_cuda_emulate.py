@@ -216,15 +216,15 @@ def test_run_emulate_command(built, tmp_path):
     assert res.stdout.count("matches the interpreter on every rank") == 3, res.stdout
     saved = np.load(tmp_path / "out.fused.npz")
     assert saved["r2.out.w"].shape == (7,)
-    # a schedule the CUDA backend does not implement (a fused all-reduce over scattered tensors)
-    # is named and skipped; the rest runs
-    src = tmp_path / "scattered.ccn"
-    src.write_text("program s(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {\n"
-                   "    g1 = allreduce(sum, g)\n    w1 = update(w, w - lr * g1)\n}\n"
-                   "schedule f for s {\n    fuse(g1, w1)\n}\n")
+    # a schedule the CUDA backend does not implement (an overlap into a fused all-reduce) is
+    # named and skipped; the rest runs
+    src = tmp_path / "overlap.ccn"
+    src.write_text("program s(x: f32[B, K] sliced(1), w: f32[K, H] sliced(0), r: f32[B, H] replicated) {\n"
+                   "    y = matmul(x, w)\n    t = allreduce(sum, y)\n    out = t + r\n    return out\n}\n"
+                   "schedule f for s {\n    f = fuse(t, out)\n    overlap(y, f, chunks=2)\n}\n")
     res = _cli("run", str(src), "--backend", "cuda", "--emulate", "--ranks", "2", "-s", "all")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "s [f]: skipped: a fused all-reduce over scattered tensors" in res.stdout, res.stdout
+    assert "s [f]: skipped: overlap into a fused collective other than" in res.stdout, res.stdout
     assert "s [default] (CUDA, host emulation): 2 ranks:" in res.stdout, res.stdout
 
 

@@ -59,12 +59,7 @@ def unsupported(plan: Plan) -> list[Unsupported]:
             out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend "
                                            "yet"))
         elif isinstance(u, Fused):
-            refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
-            if (u.src in scattered or refs & scattered) and (u.op != "reducescatter" or u.gather in scattered):
-                out.append(Unsupported(u.line, "a fused all-reduce over scattered tensors, or one gathering into "
-                                               "them, is not in the CUDA backend yet"))
-            else:
-                out.extend(_fused_problems(u, kinds))
+            out.extend(_fused_problems(u, kinds))
             for a in u.after:
                 unit(a)
     for u in plan.units:
@@ -511,6 +506,9 @@ class CudaRenderer(LoopEmitter):
         elif u.op == "reducescatter":
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
+        elif u.src in self.scattered:  # an all-reduce: NCCL per piece of the chunk inside a segment
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::allreduce_chunk<{ct}>({op}, "
+                      f"p_{u.src}, red, mine_{nm}, k, ch_{nm}, ctx); }};")
         else:
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
                       f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "

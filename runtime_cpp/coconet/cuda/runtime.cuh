@@ -765,6 +765,18 @@ inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::ve
 #define COCONET_ACCESS_RUNS(runs, ...)
 #endif
 
+// ---- scattered tensors: fused all-reduce, sum/norm, packed collectives ---------------------------
+
+// Chunk k of the logical [0, n) of a scattered x, all-reduced into red: one grouped ncclAllReduce
+// per piece of the chunk inside one segment, on the comm stream (a fused all-reduce's reduce_to).
+template <class T>
+void allreduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
+  const int64_t lo = k * ch, hi = std::min(n, lo + ch);
+  Group_ g;
+  for (const Piece& pc : pieces(x.starts, lo, hi))
+    COCONET_CUDA(ncclAllReduce(x.at(pc), red + pc.offset, size_t(pc.size), NcclType<T>::t, op, c.comm, c.comm_stream));
+}
+
 // ---- communicators -----------------------------------------------------------------------------
 
 inline std::string unique_id() {
