@@ -20,7 +20,9 @@ PROGRAMS = Path(__file__).resolve().parent / "programs"
 COCONETC = str(Path(sys.executable).parent / "coconetc")
 CASES = {  # file: {program: its schedules, default included}
     "cuda_fused_scattered.ccn": {"sgdsc": 3, "mom": 2, "mix": 2, "half": 2},
+    "cuda_scattered_collectives.ccn": {"clipw": 3, "sums": 1, "bc": 1, "red": 1, "sc": 1, "snd": 1},
 }
+GROUPED = {"snd"}  # send between groups: one group a rank (2 groups on 4 ranks)
 RUNS = [(1, 23, None), (2, 23, None), (3, 23, None), (4, 23, None), (4, 3, None), (3, 23, "2")]
 
 
@@ -43,8 +45,9 @@ def test_emulated_run_matches_interpreter(file, program, ranks, size, chunk):
     if why:
         pytest.skip(why)
     env = {"COCONET_CUDA_CHUNK": chunk} if chunk else {}
+    groups = (ranks if ranks < 4 else 2) if program in GROUPED else 1
     res = _cli("run", str(PROGRAMS / file), "-p", program, "--backend", "cuda", "--emulate", "--ranks", str(ranks),
-               "--schedule", "all", "--size", f"N={size}", env=env)
+               "--groups", str(groups), "--schedule", "all", "--size", f"N={size}", env=env)
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     matched = [ln for ln in res.stdout.splitlines() if "(CUDA, host emulation)" in ln]

@@ -52,12 +52,9 @@ def unsupported(plan: Plan) -> list[Unsupported]:
                 unit(f)
         elif isinstance(u, Library) and ops.get(u.op).extern is not None:
             out.extend(_extern_problems(u, kinds, ndims))
-        elif isinstance(u, Reduce) and u.op != "segment_norm" and u.src in scattered:
-            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend yet"))
-        elif isinstance(u, Collective) and (u.packed or (u.src in scattered and u.op not in ("allreduce",
-                                                                                          "reducescatter"))):
-            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend "
-                                           "yet"))
+        elif isinstance(u, Collective) and u.src in scattered and u.op == "allgather":  # (the CPU's neither)
+            out.append(Unsupported(u.line, f"an allgather of a sliced scattered tensor ('{u.src}') is not in the "
+                                           "CUDA backend yet"))
         elif isinstance(u, Fused):
             out.extend(_fused_problems(u, kinds))
             for a in u.after:
@@ -65,6 +62,11 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     for u in plan.units:
         unit(u)
     return out
+
+
+def _units(units: tuple[Unit, ...]) -> list[Unit]:
+    """The units and those that run after a fused collective's chunks, in order."""
+    return [x for u in units for x in [u, *(_units(u.after) if isinstance(u, Fused) else [])]]
 
 
 def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -> list[Unsupported]:
@@ -100,6 +102,7 @@ class CudaRenderer(LoopEmitter):
         super().__init__(plan, fn, file, outputs)
         self.nevent = 0
         self.seg_declared = False
+        self.unpacked = {c.packed for c in _units(plan.units) if isinstance(c, Collective) and c.packed}
 
     def site(self) -> int:
         self.nsite += 1
@@ -166,8 +169,9 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
             self.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
                       "stream);")
-        elif b.kind == "into":
-            self.emit(f"// {b.name}: straight into {b.of}'s segments")
+        elif b.kind == "into" or b.name in self.unpacked:  # no memory of its own
+            self.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
+                      f"// {b.name}: not needed, the collective reads the segments piece by piece")
         elif b.kind == "output":
             self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
             self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
@@ -349,7 +353,8 @@ class CudaRenderer(LoopEmitter):
                       f"{self.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
             return
         norm = "true" if u.op == "norm" else "false"
-        self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>(v_{u.src}, v_{u.dst}, "
+        src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"  # scattered: a kernel per piece
+        self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>({src}, v_{u.dst}, "
                   f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
 
     def _library(self, u: Library) -> None:
@@ -392,12 +397,8 @@ class CudaRenderer(LoopEmitter):
         if u.into:
             self.emit(f"coconet::cuda::allgather<{ct}>(v_{x}, p_{u.into}, {_prod(self.gdims(xt))}, ctx);"
                       f"  // straight into {u.into}'s segments")
-        elif x in self.scattered:  # NCCL per segment / piece, grouped
-            if u.op == "allreduce":
-                self.emit(f"coconet::cuda::allreduce<{ct}>({op}, p_{x}, v_{dst}, ctx);")
-            else:
-                assert u.op == "reducescatter", u.op
-                self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, p_{x}, v_{dst}, {n}, ctx);")
+        elif x in self.scattered:  # NCCL (or a copy) per segment / piece, grouped
+            self._collective_segs(u, ct, op, n)
         elif u.op == "allreduce":
             self.emit(f"coconet::cuda::allreduce<{ct}>({op}, v_{x}, v_{dst}, {n}, ctx);")
         elif u.op == "reducescatter":
@@ -414,6 +415,25 @@ class CudaRenderer(LoopEmitter):
             assert u.op == "send", u.op
             nxt = "true" if u.direction == "next" else "false"
             self.emit(f"coconet::cuda::send_shift<{ct}>(v_{x}, v_{dst}, {n}, {nxt}, ctx);")
+
+    def _collective_segs(self, u: Collective, ct: str, op: str, n: str) -> None:
+        """A collective of a scattered tensor, one NCCL call (or copy) per piece of its segments,
+        into the contiguous result: the plan's packed temporary is not needed (never filled)."""
+        x, dst = u.src, u.dst
+        if u.op == "allreduce":
+            self.emit(f"coconet::cuda::allreduce<{ct}>({op}, p_{x}, v_{dst}, ctx);")
+        elif u.op == "reducescatter":
+            self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, p_{x}, v_{dst}, {n}, ctx);")
+        elif u.op == "broadcast":
+            self.emit(f"coconet::cuda::broadcast<{ct}>(p_{x}, v_{dst}, {n}, {u.root}, ctx);")
+        elif u.op == "reduce":
+            self.emit(f"coconet::cuda::reduce<{ct}>({op}, p_{x}, v_{dst}, {n}, {u.root}, ctx);")
+        elif u.op == "scatter":
+            self.emit(f"coconet::cuda::scatter_copy<{ct}>(p_{x}, v_{dst}, {n}, ctx);")
+        else:
+            assert u.op == "send", u.op
+            nxt = "true" if u.direction == "next" else "false"
+            self.emit(f"coconet::cuda::send_shift<{ct}>(p_{x}, v_{dst}, {n}, {nxt}, ctx);")
 
     # --- fused collectives ----------------------------------------------------------------
     def _fused(self, u: Fused, block: tuple[str, str] | None = None) -> None:
