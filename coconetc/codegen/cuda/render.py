@@ -91,7 +91,7 @@ def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
                 or u.type.layout.dim == u.type.ndim - 1):
             return [Unsupported(u.line, "a row-wise phase reading a value kept in registers, or sliced along "
                                         "its rows, is not in the CUDA backend yet")]
-    if kinds.get(u.collective) not in ("register", "scratch"):
+    if kinds.get(u.collective) not in ("register", "scratch", "output", "alias"):
         return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
                                     "not in the CUDA backend yet")]
     return []
@@ -374,11 +374,10 @@ class CudaRenderer(LoopEmitter):
             lx, attrs = self.ldims(xt), dict(u.attrs)
             if "eps" in attrs:
                 eps = literal(float(attrs["eps"]), "f64")  # type: ignore[arg-type]
-            else:  # a scalar parameter (on the host); a computed eps is not supported
-                b = self.plan.buffer(u.args[3])
-                if b.kind != "scalar":
-                    raise Unsupported(u.line, "layernorm with a computed eps is not in the CUDA backend yet")
+            elif self.plan.buffer(u.args[3]).kind == "scalar":  # a scalar parameter (on the host)
                 eps = f"double(coconet::to_compute(v_{u.args[3]}[0]))"
+            else:  # a computed 0-d value, read on the device by the kernel
+                eps = f"v_{u.args[3]}"
             self.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                       f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
         else:
@@ -501,7 +500,7 @@ class CudaRenderer(LoopEmitter):
                       f"k, ch_{nm}, ctx); }};")
         else:
             self.emit("  auto gather = [&](int64_t) {};")
-        if self.plan.buffer(u.collective).kind == "scratch":  # the reduced value is kept
+        if self.plan.buffer(u.collective).kind != "register":  # the reduced value is kept
             self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
                       f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
             self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")

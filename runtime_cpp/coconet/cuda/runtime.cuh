@@ -849,6 +849,31 @@ void send_shift(const Segs<T>& x, T* y, int64_t n, bool next, const Ctx& c) {
   }
 }
 
+// ---- layernorm with a computed eps ---------------------------------------------------------------
+
+// layernorm over the last dim whose eps is a computed 0-d value in device memory (read by each
+// thread): one thread per row, in the compute type, as layernorm_kernel.
+template <class T, class E>
+void layernorm(const T* x, const T* g, const T* b, const E* eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
+  using C = compute_t<T>;
+  COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_R(eps, 0, 1),
+                 COCONET_W(y, 0, rows * H));
+  launch(rows, c.stream, [=] __device__ (int64_t r) {
+    const T* xr = x + r * H;
+    C mean = 0, var = 0;
+    for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
+    mean /= static_cast<C>(H);
+    for (int64_t j = 0; j < H; ++j) {
+      C d = to_compute(xr[j]) - mean;
+      var += d * d;
+    }
+    var /= static_cast<C>(H);
+    C inv = C(1) / sqrt(var + static_cast<C>(double(to_compute(eps[0]))));
+    for (int64_t j = 0; j < H; ++j)
+      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+  });
+}
+
 // ---- communicators -----------------------------------------------------------------------------
 
 inline std::string unique_id() {
