@@ -22,6 +22,7 @@ CASES = {  # file: {program: its schedules, default included}
     "cuda_fused_scattered.ccn": {"sgdsc": 3, "mom": 2, "mix": 2, "half": 2},
     "cuda_scattered_collectives.ccn": {"clipw": 3, "sums": 1, "bc": 1, "red": 1, "sc": 1, "snd": 1},
     "cuda_fused_kept.ccn": {"keepout": 3, "keepupd": 2, "lneps": 1, "lnf": 2},
+    "cuda_overlap_fused.ccn": {"ovar": 3, "ovln": 2},
 }
 GROUPED = {"snd"}  # send between groups: one group a rank (2 groups on 4 ranks)
 RUNS = [(1, 23, None), (2, 23, None), (3, 23, None), (4, 23, None), (4, 3, None), (3, 23, "2")]

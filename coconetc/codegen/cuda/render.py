@@ -43,11 +43,10 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     def unit(u: Unit) -> None:
         if isinstance(u, Overlap) and u.fused is not None:
             f = u.fused
-            if (not u.direct or f.op != "reducescatter" or f.type.layout.dim == 0 or f.after
-                    or f.src != u.producer):
-                out.append(Unsupported(u.line, "overlap into a fused collective other than a reduce-scatter along "
-                                               "a dim other than 0 of rows of the matmul is not in the CUDA "
-                                               "backend yet"))
+            if not u.direct or (f.op == "reducescatter" and f.type.layout.dim == 0) or f.src != u.producer:
+                out.append(Unsupported(u.line, "overlap into a fused collective other than an all-reduce or a "
+                                               "reduce-scatter along a dim other than 0 fed by rows of the matmul "
+                                               "is not in the CUDA backend yet"))
             else:
                 unit(f)
         elif isinstance(u, Library) and ops.get(u.op).extern is not None:
@@ -465,8 +464,11 @@ class CudaRenderer(LoopEmitter):
             per = _prod(self.ldims(t)[1:])
             self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
             self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
-            self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, comm.size) "
-                      f"* {inner};")
+            if u.op == "reducescatter":
+                self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
+                          f"comm.size) * {inner};")
+            else:  # an all-reduce: this block's elements
+                self.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
             rows_arg = f", {block[0]}, {block[1]}"
         else:
             self.emit(f"  const int64_t base_{nm} = 0;")
@@ -510,7 +512,7 @@ class CudaRenderer(LoopEmitter):
         self.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.site() * 8}, "
                   f"reduce_to, {fn}, gather);")
         self.emit("}")
-        for a in u.after:
+        for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
             self.unit(a)
 
     def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
@@ -529,7 +531,8 @@ class CudaRenderer(LoopEmitter):
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::allreduce_chunk<{ct}>({op}, "
                       f"p_{u.src}, red, mine_{nm}, k, ch_{nm}, ctx); }};")
         else:
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+            lo = f"base_{nm} + k * ch_{nm}" if rows_arg else f"k * ch_{nm}"  # an overlap's block starts at base_
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = {lo}; "
                       f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
                       f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
 
@@ -727,6 +730,8 @@ class CudaRenderer(LoopEmitter):
         self.emit("    }")
         self.emit("  }")
         self.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
+        for a in f.after:  # what waits for every chunk of every block, on the call's stream
+            self.unit(a)
         self.emit("}")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:
