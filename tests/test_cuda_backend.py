@@ -133,14 +133,15 @@ def test_matmul_is_cublas_and_collectives_are_nccl(example):
     assert "cublasGemmEx" in (Path(cuda_build.runtime_dir()) / "coconet" / "cuda" / "runtime.cuh").read_text()
 
 
-# What the CUDA renderer does not do yet (every example is in it now): a fused all-reduce over
-# scattered tensors.
-UNSUPPORTED = """program p(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {
-    g1 = allreduce(sum, g)
-    w1 = update(w, w - lr * g1)
+# What the CUDA renderer does not do yet (every example is in it now): an allgather of a sliced
+# scattered tensor (which the CPU backend does not build either); the other program is rendered.
+UNSUPPORTED = """program q(x: f32[N] replicated scattered) {
+    a = broadcast(x, 0)
+    return a
 }
-schedule f for p {
-    fuse(g1, w1)
+program p(x: f32[N] sliced(0) scattered) {
+    a = allgather(x)
+    return a
 }
 """
 
@@ -151,11 +152,11 @@ def test_unsupported_units_are_reported_not_rendered(tmp_path):
     path.write_text(UNSUPPORTED)
     mod = load_file(str(path))
     found = problems(mod)
-    assert set(found) == {("p", "f")}
-    assert found[("p", "f")][0].line == 6
-    with pytest.raises(Unsupported, match="fused all-reduce over scattered tensors"):
+    assert set(found) == {("p", "default")}
+    assert found[("p", "default")][0].line == 6
+    with pytest.raises(Unsupported, match="an allgather of a sliced scattered tensor"):
         generate(mod, "m")
-    assert ("p", "default") in generate(mod, "m", skip_unsupported=True).functions
+    assert ("q", "default") in generate(mod, "m", skip_unsupported=True).functions
 
 
 def test_every_example_is_in_the_cuda_backend(example):
@@ -179,8 +180,8 @@ def test_check_backend_cuda_reports_at_the_directive(tmp_path):
     res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                           str(path)], capture_output=True, text=True)
     assert res.returncode == 1
-    assert ("u.ccn:6: error: p (schedule f): a fused all-reduce over scattered tensors, or one gathering into "
-            "them, is not in the CUDA backend yet") in res.stderr
+    assert ("u.ccn:6: error: p (schedule default): an allgather of a sliced scattered tensor ('x') is not in the "
+            "CUDA backend yet") in res.stderr
     ok = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                          str(EXAMPLES[0].parent / "adam.ccn")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

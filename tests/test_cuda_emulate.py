@@ -266,16 +266,13 @@ def test_run_emulate_command(built, tmp_path):
     assert res.stdout.count("matches the interpreter on every rank") == 3, res.stdout
     saved = np.load(tmp_path / "out.fused.npz")
     assert saved["r2.out.w"].shape == (7,)
-    # a schedule the CUDA backend does not implement (a fused all-reduce over scattered tensors)
-    # is named and skipped; the rest runs
-    src = tmp_path / "scattered.ccn"
-    src.write_text("program s(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {\n"
-                   "    g1 = allreduce(sum, g)\n    w1 = update(w, w - lr * g1)\n}\n"
-                   "schedule f for s {\n    fuse(g1, w1)\n}\n")
+    # a program the CUDA backend does not implement (an allgather of a sliced scattered tensor)
+    # is named and skipped, schedule by schedule
+    src = tmp_path / "unsupported.ccn"
+    src.write_text("program s(x: f32[N] sliced(0) scattered) {\n    a = allgather(x)\n    return a\n}\n")
     res = _cli("run", str(src), "--backend", "cuda", "--emulate", "--ranks", "2", "-s", "all")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "s [f]: skipped: a fused all-reduce over scattered tensors" in res.stdout, res.stdout
-    assert "s [default] (CUDA, host emulation): 2 ranks:" in res.stdout, res.stdout
+    assert "s [default]: skipped: an allgather of a sliced scattered tensor" in res.stdout, res.stdout
 
 
 CALLS = r"""

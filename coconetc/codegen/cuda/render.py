@@ -43,33 +43,29 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     def unit(u: Unit) -> None:
         if isinstance(u, Overlap) and u.fused is not None:
             f = u.fused
-            if (not u.direct or f.op != "reducescatter" or f.type.layout.dim == 0 or f.after
-                    or f.src != u.producer):
-                out.append(Unsupported(u.line, "overlap into a fused collective other than a reduce-scatter along "
-                                               "a dim other than 0 of rows of the matmul is not in the CUDA "
-                                               "backend yet"))
+            if not u.direct or (f.op == "reducescatter" and f.type.layout.dim == 0) or f.src != u.producer:
+                out.append(Unsupported(u.line, "overlap into a fused collective other than an all-reduce or a "
+                                               "reduce-scatter along a dim other than 0 fed by rows of the matmul "
+                                               "is not in the CUDA backend yet"))
             else:
                 unit(f)
         elif isinstance(u, Library) and ops.get(u.op).extern is not None:
             out.extend(_extern_problems(u, kinds, ndims))
-        elif isinstance(u, Reduce) and u.op != "segment_norm" and u.src in scattered:
-            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend yet"))
-        elif isinstance(u, Collective) and (u.packed or (u.src in scattered and u.op not in ("allreduce",
-                                                                                          "reducescatter"))):
-            out.append(Unsupported(u.line, f"a {u.op} of a scattered tensor ('{u.src}') is not in the CUDA backend "
-                                           "yet"))
+        elif isinstance(u, Collective) and u.src in scattered and u.op == "allgather":  # (the CPU's neither)
+            out.append(Unsupported(u.line, f"an allgather of a sliced scattered tensor ('{u.src}') is not in the "
+                                           "CUDA backend yet"))
         elif isinstance(u, Fused):
-            refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
-            if (u.src in scattered or refs & scattered) and (u.op != "reducescatter" or u.gather in scattered):
-                out.append(Unsupported(u.line, "a fused all-reduce over scattered tensors, or one gathering into "
-                                               "them, is not in the CUDA backend yet"))
-            else:
-                out.extend(_fused_problems(u, kinds))
+            out.extend(_fused_problems(u, kinds))
             for a in u.after:
                 unit(a)
     for u in plan.units:
         unit(u)
     return out
+
+
+def _units(units: tuple[Unit, ...]) -> list[Unit]:
+    """The units and those that run after a fused collective's chunks, in order."""
+    return [x for u in units for x in [u, *(_units(u.after) if isinstance(u, Fused) else [])]]
 
 
 def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -> list[Unsupported]:
@@ -94,7 +90,7 @@ def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
                 or u.type.layout.dim == u.type.ndim - 1):
             return [Unsupported(u.line, "a row-wise phase reading a value kept in registers, or sliced along "
                                         "its rows, is not in the CUDA backend yet")]
-    if kinds.get(u.collective) not in ("register", "scratch"):
+    if kinds.get(u.collective) not in ("register", "scratch", "output", "alias"):
         return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
                                     "not in the CUDA backend yet")]
     return []
@@ -105,6 +101,7 @@ class CudaRenderer(KernelEmitter):
         super().__init__(plan, fn, file, outputs)
         self.nevent = 0
         self.seg_declared = False
+        self.unpacked = {c.packed for c in _units(plan.units) if isinstance(c, Collective) and c.packed}
 
     def site(self) -> int:
         self.nsite += 1
@@ -171,8 +168,9 @@ class CudaRenderer(KernelEmitter):
             self.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
             self.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
                       "stream);")
-        elif b.kind == "into":
-            self.emit(f"// {b.name}: straight into {b.of}'s segments")
+        elif b.kind == "into" or b.name in self.unpacked:  # no memory of its own
+            self.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
+                      f"// {b.name}: not needed, the collective reads the segments piece by piece")
         elif b.kind == "output":
             self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
             self._name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
@@ -313,7 +311,8 @@ class CudaRenderer(KernelEmitter):
                       f"{self.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
             return
         norm = "true" if u.op == "norm" else "false"
-        self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>(v_{u.src}, v_{u.dst}, "
+        src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"  # scattered: a kernel per piece
+        self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>({src}, v_{u.dst}, "
                   f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
 
     def _library(self, u: Library) -> None:
@@ -333,11 +332,10 @@ class CudaRenderer(KernelEmitter):
             lx, attrs = self.ldims(xt), dict(u.attrs)
             if "eps" in attrs:
                 eps = literal(float(attrs["eps"]), "f64")  # type: ignore[arg-type]
-            else:  # a scalar parameter (on the host); a computed eps is not supported
-                b = self.plan.buffer(u.args[3])
-                if b.kind != "scalar":
-                    raise Unsupported(u.line, "layernorm with a computed eps is not in the CUDA backend yet")
+            elif self.plan.buffer(u.args[3]).kind == "scalar":  # a scalar parameter (on the host)
                 eps = f"double(coconet::to_compute(v_{u.args[3]}[0]))"
+            else:  # a computed 0-d value, read on the device by the kernel
+                eps = f"v_{u.args[3]}"
             self.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                       f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
         else:
@@ -356,12 +354,8 @@ class CudaRenderer(KernelEmitter):
         if u.into:
             self.emit(f"coconet::cuda::allgather<{ct}>(v_{x}, p_{u.into}, {_prod(self.gdims(xt))}, ctx);"
                       f"  // straight into {u.into}'s segments")
-        elif x in self.scattered:  # NCCL per segment / piece, grouped
-            if u.op == "allreduce":
-                self.emit(f"coconet::cuda::allreduce<{ct}>({op}, p_{x}, v_{dst}, ctx);")
-            else:
-                assert u.op == "reducescatter", u.op
-                self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, p_{x}, v_{dst}, {n}, ctx);")
+        elif x in self.scattered:  # NCCL (or a copy) per segment / piece, grouped
+            self._collective_segs(u, ct, op, n)
         elif u.op == "allreduce":
             self.emit(f"coconet::cuda::allreduce<{ct}>({op}, v_{x}, v_{dst}, {n}, ctx);")
         elif u.op == "reducescatter":
@@ -378,6 +372,25 @@ class CudaRenderer(KernelEmitter):
             assert u.op == "send", u.op
             nxt = "true" if u.direction == "next" else "false"
             self.emit(f"coconet::cuda::send_shift<{ct}>(v_{x}, v_{dst}, {n}, {nxt}, ctx);")
+
+    def _collective_segs(self, u: Collective, ct: str, op: str, n: str) -> None:
+        """A collective of a scattered tensor, one NCCL call (or copy) per piece of its segments,
+        into the contiguous result: the plan's packed temporary is not needed (never filled)."""
+        x, dst = u.src, u.dst
+        if u.op == "allreduce":
+            self.emit(f"coconet::cuda::allreduce<{ct}>({op}, p_{x}, v_{dst}, ctx);")
+        elif u.op == "reducescatter":
+            self.emit(f"coconet::cuda::reduce_scatter<{ct}>({op}, p_{x}, v_{dst}, {n}, ctx);")
+        elif u.op == "broadcast":
+            self.emit(f"coconet::cuda::broadcast<{ct}>(p_{x}, v_{dst}, {n}, {u.root}, ctx);")
+        elif u.op == "reduce":
+            self.emit(f"coconet::cuda::reduce<{ct}>({op}, p_{x}, v_{dst}, {n}, {u.root}, ctx);")
+        elif u.op == "scatter":
+            self.emit(f"coconet::cuda::scatter_copy<{ct}>(p_{x}, v_{dst}, {n}, ctx);")
+        else:
+            assert u.op == "send", u.op
+            nxt = "true" if u.direction == "next" else "false"
+            self.emit(f"coconet::cuda::send_shift<{ct}>(p_{x}, v_{dst}, {n}, {nxt}, ctx);")
 
     # --- fused collectives ----------------------------------------------------------------
     def _fused(self, u: Fused, block: tuple[str, str] | None = None) -> None:
@@ -408,8 +421,11 @@ class CudaRenderer(KernelEmitter):
             per = _prod(self.ldims(t)[1:])
             self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
             self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
-            self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, comm.size) "
-                      f"* {inner};")
+            if u.op == "reducescatter":
+                self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
+                          f"comm.size) * {inner};")
+            else:  # an all-reduce: this block's elements
+                self.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
             rows_arg = f", {block[0]}, {block[1]}"
         else:
             self.emit(f"  const int64_t base_{nm} = 0;")
@@ -448,7 +464,7 @@ class CudaRenderer(KernelEmitter):
                       f"k, ch_{nm}, ctx); }};")
         else:
             self.emit("  auto gather = [&](int64_t) {};")
-        if self.plan.buffer(u.collective).kind == "scratch":  # the reduced value is kept
+        if self.plan.buffer(u.collective).kind != "register":  # the reduced value is kept
             self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
                       f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
             self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
@@ -461,7 +477,7 @@ class CudaRenderer(KernelEmitter):
         self.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.site() * 8}, "
                   f"reduce_to, {fn}, gather{', source' if direct else ''});")
         self.emit("}")
-        for a in u.after:
+        for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
             self.unit(a)
 
     def _chunk_size(self, u: Fused, direct: bool) -> None:
@@ -528,8 +544,12 @@ class CudaRenderer(KernelEmitter):
         elif u.op == "reducescatter":
             self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
+        elif u.src in self.scattered:  # an all-reduce: NCCL per piece of the chunk inside a segment
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::allreduce_chunk<{ct}>({op}, "
+                      f"p_{u.src}, red, mine_{nm}, k, ch_{nm}, ctx); }};")
         else:
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = k * ch_{nm}; "
+            lo = f"base_{nm} + k * ch_{nm}" if rows_arg else f"k * ch_{nm}"  # an overlap's block starts at base_
+            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = {lo}; "
                       f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
                       f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
 
@@ -716,6 +736,8 @@ class CudaRenderer(KernelEmitter):
         self.emit("    }")
         self.emit("  }")
         self.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
+        for a in f.after:  # what waits for every chunk of every block, on the call's stream
+            self.unit(a)
         self.emit("}")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:

@@ -896,6 +896,115 @@ inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::ve
 #define COCONET_ACCESS_RUNS(runs, ...)
 #endif
 
+// ---- scattered tensors: fused all-reduce, sum/norm, packed collectives ---------------------------
+
+// Chunk k of the logical [0, n) of a scattered x, all-reduced into red: one grouped ncclAllReduce
+// per piece of the chunk inside one segment, on the comm stream (a fused all-reduce's reduce_to).
+template <class T>
+void allreduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
+  const int64_t lo = k * ch, hi = std::min(n, lo + ch);
+  Group_ g;
+  for (const Piece& pc : pieces(x.starts, lo, hi))
+    COCONET_CUDA(ncclAllReduce(x.at(pc), red + pc.offset, size_t(pc.size), NcclType<T>::t, op, c.comm, c.comm_stream));
+}
+
+// dst[0] = sum (or L2 norm) of the logical [0, n) of a scattered x: a block reduction per piece
+// into one double, the ranks' partial sums added when x is sliced (cross_rank), as reduce_sum.
+template <class T, bool NORM>
+void reduce_sum(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+  double* acc = scratch<double>(site, 1);
+  COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
+  for (const Piece& pc : pieces(x.starts, 0, n)) {
+    const T* p = x.at(pc);
+    int64_t blocks = (pc.size + 255) / 256;
+    if (blocks > 4096) blocks = 4096;
+    void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, NORM>;
+    COCONET_ACCESS(COCONET_R(p, 0, pc.size), COCONET_W(acc, 0, 1));
+    COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, p, pc.size, acc);
+    COCONET_CUDA(cudaGetLastError());
+  }
+  if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 1, ncclFloat64, ncclSum, c.comm, c.stream));
+  void (*finish)(const double*, T*) = finish_sum_kernel<T, NORM>;
+  COCONET_ACCESS(COCONET_R(acc, 0, 1), COCONET_W(dst, 0, 1));
+  COCONET_LAUNCH(finish, 1, 1, 0, c.stream, acc, dst);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+// Root's scattered x into every rank's contiguous y[0, n): one grouped ncclBroadcast per piece.
+template <class T>
+void broadcast(const Segs<T>& x, T* y, int64_t n, int root, const Ctx& c) {
+  Group_ g;
+  for (const Piece& pc : pieces(x.starts, 0, n))
+    COCONET_CUDA(ncclBroadcast(x.at(pc), y + pc.offset, size_t(pc.size), NcclType<T>::t, root, c.comm, c.stream));
+}
+
+// The reduction of a scattered x on root into y[0, n), one grouped ncclReduce per piece; the other
+// ranks keep x (copied piece by piece).
+template <class T>
+void reduce(ncclRedOp_t op, const Segs<T>& x, T* y, int64_t n, int root, const Ctx& c) {
+  const std::vector<Piece> ps = pieces(x.starts, 0, n);
+  if (c.group.rank != root)
+    for (const Piece& pc : ps)
+      COCONET_CUDA(cudaMemcpyAsync(y + pc.offset, x.at(pc), size_t(pc.size) * sizeof(T), cudaMemcpyDeviceToDevice,
+                                   c.stream));
+  Group_ g;
+  for (const Piece& pc : ps)
+    COCONET_CUDA(ncclReduce(x.at(pc), y + pc.offset, size_t(pc.size), NcclType<T>::t, op, root, c.comm, c.stream));
+}
+
+// This rank's slice of a replicated scattered x (logical [0, n)) into y: a copy per piece.
+template <class T>
+void scatter_copy(const Segs<T>& x, T* y, int64_t n, const Ctx& c) {
+  const Range sl = slice_range(n, c.group.size, c.group.rank);
+  for (const Piece& pc : pieces(x.starts, sl.begin, sl.end))
+    COCONET_CUDA(cudaMemcpyAsync(y + pc.offset, x.at(pc), size_t(pc.size) * sizeof(T), cudaMemcpyDeviceToDevice,
+                                 c.stream));
+}
+
+// send(x, next|prev) of a scattered x, as send_shift: a grouped ncclSend per piece, received into
+// the matching piece of y (every rank's segments have the same sizes).
+template <class T>
+void send_shift(const Segs<T>& x, T* y, int64_t n, bool next, const Ctx& c) {
+  const int gs = c.wsize / c.groups, g = c.wrank / gs;
+  const int to = next ? g + 1 : g - 1, from = next ? g - 1 : g + 1;
+  const bool has_to = to >= 0 && to < c.groups, has_from = from >= 0 && from < c.groups;
+  if (!has_from) COCONET_CUDA(cudaMemsetAsync(y, 0, size_t(n) * sizeof(T), c.stream));
+  if (!has_to && !has_from) return;
+  Group_ grp;
+  for (const Piece& pc : pieces(x.starts, 0, n)) {
+    if (has_to)
+      COCONET_CUDA(ncclSend(x.at(pc), size_t(pc.size), NcclType<T>::t, to * gs + c.wrank % gs, c.world, c.stream));
+    if (has_from)
+      COCONET_CUDA(ncclRecv(y + pc.offset, size_t(pc.size), NcclType<T>::t, from * gs + c.wrank % gs, c.world,
+                            c.stream));
+  }
+}
+
+// ---- layernorm with a computed eps ---------------------------------------------------------------
+
+// layernorm over the last dim whose eps is a computed 0-d value in device memory (read by each
+// thread): one thread per row, in the compute type, as layernorm_kernel.
+template <class T, class E>
+void layernorm(const T* x, const T* g, const T* b, const E* eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
+  using C = compute_t<T>;
+  COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_R(eps, 0, 1),
+                 COCONET_W(y, 0, rows * H));
+  launch(rows, c.stream, [=] __device__ (int64_t r) {
+    const T* xr = x + r * H;
+    C mean = 0, var = 0;
+    for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
+    mean /= static_cast<C>(H);
+    for (int64_t j = 0; j < H; ++j) {
+      C d = to_compute(xr[j]) - mean;
+      var += d * d;
+    }
+    var /= static_cast<C>(H);
+    C inv = C(1) / sqrt(var + static_cast<C>(double(to_compute(eps[0]))));
+    for (int64_t j = 0; j < H; ++j)
+      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+  });
+}
+
 // ---- communicators -----------------------------------------------------------------------------
 
 inline std::string unique_id() {
