@@ -140,8 +140,9 @@ class _Local:
 
 @dataclass
 class _Fast:
-    """The last call of a function on this thread, remembered so that a call with the same
-    buffers (a training loop) skips the per-array checks and reuses the module's CallArgs: the
+    """A recent call of a function on this thread (ProgramFunction._last), remembered so that a
+    call with the same buffers (a training loop) skips the per-array checks and reuses the
+    module's CallArgs: the
     key (the buffers' identity, shape, dtype, strides), the objects (kept alive so that their
     ids are not reused), what the checks returned, and the arguments built for the module."""
 
@@ -190,7 +191,10 @@ class ProgramFunction:
         self._tuned: list | None = None  # the tuning cache's records of this program (schedule="auto")
         self._auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see _agree)
-        self._last: dict[int, _Fast] = {}  # per thread: the last call's buffers (see _repeat)
+        # the recent calls' buffers, by (thread, schedule, id of the first tensor argument):
+        # a training step calls a function for several parameter groups (see _repeat)
+        self._last: dict[tuple, _Fast] = {}
+        self._first = next((q.name for q in schedules[DEFAULT].params if not q.scalar), "")
         self._extra_checked = False
         base = schedules[DEFAULT]
         self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
@@ -299,7 +303,7 @@ class ProgramFunction:
         return self.schedules[key]
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
-        fast = self._last.get(threading.get_ident())
+        fast = self._last.get((threading.get_ident(), schedule, id(kwargs.get(self._first))))
         if fast is not None and fast.hot is not None and fast.config is not None \
                 and fast.key[0] == schedule:
             # the hot path: the same NumPy buffers as an agreed call; one round of 64 bytes
@@ -541,9 +545,9 @@ def _key(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, scalars: fro
 
 def _repeat(fn: ProgramFunction, schedule, groups, comm, kwargs: dict) -> _Local | None:
     """This rank's checked arguments without checking each buffer again, when the call passes
-    the same buffers as this thread's last call of FN (only the scalars are checked); None
+    the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
     otherwise (the full checks run)."""
-    fast = fn._last.get(threading.get_ident())
+    fast = fn._last.get((threading.get_ident(), schedule, id(kwargs.get(fn._first))))
     if fast is None or fast.local.program is None or fast.key[0] != schedule:
         return None
     p = fast.local.program
@@ -563,6 +567,9 @@ def _repeat(fn: ProgramFunction, schedule, groups, comm, kwargs: dict) -> _Local
                    timeout=agree.timeout_s(), fast=fast)
 
 
+_RECENT = 64  # calls (sets of buffers) remembered per function
+
+
 def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: _Local,
               what: str) -> None:
     """After a call whose checks passed everywhere: remember its buffers for _repeat (and,
@@ -574,7 +581,11 @@ def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: 
         return
     scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
     local.fast = _Fast(key, list(kwargs.values()), local, local.shared[1][2], scalars)
-    fn._last[threading.get_ident()] = local.fast
+    slot = (threading.get_ident(), schedule, id(kwargs.get(fn._first)))
+    fn._last.pop(slot, None)
+    fn._last[slot] = local.fast
+    while len(fn._last) > _RECENT:  # the oldest first
+        del fn._last[next(iter(fn._last))]
     tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
     if all(type(v) is np.ndarray for _, v in tensors) and \
             all(q.type.dtype in _PACK for q in p.params if q.scalar):
