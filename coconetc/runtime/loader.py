@@ -191,10 +191,10 @@ class ProgramFunction:
         self._tuned: list | None = None  # the tuning cache's records of this program (schedule="auto")
         self._auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see _agree)
-        # the recent calls' buffers, by (thread, schedule, id of the first tensor argument):
-        # a training step calls a function for several parameter groups (see _repeat)
+        # the recent calls' buffers, by (thread, schedule, the tensor arguments' ids): a
+        # training step calls a function for several parameter groups in turn (see _repeat)
         self._last: dict[tuple, _Fast] = {}
-        self._first = next((q.name for q in schedules[DEFAULT].params if not q.scalar), "")
+        self._tensors = tuple(q.name for q in schedules[DEFAULT].params if not q.scalar)
         self._extra_checked = False
         base = schedules[DEFAULT]
         self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
@@ -303,7 +303,7 @@ class ProgramFunction:
         return self.schedules[key]
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
-        fast = self._last.get((threading.get_ident(), schedule, id(kwargs.get(self._first))))
+        fast = self._last.get(_slot(self, schedule, kwargs))
         if fast is not None and fast.hot is not None and fast.config is not None \
                 and fast.key[0] == schedule:
             # the hot path: the same NumPy buffers as an agreed call; one round of 64 bytes
@@ -547,7 +547,7 @@ def _repeat(fn: ProgramFunction, schedule, groups, comm, kwargs: dict) -> _Local
     """This rank's checked arguments without checking each buffer again, when the call passes
     the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
     otherwise (the full checks run)."""
-    fast = fn._last.get((threading.get_ident(), schedule, id(kwargs.get(fn._first))))
+    fast = fn._last.get(_slot(fn, schedule, kwargs))
     if fast is None or fast.local.program is None or fast.key[0] != schedule:
         return None
     p = fast.local.program
@@ -570,6 +570,11 @@ def _repeat(fn: ProgramFunction, schedule, groups, comm, kwargs: dict) -> _Local
 _RECENT = 64  # calls (sets of buffers) remembered per function
 
 
+def _slot(fn: ProgramFunction, schedule, kwargs: dict) -> tuple:
+    """Where fn._last keeps a call with these buffers."""
+    return (threading.get_ident(), schedule, *map(id, map(kwargs.get, fn._tensors)))
+
+
 def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: _Local,
               what: str) -> None:
     """After a call whose checks passed everywhere: remember its buffers for _repeat (and,
@@ -581,7 +586,7 @@ def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: 
         return
     scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
     local.fast = _Fast(key, list(kwargs.values()), local, local.shared[1][2], scalars)
-    slot = (threading.get_ident(), schedule, id(kwargs.get(fn._first)))
+    slot = _slot(fn, schedule, kwargs)
     fn._last.pop(slot, None)
     fn._last[slot] = local.fast
     while len(fn._last) > _RECENT:  # the oldest first
