@@ -6,7 +6,13 @@ that overlap, PyTorch autograd rules: coconetc/common/validate.py), then the ran
 communicator agree on the call (coconetc/runtime/agree.py: small non-blocking allgathers
 under a watchdog): the function and schedule, groups, every scalar's value, the sizes bound
 across ranks. Any error raises on every rank before any buffer is touched, and nobody is left
-waiting in a collective. Nothing here imports the interpreter (coconetc/interp)."""
+waiting in a collective. Nothing here imports the interpreter (coconetc/interp).
+
+A call with the same buffers as one of the recent agreed calls (a training loop) takes the hot
+path: the buffers are compared with the remembered ones (identity, shape, strides, dtype,
+flags), the scalars packed with one struct, and the ranks exchange one 64-byte record (the
+digest of the agreed configuration and the scalars' bits) over a persistent allgather; any
+difference sends every rank through the full checks and exchange, which raise as above."""
 
 from __future__ import annotations
 
