@@ -9,8 +9,8 @@ across ranks. Any error raises on every rank before any buffer is touched, and n
 waiting in a collective. Nothing here imports the interpreter (coconetc/interp).
 
 A call with the same buffers as one of the recent agreed calls (a training loop) takes the hot
-path: the buffers are compared with the remembered ones (identity, shape, strides, dtype,
-flags), the scalars packed with one struct, and the ranks exchange one 64-byte record (the
+path: the NumPy arrays or CPU tensors are compared with the remembered ones (identity, shape,
+strides, dtype, flags or storage), the scalars packed with one struct, and the ranks exchange one 64-byte record (the
 digest of the agreed configuration and the scalars' bits) over a persistent allgather; any
 difference sends every rank through the full checks and exchange, which raise as above."""
 
@@ -170,8 +170,9 @@ class _Fast:
 @dataclass
 class _Hot:
     """What the hot path (ProgramFunction.__call__ -> _hot_check) compares a call against: the
-    communicator object and handle, the arrays (object, shape, strides, dtype), the scalars'
-    names and how their bits are packed, the watchdog's label and COCONET_TIMEOUT as read."""
+    communicator object and handle, the NumPy arrays (object, shape, strides, dtype) and CPU
+    PyTorch tensors (also their storage), the scalars' names and how their bits are packed,
+    the watchdog's label and COCONET_TIMEOUT as read."""
 
     comm: Any
     world: Any
@@ -179,6 +180,10 @@ class _Hot:
     groups: int
     nkw: int
     arrays: tuple  # (name, array, shape, strides, dtype, writeable) each
+    torch: tuple  # (name, tensor, shape, strides, dtype, data pointer, requires_grad) each
+    torch_updated: tuple  # the tensors the call updates in place (their versions are bumped)
+    grad_check: bool  # an updated tensor requires grad: only under torch.no_grad()
+    torch_out: bool  # outputs are returned as tensors
     scalars: tuple  # (name, is integer) each, in parameter order
     pack: struct.Struct
     floats_only: bool
@@ -598,14 +603,23 @@ def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: 
     while len(fn._last) > _RECENT:  # the oldest first
         del fn._last[next(iter(fn._last))]
     tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
-    if all(type(v) is np.ndarray for _, v in tensors) and \
+    arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
+    torches = [(k, v) for k, v in tensors if type(v) is not np.ndarray and is_torch(v)
+               and hasattr(v, "data_ptr") and v.device.type == "cpu"]
+    if len(arrays) + len(torches) == len(tensors) and \
             all(q.type.dtype in _PACK for q in p.params if q.scalar):
         from mpi4py import MPI
         gs = comm.Get_size() // groups
         outs = tuple((p.type_of(s), STORAGE[p.type_of(s).dtype]) for _, s in p.outputs)
+        updated = {t for t, _ in p.updates}
         local.fast.hot = _Hot(
             comm=comm, world=MPI.COMM_WORLD, handle=comm.py2f(), groups=groups, nkw=len(kwargs),
-            arrays=tuple((k, v, v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in tensors),
+            arrays=tuple((k, v, v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),
+            torch=tuple((k, v, tuple(v.shape), v.stride(), v.dtype, v.data_ptr(), v.requires_grad)
+                        for k, v in torches),
+            torch_updated=tuple(local.torch_updated),
+            grad_check=any(v.requires_grad for k, v in torches if k in updated),
+            torch_out=local.torch_out,
             scalars=tuple(scalars),
             pack=struct.Struct("<" + "".join(_PACK[q.type.dtype][1:] for q in p.params if q.scalar)),
             floats_only=not any(i for _, i in scalars), what=what,
@@ -626,6 +640,8 @@ def _hot_check(hot: _Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | No
         if v is not a or v.shape != shape or v.strides != strides or v.dtype is not dtype \
                 or v.flags.writeable != writeable:
             return None
+    if hot.torch and not _hot_torch(hot, kwargs):
+        return None
     vals: list = []
     try:
         return _hot_scalars(hot, kwargs, vals)
@@ -646,6 +662,21 @@ def _hot_scalars(hot: _Hot, kwargs: dict, vals: list) -> tuple[list, bytes] | No
     return vals, agree.scalar_record(hot.pack.pack(*vals))
 
 
+def _hot_torch(hot: _Hot, kwargs: dict) -> bool:
+    """The PyTorch tensors are those of the remembered call, unchanged (shape, strides, dtype,
+    storage, requires_grad), and none that requires grad is updated with grad mode on (the
+    general path raises for that)."""
+    for name, t, shape, stride, dtype, ptr, grad in hot.torch:
+        v = kwargs.get(name)
+        if v is not t or v.shape != shape or v.stride() != stride or v.dtype is not dtype \
+                or v.data_ptr() != ptr or v.requires_grad != grad:
+            return False
+    if hot.grad_check:
+        import torch
+        return not torch.is_grad_enabled()
+    return True
+
+
 def _run_hot(fast: _Fast, hot: _Hot, vals: list):
     """Runs the module function of an agreed repeated call (the hot path of __call__)."""
     args = fast.args
@@ -663,6 +694,11 @@ def _run_hot(fast: _Fast, hot: _Hot, vals: list):
     if fast.windows != len(shm.WINDOWS):
         args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
     fast.run(args)
+    if hot.torch_updated:
+        import torch
+        torch.autograd.graph.increment_version(hot.torch_updated)
+    if outs and hot.torch_out:
+        outs = [_as_torch(o) for o in outs]
     return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
 
