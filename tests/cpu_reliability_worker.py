@@ -180,10 +180,29 @@ def check_still_in_step(fn, rank, size, comm):
     return "; ".join(problems[:5]) or None
 
 
+def check_repeated_call_scalar_differs(fn, rank, size, comm):
+    """Calls with the same buffers agree in one small round (the hot path); a scalar that then
+    differs on one rank still raises on every rank, naming it, and leaves every buffer alone;
+    the next good call with those buffers runs."""
+    args = _inputs(rank, size, "zero")
+    for _ in range(3):
+        fn(schedule="zero", **args)
+    if not any(f.config is not None and f.hot is not None for f in fn._last.values()):
+        return f"rank {rank}: the repeated calls did not take the hot path"
+    for lr in (0.02, float(np.nextafter(np.float32(0.01), np.float32(1)))):
+        why = _expect(fn, rank, {**args, "lr": lr if rank == 1 else 0.01}, ValueError,
+                      ["'lr'", "differs", "rank 1"])
+        if why:
+            return why
+    fn(schedule="zero", **args)
+    return None
+
+
 CALL_CHECKS = [check_scalar_differs, check_scalar_differs_in_last_bit, check_schedule_differs,
                check_groups_differ, check_same_buffer_twice, check_view_of_another,
                check_alias_on_rank1_only, check_torch_views_alias, check_leaf_requires_grad,
-               check_no_grad_updates_and_bumps_version, check_still_in_step]
+               check_no_grad_updates_and_bumps_version, check_still_in_step,
+               check_repeated_call_scalar_differs]
 
 
 def mode_calls(comm, files) -> int:

@@ -65,7 +65,8 @@ def _launch(capfd, ranks: int, mode: str, files, timeout: float, env: dict | Non
 # --- on two and three ranks --------------------------------------------------------------------
 CALL_CHECKS = ["scalar_differs", "scalar_differs_in_last_bit", "schedule_differs", "groups_differ",
                "same_buffer_twice", "view_of_another", "alias_on_rank1_only", "torch_views_alias",
-               "leaf_requires_grad", "no_grad_updates_and_bumps_version", "still_in_step"]
+               "leaf_requires_grad", "no_grad_updates_and_bumps_version", "still_in_step",
+               "repeated_call_scalar_differs"]
 
 
 def test_wrong_calls_raise_on_every_rank(built, capfd):

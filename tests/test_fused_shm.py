@@ -72,3 +72,36 @@ def test_repeated_call_fast_path_checks_what_changed():
     a["w"].shape = (1, n)
     with pytest.raises(ValueError, match="'w'"):
         fn(g=g, **a, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, step=4.0)
+
+
+def test_repeated_call_hot_path_with_torch_tensors():
+    """Repeated calls with the same PyTorch tensors take the hot path: results as with fresh
+    NumPy arrays, version counters bumped on every call, and a tensor that requires grad is
+    still refused outside torch.no_grad() on a repeat."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("mpi4py")
+    import coconetc
+    fn = coconetc.load(REPO / "examples" / "adam.ccn", log=lambda msg: None).adam
+    n = 7
+    g = np.linspace(-1, 1, n).astype(np.float32)
+    t = {k: torch.full((n,), 0.5) for k in "wmv"}
+    b = {k: np.full(n, 0.5, np.float32) for k in "wmv"}
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+    tg = torch.from_numpy(g.copy())
+    for step in (1.0, 2.0, 3.0):
+        before = t["w"]._version
+        fn(g=tg, **t, **hp, step=step)
+        assert t["w"]._version > before
+        fn(g=g.copy(), **b, **hp, step=step)
+        b = {k: v.copy() for k, v in b.items()}
+    assert any(f.hot is not None and f.hot.torch for f in fn._last.values())
+    for k in "wmv":
+        assert np.array_equal(t[k].numpy(), b[k]), k
+    w = t["w"].requires_grad_()
+    with torch.no_grad():
+        fn(g=tg, **{**t, "w": w}, **hp, step=4.0)
+        fn(g=tg, **{**t, "w": w}, **hp, step=5.0)
+    before = w.detach().clone()
+    with pytest.raises(RuntimeError, match="'w'.*requires grad"):
+        fn(g=tg, **{**t, "w": w}, **hp, step=6.0)
+    assert torch.equal(w.detach(), before)

@@ -11,13 +11,21 @@ difference raises the same exception on every rank, naming the parameter and the
 Watchdog: the exchange is polled against a deadline of COCONET_TIMEOUT seconds (default 600; 0
 waits for ever). Past it, the rank asks every other rank whether it is waiting in the same call
 (point-to-point, answered from the others' polling loops), prints which ranks did not arrive
-and aborts the job (MPI_Abort), as NCCL's and PyTorch's watchdogs do."""
+and aborts the job (MPI_Abort), as NCCL's and PyTorch's watchdogs do.
+
+A call that repeats an agreed one (the same buffers; coconetc/runtime/loader.py) exchanges
+less: a fixed 64-byte record (`Channel.agreed`: the digest of the description every rank gave
+at the last full agreement, and the call's scalar bits), over a persistent allgather kept per
+communicator; only when the records differ does the full exchange above follow, to say what
+differs."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +37,18 @@ DEFAULT_TIMEOUT = 600.0
 _TAG_WHO, _TAG_HERE = 31_001, 31_002  # only ever sent by a rank about to abort the job
 _GRACE = 1.0  # seconds the timed-out rank waits for the others to say where they are
 _BLOCK = 1024  # bytes per rank in the exchange's first (usually only) round
+
+
+_ENVIRON = getattr(os.environ, "_data", None)  # os.environ's own dict (POSIX: bytes keys)
+_ENV_KEY = os.environ.encodekey(ENV_TIMEOUT) if hasattr(os.environ, "encodekey") else ENV_TIMEOUT
+
+
+def timeout_raw() -> Any:
+    """COCONET_TIMEOUT as set now, unparsed (cheap: a repeated call compares it with what it
+    read when its checks ran, and runs the checks again when it changed)."""
+    if _ENVIRON is not None:
+        return _ENVIRON.get(_ENV_KEY)
+    return os.environ.get(ENV_TIMEOUT)
 
 
 def timeout_s() -> float:
@@ -44,35 +64,148 @@ def timeout_s() -> float:
     return t
 
 
-class _Calls:
-    """Per communicator: how many calls this rank has entered (for the watchdog's message)."""
+RECORD = 64  # bytes per rank of a repeated call's round: kind, configuration digest, scalars
+_HEADER = 24  # the kind (8 bytes) and the configuration digest (16)
+SCALAR_BYTES = RECORD - _HEADER
+_FAST = (0x636F636F6E657401).to_bytes(8, "little")  # "a repeat of configuration G"
+_FULL = (0x636F636F6E657402).to_bytes(8, "little")  # "this rank needs the full exchange"
 
-    def __init__(self) -> None:
+
+class Channel:
+    """Per communicator (created at this rank's first call on it, which is every rank's first:
+    calls are collective): how many calls this rank has entered (for the watchdog's message)
+    and the persistent allgather of the repeated calls' records (MPI_Allgather_init, or a
+    non-blocking allgather where the MPI library has no persistent collectives)."""
+
+    def __init__(self, comm) -> None:
         self.n = 0
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.send = bytearray(RECORD)
+        self.recv = bytearray(RECORD * self.size)
+        self.lock = threading.Lock()  # one call at a time uses the buffers
+        self.req = None
+        if self.size > 1:
+            try:
+                self.req = comm.Allgather_init(self.send, self.recv)
+            except (AttributeError, NotImplementedError):
+                self.req = None
+            except Exception:  # noqa: BLE001 - an MPI library without persistent collectives
+                self.req = None
+
+    def agreed(self, config: bytes | None, scalars: bytes, groups: int, what: str,
+               limit: float, start: float) -> bool:
+        """One round under the watchdog: True when every rank repeats the same agreed call
+        (config: the digest of the last full agreement, 16 bytes; None: this rank needs the full
+        exchange) with the same scalar bits in each group; False on every rank otherwise (then
+        every rank goes on to the full exchange). Counts the call."""
+        self.n += 1
+        if self.size == 1:
+            return config is not None
+        if not self.lock.acquire(blocking=False):  # another thread is in a call on this comm
+            return self._agreed_unshared(config, scalars, groups, what, limit, start)
+        try:
+            send = self.send
+            if config is None:
+                send[:8] = _FULL
+            else:
+                send[:8] = _FAST
+                send[8:_HEADER] = config
+                send[_HEADER:_HEADER + len(scalars)] = scalars
+                if len(scalars) < SCALAR_BYTES:
+                    send[_HEADER + len(scalars):] = bytes(SCALAR_BYTES - len(scalars))
+            if self.req is not None:
+                self.req.Start()
+                req = self.req
+            else:
+                req = self.comm.Iallgather(send, self.recv)
+            if not req.Test():
+                wait(req, self.comm, self.n, what, limit, start)
+            return _uniform(self.recv, send, config is not None, self.size, groups)
+        finally:
+            self.lock.release()
+
+    def _agreed_unshared(self, config, scalars, groups, what, limit, start) -> bool:
+        send = bytearray(RECORD)
+        if config is None:
+            send[:8] = _FULL
+        else:
+            send[:8] = _FAST
+            send[8:_HEADER] = config
+            send[_HEADER:_HEADER + len(scalars)] = scalars
+        recv = bytearray(RECORD * self.size)
+        req = self.comm.Iallgather(send, recv)
+        if not req.Test():
+            wait(req, self.comm, self.n, what, limit, start)
+        return _uniform(recv, send, config is not None, self.size, groups)
+
+
+def _uniform(recv: bytearray, mine: bytearray, fast: bool, size: int, groups: int) -> bool:
+    """The same answer on every rank (a function of the gathered records alone, given that
+    a rank's own record is among them): every record is a repeat of one configuration, with
+    the same scalars within each group."""
+    if not fast:
+        return False
+    if groups == 1 or size % groups:
+        return recv == mine * size
+    gs = size // groups
+    head = bytes(recv[:_HEADER])
+    if head[:8] != _FAST:
+        return False
+    for g in range(groups):
+        first = recv[g * gs * RECORD:(g * gs + 1) * RECORD]
+        if first[:_HEADER] != head or recv[g * gs * RECORD:(g + 1) * gs * RECORD] != first * gs:
+            return False
+    return True
+
+
+def digest(value: Any) -> bytes:
+    """16 bytes that name VALUE (built of str, int, bytes, tuples, lists, dicts) identically in
+    every process: blake2b of its repr (Python's hash() is salted per process)."""
+    return hashlib.blake2b(repr(value).encode(), digest_size=16).digest()
+
+
+def scalar_record(bits: bytes) -> bytes:
+    """The scalar part of a record: the bits themselves when they fit, else their digest."""
+    if len(bits) <= SCALAR_BYTES:
+        return bits
+    return hashlib.blake2b(bits, digest_size=SCALAR_BYTES).digest()
 
 
 _KEYVAL: list[int] = []
 
 
-def _calls(comm) -> _Calls:
+def channel(comm) -> Channel:
+    """This communicator's Channel (created on this rank's first call on it)."""
     from mpi4py import MPI
     if not _KEYVAL:
-        _KEYVAL.append(MPI.Comm.Create_keyval())
+        _KEYVAL.append(MPI.Comm.Create_keyval(delete_fn=_free_channel))
     got = comm.Get_attr(_KEYVAL[0])
     if got is None:
-        got = _Calls()
+        got = Channel(comm)
         comm.Set_attr(_KEYVAL[0], got)
     return got
 
 
-def exchange(comm, mine: Any, what: str, limit: float) -> list[Any]:
+def _free_channel(comm, keyval, ch) -> None:
+    req, ch.req = ch.req, None
+    if req is not None:
+        try:
+            req.Free()
+        except Exception:  # noqa: BLE001 - MPI already finalized: nothing left to free
+            pass
+
+
+
+def exchange(comm, mine: Any, what: str, limit: float, *, counted: bool = False) -> list[Any]:
     """Every rank's `mine` (picklable), in rank order, or the job aborts after `limit` seconds
-    (0: no limit)."""
+    (0: no limit). counted: this call was already counted (Channel.agreed ran first)."""
     if comm.Get_size() == 1:
         return [mine]
     from mpi4py import MPI
-    calls = _calls(comm)
-    calls.n += 1
+    calls = channel(comm)
+    if not counted:
+        calls.n += 1
     w = _Watch(comm, calls.n, what, limit)
     data = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
     # one round in the usual case: fixed blocks of [length, the description if it fits]
@@ -90,6 +223,15 @@ def exchange(comm, mine: Any, what: str, limit: float) -> list[Any]:
     displs = [sum(sizes[:r]) for r in range(len(sizes))]
     w.wait(comm.Iallgatherv(np.frombuffer(data, np.uint8), [out, sizes, displs, MPI.BYTE]))
     return [pickle.loads(out[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
+
+
+def wait(req, comm, call: int, what: str, limit: float, start: float) -> None:
+    """Waits for REQ under the watchdog, the deadline `limit` seconds after `start` (a
+    time.monotonic() taken at the call's entry)."""
+    w = _Watch.__new__(_Watch)
+    w.comm, w.call, w.what, w.limit = comm, call, what, limit
+    w.deadline = start + limit if limit > 0 else None
+    w.wait(req)
 
 
 class _Watch:

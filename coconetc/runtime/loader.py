@@ -6,13 +6,20 @@ that overlap, PyTorch autograd rules: coconetc/common/validate.py), then the ran
 communicator agree on the call (coconetc/runtime/agree.py: small non-blocking allgathers
 under a watchdog): the function and schedule, groups, every scalar's value, the sizes bound
 across ranks. Any error raises on every rank before any buffer is touched, and nobody is left
-waiting in a collective. Nothing here imports the interpreter (coconetc/interp)."""
+waiting in a collective. Nothing here imports the interpreter (coconetc/interp).
+
+A call with the same buffers as one of the recent agreed calls (a training loop) takes the hot
+path: the NumPy arrays or CPU tensors are compared with the remembered ones (identity, shape,
+strides, dtype, flags or storage), the scalars packed with one struct, and the ranks exchange one 64-byte record (the
+digest of the agreed configuration and the scalars' bits) over a persistent allgather; any
+difference sends every rank through the full checks and exchange, which raise as above."""
 
 from __future__ import annotations
 
 import importlib.util
 import struct
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -139,8 +146,9 @@ class _Local:
 
 @dataclass
 class _Fast:
-    """The last call of a function on this thread, remembered so that a call with the same
-    buffers (a training loop) skips the per-array checks and reuses the module's CallArgs: the
+    """A recent call of a function on this thread (ProgramFunction._last), remembered so that a
+    call with the same buffers (a training loop) skips the per-array checks and reuses the
+    module's CallArgs: the
     key (the buffers' identity, shape, dtype, strides), the objects (kept alive so that their
     ids are not reused), what the checks returned, and the arguments built for the module."""
 
@@ -153,6 +161,37 @@ class _Fast:
     sizes: Any = None
     run: Any = None
     windows: int = 0
+    # the agreed configuration: digest of every rank's description at the last full exchange
+    # that this call's buffers took part in (set once that call ran); None until then
+    config: bytes | None = None
+    hot: _Hot | None = None  # the hot path's precomputed checks (NumPy arrays and scalars only)
+
+
+@dataclass
+class _Hot:
+    """What the hot path (ProgramFunction.__call__ -> _hot_check) compares a call against: the
+    communicator object and handle, the NumPy arrays (object, shape, strides, dtype) and CPU
+    PyTorch tensors (also their storage), the scalars' names and how their bits are packed,
+    the watchdog's label and COCONET_TIMEOUT as read."""
+
+    comm: Any
+    world: Any
+    handle: int
+    groups: int
+    nkw: int
+    arrays: tuple  # (name, array, shape, strides, dtype, writeable) each
+    torch: tuple  # (name, tensor, shape, strides, dtype, data pointer, requires_grad) each
+    torch_updated: tuple  # the tensors the call updates in place (their versions are bumped)
+    grad_check: bool  # an updated tensor requires grad: only under torch.no_grad()
+    torch_out: bool  # outputs are returned as tensors
+    scalars: tuple  # (name, is integer) each, in parameter order
+    pack: struct.Struct
+    floats_only: bool
+    what: str
+    timeout_raw: Any
+    limit: float
+    channel: Any
+    outputs: tuple  # (shape, dtype) of each output array
 
 
 class ProgramFunction:
@@ -163,7 +202,10 @@ class ProgramFunction:
         self._tuned: list | None = None  # the tuning cache's records of this program (schedule="auto")
         self._auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see _agree)
-        self._last: dict[int, _Fast] = {}  # per thread: the last call's buffers (see _repeat)
+        # the recent calls' buffers, by (thread, schedule, the tensor arguments' ids): a
+        # training step calls a function for several parameter groups in turn (see _repeat)
+        self._last: dict[tuple, _Fast] = {}
+        self._tensors = tuple(q.name for q in schedules[DEFAULT].params if not q.scalar)
         self._extra_checked = False
         base = schedules[DEFAULT]
         self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
@@ -272,6 +314,22 @@ class ProgramFunction:
         return self.schedules[key]
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
+        fast = self._last.get(_slot(self, schedule, kwargs))
+        if fast is not None and fast.hot is not None and fast.config is not None \
+                and fast.key[0] == schedule:
+            # the hot path: the same NumPy buffers as an agreed call; one round of 64 bytes
+            got = _hot_check(fast.hot, comm, groups, kwargs)
+            if got is not None:
+                hot, start = fast.hot, time.monotonic()
+                if hot.channel.agreed(fast.config, got[1], groups, hot.what, hot.limit, start):
+                    return _run_hot(fast, hot, got[0])
+                return self._call(schedule, comm, groups, kwargs, start)
+        return self._call(schedule, comm, groups, kwargs, None)
+
+    def _call(self, schedule: str | None, comm: Any, groups: Any, kwargs: dict,
+              counted: float | None):
+        """A call (counted: the monotonic time of its entry when the hot path's round already
+        ran and disagreed, so the full exchange follows at once)."""
         if not self._extra_checked:  # once: the module was imported, so the extra stays there
             builder.require_cpu_extra()
             self._extra_checked = True
@@ -290,19 +348,36 @@ class ProgramFunction:
             local = _repeat(self, schedule, groups, comm, kwargs) or \
                 _check_local(self, schedule, groups, comm.Get_size(), kwargs)
         what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
-        everyone = agree.exchange(comm, local.shared, what, local.timeout)
-        sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared,
-                                 self._bound)
+        sizes, segments, config = self._agree_call(comm, groups, local, what, counted)
         assert local.program is not None  # else _agree raised this rank's error
         if local.fast is None:
-            _remember(self, schedule, groups, comm, kwargs, local)
+            _remember(self, schedule, groups, comm, kwargs, local, what)
         out = self._run(local.program, local.values, sizes, segments, comm, groups, schedule, local)
+        if local.fast is not None:  # the next call with these buffers may take the hot path
+            local.fast.config = config
         if local.torch_updated:
             import torch
             torch.autograd.graph.increment_version(local.torch_updated)
         if local.torch_out:
             out = [_as_torch(o) for o in out]
         return None if not out else out[0] if len(out) == 1 else tuple(out)
+
+    def _agree_call(self, comm, groups, local: _Local, what: str, counted: float | None):
+        """The ranks agree on the call (or all raise): first the record round of repeated calls
+        (agree.Channel.agreed), unless the hot path ran it (counted), then, unless every rank
+        repeats the same agreed call, the full exchange. Returns (sizes, segments, the digest
+        of the agreed configuration)."""
+        if counted is None and comm.Get_size() > 1:
+            fast = local.fast
+            config = fast.config if fast is not None and local.shared[0] == "ok" else None
+            scal = agree.scalar_record(b"".join(b for _, _, b in local.shared[1][1])) if config else b""
+            if agree.channel(comm).agreed(config, scal, groups, what, local.timeout, time.monotonic()):
+                assert fast is not None
+                return (*fast.sizes, config)
+        everyone = agree.exchange(comm, local.shared, what, local.timeout,
+                                  counted=comm.Get_size() > 1)
+        sizes, segments = _agree(everyone, comm.Get_rank(), local.program, local.shared, self._bound)
+        return sizes, segments, agree.digest([(item[1][0], item[1][2]) for item in everyone])
 
     def _run(self, p: Program, arrays: dict, sizes: dict, segments, comm, groups: int, schedule,
              local: _Local | None = None):
@@ -481,9 +556,9 @@ def _key(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, scalars: fro
 
 def _repeat(fn: ProgramFunction, schedule, groups, comm, kwargs: dict) -> _Local | None:
     """This rank's checked arguments without checking each buffer again, when the call passes
-    the same buffers as this thread's last call of FN (only the scalars are checked); None
+    the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
     otherwise (the full checks run)."""
-    fast = fn._last.get(threading.get_ident())
+    fast = fn._last.get(_slot(fn, schedule, kwargs))
     if fast is None or fast.local.program is None or fast.key[0] != schedule:
         return None
     p = fast.local.program
@@ -503,8 +578,18 @@ def _repeat(fn: ProgramFunction, schedule, groups, comm, kwargs: dict) -> _Local
                    timeout=agree.timeout_s(), fast=fast)
 
 
-def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: _Local) -> None:
-    """After a call whose checks passed everywhere: remember its buffers for _repeat."""
+_RECENT = 64  # calls (sets of buffers) remembered per function
+
+
+def _slot(fn: ProgramFunction, schedule, kwargs: dict) -> tuple:
+    """Where fn._last keeps a call with these buffers."""
+    return (threading.get_ident(), schedule, *map(id, map(kwargs.get, fn._tensors)))
+
+
+def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: _Local,
+              what: str) -> None:
+    """After a call whose checks passed everywhere: remember its buffers for _repeat (and,
+    when every tensor is a NumPy array, for the hot path)."""
     p = local.program
     assert p is not None
     key = _key(fn, schedule, groups, comm, kwargs, _scalar_names(p))
@@ -512,7 +597,109 @@ def _remember(fn: ProgramFunction, schedule, groups, comm, kwargs: dict, local: 
         return
     scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
     local.fast = _Fast(key, list(kwargs.values()), local, local.shared[1][2], scalars)
-    fn._last[threading.get_ident()] = local.fast
+    slot = _slot(fn, schedule, kwargs)
+    fn._last.pop(slot, None)
+    fn._last[slot] = local.fast
+    while len(fn._last) > _RECENT:  # the oldest first
+        del fn._last[next(iter(fn._last))]
+    tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
+    arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
+    torches = [(k, v) for k, v in tensors if type(v) is not np.ndarray and is_torch(v)
+               and hasattr(v, "data_ptr") and v.device.type == "cpu"]
+    if len(arrays) + len(torches) == len(tensors) and \
+            all(q.type.dtype in _PACK for q in p.params if q.scalar):
+        from mpi4py import MPI
+        gs = comm.Get_size() // groups
+        outs = tuple((p.type_of(s), STORAGE[p.type_of(s).dtype]) for _, s in p.outputs)
+        updated = {t for t, _ in p.updates}
+        local.fast.hot = _Hot(
+            comm=comm, world=MPI.COMM_WORLD, handle=comm.py2f(), groups=groups, nkw=len(kwargs),
+            arrays=tuple((k, v, v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),
+            torch=tuple((k, v, tuple(v.shape), v.stride(), v.dtype, v.data_ptr(), v.requires_grad)
+                        for k, v in torches),
+            torch_updated=tuple(local.torch_updated),
+            grad_check=any(v.requires_grad for k, v in torches if k in updated),
+            torch_out=local.torch_out,
+            scalars=tuple(scalars),
+            pack=struct.Struct("<" + "".join(_PACK[q.type.dtype][1:] for q in p.params if q.scalar)),
+            floats_only=not any(i for _, i in scalars), what=what,
+            timeout_raw=agree.timeout_raw(), limit=local.timeout, channel=agree.channel(comm),
+            outputs=(gs, comm.Get_rank() % gs, outs) if outs else ())
+
+
+def _hot_check(hot: _Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None:
+    """The scalars (as the module takes them) and their record bits when the call passes the
+    same arrays, unchanged, as the call `hot` was made for, on the same communicator and
+    groups, with scalars of the plain Python types; None otherwise (the general path runs)."""
+    if (comm if comm is not None else hot.world) is not hot.comm or hot.comm.py2f() != hot.handle \
+            or type(groups) is not int or groups != hot.groups or len(kwargs) != hot.nkw \
+            or agree.timeout_raw() != hot.timeout_raw:
+        return None
+    for name, a, shape, strides, dtype, writeable in hot.arrays:
+        v = kwargs.get(name)
+        if v is not a or v.shape != shape or v.strides != strides or v.dtype is not dtype \
+                or v.flags.writeable != writeable:
+            return None
+    if hot.torch and not _hot_torch(hot, kwargs):
+        return None
+    vals: list = []
+    try:
+        return _hot_scalars(hot, kwargs, vals)
+    except (OverflowError, struct.error):
+        return None  # out of range: the general path rounds it as NumPy does, or says why
+
+
+def _hot_scalars(hot: _Hot, kwargs: dict, vals: list) -> tuple[list, bytes] | None:
+    for name, integer in hot.scalars:
+        v: Any = kwargs.get(name)
+        t = type(v)
+        if t is float and not integer:
+            vals.append(v)
+        elif t is int:
+            vals.append(v if integer else float(v))  # float(v) may overflow: caught below
+        else:
+            return None
+    return vals, agree.scalar_record(hot.pack.pack(*vals))
+
+
+def _hot_torch(hot: _Hot, kwargs: dict) -> bool:
+    """The PyTorch tensors are those of the remembered call, unchanged (shape, strides, dtype,
+    storage, requires_grad), and none that requires grad is updated with grad mode on (the
+    general path raises for that)."""
+    for name, t, shape, stride, dtype, ptr, grad in hot.torch:
+        v = kwargs.get(name)
+        if v is not t or v.shape != shape or v.stride() != stride or v.dtype is not dtype \
+                or v.data_ptr() != ptr or v.requires_grad != grad:
+            return False
+    if hot.grad_check:
+        import torch
+        return not torch.is_grad_enabled()
+    return True
+
+
+def _run_hot(fast: _Fast, hot: _Hot, vals: list):
+    """Runs the module function of an agreed repeated call (the hot path of __call__)."""
+    args = fast.args
+    if hot.floats_only:
+        args.scalars = vals
+    else:
+        args.scalars = [0.0 if i else float(v) for v, (_, i) in zip(vals, hot.scalars)]
+        args.iscalars = [int(v) if i else 0 for v, (_, i) in zip(vals, hot.scalars)]
+    outs = None
+    if hot.outputs:
+        gs, rank, types = hot.outputs
+        sizes = fast.sizes[0]
+        outs = [np.empty(_local_shape(t, sizes, gs, rank), dtype=dt) for t, dt in types]
+        args.outputs = [o.ctypes.data for o in outs]
+    if fast.windows != len(shm.WINDOWS):
+        args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
+    fast.run(args)
+    if hot.torch_updated:
+        import torch
+        torch.autograd.graph.increment_version(hot.torch_updated)
+    if outs and hot.torch_out:
+        outs = [_as_torch(o) for o in outs]
+    return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _torch_updates(p: Program, kwargs: dict, updated: set[str]) -> list[Any]:
