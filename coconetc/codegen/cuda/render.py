@@ -416,28 +416,7 @@ class CudaRenderer(KernelEmitter):
         if block is None and self._symmetric_ok(u):
             self._fused_symmetric(u, ct, op, n0, inner, mine)
         self.emit("{")
-        rows_arg = ""
-        if block is not None:
-            per = _prod(self.ldims(t)[1:])
-            self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
-            self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
-            if u.op == "reducescatter":
-                self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
-                          f"comm.size) * {inner};")
-            else:  # an all-reduce: this block's elements
-                self.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
-            rows_arg = f", {block[0]}, {block[1]}"
-        else:
-            self.emit(f"  const int64_t base_{nm} = 0;")
-            self.emit(f"  const int64_t mine_{nm} = {mine};")
-        self.emit(f"  (void)base_{nm};")
-        if block is not None:
-            pass  # most_ above
-        elif u.op == "reducescatter":
-            # every rank takes part in every chunk's reduction: as many chunks as the largest slice
-            self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
-        else:
-            self.emit(f"  const int64_t most_{nm} = mine_{nm};")
+        rows_arg = self._fused_extent(u, block, outer, n0, inner, mine)
         self._chunk_size(u, direct)
         self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
         nred = f"ch_{nm}"
@@ -479,6 +458,33 @@ class CudaRenderer(KernelEmitter):
         self.emit("}")
         for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
             self.unit(a)
+
+    def _fused_extent(self, u: Fused, block: tuple[str, str] | None, outer: str, n0: str, inner: str,
+                      mine: str) -> str:
+        """base_/mine_/most_<name>: where this rank's part (or the overlap block's rows of it)
+        starts and ends, and the elements of the largest part (every rank takes part in every
+        chunk's reduction: as many chunks as the largest slice). Returns the rows argument of
+        the block's gather (empty without a block)."""
+        nm = u.name
+        if block is None:
+            self.emit(f"  const int64_t base_{nm} = 0;")
+            self.emit(f"  const int64_t mine_{nm} = {mine};")
+            self.emit(f"  (void)base_{nm};")
+            if u.op == "reducescatter":
+                self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
+            else:
+                self.emit(f"  const int64_t most_{nm} = mine_{nm};")
+            return ""
+        per = _prod(self.ldims(u.type)[1:])
+        self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
+        self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
+        if u.op == "reducescatter":
+            self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
+                      f"comm.size) * {inner};")
+        else:  # an all-reduce: this block's elements
+            self.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
+        self.emit(f"  (void)base_{nm};")
+        return f", {block[0]}, {block[1]}"
 
     def _chunk_size(self, u: Fused, direct: bool) -> None:
         """ch_<name>: COCONET_CUDA_CHUNK or 2^22 elements (whole rows for a row-wise phase); on
