@@ -405,19 +405,21 @@ __global__ void finish_sum_kernel(const double* acc, T* dst) {
   dst[0] = from_compute<T>(static_cast<compute_t<T>>(v));
 }
 
-// dst[0] = sum (or L2 norm) of x[0, n); cross_rank: the ranks' partial sums are added (NCCL).
+// *acc += the sum (or sum of squares) of x[0, n): a block reduction (nothing when n <= 0).
 template <class T, bool NORM>
-void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
-  double* acc = scratch<double>(site, 1);
-  COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
-  if (n > 0) {
-    int64_t blocks = (n + 255) / 256;
-    if (blocks > 4096) blocks = 4096;
-    void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, NORM>;
-    COCONET_ACCESS(COCONET_R(x, 0, n), COCONET_W(acc, 0, 1));
-    COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, n, acc);
-    COCONET_CUDA(cudaGetLastError());
-  }
+void partial_sum(const T* x, int64_t n, double* acc, const Ctx& c) {
+  if (n <= 0) return;
+  int64_t blocks = (n + 255) / 256;
+  if (blocks > 4096) blocks = 4096;
+  void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, NORM>;
+  COCONET_ACCESS(COCONET_R(x, 0, n), COCONET_W(acc, 0, 1));
+  COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, n, acc);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+// dst[0] = *acc (or its square root); cross_rank: the ranks' partial sums are added first (NCCL).
+template <class T, bool NORM>
+void finish_sum(double* acc, T* dst, bool cross_rank, const Ctx& c) {
   if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 1, ncclFloat64, ncclSum, c.comm, c.stream));
   void (*finish)(const double*, T*) = finish_sum_kernel<T, NORM>;
   COCONET_ACCESS(COCONET_R(acc, 0, 1), COCONET_W(dst, 0, 1));
@@ -425,24 +427,38 @@ void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, in
   COCONET_CUDA(cudaGetLastError());
 }
 
-// layernorm over the last dim: one thread per row, in the compute type (as the CPU runtime).
+// dst[0] = sum (or L2 norm) of x[0, n); cross_rank: the ranks' partial sums are added (NCCL).
+template <class T, bool NORM>
+void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+  double* acc = scratch<double>(site, 1);
+  COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
+  partial_sum<T, NORM>(x, n, acc, c);
+  finish_sum<T, NORM>(acc, dst, cross_rank, c);
+}
+
+// One row of layernorm over the last dim (H elements at xr into yr), in the compute type (as the
+// CPU runtime).
+template <class T>
+COCONET_HD void layernorm_row(const T* xr, const T* g, const T* b, compute_t<T> eps, int64_t H, T* yr) {
+  using C = compute_t<T>;
+  C mean = 0, var = 0;
+  for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
+  mean /= static_cast<C>(H);
+  for (int64_t j = 0; j < H; ++j) {
+    C d = to_compute(xr[j]) - mean;
+    var += d * d;
+  }
+  var /= static_cast<C>(H);
+  C inv = C(1) / sqrt(var + eps);
+  for (int64_t j = 0; j < H; ++j)
+    yr[j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+}
+
+// layernorm over the last dim: one thread per row.
 template <class T>
 __global__ void layernorm_kernel(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y) {
-  using C = compute_t<T>;
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x) {
-    const T* xr = x + r * H;
-    C mean = 0, var = 0;
-    for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
-    mean /= static_cast<C>(H);
-    for (int64_t j = 0; j < H; ++j) {
-      C d = to_compute(xr[j]) - mean;
-      var += d * d;
-    }
-    var /= static_cast<C>(H);
-    C inv = C(1) / sqrt(var + static_cast<C>(eps));
-    for (int64_t j = 0; j < H; ++j)
-      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
-  }
+  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x)
+    layernorm_row(x + r * H, g, b, static_cast<compute_t<T>>(eps), H, y + r * H);
 }
 template <class T>
 void layernorm(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
@@ -914,20 +930,8 @@ template <class T, bool NORM>
 void reduce_sum(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
   double* acc = scratch<double>(site, 1);
   COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
-  for (const Piece& pc : pieces(x.starts, 0, n)) {
-    const T* p = x.at(pc);
-    int64_t blocks = (pc.size + 255) / 256;
-    if (blocks > 4096) blocks = 4096;
-    void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, NORM>;
-    COCONET_ACCESS(COCONET_R(p, 0, pc.size), COCONET_W(acc, 0, 1));
-    COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, p, pc.size, acc);
-    COCONET_CUDA(cudaGetLastError());
-  }
-  if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 1, ncclFloat64, ncclSum, c.comm, c.stream));
-  void (*finish)(const double*, T*) = finish_sum_kernel<T, NORM>;
-  COCONET_ACCESS(COCONET_R(acc, 0, 1), COCONET_W(dst, 0, 1));
-  COCONET_LAUNCH(finish, 1, 1, 0, c.stream, acc, dst);
-  COCONET_CUDA(cudaGetLastError());
+  for (const Piece& pc : pieces(x.starts, 0, n)) partial_sum<T, NORM>(x.at(pc), pc.size, acc, c);
+  finish_sum<T, NORM>(acc, dst, cross_rank, c);
 }
 
 // Root's scattered x into every rank's contiguous y[0, n): one grouped ncclBroadcast per piece.
@@ -990,18 +994,7 @@ void layernorm(const T* x, const T* g, const T* b, const E* eps, int64_t rows, i
   COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_R(eps, 0, 1),
                  COCONET_W(y, 0, rows * H));
   launch(rows, c.stream, [=] __device__ (int64_t r) {
-    const T* xr = x + r * H;
-    C mean = 0, var = 0;
-    for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
-    mean /= static_cast<C>(H);
-    for (int64_t j = 0; j < H; ++j) {
-      C d = to_compute(xr[j]) - mean;
-      var += d * d;
-    }
-    var /= static_cast<C>(H);
-    C inv = C(1) / sqrt(var + static_cast<C>(double(to_compute(eps[0]))));
-    for (int64_t j = 0; j < H; ++j)
-      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+    layernorm_row(x + r * H, g, b, static_cast<C>(double(to_compute(eps[0]))), H, y + r * H);
   });
 }
 
