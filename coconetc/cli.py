@@ -306,9 +306,7 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     full = {k: sizes.get(k, DEFAULT_SIZE) for k in size_symbols(mod.programs[name])}
     rec = cache.lookup(mod.source, name, full, ranks, groups)
     shown = ", ".join(f"{k}={v}" for k, v in full.items())
-    keep = [s for s in names if not (s is not None and mod.schedule(name, s).auto)]
-    if explicit:
-        keep = []
+    keep = [] if explicit else [s for s in names if not (s is not None and mod.schedule(name, s).auto)]
     if rec is None:
         what = (f"no tuning record for {shown} on {ranks} ranks"
                 + (f" in {groups} groups" if groups > 1 else "") + " on this machine; run `coconetc tune "

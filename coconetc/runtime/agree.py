@@ -88,9 +88,7 @@ class Channel:
         if self.size > 1:
             try:
                 self.req = comm.Allgather_init(self.send, self.recv)
-            except (AttributeError, NotImplementedError):
-                self.req = None
-            except Exception:  # noqa: BLE001 - an MPI library without persistent collectives
+            except Exception:  # noqa: BLE001 - an MPI library (or mpi4py) without persistent collectives
                 self.req = None
 
     def agreed(self, config: bytes | None, scalars: bytes, groups: int, what: str,
@@ -105,15 +103,7 @@ class Channel:
         if not self.lock.acquire(blocking=False):  # another thread is in a call on this comm
             return self._agreed_unshared(config, scalars, groups, what, limit, start)
         try:
-            send = self.send
-            if config is None:
-                send[:8] = _FULL
-            else:
-                send[:8] = _FAST
-                send[8:_HEADER] = config
-                send[_HEADER:_HEADER + len(scalars)] = scalars
-                if len(scalars) < SCALAR_BYTES:
-                    send[_HEADER + len(scalars):] = bytes(SCALAR_BYTES - len(scalars))
+            send = _record(self.send, config, scalars)
             if self.req is not None:
                 self.req.Start()
                 req = self.req
@@ -126,18 +116,25 @@ class Channel:
             self.lock.release()
 
     def _agreed_unshared(self, config, scalars, groups, what, limit, start) -> bool:
-        send = bytearray(RECORD)
-        if config is None:
-            send[:8] = _FULL
-        else:
-            send[:8] = _FAST
-            send[8:_HEADER] = config
-            send[_HEADER:_HEADER + len(scalars)] = scalars
+        send = _record(bytearray(RECORD), config, scalars)
         recv = bytearray(RECORD * self.size)
         req = self.comm.Iallgather(send, recv)
         if not req.Test():
             wait(req, self.comm, self.n, what, limit, start)
         return _uniform(recv, send, config is not None, self.size, groups)
+
+
+def _record(send: bytearray, config: bytes | None, scalars: bytes) -> bytearray:
+    """SEND filled with this rank's record: _FULL, or _FAST, the configuration digest and the
+    scalars' bits (zero-padded)."""
+    if config is None:
+        send[:8] = _FULL
+    else:
+        send[:8] = _FAST
+        send[8:_HEADER] = config
+        send[_HEADER:_HEADER + len(scalars)] = scalars
+        send[_HEADER + len(scalars):] = bytes(SCALAR_BYTES - len(scalars))
+    return send
 
 
 def _uniform(recv: bytearray, mine: bytearray, fast: bool, size: int, groups: int) -> bool:
@@ -194,7 +191,6 @@ def _free_channel(comm, keyval, ch) -> None:
             req.Free()
         except Exception:  # noqa: BLE001 - MPI already finalized: nothing left to free
             pass
-
 
 
 def exchange(comm, mine: Any, what: str, limit: float, *, counted: bool = False) -> list[Any]:
