@@ -28,6 +28,8 @@ MISALIGN = False  # --misalign: every tensor one element past its allocation's s
 
 def _torch(v):
     import torch
+    if isinstance(v, (list, tuple)):  # a scattered parameter: one tensor per segment
+        return [_torch(x) for x in v]
     if isinstance(v, np.ndarray):
         a = torch.from_numpy(np.ascontiguousarray(v).view(np.uint16) if v.dtype.name == "bfloat16" else v)
         if MISALIGN:  # not 16-byte aligned: the pointwise kernels take their element path
@@ -37,6 +39,8 @@ def _torch(v):
 
 
 def _np(t, dtype):
+    if isinstance(t, list):
+        return [_np(x, dtype) for x in t]
     a = t.detach().cpu()
     import torch
     if a.dtype == torch.bfloat16:
@@ -86,10 +90,11 @@ def check_examples(archs: str) -> list[dict]:
                         inputs = adapt_inputs(random_inputs(base, 1, 1, sz, seed=7 + k), base, ir)
                         ref = run(ir, copy.deepcopy(inputs))
                         args = {q.name: _torch(inputs[0][q.name]) for q in ir.params}
-                        if any(dt == "bf16" for dt in [q.type.dtype for q in ir.params if not q.scalar]):
-                            for q in ir.params:
-                                if not q.scalar and q.type.dtype == "bf16":
-                                    args[q.name] = args[q.name].view(torch.bfloat16)
+                        for q in ir.params:
+                            if not q.scalar and q.type.dtype == "bf16":
+                                v = args[q.name]
+                                args[q.name] = [x.view(torch.bfloat16) for x in v] if isinstance(v, list) \
+                                    else v.view(torch.bfloat16)
                         out = fn(schedule=sched, comm=comm, **args)
                         torch.cuda.synchronize()
                         outs = out if isinstance(out, tuple) else (out,) if out is not None else ()

@@ -69,21 +69,52 @@ struct Symmetric {
   ncclWindow_t win = nullptr;
 };
 
+// NCCL 2.29 added ncclCommQueryProperties and the requirements' initializer; 2.28 (the NCCL that
+// torch 2.11 pins) has the device API without them: its requirements are zero-initialized, and
+// whether a communicator supports the device API shows only when its device communicator is made.
+#if defined(NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER)
+#define COCONET_DEV_COMM_REQUIREMENTS NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+#else
+#define COCONET_DEV_COMM_REQUIREMENTS {}
+#endif
+
+// Make the device communicator of `comm` into `s` (collective over the communicator).
+inline ncclResult_t make_dev_comm(ncclComm_t comm, Symmetric& s) {
+  ncclDevCommRequirements_t reqs = COCONET_DEV_COMM_REQUIREMENTS;
+  reqs.lsaBarrierCount = kSymBlocks;
+  const ncclResult_t r = ncclDevCommCreate(comm, &reqs, &s.dev);
+  s.dev_made = r == ncclSuccess;
+  return r;
+}
+
 inline Symmetric probe_symmetric(ncclComm_t comm, const Group& g) {
   Symmetric s;
+#if defined(NCCL_COMM_PROPERTIES_INITIALIZER)
   ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
   if (ncclCommQueryProperties(comm, &props) != ncclSuccess) {
     s.why = "ncclCommQueryProperties failed";
-  } else if (!props.deviceApiSupport) {
-    s.why = "this communicator has no NCCL device API support";
-  } else {
-    const ncclTeam_t lsa = ncclTeamLsa(comm);
-    if (lsa.nRanks != g.size || lsa.rank != g.rank)
-      s.why = "not every rank of the group is in this rank's LSA team (lsaSize " + std::to_string(lsa.nRanks) +
-              ", " + std::to_string(g.size) + " ranks)";
-    else
-      s.ok = true;
+    return s;
   }
+  if (!props.deviceApiSupport) {
+    s.why = "this communicator has no NCCL device API support";
+    return s;
+  }
+#endif
+  const ncclTeam_t lsa = ncclTeamLsa(comm);
+  if (lsa.nRanks != g.size || lsa.rank != g.rank) {
+    s.why = "not every rank of the group is in this rank's LSA team (lsaSize " + std::to_string(lsa.nRanks) +
+            ", " + std::to_string(g.size) + " ranks)";
+    return s;
+  }
+#if !defined(NCCL_COMM_PROPERTIES_INITIALIZER)
+  // No query before NCCL 2.29: making the device communicator is the test. Every rank probes at
+  // the same call (the first fused unit of the call), so the collective creation lines up.
+  if (make_dev_comm(comm, s) != ncclSuccess) {
+    s.why = std::string("ncclDevCommCreate failed (no NCCL device API here?): ") + ncclGetLastError(comm);
+    return s;
+  }
+#endif
+  s.ok = true;
   return s;
 }
 
@@ -129,12 +160,7 @@ inline bool use_symmetric(const Ctx& c, const char* unit) {
 // (the window grown when a call needs more). The caller holds symmetric_mutex().
 inline Symmetric& symmetric_window(const Ctx& c, size_t bytes) {
   Symmetric& s = symmetric_state(c.comm, c.group);
-  if (!s.dev_made) {
-    ncclDevCommRequirements_t reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
-    reqs.lsaBarrierCount = kSymBlocks;
-    COCONET_CUDA(ncclDevCommCreate(c.comm, &reqs, &s.dev));
-    s.dev_made = true;
-  }
+  if (!s.dev_made) COCONET_CUDA(make_dev_comm(c.comm, s));
   if (s.bytes < bytes) {
     if (s.win) {
       COCONET_CUDA(cudaDeviceSynchronize());  // the old window may still be read by a queued kernel
