@@ -8,7 +8,8 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   coconet examples/adam.ccn: default, rs_c_ag, zero, fused; "zero p2p" is zero with the
   point-to-point fused collective forced (COCONET_FUSED=p2p) instead of the shared-memory one,
   "zero, g in coconetc.empty" the zero schedule with the gradient allocated in the shared window
-  (no staging copy).
+  (no staging copy); "zero, g and w in coconetc.empty" the parameters there too (the peers read
+  each rank's updated part of w in place: no copy of it into the window).
   * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
     over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
     bandwidth measured in the same run.
@@ -96,7 +97,7 @@ def baseline_zero(comm, g, w):
     return step
 
 
-def coconet_step(mod, sched, comm, g, w, path=None, empty=False):
+def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     import coconetc
     R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
     c = -(-n // R)
@@ -107,7 +108,11 @@ def coconet_step(mod, sched, comm, g, w, path=None, empty=False):
         gg = coconetc.empty((n,), "f32", comm=comm)
         gg[...] = g
         g = gg
-    args = dict(g=g, w=w.copy(), m=m, v=v, step=1.0, **HP)
+    if w_empty:  # the parameters in the window too: the peers read the updated w in place
+        ww = coconetc.empty((n,), "f32", comm=comm)
+        ww[...] = w
+        w = ww
+    args = dict(g=g, w=w.copy() if not w_empty else w, m=m, v=v, step=1.0, **HP)
     name = None if sched == "default" else sched
 
     def step():
@@ -129,6 +134,7 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
     variants = {s: coconet_step(mod, s, comm, g, w) for s in ("default", "rs_c_ag", "zero", "fused")}
     variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
     variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
+    variants["zero, g and w in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True, w_empty=True)
     t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}

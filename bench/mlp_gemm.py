@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-SCHEDULES = ("default", "rs_c_ag", "overlap_ar", "overlapped")
+SCHEDULES = ("default", "rs_c_ag", "fused", "overlap_ar", "overlapped")
 BARE = """program mm(x: {dt}[M, K], w: {dt}[K, H]) {{
     y = matmul(x, w)
     return y

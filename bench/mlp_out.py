@@ -8,7 +8,8 @@ sequence length S:
   * torch matmul + torch.distributed gloo all_reduce + torch ops
     (with --dtype f16 the baselines compute in f32: the CPU has no f16 matmul worth timing, and
     mpi4py has no f16 sum)
-  coconet: default (matmul, allreduce, loop), rs_c_ag, overlap_ar (matmul chunks overlapped
+  coconet: default (matmul, allreduce, loop), rs_c_ag, fused (the whole matmul, then a fused
+  reduce-scatter + dropout + all-gather), overlap_ar (matmul chunks overlapped
   with their allreduce), overlapped (matmul chunks each through a fused reduce-scatter +
   dropout + all-gather)
 
@@ -78,7 +79,7 @@ def run_size(mod, comm, a, S: int) -> dict:
     b, r = rng.uniform(-1, 1, a.h).astype(dt), rng.uniform(-1, 1, (a.b, S, a.h)).astype(dt)
     fns = {("b", label): baseline(comm, x, w, b, r, how) for label, how in ((BARE, "bare"), (MPI4PY, "mpi4py"), (GLOO, "gloo"))}
     args = dict(x=x, w=w, b=b, r=r, seed=1234)
-    for sched in ("default", "rs_c_ag", "overlap_ar", "overlapped"):
+    for sched in ("default", "rs_c_ag", "fused", "overlap_ar", "overlapped"):
         fns["c", sched] = lambda s=sched: mod.mlp_out(schedule=None if s == "default" else s, **args)
     t = common.timed_all(comm, fns, a.reps)
     return {"baselines": {k: v for (kind, k), v in t.items() if kind == "b"},

@@ -1,5 +1,6 @@
 """Run under mpiexec by tests/test_fused_shm.py: the zero and fused Adam schedules through the
-shared-memory fused collective (input staged, or in place in coconetc.empty's window) give the
+shared-memory fused collective (input staged, or in place in coconetc.empty's window, and the
+gathered w in a window too, read there by the peers) give the
 point-to-point path's results bit for bit (default and rs_c_ag, whose allreduce and allgathers
 also go through the window, MPI's up to the order of the sum), on COMM_WORLD and on a split sub-communicator, for
 sizes the ranks do not divide and sizes below the number of ranks. Prints "ok" on rank 0."""
@@ -15,12 +16,16 @@ import coconetc
 from mpi4py import MPI
 
 
-def step(fn, sched, comm, g, path):
+def step(fn, sched, comm, g, path, w_in_window=False):
     R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
     c = -(-n // R)
     lo, hi = min(n, r * c), min(n, (r + 1) * c)
     base = np.random.default_rng(7)
     w = base.uniform(0.5, 1.5, n).astype(np.float32)
+    if w_in_window:  # the gathered output in a window too: the peers read it in place
+        we = coconetc.empty((n,), "f32", comm=comm)
+        we[...] = w
+        w = we
     m, v = (base.uniform(0.1, 1.0, n).astype(np.float32) for _ in range(2))
     if sched.partition("@")[0] == "zero":  # (a label may name the algorithm: zero@p2p)
         m, v = m[lo:hi].copy(), v[lo:hi].copy()
@@ -36,16 +41,20 @@ def check(fn, comm, n):
     ge[...] = g
     for sched in ("zero", "fused"):
         want = step(fn, sched, comm, g, "p2p")
-        for label, x in (("staged", g), ("empty", ge)):
-            got = step(fn, sched, comm, x, "shm")
+        for label, x, w_in in (("staged", g, False), ("empty", ge, False), ("g and w in empty", ge, True)):
+            got = step(fn, sched, comm, x, "shm", w_in)
             for a, b, name in zip(want, got, "wmv"):
                 assert np.array_equal(a, b), f"{sched} {label} n={n} R={comm.Get_size()}: {name} differs"
         assert np.array_equal(ge, g), "the input in the window was changed"
     for sched in ("default", "rs_c_ag"):  # allreduce, allgather through the window (or MPI)
         want = step(fn, sched, comm, g, "p2p")
-        got = step(fn, sched, comm, g, "shm")
-        for a, b, name in zip(want, got, "wmv"):  # MPI may sum in another order
-            assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{sched} n={n} R={comm.Get_size()}: {name} differs"
+        for label, x, w_in in (("staged", g, False), ("g and w in empty", ge, True)):
+            gx = x.copy() if x is g else x  # default all-reduces g in place
+            if x is ge:
+                ge[...] = g
+            got = step(fn, sched, comm, gx, "shm", w_in)
+            for a, b, name in zip(want, got, "wmv"):  # MPI may sum in another order
+                assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{sched} {label} n={n} R={comm.Get_size()}: {name} differs"
 
 
 def algorithms(fn, comm, n=70000):

@@ -154,6 +154,9 @@ void for_each_peer_piece(Shape3 shape, int R, int me, F&& f) {
     }
 }
 
+// Gather targets (the first ones of a call) whose place in a shared window the header can name.
+constexpr size_t kInPlaceTargets = 3;
+
 // Blocking fused reduce-scatter + compute + all-gather through the group's shared window (see
 // the top of this file); the same contract as fused_rs_compute_ag (fused.h).
 template <class T, class Compute>
@@ -190,7 +193,24 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   T* staged = reinterpret_cast<T*>(seg(me));
   if (user.first < 0)
     for_each_peer_piece(shape, R, me, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
+  // a gather target in a shared window too (coconetc.empty) is read there by the peers: this
+  // rank's part is not published into the region (one pass over 1/R of it fewer per rank)
+  std::vector<char> in_place(gathers.size(), 0);
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    std::pair<int64_t, int64_t> t{-1, 0};
+    if (g < kInPlaceTargets && gathers[g].ptrs.size() == 1)
+      t = win.user_window_of(gathers[g].ptrs[0], static_cast<size_t>(total) * gathers[g].elem_size);
+    if (g < kInPlaceTargets) {
+      head(me)[2 + 2 * g] = t.first;
+      head(me)[3 + 2 * g] = t.second;
+    }
+    in_place[g] = t.first >= 0;
+  }
   win.sync();
+  // the same on every rank (every header is readable now): whether a peer reads a target in place
+  bool read_in_place = false;
+  for (int r = 0; r < R; ++r)
+    for (size_t g = 0; g < std::min(gathers.size(), kInPlaceTargets); ++g) read_in_place |= head(r)[2 + 2 * g] >= 0;
   std::vector<const T*> input(static_cast<size_t>(R));  // every rank's input, readable here
   for (int r = 0; r < R; ++r)
     input[static_cast<size_t>(r)] = reinterpret_cast<const T*>(
@@ -215,18 +235,25 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
     finish_chunk<T>(op, red, q.size(), R);
     compute_in_pieces(q.begin, q.end, red, piece, compute, [] {});
     for (size_t g = 0; g < gathers.size(); ++g)
-      raw_copy_out(gathers[g], q.begin, q.end,
-                   seg(me) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size);
+      if (!in_place[g])
+        raw_copy_out(gathers[g], q.begin, q.end,
+                     seg(me) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size);
   }
   win.sync();
 
-  // 3. the other ranks' parts of every target
-  for (size_t g = 0; g < gathers.size(); ++g)
+  // 3. the other ranks' parts of every target, from their region or their target itself
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    const size_t es = gathers[g].elem_size;
     for_each_peer_piece(shape, R, me, [&](int r, Range q) {
-      raw_copy_in(seg(r) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size,
-                  gathers[g], q.begin, q.end);
+      const int64_t id = g < kInPlaceTargets ? head(r)[2 + 2 * g] : -1;
+      const char* src = id >= 0 ? win.user_memory(id, r, head(r)[3 + 2 * g]) + static_cast<size_t>(q.begin) * es
+                                : seg(r) + goff[g] + static_cast<size_t>(q.begin) * es;
+      raw_copy_in(src, gathers[g], q.begin, q.end);
     });
-  if (fenced) win.sync();  // nobody stages the next call over a region still being read
+  }
+  // nobody stages the next call over a region still being read; and a target read in place is
+  // the caller's again only when no peer reads it any more (the same choice on every rank)
+  if (fenced || read_in_place) win.sync();
 }
 
 // Messages below this many bytes go through MPI_Allreduce (two barriers cost more there).
