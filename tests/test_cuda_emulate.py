@@ -422,6 +422,28 @@ def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
 
 
 @pytest.mark.slow
+def test_symmetric_kernel_with_nccl_2_28(tmp_path):
+    """NCCL 2.28 (the NCCL torch 2.11 pins) has no ncclCommQueryProperties and no requirements
+    initializer: symmetric.cuh then probes by making the device communicator. Emulated with those
+    two taken out of the emulation's NCCL: sgd fused runs the symmetric kernel and matches on 2
+    ranks; without the device API, auto falls back to the pipeline and still matches."""
+    from coconetc.paths import runtime_dir
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    dev = rt / "coconet" / "cuda" / "emulate_nccl_device.h"
+    dev.write_text("#define COCONET_EMULATE_NCCL_2_28 1\n" + dev.read_text())
+    name, so = cuda_build.build_emulated(_source("sgd", "sgd", "fused"), "sym_nccl228", tmp_path / "b", runtime=rt,
+                                         log=lambda msg: None)
+    for extra, want in [({"COCONET_CUDA_FUSED": "symmetric"}, SYMMETRIC),
+                        ({"COCONET_CUDA_FUSED": "auto", "COCONET_EMULATE_NO_DEVICE_API": "1"}, "runs the pipeline")]:
+        res = _launch(2, ["check", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
+                      env={"COCONET_CUDA_FUSED_TRACE": "1", **extra}, timeout=300)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0 and "MATCH " in res.stdout and "MISMATCH" not in res.stdout, out
+        assert res.stderr.count(want) == 2, out
+
+
+@pytest.mark.slow
 def test_symmetric_window_is_race_checked(tmp_path):
     """The race detection sees the kernel's reads of the symmetric window: with the copy into the
     window moved to the comm stream (no event orders it before the kernel), both ranks report it."""

@@ -62,14 +62,21 @@ typedef ncclDevComm ncclDevComm_t;
 struct ncclDevCommRequirements_t {
   int lsaBarrierCount = 0;
 };
+// COCONET_EMULATE_NCCL_2_28 (defined at the top of this header by a test): NCCL 2.28's host API,
+// which has neither initializer macro nor ncclCommQueryProperties (symmetric.cuh then probes by
+// making the device communicator, which fails where the device API is off).
+#ifndef COCONET_EMULATE_NCCL_2_28
 #define NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER {}
+#endif
 
 struct ncclCommProperties_t {
   int rank = 0, nRanks = 1;
   bool deviceApiSupport = false;
   int nLsaTeams = 1;
 };
+#ifndef COCONET_EMULATE_NCCL_2_28
 #define NCCL_COMM_PROPERTIES_INITIALIZER {}
+#endif
 
 struct ncclCoopCta {
   int thread_rank() const { return int(threadIdx.x); }
@@ -173,6 +180,7 @@ struct LsaBarriers {
 }  // namespace coconet
 
 inline ncclTeam_t ncclTeamLsa(ncclComm_t comm) { return coconet::cuda::emu::lsa_team(comm); }
+inline const char* ncclGetLastError(ncclComm_t) { return "the emulated communicator has no device API"; }
 inline ncclTeam ncclTeamLsa(const ncclDevComm& d) { return ncclTeam{d.lsaSize, d.lsaRank, 1}; }
 
 inline ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t* props) {
@@ -273,6 +281,8 @@ inline ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) 
 inline ncclResult_t ncclDevCommCreate(ncclComm_t comm, const ncclDevCommRequirements_t* reqs, ncclDevComm* dev) {
   namespace m = coconet::cuda::emu;
   m::sync_all();
+  const char* off = std::getenv("COCONET_EMULATE_NO_DEVICE_API");
+  if (off && *off && std::string(off) != "0") return ncclInvalidArgument;  // as NCCL without it
   const ncclTeam lsa = m::lsa_team(comm);
   auto* b = new m::LsaBarriers();
   b->n = reqs->lsaBarrierCount;
