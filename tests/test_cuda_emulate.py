@@ -90,7 +90,7 @@ def test_every_example_matches_interpreter(built, ranks, size, chunk, groups):
 @pytest.mark.slow
 def test_dropout_masks_identical_to_cpu_backend(built):
     for file, prog, scheds in [("residual_dropout", "f1", ["default"]),
-                               ("mlp_out", "mlp_out", ["default", "rs_c_ag", "overlap_ar", "overlapped"])]:
+                               ("mlp_out", "mlp_out", ["default", "rs_c_ag", "fused", "overlap_ar", "overlapped"])]:
         res = _launch(2, ["dropout", str(EX / f"{file}.ccn"), prog, *scheds])
         log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
         assert res.returncode == 0, log
