@@ -5,6 +5,7 @@ coconetc.empty itself on one rank."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +106,37 @@ def test_repeated_call_hot_path_with_torch_tensors():
     with pytest.raises(RuntimeError, match="'w'.*requires grad"):
         fn(g=tg, **{**t, "w": w}, **hp, step=6.0)
     assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.slow
+def test_intermediate_in_the_shared_window_matches(tmp_path):
+    """mlp_out's matmul result y, which the all-reduce (default) and the fused collective (fused)
+    read, lives in the group's own shared window (coconet::shared_scratch): the peers read it in
+    place. Every schedule matches the interpreter on 3 ranks (uneven slices) at a size where the
+    all-reduce goes through the window (2*65*64 f16 elements, over its 16 KiB threshold), and
+    again with COCONET_FUSED=p2p (y in ordinary scratch)."""
+    import subprocess
+    import sys
+    exe = Path(sys.executable).parent / "coconetc"
+    text = (REPO / "examples" / "mlp_out.ccn").read_text()
+    assert "coconet::shared_scratch" not in text
+    for env in ({}, {"COCONET_FUSED": "p2p"}):
+        res = subprocess.run([str(exe), "run", str(REPO / "examples" / "mlp_out.ccn"), "--ranks", "3",
+                              "-s", "all", "--size", "B=2", "--size", "S=65", "--size", "K=7", "--size", "H=64"],
+                             capture_output=True, text=True, timeout=900, env={**os.environ, **env})
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.count("matches the interpreter on every rank") == 5, res.stdout + res.stderr
+
+
+def test_generated_code_puts_collective_sources_in_the_window():
+    """The renderer asks for shared_scratch exactly for scratch buffers a top-level fused
+    collective or an all-reduce reads: mlp_out's y in default and fused, not in overlapped (its
+    chunks go point to point) or rs_c_ag."""
+    from coconetc.codegen.cpu import generate
+    from coconetc.driver import load_file
+    src = generate(load_file(REPO / "examples" / "mlp_out.ccn"), "m").cpp
+    bodies = {name: src.split(f"void mlp_out__{name}(")[1].split("\n}\n")[0]
+              for name in ("default", "overlapped", "fused", "rs_c_ag", "overlap_ar")}
+    for name, body in bodies.items():
+        shared = "coconet::shared_scratch<coconet::half, 1>(comm," in body
+        assert shared == (name in ("default", "fused")), (name, body[:400])

@@ -75,6 +75,7 @@ class ShmWindow {
       return false;
     }
     node_ = node;  // same rank order as the group (key 0: ties keep the group's order)
+    MPI_Comm_rank(node_, &node_rank_);
     bases_.assign(static_cast<size_t>(size), nullptr);
     return true;
   }
@@ -121,6 +122,36 @@ class ShmWindow {
   // Rank r's segment (readable by every rank of the group).
   char* base(int r) const { return static_cast<char*>(bases_[static_cast<size_t>(r)]); }
 
+  // This rank's part of the runtime's own shared window `site`, at least `bytes` long: scratch
+  // memory for an intermediate a fused collective (or an all-reduce) reads, so that the peers
+  // read it in place and nothing is staged (as for coconetc.empty). Collective when it grows
+  // (every rank of the group asks for the same sizes in the same order); kept across calls.
+  // Only after available() said yes.
+  char* own(int site, size_t bytes) {
+    Own& o = own_[site];
+    if (bytes <= o.bytes && o.win != MPI_WIN_NULL) return reinterpret_cast<char*>(o.at(rank_of_node()));
+    if (o.win != MPI_WIN_NULL) {
+      COCONET_MPI(MPI_Barrier(node_));  // no peer reads the old one any more
+      MPI_Win_free(&o.win);
+    }
+    o.bytes = std::max<size_t>(bytes, 64);
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    char* mine = nullptr;
+    COCONET_MPI(MPI_Win_allocate_shared(static_cast<MPI_Aint>(o.bytes), 1, info, node_, &mine, &o.win));
+    MPI_Info_free(&info);
+    o.bases.assign(bases_.size(), 0);
+    for (size_t r = 0; r < bases_.size(); ++r) {
+      MPI_Aint size = 0;
+      int disp = 1;
+      void* b = nullptr;
+      COCONET_MPI(MPI_Win_shared_query(o.win, static_cast<int>(r), &size, &disp, &b));
+      o.bases[r] = reinterpret_cast<uintptr_t>(b);
+    }
+    return mine;
+  }
+
   // Everything written to the window before it, by any rank, is visible to all after it.
   void sync() {
     COCONET_MPI(MPI_Win_sync(win_));
@@ -134,6 +165,9 @@ class ShmWindow {
     MPI_Finalized(&finalized);
     if (finalized) return;
     release_window();
+    for (auto& [site, o] : own_)
+      if (o.win != MPI_WIN_NULL) MPI_Win_free(&o.win);
+    own_.clear();
     if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
   }
 
@@ -150,8 +184,12 @@ class ShmWindow {
   // The id of the user window holding [p, p + bytes) of this rank, its offset there, when every
   // rank of the group can read it (the window's group holds them all); id -1 otherwise.
   std::pair<int64_t, int64_t> user_window_of(const void* p, size_t bytes) const {
-    if (!user || node_ == MPI_COMM_NULL) return {-1, 0};
+    if (node_ == MPI_COMM_NULL) return {-1, 0};
     const uint64_t a = reinterpret_cast<uintptr_t>(p);
+    for (const auto& [site, o] : own_)  // the runtime's own (shared_scratch): the group's node
+      if (a >= o.at(rank_of_node()) && a + bytes <= o.at(rank_of_node()) + o.bytes)
+        return {kOwnIds + site, static_cast<int64_t>(a - o.at(rank_of_node()))};
+    if (!user) return {-1, 0};
     for (size_t k = 0; k + 3 < user->size(); k += 4) {
       const uint64_t at = (*user)[k + 1], n = (*user)[k + 2];
       if (a < at || a + bytes > at + n) continue;
@@ -165,6 +203,10 @@ class ShmWindow {
 
   // Rank r's memory at `offset` in the user window `id` (as every rank registered it).
   const char* user_memory(int64_t id, int r, int64_t offset) const {
+    if (id >= kOwnIds) {
+      auto it = own_.find(static_cast<int>(id - kOwnIds));
+      if (it != own_.end()) return reinterpret_cast<const char*>(it->second.at(r)) + offset;
+    }
     for (size_t k = 0; user && k + 3 < user->size(); k += 4) {
       if (static_cast<int64_t>((*user)[k]) != id) continue;
       MPI_Win w = handle(k);
@@ -212,6 +254,18 @@ class ShmWindow {
     MPI_Win_free(&win_);
     bytes_ = 0;
   }
+
+  // The ids of the runtime's own windows (user windows' ids count up from 0).
+  static constexpr int64_t kOwnIds = int64_t(1) << 40;
+  struct Own {
+    MPI_Win win = MPI_WIN_NULL;
+    size_t bytes = 0;
+    std::vector<uintptr_t> bases;  // every rank's part (node ranks: the group's order)
+    uintptr_t at(int r) const { return bases[static_cast<size_t>(r)]; }
+  };
+  std::map<int, Own> own_;
+  int rank_of_node() const { return node_rank_; }
+  int node_rank_ = 0;
 
   bool checked_ = false;
   MPI_Comm node_ = MPI_COMM_NULL;

@@ -112,16 +112,22 @@ inline std::atomic<int64_t>& shm_runs() {
 // all on this node, and neither the call (CallArgs::fused, e.g. schedule "zero@p2p") nor, when
 // the call does not say, COCONET_FUSED asks for point-to-point (collective over the group on
 // first use).
-inline bool use_shm(Comm& comm) {
+inline bool shm_chosen(Comm& comm) {
   if (comm.size <= 1 || comm.shm.algo == 1) return false;
   if (comm.shm.algo == 0) {
     const char* env = std::getenv("COCONET_FUSED");
     if (env && std::strcmp(env, "p2p") == 0) return false;
   }
-  if (!comm.shm.available(comm.group, comm.size)) return false;
+  return comm.shm.available(comm.group, comm.size);
+}
+
+// shm_chosen, counting the runs (shm_runs).
+inline bool use_shm(Comm& comm) {
+  if (!shm_chosen(comm)) return false;
   shm_runs().fetch_add(1, std::memory_order_relaxed);
   return true;
 }
+
 
 inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 

@@ -91,6 +91,18 @@ T* scratch(int64_t n) {
   return buf.data();
 }
 
+// Scratch memory for n elements of T that a fused collective or an all-reduce of this call
+// reads (the generated code's intermediate `y` of `s = allreduce(sum, y)`, a fused
+// reduce-scatter's source): in the group's own shared window `Site` when the collectives go
+// through the window, so the peers read it in place and nothing is staged; else the thread's
+// scratch (scratch<T, Site> above). Collective over the group (every rank declares the same
+// buffers in the same order).
+template <class T, int Site>
+T* shared_scratch(Comm& comm, int64_t n) {
+  if (!shm_chosen(comm)) return scratch<T, Site>(n);
+  return reinterpret_cast<T*>(comm.shm.own(Site, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(T)));
+}
+
 // n rounded up to a multiple of m (m > 0): chunks that hold whole rows.
 inline int64_t round_up(int64_t n, int64_t m) { return m > 0 ? (n + m - 1) / m * m : n; }
 
