@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) bench/lamb_step.py $(BENCH_ARGS)
 	$(PY) bench/mlp_out.py --dtype f16
 	$(PY) bench/mlp_out.py --dtype f32
+	$(PY) bench/mlp_out.py --dtype bf16
 	$(PY) bench/stage_step.py
 	$(PY) bench/call_overhead.py
 

@@ -6,16 +6,17 @@ sequence length S:
   * bare matmul                                     (torch.matmul of this rank's slice alone)
   * torch matmul + mpi4py Allreduce + torch ops     (bias, dropout, residual)
   * torch matmul + torch.distributed gloo all_reduce + torch ops
-    (with --dtype f16 the baselines compute in f32: the CPU has no f16 matmul worth timing, and
-    mpi4py has no f16 sum)
+    (with --dtype f16 or bf16 the baselines compute in f32: the CPU has no f16 matmul worth
+    timing, and mpi4py has no f16 sum)
   coconet: default (matmul, allreduce, loop), rs_c_ag, fused (the whole matmul, then a fused
   reduce-scatter + dropout + all-gather), overlap_ar (matmul chunks overlapped
   with their allreduce), overlapped (matmul chunks each through a fused reduce-scatter +
   dropout + all-gather)
 
-Run: python bench/mlp_out.py [--dtype f16|f32] [--b 8] [--s 128,512] [--k 1024] [--h 1024]
+Run: python bench/mlp_out.py [--dtype f16|bf16|f32] [--b 8] [--s 128,512] [--k 1024] [--h 1024]
      [--ranks 2] [--reps 10] [--json PATH]
---dtype f32 compiles a copy of mlp_out.ccn with f32 in place of f16 (in the temp directory)."""
+--dtype f32 or bf16 compiles a copy of mlp_out.ccn with that dtype in place of f16 (in the temp
+directory)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,12 @@ def ccn_file(dtype: str) -> Path:
 def baseline(comm, x, w, b, r, how: str):
     import torch
     from mpi4py import MPI
-    xt, wt = torch.from_numpy(x).float(), torch.from_numpy(w).float()
-    bt, rt = torch.from_numpy(b).float(), torch.from_numpy(r).float()
+    def f32(a):  # NumPy has no bf16 of its own (ml_dtypes'): through f32
+        return torch.from_numpy(a.astype(np.float32))
+    xt, wt, bt, rt = f32(x), f32(w), f32(b), f32(r)
     gen = torch.Generator().manual_seed(0)
     dist = common.gloo(comm) if how == "gloo" else None
-    out_dtype = torch.from_numpy(r).dtype
+    out_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(r.dtype.name, torch.float32)
 
     def step():
         y = torch.matmul(xt, wt)
@@ -72,7 +74,8 @@ def run_size(mod, comm, a, S: int) -> dict:
     from coconetc.common.slices import slice_range
     R, rank = comm.Get_size(), comm.Get_rank()
     lo, hi = slice_range(a.k, R, rank)
-    dt = np.float16 if a.dtype == "f16" else np.float32
+    from coconetc.common.dtypes import STORAGE
+    dt = STORAGE[a.dtype]
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (a.b, S, a.k)).astype(dt)[:, :, lo:hi].copy()
     w = (rng.uniform(-1, 1, (a.k, a.h)) / a.k ** 0.5).astype(dt)[lo:hi].copy()
@@ -89,7 +92,7 @@ def run_size(mod, comm, a, S: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", choices=("f16", "f32"), default="f16")
+    ap.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
     for dim, default in (("b", 8), ("k", 1024), ("h", 1024)):
         ap.add_argument(f"--{dim}", type=int, default=default)
     ap.add_argument("--s", default="128,512", help="sequence lengths, comma-separated")
