@@ -9,7 +9,9 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   point-to-point fused collective forced (COCONET_FUSED=p2p) instead of the shared-memory one,
   "zero, g in coconetc.empty" the zero schedule with the gradient allocated in the shared window
   (no staging copy); "zero, g and w in coconetc.empty" the parameters there too (the peers read
-  each rank's updated part of w in place: no copy of it into the window).
+  each rank's updated part of w in place: no copy of it into the window); "zero,
+  DistributedOptimizer" the same step through coconetc.torch.DistributedOptimizer (a torch
+  Parameter of N elements), with shared_memory=True its flat weights and gradient in windows.
   * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
     over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
     bandwidth measured in the same run.
@@ -124,6 +126,18 @@ def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     return step
 
 
+def optimizer_step(comm, g, w, shared: bool):
+    """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements (what
+    a PyTorch user writes), its gradient set once: from the second step on p.grad is a view of
+    the optimizer's flat gradient, as when autograd accumulates into it."""
+    import torch
+    from coconetc.torch import DistributedOptimizer
+    p = torch.nn.Parameter(torch.from_numpy(w.copy()))
+    opt = DistributedOptimizer([p], ADAM_CCN, schedule="zero", comm=comm, shared_memory=shared, **HP)
+    p.grad = torch.from_numpy(g.copy())
+    return opt.step
+
+
 def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
     g = rng.standard_normal(n).astype(np.float32)
@@ -135,6 +149,8 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
     variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
     variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
     variants["zero, g and w in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True, w_empty=True)
+    variants["zero, DistributedOptimizer"] = optimizer_step(comm, g, w, shared=False)
+    variants["zero, DistributedOptimizer(shared_memory=True)"] = optimizer_step(comm, g, w, shared=True)
     t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}

@@ -11,6 +11,10 @@ named by `step` is the 1-based step count; every other scalar lives in `param_gr
 `torch.optim.lr_scheduler` works). One call of the compiled function per parameter group and
 step. `state_dict()` is the whole optimizer state on every rank (slices gathered), and
 `load_state_dict()` slices it again for this optimizer's schedule and rank count.
+`shared_memory=True` puts the flat weights and gradients in shared windows (coconetc.empty,
+collective over `comm`: every rank constructs the optimizer, and adds each parameter group, at
+the same point), so that on one node the fused collectives read the peers' gradients and
+updated weights in place instead of copying them (docs/performance.md).
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
@@ -104,6 +108,14 @@ class _Roles:
         self.segmented = {x.name for x in self.state if x.scattered and not x.type.layout.sliced}
 
 
+def _shared_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
+    """A copy of the 1-d tensor t in a shared window over comm (coconetc.empty; collective)."""
+    import coconetc
+    out = coconetc.empty((t.numel(),), dtype, comm=comm, framework="torch")
+    out.copy_(t)
+    return out
+
+
 class _Group:
     """One parameter group's buffers: the flat weights the parameters view (or the parameters
     themselves as segments), the flat gradient, the state in the schedule's layout."""
@@ -127,10 +139,14 @@ class _Group:
         else:  # packed once; the parameters then view the flat buffer
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.empty(0, dtype=want)
+            if opt._shared:  # in a shared window: the peers read this rank's part in place
+                self.flat = _shared_copy(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
                 p.data = view
         gdt = getattr(torch, layout.TORCH_DTYPES[roles.grad_dtype])
         self.gflat = torch.zeros(self.n, dtype=gdt)
+        if opt._shared and not roles.scattered:  # the gradient too: nothing staged
+            self.gflat = _shared_copy(self.gflat, roles.grad_dtype, opt._comm)
         self.gviews = self._views(self.gflat)
         self.state = {q.name: opt._fn.zeros(q.name, framework="torch", schedule=opt._schedule,
                                             comm=opt._comm, **{str(roles.size): self.n})
@@ -171,10 +187,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
                  schedule: str = "default", comm: Any = None, weights: str = "w",
-                 grads: str = "g", step: str = "step", **scalars: Any):
+                 grads: str = "g", step: str = "step", shared_memory: bool = False, **scalars: Any):
         from mpi4py import MPI
         self._fn = _function(source, program)
         self._comm = MPI.COMM_WORLD if comm is None else comm
+        self._shared = bool(shared_memory)
         params = list(params)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
             schedule = self._fn.resolve_schedule("auto", comm=self._comm,

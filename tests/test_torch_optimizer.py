@@ -65,7 +65,8 @@ def test_adam_matches_torch_adam_every_schedule(built, capfd, ranks):
     rc, lines, log = _launch(capfd, ranks, "adam")
     labels = [f"adam:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "zero", "fused")
               for what in ("params", "state", "lr_scheduled", "state_elements")]
-    _check(lines, log, labels + [f"adam:zero:R{ranks}:two_groups", f"adam:closure:R{ranks}"])
+    _check(lines, log, labels + [f"adam:zero:R{ranks}:two_groups", f"adam:closure:R{ranks}"]
+           + [f"adam:{s}:R{ranks}:shared_memory{b}" for s in ("zero", "fused") for b in ("", "_buffers")])
     # memory per rank under zero: this rank's slice of m and v, 1/R of the state
     n = 186
     line = next(ln for ln in lines if ln.startswith(f"STATE zero R{ranks} "))

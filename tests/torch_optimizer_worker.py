@@ -10,7 +10,8 @@ stepped by torch.optim.Adam (or by the LAMB written below), with the same StepLR
 Rank 0 prints "OK <label> <max |difference|>" or "FAIL <label>: <why>" per check.
 
 MODE adam             every schedule of examples/adam.ccn; the state (m, v) against torch's
-                      exp_avg/exp_avg_sq; state bytes per rank; two param groups; a closure
+                      exp_avg/exp_avg_sq; state bytes per rank; two param groups; a closure;
+                      shared_memory=True under zero and fused
 MODE lamb             every schedule of examples/lamb.ccn against LAMB in PyTorch
 MODE save PATH        train under zero, save a checkpoint (ours and the reference's) to PATH,
                       then load it here under every schedule and continue
@@ -84,13 +85,15 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 class Pair:
     """Our model and optimizer beside the reference's, stepped together."""
 
-    def __init__(self, schedule: str, model=None, ref=None, source=ADAM, groups=None, **hyper):
+    def __init__(self, schedule: str, model=None, ref=None, source=ADAM, groups=None, shared_memory=False,
+                 **hyper):
         self.model = model or make_model()
         self.ref = ref or copy.deepcopy(self.model)
         self.source = source
         if source == ADAM:
             self.opt = DistributedOptimizer(groups(self.model) if groups else self.model.parameters(),
-                                            str(source), schedule=schedule, **(hyper or HYPER))
+                                            str(source), schedule=schedule, shared_memory=shared_memory,
+                                            **(hyper or HYPER))
             h = hyper or HYPER
             self.ref_opt = torch.optim.Adam(groups(self.ref) if groups else self.ref.parameters(),
                                             lr=h["lr"], betas=(h["beta1"], h["beta2"]),
@@ -167,6 +170,23 @@ def mode_adam() -> None:
         report(f"adam:{schedule}:R{R}:state_elements", 0.0 if everyone == want else 1.0)
     two_groups()
     with_closure()
+    shared_memory()
+
+
+def shared_memory() -> None:
+    """shared_memory=True: the flat weights and gradients in coconetc.empty windows (the fused
+    collectives read them in place); the same training as the reference, under zero and fused."""
+    from coconetc.runtime import shm
+    for schedule in ("zero", "fused"):
+        pair = Pair(schedule, shared_memory=True)
+        g = pair.opt._groups[0]
+        spans = [(shm.WINDOWS[k + 1], shm.WINDOWS[k + 2]) for k in range(0, len(shm.WINDOWS), 4)]
+        inside = all(any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a + n for a, n in spans)
+                     for t in (g.flat, g.gflat))
+        views = all(p.data_ptr() >= g.flat.data_ptr() for p in pair.model.parameters())
+        report(f"adam:{schedule}:R{R}:shared_memory_buffers", 0.0 if inside and views else 1.0)
+        pair.run(STEPS // 2)
+        report(f"adam:{schedule}:R{R}:shared_memory", max_diff(pair.model, pair.ref))
 
 
 def two_groups() -> None:
