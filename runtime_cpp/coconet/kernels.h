@@ -104,22 +104,8 @@ void segment_norm(const Segments<T>& x, T* out, int64_t n, int64_t off,
 template <class T>
 void layernorm(const T* x, const T* gamma, const T* beta, double eps, int64_t rows, int64_t h,
                T* out) {
-  using C = compute_t<T>;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * h;
-    C mean = 0, var = 0;
-    for (int64_t j = 0; j < h; ++j) mean += to_compute(xr[j]);
-    mean /= static_cast<C>(h);
-    for (int64_t j = 0; j < h; ++j) {
-      C d = to_compute(xr[j]) - mean;
-      var += d * d;
-    }
-    var /= static_cast<C>(h);
-    C inv = C(1) / std::sqrt(var + static_cast<C>(eps));
-    for (int64_t j = 0; j < h; ++j)
-      out[r * h + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(gamma[j]) +
-                                       to_compute(beta[j]));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    layernorm_row(x + r * h, gamma, beta, static_cast<compute_t<T>>(eps), h, out + r * h);
 }
 
 // conv2d NCHW x OIHW -> NOHW (cross-correlation, zero padding), accumulating in compute type.

@@ -37,4 +37,22 @@ COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t
   return p < 1.0 ? x * static_cast<C>(1.0 / (1.0 - p)) : C(0);
 }
 
+// One row of layernorm over the last dim (H elements at xr into yr), in the compute type, as the
+// interpreter: the CPU runtime's layernorm (kernels.h) and the CUDA kernels (cuda/runtime.cuh).
+template <class T>
+COCONET_HD inline void layernorm_row(const T* xr, const T* g, const T* b, compute_t<T> eps, int64_t H, T* yr) {
+  using C = compute_t<T>;
+  C mean = 0, var = 0;
+  for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
+  mean /= static_cast<C>(H);
+  for (int64_t j = 0; j < H; ++j) {
+    C d = to_compute(xr[j]) - mean;
+    var += d * d;
+  }
+  var /= static_cast<C>(H);
+  C inv = C(1) / std::sqrt(var + eps);
+  for (int64_t j = 0; j < H; ++j)
+    yr[j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+}
+
 }  // namespace coconet

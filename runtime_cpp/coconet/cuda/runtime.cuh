@@ -141,18 +141,25 @@ struct Ctx {
   cudaStream_t comm_stream = nullptr;
 };
 
-// This device's stream in `streams` (non-blocking, made on first use); the caller holds the lock.
-inline cudaStream_t device_stream(std::map<int, cudaStream_t>& streams, const char* name) {
+// The current device's value in `values`, made by make(device) on first use; the caller holds
+// the lock that guards `values`.
+template <class T, class Make>
+T per_device(std::map<int, T>& values, Make make) {
   int dev = 0;
   COCONET_CUDA(cudaGetDevice(&dev));
-  auto s = streams.find(dev);
-  if (s == streams.end()) {
+  auto it = values.find(dev);
+  if (it == values.end()) it = values.emplace(dev, make(dev)).first;
+  return it->second;
+}
+
+// This device's stream in `streams` (non-blocking, made on first use); the caller holds the lock.
+inline cudaStream_t device_stream(std::map<int, cudaStream_t>& streams, const char* name) {
+  return per_device(streams, [name](int) {
     cudaStream_t cs;
     COCONET_CUDA(cudaStreamCreateWithFlags(&cs, cudaStreamNonBlocking));
     COCONET_STREAM_NAME(cs, name);
-    s = streams.emplace(dev, cs).first;
-  }
-  return s->second;
+    return cs;
+  });
 }
 
 inline Ctx context(const CallArgs& a) {
@@ -350,16 +357,12 @@ __global__ void threads_kernel(int64_t n, bool vec, F f) {
 inline int sm_count() {
   static std::mutex mu;
   static std::map<int, int> sms;
-  int dev = 0;
-  COCONET_CUDA(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
-  auto it = sms.find(dev);
-  if (it == sms.end()) {
+  return per_device(sms, [](int dev) {
     int n = 0;
     COCONET_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    it = sms.emplace(dev, n > 0 ? n : 1).first;
-  }
-  return it->second;
+    return n > 0 ? n : 1;
+  });
 }
 
 // f(th) once per thread of a grid over [0, n) on stream s (th: a Thread<V>); vec: every operand is
@@ -436,24 +439,6 @@ void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, in
   finish_sum<T, NORM>(acc, dst, cross_rank, c);
 }
 
-// One row of layernorm over the last dim (H elements at xr into yr), in the compute type (as the
-// CPU runtime).
-template <class T>
-COCONET_HD void layernorm_row(const T* xr, const T* g, const T* b, compute_t<T> eps, int64_t H, T* yr) {
-  using C = compute_t<T>;
-  C mean = 0, var = 0;
-  for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
-  mean /= static_cast<C>(H);
-  for (int64_t j = 0; j < H; ++j) {
-    C d = to_compute(xr[j]) - mean;
-    var += d * d;
-  }
-  var /= static_cast<C>(H);
-  C inv = C(1) / sqrt(var + eps);
-  for (int64_t j = 0; j < H; ++j)
-    yr[j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
-}
-
 // layernorm over the last dim: one thread per row.
 template <class T>
 __global__ void layernorm_kernel(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y) {
@@ -500,16 +485,12 @@ void conv2d(const T* x, const T* w, T* y, int64_t N, int64_t C, int64_t H, int64
 inline cublasHandle_t blas() {
   static std::mutex mu;
   static std::map<int, cublasHandle_t> hs;
-  int dev = 0;
-  COCONET_CUDA(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(mu);
-  auto it = hs.find(dev);
-  if (it == hs.end()) {
+  return per_device(hs, [](int) {
     cublasHandle_t h;
     COCONET_CUDA(cublasCreate(&h));
-    it = hs.emplace(dev, h).first;
-  }
-  return it->second;
+    return h;
+  });
 }
 
 template <class T> struct BlasType;
