@@ -86,19 +86,8 @@ class ShmWindow {
     if (win_ != MPI_WIN_NULL) COCONET_MPI(MPI_Barrier(node_));  // peers done reading it
     release_window();
     bytes = std::max<size_t>(bytes, 64);
-    MPI_Info info;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "alloc_shared_noncontig", "true");
-    char* mine = nullptr;
-    COCONET_MPI(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, node_, &mine,
-                                        &win_));
-    MPI_Info_free(&info);
+    win_ = allocate(bytes, bases_);
     COCONET_MPI(MPI_Win_lock_all(MPI_MODE_NOCHECK, win_));
-    for (size_t r = 0; r < bases_.size(); ++r) {
-      MPI_Aint size = 0;
-      int disp = 1;
-      COCONET_MPI(MPI_Win_shared_query(win_, static_cast<int>(r), &size, &disp, &bases_[r]));
-    }
     bytes_ = bytes;
   }
 
@@ -129,27 +118,15 @@ class ShmWindow {
   // Only after available() said yes.
   char* own(int site, size_t bytes) {
     Own& o = own_[site];
-    if (bytes <= o.bytes && o.win != MPI_WIN_NULL) return reinterpret_cast<char*>(o.at(rank_of_node()));
-    if (o.win != MPI_WIN_NULL) {
-      COCONET_MPI(MPI_Barrier(node_));  // no peer reads the old one any more
-      MPI_Win_free(&o.win);
+    if (bytes > o.bytes || o.win == MPI_WIN_NULL) {
+      if (o.win != MPI_WIN_NULL) {
+        COCONET_MPI(MPI_Barrier(node_));  // no peer reads the old one any more
+        MPI_Win_free(&o.win);
+      }
+      o.bytes = std::max<size_t>(bytes, 64);
+      o.win = allocate(o.bytes, o.bases);
     }
-    o.bytes = std::max<size_t>(bytes, 64);
-    MPI_Info info;
-    MPI_Info_create(&info);
-    MPI_Info_set(info, "alloc_shared_noncontig", "true");
-    char* mine = nullptr;
-    COCONET_MPI(MPI_Win_allocate_shared(static_cast<MPI_Aint>(o.bytes), 1, info, node_, &mine, &o.win));
-    MPI_Info_free(&info);
-    o.bases.assign(bases_.size(), 0);
-    for (size_t r = 0; r < bases_.size(); ++r) {
-      MPI_Aint size = 0;
-      int disp = 1;
-      void* b = nullptr;
-      COCONET_MPI(MPI_Win_shared_query(o.win, static_cast<int>(r), &size, &disp, &b));
-      o.bases[r] = reinterpret_cast<uintptr_t>(b);
-    }
-    return mine;
+    return o.at(rank_of_node());
   }
 
   // Everything written to the window before it, by any rank, is visible to all after it.
@@ -186,9 +163,10 @@ class ShmWindow {
   std::pair<int64_t, int64_t> user_window_of(const void* p, size_t bytes) const {
     if (node_ == MPI_COMM_NULL) return {-1, 0};
     const uint64_t a = reinterpret_cast<uintptr_t>(p);
-    for (const auto& [site, o] : own_)  // the runtime's own (shared_scratch): the group's node
-      if (a >= o.at(rank_of_node()) && a + bytes <= o.at(rank_of_node()) + o.bytes)
-        return {kOwnIds + site, static_cast<int64_t>(a - o.at(rank_of_node()))};
+    for (const auto& [site, o] : own_) {  // the runtime's own (shared_scratch): the group's node
+      const uint64_t at = reinterpret_cast<uintptr_t>(o.at(rank_of_node()));
+      if (a >= at && a + bytes <= at + o.bytes) return {kOwnIds + site, static_cast<int64_t>(a - at)};
+    }
     if (!user) return {-1, 0};
     for (size_t k = 0; k + 3 < user->size(); k += 4) {
       const uint64_t at = (*user)[k + 1], n = (*user)[k + 2];
@@ -205,7 +183,7 @@ class ShmWindow {
   const char* user_memory(int64_t id, int r, int64_t offset) const {
     if (id >= kOwnIds) {
       auto it = own_.find(static_cast<int>(id - kOwnIds));
-      if (it != own_.end()) return reinterpret_cast<const char*>(it->second.at(r)) + offset;
+      if (it != own_.end()) return it->second.at(r) + offset;
     }
     for (size_t k = 0; user && k + 3 < user->size(); k += 4) {
       if (static_cast<int64_t>((*user)[k]) != id) continue;
@@ -260,9 +238,28 @@ class ShmWindow {
   struct Own {
     MPI_Win win = MPI_WIN_NULL;
     size_t bytes = 0;
-    std::vector<uintptr_t> bases;  // every rank's part (node ranks: the group's order)
-    uintptr_t at(int r) const { return bases[static_cast<size_t>(r)]; }
+    std::vector<void*> bases;  // every rank's part (node ranks: the group's order)
+    char* at(int r) const { return static_cast<char*>(bases[static_cast<size_t>(r)]); }
   };
+
+  // A new window of `bytes` per rank over the node's ranks, every rank's part into `bases`
+  // (collective).
+  MPI_Win allocate(size_t bytes, std::vector<void*>& bases) const {
+    MPI_Info info;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    char* mine = nullptr;
+    MPI_Win win = MPI_WIN_NULL;
+    COCONET_MPI(MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, node_, &mine, &win));
+    MPI_Info_free(&info);
+    bases.assign(bases_.size(), nullptr);
+    for (size_t r = 0; r < bases.size(); ++r) {
+      MPI_Aint size = 0;
+      int disp = 1;
+      COCONET_MPI(MPI_Win_shared_query(win, static_cast<int>(r), &size, &disp, &bases[r]));
+    }
+    return win;
+  }
   std::map<int, Own> own_;
   int rank_of_node() const { return node_rank_; }
   int node_rank_ = 0;

@@ -128,7 +128,6 @@ inline bool use_shm(Comm& comm) {
   return true;
 }
 
-
 inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 
 // Copies the logical range [begin, end) of `s` to contiguous bytes at dst.
@@ -201,26 +200,31 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
     for_each_peer_piece(shape, R, me, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
   // a gather target in a shared window too (coconetc.empty) is read there by the peers: this
   // rank's part is not published into the region (one pass over 1/R of it fewer per rank)
-  std::vector<char> in_place(gathers.size(), 0);
-  for (size_t g = 0; g < gathers.size(); ++g) {
-    std::pair<int64_t, int64_t> t{-1, 0};
-    if (g < kInPlaceTargets && gathers[g].ptrs.size() == 1)
-      t = win.user_window_of(gathers[g].ptrs[0], static_cast<size_t>(total) * gathers[g].elem_size);
-    if (g < kInPlaceTargets) {
-      head(me)[2 + 2 * g] = t.first;
-      head(me)[3 + 2 * g] = t.second;
-    }
-    in_place[g] = t.first >= 0;
+  const size_t named = std::min(gathers.size(), kInPlaceTargets);
+  for (size_t g = 0; g < named; ++g) {
+    const std::pair<int64_t, int64_t> t =
+        gathers[g].ptrs.size() == 1
+            ? win.user_window_of(gathers[g].ptrs[0], static_cast<size_t>(total) * gathers[g].elem_size)
+            : std::pair<int64_t, int64_t>{-1, 0};
+    head(me)[2 + 2 * g] = t.first;
+    head(me)[3 + 2 * g] = t.second;
   }
   win.sync();
-  // the same on every rank (every header is readable now): whether a peer reads a target in place
-  bool read_in_place = false;
-  for (int r = 0; r < R; ++r)
-    for (size_t g = 0; g < std::min(gathers.size(), kInPlaceTargets); ++g) read_in_place |= head(r)[2 + 2 * g] >= 0;
   std::vector<const T*> input(static_cast<size_t>(R));  // every rank's input, readable here
   for (int r = 0; r < R; ++r)
     input[static_cast<size_t>(r)] = reinterpret_cast<const T*>(
         head(r)[0] < 0 ? seg(r) : win.user_memory(head(r)[0], r, head(r)[1]));
+  // where every rank's part of each target is read from: its target in place, or its region;
+  // and (the same on every rank) whether any is read in place
+  auto in_place = [&](size_t g, int r) { return g < named && head(r)[2 + 2 * g] >= 0; };
+  std::vector<const char*> part(gathers.size() * static_cast<size_t>(R));  // [g * R + r]
+  bool read_in_place = false;
+  for (size_t g = 0; g < gathers.size(); ++g)
+    for (int r = 0; r < R; ++r) {
+      read_in_place |= in_place(g, r);
+      part[g * R + r] = in_place(g, r) ? win.user_memory(head(r)[2 + 2 * g], r, head(r)[3 + 2 * g])
+                                       : seg(r) + goff[g];
+    }
 
   // 2. reduce this rank's slice from every rank, compute, publish each target's chunk
   RoundPlan plan(shape, R, chunk_elems);
@@ -241,22 +245,18 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
     finish_chunk<T>(op, red, q.size(), R);
     compute_in_pieces(q.begin, q.end, red, piece, compute, [] {});
     for (size_t g = 0; g < gathers.size(); ++g)
-      if (!in_place[g])
+      if (!in_place(g, me))
         raw_copy_out(gathers[g], q.begin, q.end,
                      seg(me) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size);
   }
   win.sync();
 
   // 3. the other ranks' parts of every target, from their region or their target itself
-  for (size_t g = 0; g < gathers.size(); ++g) {
-    const size_t es = gathers[g].elem_size;
+  for (size_t g = 0; g < gathers.size(); ++g)
     for_each_peer_piece(shape, R, me, [&](int r, Range q) {
-      const int64_t id = g < kInPlaceTargets ? head(r)[2 + 2 * g] : -1;
-      const char* src = id >= 0 ? win.user_memory(id, r, head(r)[3 + 2 * g]) + static_cast<size_t>(q.begin) * es
-                                : seg(r) + goff[g] + static_cast<size_t>(q.begin) * es;
-      raw_copy_in(src, gathers[g], q.begin, q.end);
+      raw_copy_in(part[g * R + r] + static_cast<size_t>(q.begin) * gathers[g].elem_size,
+                  gathers[g], q.begin, q.end);
     });
-  }
   // nobody stages the next call over a region still being read; and a target read in place is
   // the caller's again only when no peer reads it any more (the same choice on every rank)
   if (fenced || read_in_place) win.sync();
