@@ -279,7 +279,8 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     if schedule == "auto" or any(s is not None and mod.schedule(name, s).auto for s in names):
         mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto")
         if interp or backend == "cuda":  # a CPU algorithm choice ("zero@p2p") means nothing there
-            names = list(dict.fromkeys(None if s is None else s.partition("@")[0] for s in names))
+            from coconetc.tune.cache import schedule_name
+            names = list(dict.fromkeys(None if s is None else schedule_name(s) for s in names))
     if backend == "cuda" and not interp:
         _run_cuda(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
                   emulate)

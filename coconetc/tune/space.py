@@ -37,6 +37,7 @@ from coconetc.plan.units import Fused, Overlap
 from coconetc.schedule import apply_all
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split, schedule_text
 from coconetc.schedule.primitives import reorder_gathers
+from coconetc.tune.cache import schedule_name
 
 CHUNKS = (2, 4, 8)
 LEVELS = ("split", "rs_c_ag", "rs_c_ag_slice", "fused", "fused_slice")
@@ -56,7 +57,7 @@ class Candidate:
     @property
     def schedule(self) -> str:
         """The schedule's name: the label without its fused-collective algorithm ("zero@p2p")."""
-        return self.label.partition("@")[0]
+        return schedule_name(self.label)
 
     @property
     def text(self) -> str:
