@@ -30,7 +30,7 @@ def _run_python():
     try:
         from coconetc.launch.mpiexec import run_python
     except ImportError:  # an older checkout (before the launcher moved)
-        from coconetc.build.launch import run_python  # type: ignore[no-redef]
+        from coconetc.toolchain.launch import run_python  # type: ignore[no-redef]
     return run_python
 
 

@@ -112,7 +112,7 @@ def model_bytes(ccn: Path | str, program: str, schedules: list[str], sizes: dict
     """Bytes one rank moves through memory under each schedule, from the cost model over the
     schedule's execution plan (coconetc/tune/cost.py: what the plan reads and writes, the
     collectives' traffic included): the memory roofline's numerator."""
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     from coconetc.tune.cost import cost
     mod = load_file(ccn)
     return {s: cost(mod.plans[(program, s)], sizes, ranks).moved for s in schedules}

@@ -57,13 +57,13 @@ def _try(fn):
 
 def check_examples(archs: str) -> list[dict]:
     import torch
-    from coconetc.harness.core import adapt_inputs, compare, random_inputs
+    from coconetc.oracle.core import adapt_inputs, compare, random_inputs
     from coconetc.interp.interpreter import Result, run
     from coconetc.interp.values import STORAGE
-    from coconetc import runtime_cuda
+    from coconetc.runtime import cuda as runtime_cuda
     from coconetc.codegen.cuda import problems as cuda_problems
     from concurrent.futures import ThreadPoolExecutor
-    from coconetc.build.cuda_build import compile_cuda
+    from coconetc.toolchain.cuda_build import compile_cuda
     files = sorted((ROOT / "examples").glob("*.ccn"))
     with ThreadPoolExecutor(8) as ex:  # one nvcc per module: build them side by side
         list(ex.map(lambda f: _try(lambda: compile_cuda(f, None, archs, skip_unsupported=True, log=lambda m: None)), files))
@@ -85,7 +85,7 @@ def check_examples(archs: str) -> list[dict]:
             for sched, ir in fn.schedules.items():
                 for k, sizes in enumerate((None, "odd")):
                     try:
-                        from coconetc.harness.core import size_symbols
+                        from coconetc.oracle.core import size_symbols
                         sz = None if sizes is None else {s: ODD for s in size_symbols(base)}
                         inputs = adapt_inputs(random_inputs(base, 1, 1, sz, seed=7 + k), base, ir)
                         ref = run(ir, copy.deepcopy(inputs))
@@ -128,7 +128,7 @@ def _timed(fn, reps: int) -> float:
 
 def bench(n: int, archs: str, reps: int) -> list[dict]:
     import torch
-    from coconetc import runtime_cuda
+    from coconetc.runtime import cuda as runtime_cuda
     rows = []
     src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)

@@ -65,7 +65,7 @@ def variants(mod, dt: str, comm, a) -> list[tuple[str, object]]:
     import torch
     from mpi4py import MPI
 
-    from coconetc.common.slices import slice_range
+    from coconetc.ir.slices import slice_range
     R, rank = comm.Get_size(), comm.Get_rank()
     lo, hi = slice_range(a.k, R, rank)
     rng = np.random.default_rng(0)

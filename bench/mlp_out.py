@@ -71,10 +71,10 @@ def baseline(comm, x, w, b, r, how: str):
 
 
 def run_size(mod, comm, a, S: int) -> dict:
-    from coconetc.common.slices import slice_range
+    from coconetc.ir.slices import slice_range
     R, rank = comm.Get_size(), comm.Get_rank()
     lo, hi = slice_range(a.k, R, rank)
-    from coconetc.common.dtypes import STORAGE
+    from coconetc.ir.storage import STORAGE
     dt = STORAGE[a.dtype]
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (a.b, S, a.k)).astype(dt)[:, :, lo:hi].copy()

@@ -47,8 +47,8 @@ def _import(path: str):
 def _check(a, comm) -> int:
     from coconetc.runtime.loader import CompiledModule
     from coconetc.codegen.cpu import function_name, variants
-    from coconetc.driver import load_file
-    from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
+    from coconetc.sourcefile import load_file
+    from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
 
     ext = _import(a.module)

@@ -2,8 +2,7 @@
 communication are both first-class."""
 
 from coconetc.errors import CompileError, Diagnostic, ScheduleError, Span
-
-__version__ = "0.1.0"
+from coconetc.version import __version__
 
 # In an MPI job of several ranks, an uncaught exception aborts the job instead of leaving the
 # other ranks waiting (coconetc/runtime/hooks.py; nothing MPI is imported here).
@@ -21,12 +20,12 @@ __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__",
 def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None):
     """Compile a .ccn file (cached) and import it: one function per program.
     backend: "cpu" (C++ and MPI; NumPy arrays or CPU tensors) or "cuda" (CUDA, NCCL, cuBLAS;
-    PyTorch CUDA tensors, see coconetc.runtime_cuda; `archs` as nvcc's, default "80;90").
+    PyTorch CUDA tensors, see coconetc.runtime.cuda; `archs` as nvcc's, default "80;90").
     include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
     is searched for headers too)."""
     if backend == "cuda":
-        from coconetc.runtime_cuda import load as _load_cuda
+        from coconetc.runtime.cuda import load as _load_cuda
         return _load_cuda(path, archs, log, include_dirs=include_dirs, library_dirs=library_dirs,
                           libraries=libraries)
     if backend != "cpu" or archs is not None:

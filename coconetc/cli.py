@@ -10,8 +10,8 @@ import traceback
 import click
 import numpy as np
 
-from coconetc.driver import SourceFile, load_file
-from coconetc.common.limits import INT64_MAX, too_big
+from coconetc.sourcefile import SourceFile, load_file
+from coconetc.ir.limits import INT64_MAX, too_big
 from coconetc.errors import CompileError, Span
 
 _DEBUG = {"on": False}
@@ -143,7 +143,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
 def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
     """show -s auto: the autotuner's newest choice for the program on this machine, as the
     schedule block (text), its plan or its stage graph."""
-    from coconetc.driver import add_schedules
+    from coconetc.sourcefile import add_schedules
     from coconetc.ir import printer
     from coconetc.tune import cache
     recs = cache.records(mod.source, name)
@@ -190,7 +190,7 @@ def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
 def _check_sizes(p, sizes: dict[str, int], default: int) -> None:
     """Every tensor of the program, at these sizes, fits int64 in elements and bytes; else a
     located error at the parameter or stage that does not."""
-    from coconetc.harness.core import size_symbols
+    from coconetc.oracle.core import size_symbols
     from coconetc.ir.types import eval_dim
     env = {s: sizes.get(s, default) for s in size_symbols(p)}
     shown = ", ".join(f"{k}={v}" for k, v in env.items())
@@ -269,11 +269,11 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
     if emulate and (backend != "cuda" or interp):
         _fail("coconetc: --emulate goes with --backend cuda (and not with --interp)")
-    from coconetc.harness.core import size_symbols
+    from coconetc.oracle.core import size_symbols
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
-    from coconetc.harness.core import DEFAULT_SIZE
+    from coconetc.oracle.core import DEFAULT_SIZE
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
     if schedule == "auto" or any(s is not None and mod.schedule(name, s).auto for s in names):
@@ -301,8 +301,8 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     tuner's choice for these sizes, ranks and groups on this machine (the tuning cache), the
     choice's schedule added to the module when the tuner wrote it; with no record it is
     skipped (-s auto: an error) naming the tune command to run."""
-    from coconetc.driver import add_schedules
-    from coconetc.harness.core import DEFAULT_SIZE, size_symbols
+    from coconetc.sourcefile import add_schedules
+    from coconetc.oracle.core import DEFAULT_SIZE, size_symbols
     from coconetc.tune import cache
     full = {k: sizes.get(k, DEFAULT_SIZE) for k in size_symbols(mod.programs[name])}
     rec = cache.lookup(mod.source, name, full, ranks, groups)
@@ -329,8 +329,8 @@ def _run_cuda(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, em
     """run --backend cuda [--emulate]: build the CUDA module (for the host emulation, or with
     nvcc for the GPUs) here, then the worker on R ranks; what the CUDA backend does not
     implement is named and left out."""
-    from coconetc.build.builder import BuildError
-    from coconetc.build.cuda_build import compile_cuda, compile_emulated
+    from coconetc.toolchain.builder import BuildError
+    from coconetc.toolchain.cuda_build import compile_cuda, compile_emulated
     from coconetc.codegen.cuda import emulation_problems
     from coconetc.launch.mpiexec import run_python
     from coconetc.codegen.cuda import problems
@@ -375,7 +375,7 @@ def _gpu_here() -> bool:
 
 def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, libs: dict) -> None:
     """Build in this process (progress on stderr), then run the worker on R ranks."""
-    from coconetc.build.builder import BuildError
+    from coconetc.toolchain.builder import BuildError
     from coconetc.launch.mpiexec import run_python
     from coconetc.runtime.loader import compile_module
     try:
@@ -412,7 +412,7 @@ def compile(file: str, output: str | None, backend: str, arch: str | None, emit_
 
     --emit-only: only write the sources of a module named --name (with the chosen schedules) to
     --output, for a build system to compile (CMake's coconet_add_module)."""
-    from coconetc.build.builder import BuildError
+    from coconetc.toolchain.builder import BuildError
     from coconetc.runtime.loader import compile_module
     mod = _load(file)
     if not mod.programs:
@@ -440,8 +440,8 @@ def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | No
     named (coconetc check --backend cuda says where)."""
     from pathlib import Path
 
-    from coconetc.build.builder import BuildError
-    from coconetc.build.cuda_build import compile_cuda, write_sources
+    from coconetc.toolchain.builder import BuildError
+    from coconetc.toolchain.cuda_build import compile_cuda, write_sources
     from coconetc.codegen.cuda import problems
     if emit_only and not output:
         _fail("coconetc: --emit-only needs --output DIR")
@@ -465,7 +465,7 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, 
     from dataclasses import replace
     from pathlib import Path
 
-    from coconetc.build.builder import Libs
+    from coconetc.toolchain.builder import Libs
     from coconetc.codegen.cpu import generate
     if not emit_only or not output:
         _fail("coconetc: --name and --schedule go with --emit-only, which needs --output DIR")
@@ -495,8 +495,8 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, 
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
-    from coconetc.harness.core import DEFAULT_SIZE, size_symbols
-    from coconetc.harness.session import run_interp, save_npz
+    from coconetc.oracle.core import DEFAULT_SIZE, size_symbols
+    from coconetc.oracle.session import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
         click.echo(f"{name} [auto]: skipped (the autotuner chooses: coconetc tune, then show -s auto)")
         return False
@@ -555,8 +555,8 @@ def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
     Measures the file's schedules and the ones the tuner writes itself (split, reorder, slice,
     fuse, overlap), pruned with the cost model, checks the winner against the interpreter and
     stores it in the tuning cache (docs/performance.md)."""
-    from coconetc.build.builder import BuildError
-    from coconetc.harness.core import size_symbols
+    from coconetc.toolchain.builder import BuildError
+    from coconetc.oracle.core import size_symbols
     from coconetc.tune import tuner
     mod = _load(file)
     name = _pick_program(mod, program, None)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import SourceFile, load_file
+from coconetc.sourcefile import SourceFile, load_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -31,7 +31,7 @@ def _snapshot(args: dict) -> dict:
 
 def _inputs(rank: int, size: int, schedule: str) -> dict:
     """This rank's correct arguments for adam[schedule] (g differs per rank, the rest not)."""
-    from coconetc.common.slices import slice_range
+    from coconetc.ir.slices import slice_range
     rng = np.random.default_rng(1234)
     full = {k: rng.uniform(0.5, 1.5, N).astype(np.float32) for k in ("w", "m", "v")}
     g = np.random.default_rng(rank).uniform(0.5, 1.5, N).astype(np.float32)
@@ -99,7 +99,7 @@ def check_bad_groups(fn, rank, size):
 
 def check_still_in_step(fn, rank, size, comm, program):
     """After all those errors a correct call works on every rank and matches the interpreter."""
-    from coconetc.harness.core import compare
+    from coconetc.oracle.core import compare
     from coconetc.interp.interpreter import Result, run
     problems = []
     for sched in ("zero", "default"):

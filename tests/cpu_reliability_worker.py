@@ -30,7 +30,7 @@ N = 13
 
 
 def _inputs(rank: int, size: int, schedule: str) -> dict:
-    from coconetc.common.slices import slice_range
+    from coconetc.ir.slices import slice_range
     rng = np.random.default_rng(1234)
     full = {k: rng.uniform(0.5, 1.5, N).astype(np.float32) for k in ("w", "m", "v")}
     g = np.random.default_rng(rank).uniform(0.5, 1.5, N).astype(np.float32)
@@ -135,7 +135,7 @@ def check_leaf_requires_grad(fn, rank, size, comm):
 def check_no_grad_updates_and_bumps_version(fn, rank, size, comm):
     import torch
 
-    from coconetc.harness.core import compare
+    from coconetc.oracle.core import compare
     from coconetc.interp.interpreter import Result, run
     args = _inputs(rank, size, "zero")
     everyone = comm.allgather(copy.deepcopy(args))
@@ -165,7 +165,7 @@ def check_no_grad_updates_and_bumps_version(fn, rank, size, comm):
 
 
 def check_still_in_step(fn, rank, size, comm):
-    from coconetc.harness.core import compare
+    from coconetc.oracle.core import compare
     from coconetc.interp.interpreter import Result, run
     problems = []
     for sched in ("zero", "default", "fused"):
@@ -260,7 +260,7 @@ def mode_comm(comm, files) -> int:
 
 
 def _run_comm(sub, fn, base, ir, sched, groups):
-    from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
+    from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
     r, R = sub.Get_rank(), sub.Get_size()
     inputs = adapt_inputs(random_inputs(base, R, groups, {}, seed=5), base, ir, groups)

@@ -1,5 +1,5 @@
 """What each rank runs for tests/test_cuda_emulate.py (under mpiexec): the CUDA modules of the
-examples under the host emulation (coconetc.runtime_cuda.load_emulated, already built by the
+examples under the host emulation (coconetc.runtime.cuda.load_emulated, already built by the
 test), compared with the interpreter; dropout masks compared with the CPU backend; or one call
 of a module whose stream waits were edited (the race tests).
 
@@ -25,7 +25,7 @@ import traceback
 import numpy as np
 from mpi4py import MPI
 
-from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs, size_symbols
+from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs, size_symbols
 from coconetc.interp.interpreter import Result, run
 
 comm = MPI.COMM_WORLD
@@ -52,7 +52,7 @@ def results(ir, out, args) -> tuple[dict, dict]:
 
 
 def match(size: int, groups: int, files: list[str]) -> int:
-    from coconetc.runtime_cuda import load_emulated
+    from coconetc.runtime.cuda import load_emulated
     bad = 0
     for f in files:
         mod = load_emulated(f, log=lambda msg: None)
@@ -93,7 +93,7 @@ def vector(size: int, shift: int, files: list[str]) -> int:
     element past it,
     against the interpreter; each call's counts of pointwise kernels on the vector path and on
     the element path and of vector accesses (the module's emulation_counts())."""
-    from coconetc.runtime_cuda import load_emulated
+    from coconetc.runtime.cuda import load_emulated
     bad = 0
     for spec in files:
         f, _, n = spec.partition("@")
@@ -123,7 +123,7 @@ def vector(size: int, shift: int, files: list[str]) -> int:
 def dropout(file: str, prog: str, scheds: list[str]) -> int:
     """The output h = dropout(...) (* 2) + r equals r exactly where an element was dropped."""
     import coconetc
-    from coconetc.runtime_cuda import load_emulated
+    from coconetc.runtime.cuda import load_emulated
     emu = load_emulated(file, log=lambda msg: None)
     cpu = coconetc.load(file, log=lambda msg: None)
     base = emu.source_module.programs[prog]
@@ -146,9 +146,9 @@ def dropout(file: str, prog: str, scheds: list[str]) -> int:
 
 def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int:
     from coconetc.codegen.cuda import generate
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     from coconetc.runtime.loader import import_extension
-    from coconetc.runtime_cuda import EmulatedModule
+    from coconetc.runtime.cuda import EmulatedModule
     mod = load_file(file)
     src = generate(mod, name, skip_unsupported=True, emulate=True)
     emu = EmulatedModule(mod, src, import_extension(name, so))
@@ -169,9 +169,9 @@ def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int
 def check(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int:
     """One call of a prebuilt (edited) module, compared with the interpreter."""
     from coconetc.codegen.cuda import generate
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     from coconetc.runtime.loader import import_extension
-    from coconetc.runtime_cuda import EmulatedModule
+    from coconetc.runtime.cuda import EmulatedModule
     mod = load_file(file)
     emu = EmulatedModule(mod, generate(mod, name, skip_unsupported=True, emulate=True), import_extension(name, so))
     base = mod.programs[prog]
@@ -189,7 +189,7 @@ def check(file: str, prog: str, sched: str, so: str, name: str, size: int) -> in
 def wrong(file: str) -> int:
     """Each call is wrong on rank 1 only (or differs between the ranks); every rank must raise
     the same kind of error, naming the parameter, and leave w as it was; then a right call runs."""
-    from coconetc.runtime_cuda import load_emulated
+    from coconetc.runtime.cuda import load_emulated
     mod = load_emulated(file, log=lambda msg: None)
     n = 7
     g, w = np.full(n, float(rank + 1), np.float32), np.ones(n, np.float32)
@@ -225,7 +225,7 @@ def torchpg(file: str) -> int:
 
     import torch.distributed as dist
 
-    from coconetc.runtime_cuda import load_emulated, nccl_comm
+    from coconetc.runtime.cuda import load_emulated, nccl_comm
     port = comm.bcast(29500 + (os.getpid() % 2000) if rank == 0 else None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
     mod = load_emulated(file, log=lambda msg: None)

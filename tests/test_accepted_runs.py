@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import load_source
+from coconetc.sourcefile import load_source
 from coconetc.errors import CompileError
 
 pytestmark = pytest.mark.slow  # one module of 14 programs, then 28 launches: a few minutes

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.build import builder
+from coconetc.toolchain import builder
 from coconetc.launch.mpiexec import run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -265,7 +265,7 @@ NO_INTERP = textwrap.dedent("""
     mod.adam(schedule="zero", **a, lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, step=1.0)
     assert a["w"][0] != 1.0
     print("INTERP MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.interp")))
-    print("HARNESS MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.harness")))
+    print("HARNESS MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.oracle")))
 """)
 
 

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 from coconetc import cli
-from coconetc.driver import SourceFile, ScheduleIR, load_file, load_source
-from coconetc.harness.session import run_interp
+from coconetc.sourcefile import SourceFile, ScheduleIR, load_file, load_source
+from coconetc.oracle.session import run_interp
 from coconetc.ir import printer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -349,7 +349,7 @@ def test_run_mismatch_exits_nonzero(monkeypatch: pytest.MonkeyPatch, which: str)
 
 def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter returns a wrong value for the scheduled run only."""
-    from coconetc.harness import session
+    from coconetc.oracle import session
     real = session.run
 
     def perturbed(p, inputs, groups=1):

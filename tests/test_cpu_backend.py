@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.build import builder
+from coconetc.toolchain import builder
 from coconetc.launch.mpiexec import run_python
-from coconetc.driver import load_file
+from coconetc.sourcefile import load_file
 from coconetc.interp.values import TOLERANCE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -388,7 +388,7 @@ def test_scattered_updates_in_place(modules, schedule, kind):
 def test_torch_in_torch_out(modules):
     """Returned outputs come back as tensors when the inputs were tensors."""
     torch = pytest.importorskip("torch")
-    from coconetc.harness.core import random_inputs
+    from coconetc.oracle.core import random_inputs
     from coconetc.interp.interpreter import run
     fn = _module(modules, "layernorm.ccn").attn_out
     inputs = random_inputs(fn.schedules["default"], 1, 1, {"B": 2, "S": 5, "H": 6}, seed=4)[0]
@@ -416,7 +416,7 @@ def test_repeated_calls_with_changing_sizes(modules, file, program):
     """Every schedule called again and again in one process (one rank), the sizes shrinking
     and growing between calls, each call against the interpreter: buffers the module keeps
     between calls must not leak one call's values or sizes into the next."""
-    from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
+    from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
     if program not in SIZES:
         pytest.fail(f"no sizes for {program} in SIZES")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.build import cuda_build
+from coconetc.toolchain import cuda_build
 from coconetc.codegen.cuda import Unsupported, generate, problems
-from coconetc.driver import load_file
+from coconetc.sourcefile import load_file
 from coconetc.plan import plan_program
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.ccn"))
@@ -147,7 +147,7 @@ program p(x: f32[N] sliced(0) scattered) {
 
 
 def test_unsupported_units_are_reported_not_rendered(tmp_path):
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     path = tmp_path / "u.ccn"
     path.write_text(UNSUPPORTED)
     mod = load_file(str(path))

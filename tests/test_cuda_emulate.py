@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.build import cuda_build
+from coconetc.toolchain import cuda_build
 from coconetc.launch import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def built(request):
     """Every example's emulated module, built once here (the ranks then only import), in the
     session's build cache that tests/test_cpu_backend.py uses too (the dropout test's CPU
     modules are built there already)."""
-    from coconetc.build import builder
+    from coconetc.toolchain import builder
     old = os.environ.get(builder.ENV_CACHE)
     os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     from concurrent.futures import ThreadPoolExecutor
@@ -177,8 +177,8 @@ def _joins_in(cu: str, fn: str) -> list[int]:
 
 def _source(file: str, program: str, sched: str) -> str:
     from coconetc.codegen.cuda import generate
-    from coconetc.build.cuda_build import _PROBE
-    from coconetc.driver import load_file
+    from coconetc.toolchain.cuda_build import _PROBE
+    from coconetc.sourcefile import load_file
     mod = load_file(EX / f"{file}.ccn")
     mod = replace(mod, schedules={p: {s: x for s, x in sc.items() if s == sched} for p, sc in mod.schedules.items()})
     return generate(mod, _PROBE, skip_unsupported=True, emulate=True).cu
@@ -279,7 +279,7 @@ CALLS = r"""
 import sys
 import numpy as np
 from mpi4py import MPI  # noqa: F401 - MPI up first, as in a user's script
-from coconetc.runtime_cuda import load_emulated
+from coconetc.runtime.cuda import load_emulated
 mod = load_emulated(sys.argv[1], log=lambda m: None)
 g, w = np.full(7, 2.0, np.float32), np.ones(7, np.float32)
 for sched in ("default", "fused", "rs_c_ag"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.build import cuda_build
+from coconetc.toolchain import cuda_build
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 COCONETC = str(Path(sys.executable).parent / "coconetc")

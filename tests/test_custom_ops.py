@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.driver import load_file, load_source
+from coconetc.sourcefile import load_file, load_source
 from coconetc.errors import CompileError
 from coconetc.interp.interpreter import run
 from coconetc.ir import ops
@@ -388,7 +388,7 @@ def test_an_expansion_that_grows_too_large_is_an_error_at_the_call():
 
 
 def test_build_inputs_reach_cmake_and_the_cache_key(tmp_path):
-    from coconetc.build.builder import Libs
+    from coconetc.toolchain.builder import Libs
     from coconetc.codegen.cpu import generate
     f = _extern_file(tmp_path)
     (tmp_path / "scale_rows.h").write_text(HEADER)

@@ -11,7 +11,7 @@ from textwrap import dedent
 
 import pytest
 
-from coconetc.driver import load_source
+from coconetc.sourcefile import load_source
 from coconetc.errors import CompileError
 
 ROOT = Path(__file__).resolve().parents[1]

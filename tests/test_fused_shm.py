@@ -133,7 +133,7 @@ def test_generated_code_puts_collective_sources_in_the_window():
     collective or an all-reduce reads: mlp_out's y in default and fused, not in overlapped (its
     chunks go point to point) or rs_c_ag."""
     from coconetc.codegen.cpu import generate
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     src = generate(load_file(REPO / "examples" / "mlp_out.ccn"), "m").cpp
     bodies = {name: src.split(f"void mlp_out__{name}(")[1].split("\n}\n")[0]
               for name in ("default", "overlapped", "fused", "rs_c_ag", "overlap_ar")}

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coconetc.driver import load_source
+from coconetc.sourcefile import load_source
 from coconetc.errors import CompileError
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.ccn"))

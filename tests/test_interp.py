@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coconetc.driver import load_source
+from coconetc.sourcefile import load_source
 from coconetc.interp import rng as crng
 from coconetc.interp.interpreter import run
 from coconetc.ir.nodes import walk

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import SourceFile, load_source
+from coconetc.sourcefile import SourceFile, load_source
 from coconetc.errors import CompileError
 from coconetc.plan import plan_program
 from coconetc.plan.show import show

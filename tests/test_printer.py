@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.driver import SourceFile, load_source
+from coconetc.sourcefile import SourceFile, load_source
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import printer
 from coconetc.ir.nodes import Program

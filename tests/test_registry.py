@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from coconetc.codegen.emit import emit
-from coconetc.driver import load_source
+from coconetc.sourcefile import load_source
 from coconetc.errors import CompileError
 from coconetc.interp.interpreter import run
 from coconetc.ir import ops, printer
@@ -124,6 +124,6 @@ def test_the_registry_imports_no_interpreter_and_no_backend():
     """The interpreter and the backends import the registry, never the other way round."""
     code = ("import sys, coconetc.ir.ops, coconetc.ir.nodes, coconetc.frontend.checker; "
             "print(sorted(m for m in sys.modules if m.startswith(('coconetc.interp', "
-            "'coconetc.codegen', 'coconetc.build'))))")
+            "'coconetc.codegen', 'coconetc.toolchain'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

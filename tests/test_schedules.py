@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.driver import load_file, load_source
-from coconetc.harness.core import adapt_inputs, compare, random_inputs
+from coconetc.sourcefile import load_file, load_source
+from coconetc.oracle.core import adapt_inputs, compare, random_inputs
 from coconetc.interp.interpreter import run
-from coconetc.harness.session import run_interp
+from coconetc.oracle.session import run_interp
 from coconetc.ir.nodes import Op, Ref
 from coconetc.schedule.directives import Slice
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.build import builder
-from coconetc.common.slices import slice_range
+from coconetc.toolchain import builder
+from coconetc.ir.slices import slice_range
 from coconetc.launch.mpiexec import run_python
 
 torch = pytest.importorskip("torch")

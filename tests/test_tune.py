@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from coconetc import cli
-from coconetc.driver import add_schedules, load_file
-from coconetc.harness.core import adapt_inputs, compare, random_inputs
+from coconetc.sourcefile import add_schedules, load_file
+from coconetc.oracle.core import adapt_inputs, compare, random_inputs
 from coconetc.interp.interpreter import run
 from coconetc.ir import printer
 from coconetc.launch.mpiexec import run_python
@@ -263,7 +263,7 @@ import sys
 import numpy as np
 import coconetc
 from mpi4py import MPI
-from coconetc.harness.core import adapt_inputs, compare, random_inputs
+from coconetc.oracle.core import adapt_inputs, compare, random_inputs
 from coconetc.interp.interpreter import Result, run
 
 comm = MPI.COMM_WORLD

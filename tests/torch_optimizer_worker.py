@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from mpi4py import MPI
 
-from coconetc.common.slices import slice_range
+from coconetc.ir.slices import slice_range
 from coconetc.torch import DistributedOptimizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import jinja2
 
-from coconetc import __version__
-from coconetc.build.builder import Libs
+from coconetc.version import __version__
+from coconetc.toolchain.builder import Libs
 from coconetc.codegen.render import Function, render
-from coconetc.driver import SourceFile
+from coconetc.sourcefile import SourceFile
 from coconetc.ir.nodes import Program
 
 DEFAULT = "default"  # the name of the unscheduled program among its schedules

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from coconetc.codegen.base import RenderBase, prod
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit, literal
-from coconetc.common.rng_keys import site_key
+from coconetc.ir.rng_keys import site_key
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import Let, Loop

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coconetc.common.limits import too_big
+from coconetc.ir.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
 from coconetc.frontend.defs import Scope, bind, bind_def

@@ -1,5 +1,5 @@
 """Binding a call's arguments (one mapping per rank) to a program's parameters, with the
-checks the compiled modules use (coconetc/common/validate.py): dtype, rank and layout, size
+checks the compiled modules use (coconetc/ir/arguments.py): dtype, rank and layout, size
 symbols, scattered segments. Errors name the parameter."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.common.dtypes import STORAGE
-from coconetc.common.validate import bind_sizes, check_param, describe
+from coconetc.ir.storage import STORAGE
+from coconetc.ir.arguments import bind_sizes, check_param, describe
 from coconetc.ir.nodes import Param, Program
 
 

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from coconetc.common.rng_keys import site_key
+from coconetc.ir.rng_keys import site_key
 
 __all__ = ["philox4x32", "site_key", "dropout_threshold", "dropout_keep"]
 

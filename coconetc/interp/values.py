@@ -1,12 +1,12 @@
 """How the interpreter stores values: NumPy dtypes, compute dtypes, slices of a group. The
-storage dtypes and the slice partition live in coconetc/common (the loader uses them too)."""
+storage dtypes and the slice partition live in coconetc/ir (storage.py, slices.py; the loader uses them too)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from coconetc.common.dtypes import STORAGE
-from coconetc.common.slices import slice_range, take_slice
+from coconetc.ir.storage import STORAGE
+from coconetc.ir.slices import slice_range, take_slice
 
 __all__ = ["COMPUTE", "STORAGE", "TOLERANCE", "global_index", "slice_range", "take_slice"]
 

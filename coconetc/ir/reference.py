@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from coconetc.common.dtypes import STORAGE  # the NumPy dtype that stores each language dtype
+from coconetc.ir.storage import STORAGE  # the NumPy dtype that stores each language dtype
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 

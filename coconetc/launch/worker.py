@@ -57,12 +57,12 @@ def stop_job_on_failure(body, label: str) -> int:
 
 def _main(a, comm) -> int:
     import coconetc
-    from coconetc.harness.core import adapt_inputs, compare, random_inputs
+    from coconetc.oracle.core import adapt_inputs, compare, random_inputs
     from coconetc.interp.interpreter import Result, run
-    from coconetc.harness.session import save_results
+    from coconetc.oracle.session import save_results
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
     if a.emulate_cuda:
-        from coconetc.runtime_cuda import load_emulated
+        from coconetc.runtime.cuda import load_emulated
         mod = load_emulated(a.file, log=lambda msg: None)
     elif a.cuda:
         mod = _on_gpu(a.file, comm)
@@ -133,7 +133,7 @@ def _on_gpu(file: str, comm: Any) -> Any:
     import torch
     from mpi4py import MPI
 
-    from coconetc.runtime_cuda import load
+    from coconetc.runtime.cuda import load
     if not torch.cuda.is_available():
         raise SystemExit("coconetc run --backend cuda: no CUDA device here (use --emulate)")
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
@@ -151,7 +151,7 @@ def _max():
 
 
 def _result(ir, out, args):
-    from coconetc.harness.core import joined
+    from coconetc.oracle.core import joined
     outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
     outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
     updates = {t: np.asarray(joined(args[t])).copy() for t, _ in ir.updates}

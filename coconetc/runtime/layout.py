@@ -3,7 +3,7 @@
 module), so that nobody computes a slice by hand.
 
 A parameter `sliced(d)` of global size n along d is held by rank i of a group of R ranks as
-indices [i*c, min((i+1)*c, n)) with c = ceil(n / R) (coconetc/common/slices.py); every other
+indices [i*c, min((i+1)*c, n)) with c = ceil(n / R) (coconetc/ir/slices.py); every other
 layout is held whole. The rank and group size come from an mpi4py communicator (default
 COMM_WORLD), or from `rank=`/`ranks=` given explicitly (no MPI needed then)."""
 
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.common.dtypes import STORAGE
-from coconetc.common.slices import slice_range
+from coconetc.ir.storage import STORAGE
+from coconetc.ir.slices import slice_range
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 

@@ -2,7 +2,7 @@
 a Python function taking keyword arguments named as in the program.
 
 A call checks every argument on this rank (presence, type, dtype, rank, contiguity, buffers
-that overlap, PyTorch autograd rules: coconetc/common/validate.py), then the ranks of the
+that overlap, PyTorch autograd rules: coconetc/ir/arguments.py), then the ranks of the
 communicator agree on the call (coconetc/runtime/agree.py: small non-blocking allgathers
 under a watchdog): the function and schedule, groups, every scalar's value, the sizes bound
 across ranks. Any error raises on every rank before any buffer is touched, and nobody is left
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.build import builder
+from coconetc.toolchain import builder
 from coconetc.codegen.cpu import DEFAULT, Sources, extern_headers, function_name, generate, variants
-from coconetc.common.dtypes import STORAGE
-from coconetc.common.slices import slice_range
-from coconetc.common.validate import bind_sizes, check_param, describe, is_torch, overlapping
-from coconetc.driver import SourceFile, add_schedules, load_file
+from coconetc.ir.storage import STORAGE
+from coconetc.ir.slices import slice_range
+from coconetc.ir.arguments import bind_sizes, check_param, describe, is_torch, overlapping
+from coconetc.sourcefile import SourceFile, add_schedules, load_file
 from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim

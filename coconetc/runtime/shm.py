@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.common.dtypes import STORAGE
+from coconetc.ir.storage import STORAGE
 from coconetc.runtime.layout import FRAMEWORKS, TORCH_DTYPES
 
 _KEEP: list[Any] = []  # the windows and their node communicators, alive until the process ends

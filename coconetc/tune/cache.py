@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from coconetc.build.builder import cache_dir
+from coconetc.toolchain.builder import cache_dir
 
 FILE = "tuning.json"
 ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/tuning.json)

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coconetc.common.slices import slice_range
+from coconetc.ir.slices import slice_range
 from coconetc.ir import ops
 from coconetc.ir.nodes import Ref, walk
 from coconetc.ir.types import BITS, TType, eval_dim

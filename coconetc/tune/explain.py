@@ -4,8 +4,8 @@ tuner wrote and measured for these sizes are listed too."""
 
 from __future__ import annotations
 
-from coconetc.driver import SourceFile, add_schedules
-from coconetc.harness.core import size_symbols
+from coconetc.sourcefile import SourceFile, add_schedules
+from coconetc.oracle.core import size_symbols
 from coconetc.tune import cache
 from coconetc.tune.cost import cost
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coconetc.driver import SourceFile
+from coconetc.sourcefile import SourceFile
 from coconetc.errors import NOWHERE, CompileError, ScheduleError
 from coconetc.ir import printer
 from coconetc.ir.nodes import Op, Program, Ref, Stage

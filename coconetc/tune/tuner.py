@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coconetc.driver import SourceFile
+from coconetc.sourcefile import SourceFile
 from coconetc.tune import cache
 from coconetc.tune.cost import cost
 from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates

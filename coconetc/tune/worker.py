@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 
 def _main(a, comm) -> int:
     import coconetc
-    from coconetc.harness.core import random_inputs
+    from coconetc.oracle.core import random_inputs
     from coconetc.tune.space import convention
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
     mod = coconetc.load(a.file, log=lambda msg: None, include_dirs=a.include_dir)
@@ -66,7 +66,7 @@ def _time_all(fn, labels: list[str], base, inputs, comm, reps: int) -> dict[str,
     """Round-robin: one call of every schedule per round (the first round warms up), so that
     a change in the machine's load touches every schedule alike; the median of each rank's
     calls, the slowest rank's median counted."""
-    from coconetc.harness.core import adapt_inputs
+    from coconetc.oracle.core import adapt_inputs
     rank = comm.Get_rank()
     mine = {x: adapt_inputs(inputs, base, fn._program(x))[rank] for x in labels}
     times: dict[str, list[float]] = {x: [] for x in labels}
@@ -89,7 +89,7 @@ def _time_all(fn, labels: list[str], base, inputs, comm, reps: int) -> dict[str,
 def _verify(fn, label, base, inputs, comm, ref: list) -> list[str]:
     """The differences between this schedule's results and the interpreter's run of the
     unscheduled program (rank 0 checks; every rank gets the answer)."""
-    from coconetc.harness.core import adapt_inputs, compare
+    from coconetc.oracle.core import adapt_inputs, compare
     from coconetc.interp.interpreter import Result, run
     from coconetc.launch.worker import _result
     ir = fn._program(label)

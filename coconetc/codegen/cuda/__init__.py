@@ -1,6 +1,6 @@
 """The CUDA backend: one .cu source (all programs x schedules of a file) and its CMakeLists,
 rendered from the same execution plans as the CPU backend (render.py), built with nvcc against
-NCCL, cuBLAS and the CUDA runtime from the PyPI wheels (coconetc/build/cuda_build.py)."""
+NCCL, cuBLAS and the CUDA runtime from the PyPI wheels (coconetc/toolchain/cuda_build.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import jinja2
 
-from coconetc import __version__
+from coconetc.version import __version__
 from coconetc.codegen.base import Function
-from coconetc.build.builder import Libs
+from coconetc.toolchain.builder import Libs
 from coconetc.codegen.cpu import extern_headers, function_name, variants
 from coconetc.codegen.cuda.render import Unsupported, render, unsupported
-from coconetc.driver import SourceFile
+from coconetc.sourcefile import SourceFile
 from coconetc.ir import ops
 from coconetc.plan.units import Fused, Library
 
@@ -71,7 +71,7 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
              skip_unsupported: bool = False, libs: Libs | None = None, emulate: bool = False) -> CudaSources:
     """The module's sources. skip_unsupported: leave out the (program, schedule)s the CUDA
     renderer cannot render yet (else the first one raises Unsupported). libs: for extern
-    operations (headers, libraries). emulate: for the host emulation (build/cuda_build.py:
+    operations (headers, libraries). emulate: for the host emulation (toolchain/cuda_build.py:
     compile_emulated), leaving out what emulation_problems names."""
     file = Path(mod.file).name
     funcs = {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from coconetc.build.builder import BuildError, build_locked, cache_dir, compiler_hash
+from coconetc.toolchain.builder import BuildError, build_locked, cache_dir, compiler_hash
 from coconetc.paths import runtime_dir
 
 ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
@@ -109,10 +109,10 @@ def compile_cuda(path: str | Path, out_dir: str | Path | None = None, archs: str
     """Generate FILE's CUDA module and build it (cached); returns (SourceFile, CudaSources,
     path of the .so or None when build is False). include_dirs, library_dirs, libraries: for
     the file's extern operations."""
-    from coconetc.build.builder import Libs
+    from coconetc.toolchain.builder import Libs
     from coconetc.codegen.cpu import extern_headers
     from coconetc.codegen.cuda import DEFAULT_ARCHS, generate
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     mod = load_file(path)
     archs = archs or DEFAULT_ARCHS
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
@@ -172,7 +172,7 @@ def _run(out_dir: Path, log) -> None:
 
 def emulation_missing() -> str | None:
     """Why the emulated CUDA module cannot be built here (None: it can)."""
-    from coconetc.build.builder import _missing_cpu_extra
+    from coconetc.toolchain.builder import _missing_cpu_extra
     gone = _missing_cpu_extra()
     if gone:
         return f"the host emulation needs the 'cpu' extra (missing: {', '.join(gone)})"
@@ -186,7 +186,7 @@ def compile_emulated(path: str | Path, out_dir: str | Path | None = None, log=No
     not implement and programs with extern operations (their own CUDA code is not emulated).
     Returns (SourceFile, CudaSources, path of the .so)."""
     from coconetc.codegen.cuda import generate
-    from coconetc.driver import load_file
+    from coconetc.sourcefile import load_file
     mod = load_file(path)
     probe = generate(mod, _PROBE, skip_unsupported=True, emulate=True)
     name, so = build_emulated(probe.cu, Path(path).stem, out_dir, log=log)
@@ -198,7 +198,7 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
     """Build a generated module.cu (its module named by the placeholder of generate()) for the
     host emulation; runtime: another copy of runtime_cpp/ (tests edit it). Returns (module
     name, path of the .so), cached by a hash of everything that goes in."""
-    from coconetc.build import builder
+    from coconetc.toolchain import builder
     why = emulation_missing()
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
@@ -219,7 +219,7 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
 
 def _run_emulated(name: str, out_dir: Path, log, runtime: Path) -> None:
     import pybind11
-    from coconetc.build import builder
+    from coconetc.toolchain import builder
     tc = builder.toolchain()
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     blas_dir = str(Path(tc.blas_lib).parent)

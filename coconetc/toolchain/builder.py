@@ -64,7 +64,7 @@ def toolchain() -> Toolchain:
 def compiler_hash() -> str:
     """The part of the compiler a build depends on besides the generated text (which the key
     hashes itself): its version, its templates and the runtime headers the source includes."""
-    from coconetc import __version__
+    from coconetc.version import __version__
     h = hashlib.sha256(__version__.encode())
     pkg = Path(__file__).resolve().parent.parent
     files = sorted([*pkg.rglob("*.j2"), *runtime_dir().rglob("*.h")])

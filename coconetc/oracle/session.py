@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.driver import SourceFile
-from coconetc.harness.core import adapt_inputs, compare, joined, random_inputs
+from coconetc.sourcefile import SourceFile
+from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
 from coconetc.interp.interpreter import Result, run
 from coconetc.ir.nodes import Program
 

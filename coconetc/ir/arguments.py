@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.common.dtypes import STORAGE
-from coconetc.common.slices import slice_range
+from coconetc.ir.storage import STORAGE
+from coconetc.ir.slices import slice_range
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 

@@ -1,4 +1,4 @@
-"""`coconetc.runtime_cuda.load(file)`: compile a file with the CUDA backend (cached), import the
+"""`coconetc.runtime.cuda.load(file)`: compile a file with the CUDA backend (cached), import the
 module and wrap it: each program is a Python function taking PyTorch CUDA tensors by keyword
 (named as in the program), updating parameters in place and returning new output tensors.
 
@@ -8,7 +8,7 @@ Communicators: `nccl_comm(module, mpi_comm)` makes an NCCL communicator from an 
 
 A call checks on this rank, before anything runs: presence, dtype, device (the current CUDA
 device), rank, contiguity; then the shapes of all ranks are exchanged over MPI (when there is an
-MPI communicator) and bound to the program (common/validate.py), so sizes bound across ranks are
+MPI communicator) and bound to the program (ir/arguments.py), so sizes bound across ranks are
 checked identically everywhere. Kernels and collectives run on the given CUDA stream (default:
 PyTorch's current stream); the call returns without synchronizing."""
 
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.codegen.cpu import DEFAULT, function_name, variants
-from coconetc.common.slices import slice_range
+from coconetc.ir.slices import slice_range
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import eval_dim
 
@@ -83,7 +83,7 @@ def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]
 def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
          libraries=()) -> CudaModule:
     """include_dirs, library_dirs, libraries: for the file's extern operations (as coconetc.load)."""
-    from coconetc.build.cuda_build import compile_cuda
+    from coconetc.toolchain.cuda_build import compile_cuda
     from coconetc.runtime.loader import import_extension
     mod, src, so = compile_cuda(path, None, archs, skip_unsupported=True, log=log, include_dirs=include_dirs,
                                 library_dirs=library_dirs, libraries=libraries)
@@ -120,7 +120,7 @@ class CudaProgram:
         import torch
         key = schedule or DEFAULT
         if comm is None:
-            raise ValueError("pass comm=coconetc.runtime_cuda.nccl_comm(module.ext, mpi_comm)")
+            raise ValueError("pass comm=coconetc.runtime.cuda.nccl_comm(module.ext, mpi_comm)")
         p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local(p, kwargs, stream))
         group_size = ranks // groups
         rank = comm.rank % group_size
@@ -296,11 +296,11 @@ def _describe(p: Program, values: dict) -> dict:
 # ---- host emulation ----------------------------------------------------------------------------------
 
 def load_emulated(path: str | Path, log=None) -> EmulatedModule:
-    """FILE's CUDA module built for the host emulation (build/cuda_build.py: compile_emulated):
+    """FILE's CUDA module built for the host emulation (toolchain/cuda_build.py: compile_emulated):
     the generated CUDA code run on the CPU, NCCL on MPI. Programs take NumPy arrays (host memory
     stands for device memory), update parameters in place and return new NumPy outputs; every
     call synchronizes and raises if the emulation found a stream race."""
-    from coconetc.build.cuda_build import compile_emulated
+    from coconetc.toolchain.cuda_build import compile_emulated
     from coconetc.runtime.loader import import_extension
     mod, src, so = compile_emulated(path, log=log)
     return EmulatedModule(mod, src, import_extension(src.module, so))
@@ -321,7 +321,7 @@ class EmulatedProgram(CudaProgram):
 
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
-        from coconetc.common.dtypes import STORAGE
+        from coconetc.ir.storage import STORAGE
         key = schedule or DEFAULT
         comm = comm or self.owner.comm()
         p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local_numpy(p, kwargs))
@@ -346,7 +346,7 @@ class EmulatedProgram(CudaProgram):
 
 
 def _checked_array(q: Param, v: Any, updated: bool) -> Any:
-    from coconetc.common.dtypes import STORAGE
+    from coconetc.ir.storage import STORAGE
     if not isinstance(v, np.ndarray):
         raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
     if v.dtype != STORAGE[q.type.dtype]:
@@ -360,7 +360,7 @@ def _checked_array(q: Param, v: Any, updated: bool) -> Any:
 
 def _check_local_numpy(p: Program, kwargs: dict) -> dict:
     out = _arguments(p, kwargs, _checked_array)
-    from coconetc.common.validate import overlapping
+    from coconetc.ir.arguments import overlapping
     both = overlapping(p, out)
     if both:
         raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory; pass separate arrays")

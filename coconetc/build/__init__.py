@@ -1,1 +1,0 @@
-"""Building generated sources into extension modules with CMake (builder.py)."""
