@@ -46,7 +46,7 @@ def _import(path: str):
 
 def _check(a, comm) -> int:
     from coconetc.runtime.loader import CompiledModule
-    from coconetc.codegen.cpu import function_name, variants
+    from coconetc.codegen.naming import function_name
     from coconetc.sourcefile import load_file
     from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
@@ -57,7 +57,7 @@ def _check(a, comm) -> int:
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
     rank, R = comm.Get_rank(), comm.Get_size()
     held: dict[str, list[str]] = {}
-    for prog, sched in variants(source):
+    for prog, sched in source.variants():
         if hasattr(ext, function_name(prog, sched)):
             held.setdefault(prog, []).append(sched)
     bad = 0

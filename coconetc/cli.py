@@ -465,7 +465,7 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, 
     from dataclasses import replace
     from pathlib import Path
 
-    from coconetc.toolchain.builder import Libs
+    from coconetc.codegen.libs import Libs
     from coconetc.codegen.cpu import generate
     if not emit_only or not output:
         _fail("coconetc: --name and --schedule go with --emit-only, which needs --output DIR")

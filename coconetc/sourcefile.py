@@ -25,6 +25,9 @@ from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive
 
 
+DEFAULT = "default"  # the name of the unscheduled program among its schedules
+
+
 @dataclass(frozen=True)
 class ScheduleIR:
     name: str
@@ -60,6 +63,21 @@ class SourceFile:
         if name not in self.programs:
             raise KeyError(f"no program '{name}' in {self.file} (programs: {', '.join(self.programs)})")
         return self.programs[name]
+
+    def variants(self) -> dict[tuple[str, str], Program]:
+        """Every (program, schedule) that compiles to a function; the program itself as 'default'."""
+        out = {}
+        for name, prog in self.programs.items():
+            out[(name, DEFAULT)] = prog
+            for sname, sched in self.schedules[name].items():
+                if sched.ir is not None:
+                    out[(name, sname)] = sched.ir
+        return out
+
+    def extern_headers(self, backend: str = "cpp") -> list[str]:
+        """The headers of the file's extern operations, for one backend ('cpp' or 'cuda')."""
+        impls = [getattr(d.extern, backend) for d in self.externs.values() if d.extern is not None]
+        return list(dict.fromkeys(i.header for i in impls if i is not None))
 
     def schedule(self, program: str, name: str) -> ScheduleIR:
         scheds = self.schedules.get(program, {})
@@ -110,7 +128,7 @@ def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Progra
     if any(p.name == prog.name for p in earlier):  # even when the first one has errors
         raise CompileError.at(prog.name_span, f"program '{prog.name}' is defined twice")
     ir = check_program(prog, scope)
-    mod.plans[(prog.name, "default")] = plan_program(ir)  # raises where no backend can run it
+    mod.plans[(prog.name, DEFAULT)] = plan_program(ir)  # raises where no backend can run it
     mod.programs[prog.name] = ir
     mod.schedules[prog.name] = {}
 

@@ -204,7 +204,7 @@ def test_race_every_stream_wait_removed_is_reported(tmp_path, file, program, sch
     """Unchanged, the run passes; with any one stream wait of its pipeline removed (a
     cudaStreamWaitEvent of coconet::cuda::pipeline or join in runtime.cuh, or a join call in the
     generated function), every run fails naming the buffer and both streams."""
-    from coconetc.codegen.cpu import function_name
+    from coconetc.codegen.naming import function_name
     from coconetc.paths import runtime_dir
     cu = _source(file, program, sched)
     fn = function_name(program, sched)

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.codegen.cpu import DEFAULT, function_name, variants
+from coconetc.codegen.naming import function_name
 from coconetc.ir.slices import slice_range
 from coconetc.ir.nodes import Param, Program
+from coconetc.sourcefile import DEFAULT
 from coconetc.ir.types import eval_dim
 
 TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
@@ -95,7 +96,7 @@ class CudaModule:
         self.source_module, self.sources, self.ext = mod, src, ext
         self.programs: dict[str, CudaProgram] = {}
         by_program: dict[str, dict[str, Program]] = {}
-        for (prog, sched), ir in variants(mod).items():
+        for (prog, sched), ir in mod.variants().items():
             if (prog, sched) in src.functions:  # what the CUDA renderer implements
                 by_program.setdefault(prog, {})[sched] = ir
         for prog, scheds in by_program.items():

@@ -27,11 +27,13 @@ from typing import Any
 import numpy as np
 
 from coconetc.toolchain import builder
-from coconetc.codegen.cpu import DEFAULT, Sources, extern_headers, function_name, generate, variants
+from coconetc.codegen.cpu import Sources, generate
+from coconetc.codegen.libs import Libs
+from coconetc.codegen.naming import function_name
 from coconetc.ir.storage import STORAGE
 from coconetc.ir.slices import slice_range
 from coconetc.ir.arguments import bind_sizes, check_param, describe, is_torch, overlapping
-from coconetc.sourcefile import SourceFile, add_schedules, load_file
+from coconetc.sourcefile import DEFAULT, SourceFile, add_schedules, load_file
 from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import Program
 from coconetc.ir.types import eval_dim
@@ -65,10 +67,10 @@ def compile_module(path: str | Path, out_dir: str | Path | None = None, log=None
     if not mod.programs:
         raise CompileError.at(Span(str(path), 1, 1, 1, 1, mod.source),
                               "no program in this file: nothing to compile")
-    libs = builder.Libs.of(path, bool(mod.externs), include_dirs, library_dirs, libraries)
+    libs = Libs.of(path, bool(mod.externs), include_dirs, library_dirs, libraries)
     stem = "".join(c if c.isalnum() else "_" for c in Path(path).stem)
     probe = generate(mod, _PROBE, libs)
-    extra = libs.fingerprint(extern_headers(mod)) if libs != builder.Libs() else ""
+    extra = libs.fingerprint(mod.extern_headers()) if libs != Libs() else ""
     key = builder.build_key(probe.cpp + probe.cmake, "cpu" + extra)
     name = f"ccn_{stem}_{key}"
     # the key hashes the sources under a placeholder name; name them without generating again
@@ -115,7 +117,7 @@ class CompiledModule:
         self.source_module, self.sources, self.ext = mod, src, ext
         self.programs: dict[str, ProgramFunction] = {}
         by_program: dict[str, dict[str, Program]] = {}
-        for (prog, sched), ir in variants(mod).items():
+        for (prog, sched), ir in mod.variants().items():
             by_program.setdefault(prog, {})[sched] = ir
         for prog, scheds in by_program.items():
             fn = ProgramFunction(prog, scheds, ext, mod.source)

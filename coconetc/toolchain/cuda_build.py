@@ -109,8 +109,7 @@ def compile_cuda(path: str | Path, out_dir: str | Path | None = None, archs: str
     """Generate FILE's CUDA module and build it (cached); returns (SourceFile, CudaSources,
     path of the .so or None when build is False). include_dirs, library_dirs, libraries: for
     the file's extern operations."""
-    from coconetc.toolchain.builder import Libs
-    from coconetc.codegen.cpu import extern_headers
+    from coconetc.codegen.libs import Libs
     from coconetc.codegen.cuda import DEFAULT_ARCHS, generate
     from coconetc.sourcefile import load_file
     mod = load_file(path)
@@ -120,7 +119,7 @@ def compile_cuda(path: str | Path, out_dir: str | Path | None = None, archs: str
     probe = generate(mod, _PROBE, archs, skip_unsupported, libs)
     if not build:
         return mod, probe, None
-    extra = libs.fingerprint(extern_headers(mod, "cuda")) if libs != Libs() else ""
+    extra = libs.fingerprint(mod.extern_headers("cuda")) if libs != Libs() else ""
     key = build_key(probe.cu + probe.cmake, f"cuda|{archs}{extra}")
     name = f"ccn_cuda_{stem}_{key}"
     src = replace(probe, module=name, cu=probe.cu.replace(_PROBE, name), cmake=probe.cmake.replace(_PROBE, name))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coconetc.sourcefile import SourceFile
+from coconetc.sourcefile import DEFAULT, SourceFile
 from coconetc.errors import NOWHERE, CompileError, ScheduleError
 from coconetc.ir import printer
 from coconetc.ir.nodes import Op, Program, Ref, Stage
@@ -41,7 +41,6 @@ from coconetc.tune.cache import schedule_name
 
 CHUNKS = (2, 4, 8)
 LEVELS = ("split", "rs_c_ag", "rs_c_ag_slice", "fused", "fused_slice")
-DEFAULT = "default"
 
 
 @dataclass(frozen=True)

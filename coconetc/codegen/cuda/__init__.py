@@ -12,8 +12,8 @@ import jinja2
 
 from coconetc.version import __version__
 from coconetc.codegen.base import Function
-from coconetc.toolchain.builder import Libs
-from coconetc.codegen.cpu import extern_headers, function_name, variants
+from coconetc.codegen.libs import Libs
+from coconetc.codegen.naming import function_name
 from coconetc.codegen.cuda.render import Unsupported, render, unsupported
 from coconetc.sourcefile import SourceFile
 from coconetc.ir import ops
@@ -42,7 +42,7 @@ def _env() -> jinja2.Environment:
 def problems(mod: SourceFile) -> dict[tuple[str, str], list[Unsupported]]:
     """(program, schedule) -> what of its plan the CUDA renderer does not implement yet."""
     out = {}
-    for key in variants(mod):
+    for key in mod.variants():
         found = unsupported(mod.plans[key])
         if found:
             out[key] = found
@@ -53,7 +53,7 @@ def emulation_problems(mod: SourceFile) -> dict[tuple[str, str], str]:
     """(program, schedule) -> why the host emulation leaves it out: what the CUDA renderer does
     not implement, or an extern operation (its own CUDA code is not emulated)."""
     out = {key: errs[0].what for key, errs in problems(mod).items()}
-    for key in variants(mod):
+    for key in mod.variants():
         if key not in out and any(isinstance(u, Library) and ops.get(u.op).extern is not None
                                   for u in _units(mod.plans[key].units)):
             out[key] = "an extern operation's own CUDA code is not run under the host emulation"
@@ -76,14 +76,14 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
     file = Path(mod.file).name
     funcs = {}
     skip = emulation_problems(mod) if emulate else {}
-    for key, p in variants(mod).items():
+    for key, p in mod.variants().items():
         plan = mod.plans[key]
         if (skip_unsupported and unsupported(plan)) or key in skip:
             continue
         funcs[key] = render(plan, function_name(*key), file, [pub for pub, _ in p.outputs])
     libs = libs or Libs.of(mod.file, bool(mod.externs) and not emulate)
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),
-               source="module.cu", archs=archs, headers=[] if emulate else extern_headers(mod, "cuda"), libs=libs)
+               source="module.cu", archs=archs, headers=[] if emulate else mod.extern_headers("cuda"), libs=libs)
     cu = _env().get_template("module.cu.j2").render(ctx)
     cmake = _env().get_template("CMakeLists.txt.j2").render(ctx)
     return CudaSources(module_name, cu, cmake, funcs)
