@@ -107,4 +107,4 @@ def _chunking(c: Chunking) -> str:
     out = "chunks of the default size" if c.elems == "default" else "chunks of the overlap task's share"
     if c.rows is not None:
         out += f" rounded to whole rows of {c.rows}" + (" (progress pieces too)" if c.progress_rows else "")
-    return out + ("; one chunk on one rank" if c.whole_alone else "")
+    return out + ("; on one rank the whole part as one chunk" if c.whole_alone else "")
