@@ -184,3 +184,18 @@ def test_show_plan_prints_every_decision(example) -> None:
     assert "on cpu: p2p | shm" in res.output and "on cuda: pipeline" in res.output
     assert "chunks of the default size" in res.output
     assert "targets:\n  cpu             every unit\n  cuda            every unit\n" in res.output
+
+
+@pytest.mark.parametrize("name", sorted(HELD_OUT))
+def test_check_and_compile_emit_only_agree(tmp_path: Path, name: str) -> None:
+    """The CLI's two views: what `check --backend cuda` reports is what `compile --backend cuda
+    --emit-only` names as left out, and the module.cu it writes holds every other function."""
+    mod = _held_out(tmp_path, name)
+    res = CliRunner().invoke(main, ["compile", "--backend", "cuda", "--emit-only", "-o", str(tmp_path / "out"),
+                                    mod.file])
+    assert res.exit_code == 0, res.output
+    left = set(re.findall(r"left out: (\w+)\(schedule='(\w+)'\)", res.output))
+    assert left == _reported(mod) == set(HELD_OUT[name][1])
+    cu = (tmp_path / "out" / "module.cu").read_text()
+    for prog, sched in set(mod.variants()) - left:
+        assert f"program {prog}, schedule {sched} " in cu, (prog, sched)
