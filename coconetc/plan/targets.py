@@ -19,7 +19,8 @@ What it decides:
           task: its share), whole rows (and progress pieces of whole rows) for a row-wise phase
     cuda  pipeline (chunks on two streams) | symmetric (one kernel over NCCL symmetric memory,
           where NCCL allows it at run time): symmetric for a reduce-scatter along dim 0 of a
-          contiguous tensor with pointwise phases only, outside an overlap; chunks of
+          contiguous tensor with pointwise phases only (its reduced value, where kept, in
+          scratch), outside an overlap; chunks of
           COCONET_CUDA_CHUNK (2^22) elements, whole rows for a row-wise phase, the whole part
           in one chunk on one rank when the chunk kernels read the source itself
 - `Buffer.shared`: a scratch buffer that a fused collective or an all-reduce reads (outside an
@@ -53,8 +54,8 @@ def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     shared = {u.src for u in plan.units if isinstance(u, Fused) or (isinstance(u, Collective) and u.op == "allreduce")}
     buffers = tuple(replace(b, shared=True) if b.kind == "scratch" and b.name in shared else b for b in plan.buffers)
     plan = replace(plan, buffers=buffers)
-    scattered = {b.name for b in plan.buffers if b.kind == "segments"}
-    plan = replace(plan, units=tuple(_with_strategies(u, scattered) for u in plan.units))
+    kinds = {b.name: b.kind for b in plan.buffers}
+    plan = replace(plan, units=tuple(_with_strategies(u, kinds) for u in plan.units))
     gaps = [_gap(t, u, what, locate) for t in TARGETS for u, what in GAPS[t](plan)]
     return replace(plan, gaps=tuple(gaps))
 
@@ -73,17 +74,17 @@ def _gap(target: str, u: Unit, what: str, locate: Locate) -> Gap:
 
 
 # --- fused collectives: algorithms and chunking -------------------------------------------
-def _with_strategies(u: Unit, scattered: set[str]) -> Unit:
+def _with_strategies(u: Unit, kinds: dict[str, str]) -> Unit:
     if isinstance(u, Fused):
-        return _fused(u, scattered, False)
+        return _fused(u, kinds, False)
     if isinstance(u, Overlap) and u.fused is not None:
-        return replace(u, fused=_fused(u.fused, scattered, True))
+        return replace(u, fused=_fused(u.fused, kinds, True))
     return u
 
 
-def _fused(u: Fused, scattered: set[str], overlapped: bool) -> Fused:
-    after = tuple(_with_strategies(a, scattered) for a in u.after)
-    return replace(u, after=after, strategies=(_cpu(u, overlapped), _cuda(u, scattered, overlapped)))
+def _fused(u: Fused, kinds: dict[str, str], overlapped: bool) -> Fused:
+    after = tuple(_with_strategies(a, kinds) for a in u.after)
+    return replace(u, after=after, strategies=(_cpu(u, overlapped), _cuda(u, kinds, overlapped)))
 
 
 def _cpu(u: Fused, overlapped: bool) -> Strategy:
@@ -92,19 +93,22 @@ def _cpu(u: Fused, overlapped: bool) -> Strategy:
     return Strategy("cpu", ("p2p", "shm") if shm else ("p2p",), chunking)
 
 
-def _cuda(u: Fused, scattered: set[str], overlapped: bool) -> Strategy:
-    symmetric = not overlapped and _symmetric_ok(u, scattered)
-    chunking = Chunking("default", u.rows, whole_alone=u.src not in scattered)
+def _cuda(u: Fused, kinds: dict[str, str], overlapped: bool) -> Strategy:
+    symmetric = not overlapped and _symmetric_ok(u, kinds)
+    chunking = Chunking("default", u.rows, whole_alone=kinds[u.src] != "segments")
     return Strategy("cuda", ("pipeline", "symmetric") if symmetric else ("pipeline",), chunking)
 
 
-def _symmetric_ok(u: Fused, scattered: set[str]) -> bool:
+def _symmetric_ok(u: Fused, kinds: dict[str, str]) -> bool:
     """Can the fused unit also run as one kernel over symmetric memory (symmetric.cuh)? A
-    reduce-scatter along dim 0 of a contiguous tensor, pointwise phases only."""
+    reduce-scatter along dim 0 of a contiguous tensor, pointwise phases only; a reduced value
+    that is kept is kept in scratch (the kernel's `keep` buffer)."""
     refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
+    scattered = {n for n, k in kinds.items() if k == "segments"}
     return (u.op == "reducescatter" and u.type.layout.dim == 0 and u.rows is None
             and u.reduce in ("sum", "avg", "max", "min") and all(p.kind == "pointwise" for p in u.phases)
-            and not ({u.src, u.gather} | refs) & scattered)
+            and not ({u.src, u.gather} | refs) & scattered
+            and (not u.store_reduced or kinds[u.collective] == "scratch"))
 
 
 # --- what each target does not implement ----------------------------------------------------

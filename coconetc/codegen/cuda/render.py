@@ -468,7 +468,7 @@ class CudaRenderer(KernelEmitter):
         self._access_note(t, items, u.lets, "0", mine, {}, "  ")
         g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
         gt = CTYPE[self.types[u.gather].dtype] if u.gather else ct
-        keep = f"v_{u.collective}" if self.plan.buffer(u.collective).kind == "scratch" else f"static_cast<{ct}*>(nullptr)"
+        keep = f"v_{u.collective}" if u.store_reduced else f"static_cast<{ct}*>(nullptr)"  # scratch (the plan)
         self.emit(f"  coconet::cuda::fused_symmetric<{ct}, {gt}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, ctx, "
                   f"[=] __device__ (int64_t i, {ct} red_v) {{")
         for line in lets:
