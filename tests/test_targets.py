@@ -199,3 +199,12 @@ def test_check_and_compile_emit_only_agree(tmp_path: Path, name: str) -> None:
     cu = (tmp_path / "out" / "module.cu").read_text()
     for prog, sched in set(mod.variants()) - left:
         assert f"program {prog}, schedule {sched} " in cu, (prog, sched)
+
+
+def test_show_plan_names_what_a_target_does_not_implement(tmp_path: Path) -> None:
+    mod = _held_out(tmp_path, "computed_scalar_extern")
+    res = CliRunner().invoke(main, ["show", mod.file, "-s", "rows", "--format", "plan"])
+    assert res.exit_code == 0, res.output
+    tail = res.output.split("targets:\n")[1]
+    assert tail.startswith("  cpu             every unit\n  cuda            not:\n    L10   a computed 0-d operand")
+    assert "  cuda-emulation  not:\n" in tail and "an extern operation's own CUDA code is not run" in tail
