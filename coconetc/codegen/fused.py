@@ -138,8 +138,8 @@ class FusedEmitter(LoopEmitter):
         if chunking.rows is not None:  # chunks of whole rows
             rows = self.gdims(u.type)[-1]
             chunk = f"coconet::round_up(coconet::fused_chunk_elems(), {rows})"
-        if chunking.progress_rows:  # and progress pieces of whole rows
-            progress = f", coconet::round_up(coconet::kProgressElems, {rows})"
+            if chunking.progress_rows:  # and progress pieces of whole rows
+                progress = f", coconet::round_up(coconet::kProgressElems, {rows})"
         return chunk, progress
 
     def _fused_call(self, u: Fused) -> None:
