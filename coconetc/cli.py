@@ -65,7 +65,7 @@ def main(debug: bool) -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 @click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="The backend whose limits to check (the plan's limits hold for every backend; "
-                   "cuda also reports the plan units its renderer does not implement yet).")
+                   "and each plan says which of its units a backend does not implement yet).")
 def check(files: tuple[str, ...], backend: str) -> None:
     """Parse and type-check FILES, apply every schedule and plan it; print all errors.
 
@@ -89,7 +89,7 @@ def check(files: tuple[str, ...], backend: str) -> None:
             click.echo(_no_program(mod), err=True)
             failed = True
             continue
-        if backend == "cuda" and _cuda_problems(f, mod):
+        if _target_problems(mod, backend):
             failed = True
             continue
         n = sum(len(s) for s in mod.schedules.values())
@@ -97,15 +97,13 @@ def check(files: tuple[str, ...], backend: str) -> None:
     sys.exit(1 if failed else 0)
 
 
-def _cuda_problems(f: str, mod: SourceFile) -> bool:
-    """check --backend cuda: each plan unit the CUDA renderer does not implement yet, at its
-    .ccn line (the directive of a schedule; a parameter's line for the program itself)."""
-    from coconetc.codegen.cuda import problems
-    found = problems(mod)
-    for (prog, sched), errs in found.items():
-        for what in dict.fromkeys((e.line, e.what) for e in errs):
-            where = f"{f}:{what[0]}" if what[0] else f
-            click.echo(f"{where}: error: {prog} (schedule {sched}): {what[1]} (--backend cuda)", err=True)
+def _target_problems(mod: SourceFile, backend: str) -> bool:
+    """check --backend X: each plan unit X does not implement (the plan's decision, which X's
+    generator reads too), located at the directive that asked for it (or the stage)."""
+    from coconetc.plan.targets import diagnostics
+    found = [d for key in mod.variants() for d in diagnostics(mod.plans[key], backend)]
+    if found:
+        click.echo(CompileError(found).render(), err=True)
     return bool(found)
 
 

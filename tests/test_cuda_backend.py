@@ -180,8 +180,8 @@ def test_check_backend_cuda_reports_at_the_directive(tmp_path):
     res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                           str(path)], capture_output=True, text=True)
     assert res.returncode == 1
-    assert ("u.ccn:6: error: p (schedule default): an allgather of a sliced scattered tensor ('x') is not in the "
-            "CUDA backend yet") in res.stderr
+    assert ("u.ccn:6:5: error: p (schedule default): an allgather of a sliced scattered tensor ('x') is not in the "
+            "CUDA backend yet (--backend cuda)\n        a = allgather(x)\n        ^^^^") in res.stderr
     ok = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "check", "--backend", "cuda",
                          str(EXAMPLES[0].parent / "adam.ccn")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

@@ -144,3 +144,12 @@ def test_plan_errors_are_compile_errors() -> None:
         load_source(src, "q.ccn")
     d = err.value.diagnostics[0]
     assert (d.span.line, d.span.col) == (8, 5)
+
+
+def test_verifier_catches_a_fused_unit_without_a_strategy() -> None:
+    plan = _plan("adam.ccn", "adam", "zero")
+    fused = plan.units[0]
+    assert isinstance(fused, Fused)
+    bare = dataclasses.replace(fused, strategies=fused.strategies[:1])
+    with pytest.raises(PlanInvalid, match="no strategy for each target"):
+        verify(dataclasses.replace(plan, units=(bare,) + plan.units[1:]))

@@ -131,11 +131,15 @@ class FusedEmitter(LoopEmitter):
                 self.emit(f"      v_{u.gather}[gb + (i - lo)] = coconet::from_compute<{ct}>(x_{item.name});")
 
     def _chunk_sizes(self, u: Fused) -> tuple[str, str]:
+        """The chunk and progress-piece sizes the plan chose for the CPU (Fused.on("cpu"))."""
+        chunking = u.on("cpu").chunking
+        assert chunking.elems == "default", u.name
         chunk, progress = "coconet::fused_chunk_elems()", ""
-        if u.rows is not None:  # chunks and progress pieces of whole rows
+        if chunking.rows is not None:  # chunks of whole rows
             rows = self.gdims(u.type)[-1]
             chunk = f"coconet::round_up(coconet::fused_chunk_elems(), {rows})"
-            progress = f", coconet::round_up(coconet::kProgressElems, {rows})"
+            if chunking.progress_rows:  # and progress pieces of whole rows
+                progress = f", coconet::round_up(coconet::kProgressElems, {rows})"
         return chunk, progress
 
     def _fused_call(self, u: Fused) -> None:

@@ -70,11 +70,11 @@ class CpuRenderer(FusedEmitter):
             self.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
         elif b.kind == "scratch":
             # kept across calls (per thread): no allocation and no page faults after the first call;
-            # the source of a fused collective or an all-reduce in the group's shared window, where
-            # the collectives use one, so that the peers read it in place (nothing staged)
+            # where the plan places it in the group's shared window (Buffer.shared: the source of
+            # a fused collective or an all-reduce), the peers read it in place (nothing staged)
             self.nsite += 1
             n = _prod(self.ldims(b.type))
-            if b.name in self._read_by_collectives():
+            if b.shared:
                 self.emit(f"{ct}* const v_{b.name} = coconet::shared_scratch<{ct}, {self.nsite}>(comm, {n});")
             else:
                 self.emit(f"{ct}* const v_{b.name} = coconet::scratch<{ct}, {self.nsite}>({n});")
@@ -82,12 +82,6 @@ class CpuRenderer(FusedEmitter):
             inner = _prod(self.gdims(b.type)[1:])
             self.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.offset(b.type)} * {inner};"
                       "  // computed in place inside the gathered result")
-
-    def _read_by_collectives(self) -> set[str]:
-        """Buffers a fused collective or an all-reduce of this plan reads (not inside an
-        overlap, whose chunks go point to point)."""
-        return {u.src for u in self.plan.units
-                if isinstance(u, Fused) or (isinstance(u, Collective) and u.op == "allreduce")}
 
     # --- reductions and library operations ------------------------------------------------
     def _reduce(self, u: Reduce) -> None:

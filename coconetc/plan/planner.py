@@ -4,27 +4,55 @@ Every decision about how a program runs is taken here, for every backend: the or
 stages, which pointwise stages share one loop, which values stay in registers, which stages
 write their parameter in place or straight into an output, where non-pointwise parts of an
 expression are computed first, what a fused collective computes on each chunk and what must
-wait for all chunks, how an overlap cuts its matmul. What a backend cannot run is a PlanError
-at the directive that asked for it, so `coconetc check` reports it."""
+wait for all chunks, how an overlap cuts its matmul. What no backend can run is a PlanError
+at the directive that asked for it, so `coconetc check` reports it.
+
+The passes, in order: the planner (what runs, the same for every target), the per-target pass
+(plan/targets.py: each target's algorithms and chunking, buffer placement, what a target does
+not implement, located), the verifier (plan/verify.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from coconetc.errors import Span
+from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.types import TType
 from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
                                     same_elements, stage_of)
+from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop, Overlap,
                                  Phase, Plan, Reduce, Require, Unit)
 
 
-def plan_program(p: Program, schedule: str = "default") -> Plan:
-    """The execution plan of a (scheduled) program."""
-    return verify(_Planner(p, schedule).run())
+def plan_program(p: Program, schedule: str = "default", target: str | None = None) -> Plan:
+    """The execution plan of a (scheduled) program, with every target's decisions. target:
+    also require that this target implements all of it (else a PlanError at each directive
+    it does not implement)."""
+    plan = verify(decide(_Planner(p, schedule).run(), lambda u: _locate(p, u)))
+    if target is not None and plan.unsupported(target):
+        raise PlanError(diagnostics(plan, target))
+    return plan
+
+
+def _locate(p: Program, u: Unit) -> Span:
+    """Where a unit comes from: its directive (fuse, overlap), else its stage (a temporary:
+    the stage it was made for)."""
+    if isinstance(u, Fused):
+        return next((f.span for f in p.fusions if f.name == u.name), NOWHERE)
+    if isinstance(u, Overlap):
+        return next((o.span for o in p.overlaps if o.producer == u.producer), NOWHERE)
+    name = getattr(u, "dst", "")
+    s = p.stage(name) or p.stage(_temp_owner(name))
+    return s.span if s is not None else NOWHERE
+
+
+def _temp_owner(name: str) -> str:
+    """The stage a temporary (_Planner._temp: t<n>_<stage>) was made for."""
+    head, _, stage = name.partition("_")
+    return stage if head[:1] == "t" and head[1:].isdigit() else ""
 
 
 def reads(e: Expr) -> set[str]:

@@ -1,11 +1,14 @@
-"""The execution plan as text (`coconetc show --format plan`): the buffers, then one unit a
-line with the .ccn line it came from. Deterministic: the same plan prints the same text."""
+"""The execution plan as text (`coconetc show --format plan`): the buffers (where each lives),
+then one unit a line with the .ccn line it came from (a fused collective also with each
+target's algorithms and chunking), then per target what it does not implement.
+Deterministic: the same plan prints the same text."""
 
 from __future__ import annotations
 
 from coconetc.ir import printer
-from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop,
-                                 Overlap, Plan, Reduce, Require, Unit)
+from coconetc.plan.targets import TARGETS
+from coconetc.plan.units import (Buffer, Chunking, Collective, Copy, Fused, Item, Let, Library, Loop,
+                                 Overlap, Plan, Reduce, Require, Strategy, Unit)
 
 
 def show(plan: Plan) -> str:
@@ -14,12 +17,19 @@ def show(plan: Plan) -> str:
     lines.append("units:")
     for u in plan.units:
         lines += _unit(u, "  ")
+    lines.append("targets:")
+    for t in TARGETS:
+        gaps = plan.unsupported(t)
+        lines.append(f"  {t:<15} {'every unit' if not gaps else 'not:'}")
+        lines += [f"    {_at(g.line)} {g.what}" for g in gaps]
     return "\n".join(lines) + "\n"
 
 
 def _buffer(b: Buffer) -> str:
     where = {"output": f"output '{b.of}'", "alias": f"in place in {b.of}",
              "view": f"inside {b.of} (this rank's part)", "into": f"into {b.of}'s segments"}
+    if b.shared:
+        where["scratch"] = "scratch in the group's shared window"
     return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}"
 
 
@@ -77,6 +87,7 @@ def _fused(u: Fused, ind: str) -> list[str]:
     rows = f", chunks of whole rows of {u.rows}" if u.rows is not None else ""
     out = [f"{ind}{_at(u.line)} fused {u.name}: {u.collective} = {u.op}({u.reduce}, {u.src}) chunk by "
            f"chunk{rows}{' (reduced value kept)' if u.store_reduced else ''}{_lets(u.lets)}"]
+    out += [f"{ind}        on {s.target}: {_strategy(s)}" for s in u.strategies]
     for ph in u.phases:
         out.append(f"{ind}        per chunk ({ph.kind}): {_items(ph.items)}")
     if u.gather:
@@ -86,3 +97,14 @@ def _fused(u: Fused, ind: str) -> list[str]:
         for a in u.after:
             out += _unit(a, ind + "    ")
     return out
+
+
+def _strategy(s: Strategy) -> str:
+    return f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; {_chunking(s.chunking)}"
+
+
+def _chunking(c: Chunking) -> str:
+    out = "chunks of the default size" if c.elems == "default" else "chunks of the overlap task's share"
+    if c.rows is not None:
+        out += f" rounded to whole rows of {c.rows}" + (" (progress pieces too)" if c.progress_rows else "")
+    return out + ("; on one rank the whole part as one chunk" if c.whole_alone else "")

@@ -16,12 +16,19 @@ Values are addressed by name; a Buffer says where a value's elements live on thi
     chunks    an overlapped matmul's result that exists only as packed chunks
     view      a stage computed in place inside the full-size buffer of the allgather `of`
     into      a stage stored straight into the segments of the scattered parameter `of`
+
+A scratch buffer is private to its rank, or `shared`: in the group's shared window where the
+collectives use one (a fused collective or an all-reduce reads it there in place).
+
+The per-target facts (plan/targets.py) are fields too: each fused collective's `strategies`
+(algorithms and chunking per target) and the plan's `gaps` (what a target does not implement).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from coconetc.errors import NOWHERE, Span
 from coconetc.ir.nodes import Expr
 from coconetc.ir.types import Dim, TType
 
@@ -33,6 +40,7 @@ class Buffer:
     kind: str  # one of the kinds above
     of: str = ""  # alias/into: the parameter; output: the public name; view: the allgather
     line: int = 0  # the .ccn line of the stage (0: parameters and temporaries)
+    shared: bool = False  # scratch: in the group's shared window, not private to the rank
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,32 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class Chunking:
+    """How one target cuts a fused collective into chunks: chunks of `elems` elements (the
+    target's default chunk, which its environment knob sets: 'default'; or an overlap task's
+    share of its rows: 'task'), rounded up to whole rows of `rows` elements (a row-wise phase);
+    `progress_rows`: the progress pieces are whole rows too (CPU); `whole_alone`: on one rank
+    the whole part is one chunk (CUDA: each chunk kernel reads the source itself, nothing to
+    overlap)."""
+
+    elems: str = "default"  # default | task
+    rows: Dim | None = None
+    progress_rows: bool = False
+    whole_alone: bool = False
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one target runs a fused collective: `algorithms` it may run, the first always
+    possible, each later one chosen when the call runs where the group or the run time allows
+    it (cpu: p2p | shm; cuda: pipeline | symmetric); `chunking` its chunks."""
+
+    target: str
+    algorithms: tuple[str, ...]
+    chunking: Chunking
+
+
+@dataclass(frozen=True)
 class Fused:
     """A fused collective: `collective` (a reducescatter or an allreduce) reduces src chunk by
     chunk; each chunk's phases run as soon as it arrives; `gather` (an allgather of the value
@@ -157,6 +191,11 @@ class Fused:
     store_reduced: bool = False
     after: tuple[Unit, ...] = ()
     line: int = 0
+    strategies: tuple[Strategy, ...] = ()  # one per target (plan/targets.py)
+
+    def on(self, target: str) -> Strategy:
+        """This fused collective's algorithms and chunking on one target."""
+        return next(s for s in self.strategies if s.target == target)
 
 
 @dataclass(frozen=True)
@@ -185,12 +224,28 @@ Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap
 
 
 @dataclass(frozen=True)
+class Gap:
+    """A unit that `target` does not implement: `what`, at .ccn `line` (`span`: the directive
+    that asked for it, or the stage)."""
+
+    target: str
+    line: int
+    what: str
+    span: Span = field(default=NOWHERE, compare=False)
+
+
+@dataclass(frozen=True)
 class Plan:
     program: str
     schedule: str
     params: tuple[str, ...]  # in call order: tensors (scattered too) and scalars
     buffers: tuple[Buffer, ...]
     units: tuple[Unit, ...]
+    gaps: tuple[Gap, ...] = ()  # per target, what it does not implement (plan/targets.py)
+
+    def unsupported(self, target: str) -> tuple[Gap, ...]:
+        """What of this plan `target` does not implement (empty: it runs all of it)."""
+        return tuple(g for g in self.gaps if g.target == target)
 
     def buffer(self, name: str) -> Buffer:
         for b in self.buffers:

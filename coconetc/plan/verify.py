@@ -1,7 +1,8 @@
 """The plan verifier, run on every plan the planner makes: each value is written before it is
 read (a value kept in a register is read only inside the unit that computes it), every
-collective's sizes match its input and output, and no loop reads elements of a sliced value
-that its rank does not hold. A failure is a compiler bug (PlanInvalid), never a user error."""
+collective's sizes match its input and output, no loop reads elements of a sliced value
+that its rank does not hold, and each fused collective has a strategy for each target. A
+failure is a compiler bug (PlanInvalid), never a user error."""
 
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ class _Verifier:
 
     def fused(self, u: Fused) -> None:
         where = f"fused {u.name}"
+        if sorted(s.target for s in u.strategies) != ["cpu", "cuda"]:
+            self.fail(f"{where} has no strategy for each target: {[s.target for s in u.strategies]}")
         self.read([u.src], where)
         op = "allreduce" if u.op == "allreduce" else "reducescatter"
         self.collective(op, self.type(u.src), u.type, u.collective)

@@ -1,4 +1,5 @@
-"""apply(program, directive) -> program: dispatch to one pure function per directive."""
+"""apply(program, directive) -> program: dispatch to one pure function per directive;
+apply_all verifies the program after each directive (schedule/verify.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from coconetc.ir.nodes import Program
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
 from coconetc.schedule.fusion import fuse, overlap
 from coconetc.schedule.primitives import reorder, slice_params, split
+from coconetc.schedule.verify import verify_program
 
 _APPLY: dict[type, Callable[[Program, Any], Program]] = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse, OverlapD: overlap}
+_NAME = {Split: "split", Reorder: "reorder", Slice: "slice", Fuse: "fuse", OverlapD: "overlap"}
 
 
 def apply(p: Program, d: Directive) -> Program:
@@ -18,6 +21,7 @@ def apply(p: Program, d: Directive) -> Program:
 
 
 def apply_all(p: Program, directives: Iterable[Directive]) -> Program:
+    """The program after each directive in turn, verified after each one."""
     for d in directives:
-        p = apply(p, d)
+        p = verify_program(apply(p, d), f"{_NAME[type(d)]} at {d.span!r}")
     return p

@@ -16,8 +16,6 @@ from coconetc.codegen.libs import Libs
 from coconetc.codegen.naming import function_name
 from coconetc.codegen.cuda.render import Unsupported, render, unsupported
 from coconetc.sourcefile import SourceFile
-from coconetc.ir import ops
-from coconetc.plan.units import Fused, Library
 
 DEFAULT_ARCHS = "80;90"
 
@@ -50,21 +48,10 @@ def problems(mod: SourceFile) -> dict[tuple[str, str], list[Unsupported]]:
 
 
 def emulation_problems(mod: SourceFile) -> dict[tuple[str, str], str]:
-    """(program, schedule) -> why the host emulation leaves it out: what the CUDA renderer does
-    not implement, or an extern operation (its own CUDA code is not emulated)."""
-    out = {key: errs[0].what for key, errs in problems(mod).items()}
-    for key in mod.variants():
-        if key not in out and any(isinstance(u, Library) and ops.get(u.op).extern is not None
-                                  for u in _units(mod.plans[key].units)):
-            out[key] = "an extern operation's own CUDA code is not run under the host emulation"
-    return out
-
-
-def _units(units):
-    for u in units:
-        yield u
-        if isinstance(u, Fused):
-            yield from _units(u.after)
+    """(program, schedule) -> why the host emulation leaves it out: the plan's first gap on
+    cuda-emulation (what the CUDA backend does not implement, or an extern operation, whose
+    own CUDA code is not emulated)."""
+    return {key: gaps[0].what for key in mod.variants() if (gaps := mod.plans[key].unsupported("cuda-emulation"))}
 
 
 def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
@@ -80,6 +67,8 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
         plan = mod.plans[key]
         if (skip_unsupported and unsupported(plan)) or key in skip:
             continue
+        if unsupported(plan):
+            raise unsupported(plan)[0]
         funcs[key] = render(plan, function_name(*key), file, [pub for pub, _ in p.outputs])
     libs = libs or Libs.of(mod.file, bool(mod.externs) and not emulate)
     ctx = dict(version=__version__, file=file, module=module_name, functions=list(funcs.values()),

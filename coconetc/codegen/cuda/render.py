@@ -1,7 +1,8 @@
 """The CUDA renderer: the same execution plan (coconetc/plan) the CPU renderer lays out as C++
-becomes CUDA C++ host code around kernels, NCCL and cuBLAS calls. It decides nothing: units it
-does not implement yet are listed by `unsupported(plan)`, which `coconetc check --backend cuda`
-reports at the directive, and rendering one raises.
+becomes CUDA C++ host code around kernels, NCCL and cuBLAS calls. It decides nothing: the plan
+says what the CUDA backend does not implement (plan/targets.py; `unsupported(plan)` reads it,
+`coconetc check --backend cuda` reports it at the directive), and rendering such a plan is a
+bug (an assertion).
 
 Conventions of the generated function (templates/module.cu.j2): `ctx` is the call's context
 (coconet::cuda::Ctx: communicators, the call's stream and a comm stream), `comm` its Group
@@ -34,66 +35,14 @@ class Unsupported(Exception):
 
 
 def unsupported(plan: Plan) -> list[Unsupported]:
-    """What of this plan the CUDA renderer cannot render yet, one entry per unit."""
-    out: list[Unsupported] = []
-    kinds = {b.name: b.kind for b in plan.buffers}
-    ndims = {b.name: b.type.ndim for b in plan.buffers}
-    scattered = {b.name for b in plan.buffers if b.kind == "segments"}
-
-    def unit(u: Unit) -> None:
-        if isinstance(u, Overlap) and u.fused is not None:
-            f = u.fused
-            if not u.direct or (f.op == "reducescatter" and f.type.layout.dim == 0) or f.src != u.producer:
-                out.append(Unsupported(u.line, "overlap into a fused collective other than an all-reduce or a "
-                                               "reduce-scatter along a dim other than 0 fed by rows of the matmul "
-                                               "is not in the CUDA backend yet"))
-            else:
-                unit(f)
-        elif isinstance(u, Library) and ops.get(u.op).extern is not None:
-            out.extend(_extern_problems(u, kinds, ndims))
-        elif isinstance(u, Collective) and u.src in scattered and u.op == "allgather":  # (the CPU's neither)
-            out.append(Unsupported(u.line, f"an allgather of a sliced scattered tensor ('{u.src}') is not in the "
-                                           "CUDA backend yet"))
-        elif isinstance(u, Fused):
-            out.extend(_fused_problems(u, kinds))
-            for a in u.after:
-                unit(a)
-    for u in plan.units:
-        unit(u)
-    return out
+    """What of this plan the CUDA backend does not implement, one entry per unit: the plan's
+    own decision (plan/targets.py), which `coconetc check --backend cuda` reports too."""
+    return [Unsupported(g.line, g.what) for g in plan.unsupported("cuda")]
 
 
 def _units(units: tuple[Unit, ...]) -> list[Unit]:
     """The units and those that run after a fused collective's chunks, in order."""
     return [x for u in units for x in [u, *(_units(u.after) if isinstance(u, Fused) else [])]]
-
-
-def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -> list[Unsupported]:
-    ext = ops.get(u.op).extern
-    assert ext is not None
-    if ext.cuda is None:
-        return [Unsupported(u.line, f"extern operation '{u.op}' declares no cuda implementation "
-                                    "('cuda = \"header\", \"function\"')")]
-    computed = [a for a in u.args if ndims.get(a) == 0 and kinds.get(a) != "scalar"]
-    if computed:
-        return [Unsupported(u.line, f"a computed 0-d operand ('{computed[0]}') of extern operation "
-                                    f"'{u.op}' is not in the CUDA backend yet (it lives on the device)")]
-    return []
-
-
-def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[Unsupported]:
-    for p in u.phases:
-        if p.kind != "rows":
-            continue
-        x = p.items[0].expr.args[0] if isinstance(p.items[0].expr, Op) else None
-        if (not isinstance(x, Ref) or (x.name != u.collective and kinds.get(x.name) in (None, "register"))
-                or u.type.layout.dim == u.type.ndim - 1):
-            return [Unsupported(u.line, "a row-wise phase reading a value kept in registers, or sliced along "
-                                        "its rows, is not in the CUDA backend yet")]
-    if kinds.get(u.collective) not in ("register", "scratch", "output", "alias"):
-        return [Unsupported(u.line, f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is "
-                                    "not in the CUDA backend yet")]
-    return []
 
 
 class CudaRenderer(KernelEmitter):
@@ -108,9 +57,7 @@ class CudaRenderer(KernelEmitter):
         return self.nsite
 
     def render(self) -> Function:
-        problems = unsupported(self.plan)
-        if problems:
-            raise problems[0]
+        assert not self.plan.unsupported("cuda"), self.plan.unsupported("cuda")  # generate() leaves those out
         return super().render()
 
     def unit(self, u: Unit) -> None:
@@ -186,8 +133,8 @@ class CudaRenderer(KernelEmitter):
                       "  // computed in place inside the gathered result")
         elif b.kind == "chunks":
             self.emit(f"// {b.name}: only as packed chunks of its overlap")
-        elif b.kind != "register":
-            raise Unsupported(b.line, f"buffer kind '{b.kind}' is not in the CUDA backend yet")
+        else:
+            assert b.kind == "register", b.kind
 
     def _name(self, ptr: str, n: str, name: str, caller: bool = False) -> None:
         """The buffer's name for the host emulation's race reports (nothing under nvcc).
@@ -303,8 +250,7 @@ class CudaRenderer(KernelEmitter):
     # --- reductions and library operations ------------------------------------------------
     def _reduce(self, u: Reduce) -> None:
         xt, t = self.types[u.src], self.types[u.dst]
-        if xt.dtype != t.dtype:
-            raise Unsupported(u.line, "a reduction whose result dtype differs from its input's")
+        assert xt.dtype == t.dtype, u  # else a gap of the plan on cuda (plan/targets.py)
         if u.op == "segment_norm":
             src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"
             self.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.ldims(xt))}, "
@@ -443,7 +389,7 @@ class CudaRenderer(KernelEmitter):
                       f"k, ch_{nm}, ctx); }};")
         else:
             self.emit("  auto gather = [&](int64_t) {};")
-        if self.plan.buffer(u.collective).kind != "register":  # the reduced value is kept
+        if u.store_reduced:  # the reduced value is kept
             self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
                       f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
             self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
@@ -489,20 +435,18 @@ class CudaRenderer(KernelEmitter):
     def _chunk_size(self, u: Fused, direct: bool) -> None:
         """ch_<name>: COCONET_CUDA_CHUNK or 2^22 elements (whole rows for a row-wise phase); on
         one rank, when the chunks read the source directly, all of them (nothing to overlap)."""
-        nm = u.name
-        whole = f"comm.size == 1 ? most_{nm} : 0" if direct else ""
-        if u.rows is not None:  # chunks of whole rows (a row-wise phase)
+        nm, chunking = u.name, u.on("cuda").chunking
+        assert chunking.whole_alone == direct, u.name
+        whole = f"comm.size == 1 ? most_{nm} : 0" if chunking.whole_alone else ""
+        if chunking.rows is not None:  # chunks of whole rows (a row-wise phase)
             rows = self.gdims(u.type)[-1]
             self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems({whole}) + {rows} - 1) / {rows} * {rows};")
         else:
             self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems({whole});")
     def _symmetric_ok(self, u: Fused) -> bool:
-        """Can this fused unit also run as one kernel over symmetric memory (symmetric.cuh)? A
-        reduce-scatter along dim 0 of a contiguous tensor, pointwise phases only."""
-        refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
-        return (u.op == "reducescatter" and u.type.layout.dim == 0 and u.rows is None
-                and u.reduce in ("sum", "avg", "max", "min") and all(p.kind == "pointwise" for p in u.phases)
-                and not ({u.src, u.gather} | refs) & self.scattered)
+        """Does the plan let this fused unit also run as one kernel over symmetric memory
+        (symmetric.cuh), chosen at run time?"""
+        return "symmetric" in u.on("cuda").algorithms
 
     def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str) -> None:
         """The fused unit as one kernel over NCCL symmetric memory where the run time allows it
@@ -524,7 +468,7 @@ class CudaRenderer(KernelEmitter):
         self._access_note(t, items, u.lets, "0", mine, {}, "  ")
         g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
         gt = CTYPE[self.types[u.gather].dtype] if u.gather else ct
-        keep = f"v_{u.collective}" if self.plan.buffer(u.collective).kind == "scratch" else f"static_cast<{ct}*>(nullptr)"
+        keep = f"v_{u.collective}" if u.store_reduced else f"static_cast<{ct}*>(nullptr)"  # scratch (the plan)
         self.emit(f"  coconet::cuda::fused_symmetric<{ct}, {gt}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, ctx, "
                   f"[=] __device__ (int64_t i, {ct} red_v) {{")
         for line in lets:

@@ -1,0 +1,198 @@
+"""The per-target pass of the plan: how each target runs the planned units, and which units a
+target does not implement. `plan_program` runs `decide` on every plan, after the planner (which
+decides what runs, for every target) and before the verifier, so every per-target choice is a
+field of the plan, printed by `coconetc show --format plan`; a renderer reads them and decides
+nothing.
+
+Targets: `cpu` (C++, MPI), `cuda` (CUDA, NCCL, cuBLAS) and `cuda-emulation` (the generated
+CUDA code run on the host, `run --backend cuda --emulate`: what cuda implements, except an
+extern operation's own CUDA code, which is not emulated).
+
+What it decides:
+
+- `Fused.strategies`, per target (cpu, cuda): the algorithms a fused collective may run (the
+  first always possible; each later one chosen when the call runs, where the group or the run
+  time allows it) and its chunking:
+    cpu   p2p (point to point, fused.h) | shm (the group's MPI-3 shared window, fused_shm.h):
+          shm for a reduce-scatter outside an overlap, where every rank of the group shares a
+          node and the call did not ask for p2p; chunks of COCONET_CHUNK elements (an overlap
+          task: its share), whole rows (and progress pieces of whole rows) for a row-wise phase
+    cuda  pipeline (chunks on two streams) | symmetric (one kernel over NCCL symmetric memory,
+          where NCCL allows it at run time): symmetric for a reduce-scatter along dim 0 of a
+          contiguous tensor with pointwise phases only (its reduced value, where kept, in
+          scratch), outside an overlap; chunks of
+          COCONET_CUDA_CHUNK (2^22) elements, whole rows for a row-wise phase, the whole part
+          in one chunk on one rank when the chunk kernels read the source itself
+- `Buffer.shared`: a scratch buffer that a fused collective or an all-reduce reads (outside an
+  overlap, whose chunks go point to point) lives in the group's shared window, where the
+  collectives read it in place; other scratch is private to its rank.
+- `Plan.gaps`: per target, each unit it does not implement, located at the directive that
+  asked for it (or the stage). `coconetc check --backend X` reports `Plan.unsupported(X)` and
+  X's generator leaves exactly those (program, schedule)s out, so the two agree by
+  construction; `plan_program(..., target=X)` raises them as a PlanError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+from coconetc.errors import NOWHERE, Diagnostic, Span
+from coconetc.ir import ops
+from coconetc.ir.nodes import Op, Ref, walk
+from coconetc.plan.units import (Chunking, Collective, Fused, Gap, Library, Overlap, Plan, Reduce,
+                                 Strategy, Unit)
+
+TARGETS = ("cpu", "cuda", "cuda-emulation")
+EMULATION = "cuda-emulation"
+
+Locate = Callable[[Unit], Span]
+
+
+def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
+    """The plan with every per-target decision taken (locate: a unit's span, for the gaps)."""
+    shared = {u.src for u in plan.units if isinstance(u, Fused) or (isinstance(u, Collective) and u.op == "allreduce")}
+    buffers = tuple(replace(b, shared=True) if b.kind == "scratch" and b.name in shared else b for b in plan.buffers)
+    plan = replace(plan, buffers=buffers)
+    kinds = {b.name: b.kind for b in plan.buffers}
+    plan = replace(plan, units=tuple(_with_strategies(u, kinds) for u in plan.units))
+    gaps = [_gap(t, u, what, locate) for t in TARGETS for u, what in GAPS[t](plan)]
+    return replace(plan, gaps=tuple(gaps))
+
+
+def diagnostics(plan: Plan, target: str) -> list[Diagnostic]:
+    """The target's gaps as located errors (one per place and reason)."""
+    seen = dict.fromkeys((g.span, g.what) for g in plan.unsupported(target))
+    return [Diagnostic(span, f"{plan.program} (schedule {plan.schedule}): {what} (--backend {target})")
+            for span, what in seen]
+
+
+def _gap(target: str, u: Unit, what: str, locate: Locate) -> Gap:
+    span = locate(u)
+    line = getattr(u, "line", 0)
+    return Gap(target, line or span.line, what, span)
+
+
+# --- fused collectives: algorithms and chunking -------------------------------------------
+def _with_strategies(u: Unit, kinds: dict[str, str]) -> Unit:
+    if isinstance(u, Fused):
+        return _fused(u, kinds, False)
+    if isinstance(u, Overlap) and u.fused is not None:
+        return replace(u, fused=_fused(u.fused, kinds, True))
+    return u
+
+
+def _fused(u: Fused, kinds: dict[str, str], overlapped: bool) -> Fused:
+    after = tuple(_with_strategies(a, kinds) for a in u.after)
+    return replace(u, after=after, strategies=(_cpu(u, overlapped), _cuda(u, kinds, overlapped)))
+
+
+def _cpu(u: Fused, overlapped: bool) -> Strategy:
+    shm = u.op == "reducescatter" and not overlapped
+    chunking = Chunking("task" if overlapped else "default", u.rows, u.rows is not None and not overlapped)
+    return Strategy("cpu", ("p2p", "shm") if shm else ("p2p",), chunking)
+
+
+def _cuda(u: Fused, kinds: dict[str, str], overlapped: bool) -> Strategy:
+    symmetric = not overlapped and _symmetric_ok(u, kinds)
+    chunking = Chunking("default", u.rows, whole_alone=kinds[u.src] != "segments")
+    return Strategy("cuda", ("pipeline", "symmetric") if symmetric else ("pipeline",), chunking)
+
+
+def _symmetric_ok(u: Fused, kinds: dict[str, str]) -> bool:
+    """Can the fused unit also run as one kernel over symmetric memory (symmetric.cuh)? A
+    reduce-scatter along dim 0 of a contiguous tensor, pointwise phases only; a reduced value
+    that is kept is kept in scratch (the kernel's `keep` buffer)."""
+    refs = {r.name for p in u.phases for i in p.items for r in walk(i.expr) if isinstance(r, Ref)}
+    scattered = {n for n, k in kinds.items() if k == "segments"}
+    return (u.op == "reducescatter" and u.type.layout.dim == 0 and u.rows is None
+            and u.reduce in ("sum", "avg", "max", "min") and all(p.kind == "pointwise" for p in u.phases)
+            and not ({u.src, u.gather} | refs) & scattered
+            and (not u.store_reduced or kinds[u.collective] == "scratch"))
+
+
+# --- what each target does not implement ----------------------------------------------------
+def _every(units: tuple[Unit, ...]) -> Iterator[Unit]:
+    """Every unit, with those inside fused collectives and overlaps, in order."""
+    for u in units:
+        yield u
+        if isinstance(u, Overlap) and u.fused is not None:
+            yield from _every((u.fused,))
+        elif isinstance(u, Fused):
+            yield from _every(u.after)
+
+
+def _cpu_gaps(plan: Plan) -> list[tuple[Unit, str]]:
+    """The CPU backend implements every unit (an extern operation without a C++ implementation
+    is refused where it is declared)."""
+    return []
+
+
+def _cuda_gaps(plan: Plan) -> list[tuple[Unit, str]]:
+    """What of this plan the CUDA backend does not implement, one entry per unit."""
+    out: list[tuple[Unit, str]] = []
+    kinds = {b.name: b.kind for b in plan.buffers}
+    ndims = {b.name: b.type.ndim for b in plan.buffers}
+    scattered = {b.name for b in plan.buffers if b.kind == "segments"}
+
+    def unit(u: Unit) -> None:
+        if isinstance(u, Overlap) and u.fused is not None:
+            f = u.fused
+            if not u.direct or (f.op == "reducescatter" and f.type.layout.dim == 0) or f.src != u.producer:
+                out.append((u, "overlap into a fused collective other than an all-reduce or a reduce-scatter along "
+                               "a dim other than 0 fed by rows of the matmul is not in the CUDA backend yet"))
+            else:
+                unit(f)
+        elif isinstance(u, Library) and ops.get(u.op).extern is not None:
+            out.extend((u, what) for what in _extern_problems(u, kinds, ndims))
+        elif isinstance(u, Collective) and u.src in scattered and u.op == "allgather":  # (the CPU's neither)
+            out.append((u, f"an allgather of a sliced scattered tensor ('{u.src}') is not in the CUDA backend yet"))
+        elif isinstance(u, Fused):
+            out.extend((u, what) for what in _fused_problems(u, kinds))
+            for a in u.after:
+                unit(a)
+    for u in plan.units:
+        unit(u)
+    types = {b.name: b.type for b in plan.buffers}
+    out += [(u, "a reduction whose result dtype differs from its input's") for u in _every(plan.units)
+            if isinstance(u, Reduce) and types[u.src].dtype != types[u.dst].dtype]
+    return out
+
+
+def _extern_problems(u: Library, kinds: dict[str, str], ndims: dict[str, int]) -> list[str]:
+    ext = ops.get(u.op).extern
+    assert ext is not None
+    if ext.cuda is None:
+        return [f"extern operation '{u.op}' declares no cuda implementation ('cuda = \"header\", \"function\"')"]
+    computed = [a for a in u.args if ndims.get(a) == 0 and kinds.get(a) != "scalar"]
+    if computed:
+        return [f"a computed 0-d operand ('{computed[0]}') of extern operation '{u.op}' is not in the CUDA "
+                "backend yet (it lives on the device)"]
+    return []
+
+
+def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[str]:
+    for p in u.phases:
+        if p.kind != "rows":
+            continue
+        x = p.items[0].expr.args[0] if isinstance(p.items[0].expr, Op) else None
+        if (not isinstance(x, Ref) or (x.name != u.collective and kinds.get(x.name) in (None, "register"))
+                or u.type.layout.dim == u.type.ndim - 1):
+            return ["a row-wise phase reading a value kept in registers, or sliced along its rows, is not in "
+                    "the CUDA backend yet"]
+    if kinds.get(u.collective) not in ("register", "scratch", "output", "alias"):
+        return [f"a fused collective whose reduced value is '{kinds.get(u.collective)}' is not in the CUDA "
+                "backend yet"]
+    return []
+
+
+def _emulation_gaps(plan: Plan) -> list[tuple[Unit, str]]:
+    """What cuda does not implement, and each extern operation (its own CUDA code is not run
+    under the host emulation)."""
+    return _cuda_gaps(plan) + [(u, "an extern operation's own CUDA code is not run under the host emulation")
+                               for u in _every(plan.units)
+                               if isinstance(u, Library) and ops.get(u.op).extern is not None]
+
+
+GAPS: dict[str, Callable[[Plan], list[tuple[Unit, str]]]] = {
+    "cpu": _cpu_gaps, "cuda": _cuda_gaps, EMULATION: _emulation_gaps}
