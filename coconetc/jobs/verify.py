@@ -57,11 +57,12 @@ def verify_results(comm: Any, mine: RankResults, ir: Program, inputs: Sequence[M
     return Verified(comm.bcast(problems, root=0), got)
 
 
-def verify_call(comm: Any, fn: Callable[..., Any], ir: Program, inputs: Sequence[Mapping[str, Any]],
+def verify_call(comm: Any, fn: Callable[..., Any], ir: Program, inputs: Sequence[Mapping[str, Any]], /,
                 groups: int = 1, ref: Callable[[], Sequence[Result]] | None = None,
                 src: Program | None = None, **call: Any) -> Verified:
     """fn(groups=groups, **call, **this rank's inputs) on a copy of this rank's inputs, every
-    rank's results checked against the interpreter (verify_results)."""
+    rank's results checked against the interpreter (verify_results). `comm` is where the
+    results are gathered; the call's own communicator, if any, is `call`'s `comm`."""
     mine = copy.deepcopy(dict(inputs[comm.Get_rank()]))
     out = fn(groups=groups, **call, **mine)
     return verify_results(comm, call_results(ir, out, mine), ir, inputs, groups, ref, src)
