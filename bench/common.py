@@ -1,5 +1,5 @@
 """What the benchmark scripts share: relaunching under mpiexec, timing (median of repetitions,
-the slowest rank), torch.distributed (gloo) started inside an mpiexec job, the copy bandwidth
+the slowest rank: coconetc.jobs.timing, shared with the rank programs), torch.distributed (gloo) started inside an mpiexec job, the copy bandwidth
 for rooflines, the table, the JSON and the PNG plot.
 
 Figures are ratios measured side by side in one run (docs/performance.md): every variant of
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -51,20 +50,12 @@ def timed(comm, fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
 
 def timed_all(comm, fns: dict[Any, Callable[[], Any]], reps: int, warmup: int = 2) -> dict[Any, float]:
     """timed() for every variant, interleaved: repetition k runs every variant once, so a burst
-    of load from other processes on a shared machine hits them all alike."""
-    from mpi4py import MPI
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[Any, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            comm.Barrier()
-            times[k].append(time.perf_counter() - t0)
-    return {k: comm.allreduce(statistics.median(v), op=MPI.MAX) for k, v in times.items()}
+    of load from other processes on a shared machine hits them all alike (coconetc.jobs.timing,
+    which the rank programs of `coconetc run` and `coconetc tune` time with); the first WARMUP
+    rounds are not counted."""
+    from coconetc.jobs.timing import slowest_medians, timed_rounds
+    calls = {k: (lambda fn=fn: fn) for k, fn in fns.items()}
+    return slowest_medians(comm, timed_rounds(comm, calls, reps, warmup, barrier_after=True))
 
 
 def reps_for(n: int, reps: int) -> int:

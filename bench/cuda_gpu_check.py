@@ -57,7 +57,8 @@ def _try(fn):
 
 def check_examples(archs: str) -> list[dict]:
     import torch
-    from coconetc.oracle.core import adapt_inputs, compare, random_inputs
+    from coconetc.oracle.compare import compare
+    from coconetc.oracle.inputs import adapt_inputs, random_inputs
     from coconetc.interp.interpreter import Result, run
     from coconetc.interp.values import STORAGE
     from coconetc.runtime import cuda as runtime_cuda
@@ -85,7 +86,7 @@ def check_examples(archs: str) -> list[dict]:
             for sched, ir in fn.schedules.items():
                 for k, sizes in enumerate((None, "odd")):
                     try:
-                        from coconetc.oracle.core import size_symbols
+                        from coconetc.oracle.inputs import size_symbols
                         sz = None if sizes is None else {s: ODD for s in size_symbols(base)}
                         inputs = adapt_inputs(random_inputs(base, 1, 1, sz, seed=7 + k), base, ir)
                         ref = run(ir, copy.deepcopy(inputs))

@@ -354,7 +354,7 @@ def _run_cuda(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, em
             keep.append(s)
     if not keep:
         sys.exit(0)
-    argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
+    argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), "--emulate-cuda" if emulate else "--cuda",
             *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--schedule={s or 'default'}" for s in keep]
@@ -380,7 +380,7 @@ def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save
         compile_module(mod.file, **libs)
     except (BuildError, CompileError) as err:
         _fail(str(err))
-    argv = ["-m", "coconetc.launch.worker", mod.file, "--program", name, "--groups", str(groups),
+    argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--{flag}={v}" for flag, key in (("include-dir", "include_dirs"), ("library-dir", "library_dirs"),
                                              ("library", "libraries")) for v in libs[key]]

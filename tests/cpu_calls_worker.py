@@ -99,7 +99,7 @@ def check_bad_groups(fn, rank, size):
 
 def check_still_in_step(fn, rank, size, comm, program):
     """After all those errors a correct call works on every rank and matches the interpreter."""
-    from coconetc.oracle.core import compare
+    from coconetc.oracle.compare import compare
     from coconetc.interp.interpreter import Result, run
     problems = []
     for sched in ("zero", "default"):

@@ -135,8 +135,8 @@ def check_leaf_requires_grad(fn, rank, size, comm):
 def check_no_grad_updates_and_bumps_version(fn, rank, size, comm):
     import torch
 
-    from coconetc.oracle.core import compare
     from coconetc.interp.interpreter import Result, run
+    from coconetc.oracle.compare import compare
     args = _inputs(rank, size, "zero")
     everyone = comm.allgather(copy.deepcopy(args))
     w = torch.from_numpy(args["w"]).requires_grad_()
@@ -165,8 +165,8 @@ def check_no_grad_updates_and_bumps_version(fn, rank, size, comm):
 
 
 def check_still_in_step(fn, rank, size, comm):
-    from coconetc.oracle.core import compare
     from coconetc.interp.interpreter import Result, run
+    from coconetc.oracle.compare import compare
     problems = []
     for sched in ("zero", "default", "fused"):
         mine = _inputs(rank, size, sched)
@@ -260,19 +260,13 @@ def mode_comm(comm, files) -> int:
 
 
 def _run_comm(sub, fn, base, ir, sched, groups):
-    from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
-    from coconetc.interp.interpreter import Result, run
-    r, R = sub.Get_rank(), sub.Get_size()
-    inputs = adapt_inputs(random_inputs(base, R, groups, {}, seed=5), base, ir, groups)
-    mine = copy.deepcopy(inputs[r])
-    out = fn(schedule=sched, comm=sub, groups=groups, **mine)
-    outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
-    got = Result({pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)},
-                 {t: np.asarray(joined(mine[t])) for t, _ in ir.updates}, None)
-    gathered = sub.gather(got, root=0)
-    if r != 0:
-        return []
-    return compare(run(ir, copy.deepcopy(inputs), groups), gathered, ir, ir, groups)
+    """One call on the communicator `sub` against the interpreter: the problems, on sub's
+    rank 0 (the others: [])."""
+    from coconetc.jobs.verify import verify_call
+    from coconetc.oracle.inputs import adapt_inputs, random_inputs
+    inputs = adapt_inputs(random_inputs(base, sub.Get_size(), groups, {}, seed=5), base, ir, groups)
+    problems = verify_call(sub, fn, ir, inputs, groups, schedule=sched, comm=sub).problems
+    return problems if sub.Get_rank() == 0 else []
 
 
 # --- MODE crash and MODE stall ----------------------------------------------------------------

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import copy
 import sys
-import traceback
 
 import numpy as np
 from mpi4py import MPI
 
-from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs, size_symbols
-from coconetc.interp.interpreter import Result, run
+from coconetc.jobs.abort import stop_job_on_failure
+from coconetc.jobs.verify import call_results, verify_call, verify_results
+from coconetc.oracle.inputs import adapt_inputs, random_inputs, size_symbols
 
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
@@ -44,13 +44,6 @@ def sizes_of(p, size: int) -> dict[str, int]:
     return {s: size for s in size_symbols(p)}
 
 
-def results(ir, out, args) -> tuple[dict, dict]:
-    outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
-    outputs = {pub: np.asarray(v) for (pub, _), v in zip(ir.outputs, outs)}
-    updates = {t: np.asarray(joined(args[t])).copy() for t, _ in ir.updates}  # scattered: segments joined
-    return outputs, updates
-
-
 def match(size: int, groups: int, files: list[str]) -> int:
     from coconetc.runtime.cuda import load_emulated
     bad = 0
@@ -61,18 +54,13 @@ def match(size: int, groups: int, files: list[str]) -> int:
             g = groups_for(name, groups)
             inputs = random_inputs(base, R, g, sizes_of(base, size), seed=1)
             for sched, ir in prog.schedules.items():
-                s_inputs = adapt_inputs(inputs, base, ir, g)
-                mine = copy.deepcopy(s_inputs[rank])
-                out = prog(schedule=sched, groups=g, **mine)
-                gathered = comm.gather(results(ir, out, mine), root=0)
+                problems = verify_call(comm, prog, ir, adapt_inputs(inputs, base, ir, g), g,
+                                       schedule=sched).problems
                 if rank == 0:
-                    ref = run(ir, s_inputs, g)
-                    got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
-                    problems = compare(ref, got, ir, ir, g)
                     print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={size} "
                           f"groups={g} {problems[:3]}", flush=True)
-                    bad += bool(problems)
-    return comm.bcast(bad, root=0)
+                bad += bool(problems)
+    return bad
 
 
 def placed(a, shift: int):
@@ -109,15 +97,12 @@ def vector(size: int, shift: int, files: list[str]) -> int:
                 after = mod.ext.emulation_counts()
                 counts = " ".join(f"{k}={after[k] - before[k]}" for k in sorted(after))
                 print(f"COUNTS {f} {name} {sched} rank={rank} shift={shift} {counts}", flush=True)
-                gathered = comm.gather(results(ir, out, mine), root=0)
+                problems = verify_results(comm, call_results(ir, out, mine), ir, s_inputs).problems
                 if rank == 0:
-                    ref = run(ir, s_inputs, 1)
-                    got = [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)]
-                    problems = compare(ref, got, ir, ir, 1)
                     print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {name} {sched} R={R} size={n or size} "
                           f"shift={shift} {problems[:3]}", flush=True)
-                    bad += bool(problems)
-    return comm.bcast(bad, root=0)
+                bad += bool(problems)
+    return bad
 
 
 def dropout(file: str, prog: str, scheds: list[str]) -> int:
@@ -177,11 +162,8 @@ def check(file: str, prog: str, sched: str, so: str, name: str, size: int) -> in
     base = mod.programs[prog]
     ir = emu.programs[prog].schedules[sched]
     inputs = adapt_inputs(random_inputs(base, R, 1, sizes_of(base, size), seed=2), base, ir)
-    mine = copy.deepcopy(inputs[rank])
-    gathered = comm.gather(results(ir, emu.programs[prog](schedule=sched, **mine), mine), root=0)
+    problems = verify_call(comm, emu.programs[prog], ir, inputs, schedule=sched).problems
     if rank == 0:
-        ref = run(ir, inputs, 1)
-        problems = compare(ref, [Result(o, u, ref[r].segments) for r, (o, u) in enumerate(gathered)], ir, ir, 1)
         print(f"{'MATCH' if not problems else 'MISMATCH'} {file} {prog} {sched} R={R} {problems[:3]}", flush=True)
     return 0
 
@@ -263,12 +245,5 @@ def main(argv: list[str]) -> int:
     return race(argv[1], argv[2], argv[3], argv[4], argv[5], int(argv[6]))
 
 
-if __name__ == "__main__":
-    try:
-        sys.exit(1 if main(sys.argv[1:]) else 0)
-    except SystemExit:
-        raise
-    except BaseException:  # noqa: BLE001 - a failing rank stops the job
-        sys.stderr.write(f"rank {rank} failed:\n{traceback.format_exc()}")
-        sys.stderr.flush()
-        comm.Abort(1)
+if __name__ == "__main__":  # a failing rank stops the job
+    sys.exit(stop_job_on_failure(lambda comm: 1 if main(sys.argv[1:]) else 0, "cuda_emulate_worker"))

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 from coconetc import cli
 from coconetc.sourcefile import SourceFile, ScheduleIR, load_file, load_source
-from coconetc.oracle.session import run_interp
+from coconetc.oracle.interpreted import run_interp
 from coconetc.ir import printer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -349,8 +349,8 @@ def test_run_mismatch_exits_nonzero(monkeypatch: pytest.MonkeyPatch, which: str)
 
 def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter returns a wrong value for the scheduled run only."""
-    from coconetc.oracle import session
-    real = session.run
+    from coconetc.oracle import interpreted
+    real = interpreted.run
 
     def perturbed(p, inputs, groups=1):
         results = real(p, inputs, groups)
@@ -358,7 +358,7 @@ def test_run_mismatch_from_a_perturbed_interpreter(monkeypatch: pytest.MonkeyPat
             results[1].updates["w"] = results[1].updates["w"] + 1
         return results
 
-    monkeypatch.setattr(session, "run", perturbed)
+    monkeypatch.setattr(interpreted, "run", perturbed)
     res = invoke("run", REPO / "examples" / "sgd.ccn", "-s", "rs_c_ag", "--interp")
     assert res.exit_code == 1, res.output
     assert "rank 1 updated 'w'" in res.stderr and "rank 0 updated" not in res.stderr

@@ -177,7 +177,7 @@ def test_chunked_matrix_is_not_empty():
 def _check_worker(modules, capfd, file, program, schedules, ranks, groups, sizes):
     """One mpiexec launch of the worker for all the schedules; each must match."""
     _module(modules, file.name)
-    argv = ["-m", "coconetc.launch.worker", str(file), "--program", program, "--reps", "1",
+    argv = ["-m", "coconetc.jobs.run", str(file), "--program", program, "--reps", "1",
             "--groups", str(groups)]
     for s in schedules:
         argv += ["--schedule", s]
@@ -388,7 +388,7 @@ def test_scattered_updates_in_place(modules, schedule, kind):
 def test_torch_in_torch_out(modules):
     """Returned outputs come back as tensors when the inputs were tensors."""
     torch = pytest.importorskip("torch")
-    from coconetc.oracle.core import random_inputs
+    from coconetc.oracle.inputs import random_inputs
     from coconetc.interp.interpreter import run
     fn = _module(modules, "layernorm.ccn").attn_out
     inputs = random_inputs(fn.schedules["default"], 1, 1, {"B": 2, "S": 5, "H": 6}, seed=4)[0]
@@ -416,7 +416,8 @@ def test_repeated_calls_with_changing_sizes(modules, file, program):
     """Every schedule called again and again in one process (one rank), the sizes shrinking
     and growing between calls, each call against the interpreter: buffers the module keeps
     between calls must not leak one call's values or sizes into the next."""
-    from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
+    from coconetc.oracle.compare import compare
+    from coconetc.oracle.inputs import adapt_inputs, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
     if program not in SIZES:
         pytest.fail(f"no sizes for {program} in SIZES")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from coconetc.sourcefile import load_file, load_source
-from coconetc.oracle.core import adapt_inputs, compare, random_inputs
+from coconetc.oracle.compare import compare
+from coconetc.oracle.inputs import adapt_inputs, random_inputs
 from coconetc.interp.interpreter import run
-from coconetc.oracle.session import run_interp
+from coconetc.oracle.interpreted import run_interp
 from coconetc.ir.nodes import Op, Ref
 from coconetc.schedule.directives import Slice
 

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from coconetc import cli
 from coconetc.sourcefile import add_schedules, load_file
-from coconetc.oracle.core import adapt_inputs, compare, random_inputs
+from coconetc.oracle.compare import compare
+from coconetc.oracle.inputs import adapt_inputs, random_inputs
 from coconetc.interp.interpreter import run
 from coconetc.ir import printer
 from coconetc.launch.mpiexec import run_python
@@ -263,7 +264,8 @@ import sys
 import numpy as np
 import coconetc
 from mpi4py import MPI
-from coconetc.oracle.core import adapt_inputs, compare, random_inputs
+from coconetc.oracle.compare import compare
+from coconetc.oracle.inputs import adapt_inputs, random_inputs
 from coconetc.interp.interpreter import Result, run
 
 comm = MPI.COMM_WORLD

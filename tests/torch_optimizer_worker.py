@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import copy
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 from mpi4py import MPI
 
 from coconetc.ir.slices import slice_range
+from coconetc.jobs.abort import stop_job_on_failure
 from coconetc.torch import DistributedOptimizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -272,32 +272,28 @@ def resume(path: str, origin: str) -> None:
         report(f"{label}:state", state_diff(pair.opt, pair.ref_opt))
 
 
-def main() -> None:
+def run_mode(comm) -> int:
     mode = sys.argv[1]
-    try:
-        if mode == "adam":
-            mode_adam()
-        elif mode == "lamb":
-            mode_lamb()
-        elif mode == "save":
-            mode_save(sys.argv[2])
-        elif mode == "rank0_only":
-            pair = Pair("zero")
-            pair.run(2)
+    if mode == "adam":
+        mode_adam()
+    elif mode == "lamb":
+        mode_lamb()
+    elif mode == "save":
+        mode_save(sys.argv[2])
+    elif mode == "rank0_only":
+        pair = Pair("zero")
+        pair.run(2)
+        pair.opt.state_dict()
+        print(f"BOTH CALLED {rank}", flush=True)
+        if rank == 0:
             pair.opt.state_dict()
-            print(f"BOTH CALLED {rank}", flush=True)
-            if rank == 0:
-                pair.opt.state_dict()
-                print("RANK 0 WAS NOT STOPPED", flush=True)
-        elif mode == "resume":
-            resume(sys.argv[2], "checkpoint")
-        else:
-            raise SystemExit(f"unknown mode {mode}")
-    except Exception:
-        traceback.print_exc()
-        comm.Abort(1)
-    sys.exit(1 if failures else 0)
+            print("RANK 0 WAS NOT STOPPED", flush=True)
+    elif mode == "resume":
+        resume(sys.argv[2], "checkpoint")
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    return 1 if failures else 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a failing rank stops the job
+    sys.exit(stop_job_on_failure(run_mode, "torch_optimizer_worker"))

@@ -13,7 +13,8 @@ from coconetc.frontend.defs import Scope, bind, bind_def
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
 from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
-from coconetc.ir.typerules import TypeErr, type_op
+from coconetc.ir.ops import type_op
+from coconetc.ir.typerules import TypeErr
 
 # update(t, value) is a statement form, not an operation of the registry
 _UPDATE = ops.OpDef("update", "pointwise", (ops.Arg("t"), ops.Arg("value")))

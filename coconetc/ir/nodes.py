@@ -1,14 +1,15 @@
 """IR nodes, all frozen (edit with dataclasses.replace). A program is a list of stages, each
-an expression tree whose leaves are references to parameters or earlier stages."""
+an expression tree (expr.py, re-exported here) whose leaves are references to parameters or
+earlier stages."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops
+from coconetc.ir.expr import Const, Expr, Op, Ref, refs, walk
 from coconetc.ir.types import Layout, TType
 
 
@@ -38,52 +39,8 @@ REDUCTIONS = OpNames("reduction")
 TENSOR_OPS = OpNames("tensor")
 COLLECTIVES = OpNames("collective")
 
-
-@dataclass(frozen=True)
-class Ref:
-    """A parameter or an earlier stage, by name."""
-
-    name: str
-    type: TType
-    span: Span = field(default=NOWHERE, compare=False)
-
-
-@dataclass(frozen=True)
-class Const:
-    value: float | int
-    type: TType
-    span: Span = field(default=NOWHERE, compare=False)
-
-
-@dataclass(frozen=True)
-class Op:
-    """An operation. attrs are compile-time settings: ('op', 'sum'), ('dim', 1), ('root', 0),
-    ('dtype', 'f32'), ('stride', 1), ('padding', 0), ('direction', 'next'), ('site', 'out#0')."""
-
-    op: str
-    args: tuple[Expr, ...]
-    type: TType
-    attrs: tuple[tuple[str, Any], ...] = ()
-    span: Span = field(default=NOWHERE, compare=False)
-
-    def attr(self, key: str, default: Any = None) -> Any:
-        return dict(self.attrs).get(key, default)
-
-
-Expr = Ref | Const | Op
-
-
-def walk(e: Expr) -> Iterator[Expr]:
-    """Every node of an expression, parents before children."""
-    yield e
-    if isinstance(e, Op):
-        for a in e.args:
-            yield from walk(a)
-
-
-def refs(e: Expr) -> list[str]:
-    """Names an expression reads, in order of first appearance."""
-    return list(dict.fromkeys(n.name for n in walk(e) if isinstance(n, Ref)))
+__all__ = ["COLLECTIVES", "POINTWISE", "REDUCTIONS", "TENSOR_OPS", "Const", "Expr", "Fusion", "Op", "OpNames",
+           "Overlap", "Param", "Program", "Ref", "Stage", "refs", "walk"]
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,18 @@ backend: the interpreter and the backends import it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from coconetc.errors import Span
 from coconetc.ir import reference as ref
 from coconetc.ir import typerules as tr
-from coconetc.ir.types import DTYPES, REDUCE_OPS
+from coconetc.ir.expr import Expr
+from coconetc.ir.types import DTYPES, REDUCE_OPS, TType
 
 # --- what an entry holds ---------------------------------------------------------------
 
@@ -237,6 +239,13 @@ def prefix(symbol: str) -> OpDef:
 
 def names(*kinds: str) -> tuple[str, ...]:
     return tuple(n for n, d in REGISTRY.items() if d.kind in kinds)
+
+
+def type_op(op: str, args: Sequence[Expr], attrs: dict[str, Any], span: Span) -> TType:
+    """The type of `op(args)` by the operation's rule; raises TypeErr at span when the
+    operation is ill-typed."""
+    d = get(op)
+    return d.typing(op, args, {**d.defaults(), **attrs}, span)
 
 
 def attr(op: Any, name: str) -> Any:

@@ -7,7 +7,8 @@ from dataclasses import replace
 from collections.abc import Callable
 
 from coconetc.ir.nodes import Const, Expr, Program, Ref, Stage, refs
-from coconetc.ir.typerules import TypeErr, type_op
+from coconetc.ir.ops import type_op
+from coconetc.ir.typerules import TypeErr
 from coconetc.ir.types import TType
 
 

@@ -1,6 +1,6 @@
 """Typing rules (LANGUAGE.md sections 1-3): dtype promotion with weak scalars, NumPy
 broadcasting of symbolic shapes, and layouts. Each operation's entry in the registry
-(coconetc/ir/ops.py) names its rule; `type_op` looks it up. Used by the checker to type a
+(coconetc/ir/ops.py) names its rule; `ops.type_op` looks it up. Used by the checker to type a
 program and by the schedule primitives to re-type the stages they move onto slices.
 
 A rule is `rule(name, args, attrs, span) -> TType`: the operation's name, its typed operands,
@@ -9,17 +9,15 @@ its compile-time attributes, and where an error points."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coconetc.errors import CompileError, Diagnostic, Span
+from coconetc.ir.expr import Const, Expr
 from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op,
                                sliced)
 
-if TYPE_CHECKING:
-    from coconetc.ir.nodes import Expr
-
 Attrs = dict[str, Any]
-Rule = Callable[[str, "Sequence[Expr]", Attrs, Span], TType]
+Rule = Callable[[str, Sequence[Expr], Attrs, Span], TType]
 
 
 class TypeErr(CompileError):
@@ -206,7 +204,6 @@ def cast(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
 
 def dropout(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     x, p, seed = args
-    from coconetc.ir.nodes import Const  # (nodes imports the registry, which imports this)
     if isinstance(p, Const) and not 0 <= p.value < 1:
         raise TypeErr(p.span, f"dropout probability must be in [0, 1), got {p.value}")
     if not isinstance(p, Const) and p.type.dtype not in FLOATS:
@@ -251,13 +248,6 @@ def collective_type(op: str, t: TType, attrs: dict, span: Span, arg_span: Span |
     result = {"allreduce": REPLICATED, "allgather": REPLICATED, "broadcast": REPLICATED,
               "reduce": LOCAL, "send": lay}[op]
     return TType(t.dtype, t.shape, result)
-
-
-def type_op(op: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
-    """The type of `op(args)`; raises TypeErr at span when the operation is ill-typed."""
-    from coconetc.ir import ops
-    d = ops.get(op)
-    return d.typing(op, args, {**d.defaults(), **attrs}, span)
 
 
 def extern_rule(like: int, slicing: str, dims: tuple[int, ...]) -> Rule:

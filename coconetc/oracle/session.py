@@ -1,64 +1,7 @@
-"""One interpreted run of a program or one of its schedules on random inputs, checked
-against the unscheduled program: what `coconetc run --interp` does, and what tests call."""
+"""Kept for importers not yet renamed (coconetc/cli.py): interpreted runs are in
+interpreted.py, saving a run in npz.py. Import from those."""
 
-from __future__ import annotations
+from coconetc.oracle.interpreted import Report, run_interp, save_npz
+from coconetc.oracle.npz import save_results
 
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-
-from coconetc.sourcefile import SourceFile
-from coconetc.oracle.core import adapt_inputs, compare, joined, random_inputs
-from coconetc.interp.interpreter import Result, run
-from coconetc.ir.nodes import Program
-
-
-@dataclass
-class Report:
-    program: Program
-    schedule: str | None
-    inputs: list[dict[str, Any]]
-    results: list[Result]
-    seconds: float
-    problems: list[str] = field(default_factory=list)
-
-
-def run_interp(mod: SourceFile, program: str, schedule: str | None, ranks: int, groups: int = 1,
-               sizes: Mapping[str, int] | None = None, seed: int = 0) -> Report:
-    base = mod.programs[program]
-    inputs = random_inputs(base, ranks, groups, sizes, seed)
-    t0 = time.perf_counter()
-    ref = run(base, inputs, groups)
-    seconds = time.perf_counter() - t0
-    if schedule is None:
-        return Report(base, None, inputs, ref, seconds)
-    sched = mod.schedule(program, schedule)
-    if sched.ir is None:
-        raise KeyError(f"schedule '{schedule}' is 'auto': the autotuner picks a schedule; run a named one")
-    s_inputs = adapt_inputs(inputs, base, sched.ir, groups)
-    t0 = time.perf_counter()
-    got = run(sched.ir, s_inputs, groups)
-    seconds = time.perf_counter() - t0
-    return Report(sched.ir, schedule, s_inputs, got, seconds, compare(ref, got, base, sched.ir, groups))
-
-
-def save_npz(path: str, rep: Report) -> None:
-    save_results(path, rep.inputs, rep.results)
-
-
-def save_results(path: str, inputs: list, results: list[Result]) -> None:
-    """Every rank's inputs and results: r{rank}.in.{param}, r{rank}.out.{name} (returned stages
-    by public name, updated parameters by parameter name), r{rank}.seg.{param} for scattered.
-    The interpreted and the compiled `coconetc run --save` both write this."""
-    arrays: dict[str, np.ndarray] = {}
-    for r, (args, res) in enumerate(zip(inputs, results)):
-        for name, v in args.items():
-            arrays[f"r{r}.in.{name}"] = np.asarray(joined(v))
-            if isinstance(v, (list, tuple)):
-                arrays[f"r{r}.seg.{name}"] = np.array([len(x) for x in v], dtype=np.int64)
-        for name, v in {**res.outputs, **res.updates}.items():
-            arrays[f"r{r}.out.{name}"] = v
-    np.savez(path, **arrays)  # type: ignore[arg-type]  # numpy's stub: a key could be allow_pickle
+__all__ = ["Report", "run_interp", "save_npz", "save_results"]

@@ -5,7 +5,7 @@ tuner wrote and measured for these sizes are listed too."""
 from __future__ import annotations
 
 from coconetc.sourcefile import SourceFile, add_schedules
-from coconetc.oracle.core import size_symbols
+from coconetc.oracle.inputs import size_symbols
 from coconetc.tune import cache
 from coconetc.tune.cost import cost
 

@@ -90,7 +90,7 @@ def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, r
     echo(f"building one module with {len(pr.measured)} schedules ...")
     compile_module(src, include_dirs=[str(Path(mod.file).resolve().parent)])
     out = work / "result.json"
-    argv = ["-m", "coconetc.tune.worker", str(src), "--program", program, f"--reps={reps}",
+    argv = ["-m", "coconetc.jobs.tune", str(src), "--program", program, f"--reps={reps}",
             f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
             *[f"--size={k}={v}" for k, v in sizes.items()],
             *[f"--schedule={c.label}" for c in pr.measured]]

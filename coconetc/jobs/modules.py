@@ -1,0 +1,76 @@
+"""The module a rank program calls: the CPU module (coconetc.load), the CUDA module under the
+host emulation, the CUDA module on this node's GPUs (NumPy in and out, like the CPU one), or
+an extension built elsewhere (by CMake's coconet_add_module) wrapped with coconetc's calling
+convention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+
+def quiet(msg: str) -> None:
+    """A build log that prints nothing (the ranks load what was built before they started)."""
+
+
+def load_cpu(file: str, include_dirs=(), library_dirs=(), libraries=()) -> Any:
+    import coconetc
+    return coconetc.load(file, log=quiet, include_dirs=include_dirs, library_dirs=library_dirs,
+                         libraries=libraries)
+
+
+def load_emulated(file: str) -> Any:
+    from coconetc.runtime.cuda import load_emulated as load
+    return load(file, log=quiet)
+
+
+def load_extension(so: str, file: str) -> Any:
+    """The extension module built at SO from FILE (not coconetc's cached build), its programs
+    called as coconetc's (keyword arguments, argument checks, every schedule of FILE listed)."""
+    from coconetc.runtime.loader import CompiledModule, import_extension
+    from coconetc.sourcefile import load_file
+    ext = import_extension(Path(so).name.split(".")[0], Path(so))
+    sources: Any = SimpleNamespace(module=ext.__name__)  # (no generated sources here: only the name)
+    return CompiledModule(load_file(file), sources, ext)
+
+
+class GpuFunction:
+    """A CUDA module's program called like the CPU one: NumPy inputs copied to this rank's
+    GPU, results (and updated parameters) copied back after the stream is synchronized."""
+
+    def __init__(self, fn: Any, comm: Any):
+        self.fn, self.comm, self.schedules = fn, comm, fn.schedules
+
+    def __call__(self, schedule=None, groups=1, **kwargs):
+        import torch
+        dev = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() if isinstance(v, np.ndarray) else v
+               for k, v in kwargs.items()}
+        out = self.fn(schedule=schedule, groups=groups, comm=self.comm, **dev)
+        torch.cuda.synchronize()
+        for k, v in kwargs.items():
+            if isinstance(v, np.ndarray):
+                v[...] = dev[k].cpu().numpy()
+        outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
+        got = tuple(o.cpu().numpy() for o in outs)
+        return None if not got else got[0] if len(got) == 1 else got
+
+
+def load_on_gpu(file: str, comm: Any) -> Any:
+    """FILE's CUDA module on a GPU (this rank's node-local rank modulo the GPUs), with an NCCL
+    communicator over COMM; its programs wrapped as GpuFunction."""
+    import torch
+    from mpi4py import MPI
+
+    import coconetc
+    if not torch.cuda.is_available():
+        raise SystemExit("coconetc run --backend cuda: no CUDA device here (use --emulate)")
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    mod = coconetc.load(file, backend="cuda", log=quiet)
+    nccl = mod.comm(comm)
+    for name, fn in list(mod.programs.items()):
+        mod.programs[name] = GpuFunction(fn, nccl)
+    return mod

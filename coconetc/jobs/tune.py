@@ -1,0 +1,95 @@
+"""What every rank runs for `coconetc tune`: each candidate schedule of the (augmented) file
+timed on the same random inputs (one warm-up round, then --reps rounds of one call of each
+schedule; the median of each rank's calls, the slowest rank's median counted), then for each
+calling convention the fastest schedule checked once against the interpreter (the next
+fastest if it does not match). Rank 0 prints `PROGRESS i n label seconds` lines for the
+tuner's progress bar and writes the results as JSON to --out. A rank that fails stops the
+whole job (MPI Abort).
+
+    python -m coconetc.jobs.tune FILE --program P --out JSON --schedule LABEL... [--size N=INT]..."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import sys
+
+from coconetc.jobs.abort import stop_job_on_failure
+from coconetc.jobs.modules import load_cpu
+from coconetc.jobs.timing import slowest_medians, timed_rounds
+from coconetc.jobs.verify import verify_call
+from coconetc.interp.interpreter import run
+from coconetc.oracle.inputs import adapt_inputs, random_inputs
+from coconetc.tune.space import convention
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="coconetc-tune-worker")
+    ap.add_argument("file")
+    ap.add_argument("--program", required=True)
+    ap.add_argument("--schedule", action="append", default=[])
+    ap.add_argument("--size", action="append", default=[])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--include-dir", action="append", default=[])
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    return stop_job_on_failure(lambda comm: _main(_args(argv), comm), "coconetc tune")
+
+
+def _main(a, comm) -> int:
+    sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
+    mod = load_cpu(a.file, a.include_dir)
+    fn, base = mod.programs[a.program], mod.source_module.programs[a.program]
+    inputs = random_inputs(base, comm.Get_size(), 1, sizes, a.seed)
+    measured = _time_all(fn, a.schedule, base, inputs, comm, a.reps)
+    conv = {label: convention(fn._program(label), base) for label in a.schedule}
+    verified: dict[str, list[str]] = {}
+    ref = functools.cache(lambda: run(base, inputs, 1))  # the unscheduled program's results (rank 0, once)
+    by_conv: dict[str, str] = {}
+    for c in sorted(set(conv.values()), key=lambda c: (c != "", c)):
+        for label in sorted((x for x in a.schedule if conv[x] == c), key=measured.__getitem__):
+            ir = fn._program(label)
+            verified[label] = verify_call(comm, fn, ir, adapt_inputs(inputs, base, ir), 1, ref, base,
+                                          schedule=label).problems
+            if not verified[label]:
+                by_conv[c] = label
+                break
+    ok = list(by_conv.values())
+    choice = min(ok, key=measured.__getitem__) if ok else None
+    if comm.Get_rank() == 0:
+        with open(a.out, "w") as f:
+            json.dump({"measured": measured, "conventions": conv, "problems": verified,
+                       "by_convention": by_conv, "choice": choice}, f, indent=1)
+    return 0 if choice is not None else 1
+
+
+def _time_all(fn, labels: list[str], base, inputs, comm, reps: int) -> dict[str, float]:
+    """Round-robin: one call of every schedule per round (the first round warms up: caches,
+    pages, the communicator's buffers), so that a change in the machine's load touches every
+    schedule alike; the median of each rank's calls, the slowest rank's median counted."""
+    rank = comm.Get_rank()
+    mine = {x: adapt_inputs(inputs, base, fn._program(x))[rank] for x in labels}
+    calls = {x: functools.partial(_prepare, fn, x, mine[x]) for x in labels}
+    total, done = len(labels) * (max(1, reps) + 1), [0]
+
+    def progress(label, k, seconds, out):
+        done[0] += 1
+        if rank == 0:
+            print(f"PROGRESS {done[0]} {total} {label} {seconds if k else 0.0!r}", flush=True)
+
+    times = timed_rounds(comm, calls, max(1, reps), warmup=1, seen=progress)
+    return slowest_medians(comm, times)
+
+
+def _prepare(fn, label: str, args: dict):
+    return functools.partial(fn, schedule=label, **copy.deepcopy(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
