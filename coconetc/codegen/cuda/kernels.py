@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit
-from coconetc.codegen.loops import LoopEmitter
+from coconetc.codegen.cpu.loops import LoopEmitter
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import Let

@@ -15,7 +15,7 @@ from __future__ import annotations
 from coconetc.codegen.base import Function, prod as _prod
 from coconetc.codegen.emit import COMPUTE, CTYPE, literal
 from coconetc.codegen.cuda.kernels import Kernel, KernelEmitter, Outs
-from coconetc.codegen.render import extern_call
+from coconetc.codegen.cpu.render import extern_call
 from coconetc.ir import ops
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.types import TType

@@ -12,10 +12,10 @@ Conventions of the generated function (see templates/module.cpp.j2):
 from __future__ import annotations
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, literal
-from coconetc.codegen.fused import FusedEmitter
+from coconetc.codegen.cpu.fused import FusedEmitter
 from coconetc.codegen.base import Function, RenderBase
 from coconetc.ir import ops
-from coconetc.codegen.loops import prod as _prod
+from coconetc.codegen.cpu.loops import prod as _prod
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 

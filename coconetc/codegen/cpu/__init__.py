@@ -11,7 +11,7 @@ import jinja2
 from coconetc.version import __version__
 from coconetc.codegen.libs import Libs
 from coconetc.codegen.naming import function_name
-from coconetc.codegen.render import Function, render
+from coconetc.codegen.cpu.render import Function, render
 from coconetc.sourcefile import SourceFile
 
 

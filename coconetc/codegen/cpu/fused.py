@@ -4,7 +4,7 @@ of the CpuRenderer (render.py). The plan says what each chunk computes; this lay
 from __future__ import annotations
 
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, emit, literal
-from coconetc.codegen.loops import LoopEmitter, prod as _prod
+from coconetc.codegen.cpu.loops import LoopEmitter, prod as _prod
 from coconetc.ir.nodes import Const, Op, Ref, walk
 from coconetc.plan.units import Fused, Item, Overlap, Phase
 
