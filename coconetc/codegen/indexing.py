@@ -34,6 +34,16 @@ class Indexing(Part):
             any(isinstance(x, Op) and x.op == "dropout" for e in exprs for x in walk(e))
             and self.simple_global_index(t) is None)
 
+    def extents(self, t: TType) -> list[str]:
+        """The local extent L<k> of each dim of t (the coordinates' bounds)."""
+        return [f"const int64_t L{k} = {d};" for k, d in enumerate(self.ldims(t))]
+
+    def loop_head(self, t: TType, coords: bool) -> list[str]:
+        """What a loop's block opens with: this rank's slice offset and, when the body needs
+        coordinates, the extents."""
+        return [f"const int64_t off = {self.offset(t)};  // this rank's slice offset", "(void)off;",
+                *(self.extents(t) if coords else [])]
+
     def access(self, r: Ref, t: TType) -> str | None:
         """Index expression for an operand when no coordinates are needed, else None."""
         rt = r.type

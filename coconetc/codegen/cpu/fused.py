@@ -91,8 +91,8 @@ class CpuFused(Part):
         operands = [r for i in ph.items for r in walk(i.expr) if isinstance(r, Ref) and r.name not in inside]
         coords = self.idx.needs_coords(t0, [i.expr for i in ph.items], inside)
         if coords:
-            for k, dim in enumerate(self.ldims(t0)):
-                self.emit(f"  const int64_t L{k} = {dim};")
+            for line in self.idx.extents(t0):
+                self.emit(f"  {line}")
         segmented = any(r.name in self.scattered for r in operands)
         if segmented:
             self.emit("  for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {")

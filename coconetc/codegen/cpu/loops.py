@@ -54,11 +54,8 @@ class CpuLoops(Part):
                     lines.append(f"v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
             store = "\n      ".join(lines)
         self.emit("{")
-        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
-        self.emit("  (void)off;")
-        if needs_coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"  const int64_t L{k} = {d};")
+        for line in self.idx.loop_head(t, needs_coords):
+            self.emit(f"  {line}")
         if segmented:
             self.emit(f"  for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + {n})) {{")
             self.emit("    const size_t s = pc.segment;")

@@ -151,8 +151,8 @@ class CudaFused(Part):
         self.emit(f"  const int64_t off = {self.offset(t)};")
         self.emit("  (void)off;")
         if coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"  const int64_t L{k} = {d};")
+            for line in self.idx.extents(t):
+                self.emit(f"  {line}")
         lets = pointwise.lets(self.w, u.lets)
         self.notes.access(t, items, u.lets, "0", mine, {}, "  ")
         g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
@@ -204,8 +204,8 @@ class CudaFused(Part):
         self.emit(f"    const int64_t off = {self.offset(t)};")
         self.emit("    (void)off;")
         if coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"    const int64_t L{k} = {d};")
+            for line in self.idx.extents(t):
+                self.emit(f"    {line}")
         runs, store = self._gather_store(u)
         for ph in u.phases:
             items = [(i.name, i.expr, i.store) for i in ph.items]

@@ -215,14 +215,10 @@ class CudaKernels(Part):
         self.consts = saved
 
     def _loop_head(self, t: TType, coords: bool) -> None:
-        """A loop's block opens with this rank's slice offset and, when the body needs
-        coordinates, the local extent of each dim."""
+        """A loop's block opens as the CPU loop's (codegen/indexing.py: loop_head)."""
         self.emit("{")
-        self.emit(f"  const int64_t off = {self.offset(t)};  // this rank's slice offset")
-        self.emit("  (void)off;")
-        if coords:
-            for k, d in enumerate(self.ldims(t)):
-                self.emit(f"  const int64_t L{k} = {d};")
+        for line in self.idx.loop_head(t, coords):
+            self.emit(f"  {line}")
 
     def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
                   segs: list[str]) -> None:
