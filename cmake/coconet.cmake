@@ -116,7 +116,7 @@ if(NOT TARGET coconet_runtime)
   target_compile_features(coconet_runtime INTERFACE cxx_std_17)
 endif()
 
-# The options of coconetc's own module builds (codegen/templates/CMakeLists.txt.j2).
+# The options of coconetc's own module builds (codegen/cpu/templates/CMakeLists.txt.j2).
 set(COCONET_MODULE_OPTIONS -O3 -march=native -fno-math-errno -Wall -Wno-unused-variable
     -Wno-unused-but-set-variable CACHE STRING "compile options of modules made by coconet_add_module")
 

@@ -70,7 +70,7 @@ def test_loops_use_the_shared_element_emitter(example):
     """The kernel body is the CPU loop's element math (codegen/emit.py): on the element path the
     same text; in the vector path's lanes the same text but for the operands, read from the
     vector loaded (in_x[u]) instead of memory (v_x[i])."""
-    from coconetc.codegen.render import render as render_cpu
+    from coconetc.codegen.cpu.render import render as render_cpu
     mod = example("adam.ccn")
     p = mod.programs["adam"]
     cpu = "\n".join(render_cpu(plan_program(p, "default"), "f", "adam.ccn", []).body)

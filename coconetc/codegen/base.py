@@ -1,12 +1,18 @@
-"""What every part of the CPU renderer shares: the function being written, the plan's
-buffers, and the C++ for shapes (global and this rank's local dims, slice offsets)."""
+"""What every backend's renderer writes into: the function being written (its lines, the plan's
+buffers and their types, the Lets already declared, the signature the Python side passes), and
+the C++ for shapes (global and this rank's local dims, slice offsets).
+
+Composition, not inheritance: one Writer per generated function, held by every part of a
+backend's renderer (its loops or kernels, collectives, fused collectives, overlap) and by the
+shared pieces (indexing.py, pointwise.py, dispatch.py). A Part reads the writer's state under the
+names the parts use (self.emit, self.ldims, self.consts, ...)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
-from coconetc.plan.units import Buffer, Plan, Unit
+from coconetc.plan.units import Plan
 
 
 @dataclass
@@ -43,19 +49,33 @@ def prod(items: list[str]) -> str:
 _prod = prod
 
 
-class RenderBase:
+class Writer:
+    """The body of one generated function, as it is written."""
+
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
         self.plan, self.fn, self.file = plan, fn, file
         self.lines: list[str] = []
         self.types: dict[str, TType] = {b.name: b.type for b in plan.buffers}
         self.scattered = {b.name for b in plan.buffers if b.kind == "segments"}
-        self.nsite = 0
+        self.nsite = 0  # call sites numbered so far (scratch buffers, events, ...)
         self.consts: dict[str, str] = {}  # Lets already declared: name -> C++ name
         sizes = sorted({s for b in plan.buffers if b.kind in ("param", "segments") for d in b.type.shape
                         for s in dim_symbols(d)})
         self.sig = Signature(sizes=sizes, outputs=outputs)
 
-    # --- the function ---------------------------------------------------------------------
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    def comment(self, line: int, what: str) -> None:
+        """The comment before a unit: the schedule, what the unit is, its .ccn line."""
+        where = f"{self.file}:{line}" if line else self.file
+        self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+
+    def site(self) -> int:
+        """A new call site's number."""
+        self.nsite += 1
+        return self.nsite
+
     # --- shapes ---------------------------------------------------------------------------
     def gdims(self, t: TType) -> list[str]:
         return [cdim(d) for d in t.shape]
@@ -71,30 +91,33 @@ class RenderBase:
             return "int64_t(0)"
         return f"coconet::slice_range({self.gdims(t)[t.layout.dim]}, comm.size, comm.rank).begin"
 
-    def emit(self, line: str) -> None:
-        self.lines.append(line)
-
     def shape3(self, t: TType, d: int) -> str:
         g = self.gdims(t)
         return f"{_prod(g[:d])}, {g[d]}, {_prod(g[d + 1:])}"
 
-    # --- the function: every backend lays it out the same way ------------------------------
-    def render(self) -> Function:
-        for i, sym in enumerate(self.sig.sizes):
-            self.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
-        for b in self.plan.buffers:
-            self._declare(b)
-        for u in self.plan.units:
-            self.unit(u)
-        comment = f"program {self.plan.program}, schedule {self.plan.schedule} ({self.file})"
-        return Function(self.fn, comment, self.lines, self.sig)
 
-    def _comment(self, line: int, what: str) -> None:
-        where = f"{self.file}:{line}" if line else self.file
-        self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+class Part:
+    """A part of a backend's renderer: it writes into the function's Writer, whose state it
+    reads under these names (the same Writer for every part of one function)."""
 
-    def _declare(self, b: Buffer) -> None:
-        raise NotImplementedError
+    def __init__(self, w: Writer):
+        self.w = w
+        self.plan, self.types, self.scattered, self.sig = w.plan, w.types, w.scattered, w.sig
+        self.emit, self.site, self._comment = w.emit, w.site, w.comment
+        self.gdims, self.ldims, self.offset, self.shape3 = w.gdims, w.ldims, w.offset, w.shape3
 
-    def unit(self, u: Unit) -> None:
-        raise NotImplementedError
+    @property
+    def consts(self) -> dict[str, str]:
+        return self.w.consts
+
+    @consts.setter
+    def consts(self, value: dict[str, str]) -> None:
+        self.w.consts = value
+
+    @property
+    def nsite(self) -> int:
+        return self.w.nsite
+
+    @nsite.setter
+    def nsite(self, value: int) -> None:
+        self.w.nsite = value

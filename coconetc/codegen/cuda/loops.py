@@ -1,6 +1,7 @@
-"""Pointwise kernels of the CUDA renderer: a Loop, a piece of a scattered loop, or a fused
-collective's chunk becomes one coconet::cuda::launch_threads kernel (runtime.cuh) whose lambda
-runs once per thread: the Lets first, then the thread's elements (grid-stride).
+"""Pointwise kernels of the CUDA renderer (its loops, as cpu/loops.py is the CPU's): a Loop, a
+piece of a scattered loop, or a fused collective's chunk becomes one
+coconet::cuda::launch_threads kernel (runtime.cuh) whose lambda runs once per thread: the Lets
+first, then the thread's elements (grid-stride).
 
 When every memory operand is read or stored contiguously by the loop variable (plus a slice or
 chunk offset), the kernel also has a vector path: V elements at a time (16 bytes of the widest
@@ -8,20 +9,24 @@ operand type), one aligned vector load or store per operand, the element math of
 lanes unrolled; the host takes it at run time only when every operand pointer is aligned for V
 of its elements (coconet::cuda::aligned), and the elements past the last whole group of V, or
 all of them otherwise, take the one-element path. Both paths use the element math of
-codegen/emit.py, the CPU loops' text; the vector lanes read an operand as in_<x>[u] where the
-element path reads v_<x>[index]. A kernel whose operands need coordinates (broadcasting) or that
-stores a gathered value at its global place has only the element path."""
+codegen/emit.py, the CPU loops' text, and the operand indexing of codegen/indexing.py; the
+vector lanes read an operand as in_<x>[u] where the element path reads v_<x>[index]. A kernel
+whose operands need coordinates (broadcasting) or that stores a gathered value at its global
+place has only the element path."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
+from coconetc.codegen import pointwise
+from coconetc.codegen.base import Part, Writer, prod as _prod
+from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.emit import COMPUTE, CTYPE, emit
-from coconetc.codegen.loops import LoopEmitter
+from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
-from coconetc.plan.units import Let
+from coconetc.plan.units import Let, Loop
 
 BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 VECTOR_BYTES = 16
@@ -61,20 +66,14 @@ def _indices(defs: tuple[str, ...], body: list[str]) -> list[str]:
     return out
 
 
-class KernelEmitter(LoopEmitter):
-    def _lets(self, lets: tuple[Let, ...]) -> list[str]:
-        """The Lets, computed once by each thread before its elements (they may read a device
-        value, such as a norm computed before the kernel)."""
-        out = []
-        for k in lets:
-            code = emit(k.expr, lambda r: self.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
-            out.append(f"const {COMPUTE[k.expr.type.dtype]} {k.name} = {code};")
-            self.consts[k.name] = k.name
-        return out
+class CudaKernels(Part):
+    def __init__(self, w: Writer, idx: Indexing, notes: Notes):
+        super().__init__(w)
+        self.idx, self.notes = idx, notes
 
-    def _kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str) -> None:
+    def kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str) -> None:
         """The launch of one pointwise kernel (the caller has declared its accesses)."""
-        let_lines = self._lets(lets)
+        let_lines = pointwise.lets(self.w, lets)
         outs: Outs = {name: [(f"v_{name}[i]", _plus(f"v_{name}", k.i_base))] if stored else []
                       for name, _, stored in items}
         for name, targets in k.outs.items():
@@ -94,22 +93,20 @@ class KernelEmitter(LoopEmitter):
             self._vector_loop(t, k, items, outs, coords, *vec, ind + "  ")
         self.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
                   + ("  // past the last whole vector, or all when not aligned" if vec else ""))
-        load = self._loader(t)
+        load = self.idx.loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
-        body = self._with_coords(t, coords, self._body(t, items, local, load, outs, lambda target, name: target))
+        body = self.with_coords(t, coords, self.body(t, items, local, load, outs, lambda target, name: target))
         for line in (*_indices(k.defs, body), *body):
             self.emit(f"{ind}    {line}")
         self.emit(f"{ind}  }}")
         self.emit(f"{ind}}});")
 
-    def _with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
+    def with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
         """The body, after the element's coordinates c0.. from i (the L<k> in scope) when it
         needs them (those it does not use (void)-ed)."""
         if not coords:
             return body
-        out = ["int64_t rest = i;"]
-        for d in reversed(range(t.ndim)):
-            out.append("const int64_t c0 = rest;" if d == 0 else f"const int64_t c{d} = rest % L{d}; rest /= L{d};")
+        out = ["int64_t rest = i;", *coord_lines(range(t.ndim))]
         out += [f"(void)c{d};" for d in range(t.ndim) if not re.search(rf"\bc{d}\b", " ".join(body))]
         return out + (["(void)rest;"] if t.ndim == 0 else []) + body
 
@@ -127,7 +124,7 @@ class KernelEmitter(LoopEmitter):
             if r.name in k.regs:
                 ptr = k.regs[r.name][1]
             else:
-                idx = self._access(r, t)
+                idx = self.idx.access(r, t)
                 if idx == "0":
                     continue
                 if idx == "SEG":
@@ -167,13 +164,13 @@ class KernelEmitter(LoopEmitter):
             self.emit(f"{ind}  coconet::cuda::Vec<{ct}, {V}> {', '.join(names)};")
         self.emit(f"{ind}  COCONET_UNROLL")
         self.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
-        base = self._loader(t)
+        base = self.idx.loader(t)
 
         def load(r: Ref) -> str:
             if r.name not in self.consts and r.name in ptrs:
                 return f"coconet::to_compute(in_{r.name}[u])"
             return base(r)
-        body = self._with_coords(t, coords, self._body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]"))
+        body = self.with_coords(t, coords, self.body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]"))
         for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
             self.emit(f"{ind}    {line}")
         self.emit(f"{ind}  }}")
@@ -181,7 +178,7 @@ class KernelEmitter(LoopEmitter):
             self.emit(f"{ind}  coconet::cuda::store<{V}>({ptrs[f'out {s}']} + {v0}, out_{s});")
         self.emit(f"{ind}}}")
 
-    def _body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:
+    def body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:
         """The element math of every item (codegen/emit.py), each value rounded to its type and
         kept in x_<name>, stored where outs says (target(element path's target, name): the
         text written to)."""
@@ -190,9 +187,60 @@ class KernelEmitter(LoopEmitter):
         for name, e, _ in items:
             ct = CTYPE[self.types[name].dtype]
             load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-            body = emit(e, load, self._extra(t, load))
+            body = emit(e, load, self.idx.extra(t, load))
             lines.append(f"const {COMPUTE[self.types[name].dtype]} x_{name} = coconet::round_to<{ct}>({body});")
             local[name] = f"x_{name}"
             for tgt, _ in outs.get(name, []):
                 lines.append(f"{target(tgt, name)} = coconet::from_compute<{ct}>(x_{name});")
         return lines
+
+    def render_loop(self, u: Loop) -> None:
+        """A Loop unit: one kernel, or one per piece of the scattered tensors it reads or stores."""
+        self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst)
+
+    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str = "") -> None:
+        regs = {name for name, _, _ in items}
+        segs = sorted({r.name for _, e, _ in items for r in walk(e)
+                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in regs} | ({seg_dst} - {""}))
+        if segs:
+            self._seg_loop(t, lets, items, seg_dst, segs)
+            return
+        saved = dict(self.consts)
+        n = _prod(self.ldims(t))
+        coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+        self._loop_head(t, coords)
+        self.notes.access(t, items, lets, "0", n, {}, "  ")
+        self.kernel(t, Kernel(n), lets, items, coords, "  ")
+        self.emit("}")
+        self.consts = saved
+
+    def _loop_head(self, t: TType, coords: bool) -> None:
+        """A loop's block opens as the CPU loop's (codegen/indexing.py: loop_head)."""
+        self.emit("{")
+        for line in self.idx.loop_head(t, coords):
+            self.emit(f"  {line}")
+
+    def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
+                  segs: list[str]) -> None:
+        """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
+        this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
+        operand read through its piece's pointer sp_<x>[q]; element i = pc.offset + q."""
+        saved = dict(self.consts)
+        n = _prod(self.ldims(t))
+        coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+        if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
+            assert len(items) == 1, items
+            items = [(items[0][0], items[0][1], False)]
+        self._loop_head(t, coords)
+        self.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
+        self.emit("  const int64_t b0 = pc.offset;")
+        for x in segs:
+            self.emit(f"  {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+        self.notes.access(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
+                          (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
+        outs: Outs = {items[0][0]: [(f"sp_{seg_dst}[q]", f"sp_{seg_dst}")]} if seg_dst else {}
+        self.kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords,
+                    "  ")
+        self.emit("  }")
+        self.emit("}")
+        self.consts = saved

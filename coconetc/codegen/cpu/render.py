@@ -1,5 +1,7 @@
 """The CPU backend's renderer: an execution plan (coconetc/plan) becomes the body of one C++
-function. Every decision was taken by the planner; this only lays the units out as C++.
+function. Every decision was taken by the planner; this only lays the units out as C++: the
+buffers' declarations here, each unit through codegen/dispatch.py to loops.py, collectives.py,
+fused.py and overlap.py (and reductions, library operations and copies here).
 
 Conventions of the generated function (see templates/module.cpp.j2):
   * `comm` is this call's coconet::Comm (group split done), `seg_starts` the scattered
@@ -11,43 +13,53 @@ Conventions of the generated function (see templates/module.cpp.j2):
 
 from __future__ import annotations
 
-from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, literal
-from coconetc.codegen.fused import FusedEmitter
-from coconetc.codegen.base import Function, RenderBase
+from coconetc.codegen import dispatch
+from coconetc.codegen.base import Function, Part, Writer, prod as _prod
+from coconetc.codegen.cpu.collectives import collective
+from coconetc.codegen.cpu.fused import CpuFused
+from coconetc.codegen.cpu.loops import CpuLoops
+from coconetc.codegen.cpu.overlap import CpuOverlap
+from coconetc.codegen.emit import COMPUTE, CTYPE, literal
+from coconetc.codegen.extern import extern_call
+from coconetc.codegen.indexing import Indexing
 from coconetc.ir import ops
-from coconetc.codegen.loops import prod as _prod
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 
 
-class CpuRenderer(FusedEmitter):
-    """Renders one plan; loops in loops.py, fused collectives and overlap in fused.py."""
+class CpuRenderer(Part):
+    """Renders one plan: the parts below share the function's Writer."""
+
+    LOOP, COLLECTIVE = "loop", ""
+
+    def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
+        super().__init__(Writer(plan, fn, file, outputs))
+        self.idx = Indexing(self.w, "p_{x}.ptrs[s][a0 + j]")
+        self.loops = CpuLoops(self.w, self.idx)
+        self.fusion = CpuFused(self.w, self.idx, self.loops, self.unit)
+        self.overlaps = CpuOverlap(self.w, self.fusion, self.unit)
+
+    def render(self) -> Function:
+        return dispatch.function(self.w, self._declare, self.unit)
 
     def unit(self, u: Unit) -> None:
-        if isinstance(u, Loop):
-            self._comment(u.line, f"loop: {', '.join(i.name for i in u.items)}")
-            self.render_loop(u)
-        elif isinstance(u, Reduce):
-            self._comment(u.line, f"reduce {u.dst} = {u.op}({u.src})")
-            self._reduce(u)
-        elif isinstance(u, Library):
-            self._comment(u.line, f"{u.op} {u.dst}")
-            self._library(u)
-        elif isinstance(u, Collective):
-            self._comment(u.line, f"{u.op} {u.dst}")
-            self._collective(u)
-        elif isinstance(u, Copy):
-            self._copy(u)
-        elif isinstance(u, Require):
-            self.emit(f'coconet::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
-                      f'rank of a group of " + std::to_string(comm.size));')
-        elif isinstance(u, Fused):
-            self._comment(u.line, f"fused collective {u.name}: {', '.join(u.members)}")
-            self.render_fused(u)
-        else:
-            assert isinstance(u, Overlap)
-            self._comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")
-            self.render_overlap(u)
+        dispatch.unit(self.w, self, u)
+
+    def loop(self, u: Loop) -> None:
+        self.loops.render_loop(u)
+
+    def collective(self, u: Collective) -> None:
+        collective(self.w, u)
+
+    def require(self, u: Require) -> None:
+        self.emit(f'coconet::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
+                  f'rank of a group of " + std::to_string(comm.size));')
+
+    def fused(self, u: Fused) -> None:
+        self.fusion.render_fused(u)
+
+    def overlap(self, u: Overlap) -> None:
+        self.overlaps.render_overlap(u)
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:
@@ -84,7 +96,7 @@ class CpuRenderer(FusedEmitter):
                       "  // computed in place inside the gathered result")
 
     # --- reductions and library operations ------------------------------------------------
-    def _reduce(self, u: Reduce) -> None:
+    def reduce(self, u: Reduce) -> None:
         xt, t = self.types[u.src], self.types[u.dst]
         src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"
         n = _prod(self.ldims(xt))
@@ -100,11 +112,11 @@ class CpuRenderer(FusedEmitter):
         self.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
                   f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
 
-    def _library(self, u: Library) -> None:
+    def library(self, u: Library) -> None:
         entry = ops.get(u.op)
         if entry.extern is not None:
             assert entry.extern.cpp is not None, u.op  # declare() requires it
-            self.emit(extern_call(self, u, entry.extern.cpp.function) + ";")
+            self.emit(extern_call(self.w, u, entry.extern.cpp.function) + ";")
             return
         ct = CTYPE[self.types[u.dst].dtype]
         x = u.args[0]
@@ -124,43 +136,7 @@ class CpuRenderer(FusedEmitter):
             self.emit(f"coconet::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
                       f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']});")
 
-    # --- collectives ----------------------------------------------------------------------
-    def _collective(self, u: Collective) -> None:
-        x, dst = u.src, u.dst
-        xt, t = self.types[x], self.types[dst]
-        op = REDUCE_OP.get(u.reduce, "")
-        n = _prod(self.ldims(xt))
-        seg = x in self.scattered
-        if u.packed:
-            self.emit(f"coconet::copy_out(coconet::Segments<const {CTYPE[xt.dtype]}>(p_{x}), 0, {n}, v_{u.packed});")
-            x, seg = u.packed, False
-        if u.into:
-            self.emit(f"coconet::allgather(v_{x}, p_{u.into}, comm);  // straight into {u.into}'s segments")
-        elif u.op == "allreduce":
-            if seg:
-                ct = CTYPE[t.dtype]
-                self.emit(f"coconet::allreduce({op}, p_{x}, coconet::Segments<{ct}>::one(v_{dst}, {n}), comm);")
-            else:
-                self.emit(f"coconet::allreduce({op}, v_{x}, v_{dst}, {n}, comm);")
-        elif u.op == "reducescatter":
-            if seg:
-                self.emit(f"coconet::reduce_scatter({op}, p_{x}, v_{dst}, comm);")
-            else:
-                self.emit(f"coconet::reduce_scatter({op}, v_{x}, v_{dst}, {self.shape3(xt, t.layout.dim)}, comm);")
-        elif u.op == "allgather":
-            self.emit(f"coconet::allgather(v_{x}, v_{dst}, {self.shape3(t, xt.layout.dim)}, comm);")
-        elif u.op == "scatter":
-            self.emit(f"coconet::scatter_copy(v_{x}, v_{dst}, {self.shape3(xt, t.layout.dim)}, comm);")
-        elif u.op == "broadcast":
-            self.emit(f"coconet::broadcast(v_{x}, v_{dst}, {n}, {u.root}, comm);")
-        elif u.op == "reduce":
-            self.emit(f"coconet::reduce({op}, v_{x}, v_{dst}, {n}, {u.root}, comm);")
-        else:
-            assert u.op == "send", u.op
-            d = "coconet::Direction::next" if u.direction == "next" else "coconet::Direction::prev"
-            self.emit(f"coconet::send_shift(v_{x}, v_{dst}, {n}, {d}, comm);")
-
-    def _copy(self, u: Copy) -> None:
+    def copy(self, u: Copy) -> None:
         n = _prod(self.ldims(self.types[u.src]))
         if u.what == "output":
             ct = CTYPE[self.types[u.src].dtype]
@@ -169,26 +145,6 @@ class CpuRenderer(FusedEmitter):
             self.emit(f"coconet::copy_in(v_{u.src}, p_{u.dst}, 0, {n});  // update {u.dst}")
         else:
             self.emit(f"std::copy_n(v_{u.src}, {n}, v_{u.dst});  // update {u.dst}")
-
-
-def extern_call(r: RenderBase, u: Library, function: str, extra: tuple[str, ...] = ()) -> str:
-    """An extern operation's call (docs/language.md, "Extern operations"): each tensor
-    operand as a pointer to this rank's elements, each 0-d operand as a value of the result's
-    compute type, then the result's pointer and its local shape as rows x last dim."""
-    t = r.types[u.dst]
-    ct = COMPUTE[t.dtype]
-    consts, names = dict(dict(u.attrs)["consts"]), iter(u.args)  # type: ignore[call-overload]
-    args = []
-    for i in range(len(ops.get(u.op).params)):
-        if i in consts:
-            args.append(f"static_cast<{ct}>({literal(consts[i], 'f64')})")
-            continue
-        a = next(names)
-        scalar = r.types[a].ndim == 0
-        args.append(f"static_cast<{ct}>(coconet::to_compute(v_{a}[0]))" if scalar else f"v_{a}")
-    dims = r.ldims(t)
-    rows, cols = (_prod(dims[:-1]), dims[-1]) if dims else ("int64_t(1)", "int64_t(1)")
-    return f"{function}({', '.join([*args, f'v_{u.dst}', rows, cols, *extra])})"
 
 
 def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:

@@ -1,0 +1,124 @@
+"""What both backends dispatch the same way, each with its own text: the function's layout
+(size symbols, buffers, units), a plan unit to the backend's renderer of its kind (after the
+comment naming the schedule, the unit and its .ccn line), and a collective to the backend's
+call of its kind (a table (op, segments) -> text in codegen/cpu/collectives.py and
+codegen/cuda/collectives.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from coconetc.codegen.base import Function, Writer, prod
+from coconetc.codegen.emit import CTYPE
+from coconetc.plan.units import Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Reduce, Require, Unit
+
+
+def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None]) -> Function:
+    """The function, laid out the same way by every backend: the size symbols, each buffer
+    of the plan declared, each unit rendered."""
+    for i, sym in enumerate(w.sig.sizes):
+        w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
+    for b in w.plan.buffers:
+        declare(b)
+    for u in w.plan.units:
+        unit(u)
+    comment = f"program {w.plan.program}, schedule {w.plan.schedule} ({w.file})"
+    return Function(w.fn, comment, w.lines, w.sig)
+
+
+class Renderer(Protocol):
+    """A backend's renderers of the plan's units (codegen/cpu/render.py, codegen/cuda/render.py)."""
+
+    LOOP: str  # what a Loop becomes, for its comment ("loop", "kernel")
+    COLLECTIVE: str  # the end of a collective's comment
+
+    def loop(self, u: Loop) -> None: ...
+    def reduce(self, u: Reduce) -> None: ...
+    def library(self, u: Library) -> None: ...
+    def collective(self, u: Collective) -> None: ...
+    def copy(self, u: Copy) -> None: ...
+    def require(self, u: Require) -> None: ...
+    def fused(self, u: Fused) -> None: ...
+    def overlap(self, u: Overlap) -> None: ...
+
+
+def unit(w: Writer, r: Renderer, u: Unit) -> None:
+    """One unit: its comment, then the backend's text for it."""
+    if isinstance(u, Loop):
+        w.comment(u.line, f"{r.LOOP}: {', '.join(i.name for i in u.items)}")
+        r.loop(u)
+    elif isinstance(u, Reduce):
+        w.comment(u.line, f"reduce {u.dst} = {u.op}({u.src})")
+        r.reduce(u)
+    elif isinstance(u, Library):
+        w.comment(u.line, f"{u.op} {u.dst}")
+        r.library(u)
+    elif isinstance(u, Collective):
+        w.comment(u.line, f"{u.op} {u.dst}{r.COLLECTIVE}")
+        r.collective(u)
+    elif isinstance(u, Copy):
+        r.copy(u)
+    elif isinstance(u, Require):
+        r.require(u)
+    elif isinstance(u, Fused):
+        w.comment(u.line, f"fused collective {u.name}: {', '.join(u.members)}")
+        r.fused(u)
+    else:
+        assert isinstance(u, Overlap)
+        w.comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")
+        r.overlap(u)
+
+
+@dataclass(frozen=True)
+class Operands:
+    """One collective's operands, as every backend's call text reads them."""
+
+    w: Writer
+    u: Collective
+    x: str  # the value read: the source, or the packed copy a backend made of it
+    segments: bool  # x is a scattered parameter, read segment by segment (p_<x>)
+    op: str  # the reduction, in the backend's spelling ("" for none)
+
+    @property
+    def dst(self) -> str:
+        return self.u.dst
+
+    @property
+    def ct(self) -> str:
+        """The element type (a collective keeps its source's)."""
+        return CTYPE[self.w.types[self.u.src].dtype]
+
+    @property
+    def n(self) -> str:
+        """This rank's elements of the source."""
+        return prod(self.w.ldims(self.w.types[self.u.src]))
+
+    @property
+    def total(self) -> str:
+        """The source's global elements."""
+        return prod(self.w.gdims(self.w.types[self.u.src]))
+
+    @property
+    def split(self) -> str:
+        """The source as [outer, n, inner] around the dim its result is sliced along."""
+        xt, t = self.w.types[self.u.src], self.w.types[self.u.dst]
+        return self.w.shape3(xt, t.layout.dim)
+
+    @property
+    def join(self) -> str:
+        """The result as [outer, n, inner] around the dim its source is sliced along."""
+        xt, t = self.w.types[self.u.src], self.w.types[self.u.dst]
+        return self.w.shape3(t, xt.layout.dim)
+
+
+Calls = Mapping[tuple[str, bool], Callable[[Operands], str]]
+
+
+def collective(w: Writer, u: Collective, calls: Calls, reduce_ops: Mapping[str, str], x: str = "") -> None:
+    """The backend's call of one collective: calls[(op, segments)], ("into", False) for an
+    allgather straight into a scattered parameter's segments. x: what is read, if not u.src."""
+    x = x or u.src
+    a = Operands(w, u, x, x in w.scattered, reduce_ops.get(u.reduce, ""))
+    w.emit(calls[("into", False) if u.into else (u.op, a.segments)](a))

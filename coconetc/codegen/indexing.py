@@ -1,0 +1,128 @@
+"""Element indexing, the same in the CPU loops and the CUDA kernels: where a loop over the
+elements of a result of type t reads each operand (the same index, a slice of a replicated
+operand, broadcasting through the element's coordinates c0.., a piece of a scattered segment),
+whether the loop needs those coordinates, and dropout at the element's global index.
+
+Conventions: i is the element's index in this rank's part, off this rank's slice offset, c<k>
+and L<k> the element's coordinates and the local extents (in scope where needs_coords says so)."""
+
+from __future__ import annotations
+
+from coconetc.codegen.base import Part, Writer, prod
+from coconetc.codegen.emit import COMPUTE, emit, literal
+from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
+from coconetc.ir.rng_keys import site_key
+from coconetc.ir.types import TType
+
+_prod = prod
+
+
+class Indexing(Part):
+    """segment: how an element of a scattered operand x is read in the backend's piece loop
+    ({x}: its name), e.g. "p_{x}.ptrs[s][a0 + j]" (CPU) or "sp_{x}[q]" (CUDA)."""
+
+    def __init__(self, w: Writer, segment: str):
+        super().__init__(w)
+        self.segment = segment
+
+    def needs_coords(self, t: TType, exprs: list[Expr], skip: set[str]) -> bool:
+        """Do these expressions, computed per element of t, need the element's coordinates (an
+        operand, other than those named in skip, read other than by i; dropout at a global
+        index that is not i plus an offset)?"""
+        refs = [r for e in exprs for r in walk(e) if isinstance(r, Ref) and r.name not in skip]
+        return any(self.access(r, t) is None for r in refs) or (
+            any(isinstance(x, Op) and x.op == "dropout" for e in exprs for x in walk(e))
+            and self.simple_global_index(t) is None)
+
+    def extents(self, t: TType) -> list[str]:
+        """The local extent L<k> of each dim of t (the coordinates' bounds)."""
+        return [f"const int64_t L{k} = {d};" for k, d in enumerate(self.ldims(t))]
+
+    def loop_head(self, t: TType, coords: bool) -> list[str]:
+        """What a loop's block opens with: this rank's slice offset and, when the body needs
+        coordinates, the extents."""
+        return [f"const int64_t off = {self.offset(t)};  // this rank's slice offset", "(void)off;",
+                *(self.extents(t) if coords else [])]
+
+    def access(self, r: Ref, t: TType) -> str | None:
+        """Index expression for an operand when no coordinates are needed, else None."""
+        rt = r.type
+        if r.name in self.consts:
+            return "0"
+        if r.name in self.scattered:
+            return "SEG"
+        if rt.ndim == 0:
+            return "0"
+        same = rt.shape == t.shape
+        if same and (rt.layout == t.layout or (not rt.layout.sliced and not t.layout.sliced)):
+            return "i"
+        if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
+            inner = _prod(self.gdims(t)[1:])
+            return f"i + off * {inner}"
+        return None
+
+    def loader(self, t: TType):
+        """load(ref) for emit(): the operand's element, in its compute type."""
+        def load(r: Ref) -> str:
+            if r.name in self.consts:
+                return self.consts[r.name]
+            idx = self.access(r, t)
+            if idx == "SEG":
+                return f"coconet::to_compute({self.segment.format(x=r.name)})"
+            if idx is None:
+                idx = self.generic_index(r.type, t)
+            return f"coconet::to_compute(v_{r.name}[{idx}])"
+        return load
+
+    def generic_index(self, rt: TType, t: TType) -> str:
+        """Index of an operand element from the result's coordinates c0.. (broadcasting, and
+        a replicated operand of a sliced result read at the slice)."""
+        shift = t.ndim - rt.ndim
+        ld = self.ldims(rt)
+        terms = []
+        for k in range(rt.ndim):
+            if rt.shape[k] == 1:
+                continue
+            coord = f"c{k + shift}"
+            if t.layout.sliced and t.layout.dim == k + shift and not rt.layout.sliced:
+                coord = f"({coord} + off)"
+            terms.append(f"{coord} * {_prod(ld[k + 1:])}")
+        return " + ".join(terms) or "0"
+
+    def simple_global_index(self, t: TType) -> str | None:
+        """The element's global index without its coordinates, or None when it needs them."""
+        if not t.layout.sliced:
+            return "i"
+        if t.layout.dim == 0:
+            return f"(i + off * {_prod(self.gdims(t)[1:])})"
+        return None
+
+    def extra(self, t: TType, load=None):
+        """Renders dropout (it needs the element's global index); `load` as for emit()."""
+        load = load or self.loader(t)
+
+        def extra(op: Op) -> str:
+            assert op.op == "dropout", op.op
+            x, p, seed = op.args
+            gidx = self.simple_global_index(t) or self.global_index(t)
+            xs = emit(x, load, extra)
+            ps = literal(p.value, "f64") if isinstance(p, Const) else f"double({emit(p, load)})"
+            seeds = f"int64_t({emit(seed, load)})"
+            key = site_key(op.attr("site"))
+            return (f"coconet::dropout<{COMPUTE[t.dtype]}>({xs}, {ps}, {seeds}, {key}u /* "
+                    f"{op.attr('site')} */, static_cast<uint64_t>({gidx}))")
+        return extra
+
+    def global_index(self, t: TType) -> str:
+        g = self.gdims(t)
+        terms = []
+        for k in range(t.ndim):
+            coord = f"c{k}" if k != t.layout.dim else f"(c{k} + off)"
+            terms.append(f"{coord} * {_prod(g[k + 1:])}")
+        return " + ".join(terms) or "0"
+
+
+def coord_lines(dims: range) -> list[str]:
+    """The coordinates c<k>, k in dims (highest first), divided out of `rest` (the L<k> in scope)."""
+    return ["const int64_t c0 = rest;" if k == 0 else f"const int64_t c{k} = rest % L{k}; rest /= L{k};"
+            for k in reversed(dims)]

@@ -1,0 +1,51 @@
+"""Pointwise text both backends write beyond one element's math (emit.py): the Lets computed
+once before a loop's elements, and the layernorm of one row (a fused collective's row-wise
+phase: the CPU chunk's loop over rows, a CUDA thread per row)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from coconetc.codegen.base import Writer
+from coconetc.codegen.emit import COMPUTE, emit, literal
+from coconetc.ir.nodes import Const, Expr, Ref
+from coconetc.plan.units import Let
+
+
+def lets(w: Writer, lets: tuple[Let, ...]) -> list[str]:
+    """Scalars computed once before a loop's elements: named locals (so the compiler keeps them
+    in registers and can vectorize the loop; a CUDA thread computes them once, they may read a
+    device value such as a norm computed before the kernel). Each is declared in w.consts."""
+    out = []
+    for k in lets:
+        code = emit(k.expr, lambda r: w.consts.get(r.name) or f"coconet::to_compute(v_{r.name}[0])")
+        out.append(f"const {COMPUTE[k.expr.type.dtype]} {k.name} = {code};")
+        w.consts[k.name] = k.name
+    return out
+
+
+def layernorm_eps(eps: Expr) -> str:
+    """A layernorm's epsilon as a double: a literal, or a 0-d value read as the call starts."""
+    if isinstance(eps, Const):
+        return literal(eps.value, "f64")
+    return f"double(coconet::to_compute(v_{eps.name}[0]))" if isinstance(eps, Ref) else ""
+
+
+def layernorm_row(C: str, H: str, x: Callable[[str], str], j: str, eps: str) -> list[str]:
+    """The mean and inverse deviation (in compute type C) of the row starting at `row` (H
+    elements, element `row + j` read as x(index)), then the head of the loop over its elements,
+    left open (j its index); layernorm_value is the element's value there."""
+    return [f"{C} mean = 0, var = 0;",
+            f"for (int64_t {j} = 0; {j} < {H}; ++{j}) mean += {x(f'row + {j}')};",
+            f"mean /= static_cast<{C}>({H});",
+            f"for (int64_t {j} = 0; {j} < {H}; ++{j}) {{ const {C} d = {x(f'row + {j}')} - mean; var += d * d; }}",
+            f"var /= static_cast<{C}>({H});",
+            f"const {C} inv = {C}(1) / std::sqrt(var + static_cast<{C}>({eps}));",
+            f"for (int64_t {j} = 0; {j} < {H}; ++{j}) {{"]
+
+
+def layernorm_value(T: str, xj: str, gamma: str, beta: str, j: str) -> str:
+    """Element j of the row (read as xj) normalized, scaled by gamma[j], shifted by beta[j] and
+    rounded to the storage type T."""
+    return (f"coconet::round_to<{T}>(({xj} - mean) * inv * coconet::to_compute(v_{gamma}[{j}]) + "
+            f"coconet::to_compute(v_{beta}[{j}]))")
