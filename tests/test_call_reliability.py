@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.toolchain import builder
+from coconetc.toolchain import probes
 from coconetc.launch.mpiexec import run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,17 +32,18 @@ N = 13
 def built(request):
     """COCONET_CACHE -> the pytest cache for this module (and the ranks it starts); the files
     the workers use built once here, so that the ranks only import them."""
-    from coconetc.runtime.loader import compile_module
-    old = os.environ.get(builder.ENV_CACHE)
-    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     for f in COMM_FILES:
-        compile_module(f, log=lambda msg: None)
+        compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
     if old is None:
-        os.environ.pop(builder.ENV_CACHE, None)
+        os.environ.pop(probes.ENV_CACHE, None)
     else:
-        os.environ[builder.ENV_CACHE] = old
+        os.environ[probes.ENV_CACHE] = old
 
 
 def _launch(capfd, ranks: int, mode: str, files, timeout: float, env: dict | None = None):
@@ -297,8 +298,8 @@ def test_exception_hook_only_in_mpi_jobs(env, want):
 def test_missing_cpu_extra_says_what_to_install(monkeypatch, tmp_path):
     import coconetc
     from coconetc.cli import main
-    monkeypatch.setattr(builder, "_missing_cpu_extra", lambda: ("pybind11",))
-    with pytest.raises(builder.BuildError, match=r"pip install 'coconet\[cpu\]'") as info:
+    monkeypatch.setattr(probes, "missing_cpu_extra", lambda: ("pybind11",))
+    with pytest.raises(probes.BuildError, match=r"pip install 'coconet\[cpu\]'") as info:
         coconetc.load(ADAM)
     assert "pybind11" in str(info.value)
     from click.testing import CliRunner

@@ -1,0 +1,134 @@
+"""The tuning records: one JSON file, `tuning.json` under the build cache (COCONET_CACHE, default
+~/.cache/coconet; COCONET_TUNING names another file), mapping a key to the tuner's record. The key is the file's
+content hash, the program, the size symbols, the ranks, the groups and the machine (host name,
+CPU model, core count), so a record never outlives what it measured.
+
+A record holds what `coconetc tune --json` writes (measured, choice, generated, schedules) and
+`by_convention`: for each calling convention among the measured schedules ('' for the
+program's own parameter layouts, else e.g. 'm: sliced(0), v: sliced(0)'), the fastest
+verified schedule that takes it. A call with schedule="auto" runs the choice whose
+convention matches the arrays it was given (docs/performance.md).
+
+The store sits in the runtime, below the autotuner: a call with schedule="auto" reads it, the
+tuner (coconetc/tune/tuner.py) writes it through `store`. Nothing here imports the tuner or
+the interpreter."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import tempfile
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from coconetc.errors import CompileError
+from coconetc.plan.label import schedule_name
+from coconetc.sourcefile import SourceFile, add_schedules
+from coconetc.toolchain.probes import cache_dir
+
+FILE = "tuning.json"
+ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/tuning.json)
+
+
+def path() -> Path:
+    return Path(os.environ.get(ENV_TUNING) or cache_dir() / FILE)
+
+
+@cache
+def machine() -> str:
+    """host name, CPU model and core count: what a timing depends on beyond the program."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{socket.gethostname()} | {model} | {os.cpu_count()} cores"
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def key(source: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1) -> str:
+    shown = ",".join(f"{k}={sizes[k]}" for k in sorted(sizes))
+    return f"{source_hash(source)} {program} [{shown}] R={ranks} G={groups} @ {machine()}"
+
+
+def read_all() -> dict[str, Any]:
+    try:
+        data = json.loads(path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def store(k: str, record: dict[str, Any]) -> None:
+    """Adds or replaces one record (written to a temporary file, then renamed)."""
+    data = read_all()
+    data[k] = record
+    p = path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tuning.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, p)
+
+
+def lookup(source: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1):
+    return read_all().get(key(source, program, sizes, ranks, groups))
+
+
+def records(source: str, program: str | None = None) -> list[dict[str, Any]]:
+    """Every record of this file (and program) on this machine, the newest last."""
+    head = source_hash(source) + " "
+    found = [r for k, r in read_all().items()
+             if k.startswith(head) and k.endswith("@ " + machine())
+             and (program is None or r.get("program") == program)]
+    return sorted(found, key=lambda r: r.get("time", 0))
+
+
+def tuned_schedules(source: str) -> str:
+    """The .ccn text of every generated schedule a record of this file chose (the loader adds
+    them to the module, so that schedule="auto" can run them)."""
+    texts: dict[tuple[str, str], str] = {}
+    for r in records(source):
+        chosen = {r.get("choice"), *r.get("by_convention", {}).values()}
+        for label in sorted(x for x in chosen if x):  # the same text (and module) on every rank
+            if label in r.get("generated", []):  # "auto_x@p2p": the schedule auto_x, once
+                texts[(r["program"], schedule_name(label))] = r["schedules"][label]
+    return "".join(texts[k] for k in sorted(texts))
+
+
+def generated_texts(record: dict[str, Any]) -> str:
+    """The .ccn text of every schedule the tuner wrote and measured for this record, each
+    schedule once (a label with a fused-collective algorithm, "auto_x@p2p", is auto_x)."""
+    texts = {schedule_name(g): record["schedules"][g] for g in record.get("generated", [])
+             if g in record.get("schedules", {})}
+    return "".join(texts[k] for k in sorted(texts))
+
+
+def cached_choice(fn: Any, sizes: dict[str, int], ranks: int, groups: int = 1) -> str | None:
+    """The tuner's overall choice for program function FN at these sizes (the loader's and
+    DistributedOptimizer's hook: the optimizer allocates state in the choice's layout)."""
+    r = lookup(getattr(fn, "source", ""), fn.name, dict(sizes), ranks, groups)
+    return None if r is None else r.get("choice")
+
+
+def with_tuned(mod: SourceFile) -> SourceFile:
+    """The file with the schedules the autotuner wrote and chose for it, so that schedule="auto"
+    can run them (what coconetc.load compiles); a stale record that no longer checks is left
+    out."""
+    text = tuned_schedules(mod.source)
+    if not text:
+        return mod
+    try:
+        return add_schedules(mod, text)
+    except CompileError:
+        return mod
