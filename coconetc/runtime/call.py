@@ -73,11 +73,16 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
                         for v in kwargs.values())
         torch_updated = torch_updates(p, kwargs, updated) if torch_out else []
         head = (fn.ext.__name__, fn.name, str(label), groups, size)
-        shapes = {k: v for k, v in describe(p, values).items() if k not in scalar_names(p)}
-        desc = (head, scalar_bits(p, values), shapes)
+        desc = (head, scalar_bits(p, values), tensor_shapes(p, values))
         return Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
     except (TypeError, ValueError, RuntimeError) as err:
         return failed(err, timeout)
+
+
+def tensor_shapes(p: Program, values: dict) -> dict[str, Any]:
+    """The tensors' shapes of checked arguments (a list of them for segments): what the ranks
+    bind the size symbols from (the scalars travel as bits, scalar_bits)."""
+    return {k: v for k, v in describe(p, values).items() if k not in scalar_names(p)}
 
 
 def scalar_names(p: Program) -> frozenset[str]:

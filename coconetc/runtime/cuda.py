@@ -26,7 +26,7 @@ from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, marshal
-from coconetc.runtime.call import agreed, check_groups, scalar_bits
+from coconetc.runtime.call import agreed, check_groups, scalar_bits, tensor_shapes
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
 from coconetc.sourcefile import load_file
@@ -185,7 +185,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
         check_groups(fn.name, groups)
         local = check(p)
         head = (fn.ext.__name__, fn.name, str(label), groups, comm.size)
-        mine: tuple = ("ok", (head, scalar_bits(p, local), _describe(p, local)))
+        mine: tuple = ("ok", (head, scalar_bits(p, local), tensor_shapes(p, local)))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     everyone = _exchange(comm, mine, what, timeout)
@@ -287,11 +287,6 @@ def _scalar(q: Param, v: Any) -> Any:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
         raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
     return v
-
-
-def _describe(p: Program, values: dict) -> dict:
-    return {q.name: values[q.name] if q.scalar else [tuple(x.shape) for x in values[q.name]]
-            if isinstance(values[q.name], list) else tuple(values[q.name].shape) for q in p.params}
 
 
 
