@@ -267,6 +267,7 @@ NO_INTERP = textwrap.dedent("""
     assert a["w"][0] != 1.0
     print("INTERP MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.interp")))
     print("HARNESS MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.oracle")))
+    print("TUNER MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.tune")))
 """)
 
 
@@ -276,6 +277,24 @@ def test_loading_and_calling_imports_no_interpreter(built):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "INTERP MODULES []" in res.stdout, res.stdout
     assert "HARNESS MODULES []" in res.stdout, res.stdout
+    assert "TUNER MODULES []" in res.stdout, res.stdout  # tuned choices come from runtime/tuned.py
+
+
+def test_a_call_parses_its_label_once(built, monkeypatch):
+    """The label ("zero@p2p": the schedule zero, point-to-point collectives) is parsed once
+    per call (plan/label.py), and not at all on the hot path of a repeated call."""
+    from coconetc.runtime import module
+    seen: list = []
+    real = module.parse
+    monkeypatch.setattr(module, "parse", lambda label: seen.append(label) or real(label))
+    a = {k: np.ones(5, np.float32) for k in "gwmv"}
+    scalars = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, step=1.0)
+    built.adam(schedule="zero@p2p", **a, **scalars)
+    assert seen == ["zero@p2p"]
+    built.adam(schedule="zero@p2p", **a, **scalars)
+    assert seen == ["zero@p2p"]  # the hot path: the same buffers as an agreed call
+    with pytest.raises(ValueError, match="unknown fused-collective algorithm 'nope'"):
+        built.adam(schedule="zero@nope", **a, **scalars)
 
 
 # --- the exception hook, installed by `import coconetc` in MPI jobs only ----------------------------
