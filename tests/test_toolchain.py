@@ -84,6 +84,16 @@ def test_manifest_is_written_last_and_checked(tmp_path: Path) -> None:
     assert artifacts.verified(out, "m") is None
 
 
+def test_a_killed_builds_folder_is_swept(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    old, new = out / ".build-old", out / ".build-new"
+    old.mkdir(parents=True)
+    new.mkdir()
+    os.utime(old, (0, 0))
+    artifacts.build("m", {"module.cpp": "text"}, out, _fake_run([]))
+    assert not old.exists() and new.exists()  # a recent one may be another node's build
+
+
 def test_a_failed_build_leaves_no_module(tmp_path: Path) -> None:
     def fails(src: Path, build: Path, log) -> None:
         (build / "m.so").write_bytes(b"half")

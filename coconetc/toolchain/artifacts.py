@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from coconetc.toolchain.probes import BuildError
 
 MANIFEST = "manifest.json"
+STALE_S = 24 * 3600  # a temporary build folder this old was left by a build that was killed
 Run = Callable[[Path, Path, Any], None]  # (source folder, build folder, log): builds the module
 
 
@@ -76,9 +78,20 @@ def build(module: str, files: dict[str, str], out_dir: Path, run: Run, log=None)
         if so is not None:
             return so
         (out_dir / MANIFEST).unlink(missing_ok=True)
+        _sweep(out_dir)
         for name, text in files.items():
             write_atomic(out_dir / name, text)
         return _build_fresh(module, out_dir, run, log)
+
+
+def _sweep(out_dir: Path) -> None:
+    """Removes the temporary build folders that builds killed long ago left behind."""
+    for d in out_dir.glob(".build-*"):
+        try:
+            if d.stat().st_mtime < time.time() - STALE_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _build_fresh(module: str, out_dir: Path, run: Run, log) -> Path:
