@@ -497,7 +497,8 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, 
     if not name.isidentifier():
         _fail(f"coconetc: --name {name!r} is not a valid Python module name")
     known = {s for scheds in mod.schedules.values() for s in scheds}
-    unknown = sorted(set(schedules) - known)
+    schedules = tuple(_label(s).name for s in schedules)  # labels: the algorithm is a call's choice
+    unknown = sorted(set(schedules) - known - {DEFAULT})  # the program itself is always in
     if unknown:
         _fail(f"coconetc: no schedule '{unknown[0]}' in {file} "
               f"(schedules: {', '.join(sorted(known)) or 'none'})")
