@@ -56,6 +56,8 @@ def test_compile_takes_the_parsed_file() -> None:
     assert named.module == "m1" and "m1" in named.sources.cu
     with pytest.raises(ValueError, match="backend must be one of"):
         toolchain.compile(mod, "fpga")
+    with pytest.raises(ValueError, match="name goes with build=False"):
+        toolchain.compile(mod, "cpu", toolchain.Options(name="m1"))
 
 
 # ---- the artifact cache, without a compiler ---------------------------------------------------

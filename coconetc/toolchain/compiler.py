@@ -126,18 +126,21 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     o = options or Options()
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if o.name is not None and o.build:
+        raise ValueError("Options.name goes with build=False (a built module is named by its key)")
     if not mod.programs:
         raise CompileError.at(Span(mod.file, 1, 1, 1, 1, mod.source), "no program in this file: nothing to compile")
     if backend == "cpu" and o.build:
         require_cpu_extra()
     libs = Libs.of(mod.file, bool(mod.externs), o.include_dirs, o.library_dirs, o.libraries)
     src = _generate(mod, backend, o, libs, o.name or PROBE)
-    if o.name is not None or not o.build:
+    if not o.build:
         return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
                         None if o.out_dir is None else Path(o.out_dir), None)
     key = _key([*_compiler(backend, o), *_files(backend, src).values(), _libs_key(mod, backend, libs)])
     name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
-    return _build(mod, backend, _named(src, name), o, commands.emulated(name, runtime_dir()))
+    run = {"cpu": commands.cmake_cpu, "cuda": commands.cmake_cuda}.get(backend) or commands.emulated(name, runtime_dir())
+    return _build(mod, backend, _named(src, name), o, run)
 
 
 def _generate(mod: SourceFile, backend: str, o: Options, libs: Libs, name: str) -> Any:
@@ -171,9 +174,8 @@ def _libs_key(mod: SourceFile, backend: str, libs: Libs) -> str:
     return libs.fingerprint(mod.extern_headers("cpp" if backend == "cpu" else "cuda"))
 
 
-def _build(mod: SourceFile, backend: str, src: Any, o: Options, emulate: artifacts.Run) -> Artifact:
+def _build(mod: SourceFile, backend: str, src: Any, o: Options, run: artifacts.Run) -> Artifact:
     where = Path(o.out_dir) if o.out_dir else cache_dir().absolute() / src.module
-    run = {"cpu": commands.cmake_cpu, "cuda": commands.cmake_cuda}.get(backend, emulate)
     so = artifacts.build(src.module, _files(backend, src), where, run, o.log)
     return Artifact(mod, backend, src, where, so)
 
