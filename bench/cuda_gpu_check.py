@@ -64,10 +64,11 @@ def check_examples(archs: str) -> list[dict]:
     from coconetc.runtime import cuda as runtime_cuda
     from coconetc.codegen.cuda import problems as cuda_problems
     from concurrent.futures import ThreadPoolExecutor
-    from coconetc.toolchain.cuda_build import compile_cuda
+    from coconetc.sourcefile import load_file
+    from coconetc.toolchain import Options, compile
     files = sorted((ROOT / "examples").glob("*.ccn"))
     with ThreadPoolExecutor(8) as ex:  # one nvcc per module: build them side by side
-        list(ex.map(lambda f: _try(lambda: compile_cuda(f, None, archs, skip_unsupported=True, log=lambda m: None)), files))
+        list(ex.map(lambda f: _try(lambda: compile(load_file(f), "cuda", Options(archs=archs, log=lambda m: None))), files))
     rows = []
     for f in files:
         t0 = time.time()

@@ -10,6 +10,7 @@ import traceback
 import click
 import numpy as np
 
+from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.sourcefile import SourceFile, load_file
 from coconetc.ir.limits import INT64_MAX, too_big
 from coconetc.errors import CompileError, Span
@@ -43,7 +44,7 @@ def _pick_program(mod: SourceFile, program: str | None, schedule: str | None) ->
     if not mod.programs:
         _fail(_no_program(mod))
     if program is None and schedule not in (None, "all") and len(mod.programs) > 1:
-        owners = [p for p, s in mod.schedules.items() if schedule in s]
+        owners = [p for p, s in mod.schedules.items() if _label(schedule).name in s]
         if len(owners) == 1:
             return owners[0]
     try:
@@ -122,9 +123,10 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
     if schedule == "auto":  # with or without `schedule auto for P` in the file
         _show_auto(mod, name, fmt)
         return
-    if schedule:
+    label = _label(schedule) if schedule else parse(None)  # -s zero@p2p: the schedule zero
+    if not label.default:
         try:
-            sched = mod.schedule(name, schedule)
+            sched = mod.schedule(name, label.name)
         except KeyError as err:
             _fail(f"coconetc: {err.args[0]}")
         if sched.ir is None:
@@ -133,7 +135,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
         ir = sched.ir
     if fmt == "plan":
         from coconetc.plan.show import show as show_plan
-        click.echo(show_plan(mod.plans[(name, schedule or "default")]), nl=False)
+        click.echo(show_plan(mod.plans[(name, label.name)]), nl=False)
         return
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 
@@ -143,14 +145,14 @@ def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
     schedule block (text), its plan or its stage graph."""
     from coconetc.sourcefile import add_schedules
     from coconetc.ir import printer
-    from coconetc.tune import cache
+    from coconetc.runtime import tuned as cache
     recs = cache.records(mod.source, name)
     if not recs:
         _fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file} on this machine; run "
               f"`coconetc tune {mod.file} --program {name} --ranks R --size ...` first")
     rec = recs[-1]
     choice, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
-    label = cache.schedule_name(choice)  # "zero@p2p": zero, with point-to-point fused collectives
+    label = parse(choice).name  # "zero@p2p": zero, with point-to-point fused collectives
     if text:
         mod = add_schedules(mod, text)
     if fmt == "plan":
@@ -188,7 +190,7 @@ def _sizes(items: tuple[str, ...], known: list[str]) -> dict[str, int]:
 def _check_sizes(p, sizes: dict[str, int], default: int) -> None:
     """Every tensor of the program, at these sizes, fits int64 in elements and bytes; else a
     located error at the parameter or stage that does not."""
-    from coconetc.oracle.core import size_symbols
+    from coconetc.oracle.inputs import size_symbols
     from coconetc.ir.types import eval_dim
     env = {s: sizes.get(s, default) for s in size_symbols(p)}
     shown = ", ".join(f"{k}={v}" for k, v in env.items())
@@ -202,14 +204,34 @@ def _check_sizes(p, sizes: dict[str, int], default: int) -> None:
                                   f"{big}").render())
 
 
+def _label(schedule: str) -> ScheduleLabel:
+    """A schedule label as given (-s zero, -s zero@p2p, -s default), parsed once."""
+    try:
+        return parse(schedule)
+    except (TypeError, ValueError) as err:
+        _fail(f"coconetc: {err}")
+    raise AssertionError
+
+
+def _base(label: str | None) -> str | None:
+    """The schedule a label runs, None for the program itself ("default")."""
+    name = None if label is None else parse(label).name
+    return None if name == DEFAULT else name
+
+
 def _schedule_names(mod: SourceFile, name: str, schedule: str | None) -> list[str | None]:
+    """The labels -s names (None: the program itself; 'default' means it too, as in a call)."""
     if schedule is None:
         return [None]
     if schedule != "all":
+        label = _label(schedule)
+        if label.default:
+            return [str(label) if label.algorithm else None]
         try:
-            return [mod.schedule(name, schedule).name]
+            mod.schedule(name, label.name)
         except KeyError as err:
             _fail(f"coconetc: {err.args[0]}")
+        return [str(label)]
     if not mod.schedules[name]:
         click.echo(f"{name}: no schedules to run")
     return list(mod.schedules[name])
@@ -267,25 +289,25 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
         _fail(f"coconetc: {ranks} ranks do not form {groups} equal groups")
     if emulate and (backend != "cuda" or interp):
         _fail("coconetc: --emulate goes with --backend cuda (and not with --interp)")
-    from coconetc.oracle.core import size_symbols
+    from coconetc.oracle.inputs import size_symbols
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
-    from coconetc.oracle.core import DEFAULT_SIZE
+    from coconetc.oracle.inputs import DEFAULT_SIZE
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
+    parsed = mod  # the file as read (what the ranks load), before any tuned schedule is added
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
-    if schedule == "auto" or any(s is not None and mod.schedule(name, s).auto for s in names):
+    if schedule == "auto" or any(_auto(mod, name, s) for s in names):
         mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto")
-        if interp or backend == "cuda":  # a CPU algorithm choice ("zero@p2p") means nothing there
-            from coconetc.tune.cache import schedule_name
-            names = list(dict.fromkeys(None if s is None else schedule_name(s) for s in names))
+    if interp or backend == "cuda":  # a CPU algorithm choice ("zero@p2p") means nothing there
+        names = list(dict.fromkeys(_base(s) for s in names))
     if backend == "cuda" and not interp:
-        _run_cuda(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
-                  emulate)
+        _run_cuda(parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed,
+                  save, emulate)
     if not interp:
         libs = _libs(include_dirs, library_dirs, libraries)
-        _run_compiled(mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed, save,
-                      libs)
+        _run_compiled(parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz,
+                      seed, save, libs)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
@@ -300,12 +322,12 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     choice's schedule added to the module when the tuner wrote it; with no record it is
     skipped (-s auto: an error) naming the tune command to run."""
     from coconetc.sourcefile import add_schedules
-    from coconetc.oracle.core import DEFAULT_SIZE, size_symbols
-    from coconetc.tune import cache
+    from coconetc.oracle.inputs import DEFAULT_SIZE, size_symbols
+    from coconetc.runtime import tuned as cache
     full = {k: sizes.get(k, DEFAULT_SIZE) for k in size_symbols(mod.programs[name])}
     rec = cache.lookup(mod.source, name, full, ranks, groups)
     shown = ", ".join(f"{k}={v}" for k, v in full.items())
-    keep = [] if explicit else [s for s in names if not (s is not None and mod.schedule(name, s).auto)]
+    keep = [] if explicit else [s for s in names if not _auto(mod, name, s)]
     if rec is None:
         what = (f"no tuning record for {shown} on {ranks} ranks"
                 + (f" in {groups} groups" if groups > 1 else "") + " on this machine; run `coconetc tune "
@@ -319,35 +341,37 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     if label in rec.get("generated", []) and text:  # "auto_x@p2p": the schedule auto_x
         mod = add_schedules(mod, text)
     click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {label}")
-    chosen = None if label == "default" else label
+    chosen = None if label == DEFAULT else label
     return mod, keep if chosen in keep else keep + [chosen]
 
 
-def _run_cuda(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, emulate: bool) -> None:
+def _auto(mod: SourceFile, name: str, label: str | None) -> bool:
+    """The label names the file's `schedule auto for P` (the tuner chooses)."""
+    base = _base(label)
+    return base is not None and mod.schedule(name, base).auto
+
+
+def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
+              emulate: bool) -> None:
     """run --backend cuda [--emulate]: build the CUDA module (for the host emulation, or with
-    nvcc for the GPUs) here, then the worker on R ranks; what the CUDA backend does not
-    implement is named and left out."""
-    from coconetc.toolchain.builder import BuildError
-    from coconetc.toolchain.cuda_build import compile_cuda, compile_emulated
-    from coconetc.codegen.cuda import emulation_problems
+    nvcc for the GPUs) here, from the file as read (PARSED, what the ranks load), then the
+    worker on R ranks; what the CUDA backend does not implement is named and left out."""
+    from coconetc.codegen.cuda import emulation_problems, problems
     from coconetc.launch.mpiexec import run_python
-    from coconetc.codegen.cuda import problems
+    from coconetc.toolchain import BuildError, compile
     if not emulate and not _gpu_here():
         _fail("coconetc: run --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               "add --emulate to run the generated CUDA code on the CPU")
     try:
-        if emulate:
-            compile_emulated(mod.file)
-        else:
-            compile_cuda(mod.file, None, None, skip_unsupported=True)
+        compile(parsed, "cuda-emulated" if emulate else "cuda")
     except (BuildError, CompileError) as err:
         _fail(str(err))
     skip = emulation_problems(mod) if emulate else {k: e[0].what for k, e in problems(mod).items()}
     keep = []
     for s in names:
-        if s is not None and mod.schedule(name, s).auto:
+        if _auto(mod, name, s):
             continue
-        why = skip.get((name, s or "default"))
+        why = skip.get((name, s or DEFAULT))
         if why:
             click.echo(f"{name} [{s or 'default'}]: skipped: {why} (--backend cuda)")
         else:
@@ -371,21 +395,22 @@ def _gpu_here() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _run_compiled(mod: SourceFile, name, names, ranks, groups, sizes, seed, save, libs: dict) -> None:
-    """Build in this process (progress on stderr), then run the worker on R ranks."""
-    from coconetc.toolchain.builder import BuildError
+def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
+                  libs: dict) -> None:
+    """Build in this process (progress on stderr) the module the ranks load (the file as read,
+    PARSED, with its tuned schedules), then run the worker on R ranks."""
     from coconetc.launch.mpiexec import run_python
-    from coconetc.runtime.loader import compile_module
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.toolchain import BuildError
     try:
-        compile_module(mod.file, **libs)
+        compile_cpu(parsed, **libs)
     except (BuildError, CompileError) as err:
         _fail(str(err))
     argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), *[f"--size={k}={v}" for k, v in sizes.items()]]
     argv += [f"--{flag}={v}" for flag, key in (("include-dir", "include_dirs"), ("library-dir", "library_dirs"),
                                              ("library", "libraries")) for v in libs[key]]
-    argv += [f"--schedule={s or 'default'}" for s in names
-             if s is None or not mod.schedule(name, s).auto]
+    argv += [f"--schedule={s or DEFAULT}" for s in names if not _auto(mod, name, s)]
     if save:
         argv += ["--save", save]
     sys.exit(run_python(ranks, argv))
@@ -410,8 +435,9 @@ def compile(file: str, output: str | None, backend: str, arch: str | None, emit_
 
     --emit-only: only write the sources of a module named --name (with the chosen schedules) to
     --output, for a build system to compile (CMake's coconet_add_module)."""
-    from coconetc.toolchain.builder import BuildError
-    from coconetc.runtime.loader import compile_module
+    from coconetc.runtime.tuned import with_tuned
+    from coconetc.toolchain import BuildError, Options
+    from coconetc.toolchain import compile as compile_file
     mod = _load(file)
     if not mod.programs:
         _fail(_no_program(mod))
@@ -422,12 +448,16 @@ def compile(file: str, output: str | None, backend: str, arch: str | None, emit_
     if emit_only or name or schedules:
         _emit(mod, file, output, emit_only, name, schedules, libs)
         return
-    try:
-        _, src, so = compile_module(file, output, **libs)
+    try:  # the module coconetc.load builds: with the schedules the tuner chose for the file
+        art = compile_file(with_tuned(mod), "cpu", Options(out_dir=output, **libs))
     except (BuildError, CompileError) as err:
         _fail(str(err))
-    click.echo(f"{file}: built {so}")
-    for (prog, sched), fn in src.functions.items():
+    _built(file, art)
+
+
+def _built(file: str, art) -> None:
+    click.echo(f"{file}: built {art.path}")
+    for (prog, sched), fn in art.sources.functions.items():
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
 
@@ -436,43 +466,38 @@ def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | No
     """compile --backend cuda: module.cu + CMakeLists.txt (nvcc, NCCL/cuBLAS from the wheels),
     built unless --emit-only. What the CUDA renderer does not implement yet is left out and
     named (coconetc check --backend cuda says where)."""
-    from pathlib import Path
-
-    from coconetc.toolchain.builder import BuildError
-    from coconetc.toolchain.cuda_build import compile_cuda, write_sources
     from coconetc.codegen.cuda import problems
+    from coconetc.toolchain import BuildError, Options
+    from coconetc.toolchain import compile as compile_file
     if emit_only and not output:
         _fail("coconetc: --emit-only needs --output DIR")
     try:
-        _, src, so = compile_cuda(file, output, arch, skip_unsupported=True, build=not emit_only, **libs)
+        art = compile_file(mod, "cuda", Options(out_dir=output, archs=arch, build=not emit_only, **libs))
     except (BuildError, CompileError) as err:
         _fail(str(err))
     for (prog, sched), errs in problems(mod).items():
         click.echo(f"  left out: {prog}(schedule={sched!r}): {errs[0].what}", err=True)
     if emit_only:
-        write_sources(src, Path(output or "."))
-        click.echo(f"{file}: wrote {Path(output or '.') / 'module.cu'} and CMakeLists.txt")
+        written = art.write_sources(output or ".")
+        click.echo(f"{file}: wrote {written[0]} and CMakeLists.txt")
         return
-    click.echo(f"{file}: built {so}")
-    for (prog, sched), fn in src.functions.items():
-        click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
+    _built(file, art)
 
 
 def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, libs: dict) -> None:
     """compile --emit-only: the sources of a module named NAME, for a build the caller runs."""
     from dataclasses import replace
-    from pathlib import Path
 
-    from coconetc.codegen.libs import Libs
-    from coconetc.codegen.cpu import generate
+    from coconetc.toolchain import Options, module_stem
+    from coconetc.toolchain import compile as compile_file
     if not emit_only or not output:
         _fail("coconetc: --name and --schedule go with --emit-only, which needs --output DIR")
-    stem = "".join(c if c.isalnum() else "_" for c in Path(file).stem)
-    name = name or f"ccn_{stem}"
+    name = name or f"ccn_{module_stem(file)}"
     if not name.isidentifier():
         _fail(f"coconetc: --name {name!r} is not a valid Python module name")
     known = {s for scheds in mod.schedules.values() for s in scheds}
-    unknown = sorted(set(schedules) - known)
+    schedules = tuple(_label(s).name for s in schedules)  # labels: the algorithm is a call's choice
+    unknown = sorted(set(schedules) - known - {DEFAULT})  # the program itself is always in
     if unknown:
         _fail(f"coconetc: no schedule '{unknown[0]}' in {file} "
               f"(schedules: {', '.join(sorted(known)) or 'none'})")
@@ -480,21 +505,18 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, 
         mod = replace(mod, schedules={p: {s: x for s, x in scheds.items() if s in schedules}
                                       for p, scheds in mod.schedules.items()})
     try:
-        src = generate(mod, name, Libs.of(file, bool(mod.externs), **libs))
+        art = compile_file(mod, "cpu", Options(out_dir=output, build=False, name=name, **libs))
     except CompileError as err:
         _fail(err.render())
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "module.cpp").write_text(src.cpp)
-    (out / "CMakeLists.txt").write_text(src.cmake)
-    click.echo(f"{file}: wrote {out / 'module.cpp'} (module {name})")
-    for (prog, sched), fn in src.functions.items():
+    written = art.write_sources(output)
+    click.echo(f"{file}: wrote {written[0]} (module {name})")
+    for (prog, sched), fn in art.sources.functions.items():
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
-    from coconetc.oracle.core import DEFAULT_SIZE, size_symbols
-    from coconetc.oracle.session import run_interp, save_npz
+    from coconetc.oracle.inputs import DEFAULT_SIZE, size_symbols
+    from coconetc.oracle.interpreted import run_interp, save_npz
     if schedule is not None and mod.schedule(name, schedule).auto:
         click.echo(f"{name} [auto]: skipped (the autotuner chooses: coconetc tune, then show -s auto)")
         return False
@@ -553,8 +575,8 @@ def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
     Measures the file's schedules and the ones the tuner writes itself (split, reorder, slice,
     fuse, overlap), pruned with the cost model, checks the winner against the interpreter and
     stores it in the tuning cache (docs/performance.md)."""
-    from coconetc.toolchain.builder import BuildError
-    from coconetc.oracle.core import size_symbols
+    from coconetc.oracle.inputs import size_symbols
+    from coconetc.toolchain import BuildError
     from coconetc.tune import tuner
     mod = _load(file)
     name = _pick_program(mod, program, None)

@@ -21,11 +21,11 @@ from coconetc.frontend.parser import parse
 from coconetc.ir.nodes import Program
 from coconetc.ir.ops import OpDef
 from coconetc.plan import Plan, plan_program
+from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive
 
 
-DEFAULT = "default"  # the name of the unscheduled program among its schedules
 
 
 @dataclass(frozen=True)

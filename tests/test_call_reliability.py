@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.toolchain import builder
+from coconetc.toolchain import probes
 from coconetc.launch.mpiexec import run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,17 +32,18 @@ N = 13
 def built(request):
     """COCONET_CACHE -> the pytest cache for this module (and the ranks it starts); the files
     the workers use built once here, so that the ranks only import them."""
-    from coconetc.runtime.loader import compile_module
-    old = os.environ.get(builder.ENV_CACHE)
-    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     for f in COMM_FILES:
-        compile_module(f, log=lambda msg: None)
+        compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
     if old is None:
-        os.environ.pop(builder.ENV_CACHE, None)
+        os.environ.pop(probes.ENV_CACHE, None)
     else:
-        os.environ[builder.ENV_CACHE] = old
+        os.environ[probes.ENV_CACHE] = old
 
 
 def _launch(capfd, ranks: int, mode: str, files, timeout: float, env: dict | None = None):
@@ -266,6 +267,7 @@ NO_INTERP = textwrap.dedent("""
     assert a["w"][0] != 1.0
     print("INTERP MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.interp")))
     print("HARNESS MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.oracle")))
+    print("TUNER MODULES", sorted(m for m in sys.modules if m.startswith("coconetc.tune")))
 """)
 
 
@@ -275,6 +277,24 @@ def test_loading_and_calling_imports_no_interpreter(built):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "INTERP MODULES []" in res.stdout, res.stdout
     assert "HARNESS MODULES []" in res.stdout, res.stdout
+    assert "TUNER MODULES []" in res.stdout, res.stdout  # tuned choices come from runtime/tuned.py
+
+
+def test_a_call_parses_its_label_once(built, monkeypatch):
+    """The label ("zero@p2p": the schedule zero, point-to-point collectives) is parsed once
+    per call (plan/label.py), and not at all on the hot path of a repeated call."""
+    from coconetc.runtime import module
+    seen: list = []
+    real = module.parse
+    monkeypatch.setattr(module, "parse", lambda label: seen.append(label) or real(label))
+    a = {k: np.ones(5, np.float32) for k in "gwmv"}
+    scalars = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, step=1.0)
+    built.adam(schedule="zero@p2p", **a, **scalars)
+    assert seen == ["zero@p2p"]
+    built.adam(schedule="zero@p2p", **a, **scalars)
+    assert seen == ["zero@p2p"]  # the hot path: the same buffers as an agreed call
+    with pytest.raises(ValueError, match="unknown fused-collective algorithm 'nope'"):
+        built.adam(schedule="zero@nope", **a, **scalars)
 
 
 # --- the exception hook, installed by `import coconetc` in MPI jobs only ----------------------------
@@ -297,8 +317,8 @@ def test_exception_hook_only_in_mpi_jobs(env, want):
 def test_missing_cpu_extra_says_what_to_install(monkeypatch, tmp_path):
     import coconetc
     from coconetc.cli import main
-    monkeypatch.setattr(builder, "_missing_cpu_extra", lambda: ("pybind11",))
-    with pytest.raises(builder.BuildError, match=r"pip install 'coconet\[cpu\]'") as info:
+    monkeypatch.setattr(probes, "missing_cpu_extra", lambda: ("pybind11",))
+    with pytest.raises(probes.BuildError, match=r"pip install 'coconet\[cpu\]'") as info:
         coconetc.load(ADAM)
     assert "pybind11" in str(info.value)
     from click.testing import CliRunner

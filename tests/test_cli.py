@@ -197,6 +197,39 @@ def test_run_schedule_all_skips_auto() -> None:
     assert "sgd [auto]: skipped" in res.stdout and res.stdout.count("matches") == 2
 
 
+@pytest.mark.parametrize("label", ["default", "fused", "fused@p2p"])
+def test_run_schedule_label_means_what_a_call_means(label: str) -> None:
+    """-s takes a schedule label as a call does: 'default' is the program itself (as -s all,
+    the Python API and DistributedOptimizer call it), 'fused@p2p' the schedule fused (its
+    algorithm only matters to the compiled CPU module)."""
+    res = invoke("run", REPO / "examples" / "sgd.ccn", "-s", label, "--interp")
+    assert res.exit_code == 0, res.output
+    if label == "default":
+        assert "sgd: 2 ranks, 1 group(s), N=10" in res.stdout and "matches" not in res.stdout
+    else:
+        assert "sgd [fused]: 2 ranks" in res.stdout and "matches the unscheduled program" in res.stdout
+
+
+def test_run_unknown_algorithm_is_a_clean_error() -> None:
+    clean_error(invoke("run", REPO / "examples" / "sgd.ccn", "-s", "fused@nope", "--interp"),
+                "unknown fused-collective algorithm 'nope'")
+
+
+def test_run_compiled_schedule_default_and_an_algorithm() -> None:
+    """Compiled, on 2 ranks: --schedule default runs the program itself, fused@p2p the
+    schedule fused with point-to-point collectives, each compared with the interpreter."""
+    import subprocess
+    import sys
+    exe = Path(sys.executable).parent / "coconetc"
+    for label, shown in (("default", "default"), ("fused@p2p", "fused@p2p")):
+        res = subprocess.run([str(exe), "run", str(REPO / "examples" / "sgd.ccn"), "--ranks", "2",
+                              "--schedule", label, "--size", "N=13"],
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"sgd [{shown}]: 2 ranks" in res.stdout, res.stdout
+        assert res.stdout.count("matches the interpreter on every rank") == 1, res.stdout
+
+
 def test_run_schedule_all_without_schedules() -> None:
     res = invoke("run", REPO / "examples" / "conv2d.ccn", "-p", "conv_layer", "-s", "all", "--interp")
     assert res.exit_code == 0, res.output
@@ -476,3 +509,20 @@ def test_launch_runs_a_python_script_on_every_rank(tmp_path: Path) -> None:
     res = subprocess.run([str(exe), "launch", "-n", "2", str(script), "--fail"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode != 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("label, plan", [("default", "default"), ("zero", "zero"), ("zero@p2p", "zero")])
+def test_show_takes_schedule_labels(label: str, plan: str) -> None:
+    """show -s takes a schedule label as run and a call do: 'default' is the program itself,
+    'zero@p2p' the schedule zero (the algorithm is a call's choice; the plan lists both)."""
+    res = invoke("show", REPO / "examples" / "adam.ccn", "-s", label, "--format", "plan")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith(f"plan adam [{plan}]\n"), res.stdout
+    text = invoke("show", REPO / "examples" / "adam.ccn", "-s", label)
+    want = invoke("show", REPO / "examples" / "adam.ccn", *([] if plan == "default" else ["-s", plan]))
+    assert text.exit_code == 0 and text.stdout == want.stdout
+
+
+def test_show_unknown_algorithm_is_a_clean_error() -> None:
+    clean_error(invoke("show", REPO / "examples" / "adam.ccn", "-s", "zero@nope"),
+                "unknown fused-collective algorithm 'nope'")

@@ -66,6 +66,15 @@ def test_emit_only_writes_sources_named_and_restricted(tmp_path: Path):
     assert "sgd(schedule='fused'): sgd__fused" in res.output
 
 
+def test_emit_only_takes_schedule_labels(tmp_path: Path):
+    """-s default (the program itself, always in) and a label with an algorithm ('fused@p2p':
+    the schedule fused; the algorithm is chosen per call) mean what they mean elsewhere."""
+    res = _invoke("compile", SGD, "-o", tmp_path, "--emit-only", "-s", "default", "-s", "fused@p2p")
+    assert res.exit_code == 0, res.output
+    cpp = (tmp_path / "module.cpp").read_text()
+    assert "sgd__default" in cpp and "sgd__fused" in cpp and "sgd__rs_c_ag" not in cpp
+
+
 def test_emit_only_all_schedules_by_default(tmp_path: Path):
     res = _invoke("compile", SGD, "-o", tmp_path, "--emit-only")
     assert res.exit_code == 0, res.output

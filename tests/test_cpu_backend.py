@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.toolchain import builder
+from coconetc.toolchain import probes
 from coconetc.launch.mpiexec import run_python
 from coconetc.sourcefile import load_file
 from coconetc.interp.values import TOLERANCE
@@ -110,15 +110,15 @@ def modules(request):
     The map holds each file's loaded module or the exception building or importing it raised
     (reported by the tests that use that file)."""
     import coconetc
-    from coconetc.runtime.loader import compile_module
+    from coconetc.runtime.loader import compile_cpu
     cache_root = request.config.cache.mkdir("coconet-build")
-    old = os.environ.get(builder.ENV_CACHE)
-    os.environ[builder.ENV_CACHE] = str(cache_root)
-    builder.toolchain(), builder.compiler_hash()  # computed once, before the threads
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(cache_root)
+    probes.toolchain(), probes.compiler_hash()  # computed once, before the threads
 
     def build(f: Path):  # one compiler process per core: the files build side by side
         try:
-            return compile_module(f, log=lambda msg: None)
+            return compile_cpu(load_file(f), log=lambda msg: None)
         except Exception as err:  # noqa: BLE001 - each test reports its own file's failure
             return err
 
@@ -134,9 +134,9 @@ def modules(request):
         builds = list(pool.map(build, EXAMPLES))
     yield {f.name: load(f, b) for f, b in zip(EXAMPLES, builds)}
     if old is None:
-        os.environ.pop(builder.ENV_CACHE, None)
+        os.environ.pop(probes.ENV_CACHE, None)
     else:
-        os.environ[builder.ENV_CACHE] = old
+        os.environ[probes.ENV_CACHE] = old
 
 
 def _module(modules, name: str):
@@ -479,12 +479,12 @@ LOAD_TIMED = textwrap.dedent("""
 def test_cached_load_is_fast(modules):
     """A fresh process loads an already built file from the cache: no CMake, well under 1 s
     (best of three processes, so that one slow start on a busy machine does not count)."""
-    from coconetc.runtime.loader import compile_module
+    from coconetc.runtime.loader import compile_cpu
     _module(modules, "adam.ccn")
     # built for the compiler as it is now: the cache key hashes the compiler's own sources,
     # which may have been edited since the session started
-    builder.compiler_hash.cache_clear()
-    compile_module(REPO / "examples" / "adam.ccn", log=lambda msg: None)
+    probes.compiler_hash.cache_clear()
+    compile_cpu(load_file(REPO / "examples" / "adam.ccn"), log=lambda msg: None)
     times = []
     for _ in range(3):
         res = subprocess.run([sys.executable, "-c", LOAD_TIMED, str(REPO / "examples" / "adam.ccn")],
@@ -572,12 +572,12 @@ def test_pointwise_op_registered_at_run_time_compiles_and_runs(modules, tmp_path
     program and its reordered schedule give NumPy's values."""
     from test_registry import SOFTPLUS, SOURCE
 
-    from coconetc.runtime.loader import compile_module
+    from coconetc.runtime.loader import compile_cpu
     from coconetc.ir import ops
     path = tmp_path / "sp.ccn"
     path.write_text(SOURCE)
     with ops.registered(SOFTPLUS):
-        _, src, _ = compile_module(path, log=lambda msg: None)  # built here; the ranks import it
+        src = compile_cpu(load_file(path), log=lambda msg: None).sources  # built here; the ranks import it
     assert "std::log1p(std::exp(" in src.cpp
     rc = run_python(2, ["-c", REGISTERED_OP, str(Path(__file__).parent), str(path)],
                     timeout=LAUNCH_TIMEOUT)

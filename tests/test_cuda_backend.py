@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.toolchain import cuda_build
+from coconetc import toolchain
+from coconetc.paths import runtime_dir
+from coconetc.toolchain import probes
 from coconetc.codegen.cuda import Unsupported, generate, problems
 from coconetc.sourcefile import load_file
 from coconetc.plan import plan_program
@@ -130,7 +132,7 @@ def test_matmul_is_cublas_and_collectives_are_nccl(example):
     text = "\n".join(src.functions[("mlp_out", "default")].body)
     assert "coconet::cuda::matmul<coconet::half>" in text
     assert "coconet::cuda::allreduce<coconet::half>(ncclSum" in text
-    assert "cublasGemmEx" in (Path(cuda_build.runtime_dir()) / "coconet" / "cuda" / "runtime.cuh").read_text()
+    assert "cublasGemmEx" in (Path(runtime_dir()) / "coconet" / "cuda" / "runtime.cuh").read_text()
 
 
 # What the CUDA renderer does not do yet (every example is in it now): an allgather of a sliced
@@ -200,11 +202,11 @@ def test_emit_only_writes_the_cuda_sources(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_compiles_and_links_with_nvcc(path):
-    why = cuda_build.missing()
+    why = probes.cuda_missing()
     if why:
         print(f"skipped: {why}")
         pytest.skip(why)
-    _, src, so = cuda_build.compile_cuda(path, None, ARCHS, skip_unsupported=True, log=lambda m: None)
+    so = toolchain.compile(load_file(path), "cuda", toolchain.Options(archs=ARCHS, log=lambda m: None)).path
     assert so is not None and so.exists()
     # linked against the wheels' NCCL (and cuBLAS where a matmul is used), resolvable without a GPU
     ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout

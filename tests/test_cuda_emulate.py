@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.toolchain import cuda_build
+from coconetc import toolchain
+from coconetc.toolchain import compiler, probes
 from coconetc.launch import mpiexec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
 FILES = ["adam", "clipped_sgd", "collectives", "conv2d", "lamb", "layernorm", "mixed_adam", "mlp_out", "pipeline",
          "residual_dropout", "sgd", "tp_overlap"]
 
-why = cuda_build.emulation_missing()
+why = probes.emulation_missing()
 pytestmark = pytest.mark.skipif(why is not None, reason=why or "")
 
 
@@ -48,18 +49,22 @@ def built(request):
     """Every example's emulated module, built once here (the ranks then only import), in the
     session's build cache that tests/test_cpu_backend.py uses too (the dropout test's CPU
     modules are built there already)."""
-    from coconetc.toolchain import builder
-    old = os.environ.get(builder.ENV_CACHE)
-    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     from concurrent.futures import ThreadPoolExecutor
-    builder.toolchain(), cuda_build.cuda_hash()  # computed once, before the threads
+    probes.toolchain(), probes.compiler_hash()  # computed once, before the threads
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        list(pool.map(lambda f: cuda_build.compile_emulated(EX / f"{f}.ccn", log=lambda msg: None), FILES))
+        list(pool.map(lambda f: _emulated(EX / f"{f}.ccn"), FILES))
     yield True
     if old is None:
-        os.environ.pop(builder.ENV_CACHE, None)
+        os.environ.pop(probes.ENV_CACHE, None)
     else:
-        os.environ[builder.ENV_CACHE] = old
+        os.environ[probes.ENV_CACHE] = old
+
+
+def _emulated(path: Path):
+    from coconetc.sourcefile import load_file
+    return toolchain.compile(load_file(path), "cuda-emulated", toolchain.Options(log=lambda msg: None))
 
 
 def test_emulation_leaves_out_what_cuda_does_not_do(example):
@@ -121,7 +126,7 @@ def test_vector_and_element_paths_match_interpreter(built, ranks):
     fused at R = 1 reading its source directly), f16 with f32 (mixed_adam), pieces of scattered
     tensors (lamb), f16 with dropout in the vector lanes (plain and fused), f64, and (at size
     12: [12, 12, 12]) dropout with a bias read per lane through its coordinates."""
-    cuda_build.compile_emulated(VECTOR_OPS, log=lambda msg: None)
+    _emulated(VECTOR_OPS)
     files = [str(EX / "adam.ccn"), str(EX / "mixed_adam.ccn"), str(EX / "lamb.ccn"), str(VECTOR_OPS),
              str(EX / "residual_dropout.ccn") + "@12"]
     size = 40003
@@ -177,15 +182,14 @@ def _joins_in(cu: str, fn: str) -> list[int]:
 
 def _source(file: str, program: str, sched: str) -> str:
     from coconetc.codegen.cuda import generate
-    from coconetc.toolchain.cuda_build import _PROBE
     from coconetc.sourcefile import load_file
     mod = load_file(EX / f"{file}.ccn")
     mod = replace(mod, schedules={p: {s: x for s, x in sc.items() if s == sched} for p, sc in mod.schedules.items()})
-    return generate(mod, _PROBE, skip_unsupported=True, emulate=True).cu
+    return generate(mod, compiler.PROBE, skip_unsupported=True, emulate=True).cu
 
 
 def _run_variant(tmp: Path, file: str, program: str, sched: str, cu: str, runtime: Path, size: int) -> str:
-    name, so = cuda_build.build_emulated(cu, f"race_{file}", tmp / f"b{abs(hash((cu, runtime)))}", runtime=runtime,
+    name, so = compiler.build_emulated(cu, f"race_{file}", tmp / f"b{abs(hash((cu, runtime)))}", runtime=runtime,
                                          log=lambda msg: None)
     res = _launch(2, ["race", str(EX / f"{file}.ccn"), program, sched, str(so), name, str(size)],
                   env={"COCONET_CUDA_CHUNK": "2", "COCONET_CUDA_FUSED": "pipeline"}, timeout=300)
@@ -343,7 +347,7 @@ def test_defined_operations_run_on_the_cuda_backend(ranks):
     """Operations defined in a .ccn file (nested, in a fused reduce-scatter/all-gather) are
     expanded before planning, so the CUDA backend runs them: emulated, against the interpreter."""
     src = REPO / "tests" / "programs" / "custom_ops.ccn"
-    cuda_build.compile_emulated(src, log=lambda msg: None)
+    _emulated(src)
     res = _launch(ranks, ["match", "11", "0", str(src)])
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
@@ -415,7 +419,7 @@ def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
     for edited, verdict in [(False, "MATCH "), (True, "MISMATCH ")]:
         if edited:
             sym.write_text(text.replace("for (int p = 1; p < R; ++p)", "for (int p = 1; p < 1; ++p)"))
-        name, so = cuda_build.build_emulated(cu, "sym_sgd", tmp_path / f"b{edited}", runtime=rt, log=lambda msg: None)
+        name, so = compiler.build_emulated(cu, "sym_sgd", tmp_path / f"b{edited}", runtime=rt, log=lambda msg: None)
         res = _launch(2, ["check", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
                       env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
         assert res.returncode == 0 and verdict in res.stdout, res.stdout + res.stderr
@@ -432,7 +436,7 @@ def test_symmetric_kernel_with_nccl_2_28(tmp_path):
     shutil.copytree(runtime_dir(), rt)
     dev = rt / "coconet" / "cuda" / "emulate_nccl_device.h"
     dev.write_text("#define COCONET_EMULATE_NCCL_2_28 1\n" + dev.read_text())
-    name, so = cuda_build.build_emulated(_source("sgd", "sgd", "fused"), "sym_nccl228", tmp_path / "b", runtime=rt,
+    name, so = compiler.build_emulated(_source("sgd", "sgd", "fused"), "sym_nccl228", tmp_path / "b", runtime=rt,
                                          log=lambda msg: None)
     for extra, want in [({"COCONET_CUDA_FUSED": "symmetric"}, SYMMETRIC),
                         ({"COCONET_CUDA_FUSED": "auto", "COCONET_EMULATE_NO_DEVICE_API": "1"}, "runs the pipeline")]:
@@ -454,7 +458,7 @@ def test_symmetric_window_is_race_checked(tmp_path):
     old = "cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream)"
     assert old in sym.read_text()
     sym.write_text(sym.read_text().replace(old, old.replace("c.stream", "c.comm_stream")))
-    name, so = cuda_build.build_emulated(_source("sgd", "sgd", "fused"), "sym_race", tmp_path / "b", runtime=rt,
+    name, so = compiler.build_emulated(_source("sgd", "sgd", "fused"), "sym_race", tmp_path / "b", runtime=rt,
                                          log=lambda msg: None)
     res = _launch(2, ["race", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
                   env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)

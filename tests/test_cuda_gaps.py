@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from coconetc.toolchain import cuda_build
+from coconetc import toolchain
+from coconetc.sourcefile import load_file
+from coconetc.toolchain import probes
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 COCONETC = str(Path(sys.executable).parent / "coconetc")
@@ -43,7 +45,7 @@ def test_check_backend_cuda_accepts(file):
 @pytest.mark.parametrize("ranks, size, chunk", RUNS, ids=[f"R{r}-N{n}" + (f"-ch{c}" if c else "") for r, n, c in RUNS])
 @pytest.mark.parametrize("file, program", [(f, p) for f, ps in CASES.items() for p in ps])
 def test_emulated_run_matches_interpreter(file, program, ranks, size, chunk):
-    why = cuda_build.emulation_missing()
+    why = probes.emulation_missing()
     if why:
         pytest.skip(why)
     env = {"COCONET_CUDA_CHUNK": chunk} if chunk else {}
@@ -61,9 +63,9 @@ def test_emulated_run_matches_interpreter(file, program, ranks, size, chunk):
 @pytest.mark.slow
 @pytest.mark.parametrize("file", sorted(CASES))
 def test_compiles_and_links_with_nvcc(file):
-    why = cuda_build.missing()
+    why = probes.cuda_missing()
     if why:
         print(f"skipped: {why}")
         pytest.skip(why)
-    _, _, so = cuda_build.compile_cuda(PROGRAMS / file, None, "90", log=lambda m: None)
+    so = toolchain.compile(load_file(PROGRAMS / file), "cuda", toolchain.Options(archs="90", log=lambda m: None)).path
     assert so is not None and so.exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.toolchain import builder
+from coconetc.toolchain import probes
 from coconetc.ir.slices import slice_range
 from coconetc.launch.mpiexec import run_python
 
@@ -32,17 +32,18 @@ HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 def built(request):
     """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts); adam.ccn
     and lamb.ccn built once here, so that the ranks only import them."""
-    from coconetc.runtime.loader import compile_module
-    old = os.environ.get(builder.ENV_CACHE)
-    os.environ[builder.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
     for f in (ADAM, LAMB):
-        compile_module(f, log=lambda msg: None)
+        compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
     if old is None:
-        os.environ.pop(builder.ENV_CACHE, None)
+        os.environ.pop(probes.ENV_CACHE, None)
     else:
-        os.environ[builder.ENV_CACHE] = old
+        os.environ[probes.ENV_CACHE] = old
 
 
 def _launch(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:

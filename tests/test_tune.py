@@ -20,7 +20,7 @@ from coconetc.interp.interpreter import run
 from coconetc.ir import printer
 from coconetc.launch.mpiexec import run_python
 from coconetc.schedule import apply_all
-from coconetc.tune import cache
+from coconetc.runtime import tuned
 from coconetc.tune.cost import cost
 from coconetc.tune.space import candidates, state_params
 from coconetc.tune.tuner import prune
@@ -36,7 +36,7 @@ EXAMPLES = ["adam.ccn", "sgd.ccn", "lamb.ccn", "mlp_out.ccn", "layernorm.ccn", "
 def tuning_file(tmp_path, monkeypatch):
     """Every test reads and writes its own tuning cache (never the user's)."""
     path = tmp_path / "tuning.json"
-    monkeypatch.setenv(cache.ENV_TUNING, str(path))
+    monkeypatch.setenv(tuned.ENV_TUNING, str(path))
     return path
 
 
@@ -150,23 +150,23 @@ def _fake_record(mod, sizes: dict, R: int) -> dict:
     gen = "auto_rs_c_ag_slice"
     measured = {"default": 3e-3, "rs_c_ag": 4e-3, "zero": 2e-3, "fused": 3.5e-3, gen: 2.5e-3}
     rec = {"file": str(ADAM), "program": "adam", "sizes": sizes, "ranks": R, "groups": 1,
-           "machine": cache.machine(), "time": 1.0, "measured": measured, "choice": "zero",
+           "machine": tuned.machine(), "time": 1.0, "measured": measured, "choice": "zero",
            "by_convention": {"": "default", "m: sliced(0), v: sliced(0)": "zero"},
            "conventions": {k: cands[k].convention for k in measured},
            "generated": [gen], "schedules": {k: cands[k].text for k in measured},
            "modelled": {k: 1e-3 for k in measured}}
-    cache.store(cache.key(mod.source, "adam", sizes, R), rec)
+    tuned.store(tuned.key(mod.source, "adam", sizes, R), rec)
     return rec
 
 
 def test_cache_key_and_tuned_schedules(example) -> None:
     mod = example("adam.ccn")
-    assert cache.lookup(mod.source, "adam", {"N": 64}, 2) is None
+    assert tuned.lookup(mod.source, "adam", {"N": 64}, 2) is None
     _fake_record(mod, {"N": 64}, 2)
-    assert cache.lookup(mod.source, "adam", {"N": 64}, 2)["choice"] == "zero"
-    assert cache.lookup(mod.source, "adam", {"N": 64}, 3) is None
-    assert cache.lookup(mod.source + "\n", "adam", {"N": 64}, 2) is None  # the file changed
-    assert cache.tuned_schedules(mod.source) == ""  # the choices are hand-written
+    assert tuned.lookup(mod.source, "adam", {"N": 64}, 2)["choice"] == "zero"
+    assert tuned.lookup(mod.source, "adam", {"N": 64}, 3) is None
+    assert tuned.lookup(mod.source + "\n", "adam", {"N": 64}, 2) is None  # the file changed
+    assert tuned.tuned_schedules(mod.source) == ""  # the choices are hand-written
 
 
 def test_cached_choice_is_the_overall_choice(example) -> None:
@@ -176,10 +176,20 @@ def test_cached_choice_is_the_overall_choice(example) -> None:
     class Fn:
         name, source = "adam", mod.source
 
-    assert cache.cached_choice(Fn(), {"N": 64}, 2) is None
+    assert tuned.cached_choice(Fn(), {"N": 64}, 2) is None
     _fake_record(mod, {"N": 64}, 2)
-    assert cache.cached_choice(Fn(), {"N": 64}, 2) == "zero"
-    assert cache.cached_choice(Fn(), {"N": 65}, 2) is None
+    assert tuned.cached_choice(Fn(), {"N": 64}, 2) == "zero"
+    assert tuned.cached_choice(Fn(), {"N": 65}, 2) is None
+
+
+@pytest.mark.parametrize("label", ["default", "fused@p2p"])
+def test_explain_takes_a_schedule_label(label) -> None:
+    """explain -s takes a label as a call does: 'default' (the program) or 'fused@p2p'."""
+    res = invoke("explain", SGD, "-s", label, "--size", "N=1024")
+    assert res.exit_code == 0, res.output
+    assert any(ln.startswith(label + " ") for ln in res.stdout.splitlines()), res.stdout
+    bad = invoke("explain", SGD, "-s", "fused@nope", "--size", "N=1024")
+    assert bad.exit_code == 1 and "unknown fused-collective algorithm 'nope'" in bad.output
 
 
 def test_explain_prints_the_cost_model_and_measured_times(example) -> None:
@@ -211,7 +221,7 @@ def test_run_schedule_auto_runs_the_tuners_choice(example, capfd) -> None:
     assert "the tuner's choice for N=65 on 2 ranks: zero" in res.stdout
     assert "adam [zero]: 2 ranks" in res.stdout and "match" in res.stdout
     rec["choice"] = gen = "auto_rs_c_ag_slice"
-    cache.store(cache.key(example("adam.ccn").source, "adam", {"N": 65}, 2), rec)
+    tuned.store(tuned.key(example("adam.ccn").source, "adam", {"N": 65}, 2), rec)
     capfd.readouterr()
     res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65")  # compiled, 2 ranks
     ranks_out = capfd.readouterr().out  # the ranks' lines (a subprocess)
@@ -229,7 +239,7 @@ def test_algorithm_choice_in_show_explain_and_run(example) -> None:
     rec = _fake_record(example("adam.ccn"), {"N": 64}, 2)
     rec["measured"]["zero@p2p"], rec["choice"] = 1.5e-3, "zero@p2p"
     rec["schedules"]["zero@p2p"] = rec["schedules"]["zero"]
-    cache.store(cache.key(example("adam.ccn").source, "adam", {"N": 64}, 2), rec)
+    tuned.store(tuned.key(example("adam.ccn").source, "adam", {"N": 64}, 2), rec)
     res = invoke("show", ADAM, "-s", "auto")
     assert res.exit_code == 0, res.output
     assert "zero@p2p" in res.stdout.splitlines()[0] and "schedule zero for adam {" in res.stdout

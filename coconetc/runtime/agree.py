@@ -13,7 +13,7 @@ waits for ever). Past it, the rank asks every other rank whether it is waiting i
 (point-to-point, answered from the others' polling loops), prints which ranks did not arrive
 and aborts the job (MPI_Abort), as NCCL's and PyTorch's watchdogs do.
 
-A call that repeats an agreed one (the same buffers; coconetc/runtime/loader.py) exchanges
+A call that repeats an agreed one (the same buffers; coconetc/runtime/fastpath.py) exchanges
 less: a fixed 64-byte record (`Channel.agreed`: the digest of the description every rank gave
 at the last full agreement, and the call's scalar bits), over a persistent allgather kept per
 communicator; only when the records differ does the full exchange above follow, to say what

@@ -21,13 +21,16 @@ from typing import Any
 import numpy as np
 
 from coconetc.codegen.naming import function_name
-from coconetc.ir.slices import slice_range
+from coconetc.ir.arguments import overlapping
 from coconetc.ir.nodes import Param, Program
-from coconetc.sourcefile import DEFAULT
-from coconetc.ir.types import eval_dim
-
-TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64",
-                "i32": "int32", "i64": "int64"}
+from coconetc.ir.storage import STORAGE
+from coconetc.plan.label import ScheduleLabel, parse
+from coconetc.runtime import agree, marshal
+from coconetc.runtime.call import agreed, check_groups, scalar_bits, tensor_shapes
+from coconetc.runtime.layout import TORCH_DTYPES
+from coconetc.runtime.loader import import_extension
+from coconetc.sourcefile import load_file
+from coconetc.toolchain import Artifact, Options, compile
 
 
 @dataclass
@@ -70,7 +73,6 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
 def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]:
     """Every rank's `mine`: over MPI under the watchdog (runtime/agree.py), or over the
     torch.distributed group (its own timeout applies)."""
-    from coconetc.runtime import agree
     if comm.size == 1:
         return [mine]
     if comm.mpi is not None:
@@ -84,14 +86,18 @@ def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]
 def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
          libraries=()) -> CudaModule:
     """include_dirs, library_dirs, libraries: for the file's extern operations (as coconetc.load)."""
-    from coconetc.toolchain.cuda_build import compile_cuda
-    from coconetc.runtime.loader import import_extension
-    mod, src, so = compile_cuda(path, None, archs, skip_unsupported=True, log=log, include_dirs=include_dirs,
-                                library_dirs=library_dirs, libraries=libraries)
-    return CudaModule(mod, src, import_extension(src.module, so))
+    art = compile(load_file(path), "cuda", Options(archs=archs, log=log, include_dirs=include_dirs,
+                                                   library_dirs=library_dirs, libraries=libraries))
+    return CudaModule.of(art)
 
 
 class CudaModule:
+    @classmethod
+    def of(cls, art: Artifact):
+        """The built module of ART imported and wrapped."""
+        assert art.path is not None, art
+        return cls(art.source_file, art.sources, import_extension(art.module, art.path))
+
     def __init__(self, mod: Any, src: Any, ext: Any):
         self.source_module, self.sources, self.ext = mod, src, ext
         self.programs: dict[str, CudaProgram] = {}
@@ -116,80 +122,76 @@ class CudaProgram:
         self.name, self.schedules, self.ext = name, schedules, ext
         self._bound: list = []  # the last call's shapes and the sizes they bound
 
+    def program_of(self, label: ScheduleLabel) -> Program:
+        """The program a schedule label runs. A fused-collective algorithm ("zero@p2p") is a
+        choice of the CPU runtime: the CUDA module's collectives are chosen when it is compiled."""
+        if label.algorithm:
+            raise ValueError(f"{self.name}: schedule {str(label)!r}: the fused-collective algorithm "
+                             f"'@{label.algorithm}' is a choice of the CPU backend; call the CUDA "
+                             f"module with schedule={label.name!r}")
+        if label.name not in self.schedules:
+            raise ValueError(f"{self.name}: no schedule '{label.name}' in the CUDA module (have "
+                             f"{sorted(self.schedules)}; `coconetc check --backend cuda` says why)")
+        return self.schedules[label.name]
+
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
         import torch
-        key = schedule or DEFAULT
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime.cuda.nccl_comm(module.ext, mpi_comm)")
-        p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local(p, kwargs, stream))
-        group_size = ranks // groups
-        rank = comm.rank % group_size
+        label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
+                                                         lambda p: _check_local(p, kwargs, stream))
         dev = torch.device("cuda", torch.cuda.current_device())
-        args = self.ext.CallArgs()
-        tensors = [local[q.name] for q in p.params if not q.scalar]
-        args.tensors = [0 if isinstance(v, list) else v.data_ptr() for v in tensors]
-        args.seg_ptrs = [[x.data_ptr() for x in v] if isinstance(v, list) else [] for v in tensors]
-        args.seg_sizes = list(segments or ())
-        outs = []
-        for _, s in p.outputs:
-            t = p.type_of(s)
-            outs.append(torch.empty(_local_shape(t, sizes, group_size, rank),
-                                    dtype=getattr(torch, TORCH_DTYPES[t.dtype]), device=dev))
-        args.outputs = [o.data_ptr() for o in outs]
-        _fill_args(args, p, local, sizes)
+        def make(shape, dtype):
+            return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
         st: Any = stream if stream is not None else torch.cuda.current_stream()
-        args.stream = int(getattr(st, "cuda_stream", st))
-        args.comm, args.groups = comm.handle, groups
-        getattr(self.ext, function_name(self.name, key))(args)
-        return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
+        return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
+                                     marshal.device_ptr, make, int(getattr(st, "cuda_stream", st))))
 
 
-def _enter(fn: CudaProgram, key: str, comm: NcclComm, groups: int, check) -> tuple:
-    """A call's entry, as the CPU loader's (runtime/loader.py): this rank's arguments checked
-    (`check(program)`), then one exchange with every rank of the communicator under the
-    watchdog (runtime/agree.py), so a wrong argument on any rank, or ranks that disagree on the
+def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
+         comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int) -> list:
+    """The module function with the call's arguments (marshal.py, as the CPU runtime lays them
+    out) on STREAM; returns the outputs made by `make`."""
+    gs = ranks // groups
+    args = fn.ext.CallArgs()
+    marshal.tensors(args, p, local, segments, ptr)
+    outs = marshal.outputs(p, sizes, gs, comm.rank % gs, make)
+    args.outputs = [ptr(o) for o in outs]
+    marshal.scalars(args, p, local, sizes)
+    args.stream = stream
+    args.comm, args.groups = comm.handle, groups
+    getattr(fn.ext, function_name(fn.name, label.name))(args)
+    return outs
+
+
+def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, check) -> tuple:
+    """A call's entry, as the CPU runtime's (call.py): the label parsed, this rank's arguments
+    checked (`check(program)`), then one exchange with every rank of the communicator under
+    the watchdog (agree.py), so a wrong argument on any rank, or ranks that disagree on the
     schedule, groups, a scalar's bits or a shape, raise the same error on every rank before
-    anything runs, and a rank that never arrives ends the job. Returns (program, this rank's
-    checked values, size symbols, ranks, the segment sizes of scattered parameters)."""
-    from coconetc.runtime import agree
-    from coconetc.runtime.loader import _agree, _scalar_bits
-    what = f"{fn.ext.__name__}.{fn.name}(schedule={key!r})"
+    anything runs, and a rank that never arrives ends the job. Returns (label, program, this
+    rank's checked values, size symbols, ranks, the segment sizes of scattered parameters)."""
+    what = f"{fn.ext.__name__}.{fn.name}(schedule={schedule!r})"
     p: Program | None = None
+    label = None
     local: dict[str, Any] = {}
     timeout = agree.DEFAULT_TIMEOUT
     try:
         timeout = agree.timeout_s()
-        if key not in fn.schedules:
-            raise ValueError(f"{fn.name}: no schedule '{key}' in the CUDA module (have "
-                             f"{sorted(fn.schedules)}; `coconetc check --backend cuda` says why)")
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"{fn.name}(): groups must be a positive integer, got {groups!r}")
-        p = fn.schedules[key]
+        label = parse(schedule)
+        what = f"{fn.ext.__name__}.{fn.name}(schedule={str(label)!r})"
+        p = fn.program_of(label)
+        check_groups(fn.name, groups)
         local = check(p)
-        head = (fn.ext.__name__, fn.name, key, groups, comm.size)
-        mine: tuple = ("ok", (head, _scalar_bits(p, local), _describe(p, local)))
+        head = (fn.ext.__name__, fn.name, str(label), groups, comm.size)
+        mine: tuple = ("ok", (head, scalar_bits(p, local), tensor_shapes(p, local)))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     everyone = _exchange(comm, mine, what, timeout)
-    sizes, segments = _agree(everyone, comm.rank, p, mine, fn._bound)
-    assert p is not None  # else _agree raised this rank's error
-    return p, local, sizes, len(everyone), segments
-
-
-def _fill_args(args: Any, p: Program, local: dict, sizes: dict) -> None:
-    args.sizes = [sizes[s] for s in sorted(sizes)]
-    scal = [q for q in p.params if q.scalar]
-    args.scalars = [float(local[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
-    args.iscalars = [int(local[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
-
-
-def _local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
-    shape = [eval_dim(d, sizes) for d in t.shape]
-    if t.layout.sliced:
-        lo, hi = slice_range(shape[t.layout.dim], gs, rank)
-        shape[t.layout.dim] = hi - lo
-    return tuple(shape)
+    sizes, segments = agreed(everyone, comm.rank, p, mine, fn._bound)
+    assert p is not None and label is not None  # else agreed() raised this rank's error
+    return label, p, local, sizes, len(everyone), segments
 
 
 def _as_tensor(q: Param, v: Any) -> Any:
@@ -287,24 +289,16 @@ def _scalar(q: Param, v: Any) -> Any:
     return v
 
 
-def _describe(p: Program, values: dict) -> dict:
-    return {q.name: values[q.name] if q.scalar else [tuple(x.shape) for x in values[q.name]]
-            if isinstance(values[q.name], list) else tuple(values[q.name].shape) for q in p.params}
-
-
 
 
 # ---- host emulation ----------------------------------------------------------------------------------
 
 def load_emulated(path: str | Path, log=None) -> EmulatedModule:
-    """FILE's CUDA module built for the host emulation (toolchain/cuda_build.py: compile_emulated):
+    """FILE's CUDA module built for the host emulation (toolchain: compile(..., "cuda-emulated")):
     the generated CUDA code run on the CPU, NCCL on MPI. Programs take NumPy arrays (host memory
     stands for device memory), update parameters in place and return new NumPy outputs; every
     call synchronizes and raises if the emulation found a stream race."""
-    from coconetc.toolchain.cuda_build import compile_emulated
-    from coconetc.runtime.loader import import_extension
-    mod, src, so = compile_emulated(path, log=log)
-    return EmulatedModule(mod, src, import_extension(src.module, so))
+    return EmulatedModule.of(compile(load_file(path), "cuda-emulated", Options(log=log)))
 
 
 class EmulatedModule(CudaModule):
@@ -322,32 +316,20 @@ class EmulatedProgram(CudaProgram):
 
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
-        from coconetc.ir.storage import STORAGE
-        key = schedule or DEFAULT
         comm = comm or self.owner.comm()
-        p, local, sizes, ranks, segments = _enter(self, key, comm, groups, lambda p: _check_local_numpy(p, kwargs))
-        group_size = ranks // groups
-        rank = comm.rank % group_size
-        args = self.ext.CallArgs()
-        tensors = [local[q.name] for q in p.params if not q.scalar]
-        args.tensors = [0 if isinstance(v, list) else v.ctypes.data for v in tensors]
-        args.seg_ptrs = [[x.ctypes.data for x in v] if isinstance(v, list) else [] for v in tensors]
-        args.seg_sizes = list(segments or ())
-        outs = []
-        for _, s in p.outputs:
-            t = p.type_of(s)
-            outs.append(np.zeros(_local_shape(t, sizes, group_size, rank), dtype=STORAGE[t.dtype]))
-        args.outputs = [o.ctypes.data for o in outs]
-        _fill_args(args, p, local, sizes)
-        args.stream = 0
-        args.comm, args.groups = comm.handle, groups
-        getattr(self.ext, function_name(self.name, key))(args)
+        label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
+                                                         lambda p: _check_local_numpy(p, kwargs))
+        outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
+                    _numpy_zeros, 0)
         self.ext.synchronize()
-        return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)
+        return marshal.returned(outs)
+
+
+def _numpy_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.zeros(shape, dtype=STORAGE[dtype])
 
 
 def _checked_array(q: Param, v: Any, updated: bool) -> Any:
-    from coconetc.ir.storage import STORAGE
     if not isinstance(v, np.ndarray):
         raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
     if v.dtype != STORAGE[q.type.dtype]:
@@ -361,7 +343,6 @@ def _checked_array(q: Param, v: Any, updated: bool) -> Any:
 
 def _check_local_numpy(p: Program, kwargs: dict) -> dict:
     out = _arguments(p, kwargs, _checked_array)
-    from coconetc.ir.arguments import overlapping
     both = overlapping(p, out)
     if both:
         raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory; pass separate arrays")

@@ -4,9 +4,10 @@ tuner wrote and measured for these sizes are listed too."""
 
 from __future__ import annotations
 
+from coconetc.plan.label import DEFAULT, parse
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
-from coconetc.tune import cache
+from coconetc.runtime import tuned as cache
 from coconetc.tune.cost import cost
 
 
@@ -49,16 +50,20 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
     labels = ["default", *(s for s, x in mod.schedules.get(program, {}).items() if not x.auto)]
     if rec is not None:  # each schedule measured with another fused-collective algorithm, after it
         labels = [x for s in labels for x in [s, *sorted(m for m in rec["measured"]
-                                                          if cache.schedule_name(m) == s and m != s)]]
+                                                          if parse(m).name == s and m != s)]]
     if schedule == "auto":
         if rec is None:
             raise ExplainError(f"no tuned choice for '{program}' at these sizes on {ranks} ranks; run "
                                f"`coconetc tune {mod.file} --program {program} --ranks {ranks} "
                                + " ".join(f"--size {k}={v}" for k, v in sizes.items()) + "`")
         labels = [rec["choice"]]
-    elif schedule is not None:
-        if schedule != "default" and schedule not in mod.schedules.get(program, {}):
-            raise ExplainError(f"no schedule '{schedule}' for program '{program}' (schedules: "
+    elif schedule is not None:  # a label: "zero", "zero@p2p", "default"
+        try:
+            name = parse(schedule).name
+        except ValueError as err:
+            raise ExplainError(str(err)) from None
+        if name != DEFAULT and name not in mod.schedules.get(program, {}):
+            raise ExplainError(f"no schedule '{name}' for program '{program}' (schedules: "
                                f"{', '.join(labels)})")
         labels = [schedule]
     measured = rec["measured"] if rec is not None else {}
@@ -67,7 +72,7 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
             f"{'units':>5} {'modelled':>11} {'measured':>11}")
     lines = [f"{program} at {shown} on {ranks} ranks (per rank; cost model: docs/performance.md)", head]
     for label in labels:
-        c = cost(mod.plans[(program, cache.schedule_name(label))], sizes, ranks)
+        c = cost(mod.plans[(program, parse(label).name)], sizes, ranks)
         got = f"{measured[label] * 1e3:.3f} ms" if label in measured else "-"
         note = " (tuner's choice)" if rec is not None and label == rec["choice"] else ""
         note += " (generated)" if rec is not None and label in rec["generated"] else ""

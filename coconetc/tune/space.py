@@ -33,11 +33,11 @@ from coconetc.ir import printer
 from coconetc.ir.nodes import Op, Program, Ref, Stage
 from coconetc.ir.rewrite import depends_on
 from coconetc.plan import Plan, PlanError, plan_program
+from coconetc.plan.label import parse
 from coconetc.plan.units import Fused, Overlap
 from coconetc.schedule import apply_all
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split, schedule_text
 from coconetc.schedule.primitives import reorder_gathers
-from coconetc.tune.cache import schedule_name
 
 CHUNKS = (2, 4, 8)
 LEVELS = ("split", "rs_c_ag", "rs_c_ag_slice", "fused", "fused_slice")
@@ -56,7 +56,7 @@ class Candidate:
     @property
     def schedule(self) -> str:
         """The schedule's name: the label without its fused-collective algorithm ("zero@p2p")."""
-        return schedule_name(self.label)
+        return parse(self.label).name
 
     @property
     def text(self) -> str:
@@ -73,11 +73,12 @@ ALGORITHMS = ("p2p",)
 
 def algorithm_variants(cands: list[Candidate], ranks: int) -> list[Candidate]:
     """The fused-collective algorithm as a choice: each candidate with a fused collective again
-    as "label@p2p" (runtime/loader.py: split_algorithm), the plain label running on the shared
+    as "label@p2p" (plan/label.py: ScheduleLabel), the plain label running on the shared
     window where it can. None on one rank (no communication to choose for)."""
     if ranks <= 1:
         return []
-    return [replace(c, label=f"{c.label}@{a}") for c in cands if has_fused(c.plan) for a in ALGORITHMS]
+    return [replace(c, label=str(parse(c.label).with_algorithm(a))) for c in cands if has_fused(c.plan)
+            for a in ALGORITHMS]
 
 
 def has_fused(plan: Plan) -> bool:

@@ -1,7 +1,7 @@
 """`coconetc tune`: the candidates of a program (space.py), pruned with the cost model
 (cost.py), built into one module, timed on R ranks at the real sizes (worker.py), the
 winners checked against the interpreter, and the record stored in the tuning cache
-(cache.py).
+(runtime/tuned.py, which the runtime reads for schedule="auto").
 
 Pruning: the file's own schedules and the program itself are always measured; a generated
 schedule is measured when its modelled time is at most KEEP times the best modelled time of
@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coconetc.sourcefile import SourceFile
-from coconetc.tune import cache
+from coconetc.runtime import tuned
+from coconetc.runtime.loader import compile_cpu
+from coconetc.sourcefile import SourceFile, load_file
+from coconetc.toolchain import module_stem
 from coconetc.tune.cost import cost
 from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates
 
@@ -74,7 +76,7 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record = _record(mod, program, sizes, ranks, reps, pr, res)
-    cache.store(cache.key(mod.source, program, sizes, ranks), record)
+    tuned.store(tuned.key(mod.source, program, sizes, ranks), record)
     return record
 
 
@@ -83,12 +85,10 @@ def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, r
              timeout: float | None) -> dict[str, Any]:
     """Builds the file with the generated candidates appended and times them on R ranks."""
     gen = [c for c in pr.measured if c.generated and c.label == c.schedule]  # each text once
-    stem = "".join(ch if ch.isalnum() else "_" for ch in Path(mod.file).stem)
-    src = work / f"{stem}.ccn"
+    src = work / f"{module_stem(mod.file)}.ccn"
     src.write_text(augmented_source(mod, gen))
-    from coconetc.runtime.loader import compile_module
     echo(f"building one module with {len(pr.measured)} schedules ...")
-    compile_module(src, include_dirs=[str(Path(mod.file).resolve().parent)])
+    compile_cpu(load_file(src), include_dirs=[str(Path(mod.file).resolve().parent)])
     out = work / "result.json"
     argv = ["-m", "coconetc.jobs.tune", str(src), "--program", program, f"--reps={reps}",
             f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
@@ -107,7 +107,7 @@ def _record(mod: SourceFile, program: str, sizes, ranks: int, reps: int, pr: Pru
                         + json.dumps(res.get("problems"))[:2000])
     return {
         "file": mod.file, "program": program, "sizes": dict(sizes), "ranks": ranks, "groups": 1,
-        "machine": cache.machine(), "time": time.time(), "reps": reps,
+        "machine": tuned.machine(), "time": time.time(), "reps": reps,
         "measured": res["measured"], "choice": res["choice"],
         "by_convention": res["by_convention"], "conventions": res["conventions"],
         "problems": {k: v for k, v in res["problems"].items() if v},

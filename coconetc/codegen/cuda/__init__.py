@@ -1,7 +1,7 @@
 """The CUDA backend: one .cu source (all programs x schedules of a file) and its CMakeLists,
 rendered from the same execution plans as the CPU backend (each function by render.py, the
 module laid out by codegen/module.py), built with nvcc against NCCL, cuBLAS and the CUDA runtime
-from the PyPI wheels (coconetc/toolchain/cuda_build.py)."""
+from the PyPI wheels (coconetc/toolchain)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
              skip_unsupported: bool = False, libs: Libs | None = None, emulate: bool = False) -> CudaSources:
     """The module's sources. skip_unsupported: leave out the (program, schedule)s the CUDA
     renderer cannot render yet (else the first one raises Unsupported). libs: for extern
-    operations (headers, libraries). emulate: for the host emulation (toolchain/cuda_build.py:
-    compile_emulated), leaving out what emulation_problems names."""
+    operations (headers, libraries). emulate: for the host emulation (the toolchain's
+    cuda-emulated backend), leaving out what emulation_problems names."""
     skip = emulation_problems(mod) if emulate else {}
 
     def leave_out(key: tuple[str, str], plan: Plan) -> bool:

@@ -1,4 +1,4 @@
-"""The tuning cache: one JSON file, `tuning.json` under the build cache (COCONET_CACHE, default
+"""The tuning records: one JSON file, `tuning.json` under the build cache (COCONET_CACHE, default
 ~/.cache/coconet; COCONET_TUNING names another file), mapping a key to the tuner's record. The key is the file's
 content hash, the program, the size symbols, the ranks, the groups and the machine (host name,
 CPU model, core count), so a record never outlives what it measured.
@@ -7,8 +7,11 @@ A record holds what `coconetc tune --json` writes (measured, choice, generated, 
 `by_convention`: for each calling convention among the measured schedules ('' for the
 program's own parameter layouts, else e.g. 'm: sliced(0), v: sliced(0)'), the fastest
 verified schedule that takes it. A call with schedule="auto" runs the choice whose
-convention matches the arrays it was given (docs/performance.md). Nothing here imports the
-interpreter."""
+convention matches the arrays it was given (docs/performance.md).
+
+The store sits in the runtime, below the autotuner: a call with schedule="auto" reads it, the
+tuner (coconetc/tune/tuner.py) writes it through `store`. Nothing here imports the tuner or
+the interpreter."""
 
 from __future__ import annotations
 
@@ -22,7 +25,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from coconetc.toolchain.builder import cache_dir
+from coconetc.errors import CompileError
+from coconetc.plan.label import schedule_name
+from coconetc.sourcefile import SourceFile, add_schedules
+from coconetc.toolchain.probes import cache_dir
 
 FILE = "tuning.json"
 ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/tuning.json)
@@ -108,13 +114,21 @@ def generated_texts(record: dict[str, Any]) -> str:
     return "".join(texts[k] for k in sorted(texts))
 
 
-def schedule_name(label: str) -> str:
-    """A measured label's schedule: "zero@p2p" (zero, with point-to-point fused collectives) -> "zero"."""
-    return label.partition("@")[0]
-
-
 def cached_choice(fn: Any, sizes: dict[str, int], ranks: int, groups: int = 1) -> str | None:
     """The tuner's overall choice for program function FN at these sizes (the loader's and
     DistributedOptimizer's hook: the optimizer allocates state in the choice's layout)."""
     r = lookup(getattr(fn, "source", ""), fn.name, dict(sizes), ranks, groups)
     return None if r is None else r.get("choice")
+
+
+def with_tuned(mod: SourceFile) -> SourceFile:
+    """The file with the schedules the autotuner wrote and chose for it, so that schedule="auto"
+    can run them (what coconetc.load compiles); a stale record that no longer checks is left
+    out."""
+    text = tuned_schedules(mod.source)
+    if not text:
+        return mod
+    try:
+        return add_schedules(mod, text)
+    except CompileError:
+        return mod

@@ -1,0 +1,94 @@
+"""schedule="auto": the schedule the autotuner chose, read from the tuning records
+(tuned.py), never from the tuner itself. In a call (`for_call`): the fastest tuned schedule
+whose calling convention matches the arrays given; for a size set (`overall`,
+`fn.resolve_schedule("auto", ...)`): the tuner's overall choice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from coconetc.ir.nodes import Program
+from coconetc.plan.label import DEFAULT, parse
+from coconetc.runtime import layout, tuned
+from coconetc.runtime.marshal import local_shape
+
+
+def overall(fn: Any, comm: Any, groups: int, sizes: dict) -> str:
+    """The tuner's overall choice for FN at these sizes on the communicator's ranks; without
+    one a ValueError says how to make one."""
+    ranks = layout.group_position(comm, None, None, groups)[0] * groups
+    choice = tuned.cached_choice(fn, dict(sizes), ranks, groups)
+    if choice is None:
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"{fn.name}(schedule='auto'): the tuning cache has no choice for "
+                         f"{shown} on {ranks} ranks; run `coconetc tune` for these sizes "
+                         f"first, or name a schedule ({', '.join(fn.schedules)})")
+    return choice
+
+
+def for_call(fn: Any, comm: Any, groups: int, kwargs: dict) -> str:
+    """schedule="auto" in a call: the tuner's fastest schedule whose calling convention
+    (parameter layouts and local shapes at the tuned sizes) matches the arrays given, the
+    program's own layouts first. None tuned: a ValueError with the command to run."""
+    size = comm.Get_size()
+    gs = size // groups if groups >= 1 and size % groups == 0 else size
+    rank = comm.Get_rank() % gs
+    memo = (size, rank, groups, tuple((k, _shape(v)) for k, v in sorted(kwargs.items())))
+    if memo in fn.auto_memo:  # a training loop calls with the same shapes again and again
+        return fn.auto_memo[memo]
+    if fn.tuned is None:  # read once: the module holds the schedules tuned when it loaded
+        fn.tuned = tuned.records(fn.source, fn.name)
+    for rec in reversed(fn.tuned):
+        if rec.get("ranks") != size or rec.get("groups", 1) != groups:
+            continue
+        for label in rec.get("by_convention", {}).values():
+            p = fn.schedules.get(parse(label).name)
+            if p is not None and _shapes_match(p, kwargs, rec["sizes"], gs, rank):
+                fn.auto_memo[memo] = label
+                return label
+    raise ValueError(f"{fn.name}(schedule='auto'): the tuning cache holds no schedule for "
+                     f"these arrays on {size} ranks; run `{_tune_command(fn, kwargs, size)}` "
+                     f"first (and load the module again), or name a schedule "
+                     f"({', '.join(fn.schedules)})")
+
+
+def _shape(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return tuple(_shape(x) for x in v)
+    return tuple(getattr(v, "shape", ())) if hasattr(v, "shape") else None
+
+
+def _shapes_match(p: Program, kwargs: dict, sizes: dict, gs: int, rank: int) -> bool:
+    """Every tensor argument has p's local shape at these sizes on this rank."""
+    try:
+        for q in p.params:
+            if q.scalar:
+                continue
+            v = kwargs.get(q.name)
+            got = ((sum(int(np.prod(x.shape)) for x in v),) if isinstance(v, (list, tuple))
+                   else tuple(getattr(v, "shape", ())))
+            if got != local_shape(q.type, sizes, gs, rank):
+                return False
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
+def _tune_command(fn: Any, kwargs: dict, ranks: int) -> str:
+    """`coconetc tune FILE --ranks R --size ...` with the sizes the program's own layouts
+    read from these arrays (those of unsliced dims)."""
+    p = fn.schedules[DEFAULT]
+    sizes: dict[str, int] = {}
+    for q in p.params:
+        v = kwargs.get(q.name)
+        if q.scalar or v is None:
+            continue
+        shape = ((sum(int(np.prod(x.shape)) for x in v),) if isinstance(v, (list, tuple))
+                 else tuple(getattr(v, "shape", ())))
+        for i, d in enumerate(q.type.shape):
+            if isinstance(d, str) and i < len(shape) and not (q.type.layout.sliced and q.type.layout.dim == i):
+                sizes.setdefault(d, int(shape[i]))
+    shown = " ".join(f"--size {k}={v}" for k, v in sorted(sizes.items()))
+    return f"coconetc tune {fn.file} --program {fn.name} --ranks {ranks} {shown}".rstrip()

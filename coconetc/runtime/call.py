@@ -1,0 +1,172 @@
+"""A call's entry on this rank and its agreement with the others, for every backend: this
+rank's arguments checked (coconetc/ir/arguments.py), described (the function, the schedule,
+groups, every scalar's bits, every shape), and, once every rank's description has been
+exchanged (agree.py), checked to agree and bound to the size symbols. Any error raises the
+same exception on every rank before a buffer is touched."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from coconetc.ir.arguments import bind_sizes, check_param, describe, is_torch, overlapping
+from coconetc.ir.nodes import Program
+from coconetc.ir.storage import STORAGE
+from coconetc.plan.label import ScheduleLabel
+from coconetc.runtime import agree
+
+ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+HEAD = ("module", "function", "schedule", "groups", "communicator size")
+PACK = {"f16": "<e", "f32": "<f", "f64": "<d", "i32": "<i", "i64": "<q"}  # a scalar's bits
+
+
+@dataclass
+class Local:
+    """One call on this rank: its checked arguments, the PyTorch tensors it updates, and what
+    the other ranks are told (the call's description, or this rank's error)."""
+
+    program: Program | None
+    values: dict[str, Any]
+    torch_updated: list[Any]
+    torch_out: bool
+    shared: tuple
+    timeout: float = agree.DEFAULT_TIMEOUT
+    fast: Any = None  # a fastpath.Fast: set when this call repeats a recent call's buffers
+
+
+def failed(err: Exception, timeout: float = agree.DEFAULT_TIMEOUT) -> Local:
+    """This rank's error, told to the others at the exchange (then raised everywhere)."""
+    return Local(None, {}, [], False, ("error", type(err).__name__, str(err)), timeout)
+
+
+def check_groups(name: str, groups: Any) -> None:
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+        raise ValueError(f"{name}(): groups must be a positive integer, got {groups!r}")
+
+
+def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) -> Local:
+    """This rank's arguments to FN (a ProgramFunction) checked; `shared` is ("ok",
+    description) or ("error", kind, text)."""
+    timeout = agree.DEFAULT_TIMEOUT
+    try:
+        timeout = agree.timeout_s()
+        p = fn.program_of(label)
+        check_groups(fn.name, groups)
+        extra = sorted(set(kwargs) - {q.name for q in p.params})
+        if extra:
+            raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
+        updated = {t for t, _ in p.updates}
+        values: dict[str, Any] = {}
+        for q in p.params:
+            if q.name not in kwargs:
+                raise TypeError(f"{p.name}() missing argument '{q.name}'")
+            values[q.name] = check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
+        both = overlapping(p, values)
+        if both:
+            raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory (the same "
+                             "buffer, or views of one); pass separate arrays: the parameters of "
+                             "a coconet program may not alias")
+        torch_out = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
+                        for v in kwargs.values())
+        torch_updated = torch_updates(p, kwargs, updated) if torch_out else []
+        head = (fn.ext.__name__, fn.name, str(label), groups, size)
+        desc = (head, scalar_bits(p, values), tensor_shapes(p, values))
+        return Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
+    except (TypeError, ValueError, RuntimeError) as err:
+        return failed(err, timeout)
+
+
+def tensor_shapes(p: Program, values: dict) -> dict[str, Any]:
+    """The tensors' shapes of checked arguments (a list of them for segments): what the ranks
+    bind the size symbols from (the scalars travel as bits, scalar_bits)."""
+    return {k: v for k, v in describe(p, values).items() if k not in scalar_names(p)}
+
+
+def scalar_names(p: Program) -> frozenset[str]:
+    return frozenset(q.name for q in p.params if q.scalar)
+
+
+def torch_updates(p: Program, kwargs: dict, updated: set[str]) -> list[Any]:
+    """The PyTorch tensors the call updates in place. Outside torch.no_grad() one that requires
+    grad is refused, as PyTorch refuses an in-place operation on a leaf that requires grad;
+    under no_grad their version counters are bumped after the call (as torch.optim does)."""
+    found = []
+    for q in p.params:
+        if q.name not in updated:
+            continue
+        v = kwargs[q.name]
+        found += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if is_torch(t)]
+    if not found:
+        return []
+    import torch
+    for t in found:
+        if t.requires_grad and torch.is_grad_enabled():
+            name = next(q.name for q in p.params if q.name in updated and _holds(kwargs[q.name], t))
+            kind = "a leaf Variable" if t.is_leaf else "a tensor"
+            raise RuntimeError(f"'{name}': {kind} that requires grad is being used in an in-place "
+                               f"operation ({p.name} updates '{name}' in place); call it under "
+                               "torch.no_grad(), as optimizers do")
+    return found
+
+
+def _holds(v: Any, t: Any) -> bool:
+    return v is t or (isinstance(v, (list, tuple)) and any(x is t for x in v))
+
+
+def _bits(dtype: str, v: int | float) -> bytes:
+    fmt = PACK.get(dtype)
+    if fmt is not None:
+        try:
+            return struct.pack(fmt, v)
+        except (OverflowError, struct.error):  # beyond the dtype's range: as NumPy rounds it
+            pass
+    return np.asarray(v, STORAGE[dtype]).tobytes()
+
+
+def scalar_bits(p: Program, values: dict) -> tuple[tuple[str, Any, bytes], ...]:
+    """Each scalar's name, value and bits in the parameter's dtype (what the ranks compare)."""
+    return tuple((q.name, values[q.name], _bits(q.type.dtype, values[q.name]))
+                 for q in p.params if q.scalar)
+
+
+# --- what every rank was given ---------------------------------------------------------------
+def agreed(everyone: list, rank: int, p: Program | None, mine: tuple, cache: list):
+    """Raises (the same on every rank) unless every rank's call is well-formed and agrees;
+    returns (the size symbols, the segment sizes). `cache` holds the last call's shapes and
+    what they bound (a training loop calls with the same shapes again and again)."""
+    if mine[0] == "error":
+        raise ERRORS[mine[1]](mine[2])
+    for r, item in enumerate(everyone):
+        if item[0] == "error":
+            raise ValueError(f"rank {r} was given bad arguments: {item[2]}")
+    assert p is not None  # this rank's own error was raised above
+    descs = [item[1] for item in everyone]
+    first = descs[0][:2]
+    if any(d[:2] != first for d in descs):  # rare: find what differs, to say so
+        _disagreement(descs, rank, p)
+    shapes = [d[2] for d in descs]
+    groups = first[0][3]
+    if cache and cache[0] is p and cache[1] == groups and cache[2] == shapes:
+        return cache[3]
+    bound = bind_sizes(p, shapes, groups)
+    cache[:] = [p, groups, shapes, bound]
+    return bound
+
+
+def _disagreement(descs: list, rank: int, p: Program) -> None:
+    for k, label in enumerate(HEAD):
+        bad = agree.differ([d[0][k] for d in descs])
+        if bad:
+            raise ValueError(f"{p.name}(): the ranks disagree on the {label}: {bad}")
+    groups = descs[rank][0][3]
+    gs = len(descs) // groups if len(descs) % groups == 0 else len(descs)
+    for i, (name, _, _) in enumerate(descs[rank][1]):
+        for g in range(0, len(descs), gs):
+            bad = agree.differ([d[1][i] for d in descs[g:g + gs]], key=lambda nvb: nvb[2],
+                               show=lambda nvb: nvb[1], first=g)
+            if bad:
+                raise ValueError(f"{p.name}(): scalar '{name}' differs between ranks ({bad}); "
+                                 "a scalar must be the same on every rank of a group")

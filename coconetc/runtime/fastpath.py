@@ -1,0 +1,247 @@
+"""The hot path: a call that passes the same buffers as one of the recent agreed calls of its
+function (a training loop) skips the per-array checks and reuses the module's CallArgs. The
+NumPy arrays or CPU tensors are compared with the remembered ones (identity, shape, strides,
+dtype, flags or storage), the scalars packed with one struct, and the ranks exchange one
+64-byte record (the digest of the agreed configuration and the scalars' bits) over a
+persistent allgather (agree.Channel); any difference sends every rank through the full checks
+and exchange (call.py). Its speed matters (bench/call_overhead.py): add no work here."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from coconetc.ir.arguments import check_param, is_torch
+from coconetc.ir.storage import STORAGE
+from coconetc.runtime import agree, shm
+from coconetc.runtime.call import PACK, Local, scalar_bits, scalar_names, torch_updates
+from coconetc.runtime.marshal import as_torch, local_shape
+
+
+@dataclass
+class Fast:
+    """A recent call of a function on this thread (ProgramFunction._last), remembered so that a
+    call with the same buffers (a training loop) skips the per-array checks and reuses the
+    module's CallArgs: the
+    key (the buffers' identity, shape, dtype, strides), the objects (kept alive so that their
+    ids are not reused), what the checks returned, and the arguments built for the module."""
+
+    key: tuple
+    refs: list
+    local: Local
+    shapes: dict
+    scalars: list  # (name, is integer) of the scalar parameters, in order
+    args: Any = None
+    sizes: Any = None
+    run: Any = None
+    windows: int = 0
+    # the agreed configuration: digest of every rank's description at the last full exchange
+    # that this call's buffers took part in (set once that call ran); None until then
+    config: bytes | None = None
+    hot: Hot | None = None  # the hot path's precomputed checks (NumPy arrays and scalars only)
+
+
+@dataclass
+class Hot:
+    """What the hot path (ProgramFunction.__call__ -> hot_check) compares a call against: the
+    communicator object and handle, the NumPy arrays (object, shape, strides, dtype) and CPU
+    PyTorch tensors (also their storage), the scalars' names and how their bits are packed,
+    the watchdog's label and COCONET_TIMEOUT as read."""
+
+    comm: Any
+    world: Any
+    handle: int
+    groups: int
+    nkw: int
+    arrays: tuple  # (name, array, shape, strides, dtype, writeable) each
+    torch: tuple  # (name, tensor, shape, strides, dtype, data pointer, requires_grad) each
+    torch_updated: tuple  # the tensors the call updates in place (their versions are bumped)
+    grad_check: bool  # an updated tensor requires grad: only under torch.no_grad()
+    torch_out: bool  # outputs are returned as tensors
+    scalars: tuple  # (name, is integer) each, in parameter order
+    pack: struct.Struct
+    floats_only: bool
+    what: str
+    timeout_raw: Any
+    limit: float
+    channel: Any
+    outputs: tuple  # (shape, dtype) of each output array
+
+
+def ident(v: Any) -> tuple | None:
+    """What makes a buffer the same buffer as last call: its object, shape, dtype, strides (and
+    data pointer, for a torch tensor, whose storage can be swapped); None for a value the fast
+    path does not take (any other type)."""
+    if type(v) is np.ndarray:
+        return (id(v), v.shape, v.dtype, v.strides, v.flags.writeable)
+    if is_torch(v):
+        return (id(v), tuple(v.shape), v.dtype, v.stride(), v.data_ptr(), v.requires_grad, v.device.type)
+    if isinstance(v, list):
+        parts = tuple(ident(x) for x in v)
+        return None if None in parts else (id(v), len(v), parts)
+    return None
+
+
+def call_key(fn: Any, schedule, groups, comm, kwargs: dict, scalars: frozenset) -> tuple | None:
+    idents = []
+    for k, v in kwargs.items():
+        if k in scalars:
+            idents.append(k)
+            continue
+        i = ident(v)
+        if i is None:
+            return None
+        idents.append((k, i))
+    return (schedule, groups, comm.py2f(), tuple(idents))
+
+
+def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
+    """This rank's checked arguments without checking each buffer again, when the call passes
+    the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
+    otherwise (the full checks run)."""
+    fast = fn._last.get(slot_of(fn, schedule, kwargs))
+    if fast is None or fast.local.program is None or fast.key[0] != schedule:
+        return None
+    p = fast.local.program
+    if call_key(fn, schedule, groups, comm, kwargs, scalar_names(p)) != fast.key:
+        return None
+    values = dict(fast.local.values)
+    try:
+        for q in p.params:
+            if q.scalar:
+                values[q.name] = check_param(q, kwargs[q.name])
+        torch_updated = torch_updates(p, kwargs, {t for t, _ in p.updates}) if fast.local.torch_out else []
+    except (TypeError, ValueError, RuntimeError):
+        return None  # the full checks report it
+    head = fast.local.shared[1][0]
+    desc = (head, scalar_bits(p, values), fast.shapes)
+    return replace(fast.local, values=values, torch_updated=torch_updated, shared=("ok", desc),
+                   timeout=agree.timeout_s(), fast=fast)
+
+
+RECENT = 64  # calls (sets of buffers) remembered per function
+
+
+def slot_of(fn: Any, schedule, kwargs: dict) -> tuple:
+    """Where fn._last keeps a call with these buffers."""
+    return (threading.get_ident(), schedule, *map(id, map(kwargs.get, fn._tensors)))
+
+
+def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
+              what: str) -> None:
+    """After a call whose checks passed everywhere: remember its buffers for repeat (and,
+    when every tensor is a NumPy array, for the hot path)."""
+    p = local.program
+    assert p is not None
+    key = call_key(fn, schedule, groups, comm, kwargs, scalar_names(p))
+    if key is None:
+        return
+    scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
+    local.fast = Fast(key, list(kwargs.values()), local, local.shared[1][2], scalars)
+    slot = slot_of(fn, schedule, kwargs)
+    fn._last.pop(slot, None)
+    fn._last[slot] = local.fast
+    while len(fn._last) > RECENT:  # the oldest first
+        del fn._last[next(iter(fn._last))]
+    tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
+    arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
+    torches = [(k, v) for k, v in tensors if type(v) is not np.ndarray and is_torch(v)
+               and hasattr(v, "data_ptr") and v.device.type == "cpu"]
+    if len(arrays) + len(torches) == len(tensors) and \
+            all(q.type.dtype in PACK for q in p.params if q.scalar):
+        from mpi4py import MPI
+        gs = comm.Get_size() // groups
+        outs = tuple((p.type_of(s), STORAGE[p.type_of(s).dtype]) for _, s in p.outputs)
+        updated = {t for t, _ in p.updates}
+        local.fast.hot = Hot(
+            comm=comm, world=MPI.COMM_WORLD, handle=comm.py2f(), groups=groups, nkw=len(kwargs),
+            arrays=tuple((k, v, v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),
+            torch=tuple((k, v, tuple(v.shape), v.stride(), v.dtype, v.data_ptr(), v.requires_grad)
+                        for k, v in torches),
+            torch_updated=tuple(local.torch_updated),
+            grad_check=any(v.requires_grad for k, v in torches if k in updated),
+            torch_out=local.torch_out,
+            scalars=tuple(scalars),
+            pack=struct.Struct("<" + "".join(PACK[q.type.dtype][1:] for q in p.params if q.scalar)),
+            floats_only=not any(i for _, i in scalars), what=what,
+            timeout_raw=agree.timeout_raw(), limit=local.timeout, channel=agree.channel(comm),
+            outputs=(gs, comm.Get_rank() % gs, outs) if outs else ())
+
+
+def hot_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None:
+    """The scalars (as the module takes them) and their record bits when the call passes the
+    same arrays, unchanged, as the call `hot` was made for, on the same communicator and
+    groups, with scalars of the plain Python types; None otherwise (the general path runs)."""
+    if (comm if comm is not None else hot.world) is not hot.comm or hot.comm.py2f() != hot.handle \
+            or type(groups) is not int or groups != hot.groups or len(kwargs) != hot.nkw \
+            or agree.timeout_raw() != hot.timeout_raw:
+        return None
+    for name, a, shape, strides, dtype, writeable in hot.arrays:
+        v = kwargs.get(name)
+        if v is not a or v.shape != shape or v.strides != strides or v.dtype is not dtype \
+                or v.flags.writeable != writeable:
+            return None
+    if hot.torch and not hot_torch(hot, kwargs):
+        return None
+    vals: list = []
+    try:
+        return hot_scalars(hot, kwargs, vals)
+    except (OverflowError, struct.error):
+        return None  # out of range: the general path rounds it as NumPy does, or says why
+
+
+def hot_scalars(hot: Hot, kwargs: dict, vals: list) -> tuple[list, bytes] | None:
+    for name, integer in hot.scalars:
+        v: Any = kwargs.get(name)
+        t = type(v)
+        if t is float and not integer:
+            vals.append(v)
+        elif t is int:
+            vals.append(v if integer else float(v))  # float(v) may overflow: caught below
+        else:
+            return None
+    return vals, agree.scalar_record(hot.pack.pack(*vals))
+
+
+def hot_torch(hot: Hot, kwargs: dict) -> bool:
+    """The PyTorch tensors are those of the remembered call, unchanged (shape, strides, dtype,
+    storage, requires_grad), and none that requires grad is updated with grad mode on (the
+    general path raises for that)."""
+    for name, t, shape, stride, dtype, ptr, grad in hot.torch:
+        v = kwargs.get(name)
+        if v is not t or v.shape != shape or v.stride() != stride or v.dtype is not dtype \
+                or v.data_ptr() != ptr or v.requires_grad != grad:
+            return False
+    if hot.grad_check:
+        import torch
+        return not torch.is_grad_enabled()
+    return True
+
+
+def run_hot(fast: Fast, hot: Hot, vals: list):
+    """Runs the module function of an agreed repeated call (the hot path of __call__)."""
+    args = fast.args
+    if hot.floats_only:
+        args.scalars = vals
+    else:
+        args.scalars = [0.0 if i else float(v) for v, (_, i) in zip(vals, hot.scalars)]
+        args.iscalars = [int(v) if i else 0 for v, (_, i) in zip(vals, hot.scalars)]
+    outs = None
+    if hot.outputs:
+        gs, rank, types = hot.outputs
+        sizes = fast.sizes[0]
+        outs = [np.empty(local_shape(t, sizes, gs, rank), dtype=dt) for t, dt in types]
+        args.outputs = [o.ctypes.data for o in outs]
+    if fast.windows != len(shm.WINDOWS):
+        args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
+    fast.run(args)
+    if hot.torch_updated:
+        import torch
+        torch.autograd.graph.increment_version(hot.torch_updated)
+    if outs and hot.torch_out:
+        outs = [as_torch(o) for o in outs]
+    return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,0 +1,78 @@
+"""The arguments of a module function, laid out as the generated code takes them (CallArgs,
+runtime_cpp/coconet/module.h): the tensors' addresses (each segment's for a scattered
+parameter), the outputs allocated at this rank's local shape, the size symbols in sorted
+order, the scalars as doubles and int64s. One copy for every backend: CPU modules take NumPy
+arrays, CUDA modules torch CUDA tensors, the host emulation NumPy arrays standing for device
+memory; they differ only in how an address is read (`ptr`) and an output made (`make`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from coconetc.ir.nodes import Program
+from coconetc.ir.slices import slice_range
+from coconetc.ir.storage import STORAGE
+from coconetc.ir.types import eval_dim
+
+
+def local_shape(t, sizes: dict, gs: int, rank: int) -> tuple[int, ...]:
+    """This rank's shape of a value of type T at these sizes, in a group of GS ranks."""
+    shape = [eval_dim(d, sizes) for d in t.shape]
+    if t.layout.sliced:
+        lo, hi = slice_range(shape[t.layout.dim], gs, rank)
+        shape[t.layout.dim] = hi - lo
+    return tuple(shape)
+
+
+def host_ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def device_ptr(t: Any) -> int:
+    return t.data_ptr()
+
+
+def numpy_empty(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.empty(shape, dtype=STORAGE[dtype])
+
+
+def tensors(args: Any, p: Program, values: dict, segments, ptr: Callable[[Any], int]) -> None:
+    """Each tensor parameter's address (0 for a scattered one) and its segments' addresses."""
+    ts, segs = [], []
+    for q in p.params:
+        if q.scalar:
+            continue
+        v = values[q.name]
+        if isinstance(v, list):
+            ts.append(0)
+            segs.append([ptr(x) for x in v])
+        else:
+            ts.append(ptr(v))
+            segs.append([])
+    args.tensors, args.seg_ptrs, args.seg_sizes = ts, segs, list(segments or ())
+
+
+def outputs(p: Program, sizes: dict, gs: int, rank: int, make: Callable[[tuple[int, ...], str], Any]) -> list:
+    """The program's outputs, each made by `make(local shape, dtype)`."""
+    return [make(local_shape(p.type_of(s), sizes, gs, rank), p.type_of(s).dtype) for _, s in p.outputs]
+
+
+def scalars(args: Any, p: Program, values: dict, sizes: dict) -> None:
+    """The size symbols (sorted by name) and the scalars (floats and integers apart)."""
+    args.sizes = [sizes[s] for s in sorted(sizes)]
+    scal = [q for q in p.params if q.scalar]
+    args.scalars = [float(values[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
+    args.iscalars = [int(values[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
+
+
+def as_torch(a: np.ndarray):
+    import torch
+    return torch.from_numpy(a)
+
+
+def returned(outs: list) -> Any:
+    """What a call returns: None, its one output, or a tuple of them."""
+    return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,0 +1,111 @@
+"""Built modules on disk, written so that nobody ever loads half of one.
+
+A module's folder holds its sources, `build/<module>*.so` and `manifest.json` (the .so's file
+name, size and sha256), written last. A module counts as built only when its manifest is there
+and the .so matches it; anything else (a build that died, a truncated or edited .so, a folder
+from an older coconetc) is built again. A build runs in a fresh temporary folder beside the
+module's; the .so is renamed into place, then the manifest (each an atomic rename). Ranks on one
+node that ask for the same module at once take a file lock: one builds, the others wait and
+load what it built; ranks that share no lock (other nodes) each build in their own temporary
+folder, and the renames leave one complete module."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from coconetc.toolchain.probes import BuildError
+
+MANIFEST = "manifest.json"
+STALE_S = 24 * 3600  # a temporary build folder this old was left by a build that was killed
+Run = Callable[[Path, Path, Any], None]  # (source folder, build folder, log): builds the module
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """PATH's contents replaced at once (a temporary file beside it, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        os.fchmod(fd, 0o644)  # as an ordinary file (mkstemp makes it private)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verified(out_dir: Path, module: str) -> Path | None:
+    """The module's .so when its manifest is there and the file matches it (name, size,
+    sha256); None otherwise (not built, or partial or corrupt: build it again)."""
+    try:
+        m = json.loads((out_dir / MANIFEST).read_text())
+        so = out_dir / "build" / m["so"]
+        if m.get("module") != module or so.stat().st_size != m["size"] or _sha256(so) != m["sha256"]:
+            return None
+        return so
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def build(module: str, files: dict[str, str], out_dir: Path, run: Run, log=None) -> Path:
+    """MODULE built from FILES (name -> text) in OUT_DIR (absolute) by `run`, or the module
+    already built there; returns the path of its .so."""
+    assert out_dir.is_absolute(), out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so = verified(out_dir, module)
+    if so is not None:
+        return so
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        so = verified(out_dir, module)  # built by whoever held the lock before us
+        if so is not None:
+            return so
+        (out_dir / MANIFEST).unlink(missing_ok=True)
+        _sweep(out_dir)
+        for name, text in files.items():
+            write_atomic(out_dir / name, text)
+        return _build_fresh(module, out_dir, run, log)
+
+
+def _sweep(out_dir: Path) -> None:
+    """Removes the temporary build folders that builds killed long ago left behind."""
+    for d in out_dir.glob(".build-*"):
+        try:
+            if d.stat().st_mtime < time.time() - STALE_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _build_fresh(module: str, out_dir: Path, run: Run, log) -> Path:
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".build-"))
+    try:
+        run(out_dir, tmp, log)
+        hits = sorted(tmp.glob(f"{module}*.so"))
+        if not hits:
+            raise BuildError(f"coconetc: the build finished but made no module in {out_dir}")
+        final = out_dir / "build" / hits[0].name
+        final.parent.mkdir(exist_ok=True)
+        os.replace(hits[0], final)
+        manifest = {"module": module, "so": final.name, "size": final.stat().st_size, "sha256": _sha256(final)}
+        write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1))
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,195 @@
+"""`compile(source_file, backend, options) -> Artifact`: the one way from a checked .ccn file
+(an already parsed SourceFile) to a built Python extension module, for every backend:
+
+    cpu            C++ and MPI (codegen.cpu), built with CMake and mpicxx
+    cuda           CUDA, NCCL, cuBLAS (codegen.cuda), built with CMake and nvcc
+    cuda-emulated  the same module.cu compiled as C++ for the host emulation
+
+A module is named `<prefix>_<file stem>_<key>`, the key a hash of the generated sources (under
+a placeholder name), the options, the compiler (probes.py) and the tools, so a module is built
+once per content (artifacts.py: cached, verified, written atomically)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from coconetc.codegen import cpu, cuda
+from coconetc.codegen.libs import Libs
+from coconetc.errors import CompileError, Span
+from coconetc.paths import runtime_dir
+from coconetc.sourcefile import SourceFile
+from coconetc.toolchain import artifacts, commands
+from coconetc.toolchain.probes import (BuildError, cache_dir, compiler_hash, cuda_hash, cuda_toolchain,
+                                       emulation_missing, require_cpu_extra, toolchain)
+
+BACKENDS = ("cpu", "cuda", "cuda-emulated")
+PROBE = "ccn_module_name_placeholder"  # the module's name while its key is computed
+PREFIX = {"cpu": "ccn", "cuda": "ccn_cuda", "cuda-emulated": "ccn_emu"}
+SOURCE = {"cpu": "module.cpp", "cuda": "module.cu", "cuda-emulated": "module.cu"}
+
+
+def _absolute(dirs) -> tuple[str, ...]:
+    return tuple(str(Path(d).absolute()) for d in dirs)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to compile. Every path is made absolute here, once (a relative path given on the
+    command line means the same in CMake's build folder). out_dir: where the sources and the
+    build go (None: the cache, COCONET_CACHE). name: the module's name (only with
+    build=False, for a build system to compile; default: the hashed name). archs: CUDA
+    architectures (default codegen.cuda.DEFAULT_ARCHS). include_dirs, library_dirs,
+    libraries: for the file's extern operations (-I, -L, -l)."""
+
+    out_dir: str | Path | None = None
+    build: bool = True
+    name: str | None = None
+    archs: str | None = None
+    include_dirs: tuple[str, ...] = ()
+    library_dirs: tuple[str, ...] = ()
+    libraries: tuple[str, ...] = ()
+    log: Callable[[str], None] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: normalized once, at construction
+        set_(self, "out_dir", None if self.out_dir is None else Path(self.out_dir).absolute())
+        set_(self, "include_dirs", _absolute(self.include_dirs))
+        set_(self, "library_dirs", _absolute(self.library_dirs))
+        set_(self, "libraries", tuple(self.libraries))
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A compiled file: the SourceFile, the generated sources (their `module` is the module's
+    name, `functions` each (program, schedule)'s function), the folder and the built .so
+    (None when not built)."""
+
+    source_file: SourceFile
+    backend: str
+    sources: Any
+    directory: Path | None
+    path: Path | None
+
+    @property
+    def module(self) -> str:
+        return self.sources.module
+
+    def write_sources(self, out_dir: str | Path) -> list[Path]:
+        """The module's sources written to OUT_DIR (for a build system to compile)."""
+        out = Path(out_dir)
+        files = _files(self.backend, self.sources)
+        for name, text in files.items():
+            artifacts.write_atomic(out / name, text)
+        return [out / name for name in files]
+
+
+def identifier(text: str) -> str:
+    """TEXT as part of a Python module name: "my-model" -> "my_model"."""
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def module_stem(file: str | Path) -> str:
+    """A file's stem as part of a Python module name: "my-model.ccn" -> "my_model"."""
+    return identifier(Path(file).stem)
+
+
+def _key(parts: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _files(backend: str, src: Any) -> dict[str, str]:
+    if backend == "cpu":
+        return {"module.cpp": src.cpp, "CMakeLists.txt": src.cmake}
+    if backend == "cuda":
+        return {"module.cu": src.cu, "CMakeLists.txt": src.cmake}
+    return {"module.cu": src.cu}
+
+
+def _named(src: Any, name: str) -> Any:
+    """The sources under the module's name instead of the placeholder (no second generation)."""
+    text = {k: getattr(src, k).replace(PROBE, name) for k in ("cpp", "cu", "cmake") if hasattr(src, k)}
+    return replace(src, module=name, **text)
+
+
+def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = None) -> Artifact:  # noqa: A001
+    """MOD's module for BACKEND: generated, and built unless options.build is False (cached
+    by content; a cached module is checked before it is used and built again if it is not
+    whole). Raises CompileError for the file, BuildError for the build."""
+    o = options or Options()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if o.name is not None and o.build:
+        raise ValueError("Options.name goes with build=False (a built module is named by its key)")
+    if not mod.programs:
+        raise CompileError.at(Span(mod.file, 1, 1, 1, 1, mod.source), "no program in this file: nothing to compile")
+    if backend == "cpu" and o.build:
+        require_cpu_extra()
+    libs = Libs.of(mod.file, bool(mod.externs), o.include_dirs, o.library_dirs, o.libraries)
+    src = _generate(mod, backend, o, libs, o.name or PROBE)
+    if not o.build:
+        return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
+                        None if o.out_dir is None else Path(o.out_dir), None)
+    key = _key([*_compiler(backend, o), *_files(backend, src).values(), _libs_key(mod, backend, libs)])
+    name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
+    run = {"cpu": commands.cmake_cpu, "cuda": commands.cmake_cuda}.get(backend) or commands.emulated(name, runtime_dir())
+    return _build(mod, backend, _named(src, name), o, run)
+
+
+def _generate(mod: SourceFile, backend: str, o: Options, libs: Libs, name: str) -> Any:
+    if backend == "cpu":
+        return cpu.generate(mod, name, libs)
+    if backend == "cuda":
+        return cuda.generate(mod, name, o.archs or cuda.DEFAULT_ARCHS, True, libs)
+    return cuda.generate(mod, name, skip_unsupported=True, emulate=True)
+
+
+def _compiler(backend: str, o: Options) -> list[str]:
+    """What the key holds besides the sources: the compiler, the tools, the options."""
+    if backend == "cpu":
+        return [compiler_hash(), "cpu", toolchain().key()]
+    if backend == "cuda":
+        return [cuda_hash(), f"cuda|{o.archs or cuda.DEFAULT_ARCHS}", cuda_toolchain().key()]
+    why = emulation_missing()
+    if why:
+        raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
+    return _emulated_parts(runtime_dir())
+
+
+def _emulated_parts(runtime: Path) -> list[str]:
+    headers = [f.read_bytes().decode() for f in sorted([*runtime.rglob("*.h"), *runtime.rglob("*.cuh")])]
+    return [compiler_hash(), *headers, toolchain().key(), "emulate"]
+
+
+def _libs_key(mod: SourceFile, backend: str, libs: Libs) -> str:
+    if libs == Libs() or backend == "cuda-emulated":
+        return ""
+    return libs.fingerprint(mod.extern_headers("cpp" if backend == "cpu" else "cuda"))
+
+
+def _build(mod: SourceFile, backend: str, src: Any, o: Options, run: artifacts.Run) -> Artifact:
+    where = Path(o.out_dir) if o.out_dir else cache_dir().absolute() / src.module
+    so = artifacts.build(src.module, _files(backend, src), where, run, o.log)
+    return Artifact(mod, backend, src, where, so)
+
+
+def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = None,
+                   runtime: str | Path | None = None, log=None) -> tuple[str, Path]:
+    """A generated module.cu (its module named PROBE) built for the host emulation against
+    RUNTIME (another copy of runtime_cpp/: tests edit it). Returns (module name, .so path),
+    cached by a hash of everything that goes in."""
+    why = emulation_missing()
+    if why:
+        raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
+    rt = Path(runtime).absolute() if runtime else runtime_dir()
+    name = f"{PREFIX['cuda-emulated']}_{identifier(stem)}_{_key([*_emulated_parts(rt), cu])}"
+    where = Path(out_dir).absolute() if out_dir else cache_dir().absolute() / name
+    so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where, commands.emulated(name, rt), log)
+    return name, so

@@ -1,0 +1,176 @@
+"""What the toolchain finds on this machine: the C++ (MPI) and CUDA build tools, the wheels
+they build against, and the hashes of the compiler parts a build depends on. Nothing here runs
+a compiler (commands.py does)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from coconetc.paths import runtime_dir
+
+ENV_CACHE = "COCONET_CACHE"  # where built modules live (default ~/.cache/coconet)
+ENV_VERBOSE = "COCONET_VERBOSE"  # 1: show cmake's output while building
+ENV_NVCC = "COCONET_NVCC"  # the nvcc to use (default: CUDACXX, PATH, /usr/local/cuda/bin/nvcc)
+ENV_BUILD_JOBS = "COCONET_BUILD_JOBS"  # parallel jobs of a CUDA build (default 2)
+CPU_EXTRA = ("pybind11", "mpi4py", "scipy_openblas32")  # what pip install 'coconet[cpu]' brings
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "coconet")
+
+
+def _platform() -> list[str]:
+    return [sys.version, sysconfig.get_platform()]
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """The CPU builds' tools: CMake, the MPI C++ compiler, pybind11 and OpenBLAS."""
+
+    cmake: str
+    mpicxx: str
+    pybind11_dir: str
+    blas_include: str
+    blas_lib: str
+
+    def key(self) -> str:
+        return "|".join([*map(str, self.__dict__.values()), *_platform()])
+
+
+@dataclass(frozen=True)
+class CudaToolchain:
+    """The CUDA builds' tools: CMake, nvcc, pybind11, NCCL and cuBLAS/CUDA runtime wheels."""
+
+    cmake: str
+    nvcc: str
+    pybind11_dir: str
+    nccl_include: str
+    nccl_libdir: str
+    cuda_include: str
+    cuda_libdir: str
+
+    def key(self) -> str:
+        return "|".join([*map(str, self.__dict__.values()), *_platform()])
+
+
+def _bin(name: str, extra: str = "cpu") -> str:
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
+    if not found:
+        raise BuildError(f"coconetc: cannot find '{name}' (install the {extra} extra: pip install 'coconet[{extra}]')")
+    return found
+
+
+@cache
+def toolchain() -> Toolchain:
+    require_cpu_extra()
+    import pybind11
+    import scipy_openblas32 as blas
+    libdir = Path(blas.get_lib_dir())
+    libs = sorted(libdir.glob("libscipy_openblas*.so*")) or sorted(libdir.glob("*openblas*"))
+    if not libs:
+        raise BuildError(f"coconetc: no OpenBLAS library in {libdir}")
+    return Toolchain(_bin("cmake"), _bin("mpicxx"), pybind11.get_cmake_dir(), blas.get_include_dir(),
+                     str(libs[0]))
+
+
+@cache
+def missing_cpu_extra() -> tuple[str, ...]:
+    return tuple(m for m in CPU_EXTRA if importlib.util.find_spec(m) is None)
+
+
+def require_cpu_extra() -> None:
+    """Building or calling a CPU module needs the `cpu` extra: say so, not 'No module named'."""
+    missing = missing_cpu_extra()
+    if missing:
+        raise BuildError(f"coconetc: the CPU backend needs the 'cpu' extra, which is not installed "
+                         f"(missing: {', '.join(missing)}); install it with: "
+                         "pip install 'coconet[cpu]'")
+
+
+def find_nvcc() -> str | None:
+    for c in (os.environ.get(ENV_NVCC), os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if c and Path(c).exists():
+            return c
+    return None
+
+
+def wheel_dirs() -> tuple[Path, Path] | None:
+    """(nvidia/nccl, nvidia/cu13) of the installed wheels, or None."""
+    try:
+        import nvidia  # namespace package of the NVIDIA wheels (untyped: see pyproject)
+    except ImportError:
+        return None
+    for root in map(Path, nvidia.__path__):
+        nccl, cu = root / "nccl", root / "cu13"
+        if (nccl / "lib" / "libnccl.so.2").exists() and (cu / "lib" / "libcublas.so.13").exists() \
+                and (cu / "lib" / "libcudart.so.13").exists():
+            return nccl, cu
+    return None
+
+
+def cuda_missing() -> str | None:
+    """Why CUDA modules cannot be built here (None: they can)."""
+    if find_nvcc() is None:
+        return "no nvcc (set COCONET_NVCC or install the CUDA toolkit)"
+    if wheel_dirs() is None:
+        return "no NCCL/cuBLAS/CUDA runtime wheels (pip install 'coconet[cuda]')"
+    if importlib.util.find_spec("pybind11") is None:
+        return "no pybind11 (pip install 'coconet[cuda]')"
+    return None
+
+
+@cache
+def cuda_toolchain() -> CudaToolchain:
+    why = cuda_missing()
+    if why:
+        raise BuildError(f"coconetc: cannot build CUDA modules: {why}")
+    import pybind11
+    nccl, cu = wheel_dirs()  # type: ignore[misc]
+    return CudaToolchain(_bin("cmake", "cuda"), str(find_nvcc()), pybind11.get_cmake_dir(),
+                         str(nccl / "include"), str(nccl / "lib"), str(cu / "include"), str(cu / "lib"))
+
+
+def emulation_missing() -> str | None:
+    """Why the emulated CUDA module cannot be built here (None: it can)."""
+    gone = missing_cpu_extra()
+    if gone:
+        return f"the host emulation needs the 'cpu' extra (missing: {', '.join(gone)})"
+    return None
+
+
+def _hash_files(h, files) -> None:
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+
+
+@cache
+def compiler_hash() -> str:
+    """The part of the compiler a build depends on besides the generated text (which the key
+    hashes itself): its version, its templates and the runtime headers the source includes."""
+    from coconetc.version import __version__
+    h = hashlib.sha256(__version__.encode())
+    pkg = Path(__file__).resolve().parent.parent
+    _hash_files(h, sorted([*pkg.rglob("*.j2"), *runtime_dir().rglob("*.h")]))
+    return h.hexdigest()
+
+
+@cache
+def cuda_hash() -> str:
+    """compiler_hash and the CUDA runtime headers."""
+    h = hashlib.sha256(compiler_hash().encode())
+    _hash_files(h, sorted(runtime_dir().rglob("*.cuh")))
+    return h.hexdigest()

@@ -1,0 +1,178 @@
+"""The toolchain (coconetc/toolchain/): one compile(source_file, backend, options) for every
+backend, taking a parsed file; paths made absolute once; cached modules verified by their
+manifest before they are loaded (a partial or corrupt one is built again) and written
+atomically, so that ranks building at once never see half a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from coconetc import toolchain
+from coconetc.sourcefile import load_source
+from coconetc.toolchain import artifacts, probes
+
+REPO = Path(__file__).resolve().parent.parent
+
+SCALE = """program scale(x: f32[N] local, a: f32) {{
+    y = update(x, x * a + {k})
+}}
+"""
+
+
+def _program(tmp: Path, name: str, k: float) -> Path:
+    path = tmp / f"{name}.ccn"
+    path.write_text(SCALE.format(k=k))
+    return path
+
+
+# ---- naming and options -----------------------------------------------------------------------
+def test_module_stem_is_one_identifier() -> None:
+    assert toolchain.module_stem("dir/my-model.v2.ccn") == "my_model_v2"
+    assert toolchain.module_stem(Path("adam.ccn")) == "adam"
+
+
+def test_options_paths_are_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    o = toolchain.Options(out_dir="out/", include_dirs=["inc"], library_dirs=["lib"], libraries=["m"])
+    assert o.out_dir == tmp_path / "out"
+    assert o.include_dirs == (str(tmp_path / "inc"),) and o.library_dirs == (str(tmp_path / "lib"),)
+    assert o.libraries == ("m",)
+
+
+def test_compile_takes_the_parsed_file() -> None:
+    """No second parse: the file need not exist (it is never read again)."""
+    mod = load_source(SCALE.format(k=1.0), "nowhere/scale.ccn")
+    art = toolchain.compile(mod, "cpu", toolchain.Options(build=False))
+    assert art.source_file is mod and art.path is None
+    assert art.module == "ccn_scale" and "ccn_scale" in art.sources.cpp
+    named = toolchain.compile(mod, "cuda", toolchain.Options(build=False, name="m1"))
+    assert named.module == "m1" and "m1" in named.sources.cu
+    with pytest.raises(ValueError, match="backend must be one of"):
+        toolchain.compile(mod, "fpga")
+    with pytest.raises(ValueError, match="name goes with build=False"):
+        toolchain.compile(mod, "cpu", toolchain.Options(name="m1"))
+
+
+# ---- the artifact cache, without a compiler ---------------------------------------------------
+def _fake_run(calls: list):
+    def run(src: Path, build: Path, log) -> None:
+        calls.append(build)
+        (build / "m.cpython-x.so").write_bytes(b"\x7fELF" + b"x" * 1000)
+    return run
+
+
+def test_manifest_is_written_last_and_checked(tmp_path: Path) -> None:
+    calls: list = []
+    out = tmp_path / "m"
+    so = artifacts.build("m", {"module.cpp": "text"}, out, _fake_run(calls))
+    assert so == out / "build" / "m.cpython-x.so" and len(calls) == 1
+    manifest = json.loads((out / artifacts.MANIFEST).read_text())
+    assert manifest["size"] == 1004 and manifest["module"] == "m"
+    assert not list(out.glob(".build-*")), "the temporary build folder is removed"
+    assert artifacts.build("m", {"module.cpp": "text"}, out, _fake_run(calls)) == so and len(calls) == 1
+    # truncated, or the same size with other bytes: built again
+    so.write_bytes(so.read_bytes()[:100])
+    assert artifacts.verified(out, "m") is None
+    artifacts.build("m", {"module.cpp": "text"}, out, _fake_run(calls))
+    assert len(calls) == 2 and artifacts.verified(out, "m") == so
+    so.write_bytes(b"\x7fELF" + b"y" * 1000)
+    assert artifacts.verified(out, "m") is None
+
+
+def test_a_killed_builds_folder_is_swept(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    old, new = out / ".build-old", out / ".build-new"
+    old.mkdir(parents=True)
+    new.mkdir()
+    os.utime(old, (0, 0))
+    artifacts.build("m", {"module.cpp": "text"}, out, _fake_run([]))
+    assert not old.exists() and new.exists()  # a recent one may be another node's build
+
+
+def test_a_failed_build_leaves_no_module(tmp_path: Path) -> None:
+    def fails(src: Path, build: Path, log) -> None:
+        (build / "m.so").write_bytes(b"half")
+        raise probes.BuildError("compiler died")
+
+    out = tmp_path / "m"
+    with pytest.raises(probes.BuildError, match="compiler died"):
+        artifacts.build("m", {"module.cpp": "text"}, out, fails)
+    assert artifacts.verified(out, "m") is None and not (out / "build").exists()
+    assert not list(out.glob(".build-*"))
+
+
+# ---- real builds ------------------------------------------------------------------------------
+LOAD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import coconetc
+    said = []
+    mod = coconetc.load(sys.argv[1], log=said.append)
+    x = np.ones(5, np.float32)
+    mod.scale(x=x, a=2.0)
+    assert np.allclose(x, 2.0 + float(sys.argv[2])), x
+    print("BUILT" if any("configuring" in m for m in said) else "CACHED", flush=True)
+""")
+
+
+def _load(path: Path, k: float, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", LOAD, str(path), str(k)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _done(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return out.strip()
+
+
+@pytest.fixture
+def cache_env(tmp_path: Path) -> dict:
+    if probes.missing_cpu_extra():
+        pytest.skip("no cpu extra")
+    return {**os.environ, probes.ENV_CACHE: str(tmp_path / "cache")}
+
+
+def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> None:
+    """A truncated cached module (a build or copy cut short) is detected and built again,
+    instead of `ImportError ... cannot read file data` on every load from then on."""
+    path = _program(tmp_path, "trunc", 1.0)
+    assert _done(_load(path, 1.0, cache_env)) == "BUILT"
+    [so] = Path(cache_env[probes.ENV_CACHE]).glob("ccn_trunc_*/build/*.so")
+    so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
+    assert _done(_load(path, 1.0, cache_env)) == "BUILT"
+    assert _done(_load(path, 1.0, cache_env)) == "CACHED"
+
+
+def test_two_processes_building_at_once(tmp_path: Path, cache_env: dict) -> None:
+    """Two processes (two ranks) load the same new module at once: one builds, the other
+    waits and loads the whole module it built."""
+    path = _program(tmp_path, "both", 3.0)
+    procs = [_load(path, 3.0, cache_env) for _ in range(2)]
+    assert sorted(_done(p) for p in procs) == ["BUILT", "CACHED"]
+
+
+@pytest.mark.slow
+def test_cuda_compile_with_a_relative_output_folder(tmp_path: Path) -> None:
+    """`coconetc compile FILE --backend cuda -o out/` from the file's folder (docs/cuda.md):
+    the cuBLAS headers' folder reaches CMake as an absolute path, so cublas_v2.h is found."""
+    why = probes.cuda_missing()
+    if why:
+        pytest.skip(why)
+    (tmp_path / "sgd.ccn").write_text((REPO / "examples" / "sgd.ccn").read_text())
+    env = {**os.environ, probes.ENV_CACHE: str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    exe = Path(sys.executable).parent / "coconetc"
+    res = subprocess.run([str(exe), "compile", "sgd.ccn", "--backend", "cuda",
+                          "--arch", "90", "-o", "out/"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    assert "built " in res.stdout and list((tmp_path / "out" / "build").glob("ccn_cuda_sgd_*.so"))
+    assert artifacts.verified(tmp_path / "out", next((tmp_path / "out" / "build").glob("*.so")).name.split(".")[0])
