@@ -8,6 +8,7 @@ the rest of coconetc: the top layer, above the runtime, the oracle and the tuner
 
 and the helpers they share (with the test workers in tests/ and the benchmarks in bench/):
 
+    args.py     the command line every rank program takes
     abort.py    a rank that fails ends the whole job (MPI Abort), so no rank waits for it
     timing.py   interleaved timed calls; the median of repetitions, the slowest rank's
     verify.py   one call on every rank checked against the interpreter on rank 0

@@ -6,12 +6,12 @@ interpreter on rank 0. A rank that fails stops the whole job at once (MPI Abort)
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import sys
 from typing import Any
 
+from coconetc.jobs import args
 from coconetc.jobs.abort import stop_job_on_failure
 from coconetc.jobs.modules import load_cpu, load_emulated, load_on_gpu
 from coconetc.jobs.timing import slowest_median, timed_rounds
@@ -21,16 +21,9 @@ from coconetc.oracle.npz import save_results
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(prog="coconetc-worker")
-    ap.add_argument("file")
-    ap.add_argument("--program", required=True)
-    ap.add_argument("--schedule", action="append", default=[])
-    ap.add_argument("--size", action="append", default=[])
+    ap = args.parser("coconetc-worker", reps=3)
     ap.add_argument("--groups", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--save")
-    ap.add_argument("--include-dir", action="append", default=[])
     ap.add_argument("--library-dir", action="append", default=[])
     ap.add_argument("--library", action="append", default=[])
     ap.add_argument("--emulate-cuda", action="store_true",

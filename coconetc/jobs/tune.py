@@ -10,12 +10,12 @@ whole job (MPI Abort).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
 import sys
 
+from coconetc.jobs import args
 from coconetc.jobs.abort import stop_job_on_failure
 from coconetc.jobs.modules import load_cpu
 from coconetc.jobs.timing import slowest_medians, timed_rounds
@@ -26,15 +26,8 @@ from coconetc.tune.space import convention
 
 
 def _args(argv):
-    ap = argparse.ArgumentParser(prog="coconetc-tune-worker")
-    ap.add_argument("file")
-    ap.add_argument("--program", required=True)
-    ap.add_argument("--schedule", action="append", default=[])
-    ap.add_argument("--size", action="append", default=[])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = args.parser("coconetc-tune-worker", reps=5)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--include-dir", action="append", default=[])
     return ap.parse_args(argv)
 
 

@@ -55,14 +55,10 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
         timeout = agree.timeout_s()
         p = fn.program_of(label)
         check_groups(fn.name, groups)
-        extra = sorted(set(kwargs) - {q.name for q in p.params})
-        if extra:
-            raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
+        check_names(p, kwargs)
         updated = {t for t, _ in p.updates}
         values: dict[str, Any] = {}
         for q in p.params:
-            if q.name not in kwargs:
-                raise TypeError(f"{p.name}() missing argument '{q.name}'")
             values[q.name] = check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
         both = overlapping(p, values)
         if both:
@@ -77,6 +73,16 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
         return Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
     except (TypeError, ValueError, RuntimeError) as err:
         return failed(err, timeout)
+
+
+def check_names(p: Program, kwargs: dict) -> None:
+    """The call names every parameter and nothing else (every backend: a TypeError as Python's)."""
+    extra = sorted(set(kwargs) - {q.name for q in p.params})
+    if extra:
+        raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
+    for q in p.params:
+        if q.name not in kwargs:
+            raise TypeError(f"{p.name}() missing argument '{q.name}'")
 
 
 def tensor_shapes(p: Program, values: dict) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, marshal
-from coconetc.runtime.call import agreed, check_groups, scalar_bits, tensor_shapes
+from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
 from coconetc.sourcefile import load_file
@@ -245,14 +245,10 @@ def _check_stream(stream: Any) -> None:
 def _arguments(p: Program, kwargs: dict, tensor) -> dict:
     """Names and scalars checked; each tensor, or each segment of a scattered one (a list of
     1-D arrays, or one array: one segment), through `tensor(param, value, updated)`."""
-    extra = sorted(set(kwargs) - {q.name for q in p.params})
-    if extra:
-        raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
+    check_names(p, kwargs)
     updated = {t for t, _ in p.updates}
     out: dict[str, Any] = {}
     for q in p.params:
-        if q.name not in kwargs:
-            raise TypeError(f"{p.name}() missing argument '{q.name}'")
         v = kwargs[q.name]
         if q.scalar:
             out[q.name] = _scalar(q, v)

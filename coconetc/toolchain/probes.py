@@ -35,6 +35,11 @@ def _platform() -> list[str]:
     return [sys.version, sysconfig.get_platform()]
 
 
+def tools_key(tools: object) -> str:
+    """A toolchain's part of a cache key: every tool's path and the platform."""
+    return "|".join([*map(str, tools.__dict__.values()), *_platform()])
+
+
 @dataclass(frozen=True)
 class Toolchain:
     """The CPU builds' tools: CMake, the MPI C++ compiler, pybind11 and OpenBLAS."""
@@ -46,7 +51,7 @@ class Toolchain:
     blas_lib: str
 
     def key(self) -> str:
-        return "|".join([*map(str, self.__dict__.values()), *_platform()])
+        return tools_key(self)
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,7 @@ class CudaToolchain:
     cuda_libdir: str
 
     def key(self) -> str:
-        return "|".join([*map(str, self.__dict__.values()), *_platform()])
+        return tools_key(self)
 
 
 def _bin(name: str, extra: str = "cpu") -> str:

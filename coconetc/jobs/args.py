@@ -1,0 +1,19 @@
+"""The command line every rank program takes (run.py, tune.py): the file, its program, the
+schedule labels (repeated), the sizes (N=4096, repeated), repetitions, the inputs' seed and the
+extern operations' header folders; each program adds its own."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parser(prog: str, reps: int) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("file")
+    ap.add_argument("--program", required=True)
+    ap.add_argument("--schedule", action="append", default=[])
+    ap.add_argument("--size", action="append", default=[])
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--include-dir", action="append", default=[])
+    return ap
