@@ -30,7 +30,8 @@ def _buffer(b: Buffer) -> str:
              "view": f"inside {b.of} (this rank's part)", "into": f"into {b.of}'s segments"}
     if b.shared:
         where["scratch"] = "scratch in the group's shared window"
-    return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}"
+    none = f" (no memory on {', '.join(b.unallocated)}: the collective reads the segments)" if b.unallocated else ""
+    return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}{none}"
 
 
 def _at(line: int) -> str:

@@ -131,14 +131,19 @@ class CpuFused(Part):
             if item.name == u.gathered and d0 != 0:  # this rank's part, at its global index
                 self.emit(f"      v_{u.gather}[gb + (i - lo)] = coconet::from_compute<{ct}>(x_{item.name});")
 
-    def _chunk_sizes(self, u: Fused) -> tuple[str, str]:
-        """The chunk and progress-piece sizes the plan chose for the CPU (Fused.on("cpu"))."""
+    def chunk_sizes(self, u: Fused, count: str = "") -> tuple[str, str]:
+        """The chunk and progress-piece sizes the plan chose for the CPU (Fused.on("cpu")):
+        the default chunk, or an overlap task's share of its `count` elements."""
         chunking = u.on("cpu").chunking
-        assert chunking.elems == "default", u.name
-        chunk, progress = "coconet::fused_chunk_elems()", ""
+        if chunking.elems == "task":
+            chunk = f"coconet::overlap_task_chunk_elems({count}, comm.size)"
+        else:
+            assert chunking.elems == "default", chunking
+            chunk = "coconet::fused_chunk_elems()"
+        progress = ""
         if chunking.rows is not None:  # chunks of whole rows
             rows = self.gdims(u.type)[-1]
-            chunk = f"coconet::round_up(coconet::fused_chunk_elems(), {rows})"
+            chunk = f"coconet::round_up({chunk}, {rows})"
             if chunking.progress_rows:  # and progress pieces of whole rows
                 progress = f", coconet::round_up(coconet::kProgressElems, {rows})"
         return chunk, progress
@@ -148,7 +153,7 @@ class CpuFused(Part):
         src = (f"coconet::Segments<const {ct}>(p_{u.src})" if u.src in self.scattered
                else f"coconet::Segments<const {ct}>::one(v_{u.src}, {_prod(self.ldims(xt))})")
         op, fn = REDUCE_OP[u.reduce], f"compute_{u.name}"
-        chunk, progress = self._chunk_sizes(u)
+        chunk, progress = self.chunk_sizes(u)
         if u.op != "reducescatter":
             self.emit(f"coconet::fused_allreduce_compute<{ct}>({op}, {src}, comm, {chunk}, {fn}{progress});")
             return

@@ -86,8 +86,10 @@ class CpuOverlap(Part):
         start = "start_fused_rs_compute_ag" if f.op == "reducescatter" else "start_fused_allreduce_compute"
         shape_arg = f"coconet::Shape3{{{shape}}}, " if f.op == "reducescatter" else ""
         extra = f", {targets}" if f.op == "reducescatter" else ""
+        chunk, progress = self.fusion.chunk_sizes(f, "count")
+        assert not progress, f.name  # (the plan: no progress pieces of rows in a task)
         self.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y} + base, count), "
-                  f"{shape_arg}comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute{extra});")
+                  f"{shape_arg}comm, channel, {chunk}, compute{extra});")
         self.emit("});")
 
     def _overlap_packed(self, u: Overlap) -> None:

@@ -45,12 +45,12 @@ class CudaFused(Part):
             n0, inner = _prod(g), "int64_t(1)"
         nm = u.name
         mine = _prod(self.ldims(t))
-        direct = u.src not in self.scattered  # one rank: each chunk's kernel can read the source itself
+        direct = u.on("cuda").chunking.whole_alone  # one rank: each chunk's kernel reads the source itself
         if block is None and self._symmetric_ok(u):
             self._fused_symmetric(u, ct, op, n0, inner, mine)
         self.emit("{")
         rows_arg = self._fused_extent(u, block, outer, n0, inner, mine)
-        self._chunk_size(u, direct)
+        self._chunk_size(u)
         self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
         nred = f"ch_{nm}"
         if direct:
@@ -119,17 +119,17 @@ class CudaFused(Part):
         self.emit(f"  (void)base_{nm};")
         return f", {block[0]}, {block[1]}"
 
-    def _chunk_size(self, u: Fused, direct: bool) -> None:
-        """ch_<name>: COCONET_CUDA_CHUNK or 2^22 elements (whole rows for a row-wise phase); on
-        one rank, when the chunks read the source directly, all of them (nothing to overlap)."""
+    def _chunk_size(self, u: Fused) -> None:
+        """ch_<name>, as the plan's chunking says (Fused.on("cuda")): COCONET_CUDA_CHUNK or 2^22
+        elements (whole rows for a row-wise phase); whole_alone: on one rank all of them."""
         nm, chunking = u.name, u.on("cuda").chunking
-        assert chunking.whole_alone == direct, u.name
         whole = f"comm.size == 1 ? most_{nm} : 0" if chunking.whole_alone else ""
         if chunking.rows is not None:  # chunks of whole rows (a row-wise phase)
             rows = self.gdims(u.type)[-1]
             self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems({whole}) + {rows} - 1) / {rows} * {rows};")
         else:
             self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems({whole});")
+
     def _symmetric_ok(self, u: Fused) -> bool:
         """Does the plan let this fused unit also run as one kernel over symmetric memory
         (symmetric.cuh), chosen at run time?"""

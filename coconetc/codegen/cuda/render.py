@@ -22,7 +22,6 @@ from coconetc.codegen.cuda.fused import CudaFused
 from coconetc.codegen.cuda.loops import CudaKernels
 from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.cuda.overlap import CudaOverlap
-from coconetc.codegen.cuda.support import all_units
 from coconetc.codegen.emit import CTYPE, literal
 from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
@@ -43,7 +42,6 @@ class CudaRenderer(Part):
         self.fusion = CudaFused(self.w, self.idx, self.kernels, self.notes, self.unit)
         self.overlaps = CudaOverlap(self.w, self.fusion, self.notes, self.unit)
         self.seg_declared = False
-        self.unpacked = {c.packed for c in all_units(plan.units) if isinstance(c, Collective) and c.packed}
 
     def render(self) -> Function:
         assert not self.plan.unsupported("cuda"), self.plan.unsupported("cuda")  # generate() leaves those out
@@ -100,7 +98,7 @@ class CudaRenderer(Part):
             self.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
             self.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
                       "stream);")
-        elif b.kind == "into" or b.name in self.unpacked:  # no memory of its own
+        elif b.kind == "into" or "cuda" in b.unallocated:  # no memory of its own (the plan)
             self.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
                       f"// {b.name}: not needed, the collective reads the segments piece by piece")
         elif b.kind == "output":
