@@ -3,7 +3,8 @@
 codegen/ holds what both backends share, as objects and functions each backend calls
 (composed, not inherited):
   base.py       the function being written (Writer: lines, buffers, Lets, signature) and the
-                C++ of shapes; Part, what every part of a renderer holds; Function, Signature
+                C++ of shapes (every part of a renderer holds the function's Writer as
+                self.w); Function, Signature
   dispatch.py   the function's layout, a unit to the backend's renderer of its kind, a
                 collective to the backend's call text of its kind
   emit.py       the math of one element of a pointwise expression (the precedence-aware emitter)
