@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.loops import CpuLoops
-from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP, emit
+from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row, layernorm_value
 from coconetc.ir.nodes import Op, Ref, walk
@@ -118,18 +119,19 @@ class CpuFused:
             self.w.emit("  }")
 
     def _chunk_body(self, u: Fused, ph: Phase, d0: int) -> None:
-        regs = {u.collective: "red[i - lo]"}
-        for item in ph.items:
-            t = self.w.types[item.name]
-            ct, base = CTYPE[t.dtype], self.idx.loader(t)
-            load = lambda r, base=base: regs.get(r.name) or base(r)  # noqa: E731
-            body = emit(item.expr, load, self.idx.extra(t, load))
-            self.w.emit(f"      const {COMPUTE[t.dtype]} x_{item.name} = coconet::round_to<{ct}>({body});")
-            regs[item.name] = f"x_{item.name}"
-            if item.store:
-                self.w.emit(f"      v_{item.name}[i] = coconet::from_compute<{ct}>(x_{item.name});")
-            if item.name == u.gathered and d0 != 0:  # this rank's part, at its global index
-                self.w.emit(f"      v_{u.gather}[gb + (i - lo)] = coconet::from_compute<{ct}>(x_{item.name});")
+        """The phase's values of element i (codegen/pointwise.py), each over its own type, the
+        reduced value read from the chunk (red)."""
+        stored = {i.name for i in ph.items if i.store}
+
+        def stores(name: str) -> list[str]:
+            out = [f"v_{name}[i]"] if name in stored else []
+            if name == u.gathered and d0 != 0:  # this rank's part, at its global index
+                out.append(f"v_{u.gather}[gb + (i - lo)]")
+            return out
+        items = [(i.name, i.expr, i.store) for i in ph.items]
+        read = lambda name: (self.w.types[name], self.idx.loader(self.w.types[name]))  # noqa: E731
+        for line in pointwise.values(self.idx, items, {u.collective: "red[i - lo]"}, read, stores):
+            self.w.emit(f"      {line}")
 
     def chunk_sizes(self, u: Fused, count: str = "") -> tuple[str, str]:
         """The chunk and progress-piece sizes the plan chose for the CPU (Fused.on("cpu")):

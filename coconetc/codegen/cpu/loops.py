@@ -5,8 +5,9 @@ codegen/indexing.py says; the element math is codegen/emit.py's."""
 
 from __future__ import annotations
 
+from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen.emit import CTYPE, emit
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.codegen.pointwise import lets
 from coconetc.ir.nodes import Expr, Ref, walk
@@ -43,15 +44,9 @@ class CpuLoops:
             target = f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]"
             store = f"{target} = coconet::from_compute<{ct}>({emit(e, base, self.idx.extra(t))});"
         else:
-            lines: list[str] = []
-            local: dict[str, str] = {}
-            for name, e, stored in items:
-                load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-                body = emit(e, load, self.idx.extra(t, load))
-                lines.append(f"const {COMPUTE[t.dtype]} x_{name} = coconet::round_to<{ct}>({body});")
-                local[name] = f"x_{name}"
-                if stored:
-                    lines.append(f"v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
+            stored = {name for name, _, st in items if st}
+            lines = pointwise.values(self.idx, items, {}, lambda name: (t, base),
+                                     lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype)
             store = "\n      ".join(lines)
         self.w.emit("{")
         for line in self.idx.loop_head(t, needs_coords):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.notes import Notes
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen.emit import CTYPE
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
@@ -31,7 +31,7 @@ from coconetc.plan.units import Let, Loop
 BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 VECTOR_BYTES = 16
 
-Items = list[tuple[str, Expr, bool]]
+Items = pointwise.Items
 Outs = dict[str, list[tuple[str, str | None]]]  # value -> [(element path's target, vector pointer or None)]
 
 
@@ -179,20 +179,10 @@ class CudaKernels:
         self.w.emit(f"{ind}}}")
 
     def body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:
-        """The element math of every item (codegen/emit.py), each value rounded to its type and
-        kept in x_<name>, stored where outs says (target(element path's target, name): the
-        text written to)."""
-        local = dict(regs)
-        lines = []
-        for name, e, _ in items:
-            ct = CTYPE[self.w.types[name].dtype]
-            load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-            body = emit(e, load, self.idx.extra(t, load))
-            lines.append(f"const {COMPUTE[self.w.types[name].dtype]} x_{name} = coconet::round_to<{ct}>({body});")
-            local[name] = f"x_{name}"
-            for tgt, _ in outs.get(name, []):
-                lines.append(f"{target(tgt, name)} = coconet::from_compute<{ct}>(x_{name});")
-        return lines
+        """The element math of every item over t (codegen/pointwise.py: values), stored where
+        outs says (target(element path's target, name): the text written to)."""
+        return pointwise.values(self.idx, items, regs, lambda name: (t, base),
+                                lambda name: [target(tgt, name) for tgt, _ in outs.get(name, [])])
 
     def render_loop(self, u: Loop) -> None:
         """A Loop unit: one kernel, or one per piece of the scattered tensors it reads or stores."""
