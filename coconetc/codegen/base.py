@@ -66,6 +66,16 @@ class Writer:
     def emit(self, line: str) -> None:
         self.lines.append(line)
 
+    def tensor_arg(self, name: str) -> int:
+        """The next tensor the Python side passes (its index in the call's tensors) is `name`."""
+        self.sig.tensors.append(name)
+        return len(self.sig.tensors) - 1
+
+    def scalar_arg(self, name: str, dtype: str) -> str:
+        """The next scalar the Python side passes is `name`: its value in the call's arguments."""
+        self.sig.scalars.append(name)
+        return f"a.{'iscalars' if dtype.startswith('i') else 'scalars'}[{len(self.sig.scalars) - 1}]"
+
     def comment(self, line: int, what: str) -> None:
         """The comment before a unit: the schedule, what the unit is, its .ccn line."""
         where = f"{self.file}:{line}" if line else self.file

@@ -28,6 +28,23 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
     return Function(w.fn, comment, w.lines, w.sig)
 
 
+def declare(w: Writer, b: Buffer) -> bool:
+    """The declarations every backend writes the same way (a buffer that is a place in another:
+    an output, an in-place update, a view inside a gathered result); False for the others."""
+    ct = CTYPE[b.type.dtype]
+    if b.kind == "output":
+        w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({w.sig.outputs.index(b.of)});")
+    elif b.kind == "alias":
+        w.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+    elif b.kind == "view":
+        inner = prod(w.gdims(b.type)[1:])
+        w.emit(f"{ct}* const v_{b.name} = v_{b.of} + {w.offset(b.type)} * {inner};"
+               "  // computed in place inside the gathered result")
+    else:
+        return False
+    return True
+
+
 class Renderer(Protocol):
     """A backend's renderers of the plan's units (codegen/cpu/render.py, codegen/cuda/render.py)."""
 

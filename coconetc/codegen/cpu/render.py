@@ -64,22 +64,14 @@ class CpuRenderer:
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:
         ct = CTYPE[b.type.dtype]
+        if dispatch.declare(self.w, b):  # output, alias, view
+            return
         if b.kind == "scalar":
-            k = len(self.w.sig.scalars)
-            self.w.sig.scalars.append(b.name)
-            src = "iscalars" if b.type.dtype.startswith("i") else "scalars"
-            self.w.emit(f"const {ct} v_{b.name}[1] = {{{ct}(a.{src}[{k}])}};")
-        elif b.kind in ("param", "segments"):
-            k = len(self.w.sig.tensors)
-            self.w.sig.tensors.append(b.name)
-            if b.kind == "segments":
-                self.w.emit(f"const coconet::Segments<{ct}> p_{b.name} = a.segments<{ct}>({k});")
-            else:
-                self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
-        elif b.kind == "output":
-            self.w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.w.sig.outputs.index(b.of)});")
-        elif b.kind == "alias":
-            self.w.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+            self.w.emit(f"const {ct} v_{b.name}[1] = {{{ct}({self.w.scalar_arg(b.name, b.type.dtype)})}};")
+        elif b.kind == "segments":
+            self.w.emit(f"const coconet::Segments<{ct}> p_{b.name} = a.segments<{ct}>({self.w.tensor_arg(b.name)});")
+        elif b.kind == "param":
+            self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({self.w.tensor_arg(b.name)});")
         elif b.kind == "scratch":
             # kept across calls (per thread): no allocation and no page faults after the first call;
             # where the plan places it in the group's shared window (Buffer.shared: the source of
@@ -90,10 +82,6 @@ class CpuRenderer:
                 self.w.emit(f"{ct}* const v_{b.name} = coconet::shared_scratch<{ct}, {self.w.nsite}>(comm, {n});")
             else:
                 self.w.emit(f"{ct}* const v_{b.name} = coconet::scratch<{ct}, {self.w.nsite}>({n});")
-        elif b.kind == "view":
-            inner = _prod(self.w.gdims(b.type)[1:])
-            self.w.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.w.offset(b.type)} * {inner};"
-                      "  // computed in place inside the gathered result")
 
     # --- reductions and library operations ------------------------------------------------
     def reduce(self, u: Reduce) -> None:

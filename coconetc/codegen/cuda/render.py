@@ -78,42 +78,31 @@ class CudaRenderer:
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:
         ct = CTYPE[b.type.dtype]
+        if dispatch.declare(self.w, b):  # output, alias, view
+            if b.kind == "output":
+                self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name, caller=True)
+            return
         if b.kind == "scalar":
-            k = len(self.w.sig.scalars)
-            self.w.sig.scalars.append(b.name)
-            src = "iscalars" if b.type.dtype.startswith("i") else "scalars"
-            self.w.emit(f"const coconet::cuda::Scalar<{ct}> v_{b.name}{{{ct}(a.{src}[{k}])}};")
+            self.w.emit(f"const coconet::cuda::Scalar<{ct}> v_{b.name}{{{ct}({self.w.scalar_arg(b.name, b.type.dtype)})}};")
         elif b.kind == "param":
-            k = len(self.w.sig.tensors)
-            self.w.sig.tensors.append(b.name)
-            self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
+            self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({self.w.tensor_arg(b.name)});")
             self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name, caller=True)
         elif b.kind == "segments":
-            k = len(self.w.sig.tensors)
-            self.w.sig.tensors.append(b.name)
+            k = self.w.tensor_arg(b.name)
             if not self.seg_declared:
                 self.w.emit("const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);")
                 self.seg_declared = True
             self.w.emit(f"const coconet::cuda::Segs<{ct}> p_{b.name} = a.segments<{ct}>({k});")
             self.w.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
             self.w.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
-                      "stream);")
+                        "stream);")
         elif b.kind == "into" or "cuda" in b.unallocated:  # no memory of its own (the plan)
             self.w.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
-                      f"// {b.name}: not needed, the collective reads the segments piece by piece")
-        elif b.kind == "output":
-            self.w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.w.sig.outputs.index(b.of)});")
-            self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name, caller=True)
-        elif b.kind == "alias":
-            self.w.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+                        f"// {b.name}: not needed, the collective reads the segments piece by piece")
         elif b.kind == "scratch":
             self.w.emit(f"{ct}* const v_{b.name} = coconet::cuda::scratch<{ct}>({self.w.site()}, "
-                      f"{_prod(self.w.ldims(b.type))});")
+                        f"{_prod(self.w.ldims(b.type))});")
             self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name)
-        elif b.kind == "view":
-            inner = _prod(self.w.gdims(b.type)[1:])
-            self.w.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.w.offset(b.type)} * {inner};"
-                      "  // computed in place inside the gathered result")
         elif b.kind == "chunks":
             self.w.emit(f"// {b.name}: only as packed chunks of its overlap")
         else:
