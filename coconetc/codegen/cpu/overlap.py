@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from coconetc.codegen import dispatch
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
@@ -56,12 +57,11 @@ class CpuOverlap:
         lc = self.w.ldims(self.w.types[u.collective])
         src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{u.collective} + r.begin * {_prod(lc[1:])}"
         op = REDUCE_OP[u.reduce]
-        if u.op == "allreduce":
-            self.w.emit(f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, comm, channel);")
-        else:
-            g, d = self.w.gdims(self.w.types[y]), self.w.types[u.collective].layout.dim
-            self.w.emit(f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, r.size() * {_prod(g[1:d])}, "
-                      f"{g[d]}, {_prod(g[d + 1:])}, comm, channel);")
+        self.w.emit(dispatch.chunk_collective(self.w, u, {
+            "allreduce": lambda _: f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, "
+                                   "comm, channel);",
+            "reducescatter": lambda split: f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, {split}, comm, "
+                                           "channel);"}))
         self.w.emit("});")
 
     def _overlap_fused_task(self, u: Overlap, ly: list[str]) -> None:
@@ -98,11 +98,10 @@ class CpuOverlap:
         a column block of b), its collective runs on the packed chunk, and the packed result
         is unpacked into its block of the result (overlap.h, start_packed)."""
         y, c = u.producer, u.collective
-        yt, ct_t = self.w.types[y], self.w.types[c]
+        yt = self.w.types[y]
         ct = CTYPE[yt.dtype]
         ly, la, lb, lc = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b, c))
         d, nd = u.dim, yt.ndim
-        gy = self.w.gdims(yt)
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
         self.w.emit(f"coconet::PackedChunks<{ct}> pk_{y}({u.chunks}, {outer}, {n}, {inner});")
         self.w.emit(f"coconet::overlap({u.chunks}, [&](int i) {{")
@@ -122,22 +121,14 @@ class CpuOverlap:
         self.w.emit("}, [&](int i, int channel) {")
         self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
         self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
-        # the packed chunk as a tensor: the global dims with dim d cut to |r|
-        gp = [g if k != d else "r.size()" for k, g in enumerate(gy)]
         op = REDUCE_OP.get(u.reduce, "")
         lcd = [x if k != d else "r.size()" for k, x in enumerate(lc)]
         out_n = _prod(lcd)
         self.w.emit(f"  {ct}* const Q = pk_{y}.out(i, {out_n});")
-        if u.op == "allreduce":
-            start = f"coconet::start_allreduce({op}, P, Q, {_prod(lcd)}, comm, channel)"
-        elif u.op == "reducescatter":
-            dr = ct_t.layout.dim
-            start = (f"coconet::start_reduce_scatter({op}, P, Q, {_prod(gp[:dr])}, {gp[dr]}, "
-                     f"{_prod(gp[dr + 1:])}, comm, channel)")
-        else:
-            da = yt.layout.dim
-            start = (f"coconet::start_allgather(P, Q, {_prod(gp[:da])}, {gp[da]}, {_prod(gp[da + 1:])}, "
-                     "comm, channel)")
+        start = dispatch.chunk_collective(self.w, u, {
+            "allreduce": lambda _: f"coconet::start_allreduce({op}, P, Q, {_prod(lcd)}, comm, channel)",
+            "reducescatter": lambda split: f"coconet::start_reduce_scatter({op}, P, Q, {split}, comm, channel)",
+            "allgather": lambda split: f"coconet::start_allgather(P, Q, {split}, comm, channel)"})
         self.w.emit(f"  return coconet::then_unpack({start}, Q, v_{c}, {_prod(lc[:d])}, {lc[d]}, "
                   f"{_prod(lc[d + 1:])}, r);")
         self.w.emit("});")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from coconetc.codegen import dispatch
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.fused import CudaFused
@@ -31,11 +32,10 @@ class CudaOverlap:
             self._overlap_fused(u, u.fused)
             return
         y, c = u.producer, u.collective
-        yt, ctt = self.w.types[y], self.w.types[c]
+        yt = self.w.types[y]
         ct = CTYPE[yt.dtype]
         op = NCCL_OP.get(u.reduce, "")
         ly, la, lb, lc = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b, c))
-        gy = self.w.gdims(yt)
         K, N = la[-1], lb[1]
         ev, done = self.w.site(), self.w.site()
         self.w.emit("{")
@@ -50,15 +50,14 @@ class CudaOverlap:
                       f"v_{y} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {K}, {N}, stream);")
             self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
             src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
-            if u.op == "allreduce":
-                self.w.emit(f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, cctx);")
-            else:
-                d = ctt.layout.dim
-                self.w.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, r.size() * {_prod(gy[1:d])}, "
-                          f"{gy[d]}, {_prod(gy[d + 1:])}, cctx);")
+            self.w.emit(dispatch.chunk_collective(self.w, u, {
+                "allreduce": lambda _: f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * "
+                                       f"{_prod(ly[1:])}, cctx);",
+                "reducescatter": lambda split: f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, {split}, "
+                                               "cctx);"}))
             self.w.emit("  }")
         else:
-            self._overlap_packed(u, ct, op, ly, la, lb, lc, gy, ev)
+            self._overlap_packed(u, ct, op, ly, la, lb, lc, ev)
         self.w.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
         self.w.emit("}")
 
@@ -95,9 +94,9 @@ class CudaOverlap:
             self.unit(a)
         self.w.emit("}")
 
-    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:
+    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, ev: int) -> None:
         y, c = u.producer, u.collective
-        yt, ctt = self.w.types[y], self.w.types[c]
+        yt = self.w.types[y]
         d, nd = u.dim, yt.ndim
         K, N = la[-1], lb[1]
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
@@ -122,15 +121,9 @@ class CudaOverlap:
         if u.keep_producer:
             self.w.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
-        gp = [g if k != d else "r.size()" for k, g in enumerate(self.w.gdims(yt))]
-        if u.op == "allreduce":
-            self.w.emit(f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);")
-        elif u.op == "reducescatter":
-            dr = ctt.layout.dim
-            self.w.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {_prod(gp[:dr])}, {gp[dr]}, "
-                      f"{_prod(gp[dr + 1:])}, cctx);")
-        else:
-            da = yt.layout.dim
-            self.w.emit(f"    coconet::cuda::allgather<{ct}>(P, Q, {_prod(gp[:da])}, {gp[da]}, {_prod(gp[da + 1:])}, cctx);")
+        self.w.emit(dispatch.chunk_collective(self.w, u, {
+            "allreduce": lambda _: f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);",
+            "reducescatter": lambda split: f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {split}, cctx);",
+            "allgather": lambda split: f"    coconet::cuda::allgather<{ct}>(P, Q, {split}, cctx);"}))
         self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
         self.w.emit("  }")
