@@ -1,4 +1,4 @@
-"""The IR verifier after every schedule directive (coconetc/schedule/verify.py): every typed
+"""The IR verifier after every schedule directive (coconetc.ir.verify.py): every typed
 program and every schedule of the examples and test programs verifies; a directive whose
 rewrite breaks the program (a primitive monkeypatched to do it) is caught and named."""
 
@@ -13,7 +13,7 @@ import pytest
 from coconetc.ir.nodes import Fusion, Ref
 from coconetc.ir.types import REPLICATED
 from coconetc.schedule.directives import Fuse, Split
-from coconetc.schedule.verify import IRInvalid, verify_program
+from coconetc.ir.verify import IRInvalid, verify_program
 from coconetc.sourcefile import load_file, load_source
 
 APPLY = importlib.import_module("coconetc.schedule.apply")  # the module (the package exports apply())

@@ -174,6 +174,28 @@ def test_buffer_placement_is_a_plan_field(example) -> None:
     plan = example("mlp_out.ccn").plans[("mlp_out", "fused")]
     assert plan.buffer("y").kind == "scratch" and plan.buffer("y").shared  # a fused collective reads it
     assert not any(b.shared for b in example("sgd.ccn").plans[("sgd", "default")].buffers)
+    mod = load_file(REPO / "tests" / "programs" / "cuda_scattered_collectives.ccn")
+    bc = mod.plans[("bc", "default")]
+    assert bc.buffer("t0_x").unallocated == ("cuda", "cuda-emulation")  # the broadcast reads the segments
+    assert all(not b.unallocated for b in bc.buffers if b.name != "t0_x")
+    cu = generate(mod, "m", skip_unsupported=True).cu
+    assert "// t0_x: not needed, the collective reads the segments piece by piece" in cu
+
+
+def test_renderers_read_the_chunking(example) -> None:
+    """The CPU overlap task's chunk and the CUDA chunks' source come from Fused.strategies."""
+    from coconetc.codegen.cpu import generate as cpu_generate
+    cpp = cpu_generate(example("mlp_out.ccn"), "m").cpp
+    assert "coconet::overlap_task_chunk_elems(count, comm.size)" in cpp  # Chunking("task")
+    plan = example("mlp_out.ccn").plans[("mlp_out", "fused")]
+    f = next(u for u in plan.units if isinstance(u, Fused))
+    no_whole = dataclasses.replace(f.on("cuda"), chunking=dataclasses.replace(f.on("cuda").chunking,
+                                                                              whole_alone=False))
+    f2 = dataclasses.replace(f, strategies=(f.on("cpu"), no_whole))
+    plan2 = dataclasses.replace(plan, units=tuple(f2 if u is f else u for u in plan.units))
+    body = "\n".join(render(plan2, "fn", "mlp_out.ccn", ["out"]).body)
+    assert "auto source" not in body and "comm.size == 1 ? most_" not in body
+    assert "auto source" in "\n".join(render(plan, "fn", "mlp_out.ccn", ["out"]).body)
 
 
 def test_show_plan_prints_every_decision(example) -> None:
@@ -182,7 +204,8 @@ def test_show_plan_prints_every_decision(example) -> None:
     assert res.exit_code == 0, res.output
     assert "scratch in the group's shared window" in res.output
     assert "on cpu: p2p | shm" in res.output and "on cuda: pipeline" in res.output
-    assert "chunks of the default size" in res.output
+    assert "chunks of COCONET_CHUNK elements (default 2^16)" in res.output  # as module.h computes them
+    assert "chunks of COCONET_CUDA_CHUNK elements (default 2^22)" in res.output  # as cuda/runtime.cuh does
     assert "targets:\n  cpu             every unit\n  cuda            every unit\n" in res.output
 
 

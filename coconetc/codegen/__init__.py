@@ -3,13 +3,16 @@
 codegen/ holds what both backends share, as objects and functions each backend calls
 (composed, not inherited):
   base.py       the function being written (Writer: lines, buffers, Lets, signature) and the
-                C++ of shapes; Part, what every part of a renderer holds; Function, Signature
-  dispatch.py   the function's layout, a unit to the backend's renderer of its kind, a
-                collective to the backend's call text of its kind
+                C++ of shapes (every part of a renderer holds the function's Writer as
+                self.w); Function, Signature
+  dispatch.py   the function's layout, the declarations both write alike (output, alias,
+                view), a unit to the backend's renderer of its kind, a collective (and an
+                overlap chunk's collective) to the backend's call text of its kind
   emit.py       the math of one element of a pointwise expression (the precedence-aware emitter)
   indexing.py   where a loop reads each operand (slices, broadcasting, segments), whether it
                 needs coordinates, dropout at the element's global index
-  pointwise.py  the Lets computed before a loop, the layernorm of one row
+  pointwise.py  the values of one element (every loop's, fused chunk's and kernel's body), the
+                Lets computed before a loop, the layernorm of one row
   extern.py     an extern operation's call
   naming.py     the names both backends give (module functions)
   libs.py       what extern operations need from a build (headers, libraries)

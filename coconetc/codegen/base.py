@@ -4,8 +4,8 @@ the C++ for shapes (global and this rank's local dims, slice offsets).
 
 Composition, not inheritance: one Writer per generated function, held by every part of a
 backend's renderer (its loops or kernels, collectives, fused collectives, overlap) and by the
-shared pieces (indexing.py, pointwise.py, dispatch.py). A Part reads the writer's state under the
-names the parts use (self.emit, self.ldims, self.consts, ...)."""
+shared pieces (indexing.py, pointwise.py, dispatch.py): each part keeps it as `self.w` and
+writes through it (self.w.emit, self.w.ldims, self.w.consts, ...)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ class Writer:
     def emit(self, line: str) -> None:
         self.lines.append(line)
 
+    def tensor_arg(self, name: str) -> int:
+        """The next tensor the Python side passes (its index in the call's tensors) is `name`."""
+        self.sig.tensors.append(name)
+        return len(self.sig.tensors) - 1
+
+    def scalar_arg(self, name: str, dtype: str) -> str:
+        """The next scalar the Python side passes is `name`: its value in the call's arguments."""
+        self.sig.scalars.append(name)
+        return f"a.{'iscalars' if dtype.startswith('i') else 'scalars'}[{len(self.sig.scalars) - 1}]"
+
     def comment(self, line: int, what: str) -> None:
         """The comment before a unit: the schedule, what the unit is, its .ccn line."""
         where = f"{self.file}:{line}" if line else self.file
@@ -94,30 +104,3 @@ class Writer:
     def shape3(self, t: TType, d: int) -> str:
         g = self.gdims(t)
         return f"{_prod(g[:d])}, {g[d]}, {_prod(g[d + 1:])}"
-
-
-class Part:
-    """A part of a backend's renderer: it writes into the function's Writer, whose state it
-    reads under these names (the same Writer for every part of one function)."""
-
-    def __init__(self, w: Writer):
-        self.w = w
-        self.plan, self.types, self.scattered, self.sig = w.plan, w.types, w.scattered, w.sig
-        self.emit, self.site, self._comment = w.emit, w.site, w.comment
-        self.gdims, self.ldims, self.offset, self.shape3 = w.gdims, w.ldims, w.offset, w.shape3
-
-    @property
-    def consts(self) -> dict[str, str]:
-        return self.w.consts
-
-    @consts.setter
-    def consts(self, value: dict[str, str]) -> None:
-        self.w.consts = value
-
-    @property
-    def nsite(self) -> int:
-        return self.w.nsite
-
-    @nsite.setter
-    def nsite(self, value: int) -> None:
-        self.w.nsite = value

@@ -28,6 +28,23 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
     return Function(w.fn, comment, w.lines, w.sig)
 
 
+def declare(w: Writer, b: Buffer) -> bool:
+    """The declarations every backend writes the same way (a buffer that is a place in another:
+    an output, an in-place update, a view inside a gathered result); False for the others."""
+    ct = CTYPE[b.type.dtype]
+    if b.kind == "output":
+        w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({w.sig.outputs.index(b.of)});")
+    elif b.kind == "alias":
+        w.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+    elif b.kind == "view":
+        inner = prod(w.gdims(b.type)[1:])
+        w.emit(f"{ct}* const v_{b.name} = v_{b.of} + {w.offset(b.type)} * {inner};"
+               "  // computed in place inside the gathered result")
+    else:
+        return False
+    return True
+
+
 class Renderer(Protocol):
     """A backend's renderers of the plan's units (codegen/cpu/render.py, codegen/cuda/render.py)."""
 
@@ -122,3 +139,20 @@ def collective(w: Writer, u: Collective, calls: Calls, reduce_ops: Mapping[str, 
     x = x or u.src
     a = Operands(w, u, x, x in w.scattered, reduce_ops.get(u.reduce, ""))
     w.emit(calls[("into", False) if u.into else (u.op, a.segments)](a))
+
+
+def chunk_collective(w: Writer, u: Overlap, calls: Mapping[str, Callable[[str], str]]) -> str:
+    """The backend's call of one overlap chunk's collective (chunk r of the matmul's result):
+    calls[op](split), split the chunk as [outer, n, inner] around the dim the collective cuts
+    (a reduce-scatter: its result's sliced dim; an allgather: its source's), "" for an
+    all-reduce (the backend counts its elements). direct: the chunk is rows r of dim 0;
+    otherwise the packed chunk, dim u.dim cut to r."""
+    if u.op == "allreduce":
+        return calls["allreduce"]("")
+    yt = w.types[u.producer]
+    d = w.types[u.collective].layout.dim if u.op == "reducescatter" else yt.layout.dim
+    g = w.gdims(yt)
+    if u.direct:
+        return calls[u.op](f"r.size() * {prod(g[1:d])}, {g[d]}, {prod(g[d + 1:])}")
+    gp = [x if k != u.dim else "r.size()" for k, x in enumerate(g)]
+    return calls[u.op](f"{prod(gp[:d])}, {gp[d]}, {prod(gp[d + 1:])}")

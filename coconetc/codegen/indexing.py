@@ -8,7 +8,7 @@ and L<k> the element's coordinates and the local extents (in scope where needs_c
 
 from __future__ import annotations
 
-from coconetc.codegen.base import Part, Writer, prod
+from coconetc.codegen.base import Writer, prod
 from coconetc.codegen.emit import COMPUTE, emit, literal
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.rng_keys import site_key
@@ -17,12 +17,12 @@ from coconetc.ir.types import TType
 _prod = prod
 
 
-class Indexing(Part):
+class Indexing:
     """segment: how an element of a scattered operand x is read in the backend's piece loop
     ({x}: its name), e.g. "p_{x}.ptrs[s][a0 + j]" (CPU) or "sp_{x}[q]" (CUDA)."""
 
     def __init__(self, w: Writer, segment: str):
-        super().__init__(w)
+        self.w = w
         self.segment = segment
 
     def needs_coords(self, t: TType, exprs: list[Expr], skip: set[str]) -> bool:
@@ -36,20 +36,20 @@ class Indexing(Part):
 
     def extents(self, t: TType) -> list[str]:
         """The local extent L<k> of each dim of t (the coordinates' bounds)."""
-        return [f"const int64_t L{k} = {d};" for k, d in enumerate(self.ldims(t))]
+        return [f"const int64_t L{k} = {d};" for k, d in enumerate(self.w.ldims(t))]
 
     def loop_head(self, t: TType, coords: bool) -> list[str]:
         """What a loop's block opens with: this rank's slice offset and, when the body needs
         coordinates, the extents."""
-        return [f"const int64_t off = {self.offset(t)};  // this rank's slice offset", "(void)off;",
+        return [f"const int64_t off = {self.w.offset(t)};  // this rank's slice offset", "(void)off;",
                 *(self.extents(t) if coords else [])]
 
     def access(self, r: Ref, t: TType) -> str | None:
         """Index expression for an operand when no coordinates are needed, else None."""
         rt = r.type
-        if r.name in self.consts:
+        if r.name in self.w.consts:
             return "0"
-        if r.name in self.scattered:
+        if r.name in self.w.scattered:
             return "SEG"
         if rt.ndim == 0:
             return "0"
@@ -57,15 +57,15 @@ class Indexing(Part):
         if same and (rt.layout == t.layout or (not rt.layout.sliced and not t.layout.sliced)):
             return "i"
         if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
-            inner = _prod(self.gdims(t)[1:])
+            inner = _prod(self.w.gdims(t)[1:])
             return f"i + off * {inner}"
         return None
 
     def loader(self, t: TType):
         """load(ref) for emit(): the operand's element, in its compute type."""
         def load(r: Ref) -> str:
-            if r.name in self.consts:
-                return self.consts[r.name]
+            if r.name in self.w.consts:
+                return self.w.consts[r.name]
             idx = self.access(r, t)
             if idx == "SEG":
                 return f"coconet::to_compute({self.segment.format(x=r.name)})"
@@ -78,7 +78,7 @@ class Indexing(Part):
         """Index of an operand element from the result's coordinates c0.. (broadcasting, and
         a replicated operand of a sliced result read at the slice)."""
         shift = t.ndim - rt.ndim
-        ld = self.ldims(rt)
+        ld = self.w.ldims(rt)
         terms = []
         for k in range(rt.ndim):
             if rt.shape[k] == 1:
@@ -94,7 +94,7 @@ class Indexing(Part):
         if not t.layout.sliced:
             return "i"
         if t.layout.dim == 0:
-            return f"(i + off * {_prod(self.gdims(t)[1:])})"
+            return f"(i + off * {_prod(self.w.gdims(t)[1:])})"
         return None
 
     def extra(self, t: TType, load=None):
@@ -114,7 +114,7 @@ class Indexing(Part):
         return extra
 
     def global_index(self, t: TType) -> str:
-        g = self.gdims(t)
+        g = self.w.gdims(t)
         terms = []
         for k in range(t.ndim):
             coord = f"c{k}" if k != t.layout.dim else f"(c{k} + off)"

@@ -1,15 +1,40 @@
-"""Pointwise text both backends write beyond one element's math (emit.py): the Lets computed
-once before a loop's elements, and the layernorm of one row (a fused collective's row-wise
-phase: the CPU chunk's loop over rows, a CUDA thread per row)."""
+"""Pointwise text both backends write beyond one element's math (emit.py): the values of one
+element (a loop's, a fused chunk's or a kernel's items, in registers and stored), the Lets
+computed once before a loop's elements, and the layernorm of one row (a fused collective's
+row-wise phase: the CPU chunk's loop over rows, a CUDA thread per row)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from coconetc.codegen.base import Writer
-from coconetc.codegen.emit import COMPUTE, emit, literal
+from coconetc.codegen.emit import COMPUTE, CTYPE, Load, emit, literal
+from coconetc.codegen.indexing import Indexing
 from coconetc.ir.nodes import Const, Expr, Ref
+from coconetc.ir.types import TType
 from coconetc.plan.units import Let
+
+Items = list[tuple[str, Expr, bool]]  # (name, its expression per element, stored)
+
+
+def values(idx: Indexing, items: Items, regs: dict[str, str], read: Callable[[str], tuple[TType, Load]],
+           stores: Callable[[str], list[str]], dtype: Callable[[str], str] | None = None) -> list[str]:
+    """The element math of every item in order (emit.py), each value rounded to its storage type
+    and kept in x_<name> (where later items read it; regs: values already in registers), then
+    written to each target stores(name) gives. read(name): the type an item is computed over
+    (its operands' indexing, dropout's global index) and how an operand is loaded there;
+    dtype(name): the item's dtype (default: its buffer's)."""
+    local = dict(regs)
+    lines = []
+    for name, e, _ in items:
+        t, base = read(name)
+        dt = dtype(name) if dtype else idx.w.types[name].dtype
+        ct = CTYPE[dt]
+        load = lambda r, base=base: local.get(r.name) or base(r)  # noqa: E731
+        lines.append(f"const {COMPUTE[dt]} x_{name} = coconet::round_to<{ct}>({emit(e, load, idx.extra(t, load))});")
+        local[name] = f"x_{name}"
+        lines += [f"{target} = coconet::from_compute<{ct}>(x_{name});" for target in stores(name)]
+    return lines
 
 
 def lets(w: Writer, lets: tuple[Let, ...]) -> list[str]:

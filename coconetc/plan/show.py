@@ -30,7 +30,8 @@ def _buffer(b: Buffer) -> str:
              "view": f"inside {b.of} (this rank's part)", "into": f"into {b.of}'s segments"}
     if b.shared:
         where["scratch"] = "scratch in the group's shared window"
-    return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}"
+    none = f" (no memory on {', '.join(b.unallocated)}: the collective reads the segments)" if b.unallocated else ""
+    return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}{none}"
 
 
 def _at(line: int) -> str:
@@ -100,11 +101,24 @@ def _fused(u: Fused, ind: str) -> list[str]:
 
 
 def _strategy(s: Strategy) -> str:
-    return f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; {_chunking(s.chunking)}"
+    return f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; {_chunking(s.target, s.chunking)}"
 
 
-def _chunking(c: Chunking) -> str:
-    out = "chunks of the default size" if c.elems == "default" else "chunks of the overlap task's share"
+# The chunk sizes as the runtime computes them: CPU runtime_cpp/coconet/module.h
+# (fused_chunk_elems, overlap_task_chunk_elems), fused_shm.h (kProgressElems); CUDA
+# runtime_cpp/coconet/cuda/runtime.cuh (chunk_elems).
+_ELEMS = {
+    ("cpu", "default"): "chunks of COCONET_CHUNK elements (default 2^16)",
+    ("cpu", "task"): "chunks of COCONET_CHUNK elements if set, else the overlap task's share "
+                     "(max(2^16, half its elements per rank))",
+    ("cuda", "default"): "chunks of COCONET_CUDA_CHUNK elements (default 2^22)",
+}
+
+
+def _chunking(target: str, c: Chunking) -> str:
+    out = _ELEMS[target, c.elems]
     if c.rows is not None:
-        out += f" rounded to whole rows of {c.rows}" + (" (progress pieces too)" if c.progress_rows else "")
-    return out + ("; on one rank the whole part as one chunk" if c.whole_alone else "")
+        out += f" rounded up to whole rows of {c.rows}"
+        if c.progress_rows:
+            out += "; progress pieces of 2^15 elements (kProgressElems) rounded up to whole rows"
+    return out + ("; on one rank, COCONET_CUDA_CHUNK unset, the whole part as one chunk" if c.whole_alone else "")

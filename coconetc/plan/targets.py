@@ -26,6 +26,10 @@ What it decides:
 - `Buffer.shared`: a scratch buffer that a fused collective or an all-reduce reads (outside an
   overlap, whose chunks go point to point) lives in the group's shared window, where the
   collectives read it in place; other scratch is private to its rank.
+- `Buffer.unallocated`: the packed copy of a scattered parameter that a broadcast, reduce,
+  scatter or send reads (`Collective.packed`) has no memory on cuda, whose collectives read the
+  segments piece by piece (the host emulation runs that code too); the CPU copies the segments
+  into it.
 - `Plan.gaps`: per target, each unit it does not implement, located at the directive that
   asked for it (or the stage). `coconetc check --backend X` reports `Plan.unsupported(X)` and
   X's generator leaves exactly those (program, schedule)s out, so the two agree by
@@ -40,7 +44,7 @@ from dataclasses import replace
 from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
 from coconetc.ir.nodes import Op, Ref, walk
-from coconetc.plan.units import (Chunking, Collective, Fused, Gap, Library, Overlap, Plan, Reduce,
+from coconetc.plan.units import (Buffer, Chunking, Collective, Fused, Gap, Library, Overlap, Plan, Reduce,
                                  Strategy, Unit)
 
 TARGETS = ("cpu", "cuda", "cuda-emulation")
@@ -51,13 +55,20 @@ Locate = Callable[[Unit], Span]
 
 def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     """The plan with every per-target decision taken (locate: a unit's span, for the gaps)."""
-    shared = {u.src for u in plan.units if isinstance(u, Fused) or (isinstance(u, Collective) and u.op == "allreduce")}
-    buffers = tuple(replace(b, shared=True) if b.kind == "scratch" and b.name in shared else b for b in plan.buffers)
-    plan = replace(plan, buffers=buffers)
+    plan = replace(plan, buffers=tuple(_placed(b, plan) for b in plan.buffers))
     kinds = {b.name: b.kind for b in plan.buffers}
     plan = replace(plan, units=tuple(_with_strategies(u, kinds) for u in plan.units))
     gaps = [_gap(t, u, what, locate) for t in TARGETS for u, what in GAPS[t](plan)]
     return replace(plan, gaps=tuple(gaps))
+
+
+def _placed(b: Buffer, plan: Plan) -> Buffer:
+    """The buffer with its per-target placement: shared (in the group's window), unallocated."""
+    if b.kind != "scratch":
+        return b
+    shared = {u.src for u in plan.units if isinstance(u, Fused) or (isinstance(u, Collective) and u.op == "allreduce")}
+    packed = {c.packed for c in _every(plan.units) if isinstance(c, Collective) and c.packed}
+    return replace(b, shared=b.name in shared, unallocated=("cuda", EMULATION) if b.name in packed else ())
 
 
 def diagnostics(plan: Plan, target: str) -> list[Diagnostic]:

@@ -18,10 +18,13 @@ Values are addressed by name; a Buffer says where a value's elements live on thi
     into      a stage stored straight into the segments of the scattered parameter `of`
 
 A scratch buffer is private to its rank, or `shared`: in the group's shared window where the
-collectives use one (a fused collective or an all-reduce reads it there in place).
+collectives use one (a fused collective or an all-reduce reads it there in place). `unallocated`
+names the targets that give a buffer no memory at all (cuda: the packed copy of a scattered
+parameter, whose collective reads the segments piece by piece instead).
 
 The per-target facts (plan/targets.py) are fields too: each fused collective's `strategies`
-(algorithms and chunking per target) and the plan's `gaps` (what a target does not implement).
+(algorithms and chunking per target), each buffer's placement (`shared`, `unallocated`) and the
+plan's `gaps` (what a target does not implement).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Buffer:
     of: str = ""  # alias/into: the parameter; output: the public name; view: the allgather
     line: int = 0  # the .ccn line of the stage (0: parameters and temporaries)
     shared: bool = False  # scratch: in the group's shared window, not private to the rank
+    unallocated: tuple[str, ...] = ()  # the targets that give it no memory (plan/targets.py)
 
 
 @dataclass(frozen=True)

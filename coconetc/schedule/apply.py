@@ -1,5 +1,5 @@
 """apply(program, directive) -> program: dispatch to one pure function per directive;
-apply_all verifies the program after each directive (schedule/verify.py)."""
+apply_all verifies the program after each directive (ir/verify.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from coconetc.ir.nodes import Program
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split
 from coconetc.schedule.fusion import fuse, overlap
 from coconetc.schedule.primitives import reorder, slice_params, split
-from coconetc.schedule.verify import verify_program
+from coconetc.ir.verify import verify_program
 
 _APPLY: dict[type, Callable[[Program, Any], Program]] = {Split: split, Reorder: reorder, Slice: slice_params, Fuse: fuse, OverlapD: overlap}
 _NAME = {Split: "split", Reorder: "reorder", Slice: "slice", Fuse: "fuse", OverlapD: "overlap"}

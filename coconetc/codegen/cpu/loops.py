@@ -5,8 +5,9 @@ codegen/indexing.py says; the element math is codegen/emit.py's."""
 
 from __future__ import annotations
 
-from coconetc.codegen.base import Part, Writer, prod
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen import pointwise
+from coconetc.codegen.base import Writer, prod
+from coconetc.codegen.emit import CTYPE, emit
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.codegen.pointwise import lets
 from coconetc.ir.nodes import Expr, Ref, walk
@@ -17,25 +18,25 @@ from coconetc.plan.units import Let, Loop
 _prod = prod
 
 
-class CpuLoops(Part):
+class CpuLoops:
     def __init__(self, w: Writer, idx: Indexing):
-        super().__init__(w)
+        self.w = w
         self.idx = idx
 
     def render_lets(self, lets_: tuple[Let, ...]) -> None:
         """Scalars computed once before a loop (codegen/pointwise.py)."""
         for line in lets(self.w, lets_):
-            self.emit(line)
+            self.w.emit(line)
 
     def render_loop(self, u: Loop) -> None:
         self.render_lets(u.lets)
         self._loop_items(u.type, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst or None)
 
     def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]], seg_dst: str | None = None) -> None:
-        ct, n = CTYPE[t.dtype], _prod(self.ldims(t))
+        ct, n = CTYPE[t.dtype], _prod(self.w.ldims(t))
         regs = {name for name, _, _ in items}
         refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in regs]
-        segmented = seg_dst is not None or any(r.name in self.scattered for r in refs)
+        segmented = seg_dst is not None or any(r.name in self.w.scattered for r in refs)
         needs_coords = self.idx.needs_coords(t, [e for _, e, _ in items], regs)
         base = self.idx.loader(t)
         if len(items) == 1:
@@ -43,61 +44,55 @@ class CpuLoops(Part):
             target = f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]"
             store = f"{target} = coconet::from_compute<{ct}>({emit(e, base, self.idx.extra(t))});"
         else:
-            lines: list[str] = []
-            local: dict[str, str] = {}
-            for name, e, stored in items:
-                load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-                body = emit(e, load, self.idx.extra(t, load))
-                lines.append(f"const {COMPUTE[t.dtype]} x_{name} = coconet::round_to<{ct}>({body});")
-                local[name] = f"x_{name}"
-                if stored:
-                    lines.append(f"v_{name}[i] = coconet::from_compute<{ct}>(x_{name});")
+            stored = {name for name, _, st in items if st}
+            lines = pointwise.values(self.idx, items, {}, lambda name: (t, base),
+                                     lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype)
             store = "\n      ".join(lines)
-        self.emit("{")
+        self.w.emit("{")
         for line in self.idx.loop_head(t, needs_coords):
-            self.emit(f"  {line}")
+            self.w.emit(f"  {line}")
         if segmented:
-            self.emit(f"  for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + {n})) {{")
-            self.emit("    const size_t s = pc.segment;")
-            self.emit("    const int64_t a0 = pc.at, b0 = pc.offset;")
-            self.emit("    COCONET_IVDEP")
-            self.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
-            self.emit("      const int64_t i = b0 + j;")
-            self.emit(f"      {store}")
-            self.emit("    }")
-            self.emit("  }")
+            self.w.emit(f"  for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + {n})) {{")
+            self.w.emit("    const size_t s = pc.segment;")
+            self.w.emit("    const int64_t a0 = pc.at, b0 = pc.offset;")
+            self.w.emit("    COCONET_IVDEP")
+            self.w.emit("    for (int64_t j = 0; j < pc.size; ++j) {")
+            self.w.emit("      const int64_t i = b0 + j;")
+            self.w.emit(f"      {store}")
+            self.w.emit("    }")
+            self.w.emit("  }")
         else:
             # a plain loop (vectorizable: operands are locals, not captured by an OpenMP region),
             # and an OpenMP copy of it for large loops when cores are left over
-            self.emit(f"  const int64_t n = {n};")
-            self.emit("#ifdef _OPENMP")
-            self.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
-            self.emit("#pragma omp parallel for num_threads(coconet::omp_threads())")
+            self.w.emit(f"  const int64_t n = {n};")
+            self.w.emit("#ifdef _OPENMP")
+            self.w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
+            self.w.emit("#pragma omp parallel for num_threads(coconet::omp_threads())")
             self._for(t, store, needs_coords)
-            self.emit("  } else")
-            self.emit("#endif")
-            self.emit("  {")
+            self.w.emit("  } else")
+            self.w.emit("#endif")
+            self.w.emit("  {")
             if needs_coords and t.ndim > 0:
                 self.row_runs(t, "int64_t(0)", "n", [store])
             else:
-                self.emit("  COCONET_IVDEP")
+                self.w.emit("  COCONET_IVDEP")
                 self._for(t, store, needs_coords)
-            self.emit("  }")
-        self.emit("}")
+            self.w.emit("  }")
+        self.w.emit("}")
 
     def _for(self, t: TType, store: str, needs_coords: bool) -> None:
-        self.emit("  for (int64_t i = 0; i < n; ++i) {")
+        self.w.emit("  for (int64_t i = 0; i < n; ++i) {")
         if needs_coords:
             self.coords(t)
-        self.emit(f"    {store}")
-        self.emit("  }")
+        self.w.emit(f"    {store}")
+        self.w.emit("  }")
 
     def row_runs(self, t: TType, lo: str, hi: str, body: list[str]) -> None:
         self.open_row_runs(t, lo, hi)
         for line in body:
-            self.emit(f"      {line}")
-        self.emit("    }")
-        self.emit("  }")
+            self.w.emit(f"      {line}")
+        self.w.emit("    }")
+        self.w.emit("  }")
 
     def open_row_runs(self, t: TType, lo: str, hi: str) -> None:
         """for i in [lo, hi) with coordinates c0.. (the L<k> in scope), as runs along the last
@@ -105,21 +100,21 @@ class CpuLoops(Part):
         the inner loop has no division and vectorizes (dropout's Philox included). Leaves
         two braces open (open_row_runs); the body uses i and the c<k>."""
         last = t.ndim - 1
-        self.emit(f"  for (int64_t i0 = {lo}, e0; i0 < {hi}; i0 = e0) {{")
-        self.emit(f"    int64_t rest = i0 / L{last};")
-        self.emit(f"    const int64_t j0 = i0 - rest * L{last};")
+        self.w.emit(f"  for (int64_t i0 = {lo}, e0; i0 < {hi}; i0 = e0) {{")
+        self.w.emit(f"    int64_t rest = i0 / L{last};")
+        self.w.emit(f"    const int64_t j0 = i0 - rest * L{last};")
         for line in coord_lines(range(last)):
-            self.emit(f"    {line}")
-        self.emit("    (void)rest;")
-        self.emit(f"    e0 = std::min<int64_t>({hi}, i0 + (L{last} - j0));")
-        self.emit("    COCONET_IVDEP")
-        self.emit("    for (int64_t i = i0; i < e0; ++i) {")
-        self.emit(f"      const int64_t c{last} = j0 + (i - i0);")
+            self.w.emit(f"    {line}")
+        self.w.emit("    (void)rest;")
+        self.w.emit(f"    e0 = std::min<int64_t>({hi}, i0 + (L{last} - j0));")
+        self.w.emit("    COCONET_IVDEP")
+        self.w.emit("    for (int64_t i = i0; i < e0; ++i) {")
+        self.w.emit(f"      const int64_t c{last} = j0 + (i - i0);")
 
     def coords(self, t: TType) -> None:
         """The element's coordinates c<k> from i (the L<k> in scope)."""
-        self.emit("    int64_t rest = i;")
+        self.w.emit("    int64_t rest = i;")
         for line in coord_lines(range(t.ndim)):
-            self.emit(f"    {line}")
+            self.w.emit(f"    {line}")
         if t.ndim == 0:
-            self.emit("    (void)rest;")
+            self.w.emit("    (void)rest;")

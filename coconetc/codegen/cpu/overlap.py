@@ -6,22 +6,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen.base import Part, Writer, prod as _prod
+from coconetc.codegen import dispatch
+from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
 from coconetc.plan.units import Overlap, Unit
 
 
-class CpuOverlap(Part):
+class CpuOverlap:
     """unit: renders the units that wait for every chunk (the renderer's dispatch)."""
 
     def __init__(self, w: Writer, fusion: CpuFused, unit: Callable[[Unit], None]):
-        super().__init__(w)
+        self.w = w
         self.fusion, self.unit = fusion, unit
 
     def render_overlap(self, u: Overlap) -> None:
         if u.fused is not None:
-            self.emit(f"const int64_t off_{u.fused.name} = {self.fusion.fused_offset(u.fused)};")
+            self.w.emit(f"const int64_t off_{u.fused.name} = {self.fusion.fused_offset(u.fused)};")
         if u.direct:
             self._overlap_rows(u)
         else:
@@ -34,35 +35,34 @@ class CpuOverlap(Part):
         """The matmul in chunks of rows (dim 0 of its result); each chunk's collective starts
         (non-blocking, overlap.h) as soon as the chunk is computed, while the next computes."""
         y = u.producer
-        ct = CTYPE[self.types[y].dtype]
-        ly, la, lb = (self.ldims(self.types[n]) for n in (y, u.a, u.b))
+        ct = CTYPE[self.w.types[y].dtype]
+        ly, la, lb = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b))
         rows, per_row = ly[0], _prod(ly[1:-1])
         chunk = f"coconet::chunk_range({rows}, {u.chunks}, i)"
         K, N = la[-1], lb[1]
         # b prepared once (f16/bf16 widened to f32 once, not once per chunk); each chunk's GEMM
         # in row blocks with the communication in flight progressed between them (gemm_steps)
-        self.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
-        self.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
-        self.emit(f"coconet::overlap({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
-        self.emit(f"  const coconet::Range r = {chunk};")
-        self.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
+        self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
+        self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
+        self.w.emit(f"coconet::overlap({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
+        self.w.emit(f"  const coconet::Range r = {chunk};")
+        self.w.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
                   f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
                   "[&] { ov.progress(); });")
-        self.emit("}, [&](int i, int channel) {")
-        self.emit(f"  const coconet::Range r = {chunk};")
+        self.w.emit("}, [&](int i, int channel) {")
+        self.w.emit(f"  const coconet::Range r = {chunk};")
         if u.fused is not None:
             self._overlap_fused_task(u, ly)
             return
-        lc = self.ldims(self.types[u.collective])
+        lc = self.w.ldims(self.w.types[u.collective])
         src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{u.collective} + r.begin * {_prod(lc[1:])}"
         op = REDUCE_OP[u.reduce]
-        if u.op == "allreduce":
-            self.emit(f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, comm, channel);")
-        else:
-            g, d = self.gdims(self.types[y]), self.types[u.collective].layout.dim
-            self.emit(f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, r.size() * {_prod(g[1:d])}, "
-                      f"{g[d]}, {_prod(g[d + 1:])}, comm, channel);")
-        self.emit("});")
+        self.w.emit(dispatch.chunk_collective(self.w, u, {
+            "allreduce": lambda _: f"  return coconet::start_allreduce({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, "
+                                   "comm, channel);",
+            "reducescatter": lambda split: f"  return coconet::start_reduce_scatter({op}, {src}, {dst}, {split}, comm, "
+                                           "channel);"}))
+        self.w.emit("});")
 
     def _overlap_fused_task(self, u: Overlap, ly: list[str]) -> None:
         """Chunk i of the matmul's rows goes through its own fused collective (a task of
@@ -73,12 +73,12 @@ class CpuOverlap(Part):
         assert f is not None
         y = u.producer
         ct, d0 = CTYPE[f.type.dtype], f.type.layout.dim if f.type.layout.sliced else 0
-        g = self.gdims(self.types[y])
-        self.emit(f"  const int64_t base = r.begin * {_prod(ly[1:])}, count = r.size() * {_prod(ly[1:])};")
-        self.emit(f"  auto compute = [&, base](int64_t gb0, int64_t ge0, const {COMPUTE[f.type.dtype]}* red) {{")
-        self.emit("    const int64_t gb = gb0 + base, ge = ge0 + base;")
+        g = self.w.gdims(self.w.types[y])
+        self.w.emit(f"  const int64_t base = r.begin * {_prod(ly[1:])}, count = r.size() * {_prod(ly[1:])};")
+        self.w.emit(f"  auto compute = [&, base](int64_t gb0, int64_t ge0, const {COMPUTE[f.type.dtype]}* red) {{")
+        self.w.emit("    const int64_t gb = gb0 + base, ge = ge0 + base;")
         self.fusion.chunk(f, f"off_{f.name}")
-        self.emit("  };")
+        self.w.emit("  };")
         targets = (f"{{coconet::gather_target(v_{f.gather} + base, count)}}" if f.gather else "{}")
         op = REDUCE_OP[f.reduce]
         shape = (f"r.size() * {_prod(g[1:d0])}, {g[d0]}, {_prod(g[d0 + 1:])}" if f.type.layout.sliced
@@ -86,9 +86,11 @@ class CpuOverlap(Part):
         start = "start_fused_rs_compute_ag" if f.op == "reducescatter" else "start_fused_allreduce_compute"
         shape_arg = f"coconet::Shape3{{{shape}}}, " if f.op == "reducescatter" else ""
         extra = f", {targets}" if f.op == "reducescatter" else ""
-        self.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y} + base, count), "
-                  f"{shape_arg}comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute{extra});")
-        self.emit("});")
+        chunk, progress = self.fusion.chunk_sizes(f, "count")
+        assert not progress, f.name  # (the plan: no progress pieces of rows in a task)
+        self.w.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y} + base, count), "
+                  f"{shape_arg}comm, channel, {chunk}, compute{extra});")
+        self.w.emit("});")
 
     def _overlap_packed(self, u: Overlap) -> None:
         """Chunks along any dim d of the matmul's result y: chunk i is computed into a packed
@@ -96,46 +98,37 @@ class CpuOverlap(Part):
         a column block of b), its collective runs on the packed chunk, and the packed result
         is unpacked into its block of the result (overlap.h, start_packed)."""
         y, c = u.producer, u.collective
-        yt, ct_t = self.types[y], self.types[c]
+        yt = self.w.types[y]
         ct = CTYPE[yt.dtype]
-        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y, u.a, u.b, c))
+        ly, la, lb, lc = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b, c))
         d, nd = u.dim, yt.ndim
-        gy = self.gdims(yt)
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
-        self.emit(f"coconet::PackedChunks<{ct}> pk_{y}({u.chunks}, {outer}, {n}, {inner});")
-        self.emit(f"coconet::overlap({u.chunks}, [&](int i) {{")
-        self.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
-        self.emit(f"  {ct}* const P = pk_{y}.in(i);")
+        self.w.emit(f"coconet::PackedChunks<{ct}> pk_{y}({u.chunks}, {outer}, {n}, {inner});")
+        self.w.emit(f"coconet::overlap({u.chunks}, [&](int i) {{")
+        self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+        self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
         K = la[-1]
         if d == nd - 1:  # a column block of b: P[M, |r|]
-            self.emit(f"  coconet::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
+            self.w.emit(f"  coconet::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
                       f"v_{u.b} + r.begin, {lb[1]}, P, r.size());")
         else:  # for each outer index, |r| * (rows per index of dim d) contiguous rows of a
             rows_per = _prod(ly[d + 1:-1])
-            self.emit(f"  for (int64_t o = 0; o < {outer}; ++o)")
-            self.emit(f"    coconet::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
+            self.w.emit(f"  for (int64_t o = 0; o < {outer}; ++o)")
+            self.w.emit(f"    coconet::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
                       f"P + o * r.size() * {inner}, r.size() * {rows_per}, {K}, {lb[1]});")
         if u.keep_producer:
-            self.emit(f"  coconet::unpack_block(P, v_{y}, {outer}, {n}, {inner}, r);")
-        self.emit("}, [&](int i, int channel) {")
-        self.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
-        self.emit(f"  {ct}* const P = pk_{y}.in(i);")
-        # the packed chunk as a tensor: the global dims with dim d cut to |r|
-        gp = [g if k != d else "r.size()" for k, g in enumerate(gy)]
+            self.w.emit(f"  coconet::unpack_block(P, v_{y}, {outer}, {n}, {inner}, r);")
+        self.w.emit("}, [&](int i, int channel) {")
+        self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+        self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
         op = REDUCE_OP.get(u.reduce, "")
         lcd = [x if k != d else "r.size()" for k, x in enumerate(lc)]
         out_n = _prod(lcd)
-        self.emit(f"  {ct}* const Q = pk_{y}.out(i, {out_n});")
-        if u.op == "allreduce":
-            start = f"coconet::start_allreduce({op}, P, Q, {_prod(lcd)}, comm, channel)"
-        elif u.op == "reducescatter":
-            dr = ct_t.layout.dim
-            start = (f"coconet::start_reduce_scatter({op}, P, Q, {_prod(gp[:dr])}, {gp[dr]}, "
-                     f"{_prod(gp[dr + 1:])}, comm, channel)")
-        else:
-            da = yt.layout.dim
-            start = (f"coconet::start_allgather(P, Q, {_prod(gp[:da])}, {gp[da]}, {_prod(gp[da + 1:])}, "
-                     "comm, channel)")
-        self.emit(f"  return coconet::then_unpack({start}, Q, v_{c}, {_prod(lc[:d])}, {lc[d]}, "
+        self.w.emit(f"  {ct}* const Q = pk_{y}.out(i, {out_n});")
+        start = dispatch.chunk_collective(self.w, u, {
+            "allreduce": lambda _: f"coconet::start_allreduce({op}, P, Q, {_prod(lcd)}, comm, channel)",
+            "reducescatter": lambda split: f"coconet::start_reduce_scatter({op}, P, Q, {split}, comm, channel)",
+            "allgather": lambda split: f"coconet::start_allgather(P, Q, {split}, comm, channel)"})
+        self.w.emit(f"  return coconet::then_unpack({start}, Q, v_{c}, {_prod(lc[:d])}, {lc[d]}, "
                   f"{_prod(lc[d + 1:])}, r);")
-        self.emit("});")
+        self.w.emit("});")

@@ -14,7 +14,7 @@ Conventions of the generated function (see templates/module.cpp.j2):
 from __future__ import annotations
 
 from coconetc.codegen import dispatch
-from coconetc.codegen.base import Function, Part, Writer, prod as _prod
+from coconetc.codegen.base import Function, Writer, prod as _prod
 from coconetc.codegen.cpu.collectives import collective
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.cpu.loops import CpuLoops
@@ -27,13 +27,13 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop,
                                  Reduce, Require, Unit)
 
 
-class CpuRenderer(Part):
+class CpuRenderer:
     """Renders one plan: the parts below share the function's Writer."""
 
     LOOP, COLLECTIVE = "loop", ""
 
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
-        super().__init__(Writer(plan, fn, file, outputs))
+        self.w = Writer(plan, fn, file, outputs)
         self.idx = Indexing(self.w, "p_{x}.ptrs[s][a0 + j]")
         self.loops = CpuLoops(self.w, self.idx)
         self.fusion = CpuFused(self.w, self.idx, self.loops, self.unit)
@@ -52,7 +52,7 @@ class CpuRenderer(Part):
         collective(self.w, u)
 
     def require(self, u: Require) -> None:
-        self.emit(f'coconet::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
+        self.w.emit(f'coconet::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
                   f'rank of a group of " + std::to_string(comm.size));')
 
     def fused(self, u: Fused) -> None:
@@ -64,87 +64,75 @@ class CpuRenderer(Part):
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:
         ct = CTYPE[b.type.dtype]
+        if dispatch.declare(self.w, b):  # output, alias, view
+            return
         if b.kind == "scalar":
-            k = len(self.sig.scalars)
-            self.sig.scalars.append(b.name)
-            src = "iscalars" if b.type.dtype.startswith("i") else "scalars"
-            self.emit(f"const {ct} v_{b.name}[1] = {{{ct}(a.{src}[{k}])}};")
-        elif b.kind in ("param", "segments"):
-            k = len(self.sig.tensors)
-            self.sig.tensors.append(b.name)
-            if b.kind == "segments":
-                self.emit(f"const coconet::Segments<{ct}> p_{b.name} = a.segments<{ct}>({k});")
-            else:
-                self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
-        elif b.kind == "output":
-            self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
-        elif b.kind == "alias":
-            self.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+            self.w.emit(f"const {ct} v_{b.name}[1] = {{{ct}({self.w.scalar_arg(b.name, b.type.dtype)})}};")
+        elif b.kind == "segments":
+            self.w.emit(f"const coconet::Segments<{ct}> p_{b.name} = a.segments<{ct}>({self.w.tensor_arg(b.name)});")
+        elif b.kind == "param":
+            self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({self.w.tensor_arg(b.name)});")
         elif b.kind == "scratch":
             # kept across calls (per thread): no allocation and no page faults after the first call;
             # where the plan places it in the group's shared window (Buffer.shared: the source of
             # a fused collective or an all-reduce), the peers read it in place (nothing staged)
-            self.nsite += 1
-            n = _prod(self.ldims(b.type))
+            self.w.nsite += 1
+            n = _prod(self.w.ldims(b.type))
             if b.shared:
-                self.emit(f"{ct}* const v_{b.name} = coconet::shared_scratch<{ct}, {self.nsite}>(comm, {n});")
+                self.w.emit(f"{ct}* const v_{b.name} = coconet::shared_scratch<{ct}, {self.w.nsite}>(comm, {n});")
             else:
-                self.emit(f"{ct}* const v_{b.name} = coconet::scratch<{ct}, {self.nsite}>({n});")
-        elif b.kind == "view":
-            inner = _prod(self.gdims(b.type)[1:])
-            self.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.offset(b.type)} * {inner};"
-                      "  // computed in place inside the gathered result")
+                self.w.emit(f"{ct}* const v_{b.name} = coconet::scratch<{ct}, {self.w.nsite}>({n});")
 
     # --- reductions and library operations ------------------------------------------------
     def reduce(self, u: Reduce) -> None:
-        xt, t = self.types[u.src], self.types[u.dst]
-        src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"
-        n = _prod(self.ldims(xt))
+        xt, t = self.w.types[u.src], self.w.types[u.dst]
+        src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"
+        n = _prod(self.w.ldims(xt))
         if u.op == "segment_norm":
-            self.emit(f"coconet::segment_norm({src}, v_{u.dst}, {n}, {self.offset(xt)}, "
+            self.w.emit(f"coconet::segment_norm({src}, v_{u.dst}, {n}, {self.w.offset(xt)}, "
                       f"seg_starts, {'true' if u.cross_rank else 'false'}, comm);")
             return
         fn = "sum_of" if u.op == "sum" else "sumsq_of"
-        self.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
+        self.w.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
         if u.cross_rank:
-            self.emit("  acc = coconet::allreduce_sum(acc, comm);")
+            self.w.emit("  acc = coconet::allreduce_sum(acc, comm);")
         value = "acc" if u.op == "sum" else "std::sqrt(acc)"
-        self.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
+        self.w.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
                   f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
 
     def library(self, u: Library) -> None:
         entry = ops.get(u.op)
         if entry.extern is not None:
             assert entry.extern.cpp is not None, u.op  # declare() requires it
-            self.emit(extern_call(self.w, u, entry.extern.cpp.function) + ";")
+            self.w.emit(extern_call(self.w, u, entry.extern.cpp.function) + ";")
             return
-        ct = CTYPE[self.types[u.dst].dtype]
+        ct = CTYPE[self.w.types[u.dst].dtype]
         x = u.args[0]
-        xt = self.types[x]
+        xt = self.w.types[x]
         if u.op == "matmul":
-            la, lb = self.ldims(xt), self.ldims(self.types[u.args[1]])
-            self.emit(f"coconet::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, {la[-1]}, {lb[1]});")
+            la, lb = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]])
+            self.w.emit(f"coconet::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, {la[-1]}, {lb[1]});")
         elif u.op == "layernorm":
-            lx, attrs = self.ldims(xt), dict(u.attrs)
+            lx, attrs = self.w.ldims(xt), dict(u.attrs)
             eps = (literal(float(attrs["eps"]), "f64") if "eps" in attrs  # type: ignore[arg-type]
                    else f"double(coconet::to_compute(v_{u.args[3]}[0]))")
-            self.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
+            self.w.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                       f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
         else:
             assert u.op == "conv2d", u.op
-            lx, lw, attrs = self.ldims(xt), self.ldims(self.types[u.args[1]]), dict(u.attrs)
-            self.emit(f"coconet::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
+            lx, lw, attrs = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]]), dict(u.attrs)
+            self.w.emit(f"coconet::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
                       f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']});")
 
     def copy(self, u: Copy) -> None:
-        n = _prod(self.ldims(self.types[u.src]))
+        n = _prod(self.w.ldims(self.w.types[u.src]))
         if u.what == "output":
-            ct = CTYPE[self.types[u.src].dtype]
-            self.emit(f"std::copy_n(v_{u.src}, {n}, a.output<{ct}>({self.sig.outputs.index(u.dst)}));")
-        elif u.dst in self.scattered:
-            self.emit(f"coconet::copy_in(v_{u.src}, p_{u.dst}, 0, {n});  // update {u.dst}")
+            ct = CTYPE[self.w.types[u.src].dtype]
+            self.w.emit(f"std::copy_n(v_{u.src}, {n}, a.output<{ct}>({self.w.sig.outputs.index(u.dst)}));")
+        elif u.dst in self.w.scattered:
+            self.w.emit(f"coconet::copy_in(v_{u.src}, p_{u.dst}, 0, {n});  // update {u.dst}")
         else:
-            self.emit(f"std::copy_n(v_{u.src}, {n}, v_{u.dst});  // update {u.dst}")
+            self.w.emit(f"std::copy_n(v_{u.src}, {n}, v_{u.dst});  // update {u.dst}")
 
 
 def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from coconetc.codegen import pointwise
-from coconetc.codegen.base import Part, Writer, prod as _prod
+from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.loops import CudaKernels, Kernel, Outs
 from coconetc.codegen.cuda.notes import Notes
@@ -19,11 +19,11 @@ from coconetc.ir.nodes import Expr, Op, Ref, walk
 from coconetc.plan.units import Fused, Unit
 
 
-class CudaFused(Part):
+class CudaFused:
     """unit: renders the units that wait for every chunk (the renderer's dispatch)."""
 
     def __init__(self, w: Writer, idx: Indexing, kernels: CudaKernels, notes: Notes, unit: Callable[[Unit], None]):
-        super().__init__(w)
+        self.w = w
         self.idx, self.kernels, self.notes, self.unit = idx, kernels, notes, unit
 
     def render_fused(self, u: Fused, block: tuple[str, str] | None = None) -> None:
@@ -33,10 +33,10 @@ class CudaFused(Part):
         [row0, row1) of dim 0 (an overlap's chunk; the collective is sliced along d != 0, so they
         are one contiguous range of this rank's part)."""
         t = u.type
-        xt = self.types[u.src]
+        xt = self.w.types[u.src]
         ct = CTYPE[t.dtype]
         op = NCCL_OP[u.reduce]
-        g = self.gdims(xt)
+        g = self.w.gdims(xt)
         d = t.layout.dim if u.op == "reducescatter" else 0
         outer = _prod(g[:d])
         if u.op == "reducescatter":
@@ -44,51 +44,51 @@ class CudaFused(Part):
         else:  # an allreduce: one "slice" of everything
             n0, inner = _prod(g), "int64_t(1)"
         nm = u.name
-        mine = _prod(self.ldims(t))
-        direct = u.src not in self.scattered  # one rank: each chunk's kernel can read the source itself
+        mine = _prod(self.w.ldims(t))
+        direct = u.on("cuda").chunking.whole_alone  # one rank: each chunk's kernel reads the source itself
         if block is None and self._symmetric_ok(u):
             self._fused_symmetric(u, ct, op, n0, inner, mine)
-        self.emit("{")
+        self.w.emit("{")
         rows_arg = self._fused_extent(u, block, outer, n0, inner, mine)
-        self._chunk_size(u, direct)
-        self.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
+        self._chunk_size(u)
+        self.w.emit(f"  const int64_t chunks_{nm} = (most_{nm} + ch_{nm} - 1) / ch_{nm};")
         nred = f"ch_{nm}"
         if direct:
             nred = f"nred_{nm}"
-            self.emit(f"  const int64_t nred_{nm} = comm.size == 1 ? 0 : ch_{nm};  // one rank: no chunk buffers")
-        self.emit(f"  {ct}* const red0_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, {nred});")
-        self.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.site()}, {nred});")
+            self.w.emit(f"  const int64_t nred_{nm} = comm.size == 1 ? 0 : ch_{nm};  // one rank: no chunk buffers")
+        self.w.emit(f"  {ct}* const red0_{nm} = coconet::cuda::scratch<{ct}>({self.w.site()}, {nred});")
+        self.w.emit(f"  {ct}* const red1_{nm} = coconet::cuda::scratch<{ct}>({self.w.site()}, {nred});")
         self.notes.name(f"red0_{nm}", nred, f"red0 (chunk buffer 0 of fused {nm})")
         self.notes.name(f"red1_{nm}", nred, f"red1 (chunk buffer 1 of fused {nm})")
         self._reduce_to(u, ct, op, d, outer, n0, inner, rows_arg)
-        self.emit(f"  auto compute = [&](int64_t k, {ct}* red) {{")
-        self.emit(f"    const int64_t lo = base_{nm} + k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
-        self.emit("    if (hi <= lo) return;")
+        self.w.emit(f"  auto compute = [&](int64_t k, {ct}* red) {{")
+        self.w.emit(f"    const int64_t lo = base_{nm} + k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
+        self.w.emit("    if (hi <= lo) return;")
         self._chunk_kernel(u)
-        self.emit("  };")
+        self.w.emit("  };")
         if u.gather and d != 0:
-            gg = self.gdims(self.types[u.gather])
-            self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
+            gg = self.w.gdims(self.w.types[u.gather])
+            self.w.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
                       f"{_prod(gg[:d])}, {gg[d]}, {_prod(gg[d + 1:])}, k, ch_{nm}, ctx{rows_arg}); }};")
         elif u.gather:
-            self.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
-                      f"{self.gdims(self.types[u.gather])[0]}, {_prod(self.gdims(self.types[u.gather])[1:])}, "
+            self.w.emit(f"  auto gather = [&](int64_t k) {{ coconet::cuda::gather_chunk<{ct}>(v_{u.gather}, "
+                      f"{self.w.gdims(self.w.types[u.gather])[0]}, {_prod(self.w.gdims(self.w.types[u.gather])[1:])}, "
                       f"k, ch_{nm}, ctx); }};")
         else:
-            self.emit("  auto gather = [&](int64_t) {};")
+            self.w.emit("  auto gather = [&](int64_t) {};")
         if u.store_reduced:  # the reduced value is kept
-            self.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
+            self.w.emit(f"  auto keep = [&](int64_t k, {ct}* red) {{ const int64_t lo = base_{nm} + k * ch_{nm}; "
                       f"coconet::cuda::copy<{ct}>(red, v_{u.collective} + lo, std::min(ch_{nm}, mine_{nm} - lo), ctx); }};")
-            self.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
+            self.w.emit("  auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };")
             fn = "compute_keep"
         else:
             fn = "compute"
         if direct:
-            self.emit(f"  auto source = [&](int64_t k) {{ return v_{u.src} + base_{nm} + k * ch_{nm}; }};"
+            self.w.emit(f"  auto source = [&](int64_t k) {{ return v_{u.src} + base_{nm} + k * ch_{nm}; }};"
                       "  // one rank: chunk k's own elements")
-        self.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.site() * 8}, "
+        self.w.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.w.site() * 8}, "
                   f"reduce_to, {fn}, gather{', source' if direct else ''});")
-        self.emit("}")
+        self.w.emit("}")
         for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
             self.unit(a)
 
@@ -100,36 +100,36 @@ class CudaFused(Part):
         the block's gather (empty without a block)."""
         nm = u.name
         if block is None:
-            self.emit(f"  const int64_t base_{nm} = 0;")
-            self.emit(f"  const int64_t mine_{nm} = {mine};")
-            self.emit(f"  (void)base_{nm};")
+            self.w.emit(f"  const int64_t base_{nm} = 0;")
+            self.w.emit(f"  const int64_t mine_{nm} = {mine};")
+            self.w.emit(f"  (void)base_{nm};")
             if u.op == "reducescatter":
-                self.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
+                self.w.emit(f"  const int64_t most_{nm} = {outer} * coconet::slice_chunk({n0}, comm.size) * {inner};")
             else:
-                self.emit(f"  const int64_t most_{nm} = mine_{nm};")
+                self.w.emit(f"  const int64_t most_{nm} = mine_{nm};")
             return ""
-        per = _prod(self.ldims(u.type)[1:])
-        self.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
-        self.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
+        per = _prod(self.w.ldims(u.type)[1:])
+        self.w.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
+        self.w.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
         if u.op == "reducescatter":
-            self.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
+            self.w.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
                       f"comm.size) * {inner};")
         else:  # an all-reduce: this block's elements
-            self.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
-        self.emit(f"  (void)base_{nm};")
+            self.w.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
+        self.w.emit(f"  (void)base_{nm};")
         return f", {block[0]}, {block[1]}"
 
-    def _chunk_size(self, u: Fused, direct: bool) -> None:
-        """ch_<name>: COCONET_CUDA_CHUNK or 2^22 elements (whole rows for a row-wise phase); on
-        one rank, when the chunks read the source directly, all of them (nothing to overlap)."""
+    def _chunk_size(self, u: Fused) -> None:
+        """ch_<name>, as the plan's chunking says (Fused.on("cuda")): COCONET_CUDA_CHUNK or 2^22
+        elements (whole rows for a row-wise phase); whole_alone: on one rank all of them."""
         nm, chunking = u.name, u.on("cuda").chunking
-        assert chunking.whole_alone == direct, u.name
         whole = f"comm.size == 1 ? most_{nm} : 0" if chunking.whole_alone else ""
         if chunking.rows is not None:  # chunks of whole rows (a row-wise phase)
-            rows = self.gdims(u.type)[-1]
-            self.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems({whole}) + {rows} - 1) / {rows} * {rows};")
+            rows = self.w.gdims(u.type)[-1]
+            self.w.emit(f"  const int64_t ch_{nm} = (coconet::cuda::chunk_elems({whole}) + {rows} - 1) / {rows} * {rows};")
         else:
-            self.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems({whole});")
+            self.w.emit(f"  const int64_t ch_{nm} = coconet::cuda::chunk_elems({whole});")
+
     def _symmetric_ok(self, u: Fused) -> bool:
         """Does the plan let this fused unit also run as one kernel over symmetric memory
         (symmetric.cuh), chosen at run time?"""
@@ -140,53 +140,53 @@ class CudaFused(Part):
         (coconet::cuda::use_symmetric; else the pipeline after it): the element function is the
         pipeline chunk kernel's body, the reduced value passed in (red_v) instead of read from
         the chunk buffer."""
-        saved = dict(self.consts)
+        saved = dict(self.w.consts)
         t = u.type
         items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
         inside = {u.collective} | {name for name, _, _ in items}
         coords = self.idx.needs_coords(t, [e for _, e, _ in items], inside)
-        self.emit(f'if (coconet::cuda::use_symmetric(ctx, "{u.name}")) {{  // one kernel over symmetric memory')
-        self.emit(f"  const int64_t off = {self.offset(t)};")
-        self.emit("  (void)off;")
+        self.w.emit(f'if (coconet::cuda::use_symmetric(ctx, "{u.name}")) {{  // one kernel over symmetric memory')
+        self.w.emit(f"  const int64_t off = {self.w.offset(t)};")
+        self.w.emit("  (void)off;")
         if coords:
             for line in self.idx.extents(t):
-                self.emit(f"  {line}")
+                self.w.emit(f"  {line}")
         lets = pointwise.lets(self.w, u.lets)
         self.notes.access(t, items, u.lets, "0", mine, {}, "  ")
         g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
-        gt = CTYPE[self.types[u.gather].dtype] if u.gather else ct
+        gt = CTYPE[self.w.types[u.gather].dtype] if u.gather else ct
         keep = f"v_{u.collective}" if u.store_reduced else f"static_cast<{ct}*>(nullptr)"  # scratch (the plan)
-        self.emit(f"  coconet::cuda::fused_symmetric<{ct}, {gt}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, ctx, "
+        self.w.emit(f"  coconet::cuda::fused_symmetric<{ct}, {gt}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, ctx, "
                   f"[=] __device__ (int64_t i, {ct} red_v) {{")
         for line in lets:
-            self.emit(f"    {line}")
+            self.w.emit(f"    {line}")
         outs = {name: [(f"v_{name}[i]", "")] if stored else [] for name, _, stored in items}
         body = self.kernels.body(t, items, {u.collective: "coconet::to_compute(red_v)"}, self.idx.loader(t), outs,
                           lambda target, name: target)
         for line in self.kernels.with_coords(t, coords, body):
-            self.emit(f"    {line}")
-        self.emit("  });")
-        self.emit("} else  // the chunked pipeline on the host API")
-        self.consts = saved
+            self.w.emit(f"    {line}")
+        self.w.emit("  });")
+        self.w.emit("} else  // the chunked pipeline on the host API")
+        self.w.consts = saved
 
     def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
         """The pipeline's reduce_to(k, red): chunk k's reduction on the comm stream."""
         nm = u.name
-        if u.op == "reducescatter" and u.src in self.scattered:  # NCCL per piece of a segment
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+        if u.op == "reducescatter" and u.src in self.w.scattered:  # NCCL per piece of a segment
+            self.w.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"p_{u.src}, red, {n0}, k, ch_{nm}, ctx); }};")
         elif u.op == "reducescatter" and d != 0:  # one ncclReduce per run of each rank's chunk
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+            self.w.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {outer}, {n0}, {inner}, k, ch_{nm}, ctx{rows_arg}); }};")
         elif u.op == "reducescatter":
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
+            self.w.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::reduce_chunk<{ct}>({op}, "
                       f"v_{u.src}, red, {n0}, {inner}, k, ch_{nm}, ctx); }};")
-        elif u.src in self.scattered:  # an all-reduce: NCCL per piece of the chunk inside a segment
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::allreduce_chunk<{ct}>({op}, "
+        elif u.src in self.w.scattered:  # an all-reduce: NCCL per piece of the chunk inside a segment
+            self.w.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ coconet::cuda::allreduce_chunk<{ct}>({op}, "
                       f"p_{u.src}, red, mine_{nm}, k, ch_{nm}, ctx); }};")
         else:
             lo = f"base_{nm} + k * ch_{nm}" if rows_arg else f"k * ch_{nm}"  # an overlap's block starts at base_
-            self.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = {lo}; "
+            self.w.emit(f"  auto reduce_to = [&](int64_t k, {ct}* red) {{ const int64_t lo = {lo}; "
                       f"coconet::cuda::allreduce<{ct}>({op}, v_{u.src} + lo, red, "
                       f"std::min(ch_{nm}, mine_{nm} - lo), ctx, ctx.comm_stream); }};")
 
@@ -194,16 +194,16 @@ class CudaFused(Part):
         """The chunk's phases in order: a pointwise phase is one kernel over the chunk's
         elements, a row-wise phase (layernorm) one kernel of a thread per row of the chunk
         (chunks hold whole rows); a value crossing phases is read from its buffer."""
-        saved = dict(self.consts)
+        saved = dict(self.w.consts)
         t = u.type
         inside = {u.collective} | {i.name for p in u.phases for i in p.items}
         pointwise = [(i.name, i.expr, i.store) for p in u.phases if p.kind == "pointwise" for i in p.items]
         coords = self.idx.needs_coords(t, [e for _, e, _ in pointwise], inside)
-        self.emit(f"    const int64_t off = {self.offset(t)};")
-        self.emit("    (void)off;")
+        self.w.emit(f"    const int64_t off = {self.w.offset(t)};")
+        self.w.emit("    (void)off;")
         if coords:
             for line in self.idx.extents(t):
-                self.emit(f"    {line}")
+                self.w.emit(f"    {line}")
         runs, store = self._gather_store(u)
         for ph in u.phases:
             items = [(i.name, i.expr, i.store) for i in ph.items]
@@ -211,21 +211,21 @@ class CudaFused(Part):
                 self._chunk_rows(u, ph.items[0], runs, bool(store))
             else:
                 self._chunk_pointwise(u, items, inside, coords, runs, store)
-        self.consts = saved
+        self.w.consts = saved
 
     def _chunk_pointwise(self, u: Fused, items: list[tuple[str, Expr, bool]], inside: set[str], coords: bool,
                          runs: str, store: Outs) -> None:
         t = u.type
-        saved = dict(self.consts)
+        saved = dict(self.w.consts)
         segs = sorted({r.name for _, e, _ in items for r in walk(e)
-                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in inside})
+                       if isinstance(r, Ref) and r.name in self.w.scattered and r.name not in inside})
         if not any(name == u.gathered for name, _, _ in items):
             runs = ""
         if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
-            self.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
-            self.emit("    const int64_t b0 = pc.offset;")
+            self.w.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
+            self.w.emit("    const int64_t b0 = pc.offset;")
             for x in segs:
-                self.emit(f"    {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+                self.w.emit(f"    {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
             self.notes.access(t, items, u.lets, "lo + b0", "lo + b0 + pc.size", {}, "    ",
                               ("COCONET_R(red, b0, b0 + pc.size)",))
             k = Kernel("pc.size", "q", ("const int64_t j = b0 + q;", "const int64_t i = lo + j;"), "lo + b0",
@@ -236,8 +236,8 @@ class CudaFused(Part):
                        {u.collective: ("coconet::to_compute(red[j])", "red")}, store)
         self.kernels.kernel(t, k, u.lets, items, coords, "    ")
         if segs:
-            self.emit("    }")
-        self.consts = saved
+            self.w.emit("    }")
+        self.w.consts = saved
 
     def _chunk_rows(self, u: Fused, item, runs: str, gstore: bool) -> None:
         """layernorm over the chunk's whole rows, one thread per row (as the layernorm kernel),
@@ -245,9 +245,9 @@ class CudaFused(Part):
         assert isinstance(item.expr, Op) and item.expr.op == "layernorm", item
         x, g, b, eps = item.expr.args
         assert isinstance(x, Ref) and isinstance(g, Ref) and isinstance(b, Ref)
-        t = self.types[item.name]
+        t = self.w.types[item.name]
         C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
-        H = self.ldims(t)[-1]
+        H = self.w.ldims(t)[-1]
 
         def X(idx: str) -> str:
             return (f"coconet::to_compute(red[{idx} - lo])" if x.name == u.collective
@@ -258,25 +258,25 @@ class CudaFused(Part):
             spans.append(f"COCONET_W(v_{item.name}, lo, hi)")
         gathered = gstore and item.name == u.gathered
         if gathered:
-            self.emit(f"    COCONET_ACCESS_RUNS({runs}, {', '.join(spans)});")
+            self.w.emit(f"    COCONET_ACCESS_RUNS({runs}, {', '.join(spans)});")
         else:
-            self.emit(f"    COCONET_ACCESS({', '.join(spans)});")
-        self.emit(f"    coconet::cuda::launch((hi - lo) / ({H}), stream, [=] __device__ (int64_t q) {{"
+            self.w.emit(f"    COCONET_ACCESS({', '.join(spans)});")
+        self.w.emit(f"    coconet::cuda::launch((hi - lo) / ({H}), stream, [=] __device__ (int64_t q) {{"
                   f"  // layernorm {item.name}, a thread per row")
-        self.emit(f"    const int64_t row = lo + q * ({H});")
+        self.w.emit(f"    const int64_t row = lo + q * ({H});")
         for line in layernorm_row(C, H, X, "c", layernorm_eps(eps)):
-            self.emit(f"    {line}")
-        self.emit("      const int64_t i = row + c;")
-        self.emit(f"      const {C} x_{item.name} = {layernorm_value(T, X('i'), g.name, b.name, 'c')};")
+            self.w.emit(f"    {line}")
+        self.w.emit("      const int64_t i = row + c;")
+        self.w.emit(f"      const {C} x_{item.name} = {layernorm_value(T, X('i'), g.name, b.name, 'c')};")
         if item.store:
-            self.emit(f"      v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
+            self.w.emit(f"      v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
         if gathered:
-            gg = self.gdims(self.types[u.gather])
+            gg = self.w.gdims(self.w.types[u.gather])
             d = u.type.layout.dim
-            self.emit(f"      v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
+            self.w.emit(f"      v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
                       f"coconet::from_compute<{T}>(x_{item.name});")
-        self.emit("    }")
-        self.emit("    });")
+        self.w.emit("    }")
+        self.w.emit("    });")
 
     def _gather_store(self, u: Fused):
         """A fused reduce-scatter along dim d != 0 that gathers: the chunk kernel stores the
@@ -287,9 +287,9 @@ class CudaFused(Part):
         d = t.layout.dim if u.op == "reducescatter" else 0
         if not u.gather or d == 0:
             return "", {}
-        gg = self.gdims(self.types[u.gather])
+        gg = self.w.gdims(self.w.types[u.gather])
         gn, ginner = gg[d], _prod(gg[d + 1:])
-        self.emit(f"    const int64_t gm_ = {self.ldims(t)[d]} * {ginner};  // this rank's part of one outer index")
+        self.w.emit(f"    const int64_t gm_ = {self.w.ldims(t)[d]} * {ginner};  // this rank's part of one outer index")
         runs = (f"coconet::cuda::runs_w(v_{u.gather}, {_prod(gg[:d])}, {gn}, {ginner}, "
                 f"coconet::slice_range({gn}, comm.size, comm.rank), lo, hi)")
         return runs, {u.gathered: [(f"v_{u.gather}[(i / gm_ * {gn} + off) * {ginner} + i % gm_]", None)]}

@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass, field
 
 from coconetc.codegen import pointwise
-from coconetc.codegen.base import Part, Writer, prod as _prod
+from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.notes import Notes
-from coconetc.codegen.emit import COMPUTE, CTYPE, emit
+from coconetc.codegen.emit import CTYPE
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
@@ -31,7 +31,7 @@ from coconetc.plan.units import Let, Loop
 BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
 VECTOR_BYTES = 16
 
-Items = list[tuple[str, Expr, bool]]
+Items = pointwise.Items
 Outs = dict[str, list[tuple[str, str | None]]]  # value -> [(element path's target, vector pointer or None)]
 
 
@@ -66,9 +66,9 @@ def _indices(defs: tuple[str, ...], body: list[str]) -> list[str]:
     return out
 
 
-class CudaKernels(Part):
+class CudaKernels:
     def __init__(self, w: Writer, idx: Indexing, notes: Notes):
-        super().__init__(w)
+        self.w = w
         self.idx, self.notes = idx, notes
 
     def kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str) -> None:
@@ -81,25 +81,25 @@ class CudaKernels(Part):
                 outs[name] = outs[name] + targets
         vec = self._vector_operands(t, k, items, outs)
         if vec is None:
-            self.emit(f"{ind}coconet::cuda::launch_threads<1>({k.n}, false, stream, "
+            self.w.emit(f"{ind}coconet::cuda::launch_threads<1>({k.n}, false, stream, "
                       "[=] __device__ (const coconet::cuda::Thread<1>& th) {")
         else:
             V, ptrs = vec
-            self.emit(f"{ind}coconet::cuda::launch_threads<{V}>({k.n}, coconet::cuda::aligned<{V}>("
+            self.w.emit(f"{ind}coconet::cuda::launch_threads<{V}>({k.n}, coconet::cuda::aligned<{V}>("
                       f"{', '.join(ptrs.values())}), stream, [=] __device__ (const coconet::cuda::Thread<{V}>& th) {{")
         for line in let_lines:
-            self.emit(f"{ind}  {line}")
+            self.w.emit(f"{ind}  {line}")
         if vec is not None:
             self._vector_loop(t, k, items, outs, coords, *vec, ind + "  ")
-        self.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
+        self.w.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
                   + ("  // past the last whole vector, or all when not aligned" if vec else ""))
         load = self.idx.loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
         body = self.with_coords(t, coords, self.body(t, items, local, load, outs, lambda target, name: target))
         for line in (*_indices(k.defs, body), *body):
-            self.emit(f"{ind}    {line}")
-        self.emit(f"{ind}  }}")
-        self.emit(f"{ind}}});")
+            self.w.emit(f"{ind}    {line}")
+        self.w.emit(f"{ind}  }}")
+        self.w.emit(f"{ind}}});")
 
     def with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
         """The body, after the element's coordinates c0.. from i (the L<k> in scope) when it
@@ -119,7 +119,7 @@ class CudaKernels(Part):
         ptrs: dict[str, str] = {}
         sizes: list[int] = []
         for r in (r for _, e, _ in items for r in walk(e) if isinstance(r, Ref)):
-            if r.name in inside or r.name in self.consts or r.name in ptrs:
+            if r.name in inside or r.name in self.w.consts or r.name in ptrs:
                 continue
             if r.name in k.regs:
                 ptr = k.regs[r.name][1]
@@ -134,14 +134,14 @@ class CudaKernels(Part):
                 else:  # through the coordinates, per element
                     continue
             ptrs[r.name] = ptr
-            sizes.append(BYTES[self.types[r.name].dtype])
+            sizes.append(BYTES[self.w.types[r.name].dtype])
         for name, targets in outs.items():
             if len(targets) > 1 or any(p is None for _, p in targets):
                 return None
             for _, p in targets:
                 assert p is not None
                 ptrs[f"out {name}"] = p
-                sizes.append(BYTES[self.types[name].dtype])
+                sizes.append(BYTES[self.w.types[name].dtype])
         if not sizes:
             return None
         return VECTOR_BYTES // max(sizes), ptrs
@@ -151,48 +151,38 @@ class CudaKernels(Part):
         """Whole groups of V elements: each operand loaded as one vector, the element math of
         the V lanes unrolled, each stored value written as one vector."""
         v0 = f"{k.var}0"
-        self.emit(f"{ind}for (const int64_t {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
+        self.w.emit(f"{ind}for (const int64_t {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
                   "load or store per operand")
         for name, ptr in ptrs.items():
             if not name.startswith("out "):
-                self.emit(f"{ind}  const auto in_{name} = coconet::cuda::load<{V}>({ptr} + {v0});")
+                self.w.emit(f"{ind}  const auto in_{name} = coconet::cuda::load<{V}>({ptr} + {v0});")
         stored = [name for name, targets in outs.items() if targets]
         by_type: dict[str, list[str]] = {}
         for s in stored:
-            by_type.setdefault(CTYPE[self.types[s].dtype], []).append(f"out_{s}")
+            by_type.setdefault(CTYPE[self.w.types[s].dtype], []).append(f"out_{s}")
         for ct, names in by_type.items():
-            self.emit(f"{ind}  coconet::cuda::Vec<{ct}, {V}> {', '.join(names)};")
-        self.emit(f"{ind}  COCONET_UNROLL")
-        self.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
+            self.w.emit(f"{ind}  coconet::cuda::Vec<{ct}, {V}> {', '.join(names)};")
+        self.w.emit(f"{ind}  COCONET_UNROLL")
+        self.w.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
         base = self.idx.loader(t)
 
         def load(r: Ref) -> str:
-            if r.name not in self.consts and r.name in ptrs:
+            if r.name not in self.w.consts and r.name in ptrs:
                 return f"coconet::to_compute(in_{r.name}[u])"
             return base(r)
         body = self.with_coords(t, coords, self.body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]"))
         for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
-            self.emit(f"{ind}    {line}")
-        self.emit(f"{ind}  }}")
+            self.w.emit(f"{ind}    {line}")
+        self.w.emit(f"{ind}  }}")
         for s in stored:
-            self.emit(f"{ind}  coconet::cuda::store<{V}>({ptrs[f'out {s}']} + {v0}, out_{s});")
-        self.emit(f"{ind}}}")
+            self.w.emit(f"{ind}  coconet::cuda::store<{V}>({ptrs[f'out {s}']} + {v0}, out_{s});")
+        self.w.emit(f"{ind}}}")
 
     def body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:
-        """The element math of every item (codegen/emit.py), each value rounded to its type and
-        kept in x_<name>, stored where outs says (target(element path's target, name): the
-        text written to)."""
-        local = dict(regs)
-        lines = []
-        for name, e, _ in items:
-            ct = CTYPE[self.types[name].dtype]
-            load = lambda r: local.get(r.name) or base(r)  # noqa: E731
-            body = emit(e, load, self.idx.extra(t, load))
-            lines.append(f"const {COMPUTE[self.types[name].dtype]} x_{name} = coconet::round_to<{ct}>({body});")
-            local[name] = f"x_{name}"
-            for tgt, _ in outs.get(name, []):
-                lines.append(f"{target(tgt, name)} = coconet::from_compute<{ct}>(x_{name});")
-        return lines
+        """The element math of every item over t (codegen/pointwise.py: values), stored where
+        outs says (target(element path's target, name): the text written to)."""
+        return pointwise.values(self.idx, items, regs, lambda name: (t, base),
+                                lambda name: [target(tgt, name) for tgt, _ in outs.get(name, [])])
 
     def render_loop(self, u: Loop) -> None:
         """A Loop unit: one kernel, or one per piece of the scattered tensors it reads or stores."""
@@ -201,46 +191,46 @@ class CudaKernels(Part):
     def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str = "") -> None:
         regs = {name for name, _, _ in items}
         segs = sorted({r.name for _, e, _ in items for r in walk(e)
-                       if isinstance(r, Ref) and r.name in self.scattered and r.name not in regs} | ({seg_dst} - {""}))
+                       if isinstance(r, Ref) and r.name in self.w.scattered and r.name not in regs} | ({seg_dst} - {""}))
         if segs:
             self._seg_loop(t, lets, items, seg_dst, segs)
             return
-        saved = dict(self.consts)
-        n = _prod(self.ldims(t))
+        saved = dict(self.w.consts)
+        n = _prod(self.w.ldims(t))
         coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
         self._loop_head(t, coords)
         self.notes.access(t, items, lets, "0", n, {}, "  ")
         self.kernel(t, Kernel(n), lets, items, coords, "  ")
-        self.emit("}")
-        self.consts = saved
+        self.w.emit("}")
+        self.w.consts = saved
 
     def _loop_head(self, t: TType, coords: bool) -> None:
         """A loop's block opens as the CPU loop's (codegen/indexing.py: loop_head)."""
-        self.emit("{")
+        self.w.emit("{")
         for line in self.idx.loop_head(t, coords):
-            self.emit(f"  {line}")
+            self.w.emit(f"  {line}")
 
     def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
                   segs: list[str]) -> None:
         """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
         this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
         operand read through its piece's pointer sp_<x>[q]; element i = pc.offset + q."""
-        saved = dict(self.consts)
-        n = _prod(self.ldims(t))
+        saved = dict(self.w.consts)
+        n = _prod(self.w.ldims(t))
         coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
         if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
             assert len(items) == 1, items
             items = [(items[0][0], items[0][1], False)]
         self._loop_head(t, coords)
-        self.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
-        self.emit("  const int64_t b0 = pc.offset;")
+        self.w.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
+        self.w.emit("  const int64_t b0 = pc.offset;")
         for x in segs:
-            self.emit(f"  {CTYPE[self.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+            self.w.emit(f"  {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
         self.notes.access(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
                           (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
         outs: Outs = {items[0][0]: [(f"sp_{seg_dst}[q]", f"sp_{seg_dst}")]} if seg_dst else {}
         self.kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords,
                     "  ")
-        self.emit("  }")
-        self.emit("}")
-        self.consts = saved
+        self.w.emit("  }")
+        self.w.emit("}")
+        self.w.consts = saved

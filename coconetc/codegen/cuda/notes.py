@@ -5,25 +5,25 @@ so it has no such file."""
 
 from __future__ import annotations
 
-from coconetc.codegen.base import Part, Writer
+from coconetc.codegen.base import Writer
 from coconetc.codegen.indexing import Indexing
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import Let
 
 
-class Notes(Part):
+class Notes:
     def __init__(self, w: Writer, idx: Indexing):
-        super().__init__(w)
+        self.w = w
         self.idx = idx
 
     def name(self, ptr: str, n: str, name: str, caller: bool = False) -> None:
         """The buffer's name for the host emulation's race reports (nothing under nvcc).
         caller: a parameter or output, produced on the call's stream before the call."""
         if caller:
-            self.emit(f'COCONET_PARAM({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}", stream);')
+            self.w.emit(f'COCONET_PARAM({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}", stream);')
         else:
-            self.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
+            self.w.emit(f'COCONET_BUFFER({ptr}, size_t({n}) * sizeof(*{ptr}), "{name}");')
 
     def access(self, t: TType, items: list[tuple[str, Expr, bool]], lets: tuple[Let, ...], lo: str, hi: str,
                      regs: dict[str, str], indent: str, extra: tuple[str, ...] = (), runs: str = "") -> None:
@@ -35,9 +35,9 @@ class Notes(Part):
         refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref)]
         refs += [r for k in lets for r in walk(k.expr) if isinstance(r, Ref)]
         for r in refs:
-            if r.name in inside or r.name in self.consts or r.name in spans:
+            if r.name in inside or r.name in self.w.consts or r.name in spans:
                 continue
-            kind = next((b.kind for b in self.plan.buffers if b.name == r.name), None)
+            kind = next((b.kind for b in self.w.plan.buffers if b.name == r.name), None)
             if kind in (None, "scalar", "register"):  # a Let, a scalar on the host, a value in registers
                 continue
             idx = self.idx.access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else "0"
@@ -57,6 +57,6 @@ class Notes(Part):
         out += [f"COCONET_W(v_{name}, {lo}, {hi})" for name, _, stored in items if stored]
         out += extra
         if runs:  # and the spans the runtime lists (a chunk's runs in a gathered value)
-            self.emit(f"{indent}COCONET_ACCESS_RUNS({runs}, {', '.join(out)});")
+            self.w.emit(f"{indent}COCONET_ACCESS_RUNS({runs}, {', '.join(out)});")
         else:
-            self.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")
+            self.w.emit(f"{indent}COCONET_ACCESS({', '.join(out)});")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen.base import Part, Writer, prod as _prod
+from coconetc.codegen import dispatch
+from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.fused import CudaFused
 from coconetc.codegen.cuda.notes import Notes
@@ -14,11 +15,11 @@ from coconetc.codegen.emit import CTYPE
 from coconetc.plan.units import Fused, Overlap, Unit
 
 
-class CudaOverlap(Part):
+class CudaOverlap:
     """unit: renders the units that wait for every chunk (the renderer's dispatch)."""
 
     def __init__(self, w: Writer, fusion: CudaFused, notes: Notes, unit: Callable[[Unit], None]):
-        super().__init__(w)
+        self.w = w
         self.fusion, self.notes, self.unit = fusion, notes, unit
 
     def render_overlap(self, u: Overlap) -> None:
@@ -31,36 +32,34 @@ class CudaOverlap(Part):
             self._overlap_fused(u, u.fused)
             return
         y, c = u.producer, u.collective
-        yt, ctt = self.types[y], self.types[c]
+        yt = self.w.types[y]
         ct = CTYPE[yt.dtype]
         op = NCCL_OP.get(u.reduce, "")
-        ly, la, lb, lc = (self.ldims(self.types[n]) for n in (y, u.a, u.b, c))
-        gy = self.gdims(yt)
+        ly, la, lb, lc = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b, c))
         K, N = la[-1], lb[1]
-        ev, done = self.site(), self.site()
-        self.emit("{")
-        self.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
-        self.emit("  cctx.stream = ctx.comm_stream;")
+        ev, done = self.w.site(), self.w.site()
+        self.w.emit("{")
+        self.w.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
+        self.w.emit("  cctx.stream = ctx.comm_stream;")
         if u.direct:
             rows, per_row = ly[0], _prod(ly[1:-1])
-            self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
-            self.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
-            self.emit("    if (r.empty()) continue;")
-            self.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + r.begin * {per_row} * {K}, v_{u.b}, "
+            self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
+            self.w.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
+            self.w.emit("    if (r.empty()) continue;")
+            self.w.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + r.begin * {per_row} * {K}, v_{u.b}, "
                       f"v_{y} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {K}, {N}, stream);")
-            self.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
+            self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
             src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
-            if u.op == "allreduce":
-                self.emit(f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * {_prod(ly[1:])}, cctx);")
-            else:
-                d = ctt.layout.dim
-                self.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, r.size() * {_prod(gy[1:d])}, "
-                          f"{gy[d]}, {_prod(gy[d + 1:])}, cctx);")
-            self.emit("  }")
+            self.w.emit(dispatch.chunk_collective(self.w, u, {
+                "allreduce": lambda _: f"    coconet::cuda::allreduce<{ct}>({op}, {src}, {dst}, r.size() * "
+                                       f"{_prod(ly[1:])}, cctx);",
+                "reducescatter": lambda split: f"    coconet::cuda::reduce_scatter<{ct}>({op}, {src}, {dst}, {split}, "
+                                               "cctx);"}))
+            self.w.emit("  }")
         else:
-            self._overlap_packed(u, ct, op, ly, la, lb, lc, gy, ev)
-        self.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
-        self.emit("}")
+            self._overlap_packed(u, ct, op, ly, la, lb, lc, ev)
+        self.w.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
+        self.w.emit("}")
 
     def _overlap_fused(self, u: Overlap, f: Fused) -> None:
         """The matmul's row blocks (cuBLAS) on the call's stream; after each block an event, and
@@ -69,68 +68,62 @@ class CudaOverlap(Part):
         this block communicates and computes; the call's stream waits for the side stream at
         the end."""
         y = u.producer
-        ct = CTYPE[self.types[y].dtype]
-        ly, la, lb = (self.ldims(self.types[n]) for n in (y, u.a, u.b))
+        ct = CTYPE[self.w.types[y].dtype]
+        ly, la, lb = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b))
         K, N = la[-1], lb[1]
         rows, per_row = ly[0], _prod(ly[1:-1])
-        ev, done = self.site(), self.site()
-        self.emit("{")
-        self.emit("  coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream")
-        self.emit("  sctx.stream = coconet::cuda::side_stream();")
-        self.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
-        self.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
-        self.emit("    if (rb.empty()) continue;")
-        self.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + rb.begin * {per_row} * {K}, v_{u.b}, "
+        ev, done = self.w.site(), self.w.site()
+        self.w.emit("{")
+        self.w.emit("  coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream")
+        self.w.emit("  sctx.stream = coconet::cuda::side_stream();")
+        self.w.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
+        self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
+        self.w.emit("    if (rb.empty()) continue;")
+        self.w.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + rb.begin * {per_row} * {K}, v_{u.b}, "
                   f"v_{y} + rb.begin * {_prod(ly[1:])}, rb.size() * {per_row}, {K}, {N}, stream);")
-        self.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
-        self.emit("    {")
-        self.emit("    const coconet::cuda::Ctx& ctx = sctx;")
-        self.emit("    const cudaStream_t stream = ctx.stream;")
-        self._comment(f.line, f"fused collective {f.name}: {', '.join(f.members)} (rows rb of dim 0)")
+        self.w.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
+        self.w.emit("    {")
+        self.w.emit("    const coconet::cuda::Ctx& ctx = sctx;")
+        self.w.emit("    const cudaStream_t stream = ctx.stream;")
+        self.w.comment(f.line, f"fused collective {f.name}: {', '.join(f.members)} (rows rb of dim 0)")
         self.fusion.render_fused(f, ("rb.begin", "rb.end"))
-        self.emit("    }")
-        self.emit("  }")
-        self.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
+        self.w.emit("    }")
+        self.w.emit("  }")
+        self.w.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
         for a in f.after:  # what waits for every chunk of every block, on the call's stream
             self.unit(a)
-        self.emit("}")
+        self.w.emit("}")
 
-    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, gy, ev: int) -> None:
+    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, ev: int) -> None:
         y, c = u.producer, u.collective
-        yt, ctt = self.types[y], self.types[c]
+        yt = self.w.types[y]
         d, nd = u.dim, yt.ndim
         K, N = la[-1], lb[1]
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
         oc, ic = _prod(lc[:d]), _prod(lc[d + 1:])
-        self.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(ly)});")
-        self.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.site()}, {_prod(lc)});")
+        self.w.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(ly)});")
+        self.w.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(lc)});")
         self.notes.name("P_all", _prod(ly), f"packed chunks of {y}")
         self.notes.name("Q_all", _prod(lc), f"packed chunks of {c}")
-        self.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
-        self.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
-        self.emit("    if (r.empty()) continue;")
-        self.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
-        self.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
+        self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
+        self.w.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
+        self.w.emit("    if (r.empty()) continue;")
+        self.w.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
+        self.w.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
         if d == nd - 1:  # a column block of b: P[M, |r|]
-            self.emit(f"    coconet::cuda::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
+            self.w.emit(f"    coconet::cuda::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
                       f"v_{u.b} + r.begin, {N}, P, r.size(), stream);")
         else:
             rows_per = _prod(ly[d + 1:-1])
-            self.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
-            self.emit(f"      coconet::cuda::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
+            self.w.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
+            self.w.emit(f"      coconet::cuda::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
                       f"P + o * r.size() * {inner}, r.size() * {rows_per}, {K}, {N}, stream);")
         if u.keep_producer:
-            self.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
-        self.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
-        gp = [g if k != d else "r.size()" for k, g in enumerate(self.gdims(yt))]
-        if u.op == "allreduce":
-            self.emit(f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);")
-        elif u.op == "reducescatter":
-            dr = ctt.layout.dim
-            self.emit(f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {_prod(gp[:dr])}, {gp[dr]}, "
-                      f"{_prod(gp[dr + 1:])}, cctx);")
-        else:
-            da = yt.layout.dim
-            self.emit(f"    coconet::cuda::allgather<{ct}>(P, Q, {_prod(gp[:da])}, {gp[da]}, {_prod(gp[da + 1:])}, cctx);")
-        self.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
-        self.emit("  }")
+            self.w.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
+        self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
+        self.w.emit(dispatch.chunk_collective(self.w, u, {
+            "allreduce": lambda _: f"    coconet::cuda::allreduce<{ct}>({op}, P, Q, {oc} * r.size() * {ic}, cctx);",
+            "reducescatter": lambda split: f"    coconet::cuda::reduce_scatter<{ct}>({op}, P, Q, {split}, cctx);",
+            "allgather": lambda split: f"    coconet::cuda::allgather<{ct}>(P, Q, {split}, cctx);"}))
+        self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
+        self.w.emit("  }")

@@ -16,13 +16,12 @@ body is the element math of codegen/emit.py, the text the CPU loops use."""
 from __future__ import annotations
 
 from coconetc.codegen import dispatch
-from coconetc.codegen.base import Function, Part, Writer, prod as _prod
+from coconetc.codegen.base import Function, Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import collective
 from coconetc.codegen.cuda.fused import CudaFused
 from coconetc.codegen.cuda.loops import CudaKernels
 from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.cuda.overlap import CudaOverlap
-from coconetc.codegen.cuda.support import all_units
 from coconetc.codegen.emit import CTYPE, literal
 from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
@@ -30,23 +29,22 @@ from coconetc.ir import ops
 from coconetc.plan.units import Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan, Reduce, Require, Unit
 
 
-class CudaRenderer(Part):
+class CudaRenderer:
     """Renders one plan: the parts below share the function's Writer."""
 
     LOOP, COLLECTIVE = "kernel", " (NCCL)"
 
     def __init__(self, plan: Plan, fn: str, file: str, outputs: list[str]):
-        super().__init__(Writer(plan, fn, file, outputs))
+        self.w = Writer(plan, fn, file, outputs)
         self.idx = Indexing(self.w, "sp_{x}[q]")  # this piece of its segment
         self.notes = Notes(self.w, self.idx)
         self.kernels = CudaKernels(self.w, self.idx, self.notes)
         self.fusion = CudaFused(self.w, self.idx, self.kernels, self.notes, self.unit)
         self.overlaps = CudaOverlap(self.w, self.fusion, self.notes, self.unit)
         self.seg_declared = False
-        self.unpacked = {c.packed for c in all_units(plan.units) if isinstance(c, Collective) and c.packed}
 
     def render(self) -> Function:
-        assert not self.plan.unsupported("cuda"), self.plan.unsupported("cuda")  # generate() leaves those out
+        assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
         return dispatch.function(self.w, self._declare, self.unit)
 
     def unit(self, u: Unit) -> None:
@@ -59,16 +57,16 @@ class CudaRenderer(Part):
         collective(self.w, u)
 
     def copy(self, u: Copy) -> None:
-        n = _prod(self.ldims(self.types[u.src]))
-        ct = CTYPE[self.types[u.src].dtype]
-        dst = f"a.output<{ct}>({self.sig.outputs.index(u.dst)})" if u.what == "output" else f"v_{u.dst}"
-        if u.dst in self.scattered:
-            self.emit(f"coconet::cuda::copy_in<{ct}>(v_{u.src}, p_{u.dst}, {n}, ctx);  // {u.what} {u.dst}")
+        n = _prod(self.w.ldims(self.w.types[u.src]))
+        ct = CTYPE[self.w.types[u.src].dtype]
+        dst = f"a.output<{ct}>({self.w.sig.outputs.index(u.dst)})" if u.what == "output" else f"v_{u.dst}"
+        if u.dst in self.w.scattered:
+            self.w.emit(f"coconet::cuda::copy_in<{ct}>(v_{u.src}, p_{u.dst}, {n}, ctx);  // {u.what} {u.dst}")
             return
-        self.emit(f"coconet::cuda::copy<{ct}>(v_{u.src}, {dst}, {n}, ctx);  // {u.what} {u.dst}")
+        self.w.emit(f"coconet::cuda::copy<{ct}>(v_{u.src}, {dst}, {n}, ctx);  // {u.what} {u.dst}")
 
     def require(self, u: Require) -> None:
-        self.emit(f'coconet::cuda::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
+        self.w.emit(f'coconet::cuda::require({u.root} < comm.size, "{u.op}: root {u.root} is not a '
                   f'rank of a group of " + std::to_string(comm.size));')
 
     def fused(self, u: Fused) -> None:
@@ -80,88 +78,77 @@ class CudaRenderer(Part):
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:
         ct = CTYPE[b.type.dtype]
+        if dispatch.declare(self.w, b):  # output, alias, view
+            if b.kind == "output":
+                self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name, caller=True)
+            return
         if b.kind == "scalar":
-            k = len(self.sig.scalars)
-            self.sig.scalars.append(b.name)
-            src = "iscalars" if b.type.dtype.startswith("i") else "scalars"
-            self.emit(f"const coconet::cuda::Scalar<{ct}> v_{b.name}{{{ct}(a.{src}[{k}])}};")
+            self.w.emit(f"const coconet::cuda::Scalar<{ct}> v_{b.name}{{{ct}({self.w.scalar_arg(b.name, b.type.dtype)})}};")
         elif b.kind == "param":
-            k = len(self.sig.tensors)
-            self.sig.tensors.append(b.name)
-            self.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({k});")
-            self.notes.name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
+            self.w.emit(f"{ct}* const v_{b.name} = a.tensor<{ct}>({self.w.tensor_arg(b.name)});")
+            self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name, caller=True)
         elif b.kind == "segments":
-            k = len(self.sig.tensors)
-            self.sig.tensors.append(b.name)
+            k = self.w.tensor_arg(b.name)
             if not self.seg_declared:
-                self.emit("const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);")
+                self.w.emit("const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);")
                 self.seg_declared = True
-            self.emit(f"const coconet::cuda::Segs<{ct}> p_{b.name} = a.segments<{ct}>({k});")
-            self.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
-            self.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
-                      "stream);")
-        elif b.kind == "into" or b.name in self.unpacked:  # no memory of its own
-            self.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
-                      f"// {b.name}: not needed, the collective reads the segments piece by piece")
-        elif b.kind == "output":
-            self.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({self.sig.outputs.index(b.of)});")
-            self.notes.name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name, caller=True)
-        elif b.kind == "alias":
-            self.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")
+            self.w.emit(f"const coconet::cuda::Segs<{ct}> p_{b.name} = a.segments<{ct}>({k});")
+            self.w.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
+            self.w.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
+                        "stream);")
+        elif b.kind == "into" or "cuda" in b.unallocated:  # no memory of its own (the plan)
+            self.w.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else
+                        f"// {b.name}: not needed, the collective reads the segments piece by piece")
         elif b.kind == "scratch":
-            self.emit(f"{ct}* const v_{b.name} = coconet::cuda::scratch<{ct}>({self.site()}, "
-                      f"{_prod(self.ldims(b.type))});")
-            self.notes.name(f"v_{b.name}", _prod(self.ldims(b.type)), b.name)
-        elif b.kind == "view":
-            inner = _prod(self.gdims(b.type)[1:])
-            self.emit(f"{ct}* const v_{b.name} = v_{b.of} + {self.offset(b.type)} * {inner};"
-                      "  // computed in place inside the gathered result")
+            self.w.emit(f"{ct}* const v_{b.name} = coconet::cuda::scratch<{ct}>({self.w.site()}, "
+                        f"{_prod(self.w.ldims(b.type))});")
+            self.notes.name(f"v_{b.name}", _prod(self.w.ldims(b.type)), b.name)
         elif b.kind == "chunks":
-            self.emit(f"// {b.name}: only as packed chunks of its overlap")
+            self.w.emit(f"// {b.name}: only as packed chunks of its overlap")
         else:
             assert b.kind == "register", b.kind
 
     # --- reductions and library operations ------------------------------------------------
     def reduce(self, u: Reduce) -> None:
-        xt, t = self.types[u.src], self.types[u.dst]
+        xt, t = self.w.types[u.src], self.w.types[u.dst]
         assert xt.dtype == t.dtype, u  # else a gap of the plan on cuda (plan/targets.py)
         if u.op == "segment_norm":
-            src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"
-            self.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.ldims(xt))}, "
-                      f"{self.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
+            src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"
+            self.w.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.w.ldims(xt))}, "
+                      f"{self.w.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.w.site()});")
             return
         norm = "true" if u.op == "norm" else "false"
-        src = f"p_{u.src}" if u.src in self.scattered else f"v_{u.src}"  # scattered: a kernel per piece
-        self.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>({src}, v_{u.dst}, "
-                  f"{_prod(self.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.site()});")
+        src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"  # scattered: a kernel per piece
+        self.w.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>({src}, v_{u.dst}, "
+                  f"{_prod(self.w.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.w.site()});")
 
     def library(self, u: Library) -> None:
         entry = ops.get(u.op)
         if entry.extern is not None:  # the declared host function, on the call's stream
             assert entry.extern.cuda is not None, u.op  # unsupported() says so first
-            self.emit(extern_call(self.w, u, entry.extern.cuda.function, ("stream",)) + ";")
+            self.w.emit(extern_call(self.w, u, entry.extern.cuda.function, ("stream",)) + ";")
             return
-        ct = CTYPE[self.types[u.dst].dtype]
+        ct = CTYPE[self.w.types[u.dst].dtype]
         x = u.args[0]
-        xt = self.types[x]
+        xt = self.w.types[x]
         if u.op == "matmul":
-            la, lb = self.ldims(xt), self.ldims(self.types[u.args[1]])
-            self.emit(f"coconet::cuda::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, "
+            la, lb = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]])
+            self.w.emit(f"coconet::cuda::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, "
                       f"{la[-1]}, {lb[1]}, stream);")
         elif u.op == "layernorm":
-            lx, attrs = self.ldims(xt), dict(u.attrs)
+            lx, attrs = self.w.ldims(xt), dict(u.attrs)
             if "eps" in attrs:
                 eps = literal(float(attrs["eps"]), "f64")  # type: ignore[arg-type]
-            elif self.plan.buffer(u.args[3]).kind == "scalar":  # a scalar parameter (on the host)
+            elif self.w.plan.buffer(u.args[3]).kind == "scalar":  # a scalar parameter (on the host)
                 eps = f"double(coconet::to_compute(v_{u.args[3]}[0]))"
             else:  # a computed 0-d value, read on the device by the kernel
                 eps = f"v_{u.args[3]}"
-            self.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
+            self.w.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                       f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
         else:
             assert u.op == "conv2d", u.op
-            lx, lw, attrs = self.ldims(xt), self.ldims(self.types[u.args[1]]), dict(u.attrs)
-            self.emit(f"coconet::cuda::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
+            lx, lw, attrs = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]]), dict(u.attrs)
+            self.w.emit(f"coconet::cuda::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
                       f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']}, ctx);")
 
 

@@ -6,7 +6,7 @@ is decided here; the CPU backend renders every plan, so it has no such file."""
 
 from __future__ import annotations
 
-from coconetc.plan.units import Fused, Plan, Unit
+from coconetc.plan.units import Plan
 from coconetc.sourcefile import SourceFile
 
 
@@ -22,11 +22,6 @@ def unsupported(plan: Plan) -> list[Unsupported]:
     """What of this plan the CUDA backend does not implement, one entry per unit: the plan's
     own decision (plan/targets.py), which `coconetc check --backend cuda` reports too."""
     return [Unsupported(g.line, g.what) for g in plan.unsupported("cuda")]
-
-
-def all_units(units: tuple[Unit, ...]) -> list[Unit]:
-    """The units and those that run after a fused collective's chunks, in order."""
-    return [x for u in units for x in [u, *(all_units(u.after) if isinstance(u, Fused) else [])]]
 
 
 def problems(mod: SourceFile) -> dict[tuple[str, str], list[Unsupported]]:
