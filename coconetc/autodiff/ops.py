@@ -1,0 +1,104 @@
+"""The two tensor operations a derived (vector-Jacobian) program needs beyond the language's,
+registered when coconetc.autodiff is imported: the matmuls with one operand transposed that
+give matmul's operand gradients, and the sum over leading dims that undoes broadcasting.
+
+- `matmul_nt(a, b)`: a [..., M, N] x b [K, N] -> [..., M, K] (a @ b^T): dA of matmul.
+- `matmul_tn(a, b)`: a [..., K] x b [..., N] -> [K, N], summed over every leading dim
+  (a^T @ b with the batch dims folded into M): dB of matmul.
+- `sum_lead(x, n=k)`: x summed over its first k dims: a broadcast operand's cotangent.
+
+Their layout rules are the transposes of matmul's tensor-parallel rules (typerules.matmul); a
+result that sums over a sliced dim is `local` (per-rank partial sums) and the derivation adds
+the cross-rank reduction. Only the interpreter runs them so far (no C++ or CUDA rendering)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from coconetc.errors import Span
+from coconetc.ir import ops
+from coconetc.ir import typerules as tr
+from coconetc.ir.expr import Expr
+from coconetc.ir.types import LOCAL, REPLICATED, Layout, TType, sliced
+
+
+def _nt(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    a, b = args
+    ta, tb = a.type, b.type
+    if tb.ndim != 2 or ta.ndim < 2 or ta.shape[-1] != tb.shape[1]:
+        raise tr.TypeErr(span, f"matmul_nt needs [..., M, N] x [K, N]; got {ta} x {tb}")
+    dt, _ = tr.result_dtype([ta, tb], span)
+    la, lb, last = ta.layout, tb.layout, ta.ndim - 1
+    lay: Layout
+    if lb == sliced(0) and la in (LOCAL, REPLICATED):
+        lay = sliced(last)
+    elif lb == sliced(1) and la == sliced(last):
+        lay = LOCAL  # each rank's part of the contracted dim: partial sums
+    elif lb == REPLICATED and not (la.sliced and la.dim == last):
+        lay = la
+    elif LOCAL in (la, lb) and not la.sliced and not lb.sliced:
+        lay = LOCAL
+    else:
+        raise tr.TypeErr(span, f"matmul_nt of {la} x {lb} has no tensor-parallel meaning")
+    return TType(dt, ta.shape[:-1] + (tb.shape[0],), lay)
+
+
+def _tn(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    a, b = args
+    ta, tb = a.type, b.type
+    if ta.ndim < 1 or ta.shape[:-1] != tb.shape[:-1]:
+        raise tr.TypeErr(span, f"matmul_tn needs [..., K] x [..., N] with equal leading dims; got {ta} x {tb}")
+    dt, _ = tr.result_dtype([ta, tb], span)
+    la, lb, last = ta.layout, tb.layout, ta.ndim - 1
+    lay: Layout
+    if la == sliced(last) and lb in (LOCAL, REPLICATED):
+        lay = sliced(0)
+    elif la == REPLICATED and lb == sliced(last):
+        lay = sliced(1)
+    elif la.sliced and la == lb and la.dim < last:
+        lay = LOCAL  # the sum runs over a sliced dim: per-rank partial sums
+    elif not la.sliced and not lb.sliced:
+        lay = REPLICATED if la == lb == REPLICATED else LOCAL
+    else:
+        raise tr.TypeErr(span, f"matmul_tn of {la} x {lb} has no tensor-parallel meaning")
+    return TType(dt, (ta.shape[-1], tb.shape[-1]), lay)
+
+
+def _sum_lead(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    (x,) = args
+    n, t = attrs["n"], x.type
+    if not 1 <= n <= t.ndim:
+        raise tr.TypeErr(span, f"sum_lead n={n} is out of range for a {t.ndim}-d tensor")
+    lay = t.layout
+    if lay.sliced:
+        lay = sliced(lay.dim - n) if lay.dim >= n else LOCAL
+    return TType(t.dtype, t.shape[n:], lay)
+
+
+def _np_nt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.matmul(a, np.swapaxes(b, -1, -2))
+
+
+def _np_tn(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    m = int(np.prod(a.shape[:-1]))  # explicit: a slice may be empty
+    return np.asarray(a.reshape(m, a.shape[-1]).T @ b.reshape(m, b.shape[-1]))
+
+
+def _np_sum_lead(x: np.ndarray, n: int) -> np.ndarray:
+    return np.asarray(x.sum(axis=tuple(range(n)), dtype=x.dtype))
+
+
+DEFS = (
+    ops.OpDef("matmul_nt", "tensor", ops.AB, _nt, ops.NEVER, numpy=_np_nt, fusable=False,
+              cost=ops.Cost(2, inner=True), doc="a @ b^T (matmul's input gradient)"),
+    ops.OpDef("matmul_tn", "tensor", ops.AB, _tn, ops.NEVER, numpy=_np_tn, fusable=False,
+              cost=ops.Cost(2, inner=True), doc="a^T @ b over all leading dims (matmul's weight gradient)"),
+    ops.OpDef("sum_lead", "tensor", (ops.Arg("x"), ops.Arg("n", "int", minimum=1)), _sum_lead,
+              ops.NEVER, numpy=_np_sum_lead, doc="the sum over the first n dims"),
+)
+
+for _d in DEFS:
+    if _d.name not in ops.REGISTRY:
+        ops.register(_d)

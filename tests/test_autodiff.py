@@ -1,0 +1,307 @@
+"""Derived (vector-Jacobian) programs against central finite differences in f64, under the
+interpreter on 1 to 4 simulated ranks. The loss is L = sum over outputs of <out, d_out>, each
+logical value once (docs/autodiff.md): a local output on every rank, a replicated one once, a
+sliced one once over its global shape. A replicated input's gradient must be the same on every
+rank; a sliced one's is gathered from the ranks' slices; a local one's is per rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coconetc.autodiff import vjp
+from coconetc.autodiff.text import check_text
+from coconetc.errors import CompileError
+from coconetc.interp.interpreter import run
+from coconetc.ir import printer
+from coconetc.ir.nodes import Program
+from coconetc.ir.slices import take_slice
+from coconetc.ir.types import TType, eval_dim
+from coconetc.sourcefile import load_source
+
+EPS = 1e-6
+
+
+def _shape(t: TType, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(eval_dim(d, sizes) for d in t.shape)
+
+
+def _random(t: TType, sizes: dict[str, int], ranks: int, rng: np.random.Generator, positive: bool):
+    """A logical value: one global array (replicated, sliced, scalar) or one array a rank (local)."""
+    def draw() -> np.ndarray:
+        if t.dtype.startswith("i"):
+            return rng.integers(-3, 4, _shape(t, sizes)).astype(t.dtype.replace("i", "int"))
+        a = rng.uniform(0.5, 2.0, _shape(t, sizes)) if positive else rng.standard_normal(_shape(t, sizes))
+        return np.asarray(a, dtype=np.float64)
+    return [draw() for _ in range(ranks)] if t.layout.kind == "local" else draw()
+
+
+def _per_rank(t: TType, value, ranks: int, r: int, scalar: bool):
+    if scalar:
+        return float(value)
+    if t.layout.kind == "local":
+        return value[r]
+    if t.layout.sliced:
+        return np.ascontiguousarray(take_slice(value, t.layout.dim, value.shape[t.layout.dim], ranks, r))
+    return value
+
+
+def _inputs(p: Program, values: dict, ranks: int) -> list[dict]:
+    return [{q.name: _per_rank(q.type, values[q.name], ranks, r, q.scalar) for q in p.params}
+            for r in range(ranks)]
+
+
+def _logical(t: TType, per_rank: list[np.ndarray], what: str):
+    """Per-rank results as one logical value (a replicated one must agree on every rank)."""
+    if t.layout.sliced:
+        return np.concatenate(per_rank, axis=t.layout.dim)
+    if t.layout.kind == "replicated":
+        for r, v in enumerate(per_rank[1:], 1):
+            np.testing.assert_allclose(v, per_rank[0], rtol=1e-12, atol=1e-12, err_msg=f"{what} differs on rank {r}")
+        return per_rank[0]
+    return list(per_rank)
+
+
+def _loss(p: Program, values: dict, cot: dict, ranks: int) -> float:
+    res = run(p, _inputs(p, values, ranks))
+    total = 0.0
+    for pub, s in p.outputs:
+        t = p.stage_named(s).type
+        out = _logical(t, [np.asarray(x.outputs[pub], dtype=np.float64) for x in res], pub)
+        d = cot[pub]
+        total += sum(float(np.sum(o * c)) for o, c in zip(out, d)) if isinstance(out, list) else float(np.sum(out * d))
+    return total
+
+
+def _elements(value):
+    """(setter key, index) for every element of a logical value."""
+    if isinstance(value, list):
+        return [(r, i) for r, v in enumerate(value) for i in np.ndindex(v.shape)]
+    if isinstance(value, float):
+        return [(None, ())]
+    return [(None, i) for i in np.ndindex(value.shape)]
+
+
+def _bumped(value, key, idx, h: float):
+    if isinstance(value, float):
+        return value + h
+    if isinstance(value, list):
+        out = [v.copy() for v in value]
+        out[key][idx] += h
+        return out
+    out = value.copy()
+    out[idx] += h
+    return out
+
+
+def check(src: str, sizes: dict[str, int], ranks: int, name: str | None = None, wrt=None,
+          positive: bool = False, seed: int = 0, roundtrip: bool = True) -> Program:
+    mod = load_source(src)
+    p = mod.program(name)
+    rng = np.random.default_rng(seed)
+    values = {q.name: (float(rng.uniform(0.5, 2.0)) if q.scalar else _random(q.type, sizes, ranks, rng, positive))
+              for q in p.params}
+    g = vjp(p, wrt)
+    cot = {}
+    for pub, s in p.outputs:
+        t = p.stage_named(s).type
+        cot[pub] = _random(t, sizes, ranks, rng, False)
+    dnames = {pub: q.name for (pub, _), q in zip(p.outputs, g.params[len(p.params):])}
+    allv = {**values, **{dnames[k]: v for k, v in cot.items()}}
+    res = run(g, _inputs(g, allv, ranks))
+    wrt_names = [q.name for q in p.params if not q.scalar and q.type.dtype.startswith("f")] if wrt is None else wrt
+    assert [pub for pub, _ in g.outputs] == [f"d_{x}" for x in wrt_names]
+    for x, (pub, s) in zip(wrt_names, g.outputs):
+        t = g.stage_named(s).type
+        q = p.param(x)
+        got = _logical(q.type if t.layout.kind != "replicated" or q.type.layout.kind == "replicated" else t,
+                       [np.asarray(r.outputs[pub], dtype=np.float64) for r in res], pub)
+        for key, idx in _elements(values[x]):
+            hi = _loss(p, {**values, x: _bumped(values[x], key, idx, EPS)}, cot, ranks)
+            lo = _loss(p, {**values, x: _bumped(values[x], key, idx, -EPS)}, cot, ranks)
+            fd = (hi - lo) / (2 * EPS)
+            have = (got[key] if isinstance(got, list) else got)
+            have = float(have if isinstance(values[x], float) else np.asarray(have)[idx])
+            assert abs(have - fd) <= 1e-6 * max(1.0, abs(fd)), f"{pub}[{key}, {idx}]: derived {have}, finite differences {fd}"
+    if roundtrip:
+        text = printer.program(g)
+        again = check_text(text)[g.name]
+        assert printer.program(again) == text
+        res2 = run(again, _inputs(again, allv, ranks))
+        for a, b in zip(res, res2):
+            for k in a.outputs:
+                # 1e-6, not exact: the front end types a float literal as a weak f32 and the
+                # interpreter rounds it to f32 even inside an f64 computation (x * 0.1 in f64
+                # multiplies by 0.10000000149), while the derived IR keeps its constants in f64
+                np.testing.assert_allclose(b.outputs[k], a.outputs[k], rtol=1e-6, atol=1e-9)
+    return g
+
+
+# --- pointwise rules --------------------------------------------------------------------------
+UNARY = ["exp(x)", "log(x)", "sqrt(x)", "rsqrt(x)", "tanh(x)", "sigmoid(x)", "relu(x - 1.2)",
+         "gelu(x - 1.2)", "gelu(x * 0.0)", "abs(x - 1.2)", "-x", "x ** 3", "x ** a", "a ** x",
+         "cast(x, f64)", "x / y", "y / x", "x - y", "min(x, y)", "max(x, y)",
+         "where(x < y, x * x, y * 3)", "sqrt(x * y) + x"]
+
+
+@pytest.mark.parametrize("expr", UNARY)
+def test_pointwise(expr: str) -> None:
+    src = f"program p(x: f64[N] local, y: f64[N] replicated, a: f64) {{\n    out = {expr}\n    return out\n}}"
+    check(src, {"N": 5}, 2, positive=True, wrt=["x", "y", "a"])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_broadcast_and_replicated_reads(ranks: int) -> None:
+    """A replicated bias added to a local [B, H]: its gradient is summed over B and across ranks."""
+    src = """program p(x: f64[B, H] local, b: f64[H] replicated, c: f64[H] replicated, s: f64) {
+    y = x * b + s * c
+    out = tanh(y)
+    return out
+}"""
+    check(src, {"B": 3, "H": 4}, ranks, wrt=["x", "b", "c", "s"])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_sliced_pointwise_and_reductions(ranks: int) -> None:
+    """Sliced values with replicated operands read at the slice; sum/norm of sliced values."""
+    src = """program p(x: f64[N, H] sliced(0), w: f64[N, H] replicated, b: f64[H] replicated) {
+    y = x * w + b
+    n = norm(y)
+    t = sum(y * y) + n
+    out = y * t
+    return out, n
+}"""
+    check(src, {"N": 5, "H": 3}, ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_local_reductions(ranks: int) -> None:
+    src = """program p(x: f64[N] local, w: f64[N] replicated) {
+    n = norm(x * w)
+    out = sum(x) * n
+    return out
+}"""
+    check(src, {"N": 4}, ranks)
+
+
+# --- matmul in each tensor-parallel layout ----------------------------------------------------
+MATMULS = {
+    "local x replicated": "program p(a: f64[B, M, K] local, b: f64[K, N] replicated) {\n c = matmul(a, b)\n return c\n}",
+    "replicated x replicated": "program p(a: f64[M, K] replicated, b: f64[K, N] replicated) {\n c = matmul(a, b)\n return c\n}",
+    "local x local": "program p(a: f64[M, K] local, b: f64[K, N] local) {\n c = matmul(a, b)\n return c\n}",
+    "column-parallel": "program p(a: f64[B, M, K] replicated, b: f64[K, N] sliced(1)) {\n c = matmul(a, b)\n return c\n}",
+    "row-parallel": "program p(a: f64[B, M, K] sliced(2), b: f64[K, N] sliced(0)) {\n c = matmul(a, b)\n return c\n}",
+    "row-parallel + allreduce": "program p(a: f64[M, K] sliced(1), b: f64[K, N] sliced(0)) {\n c = allreduce(sum, matmul(a, b))\n return c\n}",
+    "sequence-parallel rows": "program p(a: f64[B, M, K] sliced(1), b: f64[K, N] replicated) {\n c = matmul(a, b)\n return c\n}",
+}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("case", list(MATMULS))
+def test_matmul(case: str, ranks: int) -> None:
+    check(MATMULS[case], {"B": 2, "M": 3, "K": 4, "N": 5}, ranks)
+
+
+# --- collectives --------------------------------------------------------------------------------
+COLLECTIVES = {
+    "allreduce": "program p(x: f64[N, H] local) {\n y = allreduce(sum, x * x)\n return y\n}",
+    "allreduce of replicated": "program p(x: f64[N, H] replicated) {\n y = allreduce(sum, x * x)\n return y\n}",
+    "reducescatter": "program p(x: f64[N, H] local) {\n y = reducescatter(sum, exp(x), dim=1)\n return y\n}",
+    "allgather": "program p(x: f64[N, H] sliced(0)) {\n y = allgather(x * x)\n z = tanh(y)\n return z\n}",
+    "scatter": "program p(x: f64[N, H] replicated) {\n y = scatter(x * x, dim=1)\n return y\n}",
+    "split allreduce": ("program p(x: f64[N, H] local, w: f64[N, H] replicated) {\n"
+                        " rs = reducescatter(sum, x)\n u = rs * w\n ag = allgather(u)\n return ag\n}"),
+}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", list(COLLECTIVES))
+def test_collectives(case: str, ranks: int) -> None:
+    check(COLLECTIVES[case], {"N": 4, "H": 3}, ranks)
+
+
+# --- programs in the style of the examples ----------------------------------------------------
+MLP = """program mlp(x: f64[B, S, H] replicated, w1: f64[H, F] sliced(1), b1: f64[F] sliced(0),
+            w2: f64[F, H] sliced(0), b2: f64[H] replicated) {
+    h = gelu(matmul(x, w1) + b1)
+    y = matmul(h, w2)
+    s = allreduce(sum, y)
+    out = s + b2
+    return out
+}"""
+
+DATA_PARALLEL = """program dp(x: f64[B, H] local, w: f64[H, C] replicated, b: f64[C] replicated,
+           t: f64[B, C] local) {
+    y = tanh(matmul(x, w) + b)
+    e = y - t
+    l = allreduce(sum, sum(e * e) * 0.5)
+    return l
+}"""
+
+SEQUENCE_PARALLEL = """program sp(x: f64[B, S, H] sliced(1), w1: f64[H, F] sliced(1), w2: f64[F, H] sliced(0)) {
+    xg = allgather(x)
+    h = relu(matmul(xg, w1))
+    y = matmul(h, w2)
+    rs = reducescatter(sum, y, dim=1)
+    out = rs + x
+    return out
+}"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_megatron_mlp(ranks: int) -> None:
+    check(MLP, {"B": 2, "S": 3, "H": 4, "F": 6}, ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_data_parallel_loss(ranks: int) -> None:
+    check(DATA_PARALLEL, {"B": 3, "H": 4, "C": 2}, ranks, wrt=["x", "w", "b"])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_sequence_parallel_block(ranks: int) -> None:
+    check(SEQUENCE_PARALLEL, {"B": 2, "S": 4, "H": 3, "F": 4}, ranks)
+
+
+def test_megatron_mlp_text() -> None:
+    """The derived program's shape: the column-parallel input gradient is summed across ranks,
+    the bias of the replicated output is the cotangent summed over B and S."""
+    text = printer.program(vjp(load_source(MLP).program("mlp")))
+    assert "d_out: f64[B, S, H] replicated" in text
+    assert "d_x = allreduce(sum, matmul_nt(" in text
+    assert "d_b2 = sum_lead(d_out, 2)" in text
+    assert "return d_x, d_w1, d_b1, d_w2, d_b2" in text
+
+
+def test_wrt_and_unused_inputs() -> None:
+    src = "program p(x: f64[N] local, z: f64[N] local) {\n y = exp(x)\n return y\n}"
+    g = check(src, {"N": 3}, 2, wrt=["z", "x"])
+    assert [pub for pub, _ in g.outputs] == ["d_z", "d_x"]
+
+
+# --- what has no derivative -----------------------------------------------------------------------
+@pytest.mark.parametrize("body, what", [
+    ("y = allreduce(max, x)\n return y", "'allreduce(max)'"),
+    ("y = broadcast(x, 0)\n return y", "'broadcast'"),
+    ("y = send(x, next)\n return y", "'send'"),
+])
+def test_no_derivative_is_a_located_error(body: str, what: str) -> None:
+    p = load_source(f"program p(x: f64[N] local) {{\n {body}\n}}").program("p")
+    with pytest.raises(CompileError, match="has no derivative") as err:
+        vjp(p)
+    assert what in str(err.value)
+    assert ":2:" in str(err.value) or "line 2" in str(err.value) or err.value.diagnostics[0].span.line == 2
+
+
+def test_update_has_no_derivative() -> None:
+    p = load_source("program p(g: f64[N] local, w: f64[N] replicated) {\n"
+                    " g1 = allreduce(sum, g)\n w1 = update(w, w - g1)\n}").program("p")
+    with pytest.raises(CompileError, match="update"):
+        vjp(p)
+
+
+def test_integer_parameter_is_refused() -> None:
+    p = load_source("program p(x: f64[N] local, k: i32[N] local) {\n y = x * cast(k, f64)\n return y\n}").program("p")
+    with pytest.raises(CompileError, match="only floating"):
+        vjp(p, ["k"])
+    check("program p(x: f64[N] local, k: i32[N] local) {\n y = x * cast(k, f64)\n return y\n}", {"N": 3}, 2)
