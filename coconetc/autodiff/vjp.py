@@ -186,7 +186,7 @@ class _Deriver:
         if not isinstance(e, Op):
             return
         rule = RULES.get(e.op)
-        if rule is None or (e.op in REDUCING and ops.attr(e, "op") != "sum"):
+        if rule is None:
             detail = f"({ops.attr(e, 'op')})" if any(k == "op" for k, _ in e.attrs) else ""
             raise CompileError.at(span, f"'{e.op}{detail}' has no derivative (yet): cannot differentiate through it")
         for arg, c, per_rank in rule(self, e, Ref(s.name, e.type), g):
@@ -222,7 +222,6 @@ class _Deriver:
 # --- the rules: one function an operation ----------------------------------------------------
 Rule = Callable[[_Deriver, Op, Ref, Ref], Parts]
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-REDUCING = ("allreduce", "reducescatter")  # only their `sum` has a rule
 
 
 def _unary(f: Callable[[_Deriver, Expr, Ref, Ref], Expr]) -> Rule:
@@ -261,6 +260,21 @@ def _where(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(cond, None, None), (a, d.op("where", cond, g, z), None), (b, d.op("where", cond, z, g), None)]
 
 
+def _reduced(d: _Deriver, e: Op, y: Expr, g: Expr) -> Expr:
+    """A rank's share of the cotangent g of y = reduce(op, x) over the group (y and g whole):
+    sum: g; avg: g / R; max, min: g where x is the result (every rank that ties gets it);
+    prod: g * y / x."""
+    x, how = e.args[0], ops.attr(e, "op")
+    if how == "sum":
+        return g
+    if how == "avg":
+        ranks = d.op("allreduce", Const(1.0, TType("f32", (), REPLICATED, True)), op="sum")
+        return d.op("div", g, d.op("cast", ranks, dtype=g.type.dtype))
+    if how in ("max", "min"):
+        return d.op("where", d.op("eq", x, y), g, d.const(0.0, g))
+    return d.op("div", d.op("mul", g, y), x)
+
+
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
@@ -295,8 +309,9 @@ RULES: dict[str, Rule] = {
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     # collectives: the input side is per rank
-    "allreduce": lambda d, e, y, g: [(e.args[0], g, True)],
-    "reducescatter": lambda d, e, y, g: [(e.args[0], d.op("allgather", g), True)],
+    "allreduce": lambda d, e, y, g: [(e.args[0], _reduced(d, e, y, g), True)],
+    "reducescatter": lambda d, e, y, g: [(e.args[0], _reduced(d, e, d.op("allgather", y), d.op("allgather", g)), True)],
+    "send": lambda d, e, y, g: [(e.args[0], d.op("send", g, direction="prev" if ops.attr(e, "direction") == "next" else "next"), False)],
     "allgather": lambda d, e, y, g: [(e.args[0], d.op("scatter", g, dim=e.args[0].type.layout.dim), False)],
     "scatter": lambda d, e, y, g: [(e.args[0], d.op("allgather", g), False)],
 }
