@@ -322,3 +322,22 @@ def test_integer_parameter_is_refused() -> None:
     with pytest.raises(CompileError, match="only floating"):
         vjp(p, ["k"])
     check("program p(x: f64[N] local, k: i32[N] local) {\n y = x * cast(k, f64)\n return y\n}", {"N": 3}, 2)
+
+
+# --- the command line -------------------------------------------------------------------------------
+def test_show_grad(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from coconetc.cli import main
+    f = tmp_path / "mlp.ccn"
+    f.write_text(MLP)
+    out = CliRunner().invoke(main, ["show", str(f), "-p", "mlp", "--grad"])
+    assert out.exit_code == 0, out.output
+    assert out.output == printer.program(vjp(load_source(MLP).program("mlp")))
+    out = CliRunner().invoke(main, ["show", str(f), "--grad", "--wrt", "w1, b2"])
+    assert out.exit_code == 0, out.output
+    assert "return d_w1, d_b2" in out.output and "d_x" not in out.output
+    out = CliRunner().invoke(main, ["show", str(f), "--grad", "--wrt", "nope"])
+    assert out.exit_code == 1 and "no parameter 'nope'" in out.output
+    out = CliRunner().invoke(main, ["show", str(f), "--grad", "--format", "plan"])
+    assert out.exit_code == 1 and "no execution plan" in out.output
