@@ -238,6 +238,17 @@ def test_send_between_groups(ranks: int, groups: int) -> None:
     check(src, {"N": 2, "H": 3}, ranks, groups=groups)
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["local", "replicated", "sliced(0)", "sliced(1)"])
+def test_layernorm(layout: str, ranks: int) -> None:
+    src = f"""program p(x: f64[B, S, H] {layout}, gamma: f64[H] replicated, beta: f64[H] replicated, e: f64) {{
+    y = layernorm(x * 2.0, gamma, beta, 0.001)
+    z = layernorm(y, gamma, beta, e)
+    return z
+}}"""
+    check(src, {"B": 2, "S": 3, "H": 4}, ranks, wrt=["x", "gamma", "beta", "e"])
+
+
 # --- programs in the style of the examples ----------------------------------------------------
 MLP = """program mlp(x: f64[B, S, H] replicated, w1: f64[H, F] sliced(1), b1: f64[F] sliced(0),
             w2: f64[F, H] sliced(0), b2: f64[H] replicated) {
@@ -256,8 +267,10 @@ DATA_PARALLEL = """program dp(x: f64[B, H] local, w: f64[H, C] replicated, b: f6
     return l
 }"""
 
-SEQUENCE_PARALLEL = """program sp(x: f64[B, S, H] sliced(1), w1: f64[H, F] sliced(1), w2: f64[F, H] sliced(0)) {
-    xg = allgather(x)
+SEQUENCE_PARALLEL = """program sp(x: f64[B, S, H] sliced(1), g: f64[H] replicated, b: f64[H] replicated,
+           w1: f64[H, F] sliced(1), w2: f64[F, H] sliced(0)) {
+    n = layernorm(x, g, b, 0.00001)
+    xg = allgather(n)
     h = relu(matmul(xg, w1))
     y = matmul(h, w2)
     rs = reducescatter(sum, y, dim=1)

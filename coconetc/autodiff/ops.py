@@ -6,6 +6,8 @@ give matmul's operand gradients, and the sum over leading dims that undoes broad
 - `matmul_tn(a, b)`: a [..., K] x b [..., N] -> [K, N], summed over every leading dim
   (a^T @ b with the batch dims folded into M): dB of matmul.
 - `sum_lead(x, n=k)`: x summed over its first k dims: a broadcast operand's cotangent.
+- `mean_last(x)`: the mean over the last dim, kept as a dim of size 1 ([..., H] -> [..., 1]):
+  layernorm's statistics.
 
 Their layout rules are the transposes of matmul's tensor-parallel rules (typerules.matmul); a
 result that sums over a sliced dim is `local` (per-rank partial sums) and the derivation adds
@@ -77,6 +79,14 @@ def _sum_lead(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> T
     return TType(t.dtype, t.shape[n:], lay)
 
 
+def _mean_last(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    (x,) = args
+    t = x.type
+    if t.ndim < 1 or t.layout == sliced(t.ndim - 1):
+        raise tr.TypeErr(span, f"mean_last needs a tensor whose last dim is whole; got {t}")
+    return TType(t.dtype, t.shape[:-1] + (1,), t.layout)
+
+
 def _np_nt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, np.swapaxes(b, -1, -2))
 
@@ -90,6 +100,10 @@ def _np_sum_lead(x: np.ndarray, n: int) -> np.ndarray:
     return np.asarray(x.sum(axis=tuple(range(n)), dtype=x.dtype))
 
 
+def _np_mean_last(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x.mean(axis=-1, keepdims=True, dtype=x.dtype))
+
+
 DEFS = (
     ops.OpDef("matmul_nt", "tensor", ops.AB, _nt, ops.NEVER, numpy=_np_nt, fusable=False,
               cost=ops.Cost(2, inner=True), doc="a @ b^T (matmul's input gradient)"),
@@ -97,6 +111,8 @@ DEFS = (
               cost=ops.Cost(2, inner=True), doc="a^T @ b over all leading dims (matmul's weight gradient)"),
     ops.OpDef("sum_lead", "tensor", (ops.Arg("x"), ops.Arg("n", "int", minimum=1)), _sum_lead,
               ops.NEVER, numpy=_np_sum_lead, doc="the sum over the first n dims"),
+    ops.OpDef("mean_last", "tensor", ops.X, _mean_last, ops.ROWS, numpy=_np_mean_last,
+              doc="the mean over the last dim, kept as a dim of size 1"),
 )
 
 for _d in DEFS:

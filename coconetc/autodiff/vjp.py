@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from coconetc.autodiff import ops as _gradops  # noqa: F401  (registers matmul_nt, matmul_tn, sum_lead)
+from coconetc.autodiff import ops as _gradops  # noqa: F401  (registers matmul_nt, matmul_tn, sum_lead, mean_last)
 from coconetc.errors import NOWHERE, CompileError, Span
 from coconetc.ir import ops
 from coconetc.ir.expr import Const, Expr, Op, Ref, refs
@@ -275,6 +275,24 @@ def _reduced(d: _Deriver, e: Op, y: Expr, g: Expr) -> Expr:
     return d.op("div", d.op("mul", g, y), x)
 
 
+def _layernorm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """y = xhat * gamma + beta with xhat = (x - mean) * rsqrt(var + eps) over the last dim:
+    dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = g * gamma;
+    dgamma = g * xhat and dbeta = g summed over the leading dims."""
+    x, gamma, beta, eps = e.args
+    o = d.op
+    xc = d.emit("g_xc", o("sub", x, o("mean_last", x)))
+    rstd = d.emit("g_rstd", o("rsqrt", o("add", o("mean_last", o("mul", xc, xc)), eps)))
+    xhat = d.emit("g_xhat", o("mul", xc, rstd))
+    dxhat = d.emit("g_dxhat", o("mul", g, gamma))
+    dx = o("mul", rstd, o("sub", o("sub", dxhat, o("mean_last", dxhat)),
+                          o("mul", xhat, o("mean_last", o("mul", dxhat, xhat)))))
+    deps = None
+    if d.is_active(eps):  # dy/deps = -0.5 gamma xc rstd^3
+        deps = o("mul", o("mul", dxhat, xc), o("mul", o("mul", rstd, o("mul", rstd, rstd)), d.const(-0.5, rstd)))
+    return [(x, dx, None), (gamma, o("mul", g, xhat), None), (beta, g, None), (eps, deps, None)]
+
+
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
@@ -308,6 +326,7 @@ RULES: dict[str, Rule] = {
     # matmul: dA = dC @ B^T, dB = A^T @ dC (the batch dims of A summed)
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
+    "layernorm": _layernorm,
     # collectives: the input side is per rank
     "allreduce": lambda d, e, y, g: [(e.args[0], _reduced(d, e, y, g), True)],
     "reducescatter": lambda d, e, y, g: [(e.args[0], _reduced(d, e, d.op("allgather", y), d.op("allgather", g)), True)],
