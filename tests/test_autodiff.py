@@ -6,6 +6,8 @@ rank; a sliced one's is gathered from the ranks' slices; a local one's is per ra
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -36,40 +38,55 @@ def _random(t: TType, sizes: dict[str, int], ranks: int, rng: np.random.Generato
     return [draw() for _ in range(ranks)] if t.layout.kind == "local" else draw()
 
 
-def _per_rank(t: TType, value, ranks: int, r: int, scalar: bool):
+def _per_rank(t: TType, value, gs: int, r: int, scalar: bool):
+    """Rank r's argument (a group of gs ranks; a sliced value is cut for the rank's group)."""
     if scalar:
         return float(value)
     if t.layout.kind == "local":
         return value[r]
     if t.layout.sliced:
-        return np.ascontiguousarray(take_slice(value, t.layout.dim, value.shape[t.layout.dim], ranks, r))
+        return np.ascontiguousarray(take_slice(value, t.layout.dim, value.shape[t.layout.dim], gs, r % gs))
     return value
 
 
-def _inputs(p: Program, values: dict, ranks: int) -> list[dict]:
-    return [{q.name: _per_rank(q.type, values[q.name], ranks, r, q.scalar) for q in p.params}
+def _inputs(p: Program, values: dict, ranks: int, groups: int = 1) -> list[dict]:
+    """A replicated or sliced value is the same in every group."""
+    return [{q.name: _per_rank(q.type, values[q.name], ranks // groups, r, q.scalar) for q in p.params}
             for r in range(ranks)]
 
 
-def _logical(t: TType, per_rank: list[np.ndarray], what: str):
-    """Per-rank results as one logical value (a replicated one must agree on every rank)."""
-    if t.layout.sliced:
-        return np.concatenate(per_rank, axis=t.layout.dim)
-    if t.layout.kind == "replicated":
-        for r, v in enumerate(per_rank[1:], 1):
-            np.testing.assert_allclose(v, per_rank[0], rtol=1e-12, atol=1e-12, err_msg=f"{what} differs on rank {r}")
-        return per_rank[0]
-    return list(per_rank)
+def _logical(t: TType, per_rank: list[np.ndarray], what: str, groups: int = 1) -> list:
+    """Per-rank results as one logical value a group (a replicated one must agree on every rank
+    of its group)."""
+    gs = len(per_rank) // groups
+    out: list = []
+    for k in range(groups):
+        part = per_rank[k * gs:(k + 1) * gs]
+        if t.layout.sliced:
+            out.append(np.concatenate(part, axis=t.layout.dim))
+        elif t.layout.kind == "replicated":
+            for r, v in enumerate(part[1:], 1):
+                np.testing.assert_allclose(v, part[0], rtol=1e-12, atol=1e-12, err_msg=f"{what} differs on rank {r}")
+            out.append(part[0])
+        else:
+            out.append(list(part))
+    return out
 
 
 def _loss(p: Program, values: dict, cot: dict, ranks: int, groups: int) -> float:
-    res = run(p, _inputs(p, values, ranks), groups)
+    """sum over outputs of <out, d_out>: a local output on every rank, a replicated or sliced one
+    once a group (the same cotangent in every group)."""
+    res = run(p, _inputs(p, values, ranks, groups), groups)
     total = 0.0
+    gs = ranks // groups
     for pub, s in p.outputs:
         t = p.stage_named(s).type
-        out = _logical(t, [np.asarray(x.outputs[pub], dtype=np.float64) for x in res], pub)
-        d = cot[pub]
-        total += sum(float(np.sum(o * c)) for o, c in zip(out, d)) if isinstance(out, list) else float(np.sum(out * d))
+        for k, out in enumerate(_logical(t, [np.asarray(x.outputs[pub], dtype=np.float64) for x in res], pub, groups)):
+            d = cot[pub]
+            if isinstance(out, list):
+                total += sum(float(np.sum(o * c)) for o, c in zip(out, d[k * gs:(k + 1) * gs]))
+            else:
+                total += float(np.sum(out * d))
     return total
 
 
@@ -96,7 +113,8 @@ def _bumped(value, key, idx, h: float):
 
 def check(src: str, sizes: dict[str, int], ranks: int, name: str | None = None, wrt=None,
           positive: bool = False, seed: int = 0, roundtrip: bool = True, groups: int = 1) -> Program:
-    """groups > 1: every value must be local (a replicated or sliced one is per group)."""
+    """Derive `name` of src, run it on `ranks` ranks in `groups` groups and compare every
+    gradient with central differences of the loss; then print, check and run it again."""
     mod = load_source(src)
     p = mod.program(name)
     rng = np.random.default_rng(seed)
@@ -109,14 +127,17 @@ def check(src: str, sizes: dict[str, int], ranks: int, name: str | None = None, 
         cot[pub] = _random(t, sizes, ranks, rng, False)
     dnames = {pub: q.name for (pub, _), q in zip(p.outputs, g.params[len(p.params):])}
     allv = {**values, **{dnames[k]: v for k, v in cot.items()}}
-    res = run(g, _inputs(g, allv, ranks), groups)
+    res = run(g, _inputs(g, allv, ranks, groups), groups)
     wrt_names = [q.name for q in p.params if not q.scalar and q.type.dtype.startswith("f")] if wrt is None else wrt
     assert [pub for pub, _ in g.outputs] == [f"d_{x}" for x in wrt_names]
     for x, (pub, s) in zip(wrt_names, g.outputs):
         t = g.stage_named(s).type
         q = p.param(x)
-        got = _logical(q.type if t.layout.kind != "replicated" or q.type.layout.kind == "replicated" else t,
-                       [np.asarray(r.outputs[pub], dtype=np.float64) for r in res], pub)
+        ranks_out = [np.asarray(r.outputs[pub], dtype=np.float64) for r in res]
+        if q.type.layout.kind == "local":  # that rank's own (a replicated-typed one is too)
+            got = ranks_out
+        else:  # one value a group; an input shared by every group gets the sum of theirs
+            got = sum(_logical(t, ranks_out, pub, groups))
         for key, idx in _elements(values[x]):
             hi = _loss(p, {**values, x: _bumped(values[x], key, idx, EPS)}, cot, ranks, groups)
             lo = _loss(p, {**values, x: _bumped(values[x], key, idx, -EPS)}, cot, ranks, groups)
@@ -128,7 +149,7 @@ def check(src: str, sizes: dict[str, int], ranks: int, name: str | None = None, 
         text = printer.program(g)
         again = check_text(text)[g.name]
         assert printer.program(again) == text
-        res2 = run(again, _inputs(again, allv, ranks), groups)
+        res2 = run(again, _inputs(again, allv, ranks, groups), groups)
         for a, b in zip(res, res2):
             for k in a.outputs:
                 # 1e-6, not exact: the front end types a float literal as a weak f32 and the
@@ -247,6 +268,18 @@ def test_layernorm(layout: str, ranks: int) -> None:
     return z
 }}"""
     check(src, {"B": 2, "S": 3, "H": 4}, ranks, wrt=["x", "gamma", "beta", "e"])
+
+
+# --- the example programs that derive, in f64 ---------------------------------------------------
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("ranks, groups", [(1, 1), (2, 1), (4, 2), (2, 2)])
+@pytest.mark.parametrize("file, name", [("tp_overlap.ccn", "row_parallel"), ("tp_overlap.ccn", "col_parallel"),
+                                        ("layernorm.ccn", "attn_out"), ("pipeline.ccn", "stage")])
+def test_examples(file: str, name: str, ranks: int, groups: int) -> None:
+    src = (EXAMPLES / file).read_text().replace("f32", "f64").replace("f16", "f64")
+    check(src, {"B": 2, "S": 2, "K": 4, "H": 3, "M": 2}, ranks, name=name, groups=groups)
 
 
 # --- programs in the style of the examples ----------------------------------------------------

@@ -137,11 +137,14 @@ class _Deriver:
 
     def gradient(self, x: str, out: str, forward: int) -> str:
         """The stage named `out` holding x's gradient: the last stage of its cotangent renamed
-        (nothing reads it), or a new one (zeros when the outputs do not depend on x)."""
+        (when nothing else reads it and it is no other value's cotangent), or a new one (a
+        copy; zeros when the outputs do not depend on x)."""
         q = self.p.param(x)
         assert q is not None
         g = self.ct.get(x)
-        if g is not None and any(s.name == g.name for s in self.stages[forward:]):
+        shared = [y for y, h in self.ct.items() if h == g and y != x]  # a contribution passed on as it is
+        read = g is not None and any(g.name in refs(s.expr) for s in self.stages)
+        if g is not None and not shared and not read and any(s.name == g.name for s in self.stages[forward:]):
             i = next(i for i, s in enumerate(self.stages) if s.name == g.name)
             self.stages[i] = replace(self.stages[i], name=out)
             return out
