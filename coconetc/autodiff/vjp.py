@@ -296,6 +296,34 @@ def _layernorm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(x, dx, None), (gamma, o("mul", g, xhat), None), (beta, g, None), (eps, deps, None)]
 
 
+def _is_root(d: _Deriver, e: Op) -> Expr:
+    """A local condition, true on the group's rank `root` only: reduce(sum, 1.0, root) is the
+    group's size R there and 1 elsewhere (and R = 1 alone is the root)."""
+    one = Const(1.0, TType("f32", (), REPLICATED, True))
+    counted = d.op("reduce", one, op="sum", root=ops.attr(e, "root"))
+    return d.op("eq", counted, d.op("allreduce", one, op="sum"))
+
+
+def _broadcast(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """y = x on the root: the root's x gets g, the others nothing."""
+    return [(e.args[0], d.op("where", _is_root(d, e), g, d.const(0.0, g)), True)]
+
+
+def _reduce(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """reduce(sum, x, root): the root's y is every rank's x summed, another rank's y its own x;
+    so every x gets the root's cotangent, and a rank other than the root its own too. avg: the
+    root's share divided by R. max, min, prod: not derived."""
+    how = ops.attr(e, "op")
+    if how not in ("sum", "avg"):
+        raise CompileError.at(e.span, f"'reduce({how})' has no derivative (yet): cannot differentiate through it")
+    from_root = d.op("broadcast", g, root=ops.attr(e, "root"))
+    if how == "avg":
+        ranks = d.op("allreduce", Const(1.0, TType("f32", (), REPLICATED, True)), op="sum")
+        from_root = d.op("div", from_root, d.op("cast", ranks, dtype=g.type.dtype))
+    own = d.op("where", _is_root(d, e), d.const(0.0, g), g)
+    return [(e.args[0], d.op("add", from_root, own), True)]
+
+
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
@@ -333,6 +361,8 @@ RULES: dict[str, Rule] = {
     # collectives: the input side is per rank
     "allreduce": lambda d, e, y, g: [(e.args[0], _reduced(d, e, y, g), True)],
     "reducescatter": lambda d, e, y, g: [(e.args[0], _reduced(d, e, d.op("allgather", y), d.op("allgather", g)), True)],
+    "broadcast": _broadcast,
+    "reduce": _reduce,
     "send": lambda d, e, y, g: [(e.args[0], d.op("send", g, direction="prev" if ops.attr(e, "direction") == "next" else "next"), False)],
     "allgather": lambda d, e, y, g: [(e.args[0], d.op("scatter", g, dim=e.args[0].type.layout.dim), False)],
     "scatter": lambda d, e, y, g: [(e.args[0], d.op("allgather", g), False)],
