@@ -18,6 +18,7 @@ from coconetc.interp.interpreter import run
 from coconetc.ir import printer
 from coconetc.ir.nodes import Program
 from coconetc.ir.slices import take_slice
+from coconetc.ir.storage import STORAGE
 from coconetc.ir.types import TType, eval_dim
 from coconetc.sourcefile import load_source
 
@@ -394,3 +395,35 @@ def test_show_grad(tmp_path) -> None:
     assert out.exit_code == 1 and "no parameter 'nope'" in out.output
     out = CliRunner().invoke(main, ["show", str(f), "--grad", "--format", "plan"])
     assert out.exit_code == 1 and "no execution plan" in out.output
+
+
+# --- lower precisions: the derived program types and runs, close to its f64 twin --------------------
+@pytest.mark.parametrize("dtype, rtol", [("f32", 1e-5), ("f16", 2e-2), ("bf16", 6e-2)])
+def test_lower_precision_matches_f64(dtype: str, rtol: float) -> None:
+    src = """program p(x: DT[B, S, H] replicated, w1: DT[H, F] sliced(1), b1: DT[F] sliced(0),
+            w2: DT[F, H] sliced(0), g: f32[H] replicated, c: f32[H] replicated) {
+    h = gelu(matmul(x, w1) + b1)
+    y = matmul(h, w2)
+    s = allreduce(sum, y)
+    out = layernorm(cast(s, f32), g, c, 0.00001) * 0.5
+    return out
+}"""
+    ranks, sizes = 2, {"B": 2, "S": 3, "H": 4, "F": 4}
+    rng = np.random.default_rng(1)
+    p64 = load_source(src.replace("DT", "f64").replace("f32", "f64")).program("p")
+    plow = load_source(src.replace("DT", dtype)).program("p")
+    values = {q.name: _random(q.type, sizes, ranks, rng, False) for q in p64.params}
+    d_out = rng.standard_normal((2, 3, 4))
+    res = {}
+    for key, p in (("hi", p64), ("lo", plow)):
+        g = vjp(p)
+        for pub, s in g.outputs:  # a gradient has its input's dtype
+            assert g.stage_named(s).type.dtype == p.param(pub[2:]).type.dtype, pub
+        typed = {q.name: np.asarray(v, dtype=STORAGE[q.type.dtype]) for q in g.params
+                 for v in [{**values, "d_out": d_out}[q.name]]}
+        res[key] = run(g, _inputs(g, typed, ranks))
+    for name in res["hi"][0].outputs:
+        for a, b in zip(res["hi"], res["lo"]):
+            want = a.outputs[name]
+            np.testing.assert_allclose(np.asarray(b.outputs[name], dtype=np.float64), want,
+                                       rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=name)
