@@ -184,6 +184,17 @@ def test_broadcast_and_replicated_reads(ranks: int) -> None:
     check(src, {"B": 3, "H": 4}, ranks, wrt=["x", "b", "c", "s"])
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["local", "replicated", "sliced(0)", "sliced(1)"])
+def test_broadcast_along_size_1_dims(layout: str, ranks: int) -> None:
+    src = f"""program p(x: f64[B, H] {layout}, c: f64[B, 1] replicated, r: f64[1, H] replicated,
+           k: f64[1] replicated) {{
+    out = x * c + r * k
+    return out
+}}"""
+    check(src, {"B": 3, "H": 4}, ranks)
+
+
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_sliced_pointwise_and_reductions(ranks: int) -> None:
     """Sliced values with replicated operands read at the slice; sum/norm of sliced values."""

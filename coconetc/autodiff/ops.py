@@ -6,6 +6,8 @@ give matmul's operand gradients, and the sum over leading dims that undoes broad
 - `matmul_tn(a, b)`: a [..., K] x b [..., N] -> [K, N], summed over every leading dim
   (a^T @ b with the batch dims folded into M): dB of matmul.
 - `sum_lead(x, n=k)`: x summed over its first k dims: a broadcast operand's cotangent.
+- `sum_keep(x, dim=d)`: the sum over dim d, kept as a dim of size 1: an operand broadcast
+  along a size-1 dim.
 - `mean_last(x)`: the mean over the last dim, kept as a dim of size 1 ([..., H] -> [..., 1]):
   layernorm's statistics.
 
@@ -87,6 +89,15 @@ def _mean_last(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> 
     return TType(t.dtype, t.shape[:-1] + (1,), t.layout)
 
 
+def _sum_keep(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    (x,) = args
+    d, t = attrs["dim"], x.type
+    if not 0 <= d < t.ndim:
+        raise tr.TypeErr(span, f"sum_keep dim={d} is out of range for a {t.ndim}-d tensor")
+    lay = LOCAL if t.layout == sliced(d) else t.layout  # a sliced dim summed: per-rank partial sums
+    return TType(t.dtype, t.shape[:d] + (1,) + t.shape[d + 1:], lay)
+
+
 def _np_nt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, np.swapaxes(b, -1, -2))
 
@@ -100,6 +111,10 @@ def _np_sum_lead(x: np.ndarray, n: int) -> np.ndarray:
     return np.asarray(x.sum(axis=tuple(range(n)), dtype=x.dtype))
 
 
+def _np_sum_keep(x: np.ndarray, dim: int) -> np.ndarray:
+    return np.asarray(x.sum(axis=dim, keepdims=True, dtype=x.dtype))
+
+
 def _np_mean_last(x: np.ndarray) -> np.ndarray:
     return np.asarray(x.mean(axis=-1, keepdims=True, dtype=x.dtype))
 
@@ -111,6 +126,8 @@ DEFS = (
               cost=ops.Cost(2, inner=True), doc="a^T @ b over all leading dims (matmul's weight gradient)"),
     ops.OpDef("sum_lead", "tensor", (ops.Arg("x"), ops.Arg("n", "int", minimum=1)), _sum_lead,
               ops.NEVER, numpy=_np_sum_lead, doc="the sum over the first n dims"),
+    ops.OpDef("sum_keep", "tensor", (ops.Arg("x"), ops.Arg("dim", "int")), _sum_keep, ops.NEVER,
+              numpy=_np_sum_keep, doc="the sum over one dim, kept as a dim of size 1"),
     ops.OpDef("mean_last", "tensor", ops.X, _mean_last, ops.ROWS, numpy=_np_mean_last,
               doc="the mean over the last dim, kept as a dim of size 1"),
 )

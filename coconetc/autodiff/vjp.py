@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from coconetc.autodiff import ops as _gradops  # noqa: F401  (registers matmul_nt, matmul_tn, sum_lead, mean_last)
+from coconetc.autodiff import ops as _gradops  # noqa: F401  (registers the operations a derived program adds)
 from coconetc.errors import NOWHERE, CompileError, Span
 from coconetc.ir import ops
 from coconetc.ir.expr import Const, Expr, Op, Ref, refs
@@ -216,9 +216,9 @@ class _Deriver:
             return self.op("sum", c)
         if c.type.ndim > t.ndim:
             c = self.op("sum_lead", c, n=c.type.ndim - t.ndim)
-        if c.type.shape != t.shape:
-            raise CompileError.at(span, f"the cotangent of a {t} operand broadcast along a size-1 dim "
-                                  "is not derived yet")
+        for i, (have, want) in enumerate(zip(c.type.shape, t.shape)):
+            if want == 1 and have != 1:  # broadcast along a size-1 dim
+                c = self.op("sum_keep", c, dim=i)
         return c
 
 
