@@ -8,6 +8,9 @@ give matmul's operand gradients, and the sum over leading dims that undoes broad
 - `sum_lead(x, n=k)`: x summed over its first k dims: a broadcast operand's cotangent.
 - `sum_keep(x, dim=d)`: the sum over dim d, kept as a dim of size 1: an operand broadcast
   along a size-1 dim.
+- `conv2d_dx(g, w, x, stride, padding)`, `conv2d_dw(x, g, w, stride, padding)`: conv2d's
+  operand gradients (the transposed convolution and the weight's correlation); the third
+  operand gives only the result's shape.
 - `mean_last(x)`: the mean over the last dim, kept as a dim of size 1 ([..., H] -> [..., 1]):
   layernorm's statistics.
 
@@ -98,6 +101,69 @@ def _sum_keep(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> T
     return TType(t.dtype, t.shape[:d] + (1,) + t.shape[d + 1:], lay)
 
 
+def _conv_dx(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    g, w, x = args
+    lg, lw = g.type.layout, w.type.layout
+    lay: Layout
+    if lw == REPLICATED and lg in (LOCAL, REPLICATED, sliced(0)):
+        lay = lg
+    elif lw == sliced(1) and lg in (LOCAL, REPLICATED):
+        lay = sliced(1)
+    elif lw == sliced(0) and lg == sliced(1):
+        lay = LOCAL  # each rank's output channels: partial sums
+    elif LOCAL in (lg, lw) and not lg.sliced and not lw.sliced:
+        lay = LOCAL
+    else:
+        raise tr.TypeErr(span, f"conv2d_dx of {lg} x {lw} has no parallel meaning")
+    dt, _ = tr.result_dtype([g.type, w.type], span)
+    return TType(dt, x.type.shape, lay)
+
+
+def _conv_dw(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    x, g, w = args
+    lx, lg = x.type.layout, g.type.layout
+    lay: Layout
+    if lx == sliced(1) and lg in (LOCAL, REPLICATED):
+        lay = sliced(1)
+    elif lx == REPLICATED and lg == sliced(1):
+        lay = sliced(0)
+    elif lx == sliced(0) and lg == sliced(0):
+        lay = LOCAL  # the batch summed over slices: partial sums
+    elif not lx.sliced and not lg.sliced:
+        lay = REPLICATED if lx == lg == REPLICATED else LOCAL
+    else:
+        raise tr.TypeErr(span, f"conv2d_dw of {lx} x {lg} has no parallel meaning")
+    dt, _ = tr.result_dtype([x.type, g.type], span)
+    return TType(dt, w.type.shape, lay)
+
+
+def _windows(xp: np.ndarray, kh: int, kw: int, stride: int, ho: int, wo: int) -> np.ndarray:
+    win = np.lib.stride_tricks.sliding_window_view(xp, (kh, kw), axis=(2, 3))
+    return win[:, :, ::stride, ::stride][:, :, :ho, :wo]  # n c ho wo kh kw
+
+
+def _np_conv_dx(g: np.ndarray, w: np.ndarray, x: np.ndarray, stride: int, padding: int) -> np.ndarray:
+    n, c, h, wd = x.shape
+    _, _, kh, kw = w.shape
+    ho, wo = g.shape[2], g.shape[3]
+    xp = np.zeros((n, c, h + 2 * padding, wd + 2 * padding), dtype=g.dtype)
+    if xp.size and g.size and w.size:
+        contrib = np.einsum("nohw,ocij->nchwij", g, w)
+        for i in range(kh):
+            for j in range(kw):
+                xp[:, :, i:i + stride * ho:stride, j:j + stride * wo:stride] += contrib[..., i, j]
+    return xp[:, :, padding:padding + h, padding:padding + wd]
+
+
+def _np_conv_dw(x: np.ndarray, g: np.ndarray, w: np.ndarray, stride: int, padding: int) -> np.ndarray:
+    _, _, kh, kw = w.shape
+    ho, wo = g.shape[2], g.shape[3]
+    if not (x.size and g.size):
+        return np.zeros(w.shape, dtype=g.dtype)
+    xp = np.pad(x, ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    return np.asarray(np.einsum("nchwij,nohw->ocij", _windows(xp, kh, kw, stride, ho, wo), g), dtype=g.dtype)
+
+
 def _np_nt(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, np.swapaxes(b, -1, -2))
 
@@ -119,6 +185,8 @@ def _np_mean_last(x: np.ndarray) -> np.ndarray:
     return np.asarray(x.mean(axis=-1, keepdims=True, dtype=x.dtype))
 
 
+_CONV = (ops.Arg("stride", "int", default=1, minimum=1), ops.Arg("padding", "int", default=0))
+
 DEFS = (
     ops.OpDef("matmul_nt", "tensor", ops.AB, _nt, ops.NEVER, numpy=_np_nt, fusable=False,
               cost=ops.Cost(2, inner=True), doc="a @ b^T (matmul's input gradient)"),
@@ -128,6 +196,10 @@ DEFS = (
               ops.NEVER, numpy=_np_sum_lead, doc="the sum over the first n dims"),
     ops.OpDef("sum_keep", "tensor", (ops.Arg("x"), ops.Arg("dim", "int")), _sum_keep, ops.NEVER,
               numpy=_np_sum_keep, doc="the sum over one dim, kept as a dim of size 1"),
+    ops.OpDef("conv2d_dx", "tensor", (ops.Arg("g"), ops.Arg("w"), ops.Arg("x"), *_CONV), _conv_dx, ops.NEVER,
+              numpy=_np_conv_dx, fusable=False, cost=ops.Cost(2, inner=True), doc="conv2d's input gradient"),
+    ops.OpDef("conv2d_dw", "tensor", (ops.Arg("x"), ops.Arg("g"), ops.Arg("w"), *_CONV), _conv_dw, ops.NEVER,
+              numpy=_np_conv_dw, fusable=False, cost=ops.Cost(2, inner=True), doc="conv2d's weight gradient"),
     ops.OpDef("mean_last", "tensor", ops.X, _mean_last, ops.ROWS, numpy=_np_mean_last,
               doc="the mean over the last dim, kept as a dim of size 1"),
 )

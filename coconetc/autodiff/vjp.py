@@ -358,6 +358,9 @@ RULES: dict[str, Rule] = {
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
+    "conv2d": lambda d, e, y, g: [
+        (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),
+        (e.args[1], d.op("conv2d_dw", e.args[0], g, e.args[1], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None)],
     # collectives: the input side is per rank
     "allreduce": lambda d, e, y, g: [(e.args[0], _reduced(d, e, y, g), True)],
     "reducescatter": lambda d, e, y, g: [(e.args[0], _reduced(d, e, d.op("allgather", y), d.op("allgather", g)), True)],
