@@ -160,6 +160,11 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
         ir = vjp(mod.programs[name], names)
     except CompileError as err:
         _fail(err.render())
+    from coconetc.autodiff.text import unfaithful_sites
+    bad = unfaithful_sites(ir)
+    if bad and fmt == "text":
+        _fail("coconetc: the derived program reuses the forward's dropout masks, which .ccn text cannot say yet "
+              f"(the RNG site of a dropout is its stage's name): {'; '.join(bad)}")
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 
 

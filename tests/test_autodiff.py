@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from coconetc.autodiff import vjp
-from coconetc.autodiff.text import check_text
+from coconetc.autodiff.text import check_text, unfaithful_sites
 from coconetc.errors import CompileError
 from coconetc.interp.interpreter import run
 from coconetc.ir import printer
@@ -119,7 +119,8 @@ def check(src: str, sizes: dict[str, int], ranks: int, name: str | None = None, 
     mod = load_source(src)
     p = mod.program(name)
     rng = np.random.default_rng(seed)
-    values = {q.name: (float(rng.uniform(0.5, 2.0)) if q.scalar else _random(q.type, sizes, ranks, rng, positive))
+    values = {q.name: ((int(rng.integers(0, 1000)) if q.type.dtype.startswith("i") else float(rng.uniform(0.5, 2.0)))
+                       if q.scalar else _random(q.type, sizes, ranks, rng, positive))
               for q in p.params}
     g = vjp(p, wrt)
     cot = {}
@@ -256,6 +257,29 @@ def test_conv2d_symbolic_sizes() -> None:
     check(src, {"N": 2, "C": 3, "H": 5, "W": 4, "O": 2}, 2, roundtrip=False)
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_dropout_reuses_the_forward_mask(ranks: int) -> None:
+    """The IR derivation: dropout(g, p, seed) at the forward's RNG site. Its text would draw
+    other masks (the site is the stage's name), so it is not read back."""
+    src = """program p(x: f64[B, H] sliced(1), b: f64[H] replicated, r: f64[B, H] replicated, seed: i64) {
+    y = dropout(x * b, 0.3, seed) + r
+    z = dropout(y, 0.5, seed) * 2.0
+    return z
+}"""
+    g = check(src, {"B": 3, "H": 4}, ranks, roundtrip=False)
+    assert unfaithful_sites(g) and not unfaithful_sites(load_source(src).program("p"))
+
+
+def test_show_grad_refuses_text_that_would_draw_other_masks(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from coconetc.cli import main
+    f = tmp_path / "d.ccn"
+    f.write_text("program p(x: f64[N] local, seed: i64) {\n y = dropout(x, 0.5, seed)\n return y\n}")
+    out = CliRunner().invoke(main, ["show", str(f), "--grad"])
+    assert out.exit_code == 1 and "dropout masks" in out.output
+
+
 # --- collectives --------------------------------------------------------------------------------
 COLLECTIVES = {
     "allreduce": "program p(x: f64[N, H] local) {\n y = allreduce(sum, x * x)\n return y\n}",
@@ -384,11 +408,11 @@ def test_wrt_and_unused_inputs() -> None:
 
 # --- what has no derivative -----------------------------------------------------------------------
 @pytest.mark.parametrize("body, what", [
-    ("y = dropout(x, 0.5, s)\n return y", "'dropout'"),
+    ("y = segment_norm(x)\n return y", "'segment_norm'"),
     ("y = reduce(max, x, 0)\n return y", "'reduce(max)'"),
 ])
 def test_no_derivative_is_a_located_error(body: str, what: str) -> None:
-    p = load_source(f"program p(x: f64[N] local, s: i64) {{\n {body}\n}}").program("p")
+    p = load_source(f"program p(x: f64[N] local scattered, s: i64) {{\n {body}\n}}").program("p")
     with pytest.raises(CompileError, match="has no derivative") as err:
         vjp(p)
     assert what in str(err.value)

@@ -358,6 +358,9 @@ RULES: dict[str, Rule] = {
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
+    # the forward's mask: the same seed, the same RNG site (attrs), the same element indices
+    "dropout": lambda d, e, y, g: [(e.args[0], Op("dropout", (g, *e.args[1:]), g.type, e.attrs), None),
+                                   (e.args[1], None, None), (e.args[2], None, None)],
     "conv2d": lambda d, e, y, g: [
         (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),
         (e.args[1], d.op("conv2d_dw", e.args[0], g, e.args[1], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None)],
