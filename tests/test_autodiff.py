@@ -400,6 +400,22 @@ def test_megatron_mlp_text() -> None:
     assert "return d_x, d_w1, d_b1, d_w2, d_b2" in text
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_defined_operations_through_their_expansion(ranks: int) -> None:
+    src = """op lerp(a, b, t) = a + t * (b - a)
+op gelu_tanh(x) = 0.5 * x * (1 + tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+op clip(x, lo, hi) = min(max(x, lo), hi)
+op rms(x, n) = sqrt(sum(x * x) / n)
+
+program p(g: f64[N] local, w: f64[N] replicated, lr: f64) {
+    g1 = allreduce(sum, g)
+    w1 = w - lr * clip(lerp(g1, gelu_tanh(g1), 0.25), -1.0, 1.0)
+    n = rms(w1, 4.0)
+    return w1, n
+}"""
+    check(src, {"N": 5}, ranks, wrt=["g", "w", "lr"])
+
+
 def test_wrt_and_unused_inputs() -> None:
     src = "program p(x: f64[N] local, z: f64[N] local) {\n y = exp(x)\n return y\n}"
     g = check(src, {"N": 3}, 2, wrt=["z", "x"])
