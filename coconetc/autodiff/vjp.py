@@ -324,6 +324,19 @@ def _reduce(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(e.args[0], d.op("add", from_root, own), True)]
 
 
+def _segment_norm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """y_i = the norm of x's segment holding i: dx_i = x_i * (the sum over i's segment of g / y).
+    The language has no segment sum, but segment_norm gives one of a value v >= 0 as
+    segment_norm(sqrt(v)) ** 2: so v's positive and negative parts, one each."""
+    o, c = d.op, d.const
+    x = e.args[0]
+    v = d.emit("g_v", o("div", g, y))
+    pos = o("segment_norm", o("sqrt", o("max", v, c(0.0, v))))
+    neg = o("segment_norm", o("sqrt", o("max", o("neg", v), c(0.0, v))))
+    total = o("sub", o("mul", pos, pos), o("mul", neg, neg))
+    return [(x, o("mul", x, total), None)]
+
+
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
@@ -354,6 +367,7 @@ RULES: dict[str, Rule] = {
     # value is replicated and already whole)
     "sum": lambda d, e, y, g: [(e.args[0], _spread(d, e.args[0], g), False)],
     "norm": lambda d, e, y, g: [(e.args[0], d.op("mul", e.args[0], d.op("div", g, y)), False)],
+    "segment_norm": _segment_norm,
     # matmul: dA = dC @ B^T, dB = A^T @ dC (the batch dims of A summed)
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
