@@ -113,13 +113,19 @@ def _target_problems(mod: SourceFile, backend: str) -> bool:
 @click.option("--program", "-p", help="The program (default: the file's only program).")
 @click.option("--schedule", "-s", help="Show the program after this schedule.")
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "plan"]), default="text")
-def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None:
+@click.option("--grad", is_flag=True, help="Show the program's derived vector-Jacobian program (docs/autodiff.md).")
+@click.option("--wrt", help="With --grad: the inputs to differentiate, comma-separated (default: every "
+              "floating tensor parameter).")
+def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: bool, wrt: str | None) -> None:
     """Print a program's IR as .ccn text, its stage graph as Graphviz dot, or its execution
     plan (what every backend runs: buffers, then one unit a line with its .ccn line)."""
     from coconetc.ir import printer
     mod = _load(file)
     name = _pick_program(mod, program, schedule)
     ir = mod.programs[name]
+    if grad or wrt is not None:
+        _show_grad(mod, name, schedule, fmt, wrt)
+        return
     if schedule == "auto":  # with or without `schedule auto for P` in the file
         _show_auto(mod, name, fmt)
         return
@@ -137,6 +143,28 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str) -> None
         from coconetc.plan.show import show as show_plan
         click.echo(show_plan(mod.plans[(name, label.name)]), nl=False)
         return
+    click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
+
+
+def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None) -> None:
+    """show --grad: the derived program of the program as written (text or dot)."""
+    from coconetc.autodiff import vjp
+    from coconetc.ir import printer
+    if schedule is not None:
+        _fail("coconetc: show --grad derives the program as written; schedules of a derived program are not supported yet")
+    if fmt == "plan":
+        _fail("coconetc: show --grad --format plan: derived programs have no execution plan yet (the backends do not "
+              "run matmul_nt, matmul_tn, sum_lead)")
+    names = [w.strip() for w in wrt.split(",") if w.strip()] if wrt is not None else None
+    try:
+        ir = vjp(mod.programs[name], names)
+    except CompileError as err:
+        _fail(err.render())
+    from coconetc.autodiff.text import unfaithful_sites
+    bad = unfaithful_sites(ir)
+    if bad and fmt == "text":
+        _fail("coconetc: the derived program reuses the forward's dropout masks, which .ccn text cannot say yet "
+              f"(the RNG site of a dropout is its stage's name): {'; '.join(bad)}")
     click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
 
 

@@ -19,6 +19,7 @@ LAYERS = [
     ("base", ("coconetc.version", "coconetc.errors", "coconetc.paths"), "version, diagnostics, data files"),
     ("ir", ("coconetc.ir",), "typed IR, operation registry, the language's shared facts"),
     ("frontend", ("coconetc.frontend",), "parse and check .ccn text"),
+    ("autodiff", ("coconetc.autodiff",), "derived programs: the vector-Jacobian program of a typed IR program"),
     ("schedule", ("coconetc.schedule",), "directives, each checked; IR verified after each"),
     ("plan", ("coconetc.plan",), "the execution plan: every decision, per target"),
     ("sourcefile", ("coconetc.sourcefile",), "one checked file: programs, schedules, plans"),
