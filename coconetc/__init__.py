@@ -17,7 +17,7 @@ _hooks.quiet_osc_ucx()
 __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__", "empty", "load"]
 
 
-def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None):
+def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None, grad=()):
     """Compile a .ccn file (cached) and import it: one function per program.
     backend: "cpu" (C++ and MPI; NumPy arrays or CPU tensors) or "cuda" (CUDA, NCCL, cuBLAS;
     PyTorch CUDA tensors, see coconetc.runtime.cuda; `archs` as nvcc's, default "80;90").
@@ -27,12 +27,13 @@ def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), lib
     if backend == "cuda":
         from coconetc.runtime.cuda import load as _load_cuda
         return _load_cuda(path, archs, log, include_dirs=include_dirs, library_dirs=library_dirs,
-                          libraries=libraries)
+                          libraries=libraries, grad=grad)
     if backend != "cpu" or archs is not None:
         raise ValueError(f"coconetc.load: backend must be 'cpu' or 'cuda' (archs only with cuda), "
                          f"got backend={backend!r}, archs={archs!r}")
     from coconetc.runtime.loader import load as _load
-    return _load(path, log, include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
+    return _load(path, log, include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries,
+                 grad=grad)
 
 
 def empty(shape, dtype="f32", *, comm=None, framework="numpy"):

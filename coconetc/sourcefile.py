@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coconetc.autodiff import vjp
 from coconetc.errors import CompileError, Diagnostic
 from coconetc.frontend import syntax
 from coconetc.frontend import externs
@@ -53,6 +54,8 @@ class SourceFile:
     plans: dict[tuple[str, str], Plan] = field(default_factory=dict)
     # the extern operations the file declares (their registry entries), by name
     externs: dict[str, OpDef] = field(default_factory=dict)
+    # derived programs (docs/autodiff.md): `<p>_grad` -> p, the program it differentiates
+    derived: dict[str, str] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
         if name is None:
@@ -103,11 +106,47 @@ def load_source(source: str, file: str = "<string>") -> SourceFile:
     scope.externs = set(mod.externs)
     for i, prog in enumerate(tree.programs):
         _collect(errors, _program, mod, prog, tree.programs[:i], scope)
+    for sched in tree.schedules:
+        if sched.grad and sched.program in mod.programs and sched.target not in mod.programs:
+            _collect(errors, _derive, mod, sched.program, sched.program_span)
     for i, sched in enumerate(tree.schedules):
         _collect(errors, _schedule, mod, sched, tree, tree.schedules[:i])
     if errors:
         raise CompileError(sorted(errors, key=lambda d: (d.span.line, d.span.col)))
     return mod
+
+
+def grad_name(program: str) -> str:
+    """The name of a program's derived program in its file (`schedule s for grad(p)`)."""
+    return f"{program}_grad"
+
+
+def _derive(mod: SourceFile, program: str, span=None) -> str:
+    """Add the derived (vector-Jacobian) program of `program` to mod, with respect to every
+    floating tensor parameter, planned as any program is."""
+    name = grad_name(program)
+    if name in mod.programs:
+        if mod.derived.get(name) == program:
+            return name
+        raise CompileError.at(span or mod.programs[name].span,
+                              f"program '{name}' is defined in the file: grad({program}) needs the name")
+    ir = vjp(mod.programs[program], name=name)
+    mod.plans[(name, DEFAULT)] = plan_program(ir)
+    mod.programs[name] = ir
+    mod.schedules[name] = {}
+    mod.derived[name] = program
+    return name
+
+
+def with_grads(mod: SourceFile, programs) -> SourceFile:
+    """A copy of mod with the derived programs of `programs` (names) added as `<p>_grad`."""
+    from dataclasses import replace
+    new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
+                  plans=dict(mod.plans), derived=dict(mod.derived))
+    for p in programs:
+        mod.program(p)  # a KeyError naming the file's programs
+        _derive(new, p)
+    return new
 
 
 def _collect(errors: list[Diagnostic], fn, *args) -> None:
@@ -135,26 +174,29 @@ def _program(mod: SourceFile, prog: syntax.Program, earlier: tuple[syntax.Progra
 
 def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
               earlier: tuple[syntax.Schedule, ...]) -> None:
+    what = f"grad({sched.program})" if sched.grad else sched.program
     if sched.program in mod.programs or any(p.name == sched.program for p in tree.programs):
-        if any(s.program == sched.program and s.name == sched.name for s in earlier):
+        if any(s.target == sched.target and s.name == sched.name for s in earlier):
             raise CompileError.at(sched.name_span or sched.span,
-                                  f"schedule '{sched.name}' for '{sched.program}' is defined twice")
+                                  f"schedule '{sched.name}' for '{what}' is defined twice")
     if sched.program not in mod.programs:
         if any(p.name == sched.program for p in tree.programs):
             return  # the program itself has errors, reported already
         raise CompileError.at(sched.program_span, f"schedule '{sched.name}' is for unknown program "
                               f"'{sched.program}'")
-    known = mod.schedules[sched.program]
+    if sched.target not in mod.programs:
+        return  # its derivation failed, reported already
+    known = mod.schedules[sched.target]
     body = sched.body or ()
     directives = tuple(from_ast(body))
     if sched.name == "auto":
         if directives:
             raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
-        known[sched.name] = ScheduleIR("auto", sched.program, (), None)
+        known[sched.name] = ScheduleIR("auto", sched.target, (), None)
         return
-    ir = apply_all(mod.programs[sched.program], directives)
-    mod.plans[(sched.program, sched.name)] = plan_program(ir, sched.name)
-    known[sched.name] = ScheduleIR(sched.name, sched.program, directives, ir)
+    ir = apply_all(mod.programs[sched.target], directives)
+    mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
+    known[sched.name] = ScheduleIR(sched.name, sched.target, directives, ir)
 
 
 def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFile:
@@ -162,10 +204,13 @@ def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFi
     file's own are); the autotuner's generated schedules join a file this way."""
     from dataclasses import replace
     tree = parse(text, file)
-    new = replace(mod, schedules={p: dict(s) for p, s in mod.schedules.items()}, plans=dict(mod.plans))
+    new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
+                  plans=dict(mod.plans), derived=dict(mod.derived))
     errors = list[Diagnostic]()
     for i, sched in enumerate(tree.schedules):
-        if sched.name in new.schedules.get(sched.program, {}):
+        if sched.grad and sched.program in new.programs and sched.target not in new.programs:
+            _collect(errors, _derive, new, sched.program, sched.program_span)
+        if sched.name in new.schedules.get(sched.target, {}):
             continue  # a schedule of the file itself keeps its own text
         _collect(errors, _schedule, new, sched, tree, tree.schedules[:i])
     if errors:

@@ -1,4 +1,7 @@
-"""`coconetc.torch.DistributedOptimizer`: a `.ccn` optimizer step as a `torch.optim.Optimizer`.
+"""PyTorch adoption: `coconetc.torch.DistributedOptimizer`, a `.ccn` optimizer step as a
+`torch.optim.Optimizer`; `coconetc.torch.function`, a `.ccn` program as a differentiable torch
+function (its backward pass the compiled derived program); `coconetc.torch.Module`, such a
+function with its parameters (sliced for this rank) as an `nn.Module`.
 
     opt = DistributedOptimizer(model.parameters(), "examples/adam.ccn", schedule="zero",
                                lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
@@ -31,20 +34,21 @@ except ImportError as err:  # pragma: no cover - depends on the environment
 
 from coconetc.runtime import layout
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "Module", "function"]
 
-_LOADED: dict[tuple[str, float], Any] = {}
+_LOADED: dict[tuple[str, float, tuple[str, ...]], Any] = {}
 
 
-def _load(source: str | Path) -> Any:
-    """coconetc.load, once per file and version of it in this process."""
+def _load(source: str | Path, grad: tuple[str, ...] = (), what: str = "DistributedOptimizer") -> Any:
+    """coconetc.load, once per file and version of it in this process (with the derived
+    programs of `grad`)."""
     path = Path(source).resolve()
     if not path.exists():
-        raise FileNotFoundError(f"DistributedOptimizer: no such .ccn file: {source}")
-    key = (str(path), path.stat().st_mtime)
+        raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
+    key = (str(path), path.stat().st_mtime, grad)
     if key not in _LOADED:
         import coconetc
-        _LOADED[key] = coconetc.load(path, log=lambda msg: None)
+        _LOADED[key] = coconetc.load(path, log=lambda msg: None, grad=grad)
     return _LOADED[key]
 
 
@@ -343,3 +347,162 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from mpi4py import MPI
         self._comm.Allgatherv([send, MPI.BYTE], [recv, counts, starts, MPI.BYTE])
         return full
+
+
+# --- differentiable programs (docs/autodiff.md) ----------------------------------------------
+def function(source: str | Path, program: str | None = None, *, schedule: str = "default",
+             grad_schedule: str = "default", comm: Any = None) -> Differentiable:
+    """PROGRAM of the .ccn file SOURCE as a differentiable function: `f(**tensors_and_scalars)`
+    runs the compiled forward (under `schedule`) and returns the program's outputs (a tuple when
+    it returns several) as tensors whose backward pass runs the compiled derived program
+    `<program>_grad` (under `grad_schedule`, a `schedule s for grad(program)` of the file).
+
+    Every tensor argument is this rank's part in the program's layout (replicated: the full
+    tensor; sliced: this rank's slice; local: its own); after `backward()` its `.grad` holds the
+    gradient in the same layout (a replicated input's gradient is the full gradient, the same
+    on every rank). A replicated output's gradient must be the same on every rank (every rank
+    computes the same loss from it). Scalars (Python numbers) get no gradient. Every rank of
+    `comm` (default COMM_WORLD) calls f, and backward, together. CPU tensors, CPU backend."""
+    return Differentiable(source, program, schedule, grad_schedule, comm)
+
+
+class Differentiable:
+    """The callable `function` returns (see there)."""
+
+    def __init__(self, source: str | Path, program: str | None, schedule: str, grad_schedule: str,
+                 comm: Any):
+        from mpi4py import MPI
+
+        from coconetc.autodiff.vjp import cotangent_params
+        from coconetc.sourcefile import grad_name, load_file
+        what = "coconetc.torch.function"
+        if not Path(source).exists():
+            raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
+        if program is None:
+            names = [n for n, base in _own_programs(load_file(source))]
+            if len(names) != 1:
+                raise ValueError(f"{what}: {source} holds programs {', '.join(names)}; say which with program=")
+            program = names[0]
+        mod = _load(source, (program,), what)
+        self.fwd, self.bwd = mod.programs[program], mod.programs[grad_name(program)]
+        self.fwd._program(schedule)  # an unknown schedule raises, naming the known ones
+        self.bwd._program(grad_schedule)
+        self.schedule, self.grad_schedule = schedule, grad_schedule
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        p, g = self.fwd._program(None), self.bwd._program(None)
+        self.program = p
+        self.tensors = [q.name for q in p.params if not q.scalar]
+        self.scalars = [q.name for q in p.params if q.scalar]
+        self.outputs = [pub for pub, _ in p.outputs]
+        self.cotangents = cotangent_params(g, p)
+        # the derived program's outputs d_<x> in the order of its wrt: x's position among the tensors
+        wrt = [q.name for q in p.params if not q.scalar and q.type.dtype in _FLOATS]
+        self.wrt = {x: i for i, x in enumerate(wrt)}
+        self.__doc__ = f"{p.name}({', '.join(q.name for q in p.params)}) -> {', '.join(self.outputs)}"
+
+    def __call__(self, **kwargs: Any) -> Any:
+        what = f"{self.program.name}()"
+        unknown = sorted(set(kwargs) - set(self.tensors) - set(self.scalars))
+        if unknown:
+            raise TypeError(f"{what}: unexpected keyword argument {unknown[0]!r} (its parameters: "
+                            f"{', '.join(q.name for q in self.program.params)})")
+        missing = [n for n in self.tensors + self.scalars if n not in kwargs]
+        if missing:
+            raise TypeError(f"{what}: missing argument {missing[0]!r}")
+        for n in self.tensors:
+            if not isinstance(kwargs[n], torch.Tensor):
+                raise TypeError(f"{what}: {n!r} must be a torch tensor, got {type(kwargs[n]).__name__}")
+        scalars = {n: kwargs[n].item() if isinstance(kwargs[n], torch.Tensor) else kwargs[n] for n in self.scalars}
+        out = _Apply.apply(self, scalars, *[kwargs[n] for n in self.tensors])
+        return out[0] if len(out) == 1 else out
+
+
+_FLOATS = ("f16", "bf16", "f32", "f64")
+
+
+def _own_programs(mod: Any) -> list[tuple[str, Any]]:
+    return [(n, p) for n, p in mod.programs.items() if n not in mod.derived]
+
+
+class _Apply(torch.autograd.Function):
+    """One call of a Differentiable: the forward module function, and its derived program as
+    the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, f: Differentiable, scalars: dict[str, Any], *tensors: torch.Tensor) -> Any:
+        args = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **scalars}
+        out = f.fwd(schedule=f.schedule, comm=f.comm, **args)
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.f, ctx.scalars = f, scalars
+        ctx.save_for_backward(*tensors)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        f: Differentiable = ctx.f
+        tensors = ctx.saved_tensors
+        args: dict[str, Any] = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **ctx.scalars}
+        for name, g in zip(f.cotangents, grads):
+            args[name] = g.contiguous()
+        d = f.bwd(schedule=f.grad_schedule, comm=f.comm, **args)
+        ds = d if isinstance(d, tuple) else (d,)
+        result: list[torch.Tensor | None] = [None, None]  # f, scalars
+        for k, name in enumerate(f.tensors):
+            i = f.wrt.get(name)
+            result.append(ds[i] if i is not None and ctx.needs_input_grad[2 + k] else None)
+        return tuple(result)
+
+
+class Module(torch.nn.Module):
+    """A differentiable program with its parameters: `parameters` maps some of the program's
+    tensor parameters to their FULL values (the same on every rank, e.g. from one seeded
+    initialisation); each becomes an `nn.Parameter` holding this rank's part in the program's
+    layout (sliced: this rank's slice; replicated: the whole tensor), so a tensor-parallel
+    layer is a module and any torch optimizer trains it. `forward(**rest)` takes the other
+    parameters. `full(name)` gathers a parameter's whole value (collective over `comm`).
+
+        layer = coconetc.torch.Module("tp_mlp.ccn", "mlp", parameters={"w1": w1, "b1": b1, ...})
+        y = layer(x=x); loss(y).backward(); opt.step()
+    """
+
+    def __init__(self, source: str | Path, program: str | None = None, *, parameters: dict[str, torch.Tensor],
+                 schedule: str = "default", grad_schedule: str = "default", comm: Any = None, groups: int = 1):
+        super().__init__()
+        self.fn = function(source, program, schedule=schedule, grad_schedule=grad_schedule, comm=comm)
+        self.groups = groups
+        p = self.fn.program
+        gs, r = layout.group_position(self.fn.comm, None, None, groups)
+        self._index: dict[str, tuple[slice, ...]] = {}
+        for name, full in parameters.items():
+            q = layout.param(p, name, f"coconetc.torch.Module({p.name})")
+            if q.scalar or q.type.layout.kind == "local":
+                raise ValueError(f"coconetc.torch.Module({p.name}): parameter {name!r} is {q.type}: only "
+                                 "replicated or sliced tensors can be module parameters")
+            if full.dim() != q.type.ndim:
+                raise ValueError(f"coconetc.torch.Module({p.name}): {name!r} is {q.type}, got a "
+                                 f"{full.dim()}-d tensor")
+            index = layout.local_index(q, list(full.shape), gs, r)
+            self._index[name] = index
+            self.register_parameter(name, torch.nn.Parameter(full.detach()[index].clone().contiguous()))
+
+    def forward(self, **kwargs: Any) -> Any:
+        clash = sorted(set(kwargs) & set(self._index))
+        if clash:
+            raise TypeError(f"{self.fn.program.name}: {clash[0]!r} is a parameter of the module; do not pass it")
+        return self.fn(**{name: getattr(self, name) for name in self._index}, **kwargs)
+
+    def full(self, name: str) -> torch.Tensor:
+        """Parameter NAME's whole value, gathered from the ranks' parts (collective)."""
+        part = getattr(self, name).detach()
+        q = layout.param(self.fn.program, name, "Module.full")
+        if not q.type.layout.sliced:
+            return part.clone()
+        comm = self.fn.comm
+        gs, r = layout.group_position(comm, None, None, self.groups)
+        group = comm if self.groups == 1 else comm.Split(comm.Get_rank() // gs, r)
+        try:
+            return torch.cat(group.allgather(part), dim=q.type.layout.dim)
+        finally:
+            if group is not comm:
+                group.Free()

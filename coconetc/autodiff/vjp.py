@@ -51,6 +51,36 @@ def differentiable(op: str) -> bool:
     return op in RULES
 
 
+def live(stages: Sequence[Stage], outputs: Sequence[tuple[str, str]]) -> list[Stage]:
+    """The stages the outputs read, in order: a forward value no cotangent needs (the
+    program's own outputs, mostly) is not computed by the derived program."""
+    need = {s for _, s in outputs}
+    keep = []
+    for st in reversed(stages):
+        if st.name in need:
+            keep.append(st)
+            need |= set(refs(st.expr))
+    return keep[::-1]
+
+
+def cotangent_params(g: Program, p: Program) -> list[str]:
+    """The cotangent parameters (`d_<output>`, one an output of p) of g = vjp(p): those after p's own."""
+    return [q.name for q in g.params[len(p.params):]]
+
+
+def recomputed(g: Program, p: Program) -> list[str]:
+    """The forward values g = vjp(p) computes before its cotangents: the values the backward
+    reads, recomputed from the inputs (none depends on a cotangent)."""
+    dep = set(cotangent_params(g, p))
+    out = []
+    for st in g.stages:
+        if dep & set(refs(st.expr)):
+            dep.add(st.name)
+        else:
+            out.append(st.name)
+    return out
+
+
 @dataclass
 class _Deriver:
     p: Program
@@ -118,7 +148,7 @@ class _Deriver:
             if g is not None:
                 self.back(s, g)
         outputs = [(out, self.gradient(x, out, forward)) for x, out in zip(self.wrt, names)]
-        return Program(self.name, tuple(params), tuple(self.stages), tuple(outputs), span=p.span)
+        return Program(self.name, tuple(params), tuple(live(self.stages, outputs)), tuple(outputs), span=p.span)
 
     def refuse(self) -> None:
         """What cannot be differentiated at all: updates, nothing returned, a bad wrt."""

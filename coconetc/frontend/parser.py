@@ -336,9 +336,15 @@ class _ToAst(Transformer):
                               None if extra is None else str(extra), self._span(meta))
 
     def schedule(self, meta, ch):
-        name, prog, body = ch
-        return syntax.Schedule(str(name), str(prog), body, self._span(meta), self._tspan(prog),
-                            self._tspan(name))
+        name, prog, inner, body = ch
+        if inner is None:
+            return syntax.Schedule(str(name), str(prog), body, self._span(meta), self._tspan(prog),
+                                   self._tspan(name))
+        if str(prog) != "grad":
+            raise CompileError.at(self._tspan(prog), f"a schedule is for a program NAME or for grad(NAME), "
+                                  f"its derived program; got '{prog}(...)'")
+        return syntax.Schedule(str(name), str(inner), body, self._span(meta), self._tspan(inner),
+                               self._tspan(name), grad=True)
 
     def block(self, meta, ch):
         return tuple(s for s in ch if s is not None)

@@ -140,6 +140,12 @@ class Schedule:
     span: Span = field(compare=False)
     program_span: Span = field(compare=False)
     name_span: Span | None = field(default=None, compare=False)
+    grad: bool = False  # `for grad(program)`: a schedule of the program's derived program
+
+    @property
+    def target(self) -> str:
+        """The name of the program the directives apply to (the derived one: `<program>_grad`)."""
+        return f"{self.program}_grad" if self.grad else self.program
 
 
 @dataclass(frozen=True)

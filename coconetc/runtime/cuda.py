@@ -29,7 +29,7 @@ from coconetc.runtime import agree, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
-from coconetc.sourcefile import load_file
+from coconetc.sourcefile import load_file, with_grads
 from coconetc.toolchain import Artifact, Options, compile
 
 
@@ -84,9 +84,10 @@ def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]
 
 
 def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
-         libraries=()) -> CudaModule:
-    """include_dirs, library_dirs, libraries: for the file's extern operations (as coconetc.load)."""
-    art = compile(load_file(path), "cuda", Options(archs=archs, log=log, include_dirs=include_dirs,
+         libraries=(), grad=()) -> CudaModule:
+    """include_dirs, library_dirs, libraries: for the file's extern operations; grad: programs
+    whose derived programs the module holds too (as coconetc.load)."""
+    art = compile(with_grads(load_file(path), grad), "cuda", Options(archs=archs, log=log, include_dirs=include_dirs,
                                                    library_dirs=library_dirs, libraries=libraries))
     return CudaModule.of(art)
 
@@ -289,12 +290,12 @@ def _scalar(q: Param, v: Any) -> Any:
 
 # ---- host emulation ----------------------------------------------------------------------------------
 
-def load_emulated(path: str | Path, log=None) -> EmulatedModule:
+def load_emulated(path: str | Path, log=None, *, grad=()) -> EmulatedModule:
     """FILE's CUDA module built for the host emulation (toolchain: compile(..., "cuda-emulated")):
     the generated CUDA code run on the CPU, NCCL on MPI. Programs take NumPy arrays (host memory
     stands for device memory), update parameters in place and return new NumPy outputs; every
     call synchronizes and raises if the emulation found a stream race."""
-    return EmulatedModule.of(compile(load_file(path), "cuda-emulated", Options(log=log)))
+    return EmulatedModule.of(compile(with_grads(load_file(path), grad), "cuda-emulated", Options(log=log)))
 
 
 class EmulatedModule(CudaModule):

@@ -17,7 +17,7 @@ from typing import Any
 
 from coconetc.runtime.module import CompiledModule, ProgramFunction
 from coconetc.runtime.tuned import with_tuned
-from coconetc.sourcefile import SourceFile, load_file
+from coconetc.sourcefile import SourceFile, load_file, with_grads
 from coconetc.toolchain import Artifact, Options, compile
 from coconetc.toolchain.probes import require_cpu_extra
 
@@ -32,12 +32,13 @@ def compile_cpu(mod: SourceFile, log=None, **libs: Any) -> Artifact:
     return compile(with_tuned(mod), "cpu", Options(log=log, **libs))
 
 
-def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), libraries=()) -> CompiledModule:
+def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), libraries=(), grad=()) -> CompiledModule:
     """Compile FILE (cached) and import it. include_dirs, library_dirs, libraries: where the
     headers and libraries of the file's extern operations are, and what to link (the file's
-    own directory is searched for headers too)."""
-    art = compile_cpu(load_file(path), log, include_dirs=include_dirs, library_dirs=library_dirs,
-                      libraries=libraries)
+    own directory is searched for headers too). grad: programs whose derived programs
+    (`<p>_grad`, docs/autodiff.md) the module holds too."""
+    art = compile_cpu(with_grads(load_file(path), grad), log, include_dirs=include_dirs,
+                      library_dirs=library_dirs, libraries=libraries)
     return wrap(art)
 
 
