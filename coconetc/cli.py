@@ -121,11 +121,11 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
     plan (what every backend runs: buffers, then one unit a line with its .ccn line)."""
     from coconetc.ir import printer
     mod = _load(file)
+    if grad or wrt is not None:
+        _show_grad(mod, _pick_program(mod, program, None), schedule, fmt, wrt)
+        return
     name = _pick_program(mod, program, schedule)
     ir = mod.programs[name]
-    if grad or wrt is not None:
-        _show_grad(mod, name, schedule, fmt, wrt)
-        return
     if schedule == "auto":  # with or without `schedule auto for P` in the file
         _show_auto(mod, name, fmt)
         return
@@ -147,25 +147,52 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
 
 
 def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None) -> None:
-    """show --grad: the derived program of the program as written (text or dot)."""
-    from coconetc.autodiff import vjp
+    """show --grad: the derived program of the program (text, dot or plan), under one of the
+    file's `schedule s for grad(p)` with -s; the forward values it recomputes as a comment."""
+    from coconetc.autodiff.text import unfaithful_sites
+    from coconetc.autodiff.vjp import recomputed, vjp
     from coconetc.ir import printer
-    if schedule is not None:
-        _fail("coconetc: show --grad derives the program as written; schedules of a derived program are not supported yet")
-    if fmt == "plan":
-        _fail("coconetc: show --grad --format plan: derived programs have no execution plan yet (the backends do not "
-              "run matmul_nt, matmul_tn, sum_lead)")
-    names = [w.strip() for w in wrt.split(",") if w.strip()] if wrt is not None else None
+    from coconetc.sourcefile import with_grads
+    if name in mod.derived:
+        _fail(f"coconetc: '{name}' is a derived program already; show --grad -p {mod.derived[name]}")
     try:
-        ir = vjp(mod.programs[name], names)
+        if wrt is not None:
+            if schedule is not None or fmt == "plan":
+                _fail("coconetc: show --grad --wrt derives with respect to some inputs only; the file's "
+                      "derived program (its schedules and plans) is with respect to every floating tensor "
+                      "input: drop --wrt")
+            names = [w.strip() for w in wrt.split(",") if w.strip()]
+            ir, plan = vjp(mod.programs[name], names), None
+        else:
+            full = with_grads(mod, [name])
+            gname = next(g for g, base in full.derived.items() if base == name)
+            label = _label(schedule) if schedule else parse(None)
+            if not label.default:
+                try:
+                    ir = full.schedule(gname, label.name).ir
+                except KeyError as err:
+                    _fail(f"coconetc: {err.args[0]} (write one as `schedule {label.name} for grad({name}) {{ ... }}`)")
+            else:
+                ir = full.programs[gname]
+            plan = full.plans.get((gname, label.name))
     except CompileError as err:
         _fail(err.render())
-    from coconetc.autodiff.text import unfaithful_sites
+    if fmt == "plan":
+        from coconetc.plan.show import show as show_plan
+        if plan is None:
+            _fail(f"coconetc: schedule {schedule} for grad({name}) is `auto`: it has no plan until tuned")
+        click.echo(show_plan(plan), nl=False)
+        return
     bad = unfaithful_sites(ir)
     if bad and fmt == "text":
         _fail("coconetc: the derived program reuses the forward's dropout masks, which .ccn text cannot say yet "
-              f"(the RNG site of a dropout is its stage's name): {'; '.join(bad)}")
-    click.echo(printer.dot(ir) if fmt == "dot" else printer.program(ir), nl=False)
+              f"(the RNG site of a dropout is its stage's name): {'; '.join(bad)} (--format dot or plan shows it)")
+    if fmt == "dot":
+        click.echo(printer.dot(ir), nl=False)
+        return
+    again = recomputed(ir, mod.programs[name])
+    click.echo(f"# the forward values the backward reads, recomputed from the inputs: {', '.join(again) or 'none'}")
+    click.echo(printer.program(ir), nl=False)
 
 
 def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:

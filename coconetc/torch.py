@@ -351,7 +351,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 # --- differentiable programs (docs/autodiff.md) ----------------------------------------------
 def function(source: str | Path, program: str | None = None, *, schedule: str = "default",
-             grad_schedule: str = "default", comm: Any = None) -> Differentiable:
+             grad_schedule: str = "default", comm: Any = None, groups: int = 1) -> Differentiable:
     """PROGRAM of the .ccn file SOURCE as a differentiable function: `f(**tensors_and_scalars)`
     runs the compiled forward (under `schedule`) and returns the program's outputs (a tuple when
     it returns several) as tensors whose backward pass runs the compiled derived program
@@ -362,15 +362,17 @@ def function(source: str | Path, program: str | None = None, *, schedule: str = 
     gradient in the same layout (a replicated input's gradient is the full gradient, the same
     on every rank). A replicated output's gradient must be the same on every rank (every rank
     computes the same loss from it). Scalars (Python numbers) get no gradient. Every rank of
-    `comm` (default COMM_WORLD) calls f, and backward, together. CPU tensors, CPU backend."""
-    return Differentiable(source, program, schedule, grad_schedule, comm)
+    `comm` (default COMM_WORLD) calls f, and backward, together; `groups` as in a module
+    call (a pipeline: groups of consecutive ranks, `send(x, next)` between them). CPU tensors,
+    CPU backend."""
+    return Differentiable(source, program, schedule, grad_schedule, comm, groups)
 
 
 class Differentiable:
     """The callable `function` returns (see there)."""
 
     def __init__(self, source: str | Path, program: str | None, schedule: str, grad_schedule: str,
-                 comm: Any):
+                 comm: Any, groups: int = 1):
         from mpi4py import MPI
 
         from coconetc.autodiff.vjp import cotangent_params
@@ -389,6 +391,7 @@ class Differentiable:
         self.bwd._program(grad_schedule)
         self.schedule, self.grad_schedule = schedule, grad_schedule
         self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.groups = groups
         p, g = self.fwd._program(None), self.bwd._program(None)
         self.program = p
         self.tensors = [q.name for q in p.params if not q.scalar]
@@ -431,7 +434,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, f: Differentiable, scalars: dict[str, Any], *tensors: torch.Tensor) -> Any:
         args = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **scalars}
-        out = f.fwd(schedule=f.schedule, comm=f.comm, **args)
+        out = f.fwd(schedule=f.schedule, comm=f.comm, groups=f.groups, **args)
         outs = out if isinstance(out, tuple) else (out,)
         ctx.f, ctx.scalars = f, scalars
         ctx.save_for_backward(*tensors)
@@ -445,7 +448,7 @@ class _Apply(torch.autograd.Function):
         args: dict[str, Any] = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **ctx.scalars}
         for name, g in zip(f.cotangents, grads):
             args[name] = g.contiguous()
-        d = f.bwd(schedule=f.grad_schedule, comm=f.comm, **args)
+        d = f.bwd(schedule=f.grad_schedule, comm=f.comm, groups=f.groups, **args)
         ds = d if isinstance(d, tuple) else (d,)
         result: list[torch.Tensor | None] = [None, None]  # f, scalars
         for k, name in enumerate(f.tensors):
@@ -469,7 +472,8 @@ class Module(torch.nn.Module):
     def __init__(self, source: str | Path, program: str | None = None, *, parameters: dict[str, torch.Tensor],
                  schedule: str = "default", grad_schedule: str = "default", comm: Any = None, groups: int = 1):
         super().__init__()
-        self.fn = function(source, program, schedule=schedule, grad_schedule=grad_schedule, comm=comm)
+        self.fn = function(source, program, schedule=schedule, grad_schedule=grad_schedule, comm=comm,
+                           groups=groups)
         self.groups = groups
         p = self.fn.program
         gs, r = layout.group_position(self.fn.comm, None, None, groups)
