@@ -41,6 +41,8 @@ bench: $(STAMP)
 	$(PY) bench/mlp_out.py --dtype f32
 	$(PY) bench/mlp_out.py --dtype bf16
 	$(PY) bench/stage_step.py
+	$(PY) bench/tp_mlp.py --dtype f32
+	$(PY) bench/tp_mlp.py --dtype bf16
 	$(PY) bench/call_overhead.py
 
 clean:

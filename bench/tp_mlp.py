@@ -1,0 +1,181 @@
+"""Forward + backward of Megatron's tensor-parallel MLP (examples/tp_mlp.ccn: column-parallel
+matmul, gelu, row-parallel matmul, all-reduce, bias) on R ranks, side by side in one run:
+
+  baselines (PyTorch, this rank's weight slices, autograd; Megatron's conjugates written as
+  autograd functions: identity forward / all-reduce backward in front of the column-parallel
+  matmul, all-reduce forward / identity backward after the row-parallel one)
+  * torch + torch.distributed gloo all_reduce
+  * torch + mpi4py Allreduce            (bf16: the all-reduce in f32; MPI has no bf16 sum)
+  coconet: coconetc.torch.function, the compiled forward and its derived backward, each
+  forward schedule with each backward schedule of the file
+
+One step: y = layer(x, w1, b1, w2, b2); y.backward(dy), with x requiring its gradient (a layer
+inside a model). The derived backward recomputes the forward values it reads (`coconetc show
+examples/tp_mlp.ccn -p tp_mlp --grad` lists them): here one matmul and the gelu.
+
+Run: python bench/tp_mlp.py [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024,4096] [--ffn 4]
+     [--ranks 2] [--reps 3] [--json PATH]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+MPI4PY = "torch + mpi4py Allreduce"
+GLOO = "torch + torch.distributed gloo all_reduce"
+
+
+def ccn_file(dtype: str) -> Path:
+    src = common.ROOT / "examples" / "tp_mlp.ccn"
+    if dtype == "f32":
+        return src
+    out = Path(tempfile.gettempdir()) / f"coconet_bench_tp_mlp_{dtype}.ccn"
+    text = src.read_text().replace("f32", dtype)
+    if not out.exists() or out.read_text() != text:
+        out.write_text(text)
+    return out
+
+
+def schedules(path: Path) -> tuple[list[str], list[str]]:
+    """(forward schedules, backward schedules) of tp_mlp in the file, 'default' first."""
+    from coconetc.sourcefile import load_file
+    mod = load_file(path)
+    fwd = ["default", *[s for s, v in mod.schedules["tp_mlp"].items() if not v.auto]]
+    bwd = ["default", *[s for s, v in mod.schedules.get("tp_mlp_grad", {}).items() if not v.auto]]
+    return fwd, bwd
+
+
+def allreduce(comm, how: str):
+    """The all-reduce of a tensor in place: gloo or mpi4py (bf16 through f32)."""
+    import torch
+    from mpi4py import MPI
+    if how == "gloo":
+        dist = common.gloo(comm)
+        return lambda t: dist.all_reduce(t)
+
+    def mpi(t):
+        if t.dtype == torch.float32:
+            comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+            return
+        f = t.float()
+        comm.Allreduce(MPI.IN_PLACE, f.numpy(), op=MPI.SUM)
+        t.copy_(f)
+    return mpi
+
+
+def megatron(comm, how: str):
+    """The layer in PyTorch with Megatron's two conjugate autograd functions."""
+    import torch
+    reduce = allreduce(comm, how)
+
+    class F(torch.autograd.Function):  # identity forward, all-reduce backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            g = g.contiguous()
+            reduce(g)
+            return g
+
+    class G(torch.autograd.Function):  # all-reduce forward, identity backward
+        @staticmethod
+        def forward(ctx, p):
+            p = p.contiguous()
+            reduce(p)
+            return p
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def layer(x, w1, b1, w2, b2):
+        h = torch.nn.functional.gelu(F.apply(x) @ w1 + b1)
+        return G.apply(h @ w2) + b2
+    return layer
+
+
+def run_size(comm, a, h: int, path: Path, fwd: list[str], bwd: list[str]) -> dict:
+    import torch
+
+    import coconetc.torch as ct
+    from coconetc.ir.slices import slice_range
+    R, rank = comm.Get_size(), comm.Get_rank()
+    f = a.ffn * h
+    lo, hi = slice_range(f, R, rank)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[a.dtype]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(a.b, a.s, h, generator=gen).to(dt)
+    w1 = (torch.randn(h, f, generator=gen) / h ** 0.5)[:, lo:hi].to(dt).contiguous()
+    b1 = torch.randn(f, generator=gen)[lo:hi].to(dt).contiguous()
+    w2 = (torch.randn(f, h, generator=gen) / f ** 0.5)[lo:hi].to(dt).contiguous()
+    b2 = torch.randn(h, generator=gen).to(dt)
+    dy = torch.randn(a.b, a.s, h, generator=gen).to(dt)
+    leaves = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2)]
+
+    def step(layer):
+        def run():
+            for t in leaves:
+                t.grad = None
+            layer(*leaves).backward(dy)
+        return run
+
+    fns = {("b", label): step(megatron(comm, how)) for label, how in ((GLOO, "gloo"), (MPI4PY, "mpi4py"))}
+    for s in fwd:
+        for g in bwd:
+            fn = ct.function(path, "tp_mlp", schedule=s, grad_schedule=g, comm=comm)
+            fns["c", f"{s} / grad {g}"] = step(lambda x, w1, b1, w2, b2, fn=fn: fn(x=x, w1=w1, b1=b1, w2=w2, b2=b2))
+    # every variant's gradients agree (the same step, computed differently)
+    ref = None
+    for key, run in fns.items():
+        run()
+        got = [t.grad.float().clone() for t in leaves]
+        if ref is None:
+            ref = got
+            continue
+        tol = 2e-2 if a.dtype == "bf16" else 1e-3
+        for name, g, r in zip(("x", "w1", "b1", "w2", "b2"), got, ref):
+            err = float((g - r).abs().max() / r.abs().max())
+            if err > tol:
+                raise SystemExit(f"{key}: d_{name} differs from the first baseline's by {err:.2e} (relative)")
+    t = common.timed_all(comm, fns, a.reps, warmup=1)
+    return {"baselines": {k: v for (kind, k), v in t.items() if kind == "b"},
+            "coconet": {k: v for (kind, k), v in t.items() if kind == "c"}, "roofline": None,
+            "shape": {"B": a.b, "S": a.s, "H": h, "F": f}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
+    ap.add_argument("--b", type=int, default=8)
+    ap.add_argument("--s", type=int, default=512)
+    ap.add_argument("--h", default="1024,4096", help="hidden sizes, comma-separated")
+    ap.add_argument("--ffn", type=int, default=4, help="F = ffn x hidden")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    path = ccn_file(a.dtype)
+    if not common.in_mpi_job():
+        import coconetc
+        coconetc.load(path, grad="tp_mlp")  # built once, before the ranks start
+        from coconetc.launch.mpiexec import run_python
+        return run_python(a.ranks, [__file__, *sys.argv[1:]])
+    comm = common.setup_rank()
+    fwd, bwd = schedules(path)
+    results = {a.b * a.s * h: run_size(comm, a, h, path, fwd, bwd) for h in map(int, a.h.split(","))}
+    if comm.Get_rank() == 0:
+        common.report(f"tp_mlp forward + backward, {a.dtype}, B={a.b} S={a.s} F={a.ffn}H (elements of x)",
+                      f"tp_mlp_{a.dtype}", results, [MPI4PY, GLOO],
+                      {"ranks": comm.Get_size(), "dtype": a.dtype}, a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
