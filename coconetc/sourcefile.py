@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coconetc.autodiff import vjp
+from coconetc.autodiff.saved import split
 from coconetc.errors import CompileError, Diagnostic
 from coconetc.frontend import syntax
 from coconetc.frontend import externs
@@ -54,7 +55,8 @@ class SourceFile:
     plans: dict[tuple[str, str], Plan] = field(default_factory=dict)
     # the extern operations the file declares (their registry entries), by name
     externs: dict[str, OpDef] = field(default_factory=dict)
-    # derived programs (docs/autodiff.md): `<p>_grad` -> p, the program it differentiates
+    # derived programs (docs/autodiff.md): `<p>_grad`, `<p>_fwd`, `<p>_bwd` -> p, the program
+    # they differentiate
     derived: dict[str, str] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
@@ -139,14 +141,40 @@ def _derive(mod: SourceFile, program: str, span=None) -> str:
 
 
 def with_grads(mod: SourceFile, programs) -> SourceFile:
-    """A copy of mod with the derived programs of `programs` (names) added as `<p>_grad`."""
+    """A copy of mod with, for each program p of `programs` (names), its derived program
+    `<p>_grad` and that program cut at the forward's saved values (autodiff/saved.py):
+    `<p>_fwd` (p returning the saved values too) and `<p>_bwd` (the backward reading them),
+    each with the schedules of p (of grad(p)) that apply to it unchanged."""
     from dataclasses import replace
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))
     for p in programs:
         mod.program(p)  # a KeyError naming the file's programs
-        _derive(new, p)
+        _split(new, p, _derive(new, p))
     return new
+
+
+def _split(mod: SourceFile, program: str, grad: str) -> None:
+    cut = split(mod.programs[program], mod.programs[grad])
+    for ir, base in ((cut.forward, program), (cut.backward, grad)):
+        if ir.name in mod.programs:
+            if mod.derived.get(ir.name) == program:
+                continue
+            raise CompileError.at(mod.programs[ir.name].span, f"program '{ir.name}' is defined in the file: "
+                                  f"the derived programs of {program} need the name")
+        mod.plans[(ir.name, DEFAULT)] = plan_program(ir)
+        mod.programs[ir.name] = ir
+        mod.derived[ir.name] = program
+        mod.schedules[ir.name] = {}
+        for sname, sched in mod.schedules[base].items():
+            if sched.ir is None:
+                continue
+            try:  # the same directives; one that names a value this program does not have fails
+                again = apply_all(ir, sched.directives)
+                mod.plans[(ir.name, sname)] = plan_program(again, sname)
+            except CompileError:
+                continue
+            mod.schedules[ir.name][sname] = ScheduleIR(sname, ir.name, sched.directives, again)
 
 
 def _collect(errors: list[Diagnostic], fn, *args) -> None:

@@ -375,7 +375,8 @@ class Differentiable:
                  comm: Any, groups: int = 1):
         from mpi4py import MPI
 
-        from coconetc.autodiff.vjp import cotangent_params
+        from coconetc.autodiff.saved import bwd_name, fwd_name
+        from coconetc.autodiff.vjp import cotangent_params, recomputed
         from coconetc.sourcefile import grad_name, load_file
         what = "coconetc.torch.function"
         if not Path(source).exists():
@@ -386,13 +387,13 @@ class Differentiable:
                 raise ValueError(f"{what}: {source} holds programs {', '.join(names)}; say which with program=")
             program = names[0]
         mod = _load(source, (program,), what)
-        self.fwd, self.bwd = mod.programs[program], mod.programs[grad_name(program)]
-        self.fwd._program(schedule)  # an unknown schedule raises, naming the known ones
-        self.bwd._program(grad_schedule)
+        fn, grad = mod.programs[program], mod.programs[grad_name(program)]
+        fn._program(schedule)  # an unknown schedule raises, naming the known ones
+        grad._program(grad_schedule)
         self.schedule, self.grad_schedule = schedule, grad_schedule
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.groups = groups
-        p, g = self.fwd._program(None), self.bwd._program(None)
+        p, g = fn._program(None), grad._program(None)
         self.program = p
         self.tensors = [q.name for q in p.params if not q.scalar]
         self.scalars = [q.name for q in p.params if q.scalar]
@@ -401,6 +402,16 @@ class Differentiable:
         # the derived program's outputs d_<x> in the order of its wrt: x's position among the tensors
         wrt = [q.name for q in p.params if not q.scalar and q.type.dtype in _FLOATS]
         self.wrt = {x: i for i, x in enumerate(wrt)}
+        # the forward keeps the saved values (autodiff/saved.py) where both schedules apply to
+        # the programs cut there; otherwise the backward recomputes them (the whole derived program)
+        fwd, bwd = mod.programs[fwd_name(program)], mod.programs[bwd_name(program)]
+        if schedule in fwd.schedules and grad_schedule in bwd.schedules:
+            self.fwd, self.bwd = fwd, bwd
+            self.saved = tuple(q.name for q in bwd._program(None).params[len(p.params):len(p.params) + _n_saved(fwd, p)])
+        else:
+            self.fwd, self.bwd, self.saved = fn, grad, ()
+        again = set(recomputed(g, p))  # the forward values among the backward's stages
+        self.recomputed = tuple(s.name for s in self.bwd._program(None).stages if s.name in again)
         self.__doc__ = f"{p.name}({', '.join(q.name for q in p.params)}) -> {', '.join(self.outputs)}"
 
     def __call__(self, **kwargs: Any) -> Any:
@@ -423,6 +434,11 @@ class Differentiable:
 _FLOATS = ("f16", "bf16", "f32", "f64")
 
 
+def _n_saved(fwd: Any, p: Any) -> int:
+    """How many saved values `<p>_fwd` returns after p's outputs."""
+    return len(fwd._program(None).outputs) - len(p.outputs)
+
+
 def _own_programs(mod: Any) -> list[tuple[str, Any]]:
     return [(n, p) for n, p in mod.programs.items() if n not in mod.derived]
 
@@ -436,16 +452,20 @@ class _Apply(torch.autograd.Function):
         args = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **scalars}
         out = f.fwd(schedule=f.schedule, comm=f.comm, groups=f.groups, **args)
         outs = out if isinstance(out, tuple) else (out,)
+        n = len(f.outputs)
+        outs, saved = outs[:n], outs[n:]
         ctx.f, ctx.scalars = f, scalars
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*tensors, *saved)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         f: Differentiable = ctx.f
-        tensors = ctx.saved_tensors
-        args: dict[str, Any] = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **ctx.scalars}
+        n = len(f.tensors)
+        tensors, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
+        args: dict[str, Any] = {**dict(zip(f.tensors, (t.detach() for t in tensors))),
+                                **dict(zip(f.saved, saved)), **ctx.scalars}
         for name, g in zip(f.cotangents, grads):
             args[name] = g.contiguous()
         d = f.bwd(schedule=f.grad_schedule, comm=f.comm, groups=f.groups, **args)
@@ -455,58 +475,3 @@ class _Apply(torch.autograd.Function):
             i = f.wrt.get(name)
             result.append(ds[i] if i is not None and ctx.needs_input_grad[2 + k] else None)
         return tuple(result)
-
-
-class Module(torch.nn.Module):
-    """A differentiable program with its parameters: `parameters` maps some of the program's
-    tensor parameters to their FULL values (the same on every rank, e.g. from one seeded
-    initialisation); each becomes an `nn.Parameter` holding this rank's part in the program's
-    layout (sliced: this rank's slice; replicated: the whole tensor), so a tensor-parallel
-    layer is a module and any torch optimizer trains it. `forward(**rest)` takes the other
-    parameters. `full(name)` gathers a parameter's whole value (collective over `comm`).
-
-        layer = coconetc.torch.Module("tp_mlp.ccn", "mlp", parameters={"w1": w1, "b1": b1, ...})
-        y = layer(x=x); loss(y).backward(); opt.step()
-    """
-
-    def __init__(self, source: str | Path, program: str | None = None, *, parameters: dict[str, torch.Tensor],
-                 schedule: str = "default", grad_schedule: str = "default", comm: Any = None, groups: int = 1):
-        super().__init__()
-        self.fn = function(source, program, schedule=schedule, grad_schedule=grad_schedule, comm=comm,
-                           groups=groups)
-        self.groups = groups
-        p = self.fn.program
-        gs, r = layout.group_position(self.fn.comm, None, None, groups)
-        self._index: dict[str, tuple[slice, ...]] = {}
-        for name, full in parameters.items():
-            q = layout.param(p, name, f"coconetc.torch.Module({p.name})")
-            if q.scalar or q.type.layout.kind == "local":
-                raise ValueError(f"coconetc.torch.Module({p.name}): parameter {name!r} is {q.type}: only "
-                                 "replicated or sliced tensors can be module parameters")
-            if full.dim() != q.type.ndim:
-                raise ValueError(f"coconetc.torch.Module({p.name}): {name!r} is {q.type}, got a "
-                                 f"{full.dim()}-d tensor")
-            index = layout.local_index(q, list(full.shape), gs, r)
-            self._index[name] = index
-            self.register_parameter(name, torch.nn.Parameter(full.detach()[index].clone().contiguous()))
-
-    def forward(self, **kwargs: Any) -> Any:
-        clash = sorted(set(kwargs) & set(self._index))
-        if clash:
-            raise TypeError(f"{self.fn.program.name}: {clash[0]!r} is a parameter of the module; do not pass it")
-        return self.fn(**{name: getattr(self, name) for name in self._index}, **kwargs)
-
-    def full(self, name: str) -> torch.Tensor:
-        """Parameter NAME's whole value, gathered from the ranks' parts (collective)."""
-        part = getattr(self, name).detach()
-        q = layout.param(self.fn.program, name, "Module.full")
-        if not q.type.layout.sliced:
-            return part.clone()
-        comm = self.fn.comm
-        gs, r = layout.group_position(comm, None, None, self.groups)
-        group = comm if self.groups == 1 else comm.Split(comm.Get_rank() // gs, r)
-        try:
-            return torch.cat(group.allgather(part), dim=q.type.layout.dim)
-        finally:
-            if group is not comm:
-                group.Free()
