@@ -40,6 +40,18 @@ def _no_program(mod: SourceFile) -> str:
                            "no program in this file: nothing to check, run or compile").render()
 
 
+def _with_grad(mod: SourceFile, name: str) -> tuple[SourceFile, str]:
+    """--grad: the file with NAME's derived programs, and the name of its derived program."""
+    from coconetc.sourcefile import grad_name, with_grads
+    if name in mod.derived:
+        _fail(f"coconetc: '{name}' is a derived program already; use --grad -p {mod.derived[name]}")
+    try:
+        return with_grads(mod, [name]), grad_name(name)
+    except CompileError as err:
+        _fail(err.render())
+    raise AssertionError
+
+
 def _pick_program(mod: SourceFile, program: str | None, schedule: str | None) -> str:
     if not mod.programs:
         _fail(_no_program(mod))
@@ -149,6 +161,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
 def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None) -> None:
     """show --grad: the derived program of the program (text, dot or plan), under one of the
     file's `schedule s for grad(p)` with -s; the forward values it recomputes as a comment."""
+    from coconetc.autodiff.saved import split
     from coconetc.autodiff.text import unfaithful_sites
     from coconetc.autodiff.vjp import recomputed, vjp
     from coconetc.ir import printer
@@ -190,8 +203,12 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
     if fmt == "dot":
         click.echo(printer.dot(ir), nl=False)
         return
-    again = recomputed(ir, mod.programs[name])
-    click.echo(f"# the forward values the backward reads, recomputed from the inputs: {', '.join(again) or 'none'}")
+    if wrt is None:
+        cut = split(mod.programs[name], full.programs[gname])
+        click.echo(f"# saved by the forward ({name}_fwd returns them): {', '.join(cut.saved) or 'none'}; "
+                   f"recomputed by the backward ({name}_bwd): {', '.join(cut.recomputed) or 'none'}")
+    else:
+        click.echo(f"# the forward values the backward reads: {', '.join(recomputed(ir, mod.programs[name])) or 'none'}")
     click.echo(printer.program(ir), nl=False)
 
 
@@ -331,8 +348,10 @@ def _libs(include_dirs, library_dirs, libraries) -> dict:
 @click.option("--emulate", is_flag=True,
               help="With --backend cuda: run the generated CUDA code under the host emulation "
                    "(streams as threads, NCCL on MPI, stream races detected).")
+@click.option("--grad", is_flag=True, help="Run the program's derived (vector-Jacobian) program "
+              "(docs/autodiff.md); -s names a `schedule s for grad(p)` of the file.")
 @_lib_options
-def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backend, emulate, include_dirs,
+def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backend, emulate, grad, include_dirs,
         library_dirs, libraries) -> None:
     """Run a program (and check a schedule against it) on random inputs.
 
@@ -346,7 +365,12 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
         _fail("coconetc: --emulate goes with --backend cuda (and not with --interp)")
     from coconetc.oracle.inputs import size_symbols
     mod = _load(file)
-    name = _pick_program(mod, program, schedule)
+    grad_of: list[str] = []
+    if grad:
+        mod, name = _with_grad(mod, _pick_program(mod, program, None))
+        grad_of = [mod.derived[name]]
+    else:
+        name = _pick_program(mod, program, schedule)
     sz = _sizes(sizes, size_symbols(mod.programs[name]))
     from coconetc.oracle.inputs import DEFAULT_SIZE
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
@@ -358,11 +382,11 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
         names = list(dict.fromkeys(_base(s) for s in names))
     if backend == "cuda" and not interp:
         _run_cuda(parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed,
-                  save, emulate)
+                  save, emulate, grad_of)
     if not interp:
         libs = _libs(include_dirs, library_dirs, libraries)
         _run_compiled(parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz,
-                      seed, save, libs)
+                      seed, save, libs, grad_of)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
@@ -407,7 +431,7 @@ def _auto(mod: SourceFile, name: str, label: str | None) -> bool:
 
 
 def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
-              emulate: bool) -> None:
+              emulate: bool, grad_of: list[str]) -> None:
     """run --backend cuda [--emulate]: build the CUDA module (for the host emulation, or with
     nvcc for the GPUs) here, from the file as read (PARSED, what the ranks load), then the
     worker on R ranks; what the CUDA backend does not implement is named and left out."""
@@ -436,7 +460,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
     argv = ["-m", "coconetc.jobs.run", mod.file, "--program", name, "--groups", str(groups),
             "--seed", str(seed), "--emulate-cuda" if emulate else "--cuda",
             *[f"--size={k}={v}" for k, v in sizes.items()]]
-    argv += [f"--schedule={s or 'default'}" for s in keep]
+    argv += [f"--schedule={s or 'default'}" for s in keep] + [f"--grad-of={g}" for g in grad_of]
     if save:
         argv += ["--save", save]
     sys.exit(run_python(ranks, argv))
@@ -451,7 +475,7 @@ def _gpu_here() -> bool:
 
 
 def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
-                  libs: dict) -> None:
+                  libs: dict, grad_of: list[str]) -> None:
     """Build in this process (progress on stderr) the module the ranks load (the file as read,
     PARSED, with its tuned schedules), then run the worker on R ranks."""
     from coconetc.launch.mpiexec import run_python
@@ -466,6 +490,7 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
     argv += [f"--{flag}={v}" for flag, key in (("include-dir", "include_dirs"), ("library-dir", "library_dirs"),
                                              ("library", "libraries")) for v in libs[key]]
     argv += [f"--schedule={s or DEFAULT}" for s in names if not _auto(mod, name, s)]
+    argv += [f"--grad-of={g}" for g in grad_of]
     if save:
         argv += ["--save", save]
     sys.exit(run_python(ranks, argv))

@@ -16,4 +16,6 @@ def parser(prog: str, reps: int) -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--include-dir", action="append", default=[])
+    ap.add_argument("--grad-of", action="append", default=[],
+                    help="a program whose derived programs (<p>_grad, <p>_fwd, <p>_bwd) the module holds")
     return ap

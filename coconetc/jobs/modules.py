@@ -16,15 +16,15 @@ def quiet(msg: str) -> None:
     """A build log that prints nothing (the ranks load what was built before they started)."""
 
 
-def load_cpu(file: str, include_dirs=(), library_dirs=(), libraries=()) -> Any:
+def load_cpu(file: str, include_dirs=(), library_dirs=(), libraries=(), grad=()) -> Any:
     import coconetc
     return coconetc.load(file, log=quiet, include_dirs=include_dirs, library_dirs=library_dirs,
-                         libraries=libraries)
+                         libraries=libraries, grad=tuple(grad))
 
 
-def load_emulated(file: str) -> Any:
+def load_emulated(file: str, grad=()) -> Any:
     from coconetc.runtime.cuda import load_emulated as load
-    return load(file, log=quiet)
+    return load(file, log=quiet, grad=tuple(grad))
 
 
 def load_extension(so: str, file: str) -> Any:
@@ -58,7 +58,7 @@ class GpuFunction:
         return None if not got else got[0] if len(got) == 1 else got
 
 
-def load_on_gpu(file: str, comm: Any) -> Any:
+def load_on_gpu(file: str, comm: Any, grad=()) -> Any:
     """FILE's CUDA module on a GPU (this rank's node-local rank modulo the GPUs), with an NCCL
     communicator over COMM; its programs wrapped as GpuFunction."""
     import torch
@@ -69,7 +69,7 @@ def load_on_gpu(file: str, comm: Any) -> Any:
         raise SystemExit("coconetc run --backend cuda: no CUDA device here (use --emulate)")
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     torch.cuda.set_device(local % torch.cuda.device_count())
-    mod = coconetc.load(file, backend="cuda", log=quiet)
+    mod = coconetc.load(file, backend="cuda", log=quiet, grad=tuple(grad))
     nccl = mod.comm(comm)
     for name, fn in list(mod.programs.items()):
         mod.programs[name] = GpuFunction(fn, nccl)

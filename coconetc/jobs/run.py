@@ -39,10 +39,10 @@ def main(argv=None) -> int:
 
 def _load(a, comm) -> Any:
     if a.emulate_cuda:
-        return load_emulated(a.file)
+        return load_emulated(a.file, a.grad_of)
     if a.cuda:
-        return load_on_gpu(a.file, comm)
-    return load_cpu(a.file, a.include_dir, a.library_dir, a.library)
+        return load_on_gpu(a.file, comm, a.grad_of)
+    return load_cpu(a.file, a.include_dir, a.library_dir, a.library, a.grad_of)
 
 
 def _main(a, comm) -> int:
