@@ -1,0 +1,108 @@
+"""Differentiable programs in PyTorch (issue 18): coconetc.torch.function and Module, the
+compiled forward and its compiled derived backward, against the same computation written for
+one process in plain PyTorch (torch.autograd), on 2 and 3 ranks and in groups; and the argument
+errors in this process.
+
+Multi-rank checks run tests/torch_function_worker.py under mpiexec (coconetc/launch); the
+modules are built once into the pytest cache (shared with the other end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coconetc.launch.mpiexec import run_python
+from coconetc.toolchain import probes
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+TP_MLP, PIPELINE = REPO / "examples" / "tp_mlp.ccn", REPO / "examples" / "pipeline.ccn"
+WORKER = Path(__file__).with_name("torch_function_worker.py")
+
+
+@pytest.fixture(scope="module")
+def built(request):
+    """COCONET_CACHE -> the pytest cache; the modules (with their derived programs) built once
+    here, so that the ranks only import them."""
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file, with_grads
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    for f, progs in ((TP_MLP, ["tp_mlp"]), (TP_MLP, ["sp_block"]), (PIPELINE, ["stage"])):
+        compile_cpu(with_grads(load_file(f), progs), log=lambda msg: None)
+    yield
+    if old is None:
+        os.environ.pop(probes.ENV_CACHE, None)
+    else:
+        os.environ[probes.ENV_CACHE] = old
+
+
+def _launch(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:
+    rc = run_python(ranks, [str(WORKER), *args], timeout=500)
+    out, err = capfd.readouterr()
+    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+
+
+def _check(lines: list[str], log: str, prefixes: list[str]) -> None:
+    assert not [ln for ln in lines if ln.startswith("FAIL")], log
+    ok = [ln.split()[1] for ln in lines if ln.startswith("OK ")]
+    for p in prefixes:
+        assert any(label.startswith(p) for label in ok), f"{p} missing\n{log}"
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_tp_mlp_every_schedule_against_autograd(built, capfd, ranks):
+    rc, lines, log = _launch(capfd, ranks, "tp")
+    _check(lines, log, [f"tp:default:default:R{ranks}:saved", f"tp:overlapped:default:R{ranks}",
+                        f"tp:module_sgd:R{ranks}", "tp:saved_values"])
+    assert rc == 0, log
+
+
+def test_sequence_parallel_block_against_autograd(built, capfd):
+    rc, lines, log = _launch(capfd, 2, "sp")
+    _check(lines, log, ["sp:default:R2"])
+    assert rc == 0, log
+
+
+@pytest.mark.slow
+def test_pipeline_stage_trained_across_two_groups(built, capfd):
+    rc, lines, log = _launch(capfd, 4, "pipe")
+    _check(lines, log, ["pipe:gradients:R4", "pipe:sgd:R4"])
+    assert rc == 0, log
+
+
+# --- in this process (one rank) ----------------------------------------------------------------
+def test_argument_errors_name_the_parameter(built):
+    import coconetc.torch as ct
+    f = ct.function(TP_MLP, "tp_mlp")
+    x = torch.zeros(1, 2, 4)
+    w1, b1, w2, b2 = torch.zeros(4, 6), torch.zeros(6), torch.zeros(6, 4), torch.zeros(4)
+    with pytest.raises(TypeError, match="missing argument 'b2'"):
+        f(x=x, w1=w1, b1=b1, w2=w2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'w3'"):
+        f(x=x, w1=w1, b1=b1, w2=w2, b2=b2, w3=b2)
+    with pytest.raises(TypeError, match="'w2' must be a torch tensor"):
+        f(x=x, w1=w1, b1=b1, w2=w2.numpy(), b2=b2)
+    with pytest.raises(Exception, match="b1"):  # the runtime's check, before any buffer changes
+        f(x=x, w1=w1, b1=torch.zeros(5), w2=w2, b2=b2)
+    with pytest.raises(ValueError, match="say which with program="):
+        ct.function(TP_MLP)
+    with pytest.raises(KeyError, match="no schedule 'nope'"):
+        ct.function(TP_MLP, "tp_mlp", schedule="nope")
+
+
+def test_one_rank_gradients_match_autograd(built):
+    import coconetc.torch as ct
+    gen = torch.Generator().manual_seed(3)
+    t = {"x": torch.randn(2, 3, 4, generator=gen), "w1": torch.randn(4, 6, generator=gen),
+         "b1": torch.randn(6, generator=gen), "w2": torch.randn(6, 4, generator=gen), "b2": torch.randn(4, generator=gen)}
+    a = {k: v.clone().requires_grad_(True) for k, v in t.items()}
+    b = {k: v.clone().requires_grad_(True) for k, v in t.items()}
+    dy = torch.randn(2, 3, 4, generator=gen)
+    ct.function(TP_MLP, "tp_mlp")(**a).backward(dy)
+    (torch.nn.functional.gelu(b["x"] @ b["w1"] + b["b1"]) @ b["w2"] + b["b2"]).backward(dy)
+    for k in t:
+        torch.testing.assert_close(a[k].grad, b[k].grad, rtol=1e-5, atol=1e-5)
