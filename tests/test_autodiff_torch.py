@@ -1,0 +1,468 @@
+"""Derived (vector-Jacobian) programs against torch.autograd of the same computation written
+independently, for one process, in plain PyTorch (f64).
+
+Each program is derived with coconetc.autodiff.vjp and run under the interpreter on 1, 2 and 4
+simulated ranks (and in groups); the reference is the whole computation on full tensors (the
+full weight matrices; the ranks' partial sums become the one sum they stand for), differentiated
+by torch.autograd.grad(outputs, inputs, grad_outputs=the cotangents). The loss convention is
+docs/autodiff.md's: a replicated or sliced output counts once a group (the same cotangent in
+every group), a local one once a rank. So torch's gradient of a replicated input is compared with
+every rank's (summed over the groups, which share the input), a sliced input's is cut into the
+ranks' slices, a local input's is per rank.
+
+A dropout's mask is coconet's (the counter-based generator keyed by the stage, LANGUAGE.md
+section 2): the reference computes it with coconetc.interp.rng at the same site and uses it as a
+constant. A float literal of the program is rounded to f32 by the front end (a weak f32, see
+docs/autodiff.md), so the reference uses the rounded value (f32c)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coconetc.autodiff import vjp
+from coconetc.autodiff.text import check_text, unfaithful_sites
+from coconetc.interp.interpreter import run
+from coconetc.interp.rng import dropout_keep, site_key
+from coconetc.ir import printer
+from coconetc.ir.nodes import Program
+from coconetc.ir.slices import take_slice
+from coconetc.sourcefile import load_source
+from test_autodiff import _inputs, _logical, _random, _shape
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+RTOL = 1e-9
+
+
+def f32c(v: float) -> float:
+    """A float literal as the interpreter uses it (rounded to f32)."""
+    return float(np.float32(v))
+
+
+def f64(src: str) -> str:
+    return src.replace("bf16", "f64").replace("f16", "f64").replace("f32", "f64")
+
+
+def example(file: str) -> str:
+    return f64((EXAMPLES / file).read_text())
+
+
+def keep_mask(site: str, shape: tuple[int, ...], p: float, seed: int) -> torch.Tensor:
+    """coconet's dropout mask at `site` for a value of global shape `shape`, scaled: the
+    constant the reference multiplies by."""
+    keep = dropout_keep(seed, site_key(site), np.arange(int(np.prod(shape))).reshape(shape), p)
+    return torch.tensor(np.where(keep, 1.0 / (1.0 - p), 0.0), dtype=torch.float64)
+
+
+# --- the programs and their references --------------------------------------------------------
+# A reference: ref(v, R, G) with v the parameters (a replicated or sliced one: one full leaf
+# tensor; a local one: a list of R leaves, rank by rank; a scalar: a 0-d tensor or an int)
+# returns {output: value}; a replicated or sliced output's value is one full tensor (the same in
+# every group) or a list of G (one a group); a local output's is a list of R (rank by rank).
+# Integer outputs are left out (they have no gradient).
+Ref = Callable[[dict, int, int], dict]
+
+
+@dataclass
+class Case:
+    src: str
+    sizes: dict[str, int]
+    ref: Ref
+    name: str | None = None
+    configs: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (4, 1), (4, 2))  # (ranks, groups)
+    wrt: list[str] | None = None
+    positive: bool = False
+    skip: dict = field(default_factory=dict)
+
+
+def _groups(vals: list, R: int, G: int) -> list[list]:
+    gs = R // G
+    return [vals[k * gs:(k + 1) * gs] for k in range(G)]
+
+
+def ref_tp_mlp(v: dict, R: int, G: int) -> dict:
+    return {"y": F.gelu(v["x"] @ v["w1"] + v["b1"]) @ v["w2"] + v["b2"]}
+
+
+def ref_sp_block(v: dict, R: int, G: int) -> dict:
+    x = v["x"]
+    n = F.layer_norm(x, (x.shape[-1],), v["gamma"], v["beta"], eps=f32c(1e-5))
+    p = F.gelu(n @ v["w1"] + v["b1"]) @ v["w2"]
+    return {"y": (p + v["b2"]) * keep_mask("y#0", tuple(x.shape), 0.1, v["seed"]) + x}
+
+
+def ref_row_parallel(v: dict, R: int, G: int) -> dict:
+    return {"s": v["x"] @ v["w"]}
+
+
+def ref_attn_out(v: dict, R: int, G: int) -> dict:
+    h = [sum(ys) + v["b"] + v["r"] for ys in _groups(v["y"], R, G)]
+    H = v["b"].shape[0]
+    return {"out": [F.layer_norm(hk, (H,), v["gamma"], v["beta"], eps=f32c(1e-5)) for hk in h], "h": h}
+
+
+def ref_stage(v: dict, R: int, G: int) -> dict:
+    h = [F.relu(sum(ys) + v["b"]) + v["r"] for ys in _groups(v["y"], R, G)]
+    return {"nxt": [torch.zeros_like(h[0])] + h[:-1]}
+
+
+def ref_collectives(v: dict, R: int, G: int) -> dict:
+    gs = R // G
+    xs, ys = _groups(v["x"], R, G), _groups(v["y"], R, G)
+    out: dict = {"a": [torch.stack(x).amax(0) for x in xs],
+                 "b": [torch.stack(x).mean(0) for x in xs]}
+    out["c"] = out["b"]
+    out["d"] = [x[0] for x in xs]
+    out["e"] = [sum(y) if i == 0 else y[i] for y in ys for i in range(gs)]
+    out["g"] = v["z"] * 2 + v["sl"]
+    out["p"] = [torch.zeros_like(v["y"][r]) if r < gs else v["y"][r - gs] for r in range(R)]
+    out["q"] = [torch.stack([yi / 2 for yi in y]).prod(0) for y in ys]
+    out["n"] = torch.linalg.vector_norm(v["sl"]) + v["sl"].sum()
+    return out
+
+
+def ref_mlp_out(v: dict, R: int, G: int) -> dict:
+    s = v["x"] @ v["w"] + v["b"]
+    return {"out": s * keep_mask("out#0", tuple(s.shape), 0.1, v["seed"]) + v["r"]}
+
+
+def ref_conv_tp(v: dict, R: int, G: int) -> dict:
+    return {"out": F.relu(F.conv2d(v["x"], v["k"], stride=2, padding=1))}
+
+
+def ref_conv_layer(v: dict, R: int, G: int) -> dict:
+    return {"full": F.gelu(F.conv2d(v["x"], v["k"], stride=1, padding=1) + v["bias"])}
+
+
+# a data-parallel loss: every rank's own batch, averaged over the group
+DP_AVG = """program dp(x: f64[B, H] local, t: f64[B, C] local, w: f64[H, C] replicated, b: f64[C] replicated) {
+    y = tanh(matmul(x, w) + b)
+    e = y - t
+    l = allreduce(avg, sum(e * e) * 0.5)
+    return l
+}"""
+
+
+def ref_dp(v: dict, R: int, G: int) -> dict:
+    losses = [0.5 * ((torch.tanh(x @ v["w"] + v["b"]) - t) ** 2).sum() for x, t in zip(v["x"], v["t"])]
+    return {"l": [sum(ls) / len(ls) for ls in _groups(losses, R, G)]}
+
+
+# a column-parallel linear layer whose output is gathered (and also returned sliced)
+COL_GATHER = """program col_gather(x: f64[B, S, H] replicated, w: f64[H, F] sliced(1), b: f64[F] sliced(0),
+                   r: f64[B, S, F] replicated) {
+    y = matmul(x, w) + b
+    z = allgather(relu(y))
+    out = sigmoid(z) * r
+    return out, y
+}"""
+
+
+def ref_col_gather(v: dict, R: int, G: int) -> dict:
+    y = v["x"] @ v["w"] + v["b"]
+    return {"out": torch.sigmoid(F.relu(y)) * v["r"], "y": y}
+
+
+# attention without the softmax: a (learned) mixing of the sequence applied to column-parallel
+# values, gated by column-parallel queries, then a row-parallel output projection
+ATTN = """program attn(x: f64[S, H] replicated, mix: f64[S, S] replicated, wq: f64[H, D] sliced(1),
+             wv: f64[H, D] sliced(1), wo: f64[D, H] sliced(0), bo: f64[H] replicated) {
+    q = matmul(x, wq)
+    v = matmul(x, wv)
+    ctx = matmul(mix, v)
+    a = ctx * tanh(q)
+    o = matmul(a, wo)
+    s = allreduce(sum, o)
+    y = s + bo
+    z = matmul(y, wq)
+    return y, z
+}"""
+
+
+def ref_attn(v: dict, R: int, G: int) -> dict:
+    x = v["x"]
+    a = (v["mix"] @ (x @ v["wv"])) * torch.tanh(x @ v["wq"])
+    y = a @ v["wo"] + v["bo"]
+    return {"y": y, "z": y @ v["wq"]}
+
+
+# norm-based losses: of a sliced error, of sliced weights, and of each rank's own values summed
+NORMS = """program norms(x: f64[B, H] replicated, w: f64[H, F] sliced(1), t: f64[B, F] sliced(1),
+              u: f64[N] local, c: f64[N] replicated) {
+    e = matmul(x, w) - t
+    l = norm(e) + sum(e * e) * 0.5 + norm(w) * 0.25
+    m = allreduce(sum, norm(u * c) + sum(u) * 0.5)
+    return l, m
+}"""
+
+
+def ref_norms(v: dict, R: int, G: int) -> dict:
+    e = v["x"] @ v["w"] - v["t"]
+    nrm = torch.linalg.vector_norm
+    l = nrm(e) + (e * e).sum() * 0.5 + nrm(v["w"]) * 0.25
+    per_rank = [nrm(u * v["c"]) + u.sum() * 0.5 for u in v["u"]]
+    return {"l": l, "m": [sum(ms) for ms in _groups(per_rank, R, G)]}
+
+
+# data parallelism by slicing the batch: replicated weights read by sliced rows
+ROWS = """program rows(x: f64[B, H] sliced(0), w: f64[H, F] replicated, b: f64[F] replicated) {
+    y = gelu(matmul(x, w) + b)
+    l = sum(y * y)
+    return y, l
+}"""
+
+
+def ref_rows(v: dict, R: int, G: int) -> dict:
+    y = F.gelu(v["x"] @ v["w"] + v["b"])
+    return {"y": y, "l": (y * y).sum()}
+
+
+def _conv_literal(src: str) -> str:
+    """conv2d.ccn with literal spatial sizes (then the output's are literals too and the
+    derived text parses) and conv_layer without its update (a program with an update has no
+    derivative)."""
+    src = src.replace("H, W]", "6, 5]")
+    return "\n".join(line for line in src.splitlines() if "gsum" not in line and "nb = update" not in line)
+
+
+def _tp_mlp_src() -> str:
+    return example("tp_mlp.ccn")
+
+
+CASES: dict[str, Case] = {
+    "tp_mlp": Case(_tp_mlp_src(), {"B": 2, "S": 4, "H": 4, "F": 8}, ref_tp_mlp, "tp_mlp"),
+    "sp_block": Case(_tp_mlp_src(), {"B": 2, "S": 4, "H": 4, "F": 8}, ref_sp_block, "sp_block"),
+    "tp_overlap.row_parallel": Case(example("tp_overlap.ccn"), {"B": 2, "S": 2, "K": 4, "H": 3}, ref_row_parallel,
+                                    "row_parallel"),
+    "tp_overlap.col_parallel": Case(example("tp_overlap.ccn"), {"M": 2, "K": 4, "H": 4}, ref_row_parallel,
+                                    "col_parallel"),
+    "layernorm.attn_out": Case(example("layernorm.ccn"), {"B": 2, "S": 2, "H": 3}, ref_attn_out, "attn_out"),
+    "pipeline.stage": Case(example("pipeline.ccn"), {"B": 2, "H": 3}, ref_stage, "stage",
+                           configs=((1, 1), (2, 2), (4, 2), (4, 4))),
+    "collectives": Case(example("collectives.ccn"), {"N": 4, "M": 4}, ref_collectives, "collectives",
+                        configs=((1, 1), (2, 1), (4, 1), (4, 2), (2, 2))),
+    "mlp_out": Case(example("mlp_out.ccn"), {"B": 2, "S": 4, "K": 4, "H": 3}, ref_mlp_out, "mlp_out"),
+    "conv2d.conv_tp": Case(_conv_literal(example("conv2d.ccn")), {"N": 2, "C": 4, "O": 3}, ref_conv_tp, "conv_tp"),
+    "conv2d.conv_layer": Case(_conv_literal(example("conv2d.ccn")), {"N": 4, "C": 2, "O": 3}, ref_conv_layer,
+                              "conv_layer"),
+    "dp_avg": Case(DP_AVG, {"B": 3, "H": 4, "C": 2}, ref_dp),
+    "col_gather": Case(COL_GATHER, {"B": 2, "S": 3, "H": 4, "F": 8}, ref_col_gather),
+    "attn": Case(ATTN, {"S": 3, "H": 4, "D": 8}, ref_attn),
+    "norms": Case(NORMS, {"B": 3, "H": 4, "F": 8, "N": 5}, ref_norms),
+    "rows": Case(ROWS, {"B": 4, "H": 3, "F": 5}, ref_rows),
+}
+
+
+# --- the comparison -----------------------------------------------------------------------------
+def _draw(p: Program, sizes: dict, ranks: int, rng: np.random.Generator, positive: bool) -> dict:
+    """A logical value a parameter: an int or a float (scalars), a full array (replicated,
+    sliced), a list of R arrays (local)."""
+    vals: dict = {}
+    for q in p.params:
+        if q.scalar:
+            vals[q.name] = int(rng.integers(0, 1000)) if q.type.dtype.startswith("i") else float(rng.uniform(0.5, 2.0))
+        else:
+            vals[q.name] = _random(q.type, sizes, ranks, rng, positive)
+    return vals
+
+
+def _leaves(p: Program, vals: dict) -> tuple[dict, list]:
+    """The reference's parameters as torch tensors; the floating ones are leaves with grads."""
+    tv: dict = {}
+    leaves: list = []
+
+    def leaf(a) -> torch.Tensor:
+        t = torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=True)
+        leaves.append(t)
+        return t
+    for q in p.params:
+        a = vals[q.name]
+        if q.type.dtype.startswith("i"):
+            tv[q.name] = a if q.scalar else ([torch.tensor(x) for x in a] if isinstance(a, list) else torch.tensor(a))
+        else:
+            tv[q.name] = [leaf(x) for x in a] if isinstance(a, list) else leaf(a)
+    return tv, leaves
+
+
+def _as_groups(value, G: int) -> list:
+    return value if isinstance(value, list) else [value] * G
+
+
+def _close(got, want, what: str, rtol: float = RTOL) -> None:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, torch {want.shape}"
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale, err_msg=what)
+
+
+def _compare_grads(p: Program, g: Program, res: list, vals: dict, tgrad: dict, R: int, G: int, rtol: float,
+                   tag: str) -> None:
+    gs = R // G
+    for pub, s in g.outputs:
+        x = pub[2:]
+        q = p.param(x)
+        per_rank = [np.asarray(r.outputs[pub], dtype=np.float64) for r in res]
+        want = tgrad[x]
+        what = f"{tag}: {pub}"
+        if q.type.layout.kind == "local" and not q.scalar:
+            for r in range(R):
+                _close(per_rank[r], want[r], f"{what} on rank {r}", rtol)
+        elif q.type.layout.sliced:  # rank i of every group holds slice i; the groups share x
+            d, n = q.type.layout.dim, want.shape[q.type.layout.dim]
+            for i in range(gs):
+                got = sum(per_rank[k * gs + i] for k in range(G))
+                _close(got, take_slice(want, d, n, gs, i), f"{what}, slice {i}", rtol)
+        else:  # replicated (scalars too): the same on every rank of a group, summed over groups
+            got = sum(_logical(g.stage_named(s).type, per_rank, pub, G))
+            _close(got, want, what, rtol)
+
+
+def compare(case: Case, ranks: int, groups: int, seed: int = 0) -> Program:
+    """Derive, run under the interpreter on `ranks` ranks in `groups` groups, and compare every
+    input's gradient with torch.autograd of the reference; the forward outputs too. When the
+    derived program's text says what it does, its text read back is run and compared as well."""
+    mod = load_source(case.src)
+    p = mod.program(case.name)
+    rng = np.random.default_rng(seed)
+    vals = _draw(p, case.sizes, ranks, rng, case.positive)
+    cot = {pub: _random(p.stage_named(s).type, case.sizes, ranks, rng, False) for pub, s in p.outputs}
+
+    # the reference, and torch's gradients: grad_outputs are the cotangents, each logical value once
+    tv, leaves = _leaves(p, vals)
+    touts = case.ref(tv, ranks, groups)
+    outs, grads_out = [], []
+    for pub, s in p.outputs:
+        t = p.stage_named(s).type
+        if t.dtype.startswith("i"):
+            continue
+        if t.layout.kind == "local":
+            pairs = list(zip(touts[pub], cot[pub]))
+        else:
+            pairs = [(o, cot[pub]) for o in _as_groups(touts[pub], groups)]
+        for o, c in pairs:
+            if o.requires_grad:
+                outs.append(o)
+                grads_out.append(torch.tensor(np.asarray(c, dtype=np.float64)).reshape(o.shape))
+    tg = torch.autograd.grad(outputs=outs, inputs=leaves, grad_outputs=grads_out, allow_unused=True)
+    grad_of = {id(lf): (np.zeros(tuple(lf.shape)) if gr is None else gr.detach().numpy()) for lf, gr in zip(leaves, tg)}
+    tgrad = {k: ([grad_of[id(t)] for t in v] if isinstance(v, list) else grad_of[id(v)])
+             for k, v in tv.items() if (isinstance(v, list) and v and isinstance(v[0], torch.Tensor) and v[0].requires_grad)
+             or (isinstance(v, torch.Tensor) and v.requires_grad)}
+
+    # the forward: the program's outputs are the reference's (checks the reference itself)
+    fres = run(p, _inputs(p, vals, ranks, groups), groups)
+    for pub, s in p.outputs:
+        t = p.stage_named(s).type
+        if t.dtype.startswith("i"):
+            continue
+        per_rank = [np.asarray(r.outputs[pub], dtype=np.float64) for r in fres]
+        if t.layout.kind == "local":
+            for r in range(ranks):
+                _close(per_rank[r], touts[pub][r].detach().numpy(), f"forward {pub} on rank {r}")
+        else:
+            for k, (got, want) in enumerate(zip(_logical(t, per_rank, pub, groups), _as_groups(touts[pub], groups))):
+                _close(got, want.detach().numpy(), f"forward {pub} in group {k}")
+
+    # the derived program under the interpreter
+    g = vjp(p, case.wrt)
+    dnames = {pub: q.name for (pub, _), q in zip(p.outputs, g.params[len(p.params):])}
+    allv = {**vals, **{dnames[k]: v for k, v in cot.items()}}
+    res = run(g, _inputs(g, allv, ranks, groups), groups)
+    _compare_grads(p, g, res, vals, tgrad, ranks, groups, RTOL, "derived IR")
+    if not unfaithful_sites(g):
+        text = printer.program(g)
+        again = check_text(text)[g.name]
+        res2 = run(again, _inputs(again, allv, ranks, groups), groups)
+        # 1e-7: the text's float constants (gelu's 1/sqrt(2 pi)) are read back as weak f32
+        _compare_grads(p, again, res2, vals, tgrad, ranks, groups, 1e-7, "derived text")
+    return g
+
+
+@pytest.mark.parametrize("case, ranks, groups", [(c, r, gr) for c, case in CASES.items() for r, gr in case.configs])
+def test_against_torch(case: str, ranks: int, groups: int) -> None:
+    compare(CASES[case], ranks, groups)
+
+
+def test_every_input_is_compared() -> None:
+    """Every floating tensor parameter of every case has a gradient compared (the default wrt)."""
+    for key, case in CASES.items():
+        p = load_source(case.src).program(case.name)
+        g = vjp(p, case.wrt)
+        assert [pub for pub, _ in g.outputs] == [f"d_{q.name}" for q in p.params
+                                                 if not q.scalar and q.type.dtype.startswith("f")], key
+
+
+def test_tp_mlp_derived_text_is_megatrons() -> None:
+    """f's backward is the all-reduce of x's gradient; g's backward passes d_y through: the only
+    collective of the backward is d_x's."""
+    text = printer.program(vjp(load_source(_tp_mlp_src()).program("tp_mlp")))
+    body = text.split("y = s + b2", 1)[1]
+    assert body.count("allreduce") == 1 and "d_x = allreduce(sum, matmul_nt(" in body
+    assert "allgather" not in body and "reducescatter" not in body
+
+
+def test_sp_block_backward_conjugates() -> None:
+    """The sequence-parallel block's backward: allgather's backward is this rank's part of the
+    cotangent (no communication: the cotangent of the replicated xg is already whole) and
+    reducescatter's is an allgather."""
+    g = vjp(load_source(_tp_mlp_src()).program("sp_block"))
+    back = g.stages[[s.name for s in g.stages].index("y") + 1:]
+    colls = [e.op for s in back for e in [s.expr] if hasattr(e, "op") and e.op in ("allgather", "scatter", "allreduce")]
+    assert "allgather" in colls and "scatter" in colls
+
+
+# --- training: SGD steps of the tensor-parallel MLP, against the same steps in PyTorch ---------
+@pytest.mark.parametrize("ranks", [2])
+def test_sgd_steps_match_torch(ranks: int) -> None:
+    """Five SGD steps of tp_mlp on 2 simulated ranks: each rank updates its own slices of w1,
+    b1, w2 (and the replicated b2) with the derived gradients; a NumPy loss
+    0.5 * mean((y - t)^2) gives d_y. The same steps in one process with torch.optim.SGD on the
+    full matrices end with the same weights."""
+    steps, lr = 5, 0.5
+    sizes = {"B": 2, "S": 4, "H": 4, "F": 8}
+    p = load_source(_tp_mlp_src()).program("tp_mlp")
+    g = vjp(p, ["w1", "b1", "w2", "b2"])
+    rng = np.random.default_rng(3)
+    full = {q.name: rng.standard_normal(_shape(q.type, sizes)) * 0.5 for q in p.params}
+    target = rng.standard_normal((2, 4, 4))
+    layouts = {q.name: q.type.layout for q in p.params}
+
+    def cut(name: str, a: np.ndarray, r: int) -> np.ndarray:
+        lay = layouts[name]
+        return np.ascontiguousarray(take_slice(a, lay.dim, a.shape[lay.dim], ranks, r)) if lay.sliced else a.copy()
+    mine = [{k: cut(k, a, r) for k, a in full.items()} for r in range(ranks)]  # each rank's arguments
+    losses = []
+    for _ in range(steps):
+        y = [np.asarray(r.outputs["y"]) for r in run(p, mine)]
+        for yr in y[1:]:
+            np.testing.assert_array_equal(yr, y[0])  # replicated
+        losses.append(0.5 * float(np.mean((y[0] - target) ** 2)))
+        d_y = (y[0] - target) / y[0].size
+        res = run(g, [{**m, "d_y": d_y} for m in mine])
+        for r in range(ranks):
+            for k in ("w1", "b1", "w2", "b2"):
+                mine[r][k] = mine[r][k] - lr * np.asarray(res[r].outputs[f"d_{k}"])
+
+    tw = {k: torch.tensor(a, requires_grad=k != "x") for k, a in full.items()}
+    opt = torch.optim.SGD([tw[k] for k in ("w1", "b1", "w2", "b2")], lr=lr)
+    tlosses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        yt = F.gelu(tw["x"] @ tw["w1"] + tw["b1"]) @ tw["w2"] + tw["b2"]
+        loss = 0.5 * ((yt - torch.tensor(target)) ** 2).mean()
+        tlosses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+    np.testing.assert_allclose(losses, tlosses, rtol=RTOL)
+    assert tlosses[-1] < tlosses[0]
+    for k in ("w1", "b1", "w2", "b2"):
+        want = tw[k].detach().numpy()
+        for r in range(ranks):
+            _close(mine[r][k], cut(k, want, r), f"{k} on rank {r} after {steps} steps")
