@@ -18,7 +18,7 @@ docs/autodiff.md), so the reference uses the rounded value (f32c)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +79,7 @@ class Case:
     configs: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (4, 1), (4, 2))  # (ranks, groups)
     wrt: list[str] | None = None
     positive: bool = False
-    skip: dict = field(default_factory=dict)
+    prepare: Callable[[dict], None] | None = None  # sets chosen values (zeros, ties) in the drawn ones
 
 
 def _groups(vals: list, R: int, G: int) -> list[list]:
@@ -206,9 +206,9 @@ NORMS = """program norms(x: f64[B, H] replicated, w: f64[H, F] sliced(1), t: f64
 def ref_norms(v: dict, R: int, G: int) -> dict:
     e = v["x"] @ v["w"] - v["t"]
     nrm = torch.linalg.vector_norm
-    l = nrm(e) + (e * e).sum() * 0.5 + nrm(v["w"]) * 0.25
+    loss = nrm(e) + (e * e).sum() * 0.5 + nrm(v["w"]) * 0.25
     per_rank = [nrm(u * v["c"]) + u.sum() * 0.5 for u in v["u"]]
-    return {"l": l, "m": [sum(ms) for ms in _groups(per_rank, R, G)]}
+    return {"l": loss, "m": [sum(ms) for ms in _groups(per_rank, R, G)]}
 
 
 # data parallelism by slicing the batch: replicated weights read by sliced rows
@@ -222,6 +222,55 @@ ROWS = """program rows(x: f64[B, H] sliced(0), w: f64[H, F] replicated, b: f64[F
 def ref_rows(v: dict, R: int, G: int) -> dict:
     y = F.gelu(v["x"] @ v["w"] + v["b"])
     return {"y": y, "l": (y * y).sum()}
+
+
+# ties of allreduce(max/min): a replicated operand is the same on every rank (the result is the
+# operand itself: its gradient is g, not R g), and every rank's max(u - 10, c) is c
+TIES = """program ties(x: f64[N, H] replicated, u: f64[N, H] local, c: f64[N, H] replicated) {
+    a = allreduce(max, tanh(x))
+    b = reducescatter(min, x * 2.0, dim=1)
+    m = allreduce(max, max(u - 10.0, c))
+    return a, b, m
+}"""
+
+
+def ref_ties(v: dict, R: int, G: int) -> dict:
+    per_rank = [torch.maximum(u - 10.0, v["c"]) for u in v["u"]]
+    return {"a": torch.tanh(v["x"]), "b": v["x"] * 2.0, "m": [torch.stack(m).amax(0) for m in _groups(per_rank, R, G)]}
+
+
+# zero norms: PyTorch's subgradient there is 0 (x / norm(x) would be 0 / 0)
+ZERO_NORMS = """program zero_norms(x: f64[N, H] sliced(0), w: f64[N, H] replicated, u: f64[N, H] local) {
+    n = norm(x * 0.0) + norm(w * x) + norm(w - w)
+    k = allreduce(sum, norm(u * 0.0) * 3.0 + norm(u))
+    return n, k
+}"""
+
+
+def ref_zero_norms(v: dict, R: int, G: int) -> dict:
+    nrm = torch.linalg.vector_norm
+    per_rank = [nrm(u * 0.0) * 3.0 + nrm(u) for u in v["u"]]
+    return {"n": nrm(v["x"] * 0.0) + nrm(v["w"] * v["x"]) + nrm(v["w"] - v["w"]),
+            "k": [sum(ks) for ks in _groups(per_rank, R, G)]}
+
+
+# LAMB's trust ratio on layers passed as one buffer a layer; one layer's weights are zeros (a
+# bias initialized to 0): its norm is 0
+SEGMENTS = (2, 3, 1, 4)  # how test_autodiff passes a scattered value
+LAMB_TRUST = """program trust(w: f64[N] replicated scattered, r: f64[N] replicated scattered, lr: f64) {
+    t = w - lr * (segment_norm(w) / segment_norm(r)) * r
+    return t
+}"""
+
+
+def ref_trust(v: dict, R: int, G: int) -> dict:
+    nrm = torch.linalg.vector_norm
+    ws, rs = torch.split(v["w"], SEGMENTS), torch.split(v["r"], SEGMENTS)
+    return {"t": v["w"] - v["lr"] * torch.cat([nrm(w) / nrm(r) * r for w, r in zip(ws, rs)])}
+
+
+def _zero_segment(vals: dict) -> None:
+    vals["w"][2:5] = 0.0
 
 
 def _conv_literal(src: str) -> str:
@@ -257,6 +306,9 @@ CASES: dict[str, Case] = {
     "attn": Case(ATTN, {"S": 3, "H": 4, "D": 8}, ref_attn),
     "norms": Case(NORMS, {"B": 3, "H": 4, "F": 8, "N": 5}, ref_norms),
     "rows": Case(ROWS, {"B": 4, "H": 3, "F": 5}, ref_rows),
+    "ties": Case(TIES, {"N": 2, "H": 4}, ref_ties),
+    "zero_norms": Case(ZERO_NORMS, {"N": 4, "H": 3}, ref_zero_norms),
+    "lamb_trust": Case(LAMB_TRUST, {"N": sum(SEGMENTS)}, ref_trust, wrt=["w", "r", "lr"], prepare=_zero_segment),
 }
 
 
@@ -324,17 +376,10 @@ def _compare_grads(p: Program, g: Program, res: list, vals: dict, tgrad: dict, R
             _close(got, want, what, rtol)
 
 
-def compare(case: Case, ranks: int, groups: int, seed: int = 0) -> Program:
-    """Derive, run under the interpreter on `ranks` ranks in `groups` groups, and compare every
-    input's gradient with torch.autograd of the reference; the forward outputs too. When the
-    derived program's text says what it does, its text read back is run and compared as well."""
-    mod = load_source(case.src)
-    p = mod.program(case.name)
-    rng = np.random.default_rng(seed)
-    vals = _draw(p, case.sizes, ranks, rng, case.positive)
-    cot = {pub: _random(p.stage_named(s).type, case.sizes, ranks, rng, False) for pub, s in p.outputs}
-
-    # the reference, and torch's gradients: grad_outputs are the cotangents, each logical value once
+def _torch_grads(p: Program, case: Case, vals: dict, cot: dict, ranks: int, groups: int) -> tuple[dict, dict]:
+    """The reference's outputs, and torch's gradient of every floating parameter:
+    torch.autograd.grad with the cotangents as grad_outputs, each logical output once (a
+    replicated or sliced one once a group, a local one once a rank)."""
     tv, leaves = _leaves(p, vals)
     touts = case.ref(tv, ranks, groups)
     outs, grads_out = [], []
@@ -352,11 +397,17 @@ def compare(case: Case, ranks: int, groups: int, seed: int = 0) -> Program:
                 grads_out.append(torch.tensor(np.asarray(c, dtype=np.float64)).reshape(o.shape))
     tg = torch.autograd.grad(outputs=outs, inputs=leaves, grad_outputs=grads_out, allow_unused=True)
     grad_of = {id(lf): (np.zeros(tuple(lf.shape)) if gr is None else gr.detach().numpy()) for lf, gr in zip(leaves, tg)}
-    tgrad = {k: ([grad_of[id(t)] for t in v] if isinstance(v, list) else grad_of[id(v)])
-             for k, v in tv.items() if (isinstance(v, list) and v and isinstance(v[0], torch.Tensor) and v[0].requires_grad)
-             or (isinstance(v, torch.Tensor) and v.requires_grad)}
+    tgrad = {}
+    for k, v in tv.items():
+        if isinstance(v, list) and v and id(v[0]) in grad_of:
+            tgrad[k] = [grad_of[id(t)] for t in v]
+        elif id(v) in grad_of:
+            tgrad[k] = grad_of[id(v)]
+    return touts, tgrad
 
-    # the forward: the program's outputs are the reference's (checks the reference itself)
+
+def _check_forward(p: Program, vals: dict, touts: dict, ranks: int, groups: int) -> None:
+    """The program's outputs under the interpreter are the reference's (checks the reference)."""
     fres = run(p, _inputs(p, vals, ranks, groups), groups)
     for pub, s in p.outputs:
         t = p.stage_named(s).type
@@ -369,6 +420,20 @@ def compare(case: Case, ranks: int, groups: int, seed: int = 0) -> Program:
         else:
             for k, (got, want) in enumerate(zip(_logical(t, per_rank, pub, groups), _as_groups(touts[pub], groups))):
                 _close(got, want.detach().numpy(), f"forward {pub} in group {k}")
+
+
+def compare(case: Case, ranks: int, groups: int, seed: int = 0) -> Program:
+    """Derive, run under the interpreter on `ranks` ranks in `groups` groups, and compare every
+    input's gradient with torch.autograd of the reference; the forward outputs too. When the
+    derived program's text says what it does, its text read back is run and compared as well."""
+    p = load_source(case.src).program(case.name)
+    rng = np.random.default_rng(seed)
+    vals = _draw(p, case.sizes, ranks, rng, case.positive)
+    if case.prepare:
+        case.prepare(vals)
+    cot = {pub: _random(p.stage_named(s).type, case.sizes, ranks, rng, False) for pub, s in p.outputs}
+    touts, tgrad = _torch_grads(p, case, vals, cot, ranks, groups)
+    _check_forward(p, vals, touts, ranks, groups)
 
     # the derived program under the interpreter
     g = vjp(p, case.wrt)
@@ -395,8 +460,8 @@ def test_every_input_is_compared() -> None:
     for key, case in CASES.items():
         p = load_source(case.src).program(case.name)
         g = vjp(p, case.wrt)
-        assert [pub for pub, _ in g.outputs] == [f"d_{q.name}" for q in p.params
-                                                 if not q.scalar and q.type.dtype.startswith("f")], key
+        assert [pub for pub, _ in g.outputs] == [f"d_{x}" for x in case.wrt or
+                                                 [q.name for q in p.params if not q.scalar and q.type.dtype.startswith("f")]], key
 
 
 def test_tp_mlp_derived_text_is_megatrons() -> None:
