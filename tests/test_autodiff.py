@@ -467,6 +467,12 @@ def test_update_has_no_derivative() -> None:
         vjp(p)
 
 
+def test_wrt_named_twice_is_refused() -> None:
+    p = load_source("program p(x: f64[N] local) {\n y = exp(x)\n return y\n}").program("p")
+    with pytest.raises(CompileError, match="named twice"):
+        vjp(p, ["x", "x"])
+
+
 def test_integer_parameter_is_refused() -> None:
     p = load_source("program p(x: f64[N] local, k: i32[N] local) {\n y = x * cast(k, f64)\n return y\n}").program("p")
     with pytest.raises(CompileError, match="only floating"):

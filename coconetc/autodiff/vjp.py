@@ -128,7 +128,9 @@ class _Deriver:
                                   f"update({t}, ...) has no derivative: a program with updates cannot be differentiated")
         if not p.outputs:
             raise CompileError.at(p.span, f"program '{p.name}' returns nothing to differentiate")
-        for x in self.wrt:
+        for i, x in enumerate(self.wrt):
+            if x in self.wrt[:i]:
+                raise CompileError.at(p.span, f"'{x}' is named twice in the inputs to differentiate with respect to")
             q = p.param(x)
             if q is None:
                 raise CompileError.at(p.span, f"'{p.name}' has no parameter '{x}' to differentiate with respect to")
