@@ -273,6 +273,187 @@ def _zero_segment(vals: dict) -> None:
     vals["w"][2:5] = 0.0
 
 
+# broadcasting onto sliced values: replicated operands of every shape read at the slice, a scalar
+BROADCASTS = """program bcast(x: f64[B, S, H] sliced(DIM), c: f64[S, H] replicated, k: f64[B, 1, H] replicated,
+              m: f64[S, 1] replicated, h: f64[H] replicated, a: f64) {
+    y = x * c + k * a
+    z = tanh(y) * m + h
+    return z
+}"""
+
+
+def ref_bcast(v: dict, R: int, G: int) -> dict:
+    return {"z": torch.tanh(v["x"] * v["c"] + v["k"] * v["a"]) * v["m"] + v["h"]}
+
+
+# one replicated value read by a sliced, a local and a replicated computation, and gathered
+MIXED_READS = """program mixed(x: f64[B, H] replicated, w: f64[H, F] sliced(1), u: f64[B, H] local,
+              s: f64[B, H] sliced(0)) {
+    a = matmul(x, w)
+    b = x * u
+    c = x * s
+    d = exp(x * 0.5)
+    e0 = allreduce(sum, b)
+    e = e0 + d
+    f0 = allgather(c)
+    f = f0 + e
+    g = allgather(a)
+    return f, g, b
+}"""
+
+
+def ref_mixed(v: dict, R: int, G: int) -> dict:
+    b = [v["x"] * u for u in v["u"]]
+    f = [v["x"] * v["s"] + sum(bs) + torch.exp(v["x"] * 0.5) for bs in _groups(b, R, G)]
+    return {"f": f, "g": v["x"] @ v["w"], "b": b}
+
+
+# the pointwise rules with sliced, replicated and local operands and a scalar exponent
+POINTWISE = """program pointwise(x: f64[N, H] sliced(1), y: f64[N, H] replicated, u: f64[N, H] local, k: f64) {
+    a = x ** 3 + y ** k + max(x, y * 2.0)
+    b = where(u < y, u * y, y / u) + min(u, y) + abs(u - 1.5) * 0.5
+    c = sqrt(y) * rsqrt(x) + log(y) * sigmoid(x)
+    return a, b, c
+}"""
+
+
+def ref_pointwise(v: dict, R: int, G: int) -> dict:
+    x, y = v["x"], v["y"]
+    return {"a": x ** 3 + y ** v["k"] + torch.maximum(x, y * 2.0),
+            "b": [torch.where(u < y, u * y, y / u) + torch.minimum(u, y) + torch.abs(u - 1.5) * 0.5 for u in v["u"]],
+            "c": torch.sqrt(y) * torch.rsqrt(x) + torch.log(y) * torch.sigmoid(x)}
+
+
+# layernorm of batch slices with its eps differentiated, a matmul chain sharing one weight
+LN_CHAIN = """program ln_chain(x: f64[B, S, H] sliced(0), g: f64[H] replicated, b: f64[H] replicated,
+                w: f64[H, H] replicated, e: f64) {
+    n = layernorm(x, g, b, e)
+    y = matmul(matmul(n, w), w)
+    l = sum(y * y) + norm(n)
+    return y, l
+}"""
+
+
+def ref_ln_chain(v: dict, R: int, G: int) -> dict:
+    x = v["x"]
+    xc = x - x.mean(-1, keepdim=True)
+    n = xc / torch.sqrt((xc * xc).mean(-1, keepdim=True) + v["e"]) * v["g"] + v["b"]  # eps is a leaf
+    y = (n @ v["w"]) @ v["w"]
+    return {"y": y, "l": (y * y).sum() + torch.linalg.vector_norm(n)}
+
+
+# pipeline stages (groups) whose layer is tensor-parallel: send forward and backward
+PIPE_TP = """program pipe_tp(x: f64[B, H] replicated, w1: f64[H, F] sliced(1), w2: f64[F, H] sliced(0)) {
+    h = relu(matmul(x, w1))
+    p = matmul(h, w2)
+    s = allreduce(sum, p)
+    n = send(s + x, next)
+    m = send(h, prev)
+    return n, m
+}"""
+
+
+def ref_pipe_tp(v: dict, R: int, G: int) -> dict:
+    h = F.relu(v["x"] @ v["w1"])
+    s = h @ v["w2"] + v["x"]
+    return {"n": [torch.zeros_like(s)] + [s] * (G - 1), "m": [h] * (G - 1) + [torch.zeros_like(h)]}
+
+
+# reducescatter along the first and the last dim (avg, sum), gathered back
+RS_DIMS = """program rs_dims(u: f64[N, M, K] local, w: f64[N, M, K] replicated) {
+    a = reducescatter(avg, u * w, dim=2)
+    b = reducescatter(sum, exp(u), dim=0)
+    c = allgather(a * 2.0)
+    return a, b, c
+}"""
+
+
+def ref_rs_dims(v: dict, R: int, G: int) -> dict:
+    us = _groups(v["u"], R, G)
+    a = [sum(u * v["w"] for u in g) / len(g) for g in us]
+    return {"a": a, "b": [sum(torch.exp(u) for u in g) for g in us], "c": [ak * 2.0 for ak in a]}
+
+
+# broadcast and reduce with roots other than 0, scatter of their result
+ROOTS = """program roots(u: f64[N, H] local, w: f64[N, H] replicated) {
+    a = broadcast(u * w, 1)
+    b = reduce(sum, tanh(u) + w, 0)
+    c = reduce(avg, u, 1)
+    d = scatter(a * w, dim=1)
+    return a, b, c, d
+}"""
+
+
+def ref_roots(v: dict, R: int, G: int) -> dict:
+    us, w = _groups(v["u"], R, G), v["w"]
+    return {"a": [g[1] * w for g in us],
+            "b": [sum(torch.tanh(x) + w for x in g) if i == 0 else torch.tanh(g[i]) + w for g in us for i in range(len(g))],
+            "c": [sum(g) / len(g) if i == 1 else g[i] for g in us for i in range(len(g))],
+            "d": [g[1] * w * w for g in us]}
+
+
+# conv2d channel-parallel (row), output-channel-parallel (column) and a replicated 1x1 conv
+CONVS = """program convs(x: f64[N, C, 5, 4] sliced(1), w: f64[O, C, 3, 2] sliced(1), v: f64[O, O, 1, 1] replicated,
+             w0: f64[O, C, 3, 2] sliced(0), xr: f64[N, C, 5, 4] replicated) {
+    part = conv2d(x, w, stride=2, padding=1)
+    y = allreduce(sum, part)
+    z = conv2d(relu(y), v)
+    q0 = conv2d(xr, w0, stride=1, padding=0)
+    q = allgather(tanh(q0))
+    return z, q
+}"""
+
+
+def ref_convs(v: dict, R: int, G: int) -> dict:
+    return {"z": F.conv2d(F.relu(F.conv2d(v["x"], v["w"], stride=2, padding=1)), v["v"]),
+            "q": torch.tanh(F.conv2d(v["xr"], v["w0"]))}
+
+
+# local 0-d outputs (each rank's own loss) next to their all-reduced product
+LOCAL_SCALARS = """program local_scalars(x: f64[B, H] local, w: f64[H] replicated) {
+    l = sum(tanh(x * w))
+    n = norm(x)
+    y = allreduce(sum, l * n)
+    return l, y
+}"""
+
+
+def ref_local_scalars(v: dict, R: int, G: int) -> dict:
+    ls = [torch.tanh(x * v["w"]).sum() for x in v["x"]]
+    ns = [torch.linalg.vector_norm(x) for x in v["x"]]
+    return {"l": ls, "y": [sum(a * b for a, b in zip(lg, ng)) for lg, ng in zip(_groups(ls, R, G), _groups(ns, R, G))]}
+
+
+# an output that later stages read, returned sliced and gathered
+REUSED = """program reused(x: f64[B, H] sliced(1), w: f64[H] replicated) {
+    y = x * w
+    z = allgather(y)
+    q = sum(z * z)
+    return y, z, q
+}"""
+
+
+def ref_reused(v: dict, R: int, G: int) -> dict:
+    y = v["x"] * v["w"]
+    return {"y": y, "z": y, "q": (y * y).sum()}
+
+
+# a defined operation (a whole tensor-parallel FFN) and two dropouts in one stage (sites y#0, y#1)
+DEFINED = """op ffn(x, w1, w2) = matmul(gelu(matmul(x, w1)), w2)
+program defined(x: f64[B, S, H] replicated, w1: f64[H, F] sliced(1), w2: f64[F, H] sliced(0), seed: i64) {
+    p = ffn(x, w1, w2)
+    s = allreduce(sum, p)
+    y = dropout(s, 0.25, seed) + dropout(x, 0.5, seed)
+    return y
+}"""
+
+
+def ref_defined(v: dict, R: int, G: int) -> dict:
+    shape = tuple(v["x"].shape)
+    return {"y": (F.gelu(v["x"] @ v["w1"]) @ v["w2"]) * keep_mask("y#0", shape, 0.25, v["seed"])
+            + v["x"] * keep_mask("y#1", shape, 0.5, v["seed"])}
+
+
 def _conv_literal(src: str) -> str:
     """conv2d.ccn with literal spatial sizes (then the output's are literals too and the
     derived text parses) and conv_layer without its update (a program with an update has no
@@ -284,6 +465,9 @@ def _conv_literal(src: str) -> str:
 def _tp_mlp_src() -> str:
     return example("tp_mlp.ccn")
 
+
+SOME = ((1, 1), (2, 1), (3, 1), (4, 2))
+UNEVEN = ((3, 1), (4, 1), (6, 1), (6, 2))  # slices of unequal sizes, some empty
 
 CASES: dict[str, Case] = {
     "tp_mlp": Case(_tp_mlp_src(), {"B": 2, "S": 4, "H": 4, "F": 8}, ref_tp_mlp, "tp_mlp"),
@@ -308,6 +492,23 @@ CASES: dict[str, Case] = {
     "rows": Case(ROWS, {"B": 4, "H": 3, "F": 5}, ref_rows),
     "ties": Case(TIES, {"N": 2, "H": 4}, ref_ties),
     "zero_norms": Case(ZERO_NORMS, {"N": 4, "H": 3}, ref_zero_norms),
+    "bcast_seq": Case(BROADCASTS.replace("DIM", "1"), {"B": 2, "S": 5, "H": 3}, ref_bcast, wrt=["x", "c", "k", "m", "h", "a"],
+                      configs=UNEVEN),
+    "bcast_features": Case(BROADCASTS.replace("DIM", "2"), {"B": 2, "S": 3, "H": 5}, ref_bcast,
+                           wrt=["x", "c", "k", "m", "h", "a"], configs=UNEVEN),
+    "tp_mlp_uneven": Case(_tp_mlp_src(), {"B": 2, "S": 3, "H": 4, "F": 5}, ref_tp_mlp, "tp_mlp", configs=UNEVEN),
+    "sp_block_uneven": Case(_tp_mlp_src(), {"B": 2, "S": 6, "H": 4, "F": 5}, ref_sp_block, "sp_block",
+                            configs=((3, 1), (6, 1), (6, 3))),
+    "mixed_reads": Case(MIXED_READS, {"B": 3, "H": 4, "F": 5}, ref_mixed, configs=SOME),
+    "pointwise": Case(POINTWISE, {"N": 3, "H": 5}, ref_pointwise, wrt=["x", "y", "u", "k"], positive=True, configs=SOME),
+    "ln_chain": Case(LN_CHAIN, {"B": 3, "S": 2, "H": 4}, ref_ln_chain, wrt=["x", "g", "b", "w", "e"], configs=SOME),
+    "pipe_tp": Case(PIPE_TP, {"B": 2, "H": 3, "F": 4}, ref_pipe_tp, configs=((2, 2), (4, 2), (6, 3), (3, 3))),
+    "rs_dims": Case(RS_DIMS, {"N": 5, "M": 2, "K": 3}, ref_rs_dims, configs=SOME + ((6, 2),)),
+    "roots": Case(ROOTS, {"N": 2, "H": 3}, ref_roots, configs=((2, 1), (3, 1), (4, 1), (4, 2))),
+    "convs": Case(CONVS, {"N": 2, "C": 4, "O": 3}, ref_convs, configs=SOME),
+    "local_scalars": Case(LOCAL_SCALARS, {"B": 2, "H": 3}, ref_local_scalars, configs=SOME),
+    "reused": Case(REUSED, {"B": 2, "H": 5}, ref_reused, configs=SOME),
+    "defined": Case(DEFINED, {"B": 2, "S": 3, "H": 4, "F": 6}, ref_defined, configs=SOME),
     "lamb_trust": Case(LAMB_TRUST, {"N": sum(SEGMENTS)}, ref_trust, wrt=["w", "r", "lr"], prepare=_zero_segment),
 }
 
