@@ -349,6 +349,16 @@ def _nonzero(d: _Deriver, y: Expr) -> Expr:
     return d.op("where", d.op("eq", y, d.const(0.0, y)), d.const(1.0, y), y)
 
 
+def _dropout(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """The forward's mask: the same seed, the same RNG site (attrs), the same element indices.
+    The probability has no derivative (the mask is a step function of it): a p that depends on
+    wrt is an error, not a silent zero."""
+    if d.is_active(e.args[1]):
+        raise CompileError.at(e.args[1].span or e.span, "dropout's probability has no derivative (the mask is a step "
+                                                        "function of it): leave it out of wrt")
+    return [(e.args[0], Op("dropout", (g, *e.args[1:]), g.type, e.attrs), None), (e.args[1], None, None), (e.args[2], None, None)]
+
+
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
@@ -384,9 +394,7 @@ RULES: dict[str, Rule] = {
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
-    # the forward's mask: the same seed, the same RNG site (attrs), the same element indices
-    "dropout": lambda d, e, y, g: [(e.args[0], Op("dropout", (g, *e.args[1:]), g.type, e.attrs), None),
-                                   (e.args[1], None, None), (e.args[2], None, None)],
+    "dropout": _dropout,
     "conv2d": lambda d, e, y, g: [
         (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),
         (e.args[1], d.op("conv2d_dw", e.args[0], g, e.args[1], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None)],
