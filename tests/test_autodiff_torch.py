@@ -699,51 +699,60 @@ def test_sp_block_backward_conjugates() -> None:
     assert "allgather" in colls and "scatter" in colls
 
 
-# --- training: SGD steps of the tensor-parallel MLP, against the same steps in PyTorch ---------
+# --- training: SGD steps under the interpreter, against the same steps in PyTorch ---------------
+TRAIN = {  # program: (the weights trained, sizes, the reference forward on full tensors)
+    "tp_mlp": (["w1", "b1", "w2", "b2"], {"B": 2, "S": 4, "H": 4, "F": 8},
+               lambda v: F.gelu(v["x"] @ v["w1"] + v["b1"]) @ v["w2"] + v["b2"]),
+    "sp_block": (["gamma", "beta", "w1", "b1", "w2", "b2"], {"B": 2, "S": 4, "H": 4, "F": 8},
+                 lambda v: ref_sp_block(v, 0, 1)["y"]),
+}
+
+
 @pytest.mark.parametrize("ranks", [2])
-def test_sgd_steps_match_torch(ranks: int) -> None:
-    """Five SGD steps of tp_mlp on 2 simulated ranks: each rank updates its own slices of w1,
-    b1, w2 (and the replicated b2) with the derived gradients; a NumPy loss
-    0.5 * mean((y - t)^2) gives d_y. The same steps in one process with torch.optim.SGD on the
-    full matrices end with the same weights."""
-    steps, lr = 5, 0.5
-    sizes = {"B": 2, "S": 4, "H": 4, "F": 8}
-    p = load_source(_tp_mlp_src()).program("tp_mlp")
-    g = vjp(p, ["w1", "b1", "w2", "b2"])
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_sgd_steps_match_torch(name: str, ranks: int) -> None:
+    """Five SGD steps on 2 simulated ranks: each rank updates its own slices of the sliced
+    weights (and the replicated ones) with the derived gradients; a NumPy loss
+    0.5 * mean((y - t)^2) of the whole y gives d_y. The same steps in one process with
+    torch.optim.SGD on the full tensors end with the same weights (tp_mlp: Megatron's MLP;
+    sp_block: the sequence-parallel block, its dropout mask the same at every step)."""
+    trained, sizes, forward = TRAIN[name]
+    steps, lr, seed = 5, 0.5, 7
+    p = load_source(_tp_mlp_src()).program(name)
+    g = vjp(p, trained)
     rng = np.random.default_rng(3)
-    full = {q.name: rng.standard_normal(_shape(q.type, sizes)) * 0.5 for q in p.params}
-    target = rng.standard_normal((2, 4, 4))
-    layouts = {q.name: q.type.layout for q in p.params}
+    full = {q.name: rng.standard_normal(_shape(q.type, sizes)) * 0.5 for q in p.params if not q.scalar}
+    t_out = p.stage_named(dict(p.outputs)["y"]).type
+    target = rng.standard_normal(_shape(t_out, sizes))
+    layouts = {q.name: q.type.layout for q in p.params} | {"d_y": t_out.layout}
 
     def cut(name: str, a: np.ndarray, r: int) -> np.ndarray:
         lay = layouts[name]
         return np.ascontiguousarray(take_slice(a, lay.dim, a.shape[lay.dim], ranks, r)) if lay.sliced else a.copy()
-    mine = [{k: cut(k, a, r) for k, a in full.items()} for r in range(ranks)]  # each rank's arguments
+    mine = [{k: cut(k, a, r) for k, a in full.items()} | ({"seed": seed} if p.param("seed") else {})
+            for r in range(ranks)]  # each rank's arguments
     losses = []
     for _ in range(steps):
-        y = [np.asarray(r.outputs["y"]) for r in run(p, mine)]
-        for yr in y[1:]:
-            np.testing.assert_array_equal(yr, y[0])  # replicated
-        losses.append(0.5 * float(np.mean((y[0] - target) ** 2)))
-        d_y = (y[0] - target) / y[0].size
-        res = run(g, [{**m, "d_y": d_y} for m in mine])
+        y = _logical(t_out, [np.asarray(r.outputs["y"]) for r in run(p, mine)], "y")[0]
+        losses.append(0.5 * float(np.mean((y - target) ** 2)))
+        d_y = (y - target) / y.size
+        res = run(g, [{**m, "d_y": cut("d_y", d_y, r)} for r, m in enumerate(mine)])
         for r in range(ranks):
-            for k in ("w1", "b1", "w2", "b2"):
+            for k in trained:
                 mine[r][k] = mine[r][k] - lr * np.asarray(res[r].outputs[f"d_{k}"])
 
-    tw = {k: torch.tensor(a, requires_grad=k != "x") for k, a in full.items()}
-    opt = torch.optim.SGD([tw[k] for k in ("w1", "b1", "w2", "b2")], lr=lr)
+    tw: dict = {k: torch.tensor(a, requires_grad=k in trained) for k, a in full.items()} | {"seed": seed}
+    opt = torch.optim.SGD([tw[k] for k in trained], lr=lr)
     tlosses = []
     for _ in range(steps):
         opt.zero_grad()
-        yt = F.gelu(tw["x"] @ tw["w1"] + tw["b1"]) @ tw["w2"] + tw["b2"]
-        loss = 0.5 * ((yt - torch.tensor(target)) ** 2).mean()
+        loss = 0.5 * ((forward(tw) - torch.tensor(target)) ** 2).mean()
         tlosses.append(float(loss.detach()))
         loss.backward()
         opt.step()
     np.testing.assert_allclose(losses, tlosses, rtol=RTOL)
     assert tlosses[-1] < tlosses[0]
-    for k in ("w1", "b1", "w2", "b2"):
+    for k in trained:
         want = tw[k].detach().numpy()
         for r in range(ranks):
             _close(mine[r][k], cut(k, want, r), f"{k} on rank {r} after {steps} steps")
