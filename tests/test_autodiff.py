@@ -473,6 +473,13 @@ def test_wrt_named_twice_is_refused() -> None:
         vjp(p, ["x", "x"])
 
 
+def test_dropout_probability_in_wrt_is_refused() -> None:
+    p = load_source("program p(x: f64[N] local, q: f64, seed: i64) {\n y = dropout(x, q, seed)\n return y\n}").program("p")
+    with pytest.raises(CompileError, match="dropout's probability has no derivative"):
+        vjp(p, ["x", "q"])
+    vjp(p, ["x"])
+
+
 def test_integer_parameter_is_refused() -> None:
     p = load_source("program p(x: f64[N] local, k: i32[N] local) {\n y = x * cast(k, f64)\n return y\n}").program("p")
     with pytest.raises(CompileError, match="only floating"):

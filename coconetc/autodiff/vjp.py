@@ -158,7 +158,9 @@ class _Deriver:
                                   f"update({t}, ...) has no derivative: a program with updates cannot be differentiated")
         if not p.outputs:
             raise CompileError.at(p.span, f"program '{p.name}' returns nothing to differentiate")
-        for x in self.wrt:
+        for i, x in enumerate(self.wrt):
+            if x in self.wrt[:i]:
+                raise CompileError.at(p.span, f"'{x}' is named twice in the inputs to differentiate with respect to")
             q = p.param(x)
             if q is None:
                 raise CompileError.at(p.span, f"'{p.name}' has no parameter '{x}' to differentiate with respect to")
@@ -295,8 +297,9 @@ def _where(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
 
 def _reduced(d: _Deriver, e: Op, y: Expr, g: Expr) -> Expr:
     """A rank's share of the cotangent g of y = reduce(op, x) over the group (y and g whole):
-    sum: g; avg: g / R; max, min: g where x is the result (every rank that ties gets it);
-    prod: g * y / x."""
+    sum: g; avg: g / R; max, min: g where x is the result, split evenly among the ranks that
+    tie (as torch.amax does: the shares add up to g, so a replicated x, the same on every rank,
+    gets exactly g); prod: g * y / x."""
     x, how = e.args[0], ops.attr(e, "op")
     if how == "sum":
         return g
@@ -304,7 +307,10 @@ def _reduced(d: _Deriver, e: Op, y: Expr, g: Expr) -> Expr:
         ranks = d.op("allreduce", Const(1.0, TType("f32", (), REPLICATED, True)), op="sum")
         return d.op("div", g, d.op("cast", ranks, dtype=g.type.dtype))
     if how in ("max", "min"):
-        return d.op("where", d.op("eq", x, y), g, d.const(0.0, g))
+        # n >= 1 where x is the result (the literals' dtype is weak: cast, as text reads them as f32)
+        f32 = TType("f32", (), REPLICATED, True)
+        ties = d.op("allreduce", d.op("where", d.op("eq", x, y), Const(1.0, f32), Const(0.0, f32)), op="sum")
+        return d.op("where", d.op("eq", x, y), d.op("div", g, d.op("cast", ties, dtype=g.type.dtype)), d.const(0.0, g))
     return d.op("div", d.op("mul", g, y), x)
 
 
@@ -360,11 +366,27 @@ def _segment_norm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     segment_norm(sqrt(v)) ** 2: so v's positive and negative parts, one each."""
     o, c = d.op, d.const
     x = e.args[0]
-    v = d.emit("g_v", o("div", g, y))
+    v = d.emit("g_v", o("div", g, _nonzero(d, y)))  # a zero segment (x = 0 there) gets 0
     pos = o("segment_norm", o("sqrt", o("max", v, c(0.0, v))))
     neg = o("segment_norm", o("sqrt", o("max", o("neg", v), c(0.0, v))))
     total = o("sub", o("mul", pos, pos), o("mul", neg, neg))
     return [(x, o("mul", x, total), None)]
+
+
+def _nonzero(d: _Deriver, y: Expr) -> Expr:
+    """A norm as a divisor: 1 where it is 0 (x is then 0 too, and x * (g / 1) gives the
+    subgradient 0 there, as PyTorch does, not 0 * inf = NaN)."""
+    return d.op("where", d.op("eq", y, d.const(0.0, y)), d.const(1.0, y), y)
+
+
+def _dropout(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """The forward's mask: the same seed, the same RNG site (attrs), the same element indices.
+    The probability has no derivative (the mask is a step function of it): a p that depends on
+    wrt is an error, not a silent zero."""
+    if d.is_active(e.args[1]):
+        raise CompileError.at(e.args[1].span or e.span, "dropout's probability has no derivative (the mask is a step "
+                                                        "function of it): leave it out of wrt")
+    return [(e.args[0], Op("dropout", (g, *e.args[1:]), g.type, e.attrs), None), (e.args[1], None, None), (e.args[2], None, None)]
 
 
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
@@ -396,15 +418,13 @@ RULES: dict[str, Rule] = {
     # reductions: the scalar cotangent at every element (per_rank False: a sum of a sliced
     # value is replicated and already whole)
     "sum": lambda d, e, y, g: [(e.args[0], _spread(d, e.args[0], g), False)],
-    "norm": lambda d, e, y, g: [(e.args[0], d.op("mul", e.args[0], d.op("div", g, y)), False)],
+    "norm": lambda d, e, y, g: [(e.args[0], d.op("mul", e.args[0], d.op("div", g, _nonzero(d, y))), False)],
     "segment_norm": _segment_norm,
     # matmul: dA = dC @ B^T, dB = A^T @ dC (the batch dims of A summed)
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
-    # the forward's mask: the same seed, the same RNG site (attrs), the same element indices
-    "dropout": lambda d, e, y, g: [(e.args[0], Op("dropout", (g, *e.args[1:]), g.type, e.attrs), None),
-                                   (e.args[1], None, None), (e.args[2], None, None)],
+    "dropout": _dropout,
     "conv2d": lambda d, e, y, g: [
         (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),
         (e.args[1], d.op("conv2d_dw", e.args[0], g, e.args[1], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None)],
