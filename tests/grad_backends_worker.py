@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import sys
 
-from mpi4py import MPI
-
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.jobs.abort import stop_job_on_failure
 from coconetc.jobs.modules import load_cpu, load_emulated
