@@ -154,8 +154,13 @@ def cache(request):
         os.environ[probes.ENV_CACHE] = old
 
 
-def _sizes() -> list[str]:
-    return [f"{k}={v}" for k, v in SIZES.items()]
+def _sizes(**small: int) -> list[str]:
+    return [f"{k}={v}" for k, v in {**SIZES, **small}.items()]
+
+
+# the sliced symbols (bias_seq's S, scale_rows's M, row_parallel's K) at 2 on 3 ranks: one rank
+# holds an empty slice (empty GEMM dims, empty sums)
+EMPTY = {"S": 2, "M": 2, "K": 2}
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
@@ -168,6 +173,7 @@ def test_cpu_backend_matches_interpreter(cache, tmp_path_factory):
     compile_cpu(mod, log=lambda msg: None)
     for ranks in (1, 2, 3):
         _check(_launch(ranks, ["cpu", str(f), *_sizes()]), len(mod.programs))
+    _check(_launch(3, ["cpu", str(f), *_sizes(**EMPTY)]), len(mod.programs))
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
@@ -179,3 +185,4 @@ def test_cuda_emulation_matches_interpreter(cache, tmp_path_factory):
     toolchain.compile(mod, "cuda-emulated", toolchain.Options(log=lambda msg: None))
     for ranks in (1, 3):
         _check(_launch(ranks, ["emulate", str(f), *_sizes()]), len(EMULATED))
+    _check(_launch(3, ["emulate", str(f), *_sizes(**EMPTY)]), len(EMULATED))
