@@ -1,6 +1,7 @@
-"""A derived program's .ccn text read back, and whether the text says what the IR does: parsed and type-checked by the front end (not
-planned: the backends do not render matmul_nt, matmul_tn and sum_lead yet, so
-sourcefile.load_source, which plans every program, refuses it)."""
+"""A derived program's .ccn text read back, and whether the text says what the IR does: parsed and
+type-checked by the front end (`check_text`, not planned). `sourcefile.load_source` also reads it
+(after `import coconetc.autodiff`, which registers the operations it uses) and plans it for the
+backends, which run every operation a derived program adds."""
 
 from __future__ import annotations
 

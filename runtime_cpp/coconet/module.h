@@ -18,6 +18,7 @@
 #include "errors.h"
 #include "fused.h"
 #include "gemm.h"
+#include "grad.h"
 #include "overlap.h"
 #include "kernels.h"
 #include "rng.h"

@@ -1,10 +1,12 @@
-// Compiles gemm.h and dtypes.h without BLAS and without MPI (COCONET_NO_BLAS, COCONET_NO_MPI)
-// and checks the loop matmul of every dtype.  Prints "N passed, M failed".
+// Compiles gemm.h, grad.h and dtypes.h without BLAS and without MPI (COCONET_NO_BLAS,
+// COCONET_NO_MPI) and checks the loop matmul, matmul_nt and matmul_tn of every dtype.  Prints
+// "N passed, M failed" (one per dtype).
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "coconet/gemm.h"
+#include "coconet/grad.h"
 
 using namespace coconet;
 
@@ -21,6 +23,23 @@ int check_type() {
       double acc = 0;
       for (int64_t k = 0; k < K; ++k) acc += double(to_compute(A[i * K + k])) * double(to_compute(B[k * N + j]));
       bad += std::fabs(double(to_compute(C[i * N + j])) - acc) > 0;
+    }
+  // matmul_nt: D[M, K] = C[M, N] x B[K, N]^T
+  std::vector<T> D(M * K), E(K * N);
+  matmul_nt(C.data(), B.data(), D.data(), M, N, K);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      double acc = 0;
+      for (int64_t j = 0; j < N; ++j) acc += double(to_compute(C[i * N + j])) * double(to_compute(B[k * N + j]));
+      bad += std::fabs(double(to_compute(D[i * K + k])) - acc) > 0;
+    }
+  // matmul_tn: E[K, N] = A[M, K]^T x C[M, N]
+  matmul_tn(A.data(), C.data(), E.data(), M, K, N);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < N; ++j) {
+      double acc = 0;
+      for (int64_t i = 0; i < M; ++i) acc += double(to_compute(A[i * K + k])) * double(to_compute(C[i * N + j]));
+      bad += std::fabs(double(to_compute(E[k * N + j])) - acc) > 0;
     }
   return bad == 0;
 }

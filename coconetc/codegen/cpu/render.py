@@ -13,7 +13,7 @@ Conventions of the generated function (see templates/module.cpp.j2):
 
 from __future__ import annotations
 
-from coconetc.codegen import dispatch
+from coconetc.codegen import dispatch, library
 from coconetc.codegen.base import Function, Writer, prod as _prod
 from coconetc.codegen.cpu.collectives import collective
 from coconetc.codegen.cpu.fused import CpuFused
@@ -107,22 +107,16 @@ class CpuRenderer:
             self.w.emit(extern_call(self.w, u, entry.extern.cpp.function) + ";")
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
+        if u.op in library.OPS:  # gemm.h, kernels.h, grad.h
+            self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library.call_args(self.w, u))});")
+            return
+        assert u.op == "layernorm", u.op
         x = u.args[0]
-        xt = self.w.types[x]
-        if u.op == "matmul":
-            la, lb = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]])
-            self.w.emit(f"coconet::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, {la[-1]}, {lb[1]});")
-        elif u.op == "layernorm":
-            lx, attrs = self.w.ldims(xt), dict(u.attrs)
-            eps = (literal(float(attrs["eps"]), "f64") if "eps" in attrs  # type: ignore[arg-type]
-                   else f"double(coconet::to_compute(v_{u.args[3]}[0]))")
-            self.w.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
-                      f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
-        else:
-            assert u.op == "conv2d", u.op
-            lx, lw, attrs = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]]), dict(u.attrs)
-            self.w.emit(f"coconet::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
-                      f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']});")
+        lx, attrs = self.w.ldims(self.w.types[x]), dict(u.attrs)
+        eps = (literal(float(attrs["eps"]), "f64") if "eps" in attrs  # type: ignore[arg-type]
+               else f"double(coconet::to_compute(v_{u.args[3]}[0]))")
+        self.w.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
+                  f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
 
     def copy(self, u: Copy) -> None:
         n = _prod(self.w.ldims(self.w.types[u.src]))

@@ -15,7 +15,7 @@ body is the element math of codegen/emit.py, the text the CPU loops use."""
 
 from __future__ import annotations
 
-from coconetc.codegen import dispatch
+from coconetc.codegen import dispatch, library
 from coconetc.codegen.base import Function, Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import collective
 from coconetc.codegen.cuda.fused import CudaFused
@@ -129,27 +129,21 @@ class CudaRenderer:
             self.w.emit(extern_call(self.w, u, entry.extern.cuda.function, ("stream",)) + ";")
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
+        if u.op in library.OPS:  # runtime.cuh, grad.cuh
+            last = "stream" if u.op in library.GEMM else "ctx"
+            self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join(library.call_args(self.w, u))}, {last});")
+            return
+        assert u.op == "layernorm", u.op
         x = u.args[0]
-        xt = self.w.types[x]
-        if u.op == "matmul":
-            la, lb = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]])
-            self.w.emit(f"coconet::cuda::matmul<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {_prod(la[:-1])}, "
-                      f"{la[-1]}, {lb[1]}, stream);")
-        elif u.op == "layernorm":
-            lx, attrs = self.w.ldims(xt), dict(u.attrs)
-            if "eps" in attrs:
-                eps = literal(float(attrs["eps"]), "f64")  # type: ignore[arg-type]
-            elif self.w.plan.buffer(u.args[3]).kind == "scalar":  # a scalar parameter (on the host)
-                eps = f"double(coconet::to_compute(v_{u.args[3]}[0]))"
-            else:  # a computed 0-d value, read on the device by the kernel
-                eps = f"v_{u.args[3]}"
-            self.w.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
-                      f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
-        else:
-            assert u.op == "conv2d", u.op
-            lx, lw, attrs = self.w.ldims(xt), self.w.ldims(self.w.types[u.args[1]]), dict(u.attrs)
-            self.w.emit(f"coconet::cuda::conv2d<{ct}>(v_{x}, v_{u.args[1]}, v_{u.dst}, {', '.join(lx)}, "
-                      f"{lw[0]}, {lw[2]}, {lw[3]}, {attrs['stride']}, {attrs['padding']}, ctx);")
+        lx, attrs = self.w.ldims(self.w.types[x]), dict(u.attrs)
+        if "eps" in attrs:
+            eps = literal(float(attrs["eps"]), "f64")  # type: ignore[arg-type]
+        elif self.w.plan.buffer(u.args[3]).kind == "scalar":  # a scalar parameter (on the host)
+            eps = f"double(coconet::to_compute(v_{u.args[3]}[0]))"
+        else:  # a computed 0-d value, read on the device by the kernel
+            eps = f"v_{u.args[3]}"
+        self.w.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
+                  f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
 
 
 def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:

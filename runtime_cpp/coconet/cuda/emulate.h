@@ -1054,17 +1054,22 @@ inline cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) { h->str
 namespace coconet {
 namespace cuda {
 namespace emu {
-// cuBLAS is column-major: C (m x n, ldc) = A (m x k, lda) B (k x n, ldb) is, row-major,
-// C^T (n x m) = B^T (n x k) A^T (k x m): the CPU GEMM with the operands swapped.
+// cuBLAS is column-major: C (m x n, ldc) = op(A) (m x k, lda) op(B) (k x n, ldb) is, row-major,
+// C^T (n x m) = op(B)^T (n x k) op(A)^T (k x m): the CPU GEMM with the operands swapped, each
+// with its own transpose flag (a transposed operand is stored the other way round).
 template <class T>
-void gemm_colmajor(cudaStream_t s, int m, int n, int k, const void* A, int lda, const void* B, int ldb, void* C,
-                   int ldc) {
+void gemm_colmajor(cudaStream_t s, bool ta, bool tb, int m, int n, int k, const void* A, int lda, const void* B,
+                   int ldb, void* C, int ldc) {
   std::vector<Span> spans;
-  strided(spans, B, n, k, ldb, sizeof(T), false);
-  strided(spans, A, k, m, lda, sizeof(T), false);
+  strided(spans, B, tb ? k : n, tb ? n : k, ldb, sizeof(T), false);
+  strided(spans, A, ta ? m : k, ta ? k : m, lda, sizeof(T), false);
   strided(spans, C, n, m, ldc, sizeof(T), true);
   op(s, std::move(spans), "cublasGemmEx", [=] {
-    coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda, static_cast<T*>(C), ldc);
+    if (!ta && !tb)
+      coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda, static_cast<T*>(C), ldc);
+    else
+      coconet::gemm_trans<T>(tb, ta, n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda,
+                             static_cast<T*>(C), ldc);
   });
 }
 }  // namespace emu
@@ -1076,15 +1081,15 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
                                    cudaDataType_t, int ldb, const void* beta, void* C, cudaDataType_t, int ldc,
                                    cublasComputeType_t ct, cublasGemmAlgo_t) {
   namespace emu = coconet::cuda::emu;
-  if (ta != CUBLAS_OP_N || tb != CUBLAS_OP_N) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const auto tr = [](cublasOperation_t o) { return o == CUBLAS_OP_T; };
   const bool one = ct == CUBLAS_COMPUTE_64F ? *static_cast<const double*>(alpha) == 1 && *static_cast<const double*>(beta) == 0
                                             : *static_cast<const float*>(alpha) == 1 && *static_cast<const float*>(beta) == 0;
   if (!one) return CUBLAS_STATUS_NOT_SUPPORTED;
   switch (at) {
-    case CUDA_R_32F: emu::gemm_colmajor<float>(h->stream, m, n, k, A, lda, B, ldb, C, ldc); break;
-    case CUDA_R_64F: emu::gemm_colmajor<double>(h->stream, m, n, k, A, lda, B, ldb, C, ldc); break;
-    case CUDA_R_16F: emu::gemm_colmajor<coconet::half>(h->stream, m, n, k, A, lda, B, ldb, C, ldc); break;
-    case CUDA_R_16BF: emu::gemm_colmajor<coconet::bfloat16>(h->stream, m, n, k, A, lda, B, ldb, C, ldc); break;
+    case CUDA_R_32F: emu::gemm_colmajor<float>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
+    case CUDA_R_64F: emu::gemm_colmajor<double>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
+    case CUDA_R_16F: emu::gemm_colmajor<coconet::half>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
+    case CUDA_R_16BF: emu::gemm_colmajor<coconet::bfloat16>(h->stream, tr(ta), tr(tb), m, n, k, A, lda, B, ldb, C, ldc); break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   return CUBLAS_STATUS_SUCCESS;

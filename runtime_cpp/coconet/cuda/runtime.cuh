@@ -499,11 +499,13 @@ template <> struct BlasType<double> { static constexpr cudaDataType_t t = CUDA_R
 template <> struct BlasType<half> { static constexpr cudaDataType_t t = CUDA_R_16F; };
 template <> struct BlasType<bfloat16> { static constexpr cudaDataType_t t = CUDA_R_16BF; };
 
-// Row-major C[M, N] = A[M, K] (lda) x B[K, N] (ldb), ldc: cuBLAS is column-major, so it computes
-// C^T = B^T A^T. f16/bf16 accumulate in f32, f64 in f64, f32 in f32 (no TF32).
+// Row-major C[M, N] = op(A) x op(B), ldc: op(A) is A[M, K] (lda), or A[K, M]^T when ta; op(B) is
+// B[K, N] (ldb), or B[N, K]^T when tb (grad.cuh: matmul_nt, matmul_tn). cuBLAS is column-major,
+// so it computes C^T = op(B)^T op(A)^T: the same pointers with the same transpose flags, swapped.
+// f16/bf16 accumulate in f32, f64 in f64, f32 in f32 (no TF32).
 template <class T>
-void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
-          cudaStream_t s) {
+void gemm_trans(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                T* C, int64_t ldc, cudaStream_t s) {
   if (M <= 0 || N <= 0) return;
   cublasHandle_t h = blas();
   COCONET_CUDA(cublasSetStream(h, s));
@@ -511,17 +513,25 @@ void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, 
     COCONET_CUDA(cudaMemset2DAsync(C, ldc * sizeof(T), 0, N * sizeof(T), M, s));
     return;
   }
+  const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   if (std::is_same<T, double>::value) {
     const double alpha = 1, beta = 0;
-    COCONET_CUDA(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
+    COCONET_CUDA(cublasGemmEx(h, opb, opa, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
                               BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_64F,
                               CUBLAS_GEMM_DEFAULT));
   } else {
     const float alpha = 1, beta = 0;
-    COCONET_CUDA(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
+    COCONET_CUDA(cublasGemmEx(h, opb, opa, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
                               BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_32F,
                               CUBLAS_GEMM_DEFAULT));
   }
+}
+
+// Row-major C[M, N] = A[M, K] (lda) x B[K, N] (ldb), ldc.
+template <class T>
+void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+          cudaStream_t s) {
+  gemm_trans<T>(false, false, M, N, K, A, lda, B, ldb, C, ldc, s);
 }
 template <class T>
 void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
@@ -1003,3 +1013,5 @@ inline void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterp
 
 // The fused collective as one kernel over symmetric memory (NCCL device API), chosen at run time.
 #include "symmetric.cuh"
+// The tensor operations a derived (vector-Jacobian) program adds.
+#include "grad.cuh"

@@ -1,0 +1,57 @@
+"""A Library unit's runtime call, the same on every backend: its function and its arguments
+(operand pointers, then this rank's sizes and the unit's integer attributes). The CPU renderer
+calls `coconet::<function><T>(args)` (runtime_cpp/coconet: gemm.h, kernels.h, grad.h), the CUDA
+renderer `coconet::cuda::<function><T>(args, stream or ctx)` (coconet/cuda: runtime.cuh,
+grad.cuh), so the two backends cannot disagree on what they pass. layernorm is not here: its
+eps is read differently by each backend.
+
+Sizes are this rank's (Writer.ldims): every operand is the rank's local part, and the layouts the
+typing rules allow (coconetc/autodiff/ops.py) make the local sizes of the operands and the result
+agree, so the same formulas hold for every layout."""
+
+from __future__ import annotations
+
+from coconetc.codegen.base import Writer, prod
+from coconetc.plan.units import Library
+
+OPS = ("matmul", "conv2d", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
+"""The Library operations whose call this module lays out."""
+
+GEMM = ("matmul", "matmul_nt", "matmul_tn")
+"""Those that are a GEMM (cuBLAS on CUDA: they take the stream, the others the call's context)."""
+
+
+def call_args(w: Writer, u: Library) -> list[str]:
+    """The arguments of u's runtime function (the function is named as the operation)."""
+    dims = [w.ldims(w.types[a]) for a in u.args]
+    out = w.ldims(w.types[u.dst])
+    ptrs = [f"v_{a}" for a in u.args]
+    attrs = dict(u.attrs)
+    if u.op == "matmul":  # A[M, K] x B[K, N]
+        la, lb = dims[0], dims[1]
+        return [*ptrs, f"v_{u.dst}", prod(la[:-1]), la[-1], lb[1]]
+    if u.op == "matmul_nt":  # A[M, N] x B[K, N]^T -> [M, K]
+        la, lb = dims[0], dims[1]
+        return [*ptrs, f"v_{u.dst}", prod(la[:-1]), la[-1], lb[0]]
+    if u.op == "matmul_tn":  # A[M, K]^T x B[M, N] -> [K, N], M over every leading dim
+        la, lb = dims[0], dims[1]
+        return [*ptrs, f"v_{u.dst}", prod(la[:-1]), la[-1], lb[-1]]
+    if u.op == "sum_lead":  # [outer, inner] -> [inner]
+        n, lx = int(attrs["n"]), dims[0]  # type: ignore[call-overload]
+        return [ptrs[0], f"v_{u.dst}", prod(lx[:n]), prod(lx[n:])]
+    if u.op == "sum_keep":  # [outer, mid, inner] -> [outer, 1, inner]
+        d, lx = int(attrs["dim"]), dims[0]  # type: ignore[call-overload]
+        return [ptrs[0], f"v_{u.dst}", prod(lx[:d]), lx[d], prod(lx[d + 1:])]
+    if u.op == "mean_last":  # [rows, h] -> [rows, 1]
+        lx = dims[0]
+        return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
+    conv = [str(attrs["stride"]), str(attrs["padding"])]
+    if u.op == "conv2d":  # x[N, C, H, W] x w[O, C, KH, KW]
+        lx, lw = dims[0], dims[1]
+        return [*ptrs, f"v_{u.dst}", *lx, lw[0], lw[2], lw[3], *conv]
+    if u.op == "conv2d_dx":  # g[N, O, HO, WO], w[O, C, KH, KW] -> dx[N, C, H, W] (x: the shape only)
+        lg, lw = dims[0], dims[1]
+        return [ptrs[0], ptrs[1], f"v_{u.dst}", *out, lg[1], lw[2], lw[3], lg[2], lg[3], *conv]
+    assert u.op == "conv2d_dw", u.op  # x[N, C, H, W], g[N, O, HO, WO] -> dw[O, C, KH, KW] (w: the shape only)
+    lx, lg = dims[0], dims[1]
+    return [ptrs[0], ptrs[1], f"v_{u.dst}", *lx, out[0], out[2], out[3], lg[2], lg[3], *conv]
