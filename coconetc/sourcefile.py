@@ -60,11 +60,12 @@ class SourceFile:
     derived: dict[str, str] = field(default_factory=dict)
 
     def program(self, name: str | None) -> Program:
-        if name is None:
-            if len(self.programs) != 1:
-                raise KeyError(f"{self.file} holds {len(self.programs)} programs "
-                               f"({', '.join(self.programs)}); choose one with --program")
-            return next(iter(self.programs.values()))
+        if name is None:  # the file's only program (its derived programs do not count)
+            own = [p for n, p in self.programs.items() if n not in self.derived]
+            if len(own) != 1:
+                raise KeyError(f"{self.file} holds {len(own)} programs "
+                               f"({', '.join(p.name for p in own)}); choose one with --program")
+            return own[0]
         if name not in self.programs:
             raise KeyError(f"no program '{name}' in {self.file} (programs: {', '.join(self.programs)})")
         return self.programs[name]

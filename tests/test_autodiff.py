@@ -402,7 +402,7 @@ def test_megatron_mlp_text() -> None:
     the bias of the replicated output is the cotangent summed over B and S."""
     text = printer.program(vjp(load_source(MLP).program("mlp")))
     assert "d_out: f64[B, S, H] replicated" in text
-    assert "d_x = allreduce(sum, matmul_nt(" in text
+    assert "g_x_part = matmul_nt(" in text and "d_x = allreduce(sum, g_x_part)" in text
     assert "d_b2 = sum_lead(d_out, 2)" in text
     assert "return d_x, d_w1, d_b1, d_w2, d_b2" in text
 
@@ -496,14 +496,25 @@ def test_show_grad(tmp_path) -> None:
     f.write_text(MLP)
     out = CliRunner().invoke(main, ["show", str(f), "-p", "mlp", "--grad"])
     assert out.exit_code == 0, out.output
-    assert out.output == printer.program(vjp(load_source(MLP).program("mlp")))
+    head, _, text = out.output.partition("\n")
+    assert text == printer.program(vjp(load_source(MLP).program("mlp")))
+    # the forward keeps mlp's own stages the backward reads; the nested operations are recomputed
+    assert head.startswith("# saved by the forward (mlp_fwd returns them): h; recomputed by the backward (mlp_bwd): "), head
     out = CliRunner().invoke(main, ["show", str(f), "--grad", "--wrt", "w1, b2"])
     assert out.exit_code == 0, out.output
     assert "return d_w1, d_b2" in out.output and "d_x" not in out.output
     out = CliRunner().invoke(main, ["show", str(f), "--grad", "--wrt", "nope"])
     assert out.exit_code == 1 and "no parameter 'nope'" in out.output
     out = CliRunner().invoke(main, ["show", str(f), "--grad", "--format", "plan"])
-    assert out.exit_code == 1 and "no execution plan" in out.output
+    assert out.exit_code == 0 and out.output.startswith("plan mlp_grad [default]"), out.output
+    # a schedule of the derived program, written in the file, shown and planned
+    f.write_text(MLP + "\nschedule split for grad(mlp) {\n    rs, ag = split(d_x, dim=1)\n}\n")
+    out = CliRunner().invoke(main, ["show", str(f), "--grad", "-s", "split"])
+    assert out.exit_code == 0 and "reducescatter(sum, g_x_part, dim=1)" in out.output, out.output
+    out = CliRunner().invoke(main, ["show", str(f), "--grad", "-s", "nope"])
+    assert out.exit_code == 1 and "schedule nope for grad(mlp)" in out.output, out.output
+    out = CliRunner().invoke(main, ["show", str(f), "--grad", "-s", "split", "--wrt", "w1"])
+    assert out.exit_code == 1 and "drop --wrt" in out.output, out.output
 
 
 # --- lower precisions: the derived program types and runs, close to its f64 twin --------------------

@@ -109,12 +109,17 @@ class _Deriver:
         self.types[n] = e.type
         return Ref(n, e.type)
 
-    def op(self, name: str, *args: Expr, **attrs: object) -> Expr:
+    def op(self, name: str, *args: Expr, base: str | None = None, **attrs: object) -> Expr:
         """A typed operation; a collective gets a stage of its own (the language wants a
-        collective as the whole right-hand side of a statement) and is returned as its name."""
+        collective as the whole right-hand side of a statement) and is returned as its name,
+        and so does its operand when that is a computation (`<base>_part`), so that a schedule
+        can name it (overlap the matmul that feeds a backward all-reduce)."""
+        collective = ops.get(name).kind == "collective"
+        if collective and args and isinstance(args[0], Op):
+            args = (self.emit(f"{base or 'g_' + name}_part", args[0]), *args[1:])
         t = ops.type_op(name, args, attrs, NOWHERE)
         e = Op(name, tuple(args), t, tuple(attrs.items()))
-        return self.emit(f"g_{name}", e) if ops.get(name).kind == "collective" else e
+        return self.emit(base or f"g_{name}", e) if collective else e
 
     def const(self, v: float, like: Expr) -> Const:
         """A weak float constant in like's dtype."""
@@ -234,7 +239,8 @@ class _Deriver:
         t = self.types[name]
         c = self.unbroadcast(c, t, span)
         if t.layout == REPLICATED and (per_rank or c.type.layout != REPLICATED):
-            c = self.op("allgather", c) if c.type.layout.sliced else self.op("allreduce", c, op="sum")
+            c = (self.op("allgather", c, base=f"g_{name}") if c.type.layout.sliced else
+                 self.op("allreduce", c, op="sum", base=f"g_{name}"))
         if c.type.dtype != t.dtype:
             c = self.op("cast", c, dtype=t.dtype)
         old = self.ct.get(name)
