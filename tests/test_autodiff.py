@@ -453,11 +453,7 @@ def test_segment_norm(layout: str, ranks: int) -> None:
     check(src, {"N": sum(SEGMENTS)}, ranks)
 
 
-def test_extern_operation_without_a_derivative() -> None:
-    from coconetc.sourcefile import load_file
-    p = load_file(EXAMPLES / "extern_ops.ccn").program("mp_layer")
-    with pytest.raises(CompileError, match="'rmsnorm' has no derivative"):
-        vjp(p)
+# extern operations (their declared derivatives, and the error without one): test_autodiff_extern.py
 
 
 def test_update_has_no_derivative() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coconetc.errors import Diagnostic, Span
-from coconetc.frontend import syntax
+from coconetc.frontend import gradexpr, syntax
 from coconetc.ir import ops
 from coconetc.ir.typerules import TypeErr
 
@@ -102,6 +102,8 @@ def check_defs(tree: syntax.File) -> tuple[Scope, list[Diagnostic]]:
                                      f"({' -> '.join(cycle)}); an operation cannot call itself"))
             scope.failed.add(d.name)
     scope.defs = {n: d for n, d in decls.items() if n not in scope.failed}
+    for e in tree.externs:  # the derivatives extern operations declare (grad_p = "...")
+        errors += gradexpr.check(e, {d.name for d in tree.ops}, scope.externs)
     return scope, errors
 
 

@@ -4,6 +4,8 @@ gathers) plus a schedule block holding its fusions and overlaps."""
 
 from __future__ import annotations
 
+import re
+
 from coconetc.ir import ops
 from coconetc.ir.nodes import Const, Expr, Op, Overlap, Program, Ref, refs, walk
 from coconetc.ir.types import DimExpr
@@ -82,8 +84,14 @@ def program(p: Program) -> str:
 
 
 def _externs(p: Program) -> list[str]:
-    """The declarations of the extern operations p calls (so that the text parses alone)."""
-    used = dict.fromkeys(n.op for s in p.stages for n in walk(s.expr) if isinstance(n, Op))
+    """The declarations of the extern operations p calls, and of those their derivatives
+    (grad_p = "...") call, so that the text parses alone."""
+    used = list(dict.fromkeys(n.op for s in p.stages for n in walk(s.expr) if isinstance(n, Op)))
+    for name in used:  # grows while it is read: the extern operations a derivative calls
+        ext = ops.get(name).extern
+        for _, text in ext.grads if ext is not None else ():
+            used += [c for c in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(", text)
+                     if c not in used and c in ops.REGISTRY and ops.REGISTRY[c].extern is not None]
     decls = [ext.decl for ext in (ops.get(n).extern for n in used) if ext is not None]
     return [line for d in decls for line in d.splitlines()]
 

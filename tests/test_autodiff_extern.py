@@ -1,0 +1,164 @@
+"""Extern operations with declared derivatives (`grad_<p> = "expr"`, docs/language.md "Extern
+operations"): the derived programs against central finite differences in f64 under the
+interpreter (tests/test_autodiff.py's `check`, which also prints the derived program, reads it
+back and runs it again), and the located errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_autodiff import check
+
+from coconetc.autodiff import vjp
+from coconetc.errors import CompileError
+from coconetc.ir import printer
+from coconetc.sourcefile import load_file, load_source
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _mp_layer_f64() -> str:
+    """examples/extern_ops.ccn in f64, its reference found by path (the text is not in examples/)."""
+    src = (EXAMPLES / "extern_ops.ccn").read_text().replace("f32", "f64")
+    return src.replace('"rmsnorm_ref:rmsnorm"', f'"{EXAMPLES / "rmsnorm_ref.py"}:rmsnorm"')
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_mp_layer_through_rmsnorm(ranks: int) -> None:
+    g = check(_mp_layer_f64(), {"B": 3, "K": 4, "H": 5}, ranks, name="mp_layer")
+    text = printer.program(g)
+    assert "grad_x = " in text and "mean_last(" in text
+
+
+# softplus's derivative calls another extern operation (sigm); sigm's own uses y, its result
+OPS = '''import numpy as np
+
+
+def softplus(x):
+    return np.logaddexp(0.0, x)
+
+
+def sigm(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def mulrow(x, v):
+    return x * v
+'''
+
+SRC = '''extern op softplus(x) {
+    type = x
+    slicing = free
+    reference = "OPS:softplus"
+    cpp = "myops.h", "my::softplus"
+    grad_x = "g * sigm(x)"
+}
+
+extern op sigm(x) {
+    type = x
+    slicing = free
+    reference = "OPS:sigm"
+    cpp = "myops.h", "my::sigm"
+    grad_x = "g * y * (1 - y)"
+}
+
+extern op mulrow(x, v) {
+    type = x
+    slicing = rows
+    reference = "OPS:mulrow"
+    cpp = "myops.h", "my::mulrow"
+    grad_x = "g * v"
+    grad_v = "g * x"
+}
+
+program p(x: f64[B, H] LX, v: f64[H] replicated, w: f64[H, C] replicated) {
+    a = softplus(mulrow(x, v)) + sigm(x)
+    b = matmul(a, w)
+    c = tanh(b)
+    return c
+}
+'''
+
+
+@pytest.fixture
+def ops_file(tmp_path: Path) -> Path:
+    f = tmp_path / "myops.py"
+    f.write_text(OPS)
+    return f
+
+
+@pytest.mark.parametrize("layout", ["replicated", "local", "sliced(0)"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_extern_derivative_calls_another_extern(ops_file: Path, layout: str, ranks: int) -> None:
+    src = SRC.replace("OPS:", f"{ops_file}:").replace("LX", layout)
+    g = check(src, {"B": 4, "H": 3, "C": 4}, ranks, name="p")
+    text = printer.program(g)
+    # the printed derived program declares sigm too: softplus's derivative calls it
+    assert "extern op sigm(x)" in text and "extern op softplus(x)" in text
+
+
+def test_printed_declaration_keeps_its_derivatives(ops_file: Path) -> None:
+    from coconetc.autodiff.text import check_text
+    src = SRC.replace("OPS:", f"{ops_file}:").replace("LX", "replicated")
+    p = load_source(src).program("p")
+    text = printer.program(p)
+    assert 'grad_x = "g * sigm(x)"' in text and 'grad_v = "g * x"' in text
+    again = check_text(text)["p"]
+    assert printer.program(vjp(again)) == printer.program(vjp(p))
+
+
+# --- errors -------------------------------------------------------------------------------------
+def test_missing_derivative_is_a_located_error(ops_file: Path) -> None:
+    src = SRC.replace("OPS:", f"{ops_file}:").replace("LX", "replicated").replace('    grad_v = "g * x"\n', "")
+    p = load_source(src).program("p")
+    vjp(p, ["x", "w"])  # v's derivative is not needed
+    with pytest.raises(CompileError) as err:
+        vjp(p)
+    d = err.value.diagnostics[0]
+    assert "'mulrow' has no derivative for its operand 'v'" in d.message
+    assert 'grad_v = "..."' in d.message
+    assert (d.span.line, d.span.col) == (src.splitlines().index("    a = softplus(mulrow(x, v)) + sigm(x)") + 1, 18)
+
+
+def test_extern_without_any_derivative_names_the_operand() -> None:
+    src = (EXAMPLES / "extern_ops.ccn").read_text()
+    src = "\n".join(line for line in src.splitlines() if "grad_" not in line)
+    p = load_source(src, str(EXAMPLES / "extern_ops.ccn")).program("mp_layer")
+    with pytest.raises(CompileError, match="'rmsnorm' has no derivative for its operand 'x'") as err:
+        vjp(p)
+    assert err.value.diagnostics[0].span.line == src.splitlines().index(
+        "    h = residual(rmsnorm(s, g, 1e-5), r, 0.5)") + 1
+
+
+BAD = [
+    ('grad_x = "g * q"', "unknown name 'q' in softplus's grad_x", 'q"'),
+    ('grad_x = "rsqrt(x, g)"', "rsqrt() takes at most 1 argument, got 2", 'g)"'),
+    ('grad_x = "mulrow(g)"', "mulrow() is missing its argument 'v'", 'mulrow(g)'),
+    ('grad_x = "nope(g)"', "unknown operation 'nope' in softplus's grad_x", 'nope'),
+    ('grad_x = "g * "', "ends too early", '"'),
+    ('grad_x = "g * (x"', "'(' is never closed (found the end of the string)", '('),
+    ('grad_x = "allreduce(sum, g)"', "communicates", 'allreduce'),
+    ('grad_x = "dropout(g, 0.1, g)"', "draws random numbers", 'dropout'),
+    ('grad_x = "twice(g)"', "'twice' is a defined operation", 'twice'),
+    ('grad_z = "g"', "'z' is not a parameter of 'softplus'", 'grad_z'),
+    ('grad_x = g', "'grad_x' takes one string", 'grad_x'),
+]
+
+
+@pytest.mark.parametrize("setting, message, at", BAD)
+def test_bad_derivative_is_an_error_at_its_place(ops_file: Path, setting: str, message: str, at: str) -> None:
+    src = "op twice(a) = a * 2\n" + SRC.replace("OPS:", f"{ops_file}:").replace("LX", "replicated")
+    src = src.replace('grad_x = "g * sigm(x)"', setting, 1)
+    with pytest.raises(CompileError) as err:
+        load_source(src)
+    hits = [d for d in err.value.diagnostics if message in d.message]
+    assert hits, err.value.render()
+    line = next(i for i, text in enumerate(src.splitlines(), 1) if setting in text)
+    assert (hits[0].span.line, hits[0].span.col) == (line, src.splitlines()[line - 1].rindex(at) + 1), err.value.render()
+
+
+def test_example_checks() -> None:
+    mod = load_file(EXAMPLES / "extern_ops.ccn")
+    ext = mod.externs["rmsnorm"].extern
+    assert ext is not None and [p for p, _ in ext.grads] == ["x", "w"]
