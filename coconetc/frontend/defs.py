@@ -14,7 +14,7 @@ the schedules, the planner and every backend see nothing new."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coconetc.errors import Diagnostic, Span
 from coconetc.frontend import gradexpr, syntax
@@ -64,6 +64,22 @@ def bind(call: syntax.Call, names: tuple[str, ...], defaults: dict[str, object]
         raise TypeErr(call.span, f"{call.fn}() is missing its argument '{missing[0]}' "
                       f"({call.fn}({', '.join(names)}))")
     return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
+
+
+SITE_KEYWORDS = ("site", "draw")  # a random operation's RNG site (docs/language.md, "Random operations")
+
+
+def without_site(call: syntax.Call) -> tuple[syntax.Call, dict[str, syntax.Kwarg]]:
+    """A random operation's call without its `site=NAME` / `draw=k` keywords, and those."""
+    given: dict[str, syntax.Kwarg] = {}
+    for k in call.kwargs:
+        if k.name in SITE_KEYWORDS:
+            if k.name in given:
+                raise TypeErr(k.span, f"{call.fn}() got '{k.name}' twice")
+            given[k.name] = k
+    if not given:
+        return call, {}
+    return replace(call, kwargs=tuple(k for k in call.kwargs if k.name not in SITE_KEYWORDS)), given
 
 
 def bind_def(call: syntax.Call, d: syntax.OpDecl) -> list[syntax.Expr]:
@@ -172,6 +188,8 @@ def _call_operands(call: syntax.Call, d: syntax.OpDecl, decls: dict[str, syntax.
         return []
     names = tuple(a.name for a in entry.params if a.required)
     try:
+        if entry.kind == "random":
+            call, _ = without_site(call)  # site=NAME, draw=k: words, checked with the program
         pos, _ = bind(call, names, entry.defaults())
     except TypeErr as e:
         err(e.diagnostics[0].span, e.diagnostics[0].message)
