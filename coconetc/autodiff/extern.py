@@ -29,7 +29,7 @@ def rule(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     grads = dict(entry.extern.grads)
     env: dict[str, Expr] = {gradexpr.COTANGENT: g, gradexpr.RESULT: y, **dict(zip(params, e.args))}
     externs = {n for n, o in ops.REGISTRY.items() if o.extern is not None}
-    parts = []
+    parts: Parts = []
     for p, arg in zip(params, e.args):
         if not d.is_active(arg):
             parts.append((arg, None, None))

@@ -71,7 +71,7 @@ def _moved(node: Any, at: Span, head: int) -> Any:
         return tuple(_moved(x, at, head) for x in node)
     if isinstance(node, Span):
         return _shift(node, head, at)
-    if not is_dataclass(node):
+    if not is_dataclass(node) or isinstance(node, type):
         return node
     return replace(node, **{f.name: _moved(getattr(node, f.name), at, head) for f in fields(node)})
 
@@ -97,7 +97,6 @@ def check(decl: syntax.ExternDecl, defined: set[str], externs: set[str]) -> list
     """The `grad_<p>` settings of one declaration: p a parameter, the value one string, the
     expression's names, operations and arities. defined: the file's `op` definitions (which a
     derivative may not call: write the expression out); externs: the file's extern ops."""
-    from coconetc.autodiff import ops as _gradops  # noqa: F401  (mean_last, sum_lead, ...: a derivative may call them)
     from coconetc.frontend.defs import Scope, _call_operands
 
     params = tuple(p.id for p in decl.params)
@@ -106,6 +105,7 @@ def check(decl: syntax.ExternDecl, defined: set[str], externs: set[str]) -> list
         p = operand(s.key)
         if not s.key.startswith(PREFIX):
             continue
+        from coconetc.autodiff import ops as _gradops  # noqa: F401  (mean_last, sum_lead, ...: a derivative may call them)
         if p not in params:
             errors.append(Diagnostic(s.key_span, f"'{s.key}': '{p}' is not a parameter of '{decl.name}' "
                                      f"(grad_p = \"...\" declares the derivative of parameter p: "
