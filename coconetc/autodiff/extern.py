@@ -5,7 +5,7 @@ operation's body at its call: the parameters are the operands, `g` the result's 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from coconetc.errors import CompileError
 from coconetc.frontend import gradexpr
@@ -15,14 +15,14 @@ from coconetc.ir import ops
 from coconetc.ir.expr import Expr, Op, Ref
 from coconetc.ir.typerules import TypeErr
 
-if TYPE_CHECKING:
-    from coconetc.autodiff.vjp import Parts, _Deriver
+# vjp.Parts (not imported: vjp imports this module)
+Parts = list[tuple[Expr, Expr | None, bool | None]]
 
 
-def rule(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+def rule(d: Any, e: Op, y: Ref, g: Ref) -> Parts:
     """Each operand's contribution: its declared derivative, typed with the operands (None
     for an operand that needs none: one that does not depend on wrt). An operand that needs
-    one and has none is an error at the call."""
+    one and has none is an error at the call. d: the vjp._Deriver."""
     entry = ops.get(e.op)
     assert entry.extern is not None
     params = tuple(a.name for a in entry.params if a.kind == "value")
