@@ -125,6 +125,28 @@ def test_missing_derivative_is_a_located_error(ops_file: Path) -> None:
     assert (d.span.line, d.span.col) == (src.splitlines().index(line) + 1, line.index("ext_mulrow(") + 1)
 
 
+@pytest.mark.parametrize("grad, message", [
+    ("where(g, g, y)", "the derivative grad_x of 'ext_mulrow' (where(g, g, y)): where's condition"),
+    ("matmul(g, g)", "matmul"),
+])
+def test_a_derivative_that_does_not_type_is_an_error_at_the_call(ops_file: Path, grad: str, message: str) -> None:
+    src = SRC.replace("OPS:", f"{ops_file}:").replace("LX", "replicated")
+    src = src.replace('grad_x = "g * v"', f'grad_x = "{grad}"')
+    p = load_source(src).program("p")
+    with pytest.raises(CompileError) as err:
+        vjp(p)
+    d = err.value.diagnostics[0]
+    assert message in d.message and "ext_mulrow" in d.message, d.message
+    assert d.span.line == src.splitlines().index("    a = ext_softplus(ext_mulrow(x, v)) + ext_sigm(x)") + 1
+
+
+def test_which_contribution_shapes_fit_an_operand() -> None:
+    from coconetc.autodiff.extern import _fits
+    assert _fits(("B", "H"), ("B", "H")) and _fits(("B", "H"), ("H",)) and _fits((), ("B", "H"))
+    assert _fits(("H",), ("B", "H")) and _fits(("B", "H"), ("B", 1)) and _fits(("S", "B", "H"), ("H",))
+    assert not _fits(("B", "H"), ("B", "K")) and not _fits(("K",), ("B", "H")) and not _fits(("B", 1), ("B", "H"))
+
+
 def test_extern_without_any_derivative_names_the_operand() -> None:
     src = (EXAMPLES / "extern_ops.ccn").read_text()
     src = "\n".join(line for line in src.splitlines() if "grad_" not in line)

@@ -46,7 +46,20 @@ def rule(d: Any, e: Op, y: Ref, g: Ref) -> Parts:
         except (TypeErr, CompileError) as err:
             first = err.diagnostics[0]
             raise CompileError.at(e.span, f"the derivative grad_{p} of '{e.op}' ({grads[p]}): {first.message}") from None
+        if not _fits(c.type.shape, arg.type.shape):
+            shown = ", ".join(map(str, c.type.shape))
+            raise CompileError.at(e.span, f"the derivative grad_{p} of '{e.op}' ({grads[p]}) has shape "
+                                  f"[{shown}], which does not sum down to {p}'s {arg.type}")
         if c.type.ndim < arg.type.ndim:  # a scalar (or a broadcast value) spread over the operand
             c = d.op("add", d.op("mul", arg, d.const(0.0, arg)), c)
         parts.append((arg, c, None))
     return parts
+
+
+def _fits(have: tuple, want: tuple) -> bool:
+    """A contribution of shape `have` becomes one of shape `want` by the derivation's
+    unbroadcasting (leading dims summed, a size-1 dim of `want` summed to 1) or, when it has
+    fewer dims, by spreading it over the operand (NumPy broadcasting)."""
+    if len(have) < len(want):
+        return all(h == w or h == 1 for h, w in zip(have, want[len(want) - len(have):]))
+    return all(h == w or w == 1 for h, w in zip(have[len(have) - len(want):], want))

@@ -14,7 +14,9 @@ from coconetc.ir.nodes import Op, Program, walk
 
 
 def check_text(source: str, file: str = "<grad>") -> dict[str, Program]:
-    """Every program of `source` (no extern declarations), parsed and checked."""
+    """Every program of `source`, parsed and checked. Its extern declarations (the printer
+    writes those a program calls, and those their derivatives call) resolve through the
+    registry entries already loaded; their derivatives are checked again."""
     tree = parse(source, file)
     scope, errors = check_defs(tree)
     if errors:
