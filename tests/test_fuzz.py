@@ -172,7 +172,10 @@ def _syntax_only_command() -> list[str] | None:
     if cxx is None:
         return None
     import scipy_openblas32
-    return [cxx, "-std=c++17", "-fsyntax-only", "-fopenmp", f"-I{runtime_dir()}",
+    # the examples' directory: a mutant of extern_ops.ccn includes its library's header (it
+    # loads when the example was loaded before in this process: the reference resolves
+    # through the registry entry)
+    return [cxx, "-std=c++17", "-fsyntax-only", "-fopenmp", f"-I{runtime_dir()}", f"-I{EXAMPLES[0].parent}",
             f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
             f"-I{scipy_openblas32.get_include_dir()}"]
 

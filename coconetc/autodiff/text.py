@@ -5,19 +5,19 @@ backends, which run every operation a derived program adds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from coconetc.autodiff import ops as _gradops  # noqa: F401  (the derived programs' operations)
 from coconetc.errors import CompileError
 from coconetc.frontend.checker import check_program
 from coconetc.frontend.defs import check_defs
 from coconetc.frontend.parser import parse
 from coconetc.ir import ops
-from coconetc.ir.nodes import Expr, Op, Program
+from coconetc.ir.nodes import Op, Program, walk
 
 
 def check_text(source: str, file: str = "<grad>") -> dict[str, Program]:
-    """Every program of `source` (no extern declarations), parsed and checked."""
+    """Every program of `source`, parsed and checked. Its extern declarations (the printer
+    writes those a program calls, and those their derivatives call) resolve through the
+    registry entries already loaded; their derivatives are checked again."""
     tree = parse(source, file)
     scope, errors = check_defs(tree)
     if errors:
@@ -27,20 +27,15 @@ def check_text(source: str, file: str = "<grad>") -> dict[str, Program]:
 
 def unfaithful_sites(p: Program) -> list[str]:
     """The random operations whose RNG site (the `site` attribute, `stage#k`: LANGUAGE.md
-    section 2) is not the one the front end gives the same text: a dropout's derivative
-    reuses the forward's mask, and a dropout hoisted out of its stage keeps its site. Their
-    printed text would draw other masks; the IR is right."""
+    section 2) printed text cannot say. A dropout's derivative reuses the forward's mask, and
+    a dropout hoisted out of its stage keeps its site: the printer writes such a site as
+    `site=NAME, draw=k` (docs/language.md, "Random operations"), which says any `NAME#k` with
+    NAME a name; so this lists only sites of another form (none the front end makes)."""
     bad = []
     for s in p.stages:
-        randoms = [n for n in _post_order(s.expr) if isinstance(n, Op) and ops.get(n.op).kind == "random"]
-        bad += [f"{s.name}: {n.op} at site {n.attr('site')}" for k, n in enumerate(randoms)
-                if n.attr("site") != f"{s.name}#{k}"]
+        for n in walk(s.expr):
+            if isinstance(n, Op) and ops.get(n.op).kind == "random":
+                name, _, k = str(n.attr("site")).rpartition("#")
+                if not (name.isidentifier() and k.isdigit()):
+                    bad.append(f"{s.name}: {n.op} at site {n.attr('site')}")
     return bad
-
-
-def _post_order(e: Expr) -> Iterator[Expr]:
-    """The checker's order of sites: operands (left to right) before their operation."""
-    if isinstance(e, Op):
-        for a in e.args:
-            yield from _post_order(a)
-    yield e

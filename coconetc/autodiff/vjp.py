@@ -226,6 +226,8 @@ class _Deriver:
         if not isinstance(e, Op):
             return
         rule = RULES.get(e.op)
+        if rule is None and ops.get(e.op).extern is not None:  # its declared grad_<p> (autodiff/extern.py)
+            from coconetc.autodiff.extern import rule
         if rule is None:
             detail = f"({ops.attr(e, 'op')})" if any(k == "op" for k, _ in e.attrs) else ""
             raise CompileError.at(span, f"'{e.op}{detail}' has no derivative (yet): cannot differentiate through it")

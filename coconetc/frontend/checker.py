@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from coconetc.ir.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
-from coconetc.frontend.defs import Scope, bind, bind_def
+from coconetc.frontend.defs import Scope, bind, bind_def, without_site
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
 from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
@@ -334,6 +334,10 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if d.kind == "collective" and not top:
         raise TypeErr(call.span, f"{call.fn}() must be the whole right-hand side of a statement "
                       "(give the computation around it its own stage)")
+    site = None
+    if d.kind == "random":  # site=NAME, draw=k: the RNG site it draws at (its stage's by default)
+        call, written = without_site(call)
+        site = _site(call, written, ctx)
     pos, kws = _bind(call)
     given = dict(zip((a.name for a in d.params if a.required), pos)) | kws
     attrs: dict[str, object] = {}
@@ -347,12 +351,32 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if "dim" in attrs and not attrs["dim"] < args[0].type.ndim:  # type: ignore[operator]
         raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
                       f"{args[0].type.ndim}-d tensor")
-    if d.kind == "random":  # the RNG stream of this call site (LANGUAGE.md section 2)
+    if d.kind == "random" and site is None:  # the RNG stream of this call site (LANGUAGE.md section 2)
         attrs["site"] = f"{ctx.stage}#{ctx.sites}"
         ctx.sites += 1
+    elif d.kind == "random":
+        attrs["site"] = site
     if call.fn == "segment_norm":
         _check_segmented(call, args[0], ctx)
     return _op(call.fn, tuple(args), attrs, call.span)
+
+
+def _site(call: syntax.Call, written: dict[str, syntax.Kwarg], ctx: _Ctx) -> str | None:
+    """The RNG site `site=NAME, draw=k` names, `NAME#k` (None: none written, the stage's own
+    next draw). NAME is a word, not a value: the stage whose k-th random draw this one repeats
+    (the same mask), which need not be a stage of this program (docs/language.md)."""
+    if not written:
+        return None
+    name = written.get("site")
+    if name is not None and not isinstance(name.value, syntax.Name):
+        raise TypeErr(name.value.span, f"{call.fn}()'s site must be a stage's name (site=NAME: the "
+                      "stage whose random draw it repeats)")
+    draw = written.get("draw")
+    k = 0 if draw is None else _word(ops.Arg("draw", "int"), draw.value, call)
+    if not isinstance(k, int) or k < 0:
+        raise TypeErr(draw.value.span if draw else call.span, f"{call.fn}()'s draw must not be negative")
+    stage = name.value.id if name is not None else ctx.stage  # type: ignore[union-attr]
+    return f"{stage}#{k}"
 
 
 def _value(arg: ops.Arg, e: ir.Expr) -> ir.Expr:

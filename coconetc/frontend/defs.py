@@ -14,10 +14,10 @@ the schedules, the planner and every backend see nothing new."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from coconetc.errors import Diagnostic, Span
-from coconetc.frontend import syntax
+from coconetc.errors import CompileError, Diagnostic, Span
+from coconetc.frontend import gradexpr, syntax
 from coconetc.ir import ops
 from coconetc.ir.typerules import TypeErr
 
@@ -66,6 +66,22 @@ def bind(call: syntax.Call, names: tuple[str, ...], defaults: dict[str, object]
     return [bound[n] for n in names], {k: bound.get(k, v) for k, v in defaults.items()}
 
 
+SITE_KEYWORDS = ("site", "draw")  # a random operation's RNG site (docs/language.md, "Random operations")
+
+
+def without_site(call: syntax.Call) -> tuple[syntax.Call, dict[str, syntax.Kwarg]]:
+    """A random operation's call without its `site=NAME` / `draw=k` keywords, and those."""
+    given: dict[str, syntax.Kwarg] = {}
+    for k in call.kwargs:
+        if k.name in SITE_KEYWORDS:
+            if k.name in given:
+                raise TypeErr(k.span, f"{call.fn}() got '{k.name}' twice")
+            given[k.name] = k
+    if not given:
+        return call, {}
+    return replace(call, kwargs=tuple(k for k in call.kwargs if k.name not in SITE_KEYWORDS)), given
+
+
 def bind_def(call: syntax.Call, d: syntax.OpDecl) -> list[syntax.Expr]:
     """The operands of a call of a definition, in its parameters' order. A wrong number of
     arguments is an error at the call."""
@@ -102,6 +118,8 @@ def check_defs(tree: syntax.File) -> tuple[Scope, list[Diagnostic]]:
                                      f"({' -> '.join(cycle)}); an operation cannot call itself"))
             scope.failed.add(d.name)
     scope.defs = {n: d for n, d in decls.items() if n not in scope.failed}
+    for e in tree.externs:  # the derivatives extern operations declare (grad_p = "...")
+        errors += check_grads(e, {d.name for d in tree.ops}, scope)
     return scope, errors
 
 
@@ -170,6 +188,8 @@ def _call_operands(call: syntax.Call, d: syntax.OpDecl, decls: dict[str, syntax.
         return []
     names = tuple(a.name for a in entry.params if a.required)
     try:
+        if entry.kind == "random":
+            call, _ = without_site(call)  # site=NAME, draw=k: words, checked with the program
         pos, _ = bind(call, names, entry.defaults())
     except TypeErr as e:
         err(e.diagnostics[0].span, e.diagnostics[0].message)
@@ -191,3 +211,69 @@ def _cycle(start: str, calls: dict[str, list[str]]) -> list[str]:
                 seen.add(callee)
                 stack.append((callee, [*path, callee]))
     return []
+
+
+def check_grads(decl: syntax.ExternDecl, defined: set[str], scope: Scope) -> list[Diagnostic]:
+    """The `grad_<p>` settings of one extern declaration (frontend/gradexpr.py): p a
+    parameter, the value one string, the expression's names, operations and arities, each
+    error at its place in the string. defined: the file's `op` definitions, which a derivative
+    may not call (write the expression out: a printed declaration goes without them)."""
+    params = tuple(p.id for p in decl.params)
+    errors: list[Diagnostic] = []
+    for s in decl.settings:
+        if not s.key.startswith(gradexpr.PREFIX):
+            continue
+        p = gradexpr.operand(s.key)
+        if p not in params:
+            errors.append(Diagnostic(s.key_span, f"'{s.key}': '{p}' is not a parameter of '{decl.name}' "
+                                     f"(grad_p = \"...\" declares the derivative of parameter p: "
+                                     f"one of {', '.join(params)})"))
+            continue
+        if len(s.values) != 1 or not isinstance(s.values[0], syntax.String):
+            errors.append(Diagnostic(s.span, f"'{s.key}' takes one string: an expression of "
+                                     f"{', '.join(gradexpr.names(params))} (g: the result's cotangent, y: the result)"))
+            continue
+        try:
+            body = gradexpr.parse_string(s.values[0], params)
+        except CompileError as err:
+            errors += err.diagnostics
+            continue
+        errors += _check_grad(decl, s.key, body, defined, Scope(externs=scope.externs))
+    return errors
+
+
+def _check_grad(decl: syntax.ExternDecl, key: str, body: syntax.Expr, defined: set[str],
+                scope: Scope) -> list[Diagnostic]:
+    allowed = gradexpr.names(tuple(p.id for p in decl.params))
+    where = f"{decl.name}'s {key}"
+    owner = syntax.OpDecl(where, decl.params, body, decl.span, decl.name_span)
+    errors: list[Diagnostic] = []
+
+    def err(span: Span, msg: str) -> None:
+        errors.append(Diagnostic(span, msg.replace(f"in the body of '{where}'", f"in {where}")))
+
+    def visit(e: syntax.Expr) -> None:
+        if isinstance(e, syntax.Name):
+            if e.id not in allowed:
+                err(e.span, f"unknown name '{e.id}' in {where} (a derivative reads "
+                    f"{', '.join(allowed)}: the parameters, g the result's cotangent, y the result)")
+        elif isinstance(e, syntax.Neg):
+            visit(e.operand)
+        elif isinstance(e, syntax.BinOp):
+            visit(e.left)
+            visit(e.right)
+        elif isinstance(e, syntax.Call):
+            entry = builtin(e.fn)
+            if e.fn in defined:
+                err(e.fn_span, f"'{e.fn}' is a defined operation (op {e.fn}(...) = ...): a derivative "
+                    "may call built-in and extern operations only; write its expression out")
+            elif entry is not None and entry.kind == "collective":
+                err(e.fn_span, f"{e.fn}() communicates: a derivative computes on each rank (the "
+                    "derivation adds the communication the layouts need)")
+            elif entry is not None and entry.kind == "random":
+                err(e.fn_span, f"{e.fn}() draws random numbers: a derivative may not")
+            else:
+                for x in _call_operands(e, owner, {}, scope, {where: []}, err):
+                    visit(x)
+    visit(body)
+    return errors

@@ -6,6 +6,7 @@
         reference = "rmsnorm_ref:rmsnorm"     # Python, on NumPy arrays (the interpreter's)
         cpp = "rmsnorm.h", "cclib::rmsnorm"   # header the module includes, function it calls
         cuda = "rmsnorm.cuh", "cclib::rmsnorm_cuda"
+        grad_x = "..."                        # optional: operand x's derivative (gradexpr.py)
     }
 
 The reference `module:function` is looked up first as `module.py` (dots: packages) in the
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.errors import CompileError, Diagnostic
-from coconetc.frontend import syntax
+from coconetc.frontend import gradexpr, syntax
 from coconetc.ir import ops
 from coconetc.ir import typerules as tr
 
@@ -39,9 +40,9 @@ def declare(decl: syntax.ExternDecl, file: str) -> ops.OpDef:
     errors: list[Diagnostic] = []
     settings: dict[str, syntax.Setting] = {}
     for s in decl.settings:
-        if s.key not in KEYS:
+        if s.key not in KEYS and not s.key.startswith(gradexpr.PREFIX):
             errors.append(Diagnostic(s.key_span, f"unknown setting '{s.key}' of an extern operation "
-                                     f"(one of {', '.join(KEYS)})"))
+                                     f"(one of {', '.join(KEYS)}, grad_<parameter>)"))
         elif s.key in settings:
             errors.append(Diagnostic(s.key_span, f"'{s.key}' is given twice"))
         else:
@@ -60,8 +61,12 @@ def declare(decl: syntax.ExternDecl, file: str) -> ops.OpDef:
     slicing, dims = _slicing(settings.get("slicing"))
     fn, where = _reference(settings["reference"], file, decl.name)
     cpp, cuda = _impl(settings["cpp"]), _impl(settings.get("cuda"))
+    # the derivatives: checked with the file's other declarations (gradexpr.check, from
+    # defs.check_defs), kept as written
+    grads = tuple((gradexpr.operand(k), s.values[0].text) for k, s in settings.items()
+                  if gradexpr.operand(k) in params and len(s.values) == 1 and isinstance(s.values[0], syntax.String))
     ext = ops.Extern(like, _one_string(settings["reference"]).text, where, cpp, cuda,
-                     _text(decl, like, slicing, dims, where, cpp, cuda), file)
+                     _text(decl, like, slicing, dims, where, cpp, cuda, grads), file, grads)
     entry = ops.OpDef(decl.name, "tensor", tuple(ops.Arg(p) for p in params),
                       tr.extern_rule(like, slicing, dims), slicing, numpy=_checked(decl.name, fn, like),
                       fusable=False, slice_dims=dims, extern=ext,
@@ -178,7 +183,7 @@ def _checked(name: str, fn: Callable[..., Any], like: int) -> Callable[..., Any]
 
 
 def _text(decl: syntax.ExternDecl, like: int, slicing: str, dims: tuple[int, ...], where: str,
-          cpp: ops.Impl | None, cuda: ops.Impl | None) -> str:
+          cpp: ops.Impl | None, cuda: ops.Impl | None, grads: tuple[tuple[str, str], ...] = ()) -> str:
     """The declaration as .ccn text (the printer's)."""
     word = {v: k for k, v in SLICING_WORDS.items()}[slicing]
     if slicing == ops.DIMS:
@@ -189,4 +194,5 @@ def _text(decl: syntax.ExternDecl, like: int, slicing: str, dims: tuple[int, ...
     for key, impl in (("cpp", cpp), ("cuda", cuda)):
         if impl is not None:
             lines.append(f'    {key} = "{impl.header}", "{impl.function}"')
+    lines += [f'    {gradexpr.PREFIX}{p} = "{text}"' for p, text in grads]
     return "\n".join(lines) + "\n}\n"

@@ -122,7 +122,8 @@ class Extern:
     dtype the result has; reference: 'module:function' as written, resolved to a file or module
     (where); cpp/cuda: the implementations (None: that backend has none); decl: the declaration
     as .ccn text (the printer writes it before a program that calls the operation); file: the
-    .ccn file that declared it."""
+    .ccn file that declared it; grads: the declared derivatives, (parameter, expression text)
+    for each `grad_<p> = "..."` (coconetc/frontend/gradexpr.py; the derivation expands them)."""
 
     like: int
     reference: str
@@ -131,6 +132,7 @@ class Extern:
     cuda: Impl | None
     decl: str
     file: str = ""
+    grads: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ gathers) plus a schedule block holding its fusions and overlaps."""
 
 from __future__ import annotations
 
+import re
+
 from coconetc.ir import ops
 from coconetc.ir.nodes import Const, Expr, Op, Overlap, Program, Ref, refs, walk
 from coconetc.ir.types import DimExpr
@@ -11,8 +13,9 @@ from coconetc.ir.types import DimExpr
 _NEG = 3  # unary minus binds tighter than * and looser than ** (the grammar's levels)
 
 
-def expr(e: Expr, parent: int = -1) -> str:
-    """Precedence-aware: parentheses only where the grammar needs them."""
+def expr(e: Expr, parent: int = -1, sites: Draws | None = None) -> str:
+    """Precedence-aware: parentheses only where the grammar needs them. sites: the stage's
+    draws, so that a random operation whose site is not the stage's next draw says its own."""
     if isinstance(e, Ref):
         return e.name
     if isinstance(e, Const):
@@ -21,14 +24,14 @@ def expr(e: Expr, parent: int = -1) -> str:
     d = ops.get(e.op)
     if d.infix is not None:
         sym, prec, right_assoc = d.infix.symbol, d.infix.prec, d.infix.right
-        left = expr(e.args[0], prec + (1 if right_assoc else 0))
-        right = expr(e.args[1], _NEG if right_assoc else prec + 1)  # grammar: atom ** unary
+        left = expr(e.args[0], prec + (1 if right_assoc else 0), sites)
+        right = expr(e.args[1], _NEG if right_assoc else prec + 1, sites)  # grammar: atom ** unary
         text = f"{left} {sym} {right}"
         return f"({text})" if prec < parent or (prec == 0 and parent == 0) else text
     if d.prefix is not None:
-        text = d.prefix + expr(e.args[0], _NEG)
+        text = d.prefix + expr(e.args[0], _NEG, sites)
         return f"({text})" if _NEG < parent else text
-    return _call(e, d)
+    return _call(e, d, sites)
 
 
 def _number(v: float | int) -> str:
@@ -40,18 +43,38 @@ def _number(v: float | int) -> str:
     return text if ("." in text or "e" in text or "n" in text) else text + ".0"
 
 
-def _call(e: Op, d: ops.OpDef) -> str:
+def _call(e: Op, d: ops.OpDef, sites: Draws | None = None) -> str:
     """Arguments in the registry's order; those with a default always as keywords."""
     values = iter(e.args)
     args = []
     for a in d.params:
         if a.kind == "value":
-            args.append(expr(next(values)))
+            args.append(expr(next(values), -1, sites))
         elif a.required:
             args.append(str(e.attr(a.name)))
         else:
             args.append(f"{a.name}={ops.attr(e, a.name)}")
+    if sites is not None and d.kind == "random":  # after its operands: the checker's order
+        args += sites.keywords(e)
     return f"{e.op}({', '.join(args)})"
+
+
+class Draws:
+    """The random draws of one stage's expression as it is printed (operands before their
+    operation, as the checker numbers them): a random operation whose RNG site (`NAME#k`) is
+    the stage's next draw prints as it is; another gets `site=NAME, draw=k` (which the checker
+    gives it without counting it as one of the stage's draws)."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage, self.k = stage, 0
+
+    def keywords(self, e: Op) -> list[str]:
+        site = str(e.attr("site"))
+        if site == f"{self.stage}#{self.k}":
+            self.k += 1
+            return []
+        name, _, draw = site.rpartition("#")
+        return [f"site={name}"] + ([f"draw={draw}"] if draw != "0" else [])
 
 
 def _dim(d) -> str:
@@ -70,7 +93,7 @@ def program(p: Program) -> str:
     lines = [*_externs(p), f"program {p.name}(", *(f"    {x}," for x in params), ") {"]
     updates = {s: t for t, s in p.updates}
     for s in p.stages:
-        rhs = expr(s.expr)
+        rhs = expr(s.expr, sites=Draws(s.name))
         if s.name in updates:
             rhs = f"update({updates[s.name]}, {rhs})"
         lines.append(f"    {s.name} = {rhs}")
@@ -82,8 +105,14 @@ def program(p: Program) -> str:
 
 
 def _externs(p: Program) -> list[str]:
-    """The declarations of the extern operations p calls (so that the text parses alone)."""
-    used = dict.fromkeys(n.op for s in p.stages for n in walk(s.expr) if isinstance(n, Op))
+    """The declarations of the extern operations p calls, and of those their derivatives
+    (grad_p = "...") call, so that the text parses alone."""
+    used = list(dict.fromkeys(n.op for s in p.stages for n in walk(s.expr) if isinstance(n, Op)))
+    for name in used:  # grows while it is read: the extern operations a derivative calls
+        ext = ops.get(name).extern
+        for _, text in ext.grads if ext is not None else ():
+            used += [c for c in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(", text)
+                     if c not in used and c in ops.REGISTRY and ops.REGISTRY[c].extern is not None]
     decls = [ext.decl for ext in (ops.get(n).extern for n in used) if ext is not None]
     return [line for d in decls for line in d.splitlines()]
 
