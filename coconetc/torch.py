@@ -36,19 +36,21 @@ from coconetc.runtime import layout
 
 __all__ = ["DistributedOptimizer", "Module", "function"]
 
-_LOADED: dict[tuple[str, float, tuple[str, ...]], Any] = {}
+_LOADED: dict[tuple, Any] = {}
 
 
-def _load(source: str | Path, grad: tuple[str, ...] = (), what: str = "DistributedOptimizer") -> Any:
-    """coconetc.load, once per file and version of it in this process (with the derived
-    programs of `grad`)."""
+def _load(source: str | Path, grad: tuple[str, ...] = (), what: str = "DistributedOptimizer",
+          backend: str = "cpu") -> Any:
+    """coconetc.load, once per file and version of it, backend and derived programs (`grad`)
+    in this process."""
     path = Path(source).resolve()
     if not path.exists():
         raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
-    key = (str(path), path.stat().st_mtime, grad)
+    from coconetc.runtime.cuda import emulating
+    key = (str(path), path.stat().st_mtime, grad, backend, backend == "cuda" and emulating())
     if key not in _LOADED:
         import coconetc
-        _LOADED[key] = coconetc.load(path, log=lambda msg: None, grad=grad)
+        _LOADED[key] = coconetc.load(path, log=lambda msg: None, grad=grad, backend=backend)
     return _LOADED[key]
 
 
@@ -351,49 +353,66 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 # --- differentiable programs (docs/autodiff.md) ----------------------------------------------
 def function(source: str | Path, program: str | None = None, *, schedule: str = "default",
-             grad_schedule: str = "default", comm: Any = None, groups: int = 1) -> Differentiable:
+             grad_schedule: str = "default", comm: Any = None, groups: int = 1,
+             backend: str | None = None, process_group: Any = None) -> Differentiable:
     """PROGRAM of the .ccn file SOURCE as a differentiable function: `f(**tensors_and_scalars)`
     runs the compiled forward (under `schedule`) and returns the program's outputs (a tuple when
-    it returns several) as tensors whose backward pass runs the compiled derived program
-    `<program>_grad` (under `grad_schedule`, a `schedule s for grad(program)` of the file).
+    it returns several) as tensors whose backward pass runs the compiled derived program (under
+    `grad_schedule`, a `schedule s for grad(program)` of the file; docs/autodiff.md).
 
     Every tensor argument is this rank's part in the program's layout (replicated: the full
     tensor; sliced: this rank's slice; local: its own); after `backward()` its `.grad` holds the
     gradient in the same layout (a replicated input's gradient is the full gradient, the same
     on every rank). A replicated output's gradient must be the same on every rank (every rank
     computes the same loss from it). Scalars (Python numbers) get no gradient. Every rank of
-    `comm` (default COMM_WORLD) calls f, and backward, together; `groups` as in a module
-    call (a pipeline: groups of consecutive ranks, `send(x, next)` between them). CPU tensors,
-    CPU backend."""
-    return Differentiable(source, program, schedule, grad_schedule, comm, groups)
+    `comm` (default COMM_WORLD) calls f, and backward, together; `groups` as in a module call
+    (a pipeline: groups of consecutive ranks, `send(x, next)` between them).
+
+    backend: "cpu" (CPU tensors), "cuda" (CUDA tensors of the current device, forward and
+    backward on the current stream, NCCL made from `comm` or from a torch.distributed
+    `process_group`), or None: each call follows its tensors' device. With
+    COCONET_CUDA_EMULATE=1, backend="cuda" runs the CUDA module under the host emulation and
+    takes CPU tensors in their place."""
+    return Differentiable(source, program, schedule, grad_schedule, comm, groups, backend, process_group)
 
 
 class Differentiable:
-    """The callable `function` returns (see there)."""
+    """The callable `function` returns (see there). `saved`: the values the forward keeps for
+    the backward (autodiff/saved.py; empty when the schedules do not apply to the programs cut
+    there, and the backward then computes the forward values again); `recomputed`: the forward
+    values the backward computes."""
 
     def __init__(self, source: str | Path, program: str | None, schedule: str, grad_schedule: str,
-                 comm: Any, groups: int = 1):
-        from mpi4py import MPI
-
+                 comm: Any, groups: int = 1, backend: str | None = None, process_group: Any = None):
         from coconetc.autodiff.saved import bwd_name, fwd_name
         from coconetc.autodiff.vjp import cotangent_params, recomputed
-        from coconetc.sourcefile import grad_name, load_file
+        from coconetc.plan.label import DEFAULT
+        from coconetc.sourcefile import grad_name, load_file, with_grads
         what = "coconetc.torch.function"
+        if backend not in (None, "cpu", "cuda"):
+            raise ValueError(f"{what}: backend must be 'cpu', 'cuda' or None (the tensors' device), got {backend!r}")
         if not Path(source).exists():
             raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
+        sf = load_file(source)
         if program is None:
-            names = [n for n, base in _own_programs(load_file(source))]
-            if len(names) != 1:
-                raise ValueError(f"{what}: {source} holds programs {', '.join(names)}; say which with program=")
-            program = names[0]
-        mod = _load(source, (program,), what)
-        fn, grad = mod.programs[program], mod.programs[grad_name(program)]
-        fn._program(schedule)  # an unknown schedule raises, naming the known ones
-        grad._program(grad_schedule)
+            own = [n for n in sf.programs if n not in sf.derived]
+            if len(own) != 1:
+                raise ValueError(f"{what}: {source} holds programs {', '.join(own)}; say which with program=")
+            program = own[0]
+        sf.program(program)  # a KeyError naming the file's programs
+        sf = with_grads(sf, [program])
+        gname = grad_name(program)
+        for name, s in ((program, schedule), (gname, grad_schedule)):
+            if s != DEFAULT:
+                sf.schedule(name, s)  # a KeyError naming the known ones
+        self.source, self.name = source, program
         self.schedule, self.grad_schedule = schedule, grad_schedule
-        self.comm = MPI.COMM_WORLD if comm is None else comm
-        self.groups = groups
-        p, g = fn._program(None), grad._program(None)
+        self.groups, self.backend, self.process_group = groups, backend, process_group
+        if comm is None and process_group is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        self.comm = comm
+        p, g = sf.programs[program], sf.programs[gname]
         self.program = p
         self.tensors = [q.name for q in p.params if not q.scalar]
         self.scalars = [q.name for q in p.params if q.scalar]
@@ -402,17 +421,40 @@ class Differentiable:
         # the derived program's outputs d_<x> in the order of its wrt: x's position among the tensors
         wrt = [q.name for q in p.params if not q.scalar and q.type.dtype in _FLOATS]
         self.wrt = {x: i for i, x in enumerate(wrt)}
-        # the forward keeps the saved values (autodiff/saved.py) where both schedules apply to
-        # the programs cut there; otherwise the backward recomputes them (the whole derived program)
-        fwd, bwd = mod.programs[fwd_name(program)], mod.programs[bwd_name(program)]
-        if schedule in fwd.schedules and grad_schedule in bwd.schedules:
-            self.fwd, self.bwd = fwd, bwd
-            self.saved = tuple(q.name for q in bwd._program(None).params[len(p.params):len(p.params) + _n_saved(fwd, p)])
-        else:
-            self.fwd, self.bwd, self.saved = fn, grad, ()
+        # the forward keeps the saved values where both schedules apply to the programs cut
+        # there; otherwise the backward is the whole derived program
+        fwd, bwd = fwd_name(program), bwd_name(program)
+        cut = (schedule == DEFAULT or schedule in sf.schedules[fwd]) and \
+            (grad_schedule == DEFAULT or grad_schedule in sf.schedules[bwd])
+        self.fwd_program, self.bwd_program = (fwd, bwd) if cut else (program, gname)
+        back = sf.programs[self.bwd_program]
+        self.saved = tuple(q.name for q in back.params[len(p.params):len(back.params) - len(self.cotangents)])
         again = set(recomputed(g, p))  # the forward values among the backward's stages
-        self.recomputed = tuple(s.name for s in self.bwd._program(None).stages if s.name in again)
+        self.recomputed = tuple(s.name for s in back.stages if s.name in again)
+        self._impl: dict[str, Any] = {}
         self.__doc__ = f"{p.name}({', '.join(q.name for q in p.params)}) -> {', '.join(self.outputs)}"
+
+    def _functions(self, backend: str) -> tuple[Any, Any, Any]:
+        """(forward, backward, communicator) of the backend's module, loaded once."""
+        if backend not in self._impl:
+            if backend == "cpu":
+                if self.comm is None:
+                    raise ValueError(f"{self.name}: the CPU backend communicates over MPI; pass comm= "
+                                     "(process_group= is for backend='cuda')")
+                mod = _load(self.source, (self.name,), "coconetc.torch.function")
+                comm = self.comm
+            else:
+                from coconetc.runtime.cuda import emulating, nccl_comm
+                mod = _load(self.source, (self.name,), "coconetc.torch.function", backend="cuda")
+                comm = (mod.comm(self.comm) if emulating() else
+                        nccl_comm(mod.ext, self.comm, process_group=self.process_group))
+            fwd, bwd = mod.programs[self.fwd_program], mod.programs[self.bwd_program]
+            for fn, s in ((fwd, self.schedule), (bwd, self.grad_schedule)):
+                if s not in fn.schedules:
+                    raise ValueError(f"{self.name}: the {backend} module has no schedule {s!r} of "
+                                     f"{fn.name} (`coconetc check --backend {backend}` says why)")
+            self._impl[backend] = (fwd, bwd, comm)
+        return self._impl[backend]
 
     def __call__(self, **kwargs: Any) -> Any:
         what = f"{self.program.name}()"
@@ -426,35 +468,47 @@ class Differentiable:
         for n in self.tensors:
             if not isinstance(kwargs[n], torch.Tensor):
                 raise TypeError(f"{what}: {n!r} must be a torch tensor, got {type(kwargs[n]).__name__}")
+        backend = self.backend or ("cuda" if any(kwargs[n].is_cuda for n in self.tensors) else "cpu")
+        _check_devices(what, backend, {n: kwargs[n] for n in self.tensors})
         scalars = {n: kwargs[n].item() if isinstance(kwargs[n], torch.Tensor) else kwargs[n] for n in self.scalars}
-        out = _Apply.apply(self, scalars, *[kwargs[n] for n in self.tensors])
+        out = _Apply.apply(self, backend, scalars, *[kwargs[n] for n in self.tensors])
         return out[0] if len(out) == 1 else out
 
 
 _FLOATS = ("f16", "bf16", "f32", "f64")
 
 
-def _n_saved(fwd: Any, p: Any) -> int:
-    """How many saved values `<p>_fwd` returns after p's outputs."""
-    return len(fwd._program(None).outputs) - len(p.outputs)
+def _check_devices(what: str, backend: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor on the backend's device, before anything is built or communicated:
+    CUDA tensors for "cuda" (CPU tensors under COCONET_CUDA_EMULATE=1), CPU tensors for "cpu"."""
+    from coconetc.runtime.cuda import EMULATE, emulating
+    want = "cpu" if backend == "cpu" or emulating() else "cuda"
+    for n, t in tensors.items():
+        if t.device.type == want:
+            continue
+        if want == "cuda":
+            raise ValueError(f"{what}: '{n}' is on {t.device}; the CUDA backend takes CUDA tensors "
+                             f"(or set {EMULATE}=1 to run the CUDA module under the host emulation with CPU tensors)")
+        why = f" ({EMULATE}=1: the host emulation takes CPU tensors)" if backend == "cuda" else ""
+        raise ValueError(f"{what}: '{n}' is on {t.device}; the {backend} backend takes CPU tensors{why}")
 
 
-def _own_programs(mod: Any) -> list[tuple[str, Any]]:
-    return [(n, p) for n, p in mod.programs.items() if n not in mod.derived]
+_INPUTS = 3  # _Apply.forward's arguments before the tensors: f, backend, scalars
 
 
 class _Apply(torch.autograd.Function):
-    """One call of a Differentiable: the forward module function, and its derived program as
-    the backward."""
+    """One call of a Differentiable: the forward module function (returning the saved values
+    after the outputs), and the backward one (reading them)."""
 
     @staticmethod
-    def forward(ctx: Any, f: Differentiable, scalars: dict[str, Any], *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, f: Differentiable, backend: str, scalars: dict[str, Any], *tensors: torch.Tensor) -> Any:
+        fwd, _, comm = f._functions(backend)
         args = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **scalars}
-        out = f.fwd(schedule=f.schedule, comm=f.comm, groups=f.groups, **args)
+        out = fwd(schedule=f.schedule, comm=comm, groups=f.groups, **args)
         outs = out if isinstance(out, tuple) else (out,)
         n = len(f.outputs)
         outs, saved = outs[:n], outs[n:]
-        ctx.f, ctx.scalars = f, scalars
+        ctx.f, ctx.backend, ctx.scalars = f, backend, scalars
         ctx.save_for_backward(*tensors, *saved)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
@@ -462,16 +516,91 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         f: Differentiable = ctx.f
+        _, bwd, comm = f._functions(ctx.backend)
         n = len(f.tensors)
         tensors, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
         args: dict[str, Any] = {**dict(zip(f.tensors, (t.detach() for t in tensors))),
                                 **dict(zip(f.saved, saved)), **ctx.scalars}
         for name, g in zip(f.cotangents, grads):
             args[name] = g.contiguous()
-        d = f.bwd(schedule=f.grad_schedule, comm=f.comm, groups=f.groups, **args)
+        d = bwd(schedule=f.grad_schedule, comm=comm, groups=f.groups, **args)
         ds = d if isinstance(d, tuple) else (d,)
-        result: list[torch.Tensor | None] = [None, None]  # f, scalars
+        result: list[torch.Tensor | None] = [None] * _INPUTS
         for k, name in enumerate(f.tensors):
             i = f.wrt.get(name)
-            result.append(ds[i] if i is not None and ctx.needs_input_grad[2 + k] else None)
+            result.append(ds[i] if i is not None and ctx.needs_input_grad[_INPUTS + k] else None)
         return tuple(result)
+
+
+class Module(torch.nn.Module):
+    """A differentiable program with its parameters: `parameters` maps some of the program's
+    tensor parameters to their FULL values (the same on every rank, e.g. from one seeded
+    initialisation); each becomes an `nn.Parameter` holding this rank's part in the program's
+    layout (sliced: this rank's slice; replicated: the whole tensor), so a tensor-parallel
+    layer is a module and any torch optimizer trains it. `forward(**rest)` takes the other
+    parameters. `full(name)` gathers a parameter's whole value (collective over `comm`).
+    The other keywords are `function`'s.
+
+        layer = coconetc.torch.Module("tp_mlp.ccn", "tp_mlp", parameters={"w1": w1, "b1": b1, ...})
+        y = layer(x=x); loss(y).backward(); opt.step()
+    """
+
+    def __init__(self, source: str | Path, program: str | None = None, *, parameters: dict[str, torch.Tensor],
+                 schedule: str = "default", grad_schedule: str = "default", comm: Any = None, groups: int = 1,
+                 backend: str | None = None, process_group: Any = None):
+        super().__init__()
+        self.fn = function(source, program, schedule=schedule, grad_schedule=grad_schedule, comm=comm,
+                           groups=groups, backend=backend, process_group=process_group)
+        self.groups = groups
+        p = self.fn.program
+        gs, r = self._position()
+        self._index: dict[str, tuple[slice, ...]] = {}
+        for name, full in parameters.items():
+            q = layout.param(p, name, f"coconetc.torch.Module({p.name})")
+            if q.scalar or q.type.layout.kind == "local":
+                raise ValueError(f"coconetc.torch.Module({p.name}): parameter {name!r} is {q.type}: only "
+                                 "replicated or sliced tensors can be module parameters")
+            if full.dim() != q.type.ndim:
+                raise ValueError(f"coconetc.torch.Module({p.name}): {name!r} is {q.type}, got a "
+                                 f"{full.dim()}-d tensor")
+            index = layout.local_index(q, list(full.shape), gs, r)
+            self._index[name] = index
+            self.register_parameter(name, torch.nn.Parameter(full.detach()[index].clone().contiguous()))
+
+    def _position(self) -> tuple[int, int]:
+        """(ranks per group, this rank's index in its group)."""
+        if self.fn.comm is not None:
+            return layout.group_position(self.fn.comm, None, None, self.groups)
+        import torch.distributed as dist
+        pg = self.fn.process_group
+        return layout.group_position(None, dist.get_rank(pg), dist.get_world_size(pg), self.groups)
+
+    def forward(self, **kwargs: Any) -> Any:
+        clash = sorted(set(kwargs) & set(self._index))
+        if clash:
+            raise TypeError(f"{self.fn.program.name}: {clash[0]!r} is a parameter of the module; do not pass it")
+        return self.fn(**{name: getattr(self, name) for name in self._index}, **kwargs)
+
+    def full(self, name: str) -> torch.Tensor:
+        """Parameter NAME's whole value, gathered from the ranks' parts (collective over the
+        ranks of this rank's group)."""
+        part = getattr(self, name).detach()
+        q = layout.param(self.fn.program, name, "Module.full")
+        if not q.type.layout.sliced:
+            return part.clone()
+        gs, r = self._position()
+        comm = self.fn.comm
+        if comm is None:  # a torch.distributed process group
+            import torch.distributed as dist
+            parts: list[Any] = [None] * dist.get_world_size(self.fn.process_group)
+            dist.all_gather_object(parts, part.cpu(), group=self.fn.process_group)
+            mine = (dist.get_rank(self.fn.process_group) // gs) * gs
+            parts = parts[mine:mine + gs]
+        else:
+            group = comm if self.groups == 1 else comm.Split(comm.Get_rank() // gs, r)
+            try:
+                parts = group.allgather(part.cpu())
+            finally:
+                if group is not comm:
+                    group.Free()
+        return torch.cat(parts, dim=q.type.layout.dim).to(part.device)

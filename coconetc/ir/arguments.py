@@ -56,7 +56,8 @@ def _scalar(q: Param, v: Any) -> int | float:
     return int(v)
 
 
-def _from_torch(q: Param, v: Any, contiguous: bool) -> np.ndarray:
+def from_torch(q: Param, v: Any, contiguous: bool) -> np.ndarray:
+    """A NumPy view of the CPU tensor v (bf16 through its bits), checked for parameter q."""
     if v.device.type != "cpu":
         raise ValueError(f"'{q.name}' is on {v.device}; this module runs on the CPU")
     if contiguous and not v.is_contiguous():
@@ -70,7 +71,7 @@ def _from_torch(q: Param, v: Any, contiguous: bool) -> np.ndarray:
 
 def _array(q: Param, v: Any, updated: bool, contiguous: bool) -> np.ndarray:
     if is_torch(v) and hasattr(v, "device"):
-        v = _from_torch(q, v, contiguous)
+        v = from_torch(q, v, contiguous)
     if not isinstance(v, np.ndarray):
         raise TypeError(f"'{q.name}' must be a NumPy array or a PyTorch tensor ({q.type}), "
                         f"got {type(v).__name__}")

@@ -14,6 +14,7 @@ PyTorch's current stream); the call returns without synchronizing."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.codegen.naming import function_name
-from coconetc.ir.arguments import overlapping
+from coconetc.ir.arguments import from_torch, is_torch, overlapping
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
@@ -83,10 +84,27 @@ def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]
     return everyone
 
 
+EMULATE = "COCONET_CUDA_EMULATE"
+
+
+def emulating() -> bool:
+    """COCONET_CUDA_EMULATE=1 in the environment: the CUDA backend (coconetc.load(backend=
+    "cuda"), DistributedOptimizer, coconetc.torch.function) builds its module for the host
+    emulation and takes CPU tensors in place of CUDA tensors. An explicit switch: without it,
+    a CPU tensor given to the CUDA backend is an error naming it."""
+    return os.environ.get(EMULATE, "").strip() not in ("", "0")
+
+
 def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
          libraries=(), grad=()) -> CudaModule:
     """include_dirs, library_dirs, libraries: for the file's extern operations; grad: programs
-    whose derived programs the module holds too (as coconetc.load)."""
+    whose derived programs the module holds too (as coconetc.load). Under COCONET_CUDA_EMULATE=1
+    the module is built for the host emulation (emulating())."""
+    if emulating():
+        if include_dirs or library_dirs or libraries:
+            raise ValueError(f"{EMULATE}=1: the host emulation builds no extern operations' libraries; "
+                             "unset it to build them for the GPU")
+        return load_emulated(path, log, grad=grad)
     art = compile(with_grads(load_file(path), grad), "cuda", Options(archs=archs, log=log, include_dirs=include_dirs,
                                                    library_dirs=library_dirs, libraries=libraries))
     return CudaModule.of(art)
@@ -215,6 +233,9 @@ def _as_tensor(q: Param, v: Any) -> Any:
 
 def _check_tensor(q: Param, v: Any, updated: bool) -> Any:
     import torch
+    if is_torch(v) and getattr(v, "device", None) is not None and v.device.type == "cpu":
+        raise ValueError(f"'{q.name}' is a CPU tensor; the CUDA backend takes CUDA tensors "
+                         f"(or set {EMULATE}=1 to run the CUDA module under the host emulation with CPU tensors)")
     v = _as_tensor(q, v)
     if v.device.type != "cuda" or v.device.index != torch.cuda.current_device():
         raise ValueError(f"'{q.name}' is on {v.device}; this module runs on cuda:{torch.cuda.current_device()}")
@@ -314,11 +335,15 @@ class EmulatedProgram(CudaProgram):
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
         comm = comm or self.owner.comm()
+        torch_in = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
+                       for v in kwargs.values())
         label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
                                                          lambda p: _check_local_numpy(p, kwargs))
         outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
                     _numpy_zeros, 0)
         self.ext.synchronize()
+        if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out
+            outs = [marshal.as_torch(o) for o in outs]
         return marshal.returned(outs)
 
 
@@ -327,6 +352,12 @@ def _numpy_zeros(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 def _checked_array(q: Param, v: Any, updated: bool) -> Any:
+    if is_torch(v) and getattr(v, "device", None) is not None:  # a CPU tensor for a CUDA one
+        if v.device.type != "cpu":
+            raise ValueError(f"'{q.name}' is on {v.device}; the host emulation takes CPU tensors")
+        if not v.is_contiguous():
+            raise ValueError(f"'{q.name}' is not contiguous; pass .contiguous()")
+        v = from_torch(q, v, True)
     if not isinstance(v, np.ndarray):
         raise TypeError(f"'{q.name}' must be a NumPy array ({q.type}), got {type(v).__name__}")
     if v.dtype != STORAGE[q.type.dtype]:

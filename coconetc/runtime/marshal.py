@@ -69,7 +69,10 @@ def scalars(args: Any, p: Program, values: dict, sizes: dict) -> None:
 
 
 def as_torch(a: np.ndarray):
+    """A torch view of the array (bf16, which NumPy stores as ml_dtypes', through its bits)."""
     import torch
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
 
