@@ -153,3 +153,17 @@ def test_verifier_catches_a_fused_unit_without_a_strategy() -> None:
     bare = dataclasses.replace(fused, strategies=fused.strategies[:1])
     with pytest.raises(PlanInvalid, match="no strategy for each target"):
         verify(dataclasses.replace(plan, units=(bare,) + plan.units[1:]))
+
+
+def test_sliced_operand_broadcast_along_a_size_1_dim_plans():
+    """A sliced [M, 1] operand read by a loop over [M, H] sliced the same way (layernorm's
+    statistics in a derived program): every rank holds the elements it reads."""
+    from coconetc.sourcefile import load_source
+    src = ("program p(s: f32[M, 1] sliced(0), x: f32[M, H] sliced(0)) {\n"
+           "    y = x * s\n    return y\n}\n")
+    load_source(src)  # plans (the plan verifier ran)
+    bad = src.replace("s: f32[M, 1] sliced(0)", "s: f32[1, H] sliced(1)").replace("sliced(0))", "sliced(0))")
+    import pytest
+    from coconetc.errors import CompileError
+    with pytest.raises(CompileError):
+        load_source(bad)  # sliced along another dim: the checker refuses it

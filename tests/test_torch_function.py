@@ -61,6 +61,26 @@ def test_tp_mlp_every_schedule_against_autograd(built, capfd, ranks):
     assert rc == 0, log
 
 
+def test_tp_mlp_on_the_cuda_backend_under_the_emulation(built, capfd, monkeypatch):
+    """backend="cuda" with COCONET_CUDA_EMULATE=1: the generated CUDA forward and backward
+    (cuBLAS, NCCL and the kernels under the host emulation) take CPU tensors for CUDA ones."""
+    from coconetc.runtime.cuda import load_emulated
+    monkeypatch.setenv("COCONET_CUDA_EMULATE", "1")
+    load_emulated(TP_MLP, log=lambda msg: None, grad=("tp_mlp",))  # built here, once
+    rc, lines, log = _launch(capfd, 2, "tp_cuda")
+    _check(lines, log, ["tp_cuda:default:default:R2:saved", "tp_cuda:overlapped:default:R2"])
+    assert rc == 0, log
+
+
+def test_cuda_backend_without_the_switch_names_the_cpu_tensor(built, monkeypatch):
+    import coconetc.torch as ct
+    monkeypatch.delenv("COCONET_CUDA_EMULATE", raising=False)
+    f = ct.function(TP_MLP, "tp_mlp", backend="cuda")
+    x = torch.zeros(1, 2, 4)
+    with pytest.raises(ValueError, match="'x' is on cpu; the CUDA backend takes CUDA tensors .*COCONET_CUDA_EMULATE=1"):
+        f(x=x, w1=torch.zeros(4, 6), b1=torch.zeros(6), w2=torch.zeros(6, 4), b2=torch.zeros(4))
+
+
 def test_sequence_parallel_block_against_autograd(built, capfd):
     rc, lines, log = _launch(capfd, 2, "sp")
     _check(lines, log, ["sp:default:R2"])

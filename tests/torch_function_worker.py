@@ -10,6 +10,8 @@ Rank 0 prints "OK <label> <max relative difference>" or "FAIL <label>: <why>" pe
 MODE tp     examples/tp_mlp.ccn's tp_mlp under every forward x backward schedule of the file;
             the saved-values cut against the recomputing derived program; 5 SGD steps of a
             coconetc.torch.Module against the one-process layer
+MODE tp_cuda  tp_mlp with backend="cuda" (run with COCONET_CUDA_EMULATE=1: the CUDA module
+            under the host emulation, CPU tensors standing for CUDA tensors)
 MODE sp     tp_mlp.ccn's sp_block (sequence-parallel: layernorm on this rank's rows, allgather,
             column- and row-parallel matmuls, reducescatter, dropout, residual)
 MODE pipe   examples/pipeline.ccn's stage on 4 ranks as 2 groups: group 0's stage trained with
@@ -71,7 +73,7 @@ def tp_parts(t: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Te
     return {"x": t["x"], "w1": t["w1"][:, lo:hi], "b1": t["b1"][lo:hi], "w2": t["w2"][lo:hi], "b2": t["b2"]}
 
 
-def mode_tp(comm) -> None:
+def mode_tp(comm, backend: str | None = None) -> None:
     R, rank = comm.Get_size(), comm.Get_rank()
     B, S, H, F = 2, 6, 8, 12
     lo, hi = slice_range(F, R, rank)
@@ -86,15 +88,19 @@ def mode_tp(comm) -> None:
     fwd = ["default", *[s for s, v in mod.schedules["tp_mlp"].items() if not v.auto]]
     bwd = ["default", *[s for s, v in mod.schedules["tp_mlp_grad"].items() if not v.auto]]
     y_want = tp_reference(full)
+    if backend == "cuda":  # the CUDA module under the host emulation: a few pairs
+        fwd, bwd = fwd[:2], bwd[:2]
     for s in fwd:
         for g in bwd:
-            fn = ct.function(TP_MLP, "tp_mlp", schedule=s, grad_schedule=g, comm=comm)
+            fn = ct.function(TP_MLP, "tp_mlp", schedule=s, grad_schedule=g, comm=comm, backend=backend)
             args = {k: v.clone().contiguous().requires_grad_(True) for k, v in tp_parts(full, lo, hi).items()}
             y = fn(**args)
             y.backward(dy)
-            label = f"tp:{s}:{g}:R{R}" + (":saved" if fn.saved else ":recomputed")
+            label = f"tp{'_cuda' if backend else ''}:{s}:{g}:R{R}" + (":saved" if fn.saved else ":recomputed")
             report(comm, label, [("y", y.detach(), y_want)] +
                    [(f"d_{k}", args[k].grad, want[k]) for k in args])
+    if backend == "cuda":
+        return
     # the saved-values cut must keep a and h and recompute only the bias add inside gelu
     fn = ct.function(TP_MLP, "tp_mlp", comm=comm)
     if rank == 0:
@@ -202,7 +208,7 @@ def mode_pipe(comm) -> None:
 
 def main(comm) -> int:
     torch.set_num_threads(1)
-    {"tp": mode_tp, "sp": mode_sp, "pipe": mode_pipe}[sys.argv[1]](comm)
+    {"tp": mode_tp, "tp_cuda": lambda c: mode_tp(c, "cuda"), "sp": mode_sp, "pipe": mode_pipe}[sys.argv[1]](comm)
     return 1 if FAILED else 0
 
 

@@ -100,8 +100,9 @@ class _Verifier:
         """A loop over t reads operand r at its own elements: a sliced operand must be sliced
         the same way (a replicated one is read at the slice, which every rank holds)."""
         rt, shift = r.type, t.ndim - r.type.ndim
-        aligned = (shift >= 0 and rt.shape == t.shape[shift:] and t.layout.sliced
-                   and t.layout.dim == rt.layout.dim + shift)
+        aligned = (shift >= 0 and t.layout.sliced and t.layout.dim == rt.layout.dim + shift
+                   and rt.shape[rt.layout.dim] == t.shape[t.layout.dim]
+                   and all(a == b or a == 1 for a, b in zip(rt.shape, t.shape[shift:])))  # broadcast size-1 dims
         if rt.layout.sliced and not aligned:
             self.fail(f"{where} reads '{r.name}' ({rt}) over {t}: elements this rank does not hold")
 
