@@ -126,3 +126,23 @@ def test_one_rank_gradients_match_autograd(built):
     (torch.nn.functional.gelu(b["x"] @ b["w1"] + b["b1"]) @ b["w2"] + b["b2"]).backward(dy)
     for k in t:
         torch.testing.assert_close(a[k].grad, b[k].grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, ranks, args", [
+    ("train_tp.py", 2, ["--steps", "12", "--schedule", "overlapped"]),
+    ("train_pipeline.py", 4, ["--steps", "6"]),
+])
+def test_training_examples_match_one_process(built, script, ranks, args):
+    """The examples train and check themselves against the same model in one process (they
+    exit non-zero when the loss curves part)."""
+    import subprocess
+    import sys
+    exe = Path(sys.executable).parent / "coconetc"
+    res = subprocess.run([str(exe), "launch", "-n", str(ranks), str(REPO / "examples" / script), *args],
+                         capture_output=True, text=True, timeout=500)
+    assert res.returncode == 0, res.stdout + res.stderr
+    diff = [ln for ln in res.stdout.splitlines() if ln.startswith("largest relative loss difference")]
+    assert diff and float(diff[0].split()[4].rstrip(";")) < 1e-4, res.stdout
+    losses = [float(ln.split()[1]) for ln in res.stdout.splitlines() if ln.strip() and ln.split()[0].isdigit()]
+    assert losses[-1] < losses[0], res.stdout  # it learns
