@@ -4,7 +4,7 @@ once, not again at each use)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coconetc.ir.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
@@ -234,7 +234,18 @@ def _expr(e: syntax.Expr, ctx: _Ctx) -> ir.Expr:
 def _op(op: str, args: tuple, attrs: dict, span: Span, err_span: Span | None = None) -> ir.Op:
     """err_span: where a type error points (default: the whole operation)."""
     t = type_op(op, args, attrs, err_span or span)
-    return ir.Op(op, args, t, tuple(sorted(attrs.items())), span)
+    return ir.Op(op, _literals_as_f64(args), t, tuple(sorted(attrs.items())), span)
+
+
+def _literals_as_f64(args: tuple) -> tuple:
+    """A float literal with an f64 value takes its dtype (LANGUAGE.md: literals take the
+    tensor's dtype), so that `x * 0.1` multiplies by the double 0.1, not by 0.1 rounded to f32.
+    (Narrower floats compute in f32 anyway.)"""
+    if not any(isinstance(a, ir.Expr) and not a.type.weak and a.type.dtype == "f64" for a in args):
+        return args
+    return tuple(ir.Const(a.value, replace(a.type, dtype="f64"), a.span)
+                 if isinstance(a, ir.Const) and a.type.weak and a.type.dtype in ("f16", "bf16", "f32") else a
+                 for a in args)
 
 
 def _signature(call: syntax.Call, ctx: _Ctx | None = None) -> ops.OpDef:
