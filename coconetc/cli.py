@@ -165,7 +165,7 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
     from coconetc.autodiff.text import unfaithful_sites
     from coconetc.autodiff.vjp import recomputed, vjp
     from coconetc.ir import printer
-    from coconetc.sourcefile import with_grads
+    from coconetc.sourcefile import grad_name, with_grads
     if name in mod.derived:
         _fail(f"coconetc: '{name}' is a derived program already; show --grad -p {mod.derived[name]}")
     try:
@@ -177,14 +177,16 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
             names = [w.strip() for w in wrt.split(",") if w.strip()]
             ir, plan = vjp(mod.programs[name], names), None
         else:
-            full = with_grads(mod, [name])
-            gname = next(g for g, base in full.derived.items() if base == name)
+            full, gname = with_grads(mod, [name]), grad_name(name)
             label = _label(schedule) if schedule else parse(None)
             if not label.default:
                 try:
-                    ir = full.schedule(gname, label.name).ir
+                    scheduled = full.schedule(gname, label.name).ir
                 except KeyError as err:
                     _fail(f"coconetc: {err.args[0]} (write one as `schedule {label.name} for grad({name}) {{ ... }}`)")
+                if scheduled is None:
+                    _fail(f"coconetc: schedule auto for grad({name}): the autotuner chooses (coconetc tune)")
+                ir = scheduled
             else:
                 ir = full.programs[gname]
             plan = full.plans.get((gname, label.name))

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 import coconetc.torch as ct
 from coconetc.ir.slices import slice_range
