@@ -354,18 +354,14 @@ def _broadcast(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
 
 
 def _reduce(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
-    """reduce(sum, x, root): the root's y is every rank's x summed, another rank's y its own x;
-    so every x gets the root's cotangent, and a rank other than the root its own too. avg: the
-    root's share divided by R. max, min, prod: not derived."""
-    how = ops.attr(e, "op")
-    if how not in ("sum", "avg"):
-        raise CompileError.at(e.span, f"'reduce({how})' has no derivative (yet): cannot differentiate through it")
-    from_root = d.op("broadcast", g, root=ops.attr(e, "root"))
-    if how == "avg":
-        ranks = d.op("allreduce", Const(1.0, TType("f32", (), REPLICATED, True)), op="sum")
-        from_root = d.op("div", from_root, d.op("cast", ranks, dtype=g.type.dtype))
+    """reduce(op, x, root): the root's y is every rank's x reduced, another rank's y its own x;
+    so every x gets its share of the root's cotangent (as allreduce's, _reduced, with the
+    root's y and g broadcast: sum g, avg g / R, max/min g where x is the root's result split
+    among the ties, prod g y / x), and a rank other than the root its own cotangent too."""
+    root = ops.attr(e, "root")
+    share = _reduced(d, e, d.op("broadcast", y, root=root), d.op("broadcast", g, root=root))
     own = d.op("where", _is_root(d, e), d.const(0.0, g), g)
-    return [(e.args[0], d.op("add", from_root, own), True)]
+    return [(e.args[0], d.op("add", share, own), True)]
 
 
 def _segment_norm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
