@@ -20,6 +20,19 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+def example_in_dtype(name: str, dtype: str, written: str) -> Path:
+    """examples/NAME with every `written` dtype replaced by DTYPE, in the temp directory (the
+    example itself when they are the same); rewritten only when its text changes."""
+    src = ROOT / "examples" / name
+    if dtype == written:
+        return src
+    out = Path(tempfile.gettempdir()) / f"coconet_bench_{Path(name).stem}_{dtype}.ccn"
+    text = src.read_text().replace(written, dtype)
+    if not out.exists() or out.read_text() != text:
+        out.write_text(text)
+    return out
+
+
 def in_mpi_job() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 

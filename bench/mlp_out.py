@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -36,14 +35,7 @@ GLOO = "torch matmul + torch.distributed gloo all_reduce + torch ops"
 
 
 def ccn_file(dtype: str) -> Path:
-    src = common.ROOT / "examples" / "mlp_out.ccn"
-    if dtype == "f16":
-        return src
-    out = Path(tempfile.gettempdir()) / f"coconet_bench_mlp_out_{dtype}.ccn"
-    text = src.read_text().replace("f16", dtype)
-    if not out.exists() or out.read_text() != text:
-        out.write_text(text)
-    return out
+    return common.example_in_dtype("mlp_out.ccn", dtype, "f16")
 
 
 def baseline(comm, x, w, b, r, how: str):

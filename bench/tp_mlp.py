@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,14 +30,7 @@ GLOO = "torch + torch.distributed gloo all_reduce"
 
 
 def ccn_file(dtype: str) -> Path:
-    src = common.ROOT / "examples" / "tp_mlp.ccn"
-    if dtype == "f32":
-        return src
-    out = Path(tempfile.gettempdir()) / f"coconet_bench_tp_mlp_{dtype}.ccn"
-    text = src.read_text().replace("f32", dtype)
-    if not out.exists() or out.read_text() != text:
-        out.write_text(text)
-    return out
+    return common.example_in_dtype("tp_mlp.ccn", dtype, "f32")
 
 
 def schedules(path: Path) -> tuple[list[str], list[str]]:
