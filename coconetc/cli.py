@@ -160,42 +160,18 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
 
 def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None) -> None:
     """show --grad: the derived program of the program (text, dot or plan), under one of the
-    file's `schedule s for grad(p)` with -s; the forward values it recomputes as a comment."""
+    file's `schedule s for grad(p)` with -s; what the forward saves as a comment."""
     from coconetc.autodiff.saved import split
     from coconetc.autodiff.text import unfaithful_sites
-    from coconetc.autodiff.vjp import recomputed, vjp
+    from coconetc.autodiff.vjp import recomputed
     from coconetc.ir import printer
-    from coconetc.sourcefile import grad_name, with_grads
+    from coconetc.sourcefile import grad_name
     if name in mod.derived:
         _fail(f"coconetc: '{name}' is a derived program already; show --grad -p {mod.derived[name]}")
-    try:
-        if wrt is not None:
-            if schedule is not None or fmt == "plan":
-                _fail("coconetc: show --grad --wrt derives with respect to some inputs only; the file's "
-                      "derived program (its schedules and plans) is with respect to every floating tensor "
-                      "input: drop --wrt")
-            names = [w.strip() for w in wrt.split(",") if w.strip()]
-            ir, plan = vjp(mod.programs[name], names), None
-        else:
-            full, gname = with_grads(mod, [name]), grad_name(name)
-            label = _label(schedule) if schedule else parse(None)
-            if not label.default:
-                try:
-                    scheduled = full.schedule(gname, label.name).ir
-                except KeyError as err:
-                    _fail(f"coconetc: {err.args[0]} (write one as `schedule {label.name} for grad({name}) {{ ... }}`)")
-                if scheduled is None:
-                    _fail(f"coconetc: schedule auto for grad({name}): the autotuner chooses (coconetc tune)")
-                ir = scheduled
-            else:
-                ir = full.programs[gname]
-            plan = full.plans.get((gname, label.name))
-    except CompileError as err:
-        _fail(err.render())
+    ir, plan, full = _derived(mod, name, schedule, fmt, wrt)
     if fmt == "plan":
         from coconetc.plan.show import show as show_plan
-        if plan is None:
-            _fail(f"coconetc: schedule {schedule} for grad({name}) is `auto`: it has no plan until tuned")
+        assert plan is not None
         click.echo(show_plan(plan), nl=False)
         return
     bad = unfaithful_sites(ir)
@@ -205,13 +181,41 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
     if fmt == "dot":
         click.echo(printer.dot(ir), nl=False)
         return
-    if wrt is None:
-        cut = split(mod.programs[name], full.programs[gname])
+    if full is not None:
+        cut = split(mod.programs[name], full.programs[grad_name(name)])  # the cut of the unscheduled one
         click.echo(f"# saved by the forward ({name}_fwd returns them): {', '.join(cut.saved) or 'none'}; "
                    f"recomputed by the backward ({name}_bwd): {', '.join(cut.recomputed) or 'none'}")
     else:
         click.echo(f"# the forward values the backward reads: {', '.join(recomputed(ir, mod.programs[name])) or 'none'}")
     click.echo(printer.program(ir), nl=False)
+
+
+def _derived(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None):
+    """show --grad's program: (the derived IR, its plan, the file with its derived programs;
+    the last two None with --wrt, which derives with respect to some inputs only)."""
+    from coconetc.autodiff.vjp import vjp
+    from coconetc.sourcefile import grad_name, with_grads
+    try:
+        if wrt is not None:
+            if schedule is not None or fmt == "plan":
+                _fail("coconetc: show --grad --wrt derives with respect to some inputs only; the file's "
+                      "derived program (its schedules and plans) is with respect to every floating tensor "
+                      "input: drop --wrt")
+            return vjp(mod.programs[name], [w.strip() for w in wrt.split(",") if w.strip()]), None, None
+        full, gname = with_grads(mod, [name]), grad_name(name)
+        label = _label(schedule) if schedule else parse(None)
+        if label.default:
+            return full.programs[gname], full.plans[(gname, DEFAULT)], full
+        try:
+            scheduled = full.schedule(gname, label.name).ir
+        except KeyError as err:
+            _fail(f"coconetc: {err.args[0]} (write one as `schedule {label.name} for grad({name}) {{ ... }}`)")
+        if scheduled is None:
+            _fail(f"coconetc: schedule auto for grad({name}): the autotuner chooses (coconetc tune)")
+        return scheduled, full.plans[(gname, label.name)], full
+    except CompileError as err:
+        _fail(err.render())
+    raise AssertionError
 
 
 def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
