@@ -1,7 +1,8 @@
 """Schedules of derived programs (`schedule s for grad(p)`) that overlap the input gradient's
 matmul_nt with its collective (docs/autodiff.md, "Scheduling the backward pass"): every chunking
 the checker allows (leading dims: row blocks of a; the last dim: row blocks of b, a GEMM with b
-transposed), into an all-reduce and into the reduce-scatter of a split all-reduce, on the
+transposed), into an all-reduce, into the reduce-scatter of a split all-reduce and into a fused
+collective (a matmul_nt written out), on the
 interpreter, compiled for the CPU backend and as the CUDA backend under the host emulation, on
 1, 2 and 3 ranks (F = 7: uneven blocks), each equal to the interpreter; an overlap that cannot
 be is an error at its directive."""
@@ -40,6 +41,28 @@ program col(x: f32[S, H] replicated, w: f32[H, F] sliced(1)) {
     return y
 }
 
+# matmul_nt written out (as in a derived program's text), its all-reduce split and fused with
+# the bias: the overlap feeds rows of dim 0 into the fused collective (CUDA: cuda/fused.py's
+# block of rows, along S and along H, the last dim)
+program nt(g: f32[B, S, F] sliced(2), w: f32[H, F] sliced(1), b: f32[H] replicated) {
+    y = matmul_nt(g, w)
+    s = allreduce(sum, y)
+    out = s + b
+    return out
+}
+schedule fused_s for nt {
+    rs, ag = split(s, dim=1)
+    agout = reorder(ag, out)
+    f = fuse(rs, out, agout)
+    overlap(y, f, chunks=2, dim=0)
+}
+schedule fused_h for nt {
+    rs, ag = split(s, dim=2)
+    agout = reorder(ag, out)
+    f = fuse(rs, out, agout)
+    overlap(y, f, chunks=2, dim=0)
+}
+
 schedule ar0 for grad(tp) {
     overlap(g_x_part, d_x, chunks=2, dim=0)
 }
@@ -64,8 +87,8 @@ schedule last for grad(col) {
     overlap(g_x_part, d_x, chunks=3, dim=1)
 }
 """
-SCHEDULES = {"tp_grad": ["ar0", "ar1", "ar2", "rs0", "rs2"], "col_grad": ["rows", "last"]}
-SIZES = {"tp": {"B": 2, "S": 5, "H": 4, "F": 7}, "col": {"S": 5, "H": 4, "F": 7}}
+SCHEDULES = {"tp_grad": ["ar0", "ar1", "ar2", "rs0", "rs2"], "col_grad": ["rows", "last"], "nt": ["fused_s", "fused_h"]}
+SIZES = {"tp": {"B": 2, "S": 5, "H": 4, "F": 7}, "col": {"S": 5, "H": 4, "F": 7}, "nt": {"B": 2, "S": 5, "H": 4, "F": 7}}
 MATCHES = "matches the interpreter on every rank"
 
 
@@ -85,7 +108,7 @@ def test_plan_names_the_gemm(mod):
 @pytest.mark.parametrize("prog", sorted(SCHEDULES))
 def test_interpreter_schedules_match_the_program(mod, prog, ranks):
     for s in SCHEDULES[prog]:
-        rep = run_interp(mod, prog, s, ranks, 1, SIZES[prog[:-len("_grad")]], seed=ranks)
+        rep = run_interp(mod, prog, s, ranks, 1, SIZES[prog.removesuffix("_grad")], seed=ranks)
         assert rep.problems == [], (s, rep.problems)
 
 
@@ -94,7 +117,8 @@ def _run(path: Path, prog: str, ranks: int, backend: list[str], cache: Path) -> 
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    cmd = [sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(path), "-p", prog, "--grad", "-s", "all",
+    grad = ["--grad"] if f"{prog}_grad" in SCHEDULES else []
+    cmd = [sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(path), "-p", prog, *grad, "-s", "all",
            "--ranks", str(ranks), *[f"--size={k}={v}" for k, v in SIZES[prog].items()], *backend]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
@@ -103,8 +127,9 @@ def _run(path: Path, prog: str, ranks: int, backend: list[str], cache: Path) -> 
 
 
 def _check(out: str, prog: str) -> None:
-    for s in SCHEDULES[f"{prog}_grad"]:
-        line = next((x for x in out.splitlines() if x.startswith(f"{prog}_grad [{s}]")), "")
+    name = f"{prog}_grad" if f"{prog}_grad" in SCHEDULES else prog
+    for s in SCHEDULES[name]:
+        line = next((x for x in out.splitlines() if x.startswith(f"{name} [{s}]")), "")
         assert MATCHES in line, (s, out)
 
 
@@ -123,14 +148,14 @@ def cache(request) -> Path:
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_cpu_backend_matches_interpreter(ccn, cache, ranks):
-    for prog in ("tp", "col"):
+    for prog in ("tp", "col", "nt"):
         _check(_run(ccn, prog, ranks, [], cache), prog)
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_cuda_emulation_matches_interpreter(ccn, cache, ranks):
-    for prog in ("tp", "col"):
+    for prog in ("tp", "col", "nt"):
         out = _run(ccn, prog, ranks, ["--backend", "cuda", "--emulate"], cache)
         assert "skipped" not in out, out
         _check(out, prog)
