@@ -12,7 +12,7 @@ agree, so the same formulas hold for every layout."""
 from __future__ import annotations
 
 from coconetc.codegen.base import Writer, prod
-from coconetc.plan.units import Library
+from coconetc.plan.units import Library, Overlap
 
 OPS = ("matmul", "conv2d", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
@@ -55,3 +55,24 @@ def call_args(w: Writer, u: Library) -> list[str]:
     assert u.op == "conv2d_dw", u.op  # x[N, C, H, W], g[N, O, HO, WO] -> dw[O, C, KH, KW] (w: the shape only)
     lx, lg = dims[0], dims[1]
     return [ptrs[0], ptrs[1], f"v_{u.dst}", *lx, out[0], out[2], out[3], lg[2], lg[3], *conv]
+
+
+def overlap_rows(w: Writer, u: Overlap, first: str, count: str, dst: str) -> tuple[str, list[str]]:
+    """An overlap's GEMM (u.gemm: matmul or matmul_nt) on `count` rows of a from row `first`
+    (a seen as [rows, inner]), into `dst`: the function and its arguments, as call_args lays
+    them out (matmul: A[M, K] x B[K, N]; matmul_nt: A[M, N] x B[K, N]^T)."""
+    la, lb = w.ldims(w.types[u.a]), w.ldims(w.types[u.b])
+    inner, cols = la[-1], (lb[1] if u.gemm == "matmul" else lb[0])
+    return u.gemm, [f"v_{u.a} + {first} * {inner}", f"v_{u.b}", dst, count, inner, cols]
+
+
+def overlap_cols(w: Writer, u: Overlap, dst: str) -> tuple[str, list[str]]:
+    """An overlap's GEMM on chunk r of its result's last dim, into the packed dst[M, |r|]: a
+    block of b's columns (matmul: gemm) or of b's rows (matmul_nt: gemm_trans, b transposed)."""
+    ly, la, lb = (w.ldims(w.types[n]) for n in (u.producer, u.a, u.b))
+    m, inner = prod(ly[:-1]), la[-1]
+    if u.gemm == "matmul":
+        return "gemm", [m, "r.size()", inner, f"v_{u.a}", inner, f"v_{u.b} + r.begin", lb[1], dst, "r.size()"]
+    assert u.gemm == "matmul_nt", u.gemm
+    return "gemm_trans", ["false", "true", m, "r.size()", inner, f"v_{u.a}", inner, f"v_{u.b} + r.begin * {lb[1]}",
+                          lb[1], dst, "r.size()"]

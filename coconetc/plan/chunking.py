@@ -41,7 +41,7 @@ class FusedSpec:
 
 @dataclass
 class OverlapSpec:
-    producer: Stage  # a matmul
+    producer: Stage  # a matmul or a matmul_nt
     collective: Stage  # the collective that reads it
     chunks: int
     dim: int
@@ -144,7 +144,7 @@ def _why_not_chunkable(p: Program, s: Stage, first: Stage, inside: dict, scatter
 
 
 def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
-    """overlap(): the matmul cut into chunks along dim o.dim of its result. Along dim 0 into an
+    """overlap(): the matmul (or matmul_nt) cut into chunks along dim o.dim of its result. Along dim 0 into an
     allreduce, a reducescatter along another dim or a fusion holding one, chunks are contiguous
     rows everywhere; along any other dim (or into an allgather) each chunk is packed for its
     collective. A fused consumer must take the direct way."""

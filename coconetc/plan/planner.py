@@ -450,7 +450,7 @@ class _Planner:
         else:
             fused = self._fused(ov.fused)
         self.out.append(Overlap(y.name, a, b, c.name, op_of(c).op, op_of(c).attr("op") or "", ov.chunks,
-                                ov.dim, ov.direct, fused, keep, _line(ov.span)))
+                                ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(y).op))
 
     # --- the end of the function ----------------------------------------------------------
     def _epilogue(self) -> None:

@@ -66,7 +66,7 @@ def _unit(u: Unit, ind: str) -> list[str]:
         return _fused(u, ind)
     assert isinstance(u, Overlap)
     how = "rows in place" if u.direct else "each chunk packed"
-    head = (f"{ind}{_at(u.line)} overlap {u.producer} = matmul({u.a}, {u.b}) in {u.chunks} chunks along "
+    head = (f"{ind}{_at(u.line)} overlap {u.producer} = {u.gemm}({u.a}, {u.b}) in {u.chunks} chunks along "
             f"dim {u.dim} ({how}){'' if u.keep_producer else ' (not kept)'} -> ")
     if u.fused is None:
         return [head + f"{u.collective} = {u.op}({u.reduce + ', ' if u.reduce else ''}{u.producer}) per chunk"]

@@ -206,11 +206,13 @@ class Fused:
 
 @dataclass(frozen=True)
 class Overlap:
-    """The matmul `producer` = a x b computed in `chunks` chunks along `dim` of its result;
-    each chunk's communication (`collective`, or the fused collective `fused`) starts as soon as
-    the chunk is computed, while the next chunk computes. direct: chunks along dim 0 are
-    contiguous rows of every buffer; otherwise each chunk is packed for its collective and its
-    result unpacked into place."""
+    """The GEMM `producer` = a x b (`gemm` "matmul"; "matmul_nt": a x b^T, a derived program's
+    input gradient) computed in `chunks` chunks along `dim` of its result; each chunk's
+    communication (`collective`, or the fused collective `fused`) starts as soon as the chunk is
+    computed, while the next chunk computes. direct: chunks along dim 0 are contiguous rows of
+    every buffer; otherwise each chunk is packed for its collective and its result unpacked into
+    place. A chunk along a leading dim reads a block of a's rows; along the last dim, a block of
+    b's columns (matmul) or rows (matmul_nt)."""
 
     producer: str
     a: str
@@ -224,6 +226,7 @@ class Overlap:
     fused: Fused | None = None
     keep_producer: bool = True  # the producer's full value is read later
     line: int = 0
+    gemm: str = "matmul"  # the producer's operation: matmul or matmul_nt
 
 
 Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap

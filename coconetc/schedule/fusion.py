@@ -76,16 +76,25 @@ def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:
     return p.stages[:first] + tuple(before + members + after) + p.stages[last + 1:]
 
 
+OVERLAP_GEMMS = ("matmul", "matmul_nt")
+"""The operations an overlap can cut into chunks (plan/units.py Overlap.gemm)."""
+
+
 def overlap(p: Program, d: OverlapD) -> Program:
     """overlap(y, f, chunks=4)
 
     before:  y = matmul(x, w)    f = fuse(rs, out, ago)          (y, then all of f)
     after:   y is computed in 4 chunks along one dim of its result; each chunk's communication
              in f starts as soon as the chunk is ready, while the next chunk computes.
+
+    The producer is a matmul, or a derived program's matmul_nt (a x b^T, the input gradient
+    of a matmul): chunks along its leading dims are row blocks of a, along its last dim row
+    blocks of b.
     """
     prod = p.stage(d.producer)
-    if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op == "matmul"):
-        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer must be a matmul stage")
+    if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op in OVERLAP_GEMMS):
+        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
+                            "the producer must be a matmul stage (or a derived program's matmul_nt)")
     coll = _consumer_collective(p, d)
     if not (isinstance(coll.top.args[0], Ref) and coll.top.args[0].name == d.producer):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,

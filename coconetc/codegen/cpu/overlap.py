@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen import dispatch
+from coconetc.codegen import dispatch, library
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
@@ -40,15 +40,22 @@ class CpuOverlap:
         rows, per_row = ly[0], _prod(ly[1:-1])
         chunk = f"coconet::chunk_range({rows}, {u.chunks}, i)"
         K, N = la[-1], lb[1]
-        # b prepared once (f16/bf16 widened to f32 once, not once per chunk); each chunk's GEMM
-        # in row blocks with the communication in flight progressed between them (gemm_steps)
-        self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
-        self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
+        if u.gemm == "matmul":
+            # b prepared once (f16/bf16 widened to f32 once, not once per chunk); each chunk's GEMM
+            # in row blocks with the communication in flight progressed between them (gemm_steps)
+            self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
+            self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
         self.w.emit(f"coconet::overlap({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
         self.w.emit(f"  const coconet::Range r = {chunk};")
-        self.w.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
-                  f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
-                  "[&] { ov.progress(); });")
+        if u.gemm == "matmul":
+            self.w.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
+                      f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
+                      "[&] { ov.progress(); });")
+        else:  # the chunk's rows in one GEMM (grad.h), then the communication in flight progressed
+            fn, args = library.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
+                                            f"v_{y} + r.begin * {_prod(ly[1:])}")
+            self.w.emit(f"  coconet::{fn}<{ct}>({', '.join(args)});")
+            self.w.emit("  ov.progress();")
         self.w.emit("}, [&](int i, int channel) {")
         self.w.emit(f"  const coconet::Range r = {chunk};")
         if u.fused is not None:
@@ -100,22 +107,22 @@ class CpuOverlap:
         y, c = u.producer, u.collective
         yt = self.w.types[y]
         ct = CTYPE[yt.dtype]
-        ly, la, lb, lc = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b, c))
+        ly, lc = (self.w.ldims(self.w.types[n]) for n in (y, c))
         d, nd = u.dim, yt.ndim
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
         self.w.emit(f"coconet::PackedChunks<{ct}> pk_{y}({u.chunks}, {outer}, {n}, {inner});")
         self.w.emit(f"coconet::overlap({u.chunks}, [&](int i) {{")
         self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
         self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
-        K = la[-1]
-        if d == nd - 1:  # a column block of b: P[M, |r|]
-            self.w.emit(f"  coconet::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
-                      f"v_{u.b} + r.begin, {lb[1]}, P, r.size());")
+        if d == nd - 1:  # a block of b (its columns; matmul_nt: its rows): P[M, |r|]
+            fn, args = library.overlap_cols(self.w, u, "P")
+            self.w.emit(f"  coconet::{fn}<{ct}>({', '.join(args)});")
         else:  # for each outer index, |r| * (rows per index of dim d) contiguous rows of a
             rows_per = _prod(ly[d + 1:-1])
+            fn, args = library.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}",
+                                            f"P + o * r.size() * {inner}")
             self.w.emit(f"  for (int64_t o = 0; o < {outer}; ++o)")
-            self.w.emit(f"    coconet::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
-                      f"P + o * r.size() * {inner}, r.size() * {rows_per}, {K}, {lb[1]});")
+            self.w.emit(f"    coconet::{fn}<{ct}>({', '.join(args)});")
         if u.keep_producer:
             self.w.emit(f"  coconet::unpack_block(P, v_{y}, {outer}, {n}, {inner}, r);")
         self.w.emit("}, [&](int i, int channel) {")

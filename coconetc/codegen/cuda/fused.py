@@ -111,13 +111,18 @@ class CudaFused:
         per = _prod(self.w.ldims(u.type)[1:])
         self.w.emit(f"  const int64_t base_{nm} = {block[0]} * {per};  // this block of rows of this rank's part")
         self.w.emit(f"  const int64_t mine_{nm} = {block[1]} * {per};")
+        # rows of dim 0 as outer indices of the collective's [outer, n0, inner] (a reduce-scatter
+        # along d > 1: each row of dim 0 is prod(dims 1..d-1) outer indices)
+        g = self.w.gdims(u.type)
+        d = u.type.layout.dim if u.op == "reducescatter" else 0
+        b0, b1 = (block if d <= 1 else (f"{block[0]} * {_prod(g[1:d])}", f"{block[1]} * {_prod(g[1:d])}"))
         if u.op == "reducescatter":
-            self.w.emit(f"  const int64_t most_{nm} = ({block[1]} - {block[0]}) * coconet::slice_chunk({n0}, "
+            self.w.emit(f"  const int64_t most_{nm} = ({b1} - {b0}) * coconet::slice_chunk({n0}, "
                       f"comm.size) * {inner};")
         else:  # an all-reduce: this block's elements
             self.w.emit(f"  const int64_t most_{nm} = mine_{nm} - base_{nm};")
         self.w.emit(f"  (void)base_{nm};")
-        return f", {block[0]}, {block[1]}"
+        return f", {b0}, {b1}"
 
     def _chunk_size(self, u: Fused) -> None:
         """ch_<name>, as the plan's chunking says (Fused.on("cuda")): COCONET_CUDA_CHUNK or 2^22

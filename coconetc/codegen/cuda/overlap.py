@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen import dispatch
+from coconetc.codegen import dispatch, library
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.fused import CudaFused
@@ -35,8 +35,7 @@ class CudaOverlap:
         yt = self.w.types[y]
         ct = CTYPE[yt.dtype]
         op = NCCL_OP.get(u.reduce, "")
-        ly, la, lb, lc = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b, c))
-        K, N = la[-1], lb[1]
+        ly, lc = (self.w.ldims(self.w.types[n]) for n in (y, c))
         ev, done = self.w.site(), self.w.site()
         self.w.emit("{")
         self.w.emit("  coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream")
@@ -46,8 +45,8 @@ class CudaOverlap:
             self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
             self.w.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
-            self.w.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + r.begin * {per_row} * {K}, v_{u.b}, "
-                      f"v_{y} + r.begin * {_prod(ly[1:])}, r.size() * {per_row}, {K}, {N}, stream);")
+            self._gemm(ct, library.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
+                                                f"v_{y} + r.begin * {_prod(ly[1:])}"), "    ")
             self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
             src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
             self.w.emit(dispatch.chunk_collective(self.w, u, {
@@ -57,7 +56,7 @@ class CudaOverlap:
                                                "cctx);"}))
             self.w.emit("  }")
         else:
-            self._overlap_packed(u, ct, op, ly, la, lb, lc, ev)
+            self._overlap_packed(u, ct, op, ly, lc, ev)
         self.w.emit(f"  coconet::cuda::join(ctx.comm_stream, ctx.stream, {done});")
         self.w.emit("}")
 
@@ -69,8 +68,7 @@ class CudaOverlap:
         the end."""
         y = u.producer
         ct = CTYPE[self.w.types[y].dtype]
-        ly, la, lb = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b))
-        K, N = la[-1], lb[1]
+        ly = self.w.ldims(self.w.types[y])
         rows, per_row = ly[0], _prod(ly[1:-1])
         ev, done = self.w.site(), self.w.site()
         self.w.emit("{")
@@ -79,8 +77,8 @@ class CudaOverlap:
         self.w.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
         self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
         self.w.emit("    if (rb.empty()) continue;")
-        self.w.emit(f"    coconet::cuda::matmul<{ct}>(v_{u.a} + rb.begin * {per_row} * {K}, v_{u.b}, "
-                  f"v_{y} + rb.begin * {_prod(ly[1:])}, rb.size() * {per_row}, {K}, {N}, stream);")
+        self._gemm(ct, library.overlap_rows(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
+                                            f"v_{y} + rb.begin * {_prod(ly[1:])}"), "    ")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
         self.w.emit("    {")
         self.w.emit("    const coconet::cuda::Ctx& ctx = sctx;")
@@ -94,11 +92,10 @@ class CudaOverlap:
             self.unit(a)
         self.w.emit("}")
 
-    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, la, lb, lc, ev: int) -> None:
+    def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, lc, ev: int) -> None:
         y, c = u.producer, u.collective
         yt = self.w.types[y]
         d, nd = u.dim, yt.ndim
-        K, N = la[-1], lb[1]
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
         oc, ic = _prod(lc[:d]), _prod(lc[d + 1:])
         self.w.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(ly)});")
@@ -110,14 +107,13 @@ class CudaOverlap:
         self.w.emit("    if (r.empty()) continue;")
         self.w.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
         self.w.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
-        if d == nd - 1:  # a column block of b: P[M, |r|]
-            self.w.emit(f"    coconet::cuda::gemm<{ct}>({_prod(ly[:-1])}, r.size(), {K}, v_{u.a}, {K}, "
-                      f"v_{u.b} + r.begin, {N}, P, r.size(), stream);")
+        if d == nd - 1:  # a block of b (its columns; matmul_nt: its rows): P[M, |r|]
+            self._gemm(ct, library.overlap_cols(self.w, u, "P"), "    ")
         else:
             rows_per = _prod(ly[d + 1:-1])
             self.w.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
-            self.w.emit(f"      coconet::cuda::matmul<{ct}>(v_{u.a} + (o * {n} + r.begin) * {rows_per} * {K}, v_{u.b}, "
-                      f"P + o * r.size() * {inner}, r.size() * {rows_per}, {K}, {N}, stream);")
+            self._gemm(ct, library.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}",
+                                                f"r.size() * {rows_per}", f"P + o * r.size() * {inner}"), "      ")
         if u.keep_producer:
             self.w.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
@@ -127,3 +123,8 @@ class CudaOverlap:
             "allgather": lambda split: f"    coconet::cuda::allgather<{ct}>(P, Q, {split}, cctx);"}))
         self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c}, {oc}, {lc[d]}, {ic}, r, ctx.comm_stream);")
         self.w.emit("  }")
+
+    def _gemm(self, ct: str, call: tuple[str, list[str]], ind: str) -> None:
+        """One GEMM of the overlap (cuBLAS, runtime.cuh / grad.cuh) on the call's stream."""
+        fn, args = call
+        self.w.emit(f"{ind}coconet::cuda::{fn}<{ct}>({', '.join(args)}, stream);")
