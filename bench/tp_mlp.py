@@ -14,6 +14,7 @@ inside a model). The derived backward recomputes the forward values it reads (`c
 examples/tp_mlp.ccn -p tp_mlp --grad` lists them): here one matmul and the gelu.
 
 Run: python bench/tp_mlp.py [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024,4096] [--ffn 4]
+     [--schedules default,overlapped|all] [--grad-schedules default,overlapped|all]
      [--ranks 2] [--reps 3] [--json PATH]"""
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def ccn_file(dtype: str) -> Path:
     return common.example_in_dtype("tp_mlp.ccn", dtype, "f32")
 
 
-def schedules(path: Path) -> tuple[list[str], list[str]]:
-    """(forward schedules, backward schedules) of tp_mlp in the file, 'default' first."""
+def schedules(path: Path, fwd: str, bwd: str) -> tuple[list[str], list[str]]:
+    """(forward schedules, backward schedules) of tp_mlp to time: the ones named, or "all" of the file."""
     from coconetc.sourcefile import load_file
     mod = load_file(path)
-    fwd = ["default", *[s for s, v in mod.schedules["tp_mlp"].items() if not v.auto]]
-    bwd = ["default", *[s for s, v in mod.schedules.get("tp_mlp_grad", {}).items() if not v.auto]]
-    return fwd, bwd
+    every = (["default", *[s for s, v in mod.schedules["tp_mlp"].items() if not v.auto]],
+             ["default", *[s for s, v in mod.schedules.get("tp_mlp_grad", {}).items() if not v.auto]])
+    return tuple(e if want == "all" else want.split(",") for e, want in zip(every, (fwd, bwd)))  # type: ignore[return-value]
 
 
 def allreduce(comm, how: str):
@@ -149,6 +150,8 @@ def main() -> int:
     ap.add_argument("--s", type=int, default=512)
     ap.add_argument("--h", default="1024,4096", help="hidden sizes, comma-separated")
     ap.add_argument("--ffn", type=int, default=4, help="F = ffn x hidden")
+    ap.add_argument("--schedules", default="default,overlapped", help="forward schedules, or all")
+    ap.add_argument("--grad-schedules", default="default,overlapped", help="schedules of grad(tp_mlp), or all")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -160,7 +163,7 @@ def main() -> int:
         from coconetc.launch.mpiexec import run_python
         return run_python(a.ranks, [__file__, *sys.argv[1:]])
     comm = common.setup_rank()
-    fwd, bwd = schedules(path)
+    fwd, bwd = schedules(path, a.schedules, a.grad_schedules)
     results = {a.b * a.s * h: run_size(comm, a, h, path, fwd, bwd) for h in map(int, a.h.split(","))}
     if comm.Get_rank() == 0:
         common.report(f"tp_mlp forward + backward, {a.dtype}, B={a.b} S={a.s} F={a.ffn}H (elements of x)",
