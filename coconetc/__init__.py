@@ -23,7 +23,10 @@ def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), lib
     PyTorch CUDA tensors, see coconetc.runtime.cuda; `archs` as nvcc's, default "80;90").
     include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
-    is searched for headers too)."""
+    is searched for headers too). grad: the names of programs (or one name) whose derived
+    programs the module holds too: `<p>_grad`, `<p>_fwd`, `<p>_bwd` (docs/autodiff.md).
+    With COCONET_CUDA_EMULATE=1, backend="cuda" builds for the host emulation (CPU tensors)."""
+    grad = (grad,) if isinstance(grad, str) else tuple(grad)
     if backend == "cuda":
         from coconetc.runtime.cuda import load as _load_cuda
         return _load_cuda(path, archs, log, include_dirs=include_dirs, library_dirs=library_dirs,
