@@ -77,9 +77,9 @@ def reps_for(n: int, reps: int) -> int:
     return reps if n >= big else min(reps * 50, reps * max(1, big // max(n, 1)))
 
 
-def gloo(comm) -> Any:
-    """torch.distributed's gloo process group over the ranks of the mpiexec job (a rendezvous
-    file in /tmp named by rank 0)."""
+def gloo(comm, backend: str = "gloo") -> Any:
+    """torch.distributed's process group (gloo; or nccl, one GPU a rank) over the ranks of the
+    mpiexec job (a rendezvous file in /tmp named by rank 0)."""
     import torch.distributed as dist
     if dist.is_initialized():
         return dist
@@ -89,7 +89,7 @@ def gloo(comm) -> Any:
         os.close(fd)
         os.unlink(name)
     name = comm.bcast(name, root=0)
-    dist.init_process_group("gloo", init_method=f"file://{name}", rank=comm.Get_rank(),
+    dist.init_process_group(backend, init_method=f"file://{name}", rank=comm.Get_rank(),
                             world_size=comm.Get_size())
     return dist
 

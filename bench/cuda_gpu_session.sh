@@ -7,6 +7,8 @@
 #   symmetric.json  the same with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
 #   chunks.json     the same at size 37 in 5-element chunks (every fused pipeline runs many chunks)
 #   adam_step_cuda.json, adam_step_cuda_symmetric.json  the Adam step against torch's fused Adam
+#   tp_mlp_cuda_f32.json, tp_mlp_cuda_bf16.json  the tensor-parallel MLP's forward + backward
+#                   (coconetc.torch.function) against the same layer in PyTorch
 # A step that fails does not stop the others.
 set -u
 OUT=${1:-out/gpu}
@@ -38,6 +40,9 @@ step chunks env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --skip-benc
 step adam python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$OUT/adam_step_cuda.json"
 step adam_symmetric env COCONET_CUDA_FUSED=symmetric \
     python3 bench/adam_step.py --backend cuda --sizes 26 --json "$OUT/adam_step_cuda_symmetric.json"
+step tp_mlp python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$OUT/tp_mlp_cuda_f32.json"
+step tp_mlp_bf16 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \
+    --json "$OUT/tp_mlp_cuda_bf16.json"
 for s in examples misalign symmetric chunks; do
     cp "$tmp/$s/cuda_gpu_check.json" "$OUT/$s.json" 2>/dev/null || echo "no $s.json" | tee -a "$LOG"
 done

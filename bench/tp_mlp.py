@@ -13,7 +13,10 @@ One step: y = layer(x, w1, b1, w2, b2); y.backward(dy), with x requiring its gra
 inside a model). The derived backward recomputes the forward values it reads (`coconetc show
 examples/tp_mlp.ccn -p tp_mlp --grad` lists them): here one matmul and the gelu.
 
-Run: python bench/tp_mlp.py [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024,4096] [--ffn 4]
+On GPUs (`--backend cuda`): CUDA tensors, one GPU a rank, against the same layer with
+torch.distributed's NCCL all-reduce (bench/cuda_gpu_session.sh runs it on one GPU).
+
+Run: python bench/tp_mlp.py [--backend cpu|cuda] [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024,4096] [--ffn 4]
      [--schedules default,overlapped|all] [--grad-schedules default,overlapped|all]
      [--ranks 2] [--reps 3] [--json PATH]"""
 
@@ -28,6 +31,7 @@ import common  # noqa: E402
 
 MPI4PY = "torch + mpi4py Allreduce"
 GLOO = "torch + torch.distributed gloo all_reduce"
+NCCL = "torch (CUDA) + torch.distributed nccl all_reduce"
 
 
 def ccn_file(dtype: str) -> Path:
@@ -47,8 +51,8 @@ def allreduce(comm, how: str):
     """The all-reduce of a tensor in place: gloo or mpi4py (bf16 through f32)."""
     import torch
     from mpi4py import MPI
-    if how == "gloo":
-        dist = common.gloo(comm)
+    if how in ("gloo", "nccl"):
+        dist = common.gloo(comm, backend=how)
         return lambda t: dist.all_reduce(t)
 
     def mpi(t):
@@ -110,6 +114,9 @@ def run_size(comm, a, h: int, path: Path, fwd: list[str], bwd: list[str]) -> dic
     w2 = (torch.randn(f, h, generator=gen) / f ** 0.5)[lo:hi].to(dt).contiguous()
     b2 = torch.randn(h, generator=gen).to(dt)
     dy = torch.randn(a.b, a.s, h, generator=gen).to(dt)
+    gpu = a.backend == "cuda" and torch.cuda.is_available()  # (else: the host emulation, CPU tensors)
+    if gpu:
+        x, w1, b1, w2, b2, dy = (t.cuda() for t in (x, w1, b1, w2, b2, dy))
     leaves = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2)]
 
     def step(layer):
@@ -117,12 +124,15 @@ def run_size(comm, a, h: int, path: Path, fwd: list[str], bwd: list[str]) -> dic
             for t in leaves:
                 t.grad = None
             layer(*leaves).backward(dy)
+            if gpu:
+                torch.cuda.synchronize()
         return run
 
-    fns = {("b", label): step(megatron(comm, how)) for label, how in ((GLOO, "gloo"), (MPI4PY, "mpi4py"))}
+    baselines = ((NCCL, "nccl"),) if gpu else ((GLOO, "gloo"), (MPI4PY, "mpi4py"))
+    fns = {("b", label): step(megatron(comm, how)) for label, how in baselines}
     for s in fwd:
         for g in bwd:
-            fn = ct.function(path, "tp_mlp", schedule=s, grad_schedule=g, comm=comm)
+            fn = ct.function(path, "tp_mlp", schedule=s, grad_schedule=g, comm=comm, backend=a.backend)
             fns["c", f"{s} / grad {g}"] = step(lambda x, w1, b1, w2, b2, fn=fn: fn(x=x, w1=w1, b1=b1, w2=w2, b2=b2))
     # every variant's gradients agree (the same step, computed differently)
     ref = None
@@ -152,6 +162,9 @@ def main() -> int:
     ap.add_argument("--ffn", type=int, default=4, help="F = ffn x hidden")
     ap.add_argument("--schedules", default="default,overlapped", help="forward schedules, or all")
     ap.add_argument("--grad-schedules", default="default,overlapped", help="schedules of grad(tp_mlp), or all")
+    ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: CUDA tensors, one GPU a rank, against torch + NCCL (under COCONET_CUDA_EMULATE=1 "
+                    "without a GPU: the CUDA module on CPU tensors, against the CPU baselines)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -159,16 +172,20 @@ def main() -> int:
     path = ccn_file(a.dtype)
     if not common.in_mpi_job():
         import coconetc
-        coconetc.load(path, grad="tp_mlp")  # built once, before the ranks start
+        coconetc.load(path, grad="tp_mlp", backend=a.backend)  # built once, before the ranks start
         from coconetc.launch.mpiexec import run_python
         return run_python(a.ranks, [__file__, *sys.argv[1:]])
     comm = common.setup_rank()
+    if a.backend == "cuda":
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
     fwd, bwd = schedules(path, a.schedules, a.grad_schedules)
     results = {a.b * a.s * h: run_size(comm, a, h, path, fwd, bwd) for h in map(int, a.h.split(","))}
     if comm.Get_rank() == 0:
         common.report(f"tp_mlp forward + backward, {a.dtype}, B={a.b} S={a.s} F={a.ffn}H (elements of x)",
-                      f"tp_mlp_{a.dtype}", results, [MPI4PY, GLOO],
-                      {"ranks": comm.Get_size(), "dtype": a.dtype}, a.json)
+                      f"tp_mlp_{a.backend}_{a.dtype}" if a.backend == "cuda" else f"tp_mlp_{a.dtype}", results,
+                      [MPI4PY, GLOO, NCCL], {"ranks": comm.Get_size(), "dtype": a.dtype, "backend": a.backend}, a.json)
     return 0
 
 
