@@ -8,13 +8,10 @@ modules are built once into the pytest cache (shared with the other end-to-end t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-from coconetc.launch.mpiexec import run_python
-from coconetc.toolchain import probes
+from rank_checks import build_cache, check, launch
 
 torch = pytest.importorskip("torch")
 
@@ -25,32 +22,22 @@ WORKER = Path(__file__).with_name("torch_function_worker.py")
 
 @pytest.fixture(scope="module")
 def built(request):
-    """COCONET_CACHE -> the pytest cache; the modules (with their derived programs) built once
-    here, so that the ranks only import them."""
+    """The modules (with their derived programs) built once here, in the pytest cache, so that
+    the ranks only import them."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file, with_grads
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    for f, progs in ((TP_MLP, ["tp_mlp"]), (TP_MLP, ["sp_block"]), (PIPELINE, ["stage"])):
-        compile_cpu(with_grads(load_file(f), progs), log=lambda msg: None)
-    yield
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
+    with build_cache(request):
+        for f, progs in ((TP_MLP, ["tp_mlp"]), (TP_MLP, ["sp_block"]), (PIPELINE, ["stage"])):
+            compile_cpu(with_grads(load_file(f), progs), log=lambda msg: None)
+        yield
 
 
 def _launch(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:
-    rc = run_python(ranks, [str(WORKER), *args], timeout=500)
-    out, err = capfd.readouterr()
-    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    return launch(capfd, WORKER, ranks, *args)
 
 
 def _check(lines: list[str], log: str, prefixes: list[str]) -> None:
-    assert not [ln for ln in lines if ln.startswith("FAIL")], log
-    ok = [ln.split()[1] for ln in lines if ln.startswith("OK ")]
-    for p in prefixes:
-        assert any(label.startswith(p) for label in ok), f"{p} missing\n{log}"
+    check(lines, log, prefixes, prefix=True)
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])

@@ -1,0 +1,44 @@
+"""What the tests that run a worker script on R MPI ranks share: the build cache in pytest's
+cache folder (so the ranks only import modules built once), the launch, and the worker's report
+lines ("OK <label> ..." / "FAIL <label>: <why>", printed by rank 0)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from coconetc.launch.mpiexec import run_python
+from coconetc.toolchain import probes
+
+
+@contextmanager
+def build_cache(request) -> Iterator[Path]:
+    """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts), restored after."""
+    old = os.environ.get(probes.ENV_CACHE)
+    path = Path(request.config.cache.mkdir("coconet-build"))
+    os.environ[probes.ENV_CACHE] = str(path)
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop(probes.ENV_CACHE, None)
+        else:
+            os.environ[probes.ENV_CACHE] = old
+
+
+def launch(capfd, worker: Path, ranks: int, *args: str, timeout: float = 500) -> tuple[int, list[str], str]:
+    """Run `python WORKER ARGS` on R ranks: (exit code, stdout lines, a log for assertion messages)."""
+    rc = run_python(ranks, [str(worker), *args], timeout=timeout)
+    out, err = capfd.readouterr()
+    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+
+
+def check(lines: list[str], log: str, labels: list[str], prefix: bool = False) -> None:
+    """No FAIL line, and an OK line for every label (or for a label starting with it)."""
+    assert not [ln for ln in lines if ln.startswith("FAIL")], log
+    ok = [ln.split()[1] for ln in lines if ln.startswith("OK ")]
+    for label in labels:
+        found = any(k.startswith(label) for k in ok) if prefix else label in ok
+        assert found, f"{label} missing\n{log}"
