@@ -95,7 +95,8 @@ def test_mixed_precision_f16_and_bf16(built, capfd, ranks):
     rc, lines, log = _run(capfd, ranks, "mixed")
     _check(lines, log, [f"mixed:{f}:{b}:{s}:R{ranks}:{w}" for f in ("mixed_adam", "mixed_adam_bf16")
                         for b, s in (("cuda", "default"), ("cuda", "zero"), ("cpu", "zero"))
-                        for w in ("master", "params", "state", "f32_state")])
+                        for w in ("master", "params", "state", "f32_state")]
+           + [f"mixed:{f}:zero:R{ranks}:cuda_vs_cpu" for f in ("mixed_adam", "mixed_adam_bf16")])
     assert rc == 0, log
 
 
