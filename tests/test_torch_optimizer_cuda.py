@@ -1,7 +1,8 @@
 """coconetc.torch.DistributedOptimizer on the CUDA backend (issue 19), tested without a GPU:
 with COCONET_CUDA_EMULATE=1, backend="cuda" builds the CUDA module for the host emulation and
 takes CPU tensors in place of CUDA tensors. On 2 ranks (3 slow-marked): every schedule of
-examples/adam.ccn the CUDA module has, against torch.optim.Adam and against the CPU backend;
+examples/adam.ccn the CUDA module has, against torch.optim.Adam and against the CPU backend
+(also on 1 and 4 ranks, slow);
 AdamW; a checkpoint of the emulated CUDA optimizer loaded by the CPU one and back;
 process_group= with a gloo group; mixed precision (f16 and bf16 parameters, f32 master weights
 and state). In this process: without the switch, CPU tensors given to the CUDA backend are an
@@ -65,7 +66,8 @@ def _check(lines: list[str], log: str, labels: list[str]) -> None:
 RANKS = [2, pytest.param(3, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
 def test_every_cuda_schedule_of_adam_against_torch_and_the_cpu_backend(built, capfd, ranks):
     rc, lines, log = _run(capfd, ranks, "adam")
     scheds = next(ln for ln in lines if ln.startswith("SCHEDULES ")).split()[1:]
