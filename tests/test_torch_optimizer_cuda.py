@@ -102,6 +102,27 @@ def test_mixed_precision_f16_and_bf16(built, capfd, ranks):
     assert rc == 0, log
 
 
+def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, capfd, monkeypatch):
+    """Rank 1's NCCL calls fail (COCONET_EMULATE_NCCL_FAIL_RANK, the emulation's injection) while
+    rank 0 waits in the all-reduce for it: rank 1 notifies rank 0 and aborts its communicator,
+    rank 0's watchdog aborts its own (ncclCommAbort), and step() raises on both, naming rank 1
+    and the call, well within COCONET_TIMEOUT; the aborted communicator refuses later calls."""
+    monkeypatch.setenv("COCONET_EMULATE_NCCL_FAIL_RANK", "1")
+    monkeypatch.setenv("COCONET_TIMEOUT", "60")
+    rc, lines, log = _run(capfd, 2, "abort")
+    assert not [ln for ln in lines if "NOT RAISED" in ln], log
+    for r in (0, 1):
+        raised = next((ln for ln in lines if ln.startswith(f"RAISED {r} ")), None)
+        assert raised is not None, log
+        assert float(raised.split()[2].rstrip("s")) < 30, raised
+        for needle in (".adam(schedule='default'): rank 1 failed: ", "ncclAllReduce: unhandled system error",
+                       "the NCCL communicator was aborted (ncclCommAbort) on every rank", f"(this is rank {r})"):
+            assert needle in raised, raised
+        again = next(ln for ln in lines if ln.startswith(f"AGAIN {r} "))
+        assert "the NCCL communicator was aborted (rank 1 failed in " in again, again
+    assert rc == 0, log
+
+
 # --- in this process ------------------------------------------------------------------------------
 def _model():
     torch.manual_seed(0)

@@ -16,7 +16,10 @@ MODE checkpoint    a checkpoint of the emulated CUDA optimizer (zero) loaded by 
 MODE pg            process_group= a gloo group made inside the mpiexec job (no comm=)
 MODE mixed         mixed precision: f16 (mixed_adam.ccn) and bf16 (mixed_adam_bf16.ccn)
                    parameters and gradients, f32 master weights and state, on both backends,
-                   against torch.optim.Adam on f32 copies"""
+                   against torch.optim.Adam on f32 copies
+MODE abort [SCHED] COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail;
+                   step() must raise on every rank, naming rank 1 and the call, the NCCL
+                   communicator aborted on each (prints "RAISED <rank> <message>")"""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import copy
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -235,9 +239,29 @@ def mode_mixed() -> None:
         report(f"mixed:{source.stem}:zero:R{R}:cuda_vs_cpu", comm.allreduce(d, op=MPI.MAX), 1e-6)
 
 
+def mode_abort() -> None:
+    model = W.make_model()
+    schedule = sys.argv[2] if len(sys.argv) > 2 else "default"
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", **HYPER)
+    W.local_loss(model, 1).backward()
+    start = time.monotonic()
+    try:
+        opt.step()
+        print(f"NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"RAISED {rank} {time.monotonic() - start:.1f}s {err}".replace("\n", " "), flush=True)
+    try:
+        opt.step()
+        print(f"AGAIN NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
+    comm.Barrier()  # MPI_COMM_WORLD is untouched by the abort
+
+
 def run_mode(comm) -> int:
     mode = sys.argv[1]
-    {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed}[mode]()
+    {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
+     "abort": mode_abort}[mode]()
     return 1 if W.failures else 0
 
 
