@@ -18,6 +18,9 @@ step. `state_dict()` is the whole optimizer state on every rank (slices gathered
 collective over `comm`: every rank constructs the optimizer, and adds each parameter group, at
 the same point), so that on one node the fused collectives read the peers' gradients and
 updated weights in place instead of copying them (docs/performance.md).
+`backend=` (None: the parameters' device) picks the CPU module or the CUDA one (NCCL made from
+`comm` or from a torch.distributed `process_group=`; CPU tensors for CUDA ones only under
+COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
