@@ -18,6 +18,9 @@ step. `state_dict()` is the whole optimizer state on every rank (slices gathered
 collective over `comm`: every rank constructs the optimizer, and adds each parameter group, at
 the same point), so that on one node the fused collectives read the peers' gradients and
 updated weights in place instead of copying them (docs/performance.md).
+`backend=` (None: the parameters' device) picks the CPU module or the CUDA one (NCCL made from
+`comm` or from a torch.distributed `process_group=`; CPU tensors for CUDA ones only under
+COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ def _load(source: str | Path, grad: tuple[str, ...] = (), what: str = "Distribut
     return _LOADED[key]
 
 
-def _function(source, program: str | None) -> Any:
-    mod = _load(source)
+def _function(source, program: str | None, backend: str = "cpu") -> Any:
+    mod = _load(source, backend=backend)
     if program is None:
         if len(mod.programs) != 1:
             raise ValueError(f"DistributedOptimizer: {source} holds programs "
@@ -67,21 +70,33 @@ def _function(source, program: str | None) -> Any:
     return mod.programs[program]
 
 
+def _program(fn: Any, schedule: str | None) -> Any:
+    """The Program a schedule label runs, for a CPU or a CUDA module's function (an unknown
+    schedule raises, naming the known ones)."""
+    from coconetc.plan.label import parse
+    return fn.program_of(parse(schedule))
+
+
+def _tensors(params: list) -> list:
+    """The parameter tensors of `params` (tensors, or param-group dicts)."""
+    out = []
+    for x in params:
+        ps = x["params"] if isinstance(x, dict) else [x]
+        out.extend([ps] if isinstance(ps, torch.Tensor) else list(ps))
+    return out
+
+
 def _numel(params: list) -> int:
     """Elements of all parameters (of every group)."""
-    total = 0
-    for x in params:
-        for p in x["params"] if isinstance(x, dict) else [x]:
-            total += p.numel()
-    return total
+    return sum(p.numel() for p in _tensors(params))
 
 
 class _Roles:
     """Which parameter of the program is what, checked once against every schedule."""
 
     def __init__(self, fn: Any, schedule: str, weights: str, grads: str, step: str,
-                 scalars: dict[str, Any]):
-        self.p = fn._program(schedule)
+                 scalars: dict[str, Any], master: str | None = None):
+        self.p = _program(fn, schedule)
         what = f"DistributedOptimizer({fn.name})"
         q = {x.name: x for x in self.p.params}
         for role, name in (("weights", weights), ("grads", grads)):
@@ -90,7 +105,11 @@ class _Roles:
                                  f"(tensors: {', '.join(x.name for x in self.p.params if not x.scalar)})")
         if step not in q or not q[step].scalar:
             raise ValueError(f"{what}: step={step!r} must name a scalar parameter")
-        self.weights, self.grads, self.step = weights, grads, step
+        if master is not None and (master not in q or q[master].scalar or master in (weights, grads)
+                                   or q[master].type.dtype not in _FLOATS):
+            raise ValueError(f"{what}: master={master!r} must name a floating-point tensor parameter "
+                             "other than the weights and gradients (the master weights)")
+        self.weights, self.grads, self.step, self.master = weights, grads, step, master
         self.state = [x for x in self.p.params if not x.scalar and x.name not in (weights, grads)]
         self.scalars = [x.name for x in self.p.params if x.scalar and x.name != step]
         extra = sorted(set(scalars) - set(self.scalars))
@@ -104,6 +123,8 @@ class _Roles:
                 raise ValueError(f"{what}: '{x.name}' is {x.type}: the optimizer needs a program "
                                  "over flat 1-d tensors whose weights and gradients are not sliced")
         self.scattered = q[weights].scattered
+        if master is not None and (self.scattered or q[master].scattered):
+            raise ValueError(f"{what}: master={master!r}: master weights need flat (not scattered) weights")
         self.dtype = q[weights].type.dtype
         self.grad_dtype = q[grads].type.dtype
         self.size = q[weights].type.shape[0]
@@ -124,15 +145,18 @@ def _shared_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
 
 class _Group:
     """One parameter group's buffers: the flat weights the parameters view (or the parameters
-    themselves as segments), the flat gradient, the state in the schedule's layout."""
+    themselves as segments), the flat gradient, the state in the schedule's layout, all on the
+    backend's device (the parameters' CUDA device; the CPU for the CPU backend and under
+    COCONET_CUDA_EMULATE=1)."""
 
     def __init__(self, opt: DistributedOptimizer, params: list[torch.Tensor]):
         roles = opt._roles
         want = getattr(torch, layout.TORCH_DTYPES[roles.dtype])
+        dev = opt._device
         for p in params:
-            if p.dtype != want or p.device.type != "cpu":
+            if p.dtype != want or p.device != dev:
                 raise ValueError(f"DistributedOptimizer: a parameter is {p.dtype} on {p.device}; "
-                                 f"'{roles.weights}' is {roles.dtype} on the CPU")
+                                 f"'{roles.weights}' is {roles.dtype} on {opt._device_words}")
         self.params = params
         self.numels = [p.numel() for p in params]
         self.n = sum(self.numels)
@@ -144,19 +168,24 @@ class _Group:
             self.flat = None
         else:  # packed once; the parameters then view the flat buffer
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
-                torch.empty(0, dtype=want)
+                torch.empty(0, dtype=want, device=dev)
             if opt._shared:  # in a shared window: the peers read this rank's part in place
                 self.flat = _shared_copy(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
                 p.data = view
         gdt = getattr(torch, layout.TORCH_DTYPES[roles.grad_dtype])
-        self.gflat = torch.zeros(self.n, dtype=gdt)
+        self.gflat = torch.zeros(self.n, dtype=gdt, device=dev)
         if opt._shared and not roles.scattered:  # the gradient too: nothing staged
             self.gflat = _shared_copy(self.gflat, roles.grad_dtype, opt._comm)
         self.gviews = self._views(self.gflat)
-        self.state = {q.name: opt._fn.zeros(q.name, framework="torch", schedule=opt._schedule,
-                                            comm=opt._comm, **{str(roles.size): self.n})
-                      for q in roles.state}
+        self.state = {q.name: opt._zeros(q.name, self.n) for q in roles.state}
+        if roles.master is not None:  # the master weights start as the parameters' values
+            self.reset_master(opt)
+
+    def reset_master(self, opt: DistributedOptimizer) -> None:
+        assert self.flat is not None
+        t = self.state[opt._roles.master]
+        t.copy_(self.flat[opt._index(opt._roles.master, self.n)].to(t.dtype))
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [v.view_as(p) for v, p in zip(flat.split(self.numels), self.params)]
@@ -188,23 +217,54 @@ class _Group:
         return args
 
 
+_NCCL: dict[tuple, Any] = {}
+
+
+def _nccl(ext: Any, comm: Any, process_group: Any) -> Any:
+    """The NCCL communicator (runtime/cuda.py: nccl_comm) over `comm` (mpi4py) or over a
+    torch.distributed `process_group`, made once per module and communicator in this process
+    (collective the first time: every rank constructs its optimizer together)."""
+    from coconetc.runtime.cuda import emulating, nccl_comm
+    if emulating():  # the emulated NCCL runs on MPI (initialized before the module's first call)
+        from mpi4py import MPI  # noqa: F401
+    key = (id(ext), id(process_group) if process_group is not None else id(comm))
+    if key not in _NCCL:
+        _NCCL[key] = (nccl_comm(ext, comm, process_group=process_group), comm, process_group)
+    return _NCCL[key][0]
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose step is a compiled coconet program (see the module's doc)."""
 
     def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
                  schedule: str = "default", comm: Any = None, weights: str = "w",
-                 grads: str = "g", step: str = "step", shared_memory: bool = False, **scalars: Any):
-        from mpi4py import MPI
-        self._fn = _function(source, program)
-        self._comm = MPI.COMM_WORLD if comm is None else comm
+                 grads: str = "g", step: str = "step", shared_memory: bool = False,
+                 backend: str | None = None, process_group: Any = None, master: str | None = None,
+                 **scalars: Any):
+        params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
+                  if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
+        if backend not in (None, "cpu", "cuda"):
+            raise ValueError(f"DistributedOptimizer: backend must be 'cpu', 'cuda' or None (the "
+                             f"parameters' device), got {backend!r}")
+        if backend is None:
+            backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
+        self._backend = backend
         self._shared = bool(shared_memory)
-        params = list(params)
+        self._connect(params, source, program, comm, process_group)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
+            if backend != "cpu":
+                raise ValueError("DistributedOptimizer: schedule='auto' reads the CPU backend's tuning "
+                                 "cache; name the CUDA module's schedule")
             schedule = self._fn.resolve_schedule("auto", comm=self._comm,
                                                  **{self._fn_size(weights): _numel(params)})
-        self._fn._program(schedule)  # an unknown schedule raises, naming the known ones
+        try:
+            _program(self._fn, schedule)  # an unknown schedule raises, naming the known ones
+        except ValueError as err:
+            if backend == "cuda":
+                raise ValueError(f"DistributedOptimizer({self._fn.name}): {err}") from None
+            raise
         self._schedule = schedule
-        self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars)
+        self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars, master)
         self._groups: list[_Group] = []
         defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
         super().__init__(params, defaults)
@@ -214,14 +274,70 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"DistributedOptimizer({self._fn.name}): no value for the "
                                 f"scalar {missing[0]!r} (pass {missing[0]}=...)")
 
+    def _connect(self, params: list, source: str | Path, program: str | None, comm: Any,
+                 process_group: Any) -> None:
+        """The backend's module function, communicator and device; the parameters on that device."""
+        from coconetc.runtime.cuda import NcclComm, emulating
+        backend = self._backend
+        if backend == "cpu":
+            if process_group is not None or isinstance(comm, NcclComm):
+                raise ValueError("DistributedOptimizer: the CPU backend communicates over MPI (comm= an "
+                                 "mpi4py communicator); process_group= and NCCL are for backend='cuda'")
+            from mpi4py import MPI
+            _check_devices("DistributedOptimizer", "cpu", _param_names(params))
+            self._fn = _function(source, program)
+            self._comm = MPI.COMM_WORLD if comm is None else comm
+            self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
+            self._device = torch.device("cpu")
+            self._device_words = "the CPU"
+        else:
+            if self._shared:
+                raise ValueError("DistributedOptimizer: shared_memory=True is for the CPU backend "
+                                 "(MPI shared windows)")
+            _check_devices("DistributedOptimizer", "cuda", _param_names(params))
+            self._fn = _function(source, program, backend="cuda")
+            if isinstance(comm, NcclComm):
+                self._comm = comm
+            else:
+                self._comm = _nccl(self._fn.ext, comm, process_group)
+            self._rank, self._size = self._comm.rank, self._comm.size
+            if emulating():
+                self._device, self._device_words = torch.device("cpu"), \
+                    "the CPU (the CUDA module under the host emulation)"
+            else:
+                self._device = torch.device("cuda", torch.cuda.current_device())
+                self._device_words = str(self._device)
+
     def _fn_size(self, weights: str) -> str:
-        q = layout.param(self._fn._program(None), weights, "DistributedOptimizer")
+        q = layout.param(_program(self._fn, None), weights, "DistributedOptimizer")
         return str(q.type.shape[0]) if q.type.shape else "N"
+
+    def _where(self, name: str, n: int) -> tuple[Any, list[int]]:
+        p = self._roles.p
+        what = f"DistributedOptimizer({self._fn.name})"
+        q = layout.param(p, name, what)
+        return q, layout.bind(p, q, {str(self._roles.size): n}, what)
+
+    def _index(self, name: str, n: int, rank: int | None = None) -> tuple[slice, ...]:
+        """The index of rank's (default: this rank's) part of state NAME in the whole tensor."""
+        q, shape = self._where(name, n)
+        return layout.local_index(q, shape, self._size, self._rank if rank is None else rank)
+
+    def _zeros(self, name: str, n: int) -> torch.Tensor:
+        """State NAME in this rank's layout under the schedule, zeros on the backend's device."""
+        q, shape = self._where(name, n)
+        return torch.zeros(layout.local_shape(q, shape, self._size, self._rank),
+                           dtype=getattr(torch, layout.TORCH_DTYPES[q.type.dtype]), device=self._device)
 
     @property
     def schedule(self) -> str:
         """The schedule each step runs (the tuner's choice under schedule="auto")."""
         return self._schedule
+
+    @property
+    def backend(self) -> str:
+        """"cpu" or "cuda" (the CUDA module; under COCONET_CUDA_EMULATE=1 its host emulation)."""
+        return self._backend
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -258,7 +374,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The whole state on every rank (slices gathered), as torch optimizers lay it out:
         {"state": {param index: {"step": tensor, name: tensor shaped like the parameter}},
-         "param_groups": [{scalar: value, ..., "params": [indices]}]}."""
+         "param_groups": [{scalar: value, ..., "params": [indices]}]}. The state tensors are on
+        the optimizer's device (CPU tensors load on any backend)."""
         self._everyone_here("state_dict()")
         state: dict[int, dict[str, torch.Tensor]] = {}
         groups = []
@@ -271,14 +388,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 parts = {name: f.split(group.numels) for name, f in full.items()}
                 for k, (i, p) in enumerate(zip(idx, group.params)):
                     entry = {"step": torch.tensor(float(group.steps))}
-                    entry.update({name: parts[name][k].view_as(p).clone() for name in parts})
+                    entry.update({name: parts[name][k].view(p.shape).clone() for name in parts})
                     state[i] = entry
             groups.append({**{k: v for k, v in opts.items() if k != "params"}, "params": idx})
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict() taken under any schedule and rank count: the state is sliced
-        again for this optimizer's schedule and this rank."""
+        """Loads a state_dict() taken under any schedule, rank count and backend: the state is
+        sliced again for this optimizer's schedule and this rank, and copied to its device."""
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -293,10 +410,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _load_group(self, sg: dict, group: _Group, states: dict[int, dict]) -> None:
         entries = [states.get(int(i)) for i in sg["params"]]
+        master = self._roles.master
         if all(e is None for e in entries):
             group.steps = 0
             for t in group.state.values():
                 t.zero_()
+            if master is not None:
+                group.reset_master(self)
             return
         if any(e is None for e in entries):
             raise ValueError("loaded state dict has state for only some parameters of a group")
@@ -304,16 +424,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if len(steps) != 1:
             raise ValueError(f"loaded state dict: the parameters of a group are at different steps {sorted(steps)}")
         for name, t in group.state.items():
+            if name == master and all(name not in e for e in entries):  # type: ignore[operator]
+                group.reset_master(self)  # a checkpoint without master weights: the parameters
+                continue
             parts = []
             for e, p in zip(entries, group.params):
                 v = e.get(name) if e is not None else None
                 if v is None or v.numel() != p.numel():
                     raise ValueError(f"loaded state dict: {name!r} is missing or has the wrong size")
-                parts.append(v.reshape(-1).to(t.dtype))
+                parts.append(v.reshape(-1).to(device=t.device, dtype=t.dtype))
             full = torch.cat(parts)
-            index = self._fn.local_index(name, schedule=self._schedule, comm=self._comm,
-                                         **{str(self._roles.size): group.n})
-            t.copy_(full[index])
+            t.copy_(full[self._index(name, group.n)])
         group.steps = int(steps.pop())
 
     def _everyone_here(self, what: str) -> None:
@@ -323,7 +444,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from coconetc.runtime import agree
         mine = ("coconetc.torch", what, [g.n for g in self._groups])
         label = f"DistributedOptimizer.{what} ({self._fn.name}, schedule {self._schedule!r})"
-        everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
+        if self._backend == "cpu":
+            everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
+        else:  # over the NCCL communicator's MPI communicator or torch.distributed group
+            from coconetc.runtime.cuda import _exchange
+            everyone = _exchange(self._comm, mine, label, agree.timeout_s())
         bad = [r for r, x in enumerate(everyone) if x != mine]
         if bad:
             raise RuntimeError(f"{label}: rank {bad[0]} is not doing the same (it is at "
@@ -332,23 +457,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _gather(self, name: str, local: torch.Tensor, n: int) -> torch.Tensor:
         """The whole tensor from every rank's slice (a copy of it when it is not sliced)."""
-        ranks, rank = self._comm.Get_size(), self._comm.Get_rank()
+        ranks, rank = self._size, self._rank
         if name not in self._roles.sliced:
             return local.clone()
+        spans = [self._index(name, n, r)[0] for r in range(ranks)]
+        if self._backend != "cpu":  # through the host, over MPI or the process group
+            return self._gather_host(local, spans, n)
         full = torch.empty(n, dtype=local.dtype)
         item = local.element_size()
-        counts, starts = [], []
-        for r in range(ranks):
-            sl = self._fn.local_index(name, schedule=self._schedule, rank=r, ranks=ranks,
-                                      **{str(self._roles.size): n})[0]
-            starts.append(sl.start * item)
-            counts.append((sl.stop - sl.start) * item)
+        starts = [sl.start * item for sl in spans]
+        counts = [(sl.stop - sl.start) * item for sl in spans]
         assert counts[rank] == local.numel() * item
         send = local.contiguous().view(torch.uint8).numpy() if local.numel() else np.empty(0, np.uint8)
         recv = full.view(torch.uint8).numpy() if n else np.empty(0, np.uint8)
         from mpi4py import MPI
         self._comm.Allgatherv([send, MPI.BYTE], [recv, counts, starts, MPI.BYTE])
         return full
+
+    def _gather_host(self, local: torch.Tensor, spans: list[slice], n: int) -> torch.Tensor:
+        """The CUDA backend's gather: every rank's slice copied to the host and exchanged over
+        the NCCL communicator's MPI communicator or torch.distributed group (a checkpoint is not
+        the hot path), the whole tensor back on this optimizer's device."""
+        comm = self._comm
+        mine = local.detach().cpu()
+        if comm.size == 1:
+            parts = [mine]
+        elif comm.mpi is not None:
+            parts = comm.mpi.allgather(mine)
+        else:
+            import torch.distributed as dist
+            parts = [None] * comm.size
+            dist.all_gather_object(parts, mine, group=comm.group)
+        for sl, part in zip(spans, parts):
+            assert part.numel() == sl.stop - sl.start, (sl, part.shape)
+        full = torch.cat(parts) if parts else torch.empty(0, dtype=local.dtype)
+        assert full.numel() == n
+        return full.to(self._device)
+
+
+def _param_names(params: list) -> dict[str, torch.Tensor]:
+    """The parameters by the names an error gives them: params[i], or param_groups[g]['params'][i]."""
+    out: dict[str, torch.Tensor] = {}
+    for g, x in enumerate(params):
+        if isinstance(x, dict):
+            ps = x["params"]
+            for i, p in enumerate([ps] if isinstance(ps, torch.Tensor) else list(ps)):
+                out[f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"] = p
+        else:
+            out[f"params[{g}] (shape {tuple(x.shape)})"] = x
+    return out
 
 
 # --- differentiable programs (docs/autodiff.md) ----------------------------------------------

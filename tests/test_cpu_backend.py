@@ -39,7 +39,9 @@ LAUNCH_TIMEOUT = 240  # s; generous: a rank rebuilds if the compiler changed sin
 # rank of each group holds an empty slice.
 SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "adam": ({"N": 13}, ("N",)),
+    "adamw": ({"N": 13}, ("N",)),
     "mixed_adam": ({"N": 13}, ("N",)),
+    "mixed_adam_bf16": ({"N": 13}, ("N",)),
     "sgd": ({"N": 17}, ("N",)),
     "lamb": ({"N": 17}, ("N",)),
     "conv_layer": ({"N": 7, "C": 2, "H": 5, "W": 4, "O": 3}, ("N",)),

@@ -44,6 +44,8 @@ class NcclComm:
     rank: int
     mpi: Any = None
     group: Any = None  # a torch.distributed ProcessGroup (None: mpi, or one rank)
+    notices: Any = None  # a duplicate of mpi for the abort path's notices (_guarded)
+    aborted: str | None = None  # why the communicator was aborted (then unusable)
 
 
 def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> NcclComm:
@@ -68,7 +70,84 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
         return NcclComm(ext.nccl_comm_init(uid, 1, 0), 1, 0, mpi_comm)
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     uid = mpi_comm.bcast(ext.nccl_unique_id() if rank == 0 else None, root=0)
-    return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm)
+    return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm, notices=mpi_comm.Dup())
+
+
+ABORT_TAG = 31_003
+_SENT: list = []  # the abort notices' requests (kept until the job ends)
+
+
+def _abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
+    """ncclCommAbort on this rank's communicator (the module's coconet_nccl_comm_abort, through
+    ctypes, so it runs while another thread is blocked in the module), once."""
+    if comm.aborted is not None:
+        return
+    comm.aborted = why
+    import ctypes
+    lib = ctypes.CDLL(ext.__file__)
+    lib.coconet_nccl_comm_abort.argtypes = [ctypes.c_uint64]
+    lib.coconet_nccl_comm_abort(comm.handle)
+
+
+def _notify(comm: NcclComm, notice: tuple[int, str]) -> None:
+    """The abort notice to every other rank (non-blocking; their watchdogs receive it)."""
+    for r in range(comm.size):
+        if r != comm.rank:
+            _SENT.append(comm.notices.isend(notice, dest=r, tag=ABORT_TAG))
+
+
+def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
+    """body() (a call of the module on comm) with the abort path: a CUDA or NCCL error on one
+    rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
+    the failing rank and the call. The failing rank tells the others (a notice over a duplicate
+    of the MPI communicator) and aborts its communicator; on every other rank a watchdog thread,
+    polling for notices while the call runs, aborts this rank's communicator, which ends the
+    calls blocked on it (the emulation polls its NCCL waits; NCCL's own abort does that on a
+    GPU); a call still running after COCONET_TIMEOUT seconds aborts the same way, naming this
+    rank. An aborted communicator is unusable: later calls on it raise at once. Communicators
+    made from a torch.distributed group (no MPI) and one-rank ones run body() as it is."""
+    if comm.aborted is not None:
+        raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
+    if comm.notices is None or comm.size == 1:
+        return body()
+    import threading
+    import time
+    from mpi4py import MPI
+    limit = agree.timeout_s()
+    done, heard = threading.Event(), []
+
+    def watch() -> None:
+        deadline = time.monotonic() + limit
+        while not done.wait(0.002):
+            st = MPI.Status()
+            if comm.notices.Iprobe(source=MPI.ANY_SOURCE, tag=ABORT_TAG, status=st):
+                heard.append(comm.notices.recv(source=st.Get_source(), tag=ABORT_TAG))
+            elif limit and time.monotonic() > deadline:
+                heard.append((comm.rank, f"the call did not finish in {limit:g} s ({agree.ENV_TIMEOUT})"))
+                _notify(comm, heard[-1])
+            else:
+                continue
+            _abort_nccl(ext, comm, f"rank {heard[0][0]} failed in {what}")
+            return
+
+    watchdog = threading.Thread(target=watch, name="coconet NCCL watchdog", daemon=True)
+    watchdog.start()
+    failed: BaseException | None = None
+    try:
+        result = body()
+    except (RuntimeError, ValueError) as err:
+        failed = err
+    done.set()
+    watchdog.join()
+    if failed is not None and not heard:  # this rank's own error: every rank aborts
+        heard.append((comm.rank, str(failed)))
+        _notify(comm, heard[0])
+        _abort_nccl(ext, comm, f"rank {comm.rank} failed in {what}")
+    if heard:
+        r, why = heard[0]
+        raise RuntimeError(f"{what}: rank {r} failed: {why}; the NCCL communicator was aborted "
+                           f"(ncclCommAbort) on every rank (this is rank {comm.rank})") from failed
+    return result
 
 
 def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]:
@@ -339,9 +418,12 @@ class EmulatedProgram(CudaProgram):
                        for v in kwargs.values())
         label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
                                                          lambda p: _check_local_numpy(p, kwargs))
-        outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
-                    _numpy_zeros, 0)
-        self.ext.synchronize()
+        def body() -> list:
+            outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
+                        _numpy_zeros, 0)
+            self.ext.synchronize()
+            return outs
+        outs = _guarded(self.ext, comm, f"{self.ext.__name__}.{self.name}(schedule={str(label)!r})", body)
         if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out
             outs = [marshal.as_torch(o) for o in outs]
         return marshal.returned(outs)

@@ -587,7 +587,23 @@ struct Comm {
   MPI_Comm mpi = MPI_COMM_NULL;
   int size = 1, rank = 0;
   uint64_t issued = 0, done = 0;  // calls run in the order they were issued
+  std::atomic<bool> aborted{false};  // ncclCommAbort: its calls in flight stop waiting and fail
 };
+
+// COCONET_EMULATE_NCCL_FAIL_RANK=r: every NCCL call of (MPI_COMM_WORLD) rank r fails before it
+// communicates, as an NCCL error would (the peers then wait for it until the communicator is
+// aborted): for testing the abort path (tests/test_torch_optimizer_cuda.py).
+inline void injected_failure(const char* call) {
+  static const int fail = [] {
+    const char* e = std::getenv("COCONET_EMULATE_NCCL_FAIL_RANK");
+    return e && *e ? std::atoi(e) : -1;
+  }();
+  if (fail < 0) return;
+  int me = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (me == fail)
+    throw std::runtime_error(std::string(call) + ": unhandled system error (injected by COCONET_EMULATE_NCCL_FAIL_RANK)");
+}
 
 inline size_t type_size(ncclDataType_t t) {
   switch (t) {
@@ -721,6 +737,7 @@ inline void spans_of(const Call& c, std::vector<Span>& out) {
 
 inline void run_calls(std::vector<Call>& calls) {
   std::vector<MPI_Request> reqs;
+  if (!calls.empty()) injected_failure(call_name(calls[0].kind));
   for (Call& c : calls) {
     const size_t el = type_size(c.type), n = c.count * el, R = size_t(c.comm->size);
     const MPI_Datatype dt = mpi_type(c.type);
@@ -764,7 +781,15 @@ inline void run_calls(std::vector<Call>& calls) {
     }
     reqs.push_back(rq);
   }
-  mpi_check(MPI_Waitall(int(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE), "MPI_Waitall");
+  // polled, so that ncclCommAbort on another thread ends the wait (the requests are then left
+  // behind with the communicator, which is unusable after an abort, as NCCL's)
+  for (int flag = 0;;) {
+    mpi_check(MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
+    if (flag) break;
+    if (!calls.empty() && calls[0].comm->aborted.load())
+      throw std::runtime_error(std::string(call_name(calls[0].kind)) + ": the communicator was aborted (ncclCommAbort)");
+    std::this_thread::yield();
+  }
   for (Call& c : calls) {
     const bool out = c.kind == Call::AllReduce || c.kind == Call::AllGather || c.kind == Call::ReduceScatter ||
                      c.kind == Call::Broadcast || c.kind == Call::Recv || (c.kind == Call::Reduce && c.comm->rank == c.root);
@@ -996,6 +1021,10 @@ inline ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
   MPI_Comm_size(c->mpi, &c->size);
   MPI_Comm_rank(c->mpi, &c->rank);
   *out = c;
+  return ncclSuccess;
+}
+inline ncclResult_t ncclCommAbort(ncclComm_t comm) {  // no wait for the calls in flight: they fail
+  if (comm) comm->aborted.store(true);
   return ncclSuccess;
 }
 inline ncclResult_t ncclCommDestroy(ncclComm_t comm) {

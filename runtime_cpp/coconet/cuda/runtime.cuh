@@ -1011,6 +1011,13 @@ inline void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterp
 }  // namespace cuda
 }  // namespace coconet
 
+// ncclCommAbort on a communicator of this module (its NcclComm.handle), callable while a call of
+// the module is blocked on it (from another thread, through ctypes: the Python runtime's abort
+// path, coconetc/runtime/cuda.py); returns the ncclResult_t.
+extern "C" __attribute__((visibility("default"), used)) inline int coconet_nccl_comm_abort(uintptr_t comm) {
+  return int(ncclCommAbort(reinterpret_cast<ncclComm_t>(comm)));
+}
+
 // The fused collective as one kernel over symmetric memory (NCCL device API), chosen at run time.
 #include "symmetric.cuh"
 // The tensor operations a derived (vector-Jacobian) program adds.

@@ -1,0 +1,164 @@
+"""coconetc.torch.DistributedOptimizer on the CUDA backend (issue 19), tested without a GPU:
+with COCONET_CUDA_EMULATE=1, backend="cuda" builds the CUDA module for the host emulation and
+takes CPU tensors in place of CUDA tensors. On 2 ranks (3 slow-marked): every schedule of
+examples/adam.ccn the CUDA module has, against torch.optim.Adam and against the CPU backend
+(also on 1 and 4 ranks, slow);
+AdamW; a checkpoint of the emulated CUDA optimizer loaded by the CPU one and back;
+process_group= with a gloo group; mixed precision (f16 and bf16 parameters, f32 master weights
+and state). In this process: without the switch, CPU tensors given to the CUDA backend are an
+error naming the tensor (nothing built).
+
+The ranks run tests/torch_optimizer_cuda_worker.py; the modules are built once into the pytest
+cache (shared with the other end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coconetc.launch.mpiexec import run_python
+from coconetc.toolchain import probes
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[1]
+EX = REPO / "examples"
+WORKER = Path(__file__).with_name("torch_optimizer_cuda_worker.py")
+FILES = ("adam", "adamw", "mixed_adam", "mixed_adam_bf16")
+HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+@pytest.fixture(scope="module")
+def built(request):
+    """COCONET_CACHE -> the pytest cache, COCONET_CUDA_EMULATE=1 (for this process and the
+    ranks it starts); every file's emulated CUDA module and CPU module built once here."""
+    import coconetc
+    from coconetc.runtime.cuda import EMULATE
+    saved = {k: os.environ.get(k) for k in (probes.ENV_CACHE, EMULATE)}
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    os.environ[EMULATE] = "1"
+    for f in FILES:
+        coconetc.load(EX / f"{f}.ccn", log=lambda msg: None, backend="cuda")
+        coconetc.load(EX / f"{f}.ccn", log=lambda msg: None)
+    yield True
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _run(capfd, ranks: int, mode: str) -> tuple[int, list[str], str]:
+    rc = run_python(ranks, [str(WORKER), mode], timeout=500)
+    out, err = capfd.readouterr()
+    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+
+
+def _check(lines: list[str], log: str, labels: list[str]) -> None:
+    assert not [ln for ln in lines if ln.startswith("FAIL")], log
+    ok = {ln.split()[1] for ln in lines if ln.startswith("OK ")}
+    for label in labels:
+        assert label in ok, f"{label} missing\n{log}"
+
+
+RANKS = [2, pytest.param(3, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow),
+                                   pytest.param(4, marks=pytest.mark.slow)])
+def test_every_cuda_schedule_of_adam_against_torch_and_the_cpu_backend(built, capfd, ranks):
+    rc, lines, log = _run(capfd, ranks, "adam")
+    scheds = next(ln for ln in lines if ln.startswith("SCHEDULES ")).split()[1:]
+    assert scheds == ["default", "fused", "rs_c_ag", "zero"], log
+    _check(lines, log, [f"cuda:{s}:R{ranks}:{w}" for s in scheds
+                        for w in ("backend", "params_vs_torch", "state_vs_torch", "params_vs_cpu", "state_elements")]
+           + [f"cuda:adamw:R{ranks}:params_vs_torch", f"cuda:adamw:R{ranks}:params_vs_cpu"])
+    assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_checkpoints_across_backends(built, capfd, ranks):
+    rc, lines, log = _run(capfd, ranks, "checkpoint")
+    _check(lines, log, [f"ckpt:{a}:zero->{b}:{s}:R{ranks}:{w}" for a, b in (("cuda", "cpu"), ("cpu", "cuda"))
+                        for s in ("default", "zero") for w in ("state_round_trip", "params", "state")])
+    assert rc == 0, log
+
+
+def test_process_group_gloo(built, capfd):
+    rc, lines, log = _run(capfd, 2, "pg")
+    _check(lines, log, [f"pg:{s}:R2:{w}" for s in ("default", "zero") for w in ("nccl_from_group", "params", "state")])
+    assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_mixed_precision_f16_and_bf16(built, capfd, ranks):
+    rc, lines, log = _run(capfd, ranks, "mixed")
+    _check(lines, log, [f"mixed:{f}:{b}:{s}:R{ranks}:{w}" for f in ("mixed_adam", "mixed_adam_bf16")
+                        for b, s in (("cuda", "default"), ("cuda", "zero"), ("cpu", "zero"))
+                        for w in ("master", "params", "state", "f32_state")]
+           + [f"mixed:{f}:zero:R{ranks}:cuda_vs_cpu" for f in ("mixed_adam", "mixed_adam_bf16")])
+    assert rc == 0, log
+
+
+def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, capfd, monkeypatch):
+    """Rank 1's NCCL calls fail (COCONET_EMULATE_NCCL_FAIL_RANK, the emulation's injection) while
+    rank 0 waits in the all-reduce for it: rank 1 notifies rank 0 and aborts its communicator,
+    rank 0's watchdog aborts its own (ncclCommAbort), and step() raises on both, naming rank 1
+    and the call, well within COCONET_TIMEOUT; the aborted communicator refuses later calls."""
+    monkeypatch.setenv("COCONET_EMULATE_NCCL_FAIL_RANK", "1")
+    monkeypatch.setenv("COCONET_TIMEOUT", "60")
+    rc, lines, log = _run(capfd, 2, "abort")
+    assert not [ln for ln in lines if "NOT RAISED" in ln], log
+    for r in (0, 1):
+        raised = next((ln for ln in lines if ln.startswith(f"RAISED {r} ")), None)
+        assert raised is not None, log
+        assert float(raised.split()[2].rstrip("s")) < 30, raised
+        for needle in (".adam(schedule='default'): rank 1 failed: ", "ncclAllReduce: unhandled system error",
+                       "the NCCL communicator was aborted (ncclCommAbort) on every rank", f"(this is rank {r})"):
+            assert needle in raised, raised
+        again = next(ln for ln in lines if ln.startswith(f"AGAIN {r} "))
+        assert "the NCCL communicator was aborted (rank 1 failed in " in again, again
+    assert rc == 0, log
+
+
+# --- in this process ------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def test_cpu_tensors_to_the_cuda_backend_without_the_switch_name_the_tensor(built, monkeypatch):
+    """No silent fallback: without COCONET_CUDA_EMULATE=1, backend="cuda" with CPU parameters
+    is an error naming the parameter, raised before anything is built."""
+    from coconetc.runtime.cuda import EMULATE
+    from coconetc.torch import DistributedOptimizer
+    monkeypatch.delenv(EMULATE)
+    with pytest.raises(ValueError, match=r"'params\[0\] \(shape \(4, 3\)\)' is on cpu; the CUDA backend takes "
+                                         r"CUDA tensors \(or set COCONET_CUDA_EMULATE=1"):
+        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", **HYPER)
+    groups = [{"params": list(_model().parameters())[2:]}]
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(2, 4\)\)' is on cpu"):
+        DistributedOptimizer(groups, str(EX / "adam.ccn"), backend="cuda", **HYPER)
+
+
+def test_backend_follows_the_parameters_and_is_checked(built):
+    from coconetc.torch import DistributedOptimizer
+    opt = DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), **HYPER)
+    assert opt.backend == "cpu"  # CPU tensors: the CPU backend, even under the emulation switch
+    opt = DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", **HYPER)
+    assert opt.backend == "cuda" and opt._groups[0].flat.device.type == "cpu"
+    assert type(opt._fn).__name__ == "EmulatedProgram"
+    with pytest.raises(ValueError, match="backend must be 'cpu', 'cuda' or None"):
+        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="gpu", **HYPER)
+    with pytest.raises(ValueError, match="process_group= and NCCL are for backend='cuda'"):
+        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), process_group=object(), **HYPER)
+    with pytest.raises(ValueError, match="shared_memory=True is for the CPU backend"):
+        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda",
+                             shared_memory=True, **HYPER)
+    with pytest.raises(ValueError, match="no schedule 'nope' in the CUDA module"):
+        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", schedule="nope",
+                             **HYPER)
+    with pytest.raises(ValueError, match="master='m16' must name a floating-point tensor parameter"):
+        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), master="m16", **HYPER)

@@ -1,0 +1,269 @@
+"""coconetc.torch.DistributedOptimizer on the CUDA backend under the host emulation
+(COCONET_CUDA_EMULATE=1: the CUDA module built for the CPU, CPU tensors standing for CUDA
+tensors, the emulated NCCL on MPI), run by tests/test_torch_optimizer_cuda.py as
+
+    COCONET_CUDA_EMULATE=1 mpiexec -n R python tests/torch_optimizer_cuda_worker.py MODE [ARGS]
+
+The training is tests/torch_optimizer_worker.py's (a small MLP, data-parallel, each rank's loss
+its rows' over the global batch); rank 0 prints "OK <label> <max |difference|>" or "FAIL ...".
+
+MODE adam          every schedule of examples/adam.ccn the CUDA module has, backend="cuda",
+                   against torch.optim.Adam and against the CPU backend stepped beside it;
+                   examples/adamw.ccn against torch.optim.AdamW
+MODE checkpoint    a checkpoint of the emulated CUDA optimizer (zero) loaded by the CPU one
+                   (every schedule) and one of the CPU optimizer loaded by the CUDA one, each
+                   continued against torch.optim.Adam continued from its own checkpoint
+MODE pg            process_group= a gloo group made inside the mpiexec job (no comm=)
+MODE mixed         mixed precision: f16 (mixed_adam.ccn) and bf16 (mixed_adam_bf16.ccn)
+                   parameters and gradients, f32 master weights and state, on both backends,
+                   against torch.optim.Adam on f32 copies
+MODE abort [SCHED] COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail;
+                   step() must raise on every rank, naming rank 1 and the call, the NCCL
+                   communicator aborted on each (prints "RAISED <rank> <message>")"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch_optimizer_worker as W  # noqa: E402  (the CPU worker's model, data and checks)
+
+from coconetc.jobs.abort import stop_job_on_failure  # noqa: E402
+from coconetc.runtime.cuda import emulating  # noqa: E402
+from coconetc.torch import DistributedOptimizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EX = REPO / "examples"
+ADAM, ADAMW = EX / "adam.ccn", EX / "adamw.ccn"
+HYPER, STEPS = W.HYPER, 30
+comm, rank, R = W.comm, W.rank, W.R
+report = W.report
+
+
+class Trio:
+    """The CUDA-backend optimizer, the CPU-backend one and torch's, on three copies of one model."""
+
+    def __init__(self, schedule: str, source: Path = ADAM, models=None, **hyper):
+        hyper = hyper or dict(HYPER)
+        self.models = models or [W.make_model() for _ in range(3)]
+        cuda, cpu, ref = self.models
+        self.cuda = DistributedOptimizer(cuda.parameters(), str(source), schedule=schedule, backend="cuda", **hyper)
+        self.cpu = DistributedOptimizer(cpu.parameters(), str(source), schedule=schedule, **hyper)
+        betas = (hyper["beta1"], hyper["beta2"])
+        if "wd" in hyper:
+            self.ref = torch.optim.AdamW(ref.parameters(), lr=hyper["lr"], betas=betas, eps=hyper["eps"],
+                                         weight_decay=hyper["wd"], foreach=False)
+        else:
+            self.ref = torch.optim.Adam(ref.parameters(), lr=hyper["lr"], betas=betas, eps=hyper["eps"],
+                                        foreach=False)
+        self.t = 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            self.t += 1
+            for model, opt in zip(self.models, (self.cuda, self.cpu, self.ref)):
+                opt.zero_grad()
+                W.local_loss(model, self.t).backward()
+                if opt is self.ref:
+                    W.allreduced_grads(model)
+                opt.step()
+
+
+def mode_adam() -> None:
+    assert emulating()
+    from coconetc.torch import _function
+    schedules = sorted(_function(ADAM, None, backend="cuda").schedules)
+    if rank == 0:
+        print(f"SCHEDULES {' '.join(schedules)}", flush=True)
+    n = sum(p.numel() for p in W.make_model().parameters())
+    for schedule in schedules:
+        trio = Trio(schedule)
+        report(f"cuda:{schedule}:R{R}:backend", 0.0 if trio.cuda.backend == "cuda" else 1.0)
+        trio.run(STEPS)
+        cuda, cpu, ref = trio.models
+        report(f"cuda:{schedule}:R{R}:params_vs_torch", W.max_diff(cuda, ref))
+        report(f"cuda:{schedule}:R{R}:state_vs_torch", W.state_diff(trio.cuda, trio.ref))
+        report(f"cuda:{schedule}:R{R}:params_vs_cpu", W.max_diff(cuda, cpu))
+        held = sum(t.numel() for g in trio.cuda.state_tensors for t in g.values())
+        want = 2 * (W.slice_range(n, R, rank)[1] - W.slice_range(n, R, rank)[0]) if schedule == "zero" else 2 * n
+        report(f"cuda:{schedule}:R{R}:state_elements", 0.0 if comm.allreduce(held != want) == 0 else 1.0)
+    trio = Trio("default", ADAMW, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1)
+    trio.run(STEPS)
+    report(f"cuda:adamw:R{R}:params_vs_torch", W.max_diff(trio.models[0], trio.models[2]))
+    report(f"cuda:adamw:R{R}:params_vs_cpu", W.max_diff(trio.models[0], trio.models[1]))
+
+
+def mode_checkpoint() -> None:
+    """CUDA (emulated) -> CPU and CPU -> CUDA, through torch.save/torch.load."""
+    path = comm.bcast(tempfile.mkdtemp(prefix="coconet_ckpt_") if rank == 0 else None)
+    for src, dst_backend in (("cuda", "cpu"), ("cpu", "cuda")):
+        model, ref = W.make_model(), W.make_model()
+        opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="zero", backend=src, **HYPER)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                   eps=HYPER["eps"], foreach=False)
+        for t in range(1, STEPS // 2 + 1):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                W.local_loss(m, t).backward()
+                if o is ref_opt:
+                    W.allreduced_grads(m)
+                o.step()
+        sd = opt.state_dict()
+        f = os.path.join(path, f"{src}.pt")
+        if rank == 0:
+            torch.save(dict(model=model.state_dict(), opt=sd, ref=ref.state_dict(), ref_opt=ref_opt.state_dict()), f)
+        comm.Barrier()
+        saved = torch.load(f, weights_only=False)
+        for schedule in ("default", "zero"):
+            ck = copy.deepcopy(saved)
+            m2, r2 = W.make_model(), W.make_model()
+            m2.load_state_dict(ck["model"])
+            r2.load_state_dict(ck["ref"])
+            o2 = DistributedOptimizer(m2.parameters(), str(ADAM), schedule=schedule, backend=dst_backend, **HYPER)
+            o2.load_state_dict(ck["opt"])
+            ro2 = torch.optim.Adam(r2.parameters(), lr=HYPER["lr"], foreach=False)
+            ro2.load_state_dict(ck["ref_opt"])
+            back = o2.state_dict()
+            exact = all(torch.equal(a, b) for a, b in zip(W._flat(back), W._flat(ck["opt"])))
+            exact &= back["param_groups"] == ck["opt"]["param_groups"]
+            label = f"ckpt:{src}:zero->{dst_backend}:{schedule}:R{R}"
+            report(f"{label}:state_round_trip", 0.0 if exact else 1.0)
+            for t in range(STEPS // 2 + 1, STEPS + 1):
+                for m, o in ((m2, o2), (r2, ro2)):
+                    o.zero_grad()
+                    W.local_loss(m, t).backward()
+                    if o is ro2:
+                        W.allreduced_grads(m)
+                    o.step()
+            report(f"{label}:params", W.max_diff(m2, r2))
+            report(f"{label}:state", W.state_diff(o2, ro2))
+    comm.Barrier()
+    if rank == 0:
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+
+
+def gloo() -> object:
+    """A gloo process group over the job's ranks (a rendezvous file named by rank 0), as
+    bench/common.py makes one."""
+    import torch.distributed as dist
+    name = None
+    if rank == 0:
+        fd, name = tempfile.mkstemp(prefix="coconet_test_gloo_")
+        os.close(fd)
+        os.unlink(name)
+    name = comm.bcast(name, root=0)
+    dist.init_process_group("gloo", init_method=f"file://{name}", rank=rank, world_size=R)
+    return dist.group.WORLD
+
+
+def mode_pg() -> None:
+    group = gloo()
+    for schedule in ("default", "zero"):
+        model, ref = W.make_model(), W.make_model()
+        opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda",
+                                   process_group=group, **HYPER)
+        ok = opt._comm.group is group and opt._comm.mpi is None
+        report(f"pg:{schedule}:R{R}:nccl_from_group", 0.0 if ok else 1.0)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                   eps=HYPER["eps"], foreach=False)
+        for t in range(1, STEPS + 1):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                W.local_loss(m, t).backward()
+                if o is ref_opt:
+                    W.allreduced_grads(m)
+                o.step()
+        report(f"pg:{schedule}:R{R}:params", W.max_diff(model, ref))
+        report(f"pg:{schedule}:R{R}:state", W.state_diff(opt, ref_opt))  # gathered over gloo
+
+
+def mode_mixed() -> None:
+    """Low-precision parameters (the model's copy) and gradients, f32 master weights `w` and
+    state: the optimizer is given weights="w16", master="w"; gradients are set directly (each
+    rank's own, drawn from a seed), the reference sums them in low precision as the program does
+    and steps torch.optim.Adam on an f32 copy. On 2 ranks the low-precision sum is one rounding
+    whatever the order, so the reference is exact; on more, the reduce-scatter's order is the
+    algorithm's, so the reference is held to the low precision and the two backends (the same
+    algorithm) to each other exactly."""
+    for source, dt in ((EX / "mixed_adam.ccn", torch.float16), (EX / "mixed_adam_bf16.ccn", torch.bfloat16)):
+        torch.manual_seed(0)
+        full = [torch.randn(7, 5), torch.randn(11)]
+        ulp = 1e-5 if R <= 2 else (4e-3 if dt == torch.float16 else 3e-2)
+        masters: dict[str, list] = {}
+        for backend, schedule in (("cuda", "default"), ("cuda", "zero"), ("cpu", "zero")):
+            params = [torch.nn.Parameter(x.to(dt)) for x in full]
+            master = [torch.nn.Parameter(p.detach().float()) for p in params]
+            opt = DistributedOptimizer(params, str(source), schedule=schedule, backend=backend, weights="w16",
+                                       master="w", scale=4.0, **HYPER)
+            ref = torch.optim.Adam(master, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                   eps=HYPER["eps"], foreach=False)
+            for t in range(1, STEPS + 1):
+                grads = []
+                for r in range(R):
+                    gen = torch.Generator().manual_seed(100 * t + r)
+                    grads.append([(torch.randn(p.shape, generator=gen) * 4).to(dt) for p in params])
+                for p, g in zip(params, grads[rank]):
+                    p.grad = g.clone()
+                for k, p in enumerate(master):
+                    total = grads[0][k]
+                    for r in range(1, R):
+                        total = total + grads[r][k]  # summed in the low precision, as the program
+                    p.grad = total.float() / 4.0
+                opt.step()
+                ref.step()
+            sd = opt.state_dict()["state"]
+            d_master = max((sd[i]["w"] - p.detach()).abs().max().item() for i, p in enumerate(master))
+            d_model = max((p.detach().float() - m.detach().to(dt).float()).abs().max().item()
+                          for p, m in zip(params, master))
+            d_state = max(max((sd[i]["m"] - ref.state[p]["exp_avg"]).abs().max().item(),
+                              (sd[i]["v"] - ref.state[p]["exp_avg_sq"]).abs().max().item())
+                          for i, p in enumerate(master))
+            label = f"mixed:{source.stem}:{backend}:{schedule}:R{R}"
+            report(f"{label}:master", comm.allreduce(d_master, op=MPI.MAX), ulp)
+            report(f"{label}:params", comm.allreduce(d_model, op=MPI.MAX), ulp)
+            report(f"{label}:state", comm.allreduce(d_state, op=MPI.MAX), ulp)
+            masters[f"{backend}:{schedule}"] = [sd[i]["w"] for i in sorted(sd)] + [p.detach().float() for p in params]
+            dtypes = {t.dtype for g in opt.state_tensors for t in g.values()}
+            report(f"{label}:f32_state", 0.0 if dtypes == {torch.float32} and params[0].dtype == dt else 1.0)
+        d = max((a - b).abs().max().item() for a, b in zip(masters["cuda:zero"], masters["cpu:zero"]))
+        report(f"mixed:{source.stem}:zero:R{R}:cuda_vs_cpu", comm.allreduce(d, op=MPI.MAX), 1e-6)
+
+
+def mode_abort() -> None:
+    model = W.make_model()
+    schedule = sys.argv[2] if len(sys.argv) > 2 else "default"
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", **HYPER)
+    W.local_loss(model, 1).backward()
+    start = time.monotonic()
+    try:
+        opt.step()
+        print(f"NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"RAISED {rank} {time.monotonic() - start:.1f}s {err}".replace("\n", " "), flush=True)
+    try:
+        opt.step()
+        print(f"AGAIN NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
+    comm.Barrier()  # MPI_COMM_WORLD is untouched by the abort
+
+
+def run_mode(comm) -> int:
+    mode = sys.argv[1]
+    {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
+     "abort": mode_abort}[mode]()
+    return 1 if W.failures else 0
+
+
+if __name__ == "__main__":  # a failing rank stops the job
+    sys.exit(stop_job_on_failure(run_mode, "torch_optimizer_cuda_worker"))
