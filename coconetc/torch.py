@@ -183,9 +183,10 @@ class _Group:
             self.reset_master(opt)
 
     def reset_master(self, opt: DistributedOptimizer) -> None:
-        assert self.flat is not None
-        t = self.state[opt._roles.master]
-        t.copy_(self.flat[opt._index(opt._roles.master, self.n)].to(t.dtype))
+        master = opt._roles.master
+        assert self.flat is not None and master is not None
+        t = self.state[master]
+        t.copy_(self.flat[opt._index(master, self.n)].to(t.dtype))
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [v.view_as(p) for v, p in zip(flat.split(self.numels), self.params)]
@@ -448,7 +449,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
         else:  # over the NCCL communicator's MPI communicator or torch.distributed group
             from coconetc.runtime.cuda import _exchange
-            everyone = _exchange(self._comm, mine, label, agree.timeout_s())
+            nccl: Any = self._comm
+            everyone = _exchange(nccl, mine, label, agree.timeout_s())
         bad = [r for r, x in enumerate(everyone) if x != mine]
         if bad:
             raise RuntimeError(f"{label}: rank {bad[0]} is not doing the same (it is at "
@@ -478,8 +480,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The CUDA backend's gather: every rank's slice copied to the host and exchanged over
         the NCCL communicator's MPI communicator or torch.distributed group (a checkpoint is not
         the hot path), the whole tensor back on this optimizer's device."""
-        comm = self._comm
+        comm: Any = self._comm
         mine = local.detach().cpu()
+        parts: list[Any]
         if comm.size == 1:
             parts = [mine]
         elif comm.mpi is not None:
