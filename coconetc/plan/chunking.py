@@ -79,12 +79,18 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
     computes: list[Stage] = []
     inside = {first.name: None}  # ordered
     rows = None
+    updated = {src: t for t, src in p.updates}
+    waiting: set[str] = set()  # what the stages that wait for every chunk read
     for s in stages:
         if s.kind == "collective":
+            continue
+        if updated.get(s.name) in waiting:  # it would update a parameter they read, before them
+            waiting |= {r.name for r in walk(s.expr) if isinstance(r, Ref)}
             continue
         if rows_ok and _row_stage(s, first, inside, scattered):
             rows = first.type.shape[-1]
         elif not _chunkable_stage(p, s, first, inside, scattered):
+            waiting |= {r.name for r in walk(s.expr) if isinstance(r, Ref)}
             continue  # waits for every chunk (phase B); so does what reads it
         computes.append(s)
         inside[s.name] = None

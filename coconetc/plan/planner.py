@@ -456,7 +456,9 @@ class _Planner:
         for a in after:
             if not (isinstance(a, Reduce) and a.cross_rank and a.op in ("sum", "norm", "segment_norm")):
                 continue
-            param = self.buffers[a.src].kind == "param" if a.src in self.buffers else False
+            param = (a.src in self.buffers and self.buffers[a.src].kind == "param"  # not written in phase A
+                     and not any(b.kind == "alias" and b.of == a.src and b.name in chunk
+                                 for b in self.buffers.values()))
             if (a.src in chunk or param) and same_elements(self.types[a.src], coll.type):
                 partials.append(a.dst)
                 continue
