@@ -50,6 +50,8 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "f1": ({"B": 2, "S": 5, "H": 6}, ("S",)),
     "collectives": ({"N": 7, "M": 5}, ("N", "M")),
     "clipped_sgd": ({"N": 17}, ("N",)),
+    "adamw": ({"N": 17}, ("N",)),
+    "scaled_adam": ({"N": 17}, ("N",)),
     "row_parallel": ({"B": 2, "S": 5, "K": 7, "H": 4}, ("K", "H")),
     "col_parallel": ({"M": 5, "K": 3, "H": 7}, ("H",)),
     "mp_layer": ({"B": 5, "K": 7, "H": 4}, ("B", "K")),
