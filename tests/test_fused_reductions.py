@@ -268,3 +268,15 @@ schedule z for e {
     assert path.read_text() == text.lstrip()
     out = _run(["run", str(path), "-s", "all", "--ranks", "2", "--size", "N=1001"], {"COCONET_CHUNK": "128"})
     assert out.count("matches the interpreter on every rank") == 2, out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_loss_scaled_step_is_skipped_on_inf_and_nan(ranks, capfd):
+    """examples/scaled_adam.ccn compiled: an inf or a NaN in one rank's gradient skips the step
+    under every schedule (m, v, w and w16 unchanged, the scale halved); finite gradients take it,
+    the schedules agree (tests/fused_reductions_worker.py)."""
+    from coconetc.launch.mpiexec import run_python
+    rc = run_python(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")),
+                            str(EX / "scaled_adam.ccn")], timeout=400)
+    out = capfd.readouterr().out
+    assert rc == 0 and out.count("OK ") == 11, out
