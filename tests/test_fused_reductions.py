@@ -280,3 +280,30 @@ def test_loss_scaled_step_is_skipped_on_inf_and_nan(ranks, capfd):
                             str(EX / "scaled_adam.ccn")], timeout=400)
     out = capfd.readouterr().out
     assert rc == 0 and out.count("OK ") == 11, out
+
+
+def _other_refusals() -> list[tuple[str, str]]:
+    """Every refused fuse of tests/test_errors.py and tests/test_cli.py: (id, program)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_cli
+    import test_errors
+    out = [(c[0], c[1]) for c in test_errors.CASES if c[0].startswith("fuse") or c[-1].startswith("fuse")]
+    out += [(k, text) for k, (text, where) in test_cli.PLAN_REFUSALS.items() if "error: fuse" in where]
+    return out
+
+
+@pytest.mark.parametrize("case", _other_refusals(), ids=lambda c: c[0])
+def test_every_fuse_refusal_of_the_test_suite_leads_somewhere(case):
+    """The same for the refusals other tests check: the advice, applied to the fuse directive
+    at the error's line, gives a file with no refusal."""
+    _, text = case
+    with pytest.raises(CompileError) as e:
+        _load(text)
+    d = e.value.diagnostics[0]
+    message = d.message
+    assert re.search(r"(?:\w+ = )?fuse\([^()]*\)\s*$", message) or message.endswith("remove this fuse directive"), message
+    lines = text.splitlines(keepends=True)
+    line = lines[d.span.line - 1]
+    m = re.search(r"((?:\w+ = )?fuse\([^()]*\))\s*$", message)
+    lines[d.span.line - 1] = (line[:len(line) - len(line.lstrip())] + m[1] + "\n") if m else "\n"
+    _load("".join(lines))

@@ -179,8 +179,8 @@ def _advice_nothing(p: Program, fusion: Fusion, first: Stage, scattered: set[str
             stages = list(fusion.stages)
             return (f"add '{u.name}', which computes on each chunk of '{first.name}', to the fusion: "
                     f"{_fuse_text(fusion, stages + [u.name])}")
-    return (f"no stage computes pointwise on the elements of '{first.name}': remove this fuse "
-            f"directive (the collective and the stages run one after the other)")
+    return (f"no stage computes pointwise on the elements of '{first.name}' (without the fusion the "
+            f"collective and the stages run one after the other): remove this fuse directive")
 
 
 def _arg_name(s: Stage) -> str:

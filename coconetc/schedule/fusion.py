@@ -19,6 +19,7 @@ def fuse(p: Program, d: Fuse) -> Program:
     after:   the same stages, run as one fused collective named f: each chunk of the slice
              is computed on as soon as it is reduced, and gathered as soon as it is computed.
     """
+    _check_names(p, d)
     stages = [_stage(p, n, d, "fuse") for n in dict.fromkeys(d.stages)]
     name = d.name or f"fused{len(p.fusions)}"
     if d.name:
@@ -30,6 +31,29 @@ def fuse(p: Program, d: Fuse) -> Program:
     updates = tuple(sorted(p.updates, key=lambda u: pos.get(u[1], -1)))  # canonical: stage order
     return replace(p, stages=order, updates=updates,
                    fusions=p.fusions + (Fusion(name, tuple(s.name for s in stages), d.span),))
+
+
+def _check_names(p: Program, d: Fuse) -> None:
+    """Unknown or already fused stages, a name already taken: each refused with the directive
+    that would do (the others, another name)."""
+    members = list(dict.fromkeys(d.stages))
+    for n in members:
+        other = p.fusion_of(n)
+        if p.stage(n) is not None and other is None:
+            continue
+        rest = [m for m in members if m != n and p.stage(m) is not None and p.fusion_of(m) is None]
+        fix = (f"leave it out: {_fuse_text(d, rest)}" if len(rest) >= 2
+               else "nothing would be left to fuse; remove this fuse directive")
+        if other is not None:
+            raise ScheduleError(span_of(d, n), "fuse", n, f"the stage is already fused (in '{other.name}'; "
+                                f"a stage belongs to one fusion, so fuse last); {fix}")
+        known = ", ".join(x.name for x in p.stages)
+        raise ScheduleError(span_of(d, n), "fuse", n, f"no stage named '{n}' (stages: {known}); {fix}")
+    if d.name and (p.param(d.name) or p.stage(d.name) or any(f.name == d.name for f in p.fusions)):
+        taken = {q.name for q in p.params} | {x.name for x in p.stages} | {f.name for f in p.fusions}
+        fresh = next(f"{d.name}{k}" for k in range(2, len(taken) + 3) if f"{d.name}{k}" not in taken)
+        raise ScheduleError(span_of(d, "=" + d.name), "fuse", d.name, f"the name '{d.name}' is already taken; "
+                            f"choose another: {fresh} = fuse({', '.join(members)})")
 
 
 def _check_members(p: Program, stages: list[Stage], d: Fuse) -> None:
