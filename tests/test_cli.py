@@ -413,18 +413,18 @@ schedule o for p {
     overlap(y, f, chunks=2, dim=1)
 }
 """, "11:5: error: overlap: a fused consumer is chunked along dim 0"),
-    # a fusion with nothing to compute on a chunk as it arrives: an error, not a silent fallback
+    # a fusion with nothing to compute on a chunk as it arrives (nor a reduction of the chunks
+    # to accumulate, as w - g1 / norm(g1) would give): an error, not a silent fallback
     "fuse_nothing_per_chunk": ("""\
 program q(g: f32[N] local, w: f32[N] replicated) {
     g1 = allreduce(sum, g)
-    w1 = update(w, w - g1 / norm(g1))
+    w1 = update(w, w - g1)
 }
 schedule f for q {
     rs, ag = split(g1)
-    agw = reorder(ag, w1)
-    fuse(rs, w1, agw)
+    fuse(rs, ag)
 }
-""", "8:5: error: fuse: nothing to compute inside the collective: 'w1' cannot run on a chunk"),
+""", "7:5: error: fuse: nothing to compute inside the collective: it holds no computation"),
     # an allgather alone cannot carry a computation
     "fuse_allgather_only": ("""\
 program q(g: f32[N] local, w: f32[N] replicated) {

@@ -39,7 +39,6 @@ LAUNCH_TIMEOUT = 240  # s; generous: a rank rebuilds if the compiler changed sin
 # rank of each group holds an empty slice.
 SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "adam": ({"N": 13}, ("N",)),
-    "adamw": ({"N": 13}, ("N",)),
     "mixed_adam": ({"N": 13}, ("N",)),
     "mixed_adam_bf16": ({"N": 13}, ("N",)),
     "sgd": ({"N": 17}, ("N",)),
@@ -52,6 +51,8 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "f1": ({"B": 2, "S": 5, "H": 6}, ("S",)),
     "collectives": ({"N": 7, "M": 5}, ("N", "M")),
     "clipped_sgd": ({"N": 17}, ("N",)),
+    "adamw": ({"N": 17}, ("N",)),
+    "scaled_adam": ({"N": 17}, ("N",)),
     "row_parallel": ({"B": 2, "S": 5, "K": 7, "H": 4}, ("K", "H")),
     "col_parallel": ({"M": 5, "K": 3, "H": 7}, ("H",)),
     "mp_layer": ({"B": 5, "K": 7, "H": 4}, ("B", "K")),

@@ -74,7 +74,7 @@ def test_every_cuda_schedule_of_adam_against_torch_and_the_cpu_backend(built, ca
     assert scheds == ["default", "fused", "rs_c_ag", "zero"], log
     _check(lines, log, [f"cuda:{s}:R{ranks}:{w}" for s in scheds
                         for w in ("backend", "params_vs_torch", "state_vs_torch", "params_vs_cpu", "state_elements")]
-           + [f"cuda:adamw:R{ranks}:params_vs_torch", f"cuda:adamw:R{ranks}:params_vs_cpu"])
+           + [f"cuda:adamw{t}:R{ranks}:{w}" for t in ("", ":zero") for w in ("params_vs_torch", "params_vs_cpu")])
     assert rc == 0, log
 
 

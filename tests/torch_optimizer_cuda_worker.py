@@ -9,7 +9,7 @@ its rows' over the global batch); rank 0 prints "OK <label> <max |difference|>" 
 
 MODE adam          every schedule of examples/adam.ccn the CUDA module has, backend="cuda",
                    against torch.optim.Adam and against the CPU backend stepped beside it;
-                   examples/adamw.ccn against torch.optim.AdamW
+                   examples/adamw.ccn (default, zero) against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW
 MODE checkpoint    a checkpoint of the emulated CUDA optimizer (zero) loaded by the CPU one
                    (every schedule) and one of the CPU optimizer loaded by the CUDA one, each
                    continued against torch.optim.Adam continued from its own checkpoint
@@ -58,6 +58,7 @@ class Trio:
         self.cuda = DistributedOptimizer(cuda.parameters(), str(source), schedule=schedule, backend="cuda", **hyper)
         self.cpu = DistributedOptimizer(cpu.parameters(), str(source), schedule=schedule, **hyper)
         betas = (hyper["beta1"], hyper["beta2"])
+        self.maxnorm = hyper.get("maxnorm")  # adamw.ccn clips by the global norm first
         if "wd" in hyper:
             self.ref = torch.optim.AdamW(ref.parameters(), lr=hyper["lr"], betas=betas, eps=hyper["eps"],
                                          weight_decay=hyper["wd"], foreach=False)
@@ -74,6 +75,8 @@ class Trio:
                 W.local_loss(model, self.t).backward()
                 if opt is self.ref:
                     W.allreduced_grads(model)
+                    if self.maxnorm is not None:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), self.maxnorm)
                 opt.step()
 
 
@@ -95,10 +98,12 @@ def mode_adam() -> None:
         held = sum(t.numel() for g in trio.cuda.state_tensors for t in g.values())
         want = 2 * (W.slice_range(n, R, rank)[1] - W.slice_range(n, R, rank)[0]) if schedule == "zero" else 2 * n
         report(f"cuda:{schedule}:R{R}:state_elements", 0.0 if comm.allreduce(held != want) == 0 else 1.0)
-    trio = Trio("default", ADAMW, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1)
-    trio.run(STEPS)
-    report(f"cuda:adamw:R{R}:params_vs_torch", W.max_diff(trio.models[0], trio.models[2]))
-    report(f"cuda:adamw:R{R}:params_vs_cpu", W.max_diff(trio.models[0], trio.models[1]))
+    for schedule in ("default", "zero"):  # clip_grad_norm_ + AdamW; zero: the norm inside the fused collective
+        trio = Trio(schedule, ADAMW, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1, maxnorm=0.5)
+        trio.run(STEPS)
+        tag = "" if schedule == "default" else f":{schedule}"
+        report(f"cuda:adamw{tag}:R{R}:params_vs_torch", W.max_diff(trio.models[0], trio.models[2]))
+        report(f"cuda:adamw{tag}:R{R}:params_vs_cpu", W.max_diff(trio.models[0], trio.models[1]))
 
 
 def mode_checkpoint() -> None:

@@ -59,10 +59,12 @@ def same_elements(rt: TType, t: TType) -> bool:
 def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = True) -> FusedSpec | None:
     """How a fusion with a collective runs as one fused collective (None: it has none).
 
-    It needs a reducescatter (or an allreduce). The stages at the head of the fusion that run
-    over the reduced elements are computed on each chunk as it arrives; the gather is part of
-    the fused collective when it gathers one of them. Stages that need all chunks first (a
-    norm, a segment_norm) and what follows them run when the chunks are done."""
+    It needs a reducescatter (or an allreduce). The stages of the fusion that run over the
+    reduced elements (and read no stage that waits) are computed on each chunk as it arrives
+    (phase A); the gather is part of the chunk loop when it gathers one of them. Stages that
+    need every chunk first (a norm, a sum, a segment_norm of the reduced values, and what reads
+    them: phase B) run when the chunks are done; the reductions themselves are accumulated
+    chunk by chunk (the planner's Fused.partials)."""
     stages = [stage_of(p, n) for n in fusion.stages]
     colls = [s for s in stages if s.kind == "collective"]
     if not colls:
@@ -71,30 +73,114 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
     if first is None:
         c = colls[0]
         raise PlanError.at(fusion.span, f"fuse: a fused collective reduces chunk by chunk: it needs "
-                           f"a reducescatter or an allreduce, and '{c.name}' is {op_of(c).op}")
+                           f"a reducescatter or an allreduce, and '{c.name}' is {op_of(c).op}; "
+                           + _advice_reducer(p, fusion, c))
     gather = next((s for s in colls if op_of(s).op == "allgather"), None)
     computes: list[Stage] = []
     inside = {first.name: None}  # ordered
     rows = None
+    updated = {src: t for t, src in p.updates}
+    waiting: set[str] = set()  # what the stages that wait for every chunk read
     for s in stages:
         if s.kind == "collective":
+            continue
+        if updated.get(s.name) in waiting:  # it would update a parameter they read, before them
+            waiting |= {r.name for r in walk(s.expr) if isinstance(r, Ref)}
             continue
         if rows_ok and _row_stage(s, first, inside, scattered):
             rows = first.type.shape[-1]
         elif not _chunkable_stage(p, s, first, inside, scattered):
-            break
+            waiting |= {r.name for r in walk(s.expr) if isinstance(r, Ref)}
+            continue  # waits for every chunk (phase B); so does what reads it
         computes.append(s)
         inside[s.name] = None
-    if not computes:
+    if not computes and not chunk_reductions(p, fusion, inside):
         c0 = next((x for x in stages if x.kind != "collective"), None)
         why = (f"'{c0.name}' cannot run on a chunk of '{first.name}' as it arrives "
                f"({_why_not_chunkable(p, c0, first, inside, scattered, rows_ok)})" if c0 is not None
                else "it holds no computation")
-        raise PlanError.at(fusion.span, f"fuse: nothing to compute inside the collective: {why}")
+        raise PlanError.at(fusion.span, f"fuse: nothing to compute inside the collective: {why}, and no "
+                           f"stage of the fusion reduces '{first.name}' (a sum or a norm of it would be "
+                           f"accumulated chunk by chunk); " + _advice_nothing(p, fusion, first, scattered, rows_ok))
     if gather is not None and _arg_name(gather) not in inside:
         gather = None
     done = tuple(inside) + ((gather.name,) if gather is not None else ())
     return FusedSpec(fusion, done, first, computes, gather, rows)
+
+
+REDUCTIONS = ("sum", "norm", "segment_norm")
+
+
+def chunk_reductions(p: Program, fusion: Fusion, inside: dict) -> list[Op]:
+    """The reductions in the fusion's waiting stages that read values of the chunk (the reduced
+    value, or a stage computed on each chunk) pointwise at the chunk's own elements: each can be
+    accumulated chunk by chunk as the chunks arrive."""
+    first = stage_of(p, next(iter(inside)))
+    out: list[Op] = []
+    for n in fusion.stages:
+        if n in inside:
+            continue
+        s = stage_of(p, n)
+        for e in walk(s.expr):
+            if not (isinstance(e, Op) and e.op in REDUCTIONS):
+                continue
+            arg = e.args[0]
+            refs = {r.name for r in walk(arg) if isinstance(r, Ref)}
+            if (refs & set(inside) and same_elements(arg.type, first.type)
+                    and all(isinstance(x, (Ref, Const)) or x.op in POINTWISE for x in walk(arg))
+                    and not refs & (set(fusion.stages) - set(inside))):
+                out.append(e)
+    return out
+
+
+def _fuse_text(fusion: Fusion, stages) -> str:
+    head = f"{fusion.name} = " if not fusion.name.startswith("fused") else ""
+    return f"{head}fuse({', '.join(stages)})"
+
+
+def _advice_without(p: Program, fusion: Fusion, drop: set[str], what: str) -> str:
+    """Advice: the fusion without `drop` and every member that reads them (else a cycle)."""
+    from coconetc.ir.rewrite import depends_on
+    deps = depends_on(p)
+    gone = set(drop) | {m for m in fusion.stages if deps.get(m, set()) & set(drop)}
+    keep = [m for m in fusion.stages if m not in gone]
+    extra = sorted(gone - set(drop), key=fusion.stages.index)
+    also = f" and what reads it ({', '.join(extra)})" if extra else ""
+    if len(keep) < 2 or all(stage_of(p, m).kind == "collective" for m in keep):
+        return f"{what}{also}: nothing would be left to fuse; remove this fuse directive"
+    return f"{what}{also}: {_fuse_text(fusion, keep)}"
+
+
+def _advice_reducer(p: Program, fusion: Fusion, c: Stage) -> str:
+    """Advice for a fusion without a reducing collective: add the reducescatter whose slices
+    its computations read (the head of the fused collective), else leave the collective out."""
+    members = set(fusion.stages)
+    for n in fusion.stages:
+        s = stage_of(p, n)
+        for r in walk(s.expr):
+            rs = p.stage(r.name) if isinstance(r, Ref) else None
+            if (rs is not None and rs.name not in members and rs.kind == "collective"
+                    and op_of(rs).op == "reducescatter" and p.fusion_of(rs.name) is None
+                    and all(op_of(x).op != "reducescatter" for x in map(p.stage_named, members)
+                            if x.kind == "collective")):
+                return (f"add the reducescatter '{rs.name}' that '{n}' reads: "
+                        f"{_fuse_text(fusion, [rs.name, *fusion.stages])}")
+    return _advice_without(p, fusion, {c.name}, f"leave '{c.name}' out")
+
+
+def _advice_nothing(p: Program, fusion: Fusion, first: Stage, scattered: set[str], rows_ok: bool) -> str:
+    """Advice when no stage computes on the chunks: add a stage that reads the reduced value
+    pointwise at its own elements (it can run on each chunk), else remove the fusion."""
+    inside = {first.name: None}
+    for u in p.users(first.name):
+        if u.name in fusion.stages or u.kind == "collective":
+            continue
+        if _why_not_chunkable(p, u, first, inside, scattered, rows_ok) == "":
+            stages = list(fusion.stages)
+            return (f"add '{u.name}', which computes on each chunk of '{first.name}', to the fusion: "
+                    f"{_fuse_text(fusion, stages + [u.name])}")
+    return (f"no stage computes pointwise on the elements of '{first.name}' (without the fusion the "
+            f"collective and the stages run one after the other): remove this fuse directive")
 
 
 def _arg_name(s: Stage) -> str:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
+from coconetc.ir.rewrite import depends_on
 from coconetc.ir.types import TType
 from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
                                     same_elements, stage_of)
@@ -166,9 +167,26 @@ class _Planner:
             if not self._chainable(s) or (chain and s.type != chain[0].type):
                 first = chain[0] if chain else s
                 raise PlanError.at(fusion.span, f"fuse: '{s.name}' cannot share one loop with "
-                                   f"'{first.name}' ({_why_not_chained(s, first, self.scattered)})")
+                                   f"'{first.name}' ({_why_not_chained(s, first, self.scattered)}); "
+                                   + self._chain_advice(fusion, stages))
             chain.append(s)
         return chain
+
+    def _chain_advice(self, fusion: Fusion, stages: list[Stage]) -> str:
+        """A fusion of computations is one loop: keep the members that share one (pointwise,
+        over the elements of the first such member) and leave out the others and what reads
+        them (else a cycle)."""
+        ok = [s for s in stages if self._chainable(s)]
+        first = ok[0] if ok else None
+        drop = {s.name for s in stages if first is None or not self._chainable(s) or s.type != first.type}
+        deps = depends_on(self.p)
+        gone = drop | {s.name for s in stages if deps.get(s.name, set()) & drop}
+        keep = [s.name for s in stages if s.name not in gone]
+        left = ", ".join(f"'{n}'" for n in fusion.stages if n in gone)
+        if len(keep) < 2:
+            return f"only one loop's worth would remain without {left}: remove this fuse directive"
+        head = "" if fusion.name.startswith("fused") else f"{fusion.name} = "
+        return f"leave out {left}: {head}fuse({', '.join(keep)})"
 
     def _chain_or_single(self, groups: list, s: Stage) -> None:
         last = groups[-1] if groups else None
@@ -372,7 +390,7 @@ class _Planner:
                 or name in self.outputs or any(s == name for _, s in self.p.updates))
 
     # --- fused collectives ----------------------------------------------------------------
-    def _fused(self, f: FusedSpec) -> Fused:
+    def _fused(self, f: FusedSpec, overlapped: bool = False) -> Fused:
         coll = f.collective
         x = self._materialize(op_of(coll).args[0], coll.name)
         if f.gather is not None:
@@ -411,9 +429,54 @@ class _Planner:
             else:
                 phases.insert(0, Phase("pointwise", (keep,)))
         after = self._after(f)
+        partials: tuple[str, ...] = ()
+        if not overlapped and op_of(coll).op == "reducescatter":
+            after, phases, partials = self._partials(f, after, phases, lets)
         return Fused(f.fusion.name, f.members, coll.name, op_of(coll).op, op_of(coll).attr("op"), x,
                      coll.type, tuple(phases), tuple(lets), f.gather.name if f.gather else "",
-                     gathered, f.rows, store_reduced, after, _line(f.fusion.span))
+                     gathered, f.rows, store_reduced, after, _line(f.fusion.span), partials=partials,
+                     gather_after=_gather_after(after, coll.type, self.buffers) if partials else "")
+
+    def _partials(self, f: FusedSpec, after: tuple[Unit, ...], phases: list[Phase],
+                  lets: list[Let]) -> tuple[tuple[Unit, ...], list[Phase], tuple[str, ...]]:
+        """The reductions of phase B over values of the chunk (the reduced value, a stored value
+        of phase A, or a pointwise expression of them, which joins phase A as a stored item):
+        each is accumulated chunk by chunk as the chunks arrive; their partial results are
+        combined across the group in one small all-reduce after the chunks (Fused.partials)."""
+        coll = f.collective
+        chunk = {coll.name} | {c.name for c in f.computes}
+        made_after = {getattr(a, "dst", "") for a in after} | {i.name for a in after if isinstance(a, Loop)
+                                                                 for i in a.items}
+        readers: dict[str, int] = {}
+        for a in after:
+            for n in _unit_reads(a):
+                readers[n] = readers.get(n, 0) + 1
+        units = list(after)
+        partials: list[str] = []
+        for a in after:
+            if not (isinstance(a, Reduce) and a.cross_rank and a.op in ("sum", "norm", "segment_norm")):
+                continue
+            param = (a.src in self.buffers and self.buffers[a.src].kind == "param"  # not written in phase A
+                     and not any(b.kind == "alias" and b.of == a.src and b.name in chunk
+                                 for b in self.buffers.values()))
+            if (a.src in chunk or param) and same_elements(self.types[a.src], coll.type):
+                partials.append(a.dst)
+                continue
+            loop = next((u for u in units if isinstance(u, Loop) and len(u.items) == 1
+                         and u.items[0].name == a.src), None)
+            if (loop is None or loop.seg_dst or readers.get(a.src, 0) != 1 or not same_elements(loop.type, coll.type)
+                    or reads(loop.items[0].expr) & (made_after - {k.name for k in loop.lets})):
+                continue
+            units.remove(loop)  # computed on each chunk, stored for the reduction
+            lets.extend(loop.lets)
+            item = Item(a.src, loop.items[0].expr, True)
+            if phases and phases[-1].kind == "pointwise":
+                phases[-1] = Phase("pointwise", phases[-1].items + (item,))
+            else:
+                phases.append(Phase("pointwise", (item,)))
+            chunk.add(a.src)
+            partials.append(a.dst)
+        return tuple(units), phases, tuple(partials)
 
     def _after(self, f: FusedSpec) -> tuple[Unit, ...]:
         """The fusion's members that wait for every chunk, planned as units of their own."""
@@ -448,7 +511,7 @@ class _Planner:
         if ov.fused is None:
             self._place(c)
         else:
-            fused = self._fused(ov.fused)
+            fused = self._fused(ov.fused, overlapped=True)
         self.out.append(Overlap(y.name, a, b, c.name, op_of(c).op, op_of(c).attr("op") or "", ov.chunks,
                                 ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(y).op))
 
@@ -493,6 +556,34 @@ def _why_not_chained(s: Stage, first: Stage, scattered: set[str]) -> str:
     if any(isinstance(n, Ref) and n.name in scattered for n in walk(s.expr)):
         return f"'{s.name}' reads a scattered parameter outside a fused collective"
     return f"they run over different elements: {s.type} and {first.type}"
+
+
+def _gather_after(after: tuple[Unit, ...], t: TType, buffers: dict[str, Buffer]) -> str:
+    """Phase B's last loop and the allgather of one of its values, when the gather can go
+    piece by piece as the loop computes (over the chunk's elements, sliced along dim 0): the
+    allgather's name (Fused.gather_after), else ""."""
+    if len(after) < 2:
+        return ""
+    loop, coll = after[-2], after[-1]
+    if not (isinstance(loop, Loop) and isinstance(coll, Collective) and coll.op == "allgather"):
+        return ""
+    stored = {i.name for i in loop.items if i.store}
+    src = buffers[coll.src].type
+    ok = (coll.src in stored and not loop.seg_dst and not coll.packed and t.layout.sliced
+          and t.layout.dim == 0 and loop.type.shape == t.shape and loop.type.layout == t.layout
+          and src.shape == t.shape and src.layout == t.layout)
+    return coll.dst if ok else ""
+
+
+def _unit_reads(u: Unit) -> set[str]:
+    """The values a unit of a fusion's phase B reads."""
+    if isinstance(u, Loop):
+        return {n for i in u.items for n in reads(i.expr)} | {n for k in u.lets for n in reads(k.expr)}
+    if isinstance(u, (Reduce, Collective)):
+        return {u.src}
+    if isinstance(u, Library):
+        return set(u.args)
+    return set()
 
 
 def _is_rows(s: Stage) -> bool:

@@ -93,15 +93,33 @@ def _fused(u: Fused, ind: str) -> list[str]:
         out.append(f"{ind}        per chunk ({ph.kind}): {_items(ph.items)}")
     if u.gather:
         out.append(f"{ind}        per chunk: {u.gather} = allgather({u.gathered}) as each piece is computed")
-    if u.after:
-        out.append(f"{ind}        after all chunks:")
-        for a in u.after:
+    partial = [a for a in u.after if isinstance(a, Reduce) and a.dst in u.partials]
+    if partial:
+        out.append(f"{ind}        per chunk (accumulated): " + "; ".join(
+            f"{a.dst} += partial {a.op}({a.src})" for a in partial))
+        out.append(f"{ind}        after all chunks: one allreduce(sum) of the partial results of "
+                   f"{', '.join(a.dst for a in partial)} across ranks, then "
+                   f"{', '.join(f'{a.dst} = {_finish(a)}' for a in partial)}")
+    rest = [a for a in u.after if a not in partial]
+    if rest:
+        out.append(f"{ind}        after {'the reductions (on this rank' + chr(39) + 's slice)' if partial else 'all chunks'}:")
+        for a in rest:
             out += _unit(a, ind + "    ")
+            if isinstance(a, Collective) and a.dst == u.gather_after:
+                out[-1] += " (piece by piece as the loop above computes it, where the target says so)"
     return out
 
 
+def _finish(r: Reduce) -> str:
+    return {"sum": "the sum", "norm": "sqrt(the sum of squares)",
+            "segment_norm": "sqrt(its segment's sum of squares) per element"}[r.op]
+
+
 def _strategy(s: Strategy) -> str:
-    return f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; {_chunking(s.target, s.chunking)}"
+    partials = f"; reductions {s.partials}" if s.partials else ""
+    partials += f"; the closing allgather {s.gather_after}" if s.gather_after else ""
+    return (f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; "
+            f"{_chunking(s.target, s.chunking)}{partials}")
 
 
 # The chunk sizes as the runtime computes them: CPU runtime_cpp/coconet/module.h

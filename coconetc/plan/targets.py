@@ -23,6 +23,13 @@ What it decides:
           scratch), outside an overlap; chunks of
           COCONET_CUDA_CHUNK (2^22) elements, whole rows for a row-wise phase, the whole part
           in one chunk on one rank when the chunk kernels read the source itself
+  and where its reductions run (`Strategy.partials`, for a fused collective with
+  `Fused.partials`): cpu accumulates them chunk by chunk as the chunks arrive and combines the
+  partial results in one small all-reduce; cuda runs them after the chunks, as Reduce units
+  over the stored values (accumulating them inside the chunk kernels is not in the CUDA
+  backend yet); and how phase B's closing allgather runs (`Strategy.gather_after`, for
+  `Fused.gather_after`): cpu sends each piece of the slice as soon as the loop computes it
+  (point to point, the reduce-scatter's chunks), cuda after the loop
 - `Buffer.shared`: a scratch buffer that a fused collective or an all-reduce reads (outside an
   overlap, whose chunks go point to point) lives in the group's shared window, where the
   collectives read it in place; other scratch is private to its rank.
@@ -101,13 +108,15 @@ def _fused(u: Fused, kinds: dict[str, str], overlapped: bool) -> Fused:
 def _cpu(u: Fused, overlapped: bool) -> Strategy:
     shm = u.op == "reducescatter" and not overlapped
     chunking = Chunking("task" if overlapped else "default", u.rows, u.rows is not None and not overlapped)
-    return Strategy("cpu", ("p2p", "shm") if shm else ("p2p",), chunking)
+    return Strategy("cpu", ("p2p", "shm") if shm else ("p2p",), chunking, "per chunk" if u.partials else "",
+                    "per piece" if u.gather_after else "")
 
 
 def _cuda(u: Fused, kinds: dict[str, str], overlapped: bool) -> Strategy:
     symmetric = not overlapped and _symmetric_ok(u, kinds)
     chunking = Chunking("default", u.rows, whole_alone=kinds[u.src] != "segments")
-    return Strategy("cuda", ("pipeline", "symmetric") if symmetric else ("pipeline",), chunking)
+    return Strategy("cuda", ("pipeline", "symmetric") if symmetric else ("pipeline",), chunking,
+                    "after the chunks" if u.partials else "", "after the loop" if u.gather_after else "")
 
 
 def _symmetric_ok(u: Fused, kinds: dict[str, str]) -> bool:

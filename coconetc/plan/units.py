@@ -171,6 +171,8 @@ class Strategy:
     target: str
     algorithms: tuple[str, ...]
     chunking: Chunking
+    partials: str = ""  # Fused.partials: "per chunk" | "after the chunks" ("": none)
+    gather_after: str = ""  # Fused.gather_after: "per piece" | "after the loop" ("": none)
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,17 @@ class Fused:
     `gathered`) sends each computed piece to the other ranks at once. `rows`: chunks hold whole
     rows of this many elements (a row-wise phase). `store_reduced`: the reduced value is also
     kept (something after the chunks reads it). `after`: the fusion's stages that need every
-    chunk first (a norm, a segment_norm, and what reads them), run when the chunks are done."""
+    chunk first (a norm, a segment_norm, and what reads them), run when the chunks are done.
+    `partials`: the reductions of `after` (Reduce units, by dst) over values of the chunk: phase
+    A accumulates each one's partial result chunk by chunk as the chunks arrive (where the
+    target's Strategy.partials is "per chunk"), one small all-reduce combines them across the
+    group, and the rest of `after` (phase B: what reads them, on this rank's slice) runs then;
+    a target whose Strategy.partials is "after the chunks" runs them as the Reduce units they are.
+    `gather_after`: `after` ends with loops over this rank's slice and the allgather (this
+    name) of a value of the last one: where Strategy.gather_after is "per piece" (cpu), the run
+    of loops over the slice's elements just before the allgather computes piece by piece (the
+    reduce-scatter's chunks), and each piece is sent to the other ranks as soon as it is
+    computed (phase B overlapped with the all-gather); otherwise they run one after the other."""
 
     name: str
     members: tuple[str, ...]
@@ -198,6 +210,8 @@ class Fused:
     after: tuple[Unit, ...] = ()
     line: int = 0
     strategies: tuple[Strategy, ...] = ()  # one per target (plan/targets.py)
+    partials: tuple[str, ...] = ()  # the Reduce units of `after` accumulated chunk by chunk
+    gather_after: str = ""  # the allgather closing `after` that goes piece by piece with its loop
 
     def on(self, target: str) -> Strategy:
         """This fused collective's algorithms and chunking on one target."""

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from coconetc.errors import ScheduleError
 from coconetc.ir import ops
-from coconetc.ir.nodes import Fusion, Op, Overlap, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.schedule.directives import Fuse, OverlapD, span_of
 from coconetc.schedule.primitives import _fresh, _stage
@@ -19,11 +19,12 @@ def fuse(p: Program, d: Fuse) -> Program:
     after:   the same stages, run as one fused collective named f: each chunk of the slice
              is computed on as soon as it is reduced, and gathered as soon as it is computed.
     """
+    _check_names(p, d)
     stages = [_stage(p, n, d, "fuse") for n in dict.fromkeys(d.stages)]
     name = d.name or f"fused{len(p.fusions)}"
     if d.name:
         _fresh(p, (d.name,), d, "fuse")
-    _check_members(stages, d)
+    _check_members(p, stages, d)
     _check_convex(p, {s.name for s in stages}, d, name)
     order = _contiguous(p, {s.name for s in stages})
     pos = {s.name: i for i, s in enumerate(order)}
@@ -32,24 +33,99 @@ def fuse(p: Program, d: Fuse) -> Program:
                    fusions=p.fusions + (Fusion(name, tuple(s.name for s in stages), d.span),))
 
 
-def _check_members(stages: list[Stage], d: Fuse) -> None:
+def _check_names(p: Program, d: Fuse) -> None:
+    """Unknown or already fused stages, a name already taken: each refused with the directive
+    that would do (the others, another name)."""
+    members = list(dict.fromkeys(d.stages))
+    for n in members:
+        other = p.fusion_of(n)
+        if p.stage(n) is not None and other is None:
+            continue
+        rest = [m for m in members if m != n and p.stage(m) is not None and p.fusion_of(m) is None]
+        fix = (f"leave it out: {_fuse_text(d, rest)}" if len(rest) >= 2
+               else "nothing would be left to fuse; remove this fuse directive")
+        if other is not None:
+            raise ScheduleError(span_of(d, n), "fuse", n, f"the stage is already fused (in '{other.name}'; "
+                                f"a stage belongs to one fusion, so fuse last); {fix}")
+        known = ", ".join(x.name for x in p.stages)
+        raise ScheduleError(span_of(d, n), "fuse", n, f"no stage named '{n}' (stages: {known}); {fix}")
+    if d.name and (p.param(d.name) or p.stage(d.name) or any(f.name == d.name for f in p.fusions)):
+        taken = {q.name for q in p.params} | {x.name for x in p.stages} | {f.name for f in p.fusions}
+        fresh = next(f"{d.name}{k}" for k in range(2, len(taken) + 3) if f"{d.name}{k}" not in taken)
+        raise ScheduleError(span_of(d, "=" + d.name), "fuse", d.name, f"the name '{d.name}' is already taken; "
+                            f"choose another: {fresh} = fuse({', '.join(members)})")
+
+
+def _check_members(p: Program, stages: list[Stage], d: Fuse) -> None:
     colls = [s for s in stages if s.kind == "collective"]
     kinds = sorted(s.top.op for s in colls)
     if len(colls) > 2 or (len(colls) == 2 and kinds != ["allgather", "reducescatter"]):
+        keep = _allowed_collectives(colls)
+        drop = {s.name for s in colls} - keep
         raise ScheduleError(span_of(d, colls[-1].name), "fuse", colls[-1].name,
                             "a fusion holds at most one collective, or one reducescatter/allgather "
-                            f"pair; here: {', '.join(f'{s.name} ({s.top.op})' for s in colls)}")
+                            f"pair; here: {', '.join(f'{s.name} ({s.top.op})' for s in colls)}; "
+                            + _without(p, d, drop, f"leave out {_names(drop)}"))
     for s in stages:
         bad = next((n.op for n in walk(s.expr) if isinstance(n, Op) and not ops.get(n.op).fusable), None)
         if bad:
             raise ScheduleError(span_of(d, s.name), "fuse", s.name, f"{bad} cannot be fused into a loop "
-                                "(overlap it with its collective instead)")
+                                "(overlap it with its collective instead: overlap() after the fuse); "
+                                + _without(p, d, {s.name}, f"leave '{s.name}' out"))
     if len(colls) == 2:
         rs = next(s for s in colls if s.top.op == "reducescatter")
         ag = next(s for s in colls if s.top.op == "allgather")
         if rs.type.layout != ag.top.args[0].type.layout:
             raise ScheduleError(span_of(d, ag.name), "fuse", ag.name, f"it gathers {ag.top.args[0].type.layout} "
-                                f"data but {rs.name} scatters {rs.type.layout}")
+                                f"data but {rs.name} scatters {rs.type.layout}; "
+                                + _without(p, d, {ag.name}, f"leave '{ag.name}' out"))
+
+
+def _allowed_collectives(colls: list[Stage]) -> set[str]:
+    """The collectives a fusion may keep: the first reducescatter (with the first allgather) or
+    the first collective."""
+    rs = next((s for s in colls if s.top.op == "reducescatter"), None)
+    if rs is not None:
+        ag = next((s for s in colls if s.top.op == "allgather" and s.top.args[0].type.layout == rs.type.layout), None)
+        return {rs.name} | ({ag.name} if ag is not None else set())
+    return {colls[0].name}
+
+
+def _names(names) -> str:
+    return ", ".join(f"'{n}'" for n in sorted(names))
+
+
+def _fuse_text(d: Fuse, stages: list[str]) -> str:
+    return f"{d.name + ' = ' if d.name else ''}fuse({', '.join(stages)})"
+
+
+def _without(p: Program, d: Fuse, drop: set[str], what: str,
+             readers: str = " and the members that would make a cycle without it") -> str:
+    """Advice: the fusion without `drop`, and without the members that would make a cycle
+    through what is left out (a member that reads a left-out stage which reads the fusion)."""
+    deps = depends_on(p)
+    members = list(dict.fromkeys(d.stages))
+    gone = set(drop)
+    while True:
+        kept = set(members) - gone
+        more = {m for m in kept if any(x in deps.get(m, set()) and deps.get(x, set()) & kept
+                                       for x in gone | _outside_between(p, kept, deps))}
+        if not more:
+            break
+        gone |= more
+    keep = [m for m in members if m not in gone]
+    extra = [m for m in members if m in gone - set(drop)]
+    also = f"{readers} ({', '.join(extra)})" if extra else ""
+    computes = [m for m in keep if p.stage_named(m).kind != "collective"]
+    if len(keep) < 2 or not computes:
+        return f"{what}{also}: nothing would be left to fuse; remove this fuse directive"
+    return f"{what}{also}: {_fuse_text(d, keep)}"
+
+
+def _outside_between(p: Program, kept: set[str], deps: dict[str, set[str]]) -> set[str]:
+    """The stages outside `kept` that read it and that it reads."""
+    return {s.name for s in p.stages if s.name not in kept and deps[s.name] & kept
+            and any(s.name in deps.get(g, ()) for g in kept)}
 
 
 def _check_convex(p: Program, group: set[str], d: Fuse, name: str) -> None:
@@ -61,7 +137,34 @@ def _check_convex(p: Program, group: set[str], d: Fuse, name: str) -> None:
         reader = next((g for g in d.stages if s.name in deps.get(g, ())), None)
         if deps[s.name] & group and reader is not None:
             raise ScheduleError(span_of(d, reader), "fuse", s.name, f"'{s.name}' reads the fusion and the fusion "
-                                "reads it: fusing would make a cycle; add it to the fusion")
+                                f"reads it: fusing would make a cycle; {_cycle_advice(p, group, d, deps)}")
+
+
+def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]]) -> str:
+    """Every stage between two members must join the fusion (when each can: computations whose
+    operations fuse, and, in a fusion of computations only, pointwise ones over the members'
+    elements), else the members that read them must leave it."""
+    between = [s for s in p.stages if s.name not in group and deps[s.name] & group
+               and any(s.name in deps.get(g, ()) for g in group)]
+    members = [p.stage_named(n) for n in dict.fromkeys(d.stages)]
+    collective = any(m.kind == "collective" for m in members)
+    first = next((m for m in members if m.kind != "collective"), members[0])
+
+    def joins(s: Stage) -> bool:
+        if s.kind != "compute":
+            return False
+        if any(isinstance(n, Op) and not ops.get(n.op).fusable for n in walk(s.expr)):
+            return False
+        return collective or (s.type == first.type and
+                              all(not isinstance(n, Op) or n.op in POINTWISE for n in walk(s.expr)))
+    if all(joins(s) for s in between):
+        names = {s.name for s in between}
+        order = [s.name for s in p.stages if s.name in group or s.name in names]
+        add = ", ".join(f"'{s.name}'" for s in between)
+        return f"add {add} to the fusion: {_fuse_text(d, order)}"
+    cannot = {s.name for s in between if not joins(s)}
+    return _without(p, d, cannot, f"{_names(cannot)} cannot join the fusion: leave out the members that read it",
+                    "")
 
 
 def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:

@@ -219,6 +219,38 @@ void fused_rs_compute_ag(Op op, const T* in, int64_t n, Comm& comm, int64_t chun
                          std::move(compute), std::move(gathers));
 }
 
+// ---- compute + all-gather (phase B of a fused collective with reductions) ---------------------
+
+// compute(global_begin, global_end) on this rank's slice of a [outer, n, inner] tensor, chunk
+// by chunk (the reduce-scatter's RoundPlan), writing this rank's part of every GatherTarget;
+// each chunk is sent to every other rank as soon as it is computed, and theirs received into
+// place (point to point), so the all-gather overlaps the computation.  Every rank takes part
+// (empty slices compute nothing).
+template <class T, class Compute>
+void compute_ag(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute compute,
+                const std::vector<GatherTarget>& gathers) {
+  constexpr int kTagPhaseB = 13;
+  const int R = comm.size, me = comm.rank;
+  RoundPlan plan(shape, R, chunk_elems);
+  mpi_count(plan.C, "fused collective chunk");
+  MPI_Comm c = comm.channel(0);
+  std::vector<MPI_Request> reqs;
+  for (int64_t k = 0; k < plan.rounds; ++k) {
+    Range mine = plan.range(k, me);
+    if (!mine.empty())
+      abort_on_exception("fused collective compute", [&] { compute(mine.begin, mine.end); });
+    for (const GatherTarget& g : gathers)
+      for (int p = 0; p < R; ++p) {
+        if (p == me) continue;
+        Range theirs = plan.range(k, p);
+        irecv_range(g, theirs.begin, theirs.end, p, kTagPhaseB, c, reqs);
+        isend_range(g, mine.begin, mine.end, p, kTagPhaseB, c, reqs);
+      }
+    test_all(reqs);
+  }
+  wait_all(reqs);
+}
+
 // ---- allreduce + compute -----------------------------------------------------------------------
 
 template <class T, class Compute>

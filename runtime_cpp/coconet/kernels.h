@@ -85,6 +85,17 @@ void segment_norm_impl(X load, T* out, int64_t n, int64_t off, const std::vector
     for (int64_t j = 0; j < len; ++j) out[b + j] = v;
   });
 }
+// The per-segment sums of squares sq (already summed over the group: a fused collective's
+// partial results) as segment norms: out[i] = the norm of the segment holding global element
+// off + i, for this rank's n elements.
+template <class T>
+void segment_norm_finish(const double* sq, T* out, int64_t n, int64_t off,
+                         const std::vector<int64_t>& starts) {
+  for_each_piece(starts, off, off + n, [&](size_t s, int64_t, int64_t b, int64_t len) {
+    T v = from_compute<T>(static_cast<compute_t<T>>(std::sqrt(sq[s])));
+    for (int64_t j = 0; j < len; ++j) out[b + j] = v;
+  });
+}
 template <class T>
 void segment_norm(const T* x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts,
                   bool sliced, Comm& comm) {

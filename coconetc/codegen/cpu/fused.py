@@ -5,6 +5,7 @@ says what each chunk computes; this lays it out."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod as _prod
@@ -13,7 +14,7 @@ from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row, layernorm_value
 from coconetc.ir.nodes import Op, Ref, walk
-from coconetc.plan.units import Fused, Item, Phase, Unit
+from coconetc.plan.units import Collective, Fused, Item, Loop, Phase, Reduce, Unit
 
 
 class CpuFused:
@@ -29,13 +30,106 @@ class CpuFused:
         in the full-size result, which the collective fills in from the others. Then what
         waits for all chunks."""
         ct = COMPUTE[u.type.dtype]
+        partials = self.partials(u)
+        for r in partials:  # phase A's partial results of the reductions, accumulated per chunk
+            n = "seg_starts.size() - 1" if r.op == "segment_norm" else "1"
+            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, 0.0);")
         self.w.emit(f"const int64_t off_{u.name} = {self.fused_offset(u)};")
         self.w.emit(f"auto compute_{u.name} = [&](int64_t gb, int64_t ge, const {ct}* red) {{")
         self.chunk(u, f"off_{u.name}")
+        for r in partials:
+            self._accumulate(u, r)
         self.w.emit("};")
         self._fused_call(u)
-        for a in u.after:
+        if partials:
+            self._combine(u, partials)
+        rest = [a for a in u.after if a not in partials]  # phase B
+        pieces = u.on("cpu").gather_after == "per piece"
+        loops = _piece_loops(u, rest) if pieces else []
+        for a in rest[:len(rest) - len(loops) - 1] if pieces else rest:
             self.unit(a)
+        if pieces:
+            coll = rest[-1]
+            assert isinstance(coll, Collective) and coll.dst == u.gather_after and loops
+            self._gather_pieces(u, loops, coll)
+
+    def _gather_pieces(self, u: Fused, loops: list[Loop], coll: Collective) -> None:
+        """Phase B's loops over this rank's slice (Fused.gather_after) in the reduce-scatter's
+        chunks, each chunk of the gathered value sent to the other ranks as soon as it is
+        computed (coconet::compute_ag, fused.h): the loops' items as phases of a chunk callback."""
+        b = replace(u, name=f"{u.name}_b", collective="", phases=tuple(Phase("pointwise", lp.items) for lp in loops),
+                    lets=tuple(k for lp in loops for k in lp.lets), gather="", gathered="")
+        loop = loops[-1]
+        ct = CTYPE[self.w.types[coll.src].dtype]
+        self.w.emit(f"const int64_t off_{b.name} = {self.fused_offset(b)};")
+        self.w.emit(f"auto compute_{b.name} = [&](int64_t gb, int64_t ge) {{  // {loop.items[-1].name}, "
+                    f"then its piece of {coll.dst} to every rank")
+        self.chunk(b, f"off_{b.name}")
+        if coll.into:
+            self.w.emit(f"  coconet::copy_in(v_{coll.src} + lo, p_{coll.into}, gb, ge);")
+            target = f"coconet::gather_target(p_{coll.into})"
+        else:
+            self.w.emit(f"  std::copy(v_{coll.src} + lo, v_{coll.src} + hi, v_{coll.dst} + gb);")
+            target = f"coconet::gather_target(v_{coll.dst}, {_prod(self.w.gdims(self.w.types[coll.dst]))})"
+        self.w.emit("};")
+        xt = self.w.types[coll.src]
+        chunk, _ = self.chunk_sizes(u)
+        self.w.emit(f"coconet::compute_ag<{ct}>(coconet::Shape3{{{self.w.shape3(xt, 0)}}}, comm, {chunk}, "
+                    f"compute_{b.name}, {{{target}}});")
+
+    def partials(self, u: Fused) -> list[Reduce]:
+        """The reductions accumulated chunk by chunk (Fused.partials, Strategy "per chunk")."""
+        if u.on("cpu").partials != "per chunk":
+            return []
+        return [a for a in u.after if isinstance(a, Reduce) and a.dst in u.partials]
+
+    def _accumulate(self, u: Fused, r: Reduce) -> None:
+        """Adds the chunk's part of reduction r (its sum, or sum of squares, per segment for a
+        segment_norm) to pa_<dst>: the chunk's values are the reduced chunk or stored at once."""
+        v = ("static_cast<double>(red[i - lo])" if r.src == u.collective
+             else f"static_cast<double>(coconet::to_compute(v_{r.src}[i]))")
+        term = "v" if r.op == "sum" else "v * v"
+        self.w.emit(f"  {{  // {r.dst}: partial {r.op}({r.src}) of the chunk")
+        if r.op == "segment_norm":
+            self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {")
+            self.w.emit("      double acc = 0;")
+            self.w.emit("      for (int64_t j = 0; j < pc.size; ++j) {")
+            self.w.emit("        const int64_t i = lo + pc.offset + j;")
+            self.w.emit(f"        const double v = {v};")
+            self.w.emit(f"        acc += {term};")
+            self.w.emit("      }")
+            self.w.emit(f"      pa_{r.dst}[pc.segment] += acc;")
+            self.w.emit("    }")
+        else:
+            self.w.emit("    double acc = 0;")
+            self.w.emit("    for (int64_t i = lo; i < hi; ++i) {")
+            self.w.emit(f"      const double v = {v};")
+            self.w.emit(f"      acc += {term};")
+            self.w.emit("    }")
+            self.w.emit(f"    pa_{r.dst}[0] += acc;")
+        self.w.emit("  }")
+
+    def _combine(self, u: Fused, partials: list[Reduce]) -> None:
+        """One small all-reduce of every partial result, then each reduction finished."""
+        self.w.emit(f"{{  // {u.name}: the partial results of {', '.join(r.dst for r in partials)}, summed across ranks")
+        self.w.emit("  std::vector<double> parts;")
+        for r in partials:
+            self.w.emit(f"  parts.insert(parts.end(), pa_{r.dst}.begin(), pa_{r.dst}.end());")
+        self.w.emit("  coconet::allreduce_sum(parts.data(), static_cast<int64_t>(parts.size()), comm);")
+        self.w.emit("  size_t at = 0;")
+        for r in partials:
+            t = self.w.types[r.dst]
+            T, C = CTYPE[t.dtype], COMPUTE[t.dtype]
+            if r.op == "segment_norm":
+                n = _prod(self.w.ldims(t))
+                self.w.emit(f"  coconet::segment_norm_finish(parts.data() + at, v_{r.dst}, {n}, {self.w.offset(t)}, "
+                            "seg_starts);")
+            else:
+                value = "parts[at]" if r.op == "sum" else "std::sqrt(parts[at])"
+                self.w.emit(f"  v_{r.dst}[0] = coconet::from_compute<{T}>(static_cast<{C}>({value}));")
+            self.w.emit(f"  at += pa_{r.dst}.size();")
+        self.w.emit("  (void)at;")
+        self.w.emit("}")
 
     def fused_offset(self, u: Fused) -> str:
         t = u.type
@@ -164,3 +258,15 @@ class CpuFused:
         self.w.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
                   f"coconet::Shape3{{{self.w.shape3(xt, u.type.layout.dim)}}}, comm, "
                   f"{chunk}, {fn}, {targets}{progress});")
+
+
+def _piece_loops(u: Fused, rest: list[Unit]) -> list[Loop]:
+    """The loops that run piece by piece with phase B's closing allgather (Fused.gather_after):
+    the run of loops over the elements of the fused collective's slice just before it."""
+    out: list[Loop] = []
+    for a in reversed(rest[:-1]):
+        if not (isinstance(a, Loop) and not a.seg_dst and a.type.shape == u.type.shape
+                and a.type.layout == u.type.layout):
+            break
+        out.insert(0, a)
+    return out

@@ -1,0 +1,309 @@
+"""Reductions inside a fused collective (sum, norm, segment_norm over the reduced slice,
+non-finite tests written with `where`): accumulated chunk by chunk, combined in one small
+all-reduce, the phase that reads them on the slice after it (examples/adamw.ccn,
+examples/scaled_adam.ccn, examples/lamb.ccn's zero and zero_w).
+
+- the plan shows the phases (per chunk, accumulated, the all-reduce of the partials, after);
+- every schedule of the examples equals its program: interpreted on 1-3 ranks, and compiled
+  (CPU, both fused algorithms: the shared window and point to point) on 1-3 ranks;
+- every refusal of a fusion says what would make it legal, and following the advice gives a
+  fusion that is accepted (never another refusal of it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from coconetc.errors import CompileError
+from coconetc.plan.show import show
+from coconetc.plan.units import Fused, Reduce
+from coconetc.sourcefile import SourceFile, load_source
+
+REPO = Path(__file__).resolve().parents[1]
+EX = REPO / "examples"
+CASES = [("adamw.ccn", "adamw", ("rs_c_ag", "sliced", "zero")),
+         ("scaled_adam.ccn", "scaled_adam", ("rs_c_ag", "zero")),
+         ("lamb.ccn", "lamb", ("rs_c_ag", "zero", "zero_w"))]
+FUSED = [("adamw.ccn", "adamw", "zero", {"t0_c": "norm"}),
+         ("scaled_adam.ccn", "scaled_adam", "zero", {"bad": "sum"}),
+         ("lamb.ccn", "lamb", "zero", {"t1_w1": "segment_norm"}),
+         ("lamb.ccn", "lamb", "zero_w", {"t0_w1": "segment_norm", "t1_w1": "segment_norm"})]
+
+
+@cache
+def _file(name: str) -> SourceFile:
+    path = EX / name
+    return load_source(path.read_text(), str(path))
+
+
+# --- the plan ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("file,prog,sched,partials", FUSED, ids=lambda x: x if isinstance(x, str) else "")
+def test_plan_accumulates_reductions_per_chunk(file, prog, sched, partials):
+    plan = _file(file).plans[(prog, sched)]
+    fused = [u for u in plan.units if isinstance(u, Fused)]
+    assert len(fused) == 1
+    f = fused[0]
+    reduces = {a.dst: a.op for a in f.after if isinstance(a, Reduce) and a.dst in f.partials}
+    assert reduces == partials
+    assert f.on("cpu").partials == "per chunk" and f.on("cuda").partials == "after the chunks"
+    text = show(plan)
+    assert "per chunk (accumulated): " in text
+    assert "after all chunks: one allreduce(sum) of the partial results of" in text
+    assert "after the reductions (on this rank's slice):" in text
+    assert not plan.unsupported("cpu")
+
+
+def test_adamw_plan_phases():
+    """AdamW with clipping, fused: phase A keeps the reduced chunk and accumulates its sum of
+    squares; one all-reduce; phase B (c, then the update on the slice); the gather of w."""
+    text = show(_file("adamw.ccn").plans[("adamw", "zero")])
+    lines = [ln.strip() for ln in text.splitlines()]
+    at = lines.index("per chunk (pointwise): rs = rs")
+    assert lines[at + 1] == "per chunk (accumulated): t0_c += partial norm(rs)"
+    assert lines[at + 2].startswith("after all chunks: one allreduce(sum) of the partial results of t0_c")
+    assert lines[at + 3] == "after the reductions (on this rank's slice):"
+    assert "c = k0_c with k0_c = min(maxnorm / (t0_c + 1e-06), 1.0)" in lines[at + 4]
+    assert "collective agw = allgather(w1)" in lines[at + 6]
+
+
+def test_nonfinite_test_joins_the_chunk_loop():
+    """sum(where(abs(gf) < 3e38, 0, 1)): the where is computed on each chunk (phase A, stored
+    for the reduction), its sum accumulated there."""
+    f = next(u for u in _file("scaled_adam.ccn").plans[("scaled_adam", "zero")].units if isinstance(u, Fused))
+    names = [i.name for p in f.phases for i in p.items]
+    assert names == ["gf", "t0_bad"] and f.partials == ("bad",)
+
+
+# --- equal to the program ----------------------------------------------------------------------
+def _run(args: list[str], env: dict | None = None, timeout: int = 600) -> str:
+    res = subprocess.run([sys.executable, "-c", "from coconetc.cli import main; main()", *args],
+                         capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         env={**os.environ, **(env or {})})
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+@pytest.mark.parametrize("file,prog,scheds", CASES, ids=[c[0] for c in CASES])
+def test_interpreted_schedules_equal_the_program(file, prog, scheds):
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(EX / file), "-s", "all", "--interp", "--ranks", str(ranks), "--size", "N=13"])
+        for s in scheds:
+            assert f"{prog} [{s}]: {ranks} ranks" in out
+        assert out.count("matches the unscheduled program on every rank") == len(scheds)
+
+
+@pytest.mark.parametrize("algo", ["shm", "p2p"])
+@pytest.mark.parametrize("file,prog,scheds", CASES, ids=[c[0] for c in CASES])
+def test_compiled_schedules_equal_the_interpreter(file, prog, scheds, algo):
+    """Several chunks (chunks of 256 elements), slices that 2 and 3 do not divide."""
+    env = {"COCONET_CHUNK": "256", **({"COCONET_FUSED": "p2p"} if algo == "p2p" else {})}
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(EX / file), "-s", "all", "--ranks", str(ranks), "--size", "N=2003"], env)
+        for s in ("default", *scheds):
+            assert re.search(rf"{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out), out
+
+
+# --- refusals lead somewhere ---------------------------------------------------------------------
+ADAMW = """
+program adamw(g: f32[N] local, w: f32[N] replicated, m: f32[N] replicated, v: f32[N] replicated,
+              lr: f32, beta1: f32, beta2: f32, eps: f32, step: f32, maxnorm: f32) {
+    g1 = allreduce(sum, g)
+    c = min(maxnorm / (norm(g1) + 1e-6), 1.0)
+    m1 = update(m, beta1 * m + (1 - beta1) * c * g1)
+    v1 = update(v, beta2 * v + (1 - beta2) * (c * g1) * (c * g1))
+    mh = m1 / (1 - beta1 ** step)
+    vh = v1 / (1 - beta2 ** step)
+    w1 = update(w, w - lr * mh / (sqrt(vh) + eps))
+}
+schedule s for adamw {
+    rs, ag = split(g1)
+    agm, agv, agw = reorder(ag, c, m1, v1, mh, vh, w1)
+    slice(m, v)
+    FUSE
+}
+"""
+TWO = """
+program two(g: f32[N] local, h: f32[N] local, w: f32[N] replicated) {
+    g1 = allreduce(sum, g)
+    h1 = allreduce(sum, h)
+    w1 = update(w, w - g1 - h1)
+}
+schedule s for two {
+    rs, ag = split(g1)
+    agw = reorder(ag, w1)
+    FUSE
+}
+"""
+MLP = """
+program mlp_out(x: f16[B, S, K] sliced(2), w: f16[K, H] sliced(0), b: f16[H] replicated,
+                r: f16[B, S, H] replicated, seed: i64) {
+    y = matmul(x, w)
+    s = allreduce(sum, y)
+    out = dropout(s + b, 0.1, seed) + r
+    return out
+}
+schedule s for mlp_out {
+    rs, ag = split(s, dim=1)
+    ago = reorder(ag, out)
+    FUSE
+}
+"""
+LOOPS = """
+program loops(x: f32[N] replicated, y: f32[N] replicated) {
+    a = x * 2
+    c = x + 1
+    t = a + 1
+    n = norm(a)
+    b = a * n + t
+    return b, c
+}
+schedule s for loops {
+    FUSE
+}
+"""
+SGD = """
+program sgd(g: f32[N] local, w: f32[N] replicated, lr: f32) {
+    g1 = allreduce(sum, g)
+    w1 = update(w, w - lr * g1)
+}
+schedule s for sgd {
+    rs, ag = split(g1)
+    agw = reorder(ag, w1)
+    FUSE
+}
+"""
+SPLIT = """
+program sgd(g: f32[N] local, w: f32[N] replicated, lr: f32) {
+    g1 = allreduce(sum, g)
+    h = g1 * 2
+    w1 = update(w, w - lr * g1)
+    return h
+}
+schedule s for sgd {
+    rs, ag = split(g1)
+    agh, agw = reorder(ag, h, w1)
+    FUSE
+}
+"""
+REFUSED = [  # (program, a refused fuse directive, what the message says)
+    (ADAMW, "fuse(rs, m1, v1, mh, vh, w1, agw)", "reads the fusion and the fusion reads it"),
+    (TWO, "fuse(rs, h1, w1, agw)", "at most one collective"),
+    (MLP, "f = fuse(y, rs, out, ago)", "matmul cannot be fused"),
+    (LOOPS, "fuse(a, c, b)", "reads the fusion and the fusion reads it"),
+    (LOOPS, "fuse(a, b)", "reads the fusion and the fusion reads it"),
+    (LOOPS, "fuse(a, c, n)", "cannot share one loop"),
+    (LOOPS, "fuse(a, n, t)", "cannot share one loop"),
+    (SGD, "fuse(w1, agw)", "needs a reducescatter or an allreduce"),
+    (SGD, "fuse(rs, agw)", "reads the fusion and the fusion reads it"),
+    (SPLIT.replace("agh, agw = reorder(ag, h, w1)", ""), "fuse(rs, ag)", "nothing to compute inside the collective"),
+    (SPLIT, "fuse(rs, agw)", "reads the fusion and the fusion reads it"),
+    (SPLIT, "fuse(agh, rs, agw)", "at most one collective"),
+]
+
+
+def _load(text: str) -> SourceFile:
+    return load_source(text, "advice.ccn")
+
+
+def _follow(text: str, directive: str, message: str) -> str:
+    """The program with the advice of `message` applied to `directive`."""
+    m = re.search(r"((?:\w+ = )?fuse\([^()]*\))\s*$", message.splitlines()[0])
+    if m:
+        return text.replace(directive, m[1])
+    assert "remove this fuse directive" in message, message
+    return text.replace(directive, "")
+
+
+@pytest.mark.parametrize("case", range(len(REFUSED)))
+def test_refusal_advice_leads_to_an_accepted_fusion(case):
+    program, directive, what = REFUSED[case]
+    text = program.replace("FUSE", directive)
+    with pytest.raises(CompileError) as e:
+        _load(text)
+    message = str(e.value)
+    assert what in message, message
+    assert "fuse" in message.splitlines()[0]
+    fixed = _follow(text, directive, message)
+    assert fixed != text
+    _load(fixed)  # accepted: no refusal of the fusion, nor of anything else
+
+
+def test_adamw_clipping_fuses_with_c():
+    """The issue's circle: the advice adds c, and the fusion with c is one fused collective."""
+    text = ADAMW.replace("FUSE", "fuse(rs, m1, v1, mh, vh, w1, agw)")
+    with pytest.raises(CompileError, match=re.escape("add 'c' to the fusion: fuse(rs, c, m1, v1, mh, vh, w1, agw)")):
+        _load(text)
+    mod = _load(ADAMW.replace("FUSE", "fuse(rs, c, m1, v1, mh, vh, w1, agw)"))
+    fused = [u for u in mod.plans[("adamw", "s")].units if isinstance(u, Fused)]
+    assert len(fused) == 1 and fused[0].partials == ("t0_c",)
+
+
+def test_update_after_a_waiting_reader_waits_too():
+    """m1 could run on each chunk, but k (which waits for the norm) reads the old m, and m1
+    writes m in place: m1 waits with it (phase B), so k reads m before m1 writes it."""
+    text = """
+program e(g: f32[N] local, w: f32[N] replicated, m: f32[N] replicated, lr: f32) {
+    g1 = allreduce(sum, g)
+    c = norm(g1)
+    k = c * m * g1
+    m1 = update(m, m * 0.5 + g1)
+    w1 = update(w, w - lr * k)
+}
+schedule z for e {
+    rs, ag = split(g1)
+    agm, agw = reorder(ag, c, k, m1, w1)
+    slice(m)
+    fuse(rs, c, k, m1, w1, agw)
+}
+"""
+    f = next(u for u in _load(text).plans[("e", "z")].units if isinstance(u, Fused))
+    assert [i.name for p in f.phases for i in p.items] == ["rs"] and f.partials == ("c",)
+    path = Path(__file__).resolve().parent / "programs" / "fused_update_waits.ccn"
+    assert path.read_text() == text.lstrip()
+    out = _run(["run", str(path), "-s", "all", "--ranks", "2", "--size", "N=1001"], {"COCONET_CHUNK": "128"})
+    assert out.count("matches the interpreter on every rank") == 2, out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_loss_scaled_step_is_skipped_on_inf_and_nan(ranks, capfd):
+    """examples/scaled_adam.ccn compiled: an inf or a NaN in one rank's gradient skips the step
+    under every schedule (m, v, w and w16 unchanged, the scale halved); finite gradients take it,
+    the schedules agree (tests/fused_reductions_worker.py)."""
+    from coconetc.launch.mpiexec import run_python
+    rc = run_python(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")),
+                            str(EX / "scaled_adam.ccn")], timeout=400)
+    out = capfd.readouterr().out
+    assert rc == 0 and out.count("OK ") == 11, out
+
+
+def _other_refusals() -> list[tuple[str, str]]:
+    """Every refused fuse of tests/test_errors.py and tests/test_cli.py: (id, program)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_cli
+    import test_errors
+    out = [(c[0], c[1]) for c in test_errors.CASES if c[0].startswith("fuse") or c[-1].startswith("fuse")]
+    out += [(k, text) for k, (text, where) in test_cli.PLAN_REFUSALS.items() if "error: fuse" in where]
+    return out
+
+
+@pytest.mark.parametrize("case", _other_refusals(), ids=lambda c: c[0])
+def test_every_fuse_refusal_of_the_test_suite_leads_somewhere(case):
+    """The same for the refusals other tests check: the advice, applied to the fuse directive
+    at the error's line, gives a file with no refusal."""
+    _, text = case
+    with pytest.raises(CompileError) as e:
+        _load(text)
+    d = e.value.diagnostics[0]
+    message = d.message
+    assert re.search(r"(?:\w+ = )?fuse\([^()]*\)\s*$", message) or message.endswith("remove this fuse directive"), message
+    lines = text.splitlines(keepends=True)
+    line = lines[d.span.line - 1]
+    m = re.search(r"((?:\w+ = )?fuse\([^()]*\))\s*$", message)
+    lines[d.span.line - 1] = (line[:len(line) - len(line.lstrip())] + m[1] + "\n") if m else "\n"
+    _load("".join(lines))
