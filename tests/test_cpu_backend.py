@@ -59,6 +59,8 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "tp_mlp": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
     "sp_block": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
     "tp_mlp_grad": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),  # the derived program's schedules
+    "tp_block": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
+    "tp_block_grad": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4

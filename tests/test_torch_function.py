@@ -27,7 +27,7 @@ def built(request):
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file, with_grads
     with build_cache(request):
-        for f, progs in ((TP_MLP, ["tp_mlp"]), (TP_MLP, ["sp_block"]), (PIPELINE, ["stage"])):
+        for f, progs in ((TP_MLP, ["tp_mlp"]), (TP_MLP, ["sp_block"]), (TP_MLP, ["tp_block"]), (PIPELINE, ["stage"])):
             compile_cpu(with_grads(load_file(f), progs), log=lambda msg: None)
         yield
 
@@ -66,6 +66,12 @@ def test_cuda_backend_without_the_switch_names_the_cpu_tensor(built, monkeypatch
     x = torch.zeros(1, 2, 4)
     with pytest.raises(ValueError, match="'x' is on cpu; the CUDA backend takes CUDA tensors .*COCONET_CUDA_EMULATE=1"):
         f(x=x, w1=torch.zeros(4, 6), b1=torch.zeros(6), w2=torch.zeros(6, 4), b2=torch.zeros(4))
+
+
+def test_residual_block_fused_backward_against_autograd(built, capfd):
+    rc, lines, log = _launch(capfd, 2, "block")
+    _check(lines, log, [f"block:{s}:{g}:R2" for s in ("default", "overlapped") for g in ("default", "fused")])
+    assert rc == 0, log
 
 
 def test_sequence_parallel_block_against_autograd(built, capfd):

@@ -12,6 +12,8 @@ MODE tp     examples/tp_mlp.ccn's tp_mlp under every forward x backward schedule
             coconetc.torch.Module against the one-process layer
 MODE tp_cuda  tp_mlp with backend="cuda" (run with COCONET_CUDA_EMULATE=1: the CUDA module
             under the host emulation, CPU tensors standing for CUDA tensors)
+MODE block  tp_mlp.ccn's tp_block (the residual MLP) under its schedules, the backward fused
+            with its epilogue and overlapped
 MODE sp     tp_mlp.ccn's sp_block (sequence-parallel: layernorm on this rank's rows, allgather,
             column- and row-parallel matmuls, reducescatter, dropout, residual)
 MODE pipe   examples/pipeline.ccn's stage on 4 ranks as 2 groups: group 0's stage trained with
@@ -122,6 +124,29 @@ def mode_tp(comm, backend: str | None = None) -> None:
             for k in refw])
 
 
+def mode_block(comm) -> None:
+    """tp_block (y = x + mlp(x)) under every forward x backward schedule: the backward
+    all-reduce split, fused with the residual's epilogue and overlapped with the matmul_nt."""
+    R, rank = comm.Get_size(), comm.Get_rank()
+    B, S, H, F = 2, 6, 8, 12
+    lo, hi = slice_range(F, R, rank)
+    gen = torch.Generator().manual_seed(4)
+    full = tp_full(gen, B, S, H, F)
+    dy = torch.randn(B, S, H, generator=gen)
+    ref = {k: v.clone().requires_grad_(True) for k, v in full.items()}
+    y_want = ref["x"] + tp_reference(ref)
+    y_want.backward(dy)
+    want = tp_parts({k: v.grad for k, v in ref.items()}, lo, hi)
+    for s in ("default", "overlapped"):
+        for g in ("default", "fused"):
+            fn = ct.function(TP_MLP, "tp_block", schedule=s, grad_schedule=g, comm=comm)
+            args = {k: v.clone().contiguous().requires_grad_(True) for k, v in tp_parts(full, lo, hi).items()}
+            y = fn(**args)
+            y.backward(dy)
+            report(comm, f"block:{s}:{g}:R{R}" + (":saved" if fn.saved else ":recomputed"),
+                   [("y", y.detach(), y_want.detach())] + [(f"d_{k}", args[k].grad, want[k]) for k in args])
+
+
 def mode_sp(comm) -> None:
     from coconetc.interp.rng import dropout_keep, site_key
     R, rank = comm.Get_size(), comm.Get_rank()
@@ -207,7 +232,7 @@ def mode_pipe(comm) -> None:
 
 def main(comm) -> int:
     torch.set_num_threads(1)
-    {"tp": mode_tp, "tp_cuda": lambda c: mode_tp(c, "cuda"), "sp": mode_sp, "pipe": mode_pipe}[sys.argv[1]](comm)
+    {"tp": mode_tp, "tp_cuda": lambda c: mode_tp(c, "cuda"), "sp": mode_sp, "block": mode_block, "pipe": mode_pipe}[sys.argv[1]](comm)
     return 1 if FAILED else 0
 
 
