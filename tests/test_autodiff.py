@@ -546,3 +546,11 @@ def test_lower_precision_matches_f64(dtype: str, rtol: float) -> None:
             want = a.outputs[name]
             np.testing.assert_allclose(np.asarray(b.outputs[name], dtype=np.float64), want,
                                        rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=name)
+
+
+def test_schedule_for_a_word_other_than_grad_is_located() -> None:
+    src = MLP + "\nschedule s for gradgrad(mlp) {\n}\n"
+    with pytest.raises(CompileError, match=r"for grad\(NAME\)") as err:
+        load_source(src)
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index("gradgrad")) + 1, 16)

@@ -254,7 +254,12 @@ def parse(source: str, file: str = "<string>") -> syntax.File:
     bad = _bad_tokens(tree, file, source)
     if bad:
         raise CompileError(bad)
-    items = _ToAst(file, source).transform(tree)
+    try:
+        items = _ToAst(file, source).transform(tree)
+    except lark.exceptions.VisitError as err:  # a rule's own located error (`for nope(p)`)
+        if isinstance(err.orig_exc, CompileError):
+            raise err.orig_exc from None
+        raise
     def of(cls):
         return tuple(i for i in items if isinstance(i, cls))
     return syntax.File(file, source, of(syntax.Program), of(syntax.Schedule), of(syntax.OpDecl),
