@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_checks import check, launch
 
 from coconetc.toolchain import probes
 from coconetc.ir.slices import slice_range
-from coconetc.launch.mpiexec import run_python
 
 torch = pytest.importorskip("torch")
 
@@ -47,16 +47,11 @@ def built(request):
 
 
 def _launch(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:
-    rc = run_python(ranks, [str(WORKER), *args], timeout=500)
-    out, err = capfd.readouterr()
-    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    return launch(capfd, WORKER, ranks, *args)
 
 
 def _check(lines: list[str], log: str, labels: list[str]) -> None:
-    assert not [ln for ln in lines if ln.startswith("FAIL")], log
-    ok = {ln.split()[1] for ln in lines if ln.startswith("OK ")}
-    for label in labels:
-        assert label in ok, f"{label} missing\n{log}"
+    check(lines, log, labels)
 
 
 # --- on two and three ranks --------------------------------------------------------------------

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 import pytest
+from rank_checks import check, launch
 
-from coconetc.launch.mpiexec import run_python
 from coconetc.toolchain import probes
 
 torch = pytest.importorskip("torch")
@@ -50,17 +50,12 @@ def built(request):
             os.environ[k] = v
 
 
-def _run(capfd, ranks: int, mode: str) -> tuple[int, list[str], str]:
-    rc = run_python(ranks, [str(WORKER), mode], timeout=500)
-    out, err = capfd.readouterr()
-    return rc, out.splitlines(), f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+def _run(capfd, ranks: int, *args: str) -> tuple[int, list[str], str]:
+    return launch(capfd, WORKER, ranks, *args)
 
 
 def _check(lines: list[str], log: str, labels: list[str]) -> None:
-    assert not [ln for ln in lines if ln.startswith("FAIL")], log
-    ok = {ln.split()[1] for ln in lines if ln.startswith("OK ")}
-    for label in labels:
-        assert label in ok, f"{label} missing\n{log}"
+    check(lines, log, labels)
 
 
 RANKS = [2, pytest.param(3, marks=pytest.mark.slow)]
