@@ -62,12 +62,14 @@ def load_on_gpu(file: str, comm: Any, grad=()) -> Any:
     """FILE's CUDA module on a GPU (this rank's node-local rank modulo the GPUs), with an NCCL
     communicator over COMM; its programs wrapped as GpuFunction."""
     import torch
-    from mpi4py import MPI
 
     import coconetc
+    from coconetc.runtime.nodes import node_comm
     if not torch.cuda.is_available():
         raise SystemExit("coconetc run --backend cuda: no CUDA device here (use --emulate)")
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    node = node_comm(comm)
+    local = node.Get_rank()
+    node.Free()
     torch.cuda.set_device(local % torch.cuda.device_count())
     mod = coconetc.load(file, backend="cuda", log=quiet, grad=tuple(grad))
     nccl = mod.comm(comm)

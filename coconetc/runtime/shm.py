@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.ir.storage import STORAGE
+from coconetc.runtime.nodes import node_comm
 from coconetc.runtime.layout import FRAMEWORKS, TORCH_DTYPES
 
 _KEEP: list[Any] = []  # the windows and their node communicators, alive until the process ends
@@ -26,7 +27,7 @@ _NEXT = [0]
 def empty(shape: int | tuple[int, ...], dtype: str = "f32", *, comm: Any = None,
           framework: str = "numpy") -> Any:
     """An uninitialised array of SHAPE and language DTYPE ("f32", "bf16", ...) in a shared
-    window over the ranks of COMM (default COMM_WORLD) on this node: a NumPy array
+    window over the ranks of COMM (default COMM_WORLD) on this node (coconetc.runtime.nodes): a NumPy array
     (framework="numpy") or a torch tensor ("torch"). Collective over COMM."""
     from mpi4py import MPI
     if dtype not in STORAGE:
@@ -39,7 +40,7 @@ def empty(shape: int | tuple[int, ...], dtype: str = "f32", *, comm: Any = None,
     comm = MPI.COMM_WORLD if comm is None else comm
     dt = STORAGE[dtype]
     nbytes = math.prod(shape) * dt.itemsize
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node = node_comm(comm)  # (under COCONET_SIMULATE_NODES: the simulated node's ranks only)
     win = MPI.Win.Allocate_shared(max(nbytes, 1), dt.itemsize, comm=node)
     mem = win.tomemory()
     wid = node.allreduce(_NEXT[0], op=MPI.MAX)  # the same id on every rank of the window

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -37,16 +38,77 @@ inline void (*&on_threads_set())(int) {
   return f;
 }
 
+// ---- nodes ---------------------------------------------------------------------------------
+//
+// A node is a set of ranks that share memory (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)).  For
+// tests on one machine, COCONET_SIMULATE_NODES=K splits the ranks of the caller's communicator
+// into K simulated nodes of consecutive ranks (rank / (size / K)) that never share memory, so
+// the paths for groups that span several nodes run on one machine.  Every place that asks
+// "which ranks are on my node" goes through node_comm() (Python: coconetc/runtime/nodes.py).
+
+constexpr const char* kEnvSimulateNodes = "COCONET_SIMULATE_NODES";
+
+// K of COCONET_SIMULATE_NODES for a communicator of `size` ranks (0 when unset or empty).
+// Throws std::invalid_argument (the same on every rank) unless K is an integer >= 1 dividing
+// the size.
+inline int simulated_nodes(int size) {
+  const char* env = std::getenv(kEnvSimulateNodes);
+  if (!env || !*env) return 0;
+  char* end = nullptr;
+  const long k = std::strtol(env, &end, 10);
+  require(*end == '\0' && k >= 1,
+          std::string(kEnvSimulateNodes) + "=" + env + ": the number of simulated nodes must be an integer >= 1");
+  require(size % k == 0, std::string(kEnvSimulateNodes) + "=" + env + " does not divide the " +
+                             std::to_string(size) + " ranks of the communicator into equal nodes");
+  return static_cast<int>(k);
+}
+
+// The simulated node of rank `rank` of a communicator of `size` ranks (0 without simulation).
+inline int simulated_node(int rank, int size) {
+  const int k = simulated_nodes(size);
+  return k ? rank / (size / k) : 0;
+}
+
+// The ranks of `comm` on this rank's node, in comm's order (collective over comm; the caller
+// frees it): those sharing memory with it and, under COCONET_SIMULATE_NODES, in the same
+// simulated node `sim_node` (simulated_node of this rank in the caller's communicator, which
+// may be larger than comm: a group's ranks keep the nodes of the communicator it was split
+// from).
+inline MPI_Comm node_comm(MPI_Comm comm, int sim_node) {
+  MPI_Comm shared, node;
+  COCONET_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &shared));
+  if (!std::getenv(kEnvSimulateNodes) || !*std::getenv(kEnvSimulateNodes)) return shared;
+  int r = 0;
+  MPI_Comm_rank(shared, &r);
+  COCONET_MPI(MPI_Comm_split(shared, sim_node, r, &node));
+  MPI_Comm_free(&shared);
+  return node;
+}
+
 // The cores of this node divided among the ranks of `comm` on it (collective over comm).
-inline int node_share(MPI_Comm comm) {
-  MPI_Comm node;
-  COCONET_MPI(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+inline int node_share(MPI_Comm comm, int sim_node) {
+  MPI_Comm node = node_comm(comm, sim_node);
   int local = 1;
   MPI_Comm_size(node, &local);
   MPI_Comm_free(&node);
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   return std::max(1, cores / std::max(1, local));
 }
+
+// How a group lies on nodes (ShmWindow::available): M nodes of L ranks each when every node
+// holds the same number of the group's ranks (L = 0 otherwise).
+struct NodeLayout {
+  int nodes = 1;       // M
+  int per_node = 0;    // L (0: the nodes hold different numbers of ranks)
+  int node = 0;        // this rank's node, 0 .. M-1 (the nodes ordered by their first rank)
+  int local = 0;       // this rank's place on its node, 0 .. L-1 (group order)
+  std::vector<int> rank_of;  // [node * L + local]: the group rank
+  MPI_Comm across = MPI_COMM_NULL;  // the ranks of the same `local` on every node, by node
+  // The group rank at (node k, local l).
+  int at(int k, int l) const { return rank_of[static_cast<size_t>(k * per_node + l)]; }
+  // True for a group over several nodes of L ranks each.
+  bool hierarchical() const { return nodes > 1 && per_node > 0; }
+};
 
 // ---- an MPI-3 shared-memory window over a group on one node --------------------------------
 //
@@ -62,23 +124,55 @@ class ShmWindow {
   ShmWindow& operator=(const ShmWindow&) = delete;
   ~ShmWindow() { release(); }
 
-  // True when every rank of `group` shares this node (collective on the first call).
-  bool available(MPI_Comm group, int size) {
-    if (checked_) return node_ != MPI_COMM_NULL;
+  // True when every rank of `group` shares this node (collective on the first call, which also
+  // finds how the group lies on nodes: layout()).  `sim_node`: this rank's simulated node
+  // (node_comm).  Otherwise the window spans the ranks of this node only (the hierarchical
+  // fused collectives' intra-node steps, fused_shm.h).
+  bool available(MPI_Comm group, int size, int sim_node) {
+    if (checked_) return whole_;
     checked_ = true;
-    MPI_Comm node;
-    COCONET_MPI(MPI_Comm_split_type(group, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-    int n = 0;
-    MPI_Comm_size(node, &n);
-    if (n != size) {
-      MPI_Comm_free(&node);
-      return false;
-    }
-    node_ = node;  // same rank order as the group (key 0: ties keep the group's order)
+    node_ = node_comm(group, sim_node);  // same rank order as the group
+    int n = 0, me = 0;
+    MPI_Comm_size(node_, &n);
     MPI_Comm_rank(node_, &node_rank_);
-    bases_.assign(static_cast<size_t>(size), nullptr);
-    return true;
+    MPI_Comm_rank(group, &me);
+    bases_.assign(static_cast<size_t>(n), nullptr);
+    whole_ = n == size;
+    layout_.local = node_rank_;
+    if (whole_) return true;
+    // the nodes, numbered in the order of their first ranks (the leaders, local rank 0)
+    MPI_Comm leaders;
+    COCONET_MPI(MPI_Comm_split(group, node_rank_ == 0 ? 0 : MPI_UNDEFINED, me, &leaders));
+    int k = 0;
+    if (leaders != MPI_COMM_NULL) {
+      MPI_Comm_rank(leaders, &k);
+      MPI_Comm_size(leaders, &layout_.nodes);
+      MPI_Comm_free(&leaders);
+    }
+    int km[2] = {k, layout_.nodes};
+    COCONET_MPI(MPI_Bcast(km, 2, MPI_INT, 0, node_));
+    layout_.node = km[0];
+    layout_.nodes = km[1];
+    std::vector<int> all(static_cast<size_t>(3 * size));
+    int mine[3] = {layout_.node, node_rank_, n};
+    COCONET_MPI(MPI_Allgather(mine, 3, MPI_INT, all.data(), 3, MPI_INT, group));
+    bool even = true;
+    for (int r = 0; r < size; ++r) even &= all[static_cast<size_t>(3 * r + 2)] == n;
+    if (!even) return false;  // nodes of different sizes: the fused collectives go point to point
+    layout_.per_node = n;
+    layout_.rank_of.assign(static_cast<size_t>(size), 0);
+    for (int r = 0; r < size; ++r)
+      layout_.rank_of[static_cast<size_t>(all[static_cast<size_t>(3 * r)] * n + all[static_cast<size_t>(3 * r + 1)])] = r;
+    COCONET_MPI(MPI_Comm_split(group, node_rank_, layout_.node, &layout_.across));
+    COCONET_MPI(MPI_Comm_set_errhandler(layout_.across, MPI_ERRORS_RETURN));
+    return false;
   }
+
+  // How the group lies on nodes (after available()).
+  const NodeLayout& layout() const { return layout_; }
+
+  // This rank's place in the window (its node's ranks, in group order).
+  int node_rank() const { return node_rank_; }
 
   // Makes every rank's segment at least `bytes` long (collective when it grows).
   void reserve(size_t bytes) {
@@ -146,6 +240,7 @@ class ShmWindow {
       if (o.win != MPI_WIN_NULL) MPI_Win_free(&o.win);
     own_.clear();
     if (node_ != MPI_COMM_NULL) MPI_Comm_free(&node_);
+    if (layout_.across != MPI_COMM_NULL) MPI_Comm_free(&layout_.across);
   }
 
   int64_t calls = 0;  // fused calls run on the window (their parity picks a region)
@@ -161,7 +256,7 @@ class ShmWindow {
   // The id of the user window holding [p, p + bytes) of this rank, its offset there, when every
   // rank of the group can read it (the window's group holds them all); id -1 otherwise.
   std::pair<int64_t, int64_t> user_window_of(const void* p, size_t bytes) const {
-    if (node_ == MPI_COMM_NULL) return {-1, 0};
+    if (node_ == MPI_COMM_NULL || !whole_) return {-1, 0};
     const uint64_t a = reinterpret_cast<uintptr_t>(p);
     for (const auto& [site, o] : own_) {  // the runtime's own (shared_scratch): the group's node
       const uint64_t at = reinterpret_cast<uintptr_t>(o.at(rank_of_node()));
@@ -265,6 +360,8 @@ class ShmWindow {
   int node_rank_ = 0;
 
   bool checked_ = false;
+  bool whole_ = false;  // the group is on this node
+  NodeLayout layout_;
   MPI_Comm node_ = MPI_COMM_NULL;
   MPI_Win win_ = MPI_WIN_NULL;
   size_t bytes_ = 0;
@@ -280,6 +377,7 @@ struct Comm {
   int world_rank = 0, world_size = 1;
   int groups = 1, group_index = 0;  // G and this rank's group
   int rank = 0, size = 1;           // rank and size in the group
+  int sim_node = 0;                 // this rank's simulated node (COCONET_SIMULATE_NODES; node_comm)
   int next_peer = MPI_PROC_NULL;    // world rank of the same in-group rank in the next group
   int prev_peer = MPI_PROC_NULL;    // ... in the previous group
   ShmWindow shm;                    // the group's shared-memory window (fused.h), on first use
@@ -293,6 +391,7 @@ struct Comm {
     require(world_size % groups_ == 0,
             "groups=" + std::to_string(groups_) + " does not divide the number of processes (" +
                 std::to_string(world_size) + ")");
+    sim_node = simulated_node(world_rank, world_size);  // (throws, before communicating, if bad)
     groups = groups_;
     size = world_size / groups;
     group_index = world_rank / size;
@@ -301,7 +400,7 @@ struct Comm {
     prev_peer = group_index > 0 ? world_rank - size : MPI_PROC_NULL;
     COCONET_MPI(MPI_Comm_dup(base, &world));
     COCONET_MPI(MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN));
-    int share = node_share(world);  // on every rank of `base` alike, whatever was set before
+    int share = node_share(world, sim_node);  // on every rank of `base` alike, whatever was set before
     if (process_threads() == 0) {
       process_threads() = share;
       if (on_threads_set()) on_threads_set()(share);

@@ -206,6 +206,10 @@ void fused_rs_compute_ag(Op op, const Segments<const T>& in, Shape3 shape, Comm&
     fused_rs_compute_ag_shm(op, in, shape, comm, chunk_elems, compute, gathers, progress_elems);
     return;
   }
+  if (use_hier(comm, shape)) {  // the group over several nodes of L ranks: hierarchically
+    fused_rs_compute_ag_hier(op, in, shape, comm, chunk_elems, compute, gathers, progress_elems);
+    return;
+  }
   FusedRsComputeAg<T, Compute> f(op, in, shape, comm, 0, chunk_elems, std::move(compute),
                                  std::move(gathers), progress_elems);
   f.wait();
@@ -357,6 +361,10 @@ class FusedAllreduceCompute {
 template <class T, class Compute>
 void fused_allreduce_compute(Op op, const Segments<const T>& in, Comm& comm, int64_t chunk_elems,
                              Compute compute, int64_t progress_elems = kProgressElems) {
+  if (use_hier(comm, Shape3{1, in.total(), 1})) {  // the group over several nodes
+    fused_allreduce_compute_hier(op, in, comm, chunk_elems, compute, progress_elems);
+    return;
+  }
   FusedAllreduceCompute<T, Compute> f(op, in, comm, 0, chunk_elems, std::move(compute),
                                       progress_elems);
   f.wait();

@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -108,23 +109,52 @@ inline std::atomic<int64_t>& shm_runs() {
   return n;
 }
 
-// True when fused collectives on `comm` go through its shared-memory window: more than one rank,
-// all on this node, and neither the call (CallArgs::fused, e.g. schedule "zero@p2p") nor, when
-// the call does not say, COCONET_FUSED asks for point-to-point (collective over the group on
-// first use).
-inline bool shm_chosen(Comm& comm) {
+// Hierarchical collectives run in this process (the module's _hier_runs()).
+inline std::atomic<int64_t>& hier_runs() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+
+// True unless the call (CallArgs::fused, e.g. schedule "zero@p2p") or, when the call does not
+// say, COCONET_FUSED asks for point-to-point (or the group has one rank).
+inline bool window_allowed(const Comm& comm) {
   if (comm.size <= 1 || comm.shm.algo == 1) return false;
   if (comm.shm.algo == 0) {
     const char* env = std::getenv("COCONET_FUSED");
     if (env && std::strcmp(env, "p2p") == 0) return false;
   }
-  return comm.shm.available(comm.group, comm.size);
+  return true;
+}
+
+// True when fused collectives on `comm` go through its shared-memory window: more than one rank,
+// all on this node (nodes as node_comm in comm.h says), and window_allowed (collective over the
+// group on first use).
+inline bool shm_chosen(Comm& comm) {
+  return window_allowed(comm) && comm.shm.available(comm.group, comm.size, comm.sim_node);
 }
 
 // shm_chosen, counting the runs (shm_runs).
 inline bool use_shm(Comm& comm) {
   if (!shm_chosen(comm)) return false;
   shm_runs().fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// True when fused collectives (and large all-reduces) on `comm` run hierarchically (see
+// fused_rs_compute_ag_hier): the group spans several nodes that hold the same number of its
+// ranks, window_allowed, and the per-node messages of a [outer, n, inner] tensor fit MPI's int
+// counts (the same answer on every rank; collective over the group on first use).
+inline bool hier_chosen(Comm& comm, Shape3 shape) {
+  if (!window_allowed(comm) || comm.shm.available(comm.group, comm.size, comm.sim_node)) return false;
+  if (!comm.shm.layout().hierarchical()) return false;
+  const int64_t widest = slice_chunk(shape.n, comm.size) * shape.inner * shape.outer;
+  return widest <= INT_MAX;
+}
+
+// hier_chosen, counting the runs (hier_runs).
+inline bool use_hier(Comm& comm, Shape3 shape) {
+  if (!hier_chosen(comm, shape)) return false;
+  hier_runs().fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 
@@ -262,6 +292,178 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   if (fenced || read_in_place) win.sync();
 }
 
+
+// ---- the hierarchical path: groups over several nodes -----------------------------------------
+
+// Blocking fused reduce-scatter + compute + all-gather over a group of M nodes of L ranks each
+// (hier_chosen; the same contract as fused_rs_compute_ag, fused.h).  With U_l the union of the
+// slices of the ranks of local rank l on every node (rank (k, l) of node k owns the language's
+// slice slice_range(n, R, r) of its group rank r, so uneven and empty slices need nothing
+// special):
+//   1. within the node: each rank stages into its segment of the node's window the parts of its
+//      input that its node peers reduce (U_j, j != l);  sync;  local rank l reduces U_l over
+//      the node's ranks (node order, compute type), packed by node and row;
+//   2. across nodes (MPI point to point on the ranks of local rank l, one per node): each node's
+//      partial of rank (k', l)'s slice goes to that rank, which combines the M partials in node
+//      order, divides for avg, rounds to T: its reduced slice, as on one node;
+//   3. compute() on the slice in the chunks of the flat paths (RoundPlan), writing this rank's
+//      part of every gather target;
+//   4. across nodes: this rank's part of every target to the ranks of the same local rank
+//      (each then holds U_l of every target);
+//   5. within the node: U_l of every target published in the window;  sync;  the other node
+//      ranks' U_j copied out (and a sync after when the region is fenced, as on one node).
+// With one rank per node (L = 1) no window is used: steps 2-4 only.  Memory: the window holds
+// the full-size input and each target of another element size (as fused_rs_compute_ag_shm);
+// scratch for U_l and M contributions to this rank's slice in the compute type.
+template <class T, class Compute>
+void fused_rs_compute_ag_hier(Op op, const Segments<const T>& in, Shape3 shape, Comm& comm,
+                              int64_t chunk_elems, Compute& compute,
+                              const std::vector<GatherTarget>& gathers, int64_t progress_elems) {
+  using C = compute_t<T>;
+  constexpr int kTagReduce = 21, kTagGather = 22;
+  const int64_t total = shape.total();
+  require(in.total() == total, "fused collective: input has " + std::to_string(in.total()) +
+                                   " elements, shape " + std::to_string(total));
+  for (const GatherTarget& g : gathers)
+    require(g.total() == total, "fused collective: gather target size mismatch");
+  const NodeLayout& nl = comm.shm.layout();
+  const int R = comm.size, me = comm.rank, M = nl.nodes, L = nl.per_node, k = nl.node, l = nl.local;
+  MPI_Comm across = nl.across;
+  RoundPlan whole(shape, R, std::numeric_limits<int64_t>::max());  // round o: row o's whole slices
+  // f(node, range) for every non-empty piece of U_j (by node, then row)
+  auto for_union = [&](int j, auto&& f) {
+    for (int kk = 0; kk < M; ++kk)
+      for (int64_t o = 0; o < whole.rounds; ++o) {
+        Range q = whole.range(o, nl.at(kk, j));
+        if (!q.empty()) f(kk, q);
+      }
+  };
+  auto elems = [&](int r) { return slice_range(shape.n, R, r).size() * shape.inner * shape.outer; };
+  std::vector<int64_t> off(static_cast<size_t>(M) + 1, 0);  // node kk's part of U_l in `part`
+  for (int kk = 0; kk < M; ++kk) off[kk + 1] = off[kk] + elems(nl.at(kk, l));
+
+  // the node's window: [staged input][each gather target not kept in the input's U_l part]
+  ShmWindow& win = comm.shm;
+  std::vector<size_t> goff(gathers.size(), 0);
+  size_t at = 0;
+  bool fenced = false;
+  if (L > 1) {
+    size_t region = align64(static_cast<size_t>(total) * sizeof(T));
+    for (size_t g = 0; g < gathers.size(); ++g) {
+      if (g == 0 && gathers[g].elem_size == sizeof(T)) continue;
+      goff[g] = region;
+      region += align64(static_cast<size_t>(total) * gathers[g].elem_size);
+    }
+    at = win.region_for(region, fenced, shm_double_bytes());
+  }
+  auto seg = [&](int j) { return win.base(j) + at; };
+
+  // 1. within the node: stage what the peers reduce, then reduce U_l
+  if (L > 1) {
+    T* staged = reinterpret_cast<T*>(seg(l));
+    for (int j = 0; j < L; ++j)
+      if (j != l) for_union(j, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
+    win.sync();
+  }
+  C* part = scratch_as<C>(comm, 0, 5, off[M]);
+  int64_t p = 0;
+  for_union(l, [&](int, Range q) {
+    for (int j = 0; j < L; ++j) {
+      if (j == l) {
+        in.for_each(q.begin, q.end, [&](const T* src, int64_t o, int64_t len) {
+          accumulate(op, j == 0, part + p + o, src, len);
+        });
+      } else {
+        accumulate(op, j == 0, part + p, reinterpret_cast<const T*>(seg(j)) + q.begin, q.size());
+      }
+    }
+    p += q.size();
+  });
+
+  // 2. across nodes: every node's partial of this rank's slice, combined in node order
+  const int64_t mine = off[k + 1] - off[k];
+  C* got = scratch_as<C>(comm, 0, 6, mine * M);
+  C* red = scratch_as<C>(comm, 0, 7, mine);
+  std::vector<MPI_Request> reqs;
+  for (int kk = 0; kk < M; ++kk) {
+    if (kk == k) continue;
+    if (mine) {
+      reqs.emplace_back();
+      COCONET_MPI(MPI_Irecv(got + kk * mine, static_cast<int>(mine), mpi_type<C>(), kk, kTagReduce,
+                            across, &reqs.back()));
+    }
+    const int64_t theirs = off[kk + 1] - off[kk];
+    if (theirs) {
+      reqs.emplace_back();
+      COCONET_MPI(MPI_Isend(part + off[kk], static_cast<int>(theirs), mpi_type<C>(), kk, kTagReduce,
+                            across, &reqs.back()));
+    }
+  }
+  wait_all(reqs);
+  for (int kk = 0; kk < M; ++kk)
+    accumulate(op, kk == 0, red, kk == k ? part + off[k] : got + kk * mine, mine);
+  finish_chunk<T>(op, red, mine, R);
+
+  // 3. compute on this rank's slice, chunk by chunk (the flat paths' chunks)
+  RoundPlan plan(shape, R, chunk_elems);
+  const int64_t piece = std::max<int64_t>(progress_elems, 1);
+  for (int64_t kr = 0; kr < plan.rounds; ++kr) {
+    Range q = plan.range(kr, me);
+    if (!q.empty())
+      compute_in_pieces(q.begin, q.end, red + plan.slice_offset(kr, me), piece, compute, [] {});
+  }
+
+  // 4. across nodes: this rank's part of every target to the same local rank of every node
+  for (const GatherTarget& g : gathers)
+    for (int kk = 0; kk < M; ++kk) {
+      if (kk == k) continue;
+      for (int64_t o = 0; o < whole.rounds; ++o) {
+        Range theirs = whole.range(o, nl.at(kk, l)), ours = whole.range(o, me);
+        irecv_range(g, theirs.begin, theirs.end, kk, kTagGather, across, reqs);
+        isend_range(g, ours.begin, ours.end, kk, kTagGather, across, reqs);
+      }
+    }
+  wait_all(reqs);
+
+  // 5. within the node: publish U_l of every target, copy out the peers' U_j
+  if (L > 1) {
+    for (size_t g = 0; g < gathers.size(); ++g) {
+      const size_t es = gathers[g].elem_size;
+      for_union(l, [&](int, Range q) {
+        raw_copy_out(gathers[g], q.begin, q.end, seg(l) + goff[g] + static_cast<size_t>(q.begin) * es);
+      });
+    }
+    win.sync();
+    for (size_t g = 0; g < gathers.size(); ++g) {
+      const size_t es = gathers[g].elem_size;
+      for (int j = 0; j < L; ++j)
+        if (j != l)
+          for_union(j, [&](int, Range q) {
+            raw_copy_in(seg(j) + goff[g] + static_cast<size_t>(q.begin) * es, gathers[g], q.begin, q.end);
+          });
+    }
+    if (fenced) win.sync();
+  }
+}
+
+// Blocking fused allreduce + compute over a group on several nodes (hier_chosen): the reduced
+// tensor gathered hierarchically into scratch in the compute type, then compute() over
+// [0, total) chunk by chunk (the contract of fused_allreduce_compute, fused.h).
+template <class T, class Compute>
+void fused_allreduce_compute_hier(Op op, const Segments<const T>& in, Comm& comm,
+                                  int64_t chunk_elems, Compute& compute, int64_t progress_elems) {
+  using C = compute_t<T>;
+  const int64_t total = in.total();
+  C* full = scratch_as<C>(comm, 0, 9, total);
+  auto keep = [full](int64_t b, int64_t e, const C* red) { std::copy(red, red + (e - b), full + b); };
+  std::vector<GatherTarget> gathers{gather_target(full, total)};
+  fused_rs_compute_ag_hier<T>(op, in, Shape3{1, total, 1}, comm, chunk_elems, keep, gathers,
+                              int64_t(1) << 40);
+  const int64_t chunk = std::max<int64_t>(chunk_elems, 1), piece = std::max<int64_t>(progress_elems, 1);
+  for (int64_t a = 0; a < total; a += chunk)
+    compute_in_pieces(a, std::min(a + chunk, total), full + a, piece, compute, [] {});
+}
+
 // Messages below this many bytes go through MPI_Allreduce (two barriers cost more there).
 constexpr size_t kShmAllreduceMinBytes = size_t(1) << 14;
 
@@ -269,14 +471,19 @@ constexpr size_t kShmAllreduceMinBytes = size_t(1) << 14;
 // writes the reduced chunk into out and whose gather target is out (in == out allowed).
 template <class T>
 bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm) {
-  if (static_cast<size_t>(count) * sizeof(T) < kShmAllreduceMinBytes || !use_shm(comm)) return false;
+  if (static_cast<size_t>(count) * sizeof(T) < kShmAllreduceMinBytes) return false;
+  const Shape3 shape{1, count, 1};
+  const bool flat = use_shm(comm);
+  if (!flat && !use_hier(comm, shape)) return false;
   auto copy = [out](int64_t b, int64_t e, const compute_t<T>* red) {
     for (int64_t i = b; i < e; ++i) out[i] = from_compute<T>(red[i - b]);
   };
   std::vector<GatherTarget> gathers{gather_target(out, count)};
   const int64_t chunk = int64_t(1) << 16;
-  fused_rs_compute_ag_shm<T>(op, Segments<const T>::one(in, count), Shape3{1, count, 1}, comm,
-                             chunk, copy, gathers, chunk);
+  if (flat)
+    fused_rs_compute_ag_shm<T>(op, Segments<const T>::one(in, count), shape, comm, chunk, copy, gathers, chunk);
+  else
+    fused_rs_compute_ag_hier<T>(op, Segments<const T>::one(in, count), shape, comm, chunk, copy, gathers, chunk);
   return true;
 }
 
