@@ -635,14 +635,22 @@ def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
+              help="Run the ranks on the hosts this file lists (mpiexec's hostfile; docs/cluster.md).")
+@click.option("--host", "hosts", metavar="H1,H2",
+              help="Run the ranks on these hosts (comma-separated, HOST:SLOTS allowed; mpiexec's --host).")
 @click.argument("script", type=click.Path(exists=True, dir_okay=False))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def launch(ranks: int, script: str, args: tuple[str, ...]) -> None:
+def launch(ranks: int, hostfile: str | None, hosts: str | None, script: str, args: tuple[str, ...]) -> None:
     """Run `python SCRIPT ARGS...` on R MPI ranks (the mpiexec installed beside Python, with the
     flags Open MPI needs as root or with more ranks than cores), e.g. a training script that
-    uses coconetc.torch.DistributedOptimizer. Exits non-zero if any rank failed."""
+    uses coconetc.torch.DistributedOptimizer; on this machine, or on the hosts of --hostfile /
+    --host (the script and Python at the same path on every host). Exits non-zero if any rank
+    failed."""
     from coconetc.launch.mpiexec import run_python
-    sys.exit(run_python(ranks, [script, *args]))
+    if hosts is not None and not all(h.strip() for h in hosts.split(",")):
+        _fail(f"coconetc: launch --host {hosts!r}: an empty host name (write H1,H2 or H1:SLOTS,H2:SLOTS)")
+    sys.exit(run_python(ranks, [script, *args], hostfile=hostfile, hosts=hosts))
 
 
 @main.command()

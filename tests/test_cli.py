@@ -511,6 +511,62 @@ def test_launch_runs_a_python_script_on_every_rank(tmp_path: Path) -> None:
     assert res.returncode != 0, res.stdout + res.stderr
 
 
+def test_launch_command_line_names_the_hosts(tmp_path: Path) -> None:
+    """--hostfile / --host reach mpiexec's command line (Open MPI's spelling, or hydra's -f /
+    -hosts), before the program; without them the command names no host."""
+    from coconetc.launch import mpiexec
+    plain = mpiexec.command(4, ["python", "train.py"])
+    assert plain[:3] == [mpiexec.mpiexec(), "-n", "4"] and plain[-2:] == ["python", "train.py"]
+    assert not {"--hostfile", "--host", "-f", "-hosts"} & set(plain)
+    hosts = tmp_path / "hosts"
+    cmd = mpiexec.command(16, ["python", "train.py"], hostfile=str(hosts), hosts="n1:8,n2:8")
+    openmpi = mpiexec._is_open_mpi()
+    hf, h = ("--hostfile", "--host") if openmpi else ("-f", "-hosts")
+    assert cmd[cmd.index(hf) + 1] == str(hosts) and cmd[cmd.index(h) + 1] == "n1:8,n2:8"
+    assert cmd.index(hf) < cmd.index("python") and cmd[-2:] == ["python", "train.py"]
+    assert "-n" in cmd and cmd[cmd.index("-n") + 1] == "16"
+
+
+def test_launch_passes_the_hosts_on(tmp_path: Path, monkeypatch) -> None:
+    """coconetc launch --hostfile F --host H: run_python gets them (and the script's own
+    arguments stay the script's); a missing hostfile or an empty host name is a clean error."""
+    from coconetc.launch import mpiexec
+    seen = {}
+
+    def fake(ranks, args, timeout=None, hostfile=None, hosts=None):
+        seen.update(ranks=ranks, args=args, hostfile=hostfile, hosts=hosts)
+        return 0
+
+    monkeypatch.setattr(mpiexec, "run_python", fake)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    res = invoke("launch", "-n", "4", "--hostfile", hosts, "--host", "a,b", script, "--host", "x")
+    assert res.exit_code == 0, res.output
+    assert seen == dict(ranks=4, args=[str(script), "--host", "x"], hostfile=str(hosts), hosts="a,b")
+    res = invoke("launch", "--hostfile", tmp_path / "nope", script)
+    assert res.exit_code == 2 and "nope" in res.output
+    clean_error(invoke("launch", "--host", "a,,b", script), "an empty host name")
+
+
+def test_launch_on_a_hostfile_of_this_machine(tmp_path: Path) -> None:
+    """A hostfile naming this machine runs the ranks for real."""
+    import sys
+    from coconetc.launch import mpiexec
+    if not mpiexec._is_open_mpi():
+        pytest.skip("the hostfile syntax here is Open MPI's")
+    script = tmp_path / "hello.py"
+    script.write_text("from mpi4py import MPI\nc = MPI.COMM_WORLD\nprint(f'rank {c.Get_rank()} of {c.Get_size()}')\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    exe = Path(sys.executable).parent / "coconetc"
+    res = subprocess.run([str(exe), "launch", "-n", "2", "--hostfile", str(hosts), str(script)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "rank 0 of 2" in res.stdout and "rank 1 of 2" in res.stdout
+
+
 @pytest.mark.parametrize("label, plan", [("default", "default"), ("zero", "zero"), ("zero@p2p", "zero")])
 def test_show_takes_schedule_labels(label: str, plan: str) -> None:
     """show -s takes a schedule label as run and a call do: 'default' is the program itself,

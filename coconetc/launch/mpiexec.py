@@ -1,5 +1,6 @@
 """Starting R ranks with the mpiexec that comes with the installed MPI, without making users
-remember --allow-run-as-root (Open MPI as root) or --oversubscribe (more ranks than cores)."""
+remember --allow-run-as-root (Open MPI as root) or --oversubscribe (more ranks than cores), on
+this machine or on the hosts of a hostfile or a host list (docs/cluster.md)."""
 
 from __future__ import annotations
 
@@ -28,31 +29,43 @@ def _is_open_mpi() -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
-def command(ranks: int, argv: list[str]) -> list[str]:
+def command(ranks: int, argv: list[str], hostfile: str | None = None, hosts: str | None = None) -> list[str]:
+    """The mpiexec command line that runs ARGV on R ranks, on the hosts of HOSTFILE or HOSTS
+    ("h1,h2" or "h1:4,h2:4", slots after a colon) when given (Open MPI: --hostfile / --host;
+    MPICH's hydra: -f / -hosts)."""
     cmd = [mpiexec(), "-n", str(ranks)]
-    if _is_open_mpi():
+    openmpi = _is_open_mpi()
+    if hostfile:
+        cmd += ["--hostfile" if openmpi else "-f", hostfile]
+    if hosts:
+        cmd += ["--host" if openmpi else "-hosts", hosts]
+    if openmpi:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd.append("--oversubscribe")
     return cmd + argv
 
 
-def environment(ranks: int) -> dict[str, str]:
-    """os.environ plus what Open MPI needs to run R ranks on this machine."""
+def environment(ranks: int, local: bool = True) -> dict[str, str]:
+    """os.environ plus what Open MPI needs to run R ranks on this machine (LOCAL: on this
+    machine only; with hosts given the ranks spread over them and this machine's cores say
+    nothing about theirs)."""
     env = dict(os.environ)
     if _is_open_mpi():
         env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
         env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
         env.setdefault("OMPI_MCA_osc", "^ucx")  # see coconetc.runtime.hooks.quiet_osc_ucx
-        if ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
+        if local and ranks > (os.cpu_count() or 1):  # more ranks than cores: waiting ranks must yield
             env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     return env
 
 
-def run_python(ranks: int, args: list[str], timeout: float | None = None) -> int:
-    """Run `python ARGS` on R ranks; returns the exit code (non-zero if any rank failed)."""
-    env = environment(ranks)
-    cmd = command(ranks, [sys.executable, *args])
+def run_python(ranks: int, args: list[str], timeout: float | None = None, hostfile: str | None = None,
+               hosts: str | None = None) -> int:
+    """Run `python ARGS` on R ranks (on the hosts of HOSTFILE or HOSTS when given); returns the
+    exit code (non-zero if any rank failed)."""
+    env = environment(ranks, local=not (hostfile or hosts))
+    cmd = command(ranks, [sys.executable, *args], hostfile=hostfile, hosts=hosts)
     try:
         return subprocess.run(cmd, env=env, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
