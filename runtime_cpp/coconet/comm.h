@@ -250,7 +250,8 @@ class ShmWindow {
   const std::vector<uint64_t>* user = nullptr;
 
   // The running call's fused-collective algorithm (CallArgs::fused): 0 as COCONET_FUSED says,
-  // 1 point-to-point, 2 this window when every rank is on this node.
+  // 1 point-to-point, 2 this window when every rank is on this node (across nodes of L ranks
+  // each: the hierarchical path, fused_shm.h).
   int algo = 0;
 
   // The id of the user window holding [p, p + bytes) of this rank, its offset there, when every
