@@ -12,7 +12,8 @@
 //     __syncthreads. The emulation runs a kernel's blocks in order on every rank, so block b's
 //     barrier meets the peers' block b; a barrier no peer reaches within 120 s raises;
 //   - the LSA team is every rank of the communicator on this node (MPI_COMM_TYPE_SHARED), or,
-//     with COCONET_EMULATE_LSA_SIZE=k, teams of k consecutive ranks (to emulate several nodes);
+//     with COCONET_EMULATE_LSA_SIZE=k, teams of k consecutive ranks (to emulate several nodes),
+//     or with COCONET_SIMULATE_NODES=K (docs/cluster.md), the K simulated nodes' ranks;
 //   - COCONET_EMULATE_NO_DEVICE_API=1: the communicator reports no device API support.
 #pragma once
 
@@ -138,8 +139,15 @@ inline void shm_unlink_all() {  // at exit: names not yet unlinked (never regist
 // The LSA team of a communicator: the ranks of its node, or teams of COCONET_EMULATE_LSA_SIZE.
 inline ncclTeam lsa_team(Comm* c) {
   int lsa = c->size;
+  const char* sim = std::getenv("COCONET_SIMULATE_NODES");  // as comm.h's node_comm: K nodes
   if (const char* s = std::getenv("COCONET_EMULATE_LSA_SIZE")) {
     lsa = std::max(1, std::min(c->size, std::atoi(s)));
+  } else if (sim && *sim) {
+    const int k = std::atoi(sim);
+    if (k < 1 || c->size % k)
+      throw std::runtime_error(std::string("COCONET_SIMULATE_NODES=") + sim + " does not divide the " +
+                               std::to_string(c->size) + " ranks of the communicator into equal nodes");
+    lsa = c->size / k;
   } else {
     MPI_Comm node;
     mpi_check(MPI_Comm_split_type(c->mpi, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node),
