@@ -707,7 +707,10 @@ def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
 @click.option("--ranks", "-n", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--size", "sizes", multiple=True, metavar="NAME=INT",
               help="A size symbol (default: the sizes the program was last tuned at).")
-def explain(file, program, schedule, ranks, sizes) -> None:
+@click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
+              help="The ranks on this many nodes (equal shares): the model's bytes across the network "
+                   "(docs/cluster.md); measured times are shown for one node only.")
+def explain(file, program, schedule, ranks, sizes, nodes) -> None:
     """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
     passes over memory, kernel launches and plan units, the modelled time, and the measured
     time where the tuning cache has one for these sizes and ranks."""
@@ -722,7 +725,7 @@ def explain(file, program, schedule, ranks, sizes) -> None:
     for i, name in enumerate(names):
         try:
             mine = {k: v for k, v in given.items() if k in ex.symbols(mod, name)}
-            text = ex.explain(mod, name, schedule, ranks, mine)
+            text = ex.explain(mod, name, schedule, ranks, mine, nodes)
             click.echo(("\n" if i else "") + text, nl=False)
         except ex.ExplainError as err:
             _fail(f"coconetc: {err}")

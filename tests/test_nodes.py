@@ -82,3 +82,36 @@ def test_bad_simulated_nodes_is_a_clear_error(monkeypatch, value: str, needle: s
         node.Free()
     finally:
         comm.Free()
+
+
+def test_cost_model_has_two_levels():
+    """The cost model over M nodes (coconetc/tune/cost.py): adam zero's fused collective and
+    default's all-reduce send (M-1)/M of 1/L of the input and of the gathered w across the
+    network (hierarchically), none on one node, all of what they send with one rank per node;
+    a flat reduce-scatter (rs_c_ag) sends (R-L)/(R-1) of its messages off the node; the network's
+    bytes cost more time; explain --nodes prints them, and refuses nodes that do not divide."""
+    from click.testing import CliRunner
+
+    from coconetc import cli
+    from coconetc.sourcefile import load_file
+    from coconetc.tune.cost import cost
+    mod = load_file(REPO / "examples" / "adam.ccn")
+    n, R = 1 << 20, 4
+    nb = 4.0 * n
+    z = {m: cost(mod.plans[("adam", "zero")], {"N": n}, R, m) for m in (1, 2, 4)}
+    assert z[1].net == 0 and z[2].net == pytest.approx(0.5 / 2 * 2 * nb)
+    assert z[4].net == pytest.approx(z[4].sent) and z[4].sent == pytest.approx(0.75 * 2 * nb)
+    assert z[1].seconds() < z[2].seconds() < z[4].seconds()
+    d = cost(mod.plans[("adam", "default")], {"N": n}, R, 2)
+    assert d.net == pytest.approx(0.5 / 2 * 2 * nb)
+    rs = cost(mod.plans[("adam", "rs_c_ag")], {"N": n}, R, 2).parts[0]
+    assert rs[1].net == pytest.approx(2 / 3 * rs[1].sent) and rs[1].sent == pytest.approx(0.75 * nb)
+    with pytest.raises(ValueError, match="3 nodes do not hold 4 ranks"):
+        cost(mod.plans[("adam", "zero")], {"N": n}, R, 3)
+    res = CliRunner().invoke(cli.main, ["explain", str(REPO / "examples" / "adam.ccn"), "--ranks", "4",
+                                        "--nodes", "2", "--size", f"N={n}"])
+    assert res.exit_code == 0, res.output
+    assert "on 4 ranks over 2 nodes" in res.output and "net/rank" in res.output
+    res = CliRunner().invoke(cli.main, ["explain", str(REPO / "examples" / "adam.ccn"), "--ranks", "4",
+                                        "--nodes", "3", "--size", f"N={n}"])
+    assert res.exit_code == 1 and "--nodes 3 does not divide the 4 ranks" in res.output

@@ -26,13 +26,20 @@ ring / pairwise factor f = (R-1)/R (ops.Cost.comm holds the factor in front of f
                    value unless the plan keeps it, + its per-chunk loop over the slice + the
                    all-gather's received part f N (this rank's part is written by the loop)
 
+Over several nodes (cost(..., nodes=M), M nodes of L = R/M ranks; docs/cluster.md) the model
+has two levels: `net` counts the bytes of `sent` that leave the node. A fused collective and an
+allreduce run hierarchically (fused_shm.h): within the node (L-1)/L of the input and of the
+gathered value, across nodes (M-1)/M of 1/L of them; any other collective (and a fused
+collective inside an overlap, which goes point to point) sends to every rank alike, so
+(R-L)/(R-1) of what it sends crosses the network.
+
 A loop over E elements (this rank's part of its type) reads each memory operand once
 (min(E, that operand's elements): a replicated operand of a sliced loop is read at the slice)
 and writes each stored item once: E * bytes per element.
 
 The modelled time, for ranking schedules before measuring them, is
 
-    t = moved / mem_bw + sent / link_bw + flops / flop_rate + launches * launch_s
+    t = moved / mem_bw + (sent - net) / link_bw + net / net_bw + flops / flop_rate + launches * launch_s
 
 less, for each overlap of k chunks, (1 - 1/k) x the shorter of its GEMM's and its
 communication's time (that part runs under the other), with a Machine's constants (defaults: one CPU rank with its neighbour busy; Machine(...)
@@ -58,7 +65,8 @@ class Machine:
     """Rough per-rank rates (bytes/s, flop/s, s per unit started)."""
 
     mem_bw: float = 18e9
-    link_bw: float = 6e9
+    link_bw: float = 6e9    # between the ranks of a node
+    net_bw: float = 3e9     # between nodes, per rank (a 100 Gb/s link shared by 4 ranks)
     flop_rate: float = 20e9
     launch_s: float = 5e-6
 
@@ -67,6 +75,7 @@ class Machine:
 class Cost:
     moved: float = 0.0
     sent: float = 0.0
+    net: float = 0.0  # the part of `sent` that leaves the node (0 on one node)
     passes: int = 0
     launches: int = 0
     flops: float = 0.0
@@ -78,6 +87,7 @@ class Cost:
     def add(self, other: Cost) -> None:
         self.moved += other.moved
         self.sent += other.sent
+        self.net += other.net
         self.passes += other.passes
         self.launches += other.launches
         self.flops += other.flops
@@ -87,17 +97,20 @@ class Cost:
         """The sum of the terms, less what each overlap hides: with k chunks, all but one
         chunk of the shorter of its GEMM and its communication run under the other."""
         m = m or Machine()
-        t = (self.moved / m.mem_bw + self.sent / m.link_bw + self.flops / m.flop_rate
-             + self.launches * m.launch_s)
+        t = (self.moved / m.mem_bw + (self.sent - self.net) / m.link_bw + self.net / m.net_bw
+             + self.flops / m.flop_rate + self.launches * m.launch_s)
         for gemm, comm, k in self.pipelines:
             hidden = min(gemm.seconds(m), comm.seconds(m)) * (1 - 1 / max(1, k))
             t -= hidden
         return t
 
 
-def cost(plan: Plan, sizes: dict[str, int], ranks: int) -> Cost:
-    """The plan's cost on one rank of a group of RANKS at these sizes (see the module doc)."""
-    c = _Counter(plan, sizes, ranks)
+def cost(plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1) -> Cost:
+    """The plan's cost on one rank of a group of RANKS at these sizes (see the module doc), the
+    ranks on NODES nodes of RANKS/NODES ranks each (ValueError unless NODES divides RANKS)."""
+    if nodes < 1 or ranks % nodes:
+        raise ValueError(f"{nodes} nodes do not hold {ranks} ranks evenly")
+    c = _Counter(plan, sizes, ranks, nodes)
     total = Cost(units=len(plan.units))
     for u in plan.units:
         part = c.unit(u)
@@ -107,9 +120,21 @@ def cost(plan: Plan, sizes: dict[str, int], ranks: int) -> Cost:
 
 
 class _Counter:
-    def __init__(self, plan: Plan, sizes: dict[str, int], ranks: int):
+    def __init__(self, plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1):
         self.plan, self.sizes, self.R = plan, sizes, max(1, ranks)
         self.f = (self.R - 1) / self.R
+        self.M = nodes
+        self.L = self.R // nodes
+        # the share of a flat collective's messages that leave the node
+        self.off_node = (self.R - self.L) / (self.R - 1) if self.M > 1 else 0.0
+
+    def hierarchical(self, reduced: float, gathered: float) -> tuple[float, float]:
+        """(sent, net) of a hierarchical collective over M > 1 nodes that reduces REDUCED bytes
+        and gathers GATHERED bytes (either may be 0; see the module doc)."""
+        within = (self.L - 1) / self.L
+        across = (self.M - 1) / self.M / self.L
+        net = across * (reduced + gathered)
+        return within * (reduced + gathered) + net, net
 
     # --- sizes ---------------------------------------------------------------------------
     def elements(self, t: TType, whole: bool = False) -> int:
@@ -179,6 +204,7 @@ class _Counter:
         c.moved += out
         if u.cross_rank:
             c.sent = 2 * self.f * out
+            c.net = self.off_node * c.sent
         return c
 
     def library(self, u: Library) -> Cost:
@@ -205,7 +231,8 @@ class _Counter:
             last = hi - lo
         return self.elements(t) // max(1, last)
 
-    def collective(self, op: str, src: str, dst: str) -> Cost:
+    def collective(self, op: str, src: str, dst: str, flat: bool = False) -> Cost:
+        """FLAT: an overlap's task (MPI's own collective, never hierarchical)."""
         sb, db = self.buffer(src), self.buffer(dst)
         n_in = self.nbytes(sb.type) if sb is not None else 0.0
         n_out = self.nbytes(db.type) if db is not None else n_in
@@ -218,31 +245,43 @@ class _Counter:
             sent = factor * self.f * n_in
         if op == "scatter":
             return Cost(moved=n_out, passes=1, launches=1)
-        return Cost(moved=n_in + n_out + sent, sent=sent, passes=2 if op == "allreduce" else 1,
+        net = sent if op == "send" and self.M > 1 else self.off_node * sent
+        if op == "allreduce" and self.M > 1 and not flat:  # hierarchical (fused_shm.h)
+            sent, net = self.hierarchical(n_in, n_in)
+        return Cost(moved=n_in + n_out + sent, sent=sent, net=net, passes=2 if op == "allreduce" else 1,
                     launches=1)
 
-    def fused(self, u: Fused) -> Cost:
+    def fused(self, u: Fused, flat: bool = False) -> Cost:
+        """FLAT: point to point over every rank (an overlap's task), not hierarchically."""
         src = self.buffer(u.src)
         n_in = self.nbytes(src.type) if src is not None else 0.0
         sent = ops.get(u.op).cost.comm * self.f * n_in
-        c = Cost(moved=n_in + sent, sent=sent, passes=1, launches=1)
+        g = self.buffer(u.gather) if u.gather else None
+        whole = self.nbytes(g.type) if g is not None else 0.0
+        hier = self.M > 1 and not flat
+        if hier:  # the allreduce form gathers the reduced value itself
+            sent, net = self.hierarchical(n_in, n_in if u.op == "allreduce" else 0.0)
+        else:
+            net = self.off_node * sent
+        c = Cost(moved=n_in + sent, sent=sent, net=net, passes=1, launches=1)
         if u.store_reduced:
             c.moved += self.nbytes(u.type)
         for ph in u.phases:
             self.loop(u.type, ph.items, c)
         if u.gather:
-            g = self.buffer(u.gather)
-            whole = self.nbytes(g.type) if g is not None else 0.0
-            c.sent += self.f * whole
-            c.moved += self.f * whole
+            gs, gn = self.hierarchical(0.0, whole) if hier else (self.f * whole, self.off_node * self.f * whole)
+            c.sent += gs
+            c.net += gn
+            c.moved += gs
         for a in u.after:
             c.add(self.unit(a))
         return c
 
     def overlap(self, u: Overlap) -> Cost:
         gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))
-        comm = self.fused(u.fused) if u.fused is not None else self.collective(u.op, u.producer, u.collective)
-        return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, flops=gemm.flops,
+        comm = (self.fused(u.fused, flat=True) if u.fused is not None
+                else self.collective(u.op, u.producer, u.collective, flat=True))
+        return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, net=comm.net, flops=gemm.flops,
                     passes=gemm.passes + comm.passes,
                     launches=u.chunks * (gemm.launches + comm.launches),
                     pipelines=[(gemm, comm, u.chunks)])

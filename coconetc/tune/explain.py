@@ -40,8 +40,11 @@ def _human(n: float) -> str:
 
 
 def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
-            given: dict[str, int]) -> str:
-    """The table for one program (all its schedules, or SCHEDULE; 'auto': the tuned choice)."""
+            given: dict[str, int], nodes: int = 1) -> str:
+    """The table for one program (all its schedules, or SCHEDULE; 'auto': the tuned choice);
+    over NODES nodes, with the bytes per rank that cross the network (docs/cluster.md)."""
+    if nodes < 1 or ranks % nodes:
+        raise ExplainError(f"--nodes {nodes} does not divide the {ranks} ranks into equal nodes")
     sizes = _sizes(mod, program, ranks, given)
     rec = cache.lookup(mod.source, program, sizes, ranks)
     if rec is not None:
@@ -68,15 +71,17 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
         labels = [schedule]
     measured = rec["measured"] if rec is not None else {}
     shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-    head = (f"{'schedule':<26} {'moved':>11} {'sent/rank':>11} {'passes':>6} {'launches':>8} "
-            f"{'units':>5} {'modelled':>11} {'measured':>11}")
-    lines = [f"{program} at {shown} on {ranks} ranks (per rank; cost model: docs/performance.md)", head]
+    head = (f"{'schedule':<26} {'moved':>11} {'sent/rank':>11} " + (f"{'net/rank':>11} " if nodes > 1 else "")
+            + f"{'passes':>6} {'launches':>8} {'units':>5} {'modelled':>11} {'measured':>11}")
+    where = f"{ranks} ranks" + (f" over {nodes} nodes" if nodes > 1 else "")
+    lines = [f"{program} at {shown} on {where} (per rank; cost model: docs/performance.md)", head]
     for label in labels:
-        c = cost(mod.plans[(program, parse(label).name)], sizes, ranks)
-        got = f"{measured[label] * 1e3:.3f} ms" if label in measured else "-"
+        c = cost(mod.plans[(program, parse(label).name)], sizes, ranks, nodes)
+        got = f"{measured[label] * 1e3:.3f} ms" if label in measured and nodes == 1 else "-"
         note = " (tuner's choice)" if rec is not None and label == rec["choice"] else ""
         note += " (generated)" if rec is not None and label in rec["generated"] else ""
-        lines.append(f"{label:<26} {_human(c.moved):>11} {_human(c.sent):>11} {c.passes:>6} "
+        net = f"{_human(c.net):>11} " if nodes > 1 else ""
+        lines.append(f"{label:<26} {_human(c.moved):>11} {_human(c.sent):>11} {net}{c.passes:>6} "
                      f"{c.launches:>8} {c.units:>5} {c.seconds() * 1e3:>8.3f} ms {got:>11}{note}")
         if len(labels) == 1:
             lines += _units(c)
