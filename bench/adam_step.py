@@ -21,7 +21,17 @@ CUDA Adam step (default, rs_c_ag, zero, fused) against torch.optim.Adam(fused=Tr
 GPU, and each one's fraction of the device copy bandwidth (28 bytes an element) measured in the
 same run; default size 2^26 (bench/cuda_gpu_check.py holds the timing code).
 
+--nodes K (docs/cluster.md): the ranks as K simulated nodes (COCONET_SIMULATE_NODES=K) and only
+the algorithms of the default and zero schedules side by side: "one node" (the group's shared
+window, on a communicator made without the simulation), "K nodes, hierarchical" (node window,
+MPI across the simulated nodes, node window) and "flat point to point" (COCONET_FUSED=p2p: MPI's
+allreduce, the point-to-point fused collective), against the mpi4py baseline; JSON
+bench/results/adam_step_nodes.json. The simulated nodes still talk through shared memory, so this
+measures what the hierarchy costs on one machine, not what it saves on a network (the cost
+model's view: `coconetc explain examples/adam.ccn --ranks 4 --nodes 2`).
+
 Run: python bench/adam_step.py [--sizes 16,18,20,22,24] [--ranks 2] [--reps 10] [--json PATH]
+     python bench/adam_step.py --ranks 4 --nodes 2 [--sizes 20,22] [--reps 10] [--json PATH]
      python bench/adam_step.py --backend cuda [--sizes 26] [--archs 90] [--reps 20] [--json PATH]
 It relaunches itself under mpiexec; rank 0 prints a table per size (milliseconds of the slowest
 rank, medians; speed-up against the best baseline), writes the JSON (bench/results/adam_step.json
@@ -162,6 +172,54 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
             "roofline_by_schedule": roof, "reps": reps}
 
 
+def nodes_step(mod, sched, comm, g, w, path=None):
+    """SCHED on COMM (COCONET_FUSED=PATH around the call when given)."""
+    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
+    c = -(-n // R)
+    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
+    size = mine if sched == "zero" else n
+    args = dict(g=g.copy(), w=w.copy(), m=np.zeros(size, np.float32), v=np.zeros(size, np.float32),
+                step=1.0, **HP)
+    name = None if sched == "default" else sched
+
+    def step():
+        if path:
+            os.environ["COCONET_FUSED"] = path
+        mod.adam(schedule=name, comm=comm, **args)
+        if path:
+            del os.environ["COCONET_FUSED"]
+    return step
+
+
+def run_nodes_size(mod, comm, k: int, n: int, reps: int) -> dict:
+    """--nodes K: one node, K simulated nodes (hierarchical) and flat point to point, for default
+    and zero. Each communicator's nodes are fixed on its first call: `one` is made and first
+    called without COCONET_SIMULATE_NODES, `sim` with it."""
+    rng = np.random.default_rng(comm.Get_rank())
+    g = rng.standard_normal(n).astype(np.float32)
+    w = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
+    reps = common.reps_for(n, reps)
+    env = os.environ.pop("COCONET_SIMULATE_NODES")
+    one = comm.Dup()
+    for s in ("default", "zero"):
+        nodes_step(mod, s, one, g, w)()
+    os.environ["COCONET_SIMULATE_NODES"] = env
+    sim = comm.Dup()
+    variants = {}
+    for s in ("default", "zero"):
+        variants[f"{s}, one node"] = nodes_step(mod, s, one, g, w)
+        variants[f"{s}, {k} nodes, hierarchical"] = nodes_step(mod, s, sim, g, w)
+        variants[f"{s}, flat point to point"] = nodes_step(mod, s, sim, g, w, path="p2p")
+    runs = mod.adam.ext._hier_runs
+    before = runs()
+    variants[f"zero, {k} nodes, hierarchical"]()
+    assert runs() == before + 1, "the hierarchical path did not run"
+    base = {ALLREDUCE: baseline_allreduce(comm, g, w)}
+    t = common.timed_all(comm, {**{("b", x): f for x, f in base.items()},
+                                **{("c", x): f for x, f in variants.items()}}, reps)
+    return {"baselines": {x: t["b", x] for x in base}, "coconet": {x: t["c", x] for x in variants}, "reps": reps}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default=None,
@@ -171,16 +229,29 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--archs", default="90", help="cuda: the architectures to compile for")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="the ranks as K simulated nodes: hierarchical against flat and one node (see above)")
     a = ap.parse_args()
     if a.backend == "cuda":
         return cuda_main(a)
     a.sizes, a.reps = a.sizes or "16,18,20,22,24", a.reps or 10
+    if a.nodes is not None and (a.nodes < 2 or a.ranks % a.nodes):
+        ap.error(f"--nodes {a.nodes}: at least 2 nodes, dividing --ranks {a.ranks}")
     if not common.in_mpi_job():
+        if a.nodes:
+            os.environ["COCONET_SIMULATE_NODES"] = str(a.nodes)
         return common.relaunch(a.ranks, __file__, ["adam.ccn"])
     comm = common.setup_rank()
     import coconetc
     mod = coconetc.load(ADAM_CCN, log=lambda msg: None)
     sizes = common.sizes_arg(a.sizes)
+    if a.nodes:
+        res = {n: run_nodes_size(mod, comm, a.nodes, n, a.reps) for n in sizes}
+        if comm.Get_rank() == 0:
+            common.report(f"Adam step, f32, {comm.Get_size()} ranks as {a.nodes} simulated nodes, median of reps",
+                          "adam_step_nodes", res, [ALLREDUCE], {"ranks": comm.Get_size(), "nodes": a.nodes},
+                          a.json)
+        return 0
     bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
     results = {n: run_size(mod, comm, n, a.reps, bw) for n in sizes}
     if comm.Get_rank() == 0:
