@@ -97,6 +97,20 @@ def test_runtime_point_to_point_fused_path(build_dir: Path, ranks: int):
     assert failed == 0 and passed > 1000, log
 
 
+@pytest.mark.parametrize("ranks", [4])
+def test_runtime_over_simulated_nodes(build_dir: Path, ranks: int):
+    """The same with COCONET_SIMULATE_NODES=2 (docs/cluster.md): the fused collectives and the
+    all-reduces run hierarchically (node window, MPI across the 2 simulated nodes, node window)
+    and still give the naive references' results."""
+    exe = build_dir / "coconet_runtime_tests"
+    cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
+    proc = _run(cmd, RUN_TIMEOUT, env={**_env(), "COCONET_SIMULATE_NODES": "2"})
+    log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, log
+    passed, failed = _summary(proc.stdout)
+    assert failed == 0 and passed > 1000, log
+
+
 def test_headers_without_blas_and_mpi(build_dir: Path):
     proc = _run([str(build_dir / "coconet_noblas_check")], RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

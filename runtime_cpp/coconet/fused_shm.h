@@ -19,6 +19,11 @@
 // (ShmWindow::region_for, comm.h).  Memory: per rank, the full-size input (and each gather
 // target of another element size) in the window, grown when needed and kept across calls.
 // COCONET_FUSED=p2p forces the point-to-point path (it must be the same on every rank).
+//
+// A group over several nodes of L ranks each (nodes as comm.h's node_comm says, so also the
+// simulated nodes of COCONET_SIMULATE_NODES) runs hierarchically instead: the node's window,
+// MPI among the ranks of the same local rank across nodes, the node's window again
+// (fused_rs_compute_ag_hier below; docs/cluster.md).
 #pragma once
 
 #include <mpi.h>
