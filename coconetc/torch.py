@@ -21,10 +21,15 @@ updated weights in place instead of copying them (docs/performance.md).
 `backend=` (None: the parameters' device) picks the CPU module or the CUDA one (NCCL made from
 `comm` or from a torch.distributed `process_group=`; CPU tensors for CUDA ones only under
 COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
+`across_groups=True` (CPU backend) takes every `sum`/`norm` of the program over all parameter
+groups together, as `clip_grad_norm_(model.parameters())` and GradScaler's inf check do: the
+groups' calls run as one batch (coconetc/runtime/batch.py) that stops at each reduction until
+every group has its partial result.
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +40,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("coconetc.torch needs PyTorch (pip install torch)") from err
 
-from coconetc.runtime import layout
+from coconetc.runtime import batch, layout
 
 __all__ = ["DistributedOptimizer", "Module", "function"]
 
@@ -241,7 +246,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  schedule: str = "default", comm: Any = None, weights: str = "w",
                  grads: str = "g", step: str = "step", shared_memory: bool = False,
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
-                 **scalars: Any):
+                 across_groups: bool = False, **scalars: Any):
         params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
                   if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
         if backend not in (None, "cpu", "cuda"):
@@ -251,6 +256,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
         self._backend = backend
         self._shared = bool(shared_memory)
+        if not isinstance(across_groups, bool):
+            raise TypeError(f"DistributedOptimizer: across_groups must be True or False, got {across_groups!r}")
+        if across_groups and backend != "cpu":
+            raise ValueError("DistributedOptimizer: across_groups=True (reductions over every parameter "
+                             "group) runs on the CPU backend only so far; on CUDA, put the parameters "
+                             "whose gradients are clipped together in one group")
+        self._across = across_groups
         self._connect(params, source, program, comm, process_group)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
             if backend != "cpu":
@@ -355,7 +367,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        with torch.no_grad(), batch.together() if self._across else contextlib.nullcontext():
             for group, opts in zip(self._groups, self.param_groups):
                 if group.n == 0:
                     continue

@@ -112,10 +112,18 @@ class CpuFused:
     def _combine(self, u: Fused, partials: list[Reduce]) -> None:
         """One small all-reduce of every partial result, then each reduction finished."""
         self.w.emit(f"{{  // {u.name}: the partial results of {', '.join(r.dst for r in partials)}, summed across ranks")
+        # the whole-slice reductions first: they are summed across the calls of a batch too
+        # (batch.h), each segment's norm only across ranks
+        partials = sorted(partials, key=lambda r: r.op == "segment_norm")
+        whole = [r for r in partials if r.op != "segment_norm"]
         self.w.emit("  std::vector<double> parts;")
         for r in partials:
             self.w.emit(f"  parts.insert(parts.end(), pa_{r.dst}.begin(), pa_{r.dst}.end());")
-        self.w.emit("  coconet::allreduce_sum(parts.data(), static_cast<int64_t>(parts.size()), comm);")
+        if whole:
+            self.w.emit(f"  coconet::reduce_partials(parts.data(), {len(whole)}, true, comm);")
+        if len(whole) < len(partials):
+            self.w.emit(f"  coconet::allreduce_sum(parts.data() + {len(whole)}, "
+                        f"static_cast<int64_t>(parts.size()) - {len(whole)}, comm);")
         self.w.emit("  size_t at = 0;")
         for r in partials:
             t = self.w.types[r.dst]

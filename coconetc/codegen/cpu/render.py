@@ -94,8 +94,8 @@ class CpuRenderer:
             return
         fn = "sum_of" if u.op == "sum" else "sumsq_of"
         self.w.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
-        if u.cross_rank:
-            self.w.emit("  acc = coconet::allreduce_sum(acc, comm);")
+        # across ranks when over slices, and across the calls of a batch (batch.h)
+        self.w.emit(f"  acc = coconet::reduce_partial(acc, {'true' if u.cross_rank else 'false'}, comm);")
         value = "acc" if u.op == "sum" else "std::sqrt(acc)"
         self.w.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
                   f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
