@@ -156,7 +156,7 @@ def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}
     ours = {k: t["c", k] for k in variants}
-    conv = {s: {"state_sliced": s == "zero"} for s in ("default", "rs_c_ag", "zero", "fused")}
+    conv = {s: {"state_sliced": s.startswith("zero")} for s in variants}  # every zero variant: m, v sliced
     return {"baselines": base, "coconet": ours, "reps": reps,
             **common.rooflines(comm, n, conv, 16 * n, bw_reps)}
 
@@ -184,7 +184,7 @@ def main() -> int:
     if comm.Get_rank() == 0:
         common.report(f"Adam step, f32, {comm.Get_size()} ranks, median of reps", "adam_step", results,
                       [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(),
-                                                "stream_bandwidth_Bps": common.stream_bandwidth(comm),
+                                                "stream_bandwidth_Bps": common.best_stream(),
                                                 "roofline_note": common.ROOFLINE_NOTE},
                       a.json)
     return 0
