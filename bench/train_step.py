@@ -199,6 +199,12 @@ def main() -> int:
     worst = {k: comm.allreduce(w, op=__import__("mpi4py").MPI.MAX) for k, w in worst.items()}
     say(f"losses of rank 0 over {a.check} iterations, DDP + fused AdamW: " + ", ".join(f"{x:.5f}" for x in want))
     say("largest relative difference from them: " + ", ".join(f"{k} {w:.1e}" for k, w in worst.items()))
+    ref = [q.detach() for q in check[DDP_FUSED].model.module.parameters()]
+    wdiff = {k: comm.allreduce(max(float((q.detach() - r).abs().max())
+                                   for q, r in zip((v.model.module if v.ddp else v.model).parameters(), ref)),
+                               op=__import__("mpi4py").MPI.MAX) for k, v in check.items()}
+    say("largest |difference| of a weight from DDP + fused AdamW's after them: "
+        + ", ".join(f"{k} {w:.1e}" for k, w in wdiff.items()))
     with torch.no_grad():  # how far an untrained model's losses are: what the check can tell apart
         import torch.nn.functional as F
         still = [F.cross_entropy(base(x).reshape(-1, cfg["vocab"]), y.reshape(-1)).item()
@@ -226,7 +232,7 @@ def main() -> int:
                                    "parameters": nparams, "model": {**cfg, "seq": a.seq, "tied": not a.untied},
                                    "batch": a.batch, "ranks": R, "iters": a.iters, "across_groups": across,
                                    "groups": 2 if across else 1, "check_losses": losses,
-                                   "check_max_rel_diff": worst, "hyperparameters": {**HP, "wd": WD}}, indent=2))
+                                   "check_max_rel_diff": worst, "check_max_weight_diff": wdiff, "hyperparameters": {**HP, "wd": WD}}, indent=2))
         print(f"\nwrote {out}")
     return 0
 
