@@ -115,13 +115,16 @@ def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10
     element: b and c read, a written; write-allocate traffic not counted, as STREAM does not)
     and the copy a = b (8 bytes), on arrays of ARRAY_BYTES each in every rank (by default
     64 MiB, far out of cache), all ranks starting together after a barrier; each repetition's
-    time is the slowest rank's, and the result is the best repetition of the better kernel, in
+    time is the slowest rank's (REPS of them, more for small arrays, up to 200), and the result
+    is the best repetition of the better kernel, in
     bytes per second per rank. Measured again at every call; the best over the calls of the
     process at that array size is returned (a burst of load during one measurement must not
     lower the bound's bandwidth)."""
     import torch
     from mpi4py import MPI
     n = max(array_bytes // 4, 1024)
+    # small arrays: more repetitions (the same total time), so that one of them runs unpreempted
+    reps = max(reps, min(200, reps * STREAM_ARRAY_BYTES // max(array_bytes, 1)))
     a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
     kernels = {"triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12 * n),
                "copy": (lambda: a.copy_(b), 8 * n)}
@@ -232,6 +235,11 @@ def report(title: str, name: str, results: dict[int, dict[str, Any]], best_basel
             print("each schedule's time at its own bound: " + ", ".join(
                 f"{k} {100 * b / r['coconet'][k]:.0f}%" for k, b in r["roofline_by_schedule"].items()
                 if k in r["coconet"]))
+            over = [k for k, b in r["roofline_by_schedule"].items() if k in r["coconet"] and r["coconet"][k] < b]
+            if over:
+                print(f"WARNING: {', '.join(over)} beat the bound: every STREAM measurement of this run was "
+                      "disturbed (other processes on the cores), so its bandwidth is too low; measure on a "
+                      "quiet machine")
     top = results[max(results)]
     doc = {**top, "sizes": {str(n): r for n, r in sorted(results.items())}, **meta}
     out = Path(json_path) if json_path else HERE / "results" / f"{name}.json"
