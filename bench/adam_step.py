@@ -82,11 +82,7 @@ def baseline_gloo(comm, g, w):
 def baseline_zero(comm, g, w):
     import torch
     from mpi4py import MPI
-    R, n = comm.Get_size(), len(g)
-    c = -(-n // R)
-    counts = [max(0, min(n, (r + 1) * c) - min(n, r * c)) for r in range(R)]
-    displs = [min(n, r * c) for r in range(R)]
-    lo, hi = displs[comm.Get_rank()], displs[comm.Get_rank()] + counts[comm.Get_rank()]
+    lo, hi, counts, displs = common.rank_slice(comm, len(g))
     wfull = w.copy()
     ws = torch.from_numpy(wfull[lo:hi])  # a view: the optimizer updates this rank's part of w
     gs = torch.empty(hi - lo, dtype=torch.float32)
@@ -102,10 +98,9 @@ def baseline_zero(comm, g, w):
 
 def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     import coconetc
-    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
-    c = -(-n // R)
-    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
-    size = mine if sched == "zero" else n
+    n = len(g)
+    lo, hi, _, _ = common.rank_slice(comm, n)
+    size = hi - lo if sched == "zero" else n
     m, v = np.zeros(size, np.float32), np.zeros(size, np.float32)
     if empty:
         gg = coconetc.empty((n,), "f32", comm=comm)

@@ -78,10 +78,10 @@ def baseline_gloo(comm, sizes, g, w):
 
 
 def coconet_step(mod, sched, comm, sizes, g, w):
-    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
+    n = len(g)
     split = lambda a: np.split(a, np.cumsum(sizes)[:-1])  # noqa: E731  (one array per layer)
-    c = -(-n // R)
-    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
+    lo, hi, _, _ = common.rank_slice(comm, n)
+    mine = hi - lo
     if sched == "zero":
         m, v = np.zeros(mine, np.float32), np.zeros(mine, np.float32)
     else:
