@@ -12,9 +12,10 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   each rank's updated part of w in place: no copy of it into the window); "zero,
   DistributedOptimizer" the same step through coconetc.torch.DistributedOptimizer (a torch
   Parameter of N elements), with shared_memory=True its flat weights and gradient in windows.
-  * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
-    over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
-    bandwidth measured in the same run.
+  * the memory roofline of each schedule, a bound: the least bytes a step with its calling
+    convention must move (common.min_bytes: 18 an element at R = 2 for sliced m, v; 22
+    replicated) over the STREAM bandwidth measured in the same run (common.stream_bandwidth), and
+    each schedule's time as a fraction of it.
 
 --backend cuda (a machine with a GPU; R = 1, NCCL refuses two ranks on one GPU): the generated
 CUDA Adam step (default, rs_c_ag, zero, fused) against torch.optim.Adam(fused=True) on the same
@@ -81,11 +82,7 @@ def baseline_gloo(comm, g, w):
 def baseline_zero(comm, g, w):
     import torch
     from mpi4py import MPI
-    R, n = comm.Get_size(), len(g)
-    c = -(-n // R)
-    counts = [max(0, min(n, (r + 1) * c) - min(n, r * c)) for r in range(R)]
-    displs = [min(n, r * c) for r in range(R)]
-    lo, hi = displs[comm.Get_rank()], displs[comm.Get_rank()] + counts[comm.Get_rank()]
+    lo, hi, counts, displs = common.rank_slice(comm, len(g))
     wfull = w.copy()
     ws = torch.from_numpy(wfull[lo:hi])  # a view: the optimizer updates this rank's part of w
     gs = torch.empty(hi - lo, dtype=torch.float32)
@@ -101,10 +98,9 @@ def baseline_zero(comm, g, w):
 
 def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     import coconetc
-    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
-    c = -(-n // R)
-    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
-    size = mine if sched == "zero" else n
+    n = len(g)
+    lo, hi, _, _ = common.rank_slice(comm, n)
+    size = hi - lo if sched == "zero" else n
     m, v = np.zeros(size, np.float32), np.zeros(size, np.float32)
     if empty:
         gg = coconetc.empty((n,), "f32", comm=comm)
@@ -138,7 +134,7 @@ def optimizer_step(comm, g, w, shared: bool):
     return opt.step
 
 
-def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
+def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
     g = rng.standard_normal(n).astype(np.float32)
     w = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
@@ -155,11 +151,9 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}
     ours = {k: t["c", k] for k in variants}
-    R = comm.Get_size()
-    moved = common.model_bytes(ADAM_CCN, "adam", ["default", "rs_c_ag", "zero", "fused"], {"N": n}, R)
-    roof = {s: b / bw for s, b in moved.items()}
-    return {"baselines": base, "coconet": ours, "roofline": min(roof.values()),
-            "roofline_by_schedule": roof, "reps": reps}
+    conv = {s: {"state_sliced": s.startswith("zero")} for s in variants}  # every zero variant: m, v sliced
+    return {"baselines": base, "coconet": ours, "reps": reps,
+            **common.rooflines(comm, n, conv, 16 * n, bw_reps)}
 
 
 def main() -> int:
@@ -181,12 +175,12 @@ def main() -> int:
     import coconetc
     mod = coconetc.load(ADAM_CCN, log=lambda msg: None)
     sizes = common.sizes_arg(a.sizes)
-    bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
-    results = {n: run_size(mod, comm, n, a.reps, bw) for n in sizes}
+    results = {n: run_size(mod, comm, n, a.reps, 2 * a.reps) for n in sizes}
     if comm.Get_rank() == 0:
         common.report(f"Adam step, f32, {comm.Get_size()} ranks, median of reps", "adam_step", results,
-                      [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
-                                                "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"},
+                      [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(),
+                                                "stream_bandwidth_Bps": common.best_stream(),
+                                                "roofline_note": common.ROOFLINE_NOTE},
                       a.json)
     return 0
 
