@@ -14,10 +14,12 @@ named by `step` is the 1-based step count; every other scalar lives in `param_gr
 `torch.optim.lr_scheduler` works). One call of the compiled function per parameter group and
 step. `state_dict()` is the whole optimizer state on every rank (slices gathered), and
 `load_state_dict()` slices it again for this optimizer's schedule and rank count.
-`shared_memory=True` puts the flat weights and gradients in shared windows (coconetc.empty,
-collective over `comm`: every rank constructs the optimizer, and adds each parameter group, at
-the same point), so that on one node the fused collectives read the peers' gradients and
-updated weights in place instead of copying them (docs/performance.md).
+The flat weights and gradients live in shared windows (coconetc.empty, collective over `comm`:
+every rank constructs the optimizer, and adds each parameter group, at the same point, checked
+under the watchdog) so that the fused collectives read the peers' gradients and updated weights
+in place instead of copying them (docs/performance.md): by default (`shared_memory=None`) where
+that is safe (the CPU backend, flat weights, every rank of `comm` on one node); `True` or
+`False` forces it.
 `backend=` (None: the parameters' device) picks the CPU module or the CUDA one (NCCL made from
 `comm` or from a torch.distributed `process_group=`; CPU tensors for CUDA ones only under
 COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
@@ -175,6 +177,7 @@ class _Group:
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.empty(0, dtype=want, device=dev)
             if opt._shared:  # in a shared window: the peers read this rank's part in place
+                opt._everyone_here("a parameter group in shared memory")
                 self.flat = _shared_copy(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
                 p.data = view
@@ -244,7 +247,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
                  schedule: str = "default", comm: Any = None, weights: str = "w",
-                 grads: str = "g", step: str = "step", shared_memory: bool = False,
+                 grads: str = "g", step: str = "step", shared_memory: bool | None = None,
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
                  across_groups: bool = False, **scalars: Any):
         params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
@@ -255,6 +258,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if backend is None:
             backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
         self._backend = backend
+        if shared_memory not in (None, True, False):
+            raise TypeError(f"DistributedOptimizer: shared_memory must be None, True or False, got {shared_memory!r}")
         self._shared = bool(shared_memory)
         if not isinstance(across_groups, bool):
             raise TypeError(f"DistributedOptimizer: across_groups must be True or False, got {across_groups!r}")
@@ -278,6 +283,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
         self._schedule = schedule
         self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars, master)
+        if shared_memory is None:  # in place where it is safe: flat weights, one node
+            self._shared = backend == "cpu" and not self._roles.scattered and self._one_node()
         self._groups: list[_Group] = []
         defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
         super().__init__(params, defaults)
@@ -320,6 +327,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._device = torch.device("cuda", torch.cuda.current_device())
                 self._device_words = str(self._device)
+
+    def _one_node(self) -> bool:
+        """Whether every rank of the communicator shares this node's memory (collective: an
+        exchange under the watchdog, so a rank that never constructs the optimizer ends the
+        job instead of leaving the others waiting)."""
+        from coconetc.runtime import agree, shm
+        what = f"DistributedOptimizer({self._fn.name})"
+        agree.exchange(self._comm, None, what, agree.timeout_s())
+        return shm.one_node(self._comm)
 
     def _fn_size(self, weights: str) -> str:
         q = layout.param(_program(self._fn, None), weights, "DistributedOptimizer")

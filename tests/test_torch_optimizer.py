@@ -93,6 +93,25 @@ def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
     assert rc == 0, log
 
 
+def test_shared_memory_by_default_where_safe(built):
+    """shared_memory=None: flat weights on one node go into shared windows (the in-place fused
+    path); False keeps ordinary tensors; scattered weights (lamb.ccn) stay the model's own."""
+    from coconetc.runtime import shm
+    from coconetc.torch import DistributedOptimizer
+
+    def in_window(t):
+        spans = [(shm.WINDOWS[k + 1], shm.WINDOWS[k + 2]) for k in range(0, len(shm.WINDOWS), 4)]
+        return any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a + n for a, n in spans)
+    opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", **HYPER)
+    assert in_window(opt._groups[0].flat) and in_window(opt._groups[0].gflat)
+    opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_memory=False, **HYPER)
+    assert not in_window(opt._groups[0].flat) and not in_window(opt._groups[0].gflat)
+    opt = DistributedOptimizer(_model().parameters(), str(LAMB), **HYPER, wd=0.01)
+    assert opt._groups[0].flat is None and not in_window(opt._groups[0].gflat)
+    with pytest.raises(TypeError, match="shared_memory must be None, True or False"):
+        DistributedOptimizer(_model().parameters(), str(ADAM), shared_memory="yes", **HYPER)
+
+
 def test_batch_of_calls_runs_each_once_and_refuses_two_functions(built):
     """coconetc.runtime.batch on one rank: a batch of one function's calls gives each call's
     result; calls of two functions in one batch are refused before any runs."""
