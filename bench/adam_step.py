@@ -11,7 +11,8 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   (no staging copy); "zero, g and w in coconetc.empty" the parameters there too (the peers read
   each rank's updated part of w in place: no copy of it into the window); "zero,
   DistributedOptimizer" the same step through coconetc.torch.DistributedOptimizer (a torch
-  Parameter of N elements), with shared_memory=True its flat weights and gradient in windows.
+  Parameter of N elements) with its default arguments (on one node its flat weights and
+  gradient in shared windows), and with shared_memory=False (ordinary tensors).
   * the memory roofline of each schedule, a bound: the least bytes a step with its calling
     convention must move (common.min_bytes: 18 an element at R = 2 for sliced m, v; 22
     replicated) over the STREAM bandwidth measured in the same run (common.stream_bandwidth), and
@@ -122,7 +123,7 @@ def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     return step
 
 
-def optimizer_step(comm, g, w, shared: bool):
+def optimizer_step(comm, g, w, shared: bool | None):
     """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements (what
     a PyTorch user writes), its gradient set once: from the second step on p.grad is a view of
     the optimizer's flat gradient, as when autograd accumulates into it."""
@@ -145,8 +146,8 @@ def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
     variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
     variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
     variants["zero, g and w in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True, w_empty=True)
-    variants["zero, DistributedOptimizer"] = optimizer_step(comm, g, w, shared=False)
-    variants["zero, DistributedOptimizer(shared_memory=True)"] = optimizer_step(comm, g, w, shared=True)
+    variants["zero, DistributedOptimizer (defaults)"] = optimizer_step(comm, g, w, shared=None)
+    variants["zero, DistributedOptimizer(shared_memory=False)"] = optimizer_step(comm, g, w, shared=False)
     t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}

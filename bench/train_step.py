@@ -16,11 +16,10 @@ the token embedding (--untied: its own matrix). --size 3M: d 192, 6 layers, 6 he
 groups as GPT training scripts make them: the linear layers' matrices decayed (weight decay 0.1),
 biases, LayerNorms and embeddings not.
 
-The clipping norm: clip_grad_norm_(model.parameters()) takes it over every group together. A
-DistributedOptimizer calls the program once per group, so its norm is per group unless it takes
-`across_groups=True` (the program's reductions over all groups together); this script passes it
-where DistributedOptimizer has it and otherwise uses ONE parameter group for every variant (all
-matrices and vectors decayed), saying so.
+The clipping norm: clip_grad_norm_(model.parameters()) takes it over every group together; the
+DistributedOptimizer variants pass `across_groups=True` (the program's reductions over all
+groups together). Each schedule runs with the optimizer's default shared_memory (the in-place
+shared windows on one node), and `zero` once more with shared_memory=False.
 
 Before timing, every variant trains --check iterations from the same initial weights on the same
 batches, and its losses are compared with DDP + fused AdamW's (relative 1e-4); a mismatch stops
@@ -35,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import sys
 from pathlib import Path
 
@@ -49,7 +47,7 @@ WD = 0.1
 DDP_FUSED = "DDP (gloo) + AdamW(fused=True)"
 DDP_FOREACH = "DDP (gloo) + AdamW(foreach=True)"
 SCHEDULES = ("default", "rs_c_ag", "sliced", "zero")
-SHARED = "zero, shared_memory=True"
+UNSHARED = "zero, shared_memory=False"
 
 
 def gpt(d: int, layers: int, heads: int, vocab: int, seq: int, tied: bool):
@@ -93,13 +91,10 @@ def gpt(d: int, layers: int, heads: int, vocab: int, seq: int, tied: bool):
     return GPT()
 
 
-def groups(model, two: bool, decay_key: str) -> list[dict]:
-    """Two groups (the linear layers' matrices decayed; biases, LayerNorms, embeddings not) or
-    one (everything decayed), the weight decay under DECAY_KEY ("weight_decay" for torch's
-    AdamW, "wd" for adamw.ccn)."""
+def groups(model, decay_key: str) -> list[dict]:
+    """Two groups: the linear layers' matrices decayed; biases, LayerNorms, embeddings not (the
+    weight decay under DECAY_KEY: "weight_decay" for torch's AdamW, "wd" for adamw.ccn)."""
     from torch import nn
-    if not two:
-        return [{"params": list(model.parameters()), decay_key: WD}]
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     params = list(model.parameters())  # tied weights once
@@ -133,7 +128,7 @@ class Variant:
         return loss.item()
 
 
-def make_variants(comm, base, two: bool, across: bool, batches) -> dict[str, Variant]:
+def make_variants(comm, base, batches) -> dict[str, Variant]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from coconetc.torch import DistributedOptimizer
@@ -142,14 +137,13 @@ def make_variants(comm, base, two: bool, across: bool, batches) -> dict[str, Var
     out = {}
     for label, kw in ((DDP_FUSED, {"fused": True}), (DDP_FOREACH, {"foreach": True})):
         m = copy.deepcopy(base)
-        opt = torch.optim.AdamW(groups(m, two, "weight_decay"), lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
+        opt = torch.optim.AdamW(groups(m, "weight_decay"), lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
                                 eps=HP["eps"], **kw)
         out[label] = Variant(DDP(m), opt, True, R, batches)
-    extra = {"across_groups": True} if across else {}
-    for label, sched, shared in [*((s, s, False) for s in SCHEDULES), (SHARED, "zero", True)]:
+    for label, sched, shared in [*((s, s, None) for s in SCHEDULES), (UNSHARED, "zero", False)]:
         m = copy.deepcopy(base)
-        opt = DistributedOptimizer(groups(m, two, "wd"), ADAMW_CCN, schedule=sched, comm=comm,
-                                   shared_memory=shared, wd=WD, **HP, **extra)
+        opt = DistributedOptimizer(groups(m, "wd"), ADAMW_CCN, schedule=sched, comm=comm,
+                                   shared_memory=shared, across_groups=True, wd=WD, **HP)
         out[label] = Variant(m, opt, False, R, batches)
     return out
 
@@ -169,17 +163,8 @@ def main() -> int:
         return common.relaunch(a.ranks, __file__, ["adamw.ccn"])
     comm = common.setup_rank()
     import torch
-    from coconetc.torch import DistributedOptimizer
     rank, R = comm.Get_rank(), comm.Get_size()
     say = print if rank == 0 else (lambda *x, **k: None)
-    across = "across_groups" in inspect.signature(DistributedOptimizer).parameters
-    if across:
-        say("DistributedOptimizer has across_groups: two parameter groups (matrices decayed; biases, "
-            "norms, embeddings not), the clipping norm over both (across_groups=True)")
-    else:
-        say("WARNING: DistributedOptimizer has no across_groups= here, so its clipping norm would be "
-            "per parameter group, unlike clip_grad_norm_(model.parameters()): ONE parameter group "
-            "(everything decayed) for every variant instead")
     cfg = SIZES[a.size]
     torch.manual_seed(0)
     base = gpt(**cfg, seq=a.seq, tied=not a.untied)
@@ -192,7 +177,7 @@ def main() -> int:
         t = torch.randint(cfg["vocab"], (a.batch, a.seq + 1), generator=gen)
         return t[:, :-1], t[:, 1:]
 
-    check = make_variants(comm, base, across, across, batches)
+    check = make_variants(comm, base, batches)
     losses = {k: [v() for _ in range(a.check)] for k, v in check.items()}
     want = losses[DDP_FUSED]
     worst = {k: max(abs(x - y) / abs(y) for x, y in zip(ls, want)) for k, ls in losses.items()}
@@ -220,7 +205,7 @@ def main() -> int:
         ref = t[DDP_FUSED]
         print(f"\nGPT {a.size} ({nparams / 1e6:.2f}M parameters), {R} ranks, batch {a.batch} x {a.seq} a rank; "
               f"median of {a.iters} iterations, ms of the slowest rank; "
-              f"{'two groups, across_groups=True' if across else 'one group'}\n")
+              "two groups, across_groups=True\n")
         print("| variant | ms an iteration | speed-up vs DDP + AdamW(fused=True) |\n| --- | --- | --- |")
         for k, v in t.items():
             print(f"| {k if k in (DDP_FUSED, DDP_FOREACH) else 'coconet ' + k} | {v * 1e3:.1f} | {ref / v:.2f} |")
@@ -230,8 +215,8 @@ def main() -> int:
         out.write_text(json.dumps({"baselines": {k: t[k] for k in (DDP_FUSED, DDP_FOREACH)},
                                    "coconet": {k: v for k, v in t.items() if k not in (DDP_FUSED, DDP_FOREACH)},
                                    "parameters": nparams, "model": {**cfg, "seq": a.seq, "tied": not a.untied},
-                                   "batch": a.batch, "ranks": R, "iters": a.iters, "across_groups": across,
-                                   "groups": 2 if across else 1, "check_losses": losses,
+                                   "batch": a.batch, "ranks": R, "iters": a.iters, "across_groups": True,
+                                   "groups": 2, "check_losses": losses,
                                    "check_max_rel_diff": worst, "check_max_weight_diff": wdiff, "hyperparameters": {**HP, "wd": WD}}, indent=2))
         print(f"\nwrote {out}")
     return 0
