@@ -252,22 +252,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  across_groups: bool = False, **scalars: Any):
         params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
                   if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
-        if backend not in (None, "cpu", "cuda"):
-            raise ValueError(f"DistributedOptimizer: backend must be 'cpu', 'cuda' or None (the "
-                             f"parameters' device), got {backend!r}")
-        if backend is None:
-            backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
-        self._backend = backend
-        if shared_memory not in (None, True, False):
-            raise TypeError(f"DistributedOptimizer: shared_memory must be None, True or False, got {shared_memory!r}")
-        self._shared = bool(shared_memory)
-        if not isinstance(across_groups, bool):
-            raise TypeError(f"DistributedOptimizer: across_groups must be True or False, got {across_groups!r}")
-        if across_groups and backend != "cpu":
-            raise ValueError("DistributedOptimizer: across_groups=True (reductions over every parameter "
-                             "group) runs on the CPU backend only so far; on CUDA, put the parameters "
-                             "whose gradients are clipped together in one group")
-        self._across = across_groups
+        backend = self._settings(params, backend, shared_memory, across_groups)
         self._connect(params, source, program, comm, process_group)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
             if backend != "cpu":
@@ -293,6 +278,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if missing:
                 raise TypeError(f"DistributedOptimizer({self._fn.name}): no value for the "
                                 f"scalar {missing[0]!r} (pass {missing[0]}=...)")
+
+    def _settings(self, params: list, backend: str | None, shared_memory: bool | None,
+                  across_groups: bool) -> str:
+        """The backend (None: the parameters' device), shared_memory and across_groups checked."""
+        if backend not in (None, "cpu", "cuda"):
+            raise ValueError(f"DistributedOptimizer: backend must be 'cpu', 'cuda' or None (the "
+                             f"parameters' device), got {backend!r}")
+        if backend is None:
+            backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
+        self._backend = backend
+        if shared_memory not in (None, True, False):
+            raise TypeError(f"DistributedOptimizer: shared_memory must be None, True or False, got {shared_memory!r}")
+        self._shared = bool(shared_memory)
+        if not isinstance(across_groups, bool):
+            raise TypeError(f"DistributedOptimizer: across_groups must be True or False, got {across_groups!r}")
+        if across_groups and backend != "cpu":
+            raise ValueError("DistributedOptimizer: across_groups=True (reductions over every parameter "
+                             "group) runs on the CPU backend only so far; on CUDA, put the parameters "
+                             "whose gradients are clipped together in one group")
+        self._across = across_groups
+        return backend
 
     def _connect(self, params: list, source: str | Path, program: str | None, comm: Any,
                  process_group: Any) -> None:
