@@ -57,7 +57,7 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
         import uuid
         import torch.distributed as dist
         size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        box = [(ext.nccl_unique_id(), uuid.uuid4().hex) if rank == 0 else None]
+        box: list[Any] = [(ext.nccl_unique_id(), uuid.uuid4().hex) if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
         uid, token = box[0]
         notices = _StoreNotices(dist.distributed_c10d._get_default_store(), token, rank) if size > 1 else None
