@@ -108,7 +108,9 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
     return FusedSpec(fusion, done, first, computes, gather, rows)
 
 
-REDUCTIONS = ("sum", "norm", "segment_norm")
+# The reductions of the language (IR operation names) and the Reduce unit's op for each.
+REDUCE_UNIT = {"sum": "sum", "norm": "norm", "segment_norm": "segment_norm", "amax": "max", "amin": "min"}
+REDUCTIONS = tuple(REDUCE_UNIT)
 
 
 def chunk_reductions(p: Program, fusion: Fusion, inside: dict) -> list[Op]:

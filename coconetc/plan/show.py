@@ -51,7 +51,7 @@ def _unit(u: Unit, ind: str) -> list[str]:
         dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
         return [f"{ind}{_at(u.line)} loop over {u.type}{dst}: {_items(u.items)}{_lets(u.lets)}"]
     if isinstance(u, Reduce):
-        cross = " + sum across ranks" if u.cross_rank else ""
+        cross = f" + {'sum' if u.op in ('sum', 'norm', 'segment_norm') else u.op} across ranks" if u.cross_rank else ""
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
@@ -112,7 +112,8 @@ def _fused(u: Fused, ind: str) -> list[str]:
 
 def _finish(r: Reduce) -> str:
     return {"sum": "the sum", "norm": "sqrt(the sum of squares)",
-            "segment_norm": "sqrt(its segment's sum of squares) per element"}[r.op]
+            "segment_norm": "sqrt(its segment's sum of squares) per element",
+            "max": "the largest", "min": "the smallest"}[r.op]
 
 
 def _strategy(s: Strategy) -> str:

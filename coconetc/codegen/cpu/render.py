@@ -92,11 +92,12 @@ class CpuRenderer:
             self.w.emit(f"coconet::segment_norm({src}, v_{u.dst}, {n}, {self.w.offset(xt)}, "
                       f"seg_starts, {'true' if u.cross_rank else 'false'}, comm);")
             return
-        fn = "sum_of" if u.op == "sum" else "sumsq_of"
+        fn = {"sum": "sum_of", "norm": "sumsq_of", "max": "max_of", "min": "min_of"}[u.op]
         self.w.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
-        if u.cross_rank:
-            self.w.emit("  acc = coconet::allreduce_sum(acc, comm);")
-        value = "acc" if u.op == "sum" else "std::sqrt(acc)"
+        if u.cross_rank:  # max, min: the largest (smallest) across ranks, NaN propagating
+            combine = "allreduce_sum" if u.op in ("sum", "norm") else f"allreduce_{u.op}"
+            self.w.emit(f"  acc = coconet::{combine}(acc, comm);")
+        value = "std::sqrt(acc)" if u.op == "norm" else "acc"
         self.w.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
                   f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
 
