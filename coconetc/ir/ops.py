@@ -236,8 +236,8 @@ def called(name: str, nargs: int | None = None) -> OpDef | None:
         for d in REGISTRY.values():
             if d.written == name and len(d.values) == nargs:
                 return d
-    d = REGISTRY.get(name)
-    return d if d is not None and d.called and not d.written else None
+    own = REGISTRY.get(name)
+    return own if own is not None and own.called and not own.written else None
 
 
 def arities(name: str) -> tuple[int, ...]:
