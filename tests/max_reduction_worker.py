@@ -1,9 +1,10 @@
 """Run on R ranks by tests/test_max_reduction.py: the `mm` program of that test (max(g1),
-min(g1 * w), norm(g1) of an all-reduced gradient) compiled for the CPU, every schedule (the
-plain one, split and reordered, and the fused one) against NumPy, with a NaN, an inf and a -inf
-in one rank's gradient and with finite values (exact: the gradients are multiples of 1/16).
+min(g1 * w), norm(g1) of an all-reduced gradient) compiled for the CPU (`emulate`: for CUDA,
+under the host emulation), every schedule (the plain one, split and reordered, and the fused
+one) against NumPy, with a NaN, an inf and a -inf in one rank's gradient and with finite values
+(exact: the gradients are multiples of 1/16).
 
-    coconetc launch -n R tests/max_reduction_worker.py FILE N
+    coconetc launch -n R tests/max_reduction_worker.py FILE N [emulate]
 Prints OK/FAIL lines on rank 0; exits non-zero on a failure."""
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ def main() -> int:
     import coconetc
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    fn = coconetc.load(sys.argv[1], log=lambda msg: None).mm
+    if len(sys.argv) > 3 and sys.argv[3] == "emulate":  # the CUDA module under the host emulation
+        from coconetc.runtime.cuda import load_emulated
+        fn = load_emulated(sys.argv[1], log=lambda msg: None).programs["mm"]
+    else:
+        fn = coconetc.load(sys.argv[1], log=lambda msg: None).mm
     N = int(sys.argv[2])
     rng = np.random.default_rng(11)  # the same on every rank: replicated values agree
     g_all = (rng.integers(-64, 64, (size, N)) / 16).astype(np.float32)

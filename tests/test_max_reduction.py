@@ -8,7 +8,8 @@ empty slice (NumPy's `initial`); a sliced x's partial results combine across the
   empty slice);
 - reorder and fuse: examples/amax_scale.ccn and the `mm` program here, compiled for the CPU on
   2 and 3 ranks with sizes they do not divide and several chunks, against the interpreter, and
-  with NaN/inf gradients against NumPy (tests/max_reduction_worker.py); the CUDA emulation;
+  with NaN/inf gradients against NumPy (tests/max_reduction_worker.py); the same under the CUDA
+  emulation;
 - the derivative (the cotangent to the arg-max elements, split among ties) against finite
   differences and torch.autograd (torch.amax/amin)."""
 
@@ -241,10 +242,17 @@ def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n, capfd):
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_equals_the_interpreter(mm_file):
+def test_cuda_emulation_equals_the_interpreter_and_numpy(mm_file, capfd):
+    """Several blocks of the two-pass kernel (N=1001), then NaN/inf through ncclMax on 3 ranks,
+    one of them with an empty slice."""
     out = _cli(["run", str(mm_file), "-s", "all", "--ranks", "2", "--size", "N=1001", "--backend", "cuda", "--emulate"])
     for s in ("default", "plain", "fused"):
         assert re.search(rf"mm \[{s}\] \(CUDA, host emulation\): 2 ranks: .* matches the interpreter", out), out
+    from coconetc.launch.mpiexec import run_python
+    rc = run_python(3, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm_file), "2", "emulate"],
+                    timeout=600)
+    out = capfd.readouterr().out
+    assert rc == 0 and out.count("OK ") == 12, out
 
 
 # --- the derivative ---------------------------------------------------------------------------------
