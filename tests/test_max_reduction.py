@@ -230,6 +230,30 @@ def test_compiled_schedules_equal_the_interpreter(mm_file, algo):
                 assert re.search(rf"{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out), out
 
 
+SCATTERED = """program sc(g: f32[N] local scattered, w: f32[N] replicated scattered, lr: f32) {
+    g1 = allreduce(sum, g)
+    a = max(w)
+    b = min(g1 * w)
+    w1 = update(w, w - lr * (a - b) * g1)
+    return a, b
+}
+
+schedule zero for sc {
+    rs, ag = split(g1)
+    agw = reorder(ag, b, w1)
+}
+"""
+
+
+def test_compiled_scattered_parameters(tmp_path):
+    """max of a scattered parameter (its segments), min of a sliced value read from them."""
+    path = tmp_path / "sc.ccn"
+    path.write_text(SCATTERED)
+    for ranks in (1, 3):
+        out = _cli(["run", str(path), "-s", "all", "--ranks", str(ranks), "--size", "N=1001"])
+        assert out.count("matches the interpreter on every rank") == 2, out
+
+
 @pytest.mark.parametrize("ranks,n", [(2, 1001), (3, 2)])
 def test_compiled_nan_and_inf_against_numpy(mm_file, ranks, n, capfd):
     """NaN propagates through the cross-rank combine (plain and fused), inf and -inf are values;
