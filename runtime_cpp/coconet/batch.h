@@ -3,7 +3,8 @@
 // A torch optimizer clips by the norm of every parameter group's gradient together
 // (clip_grad_norm_(model.parameters())); a coconet program computes norm(g1) over the one group
 // it is called with.  run_batch() runs the calls for several groups so that every reduction of
-// the program (sum, norm: the values reduce_partials() receives) is taken over all of them:
+// the program (sum, norm, max, min: what reduce_partials()/reduce_extremes() receive) is taken
+// over all of them:
 // each call runs in a worker thread of its own (its scratch memory is its own, thread-local),
 // one at a time in turn, and stops at each reduction after leaving its partial result; when the
 // last call has left its own, the results are added (and summed across ranks once, if the
@@ -16,6 +17,7 @@
 
 #include <mpi.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -29,6 +31,7 @@
 #include "collectives.h"
 #include "comm.h"
 #include "errors.h"
+#include "kernels.h"
 
 namespace coconet {
 
@@ -49,9 +52,10 @@ class Batch {
     cv_.notify_all();
   }
 
-  // Call `slot`'s partial results v[0..k) at a reduction: replaced by the sum over every call
-  // of the batch (and over the group's ranks when cross_rank).
-  void combine(int slot, double* v, int64_t k, bool cross_rank, Comm& comm) {
+  // Call `slot`'s partial results v[0..k) at a reduction: replaced by the sum (extreme: the
+  // max, NaN propagating) over every call of the batch, and over the group's ranks when
+  // cross_rank.
+  void combine(int slot, double* v, int64_t k, bool cross_rank, Comm& comm, bool extreme = false) {
     const std::vector<uint64_t>* user = comm.shm.user;  // the call's own, restored below
     const int algo = comm.shm.algo;
     std::unique_lock<std::mutex> lk(mu_);
@@ -59,13 +63,20 @@ class Batch {
     if (slot + 1 < n_) {
       turn_ = slot + 1;
     } else {  // the last call: every partial result is here
-      total_.assign(static_cast<size_t>(k), 0.0);
+      total_.assign(static_cast<size_t>(k), extreme ? -HUGE_VAL : 0.0);
       for (const std::vector<double>& p : parts_) {
         if (static_cast<int64_t>(p.size()) != k)
           abort_all("coconet batch: the calls reached a reduction of different sizes");
-        for (int64_t i = 0; i < k; ++i) total_[static_cast<size_t>(i)] += p[static_cast<size_t>(i)];
+        for (size_t i = 0; i < p.size(); ++i)
+          total_[i] = extreme ? extreme_step<true>(total_[i], p[i]) : total_[i] + p[i];
       }
-      if (cross_rank) allreduce_sum(total_.data(), k, comm);  // only this thread runs now
+      if (cross_rank) {  // only this thread runs now
+        if (extreme) {
+          allreduce_max(total_.data(), k, comm);
+        } else {
+          allreduce_sum(total_.data(), k, comm);
+        }
+      }
       turn_ = 0;
     }
     cv_.notify_all();
@@ -105,6 +116,19 @@ inline void reduce_partials(double* v, int64_t k, bool cross_rank, Comm& comm) {
 }
 inline double reduce_partial(double x, bool cross_rank, Comm& comm) {
   reduce_partials(&x, 1, cross_rank, comm);
+  return x;
+}
+
+// The same for max(x) partial results (a min as the max of its negation), NaN propagating.
+inline void reduce_extremes(double* v, int64_t k, bool cross_rank, Comm& comm) {
+  if (Batch* b = current_batch()) {
+    b->combine(batch_slot(), v, k, cross_rank, comm, true);
+  } else if (cross_rank) {
+    allreduce_max(v, k, comm);
+  }
+}
+inline double reduce_extreme(double x, bool cross_rank, Comm& comm) {
+  reduce_extremes(&x, 1, cross_rank, comm);
   return x;
 }
 
