@@ -36,6 +36,7 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/adam_step.py $(BENCH_ARGS)
+	$(PY) bench/adamw_step.py $(BENCH_ARGS)
 	$(PY) bench/lamb_step.py $(BENCH_ARGS)
 	$(PY) bench/mlp_out.py --dtype f16
 	$(PY) bench/mlp_out.py --dtype f32
@@ -44,6 +45,8 @@ bench: $(STAMP)
 	$(PY) bench/tp_mlp.py --dtype f32
 	$(PY) bench/tp_mlp.py --dtype bf16
 	$(PY) bench/call_overhead.py
+	$(PY) bench/train_step.py --size 3M
+	$(PY) bench/train_step.py --size 10M
 
 clean:
 	rm -rf $(VENV) build *.egg-info

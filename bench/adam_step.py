@@ -11,10 +11,12 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   (no staging copy); "zero, g and w in coconetc.empty" the parameters there too (the peers read
   each rank's updated part of w in place: no copy of it into the window); "zero,
   DistributedOptimizer" the same step through coconetc.torch.DistributedOptimizer (a torch
-  Parameter of N elements), with shared_memory=True its flat weights and gradient in windows.
-  * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
-    over its plan (coconetc/tune/cost.py, as `coconetc explain` prints them), over the copy
-    bandwidth measured in the same run.
+  Parameter of N elements) with its default arguments (on one node its flat weights and
+  gradient in shared windows), and with shared_memory=False (ordinary tensors).
+  * the memory roofline of each schedule, a bound: the least bytes a step with its calling
+    convention must move (common.min_bytes: 18 an element at R = 2 for sliced m, v; 22
+    replicated) over the STREAM bandwidth measured in the same run (common.stream_bandwidth), and
+    each schedule's time as a fraction of it.
 
 --backend cuda (a machine with a GPU; R = 1, NCCL refuses two ranks on one GPU): the generated
 CUDA Adam step (default, rs_c_ag, zero, fused) against torch.optim.Adam(fused=True) on the same
@@ -91,11 +93,7 @@ def baseline_gloo(comm, g, w):
 def baseline_zero(comm, g, w):
     import torch
     from mpi4py import MPI
-    R, n = comm.Get_size(), len(g)
-    c = -(-n // R)
-    counts = [max(0, min(n, (r + 1) * c) - min(n, r * c)) for r in range(R)]
-    displs = [min(n, r * c) for r in range(R)]
-    lo, hi = displs[comm.Get_rank()], displs[comm.Get_rank()] + counts[comm.Get_rank()]
+    lo, hi, counts, displs = common.rank_slice(comm, len(g))
     wfull = w.copy()
     ws = torch.from_numpy(wfull[lo:hi])  # a view: the optimizer updates this rank's part of w
     gs = torch.empty(hi - lo, dtype=torch.float32)
@@ -111,10 +109,9 @@ def baseline_zero(comm, g, w):
 
 def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     import coconetc
-    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
-    c = -(-n // R)
-    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
-    size = mine if sched == "zero" else n
+    n = len(g)
+    lo, hi, _, _ = common.rank_slice(comm, n)
+    size = hi - lo if sched == "zero" else n
     m, v = np.zeros(size, np.float32), np.zeros(size, np.float32)
     if empty:
         gg = coconetc.empty((n,), "f32", comm=comm)
@@ -136,7 +133,7 @@ def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     return step
 
 
-def optimizer_step(comm, g, w, shared: bool):
+def optimizer_step(comm, g, w, shared: bool | None):
     """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements (what
     a PyTorch user writes), its gradient set once: from the second step on p.grad is a view of
     the optimizer's flat gradient, as when autograd accumulates into it."""
@@ -148,7 +145,7 @@ def optimizer_step(comm, g, w, shared: bool):
     return opt.step
 
 
-def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
+def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
     g = rng.standard_normal(n).astype(np.float32)
     w = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
@@ -159,17 +156,15 @@ def run_size(mod, comm, n: int, reps: int, bw: float) -> dict:
     variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
     variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
     variants["zero, g and w in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True, w_empty=True)
-    variants["zero, DistributedOptimizer"] = optimizer_step(comm, g, w, shared=False)
-    variants["zero, DistributedOptimizer(shared_memory=True)"] = optimizer_step(comm, g, w, shared=True)
+    variants["zero, DistributedOptimizer (defaults)"] = optimizer_step(comm, g, w, shared=None)
+    variants["zero, DistributedOptimizer(shared_memory=False)"] = optimizer_step(comm, g, w, shared=False)
     t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}
     ours = {k: t["c", k] for k in variants}
-    R = comm.Get_size()
-    moved = common.model_bytes(ADAM_CCN, "adam", ["default", "rs_c_ag", "zero", "fused"], {"N": n}, R)
-    roof = {s: b / bw for s, b in moved.items()}
-    return {"baselines": base, "coconet": ours, "roofline": min(roof.values()),
-            "roofline_by_schedule": roof, "reps": reps}
+    conv = {s: {"state_sliced": s.startswith("zero")} for s in variants}  # every zero variant: m, v sliced
+    return {"baselines": base, "coconet": ours, "reps": reps,
+            **common.rooflines(comm, n, conv, 16 * n, bw_reps)}
 
 
 def nodes_step(mod, sched, comm, g, w, path=None):
@@ -252,12 +247,12 @@ def main() -> int:
                           "adam_step_nodes", res, [ALLREDUCE], {"ranks": comm.Get_size(), "nodes": a.nodes},
                           a.json)
         return 0
-    bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
-    results = {n: run_size(mod, comm, n, a.reps, bw) for n in sizes}
+    results = {n: run_size(mod, comm, n, a.reps, 2 * a.reps) for n in sizes}
     if comm.Get_rank() == 0:
         common.report(f"Adam step, f32, {comm.Get_size()} ranks, median of reps", "adam_step", results,
-                      [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
-                                                "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"},
+                      [ALLREDUCE, GLOO, ZERO], {"ranks": comm.Get_size(),
+                                                "stream_bandwidth_Bps": common.best_stream(),
+                                                "roofline_note": common.ROOFLINE_NOTE},
                       a.json)
     return 0
 

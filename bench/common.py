@@ -1,6 +1,6 @@
 """What the benchmark scripts share: relaunching under mpiexec, timing (median of repetitions,
-the slowest rank: coconetc.jobs.timing, shared with the rank programs), torch.distributed (gloo) started inside an mpiexec job, the copy bandwidth
-for rooflines, the table, the JSON and the PNG plot.
+the slowest rank: coconetc.jobs.timing, shared with the rank programs), torch.distributed (gloo) started inside an mpiexec job, the STREAM bandwidth and
+the least bytes a step moves for the memory roofline (a bound), the table, the JSON and the PNG plot.
 
 Figures are ratios measured side by side in one run (docs/performance.md): every variant of
 a table runs in the same processes, one after the other, at every size."""
@@ -94,32 +94,120 @@ def gloo(comm, backend: str = "gloo") -> Any:
     return dist
 
 
-def copy_bandwidth(comm, n_bytes: int, reps: int) -> float:
-    """Bytes per second one rank moves through memory in a NumPy copy (read + write), every
-    rank copying at once, the best of REPS (the roofline is what the machine can do): the
-    memory roofline's denominator, measured in this run."""
-    import numpy as np
+def rank_slice(comm, n: int) -> tuple[int, int, list[int], list[int]]:
+    """This rank's part [lo, hi) of n elements under slice(...) (rank r holds
+    [r E, (r + 1) E), E = ceil(n / R), clipped to n), and every rank's counts and offsets (for
+    mpi4py's Reduce_scatter / Allgatherv)."""
+    R, e = comm.Get_size(), -(-n // comm.Get_size())
+    displs = [min(n, r * e) for r in range(R)]
+    counts = [min(n, (r + 1) * e) - displs[r] for r in range(R)]
+    r = comm.Get_rank()
+    return displs[r], displs[r] + counts[r], counts, displs
+
+
+_STREAM: dict[int, float] = {}
+STREAM_ARRAY_BYTES = 64 << 20  # each of the triad's three arrays, per rank: 2x the 32 MiB L3
+
+
+def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10) -> float:
+    """The memory bandwidth one rank gets with every rank streaming at once, measured as STREAM
+    does: the triad a = b + s c (torch.add(b, c, alpha=s, out=a): one pass, 12 bytes an f32
+    element: b and c read, a written; write-allocate traffic not counted, as STREAM does not)
+    and the copy a = b (8 bytes), on arrays of ARRAY_BYTES each in every rank (by default
+    64 MiB, far out of cache), all ranks starting together after a barrier; each repetition's
+    time is the slowest rank's (REPS of them, more for small arrays, up to 200), and the result
+    is the best repetition of the better kernel, in
+    bytes per second per rank. Measured again at every call; the best over the calls of the
+    process at that array size is returned (a burst of load during one measurement must not
+    lower the bound's bandwidth)."""
+    import torch
     from mpi4py import MPI
-    n = max(n_bytes // 4, 1 << 22)  # at least 16 MiB: out of cache
-    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
-    best = float("inf")
-    for _ in range(reps + 1):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / comm.allreduce(best, op=MPI.MAX)
+    n = max(array_bytes // 4, 1024)
+    # small arrays: more repetitions (the same total time), so that one of them runs unpreempted
+    reps = max(reps, min(200, reps * STREAM_ARRAY_BYTES // max(array_bytes, 1)))
+    a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
+    kernels = {"triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12 * n),
+               "copy": (lambda: a.copy_(b), 8 * n)}
+    best = 0.0
+    for fn, nbytes in kernels.values():
+        fn()  # first touch
+        for _ in range(reps):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            best = max(best, nbytes / t)
+    _STREAM[array_bytes] = max(best, _STREAM.get(array_bytes, 0.0))
+    return _STREAM[array_bytes]
 
 
-def model_bytes(ccn: Path | str, program: str, schedules: list[str], sizes: dict[str, int],
-                ranks: int) -> dict[str, float]:
-    """Bytes one rank moves through memory under each schedule, from the cost model over the
-    schedule's execution plan (coconetc/tune/cost.py: what the plan reads and writes, the
-    collectives' traffic included): the memory roofline's numerator."""
-    from coconetc.sourcefile import load_file
-    from coconetc.tune.cost import cost
-    mod = load_file(ccn)
-    return {s: cost(mod.plans[(program, s)], sizes, ranks).moved for s in schedules}
+def best_stream() -> float:
+    """The best out-of-cache STREAM bandwidth measured so far in this process (no measuring:
+    for rank 0's report)."""
+    return _STREAM.get(STREAM_ARRAY_BYTES, 0.0)
+
+
+def bound_bandwidth(comm, footprint_bytes: int, reps: int = 10, measure: bool = True) -> float:
+    """The bandwidth a step whose working set is FOOTPRINT_BYTES per rank can at best reach:
+    the larger of the out-of-cache STREAM bandwidth and STREAM on three arrays holding that
+    working set (when it fits in a cache, the cache's bandwidth, which a repeated step reaches
+    too): so that a bound made with it is a bound at every size. MEASURE=False: the best
+    measured so far in this process (no collective: for rank 0's report)."""
+    small = max(footprint_bytes // 3, 4096)
+    sizes = [STREAM_ARRAY_BYTES] + ([small] if small < STREAM_ARRAY_BYTES else [])
+    if measure:
+        for b in sizes:
+            stream_bandwidth(comm, b, reps)
+    return max(_STREAM.get(b, 0.0) for b in sizes)
+
+
+def min_bytes(n: int, ranks: int, *, grads: int = 1, weights: int = 1, state: int = 2,
+              state_sliced: bool, kept: int = 0, elem: int = 4) -> int:
+    """The least bytes one rank must move through memory in a data-parallel optimizer step over
+    n elements (f32: ELEM = 4), whatever the schedule, given the calling convention; what does
+    not fit in any cache must go through memory at least once:
+    - each gradient: every rank's copy read once (the rank reduces its slice E = ceil(n / R) of
+      all R copies: R E = n elements read per rank);
+    - each weight tensor: its slice read once, the updated tensor written whole (every rank's
+      copy is replicated);
+    - each state tensor (Adam's m, v): sliced, its slice read and written; replicated, its
+      slice read and the whole written;
+    - KEPT values of a slice that must be stored and read back between two passes (a global
+      norm of the reduced gradient, needed before the first update: the reduced slice written
+      and read once, 2 E; reading the gradients a second time instead costs n >= 2 E).
+    Registers and scalars are free; messages between ranks on one node are memory traffic
+    already counted (the reads of the peers' gradients, the writes of the gathered weights)."""
+    e = -(-n // ranks)
+    moved = grads * n + weights * (e + n) + state * (2 * e if state_sliced else e + n) + kept * 2 * e
+    return moved * elem
+
+
+def rooflines(comm, n: int, conventions: dict[str, dict[str, Any]], footprint_bytes: int,
+              reps: int = 10) -> dict[str, Any]:
+    """The memory roofline of each schedule at N elements: min_bytes(n, R, **its convention)
+    over bound_bandwidth(FOOTPRINT_BYTES): a time no honest run can beat. Returns the entries
+    of a size's result: "roofline" (the least over the schedules), "roofline_by_schedule",
+    "bytes_by_schedule", "bandwidth_Bps"."""
+    bw = bound_bandwidth(comm, footprint_bytes, reps)
+    nbytes = {s: min_bytes(n, comm.Get_size(), **kw) for s, kw in conventions.items()}
+    roof = {s: b / bw for s, b in nbytes.items()}
+    return {"roofline": min(roof.values()), "roofline_by_schedule": roof, "bytes_by_schedule": nbytes,
+            "bandwidth_Bps": bw, "footprint_bytes": footprint_bytes}
+
+
+def final_rooflines(results: dict[int, dict[str, Any]]) -> None:
+    """The rooflines of every size again with the best bandwidth measured in the whole run
+    (every size measures it anew: a later, quieter measurement raises every size's bound)."""
+    for r in results.values():
+        if "bytes_by_schedule" in r:
+            bw = bound_bandwidth(None, r["footprint_bytes"], measure=False)
+            r["roofline_by_schedule"] = {s: b / bw for s, b in r["bytes_by_schedule"].items()}
+            r["roofline"], r["bandwidth_Bps"] = min(r["roofline_by_schedule"].values()), bw
+
+
+ROOFLINE_NOTE = ("a bound: the least bytes each schedule's calling convention must move "
+                 "(bench/common.py min_bytes) over the STREAM bandwidth (triad and copy, every rank at "
+                 "once, best of the repetitions; bench/common.py stream_bandwidth), measured in this run")
 
 
 def report(title: str, name: str, results: dict[int, dict[str, Any]], best_baseline: list[str],
@@ -127,6 +215,7 @@ def report(title: str, name: str, results: dict[int, dict[str, Any]], best_basel
     """Prints one table per size (milliseconds and speed-up against the best of
     `best_baseline`), writes the JSON (the largest size's figures at the top level, every size
     under "sizes") and a PNG plot of speed-up against size next to it."""
+    final_rooflines(results)
     for n, r in sorted(results.items()):
         rows = [(k, v) for k, v in r["baselines"].items()] + [(f"coconet {k}", v) for k, v in r["coconet"].items()]
         if r.get("roofline"):
@@ -138,8 +227,19 @@ def report(title: str, name: str, results: dict[int, dict[str, Any]], best_basel
         for k, v in rows:
             print(f"{k:{width}s} {v * 1e3:10.3f} {ref / v:17.2f}")
         if r.get("roofline"):
-            best = min(r["coconet"].values())
-            print(f"best schedule at {100 * r['roofline'] / best:.0f}% of the memory roofline")
+            bounded = r.get("roofline_by_schedule") or r["coconet"]
+            best = min(v for k, v in r["coconet"].items() if k in bounded)
+            print(f"best schedule at {100 * r['roofline'] / best:.0f}% of the memory roofline (a bound: "
+                  f"the least bytes over the STREAM bandwidth, {r.get('bandwidth_Bps', 0) / 1e9:.1f} GB/s a rank)")
+        if r.get("roofline_by_schedule"):
+            print("each schedule's time at its own bound: " + ", ".join(
+                f"{k} {100 * b / r['coconet'][k]:.0f}%" for k, b in r["roofline_by_schedule"].items()
+                if k in r["coconet"]))
+            over = [k for k, b in r["roofline_by_schedule"].items() if k in r["coconet"] and r["coconet"][k] < b]
+            if over:
+                print(f"WARNING: {', '.join(over)} beat the bound: every STREAM measurement of this run was "
+                      "disturbed (other processes on the cores), so its bandwidth is too low; measure on a "
+                      "quiet machine")
     top = results[max(results)]
     doc = {**top, "sizes": {str(n): r for n, r in sorted(results.items())}, **meta}
     out = Path(json_path) if json_path else HERE / "results" / f"{name}.json"

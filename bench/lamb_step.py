@@ -5,8 +5,9 @@ ranks, per-layer trust ratios), every variant side by side in one run, at every 
   * mpi4py Allreduce + LAMB in PyTorch
   * torch.distributed gloo + LAMB in PyTorch
   coconet examples/lamb.ccn (g, w, m, v passed as one array per layer): default, rs_c_ag, zero
-  * the memory roofline of each schedule: the bytes it moves through memory, from the cost model
-    over its plan (coconetc/tune/cost.py), over the copy bandwidth measured in the same run.
+  * the memory roofline of each schedule, a bound: the least bytes its calling convention must
+    move (common.min_bytes, the update r kept between its norms and the update of w) over the
+    STREAM bandwidth measured in the same run (common.stream_bandwidth).
 
 Run: python bench/lamb_step.py [--sizes 16,18,20,22,24] [--layers 8] [--ranks 2] [--reps 10] [--json PATH]"""
 
@@ -77,10 +78,10 @@ def baseline_gloo(comm, sizes, g, w):
 
 
 def coconet_step(mod, sched, comm, sizes, g, w):
-    R, r, n = comm.Get_size(), comm.Get_rank(), len(g)
+    n = len(g)
     split = lambda a: np.split(a, np.cumsum(sizes)[:-1])  # noqa: E731  (one array per layer)
-    c = -(-n // R)
-    mine = max(0, min(n, (r + 1) * c) - min(n, r * c))
+    lo, hi, _, _ = common.rank_slice(comm, n)
+    mine = hi - lo
     if sched == "zero":
         m, v = np.zeros(mine, np.float32), np.zeros(mine, np.float32)
     else:
@@ -90,7 +91,7 @@ def coconet_step(mod, sched, comm, sizes, g, w):
     return lambda: mod.lamb(schedule=name, **args)
 
 
-def run_size(mod, comm, n: int, layers: int, reps: int, bw: float) -> dict:
+def run_size(mod, comm, n: int, layers: int, reps: int, bw_reps: int) -> dict:
     sizes = [len(x) for x in np.array_split(np.arange(n), layers)]
     g = np.random.default_rng(comm.Get_rank()).standard_normal(n).astype(np.float32)
     w = np.random.default_rng(0).uniform(0.5, 1.5, n).astype(np.float32)
@@ -99,11 +100,11 @@ def run_size(mod, comm, n: int, layers: int, reps: int, bw: float) -> dict:
     for s in ("default", "rs_c_ag", "zero"):
         fns["c", s] = coconet_step(mod, s, comm, sizes, g, w)
     t = common.timed_all(comm, fns, reps)
-    moved = common.model_bytes(LAMB_CCN, "lamb", ["default", "rs_c_ag", "zero"], {"N": n}, comm.Get_size())
-    roof = {s: b / bw for s, b in moved.items()}
+    # r, the update, is kept between the pass that takes its per-layer norms and the update of w
+    conv = {s: {"state_sliced": s == "zero", "kept": 1} for s in ("default", "rs_c_ag", "zero")}
     return {"baselines": {k: v for (kind, k), v in t.items() if kind == "b"},
             "coconet": {k: v for (kind, k), v in t.items() if kind == "c"},
-            "roofline": min(roof.values()), "roofline_by_schedule": roof, "reps": reps, "layers": layers}
+            "reps": reps, "layers": layers, **common.rooflines(comm, n, conv, 16 * n, bw_reps)}
 
 
 def main() -> int:
@@ -120,12 +121,12 @@ def main() -> int:
     import coconetc
     mod = coconetc.load(LAMB_CCN, log=lambda msg: None)
     sizes = common.sizes_arg(a.sizes)
-    bw = common.copy_bandwidth(comm, 4 * max(sizes), 2 * a.reps)
-    results = {n: run_size(mod, comm, n, a.layers, a.reps, bw) for n in sizes}
+    results = {n: run_size(mod, comm, n, a.layers, a.reps, 2 * a.reps) for n in sizes}
     if comm.Get_rank() == 0:
         common.report(f"LAMB step, f32, {a.layers} layers, {comm.Get_size()} ranks", "lamb_step", results,
-                      [ALLREDUCE, GLOO], {"ranks": comm.Get_size(), "copy_bandwidth_Bps": bw,
-                                          "roofline_note": "bytes from the cost model (coconetc/tune/cost.py)"}, a.json)
+                      [ALLREDUCE, GLOO], {"ranks": comm.Get_size(),
+                                          "stream_bandwidth_Bps": common.best_stream(),
+                                          "roofline_note": common.ROOFLINE_NOTE}, a.json)
     return 0
 
 

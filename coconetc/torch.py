@@ -14,17 +14,24 @@ named by `step` is the 1-based step count; every other scalar lives in `param_gr
 `torch.optim.lr_scheduler` works). One call of the compiled function per parameter group and
 step. `state_dict()` is the whole optimizer state on every rank (slices gathered), and
 `load_state_dict()` slices it again for this optimizer's schedule and rank count.
-`shared_memory=True` puts the flat weights and gradients in shared windows (coconetc.empty,
-collective over `comm`: every rank constructs the optimizer, and adds each parameter group, at
-the same point), so that on one node the fused collectives read the peers' gradients and
-updated weights in place instead of copying them (docs/performance.md).
+The flat weights and gradients live in shared windows (coconetc.empty, collective over `comm`:
+every rank constructs the optimizer, and adds each parameter group, at the same point, checked
+under the watchdog) so that the fused collectives read the peers' gradients and updated weights
+in place instead of copying them (docs/performance.md): by default (`shared_memory=None`) where
+that is safe (the CPU backend, flat weights, every rank of `comm` on one node); `True` or
+`False` forces it.
 `backend=` (None: the parameters' device) picks the CPU module or the CUDA one (NCCL made from
 `comm` or from a torch.distributed `process_group=`; CPU tensors for CUDA ones only under
 COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
+`across_groups=True` (CPU backend) takes every `sum`/`norm` of the program over all parameter
+groups together, as `clip_grad_norm_(model.parameters())` and GradScaler's inf check do: the
+groups' calls run as one batch (coconetc/runtime/batch.py) that stops at each reduction until
+every group has its partial result.
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +42,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("coconetc.torch needs PyTorch (pip install torch)") from err
 
-from coconetc.runtime import layout
+from coconetc.runtime import batch, layout
 
 __all__ = ["DistributedOptimizer", "Module", "function"]
 
@@ -170,6 +177,7 @@ class _Group:
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.empty(0, dtype=want, device=dev)
             if opt._shared:  # in a shared window: the peers read this rank's part in place
+                opt._everyone_here("a parameter group in shared memory")
                 self.flat = _shared_copy(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
                 p.data = view
@@ -239,18 +247,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
                  schedule: str = "default", comm: Any = None, weights: str = "w",
-                 grads: str = "g", step: str = "step", shared_memory: bool = False,
+                 grads: str = "g", step: str = "step", shared_memory: bool | None = None,
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
-                 **scalars: Any):
+                 across_groups: bool = False, **scalars: Any):
         params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
                   if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
-        if backend not in (None, "cpu", "cuda"):
-            raise ValueError(f"DistributedOptimizer: backend must be 'cpu', 'cuda' or None (the "
-                             f"parameters' device), got {backend!r}")
-        if backend is None:
-            backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
-        self._backend = backend
-        self._shared = bool(shared_memory)
+        backend = self._settings(params, backend, shared_memory, across_groups)
         self._connect(params, source, program, comm, process_group)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
             if backend != "cpu":
@@ -266,6 +268,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
         self._schedule = schedule
         self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars, master)
+        if shared_memory is None:  # in place where it is safe: flat weights, one node
+            self._shared = backend == "cpu" and not self._roles.scattered and self._one_node()
         self._groups: list[_Group] = []
         defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
         super().__init__(params, defaults)
@@ -274,6 +278,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if missing:
                 raise TypeError(f"DistributedOptimizer({self._fn.name}): no value for the "
                                 f"scalar {missing[0]!r} (pass {missing[0]}=...)")
+
+    def _settings(self, params: list, backend: str | None, shared_memory: bool | None,
+                  across_groups: bool) -> str:
+        """The backend (None: the parameters' device), shared_memory and across_groups checked."""
+        if backend not in (None, "cpu", "cuda"):
+            raise ValueError(f"DistributedOptimizer: backend must be 'cpu', 'cuda' or None (the "
+                             f"parameters' device), got {backend!r}")
+        if backend is None:
+            backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
+        self._backend = backend
+        if shared_memory not in (None, True, False):
+            raise TypeError(f"DistributedOptimizer: shared_memory must be None, True or False, got {shared_memory!r}")
+        self._shared = bool(shared_memory)
+        if not isinstance(across_groups, bool):
+            raise TypeError(f"DistributedOptimizer: across_groups must be True or False, got {across_groups!r}")
+        if across_groups and backend != "cpu":
+            raise ValueError("DistributedOptimizer: across_groups=True (reductions over every parameter "
+                             "group) runs on the CPU backend only so far; on CUDA, put the parameters "
+                             "whose gradients are clipped together in one group")
+        self._across = across_groups
+        return backend
 
     def _connect(self, params: list, source: str | Path, program: str | None, comm: Any,
                  process_group: Any) -> None:
@@ -308,6 +333,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._device = torch.device("cuda", torch.cuda.current_device())
                 self._device_words = str(self._device)
+
+    def _one_node(self) -> bool:
+        """Whether every rank of the communicator shares this node's memory (collective: an
+        exchange under the watchdog, so a rank that never constructs the optimizer ends the
+        job instead of leaving the others waiting)."""
+        from coconetc.runtime import agree, shm
+        what = f"DistributedOptimizer({self._fn.name})"
+        agree.exchange(self._comm, None, what, agree.timeout_s())
+        return shm.one_node(self._comm)
 
     def _fn_size(self, weights: str) -> str:
         q = layout.param(_program(self._fn, None), weights, "DistributedOptimizer")
@@ -355,7 +389,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        with torch.no_grad(), batch.together() if self._across else contextlib.nullcontext():
             for group, opts in zip(self._groups, self.param_groups):
                 if group.n == 0:
                     continue

@@ -53,6 +53,7 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "clipped_sgd": ({"N": 17}, ("N",)),
     "adamw": ({"N": 17}, ("N",)),
     "scaled_adam": ({"N": 17}, ("N",)),
+    "amax_scale": ({"N": 17}, ("N",)),
     "row_parallel": ({"B": 2, "S": 5, "K": 7, "H": 4}, ("K", "H")),
     "col_parallel": ({"M": 5, "K": 3, "H": 7}, ("H",)),
     "mp_layer": ({"B": 5, "K": 7, "H": 4}, ("B", "K")),

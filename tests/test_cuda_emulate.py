@@ -28,7 +28,7 @@ from coconetc.launch import mpiexec
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
 WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
-FILES = ["adam", "adamw", "clipped_sgd", "collectives", "conv2d", "lamb", "layernorm", "mixed_adam", "mlp_out", "pipeline",
+FILES = ["adam", "adamw", "amax_scale", "clipped_sgd", "collectives", "conv2d", "lamb", "layernorm", "mixed_adam", "mlp_out", "pipeline",
          "residual_dropout", "scaled_adam", "sgd", "tp_overlap"]
 
 why = probes.emulation_missing()

@@ -310,6 +310,7 @@ def test_random_programs_and_schedules(src: str) -> None:
 def _program_texts(src: str) -> dict[str, tuple[list[str], list[str]]]:
     """For each program of a file: its stage names and its parameter names."""
     out = {}
+    src = re.sub(r"[ \t]*#[^\n]*", "", src)  # comments may hold parentheses (tp_mlp.ccn's parameters)
     for m in re.finditer(r"^program (\w+)\((.*?)\)\s*\{\n(.*?)^\}", src, re.M | re.S):
         params = re.findall(r"(\w+)\s*:", m.group(2))
         stages = re.findall(r"^\s+(\w+)\s*=", m.group(3), re.M)

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[1]
 ADAM, LAMB = REPO / "examples" / "adam.ccn", REPO / "examples" / "lamb.ccn"
+ADAMW = REPO / "examples" / "adamw.ccn"
 WORKER = Path(__file__).with_name("torch_optimizer_worker.py")
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
@@ -36,7 +37,7 @@ def built(request):
     from coconetc.sourcefile import load_file
     old = os.environ.get(probes.ENV_CACHE)
     os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    for f in (ADAM, LAMB):
+    for f in (ADAM, LAMB, ADAMW):
         compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
@@ -79,6 +80,59 @@ def test_lamb_matches_pytorch_lamb_every_schedule(built, capfd, ranks):
     _check(lines, log, [f"lamb:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "zero")
                         for what in ("params", "state")])
     assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
+    """adamw.ccn with three parameter groups, every schedule: across_groups=True clips by the
+    norm of all of them (clip_grad_norm_(model.parameters())), False by each group's own."""
+    rc, lines, log = _launch(capfd, ranks, "clip")
+    _check(lines, log, [f"clip:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "sliced", "zero", "zero+shm")
+                        for what in ("across_groups", "across_groups:clipped", "per_group",
+                                     "per_group:clipped", "norms_differ")])
+    assert rc == 0, log
+
+
+def test_shared_memory_by_default_where_safe(built):
+    """shared_memory=None: flat weights on one node go into shared windows (the in-place fused
+    path); False keeps ordinary tensors; scattered weights (lamb.ccn) stay the model's own."""
+    from coconetc.runtime import shm
+    from coconetc.torch import DistributedOptimizer
+
+    def in_window(t):
+        spans = [(shm.WINDOWS[k + 1], shm.WINDOWS[k + 2]) for k in range(0, len(shm.WINDOWS), 4)]
+        return any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a + n for a, n in spans)
+    opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", **HYPER)
+    assert in_window(opt._groups[0].flat) and in_window(opt._groups[0].gflat)
+    opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_memory=False, **HYPER)
+    assert not in_window(opt._groups[0].flat) and not in_window(opt._groups[0].gflat)
+    opt = DistributedOptimizer(_model().parameters(), str(LAMB), **HYPER, wd=0.01)
+    assert opt._groups[0].flat is None and not in_window(opt._groups[0].gflat)
+    with pytest.raises(TypeError, match="shared_memory must be None, True or False"):
+        DistributedOptimizer(_model().parameters(), str(ADAM), shared_memory="yes", **HYPER)
+
+
+def test_batch_of_calls_runs_each_once_and_refuses_two_functions(built):
+    """coconetc.runtime.batch on one rank: a batch of one function's calls gives each call's
+    result; calls of two functions in one batch are refused before any runs."""
+    from coconetc.runtime import batch
+    n = 10
+    args = {k: np.full(n, v, np.float32) for k, v in (("g", 0.5), ("w", 1.0), ("m", 0.0), ("v", 0.0))}
+    other = {k: a.copy() for k, a in args.items()}
+    with batch.together():
+        built.adam(**args, **HYPER, step=1)
+        built.adam(**other, **HYPER, step=1)
+        assert args["w"][0] == 1.0  # not run yet
+    ref = {k: np.full(n, v, np.float32) for k, v in (("g", 0.5), ("w", 1.0), ("m", 0.0), ("v", 0.0))}
+    built.adam(**ref, **HYPER, step=1)
+    assert np.array_equal(args["w"], ref["w"]) and np.array_equal(other["w"], ref["w"])
+    with pytest.raises(ValueError, match="one function of one module"):
+        with batch.together():
+            built.adam(**args, **HYPER, step=1)
+            built.adam(**other, **HYPER, step=1, schedule="zero")
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with batch.together(), batch.together():
+            pass
 
 
 @pytest.mark.slow
@@ -200,6 +254,8 @@ def test_state_dict_format_follows_torch(built):
     (dict(HYPER, step="w"), ValueError, "step='w' must name a scalar parameter"),
     (dict(HYPER, schedule="nope"), ValueError, "unknown schedule 'nope'"),
     (dict(HYPER, program="sgd"), ValueError, "no program 'sgd'"),
+    (dict(HYPER, across_groups=1), TypeError, "across_groups must be True or False"),
+    (dict(HYPER, across_groups=True, backend="cuda"), ValueError, "CPU backend only so far"),
 ])
 def test_constructor_errors(built, kwargs, error, needle):
     from coconetc.torch import DistributedOptimizer

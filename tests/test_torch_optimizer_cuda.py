@@ -97,15 +97,17 @@ def test_mixed_precision_f16_and_bf16(built, capfd, ranks):
     assert rc == 0, log
 
 
-def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, capfd, monkeypatch):
+@pytest.mark.parametrize("made_from", ["mpi", "pg"])
+def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, capfd, monkeypatch, made_from):
     """Rank 1's NCCL calls fail (COCONET_EMULATE_NCCL_FAIL_RANK, the emulation's injection) while
     rank 0 waits in the all-reduce for it: rank 1 notifies rank 0 and aborts its communicator,
     rank 0's watchdog aborts its own (ncclCommAbort), and step() raises on both, naming rank 1
-    and the call, well within COCONET_TIMEOUT; the aborted communicator refuses later calls."""
+    and the call, well within COCONET_TIMEOUT; the aborted communicator refuses later calls.
+    pg: the communicator made from a gloo process group, the notice in the group's store."""
     monkeypatch.setenv("COCONET_EMULATE_NCCL_FAIL_RANK", "1")
     monkeypatch.setenv("COCONET_TIMEOUT", "60")
-    rc, lines, log = _run(capfd, 2, "abort")
-    assert not [ln for ln in lines if "NOT RAISED" in ln], log
+    rc, lines, log = _run(capfd, 2, "abort", *(["default", "pg"] if made_from == "pg" else []))
+    assert not [ln for ln in lines if "NOT RAISED" in ln or "NOT FROM THE GROUP" in ln], log
     for r in (0, 1):
         raised = next((ln for ln in lines if ln.startswith(f"RAISED {r} ")), None)
         assert raised is not None, log

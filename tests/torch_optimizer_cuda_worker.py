@@ -17,7 +17,8 @@ MODE pg            process_group= a gloo group made inside the mpiexec job (no c
 MODE mixed         mixed precision: f16 (mixed_adam.ccn) and bf16 (mixed_adam_bf16.ccn)
                    parameters and gradients, f32 master weights and state, on both backends,
                    against torch.optim.Adam on f32 copies
-MODE abort [SCHED] COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail;
+MODE abort [SCHED [pg]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
+                   (pg: the communicator made from a gloo process group, no MPI);
                    step() must raise on every rank, naming rank 1 and the call, the NCCL
                    communicator aborted on each (prints "RAISED <rank> <message>")"""
 
@@ -247,7 +248,10 @@ def mode_mixed() -> None:
 def mode_abort() -> None:
     model = W.make_model()
     schedule = sys.argv[2] if len(sys.argv) > 2 else "default"
-    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", **HYPER)
+    pg = {"process_group": gloo()} if len(sys.argv) > 3 and sys.argv[3] == "pg" else {}
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", **HYPER, **pg)
+    if pg and opt._comm.mpi is not None:
+        print("NOT FROM THE GROUP", flush=True)
     W.local_loss(model, 1).backward()
     start = time.monotonic()
     try:

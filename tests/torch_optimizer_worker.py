@@ -16,6 +16,10 @@ MODE lamb             every schedule of examples/lamb.ccn against LAMB in PyTorc
 MODE save PATH        train under zero, save a checkpoint (ours and the reference's) to PATH,
                       then load it here under every schedule and continue
 MODE resume PATH      load PATH under every schedule on this rank count and continue
+MODE clip             examples/adamw.ccn, every schedule, three parameter groups (their own lr
+                      and weight decay): across_groups=True against clip_grad_norm_ over every
+                      parameter + torch.optim.AdamW; across_groups=False against each group
+                      clipped by its own norm
 MODE rank0_only       state_dict() on every rank, then on rank 0 alone: the watchdog must end
                       the job (COCONET_TIMEOUT) instead of letting rank 0 hang"""
 
@@ -34,6 +38,7 @@ from coconetc.torch import DistributedOptimizer
 
 REPO = Path(__file__).resolve().parents[1]
 ADAM, LAMB = REPO / "examples" / "adam.ccn", REPO / "examples" / "lamb.ccn"
+ADAMW = REPO / "examples" / "adamw.ccn"
 ADAM_SCHEDULES = ["default", "rs_c_ag", "zero", "fused"]
 LAMB_SCHEDULES = ["default", "rs_c_ag", "zero"]
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
@@ -272,12 +277,58 @@ def resume(path: str, origin: str) -> None:
         report(f"{label}:state", state_diff(pair.opt, pair.ref_opt))
 
 
+def _three_groups(model: torch.nn.Module) -> list[dict]:
+    """Decayed matrices at two learning rates, biases not decayed (as GPT scripts group them)."""
+    ps = list(model.parameters())
+    return [{"params": [ps[0]], "lr": 2e-2}, {"params": ps[2::2]},
+            {"params": ps[1::2], "wd": 0.0}]
+
+
+def mode_clip() -> None:
+    """AdamW with clipping by the global norm: every group's gradient in one norm
+    (across_groups=True), or each group's own (False), against PyTorch doing the same."""
+    hyper = dict(HYPER, wd=0.1, maxnorm=0.05)
+    for schedule in ("default", "rs_c_ag", "sliced", "zero", "zero+shm"):
+        trained = []
+        for across in (True, False):
+            sched, shared = schedule.split("+")[0], schedule.endswith("+shm")
+            model = make_model()
+            ref = copy.deepcopy(model)
+            opt = DistributedOptimizer(_three_groups(model), str(ADAMW), schedule=sched, across_groups=across,
+                                       shared_memory=shared, **hyper)
+            ref_groups = _three_groups(ref)
+            ref_opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "wd"} |
+                                         {"weight_decay": g.get("wd", 0.1)} for g in ref_groups],
+                                        lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                                        eps=hyper["eps"], foreach=False)
+            clipped = 0
+            for t in range(1, STEPS // 2 + 1):
+                opt.zero_grad()
+                local_loss(model, t).backward()
+                opt.step()
+                ref_opt.zero_grad()
+                local_loss(ref, t).backward()
+                allreduced_grads(ref)
+                parts = [list(ref.parameters())] if across else [g["params"] for g in ref_groups]
+                for ps in parts:
+                    clipped += torch.nn.utils.clip_grad_norm_(ps, hyper["maxnorm"]).item() > hyper["maxnorm"]
+                ref_opt.step()
+            label = f"clip:{schedule}:R{R}:{'across_groups' if across else 'per_group'}"
+            report(label, max_diff(model, ref))
+            report(f"{label}:clipped", 0.0 if clipped >= STEPS // 2 else 1.0)  # the clipping mattered
+            trained.append(model)
+        # and the two norms train differently (so each check above can tell them apart)
+        report(f"clip:{schedule}:R{R}:norms_differ", 0.0 if max_diff(*trained) > 1e-3 else 1.0)
+
+
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     if mode == "adam":
         mode_adam()
     elif mode == "lamb":
         mode_lamb()
+    elif mode == "clip":
+        mode_clip()
     elif mode == "save":
         mode_save(sys.argv[2])
     elif mode == "rank0_only":

@@ -393,6 +393,17 @@ def _dropout(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(e.args[0], Op("dropout", (g, *e.args[1:]), g.type, e.attrs), None), (e.args[1], None, None), (e.args[2], None, None)]
 
 
+def _extreme(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """y = max(x) (or min(x)): the subgradient torch.amax takes: g goes to the elements equal
+    to y, split evenly among the ties (their number summed across the ranks of a sliced x, as
+    the sum reduction does; none where y is NaN)."""
+    x = e.args[0]
+    hit = d.op("eq", x, y)
+    f32 = TType("f32", (), REPLICATED, True)  # the literals as text reads them (weak f32): cast the count
+    ties = d.op("cast", d.op("sum", d.op("where", hit, Const(1.0, f32), Const(0.0, f32))), dtype=g.type.dtype)
+    return [(x, d.op("where", hit, d.op("div", g, ties), d.const(0.0, g)), False)]
+
+
 def _spread(d: _Deriver, x: Expr, g: Expr) -> Expr:
     """A scalar cotangent at every element of x (x * 0 + g: the language has no fill)."""
     return d.op("add", d.op("mul", x, d.const(0.0, x)), g)
@@ -424,6 +435,8 @@ RULES: dict[str, Rule] = {
     "sum": lambda d, e, y, g: [(e.args[0], _spread(d, e.args[0], g), False)],
     "norm": lambda d, e, y, g: [(e.args[0], d.op("mul", e.args[0], d.op("div", g, _nonzero(d, y))), False)],
     "segment_norm": _segment_norm,
+    "amax": _extreme,
+    "amin": _extreme,
     # matmul: dA = dC @ B^T, dB = A^T @ dC (the batch dims of A summed)
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],

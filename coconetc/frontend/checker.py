@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from coconetc.ir.limits import too_big
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.frontend import syntax
-from coconetc.frontend.defs import Scope, bind, bind_def, without_site
+from coconetc.frontend.defs import Scope, bind, bind_def, builtin_of, without_site
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
 from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
@@ -249,7 +249,7 @@ def _literals_as_f64(args: tuple) -> tuple:
 
 
 def _signature(call: syntax.Call, ctx: _Ctx | None = None) -> ops.OpDef:
-    d = _UPDATE if call.fn == "update" else ops.called(call.fn)
+    d = _UPDATE if call.fn == "update" else builtin_of(call)
     if d is not None and d.extern is not None and ctx is not None and call.fn not in ctx.scope.externs:
         d = None  # declared by another file: not part of this one's language
     if d is None:
@@ -369,7 +369,7 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
         attrs["site"] = site
     if call.fn == "segment_norm":
         _check_segmented(call, args[0], ctx)
-    return _op(call.fn, tuple(args), attrs, call.span)
+    return _op(d.name, tuple(args), attrs, call.span)
 
 
 def _site(call: syntax.Call, written: dict[str, syntax.Kwarg], ctx: _Ctx) -> str | None:

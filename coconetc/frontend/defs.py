@@ -38,9 +38,24 @@ class Scope:
         return name in self.defs or name in self.failed
 
 
-def builtin(name: str) -> ops.OpDef | None:
-    """The built-in (or extern) operation called `name(...)`, if any."""
-    return ops.called(name)
+def builtin(name: str, nargs: int | None = None) -> ops.OpDef | None:
+    """The built-in (or extern) operation called `name(...)` (with `nargs` arguments), if any."""
+    return ops.called(name, nargs)
+
+
+def builtin_of(call: syntax.Call) -> ops.OpDef | None:
+    """The built-in (or extern) operation a call names. A name written for several operations
+    is decided by the number of arguments (`max(x)`: the reduction, `max(a, b)`: pointwise);
+    another number is an error at the call (or at the first argument too many)."""
+    arities = ops.arities(call.fn)
+    n = len(call.args) + len(call.kwargs)
+    if arities and n not in arities:
+        forms = sorted((d for d in ops.REGISTRY.values() if d.written == call.fn or d.name == call.fn),
+                       key=lambda d: len(d.values))
+        said = " or ".join(f"{len(d.values)} ({call.fn}({', '.join(a.name for a in d.values)}))" for d in forms)
+        extra = (list(call.args) + [k.value for k in call.kwargs])[max(arities):]
+        raise TypeErr(extra[0].span if extra else call.span, f"{call.fn}() takes {said} arguments, got {n}")
+    return ops.called(call.fn, n if arities else None)
 
 
 def bind(call: syntax.Call, names: tuple[str, ...], defaults: dict[str, object]
@@ -178,7 +193,11 @@ def _call_operands(call: syntax.Call, d: syntax.OpDecl, decls: dict[str, syntax.
             errors = e.diagnostics
             err(errors[0].span, errors[0].message)
             return list(call.args) + [k.value for k in call.kwargs]
-    entry = builtin(call.fn)
+    try:
+        entry = builtin_of(call)
+    except TypeErr as e:
+        err(e.diagnostics[0].span, e.diagnostics[0].message)
+        return list(call.args) + [k.value for k in call.kwargs]
     if call.fn in RESERVED or entry is None or (entry.extern is not None and call.fn not in scope.externs):
         err(call.fn_span, f"unknown operation '{call.fn}' in the body of '{d.name}'")
         return list(call.args) + [k.value for k in call.kwargs]

@@ -18,6 +18,9 @@ from coconetc.ir import ops as registry
 from coconetc.ir.nodes import Const, Expr, Op, Program, Ref
 from coconetc.ir.types import eval_dim
 
+# How a reduction's per-rank partial results combine (OpDef.combine); max/min propagate NaN.
+_CROSS: dict[str, Callable[..., Any]] = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
 Values = list[np.ndarray]
 
 
@@ -124,13 +127,15 @@ class _Evaluator:
 
     # --- reductions ------------------------------------------------------------------
     def _cross(self, e: Op, partial: list[np.ndarray]) -> list[np.ndarray]:
-        """Sum per-rank partial results over the group when the input was sliced."""
+        """Sum per-rank partial results over the group when the input was sliced (max(x),
+        min(x): their largest or smallest, NaN propagating: the registry's combine)."""
         if not e.args[0].type.layout.sliced:
             return partial
-        return [functools.reduce(np.add, [partial[q] for q in self.group(r)]) for r in range(self.b.ranks)]
+        how = _CROSS[registry.get(e.op).combine]
+        return [functools.reduce(how, [partial[q] for q in self.group(r)]) for r in range(self.b.ranks)]
 
     def _reduction(self, e: Op, partial: Callable[..., Any], finish: Callable[[Any], Any] | None) -> Values:
-        """Per-rank partial results (the registry's function), summed over the group when the
+        """Per-rank partial results (the registry's function), combined over the group when the
         input was sliced, then finished (norm: the square root)."""
         x = self.eval(e.args[0])
         part = self._cross(e, [partial(v) for v in x])

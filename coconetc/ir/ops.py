@@ -139,7 +139,8 @@ class Extern:
 class OpDef:
     """An operation. `numpy`: the reference function of the operands' arrays (converted as
     `operands` says) and of the word/int parameters by keyword; for a reduction, the per-rank
-    partial result, combined across ranks by summing and then `finish`ed. numpy=None: the
+    partial result, combined across ranks by `combine` (sum, or max/min for the max(x)/min(x)
+    reductions) and then `finish`ed. numpy=None: the
     interpreter implements the operation itself (it needs ranks, segments or the RNG).
     `cpp`: the C++ expression of one element, for pointwise operations (None: the backend
     renders it: dropout needs the element's index, the others are not expressions)."""
@@ -160,6 +161,8 @@ class OpDef:
     doc: str = ""
     slice_dims: tuple[int, ...] = ()  # slicing DIMS: the dims a slice may cut
     extern: Extern | None = None  # declared by `extern op` in a .ccn file
+    combine: str = "sum"  # a reduction: how the ranks' partial results combine (sum | max | min)
+    written: str = ""  # the name a program writes, when not `name` (amax: max(x)); see called()
 
     @property
     def called(self) -> bool:
@@ -225,10 +228,29 @@ def get(name: str) -> OpDef:
     return REGISTRY[name]
 
 
-def called(name: str) -> OpDef | None:
-    """The operation a program calls as `name(...)`, if any."""
-    d = REGISTRY.get(name)
-    return d if d is not None and d.called else None
+def called(name: str, nargs: int | None = None) -> OpDef | None:
+    """The operation a program calls as `name(...)` with `nargs` arguments, if any. A name
+    written for two operations (`max(x)`, the reduction amax, and `max(a, b)`, pointwise)
+    is decided by the number of arguments: the one whose value parameters it fills."""
+    if nargs is not None:
+        for d in REGISTRY.values():
+            if d.written == name and len(d.values) == nargs:
+                return d
+    own = REGISTRY.get(name)
+    return own if own is not None and own.called and not own.written else None
+
+
+def arities(name: str) -> tuple[int, ...]:
+    """The numbers of arguments `name(...)` may take when the name is written for several
+    operations (max: 1 or 2); () for any other name."""
+    out = sorted({len(d.values) for d in REGISTRY.values() if d.written == name and d.called}
+                 | ({len(REGISTRY[name].values)} if name in REGISTRY else set()))
+    return tuple(out) if any(d.written == name for d in REGISTRY.values()) else ()
+
+
+def spelled(d: OpDef) -> str:
+    """How a program writes a call of d."""
+    return d.written or d.name
 
 
 def infix(symbol: str) -> OpDef:
@@ -315,6 +337,12 @@ register(OpDef("sum", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sum_parti
 register(OpDef("norm", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sumsq_partial,
                finish=np.sqrt, cost=Cost(2)))
 register(OpDef("segment_norm", "reduction", X, tr.segment_norm, PARTIAL, cost=Cost(2)))
+# max(x), min(x): the largest (smallest) element, NaN if any is NaN (as torch.amax); an empty
+# slice's partial result is -inf (+inf), NumPy's `initial`. Written max/min with one argument.
+register(OpDef("amax", "reduction", X, tr.extreme, PARTIAL, numpy=ref.max_partial, combine="max",
+               written="max"))
+register(OpDef("amin", "reduction", X, tr.extreme, PARTIAL, numpy=ref.min_partial, combine="min",
+               written="min"))
 
 register(OpDef("matmul", "tensor", AB, tr.matmul, NEVER, numpy=np.matmul, fusable=False,
                cost=Cost(2, inner=True)))

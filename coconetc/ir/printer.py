@@ -56,7 +56,7 @@ def _call(e: Op, d: ops.OpDef, sites: Draws | None = None) -> str:
             args.append(f"{a.name}={ops.attr(e, a.name)}")
     if sites is not None and d.kind == "random":  # after its operands: the checker's order
         args += sites.keywords(e)
-    return f"{e.op}({', '.join(args)})"
+    return f"{ops.spelled(d)}({', '.join(args)})"
 
 
 class Draws:

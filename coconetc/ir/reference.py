@@ -52,6 +52,17 @@ def sumsq_partial(x: np.ndarray) -> np.float64:
     return np.sum(np.square(x, dtype=np.float64))
 
 
+def max_partial(x: np.ndarray) -> np.float64:
+    """The largest element in float64, NaN if any is NaN; -inf when x is empty (a slice of no
+    elements: the identity of max, NumPy's `initial`)."""
+    return np.max(np.asarray(x, dtype=np.float64), initial=-np.inf)
+
+
+def min_partial(x: np.ndarray) -> np.float64:
+    """The smallest element (as max_partial; +inf when x is empty)."""
+    return np.min(np.asarray(x, dtype=np.float64), initial=np.inf)
+
+
 def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     var = np.square(x - mean).mean(axis=-1, keepdims=True)

@@ -120,6 +120,17 @@ def reduction(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TTyp
     return TType(x.type.dtype, (), LOCAL if lay == LOCAL else REPLICATED)
 
 
+def extreme(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """max(x), min(x): as the other reductions, of a floating-point tensor only (an empty
+    tensor's max is -inf, which no integer dtype holds)."""
+    (x,) = args
+    if x.type.dtype in ("i32", "i64"):
+        word = "max" if name == "amax" else "min"
+        raise TypeErr(span, f"{word}(x) of an {x.type.dtype} tensor: the reduction needs a floating-point "
+                      f"dtype (cast(x, f32) or cast(x, f64) first)")
+    return reduction(name, args, attrs, span)
+
+
 def matmul(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     a, b = args
     _no_bool(args, span, "an operand of matmul")

@@ -100,7 +100,7 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
                f"({_why_not_chunkable(p, c0, first, inside, scattered, rows_ok)})" if c0 is not None
                else "it holds no computation")
         raise PlanError.at(fusion.span, f"fuse: nothing to compute inside the collective: {why}, and no "
-                           f"stage of the fusion reduces '{first.name}' (a sum or a norm of it would be "
+                           f"stage of the fusion reduces '{first.name}' (a sum, a norm or a max of it would be "
                            f"accumulated chunk by chunk); " + _advice_nothing(p, fusion, first, scattered, rows_ok))
     if gather is not None and _arg_name(gather) not in inside:
         gather = None
@@ -108,7 +108,9 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
     return FusedSpec(fusion, done, first, computes, gather, rows)
 
 
-REDUCTIONS = ("sum", "norm", "segment_norm")
+# The reductions of the language (IR operation names) and the Reduce unit's op for each.
+REDUCE_UNIT = {"sum": "sum", "norm": "norm", "segment_norm": "segment_norm", "amax": "max", "amin": "min"}
+REDUCTIONS = tuple(REDUCE_UNIT)
 
 
 def chunk_reductions(p: Program, fusion: Fusion, inside: dict) -> list[Op]:

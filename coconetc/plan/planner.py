@@ -20,7 +20,7 @@ from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.ir.types import TType
-from coconetc.plan.chunking import (FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
+from coconetc.plan.chunking import (REDUCE_UNIT, FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
                                     same_elements, stage_of)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
@@ -325,8 +325,8 @@ class _Planner:
     def _kernel(self, dst: str, e: Op, args: list[str | None], line: int) -> None:
         x = args[0]
         assert x is not None
-        if e.op in ("sum", "norm", "segment_norm"):
-            self.out.append(Reduce(dst, e.op, x, self.types[x].layout.sliced, line))
+        if e.op in REDUCE_UNIT:
+            self.out.append(Reduce(dst, REDUCE_UNIT[e.op], x, self.types[x].layout.sliced, line))
         elif registry.get(e.op).extern is not None:  # constants by position, values by name
             consts = tuple((i, a.value) for i, a in enumerate(e.args) if isinstance(a, Const))
             self.out.append(Library(dst, e.op, tuple(a for a in args if a is not None),
@@ -454,7 +454,7 @@ class _Planner:
         units = list(after)
         partials: list[str] = []
         for a in after:
-            if not (isinstance(a, Reduce) and a.cross_rank and a.op in ("sum", "norm", "segment_norm")):
+            if not (isinstance(a, Reduce) and a.cross_rank):
                 continue
             param = (a.src in self.buffers and self.buffers[a.src].kind == "param"  # not written in phase A
                      and not any(b.kind == "alias" and b.of == a.src and b.name in chunk

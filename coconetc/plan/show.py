@@ -51,7 +51,7 @@ def _unit(u: Unit, ind: str) -> list[str]:
         dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
         return [f"{ind}{_at(u.line)} loop over {u.type}{dst}: {_items(u.items)}{_lets(u.lets)}"]
     if isinstance(u, Reduce):
-        cross = " + sum across ranks" if u.cross_rank else ""
+        cross = f" + {'sum' if u.op in ('sum', 'norm', 'segment_norm') else u.op} across ranks" if u.cross_rank else ""
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
@@ -96,9 +96,14 @@ def _fused(u: Fused, ind: str) -> list[str]:
     partial = [a for a in u.after if isinstance(a, Reduce) and a.dst in u.partials]
     if partial:
         out.append(f"{ind}        per chunk (accumulated): " + "; ".join(
-            f"{a.dst} += partial {a.op}({a.src})" for a in partial))
-        out.append(f"{ind}        after all chunks: one allreduce(sum) of the partial results of "
-                   f"{', '.join(a.dst for a in partial)} across ranks, then "
+            f"{a.dst} {'max=' if a.op == 'max' else 'min=' if a.op == 'min' else '+='} partial {a.op}({a.src})"
+            for a in partial))
+        summed = [a.dst for a in partial if a.op not in ("max", "min")]
+        extreme = [a.dst for a in partial if a.op in ("max", "min")]
+        combined = ([f"one allreduce(sum) of the partial results of {', '.join(summed)}"] if summed else []) + (
+            [f"one allreduce(max) of the partial maxima{' (minima negated)' * any(a.op == 'min' for a in partial)} "
+             f"of {', '.join(extreme)}"] if extreme else [])
+        out.append(f"{ind}        after all chunks: {' and '.join(combined)} across ranks, then "
                    f"{', '.join(f'{a.dst} = {_finish(a)}' for a in partial)}")
     rest = [a for a in u.after if a not in partial]
     if rest:
@@ -112,7 +117,8 @@ def _fused(u: Fused, ind: str) -> list[str]:
 
 def _finish(r: Reduce) -> str:
     return {"sum": "the sum", "norm": "sqrt(the sum of squares)",
-            "segment_norm": "sqrt(its segment's sum of squares) per element"}[r.op]
+            "segment_norm": "sqrt(its segment's sum of squares) per element",
+            "max": "the largest", "min": "the smallest"}[r.op]
 
 
 def _strategy(s: Strategy) -> str:

@@ -80,10 +80,10 @@ class Loop:
 @dataclass(frozen=True)
 class Reduce:
     """dst (0-d, or per element for segment_norm) = op over src; cross_rank: src is sliced,
-    so the partial results of the ranks are summed."""
+    so the partial results of the ranks are summed (max, min: their largest, smallest)."""
 
     dst: str
-    op: str  # sum | norm | segment_norm
+    op: str  # sum | norm | segment_norm | max | min (the language's max(x), min(x))
     src: str
     cross_rank: bool
     line: int = 0

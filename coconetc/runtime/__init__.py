@@ -12,4 +12,5 @@ emulation). Imports nothing from coconetc.interp or coconetc.tune.
     auto.py      schedule="auto", from the tuning records
     tuned.py     the tuning records (the tuner writes them, the runtime reads them)
     shm.py       coconetc.empty: buffers in MPI-3 shared memory
+    batch.py     calls run as one step whose reductions span them (across_groups)
     hooks.py     the exception hook that stops an MPI job when one rank fails"""

@@ -44,7 +44,7 @@ class NcclComm:
     rank: int
     mpi: Any = None
     group: Any = None  # a torch.distributed ProcessGroup (None: mpi, or one rank)
-    notices: Any = None  # a duplicate of mpi for the abort path's notices (_guarded)
+    notices: Any = None  # where the abort path's notices go (_MpiNotices, _StoreNotices; _guarded)
     aborted: str | None = None  # why the communicator was aborted (then unusable)
 
 
@@ -54,11 +54,14 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
     (`process_group=`, e.g. `torch.distributed.group.WORLD` under torchrun): rank 0 makes the
     NCCL id, the group broadcasts it. Every rank of the group must call this together."""
     if process_group is not None:
+        import uuid
         import torch.distributed as dist
         size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        box = [ext.nccl_unique_id() if rank == 0 else None]
+        box: list[Any] = [(ext.nccl_unique_id(), uuid.uuid4().hex) if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
-        return NcclComm(ext.nccl_comm_init(box[0], size, rank), size, rank, None, process_group)
+        uid, token = box[0]
+        notices = _StoreNotices(dist.distributed_c10d._get_default_store(), token, rank) if size > 1 else None
+        return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, None, process_group, notices)
     if mpi_comm is None:
         try:
             from mpi4py import MPI
@@ -70,11 +73,50 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
         return NcclComm(ext.nccl_comm_init(uid, 1, 0), 1, 0, mpi_comm)
     rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
     uid = mpi_comm.bcast(ext.nccl_unique_id() if rank == 0 else None, root=0)
-    return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm, notices=mpi_comm.Dup())
+    return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm,
+                    notices=_MpiNotices(mpi_comm.Dup(), rank, size))
 
 
 ABORT_TAG = 31_003
 _SENT: list = []  # the abort notices' requests (kept until the job ends)
+
+
+class _MpiNotices:
+    """The abort path's notices over a duplicate of the MPI communicator (tag ABORT_TAG)."""
+
+    def __init__(self, mpi: Any, rank: int, size: int):
+        self.mpi, self.rank, self.size = mpi, rank, size
+
+    def send(self, notice: tuple[int, str]) -> None:
+        """To every other rank (non-blocking; their watchdogs receive it)."""
+        for r in range(self.size):
+            if r != self.rank:
+                _SENT.append(self.mpi.isend(notice, dest=r, tag=ABORT_TAG))
+
+    def poll(self) -> tuple[int, str] | None:
+        from mpi4py import MPI
+        st = MPI.Status()
+        if self.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=ABORT_TAG, status=st):
+            return self.mpi.recv(source=st.Get_source(), tag=ABORT_TAG)
+        return None
+
+
+class _StoreNotices:
+    """The abort path's notices for a communicator made from a torch.distributed process group
+    (no MPI): a key of the group's store (TCPStore under torchrun), named by a token rank 0 drew
+    for this communicator, which the failing rank sets and the others' watchdogs check."""
+
+    def __init__(self, store: Any, token: str, rank: int):
+        self.store, self.key, self.rank = store, f"coconet/nccl_abort/{token}", rank
+
+    def send(self, notice: tuple[int, str]) -> None:
+        self.store.set(self.key, f"{notice[0]}\n{notice[1]}")
+
+    def poll(self) -> tuple[int, str] | None:
+        if not self.store.check([self.key]):
+            return None
+        r, why = self.store.get(self.key).decode().split("\n", 1)
+        return int(r), why
 
 
 def _abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
@@ -89,42 +131,34 @@ def _abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
     lib.coconet_nccl_comm_abort(comm.handle)
 
 
-def _notify(comm: NcclComm, notice: tuple[int, str]) -> None:
-    """The abort notice to every other rank (non-blocking; their watchdogs receive it)."""
-    for r in range(comm.size):
-        if r != comm.rank:
-            _SENT.append(comm.notices.isend(notice, dest=r, tag=ABORT_TAG))
-
-
 def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     """body() (a call of the module on comm) with the abort path: a CUDA or NCCL error on one
     rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
     the failing rank and the call. The failing rank tells the others (a notice over a duplicate
-    of the MPI communicator) and aborts its communicator; on every other rank a watchdog thread,
+    of the MPI communicator, or in the process group's store) and aborts its communicator; on every other rank a watchdog thread,
     polling for notices while the call runs, aborts this rank's communicator, which ends the
     calls blocked on it (the emulation polls its NCCL waits; NCCL's own abort does that on a
     GPU); a call still running after COCONET_TIMEOUT seconds aborts the same way, naming this
-    rank. An aborted communicator is unusable: later calls on it raise at once. Communicators
-    made from a torch.distributed group (no MPI) and one-rank ones run body() as it is."""
+    rank. An aborted communicator is unusable: later calls on it raise at once. One-rank
+    communicators run body() as it is."""
     if comm.aborted is not None:
         raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
     if comm.notices is None or comm.size == 1:
         return body()
     import threading
     import time
-    from mpi4py import MPI
     limit = agree.timeout_s()
     done, heard = threading.Event(), []
 
     def watch() -> None:
         deadline = time.monotonic() + limit
-        while not done.wait(0.002):
-            st = MPI.Status()
-            if comm.notices.Iprobe(source=MPI.ANY_SOURCE, tag=ABORT_TAG, status=st):
-                heard.append(comm.notices.recv(source=st.Get_source(), tag=ABORT_TAG))
+        while not done.wait(0.002 if comm.mpi is not None else 0.02):
+            notice = comm.notices.poll()
+            if notice is not None:
+                heard.append(notice)
             elif limit and time.monotonic() > deadline:
                 heard.append((comm.rank, f"the call did not finish in {limit:g} s ({agree.ENV_TIMEOUT})"))
-                _notify(comm, heard[-1])
+                comm.notices.send(heard[-1])
             else:
                 continue
             _abort_nccl(ext, comm, f"rank {heard[0][0]} failed in {what}")
@@ -141,7 +175,7 @@ def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     watchdog.join()
     if failed is not None and not heard:  # this rank's own error: every rank aborts
         heard.append((comm.rank, str(failed)))
-        _notify(comm, heard[0])
+        comm.notices.send(heard[0])
         _abort_nccl(ext, comm, f"rank {comm.rank} failed in {what}")
     if heard:
         r, why = heard[0]

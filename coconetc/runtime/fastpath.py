@@ -17,7 +17,7 @@ import numpy as np
 
 from coconetc.ir.arguments import check_param, is_torch
 from coconetc.ir.storage import STORAGE
-from coconetc.runtime import agree, shm
+from coconetc.runtime import agree, batch, shm
 from coconetc.runtime.call import PACK, Local, scalar_bits, scalar_names, torch_updates
 from coconetc.runtime.marshal import as_torch, local_shape
 
@@ -222,7 +222,7 @@ def hot_torch(hot: Hot, kwargs: dict) -> bool:
     return True
 
 
-def run_hot(fast: Fast, hot: Hot, vals: list):
+def run_hot(ext: Any, fast: Fast, hot: Hot, vals: list):
     """Runs the module function of an agreed repeated call (the hot path of __call__)."""
     args = fast.args
     if hot.floats_only:
@@ -238,7 +238,7 @@ def run_hot(fast: Fast, hot: Hot, vals: list):
         args.outputs = [o.ctypes.data for o in outs]
     if fast.windows != len(shm.WINDOWS):
         args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
-    fast.run(args)
+    batch.invoke(ext, fast.run, args)
     if hot.torch_updated:
         import torch
         torch.autograd.graph.increment_version(hot.torch_updated)

@@ -15,7 +15,7 @@ from typing import Any
 from coconetc.codegen.naming import function_name
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
-from coconetc.runtime import agree, auto, layout, marshal, shm
+from coconetc.runtime import agree, auto, batch, layout, marshal, shm
 from coconetc.runtime.call import Local, agreed, check_local, failed
 from coconetc.runtime.fastpath import Fast, hot_check, remember, repeat, run_hot, slot_of
 from coconetc.runtime.marshal import as_torch, returned
@@ -138,7 +138,7 @@ class ProgramFunction:
             if got is not None:
                 hot, start = fast.hot, time.monotonic()
                 if hot.channel.agreed(fast.config, got[1], groups, hot.what, hot.limit, start):
-                    return run_hot(fast, hot, got[0])
+                    return run_hot(self.ext, fast, hot, got[0])
                 return self._call(schedule, comm, groups, kwargs, start)
         return self._call(schedule, comm, groups, kwargs, None)
 
@@ -217,7 +217,7 @@ class ProgramFunction:
         run = getattr(self.ext, function_name(self.name, label.name))
         if fast is not None:  # the next call with the same buffers reuses these arguments
             fast.args, fast.sizes, fast.run, fast.windows = args, (sizes, segments), run, len(shm.WINDOWS)
-        run(args)
+        batch.invoke(self.ext, run, args)
         return outs
 
     def _run_again(self, p: Program, arrays: dict, fast: Fast, sizes: dict, comm, groups: int):
@@ -232,5 +232,5 @@ class ProgramFunction:
             args.iscalars = [int(arrays[n]) if i else 0 for n, i in fast.scalars]
         if fast.windows != len(shm.WINDOWS):
             args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
-        fast.run(args)
+        batch.invoke(self.ext, fast.run, args)
         return outs

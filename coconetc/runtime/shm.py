@@ -24,6 +24,16 @@ WINDOWS: list[int] = []  # (id, address, bytes, MPI_Win handle) of every window,
 _NEXT = [0]
 
 
+def one_node(comm: Any) -> bool:
+    """Whether every rank of COMM can share memory with every other (collective over COMM;
+    False across simulated nodes, COCONET_SIMULATE_NODES)."""
+    node = node_comm(comm)  # (simulated nodes never share memory)
+    try:
+        return node.Get_size() == comm.Get_size()
+    finally:
+        node.Free()
+
+
 def empty(shape: int | tuple[int, ...], dtype: str = "f32", *, comm: Any = None,
           framework: str = "numpy") -> Any:
     """An uninitialised array of SHAPE and language DTYPE ("f32", "bf16", ...) in a shared

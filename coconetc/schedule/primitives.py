@@ -67,8 +67,8 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
                                 f"{', '.join(map(str, entry.slice_dims)) or '(none)'}, not dim {dim}")
         if slicing == ops.NEVER:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
-                                f"{node.op} does not commute with slicing; only pointwise "
-                                "computations, norm/sum, layernorm and send can move")
+                                f"{node.op} does not commute with slicing; only pointwise computations, "
+                                "reductions (sum, norm, max(x), ...), layernorm and send can move")
         if slicing == ops.ROWS and dim == node.type.ndim - 1:
             raise ScheduleError(span_of(d, s.name), "reorder", s.name,
                                 f"{node.op} {'normalizes' if node.op == 'layernorm' else 'works on'} "

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "collectives.h"
@@ -63,6 +64,64 @@ double sumsq_of(const Segments<T>& x, int64_t) {
   double acc = 0;
   for (size_t s = 0; s < x.ptrs.size(); ++s) acc += sumsq_of(x.ptrs[s], x.sizes[s]);
   return acc;
+}
+
+// max(x), min(x): the largest (smallest) element in double, NaN if any element is NaN (as
+// torch.amax); -inf (+inf) for no elements, the identity (NumPy's `initial`).
+template <bool MAX>
+inline double extreme_step(double acc, double v) {
+  if (acc != acc || v != v) return acc != acc ? acc : v;
+  return MAX ? (v > acc ? v : acc) : (v < acc ? v : acc);
+}
+template <bool MAX>
+constexpr double extreme_identity() {
+  return MAX ? -HUGE_VAL : HUGE_VAL;
+}
+template <bool MAX, class T>
+double extreme_of(const T* x, int64_t n) {
+  double acc = extreme_identity<MAX>();
+  for (int64_t i = 0; i < n; ++i) acc = extreme_step<MAX>(acc, static_cast<double>(to_compute(x[i])));
+  return acc;
+}
+template <bool MAX, class T>
+double extreme_of(const Segments<T>& x, int64_t) {
+  double acc = extreme_identity<MAX>();
+  for (size_t s = 0; s < x.ptrs.size(); ++s) acc = extreme_step<MAX>(acc, extreme_of<MAX>(x.ptrs[s], x.sizes[s]));
+  return acc;
+}
+template <class X>
+double max_of(const X& x, int64_t n) {
+  return extreme_of<true>(x, n);
+}
+template <class X>
+double min_of(const X& x, int64_t n) {
+  return extreme_of<false>(x, n);
+}
+
+// The largest of each xs[i] over the group, in place, NaN if any rank's is NaN (MPI_MAX alone
+// does not say what a NaN gives): one all-reduce of the values without NaN and of NaN flags.
+// A min is the max of the negated values (allreduce_min).
+inline void allreduce_max(double* xs, int64_t n, Comm& comm) {
+  std::vector<double> buf(static_cast<size_t>(2 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    const bool nan = xs[i] != xs[i];
+    buf[static_cast<size_t>(i)] = nan ? -HUGE_VAL : xs[i];
+    buf[static_cast<size_t>(n + i)] = nan ? 1.0 : 0.0;
+  }
+  COCONET_MPI(MPI_Allreduce(MPI_IN_PLACE, buf.data(), static_cast<int>(2 * n), MPI_DOUBLE, MPI_MAX,
+                            comm.group));
+  for (int64_t i = 0; i < n; ++i)
+    xs[i] = buf[static_cast<size_t>(n + i)] > 0 ? std::numeric_limits<double>::quiet_NaN()
+                                                 : buf[static_cast<size_t>(i)];
+}
+inline double allreduce_max(double x, Comm& comm) {
+  allreduce_max(&x, 1, comm);
+  return x;
+}
+inline double allreduce_min(double x, Comm& comm) {
+  x = -x;
+  allreduce_max(&x, 1, comm);
+  return -x;
 }
 
 // segment_norm: out[i] = the L2 norm of the segment holding global element off + i.  x holds

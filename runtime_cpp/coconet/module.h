@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "batch.h"
 #include "collectives.h"
 #include "comm.h"
 #include "dtypes.h"
@@ -98,10 +99,13 @@ T* scratch(int64_t n) {
 // through the window, so the peers read it in place and nothing is staged; else the thread's
 // scratch (scratch<T, Site> above). Collective over the group (every rank declares the same
 // buffers in the same order).
+constexpr int kBatchSites = 1 << 16;  // shared_scratch sites of one call of a batch
 template <class T, int Site>
 T* shared_scratch(Comm& comm, int64_t n) {
   if (!shm_chosen(comm)) return scratch<T, Site>(n);
-  return reinterpret_cast<T*>(comm.shm.own(Site, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(T)));
+  // each call of a batch (batch.h) its own, as its scratch is its thread's
+  const int site = Site + kBatchSites * batch_slot();
+  return reinterpret_cast<T*>(comm.shm.own(site, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(T)));
 }
 
 // n rounded up to a multiple of m (m > 0): chunks that hold whole rows.

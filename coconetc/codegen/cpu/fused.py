@@ -33,7 +33,8 @@ class CpuFused:
         partials = self.partials(u)
         for r in partials:  # phase A's partial results of the reductions, accumulated per chunk
             n = "seg_starts.size() - 1" if r.op == "segment_norm" else "1"
-            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, 0.0);")
+            init = {"max": "-HUGE_VAL", "min": "HUGE_VAL"}.get(r.op, "0.0")  # max, min: no element yet
+            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, {init});")
         self.w.emit(f"const int64_t off_{u.name} = {self.fused_offset(u)};")
         self.w.emit(f"auto compute_{u.name} = [&](int64_t gb, int64_t ge, const {ct}* red) {{")
         self.chunk(u, f"off_{u.name}")
@@ -90,7 +91,12 @@ class CpuFused:
              else f"static_cast<double>(coconet::to_compute(v_{r.src}[i]))")
         term = "v" if r.op == "sum" else "v * v"
         self.w.emit(f"  {{  // {r.dst}: partial {r.op}({r.src}) of the chunk")
-        if r.op == "segment_norm":
+        if r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
+            self.w.emit(f"    double acc = pa_{r.dst}[0];")
+            self.w.emit("    for (int64_t i = lo; i < hi; ++i)")
+            self.w.emit(f"      acc = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>(acc, {v});")
+            self.w.emit(f"    pa_{r.dst}[0] = acc;")
+        elif r.op == "segment_norm":
             self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {")
             self.w.emit("      double acc = 0;")
             self.w.emit("      for (int64_t j = 0; j < pc.size; ++j) {")
@@ -110,12 +116,28 @@ class CpuFused:
         self.w.emit("  }")
 
     def _combine(self, u: Fused, partials: list[Reduce]) -> None:
-        """One small all-reduce of every partial result, then each reduction finished."""
+        """One small all-reduce of every partial result, then each reduction finished. The
+        partial results of max(x), min(x) are combined apart, in one more all-reduce (max of
+        the maxima and of the negated minima, NaN propagating: coconet::allreduce_max)."""
+        extremes = [r for r in partials if r.op in ("max", "min")]
+        partials = [r for r in partials if r not in extremes]
+        if extremes:
+            self._combine_extremes(u, extremes)
+        if not partials:
+            return
         self.w.emit(f"{{  // {u.name}: the partial results of {', '.join(r.dst for r in partials)}, summed across ranks")
+        # the whole-slice reductions first: they are summed across the calls of a batch too
+        # (batch.h), each segment's norm only across ranks
+        partials = sorted(partials, key=lambda r: r.op == "segment_norm")
+        whole = [r for r in partials if r.op != "segment_norm"]
         self.w.emit("  std::vector<double> parts;")
         for r in partials:
             self.w.emit(f"  parts.insert(parts.end(), pa_{r.dst}.begin(), pa_{r.dst}.end());")
-        self.w.emit("  coconet::allreduce_sum(parts.data(), static_cast<int64_t>(parts.size()), comm);")
+        if whole:
+            self.w.emit(f"  coconet::reduce_partials(parts.data(), {len(whole)}, true, comm);")
+        if len(whole) < len(partials):
+            self.w.emit(f"  coconet::allreduce_sum(parts.data() + {len(whole)}, "
+                        f"static_cast<int64_t>(parts.size()) - {len(whole)}, comm);")
         self.w.emit("  size_t at = 0;")
         for r in partials:
             t = self.w.types[r.dst]
@@ -129,6 +151,20 @@ class CpuFused:
                 self.w.emit(f"  v_{r.dst}[0] = coconet::from_compute<{T}>(static_cast<{C}>({value}));")
             self.w.emit(f"  at += pa_{r.dst}.size();")
         self.w.emit("  (void)at;")
+        self.w.emit("}")
+
+    def _combine_extremes(self, u: Fused, extremes: list[Reduce]) -> None:
+        """The max/min partial results across ranks (a min as the max of its negation), each
+        written to its 0-d result."""
+        sign = {r.dst: "-" if r.op == "min" else "" for r in extremes}
+        self.w.emit(f"{{  // {u.name}: the partial results of {', '.join(r.dst for r in extremes)}, "
+                    "their largest/smallest across ranks")
+        self.w.emit(f"  double ext[{len(extremes)}] = {{{', '.join(f'{sign[r.dst]}pa_{r.dst}[0]' for r in extremes)}}};")
+        self.w.emit(f"  coconet::reduce_extremes(ext, {len(extremes)}, true, comm);  // and across a batch's calls")
+        for i, r in enumerate(extremes):
+            t = self.w.types[r.dst]
+            self.w.emit(f"  v_{r.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
+                        f"static_cast<{COMPUTE[t.dtype]}>({sign[r.dst]}ext[{i}]));")
         self.w.emit("}")
 
     def fused_offset(self, u: Fused) -> str:

@@ -92,11 +92,17 @@ class CpuRenderer:
             self.w.emit(f"coconet::segment_norm({src}, v_{u.dst}, {n}, {self.w.offset(xt)}, "
                       f"seg_starts, {'true' if u.cross_rank else 'false'}, comm);")
             return
-        fn = "sum_of" if u.op == "sum" else "sumsq_of"
+        fn = {"sum": "sum_of", "norm": "sumsq_of", "max": "max_of", "min": "min_of"}[u.op]
         self.w.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
-        if u.cross_rank:
-            self.w.emit("  acc = coconet::allreduce_sum(acc, comm);")
-        value = "acc" if u.op == "sum" else "std::sqrt(acc)"
+        # across ranks when over slices, and across the calls of a batch (batch.h); a max, and a
+        # min as the max of its negation, NaN propagating
+        cross = "true" if u.cross_rank else "false"
+        if u.op in ("max", "min"):
+            neg = "-" if u.op == "min" else ""
+            self.w.emit(f"  acc = {neg}coconet::reduce_extreme({neg}acc, {cross}, comm);")
+        else:
+            self.w.emit(f"  acc = coconet::reduce_partial(acc, {cross}, comm);")
+        value = "std::sqrt(acc)" if u.op == "norm" else "acc"
         self.w.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
                   f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
 

@@ -117,8 +117,13 @@ class CudaRenderer:
             self.w.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.w.ldims(xt))}, "
                       f"{self.w.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.w.site()});")
             return
-        norm = "true" if u.op == "norm" else "false"
         src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"  # scattered: a kernel per piece
+        if u.op in ("max", "min"):  # NaN propagating, the ranks' parts combined by one ncclMax
+            self.w.emit(f"coconet::cuda::reduce_extreme<{CTYPE[xt.dtype]}, {'true' if u.op == 'max' else 'false'}>("
+                        f"{src}, v_{u.dst}, {_prod(self.w.ldims(xt))}, {'true' if u.cross_rank else 'false'}, "
+                        f"ctx, {self.w.site()});")
+            return
+        norm = "true" if u.op == "norm" else "false"
         self.w.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>({src}, v_{u.dst}, "
                   f"{_prod(self.w.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.w.site()});")
 

@@ -439,6 +439,123 @@ void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, in
   finish_sum<T, NORM>(acc, dst, cross_rank, c);
 }
 
+// ---- max(x), min(x) ---------------------------------------------------------------------------
+// acc[0]: the largest element not NaN so far (for a min, of the negated elements: a min is the max
+// of its negation), -inf for none yet (NumPy's `initial`); acc[1]: 1 once an element is NaN. The
+// ranks' acc combine with one ncclMax (no NaN travels), the result is NaN where any was (torch.amax).
+// Two passes: each block folds its grid-stride share into parts[2 b, 2 b + 1], then one block
+// folds the parts into acc.
+constexpr int kExtremeBlocks = 1024;
+
+template <int = 0>  // a template: the header may be in several translation units
+__global__ void extreme_init_kernel(double* acc) {
+  acc[0] = -HUGE_VAL;
+  acc[1] = 0;
+}
+
+// part/bad: a block's 256 values, folded into [0] (the block's threads all call it).
+template <int = 0>
+__device__ inline void extreme_fold_block(double* part, double* bad) {
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k /= 2) {
+    if (threadIdx.x < k) {
+      part[threadIdx.x] = part[threadIdx.x + k] > part[threadIdx.x] ? part[threadIdx.x + k] : part[threadIdx.x];
+      bad[threadIdx.x] = bad[threadIdx.x + k] > bad[threadIdx.x] ? bad[threadIdx.x + k] : bad[threadIdx.x];
+    }
+    __syncthreads();
+  }
+}
+
+template <class T, bool MAX>
+__global__ void partial_extreme_kernel(const T* x, int64_t n, double* parts) {
+  __shared__ double part[256];
+  __shared__ double bad[256];
+  double m = -HUGE_VAL, f = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    double v = static_cast<double>(to_compute(x[i]));
+    if (v != v) {
+      f = 1;
+    } else {
+      v = MAX ? v : -v;
+      m = v > m ? v : m;
+    }
+  }
+  part[threadIdx.x] = m;
+  bad[threadIdx.x] = f;
+  extreme_fold_block(part, bad);
+  if (threadIdx.x == 0) {
+    parts[2 * blockIdx.x] = part[0];
+    parts[2 * blockIdx.x + 1] = bad[0];
+  }
+}
+
+template <int = 0>
+__global__ void fold_extreme_kernel(const double* parts, int blocks, double* acc) {  // one block
+  __shared__ double part[256];
+  __shared__ double bad[256];
+  double m = -HUGE_VAL, f = 0;
+  for (int b = threadIdx.x; b < blocks; b += blockDim.x) {
+    m = parts[2 * b] > m ? parts[2 * b] : m;
+    f = parts[2 * b + 1] > f ? parts[2 * b + 1] : f;
+  }
+  part[threadIdx.x] = m;
+  bad[threadIdx.x] = f;
+  extreme_fold_block(part, bad);
+  if (threadIdx.x == 0) {
+    acc[0] = part[0] > acc[0] ? part[0] : acc[0];
+    acc[1] = bad[0] > acc[1] ? bad[0] : acc[1];
+  }
+}
+
+template <class T, bool MAX>
+__global__ void finish_extreme_kernel(const double* acc, T* dst) {
+  double v = acc[1] > 0 ? nan("") : (MAX ? acc[0] : -acc[0]);
+  dst[0] = from_compute<T>(static_cast<compute_t<T>>(v));
+}
+
+// acc (2 doubles, then kExtremeBlocks pairs of parts) += the extreme of x[0, n).
+template <class T, bool MAX>
+void partial_extreme(const T* x, int64_t n, double* acc, const Ctx& c) {
+  if (n <= 0) return;
+  int64_t blocks = (n + 255) / 256;
+  if (blocks > kExtremeBlocks) blocks = kExtremeBlocks;
+  double* parts = acc + 2;
+  void (*partial)(const T*, int64_t, double*) = partial_extreme_kernel<T, MAX>;
+  COCONET_ACCESS(COCONET_R(x, 0, n), COCONET_W(parts, 0, 2 * blocks));
+  COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, n, parts);
+  COCONET_CUDA(cudaGetLastError());
+  void (*fold)(const double*, int, double*) = fold_extreme_kernel<>;
+  COCONET_ACCESS(COCONET_R(parts, 0, 2 * blocks), COCONET_W(acc, 0, 2));
+  COCONET_LAUNCH(fold, 1, 256, 0, c.stream, parts, static_cast<int>(blocks), acc);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+template <class T, bool MAX>
+void finish_extreme(double* acc, T* dst, bool cross_rank, const Ctx& c) {
+  if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 2, ncclFloat64, ncclMax, c.comm, c.stream));
+  void (*finish)(const double*, T*) = finish_extreme_kernel<T, MAX>;
+  COCONET_ACCESS(COCONET_R(acc, 0, 2), COCONET_W(dst, 0, 1));
+  COCONET_LAUNCH(finish, 1, 1, 0, c.stream, acc, dst);
+  COCONET_CUDA(cudaGetLastError());
+}
+
+inline double* extreme_acc(int site, const Ctx& c) {
+  double* acc = scratch<double>(site, 2 + 2 * kExtremeBlocks);
+  void (*init)(double*) = extreme_init_kernel<>;
+  COCONET_ACCESS(COCONET_W(acc, 0, 2));
+  COCONET_LAUNCH(init, 1, 1, 0, c.stream, acc);
+  COCONET_CUDA(cudaGetLastError());
+  return acc;
+}
+
+// dst[0] = max(x[0, n)) (MAX) or min; cross_rank: over the ranks' parts too.
+template <class T, bool MAX>
+void reduce_extreme(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+  double* acc = extreme_acc(site, c);
+  partial_extreme<T, MAX>(x, n, acc, c);
+  finish_extreme<T, MAX>(acc, dst, cross_rank, c);
+}
+
 // layernorm over the last dim: one thread per row.
 template <class T>
 __global__ void layernorm_kernel(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y) {
@@ -923,6 +1040,14 @@ void reduce_sum(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx&
   COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
   for (const Piece& pc : pieces(x.starts, 0, n)) partial_sum<T, NORM>(x.at(pc), pc.size, acc, c);
   finish_sum<T, NORM>(acc, dst, cross_rank, c);
+}
+
+// max (MAX) or min of the logical [0, n) of a scattered x, a block reduction per piece, as reduce_extreme.
+template <class T, bool MAX>
+void reduce_extreme(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+  double* acc = extreme_acc(site, c);
+  for (const Piece& pc : pieces(x.starts, 0, n)) partial_extreme<T, MAX>(x.at(pc), pc.size, acc, c);
+  finish_extreme<T, MAX>(acc, dst, cross_rank, c);
 }
 
 // Root's scattered x into every rank's contiguous y[0, n): one grouped ncclBroadcast per piece.

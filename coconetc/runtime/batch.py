@@ -1,0 +1,57 @@
+"""Calls of one module function run as one step whose reductions span them
+(runtime_cpp/coconet/batch.h): inside `together()`, a CPU module call is checked and agreed
+with the other ranks as always, but its module function does not run yet; when the block ends,
+the calls collected run as one batch, in which every `sum`/`norm` of the program is taken over
+all of them (each call stops at a reduction until every call has left its partial result).
+DistributedOptimizer(across_groups=True) calls its program once per parameter group this way,
+so that a clipping norm is the norm of every group's gradient, as
+`torch.nn.utils.clip_grad_norm_(model.parameters())` computes it. The arrays a call returns
+inside the block hold their values once the block has ended."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_local = threading.local()
+
+
+def invoke(ext: Any, run: Any, args: Any) -> None:
+    """Runs the function `run` of the module `ext` on `args` now, or, inside together(), at
+    its end."""
+    pending = getattr(_local, "pending", None)
+    if pending is None:
+        run(args)
+    else:
+        pending.append((ext, run, args))
+
+
+@contextmanager
+def together() -> Iterator[None]:
+    """The module calls made in the block (on this thread) run as one batch at its end; if the
+    block raises, none of them runs."""
+    if getattr(_local, "pending", None) is not None:
+        raise RuntimeError("coconetc: together() blocks do not nest")
+    _local.pending = []
+    try:
+        yield
+        calls = _local.pending
+    finally:
+        _local.pending = None
+    run_all(calls)
+
+
+def run_all(calls: list[tuple[Any, Any, Any]]) -> None:
+    if len(calls) == 1:
+        _, run, args = calls[0]
+        run(args)
+    if len(calls) <= 1:
+        return
+    names = {(id(ext), ext.__name__, run.__name__) for ext, run, _ in calls}
+    if len(names) != 1:
+        raise ValueError(f"coconetc: the calls of one batch must be of one function of one module "
+                         f"(got {', '.join(sorted(m + '.' + n for _, m, n in names))})")
+    ext, run, _ = calls[0]
+    ext._batch(run.__name__, [args for _, _, args in calls])
