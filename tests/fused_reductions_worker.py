@@ -11,6 +11,7 @@ import sys
 import traceback
 
 import numpy as np
+from rank_checks import gathered_report
 
 
 def main() -> int:
@@ -61,11 +62,7 @@ def main() -> int:
                 why = ""
             except Exception:  # noqa: BLE001 - report, keep going
                 why = f"rank {rank}: {traceback.format_exc()}"
-            whys = comm.gather(why, root=0)
-            if rank == 0:
-                errs = [x for x in whys if x]
-                print(f"FAIL {what} {schedule}: {' | '.join(errs)}" if errs else f"OK {what} {schedule}", flush=True)
-                failures += bool(errs)
+            failures += gathered_report(comm, f"{what} {schedule}", why)
         if poison is None and len(results) == 3:
             ref = results["default"]
             for s in ("rs_c_ag", "zero"):

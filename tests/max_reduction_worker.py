@@ -14,6 +14,7 @@ import sys
 import traceback
 
 import numpy as np
+from rank_checks import gathered_report
 
 
 def main() -> int:
@@ -46,11 +47,7 @@ def main() -> int:
                 why = ""
             except Exception:  # noqa: BLE001 - report, keep going
                 why = f"rank {rank}: {traceback.format_exc()}"
-            whys = comm.gather(why, root=0)
-            if rank == 0:
-                errs = [x for x in whys if x]
-                print(f"FAIL {what} {schedule}: {' | '.join(errs)}" if errs else f"OK {what} {schedule}", flush=True)
-                failures += bool(errs)
+            failures += gathered_report(comm, f"{what} {schedule}", why)
     failures = comm.bcast(failures, root=0)
     return 1 if failures else 0
 

@@ -42,3 +42,14 @@ def check(lines: list[str], log: str, labels: list[str], prefix: bool = False) -
     for label in labels:
         found = any(k.startswith(label) for k in ok) if prefix else label in ok
         assert found, f"{label} missing\n{log}"
+
+
+def gathered_report(comm, label: str, why: str) -> bool:
+    """In a worker: every rank's reason for failing `label` ("" for none) gathered on rank 0,
+    which prints "OK <label>" or "FAIL <label>: <each reason>"; True on rank 0 if any failed."""
+    whys = comm.gather(why, root=0)
+    if comm.Get_rank() != 0:
+        return False
+    errs = [x for x in whys if x]
+    print(f"FAIL {label}: {' | '.join(errs)}" if errs else f"OK {label}", flush=True)
+    return bool(errs)

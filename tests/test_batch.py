@@ -7,13 +7,10 @@ torch in test_torch_optimizer.py."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from rank_checks import check, launch
-
-from coconetc.toolchain import probes
+from rank_checks import build_cache, check, launch
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("batch_worker.py")
@@ -22,18 +19,14 @@ FILES = ("adamw.ccn", "amax_scale.ccn", "scaled_adam.ccn")
 
 @pytest.fixture(scope="module")
 def built(request):
+    """The three files built once into the pytest cache (the ranks only import them)."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    mods = {f: load_file(REPO / "examples" / f) for f in FILES}
-    for mod in mods.values():
-        compile_cpu(mod, log=lambda msg: None)
-    yield mods
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
+    with build_cache(request):
+        mods = {f: load_file(REPO / "examples" / f) for f in FILES}
+        for mod in mods.values():
+            compile_cpu(mod, log=lambda msg: None)
+        yield mods
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
