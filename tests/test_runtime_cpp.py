@@ -73,28 +73,28 @@ def _summary(stdout: str) -> tuple[int, int]:
     return int(passed), int(failed)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
-def test_runtime_under_mpi(build_dir: Path, ranks: int):
+def _run_suite(build_dir: Path, ranks: int, **env: str) -> None:
+    """The runtime's test program on RANKS ranks (ENV added to the environment): it exits 0
+    and reports no failure among more than 1000 checks."""
     exe = build_dir / "coconet_runtime_tests"
     cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
-    proc = _run(cmd, RUN_TIMEOUT, env=_env())
+    proc = _run(cmd, RUN_TIMEOUT, env={**_env(), **env})
     log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, log
     passed, failed = _summary(proc.stdout)
     assert failed == 0 and passed > 1000, log
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_runtime_under_mpi(build_dir: Path, ranks: int):
+    _run_suite(build_dir, ranks)
 
 
 @pytest.mark.parametrize("ranks", [3])
 def test_runtime_point_to_point_fused_path(build_dir: Path, ranks: int):
     """The same with COCONET_FUSED=p2p: the fused collectives' point-to-point path (the runs
     above take the shared-memory one, every rank being on this machine)."""
-    exe = build_dir / "coconet_runtime_tests"
-    cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
-    proc = _run(cmd, RUN_TIMEOUT, env={**_env(), "COCONET_FUSED": "p2p"})
-    log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, log
-    passed, failed = _summary(proc.stdout)
-    assert failed == 0 and passed > 1000, log
+    _run_suite(build_dir, ranks, COCONET_FUSED="p2p")
 
 
 @pytest.mark.parametrize("ranks", [4])
@@ -102,13 +102,7 @@ def test_runtime_over_simulated_nodes(build_dir: Path, ranks: int):
     """The same with COCONET_SIMULATE_NODES=2 (docs/cluster.md): the fused collectives and the
     all-reduces run hierarchically (node window, MPI across the 2 simulated nodes, node window)
     and still give the naive references' results."""
-    exe = build_dir / "coconet_runtime_tests"
-    cmd = [str(MPIEXEC), "--allow-run-as-root", "--oversubscribe", "-n", str(ranks), str(exe)]
-    proc = _run(cmd, RUN_TIMEOUT, env={**_env(), "COCONET_SIMULATE_NODES": "2"})
-    log = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, log
-    passed, failed = _summary(proc.stdout)
-    assert failed == 0 and passed > 1000, log
+    _run_suite(build_dir, ranks, COCONET_SIMULATE_NODES="2")
 
 
 def test_headers_without_blas_and_mpi(build_dir: Path):

@@ -35,6 +35,16 @@
 
 namespace coconet {
 
+// v[0..k) combined across the group's ranks, in place: summed, or (extreme) their max, NaN
+// propagating.
+inline void across_ranks(double* v, int64_t k, bool extreme, Comm& comm) {
+  if (extreme) {
+    allreduce_max(v, k, comm);
+  } else {
+    allreduce_sum(v, k, comm);
+  }
+}
+
 class Batch {
  public:
   explicit Batch(int calls) : n_(calls), parts_(static_cast<size_t>(calls)) {}
@@ -70,13 +80,7 @@ class Batch {
         for (size_t i = 0; i < p.size(); ++i)
           total_[i] = extreme ? extreme_step<true>(total_[i], p[i]) : total_[i] + p[i];
       }
-      if (cross_rank) {  // only this thread runs now
-        if (extreme) {
-          allreduce_max(total_.data(), k, comm);
-        } else {
-          allreduce_sum(total_.data(), k, comm);
-        }
-      }
+      if (cross_rank) across_ranks(total_.data(), k, extreme, comm);  // only this thread runs now
       turn_ = 0;
     }
     cv_.notify_all();
@@ -105,30 +109,28 @@ inline int& batch_slot() {
   return s;
 }
 
-// The generated code's cross-rank (and, in a batch, cross-call) step of sum/norm: v[0..k) are
-// this call's partial sums (of values, or of squares for a norm); cross_rank: over slices.
-inline void reduce_partials(double* v, int64_t k, bool cross_rank, Comm& comm) {
+// The generated code's cross-rank (and, in a batch, cross-call) step of a reduction: v[0..k)
+// are this call's partial results (sums of values, or of squares for a norm; extreme: maxima,
+// a min as the max of its negation); cross_rank: the reduction is over slices.
+inline void reduce_across(double* v, int64_t k, bool cross_rank, Comm& comm, bool extreme) {
   if (Batch* b = current_batch()) {
-    b->combine(batch_slot(), v, k, cross_rank, comm);
+    b->combine(batch_slot(), v, k, cross_rank, comm, extreme);
   } else if (cross_rank) {
-    allreduce_sum(v, k, comm);
+    across_ranks(v, k, extreme, comm);
   }
+}
+inline void reduce_partials(double* v, int64_t k, bool cross_rank, Comm& comm) {
+  reduce_across(v, k, cross_rank, comm, false);
 }
 inline double reduce_partial(double x, bool cross_rank, Comm& comm) {
-  reduce_partials(&x, 1, cross_rank, comm);
+  reduce_across(&x, 1, cross_rank, comm, false);
   return x;
 }
-
-// The same for max(x) partial results (a min as the max of its negation), NaN propagating.
 inline void reduce_extremes(double* v, int64_t k, bool cross_rank, Comm& comm) {
-  if (Batch* b = current_batch()) {
-    b->combine(batch_slot(), v, k, cross_rank, comm, true);
-  } else if (cross_rank) {
-    allreduce_max(v, k, comm);
-  }
+  reduce_across(v, k, cross_rank, comm, true);
 }
 inline double reduce_extreme(double x, bool cross_rank, Comm& comm) {
-  reduce_extremes(&x, 1, cross_rank, comm);
+  reduce_across(&x, 1, cross_rank, comm, true);
   return x;
 }
 

@@ -100,7 +100,7 @@ double min_of(const X& x, int64_t n) {
 
 // The largest of each xs[i] over the group, in place, NaN if any rank's is NaN (MPI_MAX alone
 // does not say what a NaN gives): one all-reduce of the values without NaN and of NaN flags.
-// A min is the max of the negated values (allreduce_min).
+// A min is the max of the negated values (batch.h: reduce_extreme).
 inline void allreduce_max(double* xs, int64_t n, Comm& comm) {
   std::vector<double> buf(static_cast<size_t>(2 * n));
   for (int64_t i = 0; i < n; ++i) {
@@ -113,15 +113,6 @@ inline void allreduce_max(double* xs, int64_t n, Comm& comm) {
   for (int64_t i = 0; i < n; ++i)
     xs[i] = buf[static_cast<size_t>(n + i)] > 0 ? std::numeric_limits<double>::quiet_NaN()
                                                  : buf[static_cast<size_t>(i)];
-}
-inline double allreduce_max(double x, Comm& comm) {
-  allreduce_max(&x, 1, comm);
-  return x;
-}
-inline double allreduce_min(double x, Comm& comm) {
-  x = -x;
-  allreduce_max(&x, 1, comm);
-  return -x;
 }
 
 // segment_norm: out[i] = the L2 norm of the segment holding global element off + i.  x holds
