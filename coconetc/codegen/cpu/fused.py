@@ -118,7 +118,7 @@ class CpuFused:
     def _combine(self, u: Fused, partials: list[Reduce]) -> None:
         """One small all-reduce of every partial result, then each reduction finished. The
         partial results of max(x), min(x) are combined apart, in one more all-reduce (max of
-        the maxima and of the negated minima, NaN propagating: coconet::allreduce_max)."""
+        the maxima and of the negated minima, NaN propagating: coconet::reduce_extremes, across a batch's calls too)."""
         extremes = [r for r in partials if r.op in ("max", "min")]
         partials = [r for r in partials if r not in extremes]
         if extremes:
