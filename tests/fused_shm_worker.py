@@ -1,8 +1,8 @@
 """Run under mpiexec by tests/test_fused_shm.py: the zero and fused Adam schedules through the
 shared-memory fused collective (input staged, or in place in coconetc.empty's window, and the
 gathered w in a window too, read there by the peers) give the
-point-to-point path's results bit for bit (default and rs_c_ag, whose allreduce and allgathers
-also go through the window, MPI's up to the order of the sum), on COMM_WORLD and on a split sub-communicator, for
+point-to-point path's results bit for bit (default and rs_c_ag, whose allreduce, reduce-scatter
+and allgathers also go through the window, MPI's up to the order of the sum), on COMM_WORLD and on a split sub-communicator, for
 sizes the ranks do not divide and sizes below the number of ranks. Prints "ok" on rank 0."""
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ def algorithms(fn, comm, n=70000):
             windowed = runs() - before
             want = 0 if label.endswith("@p2p") or (label == "zero" and env == "p2p") else 3
             assert windowed == want, f"{label} with COCONET_FUSED={env}: {windowed} calls on the window, want {want}"
+    # the plain collectives too: rs_c_ag's reduce-scatter and its three all-gathers, default's
+    # all-reduce, each on the window (3 calls), none under @p2p
+    for label, per_call in (("rs_c_ag", 4), ("rs_c_ag@p2p", 0), ("default", 1), ("default@p2p", 0)):
+        before = runs()
+        step(fn, label, comm, g.copy(), "shm")
+        assert runs() - before == 3 * per_call, f"{label}: {runs() - before} collectives on the window, want {3 * per_call}"
     for key, got in results.items():
         ref = results["p2p", "fused@p2p" if key[1].startswith("fused") else "zero@p2p"]
         for a, b, name in zip(ref, got, "wmv"):

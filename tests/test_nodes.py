@@ -88,7 +88,8 @@ def test_cost_model_has_two_levels():
     """The cost model over M nodes (coconetc/tune/cost.py): adam zero's fused collective and
     default's all-reduce send (M-1)/M of 1/L of the input and of the gathered w across the
     network (hierarchically), none on one node, all of what they send with one rank per node;
-    a flat reduce-scatter (rs_c_ag) sends (R-L)/(R-1) of its messages off the node; the network's
+    so does rs_c_ag's reduce-scatter (of the input only), while its flat all-gathers send
+    (R-L)/(R-1) of their messages off the node; the network's
     bytes cost more time; explain --nodes prints them, and refuses nodes that do not divide."""
     from click.testing import CliRunner
 
@@ -104,8 +105,10 @@ def test_cost_model_has_two_levels():
     assert z[1].seconds() < z[2].seconds() < z[4].seconds()
     d = cost(mod.plans[("adam", "default")], {"N": n}, R, 2)
     assert d.net == pytest.approx(0.5 / 2 * 2 * nb)
-    rs = cost(mod.plans[("adam", "rs_c_ag")], {"N": n}, R, 2).parts[0]
-    assert rs[1].net == pytest.approx(2 / 3 * rs[1].sent) and rs[1].sent == pytest.approx(0.75 * nb)
+    parts = [p for _, p in cost(mod.plans[("adam", "rs_c_ag")], {"N": n}, R, 2).parts]
+    rs, agm = parts[0], parts[2]  # a hierarchical reduce-scatter, a flat all-gather
+    assert rs.net == pytest.approx(0.5 / 2 * nb) and rs.sent == pytest.approx(0.5 * nb + 0.5 / 2 * nb)
+    assert agm.net == pytest.approx(2 / 3 * agm.sent) and agm.sent == pytest.approx(0.75 * nb)
     with pytest.raises(ValueError, match="3 nodes do not hold 4 ranks"):
         cost(mod.plans[("adam", "zero")], {"N": n}, R, 3)
     res = CliRunner().invoke(cli.main, ["explain", str(REPO / "examples" / "adam.ccn"), "--ranks", "4",

@@ -21,7 +21,7 @@ from coconetc.ir import printer
 from coconetc.launch.mpiexec import run_python
 from coconetc.schedule import apply_all
 from coconetc.runtime import tuned
-from coconetc.tune.cost import cost
+from coconetc.tune.cost import Machine, cost
 from coconetc.tune.space import candidates, state_params
 from coconetc.tune.tuner import prune
 
@@ -72,6 +72,32 @@ def test_cost_of_adam_default_rs_c_ag_and_zero(example, R: int) -> None:
     assert z.moved == pytest.approx(b * N + f * b * N + 3 * b * E + 3 * b * E + f * b * N)
     assert (z.passes, z.launches, z.units) == (1, 1, 1)
     assert z.seconds() < d.seconds() or R == 1
+
+
+def test_cost_names_the_algorithm_each_collective_runs(example) -> None:
+    """The runtime's choice (collectives.h, fused_shm.h): the node's window from 16 KiB on one
+    node, MPI below it and under @p2p (window=False), hierarchical over nodes except the
+    all-gather; MPI's reduce-scatter counted at its measured rate."""
+    mod = example("adam.ccn")
+    plan = mod.plans[("adam", "rs_c_ag")]
+
+    def algos(N: int, **kw) -> list[str]:
+        return [part.algorithm for _, part in cost(plan, {"N": N}, 2, **kw).parts]
+
+    # rs: a reduce-scatter, then a loop, then three all-gathers
+    assert algos(1 << 20) == ["window", "", "window", "window", "window"]
+    assert algos(1000) == ["mpi", "", "mpi", "mpi", "mpi"]  # 4000 bytes: under the window's minimum
+    assert algos(1 << 20, window=False) == ["mpi", "", "mpi", "mpi", "mpi"]
+    assert cost(plan, {"N": 1 << 20}, 4, nodes=2).parts[0][1].algorithm == "hierarchical"
+    assert algos(1 << 20, nodes=2) == ["hierarchical", "", "mpi", "mpi", "mpi"]
+    on, off = cost(plan, {"N": 1 << 20}, 2), cost(plan, {"N": 1 << 20}, 2, window=False)
+    m = Machine()
+    rs = 0.5 * 4 * (1 << 20)  # what the reduce-scatter sends: (R-1)/R of the f32 input
+    assert (on.slow, off.slow) == (0.0, rs)
+    assert off.seconds(m) - on.seconds(m) == pytest.approx(rs / m.mpi_reduce_scatter_bw - rs / m.link_bw)
+    zero = cost(mod.plans[("adam", "zero")], {"N": 1 << 20}, 2)
+    assert [p.algorithm for _, p in zero.parts] == ["window"]
+    assert cost(mod.plans[("adam", "zero")], {"N": 1 << 20}, 2, window=False).parts[0][1].algorithm == "p2p"
 
 
 def test_cost_counts_a_matmul_and_an_overlap(example) -> None:

@@ -2,7 +2,7 @@
 
 The part before `@` is the schedule's name (`default`: the program itself, unscheduled); the
 part after it, when there is one, the algorithm of the call's fused collectives (and its
-all-reduces and all-gathers) on the CPU backend: `p2p` point-to-point messages, `shm` the
+all-reduces, reduce-scatters and all-gathers) on the CPU backend: `p2p` point-to-point messages, `shm` the
 node's shared-memory window (where every rank of the group is on one node; else
 point-to-point). Without it the runtime does as COCONET_FUSED says (default: the window where
 it can); the autotuner measures both. Parsed once, here, for every entry point."""

@@ -33,13 +33,24 @@ gathered value, across nodes (M-1)/M of 1/L of them; any other collective (and a
 collective inside an overlap, which goes point to point) sends to every rank alike, so
 (R-L)/(R-1) of what it sends crosses the network.
 
+Each collective is costed as the algorithm that runs it (`Cost.algorithm`, shown by `coconetc
+explain` per unit), chosen as the CPU runtime chooses (collectives.h, fused_shm.h): on one node,
+an all-reduce, a reduce-scatter or an all-gather of one row (sliced along its first dim) of
+WINDOW_MIN_BYTES or more, and every fused collective, goes through the node's shared window
+("window"); over several nodes the all-reduce, the reduce-scatter and the fused collective run
+"hierarchical"; the rest, and everything under a label's @p2p (window=False), runs MPI's own
+collective ("mpi") or point-to-point messages ("p2p", a fused collective). Their bytes count
+alike, except MPI's reduce-scatter: Open MPI's measured about 10x slower than its bytes on one
+node (`bench/collectives.py`), so what it sends counts at Machine.mpi_reduce_scatter_bw.
+
 A loop over E elements (this rank's part of its type) reads each memory operand once
 (min(E, that operand's elements): a replicated operand of a sliced loop is read at the slice)
 and writes each stored item once: E * bytes per element.
 
 The modelled time, for ranking schedules before measuring them, is
 
-    t = moved / mem_bw + (sent - net) / link_bw + net / net_bw + flops / flop_rate + launches * launch_s
+    t = moved / mem_bw + (sent - net - slow) / link_bw + net / net_bw + slow / mpi_reduce_scatter_bw
+        + flops / flop_rate + launches * launch_s
 
 less, for each overlap of k chunks, (1 - 1/k) x the shorter of its GEMM's and its
 communication's time (that part runs under the other), with a Machine's constants (defaults: one CPU rank with its neighbour busy; Machine(...)
@@ -69,6 +80,14 @@ class Machine:
     net_bw: float = 3e9     # between nodes, per rank (a 100 Gb/s link shared by 4 ranks)
     flop_rate: float = 20e9
     launch_s: float = 5e-6
+    # Open MPI's MPI_Reduce_scatter between the ranks of a node (bench/collectives.py: 0.4 GB/s
+    # at 4 to 16 MiB on 2 ranks, where a copy runs at 8 to 14 GB/s)
+    mpi_reduce_scatter_bw: float = 0.4e9
+
+
+# A collective of this many bytes or more goes through the node's shared window (the C++
+# runtime's kShmAllreduceMinBytes, fused_shm.h).
+WINDOW_MIN_BYTES = 1 << 14
 
 
 @dataclass
@@ -76,6 +95,8 @@ class Cost:
     moved: float = 0.0
     sent: float = 0.0
     net: float = 0.0  # the part of `sent` that leaves the node (0 on one node)
+    slow: float = 0.0  # the part of `sent` through MPI's reduce-scatter (Machine.mpi_reduce_scatter_bw)
+    algorithm: str = ""  # a collective's: "window", "hierarchical", "mpi" or "p2p" (module doc)
     passes: int = 0
     launches: int = 0
     flops: float = 0.0
@@ -88,6 +109,7 @@ class Cost:
         self.moved += other.moved
         self.sent += other.sent
         self.net += other.net
+        self.slow += other.slow
         self.passes += other.passes
         self.launches += other.launches
         self.flops += other.flops
@@ -97,20 +119,21 @@ class Cost:
         """The sum of the terms, less what each overlap hides: with k chunks, all but one
         chunk of the shorter of its GEMM and its communication run under the other."""
         m = m or Machine()
-        t = (self.moved / m.mem_bw + (self.sent - self.net) / m.link_bw + self.net / m.net_bw
-             + self.flops / m.flop_rate + self.launches * m.launch_s)
+        t = (self.moved / m.mem_bw + (self.sent - self.net - self.slow) / m.link_bw + self.net / m.net_bw
+             + self.slow / m.mpi_reduce_scatter_bw + self.flops / m.flop_rate + self.launches * m.launch_s)
         for gemm, comm, k in self.pipelines:
             hidden = min(gemm.seconds(m), comm.seconds(m)) * (1 - 1 / max(1, k))
             t -= hidden
         return t
 
 
-def cost(plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1) -> Cost:
+def cost(plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1, window: bool = True) -> Cost:
     """The plan's cost on one rank of a group of RANKS at these sizes (see the module doc), the
-    ranks on NODES nodes of RANKS/NODES ranks each (ValueError unless NODES divides RANKS)."""
+    ranks on NODES nodes of RANKS/NODES ranks each (ValueError unless NODES divides RANKS);
+    WINDOW False: the collectives kept off the shared window (a label's @p2p)."""
     if nodes < 1 or ranks % nodes:
         raise ValueError(f"{nodes} nodes do not hold {ranks} ranks evenly")
-    c = _Counter(plan, sizes, ranks, nodes)
+    c = _Counter(plan, sizes, ranks, nodes, window)
     total = Cost(units=len(plan.units))
     for u in plan.units:
         part = c.unit(u)
@@ -120,11 +143,12 @@ def cost(plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1) -> Cost:
 
 
 class _Counter:
-    def __init__(self, plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1):
+    def __init__(self, plan: Plan, sizes: dict[str, int], ranks: int, nodes: int = 1, window: bool = True):
         self.plan, self.sizes, self.R = plan, sizes, max(1, ranks)
         self.f = (self.R - 1) / self.R
         self.M = nodes
         self.L = self.R // nodes
+        self.window = window and self.R > 1
         # the share of a flat collective's messages that leave the node
         self.off_node = (self.R - self.L) / (self.R - 1) if self.M > 1 else 0.0
 
@@ -231,11 +255,27 @@ class _Counter:
             last = hi - lo
         return self.elements(t) // max(1, last)
 
+    def algorithm(self, op: str, whole: TType | None, flat: bool = False) -> str:
+        """The algorithm the CPU runtime runs a plain collective with (see the module doc); WHOLE
+        the full-size tensor it reduces or gathers, FLAT an overlap's task."""
+        if flat or not self.window or whole is None or op not in ("allreduce", "reducescatter", "allgather"):
+            return "mpi"
+        if self.nbytes(whole, whole=True) < WINDOW_MIN_BYTES:
+            return "mpi"
+        if self.M > 1:
+            return "mpi" if op == "allgather" else "hierarchical"
+        if op == "allgather" and whole.layout.sliced and any(
+                eval_dim(d, self.sizes) != 1 for d in whole.shape[:whole.layout.dim]):
+            return "mpi"  # rows of slices: MPI_Allgatherv
+        return "window"
+
     def collective(self, op: str, src: str, dst: str, flat: bool = False) -> Cost:
         """FLAT: an overlap's task (MPI's own collective, never hierarchical)."""
         sb, db = self.buffer(src), self.buffer(dst)
         n_in = self.nbytes(sb.type) if sb is not None else 0.0
         n_out = self.nbytes(db.type) if db is not None else n_in
+        whole = db.type if op == "allgather" and db is not None else (sb.type if sb is not None else None)
+        algo = self.algorithm(op, whole, flat)
         factor = ops.get(op).cost.comm
         if op == "send":
             sent = n_in
@@ -246,10 +286,11 @@ class _Counter:
         if op == "scatter":
             return Cost(moved=n_out, passes=1, launches=1)
         net = sent if op == "send" and self.M > 1 else self.off_node * sent
-        if op == "allreduce" and self.M > 1 and not flat:  # hierarchical (fused_shm.h)
-            sent, net = self.hierarchical(n_in, n_in)
-        return Cost(moved=n_in + n_out + sent, sent=sent, net=net, passes=2 if op == "allreduce" else 1,
-                    launches=1)
+        if algo == "hierarchical":  # fused_shm.h
+            sent, net = self.hierarchical(n_in, n_in if op == "allreduce" else 0.0)
+        slow = sent - net if op == "reducescatter" and algo == "mpi" else 0.0
+        return Cost(moved=n_in + n_out + sent, sent=sent, net=net, slow=slow,
+                    passes=2 if op == "allreduce" else 1, launches=1, algorithm=algo)
 
     def fused(self, u: Fused, flat: bool = False) -> Cost:
         """FLAT: point to point over every rank (an overlap's task), not hierarchically."""
@@ -258,12 +299,13 @@ class _Counter:
         sent = ops.get(u.op).cost.comm * self.f * n_in
         g = self.buffer(u.gather) if u.gather else None
         whole = self.nbytes(g.type) if g is not None else 0.0
-        hier = self.M > 1 and not flat
+        hier = self.M > 1 and not flat and self.window
         if hier:  # the allreduce form gathers the reduced value itself
             sent, net = self.hierarchical(n_in, n_in if u.op == "allreduce" else 0.0)
         else:
             net = self.off_node * sent
-        c = Cost(moved=n_in + sent, sent=sent, net=net, passes=1, launches=1)
+        algo = "hierarchical" if hier else ("window" if self.window and not flat and self.M == 1 else "p2p")
+        c = Cost(moved=n_in + sent, sent=sent, net=net, passes=1, launches=1, algorithm=algo)
         if u.store_reduced:
             c.moved += self.nbytes(u.type)
         for ph in u.phases:

@@ -76,7 +76,8 @@ def explain(mod: SourceFile, program: str, schedule: str | None, ranks: int,
     where = f"{ranks} ranks" + (f" over {nodes} nodes" if nodes > 1 else "")
     lines = [f"{program} at {shown} on {where} (per rank; cost model: docs/performance.md)", head]
     for label in labels:
-        c = cost(mod.plans[(program, parse(label).name)], sizes, ranks, nodes)
+        lab = parse(label)
+        c = cost(mod.plans[(program, lab.name)], sizes, ranks, nodes, window=lab.algorithm != "p2p")
         got = f"{measured[label] * 1e3:.3f} ms" if label in measured and nodes == 1 else "-"
         note = " (tuner's choice)" if rec is not None and label == rec["choice"] else ""
         note += " (generated)" if rec is not None and label in rec["generated"] else ""
@@ -96,6 +97,7 @@ def _units(c) -> list[str]:
         what = type(u).__name__.lower()
         name = getattr(u, "dst", "") or getattr(u, "name", "") or getattr(u, "producer", "")
         label = f"  {where} {what} {name}".rstrip()
+        algo = f"  ({part.algorithm})" if part.algorithm else ""
         out.append(f"{label:<26} {_human(part.moved):>11} {_human(part.sent):>11} {part.passes:>6} "
-                   f"{part.launches:>8}")
+                   f"{part.launches:>8}{algo}")
     return out

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coconetc.plan.label import parse
 from coconetc.runtime import tuned
 from coconetc.runtime.loader import compile_cpu
 from coconetc.sourcefile import SourceFile, load_file
@@ -43,7 +44,8 @@ class Pruned:
 
 
 def prune(cands: list[Candidate], sizes: dict[str, int], ranks: int, keep: float = KEEP) -> Pruned:
-    modelled = {c.label: cost(c.plan, sizes, ranks).seconds() for c in cands}
+    modelled = {c.label: cost(c.plan, sizes, ranks, window=parse(c.label).algorithm != "p2p").seconds()
+                for c in cands}
     best = min(modelled.values())
     gen = sorted((c for c in cands if c.generated), key=lambda c: modelled[c.label])
     chosen = [c for c in gen if modelled[c.label] <= keep * best][:MAX_GENERATED]

@@ -2,8 +2,12 @@
 //
 // Sliced tensors are viewed as [outer, n, inner] around the sliced dim (slices.h); rank r holds
 // [outer, slice_range(n, R, r), inner] as one contiguous buffer, with uneven and empty slices.
-// Fast paths map straight onto MPI (MPI_Allreduce, MPI_Reduce_scatter, MPI_Allgatherv with
-// per-rank counts); the rest (outer > 1, scattered tensors, sizes beyond MPI's int counts) runs
+// A group on one node runs all-reduce, reduce-scatter and (outer == 1) all-gather of 16 KiB and
+// more through its shared window, and a group over several nodes of as many ranks each its
+// all-reduce and reduce-scatter hierarchically (fused_shm.h; Open MPI's own reduce-scatter
+// measured about 10x slower than its bytes on one node).  Otherwise fast paths map
+// straight onto MPI (MPI_Allreduce, MPI_Reduce_scatter, MPI_Allgatherv with per-rank counts);
+// the rest (outer > 1, scattered tensors, sizes beyond MPI's int counts) runs
 // in rounds through a bounded staging buffer, never a copy of the whole tensor.
 //
 // Every rank of the group must call a collective with the same sizes.  avg divides the sum by
@@ -108,6 +112,9 @@ struct RoundPlan {
 // the group is not on one node or the message is small (then MPI's allreduce runs instead).
 template <class T>
 bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm);
+// ... its reduce-scatter of a [outer, n, inner] tensor (false: MPI's runs instead) ...
+template <class T>
+bool reduce_scatter_shm(Op op, const Segments<const T>& in, T* out_slice, Shape3 s, Comm& comm);
 // ... and its allgather of a [1, n, inner] tensor (false: MPI's runs instead).
 template <class T>
 bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm);
@@ -229,7 +236,8 @@ template <class T>
 void reduce_scatter(Op op, const T* in, T* out_slice, int64_t outer, int64_t n, int64_t inner,
                     Comm& comm, int64_t stage = kStageElems) {
   Shape3 s{outer, n, inner};
-  if (s.total() == 0) return;
+  if (s.total() == 0 || reduce_scatter_shm(op, Segments<const T>::one(in, s.total()), out_slice, s, comm))
+    return;
   std::vector<int64_t> counts = slice_elems(s, comm.size, 1);
   if (outer == 1 && fits_int(counts)) {
     std::vector<int> c = int_counts(counts, "reduce_scatter");
@@ -256,6 +264,7 @@ void reduce_scatter(Op op, const Segments<TI>& in, T* out_slice, Comm& comm,
                     int64_t stage = kStageElems) {
   static_assert(std::is_same<std::remove_const_t<TI>, T>::value, "reduce_scatter: dtype");
   Shape3 s{1, in.total(), 1};
+  if (s.total() == 0 || reduce_scatter_shm<T>(op, in, out_slice, s, comm)) return;
   reduce_scatter_rounds<T>(op, in, out_slice, s, comm, stage);
   finish_avg(op, out_slice, slice_range(s.n, comm.size, comm.rank).size(), comm.size);
 }

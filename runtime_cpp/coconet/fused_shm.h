@@ -492,6 +492,30 @@ bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm) {
   return true;
 }
 
+// reduce_scatter (collectives.h) of a [outer, n, inner] tensor (segments: scattered inputs)
+// through the group's window: a fused reduce-scatter whose "compute" writes the reduced chunk at
+// its place in out_slice [outer, my slice, inner], with nothing to gather (false: MPI's runs).
+template <class T>
+bool reduce_scatter_shm(Op op, const Segments<const T>& in, T* out_slice, Shape3 shape, Comm& comm) {
+  if (static_cast<size_t>(shape.total()) * sizeof(T) < kShmAllreduceMinBytes) return false;
+  const bool flat = use_shm(comm);
+  if (!flat && !use_hier(comm, shape)) return false;
+  const Range sl = slice_range(shape.n, comm.size, comm.rank);
+  const int64_t row = shape.n * shape.inner, mine = sl.size() * shape.inner;
+  auto put = [&](int64_t b, int64_t e, const compute_t<T>* red) {  // [b, e) within one row
+    const int64_t o = b / row;
+    T* dst = out_slice + o * mine + (b - o * row - sl.begin * shape.inner);
+    for (int64_t i = 0; i < e - b; ++i) dst[i] = from_compute<T>(red[i]);
+  };
+  const std::vector<GatherTarget> none;
+  const int64_t chunk = int64_t(1) << 16;
+  if (flat)
+    fused_rs_compute_ag_shm<T>(op, in, shape, comm, chunk, put, none, chunk);
+  else
+    fused_rs_compute_ag_hier<T>(op, in, shape, comm, chunk, put, none, chunk);
+  return true;
+}
+
 // allgather (collectives.h) of a [1, n, inner] tensor through the group's window: each rank
 // copies its slice into its segment, then, after a barrier, the others' slices out of theirs.
 template <class T>

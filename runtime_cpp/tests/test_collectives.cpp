@@ -1,5 +1,6 @@
 // collectives.h on contiguous tensors: every collective, dtype and op, uneven and empty slices,
-// outer > 1, the staged paths (forced with a tiny stage), groups for send_shift.
+// outer > 1, the staged paths (forced with a tiny stage), the shared window's paths (16 KiB and
+// more), groups for send_shift.
 #include <cstring>
 
 #include "coconet/collectives.h"
@@ -79,6 +80,11 @@ void dtype_suite(Comm& c) {
     allgather_case<T>(c, Shape3{4, n, 3}, kStageElems, false);
     allgather_case<T>(c, Shape3{3, n, 1}, 4, false);
   }
+  // 16 KiB and more in every dtype: the shared window's reduce-scatter (fused_shm.h)
+  const int64_t big = 8195;
+  for (Op op : kOps) reduce_scatter_case<T>(c, op, Shape3{1, big, 1}, kStageElems);
+  reduce_scatter_case<T>(c, Op::sum, Shape3{3, big / 3, 2}, kStageElems);
+  reduce_scatter_case<T>(c, Op::avg, Shape3{2, big / 2, 1}, kStageElems);
   for (int root = 0; root < c.size; ++root)
     for (Op op : kOps) broadcast_reduce_case<T>(c, op, 9, root);
   broadcast_reduce_case<T>(c, Op::sum, 0, c.size - 1);

@@ -71,6 +71,22 @@ void scattered_suite(Comm& c) {
   }
 }
 
+// A scattered reduce_scatter of 16 KiB and more: the shared window's path (fused_shm.h).
+template <class T>
+void scattered_window_suite(Comm& c) {
+  const int64_t n = 8195;
+  for (Op op : {Op::sum, Op::avg, Op::max}) {
+    auto data = [&](int r) { return int_data<T>(n + 100 * int(op), r, n); };
+    std::vector<T> want = reference_reduce<T>(op, c.size, data);
+    Scattered<T> in(data(c.rank), segment_sizes(n));
+    Range mine = slice_range(n, c.size, c.rank);
+    std::vector<T> slice(size_t(mine.size()));
+    reduce_scatter(op, in.segs, slice.data(), c);
+    same(slice, std::vector<T>(want.begin() + mine.begin, want.begin() + mine.end), 0.0,
+         label("scattered reduce_scatter (window)", op_name(op), "n =", n));
+  }
+}
+
 // The staged round paths on [outer, n, inner] (outer > 1 included).
 template <class T>
 void rounds_suite(Comm& c) {
@@ -97,6 +113,7 @@ void test_scattered() {
   for_each_dtype([&](auto tag) {
     scattered_suite<decltype(tag)>(c);
     rounds_suite<decltype(tag)>(c);
+    scattered_window_suite<decltype(tag)>(c);
   });
   // for_each_piece: pieces of a range that crosses empty segments.
   std::vector<int64_t> starts = segment_starts({2, 0, 3, 0, 1});
