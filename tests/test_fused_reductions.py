@@ -204,7 +204,25 @@ REFUSED = [  # (program, a refused fuse directive, what the message says)
     (SPLIT.replace("agh, agw = reorder(ag, h, w1)", ""), "fuse(rs, ag)", "nothing to compute inside the collective"),
     (SPLIT, "fuse(rs, agw)", "reads the fusion and the fusion reads it"),
     (SPLIT, "fuse(agh, rs, agw)", "at most one collective"),
+    # split without reorder: the stages read the all-gathered value; the advice reorders first
+    (ADAMW.replace("    agm, agv, agw = reorder(ag, c, m1, v1, mh, vh, w1)\n    slice(m, v)\n", ""),
+     "fuse(rs, c, m1, v1, mh, vh, w1, ag)", "reads the all-gathered 'ag'"),
+    (SGD.replace("    agw = reorder(ag, w1)\n", ""), "fuse(rs, w1, ag)", "reads the all-gathered 'ag'"),
+    (SGD.replace("    agw = reorder(ag, w1)\n", ""), "fuse(rs, w1)", "reads the all-gathered 'ag'"),
 ]
+
+# the advice at the end of a refusal: a fuse directive, or a reorder then a fuse directive
+ADVICE = re.compile(r"(?:: ((?:[\w, ]+ = )?reorder\([^()]*\)); )?((?:\w+ = )?fuse\([^()]*\))\s*$")
+
+
+def _advised(message: str, indent: str) -> str | None:
+    """The directive(s) the message's advice says to write instead of the refused one (None:
+    'remove this fuse directive')."""
+    m = ADVICE.search(message.splitlines()[0])
+    if m is None:
+        assert message.splitlines()[0].endswith("remove this fuse directive"), message
+        return None
+    return (f"{m[1]}\n{indent}" if m[1] else "") + m[2]
 
 
 def _load(text: str) -> SourceFile:
@@ -213,11 +231,7 @@ def _load(text: str) -> SourceFile:
 
 def _follow(text: str, directive: str, message: str) -> str:
     """The program with the advice of `message` applied to `directive`."""
-    m = re.search(r"((?:\w+ = )?fuse\([^()]*\))\s*$", message.splitlines()[0])
-    if m:
-        return text.replace(directive, m[1])
-    assert "remove this fuse directive" in message, message
-    return text.replace(directive, "")
+    return text.replace(directive, _advised(message, "    ") or "")
 
 
 @pytest.mark.parametrize("case", range(len(REFUSED)))
@@ -301,9 +315,9 @@ def test_every_fuse_refusal_of_the_test_suite_leads_somewhere(case):
         _load(text)
     d = e.value.diagnostics[0]
     message = d.message
-    assert re.search(r"(?:\w+ = )?fuse\([^()]*\)\s*$", message) or message.endswith("remove this fuse directive"), message
     lines = text.splitlines(keepends=True)
     line = lines[d.span.line - 1]
-    m = re.search(r"((?:\w+ = )?fuse\([^()]*\))\s*$", message)
-    lines[d.span.line - 1] = (line[:len(line) - len(line.lstrip())] + m[1] + "\n") if m else "\n"
+    indent = line[:len(line) - len(line.lstrip())]
+    advised = _advised(message, indent)
+    lines[d.span.line - 1] = (indent + advised + "\n") if advised else "\n"
     _load("".join(lines))

@@ -5,7 +5,7 @@ matmul. A fusion or an overlap that cannot run as asked is a PlanError at its di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coconetc.errors import CompileError, Span
 from coconetc.ir.nodes import POINTWISE, Const, Fusion, Op, Overlap, Program, Ref, Stage, walk
@@ -181,8 +181,28 @@ def _advice_nothing(p: Program, fusion: Fusion, first: Stage, scattered: set[str
             stages = list(fusion.stages)
             return (f"add '{u.name}', which computes on each chunk of '{first.name}', to the fusion: "
                     f"{_fuse_text(fusion, stages + [u.name])}")
+    moved = _advice_reorder(p, fusion, scattered, rows_ok)
+    if moved:
+        return moved
     return (f"no stage computes pointwise on the elements of '{first.name}' (without the fusion the "
             f"collective and the stages run one after the other): remove this fuse directive")
+
+
+def _advice_reorder(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool) -> str:
+    """The fusion's stages read the all-gathered value (a split without reorder): the advice of
+    schedule/fusion.py reorder_advice, given only when the fusion it leads to runs as a fused
+    collective ('' otherwise)."""
+    from coconetc.schedule.fusion import reorder_advice
+    base = replace(p, fusions=tuple(f for f in p.fusions if f is not fusion))
+    moved = reorder_advice(base, fusion.stages, None if fusion.name.startswith("fused") else fusion.name)
+    if moved is None:
+        return ""
+    try:
+        if fused_spec(moved[1], moved[1].fusions[-1], scattered, rows_ok) is None:
+            return ""
+    except CompileError:
+        return ""
+    return moved[0]
 
 
 def _arg_name(s: Stage) -> str:

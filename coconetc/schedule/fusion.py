@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
-from coconetc.errors import ScheduleError
+from coconetc.errors import NOWHERE, ScheduleError
 from coconetc.ir import ops
 from coconetc.ir.nodes import POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
-from coconetc.schedule.directives import Fuse, OverlapD, span_of
-from coconetc.schedule.primitives import _fresh, _stage
+from coconetc.schedule.directives import Fuse, OverlapD, Reorder, span_of
+from coconetc.schedule.primitives import _fresh, _stage, reorder, reorder_gathers
 
 
 def fuse(p: Program, d: Fuse) -> Program:
@@ -146,6 +147,10 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
     elements), else the members that read them must leave it."""
     between = [s for s in p.stages if s.name not in group and deps[s.name] & group
                and any(s.name in deps.get(g, ()) for g in group)]
+    if any(s.kind == "collective" for s in between):  # a split's allgather, without reorder?
+        moved = reorder_advice(p, d.stages, d.name)
+        if moved is not None:
+            return moved[0]
     members = [p.stage_named(n) for n in dict.fromkeys(d.stages)]
     collective = any(m.kind == "collective" for m in members)
     first = next((m for m in members if m.kind != "collective"), members[0])
@@ -165,6 +170,39 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
     cannot = {s.name for s in between if not joins(s)}
     return _without(p, d, cannot, f"{_names(cannot)} cannot join the fusion: leave out the members that read it",
                     "")
+
+
+def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
+    """A split not followed by a reorder: when the members (of a fuse directive, not applied to
+    P) hold a reducescatter and computations that read its allgather, the advice to move those
+    computations onto the slices first (`reorder`) and fuse them with the reducescatter and the
+    allgather of the last value still needed whole, with the program both directives give.
+    None when there is no such allgather or either directive is refused."""
+    def is_op(n: str, op: str) -> bool:
+        s = p.stage(n)
+        return s is not None and s.kind == "collective" and isinstance(s.expr, Op) and s.expr.op == op
+    rs = next((m for m in members if is_op(m, "reducescatter")), None)
+    ag = next((u.name for u in p.users(rs) if is_op(u.name, "allgather")), None) if rs else None
+    if rs is None or ag is None:
+        return None
+    deps = depends_on(p)
+    stages = [m for m in dict.fromkeys(members) if p.stage_named(m).kind != "collective" and ag in deps.get(m, ())]
+    if not stages:
+        return None
+    taken = {s.name for s in p.stages} | {q.name for q in p.params} | {f.name for f in p.fusions}
+    try:
+        outs: list[str] = []
+        for m in reorder_gathers(p, ag, tuple(stages)):
+            outs.append(next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken))
+        q = reorder(p, Reorder(ag, tuple(stages), tuple(outs), NOWHERE))
+        kept = [rs, *stages, *outs[-1:]]
+        q = fuse(q, Fuse(tuple(kept), name, NOWHERE))
+    except ScheduleError:
+        return None
+    left = f"{', '.join(outs)} = " if outs else ""
+    return (f"'{stages[0]}' reads the all-gathered '{ag}', not the chunks of '{rs}': move the stages onto "
+            f"the slices first, then fuse them: {left}reorder({ag}, {', '.join(stages)}); "
+            f"{f'{name} = ' if name else ''}fuse({', '.join(kept)})", q)
 
 
 def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:
