@@ -207,6 +207,8 @@ REFUSED = [  # (program, a refused fuse directive, what the message says)
     # split without reorder: the stages read the all-gathered value; the advice reorders first
     (ADAMW.replace("    agm, agv, agw = reorder(ag, c, m1, v1, mh, vh, w1)\n    slice(m, v)\n", ""),
      "fuse(rs, c, m1, v1, mh, vh, w1, ag)", "reads the all-gathered 'ag'"),
+    (ADAMW.replace("    agm, agv, agw = reorder(ag, c, m1, v1, mh, vh, w1)\n    slice(m, v)\n", ""),
+     "fuse(rs, m1, v1, ag)", "'c' reads the all-gathered 'ag'"),  # c between: moved too
     (SGD.replace("    agw = reorder(ag, w1)\n", ""), "fuse(rs, w1, ag)", "reads the all-gathered 'ag'"),
     (SGD.replace("    agw = reorder(ag, w1)\n", ""), "fuse(rs, w1)", "reads the all-gathered 'ag'"),
 ]

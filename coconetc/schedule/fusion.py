@@ -147,10 +147,9 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
     elements), else the members that read them must leave it."""
     between = [s for s in p.stages if s.name not in group and deps[s.name] & group
                and any(s.name in deps.get(g, ()) for g in group)]
-    if any(s.kind == "collective" for s in between):  # a split's allgather, without reorder?
-        moved = reorder_advice(p, d.stages, d.name)
-        if moved is not None:
-            return moved[0]
+    moved = reorder_advice(p, d.stages, d.name)  # members that read a split's allgather
+    if moved is not None:
+        return moved[0]
     members = [p.stage_named(n) for n in dict.fromkeys(d.stages)]
     collective = any(m.kind == "collective" for m in members)
     first = next((m for m in members if m.kind != "collective"), members[0])
@@ -175,8 +174,9 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
 def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
     """A split not followed by a reorder: when the members (of a fuse directive, not applied to
     P) hold a reducescatter and computations that read its allgather, the advice to move those
-    computations onto the slices first (`reorder`) and fuse them with the reducescatter and the
-    allgather of the last value still needed whole, with the program both directives give.
+    computations (and the stages between them) onto the slices first (`reorder`) and fuse them
+    with the reducescatter and the allgather of the last value still needed whole, with the
+    program both directives give.
     None when there is no such allgather or either directive is refused."""
     def is_op(n: str, op: str) -> bool:
         s = p.stage(n)
@@ -186,7 +186,10 @@ def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tupl
     if rs is None or ag is None:
         return None
     deps = depends_on(p)
-    stages = [m for m in dict.fromkeys(members) if p.stage_named(m).kind != "collective" and ag in deps.get(m, ())]
+    # the members that read the allgather, and the stages between them (else a cycle), in order
+    listed = set(members)
+    stages = [s.name for s in p.stages if s.kind != "collective" and ag in deps.get(s.name, ())
+              and (s.name in listed or any(s.name in deps.get(m, ()) for m in listed))]
     if not stages:
         return None
     taken = {s.name for s in p.stages} | {q.name for q in p.params} | {f.name for f in p.fusions}
