@@ -26,7 +26,9 @@ COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
 `across_groups=True` (CPU backend) takes every `sum`/`norm` of the program over all parameter
 groups together, as `clip_grad_norm_(model.parameters())` and GradScaler's inf check do: the
 groups' calls run as one batch (coconetc/runtime/batch.py) that stops at each reduction until
-every group has its partial result.
+every group has its partial result. After each step `opt.outputs` holds the program's outputs
+per group; `skipped=` names one that, nonzero, means the step was skipped (it does not count),
+and `feedback=` sets scalars from outputs (a loss scale), as GradScaler does.
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
@@ -140,6 +142,26 @@ class _Roles:
                              "symbol (N), bound to the number of elements of a parameter group")
         self.sliced = {x.name for x in self.state if x.type.layout.sliced}
         self.segmented = {x.name for x in self.state if x.scattered and not x.type.layout.sliced}
+        self.outputs = [pub for pub, _ in self.p.outputs]
+        self.what = what
+
+    def returned(self, skipped: str | None, feedback: dict[str, str] | None) -> tuple[str | None, dict[str, str]]:
+        """skipped= and feedback= checked: outputs of one element, scalars of the program."""
+        def one(arg: str, name: Any) -> str:
+            t = self.p.type_of(dict(self.p.outputs).get(name, "")) if name in self.outputs else None
+            if t is None or t.shape:
+                raise ValueError(f"{self.what}: {arg}={name!r} must name a 0-d output of the program "
+                                 f"(its outputs: {', '.join(self.outputs) or 'none'})")
+            return str(name)
+        if skipped is not None:
+            one("skipped", skipped)
+        feedback = dict(feedback or {})
+        for scalar, output in feedback.items():
+            if scalar not in self.scalars:
+                raise ValueError(f"{self.what}: feedback={{{scalar!r}: ...}} must name a scalar of the "
+                                 f"program (its scalars: {', '.join(self.scalars)})")
+            one(f"feedback[{scalar!r}]", output)
+        return skipped, feedback
 
 
 def _shared_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
@@ -249,7 +271,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  schedule: str = "default", comm: Any = None, weights: str = "w",
                  grads: str = "g", step: str = "step", shared_memory: bool | None = None,
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
-                 across_groups: bool = False, **scalars: Any):
+                 across_groups: bool = False, skipped: str | None = None,
+                 feedback: dict[str, str] | None = None, **scalars: Any):
         params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
                   if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
         backend = self._settings(params, backend, shared_memory, across_groups)
@@ -268,6 +291,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise
         self._schedule = schedule
         self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars, master)
+        self._skipped, self._feedback = self._roles.returned(skipped, feedback)
+        self.outputs: list[dict[str, torch.Tensor]] = []
         if shared_memory is None:  # in place where it is safe: flat weights, one node
             self._shared = backend == "cpu" and not self._roles.scattered and self._one_node()
         self._groups: list[_Group] = []
@@ -389,6 +414,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        returned: list[tuple[_Group, dict, Any]] = []
         with torch.no_grad(), batch.together() if self._across else contextlib.nullcontext():
             for group, opts in zip(self._groups, self.param_groups):
                 if group.n == 0:
@@ -400,10 +426,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     v = opts[s]
                     args[s] = v.item() if isinstance(v, torch.Tensor) else v
                 args[self._roles.step] = group.steps
-                self._fn(schedule=self._schedule, comm=self._comm, **args)
+                returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
                 if group.flat is not None:  # the parameters view the flat buffer: bump them
                     torch.autograd.graph.increment_version(group.params)
+        self._returned(returned)
         return loss
+
+    def _returned(self, returned: list[tuple[_Group, dict, Any]]) -> None:
+        """The program's outputs of each group's call (after a batch, once it has run):
+        `outputs`; a skipped step (skipped=) does not count; feedback= sets scalars."""
+        names = self._roles.outputs
+        self.outputs = []
+        for group, opts, out in returned:
+            values = out if isinstance(out, tuple) else () if out is None else (out,)
+            got = {n: torch.as_tensor(v) for n, v in zip(names, values)}
+            self.outputs.append(got)
+            if self._skipped is not None and bool(got[self._skipped] != 0):
+                group.steps -= 1  # as torch's GradScaler, which does not call step() then
+            for scalar, output in self._feedback.items():
+                opts[scalar] = got[output].item()
 
     # --- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

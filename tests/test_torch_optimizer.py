@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 
 REPO = Path(__file__).resolve().parents[1]
 ADAM, LAMB = REPO / "examples" / "adam.ccn", REPO / "examples" / "lamb.ccn"
+SCALED = REPO / "examples" / "scaled_adam.ccn"
 ADAMW = REPO / "examples" / "adamw.ccn"
 WORKER = Path(__file__).with_name("torch_optimizer_worker.py")
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
@@ -31,13 +32,13 @@ HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 @pytest.fixture(scope="module")
 def built(request):
-    """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts); adam.ccn
-    and lamb.ccn built once here, so that the ranks only import them."""
+    """COCONET_CACHE -> the pytest cache (for this process and the ranks it starts); adam.ccn,
+    lamb.ccn, adamw.ccn and scaled_adam.ccn built once here, so that the ranks only import them."""
     from coconetc.runtime.loader import compile_cpu
     from coconetc.sourcefile import load_file
     old = os.environ.get(probes.ENV_CACHE)
     os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    for f in (ADAM, LAMB, ADAMW):
+    for f in (ADAM, LAMB, ADAMW, SCALED):
         compile_cpu(load_file(f), log=lambda msg: None)
     import coconetc
     yield coconetc.load(ADAM, log=lambda msg: None)
@@ -91,6 +92,29 @@ def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
                         for what in ("across_groups", "across_groups:clipped", "per_group",
                                      "per_group:clipped", "norms_differ")])
     assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_loss_scaled_step_skips_like_grad_scaler(built, capfd, ranks):
+    """scaled_adam.ccn (f16 parameters, f32 master weights, dynamic loss scale) with two groups,
+    across_groups=True, skipped="bad", feedback={"scale": "newscale"}, every schedule: an inf
+    and a NaN in one rank's gradient skip every group's step (the step count too) and halve the
+    scale, against GradScaler's logic over torch.optim.Adam."""
+    rc, lines, log = _launch(capfd, ranks, "scaled")
+    _check(lines, log, [f"scaled:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "zero")
+                        for what in ("master", "params", "state", "skipped", "bad_and_scale", "steps")])
+    assert rc == 0, log
+
+
+def test_scaled_output_errors(built):
+    """skipped= naming a tensor output, feedback= naming an unknown output."""
+    from coconetc.torch import DistributedOptimizer
+    params = [torch.nn.Parameter(torch.zeros(4).half())]
+    kw = dict(weights="w16", master="w", lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8, scale=1.0)
+    with pytest.raises(ValueError, match="skipped='nope' must name a 0-d output of the program \\(its outputs: newscale, bad\\)"):
+        DistributedOptimizer(params, str(SCALED), skipped="nope", **kw)
+    with pytest.raises(ValueError, match=r"feedback\['scale'\]='bad2' must name a 0-d output"):
+        DistributedOptimizer(params, str(SCALED), feedback={"scale": "bad2"}, **kw)
 
 
 def test_shared_memory_by_default_where_safe(built):
@@ -256,6 +280,8 @@ def test_state_dict_format_follows_torch(built):
     (dict(HYPER, program="sgd"), ValueError, "no program 'sgd'"),
     (dict(HYPER, across_groups=1), TypeError, "across_groups must be True or False"),
     (dict(HYPER, across_groups=True, backend="cuda"), ValueError, "CPU backend only so far"),
+    (dict(HYPER, skipped="bad"), ValueError, r"skipped='bad' must name a 0-d output of the program \(its outputs: none\)"),
+    (dict(HYPER, feedback={"scale": "x"}), ValueError, r"feedback=\{'scale': ...\} must name a scalar of the program \(its scalars: lr, beta1"),
 ])
 def test_constructor_errors(built, kwargs, error, needle):
     from coconetc.torch import DistributedOptimizer

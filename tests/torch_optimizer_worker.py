@@ -20,6 +20,11 @@ MODE clip             examples/adamw.ccn, every schedule, three parameter groups
                       and weight decay): across_groups=True against clip_grad_norm_ over every
                       parameter + torch.optim.AdamW; across_groups=False against each group
                       clipped by its own norm
+MODE scaled           examples/scaled_adam.ccn (f16 parameters and gradients, f32 master weights,
+                      dynamic loss scaling), every schedule, two groups with across_groups=True,
+                      skipped="bad" and feedback={"scale": "newscale"}: an inf and a NaN in one
+                      rank's gradient skip the step of every group and halve the scale, as
+                      torch.cuda.amp.GradScaler's logic over torch.optim.Adam does
 MODE rank0_only       state_dict() on every rank, then on rank 0 alone: the watchdog must end
                       the job (COCONET_TIMEOUT) instead of letting rank 0 hang"""
 
@@ -321,6 +326,63 @@ def mode_clip() -> None:
         report(f"clip:{schedule}:R{R}:norms_differ", 0.0 if max_diff(*trained) > 1e-3 else 1.0)
 
 
+def mode_scaled() -> None:
+    """The loss-scaled step against GradScaler's logic written out: the ranks' f16 gradients
+    summed in f16 (as the program does), unscaled in f32; any inf/NaN: no optimizer step, the
+    scale halved; else torch.optim.Adam on f32 master weights (its step count not advanced by
+    a skipped step). Gradients are drawn per rank from seeds (no forward pass in f16)."""
+    source = REPO / "examples" / "scaled_adam.ccn"
+    shapes = [(7, 5), (11,), (3, 4)]
+    steps, bad_steps = 8, {3: ("inf", 0), 5: ("nan", 2)}  # step -> (value, group of the bad element)
+    tol = 1e-5 if R <= 2 else 4e-3  # f16 sums of more than two ranks: the algorithm's order
+    for schedule in ("default", "rs_c_ag", "zero"):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s).half()) for s in shapes]
+        master = [torch.nn.Parameter(p.detach().float()) for p in params]
+        opt = DistributedOptimizer([{"params": params[:2]}, {"params": params[2:]}], str(source), schedule=schedule,
+                                   weights="w16", master="w", across_groups=True, skipped="bad",
+                                   feedback={"scale": "newscale"}, scale=1024.0, **HYPER)
+        ref = torch.optim.Adam(master, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                               eps=HYPER["eps"], foreach=False)
+        scale, seen = 1024.0, []
+        for t in range(1, steps + 1):
+            grads = []
+            for r in range(R):
+                gen = torch.Generator().manual_seed(100 * t + r)
+                grads.append([(torch.randn(p.shape, generator=gen) * scale).half() for p in params])
+            if t in bad_steps:
+                value, k = bad_steps[t]
+                grads[R - 1][k].view(-1)[1] = float(value)
+            for p, g in zip(params, grads[rank]):
+                p.grad = g.clone()
+            opt.step()
+            total = [sum(grads[r][k] for r in range(1, R)) + grads[0][k] if R > 1 else grads[0][k]
+                     for k in range(len(params))]
+            found = any(not torch.isfinite(g.float()).all() for g in total)
+            if not found:
+                for p, g in zip(master, total):
+                    p.grad = g.float() / scale
+                ref.step()
+            scale = scale * 0.5 if found else scale
+            bads = [float(o["bad"]) for o in opt.outputs]
+            seen.append((found, all((b > 0) == found for b in bads) and len(bads) == 2,
+                         all(g["scale"] == scale for g in opt.param_groups)))
+        label = f"scaled:{schedule}:R{R}"
+        sd = opt.state_dict()["state"]
+        report(f"{label}:master", comm.allreduce(max((sd[i]["w"] - p.detach()).abs().max().item()
+                                                     for i, p in enumerate(master)), op=MPI.MAX), tol)
+        report(f"{label}:params", comm.allreduce(max((p.detach().float() - m.detach().half().float()).abs().max().item()
+                                                     for p, m in zip(params, master)), op=MPI.MAX), tol)
+        report(f"{label}:state", comm.allreduce(max(max((sd[i]["m"] - ref.state[p]["exp_avg"]).abs().max().item(),
+                                                        (sd[i]["v"] - ref.state[p]["exp_avg_sq"]).abs().max().item())
+                                                    for i, p in enumerate(master)), op=MPI.MAX), tol)
+        skipped = [f for f, _, _ in seen]
+        report(f"{label}:skipped", 0.0 if skipped == [t in bad_steps for t in range(1, steps + 1)] else 1.0)
+        report(f"{label}:bad_and_scale", 0.0 if all(b and s for _, b, s in seen) else 1.0)
+        counts = {int(x["step"]) for x in sd.values()}
+        report(f"{label}:steps", 0.0 if counts == {steps - len(bad_steps)} == {int(ref.state[master[0]]["step"])} else 1.0)
+
+
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     if mode == "adam":
@@ -329,6 +391,8 @@ def run_mode(comm) -> int:
         mode_lamb()
     elif mode == "clip":
         mode_clip()
+    elif mode == "scaled":
+        mode_scaled()
     elif mode == "save":
         mode_save(sys.argv[2])
     elif mode == "rank0_only":
