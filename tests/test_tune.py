@@ -170,6 +170,20 @@ def test_prune_keeps_the_files_schedules(example) -> None:
     assert all(pr.modelled[c.label] <= min(pr.modelled.values()) + 1e-12 for c in pr.measured if c.generated)
 
 
+def test_prune_models_simulated_nodes(example, monkeypatch) -> None:
+    """Under COCONET_SIMULATE_NODES=K the pruning models the ranks on K nodes (the cost
+    model's two levels): the modelled times are the cost model's over K nodes."""
+    mod = example("adam.ccn")
+    cands = candidates(mod, "adam")
+    sizes = {"N": 1 << 20}
+    flat = prune(cands, sizes, 4).modelled
+    monkeypatch.setenv("COCONET_SIMULATE_NODES", "2")
+    two = prune(cands, sizes, 4).modelled
+    for c in cands:
+        assert two[c.label] == pytest.approx(cost(c.plan, sizes, 4, 2).seconds())
+    assert two["zero"] > flat["zero"]  # the network's bytes cost more
+
+
 # --- the cache, explain, show -s auto ---------------------------------------------------
 def _fake_record(mod, sizes: dict, R: int) -> dict:
     cands = {c.label: c for c in candidates(mod, "adam")}

@@ -22,6 +22,7 @@ from typing import Any
 
 from coconetc.plan.label import parse
 from coconetc.runtime import tuned
+from coconetc.runtime.nodes import simulated_nodes
 from coconetc.runtime.loader import compile_cpu
 from coconetc.sourcefile import SourceFile, load_file
 from coconetc.toolchain import module_stem
@@ -44,7 +45,10 @@ class Pruned:
 
 
 def prune(cands: list[Candidate], sizes: dict[str, int], ranks: int, keep: float = KEEP) -> Pruned:
-    modelled = {c.label: cost(c.plan, sizes, ranks, window=parse(c.label).algorithm != "p2p").seconds()
+    """The candidates worth measuring by the cost model: the ranks on the nodes they run on
+    (COCONET_SIMULATE_NODES=K: K simulated nodes, the model's two levels; else one)."""
+    nodes = simulated_nodes(ranks) or 1
+    modelled = {c.label: cost(c.plan, sizes, ranks, nodes, window=parse(c.label).algorithm != "p2p").seconds()
                 for c in cands}
     best = min(modelled.values())
     gen = sorted((c for c in cands if c.generated), key=lambda c: modelled[c.label])
