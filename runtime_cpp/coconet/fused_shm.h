@@ -197,6 +197,65 @@ void for_each_peer_piece(Shape3 shape, int R, int me, F&& f) {
 // Gather targets (the first ones of a call) whose place in a shared window the header can name.
 constexpr size_t kInPlaceTargets = 3;
 
+// Where the peers read this call's gather targets through the group's window: each target that
+// lies in a user window (coconetc.empty) in place, the others from each rank's region at
+// `goff[g]` (past the region's 64-byte header, whose slots 2 + 2g, 3 + 2g name the place).
+// announce() before the sync that publishes the header, resolve() after it.
+struct WindowTargets {
+  ShmWindow& win;
+  size_t at;  // the call's region
+  const std::vector<GatherTarget>& gathers;
+  std::vector<size_t> goff;
+  int64_t total;
+  int R;
+  static constexpr size_t kHead = 64;
+  std::vector<const char*> part{};  // [g * R + r]: where rank r's part of target g is read
+  bool read_in_place = false;       // (the same on every rank)
+
+  int64_t* head(int r) const { return reinterpret_cast<int64_t*>(win.base(r) + at); }
+  char* seg(int r) const { return win.base(r) + at + kHead; }
+  size_t named() const { return std::min(gathers.size(), kInPlaceTargets); }
+  bool in_place(size_t g, int r) const { return g < named() && head(r)[2 + 2 * g] >= 0; }
+
+  // This rank's targets that peers can read in place, in its header.
+  void announce(int me) const {
+    for (size_t g = 0; g < named(); ++g) {
+      const std::pair<int64_t, int64_t> t =
+          gathers[g].ptrs.size() == 1
+              ? win.user_window_of(gathers[g].ptrs[0], static_cast<size_t>(total) * gathers[g].elem_size)
+              : std::pair<int64_t, int64_t>{-1, 0};
+      head(me)[2 + 2 * g] = t.first;
+      head(me)[3 + 2 * g] = t.second;
+    }
+  }
+
+  // Every rank's place of every target (after the sync that follows announce()).
+  void resolve() {
+    part.assign(gathers.size() * static_cast<size_t>(R), nullptr);
+    for (size_t g = 0; g < gathers.size(); ++g)
+      for (int r = 0; r < R; ++r) {
+        read_in_place |= in_place(g, r);
+        part[g * R + r] = in_place(g, r) ? win.user_memory(head(r)[2 + 2 * g], r, head(r)[3 + 2 * g])
+                                         : seg(r) + goff[g];
+      }
+  }
+
+  // This rank's range q of every target not read in place, copied into its region.
+  void publish(int me, Range q) const {
+    for (size_t g = 0; g < gathers.size(); ++g)
+      if (!in_place(g, me))
+        raw_copy_out(gathers[g], q.begin, q.end, seg(me) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size);
+  }
+
+  // The other ranks' parts of every target, from their region or their target itself.
+  void collect(Shape3 shape, int me) const {
+    for (size_t g = 0; g < gathers.size(); ++g)
+      for_each_peer_piece(shape, R, me, [&](int r, Range q) {
+        raw_copy_in(part[g * R + r] + static_cast<size_t>(q.begin) * gathers[g].elem_size, gathers[g], q.begin, q.end);
+      });
+  }
+};
+
 // Blocking fused reduce-scatter + compute + all-gather through the group's shared window (see
 // the top of this file); the same contract as fused_rs_compute_ag (fused.h).
 template <class T, class Compute>
@@ -211,7 +270,7 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   const int R = comm.size, me = comm.rank;
   // region layout: [header: where this rank's input is][staged input][each gather target not
   // kept in the input's own-slice part]
-  constexpr size_t kHead = 64;
+  constexpr size_t kHead = WindowTargets::kHead;
   size_t region = kHead + align64(static_cast<size_t>(total) * sizeof(T));
   std::vector<size_t> goff(gathers.size(), 0);
   for (size_t k = 0; k < gathers.size(); ++k) {
@@ -222,8 +281,9 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
   ShmWindow& win = comm.shm;
   bool fenced = false;
   const size_t at = win.region_for(region, fenced, shm_double_bytes());
-  auto head = [&](int r) { return reinterpret_cast<int64_t*>(win.base(r) + at); };
-  auto seg = [&](int r) { return win.base(r) + at + kHead; };
+  WindowTargets targets{win, at, gathers, goff, total, R};
+  auto head = [&](int r) { return targets.head(r); };
+  auto seg = [&](int r) { return targets.seg(r); };
 
   // 1. stage what the others reduce, unless the input lies in a shared window (coconetc.empty)
   std::pair<int64_t, int64_t> user{-1, 0};
@@ -235,31 +295,13 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
     for_each_peer_piece(shape, R, me, [&](int, Range q) { copy_out(in, q.begin, q.end, staged + q.begin); });
   // a gather target in a shared window too (coconetc.empty) is read there by the peers: this
   // rank's part is not published into the region (one pass over 1/R of it fewer per rank)
-  const size_t named = std::min(gathers.size(), kInPlaceTargets);
-  for (size_t g = 0; g < named; ++g) {
-    const std::pair<int64_t, int64_t> t =
-        gathers[g].ptrs.size() == 1
-            ? win.user_window_of(gathers[g].ptrs[0], static_cast<size_t>(total) * gathers[g].elem_size)
-            : std::pair<int64_t, int64_t>{-1, 0};
-    head(me)[2 + 2 * g] = t.first;
-    head(me)[3 + 2 * g] = t.second;
-  }
+  targets.announce(me);
   win.sync();
   std::vector<const T*> input(static_cast<size_t>(R));  // every rank's input, readable here
   for (int r = 0; r < R; ++r)
     input[static_cast<size_t>(r)] = reinterpret_cast<const T*>(
         head(r)[0] < 0 ? seg(r) : win.user_memory(head(r)[0], r, head(r)[1]));
-  // where every rank's part of each target is read from: its target in place, or its region;
-  // and (the same on every rank) whether any is read in place
-  auto in_place = [&](size_t g, int r) { return g < named && head(r)[2 + 2 * g] >= 0; };
-  std::vector<const char*> part(gathers.size() * static_cast<size_t>(R));  // [g * R + r]
-  bool read_in_place = false;
-  for (size_t g = 0; g < gathers.size(); ++g)
-    for (int r = 0; r < R; ++r) {
-      read_in_place |= in_place(g, r);
-      part[g * R + r] = in_place(g, r) ? win.user_memory(head(r)[2 + 2 * g], r, head(r)[3 + 2 * g])
-                                       : seg(r) + goff[g];
-    }
+  targets.resolve();
 
   // 2. reduce this rank's slice from every rank, compute, publish each target's chunk
   RoundPlan plan(shape, R, chunk_elems);
@@ -279,22 +321,51 @@ void fused_rs_compute_ag_shm(Op op, const Segments<const T>& in, Shape3 shape, C
     }
     finish_chunk<T>(op, red, q.size(), R);
     compute_in_pieces(q.begin, q.end, red, piece, compute, [] {});
-    for (size_t g = 0; g < gathers.size(); ++g)
-      if (!in_place(g, me))
-        raw_copy_out(gathers[g], q.begin, q.end,
-                     seg(me) + goff[g] + static_cast<size_t>(q.begin) * gathers[g].elem_size);
+    targets.publish(me, q);
   }
   win.sync();
 
   // 3. the other ranks' parts of every target, from their region or their target itself
-  for (size_t g = 0; g < gathers.size(); ++g)
-    for_each_peer_piece(shape, R, me, [&](int r, Range q) {
-      raw_copy_in(part[g * R + r] + static_cast<size_t>(q.begin) * gathers[g].elem_size,
-                  gathers[g], q.begin, q.end);
-    });
+  targets.collect(shape, me);
   // nobody stages the next call over a region still being read; and a target read in place is
   // the caller's again only when no peer reads it any more (the same choice on every rank)
-  if (fenced || read_in_place) win.sync();
+  if (fenced || targets.read_in_place) win.sync();
+}
+
+// Phase B of a fused collective with reductions (compute_ag, fused.h) through the group's
+// window: compute(begin, end) on this rank's slice chunk by chunk (the reduce-scatter's
+// RoundPlan), each chunk of every gather target published into this rank's region while it is in
+// cache (or read in place by the peers where the target lies in a user window); one sync; the
+// other ranks' parts copied out (and a sync after, as in fused_rs_compute_ag_shm).
+template <class Compute>
+void compute_ag_shm(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& compute,
+                    const std::vector<GatherTarget>& gathers) {
+  const int64_t total = shape.total();
+  for (const GatherTarget& g : gathers)
+    require(g.total() == total, "fused collective: gather target size mismatch");
+  const int R = comm.size, me = comm.rank;
+  std::vector<size_t> goff(gathers.size(), 0);
+  size_t region = WindowTargets::kHead;
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    goff[g] = region - WindowTargets::kHead;
+    region += align64(static_cast<size_t>(total) * gathers[g].elem_size);
+  }
+  ShmWindow& win = comm.shm;
+  bool fenced = false;
+  const size_t at = win.region_for(region, fenced, shm_double_bytes());
+  WindowTargets targets{win, at, gathers, goff, total, R};
+  targets.announce(me);
+  RoundPlan plan(shape, R, chunk_elems);
+  for (int64_t k = 0; k < plan.rounds; ++k) {
+    Range q = plan.range(k, me);
+    if (q.empty()) continue;
+    abort_on_exception("fused collective compute", [&] { compute(q.begin, q.end); });
+    targets.publish(me, q);
+  }
+  win.sync();
+  targets.resolve();
+  targets.collect(shape, me);
+  if (fenced || targets.read_in_place) win.sync();
 }
 
 
