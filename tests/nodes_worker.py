@@ -48,8 +48,10 @@ def main() -> int:
     node.Free()
     for n in (4099, 3, 70001):
         g = np.random.default_rng(100 + world.Get_rank()).standard_normal(n).astype(np.float32)
-        # default: the all-reduce (hierarchical from 16 KiB); zero, fused: the fused collective
-        for sched, want in (("default", 3 if 4 * n >= 1 << 14 else 0), ("zero", 3), ("fused", 3)):
+        # default: the all-reduce (hierarchical from 16 KiB); zero, fused: the fused collective,
+        # and fused's all-gathers of m and v (hierarchical from 16 KiB)
+        big = 4 * n >= 1 << 14
+        for sched, want in (("default", 3 if big else 0), ("zero", 3), ("fused", 3 + 6 * big)):
             flat = step(fn, sched, world, g, "p2p")
             before = runs()
             got = step(fn, sched, world, g, "")

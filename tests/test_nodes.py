@@ -88,8 +88,8 @@ def test_cost_model_has_two_levels():
     """The cost model over M nodes (coconetc/tune/cost.py): adam zero's fused collective and
     default's all-reduce send (M-1)/M of 1/L of the input and of the gathered w across the
     network (hierarchically), none on one node, all of what they send with one rank per node;
-    so does rs_c_ag's reduce-scatter (of the input only), while its flat all-gathers send
-    (R-L)/(R-1) of their messages off the node; the network's
+    so do rs_c_ag's reduce-scatter and all-gathers (of the input, of the gathered value), while
+    under @p2p (flat) an all-gather sends (R-L)/(R-1) of its messages off the node; the network's
     bytes cost more time; explain --nodes prints them, and refuses nodes that do not divide."""
     from click.testing import CliRunner
 
@@ -106,9 +106,11 @@ def test_cost_model_has_two_levels():
     d = cost(mod.plans[("adam", "default")], {"N": n}, R, 2)
     assert d.net == pytest.approx(0.5 / 2 * 2 * nb)
     parts = [p for _, p in cost(mod.plans[("adam", "rs_c_ag")], {"N": n}, R, 2).parts]
-    rs, agm = parts[0], parts[2]  # a hierarchical reduce-scatter, a flat all-gather
+    rs, agm = parts[0], parts[2]  # a hierarchical reduce-scatter and all-gather
     assert rs.net == pytest.approx(0.5 / 2 * nb) and rs.sent == pytest.approx(0.5 * nb + 0.5 / 2 * nb)
-    assert agm.net == pytest.approx(2 / 3 * agm.sent) and agm.sent == pytest.approx(0.75 * nb)
+    assert agm.net == pytest.approx(0.5 / 2 * nb) and agm.sent == pytest.approx(0.5 * nb + 0.5 / 2 * nb)
+    flat = [p for _, p in cost(mod.plans[("adam", "rs_c_ag")], {"N": n}, R, 2, window=False).parts]
+    assert flat[2].net == pytest.approx(2 / 3 * flat[2].sent) and flat[2].sent == pytest.approx(0.75 * nb)
     with pytest.raises(ValueError, match="3 nodes do not hold 4 ranks"):
         cost(mod.plans[("adam", "zero")], {"N": n}, R, 3)
     res = CliRunner().invoke(cli.main, ["explain", str(REPO / "examples" / "adam.ccn"), "--ranks", "4",

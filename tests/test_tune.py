@@ -76,8 +76,8 @@ def test_cost_of_adam_default_rs_c_ag_and_zero(example, R: int) -> None:
 
 def test_cost_names_the_algorithm_each_collective_runs(example) -> None:
     """The runtime's choice (collectives.h, fused_shm.h): the node's window from 16 KiB on one
-    node, MPI below it and under @p2p (window=False), hierarchical over nodes except the
-    all-gather; MPI's reduce-scatter counted at its measured rate."""
+    node, MPI below it and under @p2p (window=False), hierarchical over nodes; MPI's
+    reduce-scatter counted at its measured rate."""
     mod = example("adam.ccn")
     plan = mod.plans[("adam", "rs_c_ag")]
 
@@ -89,7 +89,7 @@ def test_cost_names_the_algorithm_each_collective_runs(example) -> None:
     assert algos(1000) == ["mpi", "", "mpi", "mpi", "mpi"]  # 4000 bytes: under the window's minimum
     assert algos(1 << 20, window=False) == ["mpi", "", "mpi", "mpi", "mpi"]
     assert cost(plan, {"N": 1 << 20}, 4, nodes=2).parts[0][1].algorithm == "hierarchical"
-    assert algos(1 << 20, nodes=2) == ["hierarchical", "", "mpi", "mpi", "mpi"]
+    assert algos(1 << 20, nodes=2) == ["hierarchical", "", "hierarchical", "hierarchical", "hierarchical"]
     on, off = cost(plan, {"N": 1 << 20}, 2), cost(plan, {"N": 1 << 20}, 2, window=False)
     m = Machine()
     rs = 0.5 * 4 * (1 << 20)  # what the reduce-scatter sends: (R-1)/R of the f32 input

@@ -37,8 +37,8 @@ Each collective is costed as the algorithm that runs it (`Cost.algorithm`, shown
 explain` per unit), chosen as the CPU runtime chooses (collectives.h, fused_shm.h): on one node,
 an all-reduce, a reduce-scatter or an all-gather of one row (sliced along its first dim) of
 WINDOW_MIN_BYTES or more, and every fused collective, goes through the node's shared window
-("window"); over several nodes the all-reduce, the reduce-scatter and the fused collective run
-"hierarchical"; the rest, and everything under a label's @p2p (window=False), runs MPI's own
+("window"); over several nodes the all-reduce, the reduce-scatter, the all-gather and the fused
+collective run "hierarchical"; the rest, and everything under a label's @p2p (window=False), runs MPI's own
 collective ("mpi") or point-to-point messages ("p2p", a fused collective). Their bytes count
 alike, except MPI's reduce-scatter: Open MPI's measured about 10x slower than its bytes on one
 node (`bench/collectives.py`), so what it sends counts at Machine.mpi_reduce_scatter_bw.
@@ -263,7 +263,7 @@ class _Counter:
         if self.nbytes(whole, whole=True) < WINDOW_MIN_BYTES:
             return "mpi"
         if self.M > 1:
-            return "mpi" if op == "allgather" else "hierarchical"
+            return "hierarchical"
         if op == "allgather" and whole.layout.sliced and any(
                 eval_dim(d, self.sizes) != 1 for d in whole.shape[:whole.layout.dim]):
             return "mpi"  # rows of slices: MPI_Allgatherv
@@ -287,7 +287,8 @@ class _Counter:
             return Cost(moved=n_out, passes=1, launches=1)
         net = sent if op == "send" and self.M > 1 else self.off_node * sent
         if algo == "hierarchical":  # fused_shm.h
-            sent, net = self.hierarchical(n_in, n_in if op == "allreduce" else 0.0)
+            sent, net = (self.hierarchical(0.0, n_out) if op == "allgather"
+                         else self.hierarchical(n_in, n_in if op == "allreduce" else 0.0))
         slow = sent - net if op == "reducescatter" and algo == "mpi" else 0.0
         return Cost(moved=n_in + n_out + sent, sent=sent, net=net, slow=slow,
                     passes=2 if op == "allreduce" else 1, launches=1, algorithm=algo)

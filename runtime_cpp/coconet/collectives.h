@@ -4,7 +4,7 @@
 // [outer, slice_range(n, R, r), inner] as one contiguous buffer, with uneven and empty slices.
 // A group on one node runs all-reduce, reduce-scatter and (outer == 1) all-gather of 16 KiB and
 // more through its shared window, and a group over several nodes of as many ranks each its
-// all-reduce and reduce-scatter hierarchically (fused_shm.h; Open MPI's own reduce-scatter
+// all-reduce, reduce-scatter and all-gather hierarchically (fused_shm.h; Open MPI's own reduce-scatter
 // measured about 10x slower than its bytes on one node).  Otherwise fast paths map
 // straight onto MPI (MPI_Allreduce, MPI_Reduce_scatter, MPI_Allgatherv with per-rank counts);
 // the rest (outer > 1, scattered tensors, sizes beyond MPI's int counts) runs
@@ -115,7 +115,7 @@ bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm);
 // ... its reduce-scatter of a [outer, n, inner] tensor (false: MPI's runs instead) ...
 template <class T>
 bool reduce_scatter_shm(Op op, const Segments<const T>& in, T* out_slice, Shape3 s, Comm& comm);
-// ... and its allgather of a [1, n, inner] tensor (false: MPI's runs instead).
+// ... and its allgather (false: MPI's runs instead).
 template <class T>
 bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm);
 

@@ -227,15 +227,20 @@ void fused_rs_compute_ag(Op op, const T* in, int64_t n, Comm& comm, int64_t chun
 
 // compute(global_begin, global_end) on this rank's slice of a [outer, n, inner] tensor, chunk
 // by chunk (the reduce-scatter's RoundPlan), writing this rank's part of every GatherTarget;
-// on one node through the group's window (compute_ag_shm, fused_shm.h), else each chunk is sent
-// to every other rank as soon as it is computed, and theirs received into place (point to
-// point), so the all-gather overlaps the computation.  Every rank takes part
+// on one node through the group's window (compute_ag_shm, fused_shm.h), over several nodes
+// hierarchically (compute_ag_hier), else each chunk is sent to every other rank as soon as it is
+// computed, and theirs received into place (point to point), so the all-gather overlaps the
+// computation.  Every rank takes part
 // (empty slices compute nothing).
 template <class T, class Compute>
 void compute_ag(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute compute,
                 const std::vector<GatherTarget>& gathers) {
   if (use_shm(comm)) {  // every rank of the group on this node: through the shared window
     compute_ag_shm(shape, comm, chunk_elems, compute, gathers);
+    return;
+  }
+  if (use_hier(comm, shape)) {  // the group over several nodes of L ranks: hierarchically
+    compute_ag_hier(shape, comm, chunk_elems, compute, gathers);
     return;
   }
   constexpr int kTagPhaseB = 13;

@@ -371,6 +371,86 @@ void compute_ag_shm(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& comp
 
 // ---- the hierarchical path: groups over several nodes -----------------------------------------
 
+// f(node, range) for every non-empty piece of U_j: the slices of the ranks of local rank j on
+// every node (by node, then row), of a [outer, n, inner] tensor over the node layout `nl`.
+template <class F>
+void for_each_union_piece(Shape3 shape, int R, const NodeLayout& nl, int j, F&& f) {
+  RoundPlan whole(shape, R, std::numeric_limits<int64_t>::max());  // round o: row o's whole slices
+  for (int kk = 0; kk < nl.nodes; ++kk)
+    for (int64_t o = 0; o < whole.rounds; ++o) {
+      Range q = whole.range(o, nl.at(kk, j));
+      if (!q.empty()) f(kk, q);
+    }
+}
+
+// Steps 4 and 5 of fused_rs_compute_ag_hier (below): every rank's part of every target, already
+// written in place, gathered over a group of M nodes of L ranks: across nodes among the ranks of
+// the same local rank (each then holds U_l), then within the node through the window region at
+// `at` (target g at goff[g]; with L = 1 no window), and a sync after when the region is fenced.
+inline void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget>& gathers, size_t at,
+                        const std::vector<size_t>& goff, bool fenced) {
+  constexpr int kTagGather = 22;
+  const NodeLayout& nl = comm.shm.layout();
+  const int R = comm.size, me = comm.rank, M = nl.nodes, L = nl.per_node, k = nl.node, l = nl.local;
+  RoundPlan whole(shape, R, std::numeric_limits<int64_t>::max());
+  std::vector<MPI_Request> reqs;
+  for (const GatherTarget& g : gathers)
+    for (int kk = 0; kk < M; ++kk) {
+      if (kk == k) continue;
+      for (int64_t o = 0; o < whole.rounds; ++o) {
+        Range theirs = whole.range(o, nl.at(kk, l)), ours = whole.range(o, me);
+        irecv_range(g, theirs.begin, theirs.end, kk, kTagGather, nl.across, reqs);
+        isend_range(g, ours.begin, ours.end, kk, kTagGather, nl.across, reqs);
+      }
+    }
+  wait_all(reqs);
+  if (L == 1) return;
+  ShmWindow& win = comm.shm;
+  auto seg = [&](int j) { return win.base(j) + at; };
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    const size_t es = gathers[g].elem_size;
+    for_each_union_piece(shape, R, nl, l, [&](int, Range q) {
+      raw_copy_out(gathers[g], q.begin, q.end, seg(l) + goff[g] + static_cast<size_t>(q.begin) * es);
+    });
+  }
+  win.sync();
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    const size_t es = gathers[g].elem_size;
+    for (int j = 0; j < L; ++j)
+      if (j != l)
+        for_each_union_piece(shape, R, nl, j, [&](int, Range q) {
+          raw_copy_in(seg(j) + goff[g] + static_cast<size_t>(q.begin) * es, gathers[g], q.begin, q.end);
+        });
+  }
+  if (fenced) win.sync();
+}
+
+// compute_ag (fused.h) over a group on several nodes (hier_chosen): compute(begin, end) on this
+// rank's slice chunk by chunk (the reduce-scatter's RoundPlan), then gather_hier of the targets
+// through a region of the node's window of their own.
+template <class Compute>
+void compute_ag_hier(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& compute,
+                     const std::vector<GatherTarget>& gathers) {
+  const int64_t total = shape.total();
+  for (const GatherTarget& g : gathers)
+    require(g.total() == total, "fused collective: gather target size mismatch");
+  RoundPlan plan(shape, comm.size, chunk_elems);
+  for (int64_t kr = 0; kr < plan.rounds; ++kr) {
+    Range q = plan.range(kr, comm.rank);
+    if (!q.empty()) abort_on_exception("fused collective compute", [&] { compute(q.begin, q.end); });
+  }
+  std::vector<size_t> goff(gathers.size(), 0);
+  size_t region = 0;
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    goff[g] = region;
+    region += align64(static_cast<size_t>(total) * gathers[g].elem_size);
+  }
+  bool fenced = false;
+  const size_t at = comm.shm.layout().per_node > 1 ? comm.shm.region_for(region, fenced, shm_double_bytes()) : 0;
+  gather_hier(shape, comm, gathers, at, goff, fenced);
+}
+
+
 // Blocking fused reduce-scatter + compute + all-gather over a group of M nodes of L ranks each
 // (hier_chosen; the same contract as fused_rs_compute_ag, fused.h).  With U_l the union of the
 // slices of the ranks of local rank l on every node (rank (k, l) of node k owns the language's
@@ -396,7 +476,7 @@ void fused_rs_compute_ag_hier(Op op, const Segments<const T>& in, Shape3 shape, 
                               int64_t chunk_elems, Compute& compute,
                               const std::vector<GatherTarget>& gathers, int64_t progress_elems) {
   using C = compute_t<T>;
-  constexpr int kTagReduce = 21, kTagGather = 22;
+  constexpr int kTagReduce = 21;
   const int64_t total = shape.total();
   require(in.total() == total, "fused collective: input has " + std::to_string(in.total()) +
                                    " elements, shape " + std::to_string(total));
@@ -405,15 +485,7 @@ void fused_rs_compute_ag_hier(Op op, const Segments<const T>& in, Shape3 shape, 
   const NodeLayout& nl = comm.shm.layout();
   const int R = comm.size, me = comm.rank, M = nl.nodes, L = nl.per_node, k = nl.node, l = nl.local;
   MPI_Comm across = nl.across;
-  RoundPlan whole(shape, R, std::numeric_limits<int64_t>::max());  // round o: row o's whole slices
-  // f(node, range) for every non-empty piece of U_j (by node, then row)
-  auto for_union = [&](int j, auto&& f) {
-    for (int kk = 0; kk < M; ++kk)
-      for (int64_t o = 0; o < whole.rounds; ++o) {
-        Range q = whole.range(o, nl.at(kk, j));
-        if (!q.empty()) f(kk, q);
-      }
-  };
+  auto for_union = [&](int j, auto&& f) { for_each_union_piece(shape, R, nl, j, f); };
   auto elems = [&](int r) { return slice_range(shape.n, R, r).size() * shape.inner * shape.outer; };
   std::vector<int64_t> off(static_cast<size_t>(M) + 1, 0);  // node kk's part of U_l in `part`
   for (int kk = 0; kk < M; ++kk) off[kk + 1] = off[kk] + elems(nl.at(kk, l));
@@ -489,37 +561,8 @@ void fused_rs_compute_ag_hier(Op op, const Segments<const T>& in, Shape3 shape, 
       compute_in_pieces(q.begin, q.end, red + plan.slice_offset(kr, me), piece, compute, [] {});
   }
 
-  // 4. across nodes: this rank's part of every target to the same local rank of every node
-  for (const GatherTarget& g : gathers)
-    for (int kk = 0; kk < M; ++kk) {
-      if (kk == k) continue;
-      for (int64_t o = 0; o < whole.rounds; ++o) {
-        Range theirs = whole.range(o, nl.at(kk, l)), ours = whole.range(o, me);
-        irecv_range(g, theirs.begin, theirs.end, kk, kTagGather, across, reqs);
-        isend_range(g, ours.begin, ours.end, kk, kTagGather, across, reqs);
-      }
-    }
-  wait_all(reqs);
-
-  // 5. within the node: publish U_l of every target, copy out the peers' U_j
-  if (L > 1) {
-    for (size_t g = 0; g < gathers.size(); ++g) {
-      const size_t es = gathers[g].elem_size;
-      for_union(l, [&](int, Range q) {
-        raw_copy_out(gathers[g], q.begin, q.end, seg(l) + goff[g] + static_cast<size_t>(q.begin) * es);
-      });
-    }
-    win.sync();
-    for (size_t g = 0; g < gathers.size(); ++g) {
-      const size_t es = gathers[g].elem_size;
-      for (int j = 0; j < L; ++j)
-        if (j != l)
-          for_union(j, [&](int, Range q) {
-            raw_copy_in(seg(j) + goff[g] + static_cast<size_t>(q.begin) * es, gathers[g], q.begin, q.end);
-          });
-    }
-    if (fenced) win.sync();
-  }
+  // 4. and 5. across nodes, then within the node
+  gather_hier(shape, comm, gathers, at, goff, fenced);
 }
 
 // Blocking fused allreduce + compute over a group on several nodes (hier_chosen): the reduced
@@ -588,11 +631,23 @@ bool reduce_scatter_shm(Op op, const Segments<const T>& in, T* out_slice, Shape3
 }
 
 // allgather (collectives.h) of a [1, n, inner] tensor through the group's window: each rank
-// copies its slice into its segment, then, after a barrier, the others' slices out of theirs.
+// copies its slice into its segment, then, after a barrier, the others' slices out of theirs;
+// over several nodes ([outer, n, inner]) hierarchically (gather_hier).
 template <class T>
 bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
   const size_t bytes = static_cast<size_t>(s.total()) * sizeof(T);
-  if (s.outer != 1 || bytes < kShmAllreduceMinBytes || !use_shm(comm)) return false;
+  if (bytes < kShmAllreduceMinBytes) return false;
+  if (!shm_chosen(comm) && use_hier(comm, s)) {  // over several nodes: this rank's slice in
+    const Range sl = slice_range(s.n, comm.size, comm.rank);  // place, then gather_hier
+    const int64_t row = s.n * s.inner, mine = sl.size() * s.inner;
+    for (int64_t o = 0; o < s.outer; ++o)
+      if (in_slice + o * mine != out + o * row + sl.begin * s.inner)
+        std::memmove(out + o * row + sl.begin * s.inner, in_slice + o * mine, static_cast<size_t>(mine) * sizeof(T));
+    auto none = [](int64_t, int64_t) {};
+    compute_ag_hier(s, comm, int64_t(1) << 40, none, {gather_target(out, s.total())});
+    return true;
+  }
+  if (s.outer != 1 || !use_shm(comm)) return false;
   ShmWindow& win = comm.shm;
   bool fenced = false;
   const size_t at = win.region_for(align64(bytes), fenced, shm_double_bytes());

@@ -80,11 +80,15 @@ void dtype_suite(Comm& c) {
     allgather_case<T>(c, Shape3{4, n, 3}, kStageElems, false);
     allgather_case<T>(c, Shape3{3, n, 1}, 4, false);
   }
-  // 16 KiB and more in every dtype: the shared window's reduce-scatter (fused_shm.h)
+  // 16 KiB and more in every dtype: the shared window's (or the nodes') reduce-scatter (fused_shm.h)
   const int64_t big = 8195;
   for (Op op : kOps) reduce_scatter_case<T>(c, op, Shape3{1, big, 1}, kStageElems);
   reduce_scatter_case<T>(c, Op::sum, Shape3{3, big / 3, 2}, kStageElems);
   reduce_scatter_case<T>(c, Op::avg, Shape3{2, big / 2, 1}, kStageElems);
+  // ... and its all-gather (outer == 1 on one node; any shape over simulated nodes)
+  allgather_case<T>(c, Shape3{1, big, 1}, kStageElems, false);
+  allgather_case<T>(c, Shape3{1, big, 1}, kStageElems, true);
+  allgather_case<T>(c, Shape3{3, big / 3, 2}, kStageElems, false);
   for (int root = 0; root < c.size; ++root)
     for (Op op : kOps) broadcast_reduce_case<T>(c, op, 9, root);
   broadcast_reduce_case<T>(c, Op::sum, 0, c.size - 1);
