@@ -116,7 +116,8 @@ def test_compiled_schedules_equal_the_interpreter(file, prog, scheds, algo):
 
 
 # --- CUDA: the partial results accumulated per chunk (tested under the host emulation) ------------------
-PER_CHUNK = [*FUSED, ("amax_scale.ccn", "amax_scale", "zero", {"a": "max"})]
+PER_CHUNK = [*FUSED, ("amax_scale.ccn", "amax_scale", "zero", {"a": "max"}),
+             ("clipped_sgd.ccn", "clipped_sgd", "fused", {"t0_w1": "norm"})]
 
 
 @pytest.mark.parametrize("file,prog,sched,partials", PER_CHUNK, ids=lambda x: x if isinstance(x, str) else "")
@@ -164,7 +165,7 @@ def test_cuda_renders_the_accumulation_in_the_chunk_pipeline():
         assert "segment_norm<" not in text[compute:], file
 
 
-EMU_CASES = [*CASES, ("amax_scale.ccn", "amax_scale", ("rs_a_ag", "zero"))]
+EMU_CASES = [*CASES, ("amax_scale.ccn", "amax_scale", ("rs_a_ag", "zero")), ("clipped_sgd.ccn", "clipped_sgd", ("fused",))]
 
 
 @pytest.mark.slow
@@ -174,7 +175,8 @@ EMU_CASES = [*CASES, ("amax_scale.ccn", "amax_scale", ("rs_a_ag", "zero"))]
 def test_cuda_per_chunk_equals_the_interpreter(file, prog, scheds, algo):
     """The CUDA module under the host emulation, chunks of 5 elements (N = 23: several chunks,
     uneven slices at 2 and 3 ranks, a last chunk shorter than the others): every schedule
-    matches the interpreter on 1, 2 and 3 ranks; `pipeline` forces the chunk pipeline, `auto`
+    matches the interpreter on 1, 2 and 3 ranks (clipped_sgd: the reduced slice kept, no
+    gather); `pipeline` forces the chunk pipeline, `auto`
     runs the symmetric kernel where it may (more than one rank)."""
     env = {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo}
     for ranks in (1, 2, 3):
