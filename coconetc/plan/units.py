@@ -171,7 +171,7 @@ class Strategy:
     target: str
     algorithms: tuple[str, ...]
     chunking: Chunking
-    partials: str = ""  # Fused.partials: "per chunk" | "after the chunks" ("": none)
+    partials: str = ""  # Fused.partials: "per chunk" (both targets now) | "after the chunks" ("": none)
     gather_after: str = ""  # Fused.gather_after: "per piece" | "after the loop" ("": none)
 
 
@@ -187,8 +187,8 @@ class Fused:
     A accumulates each one's partial result chunk by chunk as the chunks arrive (where the
     target's Strategy.partials is "per chunk": cpu and cuda), one small all-reduce combines them
     across the group, and the rest of `after` (phase B: what reads them, on this rank's slice)
-    runs then; a target whose Strategy.partials is "after the chunks" would run them as the
-    Reduce units they are, over the stored values.
+    runs then; under "after the chunks" (no target chooses it now; both renderers take it) they
+    run as the Reduce units they are, over the stored values.
     `gather_after`: `after` ends with loops over this rank's slice and the allgather (this
     name) of a value of the last one: where Strategy.gather_after is "per piece" (cpu), the run
     of loops over the slice's elements just before the allgather computes piece by piece (the
