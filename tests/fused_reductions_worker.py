@@ -1,7 +1,8 @@
-"""Run on R ranks by tests/test_fused_reductions.py: examples/scaled_adam.ccn compiled (CPU),
-the step skipped on inf/NaN under every schedule, and taken (equal across schedules) without.
+"""Run on R ranks by tests/test_fused_reductions.py: examples/scaled_adam.ccn compiled (CPU;
+`emulate`: the CUDA module under the host emulation), the step skipped on inf/NaN under every
+schedule, and taken (equal across schedules) without.
 
-    python -m coconetc.cli launch -n R tests/fused_reductions_worker.py examples/scaled_adam.ccn
+    python -m coconetc.cli launch -n R tests/fused_reductions_worker.py examples/scaled_adam.ccn [emulate]
 Prints OK/FAIL lines on rank 0; exits non-zero on a failure."""
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ from rank_checks import gathered_report
 
 
 def main() -> int:
-    faulthandler.dump_traceback_later(100, exit=True)
+    emulate = len(sys.argv) > 2 and sys.argv[2] == "emulate"
+    faulthandler.dump_traceback_later(400 if emulate else 100, exit=True)  # emulate: the module may be built
     from mpi4py import MPI
 
     import coconetc
     from coconetc.ir.slices import slice_range
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    fn = coconetc.load(sys.argv[1], log=lambda msg: None).scaled_adam
+    if emulate:  # the CUDA module under the host emulation
+        from coconetc.runtime.cuda import load_emulated
+        fn = load_emulated(sys.argv[1], log=lambda msg: None).programs["scaled_adam"]
+    else:
+        fn = coconetc.load(sys.argv[1], log=lambda msg: None).scaled_adam
     N = 3001
     lo, hi = slice_range(N, size, rank)
     rng = np.random.default_rng(7)  # the same on every rank: replicated values agree

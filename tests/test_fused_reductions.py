@@ -6,6 +6,10 @@ examples/scaled_adam.ccn, examples/lamb.ccn's zero and zero_w).
 - the plan shows the phases (per chunk, accumulated, the all-reduce of the partials, after);
 - every schedule of the examples equals its program: interpreted on 1-3 ranks, and compiled
   (CPU, both fused algorithms: the shared window and point to point) on 1-3 ranks;
+- on CUDA the partial results are accumulated per chunk too (the plan says so, the rendered
+  pipeline does it), and under the host emulation, in small chunks, every schedule equals the
+  interpreter (the pipeline and the symmetric kernel; a row-wise phase), the loss-scaled step is
+  skipped on inf/NaN and max/min propagate NaN and inf;
 - every refusal of a fusion says what would make it legal, and following the advice gives a
   fusion that is accepted (never another refusal of it)."""
 
@@ -20,10 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from coconetc.codegen.cuda import generate
 from coconetc.errors import CompileError
 from coconetc.plan.show import show
 from coconetc.plan.units import Fused, Reduce
 from coconetc.sourcefile import SourceFile, load_source
+from coconetc.toolchain import probes
 
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
@@ -51,7 +57,7 @@ def test_plan_accumulates_reductions_per_chunk(file, prog, sched, partials):
     f = fused[0]
     reduces = {a.dst: a.op for a in f.after if isinstance(a, Reduce) and a.dst in f.partials}
     assert reduces == partials
-    assert f.on("cpu").partials == "per chunk" and f.on("cuda").partials == "after the chunks"
+    assert f.on("cpu").partials == "per chunk" and f.on("cuda").partials == "per chunk"
     text = show(plan)
     assert "per chunk (accumulated): " in text
     assert "after all chunks: one allreduce(sum) of the partial results of" in text
@@ -107,6 +113,141 @@ def test_compiled_schedules_equal_the_interpreter(file, prog, scheds, algo):
         out = _run(["run", str(EX / file), "-s", "all", "--ranks", str(ranks), "--size", "N=2003"], env)
         for s in ("default", *scheds):
             assert re.search(rf"{prog} \[{s}\]: {ranks} ranks: .* matches the interpreter on every rank", out), out
+
+
+# --- CUDA: the partial results accumulated per chunk (tested under the host emulation) ------------------
+PER_CHUNK = [*FUSED, ("amax_scale.ccn", "amax_scale", "zero", {"a": "max"}),
+             ("clipped_sgd.ccn", "clipped_sgd", "fused", {"t0_w1": "norm"})]
+
+
+@pytest.mark.parametrize("file,prog,sched,partials", PER_CHUNK, ids=lambda x: x if isinstance(x, str) else "")
+def test_cuda_plan_says_per_chunk(file, prog, sched, partials):
+    """cuda's strategy accumulates per chunk; the plan says so, and says that the symmetric
+    kernel (no chunks) accumulates over the slice it kept, after it."""
+    plan = _file(file).plans[(prog, sched)]
+    f = next(u for u in plan.units if isinstance(u, Fused))
+    assert f.on("cuda").partials == "per chunk"
+    assert {r.dst: r.op for r in f.accumulated("cuda")} == partials == {r.dst: r.op for r in f.accumulated("cpu")}
+    line = next(ln.strip() for ln in show(plan).splitlines() if ln.strip().startswith("on cuda:"))
+    symmetric = "symmetric" in f.on("cuda").algorithms
+    assert ("; reductions per chunk (after the symmetric kernel: over the slice it kept)" in line) == symmetric, line
+    assert "; reductions per chunk" in line and "after the chunks" not in line, line
+
+
+def test_cuda_renders_the_accumulation_in_the_chunk_pipeline():
+    """The rendered CUDA: each chunk's partial result after its kernel (inside the pipeline's
+    compute callback, reading the reduced chunk or the value the phase stored), one combine
+    after the pipeline, then the finish; the reductions are no Reduce units after the chunks."""
+    for file, prog, sched, calls in [
+            ("adamw.ccn", "adamw", "zero", ["partial_sum<float, true>(red, hi - lo, pa_fused0.sum(0), ctx);",
+                                            "finish_sum<float, true>(pa_fused0.sum(0), v_t0_c, false, ctx);"]),
+            ("scaled_adam.ccn", "scaled_adam", "zero",
+             ["partial_sum<float, false>(v_t0_bad + lo, hi - lo, pa_fused0.sum(0), ctx);",
+              "finish_sum<float, false>(pa_fused0.sum(0), v_bad, false, ctx);"]),
+            ("amax_scale.ccn", "amax_scale", "zero",
+             ["partial_extreme<float, true>(v_t0_a + lo, hi - lo, pa_fused0.extreme(0), ctx, pa_fused0.parts());",
+              "finish_extreme<float, true>(pa_fused0.extreme(0), v_a, false, ctx);"]),
+            ("lamb.ccn", "lamb", "zero_w",
+             ["segment_partial<float>(v_w + lo, hi - lo, off + lo, seg_starts, pa_fused0.sum(0), ctx);",
+              "segment_partial<float>(v_r + lo, hi - lo, off + lo, seg_starts, "
+              "pa_fused0.sum(int64_t(seg_starts.size() - 1)), ctx);",
+              "segment_norm_fill<float>(pa_fused0.sum(0), v_t0_w1,"])]:
+        text = "\n".join(generate(_file(file), "m").functions[(prog, sched)].body)
+        compute = text.index("auto compute = [&]")
+        pipeline = text.index("coconet::cuda::pipeline<")
+        combine = text.index("coconet::cuda::combine(pa_fused0, ctx);")
+        assert text.index("coconet::cuda::partials(") < compute < pipeline < combine
+        accumulate, finish = calls[:-1], calls[-1]
+        for call in accumulate:  # in the chunk callback (and, with a symmetric kernel, after it)
+            assert compute < text.rindex(call) < pipeline, (file, call)
+        assert text.index(finish) > combine, (file, finish)
+        assert "reduce_sum<" not in text[compute:] and "reduce_extreme<" not in text[compute:], file
+        assert "segment_norm<" not in text[compute:], file
+
+
+EMU_CASES = [*CASES, ("amax_scale.ccn", "amax_scale", ("rs_a_ag", "zero")), ("clipped_sgd.ccn", "clipped_sgd", ("fused",))]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+@pytest.mark.parametrize("algo", ["pipeline", "auto"])
+@pytest.mark.parametrize("file,prog,scheds", EMU_CASES, ids=[c[0] for c in EMU_CASES])
+def test_cuda_per_chunk_equals_the_interpreter(file, prog, scheds, algo):
+    """The CUDA module under the host emulation, chunks of 5 elements (N = 23: several chunks,
+    uneven slices at 2 and 3 ranks, a last chunk shorter than the others): every schedule
+    matches the interpreter on 1, 2 and 3 ranks (clipped_sgd: the reduced slice kept, no
+    gather); `pipeline` forces the chunk pipeline, `auto`
+    runs the symmetric kernel where it may (more than one rank)."""
+    env = {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo}
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(EX / file), "-s", "all", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
+                    "--size", "N=23"], env)
+        for s in ("default", *scheds):
+            assert re.search(rf"{prog} \[{s}\] \(CUDA, host emulation\): {ranks} ranks: .* matches the interpreter",
+                             out), out
+
+
+ROWS = """program lnn(y: f32[B, S, H] local, gamma: f32[H] replicated, beta: f32[H] replicated, c: f32) {
+    s = allreduce(sum, y)
+    out = layernorm(s, gamma, beta, 1e-5)
+    a = max(abs(out))
+    n = norm(out)
+    z = out * (c / (n + 1e-6)) + a
+    return z
+}
+
+schedule fused for lnn {
+    rs, ag = split(s, dim=1)
+    agz = reorder(ag, out, a, n, z)
+    fuse(rs, out, a, n, z, agz)
+}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+def test_cuda_per_chunk_after_a_row_wise_phase(tmp_path):
+    """A row-wise phase (layernorm, chunks of whole rows, sliced along dim 1) whose value's max
+    and norm are accumulated per chunk on cuda, under the host emulation: chunks of 4 elements
+    (rounded up to 2 rows of 3), S = 5 (uneven slices), R = 1, 2, 3, against the interpreter."""
+    path = tmp_path / "rows.ccn"
+    path.write_text(ROWS)
+    f = next(u for u in _load(ROWS).plans[("lnn", "fused")].units if isinstance(u, Fused))
+    assert [p.kind for p in f.phases] == ["rows", "pointwise"] and f.on("cuda").partials == "per chunk"
+    assert {r.dst: r.op for r in f.accumulated("cuda")} == {"a": "max", "n": "norm"}
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(path), "-s", "all", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
+                    "--size", "B=2", "--size", "S=5", "--size", "H=3"], {"COCONET_CUDA_CHUNK": "4"})
+        assert out.count("matches the interpreter on every rank") == 2, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+@pytest.mark.parametrize("algo", ["pipeline", "auto"])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_cuda_per_chunk_nonfinite_skip_and_nan_max(ranks, algo, capfd, monkeypatch, tmp_path):
+    """Under the host emulation, in chunks of 64 elements: scaled_adam's step is skipped on an
+    inf or a NaN in one rank's gradient under every schedule (the non-finite count accumulated
+    per chunk), and taken, equal across schedules, without (tests/fused_reductions_worker.py);
+    max and min of the reduced gradient with a NaN, an inf, a -inf against NumPy
+    (tests/max_reduction_worker.py, N = 1001; on 3 ranks also N = 2: a rank with an empty slice,
+    its partial result -inf/+inf)."""
+    from coconetc.launch.mpiexec import run_python
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_max_reduction import MM
+    monkeypatch.setenv("COCONET_CUDA_CHUNK", "64")
+    monkeypatch.setenv("COCONET_CUDA_FUSED", algo)
+    rc = run_python(ranks, [str(Path(__file__).with_name("fused_reductions_worker.py")), str(EX / "scaled_adam.ccn"),
+                            "emulate"], timeout=600)
+    out = capfd.readouterr().out
+    assert rc == 0 and out.count("OK ") == 11, out
+    mm = tmp_path / "mm.ccn"
+    mm.write_text(MM)
+    for n in (1001, 2) if ranks == 3 else (1001,):
+        rc = run_python(ranks, [str(Path(__file__).with_name("max_reduction_worker.py")), str(mm), str(n), "emulate"],
+                        timeout=600)
+        out = capfd.readouterr().out
+        assert rc == 0 and out.count("OK ") == 12, out
 
 
 # --- refusals lead somewhere ---------------------------------------------------------------------

@@ -123,6 +123,8 @@ def _finish(r: Reduce) -> str:
 
 def _strategy(s: Strategy) -> str:
     partials = f"; reductions {s.partials}" if s.partials else ""
+    if s.partials == "per chunk" and "symmetric" in s.algorithms:  # one kernel, no chunks (targets.py)
+        partials += " (after the symmetric kernel: over the slice it kept)"
     partials += f"; the closing allgather {s.gather_after}" if s.gather_after else ""
     return (f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; "
             f"{_chunking(s.target, s.chunking)}{partials}")

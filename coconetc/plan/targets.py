@@ -24,12 +24,16 @@ What it decides:
           COCONET_CUDA_CHUNK (2^22) elements, whole rows for a row-wise phase, the whole part
           in one chunk on one rank when the chunk kernels read the source itself
   and where its reductions run (`Strategy.partials`, for a fused collective with
-  `Fused.partials`): cpu accumulates them chunk by chunk as the chunks arrive and combines the
-  partial results in one small all-reduce; cuda runs them after the chunks, as Reduce units
-  over the stored values (accumulating them inside the chunk kernels is not in the CUDA
-  backend yet); and how phase B's closing allgather runs (`Strategy.gather_after`, for
-  `Fused.gather_after`): cpu sends each piece of the slice as soon as the loop computes it
-  (point to point, the reduce-scatter's chunks), cuda after the loop
+  `Fused.partials`): both targets accumulate them chunk by chunk as the chunks arrive ("per
+  chunk") and combine the partial results across the group in one small all-reduce: cpu in
+  the chunk callback; cuda after each chunk's kernels, on the call's stream, into device
+  doubles (the Reduce units' block reductions, runtime.cuh: Partials), one grouped
+  ncclAllReduce after the last chunk, on every path of the pipeline (one rank reading the
+  source, a scattered source, row-wise phases); the symmetric kernel has no chunks, so there
+  they are accumulated after it over the slice it kept (the plan says so). And how phase B's
+  closing allgather runs (`Strategy.gather_after`, for `Fused.gather_after`): cpu sends each
+  piece of the slice as soon as the loop computes it (point to point, the reduce-scatter's
+  chunks), cuda after the loop
 - `Buffer.shared`: a scratch buffer that a fused collective or an all-reduce reads (outside an
   overlap, whose chunks go point to point) lives in the group's shared window, where the
   collectives read it in place; other scratch is private to its rank.
@@ -116,7 +120,7 @@ def _cuda(u: Fused, kinds: dict[str, str], overlapped: bool) -> Strategy:
     symmetric = not overlapped and _symmetric_ok(u, kinds)
     chunking = Chunking("default", u.rows, whole_alone=kinds[u.src] != "segments")
     return Strategy("cuda", ("pipeline", "symmetric") if symmetric else ("pipeline",), chunking,
-                    "after the chunks" if u.partials else "", "after the loop" if u.gather_after else "")
+                    "per chunk" if u.partials else "", "after the loop" if u.gather_after else "")
 
 
 def _symmetric_ok(u: Fused, kinds: dict[str, str]) -> bool:

@@ -171,7 +171,7 @@ class Strategy:
     target: str
     algorithms: tuple[str, ...]
     chunking: Chunking
-    partials: str = ""  # Fused.partials: "per chunk" | "after the chunks" ("": none)
+    partials: str = ""  # Fused.partials: "per chunk" (both targets now) | "after the chunks" ("": none)
     gather_after: str = ""  # Fused.gather_after: "per piece" | "after the loop" ("": none)
 
 
@@ -185,9 +185,10 @@ class Fused:
     chunk first (a norm, a segment_norm, and what reads them), run when the chunks are done.
     `partials`: the reductions of `after` (Reduce units, by dst) over values of the chunk: phase
     A accumulates each one's partial result chunk by chunk as the chunks arrive (where the
-    target's Strategy.partials is "per chunk"), one small all-reduce combines them across the
-    group, and the rest of `after` (phase B: what reads them, on this rank's slice) runs then;
-    a target whose Strategy.partials is "after the chunks" runs them as the Reduce units they are.
+    target's Strategy.partials is "per chunk": cpu and cuda), one small all-reduce combines them
+    across the group, and the rest of `after` (phase B: what reads them, on this rank's slice)
+    runs then; under "after the chunks" (no target chooses it now; both renderers take it) they
+    run as the Reduce units they are, over the stored values.
     `gather_after`: `after` ends with loops over this rank's slice and the allgather (this
     name) of a value of the last one: where Strategy.gather_after is "per piece" (cpu), the run
     of loops over the slice's elements just before the allgather computes piece by piece (the
@@ -216,6 +217,13 @@ class Fused:
     def on(self, target: str) -> Strategy:
         """This fused collective's algorithms and chunking on one target."""
         return next(s for s in self.strategies if s.target == target)
+
+    def accumulated(self, target: str) -> list[Reduce]:
+        """The Reduce units of `after` that target accumulates chunk by chunk (its
+        Strategy.partials is "per chunk"); the rest of `after` runs when they are combined."""
+        if self.on(target).partials != "per chunk":
+            return []
+        return [a for a in self.after if isinstance(a, Reduce) and a.dst in self.partials]
 
 
 @dataclass(frozen=True)

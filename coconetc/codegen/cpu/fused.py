@@ -30,7 +30,7 @@ class CpuFused:
         in the full-size result, which the collective fills in from the others. Then what
         waits for all chunks."""
         ct = COMPUTE[u.type.dtype]
-        partials = self.partials(u)
+        partials = u.accumulated("cpu")
         for r in partials:  # phase A's partial results of the reductions, accumulated per chunk
             n = "seg_starts.size() - 1" if r.op == "segment_norm" else "1"
             init = {"max": "-HUGE_VAL", "min": "HUGE_VAL"}.get(r.op, "0.0")  # max, min: no element yet
@@ -77,12 +77,6 @@ class CpuFused:
         chunk, _ = self.chunk_sizes(u)
         self.w.emit(f"coconet::compute_ag<{ct}>(coconet::Shape3{{{self.w.shape3(xt, 0)}}}, comm, {chunk}, "
                     f"compute_{b.name}, {{{target}}});")
-
-    def partials(self, u: Fused) -> list[Reduce]:
-        """The reductions accumulated chunk by chunk (Fused.partials, Strategy "per chunk")."""
-        if u.on("cpu").partials != "per chunk":
-            return []
-        return [a for a in u.after if isinstance(a, Reduce) and a.dst in u.partials]
 
     def _accumulate(self, u: Fused, r: Reduce) -> None:
         """Adds the chunk's part of reduction r (its sum, or sum of squares, per segment for a

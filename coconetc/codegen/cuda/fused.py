@@ -16,7 +16,7 @@ from coconetc.codegen.emit import COMPUTE, CTYPE
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row, layernorm_value
 from coconetc.ir.nodes import Expr, Op, Ref, walk
-from coconetc.plan.units import Fused, Unit
+from coconetc.plan.units import Fused, Reduce, Unit
 
 
 class CudaFused:
@@ -46,8 +46,11 @@ class CudaFused:
         nm = u.name
         mine = _prod(self.w.ldims(t))
         direct = u.on("cuda").chunking.whole_alone  # one rank: each chunk's kernel reads the source itself
+        partials = u.accumulated("cuda")
+        assert block is None or not partials, u.name  # (the planner accumulates none inside an overlap)
+        layout = self._partials_begin(u, partials)
         if block is None and self._symmetric_ok(u):
-            self._fused_symmetric(u, ct, op, n0, inner, mine)
+            self._fused_symmetric(u, ct, op, n0, inner, mine, layout)
         self.w.emit("{")
         rows_arg = self._fused_extent(u, block, outer, n0, inner, mine)
         self._chunk_size(u)
@@ -65,6 +68,7 @@ class CudaFused:
         self.w.emit(f"    const int64_t lo = base_{nm} + k * ch_{nm}, hi = std::min(lo + ch_{nm}, mine_{nm});")
         self.w.emit("    if (hi <= lo) return;")
         self._chunk_kernel(u)
+        self._accumulate(u, layout, "red", "    ")
         self.w.emit("  };")
         if u.gather and d != 0:
             gg = self.w.gdims(self.w.types[u.gather])
@@ -89,8 +93,70 @@ class CudaFused:
         self.w.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.w.site() * 8}, "
                   f"reduce_to, {fn}, gather{', source' if direct else ''});")
         self.w.emit("}")
+        self._combine(u, layout)
         for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
-            self.unit(a)
+            if a not in partials:
+                self.unit(a)
+
+    # --- reductions accumulated chunk by chunk (Fused.partials; runtime.cuh: Partials) ----------
+    def _partials_begin(self, u: Fused, partials: list[Reduce]) -> dict[str, str]:
+        """The accumulators of the reductions the chunks accumulate (pa_<name>), initialized
+        before the first chunk. Returns, per reduction, its accumulator (an expression)."""
+        if not partials:
+            return {}
+        sums: list[str] = []  # the sums' sizes so far
+        layout: dict[str, str] = {}
+        extremes = 0
+        for r in partials:
+            if r.op in ("max", "min"):
+                layout[r.dst] = f"pa_{u.name}.extreme({extremes})"
+                extremes += 1
+            else:
+                layout[r.dst] = f"pa_{u.name}.sum({' + '.join(sums) or '0'})"
+                sums.append("int64_t(seg_starts.size() - 1)" if r.op == "segment_norm" else "1")
+        self.w.emit(f"// {u.name}: {', '.join(f'{r.op}({r.src})' for r in partials)} accumulated chunk by chunk")
+        self.w.emit(f"const coconet::cuda::Partials pa_{u.name} = coconet::cuda::partials({self.w.site()}, "
+                    f"{' + '.join(sums) or '0'}, {extremes}, \"{u.name}\", ctx);")
+        return layout
+
+    def _accumulate(self, u: Fused, layout: dict[str, str], red: str, ind: str) -> None:
+        """After chunk [lo, hi)'s kernels, on the call's stream: each reduction's partial
+        result over the chunk's values (red: the reduced chunk; a value stored by a phase or a
+        parameter at the chunk's elements) added to its accumulator."""
+        for r in (a for a in u.after if isinstance(a, Reduce) and a.dst in layout):
+            T, acc = CTYPE[self.w.types[r.src].dtype], layout[r.dst]
+            x = red if r.src == u.collective else f"p_{r.src}" if r.src in self.w.scattered else f"v_{r.src} + lo"
+            if r.op == "segment_norm":  # per segment (x: from logical element off + lo, or the segments)
+                self.w.emit(f"{ind}coconet::cuda::segment_partial<{T}>({x}, hi - lo, off + lo, seg_starts, {acc}, ctx);")
+                continue
+            fn = (f"partial_extreme<{T}, {'true' if r.op == 'max' else 'false'}>" if r.op in ("max", "min")
+                  else f"partial_sum<{T}, {'true' if r.op == 'norm' else 'false'}>")
+            parts = f", pa_{u.name}.parts()" if r.op in ("max", "min") else ""
+            if r.src in self.w.scattered and r.src != u.collective:  # a block reduction per piece
+                self.w.emit(f"{ind}for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, "
+                            f"off + hi)) coconet::cuda::{fn}(p_{r.src}.at(pc), pc.size, {acc}, ctx{parts});")
+            else:
+                self.w.emit(f"{ind}coconet::cuda::{fn}({x}, hi - lo, {acc}, ctx{parts});")
+
+    def _combine(self, u: Fused, layout: dict[str, str]) -> None:
+        """After the last chunk: every rank's partial results combined (one grouped
+        ncclAllReduce), then each reduction finished into its 0-d result (a segment_norm: its
+        segment's norm per element)."""
+        if not layout:
+            return
+        self.w.emit(f"coconet::cuda::combine(pa_{u.name}, ctx);  // {u.name}: the partial results across the group")
+        for r in (a for a in u.after if isinstance(a, Reduce) and a.dst in layout):
+            xt, acc = self.w.types[r.src], layout[r.dst]
+            T = CTYPE[xt.dtype]
+            if r.op == "segment_norm":
+                self.w.emit(f"coconet::cuda::segment_norm_fill<{T}>({acc}, v_{r.dst}, {_prod(self.w.ldims(xt))}, "
+                            f"{self.w.offset(xt)}, seg_starts, ctx);")
+            elif r.op in ("max", "min"):
+                self.w.emit(f"coconet::cuda::finish_extreme<{T}, {'true' if r.op == 'max' else 'false'}>({acc}, "
+                            f"v_{r.dst}, false, ctx);")
+            else:
+                self.w.emit(f"coconet::cuda::finish_sum<{T}, {'true' if r.op == 'norm' else 'false'}>({acc}, "
+                            f"v_{r.dst}, false, ctx);")
 
     def _fused_extent(self, u: Fused, block: tuple[str, str] | None, outer: str, n0: str, inner: str,
                       mine: str) -> str:
@@ -140,11 +206,13 @@ class CudaFused:
         (symmetric.cuh), chosen at run time?"""
         return "symmetric" in u.on("cuda").algorithms
 
-    def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str) -> None:
+    def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str,
+                         layout: dict[str, str]) -> None:
         """The fused unit as one kernel over NCCL symmetric memory where the run time allows it
         (coconet::cuda::use_symmetric; else the pipeline after it): the element function is the
         pipeline chunk kernel's body, the reduced value passed in (red_v) instead of read from
-        the chunk buffer."""
+        the chunk buffer. The reductions the chunks would accumulate are accumulated after the
+        kernel, over the slice it kept, as one chunk."""
         saved = dict(self.w.consts)
         t = u.type
         items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
@@ -171,6 +239,10 @@ class CudaFused:
         for line in self.kernels.with_coords(t, coords, body):
             self.w.emit(f"    {line}")
         self.w.emit("  });")
+        if layout:  # the whole slice as one chunk (the reduced value is kept: the Reduce reads it)
+            assert u.store_reduced or all(r.src != u.collective for r in u.accumulated("cuda")), u.name
+            self.w.emit(f"  const int64_t lo = 0, hi = {mine};")
+            self._accumulate(u, layout, f"v_{u.collective}", "  ")
         self.w.emit("} else  // the chunked pipeline on the host API")
         self.w.consts = saved
 

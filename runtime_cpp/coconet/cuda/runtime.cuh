@@ -513,13 +513,14 @@ __global__ void finish_extreme_kernel(const double* acc, T* dst) {
   dst[0] = from_compute<T>(static_cast<compute_t<T>>(v));
 }
 
-// acc (2 doubles, then kExtremeBlocks pairs of parts) += the extreme of x[0, n).
+// acc (2 doubles) += the extreme of x[0, n); parts: kExtremeBlocks pairs of scratch (by default
+// right after acc, as extreme_acc lays them out).
 template <class T, bool MAX>
-void partial_extreme(const T* x, int64_t n, double* acc, const Ctx& c) {
+void partial_extreme(const T* x, int64_t n, double* acc, const Ctx& c, double* parts = nullptr) {
   if (n <= 0) return;
   int64_t blocks = (n + 255) / 256;
   if (blocks > kExtremeBlocks) blocks = kExtremeBlocks;
-  double* parts = acc + 2;
+  if (parts == nullptr) parts = acc + 2;
   void (*partial)(const T*, int64_t, double*) = partial_extreme_kernel<T, MAX>;
   COCONET_ACCESS(COCONET_R(x, 0, n), COCONET_W(parts, 0, 2 * blocks));
   COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, n, parts);
@@ -539,12 +540,17 @@ void finish_extreme(double* acc, T* dst, bool cross_rank, const Ctx& c) {
   COCONET_CUDA(cudaGetLastError());
 }
 
-inline double* extreme_acc(int site, const Ctx& c) {
-  double* acc = scratch<double>(site, 2 + 2 * kExtremeBlocks);
+// acc[0, 2) = no element yet, on the call's stream.
+inline void extreme_init(double* acc, const Ctx& c) {
   void (*init)(double*) = extreme_init_kernel<>;
   COCONET_ACCESS(COCONET_W(acc, 0, 2));
   COCONET_LAUNCH(init, 1, 1, 0, c.stream, acc);
   COCONET_CUDA(cudaGetLastError());
+}
+
+inline double* extreme_acc(int site, const Ctx& c) {
+  double* acc = scratch<double>(site, 2 + 2 * kExtremeBlocks);
+  extreme_init(acc, c);
   return acc;
 }
 
@@ -805,30 +811,24 @@ void allgather(const T* x, const Segs<T>& y, int64_t n, const Ctx& c) {
   }
 }
 
-// out[i] = the L2 norm of the segment holding logical element off + i, i in [0, n): a block
-// reduction per piece into a double per segment, the ranks' sums added when x is sliced
-// (cross_rank), then a fill kernel per piece. xs[k]: piece k's elements of x.
+// sq[s] += the sum of squares of x's elements in segment s, x holding the logical range
+// [off, off + n) (contiguous, or a scattered tensor's segments): a block reduction per piece.
 template <class T>
-void segment_norm_pieces(const std::vector<const T*>& xs, T* out, int64_t n, int64_t off,
-                         const std::vector<int64_t>& starts, bool cross_rank, const Ctx& c, int site) {
-  const size_t nseg = starts.size() - 1;
-  double* sq = scratch<double>(site, int64_t(nseg));
-  COCONET_BUFFER(sq, (nseg > 0 ? nseg : 1) * sizeof(double), "segment_norm partial sums");
-  COCONET_CUDA(cudaMemsetAsync(sq, 0, (nseg > 0 ? nseg : 1) * sizeof(double), c.stream));
-  const std::vector<Piece> ps = pieces(starts, off, off + n);
-  for (size_t k = 0; k < ps.size(); ++k) {
-    const Piece& pc = ps[k];
-    const T* x = xs[k];
-    int64_t blocks = (pc.size + 255) / 256;
-    if (blocks > 4096) blocks = 4096;
-    void (*partial)(const T*, int64_t, double*) = partial_sum_kernel<T, true>;
-    COCONET_ACCESS(COCONET_R(x, 0, pc.size), COCONET_W(sq, int64_t(pc.seg), int64_t(pc.seg) + 1));
-    COCONET_LAUNCH(partial, static_cast<unsigned>(blocks), 256, 0, c.stream, x, pc.size, sq + pc.seg);
-    COCONET_CUDA(cudaGetLastError());
-  }
-  if (cross_rank && nseg > 0)
-    COCONET_CUDA(ncclAllReduce(sq, sq, nseg, ncclFloat64, ncclSum, c.comm, c.stream));
-  for (const Piece& pc : ps) {
+void segment_partial(const T* x, int64_t n, int64_t off, const std::vector<int64_t>& starts, double* sq,
+                     const Ctx& c) {
+  for (const Piece& pc : pieces(starts, off, off + n)) partial_sum<T, true>(x + pc.offset, pc.size, sq + pc.seg, c);
+}
+template <class T>
+void segment_partial(const Segs<T>& x, int64_t n, int64_t off, const std::vector<int64_t>& starts, double* sq,
+                     const Ctx& c) {
+  for (const Piece& pc : pieces(starts, off, off + n)) partial_sum<T, true>(x.at(pc), pc.size, sq + pc.seg, c);
+}
+
+// out[i] = sqrt(sq[the segment holding logical element off + i]), i in [0, n): a fill kernel per piece.
+template <class T>
+void segment_norm_fill(const double* sq, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts,
+                       const Ctx& c) {
+  for (const Piece& pc : pieces(starts, off, off + n)) {
     T* o = out + pc.offset;
     const double* q = sq + pc.seg;
     COCONET_ACCESS(COCONET_R(q, 0, 1), COCONET_W(o, 0, pc.size));
@@ -837,19 +837,21 @@ void segment_norm_pieces(const std::vector<const T*>& xs, T* out, int64_t n, int
     });
   }
 }
-template <class T>
-void segment_norm(const T* x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts, bool cross_rank,
+
+// out[i] = the L2 norm of the segment holding logical element off + i, i in [0, n): a block
+// reduction per piece into a double per segment, the ranks' sums added when x is sliced
+// (cross_rank), then a fill kernel per piece. X: const T* or Segs<T>.
+template <class T, class X>
+void segment_norm(const X& x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts, bool cross_rank,
                   const Ctx& c, int site) {
-  std::vector<const T*> xs;
-  for (const Piece& pc : pieces(starts, off, off + n)) xs.push_back(x + pc.offset);
-  segment_norm_pieces<T>(xs, out, n, off, starts, cross_rank, c, site);
-}
-template <class T>
-void segment_norm(const Segs<T>& x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts,
-                  bool cross_rank, const Ctx& c, int site) {
-  std::vector<const T*> xs;
-  for (const Piece& pc : pieces(starts, off, off + n)) xs.push_back(x.at(pc));
-  segment_norm_pieces<T>(xs, out, n, off, starts, cross_rank, c, site);
+  const size_t nseg = starts.size() - 1;
+  double* sq = scratch<double>(site, int64_t(nseg));
+  COCONET_BUFFER(sq, (nseg > 0 ? nseg : 1) * sizeof(double), "segment_norm partial sums");
+  COCONET_CUDA(cudaMemsetAsync(sq, 0, (nseg > 0 ? nseg : 1) * sizeof(double), c.stream));
+  segment_partial(x, n, off, starts, sq, c);
+  if (cross_rank && nseg > 0)
+    COCONET_CUDA(ncclAllReduce(sq, sq, nseg, ncclFloat64, ncclSum, c.comm, c.stream));
+  segment_norm_fill(sq, out, n, off, starts, c);
 }
 
 // Chunk r of dim n, packed as [outer, |r|, inner] in P, into its block of dst [outer, n, inner].
@@ -859,6 +861,43 @@ void unpack(const T* P, T* dst, int64_t outer, int64_t n, int64_t inner, Range r
   const size_t w = size_t(r.size() * inner) * sizeof(T);
   COCONET_CUDA(cudaMemcpy2DAsync(dst + r.begin * inner, size_t(n * inner) * sizeof(T), P, w, w, size_t(outer),
                                  cudaMemcpyDeviceToDevice, s));
+}
+
+// ---- a fused collective's reductions, accumulated chunk by chunk (Fused.partials) ------------
+//
+// One array of doubles per fused unit, accumulated by the chunks' partial_sum / partial_extreme /
+// segment_partial calls on the call's stream: first `sums` partial sums (a sum or a norm: one; a
+// segment_norm: one per segment), then a pair per max/min (extreme_acc's acc[0], acc[1]), then the
+// block parts partial_extreme folds through (shared: the partial kernels run in stream order).
+// After the last chunk, combine() adds the sums across the group and takes the pairs' ncclMax (NaN
+// as the flag, min as the max of its negation: as reduce_extreme), in one grouped call; then
+// finish_sum / finish_extreme / segment_norm_fill write the results.
+struct Partials {
+  double* acc;
+  int64_t sums, extremes;
+  double* sum(int64_t at) const { return acc + at; }
+  double* extreme(int64_t e) const { return acc + sums + 2 * e; }
+  double* parts() const { return acc + sums + 2 * extremes; }
+};
+
+// The accumulators of fused unit `name`, initialized on the call's stream (sums 0, extremes none yet).
+inline Partials partials(int site, int64_t sums, int64_t extremes, const char* name, const Ctx& c) {
+  const int64_t n = sums + 2 * extremes + (extremes > 0 ? 2 * kExtremeBlocks : 0);
+  const Partials p{scratch<double>(site, n), sums, extremes};
+  COCONET_BUFFER(p.acc, size_t(n) * sizeof(double), std::string("the partial results of fused ") + name);
+  (void)name;
+  if (sums > 0) COCONET_CUDA(cudaMemsetAsync(p.acc, 0, size_t(sums) * sizeof(double), c.stream));
+  for (int64_t e = 0; e < extremes; ++e) extreme_init(p.extreme(e), c);
+  return p;
+}
+
+// Every rank's partial results combined, in place: one grouped call of one or two ncclAllReduce.
+inline void combine(const Partials& p, const Ctx& c) {
+  Group_ g;
+  if (p.sums > 0) COCONET_CUDA(ncclAllReduce(p.acc, p.acc, size_t(p.sums), ncclFloat64, ncclSum, c.comm, c.stream));
+  if (p.extremes > 0)
+    COCONET_CUDA(ncclAllReduce(p.extreme(0), p.extreme(0), size_t(2 * p.extremes), ncclFloat64, ncclMax, c.comm,
+                               c.stream));
 }
 
 // ---- fused collectives: chunk by chunk on two streams ---------------------------------------
