@@ -38,20 +38,27 @@ constexpr int64_t kParallelMin = 65536;
 
 // ---- reductions ------------------------------------------------------------------------------
 
+// Sums f(x[i]) in double over kLanes interleaved accumulators (element i into lane i % kLanes,
+// the tail into lane 0), added in a fixed order: the same elements give the same result on
+// every path, and the loop vectorizes. One accumulator is bound by the add's latency (about 4
+// cycles an element: 11 ms for the norm of 2^23 floats on this machine's cores).
+constexpr int kLanes = 8;
+template <class T, class F>
+double lane_sum(const T* x, int64_t n, F&& f) {
+  double a[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int k = 0; k < kLanes; ++k) a[k] += f(static_cast<double>(to_compute(x[i + k])));
+  for (; i < n; ++i) a[0] += f(static_cast<double>(to_compute(x[i])));
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
 template <class T>
 double sum_of(const T* x, int64_t n) {
-  double acc = 0;
-  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(to_compute(x[i]));
-  return acc;
+  return lane_sum(x, n, [](double v) { return v; });
 }
 template <class T>
 double sumsq_of(const T* x, int64_t n) {
-  double acc = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    double v = static_cast<double>(to_compute(x[i]));
-    acc += v * v;
-  }
-  return acc;
+  return lane_sum(x, n, [](double v) { return v * v; });
 }
 template <class T>
 double sum_of(const Segments<T>& x, int64_t) {

@@ -81,32 +81,18 @@ class CpuFused:
     def _accumulate(self, u: Fused, r: Reduce) -> None:
         """Adds the chunk's part of reduction r (its sum, or sum of squares, per segment for a
         segment_norm) to pa_<dst>: the chunk's values are the reduced chunk or stored at once."""
-        v = ("static_cast<double>(red[i - lo])" if r.src == u.collective
-             else f"static_cast<double>(coconet::to_compute(v_{r.src}[i]))")
-        term = "v" if r.op == "sum" else "v * v"
+        first = "red" if r.src == u.collective else f"v_{r.src} + lo"  # the chunk's first element
+        fn = {"sum": "sum_of", "norm": "sumsq_of", "segment_norm": "sumsq_of", "max": "max_of",
+              "min": "min_of"}[r.op]  # the runtime's reductions (kernels.h)
         self.w.emit(f"  {{  // {r.dst}: partial {r.op}({r.src}) of the chunk")
         if r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
-            self.w.emit(f"    double acc = pa_{r.dst}[0];")
-            self.w.emit("    for (int64_t i = lo; i < hi; ++i)")
-            self.w.emit(f"      acc = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>(acc, {v});")
-            self.w.emit(f"    pa_{r.dst}[0] = acc;")
+            self.w.emit(f"    pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
+                        f"pa_{r.dst}[0], coconet::{fn}({first}, hi - lo));")
         elif r.op == "segment_norm":
-            self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {")
-            self.w.emit("      double acc = 0;")
-            self.w.emit("      for (int64_t j = 0; j < pc.size; ++j) {")
-            self.w.emit("        const int64_t i = lo + pc.offset + j;")
-            self.w.emit(f"        const double v = {v};")
-            self.w.emit(f"        acc += {term};")
-            self.w.emit("      }")
-            self.w.emit(f"      pa_{r.dst}[pc.segment] += acc;")
-            self.w.emit("    }")
+            self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge))")
+            self.w.emit(f"      pa_{r.dst}[pc.segment] += coconet::{fn}({first} + pc.offset, pc.size);")
         else:
-            self.w.emit("    double acc = 0;")
-            self.w.emit("    for (int64_t i = lo; i < hi; ++i) {")
-            self.w.emit(f"      const double v = {v};")
-            self.w.emit(f"      acc += {term};")
-            self.w.emit("    }")
-            self.w.emit(f"    pa_{r.dst}[0] += acc;")
+            self.w.emit(f"    pa_{r.dst}[0] += coconet::{fn}({first}, hi - lo);")
         self.w.emit("  }")
 
     def _combine(self, u: Fused, partials: list[Reduce]) -> None:
