@@ -5,8 +5,8 @@ Run: python bench/collectives.py [--ranks 2] [--sizes 12,16,20,22] [--reps 9]
 It relaunches itself under mpiexec; rank 0 prints, per size (log2 of the f32 elements), each
 collective's median time (the slowest rank's, interleaved repetitions: bench/common.py) and
 its input's bytes per second, and writes bench/results/collectives.json. Open MPI's
-MPI_Reduce_scatter is the outlier here (about 0.4 GB/s at 4 to 16 MiB on 2 ranks, where a copy
-runs at 8 to 14 GB/s): the CPU runtime runs reduce-scatters of 16 KiB and more through the
+MPI_Reduce_scatter is the slow one here (quiet, 2 ranks: 1.8 to 2.8 GB/s of its input at 4 to
+16 MiB, where a copy runs at 10 to 14 GB/s and MPI_Allgather at 8 to 12; under load 0.4): the CPU runtime runs reduce-scatters of 16 KiB and more through the
 node's shared window instead (runtime_cpp/coconet/fused_shm.h), and the model counts MPI's at
 Machine.mpi_reduce_scatter_bw where it still runs (small messages, a label's @p2p)."""
 

@@ -40,8 +40,9 @@ WINDOW_MIN_BYTES or more, and every fused collective, goes through the node's sh
 ("window"); over several nodes the all-reduce, the reduce-scatter, the all-gather and the fused
 collective run "hierarchical"; the rest, and everything under a label's @p2p (window=False), runs MPI's own
 collective ("mpi") or point-to-point messages ("p2p", a fused collective). Their bytes count
-alike, except MPI's reduce-scatter: Open MPI's measured about 10x slower than its bytes on one
-node (`bench/collectives.py`), so what it sends counts at Machine.mpi_reduce_scatter_bw.
+alike, except MPI's reduce-scatter: Open MPI's measured 4 to 8 times slower than a copy of its
+bytes on one node (`bench/collectives.py`), so what it sends counts at
+Machine.mpi_reduce_scatter_bw.
 
 A loop over E elements (this rank's part of its type) reads each memory operand once
 (min(E, that operand's elements): a replicated operand of a sliced loop is read at the slice)
@@ -80,9 +81,10 @@ class Machine:
     net_bw: float = 3e9     # between nodes, per rank (a 100 Gb/s link shared by 4 ranks)
     flop_rate: float = 20e9
     launch_s: float = 5e-6
-    # Open MPI's MPI_Reduce_scatter between the ranks of a node (bench/collectives.py: 0.4 GB/s
-    # at 4 to 16 MiB on 2 ranks, where a copy runs at 8 to 14 GB/s)
-    mpi_reduce_scatter_bw: float = 0.4e9
+    # Open MPI's MPI_Reduce_scatter between the ranks of a node, per byte sent (bench/collectives.py,
+    # quiet, 2 ranks: 4 MiB in 1.5 ms, 16 MiB in 9.5 ms, half of it sent: 0.9 to 1.4 GB/s, where
+    # a copy of the input runs at 10 to 14 GB/s; under load it fell to 0.2)
+    mpi_reduce_scatter_bw: float = 1.0e9
 
 
 # A collective of this many bytes or more goes through the node's shared window (the C++
