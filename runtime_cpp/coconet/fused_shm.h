@@ -197,6 +197,19 @@ void for_each_peer_piece(Shape3 shape, int R, int me, F&& f) {
 // Gather targets (the first ones of a call) whose place in a shared window the header can name.
 constexpr size_t kInPlaceTargets = 3;
 
+// The gather targets (each of `total` elements; checked) one after the other in a window region,
+// 64-byte aligned: each one's offset in `goff`; returns the bytes they take.
+inline size_t lay_out_targets(const std::vector<GatherTarget>& gathers, int64_t total, std::vector<size_t>& goff) {
+  goff.assign(gathers.size(), 0);
+  size_t bytes = 0;
+  for (size_t g = 0; g < gathers.size(); ++g) {
+    require(gathers[g].total() == total, "fused collective: gather target size mismatch");
+    goff[g] = bytes;
+    bytes += align64(static_cast<size_t>(total) * gathers[g].elem_size);
+  }
+  return bytes;
+}
+
 // Where the peers read this call's gather targets through the group's window: each target that
 // lies in a user window (coconetc.empty) in place, the others from each rank's region at
 // `goff[g]` (past the region's 64-byte header, whose slots 2 + 2g, 3 + 2g name the place).
@@ -341,15 +354,9 @@ template <class Compute>
 void compute_ag_shm(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& compute,
                     const std::vector<GatherTarget>& gathers) {
   const int64_t total = shape.total();
-  for (const GatherTarget& g : gathers)
-    require(g.total() == total, "fused collective: gather target size mismatch");
   const int R = comm.size, me = comm.rank;
-  std::vector<size_t> goff(gathers.size(), 0);
-  size_t region = WindowTargets::kHead;
-  for (size_t g = 0; g < gathers.size(); ++g) {
-    goff[g] = region - WindowTargets::kHead;
-    region += align64(static_cast<size_t>(total) * gathers[g].elem_size);
-  }
+  std::vector<size_t> goff;
+  const size_t region = WindowTargets::kHead + lay_out_targets(gathers, total, goff);
   ShmWindow& win = comm.shm;
   bool fenced = false;
   const size_t at = win.region_for(region, fenced, shm_double_bytes());
@@ -431,19 +438,12 @@ inline void gather_hier(Shape3 shape, Comm& comm, const std::vector<GatherTarget
 template <class Compute>
 void compute_ag_hier(Shape3 shape, Comm& comm, int64_t chunk_elems, Compute& compute,
                      const std::vector<GatherTarget>& gathers) {
-  const int64_t total = shape.total();
-  for (const GatherTarget& g : gathers)
-    require(g.total() == total, "fused collective: gather target size mismatch");
+  std::vector<size_t> goff;
+  const size_t region = lay_out_targets(gathers, shape.total(), goff);
   RoundPlan plan(shape, comm.size, chunk_elems);
   for (int64_t kr = 0; kr < plan.rounds; ++kr) {
     Range q = plan.range(kr, comm.rank);
     if (!q.empty()) abort_on_exception("fused collective compute", [&] { compute(q.begin, q.end); });
-  }
-  std::vector<size_t> goff(gathers.size(), 0);
-  size_t region = 0;
-  for (size_t g = 0; g < gathers.size(); ++g) {
-    goff[g] = region;
-    region += align64(static_cast<size_t>(total) * gathers[g].elem_size);
   }
   bool fenced = false;
   const size_t at = comm.shm.layout().per_node > 1 ? comm.shm.region_for(region, fenced, shm_double_bytes()) : 0;
