@@ -155,6 +155,8 @@ class _Roles:
             return str(name)
         if skipped is not None:
             one("skipped", skipped)
+        if feedback is not None and not isinstance(feedback, dict):
+            raise TypeError(f"{self.what}: feedback must be a dict {{scalar: output}}, got {type(feedback).__name__}")
         feedback = dict(feedback or {})
         for scalar, output in feedback.items():
             if scalar not in self.scalars:
