@@ -145,11 +145,11 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
     """Every stage between two members must join the fusion (when each can: computations whose
     operations fuse, and, in a fusion of computations only, pointwise ones over the members'
     elements), else the members that read them must leave it."""
-    between = [s for s in p.stages if s.name not in group and deps[s.name] & group
-               and any(s.name in deps.get(g, ()) for g in group)]
     moved = reorder_advice(p, d.stages, d.name)  # members that read a split's allgather
     if moved is not None:
         return moved[0]
+    between = [s for s in p.stages if s.name not in group and deps[s.name] & group
+               and any(s.name in deps.get(g, ()) for g in group)]
     members = [p.stage_named(n) for n in dict.fromkeys(d.stages)]
     collective = any(m.kind == "collective" for m in members)
     first = next((m for m in members if m.kind != "collective"), members[0])
@@ -198,14 +198,14 @@ def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tupl
         for m in reorder_gathers(p, ag, tuple(stages)):
             outs.append(next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken))
         q = reorder(p, Reorder(ag, tuple(stages), tuple(outs), NOWHERE))
-        kept = [rs, *stages, *outs[-1:]]
-        q = fuse(q, Fuse(tuple(kept), name, NOWHERE))
+        advised = Fuse((rs, *stages, *outs[-1:]), name, NOWHERE)
+        q = fuse(q, advised)
     except ScheduleError:
         return None
     left = f"{', '.join(outs)} = " if outs else ""
     return (f"'{stages[0]}' reads the all-gathered '{ag}', not the chunks of '{rs}': move the stages onto "
             f"the slices first, then fuse them: {left}reorder({ag}, {', '.join(stages)}); "
-            f"{f'{name} = ' if name else ''}fuse({', '.join(kept)})", q)
+            f"{_fuse_text(advised, list(advised.stages))}", q)
 
 
 def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:
