@@ -58,7 +58,7 @@ def _try(fn):
 def check_examples(archs: str) -> list[dict]:
     import torch
     from coconetc.oracle.compare import compare
-    from coconetc.oracle.inputs import adapt_inputs, random_inputs
+    from coconetc.oracle.inputs import adapt_inputs, joined, random_inputs
     from coconetc.interp.interpreter import Result, run
     from coconetc.interp.values import STORAGE
     from coconetc.runtime import cuda as runtime_cuda
@@ -101,7 +101,7 @@ def check_examples(archs: str) -> list[dict]:
                         torch.cuda.synchronize()
                         outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
                         got = Result({pub: _np(v, STORAGE[ir.type_of(s).dtype]) for (pub, s), v in zip(ir.outputs, outs)},
-                                     {t: _np(args[t], STORAGE[ir.type_of(t).dtype]) for t, _ in ir.updates}, None)
+                                     {t: joined(_np(args[t], STORAGE[ir.type_of(t).dtype])) for t, _ in ir.updates}, None)
                         diffs = compare(ref, [got], ir, ir)
                         rows.append(dict(file=f.name, program=prog, schedule=sched, sizes=sizes or "default",
                                          status="match" if not diffs else "MISMATCH", detail="; ".join(diffs[:3]),

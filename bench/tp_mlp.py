@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     path = ccn_file(a.dtype)
-    if not common.in_mpi_job():
+    if not common.in_mpi_job() and a.ranks > 1:  # one rank runs here (MPI's singleton): no mpiexec needed
         import coconetc
         coconetc.load(path, grad="tp_mlp", backend=a.backend)  # built once, before the ranks start
         from coconetc.launch.mpiexec import run_python
