@@ -140,13 +140,13 @@ def test_cuda_renders_the_accumulation_in_the_chunk_pipeline():
     after the pipeline, then the finish; the reductions are no Reduce units after the chunks."""
     for file, prog, sched, calls in [
             ("adamw.ccn", "adamw", "zero", ["partial_sum<float, true>(red, hi - lo, pa_fused0.sum(0), ctx);",
-                                            "finish_sum<float, true>(pa_fused0.sum(0), v_t0_c, false, ctx);"]),
+                                            "finish_sum<float, true>(pa_fused0.sum(0), v_t0_c, ctx);"]),
             ("scaled_adam.ccn", "scaled_adam", "zero",
              ["partial_sum<float, false>(v_t0_bad + lo, hi - lo, pa_fused0.sum(0), ctx);",
-              "finish_sum<float, false>(pa_fused0.sum(0), v_bad, false, ctx);"]),
+              "finish_sum<float, false>(pa_fused0.sum(0), v_bad, ctx);"]),
             ("amax_scale.ccn", "amax_scale", "zero",
              ["partial_extreme<float, true>(v_t0_a + lo, hi - lo, pa_fused0.extreme(0), ctx, pa_fused0.parts());",
-              "finish_extreme<float, true>(pa_fused0.extreme(0), v_a, false, ctx);"]),
+              "finish_extreme<float, true>(pa_fused0.extreme(0), v_a, ctx);"]),
             ("lamb.ccn", "lamb", "zero_w",
              ["segment_partial<float>(v_w + lo, hi - lo, off + lo, seg_starts, pa_fused0.sum(0), ctx);",
               "segment_partial<float>(v_r + lo, hi - lo, off + lo, seg_starts, "

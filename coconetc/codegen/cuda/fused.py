@@ -107,7 +107,10 @@ class CudaFused:
         sums: list[str] = []  # the sums' sizes so far
         layout: dict[str, str] = {}
         extremes = 0
-        for r in partials:
+        # the whole-slice sums and norms first: in a batch they are combined across its calls too
+        # (runtime.cuh: combine), each segment's norm only across ranks
+        whole = sum(r.op in ("sum", "norm") for r in partials)
+        for r in sorted(partials, key=lambda r: r.op == "segment_norm"):
             if r.op in ("max", "min"):
                 layout[r.dst] = f"pa_{u.name}.extreme({extremes})"
                 extremes += 1
@@ -116,7 +119,7 @@ class CudaFused:
                 sums.append("int64_t(seg_starts.size() - 1)" if r.op == "segment_norm" else "1")
         self.w.emit(f"// {u.name}: {', '.join(f'{r.op}({r.src})' for r in partials)} accumulated chunk by chunk")
         self.w.emit(f"const coconet::cuda::Partials pa_{u.name} = coconet::cuda::partials({self.w.site()}, "
-                    f"{' + '.join(sums) or '0'}, {extremes}, \"{u.name}\", ctx);")
+                    f"{whole}, {' + '.join(sums[whole:]) or '0'}, {extremes}, \"{u.name}\", ctx);")
         return layout
 
     def _accumulate(self, u: Fused, layout: dict[str, str], red: str, ind: str) -> None:
@@ -140,7 +143,7 @@ class CudaFused:
 
     def _combine(self, u: Fused, layout: dict[str, str]) -> None:
         """After the last chunk: every rank's partial results combined (one grouped
-        ncclAllReduce), then each reduction finished into its 0-d result (a segment_norm: its
+        ncclAllReduce; in a batch, every call's too), then each reduction finished into its 0-d result (a segment_norm: its
         segment's norm per element)."""
         if not layout:
             return
@@ -153,10 +156,10 @@ class CudaFused:
                             f"{self.w.offset(xt)}, seg_starts, ctx);")
             elif r.op in ("max", "min"):
                 self.w.emit(f"coconet::cuda::finish_extreme<{T}, {'true' if r.op == 'max' else 'false'}>({acc}, "
-                            f"v_{r.dst}, false, ctx);")
+                            f"v_{r.dst}, ctx);")
             else:
                 self.w.emit(f"coconet::cuda::finish_sum<{T}, {'true' if r.op == 'norm' else 'false'}>({acc}, "
-                            f"v_{r.dst}, false, ctx);")
+                            f"v_{r.dst}, ctx);")
 
     def _fused_extent(self, u: Fused, block: tuple[str, str] | None, outer: str, n0: str, inner: str,
                       mine: str) -> str:

@@ -42,6 +42,7 @@
 #include "../dtypes.h"
 #include "../pointwise.h"
 #include "../slices.h"
+#include "../turns.h"
 
 namespace coconet {
 namespace cuda {
@@ -195,17 +196,21 @@ inline Ctx context(const CallArgs& a) {
 }
 
 // Device buffers of the function's own, kept across calls (one per site; grown when needed).
+// Each call of a batch (batch.cuh) has its own, by its place in the batch (0 outside one): a
+// call paused at a reduction keeps its values there while the others run.
 inline void* scratch_bytes(int site, size_t bytes) {
   static std::mutex mu;
-  static std::map<int, std::pair<void*, size_t>> bufs;
+  static std::map<std::pair<int, int>, std::pair<void*, size_t>> bufs;
+  const int slot = batch_slot();
   std::lock_guard<std::mutex> lock(mu);
-  auto& b = bufs[site];
+  auto& b = bufs[{slot, site}];
   if (b.second < bytes) {
     if (b.first) COCONET_CUDA(cudaFree(b.first));
     b.first = nullptr;
     COCONET_CUDA(cudaMalloc(&b.first, bytes > 0 ? bytes : 1));
     b.second = bytes;
-    COCONET_BUFFER(b.first, bytes > 0 ? bytes : 1, "scratch #" + std::to_string(site));
+    COCONET_BUFFER(b.first, bytes > 0 ? bytes : 1,
+                   "scratch #" + std::to_string(site) + (slot ? " of batch call " + std::to_string(slot) : ""));
   }
   return b.first;
 }
@@ -273,6 +278,14 @@ void launch(int64_t n, cudaStream_t s, F f) {
   COCONET_LAUNCH(each_kernel, static_cast<unsigned>(blocks), threads, 0, s, n, f);
   COCONET_CUDA(cudaGetLastError());
 }
+
+}  // namespace cuda
+}  // namespace coconet
+
+#include "batch.cuh"  // a batch's calls combining their reductions (needs Ctx, scratch, launch above)
+
+namespace coconet {
+namespace cuda {
 
 // ---- pointwise kernels: Lets once per thread, 16-byte vector accesses where aligned -------------
 //
@@ -420,23 +433,24 @@ void partial_sum(const T* x, int64_t n, double* acc, const Ctx& c) {
   COCONET_CUDA(cudaGetLastError());
 }
 
-// dst[0] = *acc (or its square root); cross_rank: the ranks' partial sums are added first (NCCL).
+// dst[0] = *acc (or its square root), acc combined already (reduce_across, or combine).
 template <class T, bool NORM>
-void finish_sum(double* acc, T* dst, bool cross_rank, const Ctx& c) {
-  if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 1, ncclFloat64, ncclSum, c.comm, c.stream));
+void finish_sum(const double* acc, T* dst, const Ctx& c) {
   void (*finish)(const double*, T*) = finish_sum_kernel<T, NORM>;
   COCONET_ACCESS(COCONET_R(acc, 0, 1), COCONET_W(dst, 0, 1));
   COCONET_LAUNCH(finish, 1, 1, 0, c.stream, acc, dst);
   COCONET_CUDA(cudaGetLastError());
 }
 
-// dst[0] = sum (or L2 norm) of x[0, n); cross_rank: the ranks' partial sums are added (NCCL).
+// dst[0] = sum (or L2 norm) of x[0, n); cross_rank: the ranks' partial sums are added (NCCL);
+// in a batch, every call's too (batch.cuh).
 template <class T, bool NORM>
 void reduce_sum(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
   double* acc = scratch<double>(site, 1);
   COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
   partial_sum<T, NORM>(x, n, acc, c);
-  finish_sum<T, NORM>(acc, dst, cross_rank, c);
+  reduce_across(acc, 1, cross_rank, false, c);
+  finish_sum<T, NORM>(acc, dst, c);
 }
 
 // ---- max(x), min(x) ---------------------------------------------------------------------------
@@ -531,9 +545,9 @@ void partial_extreme(const T* x, int64_t n, double* acc, const Ctx& c, double* p
   COCONET_CUDA(cudaGetLastError());
 }
 
+// dst[0] = the extreme acc holds, acc combined already (reduce_across, or combine).
 template <class T, bool MAX>
-void finish_extreme(double* acc, T* dst, bool cross_rank, const Ctx& c) {
-  if (cross_rank) COCONET_CUDA(ncclAllReduce(acc, acc, 2, ncclFloat64, ncclMax, c.comm, c.stream));
+void finish_extreme(const double* acc, T* dst, const Ctx& c) {
   void (*finish)(const double*, T*) = finish_extreme_kernel<T, MAX>;
   COCONET_ACCESS(COCONET_R(acc, 0, 2), COCONET_W(dst, 0, 1));
   COCONET_LAUNCH(finish, 1, 1, 0, c.stream, acc, dst);
@@ -554,12 +568,14 @@ inline double* extreme_acc(int site, const Ctx& c) {
   return acc;
 }
 
-// dst[0] = max(x[0, n)) (MAX) or min; cross_rank: over the ranks' parts too.
+// dst[0] = max(x[0, n)) (MAX) or min; cross_rank: over the ranks' parts too; in a batch, over
+// every call's (batch.cuh).
 template <class T, bool MAX>
 void reduce_extreme(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
   double* acc = extreme_acc(site, c);
   partial_extreme<T, MAX>(x, n, acc, c);
-  finish_extreme<T, MAX>(acc, dst, cross_rank, c);
+  reduce_across(acc, 2, cross_rank, true, c);
+  finish_extreme<T, MAX>(acc, dst, c);
 }
 
 // layernorm over the last dim: one thread per row.
@@ -867,23 +883,27 @@ void unpack(const T* P, T* dst, int64_t outer, int64_t n, int64_t inner, Range r
 //
 // One array of doubles per fused unit, accumulated by the chunks' partial_sum / partial_extreme /
 // segment_partial calls on the call's stream: first `sums` partial sums (a sum or a norm: one; a
-// segment_norm: one per segment), then a pair per max/min (extreme_acc's acc[0], acc[1]), then the
-// block parts partial_extreme folds through (shared: the partial kernels run in stream order).
+// segment_norm: one per segment; the `whole` sums and norms first, then the segments'), then a
+// pair per max/min (extreme_acc's acc[0], acc[1]), then the block parts partial_extreme folds
+// through (shared: the partial kernels run in stream order).
 // After the last chunk, combine() adds the sums across the group and takes the pairs' ncclMax (NaN
 // as the flag, min as the max of its negation: as reduce_extreme), in one grouped call; then
 // finish_sum / finish_extreme / segment_norm_fill write the results.
 struct Partials {
   double* acc;
-  int64_t sums, extremes;
+  int64_t sums, extremes, whole;
   double* sum(int64_t at) const { return acc + at; }
   double* extreme(int64_t e) const { return acc + sums + 2 * e; }
   double* parts() const { return acc + sums + 2 * extremes; }
 };
 
-// The accumulators of fused unit `name`, initialized on the call's stream (sums 0, extremes none yet).
-inline Partials partials(int site, int64_t sums, int64_t extremes, const char* name, const Ctx& c) {
+// The accumulators of fused unit `name` (whole sums and norms, segments' sums, max/min pairs),
+// initialized on the call's stream (sums 0, extremes none yet).
+inline Partials partials(int site, int64_t whole, int64_t segment_sums, int64_t extremes, const char* name,
+                         const Ctx& c) {
+  const int64_t sums = whole + segment_sums;
   const int64_t n = sums + 2 * extremes + (extremes > 0 ? 2 * kExtremeBlocks : 0);
-  const Partials p{scratch<double>(site, n), sums, extremes};
+  const Partials p{scratch<double>(site, n), sums, extremes, whole};
   COCONET_BUFFER(p.acc, size_t(n) * sizeof(double), std::string("the partial results of fused ") + name);
   (void)name;
   if (sums > 0) COCONET_CUDA(cudaMemsetAsync(p.acc, 0, size_t(sums) * sizeof(double), c.stream));
@@ -892,7 +912,17 @@ inline Partials partials(int site, int64_t sums, int64_t extremes, const char* n
 }
 
 // Every rank's partial results combined, in place: one grouped call of one or two ncclAllReduce.
+// In a batch (batch.cuh) the whole sums and the extremes over every call's too; each segment's
+// norm only across ranks (its segments are the call's own parameters), as on the CPU.
 inline void combine(const Partials& p, const Ctx& c) {
+  if (Batch* b = current_batch()) {
+    if (p.whole > 0) combine_calls(*b, batch_slot(), p.acc, p.whole, true, false, c);
+    if (p.extremes > 0) combine_calls(*b, batch_slot(), p.extreme(0), 2 * p.extremes, true, true, c);
+    if (p.sums > p.whole)
+      COCONET_CUDA(ncclAllReduce(p.sum(p.whole), p.sum(p.whole), size_t(p.sums - p.whole), ncclFloat64, ncclSum,
+                                 c.comm, c.stream));
+    return;
+  }
   Group_ g;
   if (p.sums > 0) COCONET_CUDA(ncclAllReduce(p.acc, p.acc, size_t(p.sums), ncclFloat64, ncclSum, c.comm, c.stream));
   if (p.extremes > 0)
@@ -1078,7 +1108,8 @@ void reduce_sum(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx&
   double* acc = scratch<double>(site, 1);
   COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
   for (const Piece& pc : pieces(x.starts, 0, n)) partial_sum<T, NORM>(x.at(pc), pc.size, acc, c);
-  finish_sum<T, NORM>(acc, dst, cross_rank, c);
+  reduce_across(acc, 1, cross_rank, false, c);
+  finish_sum<T, NORM>(acc, dst, c);
 }
 
 // max (MAX) or min of the logical [0, n) of a scattered x, a block reduction per piece, as reduce_extreme.
@@ -1086,7 +1117,8 @@ template <class T, bool MAX>
 void reduce_extreme(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
   double* acc = extreme_acc(site, c);
   for (const Piece& pc : pieces(x.starts, 0, n)) partial_extreme<T, MAX>(x.at(pc), pc.size, acc, c);
-  finish_extreme<T, MAX>(acc, dst, cross_rank, c);
+  reduce_across(acc, 2, cross_rank, true, c);
+  finish_extreme<T, MAX>(acc, dst, c);
 }
 
 // Root's scattered x into every rank's contiguous y[0, n): one grouped ncclBroadcast per piece.
