@@ -23,10 +23,10 @@ that is safe (the CPU backend, flat weights, every rank of `comm` on one node); 
 `backend=` (None: the parameters' device) picks the CPU module or the CUDA one (NCCL made from
 `comm` or from a torch.distributed `process_group=`; CPU tensors for CUDA ones only under
 COCONET_CUDA_EMULATE=1); `master=` names f32 master weights for mixed precision.
-`across_groups=True` (CPU backend) takes every `sum`/`norm` of the program over all parameter
-groups together, as `clip_grad_norm_(model.parameters())` and GradScaler's inf check do: the
-groups' calls run as one batch (coconetc/runtime/batch.py) that stops at each reduction until
-every group has its partial result. After each step `opt.outputs` holds the program's outputs
+`across_groups=True` (both backends) takes every `sum`/`norm`/`max`/`min` of the program over
+all parameter groups together, as `clip_grad_norm_(model.parameters())` and GradScaler's inf
+check do: the groups' calls run as one batch (coconetc/runtime/batch.py) that stops at each
+reduction until every group has its partial result (on CUDA, on the one stream of the step). After each step `opt.outputs` holds the program's outputs
 per group; `skipped=` names one that, nonzero, means the step was skipped (it does not count),
 and `feedback=` sets scalars from outputs (a loss scale), as GradScaler does.
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
@@ -320,10 +320,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._shared = bool(shared_memory)
         if not isinstance(across_groups, bool):
             raise TypeError(f"DistributedOptimizer: across_groups must be True or False, got {across_groups!r}")
-        if across_groups and backend != "cpu":
-            raise ValueError("DistributedOptimizer: across_groups=True (reductions over every parameter "
-                             "group) runs on the CPU backend only so far; on CUDA, put the parameters "
-                             "whose gradients are clipped together in one group")
         self._across = across_groups
         return backend
 

@@ -1,6 +1,7 @@
 """Calls of one module function run as one step whose reductions span them
-(runtime_cpp/coconet/batch.h): inside `together()`, a CPU module call is checked and agreed
-with the other ranks as always, but its module function does not run yet; when the block ends,
+(runtime_cpp/coconet/turns.h; the CPU's batch.h, CUDA's cuda/batch.cuh): inside `together()`, a
+module call (CPU or CUDA) is checked and agreed with the other ranks as always, but its module
+function does not run yet; when the block ends,
 the calls collected run as one batch, in which every `sum`/`norm` of the program is taken over
 all of them (each call stops at a reduction until every call has left its partial result).
 DistributedOptimizer(across_groups=True) calls its program once per parameter group this way,
@@ -18,14 +19,18 @@ from typing import Any
 _local = threading.local()
 
 
-def invoke(ext: Any, run: Any, args: Any) -> None:
+def invoke(ext: Any, run: Any, args: Any, around: Any = None) -> None:
     """Runs the function `run` of the module `ext` on `args` now, or, inside together(), at
-    its end."""
+    its end. around: None, or a function that runs its argument (a function of no arguments:
+    the call, or the batch's calls together) as the module's calls must run (the emulated CUDA
+    module's abort path and synchronization)."""
     pending = getattr(_local, "pending", None)
-    if pending is None:
+    if pending is not None:
+        pending.append((ext, run, args, around))
+    elif around is None:
         run(args)
     else:
-        pending.append((ext, run, args))
+        around(lambda: run(args))
 
 
 @contextmanager
@@ -43,15 +48,21 @@ def together() -> Iterator[None]:
     run_all(calls)
 
 
-def run_all(calls: list[tuple[Any, Any, Any]]) -> None:
-    if len(calls) == 1:
-        _, run, args = calls[0]
-        run(args)
-    if len(calls) <= 1:
+def run_all(calls: list[tuple[Any, Any, Any, Any]]) -> None:
+    if not calls:
         return
-    names = {(id(ext), ext.__name__, run.__name__) for ext, run, _ in calls}
+    names = {(id(ext), ext.__name__, run.__name__) for ext, run, _, _ in calls}
     if len(names) != 1:
         raise ValueError(f"coconetc: the calls of one batch must be of one function of one module "
                          f"(got {', '.join(sorted(m + '.' + n for _, m, n in names))})")
-    ext, run, _ = calls[0]
-    ext._batch(run.__name__, [args for _, _, args in calls])
+    ext, run, args, around = calls[0]
+    if len(calls) == 1:
+        def go() -> None:
+            run(args)
+    else:
+        def go() -> None:
+            ext._batch(run.__name__, [a for _, _, a, _ in calls])
+    if around is None:
+        go()
+    else:
+        around(go)

@@ -26,7 +26,7 @@ from coconetc.ir.arguments import from_torch, is_torch, overlapping
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
-from coconetc.runtime import agree, marshal
+from coconetc.runtime import agree, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
@@ -282,9 +282,10 @@ class CudaProgram:
 
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
-         comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int) -> list:
+         comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int, around: Any = None) -> list:
     """The module function with the call's arguments (marshal.py, as the CPU runtime lays them
-    out) on STREAM; returns the outputs made by `make`."""
+    out) on STREAM, now or, inside batch.together(), with the batch's other calls at its end
+    (around: how it runs, batch.invoke); returns the outputs made by `make`."""
     gs = ranks // groups
     args = fn.ext.CallArgs()
     marshal.tensors(args, p, local, segments, ptr)
@@ -293,7 +294,7 @@ def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: 
     marshal.scalars(args, p, local, sizes)
     args.stream = stream
     args.comm, args.groups = comm.handle, groups
-    getattr(fn.ext, function_name(fn.name, label.name))(args)
+    batch.invoke(fn.ext, getattr(fn.ext, function_name(fn.name, label.name)), args, around)
     return outs
 
 
@@ -452,12 +453,15 @@ class EmulatedProgram(CudaProgram):
                        for v in kwargs.values())
         label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
                                                          lambda p: _check_local_numpy(p, kwargs))
-        def body() -> list:
-            outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
-                        _numpy_zeros, 0)
-            self.ext.synchronize()
-            return outs
-        outs = _guarded(self.ext, comm, f"{self.ext.__name__}.{self.name}(schedule={str(label)!r})", body)
+        what = f"{self.ext.__name__}.{self.name}(schedule={str(label)!r})"
+
+        def around(go) -> None:  # the call (or a batch of calls, batch.py) synchronized, guarded
+            def body() -> None:
+                go()
+                self.ext.synchronize()
+            _guarded(self.ext, comm, what, body)
+        outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
+                    _numpy_zeros, 0, around)
         if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out
             outs = [marshal.as_torch(o) for o in outs]
         return marshal.returned(outs)
