@@ -279,7 +279,6 @@ def test_state_dict_format_follows_torch(built):
     (dict(HYPER, schedule="nope"), ValueError, "unknown schedule 'nope'"),
     (dict(HYPER, program="sgd"), ValueError, "no program 'sgd'"),
     (dict(HYPER, across_groups=1), TypeError, "across_groups must be True or False"),
-    (dict(HYPER, across_groups=True, backend="cuda"), ValueError, "CPU backend only so far"),
     (dict(HYPER, skipped="bad"), ValueError, r"skipped='bad' must name a 0-d output of the program \(its outputs: none\)"),
     (dict(HYPER, feedback=[("scale", "x")]), TypeError, "feedback must be a dict {scalar: output}, got list"),
     (dict(HYPER, feedback={"scale": "x"}), ValueError, r"feedback=\{'scale': ...\} must name a scalar of the program \(its scalars: lr, beta1"),

@@ -5,7 +5,8 @@ examples/adam.ccn the CUDA module has, against torch.optim.Adam and against the 
 (also on 1 and 4 ranks, slow);
 AdamW; a checkpoint of the emulated CUDA optimizer loaded by the CPU one and back;
 process_group= with a gloo group; mixed precision (f16 and bf16 parameters, f32 master weights
-and state). In this process: without the switch, CPU tensors given to the CUDA backend are an
+and state); across_groups=True (clipping by the norm of every group, the loss-scaled step's
+inf/NaN test over every group). In this process: without the switch, CPU tensors given to the CUDA backend are an
 error naming the tensor (nothing built).
 
 The ranks run tests/torch_optimizer_cuda_worker.py; the modules are built once into the pytest
@@ -26,7 +27,7 @@ torch = pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[1]
 EX = REPO / "examples"
 WORKER = Path(__file__).with_name("torch_optimizer_cuda_worker.py")
-FILES = ("adam", "adamw", "mixed_adam", "mixed_adam_bf16")
+FILES = ("adam", "adamw", "mixed_adam", "mixed_adam_bf16", "scaled_adam")
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 
 
@@ -95,6 +96,45 @@ def test_mixed_precision_f16_and_bf16(built, capfd, ranks):
                         for w in ("master", "params", "state", "f32_state")]
            + [f"mixed:{f}:zero:R{ranks}:cuda_vs_cpu" for f in ("mixed_adam", "mixed_adam_bf16")])
     assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
+    """adamw.ccn with two parameter groups (their own lr and weight decay), every schedule of the
+    CUDA module: across_groups=True clips by the norm of both (clip_grad_norm_(model.parameters()))
+    as the CPU backend does, False by each group's own; every step clips, and the two differ."""
+    rc, lines, log = _run(capfd, ranks, "across")
+    scheds = next(ln for ln in lines if ln.startswith("SCHEDULES ")).split()[1:]
+    assert scheds == ["default", "rs_c_ag", "sliced", "zero"], log
+    _check(lines, log, [f"across:{s}:R{ranks}:{a}:{w}" for s in scheds for a in ("across_groups", "per_group")
+                        for w in ("backend", "params_vs_torch", "params_vs_cpu", "clipped")]
+           + [f"across:{s}:R{ranks}:norms_differ" for s in scheds])
+    assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_loss_scaled_step_across_groups(built, capfd, ranks):
+    """scaled_adam.ccn (f16 parameters, f32 master weights, dynamic loss scale), two groups,
+    across_groups=True on the CUDA backend, every schedule: an inf and a NaN in one group's
+    gradient skip every group's step and halve the scale (test_torch_optimizer.py's check)."""
+    rc, lines, log = _run(capfd, ranks, "scaled")
+    scheds = next(ln for ln in lines if ln.startswith("SCHEDULES ")).split()[1:]
+    assert scheds == ["default", "rs_c_ag", "zero"], log
+    _check(lines, log, [f"scaled_cuda:{s}:R{ranks}:{what}" for s in scheds
+                        for what in ("master", "params", "state", "skipped", "bad_and_scale", "steps")])
+    assert rc == 0, log
+
+
+def test_a_batch_runs_on_one_stream(built):
+    """The calls of one batch must share a stream (they run on it in turn): two streams raise."""
+    import coconetc
+    from coconetc.runtime import batch
+    fn = coconetc.load(EX / "adamw.ccn", log=lambda msg: None, backend="cuda").adamw
+    ext = fn.ext
+    calls = [ext.CallArgs(), ext.CallArgs()]
+    calls[1].stream = 1
+    with pytest.raises(ValueError, match="every call must be given the same stream"):
+        batch.run_all([(ext, ext.adamw__default, a, None) for a in calls])
 
 
 @pytest.mark.parametrize("made_from", ["mpi", "pg"])

@@ -17,6 +17,14 @@ MODE pg            process_group= a gloo group made inside the mpiexec job (no c
 MODE mixed         mixed precision: f16 (mixed_adam.ccn) and bf16 (mixed_adam_bf16.ccn)
                    parameters and gradients, f32 master weights and state, on both backends,
                    against torch.optim.Adam on f32 copies
+MODE across        examples/adamw.ccn, every schedule the CUDA module has, two parameter groups
+                   (matrices decayed, biases not) with across_groups=True, backend="cuda": against
+                   clip_grad_norm_(model.parameters()) + torch.optim.AdamW with the same groups and
+                   against the CPU backend with across_groups=True; across_groups=False against
+                   each group clipped by its own norm, and the two train differently
+MODE scaled        examples/scaled_adam.ccn, two groups, across_groups=True on the CUDA backend
+                   (every schedule its CUDA module has): tests/torch_optimizer_worker.py's
+                   mode_scaled (an inf and a NaN in one group skip every group's step)
 MODE abort [SCHED [pg]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
                    (pg: the communicator made from a gloo process group, no MPI);
                    step() must raise on every rank, naming rank 1 and the call, the NCCL
@@ -105,6 +113,63 @@ def mode_adam() -> None:
         tag = "" if schedule == "default" else f":{schedule}"
         report(f"cuda:adamw{tag}:R{R}:params_vs_torch", W.max_diff(trio.models[0], trio.models[2]))
         report(f"cuda:adamw{tag}:R{R}:params_vs_cpu", W.max_diff(trio.models[0], trio.models[1]))
+
+
+def _two_groups(model: torch.nn.Module) -> list[dict]:
+    """Matrices decayed at their own learning rate, biases not decayed (as GPT scripts group them)."""
+    ps = list(model.parameters())
+    return [{"params": ps[0::2], "lr": 2e-2}, {"params": ps[1::2], "wd": 0.0}]
+
+
+def mode_across() -> None:
+    """AdamW clipped by the norm of every group's gradient (across_groups=True) on the CUDA
+    backend, against PyTorch and the CPU backend doing the same; per group (False) against each
+    group's own norm. maxnorm is small enough that every step clips."""
+    from coconetc.torch import _function
+    schedules = sorted(_function(ADAMW, None, backend="cuda").schedules)
+    if rank == 0:
+        print(f"SCHEDULES {' '.join(schedules)}", flush=True)
+    hyper = dict(HYPER, wd=0.1, maxnorm=0.05)
+    betas = (hyper["beta1"], hyper["beta2"])
+    for schedule in schedules:
+        trained = []
+        for across in (True, False):
+            cuda, cpu, ref = (W.make_model() for _ in range(3))
+            opts = [DistributedOptimizer(_two_groups(m), str(ADAMW), schedule=schedule, backend=backend,
+                                         across_groups=across, **hyper)
+                    for m, backend in ((cuda, "cuda"), (cpu, "cpu"))]
+            ref_groups = _two_groups(ref)
+            ref_opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "wd"} |
+                                         {"weight_decay": g.get("wd", hyper["wd"])} for g in ref_groups],
+                                        lr=hyper["lr"], betas=betas, eps=hyper["eps"], foreach=False)
+            clipped = 0
+            for t in range(1, STEPS // 2 + 1):
+                for m, o in ((cuda, opts[0]), (cpu, opts[1]), (ref, ref_opt)):
+                    o.zero_grad()
+                    W.local_loss(m, t).backward()
+                    if o is not ref_opt:
+                        o.step()
+                W.allreduced_grads(ref)
+                parts = [list(ref.parameters())] if across else [g["params"] for g in ref_groups]
+                for ps in parts:
+                    clipped += torch.nn.utils.clip_grad_norm_(ps, hyper["maxnorm"]).item() > hyper["maxnorm"]
+                ref_opt.step()
+            label = f"across:{schedule}:R{R}:{'across_groups' if across else 'per_group'}"
+            report(f"{label}:backend", 0.0 if opts[0].backend == "cuda" else 1.0)
+            report(f"{label}:params_vs_torch", W.max_diff(cuda, ref))
+            report(f"{label}:params_vs_cpu", W.max_diff(cuda, cpu))
+            report(f"{label}:clipped", 0.0 if clipped >= STEPS // 2 else 1.0)  # the clipping mattered
+            trained.append(cuda)
+        # the global norm and the groups' own train differently (each check above tells them apart)
+        report(f"across:{schedule}:R{R}:norms_differ", 0.0 if W.max_diff(*trained) > 1e-3 else 1.0)
+
+
+def mode_scaled() -> None:
+    from coconetc.torch import _function
+    schedules = sorted(_function(EX / "scaled_adam.ccn", None, backend="cuda").schedules)
+    if rank == 0:
+        print(f"SCHEDULES {' '.join(schedules)}", flush=True)
+    W.mode_scaled(schedules, backend="cuda", tag="scaled_cuda")
 
 
 def mode_checkpoint() -> None:
@@ -270,7 +335,7 @@ def mode_abort() -> None:
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
-     "abort": mode_abort}[mode]()
+     "abort": mode_abort, "across": mode_across, "scaled": mode_scaled}[mode]()
     return 1 if W.failures else 0
 
 

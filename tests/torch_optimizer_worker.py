@@ -326,21 +326,22 @@ def mode_clip() -> None:
         report(f"clip:{schedule}:R{R}:norms_differ", 0.0 if max_diff(*trained) > 1e-3 else 1.0)
 
 
-def mode_scaled() -> None:
+def mode_scaled(schedules=("default", "rs_c_ag", "zero"), backend: str | None = None, tag: str = "scaled") -> None:
     """The loss-scaled step against GradScaler's logic written out: the ranks' f16 gradients
     summed in f16 (as the program does), unscaled in f32; any inf/NaN: no optimizer step, the
     scale halved; else torch.optim.Adam on f32 master weights (its step count not advanced by
-    a skipped step). Gradients are drawn per rank from seeds (no forward pass in f16)."""
+    a skipped step). Gradients are drawn per rank from seeds (no forward pass in f16). backend=
+    and the labels' tag: the CUDA worker's (tests/torch_optimizer_cuda_worker.py)."""
     source = REPO / "examples" / "scaled_adam.ccn"
     shapes = [(7, 5), (11,), (3, 4)]
     steps, bad_steps = 8, {3: ("inf", 0), 5: ("nan", 2)}  # step -> (value, group of the bad element)
     tol = 1e-5 if R <= 2 else 4e-3  # f16 sums of more than two ranks: the algorithm's order
-    for schedule in ("default", "rs_c_ag", "zero"):
+    for schedule in schedules:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s).half()) for s in shapes]
         master = [torch.nn.Parameter(p.detach().float()) for p in params]
         opt = DistributedOptimizer([{"params": params[:2]}, {"params": params[2:]}], str(source), schedule=schedule,
-                                   weights="w16", master="w", across_groups=True, skipped="bad",
+                                   backend=backend, weights="w16", master="w", across_groups=True, skipped="bad",
                                    feedback={"scale": "newscale"}, scale=1024.0, **HYPER)
         ref = torch.optim.Adam(master, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
                                eps=HYPER["eps"], foreach=False)
@@ -367,7 +368,7 @@ def mode_scaled() -> None:
             bads = [float(o["bad"]) for o in opt.outputs]
             seen.append((found, all((b > 0) == found for b in bads) and len(bads) == 2,
                          all(g["scale"] == scale for g in opt.param_groups)))
-        label = f"scaled:{schedule}:R{R}"
+        label = f"{tag}:{schedule}:R{R}"
         sd = opt.state_dict()["state"]
         report(f"{label}:master", comm.allreduce(max((sd[i]["w"] - p.detach()).abs().max().item()
                                                      for i, p in enumerate(master)), op=MPI.MAX), tol)
