@@ -17,6 +17,8 @@ MODE pg            process_group= a gloo group made inside the mpiexec job (no c
 MODE mixed         mixed precision: f16 (mixed_adam.ccn) and bf16 (mixed_adam_bf16.ccn)
                    parameters and gradients, f32 master weights and state, on both backends,
                    against torch.optim.Adam on f32 copies
+MODE async         COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1: an asynchronous NCCL error on rank 1 after
+                   its step returned; a later step raises on every rank (the watchdog)
 MODE abort [SCHED [pg]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
                    (pg: the communicator made from a gloo process group, no MPI);
                    step() must raise on every rank, naming rank 1 and the call, the NCCL
@@ -267,10 +269,37 @@ def mode_abort() -> None:
     comm.Barrier()  # MPI_COMM_WORLD is untouched by the abort
 
 
+def mode_async() -> None:
+    """COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1 (set by the test): rank 1's NCCL calls complete but
+    leave an asynchronous error on its communicator, as on a GPU after step() has returned. Steps
+    go on (a pause between them, as a training loop's forward and backward); within a few steps
+    every rank's step raises, naming rank 1 and the asynchronous error (prints "RAISED <rank>
+    <step> <message>"), and the communicator refuses the next one ("AGAIN <rank> <message>")."""
+    model = W.make_model()
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", **HYPER)
+    for t in range(1, 6):
+        opt.zero_grad()
+        W.local_loss(model, t).backward()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            print(f"RAISED {rank} {t} {err}".replace("\n", " "), flush=True)
+            break
+        time.sleep(0.5)
+    else:
+        print(f"NOT RAISED {rank}", flush=True)
+    try:
+        opt.step()
+        print(f"AGAIN NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
+    comm.Barrier()
+
+
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
-     "abort": mode_abort}[mode]()
+     "abort": mode_abort, "async": mode_async}[mode]()
     return 1 if W.failures else 0
 
 
