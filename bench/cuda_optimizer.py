@@ -313,6 +313,41 @@ def communicator(emulate: bool) -> tuple[dict, str, int, int]:
         return {}, f"the default one-rank NCCL communicator (NCCL process group failed: {err})", 0, 1
 
 
+def build_modules() -> float:
+    """Every table's module built at once (nvcc side by side; all of them, so that a later run
+    for the other tables finds them in the cache) before anything is timed; the seconds taken."""
+    from concurrent.futures import ThreadPoolExecutor
+    import coconetc
+    t0 = time.time()
+    every = list(FILES.values())
+    with ThreadPoolExecutor(len(every)) as ex:
+        list(ex.map(lambda f: common_try(lambda: coconetc.load(EX / f, backend="cuda", log=lambda m: None)), every))
+    print(f"built {', '.join(every)} in {time.time() - t0:.0f} s", flush=True)
+    return time.time() - t0
+
+
+def prepare(tables: list[str], only: list[str] | None, comm_kw: dict, dev: str, doc: dict) -> list:
+    """[(table, its variants)] for the tables whose module loads; a warm-up optimizer at a small
+    size under the first schedule of each: the module's NCCL communicator (one per module) is
+    made there, not in the first measured construction. A table that fails is an error row."""
+    import torch
+    plan: list[tuple[str, list[Variant]]] = []
+    for table in tables:
+        try:
+            scheds = schedules_of(table, only or (["default", "zero"] if table == "adamw_f32" else None))
+            vs = variants(table, scheds, comm_kw)
+            p = torch.nn.Parameter(torch.ones(1024, device=dev, dtype=torch.bfloat16 if table == "mixed_bf16" else None))
+            p.grad = torch.zeros_like(p)
+            next(v for v in vs if v.schedule).make(p)[0]()
+            _sync()
+            plan.append((table, vs))
+        except Exception:  # noqa: BLE001
+            err = traceback.format_exc()[-1500:]
+            print(f"{table}: ERROR\n{err}", file=sys.stderr, flush=True)
+            doc["rows"].append(dict(table=table, n=0, variant="(setup)", bytes_per_element=0, error=err))
+    return plan
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20,22,24,26,28", help="exponents of 2 (or sizes), comma-separated")
@@ -326,29 +361,18 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=2, help="--emulate: ranks")
     a = ap.parse_args()
     tables = a.tables.split(",")
-    files = [FILES[t] for t in tables]
     if a.emulate:
         os.environ["COCONET_CUDA_EMULATE"] = "1"
         if not common.in_mpi_job():
-            return common.relaunch(a.ranks, __file__, files, backend="cuda")
+            return common.relaunch(a.ranks, __file__, [FILES[t] for t in tables], backend="cuda")
     import torch
-    build_s = None
+    if not a.emulate and not torch.cuda.is_available():
+        print("cuda_optimizer.py: no CUDA device here (torch.cuda.is_available() is False); "
+              "without one: --emulate", file=sys.stderr)
+        return 2
     if not a.emulate:
-        if not torch.cuda.is_available():
-            print("cuda_optimizer.py: no CUDA device here (torch.cuda.is_available() is False); "
-                  "without one: --emulate", file=sys.stderr)
-            return 2
         torch.cuda.set_device(0)
-        # every table's module built at once (nvcc side by side; all of them, so that a later
-        # run for the other tables finds them in the cache) before anything is timed
-        t0 = time.time()
-        from concurrent.futures import ThreadPoolExecutor
-        import coconetc
-        every = list(FILES.values())
-        with ThreadPoolExecutor(len(every)) as ex:
-            list(ex.map(lambda f: common_try(lambda: coconetc.load(EX / f, backend="cuda", log=lambda m: None)), every))
-        build_s = time.time() - t0
-        print(f"built {', '.join(every)} in {build_s:.0f} s", flush=True)
+    build_s = None if a.emulate else build_modules()
     dev = "cpu" if a.emulate else "cuda"
     comm_kw, comm_words, rank, ranks = communicator(a.emulate)
     doc: dict[str, Any] = {"device": "the host emulation" if a.emulate else torch.cuda.get_device_name(),
@@ -356,26 +380,12 @@ def main() -> int:
                            "communicator": comm_words, "sizes": [], "rows": [], "skipped": [],
                            "copy_bandwidth_Bps": {}, "check_steps": CHECK_STEPS,
                            "build_seconds": build_s}
-    only = a.schedules.split(",") if a.schedules else None
-    plan: list[tuple[str, list[Variant]]] = []
-    for table in tables:
-        try:
-            scheds = schedules_of(table, only or (["default", "zero"] if table == "adamw_f32" else None))
-            # a warm-up optimizer at a small size under the first schedule: the module's NCCL
-            # communicator (one per module) is made here, not in the first measured construction
-            vs = variants(table, scheds, comm_kw)
-            p = torch.nn.Parameter(torch.ones(1024, device=dev, dtype=torch.bfloat16 if table == "mixed_bf16" else None))
-            p.grad = torch.zeros_like(p)
-            next(v for v in vs if v.schedule).make(p)[0]()
-            _sync()
-            plan.append((table, vs))
-        except Exception:  # noqa: BLE001
-            err = traceback.format_exc()[-1500:]
-            print(f"{table}: ERROR\n{err}", file=sys.stderr, flush=True)
-            doc["rows"].append(dict(table=table, n=0, variant="(setup)", bytes_per_element=0, error=err))
+    out = Path(a.json) if a.json else common.HERE / "results" / "cuda_optimizer.json"
+    plan = prepare(tables, a.schedules.split(",") if a.schedules else None, comm_kw, dev, doc)
     for n in common.sizes_arg(a.sizes):
         doc["sizes"].append(n)
         copy_bw: dict[int, float] = {}
+        doc["copy_bandwidth_Bps"][str(n)] = copy_bw
         for table, vs in plan:
             free = _free()
             need = PEAK_BYTES[table] * n
@@ -386,16 +396,24 @@ def main() -> int:
                 continue
             t0 = time.time()
             doc["rows"] += run_table(table, n, vs, ranks, a.reps, dev, copy_bw)
-            if rank == 0:
+            if rank == 0:  # written after every table: a step stopped at its time limit keeps what ran
                 print(f"{table} N = {n}: {time.time() - t0:.1f} s", flush=True)
-        doc["copy_bandwidth_Bps"][str(n)] = {str(k): v for k, v in copy_bw.items()}
+                save(doc, out)
     if rank == 0:
         print(markdown(doc), flush=True)
-        out = Path(a.json) if a.json else common.HERE / "results" / "cuda_optimizer.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1))
+        save(doc, out)
         print(f"wrote {out}")
+    if "process_group" in comm_kw:
+        import torch.distributed as dist
+        common_try(dist.destroy_process_group)
     return 1 if any(r.get("error") for r in doc["rows"]) else 0
+
+
+def save(doc: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
 
 
 def common_try(fn: Callable[[], Any]) -> Any:
