@@ -25,6 +25,8 @@ OUT=${1:-out/gpu}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
+# one build per module for the whole session: the GPU's architecture only (H100/H200: 90), one cache
+export COCONET_CUDA_ARCHS=${COCONET_CUDA_ARCHS:-90} COCONET_CACHE=${COCONET_CACHE:-/tmp/coconet_session_cache}
 LOG="$OUT/session.log"
 : >"$LOG"
 tmp=$(mktemp -d)
@@ -52,7 +54,12 @@ check() {  # bench/cuda_gpu_check.py --skip-bench ARGS, its JSON as $tmp/NAME.js
     python3 -c 'import nvidia.nccl, pathlib; p = pathlib.Path(nvidia.nccl.__path__[0]); print("nccl wheel", p, sorted(x.name for x in (p / "include").glob("nccl*")))'
     nvcc --version | tail -n 2
 } >>"$LOG" 2>&1
-check examples 420 python3 bench/cuda_gpu_check.py
+# the tensor-parallel layer's modules (with their derived backward) build beside the examples
+python3 -c 'import sys; sys.path.insert(0, "bench"); import coconetc, tp_mlp
+for d in ("f32", "bf16"): coconetc.load(tp_mlp.ccn_file(d), grad="tp_mlp", backend="cuda", log=lambda m: None)' \
+    >>"$LOG" 2>&1 &
+check examples 420 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
+wait
 step optimizer_f32 300 python3 bench/cuda_optimizer.py --tables adam_f32,adamw_f32 --sizes 20,22,24,26,28 \
     --json "$tmp/optimizer_f32.json"
 step optimizer_bf16 240 python3 bench/cuda_optimizer.py --tables mixed_bf16 --sizes 20,22,24,26,28 \
@@ -60,9 +67,9 @@ step optimizer_bf16 240 python3 bench/cuda_optimizer.py --tables mixed_bf16 --si
 step tp_mlp_f32 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$tmp/tp_mlp_f32.json"
 step tp_mlp_bf16 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \
     --json "$tmp/tp_mlp_bf16.json"
-check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 python3 bench/cuda_gpu_check.py
-check misalign 240 python3 bench/cuda_gpu_check.py --misalign
-check chunks 300 env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --odd 37
+check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
+check misalign 240 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --misalign
+check chunks 300 env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --odd 37
 step adam_step 180 python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step.json"
 step adam_step_symmetric 120 env COCONET_CUDA_FUSED=symmetric \
     python3 bench/adam_step.py --backend cuda --sizes 26 --json "$tmp/adam_step_symmetric.json"
