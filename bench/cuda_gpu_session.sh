@@ -7,19 +7,22 @@
 #                   clip_grad_norm_ + fused AdamW, at 2^20 .. 2^28 (bench/cuda_optimizer.py)
 #   optimizer_bf16  the same with bf16 parameters and gradients, f32 master weights and state,
 #                   against torch's ways (an f32 master copy; fused Adam on the bf16 parameters)
+#   adam_step, adam_step_symmetric  the module's Adam step called directly against torch's fused
+#                   Adam, the pipeline and (COCONET_CUDA_FUSED=symmetric) the device-API kernel
+#   symmetric       the examples with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
 #   tp_mlp_f32, tp_mlp_bf16  the tensor-parallel MLP's forward + backward
 #                   (coconetc.torch.function) against the same layer in PyTorch
-#   symmetric       the examples with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
-#   misalign        the examples with every tensor one element off (the element path)
 #   chunks          the examples at size 37 in 5-element chunks (every fused pipeline runs many chunks)
-#   adam_step, adam_step_symmetric  the module's Adam step called directly against torch's fused Adam
+#   misalign        the examples with every tensor one element off (the element path)
 # then bench/cuda_gpu_report.py merges them. OUTDIR ends up with three files only (the device
 # tool brings back at most 8):
 #   session.log      every step's output, its exit code and seconds
 #   gpu_session.json every step's JSON whole, the steps' exit codes and seconds, matches per way
 #   gpu_session.md   one markdown report (printed at the end too)
 # A step that fails does not stop the others; each runs under `timeout` (seconds below, times
-# COCONET_SESSION_TIMEOUT_SCALE, default 1), so a hang costs that step only.
+# COCONET_SESSION_TIMEOUT_SCALE, default 1), so a hang costs that step only; with
+# COCONET_SESSION_BUDGET=S the whole session keeps within S seconds (a device lease's limit):
+# each step gets at most what is left, and the steps that no longer fit are skipped, named.
 set -u
 OUT=${1:-out/gpu}
 mkdir -p "$OUT"
@@ -31,10 +34,20 @@ LOG="$OUT/session.log"
 : >"$LOG"
 tmp=$(mktemp -d)
 SCALE=${COCONET_SESSION_TIMEOUT_SCALE:-1}
+BUDGET=${COCONET_SESSION_BUDGET:-0}  # seconds for the whole session (0: no limit): later steps get what is left
 step() {
     local name=$1 limit=$(($2 * SCALE))
     shift 2
     local t0=$SECONDS rc
+    if [ "$BUDGET" -gt 0 ] && [ "$name" != report ]; then
+        local left=$((BUDGET - SECONDS - 20))  # 20 s kept for the report
+        if [ $left -lt 30 ]; then
+            echo "=== $name: skipped, the session's budget of $BUDGET s is spent" | tee -a "$LOG"
+            printf '%s\t%s\t%s\n' "$name" "skipped" 0 >>"$tmp/steps.tsv"
+            return
+        fi
+        [ $left -lt $limit ] && limit=$left
+    fi
     echo "=== $name: $*" | tee -a "$LOG"
     timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
     rc=$?
@@ -64,15 +77,15 @@ step optimizer_f32 300 python3 bench/cuda_optimizer.py --tables adam_f32,adamw_f
     --json "$tmp/optimizer_f32.json"
 step optimizer_bf16 240 python3 bench/cuda_optimizer.py --tables mixed_bf16 --sizes 20,22,24,26,28 \
     --json "$tmp/optimizer_bf16.json"
+step adam_step 180 python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step.json"
+step adam_step_symmetric 120 env COCONET_CUDA_FUSED=symmetric \
+    python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step_symmetric.json"
+check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
 step tp_mlp_f32 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$tmp/tp_mlp_f32.json"
 step tp_mlp_bf16 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \
     --json "$tmp/tp_mlp_bf16.json"
-check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
-check misalign 240 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --misalign
 check chunks 300 env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --odd 37
-step adam_step 180 python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step.json"
-step adam_step_symmetric 120 env COCONET_CUDA_FUSED=symmetric \
-    python3 bench/adam_step.py --backend cuda --sizes 26 --json "$tmp/adam_step_symmetric.json"
+check misalign 240 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --misalign
 step report 60 python3 bench/cuda_gpu_report.py "$tmp" --out "$OUT"
 cat "$OUT/gpu_session.md" 2>/dev/null
 rm -rf "$tmp"
