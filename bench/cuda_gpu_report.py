@@ -9,6 +9,7 @@ What each JSON is, is read from its contents:
   * bench/cuda_gpu_check.py's ("examples": rows): one "way" each (examples: as allocated, the
     vector path; misalign: the element path; symmetric: the device-API kernel; chunks: many
     chunks per fused collective): matches per way, and every row that is not a match listed;
+  * bench/cuda_optimizer_check.py's ("checks"): each check's value against its tolerance;
   * bench/cuda_optimizer.py's ("rows" with "table"): its tables (cuda_optimizer.markdown);
   * the timing tables of bench/tp_mlp.py and bench/adam_step.py --backend cuda ("sizes", each
     with "baselines" and "coconet", in seconds): per size, every variant's ms and its time over
@@ -35,7 +36,7 @@ WAYS = {"examples": "as allocated (vector path)", "misalign": "every tensor one 
         "chunks": "size 37 in 5-element chunks (COCONET_CUDA_CHUNK=5)"}
 
 # without steps.tsv: the session script's order of its steps
-FALLBACK_ORDER = ["examples", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "symmetric",
+FALLBACK_ORDER = ["examples", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "symmetric",
                   "misalign", "chunks", "adam_step", "adam_step_symmetric"]
 
 
@@ -133,6 +134,24 @@ def _is_optimizer(doc: Any) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("rows"), list) and all("table" in r for r in doc["rows"])
 
 
+def _is_checks(doc: Any) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("checks"), list)
+
+
+def checks_section(name: str, doc: dict) -> list[str]:
+    """bench/cuda_optimizer_check.py's checks: each one's value against its tolerance."""
+    rows = doc["checks"]
+    ok = sum(1 for r in rows if r.get("ok"))
+    lines = [f"\n## {name} (bench/cuda_optimizer_check.py): {ok} of {len(rows)} checks passed",
+             "\n| check | value | tolerance | result |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        v = r.get("value")
+        value = f"{v:.3g}" if isinstance(v, float) else _cell(str(v))
+        lines.append(f"| {_cell(str(r.get('check')))} | {value} | {r.get('tolerance') or ''} | "
+                     f"{'ok' if r.get('ok') else 'FAILED'} |")
+    return lines
+
+
 def _is_timing(doc: Any) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("sizes"), dict) and all(
         isinstance(r, dict) and "coconet" in r for r in doc["sizes"].values())
@@ -148,11 +167,14 @@ def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -
     ex_lines, summary = examples_section(results)
     lines += ex_lines
     for name, doc in results.items():
+        if name not in summary and _is_checks(doc):
+            lines += checks_section(name, doc)
+    for name, doc in results.items():
         if name not in summary and _is_optimizer(doc):
             lines += [f"\n## {name} (bench/cuda_optimizer.py; communicator: {doc.get('communicator', '')})",
                       cuda_optimizer.markdown(doc)]
     for name, doc in results.items():
-        if name in summary or _is_optimizer(doc):
+        if name in summary or _is_optimizer(doc) or _is_checks(doc):
             continue
         if not _is_timing(doc):
             unread.setdefault(name, "not a table this report knows")

@@ -3,6 +3,9 @@
 #   bash bench/cuda_gpu_session.sh OUTDIR
 # Steps (each one's JSON in a temp directory, named after the step):
 #   examples        every example, program and schedule against the interpreter (vector path)
+#   optimizer_check coconetc.torch.DistributedOptimizer on a small model against torch: every
+#                   schedule, clipping, process_group and MPI, checkpoints to the CPU backend and
+#                   back, bf16/f16 with f32 master weights (bench/cuda_optimizer_check.py)
 #   optimizer_f32   coconetc.torch.DistributedOptimizer against torch's fused Adam, and against
 #                   clip_grad_norm_ + fused AdamW, at 2^20 .. 2^28 (bench/cuda_optimizer.py)
 #   optimizer_bf16  the same with bf16 parameters and gradients, f32 master weights and state,
@@ -73,6 +76,7 @@ for d in ("f32", "bf16"): coconetc.load(tp_mlp.ccn_file(d), grad="tp_mlp", backe
     >>"$LOG" 2>&1 &
 check examples 420 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
 wait
+step optimizer_check 180 python3 bench/cuda_optimizer_check.py --json "$tmp/optimizer_check.json"
 step optimizer_f32 300 python3 bench/cuda_optimizer.py --tables adam_f32,adamw_f32 --sizes 20,22,24,26,28 \
     --json "$tmp/optimizer_f32.json"
 step optimizer_bf16 240 python3 bench/cuda_optimizer.py --tables mixed_bf16 --sizes 20,22,24,26,28 \
