@@ -37,11 +37,12 @@ def in_mpi_job() -> bool:
     return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
 
 
-def relaunch(ranks: int, script: str, ccn_files: list[str]) -> int:
-    """Builds the modules once (before the ranks start), then runs SCRIPT on RANKS ranks."""
+def relaunch(ranks: int, script: str, ccn_files: list[str], backend: str = "cpu") -> int:
+    """Builds the modules once (before the ranks start; BACKEND's: "cuda" under
+    COCONET_CUDA_EMULATE=1 is the host emulation's), then runs SCRIPT on RANKS ranks."""
     import coconetc
     for f in ccn_files:
-        coconetc.load(ROOT / "examples" / f)
+        coconetc.load(ROOT / "examples" / f, backend=backend)
     from coconetc.launch.mpiexec import run_python
     return run_python(ranks, [script, *sys.argv[1:]])
 
@@ -69,6 +70,48 @@ def timed_all(comm, fns: dict[Any, Callable[[], Any]], reps: int, warmup: int = 
     from coconetc.jobs.timing import slowest_medians, timed_rounds
     calls = {k: (lambda fn=fn: fn) for k, fn in fns.items()}
     return slowest_medians(comm, timed_rounds(comm, calls, reps, warmup, barrier_after=True))
+
+
+def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
+    """Median over REPS calls of FN, in seconds, after WARMUP calls: on a GPU each call between
+    two CUDA events (the GPU's time of the work the call queued, the Python call included when
+    the GPU waits for it); without one (the host emulation) the host's time of each call."""
+    import statistics
+
+    import torch
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def device_copy_bandwidth(nbytes: int, reps: int = 10) -> float:
+    """The device's copy bandwidth in bytes moved (read + written) per second: the best of REPS
+    timed torch copy_ calls moving NBYTES in all (NBYTES / 2 read, NBYTES / 2 written), on the
+    current CUDA device (on the CPU without one)."""
+    import torch
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    half = max(nbytes // 2, 1)
+    src = torch.ones(half, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    def copy() -> Any:
+        return dst.copy_(src)
+    best = min(device_timed(copy, 1, warmup=1 if k == 0 else 0) for k in range(reps))
+    return 2 * half / best
 
 
 def reps_for(n: int, reps: int) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -21,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ROOT = common.ROOT
 ODD = 11  # the second size of every symbol (--odd)
 MISALIGN = False  # --misalign: every tensor one element past its allocation's start
 
@@ -112,29 +114,13 @@ def check_examples(archs: str) -> list[dict]:
     return rows
 
 
-def _timed(fn, reps: int) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
 def bench(n: int, archs: str, reps: int) -> list[dict]:
     import torch
     from coconetc.runtime import cuda as runtime_cuda
     rows = []
     src = torch.empty(n, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
-    t = _timed(lambda: dst.copy_(src), reps)
+    t = common.device_timed(lambda: dst.copy_(src), reps)
     bw = 2 * n * 4 / t
     rows.append(dict(what="device copy (torch copy_, f32)", ms=t * 1e3, gbps=bw / 1e9))
     g = torch.randn(n, device="cuda")
@@ -144,7 +130,7 @@ def bench(n: int, archs: str, reps: int) -> list[dict]:
     p = torch.nn.Parameter(wt)
     p.grad = g.clone()
     opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, fused=True)
-    t_base = _timed(lambda: opt.step(), reps)
+    t_base = common.device_timed(lambda: opt.step(), reps)
     # Adam reads g, w, m, v and writes w, m, v: 7 x 4 bytes per element
     rows.append(dict(what="torch.optim.Adam(fused=True)", ms=t_base * 1e3, gbps=7 * 4 * n / t_base / 1e9))
     mod = runtime_cuda.load(ROOT / "examples" / "adam.ccn", archs=archs, log=lambda m: None)
@@ -157,7 +143,7 @@ def bench(n: int, archs: str, reps: int) -> list[dict]:
         def call(sched=sched, gg=gg, w=w, m=m, v=v):
             mod.adam(schedule=sched, comm=comm, g=gg, w=w, m=m, v=v, lr=1e-3, beta1=0.9, beta2=0.999,
                      eps=1e-8, step=1.0)
-        t = _timed(call, reps)
+        t = common.device_timed(call, reps)
         rows.append(dict(what=f"coconet adam [{sched}] (CUDA, NCCL R=1)", ms=t * 1e3, gbps=7 * 4 * n / t / 1e9))
     # one step of each from the same state: the generated fused step against torch's
     for sched in ("fused", "zero"):

@@ -1,29 +1,68 @@
 #!/bin/bash
-# Every check docs/cuda.md asks of a one-GPU session (R = 1), in one go, each step's output kept:
+# Every check docs/cuda.md asks of a one-GPU session (R = 1), in one go, the most important first:
 #   bash bench/cuda_gpu_session.sh OUTDIR
-# writes OUTDIR/session.log (every step's output, its exit code and seconds) and the steps' JSON:
-#   examples.json   every example, program and schedule against the interpreter (vector path)
-#   misalign.json   the same with every tensor one element off (the element path)
-#   symmetric.json  the same with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
-#   chunks.json     the same at size 37 in 5-element chunks (every fused pipeline runs many chunks)
-#   adam_step_cuda.json, adam_step_cuda_symmetric.json  the Adam step against torch's fused Adam
-#   tp_mlp_cuda_f32.json, tp_mlp_cuda_bf16.json  the tensor-parallel MLP's forward + backward
+# Steps (each one's JSON in a temp directory, named after the step):
+#   examples        every example, program and schedule against the interpreter (vector path)
+#   optimizer_check coconetc.torch.DistributedOptimizer on a small model against torch: every
+#                   schedule, clipping, process_group and MPI, checkpoints to the CPU backend and
+#                   back, bf16/f16 with f32 master weights (bench/cuda_optimizer_check.py)
+#   optimizer_f32   coconetc.torch.DistributedOptimizer against torch's fused Adam, and against
+#                   clip_grad_norm_ + fused AdamW, at 2^20 .. 2^28 (bench/cuda_optimizer.py)
+#   optimizer_bf16  the same with bf16 parameters and gradients, f32 master weights and state,
+#                   against torch's ways (an f32 master copy; fused Adam on the bf16 parameters)
+#   adam_step, adam_step_symmetric  the module's Adam step called directly against torch's fused
+#                   Adam, the pipeline and (COCONET_CUDA_FUSED=symmetric) the device-API kernel
+#   symmetric       the examples with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
+#   tp_mlp_f32, tp_mlp_bf16  the tensor-parallel MLP's forward + backward
 #                   (coconetc.torch.function) against the same layer in PyTorch
-# A step that fails does not stop the others.
+#   chunks          the examples at size 37 in 5-element chunks (every fused pipeline runs many chunks)
+#   misalign        the examples with every tensor one element off (the element path)
+# then bench/cuda_gpu_report.py merges them. OUTDIR ends up with three files only (the device
+# tool brings back at most 8):
+#   session.log      every step's output, its exit code and seconds
+#   gpu_session.json every step's JSON whole, the steps' exit codes and seconds, matches per way
+#   gpu_session.md   one markdown report (printed at the end too)
+# A step that fails does not stop the others; each runs under `timeout` (seconds below, times
+# COCONET_SESSION_TIMEOUT_SCALE, default 1), so a hang costs that step only; with
+# COCONET_SESSION_BUDGET=S the whole session keeps within S seconds (a device lease's limit):
+# each step gets at most what is left, and the steps that no longer fit are skipped, named.
 set -u
 OUT=${1:-out/gpu}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
+# one build per module for the whole session: the GPU's architecture only (H100/H200: 90), one cache
+export COCONET_CUDA_ARCHS=${COCONET_CUDA_ARCHS:-90} COCONET_CACHE=${COCONET_CACHE:-/tmp/coconet_session_cache}
 LOG="$OUT/session.log"
 : >"$LOG"
+tmp=$(mktemp -d)
+SCALE=${COCONET_SESSION_TIMEOUT_SCALE:-1}
+BUDGET=${COCONET_SESSION_BUDGET:-0}  # seconds for the whole session (0: no limit): later steps get what is left
 step() {
-    local name=$1
-    shift
-    local t0=$SECONDS
+    local name=$1 limit=$(($2 * SCALE))
+    shift 2
+    local t0=$SECONDS rc
+    if [ "$BUDGET" -gt 0 ] && [ "$name" != report ]; then
+        local left=$((BUDGET - SECONDS - 20))  # 20 s kept for the report
+        if [ $left -lt 30 ]; then
+            echo "=== $name: skipped, the session's budget of $BUDGET s is spent" | tee -a "$LOG"
+            printf '%s\t%s\t%s\n' "$name" "skipped" 0 >>"$tmp/steps.tsv"
+            return
+        fi
+        [ $left -lt $limit ] && limit=$left
+    fi
     echo "=== $name: $*" | tee -a "$LOG"
-    "$@" >>"$LOG" 2>&1
-    echo "=== $name: exit $? after $((SECONDS - t0)) s" | tee -a "$LOG"
+    timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1
+    rc=$?
+    [ $rc -eq 124 ] && echo "=== $name: stopped after its limit of $limit s" | tee -a "$LOG"
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$LOG"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >>"$tmp/steps.tsv"
+}
+check() {  # bench/cuda_gpu_check.py --skip-bench ARGS, its JSON as $tmp/NAME.json
+    local name=$1 limit=$2
+    shift 2
+    step "$name" "$limit" "$@" --skip-bench --out "$tmp/$name"
+    mv "$tmp/$name/cuda_gpu_check.json" "$tmp/$name.json" 2>/dev/null || echo "no $name.json" | tee -a "$LOG"
 }
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -31,18 +70,26 @@ step() {
     python3 -c 'import nvidia.nccl, pathlib; p = pathlib.Path(nvidia.nccl.__path__[0]); print("nccl wheel", p, sorted(x.name for x in (p / "include").glob("nccl*")))'
     nvcc --version | tail -n 2
 } >>"$LOG" 2>&1
-tmp=$(mktemp -d)
-step examples python3 bench/cuda_gpu_check.py --skip-bench --out "$tmp/examples"
-step misalign python3 bench/cuda_gpu_check.py --skip-bench --misalign --out "$tmp/misalign"
-step symmetric env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 \
-    python3 bench/cuda_gpu_check.py --skip-bench --out "$tmp/symmetric"
-step chunks env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --skip-bench --odd 37 --out "$tmp/chunks"
-step adam python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$OUT/adam_step_cuda.json"
-step adam_symmetric env COCONET_CUDA_FUSED=symmetric \
-    python3 bench/adam_step.py --backend cuda --sizes 26 --json "$OUT/adam_step_cuda_symmetric.json"
-step tp_mlp python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$OUT/tp_mlp_cuda_f32.json"
-step tp_mlp_bf16 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \
-    --json "$OUT/tp_mlp_cuda_bf16.json"
-for s in examples misalign symmetric chunks; do
-    cp "$tmp/$s/cuda_gpu_check.json" "$OUT/$s.json" 2>/dev/null || echo "no $s.json" | tee -a "$LOG"
-done
+# the tensor-parallel layer's modules (with their derived backward) build beside the examples
+python3 -c 'import sys; sys.path.insert(0, "bench"); import coconetc, tp_mlp
+for d in ("f32", "bf16"): coconetc.load(tp_mlp.ccn_file(d), grad="tp_mlp", backend="cuda", log=lambda m: None)' \
+    >>"$LOG" 2>&1 &
+check examples 420 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
+wait
+step optimizer_check 180 python3 bench/cuda_optimizer_check.py --json "$tmp/optimizer_check.json"
+step optimizer_f32 300 python3 bench/cuda_optimizer.py --tables adam_f32,adamw_f32 --sizes 20,22,24,26,28 \
+    --json "$tmp/optimizer_f32.json"
+step optimizer_bf16 240 python3 bench/cuda_optimizer.py --tables mixed_bf16 --sizes 20,22,24,26,28 \
+    --json "$tmp/optimizer_bf16.json"
+step adam_step 180 python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step.json"
+step adam_step_symmetric 120 env COCONET_CUDA_FUSED=symmetric \
+    python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step_symmetric.json"
+check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
+step tp_mlp_f32 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$tmp/tp_mlp_f32.json"
+step tp_mlp_bf16 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \
+    --json "$tmp/tp_mlp_bf16.json"
+check chunks 300 env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --odd 37
+check misalign 240 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --misalign
+step report 60 python3 bench/cuda_gpu_report.py "$tmp" --out "$OUT"
+cat "$OUT/gpu_session.md" 2>/dev/null
+rm -rf "$tmp"

@@ -20,7 +20,7 @@ __all__ = ["CompileError", "Diagnostic", "ScheduleError", "Span", "__version__",
 def load(path, log=None, *, backend="cpu", include_dirs=(), library_dirs=(), libraries=(), archs=None, grad=()):
     """Compile a .ccn file (cached) and import it: one function per program.
     backend: "cpu" (C++ and MPI; NumPy arrays or CPU tensors) or "cuda" (CUDA, NCCL, cuBLAS;
-    PyTorch CUDA tensors, see coconetc.runtime.cuda; `archs` as nvcc's, default "80;90").
+    PyTorch CUDA tensors, see coconetc.runtime.cuda; `archs` as nvcc's, default COCONET_CUDA_ARCHS or "80;90").
     include_dirs, library_dirs, libraries: where the headers and libraries of the file's extern
     operations are and what to link (as `coconetc compile -I -L -l`; the file's own directory
     is searched for headers too). grad: the names of programs (or one name) whose derived

@@ -507,7 +507,7 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
 @click.option("--output", "-o", type=click.Path(), help="Directory for the sources and the build.")
 @click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--arch", default=None, metavar="ARCHS",
-              help="cuda: the CUDA architectures, as CMake takes them (default 80;90).")
+              help="cuda: the CUDA architectures, as CMake takes them (default: COCONET_CUDA_ARCHS, else 80;90).")
 @click.option("--emit-only", is_flag=True, help="Only write module.cpp and CMakeLists.txt to --output "
               "(no build; for CMake's coconet_add_module).")
 @click.option("--name", help="With --emit-only: the Python module's name (default: ccn_<file stem>).")

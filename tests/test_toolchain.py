@@ -60,6 +60,21 @@ def test_compile_takes_the_parsed_file() -> None:
         toolchain.compile(mod, "cpu", toolchain.Options(name="m1"))
 
 
+def test_cuda_architectures_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA build that names no architectures takes COCONET_CUDA_ARCHS (as PyTorch's
+    TORCH_CUDA_ARCH_LIST), else 80;90; named ones win."""
+    mod = load_source(SCALE.format(k=1.0), "nowhere/scale.ccn")
+
+    def archs(**kw) -> str:
+        cmake = toolchain.compile(mod, "cuda", toolchain.Options(build=False, **kw)).sources.cmake
+        return next(ln for ln in cmake.splitlines() if "set(CMAKE_CUDA_ARCHITECTURES" in ln)
+    monkeypatch.delenv("COCONET_CUDA_ARCHS", raising=False)
+    assert '80;90' in archs()
+    monkeypatch.setenv("COCONET_CUDA_ARCHS", "90")
+    assert '90' in archs() and '80' not in archs()
+    assert '86' in archs(archs='86')
+
+
 # ---- the artifact cache, without a compiler ---------------------------------------------------
 def _fake_run(calls: list):
     def run(src: Path, build: Path, log) -> None:

@@ -160,6 +160,27 @@ def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, 
     assert rc == 0, log
 
 
+def test_an_asynchronous_nccl_error_after_a_step_ends_the_job_on_every_rank(built, capfd, monkeypatch):
+    """Rank 1's NCCL calls complete but leave an asynchronous error on its communicator
+    (COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK, ncclCommGetAsyncError), as on a GPU, where step()
+    returns before its collectives run: the communicator's watchdog finds it (between calls, or
+    in the next one), tells rank 0 and aborts; every rank's next step raises, naming rank 1 and
+    the asynchronous error, and the communicator refuses later calls."""
+    monkeypatch.setenv("COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK", "1")
+    monkeypatch.setenv("COCONET_TIMEOUT", "60")
+    rc, lines, log = _run(capfd, 2, "async")
+    assert not [ln for ln in lines if "NOT RAISED" in ln], log
+    for r in (0, 1):
+        raised = next((ln for ln in lines if ln.startswith(f"RAISED {r} ")), None)
+        assert raised is not None, log
+        assert int(raised.split()[2]) <= 3, raised  # found within a step or two, not at the end
+        assert "rank 1 failed" in raised and "an asynchronous NCCL error" in raised, raised
+        assert "ncclCommGetAsyncError: 6" in raised or "ncclCommGetAsyncError" in raised, raised
+        again = next(ln for ln in lines if ln.startswith(f"AGAIN {r} "))
+        assert "the NCCL communicator was aborted (rank 1 failed" in again, again
+    assert rc == 0, log
+
+
 # --- in this process ------------------------------------------------------------------------------
 def _model():
     torch.manual_seed(0)

@@ -25,6 +25,8 @@ MODE across        examples/adamw.ccn, every schedule the CUDA module has, two p
 MODE scaled        examples/scaled_adam.ccn, two groups, across_groups=True on the CUDA backend
                    (every schedule its CUDA module has): tests/torch_optimizer_worker.py's
                    mode_scaled (an inf and a NaN in one group skip every group's step)
+MODE async         COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1: an asynchronous NCCL error on rank 1 after
+                   its step returned; a later step raises on every rank (the watchdog)
 MODE abort [SCHED [pg]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
                    (pg: the communicator made from a gloo process group, no MPI);
                    step() must raise on every rank, naming rank 1 and the call, the NCCL
@@ -332,10 +334,37 @@ def mode_abort() -> None:
     comm.Barrier()  # MPI_COMM_WORLD is untouched by the abort
 
 
+def mode_async() -> None:
+    """COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1 (set by the test): rank 1's NCCL calls complete but
+    leave an asynchronous error on its communicator, as on a GPU after step() has returned. Steps
+    go on (a pause between them, as a training loop's forward and backward); within a few steps
+    every rank's step raises, naming rank 1 and the asynchronous error (prints "RAISED <rank>
+    <step> <message>"), and the communicator refuses the next one ("AGAIN <rank> <message>")."""
+    model = W.make_model()
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", **HYPER)
+    for t in range(1, 6):
+        opt.zero_grad()
+        W.local_loss(model, t).backward()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            print(f"RAISED {rank} {t} {err}".replace("\n", " "), flush=True)
+            break
+        time.sleep(0.5)
+    else:
+        print(f"NOT RAISED {rank}", flush=True)
+    try:
+        opt.step()
+        print(f"AGAIN NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
+    comm.Barrier()
+
+
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
-     "abort": mode_abort, "across": mode_across, "scaled": mode_scaled}[mode]()
+     "abort": mode_abort, "async": mode_async, "across": mode_across, "scaled": mode_scaled}[mode]()
     return 1 if W.failures else 0
 
 

@@ -131,54 +131,136 @@ def _abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
     lib.coconet_nccl_comm_abort(comm.handle)
 
 
+class _Watchdog:
+    """One per communicator of several ranks, from its first call until it is aborted: a daemon
+    thread that polls for the peers' abort notices and for this rank's asynchronous NCCL error
+    (ncclCommGetAsyncError, the module's coconet_nccl_async_error: on a GPU a call returns
+    before its collectives run, so their errors surface after it), every 2 ms (MPI notices) or
+    20 ms (a store's) while a call runs and every 50 ms between calls, and for a call still
+    running after COCONET_TIMEOUT seconds. What it hears aborts the communicator (and, if it is
+    this rank's own, is sent to the peers first); the call running raises, or the next one."""
+
+    def __init__(self, ext: Any, comm: NcclComm):
+        import ctypes
+        import threading
+        self.ext, self.comm = ext, comm
+        self.heard: list[tuple[int, str]] = []
+        self.call: tuple[str, float] | None = None  # the call running: (what, deadline or 0)
+        self.last = ""  # the last call begun, named in an error heard between calls
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        fn = ctypes.CDLL(ext.__file__).coconet_nccl_async_error
+        fn.argtypes, fn.restype = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int], ctypes.c_int
+        self._async_error, self._buf = fn, ctypes.create_string_buffer(512)
+        self.stopped = False
+        if not _WATCHDOGS:  # stopped before MPI is finalized at exit (atexit runs in reverse)
+            import atexit
+            atexit.register(_stop_watchdogs)
+        self.thread = threading.Thread(target=self._run, name="coconet NCCL watchdog", daemon=True)
+        self.thread.start()
+
+    def begin(self, what: str, limit: float) -> None:
+        import time
+        with self.lock:
+            self.call, self.last = (what, time.monotonic() + limit if limit else 0.0), what
+        self.wake.set()
+
+    def end(self) -> None:
+        with self.lock:
+            self.call = None
+
+    def own_error(self, what: str, err: BaseException) -> None:
+        """This rank's call raised: the peers are told and the communicator aborted (unless a
+        notice came first)."""
+        with self.lock:
+            if self.heard:
+                return
+            self.heard.append((self.comm.rank, str(err)))
+            self.comm.notices.send(self.heard[0])
+            _abort_nccl(self.ext, self.comm, f"rank {self.comm.rank} failed in {what}")
+
+    def _poll(self) -> tuple[int, str] | None:
+        import time
+        notice = self.comm.notices.poll()
+        if notice is not None:
+            return notice
+        code = self._async_error(self.comm.handle, self._buf, len(self._buf))
+        call = self.call
+        if code:
+            when = f"in {call[0]}" if call else f"after {self.last}"
+            mine = (self.comm.rank, f"an asynchronous NCCL error {when}: {self._buf.value.decode(errors='replace')} "
+                                    f"(ncclCommGetAsyncError: {code})")
+        elif call and call[1] and time.monotonic() > call[1]:
+            mine = (self.comm.rank, f"the call did not finish in {agree.timeout_s():g} s ({agree.ENV_TIMEOUT})")
+        else:
+            return None
+        self.comm.notices.send(mine)
+        return mine
+
+    def _run(self) -> None:
+        while self.comm.aborted is None and not self.stopped:
+            busy = self.call is not None
+            self.wake.wait(0.05 if not busy else 0.002 if self.comm.mpi is not None else 0.02)
+            self.wake.clear()
+            with self.lock:
+                if self.heard or self.comm.aborted is not None or self.stopped:
+                    return
+                try:
+                    notice = self._poll()
+                except Exception:  # noqa: BLE001 - MPI or the store gone (the job is ending)
+                    return
+                if notice is None:
+                    continue
+                self.heard.append(notice)
+                where = f"in {self.call[0]}" if self.call else f"after {self.last}"
+                _abort_nccl(self.ext, self.comm, f"rank {notice[0]} failed {where}: {notice[1]}"
+                            if self.call is None else f"rank {notice[0]} failed in {self.call[0]}")
+                return
+
+
+_WATCHDOGS: dict[int, _Watchdog] = {}
+
+
+def _stop_watchdogs() -> None:
+    for dog in list(_WATCHDOGS.values()):
+        dog.stopped = True
+        dog.wake.set()
+    for dog in list(_WATCHDOGS.values()):
+        dog.thread.join(1.0)
+
+
 def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     """body() (a call of the module on comm) with the abort path: a CUDA or NCCL error on one
     rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
     the failing rank and the call. The failing rank tells the others (a notice over a duplicate
-    of the MPI communicator, or in the process group's store) and aborts its communicator; on every other rank a watchdog thread,
-    polling for notices while the call runs, aborts this rank's communicator, which ends the
-    calls blocked on it (the emulation polls its NCCL waits; NCCL's own abort does that on a
-    GPU); a call still running after COCONET_TIMEOUT seconds aborts the same way, naming this
-    rank. An aborted communicator is unusable: later calls on it raise at once. One-rank
-    communicators run body() as it is."""
+    of the MPI communicator, or in the process group's store) and aborts its communicator; on
+    every other rank the communicator's watchdog (_Watchdog), polling for notices, aborts this
+    rank's communicator, which ends the calls blocked on it (the emulation polls its NCCL waits;
+    NCCL's own abort does that on a GPU); a call still running after COCONET_TIMEOUT seconds
+    aborts the same way, naming this rank. An error NCCL reports asynchronously, after a call
+    returned (a GPU call returns before its collectives run), is found by the same watchdog
+    between calls and ends the job the same way: the next call raises, on every rank. An
+    aborted communicator is unusable: later calls on it raise at once. One-rank communicators
+    run body() as it is."""
     if comm.aborted is not None:
         raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
     if comm.notices is None or comm.size == 1:
         return body()
-    import threading
-    import time
-    limit = agree.timeout_s()
-    done, heard = threading.Event(), []
-
-    def watch() -> None:
-        deadline = time.monotonic() + limit
-        while not done.wait(0.002 if comm.mpi is not None else 0.02):
-            notice = comm.notices.poll()
-            if notice is not None:
-                heard.append(notice)
-            elif limit and time.monotonic() > deadline:
-                heard.append((comm.rank, f"the call did not finish in {limit:g} s ({agree.ENV_TIMEOUT})"))
-                comm.notices.send(heard[-1])
-            else:
-                continue
-            _abort_nccl(ext, comm, f"rank {heard[0][0]} failed in {what}")
-            return
-
-    watchdog = threading.Thread(target=watch, name="coconet NCCL watchdog", daemon=True)
-    watchdog.start()
+    dog = _WATCHDOGS.get(id(comm))
+    if dog is None or dog.comm is not comm:
+        dog = _WATCHDOGS[id(comm)] = _Watchdog(ext, comm)
+    dog.begin(what, agree.timeout_s())
     failed: BaseException | None = None
     try:
         result = body()
     except (RuntimeError, ValueError) as err:
         failed = err
-    done.set()
-    watchdog.join()
-    if failed is not None and not heard:  # this rank's own error: every rank aborts
-        heard.append((comm.rank, str(failed)))
-        comm.notices.send(heard[0])
-        _abort_nccl(ext, comm, f"rank {comm.rank} failed in {what}")
-    if heard:
-        r, why = heard[0]
+    finally:
+        dog.end()
+    if failed is not None:
+        dog.own_error(what, failed)
+    if dog.heard:
+        r, why = dog.heard[0]
         raise RuntimeError(f"{what}: rank {r} failed: {why}; the NCCL communicator was aborted "
                            f"(ncclCommAbort) on every rank (this is rank {comm.rank})") from failed
     return result

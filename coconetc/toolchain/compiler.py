@@ -42,7 +42,7 @@ class Options:
     command line means the same in CMake's build folder). out_dir: where the sources and the
     build go (None: the cache, COCONET_CACHE). name: the module's name (only with
     build=False, for a build system to compile; default: the hashed name). archs: CUDA
-    architectures (default codegen.cuda.DEFAULT_ARCHS). include_dirs, library_dirs,
+    architectures (default codegen.cuda.default_archs(): COCONET_CUDA_ARCHS or 80;90). include_dirs, library_dirs,
     libraries: for the file's extern operations (-I, -L, -l)."""
 
     out_dir: str | Path | None = None
@@ -147,7 +147,7 @@ def _generate(mod: SourceFile, backend: str, o: Options, libs: Libs, name: str) 
     if backend == "cpu":
         return cpu.generate(mod, name, libs)
     if backend == "cuda":
-        return cuda.generate(mod, name, o.archs or cuda.DEFAULT_ARCHS, True, libs)
+        return cuda.generate(mod, name, o.archs or cuda.default_archs(), True, libs)
     return cuda.generate(mod, name, skip_unsupported=True, emulate=True)
 
 
@@ -156,7 +156,7 @@ def _compiler(backend: str, o: Options) -> list[str]:
     if backend == "cpu":
         return [compiler_hash(), "cpu", toolchain().key()]
     if backend == "cuda":
-        return [cuda_hash(), f"cuda|{o.archs or cuda.DEFAULT_ARCHS}", cuda_toolchain().key()]
+        return [cuda_hash(), f"cuda|{o.archs or cuda.default_archs()}", cuda_toolchain().key()]
     why = emulation_missing()
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")

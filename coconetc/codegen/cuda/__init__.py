@@ -5,6 +5,7 @@ from the PyPI wheels (coconetc/toolchain)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,9 +18,16 @@ from coconetc.plan.units import Plan
 from coconetc.sourcefile import SourceFile
 
 DEFAULT_ARCHS = "80;90"
+ENV_ARCHS = "COCONET_CUDA_ARCHS"  # the architectures when a build names none (as TORCH_CUDA_ARCH_LIST)
+
+
+def default_archs() -> str:
+    """The CUDA architectures a build that names none compiles for: COCONET_CUDA_ARCHS, or 80;90."""
+    return os.environ.get(ENV_ARCHS) or DEFAULT_ARCHS
+
 
 __all__ = ["CudaSources", "Unsupported", "generate", "problems", "unsupported", "emulation_problems",
-           "DEFAULT_ARCHS"]
+           "DEFAULT_ARCHS", "default_archs"]
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 // ---- NCCL and cuBLAS types -------------------------------------------------------------------------
 
-enum ncclResult_t { ncclSuccess = 0, ncclInternalError = 3, ncclInvalidArgument = 4 };
+enum ncclResult_t { ncclSuccess = 0, ncclInternalError = 3, ncclInvalidArgument = 4, ncclRemoteError = 6 };
 enum ncclRedOp_t { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4 };
 enum ncclDataType_t { ncclInt8 = 0, ncclUint8 = 1, ncclInt32 = 2, ncclUint32 = 3, ncclInt64 = 4, ncclUint64 = 5,
                       ncclFloat16 = 6, ncclFloat32 = 7, ncclFloat64 = 8, ncclBfloat16 = 9 };
@@ -588,6 +588,7 @@ struct Comm {
   int size = 1, rank = 0;
   uint64_t issued = 0, done = 0;  // calls run in the order they were issued
   std::atomic<bool> aborted{false};  // ncclCommAbort: its calls in flight stop waiting and fail
+  std::atomic<int> async_error{0};  // what ncclCommGetAsyncError reports (injected_async_failure)
 };
 
 // COCONET_EMULATE_NCCL_FAIL_RANK=r: every NCCL call of (MPI_COMM_WORLD) rank r fails before it
@@ -603,6 +604,21 @@ inline void injected_failure(const char* call) {
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   if (me == fail)
     throw std::runtime_error(std::string(call) + ": unhandled system error (injected by COCONET_EMULATE_NCCL_FAIL_RANK)");
+}
+
+// COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=r: the NCCL calls of (MPI_COMM_WORLD) rank r complete, but
+// leave their communicator with an asynchronous error (ncclCommGetAsyncError: ncclRemoteError),
+// as a connection that breaks after a collective went out would on a GPU, where the call has
+// long returned: for testing the watchdog that polls for it (coconetc/runtime/cuda.py).
+inline void injected_async_failure(Comm* comm) {
+  static const int fail = [] {
+    const char* e = std::getenv("COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK");
+    return e && *e ? std::atoi(e) : -1;
+  }();
+  if (fail < 0) return;
+  int me = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (me == fail) comm->async_error.store(int(ncclRemoteError));
 }
 
 inline size_t type_size(ncclDataType_t t) {
@@ -738,6 +754,7 @@ inline void spans_of(const Call& c, std::vector<Span>& out) {
 inline void run_calls(std::vector<Call>& calls) {
   std::vector<MPI_Request> reqs;
   if (!calls.empty()) injected_failure(call_name(calls[0].kind));
+  for (Call& c : calls) injected_async_failure(c.comm);
   for (Call& c : calls) {
     const size_t el = type_size(c.type), n = c.count * el, R = size_t(c.comm->size);
     const MPI_Datatype dt = mpi_type(c.type);
@@ -986,7 +1003,14 @@ template <class T> inline T atomicAdd(T* p, T v) {  // a block's threads and a s
 
 // ---- NCCL ------------------------------------------------------------------------------------------
 
-inline const char* ncclGetErrorString(ncclResult_t r) { return r == ncclSuccess ? "no error" : "emulation error"; }
+inline const char* ncclGetErrorString(ncclResult_t r) {
+  if (r == ncclRemoteError) return "remote process exited or there was a network error";  // NCCL's words
+  return r == ncclSuccess ? "no error" : "emulation error";
+}
+inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* r) {
+  *r = ncclResult_t(comm->async_error.load());
+  return ncclSuccess;
+}
 inline ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
   std::memset(id->internal, 0, sizeof(id->internal));
   std::strcpy(id->internal, "coconet host emulation");

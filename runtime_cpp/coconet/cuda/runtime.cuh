@@ -28,6 +28,7 @@
 #endif
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <algorithm>
 #include <cstring>
@@ -1212,6 +1213,18 @@ inline void comm_destroy(uintptr_t comm) { COCONET_CUDA(ncclCommDestroy(reinterp
 // path, coconetc/runtime/cuda.py); returns the ncclResult_t.
 extern "C" __attribute__((visibility("default"), used)) inline int coconet_nccl_comm_abort(uintptr_t comm) {
   return int(ncclCommAbort(reinterpret_cast<ncclComm_t>(comm)));
+}
+
+// The communicator's asynchronous error (ncclCommGetAsyncError), 0 for none, its text in buf: for
+// the Python runtime's watchdog, which polls it while the communicator lives (a GPU call returns
+// before its collectives run, so their errors surface only here).
+extern "C" __attribute__((visibility("default"), used)) inline int coconet_nccl_async_error(uintptr_t comm, char* buf,
+                                                                                          int len) {
+  ncclResult_t r = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(reinterpret_cast<ncclComm_t>(comm), &r);
+  if (q != ncclSuccess) r = q;
+  if (r != ncclSuccess && len > 0) std::snprintf(buf, size_t(len), "%s", ncclGetErrorString(r));
+  return int(r);
 }
 
 // The fused collective as one kernel over symmetric memory (NCCL device API), chosen at run time.
