@@ -350,7 +350,7 @@ def mode_async() -> None:
         except RuntimeError as err:
             print(f"RAISED {rank} {t} {err}".replace("\n", " "), flush=True)
             break
-        time.sleep(0.5)
+        time.sleep(1.0)  # the notice reaches every watchdog before the next step
     else:
         print(f"NOT RAISED {rank}", flush=True)
     try:

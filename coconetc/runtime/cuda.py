@@ -229,6 +229,13 @@ def _stop_watchdogs() -> None:
         dog.thread.join(1.0)
 
 
+def _refuse_aborted(comm: NcclComm, what: str) -> None:
+    """An aborted communicator refuses every call at once, before any exchange with the peers
+    (which may have stopped calling)."""
+    if comm.aborted is not None:
+        raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
+
+
 def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     """body() (a call of the module on comm) with the abort path: a CUDA or NCCL error on one
     rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
@@ -242,8 +249,7 @@ def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     between calls and ends the job the same way: the next call raises, on every rank. An
     aborted communicator is unusable: later calls on it raise at once. One-rank communicators
     run body() as it is."""
-    if comm.aborted is not None:
-        raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
+    _refuse_aborted(comm, what)
     if comm.notices is None or comm.size == 1:
         return body()
     dog = _WATCHDOGS.get(id(comm))
@@ -403,6 +409,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
         mine: tuple = ("ok", (head, scalar_bits(p, local), tensor_shapes(p, local)))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
+    _refuse_aborted(comm, what)
     everyone = _exchange(comm, mine, what, timeout)
     sizes, segments = agreed(everyone, comm.rank, p, mine, fn._bound)
     assert p is not None and label is not None  # else agreed() raised this rank's error
