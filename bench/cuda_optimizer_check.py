@@ -3,7 +3,9 @@ the way a training script uses it: a small model, its loss's gradients, 20 steps
 largest difference is printed and written to a JSON (bench/cuda_gpu_session.sh runs it).
 
   adam.ccn, every schedule of the CUDA module, against torch.optim.Adam(fused=True)
-  adamw.ccn (default, zero): clip_grad_norm_ + torch.optim.AdamW(fused=True), clipping active
+  adamw.ccn (default, zero): clip_grad_norm_ + torch.optim.AdamW(fused=True), clipping active;
+  and two parameter groups clipped together (across_groups=True) against
+  clip_grad_norm_(model.parameters()) + AdamW with the same two groups
   the communicator from a torch.distributed NCCL group (process_group=, the torchrun path) and
   from MPI (comm=, default)
   a checkpoint: the CUDA optimizer's state_dict (zero) loaded by the CPU backend and back into a
@@ -100,6 +102,34 @@ def against_torch(schedule: str, pg, source: Path = EX / "adam.ccn", wd: float |
     return opt, a
 
 
+def across_groups(schedule: str, pg) -> None:
+    """Two parameter groups (weights decayed, biases not), clipped by the norm of both together
+    (across_groups=True), against clip_grad_norm_(model.parameters()) + AdamW with the same groups."""
+    a, b = model(), model()
+
+    def groups(m: torch.nn.Module, key: str) -> list[dict]:
+        ps = list(m.parameters())
+        return [{"params": [p for p in ps if p.dim() > 1], key: 0.1}, {"params": [p for p in ps if p.dim() == 1], key: 0.0}]
+    maxnorm = 0.05
+    opt = DistributedOptimizer(groups(a, "wd"), str(EX / "adamw.ccn"), schedule=schedule, backend="cuda",
+                               across_groups=True, maxnorm=maxnorm, **({"process_group": pg} if pg is not None else {}),
+                               **HP)
+    ref = torch.optim.AdamW(groups(b, "weight_decay"), lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            fused=GPU)
+    for t in range(1, STEPS + 1):
+        for m, o in ((a, opt), (b, ref)):
+            o.zero_grad()
+            loss(m, t).backward()
+            if o is ref:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), maxnorm)
+        opt.step()
+        ref.step()
+    if GPU:
+        torch.cuda.synchronize()
+    record(f"adamw {schedule}, two groups clipped together (across_groups=True): max |w - torch's w|",
+           max_diff(a, b), 1e-5)
+
+
 def checkpoint(pg) -> None:
     opt, a = against_torch("zero", pg)
     path = os.path.join(tempfile.mkdtemp(), "ck.pt")
@@ -169,6 +199,8 @@ def main() -> int:
         trial(f"adam {s}", lambda s=s: against_torch(s, pg))
     for s in ("default", "zero"):
         trial(f"adamw {s}", lambda s=s: against_torch(s, pg, EX / "adamw.ccn", wd=0.1, maxnorm=0.05))
+    for s in ("default", "zero"):
+        trial(f"adamw {s} across groups", lambda s=s: across_groups(s, pg))
     trial("adam zero, comm from MPI", lambda: against_torch("zero", None))
     trial("checkpoint", lambda: checkpoint(pg))
     trial("mixed precision", lambda: mixed(pg))
