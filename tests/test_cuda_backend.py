@@ -59,7 +59,9 @@ def test_fused_symmetric_branch_runs_the_pipeline_element_math(example):
         text = "\n".join(generate(example(file), "m").functions[(prog, sched)].body)
         sym, pipe = text.split("} else  // the chunked pipeline on the host API")
         sym, pipe = sym.split("// [")[-1], pipe.split("coconet::cuda::pipeline<")[0]  # this unit's
-        assert 'if (coconet::cuda::use_symmetric(ctx, "fused0")) {' in sym
+        assert re.search(r'choice_fused0 = coconet::cuda::choose_fused\(ctx, "\w+", "fused0", S_N \* int64_t\(1\)\);',
+                         sym)
+        assert "if (choice_fused0.symmetric) {" in sym and "coconet::cuda::fused_done(choice_fused0, ctx);" in text
         assert f"coconet::cuda::fused_symmetric<{ct}, {ct}, 4>(ncclSum, v_g" in sym
         assert f"[=] __device__ (const coconet::cuda::SymThread<{ct}, {ct}, 4>& th) {{" in sym
         assert f"auto reduce_to = [&](int64_t k, {ct}* red)" in pipe
@@ -82,7 +84,7 @@ def test_fused_symmetric_branch_runs_the_pipeline_element_math(example):
     for file, prog, sched in [("residual_dropout.ccn", "f1", "fused"), ("lamb.ccn", "lamb", "zero"),
                               ("layernorm.ccn", "attn_out", "fused"), ("mlp_out.ccn", "mlp_out", "overlapped")]:
         text = "\n".join(generate(example(file), "m", skip_unsupported=True).functions[(prog, sched)].body)
-        assert "use_symmetric" not in text and "coconet::cuda::pipeline<" in text
+        assert "choose_fused" not in text and "coconet::cuda::pipeline<" in text
 
 
 def test_loops_use_the_shared_element_emitter(example):

@@ -398,9 +398,10 @@ def _grids(stderr: str) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-def _sym_modules(tmp_path: Path, threads: int | None = None) -> tuple[Path, dict[str, tuple[str, Path]]]:
-    """The symmetric kernel's schedules built against a copy of the runtime (threads: its blocks
-    of that many threads instead of 512)."""
+def _sym_modules(tmp_path: Path, threads: int | None = None, cases: list[tuple[str, str, str]] | None = None
+                 ) -> tuple[Path, dict[tuple[str, str, str], tuple[str, Path]]]:
+    """The symmetric kernel's schedules (cases: (file, program, schedule), default SYM_CASES) built
+    against a copy of the runtime (threads: its blocks of that many threads instead of 512)."""
     from coconetc.paths import runtime_dir
     rt = tmp_path / "runtime"
     shutil.copytree(runtime_dir(), rt)
@@ -410,8 +411,8 @@ def _sym_modules(tmp_path: Path, threads: int | None = None) -> tuple[Path, dict
         assert text.count("constexpr int kSymThreads = 512;") == 1
         sym.write_text(text.replace("constexpr int kSymThreads = 512;", f"constexpr int kSymThreads = {threads};"))
     built = {}
-    for file, prog, sched in SYM_CASES:
-        built[f"{prog} {sched}"] = compiler.build_emulated(_source(file, prog, sched), f"sym_{prog}_{sched}",
+    for file, prog, sched in cases or SYM_CASES:
+        built[(file, prog, sched)] = compiler.build_emulated(_source(file, prog, sched), f"sym_{prog}_{sched}",
                                                            tmp_path / f"b_{prog}_{sched}", runtime=rt,
                                                            log=lambda msg: None)
     return rt, built
@@ -437,7 +438,7 @@ def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(tmp_path):
         _, mods = _sym_modules(tmp_path / str(threads), threads)
         paths = set()
         for ranks in (1, 2, 3, 4):
-            for (file, prog, sched), (name, so) in zip(SYM_CASES, mods.values()):
+            for (file, prog, sched), (name, so) in mods.items():
                 res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
                               env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1",
                                    "COCONET_EMULATE_SMS": "3,1,2,5"}, timeout=300)
@@ -494,21 +495,63 @@ def test_symmetric_vector_and_element_paths_match_interpreter(built, ranks):
 
 @pytest.mark.slow
 def test_symmetric_kernel_is_chosen_at_run_time(built):
-    """auto: the symmetric kernel where every rank is in one LSA team (one node) and the group has
-    more than one rank; the pipeline with one rank, or when the ranks are emulated as nodes of one
-    rank each (COCONET_EMULATE_LSA_SIZE=1), or without the device API; pipeline forces the
-    pipeline; symmetric where it cannot run raises on every rank."""
-    res, log, lines = _sym_run(2, 10, "auto")
-    assert res.returncode == 0 and all(ln.startswith("MATCH ") for ln in lines), log
-    assert res.stderr.count(SYMMETRIC) == SYM_UNITS * 2 and "runs the pipeline" not in res.stderr, log
-    for ranks, algo, extra in [(1, "auto", {}), (2, "auto", {"COCONET_EMULATE_LSA_SIZE": "1"}),
+    """auto: where both algorithms can run (the device API, every rank of the group in one LSA
+    team; one rank too) a unit's first call runs the symmetric kernel, the first of auto's
+    measured trials (test_symmetric_choice_is_measured_and_agreed); the pipeline when the ranks
+    are emulated as nodes of one rank each (COCONET_EMULATE_LSA_SIZE=1), or without the device
+    API; pipeline forces the pipeline; symmetric where it cannot run raises on every rank."""
+    for ranks in (1, 2):
+        res, log, lines = _sym_run(ranks, 10, "auto")
+        assert res.returncode == 0 and lines and all(ln.startswith("MATCH ") for ln in lines), log
+        assert res.stderr.count(SYMMETRIC + " (trial 1 of 4)") == SYM_UNITS * ranks, log
+        assert "runs the pipeline" not in res.stderr, log
+    for ranks, algo, extra in [(2, "auto", {"COCONET_EMULATE_LSA_SIZE": "1"}),
                                (2, "auto", {"COCONET_EMULATE_NO_DEVICE_API": "1"}), (2, "pipeline", {})]:
         res, log, lines = _sym_run(ranks, 10, algo, extra=extra)
         assert res.returncode == 0 and all(ln.startswith("MATCH ") for ln in lines), log
-        assert res.stderr.count("runs the pipeline") == SYM_UNITS * ranks and SYMMETRIC not in res.stderr, log
+        assert res.stderr.count("runs the pipeline\n") == SYM_UNITS * ranks and SYMMETRIC not in res.stderr, log
     res, log, _ = _sym_run(2, 10, "symmetric", extra={"COCONET_EMULATE_LSA_SIZE": "1"})
     assert res.returncode != 0, log
     assert "COCONET_CUDA_FUSED=symmetric, but fused fused0 cannot run over symmetric memory: not every rank" in log
+
+
+CHOICE = re.compile(r"rank (\d+) of \d+: fused0 runs the (symmetric kernel|pipeline) \((trial \d of 4(?:, timed)?|measured: "
+                    r"symmetric [\d.]+ ms, pipeline [\d.]+ ms)\)")
+SLOWEST = re.compile(r"rank (\d+) of \d+: measured here .*; slowest rank's symmetric ([\d.]+) ms, pipeline ([\d.]+) ms")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_symmetric_choice_is_measured_and_agreed(tmp_path, ranks):
+    """auto where both algorithms can run: a unit's first 4 calls at a size alternate the symmetric
+    kernel and the pipeline (the last two timed by events), then every later call at that size
+    runs the faster by the slowest rank's times (an ncclMax over the ranks): every rank prints the
+    same agreed times, takes the same decision, the one those times give, at each size on its own
+    (10 and 1001 elements, 6 calls each), and every call matches the interpreter."""
+    (_, mods) = _sym_modules(tmp_path, cases=[("sgd", "sgd", "fused"), ("mixed_adam", "mixed_adam", "zero")])
+    sizes = ",".join(["10"] * 6 + ["1001"] * 6)
+    for (file, prog, sched), (name, so) in mods.items():
+        res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
+                      env={"COCONET_CUDA_FUSED": "auto", "COCONET_CUDA_FUSED_TRACE": "1"}, timeout=300)
+        log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+        assert res.returncode == 0, log
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+        assert len(lines) == 12 and all(ln.startswith("MATCH ") for ln in lines), log
+        runs: dict[int, list[tuple[str, str]]] = {}
+        for m in CHOICE.finditer(res.stderr):
+            runs.setdefault(int(m[1]), []).append((m[2], m[3].split(":")[0].split(" of")[0]))
+        slowest: dict[int, list[tuple[str, str]]] = {}
+        for m in SLOWEST.finditer(res.stderr):
+            slowest.setdefault(int(m[1]), []).append((m[2], m[3]))
+        assert sorted(runs) == sorted(slowest) == list(range(ranks)), log
+        assert all(runs[r] == runs[0] and slowest[r] == slowest[0] for r in runs), log  # every rank the same
+        assert len(slowest[0]) == 2, log  # one decision a size
+        trials = [("symmetric kernel", "trial 1"), ("pipeline", "trial 2"), ("symmetric kernel", "trial 3"),
+                  ("pipeline", "trial 4")]
+        for k, (sym_ms, pipe_ms) in enumerate(slowest[0]):
+            calls = runs[0][6 * k:6 * k + 6]
+            want = "symmetric kernel" if float(sym_ms) <= float(pipe_ms) else "pipeline"
+            assert calls == trials + [(want, "measured")] * 2, (calls, sym_ms, pipe_ms, log)
 
 
 @pytest.mark.slow

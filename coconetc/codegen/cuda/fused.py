@@ -48,7 +48,8 @@ class CudaFused:
         partials = u.accumulated("cuda")
         assert block is None or not partials, u.name  # (the planner accumulates none inside an overlap)
         layout = self._partials_begin(u, partials)
-        if block is None and self._symmetric_ok(u):
+        symmetric = block is None and self._symmetric_ok(u)
+        if symmetric:
             self._fused_symmetric(u, ct, op, n0, inner, mine, layout)
         self.w.emit("{")
         rows_arg = self._fused_extent(u, block, outer, n0, inner, mine)
@@ -92,6 +93,8 @@ class CudaFused:
         self.w.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.w.site() * 8}, "
                   f"reduce_to, {fn}, gather{', source' if direct else ''});")
         self.w.emit("}")
+        if symmetric:  # auto's timed trial calls: the unit's end
+            self.w.emit(f"coconet::cuda::fused_done(choice_{nm}, ctx);")
         self._combine(u, layout)
         for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
             if a not in partials:
@@ -207,10 +210,10 @@ class CudaFused:
 
     def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str,
                          layout: dict[str, str]) -> None:
-        """The fused unit as one kernel over NCCL symmetric memory where the run time allows it
-        (coconet::cuda::use_symmetric; else the pipeline after it). Its per-thread function is
-        the pipeline chunk kernel's, rendered by the same CudaKernels.kernel: the Lets once per
-        thread, whole vectors of V elements where every operand is aligned, then single
+        """The fused unit as one kernel over NCCL symmetric memory where the run time chooses it
+        (coconet::cuda::choose_fused; else the pipeline after it; fused_done after both). Its
+        per-thread function is the pipeline chunk kernel's, rendered by the same
+        CudaKernels.kernel: the Lets once per thread, whole vectors of V elements where every operand is aligned, then single
         elements; the reduced value comes from the kernel (th.reduce(i) per element, then read
         as red_v; th.vreduce(i0) per vector) instead of the chunk buffer, and the gathered value
         is stored in this rank's window too (th.out). The reductions the chunks would accumulate
@@ -221,7 +224,9 @@ class CudaFused:
         inside = {u.collective} | {name for name, _, _ in items}
         coords = self.idx.needs_coords(t, [e for _, e, _ in items], inside)
         assert any(isinstance(r, Ref) and r.name == u.collective for _, e, _ in items for r in walk(e)), u.name
-        self.w.emit(f'if (coconet::cuda::use_symmetric(ctx, "{u.name}")) {{  // one kernel over symmetric memory')
+        self.w.emit(f'const coconet::cuda::FusedChoice choice_{u.name} = coconet::cuda::choose_fused(ctx, '
+                    f'"{self.w.fn}", "{u.name}", {n0} * {inner});  // auto: the faster, measured on the first calls')
+        self.w.emit(f"if (choice_{u.name}.symmetric) {{  // one kernel over symmetric memory")
         self.w.emit(f"  const int64_t off = {self.w.offset(t)};")
         self.w.emit("  (void)off;")
         if coords:

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -177,6 +178,7 @@ struct Event {
   uint64_t position = 0;  // done when stream->completed >= position
   Clock clock;
   bool recorded = false;
+  std::atomic<double> at{0};  // when its stream reached it (seconds; cudaEventElapsedTime)
 };
 
 struct State {
@@ -902,6 +904,9 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
   namespace m = coconet::cuda::emu;
   m::State& st = m::state();
   m::Stream* s = m::get(cs);
+  m::enqueue(s, [e] {  // the time the stream reaches the event, for cudaEventElapsedTime
+    e->at = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  });
   std::lock_guard<std::recursive_mutex> d(st.det);
   std::lock_guard<std::mutex> lock(st.mu);
   e->stream = s;
@@ -909,6 +914,21 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
   m::merge(s->clock, st.host);
   e->clock = s->clock;
   e->recorded = true;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  namespace m = coconet::cuda::emu;
+  if (!e->recorded) return cudaSuccess;
+  m::State& st = m::state();
+  std::unique_lock<std::mutex> lock(st.mu);
+  st.cv.wait(lock, [&] { return e->stream->completed >= e->position; });
+  return cudaSuccess;
+}
+// Milliseconds between two events their streams have reached (the host's wall clock there).
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  cudaEventSynchronize(start);
+  cudaEventSynchronize(end);
+  *ms = float((end->at.load() - start->at.load()) * 1e3);
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t cs, cudaEvent_t e, unsigned = 0) {

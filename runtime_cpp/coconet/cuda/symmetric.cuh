@@ -2,7 +2,8 @@
 // symmetric memory (NCCL's device API), the second algorithm of a `Fused` unit next to the chunked
 // host-API pipeline (runtime.cuh: pipeline). Used where every rank of the group is in one LSA team
 // (load/store access: one node, NVLink or PCIe P2P) and NCCL's device API is available; chosen at
-// run time (use_symmetric), forced with COCONET_CUDA_FUSED=pipeline|symmetric|auto (the same on
+// run time (choose_fused: in auto mode the faster of the two, measured on a unit's first calls at a
+// size and agreed by every rank), forced with COCONET_CUDA_FUSED=pipeline|symmetric (the same on
 // every rank). Under the host emulation (g++ -DCOCONET_EMULATE) the device API comes from
 // emulate_nccl_device.h: windows in POSIX shared memory, LSA barriers across the rank processes.
 //
@@ -41,6 +42,7 @@
 #endif
 
 #include <cstdio>
+#include <tuple>
 
 namespace coconet {
 namespace cuda {
@@ -66,6 +68,19 @@ inline FusedAlgo fused_algo() {
   return a;
 }
 
+// auto's measurement of one fused unit at one size on one communicator (choose_fused): its first
+// kTrialCalls calls alternate the algorithms (symmetric first), the first two untimed (they make
+// the window, the device communicator, the chunk buffers), the last two timed by events on the
+// call's stream; the next call takes, on every rank, the faster by the slowest rank's times.
+constexpr int kTrialCalls = 4;
+struct Trial {
+  int calls = 0;
+  cudaEvent_t start[2]{}, end[2]{};  // [0]: the symmetric kernel, [1]: the pipeline
+  cudaEvent_t comm_done = nullptr;   // the comm stream's work joined before the end is recorded
+  float ms[2]{};                     // the slowest rank's times (after the decision)
+  int decided = -1;                  // 1: the symmetric kernel, 0: the pipeline
+};
+
 // A communicator's device-API state, made on first use and kept: whether the symmetric kernel can
 // run on it (and why not), its device communicator (LSA barriers) and its window.
 struct Symmetric {
@@ -75,20 +90,27 @@ struct Symmetric {
   ncclDevComm dev{};
   int barriers = 0;  // the device communicator's LSA barriers: the most blocks a grid may have
   std::map<const void*, int> grids;  // per kernel: the grid every rank agreed on (symmetric_grid)
+  std::map<std::tuple<std::string, std::string, int64_t>, Trial> trials;  // auto: per (function, unit, elements)
   void* buf = nullptr;
   size_t bytes = 0;
   ncclWindow_t win = nullptr;
 };
 
-// The least of every rank's v (collective over the communicator, blocking: on first use only).
-inline int agree_min(int v, const Ctx& c) {
-  int* d = nullptr;
-  COCONET_CUDA(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(int)));
-  COCONET_CUDA(cudaMemcpyAsync(d, &v, sizeof(int), cudaMemcpyHostToDevice, c.stream));
-  COCONET_CUDA(ncclAllReduce(d, d, 1, ncclInt32, ncclMin, c.comm, c.stream));
-  COCONET_CUDA(cudaMemcpyAsync(&v, d, sizeof(int), cudaMemcpyDeviceToHost, c.stream));
+// v[0..count) combined over every rank by op (collective over the communicator, blocking: on first
+// use only, or once per measured unit and size).
+template <class T>
+void agree(T* v, int count, ncclDataType_t type, ncclRedOp_t op, const Ctx& c) {
+  T* d = nullptr;
+  COCONET_CUDA(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(T) * size_t(count)));
+  COCONET_CUDA(cudaMemcpyAsync(d, v, sizeof(T) * size_t(count), cudaMemcpyHostToDevice, c.stream));
+  COCONET_CUDA(ncclAllReduce(d, d, size_t(count), type, op, c.comm, c.stream));
+  COCONET_CUDA(cudaMemcpyAsync(v, d, sizeof(T) * size_t(count), cudaMemcpyDeviceToHost, c.stream));
   COCONET_CUDA(cudaStreamSynchronize(c.stream));
   COCONET_CUDA(cudaFree(d));
+}
+// The least of every rank's v.
+inline int agree_min(int v, const Ctx& c) {
+  agree(&v, 1, ncclInt32, ncclMin, c);
   return v;
 }
 
@@ -170,25 +192,83 @@ inline bool fused_trace() {
   return trace;
 }
 
-// Does fused unit `unit` run as the symmetric kernel here? auto: where the device API is
-// available, every rank of the group is in the LSA team and the group has more than one rank;
-// symmetric: wherever it can run (one rank included), an error elsewhere; pipeline: never.
-// COCONET_CUDA_FUSED_TRACE=1 prints the choice (rank, unit, algorithm) on stderr.
-inline bool use_symmetric(const Ctx& c, const char* unit) {
+// What a fused unit runs in this call (choose_fused), and, in a timed trial call, the event
+// fused_done records at its end.
+struct FusedChoice {
+  bool symmetric = false;
+  Trial* timed = nullptr;
+  int which = 0;
+};
+
+// auto's decision for trial t (collective: every rank decides at the same call): each
+// algorithm's time, the slowest rank's (ncclMax), the faster kept.
+inline void decide(Trial& t, const Ctx& c) {
+  float ms[2];
+  for (int i = 0; i < 2; ++i) COCONET_CUDA(cudaEventElapsedTime(&ms[i], t.start[i], t.end[i]));
+  const float here[2] = {ms[0], ms[1]};
+  agree(ms, 2, ncclFloat32, ncclMax, c);
+  t.ms[0] = ms[0], t.ms[1] = ms[1];
+  t.decided = ms[0] <= ms[1] ? 1 : 0;
+  if (fused_trace())
+    std::fprintf(stderr, "coconet fused: rank %d of %d: measured here symmetric %.6f ms, pipeline %.6f ms; "
+                 "slowest rank's symmetric %.6f ms, pipeline %.6f ms\n", c.group.rank, c.group.size, double(here[0]),
+                 double(here[1]), double(ms[0]), double(ms[1]));
+}
+
+// Does fused unit `unit` of generated function `fn` (n elements) run as the symmetric kernel in this call? Where it cannot
+// run (no device API, not every rank in the LSA team): the pipeline. Where both can run: auto
+// measures both (Trial) and keeps the faster per (fn, unit, n) on this communicator, the same on every
+// rank; symmetric forces the kernel (an error where it cannot run); pipeline forces the pipeline.
+// COCONET_CUDA_FUSED_TRACE=1 prints the choice (rank, unit, algorithm, why) on stderr.
+inline FusedChoice choose_fused(const Ctx& c, const char* fn, const char* unit, int64_t n) {
   const FusedAlgo a = fused_algo();
-  bool sym = false;
+  FusedChoice ch;
+  char how[96] = "";
   if (a != FusedAlgo::pipeline) {
     std::lock_guard<std::mutex> lock(symmetric_mutex());
-    const Symmetric& s = symmetric_state(c);
+    Symmetric& s = symmetric_state(c);
     if (a == FusedAlgo::symmetric && !s.ok)
       throw std::runtime_error(std::string("coconet (cuda): COCONET_CUDA_FUSED=symmetric, but fused ") + unit +
                                " cannot run over symmetric memory: " + s.why);
-    sym = s.ok && (a == FusedAlgo::symmetric || c.group.size > 1);
+    if (a == FusedAlgo::symmetric) {
+      ch.symmetric = true;
+    } else if (s.ok) {
+      Trial& t = s.trials[std::make_tuple(std::string(fn), std::string(unit), n)];
+      if (t.decided < 0 && t.calls == kTrialCalls) decide(t, c);
+      if (t.decided >= 0) {
+        ch.symmetric = t.decided == 1;
+        std::snprintf(how, sizeof how, " (measured: symmetric %.6f ms, pipeline %.6f ms)", double(t.ms[0]),
+                      double(t.ms[1]));
+      } else {
+        const int k = t.calls++;
+        ch.symmetric = k % 2 == 0;
+        if (k >= kTrialCalls - 2) {  // timed
+          const int i = ch.symmetric ? 0 : 1;
+          if (!t.start[i]) {
+            COCONET_CUDA(cudaEventCreate(&t.start[i]));
+            COCONET_CUDA(cudaEventCreate(&t.end[i]));
+          }
+          if (!t.comm_done) COCONET_CUDA(cudaEventCreateWithFlags(&t.comm_done, cudaEventDisableTiming));
+          COCONET_CUDA(cudaEventRecord(t.start[i], c.stream));
+          ch.timed = &t, ch.which = i;
+        }
+        std::snprintf(how, sizeof how, " (trial %d of %d%s)", k + 1, kTrialCalls, ch.timed ? ", timed" : "");
+      }
+    }
   }
   if (fused_trace())
-    std::fprintf(stderr, "coconet fused: rank %d of %d: %s runs the %s\n", c.group.rank, c.group.size, unit,
-                 sym ? "symmetric kernel" : "pipeline");
-  return sym;
+    std::fprintf(stderr, "coconet fused: rank %d of %d: %s runs the %s%s\n", c.group.rank, c.group.size, unit,
+                 ch.symmetric ? "symmetric kernel" : "pipeline", how);
+  return ch;
+}
+
+// After the unit (either algorithm): in a timed trial call, the comm stream's work joined into the
+// call's stream and the end recorded there.
+inline void fused_done(const FusedChoice& ch, const Ctx& c) {
+  if (!ch.timed) return;
+  COCONET_CUDA(cudaEventRecord(ch.timed->comm_done, c.comm_stream));
+  COCONET_CUDA(cudaStreamWaitEvent(c.stream, ch.timed->comm_done, 0));
+  COCONET_CUDA(cudaEventRecord(ch.timed->end[ch.which], c.stream));
 }
 
 // This communicator's window of at least `bytes` (collective: every rank asks for the same size
