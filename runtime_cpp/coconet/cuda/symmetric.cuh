@@ -204,7 +204,10 @@ struct FusedChoice {
 // algorithm's time, the slowest rank's (ncclMax), the faster kept.
 inline void decide(Trial& t, const Ctx& c) {
   float ms[2];
-  for (int i = 0; i < 2; ++i) COCONET_CUDA(cudaEventElapsedTime(&ms[i], t.start[i], t.end[i]));
+  for (int i = 0; i < 2; ++i) {
+    COCONET_CUDA(cudaEventSynchronize(t.end[i]));  // (elapsed time is an error before both are reached)
+    COCONET_CUDA(cudaEventElapsedTime(&ms[i], t.start[i], t.end[i]));
+  }
   const float here[2] = {ms[0], ms[1]};
   agree(ms, 2, ncclFloat32, ncclMax, c);
   t.ms[0] = ms[0], t.ms[1] = ms[1];
@@ -311,16 +314,13 @@ COCONET_HD inline Range block_share(int64_t m, int64_t blocks, int64_t b) {
   return Range{lo, lo + per < m ? lo + per : m};
 }
 
-// What the generated per-thread function of the symmetric kernel sees (as a pipeline kernel's
-// Thread<V>): the elements of this rank's slice it takes (vectors(): the first element of each
-// whole group of V, when every operand is aligned; elements(): the rest, or all of them), an
-// element's value reduced over the ranks (reduce, vreduce: V of them), and where the gathered value
+// What the generated per-thread function of the symmetric kernel sees: a pipeline kernel's
+// Thread<V> over its block's share [lo, n) of this rank's slice (vectors(), elements()), plus an
+// element's value reduced over the ranks (reduce, vreduce: V of them) and where the gathered value
 // goes besides the caller's tensor (out: this rank's window; slice-local indices throughout).
 template <class T, class G, int V>
-struct SymThread {
+struct SymThread : Thread<V> {
   using C = compute_t<T>;
-  int64_t lo = 0, hi = 0, first = 0, stride = 1;  // this block's share; the thread in its block
-  bool vec = false;
   const T* direct = nullptr;  // one rank: the caller's input at this rank's slice (nothing staged)
   ncclWindow_t win{};
   int64_t base = 0;  // this rank's slice in the staged input
@@ -328,8 +328,6 @@ struct SymThread {
   T* keep = nullptr;  // this rank's slice of the reduced value, kept (or null)
   G* out = nullptr;
 
-  COCONET_HD Strided vectors() const { return vec ? Strided{lo + first * V, lo + (hi - lo) / V * V, stride * V} : Strided{0, 0, 1}; }
-  COCONET_HD Strided elements() const { return Strided{(vec ? lo + (hi - lo) / V * V : lo) + first, hi, stride}; }
   // rank p's input at this rank's slice
   __device__ const T* input(int p) const {
     return direct ? direct : static_cast<const T*>(ncclGetLsaPointer(win, 0, p)) + base;
@@ -371,7 +369,7 @@ __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, s
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x};
   const int R = dev.lsaSize, me = dev.lsaRank;
   const Range share = block_share(slice_range(n0, R, me).size() * inner, gridDim.x, blockIdx.x);
-  th.lo = share.begin, th.hi = share.end, th.first = threadIdx.x, th.stride = blockDim.x;
+  th.lo = share.begin, th.n = share.end, th.first = threadIdx.x, th.stride = blockDim.x;
   if (R > 1) bar.sync(ncclCoopCta(), ::cuda::memory_order_acquire);  // every rank's input is staged
   f(static_cast<const SymThread<T, G, V>&>(th));
   if (R == 1) return;  // nothing staged, nothing to gather
