@@ -45,27 +45,46 @@ def _operands(line: str) -> str:
 
 def test_fused_symmetric_branch_runs_the_pipeline_element_math(example):
     """A fused reduce-scatter along dim 0 renders a run-time choice: the symmetric kernel
-    (runtime symmetric.cuh), whose element function is the pipeline chunk kernel's body with the
-    reduced value passed in, or else the pipeline. Other fused units render the pipeline only."""
+    (runtime symmetric.cuh), whose per-thread function is the pipeline chunk kernel's, rendered by
+    the same code: the Lets once per thread before the elements, the same vector lanes (the
+    reduced vector from th.vreduce instead of a load from the chunk buffer) and the same element
+    lines (the reduced value red_v from th.reduce instead of red[j]), the gathered value stored
+    in this rank's window too (th.out); or else the pipeline. Other fused units render the
+    pipeline only."""
+    def lines(text: str, starts: tuple[str, ...]) -> list[str]:
+        return [ln.strip() for ln in text.splitlines() if ln.strip().startswith(starts)]
     for file, prog, sched, ct in [("sgd.ccn", "sgd", "fused", "float"), ("adam.ccn", "adam", "zero", "float"),
                                   ("mixed_adam.ccn", "mixed_adam", "zero", "coconet::half"),
                                   ("clipped_sgd.ccn", "clipped_sgd", "fused", "float")]:
         text = "\n".join(generate(example(file), "m").functions[(prog, sched)].body)
         sym, pipe = text.split("} else  // the chunked pipeline on the host API")
         sym, pipe = sym.split("// [")[-1], pipe.split("coconet::cuda::pipeline<")[0]  # this unit's
-        assert 'if (coconet::cuda::use_symmetric(ctx, "fused0")) {' in sym
-        assert f"coconet::cuda::fused_symmetric<{ct}, {ct}>(ncclSum, v_g" in sym
+        assert re.search(r'choice_fused0 = coconet::cuda::choose_fused\(ctx, "\w+", "fused0", S_N \* int64_t\(1\)\);',
+                         sym)
+        assert "if (choice_fused0.symmetric) {" in sym and "coconet::cuda::fused_done(choice_fused0, ctx);" in text
+        assert f"coconet::cuda::fused_symmetric<{ct}, {ct}, 4>(ncclSum, v_g" in sym
+        assert f"[=] __device__ (const coconet::cuda::SymThread<{ct}, {ct}, 4>& th) {{" in sym
         assert f"auto reduce_to = [&](int64_t k, {ct}* red)" in pipe
-        math = [ln.strip() for ln in sym.splitlines() if ln.strip().startswith(("const float x_", "v_"))]
-        elements = pipe.split("th.elements()")[-1]  # the chunk kernel's element path (after its vector lanes)
-        assert math and math == [ln.strip().replace("red[j]", "red_v") for ln in elements.splitlines()
-                                 if ln.strip().startswith(("const float x_", "v_"))]
+        s_lets, s_rest = sym.split("th.vectors()")
+        s_lanes, s_elements = s_rest.split("th.elements()")
+        p_lets, p_rest = pipe.split("th.vectors()")
+        p_lanes, p_elements = p_rest.split("th.elements()")
+        lets = lines(p_lets.split("[=] __device__")[-1], ("const float k",))
+        assert lines(s_lets.split("[=] __device__")[-1], ("const float k",)) == lets  # once per thread
+        assert "const auto in_rs = th.vreduce(i0);" in s_lanes and "in_rs = coconet::cuda::load<4>(red + j0);" in p_lanes
+        lane = lines(p_lanes, ("const float x_", "out_"))
+        assert lane and lines(s_lanes, ("const float x_", "out_")) == lane
+        math = [ln for ln in lines(s_elements, ("const float x_", "v_", "th.out[")) if not ln.startswith("th.out[")]
+        assert math and math == [ln.replace("red[j]", "red_v") for ln in lines(p_elements, ("const float x_", "v_"))]
+        assert f"const {ct} red_v = th.reduce(i);" in s_elements
+        gathered = [ln for ln in lines(s_elements, ("th.out[i] = ",))]
+        assert len(gathered) == (0 if prog == "clipped_sgd" else 1), sym
     keep = "\n".join(generate(example("clipped_sgd.ccn"), "m").functions[("clipped_sgd", "fused")].body)
-    assert "fused_symmetric<float, float>(ncclSum, v_g, S_N, int64_t(1), static_cast<float*>(nullptr), v_rs," in keep
+    assert "fused_symmetric<float, float, 4>(ncclSum, v_g, S_N, int64_t(1), static_cast<float*>(nullptr), v_rs," in keep
     for file, prog, sched in [("residual_dropout.ccn", "f1", "fused"), ("lamb.ccn", "lamb", "zero"),
                               ("layernorm.ccn", "attn_out", "fused"), ("mlp_out.ccn", "mlp_out", "overlapped")]:
         text = "\n".join(generate(example(file), "m", skip_unsupported=True).functions[(prog, sched)].body)
-        assert "use_symmetric" not in text and "coconet::cuda::pipeline<" in text
+        assert "choose_fused" not in text and "coconet::cuda::pipeline<" in text
 
 
 def test_loops_use_the_shared_element_emitter(example):

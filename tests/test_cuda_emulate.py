@@ -377,8 +377,9 @@ def test_symmetric_kernel_matches_interpreter(built, ranks, size, groups):
     """COCONET_CUDA_FUSED=symmetric: every fused unit the symmetric kernel covers runs as that
     kernel (the trace line of every rank and unit says so) and every schedule matches the
     interpreter: uneven slices (3, 4 ranks), empty ones (size 3 on 4 ranks), split communicators
-    (2 groups), and 20001 elements a rank (the full grid of 32 blocks of 512 threads, each
-    barrier paired across ranks, and threads that take a second element in the grid-stride loop)."""
+    (2 groups), and 20001 elements a rank (the emulated multiprocessor's 4 blocks of 512 threads,
+    each barrier paired across ranks, threads taking several vectors; more blocks:
+    test_symmetric_kernel_many_blocks_same_grid_on_every_rank)."""
     res, log, lines = _sym_run(ranks, size, "symmetric", groups)
     assert res.returncode == 0, log
     assert len(lines) == 11 and all(ln.startswith("MATCH ") for ln in lines), log  # 11 schedules
@@ -386,23 +387,171 @@ def test_symmetric_kernel_matches_interpreter(built, ranks, size, groups):
     assert "runs the pipeline" not in res.stderr, log
 
 
+GRID = re.compile(r"rank (\d+) of \d+: symmetric grid (\d+) blocks of \d+ threads, (\w+) path")
+
+
+def _grids(stderr: str) -> dict[int, list[tuple[int, str]]]:
+    """Each rank's symmetric kernel calls in order (COCONET_CUDA_FUSED_TRACE): (grid, path)."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for m in GRID.finditer(stderr):
+        out.setdefault(int(m[1]), []).append((int(m[2]), m[3]))
+    return out
+
+
+def _sym_modules(tmp_path: Path, threads: int | None = None, cases: list[tuple[str, str, str]] | None = None
+                 ) -> tuple[Path, dict[tuple[str, str, str], tuple[str, Path]]]:
+    """The symmetric kernel's schedules (cases: (file, program, schedule), default SYM_CASES) built
+    against a copy of the runtime (threads: its blocks of that many threads instead of 512)."""
+    from coconetc.paths import runtime_dir
+    rt = tmp_path / "runtime"
+    shutil.copytree(runtime_dir(), rt)
+    if threads is not None:
+        sym = rt / "coconet" / "cuda" / "symmetric.cuh"
+        text = sym.read_text()
+        assert text.count("constexpr int kSymThreads = 512;") == 1
+        sym.write_text(text.replace("constexpr int kSymThreads = 512;", f"constexpr int kSymThreads = {threads};"))
+    built = {}
+    for file, prog, sched in cases or SYM_CASES:
+        built[(file, prog, sched)] = compiler.build_emulated(_source(file, prog, sched), f"sym_{prog}_{sched}",
+                                                           tmp_path / f"b_{prog}_{sched}", runtime=rt,
+                                                           log=lambda msg: None)
+    return rt, built
+
+
+SYM_CASES = [("adam", "adam", "fused"), ("clipped_sgd", "clipped_sgd", "fused"), ("mixed_adam", "mixed_adam", "zero"),
+             ("sgd", "sgd", "fused")]
+
+
+@pytest.mark.slow
+def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(tmp_path):
+    """The grid is sized from the device and the same on every rank. With blocks of 2 threads (an
+    edited copy of symmetric.cuh) a call takes one block per 2 * V elements of the largest slice,
+    up to multiprocessors x resident blocks: many blocks, each a contiguous share of whole
+    16-element units of its rank's slice, the last ones short or empty (sizes 10, 100, 1001,
+    4099 at R = 1..4: uneven and empty slices too). The ranks emulate different multiprocessor
+    counts (COCONET_EMULATE_SMS=3,1,2,5: 2048 threads each, so 1024 blocks of 2 on the smallest),
+    and with the unedited kernel (blocks of 512: 4 a multiprocessor) at 100003 elements the
+    smallest GPU's 4 blocks bound the grid of every rank (12 on rank 0 alone, at R = 1). Every
+    call matches the interpreter, every rank launches the same grid for it, and both the vector
+    and the element path run (slices that start off a vector boundary take the element path)."""
+    for threads, sizes, least in [(2, "10,100,1001,4099", 100), (None, "100003", 1)]:
+        _, mods = _sym_modules(tmp_path / str(threads), threads)
+        paths = set()
+        for ranks in (1, 2, 3, 4):
+            for (file, prog, sched), (name, so) in mods.items():
+                res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
+                              env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1",
+                                   "COCONET_EMULATE_SMS": "3,1,2,5"}, timeout=300)
+                log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+                assert res.returncode == 0, log
+                lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+                assert len(lines) == len(sizes.split(",")) and all(ln.startswith("MATCH ") for ln in lines), log
+                grids = _grids(res.stderr)
+                assert sorted(grids) == list(range(ranks)), log
+                calls = grids[0]
+                assert calls and all([g for g, _ in grids[r]] == [g for g, _ in calls] for r in grids), log
+                assert max(g for g, _ in calls) >= least, log
+                if threads is None:  # 100003 elements: 4 blocks, or 12 on one rank (3 multiprocessors)
+                    assert {g for g, _ in calls} == ({12} if ranks == 1 else {4}), log
+                paths |= {p for r in grids for _, p in grids[r]}
+        assert paths == {"vector", "element"}, paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_symmetric_vector_and_element_paths_match_interpreter(built, ranks):
+    """The symmetric kernel on both of its paths against the interpreter (the worker's vector
+    mode, COCONET_CUDA_FUSED=symmetric): every array at a 64-byte boundary (rank 0's slice, which
+    starts there, takes the vector path: its reductions one vector load a peer, its stores and the
+    gather's 16 bytes at a time; at R = 3 the other ranks' slices start off a vector boundary and
+    take the element path in the same kernel), and every array one element off (the element path;
+    at R = 1 no vector access at all)."""
+    files = [str(EX / "adam.ccn"), str(EX / "mixed_adam.ccn"), str(EX / "clipped_sgd.ccn")]
+    size = 40003
+    for off in (0, 1):
+        res = _launch(ranks, ["vector", str(size), str(off), *files],
+                      env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1"})
+        out = res.stdout
+        log = f"--- stdout\n{out}\n--- stderr\n{res.stderr[-4000:]}"
+        assert res.returncode == 0, log
+        lines = [ln for ln in out.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+        assert len(lines) >= 6 and all(ln.startswith("MATCH ") for ln in lines), log
+        assert res.stderr.count(SYMMETRIC) == 4 * ranks, log  # adam zero, fused; mixed_adam zero; clipped_sgd fused
+        for file, prog, sched in [("adam.ccn", "adam", "fused"), ("adam.ccn", "adam", "zero"),
+                                  ("mixed_adam.ccn", "mixed_adam", "zero"), ("clipped_sgd.ccn", "clipped_sgd", "fused")]:
+            c = _counts(out, file, prog, sched, off)
+            if off == 0:
+                assert c["vector_kernels"] >= 1 and c["vector_accesses"] >= size // 8 // ranks, (file, sched, c)
+            elif ranks == 1:
+                assert c["vector_kernels"] == 0 and c["vector_accesses"] == 0, (file, sched, c)
+            elif file != "clipped_sgd.ccn":  # (which reads only the window and aligned scratch: vectors on rank 0)
+                # the element path; the gather copies a peer's part 16 bytes at a time where it is aligned
+                assert c["vector_kernels"] == 0, (file, sched, c)
+        paths = {p for r, calls in _grids(res.stderr).items() for _, p in calls}
+        assert "vector" in paths if off == 0 else "element" in paths, (paths, log)
+        if ranks > 1:  # rank 1's slice starts off a vector boundary (40003 / R elements, rounded up)
+            assert "element" in {p for _, p in _grids(res.stderr)[1]}, log
+
+
 @pytest.mark.slow
 def test_symmetric_kernel_is_chosen_at_run_time(built):
-    """auto: the symmetric kernel where every rank is in one LSA team (one node) and the group has
-    more than one rank; the pipeline with one rank, or when the ranks are emulated as nodes of one
-    rank each (COCONET_EMULATE_LSA_SIZE=1), or without the device API; pipeline forces the
-    pipeline; symmetric where it cannot run raises on every rank."""
-    res, log, lines = _sym_run(2, 10, "auto")
-    assert res.returncode == 0 and all(ln.startswith("MATCH ") for ln in lines), log
-    assert res.stderr.count(SYMMETRIC) == SYM_UNITS * 2 and "runs the pipeline" not in res.stderr, log
-    for ranks, algo, extra in [(1, "auto", {}), (2, "auto", {"COCONET_EMULATE_LSA_SIZE": "1"}),
+    """auto: where both algorithms can run (the device API, every rank of the group in one LSA
+    team; one rank too) a unit's first call runs the symmetric kernel, the first of auto's
+    measured trials (test_symmetric_choice_is_measured_and_agreed); the pipeline when the ranks
+    are emulated as nodes of one rank each (COCONET_EMULATE_LSA_SIZE=1), or without the device
+    API; pipeline forces the pipeline; symmetric where it cannot run raises on every rank."""
+    for ranks in (1, 2):
+        res, log, lines = _sym_run(ranks, 10, "auto")
+        assert res.returncode == 0 and lines and all(ln.startswith("MATCH ") for ln in lines), log
+        assert res.stderr.count(SYMMETRIC + " (trial 1 of 4)") == SYM_UNITS * ranks, log
+        assert "runs the pipeline" not in res.stderr, log
+    for ranks, algo, extra in [(2, "auto", {"COCONET_EMULATE_LSA_SIZE": "1"}),
                                (2, "auto", {"COCONET_EMULATE_NO_DEVICE_API": "1"}), (2, "pipeline", {})]:
         res, log, lines = _sym_run(ranks, 10, algo, extra=extra)
         assert res.returncode == 0 and all(ln.startswith("MATCH ") for ln in lines), log
-        assert res.stderr.count("runs the pipeline") == SYM_UNITS * ranks and SYMMETRIC not in res.stderr, log
+        assert res.stderr.count("runs the pipeline\n") == SYM_UNITS * ranks and SYMMETRIC not in res.stderr, log
     res, log, _ = _sym_run(2, 10, "symmetric", extra={"COCONET_EMULATE_LSA_SIZE": "1"})
     assert res.returncode != 0, log
     assert "COCONET_CUDA_FUSED=symmetric, but fused fused0 cannot run over symmetric memory: not every rank" in log
+
+
+CHOICE = re.compile(r"rank (\d+) of \d+: fused0 runs the (symmetric kernel|pipeline) \((trial \d of 4(?:, timed)?|measured: "
+                    r"symmetric [\d.]+ ms, pipeline [\d.]+ ms)\)")
+SLOWEST = re.compile(r"rank (\d+) of \d+: measured here .*; slowest rank's symmetric ([\d.]+) ms, pipeline ([\d.]+) ms")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_symmetric_choice_is_measured_and_agreed(tmp_path, ranks):
+    """auto where both algorithms can run: a unit's first 4 calls at a size alternate the symmetric
+    kernel and the pipeline (the last two timed by events), then every later call at that size
+    runs the faster by the slowest rank's times (an ncclMax over the ranks): every rank prints the
+    same agreed times, takes the same decision, the one those times give, at each size on its own
+    (10 and 1001 elements, 6 calls each), and every call matches the interpreter."""
+    (_, mods) = _sym_modules(tmp_path, cases=[("sgd", "sgd", "fused"), ("mixed_adam", "mixed_adam", "zero")])
+    sizes = ",".join(["10"] * 6 + ["1001"] * 6)
+    for (file, prog, sched), (name, so) in mods.items():
+        res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
+                      env={"COCONET_CUDA_FUSED": "auto", "COCONET_CUDA_FUSED_TRACE": "1"}, timeout=300)
+        log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+        assert res.returncode == 0, log
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+        assert len(lines) == 12 and all(ln.startswith("MATCH ") for ln in lines), log
+        runs: dict[int, list[tuple[str, str]]] = {}
+        for m in CHOICE.finditer(res.stderr):
+            runs.setdefault(int(m[1]), []).append((m[2], m[3].split(":")[0].split(" of")[0]))
+        slowest: dict[int, list[tuple[str, str]]] = {}
+        for m in SLOWEST.finditer(res.stderr):
+            slowest.setdefault(int(m[1]), []).append((m[2], m[3]))
+        assert sorted(runs) == sorted(slowest) == list(range(ranks)), log
+        assert all(runs[r] == runs[0] and slowest[r] == slowest[0] for r in runs), log  # every rank the same
+        assert len(slowest[0]) == 2, log  # one decision a size
+        trials = [("symmetric kernel", "trial 1"), ("pipeline", "trial 2"), ("symmetric kernel", "trial 3"),
+                  ("pipeline", "trial 4")]
+        for k, (sym_ms, pipe_ms) in enumerate(slowest[0]):
+            calls = runs[0][6 * k:6 * k + 6]
+            want = "symmetric kernel" if float(sym_ms) <= float(pipe_ms) else "pipeline"
+            assert calls == trials + [(want, "measured")] * 2, (calls, sym_ms, pipe_ms, log)
 
 
 @pytest.mark.slow
@@ -414,7 +563,7 @@ def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
     shutil.copytree(runtime_dir(), rt)
     sym = rt / "coconet" / "cuda" / "symmetric.cuh"
     text = sym.read_text()
-    assert text.count("for (int p = 1; p < R; ++p)") == 1
+    assert text.count("for (int p = 1; p < R; ++p)") == 2  # SymThread::reduce and vreduce
     cu = _source("sgd", "sgd", "fused")
     for edited, verdict in [(False, "MATCH "), (True, "MISMATCH ")]:
         if edited:

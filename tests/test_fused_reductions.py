@@ -176,8 +176,8 @@ def test_cuda_per_chunk_equals_the_interpreter(file, prog, scheds, algo):
     """The CUDA module under the host emulation, chunks of 5 elements (N = 23: several chunks,
     uneven slices at 2 and 3 ranks, a last chunk shorter than the others): every schedule
     matches the interpreter on 1, 2 and 3 ranks (clipped_sgd: the reduced slice kept, no
-    gather); `pipeline` forces the chunk pipeline, `auto`
-    runs the symmetric kernel where it may (more than one rank)."""
+    gather); `pipeline` forces the chunk pipeline, `auto` runs the symmetric kernel where it
+    may (its first call, the first of auto's measured trials)."""
     env = {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo}
     for ranks in (1, 2, 3):
         out = _run(["run", str(EX / file), "-s", "all", "--backend", "cuda", "--emulate", "--ranks", str(ranks),

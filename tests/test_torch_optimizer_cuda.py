@@ -89,7 +89,12 @@ def test_process_group_gloo(built, capfd):
 
 
 @pytest.mark.parametrize("ranks", RANKS)
-def test_mixed_precision_f16_and_bf16(built, capfd, ranks):
+def test_mixed_precision_f16_and_bf16(built, capfd, monkeypatch, ranks):
+    """The fused unit runs the symmetric kernel on every step (forced): the CUDA-vs-CPU comparison
+    holds the f16/bf16 gradient sum to 1e-6, and the kernel reduces it in the compute type as the
+    CPU backend does, while the pipeline's NCCL sum rounds in the tensor's type (at R >= 3 the
+    roundings differ), so auto, whose measured trials alternate the two, would mix them."""
+    monkeypatch.setenv("COCONET_CUDA_FUSED", "symmetric")
     rc, lines, log = _run(capfd, ranks, "mixed")
     _check(lines, log, [f"mixed:{f}:{b}:{s}:R{ranks}:{w}" for f in ("mixed_adam", "mixed_adam_bf16")
                         for b, s in (("cuda", "default"), ("cuda", "zero"), ("cpu", "zero"))

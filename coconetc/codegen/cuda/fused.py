@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.loops import CudaKernels, Kernel, Outs
@@ -49,7 +48,8 @@ class CudaFused:
         partials = u.accumulated("cuda")
         assert block is None or not partials, u.name  # (the planner accumulates none inside an overlap)
         layout = self._partials_begin(u, partials)
-        if block is None and self._symmetric_ok(u):
+        symmetric = block is None and self._symmetric_ok(u)
+        if symmetric:
             self._fused_symmetric(u, ct, op, n0, inner, mine, layout)
         self.w.emit("{")
         rows_arg = self._fused_extent(u, block, outer, n0, inner, mine)
@@ -93,6 +93,8 @@ class CudaFused:
         self.w.emit(f"  coconet::cuda::pipeline<{ct}>(chunks_{nm}, red0_{nm}, red1_{nm}, ctx, {self.w.site() * 8}, "
                   f"reduce_to, {fn}, gather{', source' if direct else ''});")
         self.w.emit("}")
+        if symmetric:  # auto's timed trial calls: the unit's end
+            self.w.emit(f"coconet::cuda::fused_done(choice_{nm}, ctx);")
         self._combine(u, layout)
         for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
             if a not in partials:
@@ -211,37 +213,44 @@ class CudaFused:
 
     def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str,
                          layout: dict[str, str]) -> None:
-        """The fused unit as one kernel over NCCL symmetric memory where the run time allows it
-        (coconet::cuda::use_symmetric; else the pipeline after it): the element function is the
-        pipeline chunk kernel's body, the reduced value passed in (red_v) instead of read from
-        the chunk buffer. The reductions the chunks would accumulate are accumulated after the
-        kernel, over the slice it kept, as one chunk."""
+        """The fused unit as one kernel over NCCL symmetric memory where the run time chooses it
+        (coconet::cuda::choose_fused; else the pipeline after it; fused_done after both). Its
+        per-thread function is the pipeline chunk kernel's, rendered by the same
+        CudaKernels.kernel: the Lets once per thread, whole vectors of V elements where every operand is aligned, then single
+        elements; the reduced value comes from the kernel (th.reduce(i) per element, then read
+        as red_v; th.vreduce(i0) per vector) instead of the chunk buffer, and the gathered value
+        is stored in this rank's window too (th.out). The reductions the chunks would accumulate
+        are accumulated after the kernel, over the slice it kept, as one chunk."""
         saved = dict(self.w.consts)
         t = u.type
         items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
         inside = {u.collective} | {name for name, _, _ in items}
         coords = self.idx.needs_coords(t, [e for _, e, _ in items], inside)
-        self.w.emit(f'if (coconet::cuda::use_symmetric(ctx, "{u.name}")) {{  // one kernel over symmetric memory')
+        assert any(isinstance(r, Ref) and r.name == u.collective for _, e, _ in items for r in walk(e)), u.name
+        self.w.emit(f'const coconet::cuda::FusedChoice choice_{u.name} = coconet::cuda::choose_fused(ctx, '
+                    f'"{self.w.fn}", "{u.name}", {n0} * {inner});  // auto: the faster, measured on the first calls')
+        self.w.emit(f"if (choice_{u.name}.symmetric) {{  // one kernel over symmetric memory")
         self.w.emit(f"  const int64_t off = {self.w.offset(t)};")
         self.w.emit("  (void)off;")
         if coords:
             for line in self.idx.extents(t):
                 self.w.emit(f"  {line}")
-        lets = pointwise.lets(self.w, u.lets)
         self.notes.access(t, items, u.lets, "0", mine, {}, "  ")
         g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
         gt = CTYPE[self.w.types[u.gather].dtype] if u.gather else ct
         keep = f"v_{u.collective}" if u.store_reduced else f"static_cast<{ct}*>(nullptr)"  # scratch (the plan)
-        self.w.emit(f"  coconet::cuda::fused_symmetric<{ct}, {gt}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, ctx, "
-                  f"[=] __device__ (int64_t i, {ct} red_v) {{")
-        for line in lets:
-            self.w.emit(f"    {line}")
-        outs = {name: [(f"v_{name}[i]", "")] if stored else [] for name, _, stored in items}
-        body = self.kernels.body(t, items, {u.collective: "coconet::to_compute(red_v)"}, self.idx.loader(t), outs,
-                          lambda target, name: target)
-        for line in self.kernels.with_coords(t, coords, body):
-            self.w.emit(f"    {line}")
-        self.w.emit("  });")
+        outs: Outs = {}
+        if u.gather:  # the gathered value: in the caller's tensor (the item's store) and this rank's window
+            assert any(name == u.gathered and stored for name, _, stored in items), u.name
+            outs = {u.gathered: [("th.out[i]", "th.out")]}
+        k = Kernel(mine, "i", regs={u.collective: ("coconet::to_compute(red_v)", "")}, outs=outs,
+                   elem_defs=(f"const {ct} red_v = th.reduce(i);",), vloads={u.collective: "th.vreduce"},
+                   own=("th.out",))
+
+        def launch(V: int, ok: str) -> str:
+            return (f"coconet::cuda::fused_symmetric<{ct}, {gt}, {V}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, "
+                    f"ctx, {ok}, [=] __device__ (const coconet::cuda::SymThread<{ct}, {gt}, {V}>& th) {{")
+        self.kernels.kernel(t, k, u.lets, items, coords, "  ", launch)
         if layout:  # the whole slice as one chunk (the reduced value is kept: the Reduce reads it)
             assert u.store_reduced or all(r.src != u.collective for r in u.accumulated("cuda")), u.name
             self.w.emit(f"  const int64_t lo = 0, hi = {mine};")

@@ -17,6 +17,7 @@ place has only the element path."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coconetc.codegen import pointwise
@@ -48,6 +49,13 @@ class Kernel:
     i_base: str = ""
     regs: dict[str, tuple[str, str]] = field(default_factory=dict)
     outs: Outs = field(default_factory=dict)
+    # the symmetric kernel's (fused.py): lines the element path defines after `defs` (a reduced
+    # value read once per element); per value in regs read by a call instead of a vector load,
+    # that function (given the group's first element); pointers the launcher checks itself
+    # (left out of the kernel's aligned<V> check)
+    elem_defs: tuple[str, ...] = ()
+    vloads: dict[str, str] = field(default_factory=dict)
+    own: tuple[str, ...] = ()
 
 
 def _plus(ptr: str, base: str) -> str:
@@ -71,8 +79,11 @@ class CudaKernels:
         self.w = w
         self.idx, self.notes = idx, notes
 
-    def kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str) -> None:
-        """The launch of one pointwise kernel (the caller has declared its accesses)."""
+    def kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str,
+               launch: Callable[[int, str], str] | None = None) -> None:
+        """The launch of one pointwise kernel (the caller has declared its accesses). launch(V,
+        whether every operand is aligned): the text that opens the per-thread lambda (default: a
+        launch_threads<V> over k.n; the symmetric kernel's is fused_symmetric<..., V>)."""
         let_lines = pointwise.lets(self.w, lets)
         outs: Outs = {name: [(f"v_{name}[i]", _plus(f"v_{name}", k.i_base))] if stored else []
                       for name, _, stored in items}
@@ -80,13 +91,16 @@ class CudaKernels:
             if name in outs:
                 outs[name] = outs[name] + targets
         vec = self._vector_operands(t, k, items, outs)
+        if launch is None:
+            def launch(V: int, ok: str) -> str:
+                return (f"coconet::cuda::launch_threads<{V}>({k.n}, {ok}, stream, "
+                        f"[=] __device__ (const coconet::cuda::Thread<{V}>& th) {{")
         if vec is None:
-            self.w.emit(f"{ind}coconet::cuda::launch_threads<1>({k.n}, false, stream, "
-                      "[=] __device__ (const coconet::cuda::Thread<1>& th) {")
+            self.w.emit(f"{ind}{launch(1, 'false')}")
         else:
             V, ptrs = vec
-            self.w.emit(f"{ind}coconet::cuda::launch_threads<{V}>({k.n}, coconet::cuda::aligned<{V}>("
-                      f"{', '.join(ptrs.values())}), stream, [=] __device__ (const coconet::cuda::Thread<{V}>& th) {{")
+            checked = ", ".join(p for name, p in ptrs.items() if name not in k.vloads and p not in k.own)
+            self.w.emit(f"{ind}{launch(V, f'coconet::cuda::aligned<{V}>({checked})')}")
         for line in let_lines:
             self.w.emit(f"{ind}  {line}")
         if vec is not None:
@@ -96,7 +110,7 @@ class CudaKernels:
         load = self.idx.loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
         body = self.with_coords(t, coords, self.body(t, items, local, load, outs, lambda target, name: target))
-        for line in (*_indices(k.defs, body), *body):
+        for line in (*_indices((*k.defs, *k.elem_defs), body), *body):
             self.w.emit(f"{ind}    {line}")
         self.w.emit(f"{ind}  }}")
         self.w.emit(f"{ind}}});")
@@ -119,9 +133,11 @@ class CudaKernels:
         ptrs: dict[str, str] = {}
         sizes: list[int] = []
         for r in (r for _, e, _ in items for r in walk(e) if isinstance(r, Ref)):
-            if r.name in inside or r.name in self.w.consts or r.name in ptrs:
-                continue
-            if r.name in k.regs:
+            if r.name in self.w.consts or r.name in ptrs or (r.name in inside and r.name not in k.regs):
+                continue  # (a value in regs may be read before an item of its name: the kept reduced value)
+            if r.name in k.vloads:
+                ptr = ""  # read by k.vloads[name], not loaded from a pointer
+            elif r.name in k.regs:
                 ptr = k.regs[r.name][1]
             else:
                 idx = self.idx.access(r, t)
@@ -136,11 +152,11 @@ class CudaKernels:
             ptrs[r.name] = ptr
             sizes.append(BYTES[self.w.types[r.name].dtype])
         for name, targets in outs.items():
-            if len(targets) > 1 or any(p is None for _, p in targets):
+            if any(p is None for _, p in targets):
                 return None
-            for _, p in targets:
+            for n, (_, p) in enumerate(targets):
                 assert p is not None
-                ptrs[f"out {name}"] = p
+                ptrs[f"out {name}" + (f" {n}" if n else "")] = p
                 sizes.append(BYTES[self.w.types[name].dtype])
         if not sizes:
             return None
@@ -154,7 +170,9 @@ class CudaKernels:
         self.w.emit(f"{ind}for (const int64_t {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
                   "load or store per operand")
         for name, ptr in ptrs.items():
-            if not name.startswith("out "):
+            if name in k.vloads:
+                self.w.emit(f"{ind}  const auto in_{name} = {k.vloads[name]}({v0});")
+            elif not name.startswith("out "):
                 self.w.emit(f"{ind}  const auto in_{name} = coconet::cuda::load<{V}>({ptr} + {v0});")
         stored = [name for name, targets in outs.items() if targets]
         by_type: dict[str, list[str]] = {}
@@ -170,12 +188,15 @@ class CudaKernels:
             if r.name not in self.w.consts and r.name in ptrs:
                 return f"coconet::to_compute(in_{r.name}[u])"
             return base(r)
-        body = self.with_coords(t, coords, self.body(t, items, {}, load, outs, lambda target, name: f"out_{name}[u]"))
+        first = {name: targets[:1] for name, targets in outs.items()}  # each lane's value once (stored to each target)
+        body = self.with_coords(t, coords, self.body(t, items, {}, load, first, lambda target, name: f"out_{name}[u]"))
         for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
             self.w.emit(f"{ind}    {line}")
         self.w.emit(f"{ind}  }}")
         for s in stored:
-            self.w.emit(f"{ind}  coconet::cuda::store<{V}>({ptrs[f'out {s}']} + {v0}, out_{s});")
+            for n in range(len(outs[s])):
+                ptr = ptrs[f"out {s}" + (f" {n}" if n else "")]
+                self.w.emit(f"{ind}  coconet::cuda::store<{V}>({ptr} + {v0}, out_{s});")
         self.w.emit(f"{ind}}}")
 
     def body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -177,6 +178,7 @@ struct Event {
   uint64_t position = 0;  // done when stream->completed >= position
   Clock clock;
   bool recorded = false;
+  std::atomic<double> at{0};  // when its stream reached it (seconds; cudaEventElapsedTime)
 };
 
 struct State {
@@ -919,6 +921,9 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
   namespace m = coconet::cuda::emu;
   m::State& st = m::state();
   m::Stream* s = m::get(cs);
+  m::enqueue(s, [e] {  // the time the stream reaches the event, for cudaEventElapsedTime
+    e->at = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  });
   std::lock_guard<std::recursive_mutex> d(st.det);
   std::lock_guard<std::mutex> lock(st.mu);
   e->stream = s;
@@ -926,6 +931,21 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t cs = nullptr) {
   m::merge(s->clock, st.host);
   e->clock = s->clock;
   e->recorded = true;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  namespace m = coconet::cuda::emu;
+  if (!e->recorded) return cudaSuccess;
+  m::State& st = m::state();
+  std::unique_lock<std::mutex> lock(st.mu);
+  st.cv.wait(lock, [&] { return e->stream->completed >= e->position; });
+  return cudaSuccess;
+}
+// Milliseconds between two events their streams have reached (the host's wall clock there).
+inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  cudaEventSynchronize(start);
+  cudaEventSynchronize(end);
+  *ms = float((end->at.load() - start->at.load()) * 1e3);
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t cs, cudaEvent_t e, unsigned = 0) {
@@ -1161,12 +1181,41 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 #define COCONET_PARAM(p, nbytes, name, stream) ::coconet::cuda::emu::caller_buffer((p), (nbytes), (name), (stream))
 
 // ---- pointwise kernels (runtime.cuh: launch_threads, load, store) -------------------------------
-// One emulated multiprocessor (so grids stay small and threads take several vectors); a vector
-// access must be aligned as on a GPU, where a misaligned one faults; the kernels launched on the
-// vector path and the vector accesses made are counted (the module's emulation_counts()).
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
-inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
-  *v = 1;
+// One emulated multiprocessor (so grids stay small and threads take several vectors), or with
+// COCONET_EMULATE_SMS=a,b,c... (MPI_COMM_WORLD rank r: the (r mod count)-th): that many, which may
+// differ between ranks (the symmetric kernel's grid must still be the same on every rank); each
+// holds 2048 threads, and a kernel's resident blocks per multiprocessor
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor) are as many blocks as fit those threads. A
+// vector access must be aligned as on a GPU, where a misaligned one faults; the kernels launched
+// on the vector path and the vector accesses made are counted (the module's emulation_counts()).
+enum cudaDeviceAttr { cudaDevAttrMaxThreadsPerMultiProcessor = 39, cudaDevAttrMultiProcessorCount = 16 };
+namespace coconet {
+namespace cuda {
+namespace emu {
+constexpr int kThreadsPerSm = 2048;
+inline int sm_count() {
+  const char* e = std::getenv("COCONET_EMULATE_SMS");
+  if (!e || !*e) return 1;
+  std::vector<int> counts;
+  for (const char* q = e; *q;) {
+    counts.push_back(std::max(1, std::atoi(q)));
+    while (*q && *q != ',') ++q;
+    if (*q == ',') ++q;
+  }
+  int me = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  return counts[size_t(me) % counts.size()];
+}
+}  // namespace emu
+}  // namespace cuda
+}  // namespace coconet
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
+  *v = a == cudaDevAttrMaxThreadsPerMultiProcessor ? coconet::cuda::emu::kThreadsPerSm : coconet::cuda::emu::sm_count();
+  return cudaSuccess;
+}
+template <class K>
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, K, int block_size, size_t) {
+  *blocks = block_size > 0 ? std::max(1, coconet::cuda::emu::kThreadsPerSm / block_size) : 0;
   return cudaSuccess;
 }
 namespace coconet {

@@ -2,28 +2,36 @@
 // symmetric memory (NCCL's device API), the second algorithm of a `Fused` unit next to the chunked
 // host-API pipeline (runtime.cuh: pipeline). Used where every rank of the group is in one LSA team
 // (load/store access: one node, NVLink or PCIe P2P) and NCCL's device API is available; chosen at
-// run time (use_symmetric), forced with COCONET_CUDA_FUSED=pipeline|symmetric|auto (the same on
+// run time (choose_fused: in auto mode the faster of the two, measured on a unit's first calls at a
+// size and agreed by every rank), forced with COCONET_CUDA_FUSED=pipeline|symmetric (the same on
 // every rank). Under the host emulation (g++ -DCOCONET_EMULATE) the device API comes from
 // emulate_nccl_device.h: windows in POSIX shared memory, LSA barriers across the rank processes.
 //
 // Covered (the renderer emits this path only for them): a reduce-scatter along dim 0 of a
 // contiguous (not scattered) tensor, pointwise phases only, not inside an overlap.
 //
-// One call: the input is staged into this rank's window (one copy); then the kernel, whose block b
-// of every rank pairs with block b of every peer at each LSA barrier:
+// One call: at R > 1 the input is staged into this rank's window (one copy; at R = 1 the kernel
+// reads the caller's input itself); then the kernel, whose block b of every rank pairs with block b
+// of every peer at each LSA barrier. The grid is the same on every rank (symmetric_grid: the least
+// over the ranks of multiprocessors x resident blocks per multiprocessor, at most one block per
+// kSymThreads * V elements of the largest slice), and block b takes a contiguous share of each
+// slice (block_share: a function of the slice's size and the grid only, whole 16-element units):
 //   1. barrier (acquire): every rank's input is staged
-//   2. each thread takes elements l of this rank's slice (grid-stride: block b takes the same
-//      elements on every call), loads element l of the slice from every peer's window (peer loads),
-//      reduces them (sum, avg, max, min; in the compute type, as the plan says), runs the fused
-//      element function (the same element math as the pipeline's chunk kernel, rendered from the
-//      same body), and stores the gathered value in this rank's window
+//   2. the generated per-thread function (the pipeline chunk kernel's, rendered by the same
+//      code: its Lets once per thread, then the thread's whole vectors of V elements where every
+//      operand is aligned, then the rest one element at a time) reads each element's value
+//      reduced over every peer's window (SymThread::reduce / vreduce: peer loads, reduced in the
+//      compute type as the plan says: sum, avg, max, min), runs the fused element math, and
+//      stores the gathered value in the caller's tensor and in this rank's window (th.out)
 //   3. barrier (acq_rel): every rank's computed slice is in its window
-//   4. block b reads the elements block b of each peer wrote in step 2 from that peer's window
-//      (peer loads) straight into the caller's gathered tensor.
+//   4. block b reads the share block b of each peer wrote in step 2 from that peer's window
+//      (peer loads, 16 bytes at a time where the caller's tensor is aligned) straight into the
+//      caller's gathered tensor.
 // Pull, not push, for the gather: the peers' values land in the caller's tensor without a copy
 // out of the window afterwards (one pass over N fewer) and without a third barrier: a rank writes
 // its window again only after the next call's first barrier, which a peer reaches only when its
-// previous kernel, and with it its reads of that window, is over (stream order).
+// previous kernel, and with it its reads of that window, is over (stream order). At R = 1 there
+// is no barrier (nothing to order) and nothing staged or gathered.
 #pragma once
 
 #ifndef COCONET_EMULATE
@@ -34,13 +42,16 @@
 #endif
 
 #include <cstdio>
+#include <tuple>
 
 namespace coconet {
 namespace cuda {
 
-// The kernel's grid is at most this many blocks (one LSA barrier each), of kSymThreads threads.
-constexpr int kSymBlocks = 32;
+// The kernel's blocks have kSymThreads threads; the grid is sized from the device (symmetric_grid).
 constexpr int kSymThreads = 512;
+// A block's share of a slice is a whole number of these elements (a multiple of every vector
+// width V: 16 bytes of a 1-byte type), so that each share starts on a whole vector.
+constexpr int64_t kSymUnit = 16;
 
 enum class FusedAlgo { automatic, pipeline, symmetric };
 
@@ -57,6 +68,19 @@ inline FusedAlgo fused_algo() {
   return a;
 }
 
+// auto's measurement of one fused unit at one size on one communicator (choose_fused): its first
+// kTrialCalls calls alternate the algorithms (symmetric first), the first two untimed (they make
+// the window, the device communicator, the chunk buffers), the last two timed by events on the
+// call's stream; the next call takes, on every rank, the faster by the slowest rank's times.
+constexpr int kTrialCalls = 4;
+struct Trial {
+  int calls = 0;
+  cudaEvent_t start[2]{}, end[2]{};  // [0]: the symmetric kernel, [1]: the pipeline
+  cudaEvent_t comm_done = nullptr;   // the comm stream's work joined before the end is recorded
+  float ms[2]{};                     // the slowest rank's times (after the decision)
+  int decided = -1;                  // 1: the symmetric kernel, 0: the pipeline
+};
+
 // A communicator's device-API state, made on first use and kept: whether the symmetric kernel can
 // run on it (and why not), its device communicator (LSA barriers) and its window.
 struct Symmetric {
@@ -64,10 +88,31 @@ struct Symmetric {
   std::string why;
   bool dev_made = false;
   ncclDevComm dev{};
+  int barriers = 0;  // the device communicator's LSA barriers: the most blocks a grid may have
+  std::map<const void*, int> grids;  // per kernel: the grid every rank agreed on (symmetric_grid)
+  std::map<std::tuple<std::string, std::string, int64_t>, Trial> trials;  // auto: per (function, unit, elements)
   void* buf = nullptr;
   size_t bytes = 0;
   ncclWindow_t win = nullptr;
 };
+
+// v[0..count) combined over every rank by op (collective over the communicator, blocking: on first
+// use only, or once per measured unit and size).
+template <class T>
+void agree(T* v, int count, ncclDataType_t type, ncclRedOp_t op, const Ctx& c) {
+  T* d = nullptr;
+  COCONET_CUDA(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(T) * size_t(count)));
+  COCONET_CUDA(cudaMemcpyAsync(d, v, sizeof(T) * size_t(count), cudaMemcpyHostToDevice, c.stream));
+  COCONET_CUDA(ncclAllReduce(d, d, size_t(count), type, op, c.comm, c.stream));
+  COCONET_CUDA(cudaMemcpyAsync(v, d, sizeof(T) * size_t(count), cudaMemcpyDeviceToHost, c.stream));
+  COCONET_CUDA(cudaStreamSynchronize(c.stream));
+  COCONET_CUDA(cudaFree(d));
+}
+// The least of every rank's v.
+inline int agree_min(int v, const Ctx& c) {
+  agree(&v, 1, ncclInt32, ncclMin, c);
+  return v;
+}
 
 // NCCL 2.29 added ncclCommQueryProperties and the requirements' initializer; 2.28 (the NCCL that
 // torch 2.11 pins) has the device API without them: its requirements are zero-initialized, and
@@ -78,16 +123,24 @@ struct Symmetric {
 #define COCONET_DEV_COMM_REQUIREMENTS {}
 #endif
 
-// Make the device communicator of `comm` into `s` (collective over the communicator).
-inline ncclResult_t make_dev_comm(ncclComm_t comm, Symmetric& s) {
+// Make the device communicator of c.comm into `s` (collective over the communicator), with an LSA
+// barrier for every block that can be resident at once on the smallest GPU of the group
+// (multiprocessors x the threads a multiprocessor holds / kSymThreads), agreed by every rank.
+inline ncclResult_t make_dev_comm(const Ctx& c, Symmetric& s) {
+  int dev = 0, threads = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  COCONET_CUDA(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  s.barriers = agree_min(sm_count() * std::max(1, threads / kSymThreads), c);
   ncclDevCommRequirements_t reqs = COCONET_DEV_COMM_REQUIREMENTS;
-  reqs.lsaBarrierCount = kSymBlocks;
-  const ncclResult_t r = ncclDevCommCreate(comm, &reqs, &s.dev);
+  reqs.lsaBarrierCount = s.barriers;
+  const ncclResult_t r = ncclDevCommCreate(c.comm, &reqs, &s.dev);
   s.dev_made = r == ncclSuccess;
   return r;
 }
 
-inline Symmetric probe_symmetric(ncclComm_t comm, const Group& g) {
+inline Symmetric probe_symmetric(const Ctx& c) {
+  const ncclComm_t comm = c.comm;
+  const Group& g = c.group;
   Symmetric s;
 #if defined(NCCL_COMM_PROPERTIES_INITIALIZER)
   ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
@@ -109,7 +162,7 @@ inline Symmetric probe_symmetric(ncclComm_t comm, const Group& g) {
 #if !defined(NCCL_COMM_PROPERTIES_INITIALIZER)
   // No query before NCCL 2.29: making the device communicator is the test. Every rank probes at
   // the same call (the first fused unit of the call), so the collective creation lines up.
-  if (make_dev_comm(comm, s) != ncclSuccess) {
+  if (make_dev_comm(c, s) != ncclSuccess) {
     s.why = std::string("ncclDevCommCreate failed (no NCCL device API here?): ") + ncclGetLastError(comm);
     return s;
   }
@@ -122,45 +175,111 @@ inline std::mutex& symmetric_mutex() {
   static std::mutex mu;
   return mu;
 }
-// The state of communicator `comm` (the caller holds symmetric_mutex()).
-inline Symmetric& symmetric_state(ncclComm_t comm, const Group& g) {
+// The state of communicator c.comm (the caller holds symmetric_mutex()).
+inline Symmetric& symmetric_state(const Ctx& c) {
   static std::map<ncclComm_t, Symmetric> states;
-  auto it = states.find(comm);
-  if (it == states.end()) it = states.emplace(comm, probe_symmetric(comm, g)).first;
+  auto it = states.find(c.comm);
+  if (it == states.end()) it = states.emplace(c.comm, probe_symmetric(c)).first;
   return it->second;
 }
 
-// Does fused unit `unit` run as the symmetric kernel here? auto: where the device API is
-// available, every rank of the group is in the LSA team and the group has more than one rank;
-// symmetric: wherever it can run (one rank included), an error elsewhere; pipeline: never.
-// COCONET_CUDA_FUSED_TRACE=1 prints the choice (rank, unit, algorithm) on stderr.
-inline bool use_symmetric(const Ctx& c, const char* unit) {
-  const FusedAlgo a = fused_algo();
-  bool sym = false;
-  if (a != FusedAlgo::pipeline) {
-    std::lock_guard<std::mutex> lock(symmetric_mutex());
-    const Symmetric& s = symmetric_state(c.comm, c.group);
-    if (a == FusedAlgo::symmetric && !s.ok)
-      throw std::runtime_error(std::string("coconet (cuda): COCONET_CUDA_FUSED=symmetric, but fused ") + unit +
-                               " cannot run over symmetric memory: " + s.why);
-    sym = s.ok && (a == FusedAlgo::symmetric || c.group.size > 1);
-  }
+// COCONET_CUDA_FUSED_TRACE=1: print each fused unit's algorithm and the symmetric kernel's grid.
+inline bool fused_trace() {
   static const bool trace = [] {
     const char* t = std::getenv("COCONET_CUDA_FUSED_TRACE");
     return t && *t && std::string(t) != "0";
   }();
-  if (trace)
-    std::fprintf(stderr, "coconet fused: rank %d of %d: %s runs the %s\n", c.group.rank, c.group.size, unit,
-                 sym ? "symmetric kernel" : "pipeline");
-  return sym;
+  return trace;
+}
+
+// What a fused unit runs in this call (choose_fused), and, in a timed trial call, the event
+// fused_done records at its end.
+struct FusedChoice {
+  bool symmetric = false;
+  Trial* timed = nullptr;
+  int which = 0;
+};
+
+// auto's decision for trial t (collective: every rank decides at the same call): each
+// algorithm's time, the slowest rank's (ncclMax), the faster kept.
+inline void decide(Trial& t, const Ctx& c) {
+  float ms[2];
+  for (int i = 0; i < 2; ++i) {
+    COCONET_CUDA(cudaEventSynchronize(t.end[i]));  // (elapsed time is an error before both are reached)
+    COCONET_CUDA(cudaEventElapsedTime(&ms[i], t.start[i], t.end[i]));
+  }
+  const float here[2] = {ms[0], ms[1]};
+  agree(ms, 2, ncclFloat32, ncclMax, c);
+  t.ms[0] = ms[0], t.ms[1] = ms[1];
+  t.decided = ms[0] <= ms[1] ? 1 : 0;
+  if (fused_trace())
+    std::fprintf(stderr, "coconet fused: rank %d of %d: measured here symmetric %.6f ms, pipeline %.6f ms; "
+                 "slowest rank's symmetric %.6f ms, pipeline %.6f ms\n", c.group.rank, c.group.size, double(here[0]),
+                 double(here[1]), double(ms[0]), double(ms[1]));
+}
+
+// Does fused unit `unit` of generated function `fn` (n elements) run as the symmetric kernel in this call? Where it cannot
+// run (no device API, not every rank in the LSA team): the pipeline. Where both can run: auto
+// measures both (Trial) and keeps the faster per (fn, unit, n) on this communicator, the same on every
+// rank; symmetric forces the kernel (an error where it cannot run); pipeline forces the pipeline.
+// COCONET_CUDA_FUSED_TRACE=1 prints the choice (rank, unit, algorithm, why) on stderr.
+inline FusedChoice choose_fused(const Ctx& c, const char* fn, const char* unit, int64_t n) {
+  const FusedAlgo a = fused_algo();
+  FusedChoice ch;
+  char how[96] = "";
+  if (a != FusedAlgo::pipeline) {
+    std::lock_guard<std::mutex> lock(symmetric_mutex());
+    Symmetric& s = symmetric_state(c);
+    if (a == FusedAlgo::symmetric && !s.ok)
+      throw std::runtime_error(std::string("coconet (cuda): COCONET_CUDA_FUSED=symmetric, but fused ") + unit +
+                               " cannot run over symmetric memory: " + s.why);
+    if (a == FusedAlgo::symmetric) {
+      ch.symmetric = true;
+    } else if (s.ok) {
+      Trial& t = s.trials[std::make_tuple(std::string(fn), std::string(unit), n)];
+      if (t.decided < 0 && t.calls == kTrialCalls) decide(t, c);
+      if (t.decided >= 0) {
+        ch.symmetric = t.decided == 1;
+        std::snprintf(how, sizeof how, " (measured: symmetric %.6f ms, pipeline %.6f ms)", double(t.ms[0]),
+                      double(t.ms[1]));
+      } else {
+        const int k = t.calls++;
+        ch.symmetric = k % 2 == 0;
+        if (k >= kTrialCalls - 2) {  // timed
+          const int i = ch.symmetric ? 0 : 1;
+          if (!t.start[i]) {
+            COCONET_CUDA(cudaEventCreate(&t.start[i]));
+            COCONET_CUDA(cudaEventCreate(&t.end[i]));
+          }
+          if (!t.comm_done) COCONET_CUDA(cudaEventCreateWithFlags(&t.comm_done, cudaEventDisableTiming));
+          COCONET_CUDA(cudaEventRecord(t.start[i], c.stream));
+          ch.timed = &t, ch.which = i;
+        }
+        std::snprintf(how, sizeof how, " (trial %d of %d%s)", k + 1, kTrialCalls, ch.timed ? ", timed" : "");
+      }
+    }
+  }
+  if (fused_trace())
+    std::fprintf(stderr, "coconet fused: rank %d of %d: %s runs the %s%s\n", c.group.rank, c.group.size, unit,
+                 ch.symmetric ? "symmetric kernel" : "pipeline", how);
+  return ch;
+}
+
+// After the unit (either algorithm): in a timed trial call, the comm stream's work joined into the
+// call's stream and the end recorded there.
+inline void fused_done(const FusedChoice& ch, const Ctx& c) {
+  if (!ch.timed) return;
+  COCONET_CUDA(cudaEventRecord(ch.timed->comm_done, c.comm_stream));
+  COCONET_CUDA(cudaStreamWaitEvent(c.stream, ch.timed->comm_done, 0));
+  COCONET_CUDA(cudaEventRecord(ch.timed->end[ch.which], c.stream));
 }
 
 // This communicator's window of at least `bytes` (collective: every rank asks for the same size
 // in the same order, as every rank runs the same calls) and its device communicator, made once
 // (the window grown when a call needs more). The caller holds symmetric_mutex().
 inline Symmetric& symmetric_window(const Ctx& c, size_t bytes) {
-  Symmetric& s = symmetric_state(c.comm, c.group);
-  if (!s.dev_made) COCONET_CUDA(make_dev_comm(c.comm, s));
+  Symmetric& s = symmetric_state(c);
+  if (!s.dev_made) COCONET_CUDA(make_dev_comm(c, s));
   if (s.bytes < bytes) {
     if (s.win) {
       COCONET_CUDA(cudaDeviceSynchronize());  // the old window may still be read by a queued kernel
@@ -185,72 +304,159 @@ COCONET_HD inline C combine(int op, C a, C b) {
   }
 }
 
-// The kernel (see the top of this file). The window holds the staged input [0, n0*inner) of type T
-// and, from out_off, this rank's gathered slice (type G) at slice-local indices. f(l, red): the
-// fused element function at local element l of this rank's slice, given the reduced value red;
-// it stores the gathered value at gathered[begin + l] itself (computed in place, as the pipeline).
-template <class T, class G, class F>
-__global__ void fused_symmetric_kernel(ncclDevComm dev, ncclWindow_t win, size_t out_off, int op, int64_t n0,
-                                       int64_t inner, G* gathered, T* keep, F f) {
+// Block b's share [begin, end) of a slice of m elements over a grid of `blocks`: contiguous, a
+// whole number of kSymUnit elements (the last shares may be short or empty). A function of m and
+// the grid only, so that a rank knows which of a peer's elements the peer's block b computed: the
+// only ones LSA barrier b orders before this rank's block b.
+COCONET_HD inline Range block_share(int64_t m, int64_t blocks, int64_t b) {
+  const int64_t per = ((m + blocks - 1) / blocks + kSymUnit - 1) / kSymUnit * kSymUnit;
+  const int64_t lo = b * per < m ? b * per : m;
+  return Range{lo, lo + per < m ? lo + per : m};
+}
+
+// What the generated per-thread function of the symmetric kernel sees: a pipeline kernel's
+// Thread<V> over its block's share [lo, n) of this rank's slice (vectors(), elements()), plus an
+// element's value reduced over the ranks (reduce, vreduce: V of them) and where the gathered value
+// goes besides the caller's tensor (out: this rank's window; slice-local indices throughout).
+template <class T, class G, int V>
+struct SymThread : Thread<V> {
   using C = compute_t<T>;
-  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x};
-  const int R = dev.lsaSize, me = dev.lsaRank;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x, first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  const Range mine = slice_range(n0, R, me);
-  const int64_t m = mine.size() * inner, base = mine.begin * inner;
-  bar.sync(ncclCoopCta(), ::cuda::memory_order_acquire);  // every rank's input is staged
-  G* const out_me = static_cast<G*>(ncclGetLsaPointer(win, out_off, me));
-  for (int64_t l = first; l < m; l += step) {
-    C acc = to_compute(static_cast<const T*>(ncclGetLsaPointer(win, 0, 0))[base + l]);
-    for (int p = 1; p < R; ++p)
-      acc = combine<C>(op, acc, to_compute(static_cast<const T*>(ncclGetLsaPointer(win, 0, p))[base + l]));
+  const T* direct = nullptr;  // one rank: the caller's input at this rank's slice (nothing staged)
+  ncclWindow_t win{};
+  int64_t base = 0;  // this rank's slice in the staged input
+  int R = 1, op = 0;
+  T* keep = nullptr;  // this rank's slice of the reduced value, kept (or null)
+  G* out = nullptr;
+
+  // rank p's input at this rank's slice
+  __device__ const T* input(int p) const {
+    return direct ? direct : static_cast<const T*>(ncclGetLsaPointer(win, 0, p)) + base;
+  }
+  // element l of this rank's slice reduced over the ranks (stored in keep too, when kept)
+  __device__ T reduce(int64_t l) const {
+    C acc = to_compute(input(0)[l]);
+    for (int p = 1; p < R; ++p) acc = combine<C>(op, acc, to_compute(input(p)[l]));
     if (op == ncclAvg) acc = acc / static_cast<C>(R);
     const T red = from_compute<T>(acc);
     if (keep) keep[l] = red;
-    f(l, red);
-    if (gathered) out_me[l] = gathered[base + l];
+    return red;
   }
+  // elements l0 .. l0 + V - 1 reduced (one aligned vector load per rank, one store to keep)
+  __device__ Vec<T, V> vreduce(int64_t l0) const {
+    const Vec<T, V> x0 = load<V>(input(0) + l0);
+    C acc[V];
+    COCONET_UNROLL
+    for (int u = 0; u < V; ++u) acc[u] = to_compute(x0[u]);
+    for (int p = 1; p < R; ++p) {
+      const Vec<T, V> xp = load<V>(input(p) + l0);
+      COCONET_UNROLL
+      for (int u = 0; u < V; ++u) acc[u] = combine<C>(op, acc[u], to_compute(xp[u]));
+    }
+    Vec<T, V> red;
+    COCONET_UNROLL
+    for (int u = 0; u < V; ++u) red[u] = from_compute<T>(op == ncclAvg ? acc[u] / static_cast<C>(R) : acc[u]);
+    if (keep) store<V>(keep + l0, red);
+    return red;
+  }
+};
+
+// The kernel (see the top of this file). th: every thread's SymThread but for its share; f(th): the
+// generated per-thread function. The window holds the staged input [0, n0*inner) of type T and,
+// from out_off, this rank's gathered slice (type G) at slice-local indices.
+template <class T, class G, int V, class F>
+__global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, size_t out_off, int64_t n0,
+                                       int64_t inner, G* gathered, F f) {
+  ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x};
+  const int R = dev.lsaSize, me = dev.lsaRank;
+  const Range share = block_share(slice_range(n0, R, me).size() * inner, gridDim.x, blockIdx.x);
+  th.lo = share.begin, th.n = share.end, th.first = threadIdx.x, th.stride = blockDim.x;
+  if (R > 1) bar.sync(ncclCoopCta(), ::cuda::memory_order_acquire);  // every rank's input is staged
+  f(static_cast<const SymThread<T, G, V>&>(th));
+  if (R == 1) return;  // nothing staged, nothing to gather
   bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);  // every rank's computed slice is in its window
   if (!gathered) return;
+  constexpr int VG = sizeof(G) < 16 ? int(16 / sizeof(G)) : 1;  // 16 bytes of G
   for (int p = 0; p < R; ++p) {
     if (p == me) continue;
     const Range sl = slice_range(n0, R, p);
-    const int64_t pm = sl.size() * inner, pb = sl.begin * inner;
-    const G* const src = static_cast<const G*>(ncclGetLsaPointer(win, out_off, p));
-    for (int64_t l = first; l < pm; l += step) gathered[pb + l] = src[l];
+    const Range sh = block_share(sl.size() * inner, gridDim.x, blockIdx.x);  // what p's block b wrote
+    const G* const src = static_cast<const G*>(ncclGetLsaPointer(th.win, out_off, p));
+    G* const dst = gathered + sl.begin * inner;
+    int64_t rest = sh.begin;
+    if (VG > 1 && reinterpret_cast<uintptr_t>(dst) % (sizeof(G) * VG) == 0) {  // the window is aligned
+      rest = sh.begin + (sh.end - sh.begin) / VG * VG;
+      for (const int64_t l : Strided{sh.begin + threadIdx.x * int64_t(VG), rest, int64_t(blockDim.x) * VG})
+        store<VG>(dst + l, load<VG>(src + l));
+    }
+    for (const int64_t l : Strided{rest + threadIdx.x, sh.end, int64_t(blockDim.x)}) dst[l] = src[l];
   }
+}
+
+// This kernel's grid on communicator c (the caller holds symmetric_mutex()): the same on every
+// rank (block b pairs with the peers' block b at each barrier). Made once per kernel: the least
+// over the ranks of multiprocessors x this kernel's resident blocks per multiprocessor
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor), at most the device communicator's barriers; a
+// call takes no more blocks than one per kSymThreads * V elements of the largest slice (the same
+// on every rank too).
+template <class K>
+int symmetric_grid(const Ctx& c, Symmetric& s, K kernel, int64_t most, int V) {
+  auto it = s.grids.find(reinterpret_cast<const void*>(kernel));
+  if (it == s.grids.end()) {
+    int occ = 0;
+    COCONET_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kSymThreads, 0));
+    const int mine = std::max(1, std::min(s.barriers, sm_count() * std::max(1, occ)));
+    it = s.grids.emplace(reinterpret_cast<const void*>(kernel), agree_min(mine, c)).first;
+  }
+  const int64_t per = int64_t(kSymThreads) * V, work = (most + per - 1) / per;
+  return int(std::max<int64_t>(1, std::min<int64_t>(work, it->second)));
 }
 
 // A fused reduce-scatter (op) of x [n0, inner] along dim 0, f on this rank's slice, and, when
 // gathered is not null, the all-gather of the value f stores into gathered (same shape) — as one
 // kernel over symmetric memory. keep (or null): this rank's slice of the reduced value, kept.
-// The caller declares f's own reads and writes (COCONET_ACCESS) before the call.
-template <class T, class G, class F>
+// vec: every operand of f's vector path is aligned for V (the caller's check; the window's, the
+// input's and keep's are checked here). The caller declares f's own reads and writes
+// (COCONET_ACCESS) before the call.
+template <class T, class G, int V, class F>
 void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* gathered, T* keep, const Ctx& c,
-                     F f) {
+                     bool vec, F f) {
   const int R = c.group.size;
   const int64_t n = n0 * inner, most = slice_chunk(n0, R) * inner;
-  const size_t in_bytes = size_t(n) * sizeof(T);
+  const Range mine = slice_range(n0, R, c.group.rank);
+  const int64_t m = mine.size() * inner, base = mine.begin * inner;
+  const bool staged = R > 1;  // one rank: the kernel reads the caller's input, and gathers nothing
+  const size_t in_bytes = staged ? size_t(n) * sizeof(T) : 0;
   const size_t out_off = (in_bytes + 255) / 256 * 256;
+  void (*kernel)(ncclDevComm, SymThread<T, G, V>, size_t, int64_t, int64_t, G*, F) = fused_symmetric_kernel<T, G, V, F>;
+  SymThread<T, G, V> th;
   ncclDevComm dev;
-  ncclWindow_t win;
   char* buf;
+  int blocks;
   {
     std::lock_guard<std::mutex> lock(symmetric_mutex());
-    Symmetric& s = symmetric_window(c, out_off + size_t(most > 0 ? most : 1) * sizeof(G));
-    dev = s.dev, win = s.win, buf = static_cast<char*>(s.buf);
+    Symmetric& s = symmetric_window(c, staged ? out_off + size_t(most > 0 ? most : 1) * sizeof(G) : 1);
+    dev = s.dev, th.win = s.win, buf = static_cast<char*>(s.buf);
+    blocks = symmetric_grid(c, s, kernel, most, V);
   }
-  if (n > 0) COCONET_CUDA(cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream));
-  // the same grid on every rank (block b pairs with the peers' block b at each barrier)
-  int64_t blocks = (most + kSymThreads - 1) / kSymThreads;
-  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, kSymBlocks));
-  const Range mine = slice_range(n0, R, c.group.rank);
-  COCONET_ACCESS_ALSO(COCONET_R(buf, 0, int64_t(in_bytes)), COCONET_W(buf + out_off, 0, mine.size() * inner * int64_t(sizeof(G))),
-                      gathered ? COCONET_W(gathered, 0, n) : COCONET_R(buf, 0, 0),
-                      keep ? COCONET_W(keep, 0, mine.size() * inner) : COCONET_R(buf, 0, 0));
-  void (*kernel)(ncclDevComm, ncclWindow_t, size_t, int, int64_t, int64_t, G*, T*, F) = fused_symmetric_kernel<T, G, F>;
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kSymThreads, 0, c.stream, dev, win, out_off, int(op), n0, inner,
-                 gathered, keep, f);
+  if (staged && n > 0) COCONET_CUDA(cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream));
+  th.direct = staged ? nullptr : x + base;
+  th.base = base, th.R = R, th.op = int(op), th.keep = keep;
+  th.out = staged ? reinterpret_cast<G*>(buf + out_off) : gathered ? gathered + base : nullptr;
+  th.vec = vec && V > 1 && aligned<V>(staged ? reinterpret_cast<const T*>(buf) + base : x + base) &&
+           (!keep || aligned<V>(keep)) && (!th.out || aligned<V>(th.out));
+  if (staged)
+    COCONET_ACCESS_ALSO(COCONET_R(buf, 0, int64_t(in_bytes)), COCONET_W(buf + out_off, 0, m * int64_t(sizeof(G))),
+                        gathered ? COCONET_W(gathered, 0, n) : COCONET_R(buf, 0, 0),
+                        keep ? COCONET_W(keep, 0, m) : COCONET_R(buf, 0, 0));
+  else
+    COCONET_ACCESS_ALSO(COCONET_R(x, base, base + m), gathered ? COCONET_W(gathered, base, base + m) : COCONET_R(x, 0, 0),
+                        keep ? COCONET_W(keep, 0, m) : COCONET_R(x, 0, 0));
+  if (fused_trace())
+    std::fprintf(stderr, "coconet fused: rank %d of %d: symmetric grid %d blocks of %d threads, %s path\n", c.group.rank,
+                 R, blocks, kSymThreads, th.vec ? "vector" : "element");
+  COCONET_COUNT_KERNEL(th.vec);
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kSymThreads, 0, c.stream, dev, th, out_off, n0, inner,
+                 gathered, f);
   COCONET_CUDA(cudaGetLastError());
 }
 
