@@ -593,18 +593,23 @@ struct Comm {
   std::atomic<int> async_error{0};  // what ncclCommGetAsyncError reports (injected_async_failure)
 };
 
+// The (MPI_COMM_WORLD) rank a fault-injection variable names, -1 for none; and whether it is this one.
+inline int injected_rank(const char* env) {
+  const char* e = std::getenv(env);
+  return e && *e ? std::atoi(e) : -1;
+}
+inline bool is_this_world_rank(int r) {
+  int me = 0;
+  if (r >= 0) MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  return r >= 0 && me == r;
+}
+
 // COCONET_EMULATE_NCCL_FAIL_RANK=r: every NCCL call of (MPI_COMM_WORLD) rank r fails before it
 // communicates, as an NCCL error would (the peers then wait for it until the communicator is
 // aborted): for testing the abort path (tests/test_torch_optimizer_cuda.py).
 inline void injected_failure(const char* call) {
-  static const int fail = [] {
-    const char* e = std::getenv("COCONET_EMULATE_NCCL_FAIL_RANK");
-    return e && *e ? std::atoi(e) : -1;
-  }();
-  if (fail < 0) return;
-  int me = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  if (me == fail)
+  static const int fail = injected_rank("COCONET_EMULATE_NCCL_FAIL_RANK");
+  if (is_this_world_rank(fail))
     throw std::runtime_error(std::string(call) + ": unhandled system error (injected by COCONET_EMULATE_NCCL_FAIL_RANK)");
 }
 
@@ -613,14 +618,8 @@ inline void injected_failure(const char* call) {
 // as a connection that breaks after a collective went out would on a GPU, where the call has
 // long returned: for testing the watchdog that polls for it (coconetc/runtime/cuda.py).
 inline void injected_async_failure(Comm* comm) {
-  static const int fail = [] {
-    const char* e = std::getenv("COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK");
-    return e && *e ? std::atoi(e) : -1;
-  }();
-  if (fail < 0) return;
-  int me = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  if (me == fail) comm->async_error.store(int(ncclRemoteError));
+  static const int fail = injected_rank("COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK");
+  if (is_this_world_rank(fail)) comm->async_error.store(int(ncclRemoteError));
 }
 
 inline size_t type_size(ncclDataType_t t) {
