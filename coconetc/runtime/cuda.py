@@ -212,9 +212,8 @@ class _Watchdog:
                 if notice is None:
                     continue
                 self.heard.append(notice)
-                where = f"in {self.call[0]}" if self.call else f"after {self.last}"
-                _abort_nccl(self.ext, self.comm, f"rank {notice[0]} failed {where}: {notice[1]}"
-                            if self.call is None else f"rank {notice[0]} failed in {self.call[0]}")
+                _abort_nccl(self.ext, self.comm, f"rank {notice[0]} failed in {self.call[0]}" if self.call
+                            else f"rank {notice[0]} failed after {self.last}: {notice[1]}")
                 return
 
 
@@ -365,8 +364,12 @@ class CudaProgram:
         def make(shape, dtype):
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
         st: Any = stream if stream is not None else torch.cuda.current_stream()
+        what = _call_name(self, label)
+
+        def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded: no host sync
+            _guarded(self.ext, comm, what, go)
         return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
-                                     marshal.device_ptr, make, int(getattr(st, "cuda_stream", st))))
+                                     marshal.device_ptr, make, int(getattr(st, "cuda_stream", st)), around))
 
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
@@ -386,6 +389,11 @@ def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: 
     return outs
 
 
+def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
+    """How errors name a call: module.function(schedule='label')."""
+    return f"{fn.ext.__name__}.{fn.name}(schedule={str(label)!r})"
+
+
 def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, check) -> tuple:
     """A call's entry, as the CPU runtime's (call.py): the label parsed, this rank's arguments
     checked (`check(program)`), then one exchange with every rank of the communicator under
@@ -401,7 +409,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     try:
         timeout = agree.timeout_s()
         label = parse(schedule)
-        what = f"{fn.ext.__name__}.{fn.name}(schedule={str(label)!r})"
+        what = _call_name(fn, label)
         p = fn.program_of(label)
         check_groups(fn.name, groups)
         local = check(p)
@@ -542,7 +550,7 @@ class EmulatedProgram(CudaProgram):
                        for v in kwargs.values())
         label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
                                                          lambda p: _check_local_numpy(p, kwargs))
-        what = f"{self.ext.__name__}.{self.name}(schedule={str(label)!r})"
+        what = _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) synchronized, guarded
             def body() -> None:
