@@ -72,6 +72,24 @@ def timed_all(comm, fns: dict[Any, Callable[[], Any]], reps: int, warmup: int = 
     return slowest_medians(comm, timed_rounds(comm, calls, reps, warmup, barrier_after=True))
 
 
+def attempt(fn: Callable[[], Any]) -> Any:
+    """FN's value, or the exception it raised (a module that fails to build fails its rows, not
+    the run)."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001
+        return err
+
+
+def one_rank_group(backend: str) -> Any:
+    """A one-rank torch.distributed process group (BACKEND: nccl on a GPU, gloo without one),
+    its rendezvous a file in a fresh temporary folder: the communicator of a one-process run."""
+    import torch.distributed as dist
+    dist.init_process_group(backend, init_method=f"file://{tempfile.mkdtemp(prefix='coconet_bench_pg_')}/rendezvous",
+                            rank=0, world_size=1)
+    return dist.group.WORLD
+
+
 def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     """Median over REPS calls of FN, in seconds, after WARMUP calls: on a GPU each call between
     two CUDA events (the GPU's time of the work the call queued, the Python call included when

@@ -50,13 +50,6 @@ def _np(t, dtype):
     return a.numpy()
 
 
-def _try(fn):
-    try:
-        return fn()
-    except Exception as e:  # noqa: BLE001
-        return e
-
-
 def check_examples(archs: str) -> list[dict]:
     import torch
     from coconetc.oracle.compare import compare
@@ -70,7 +63,7 @@ def check_examples(archs: str) -> list[dict]:
     from coconetc.toolchain import Options, compile
     files = sorted((ROOT / "examples").glob("*.ccn"))
     with ThreadPoolExecutor(8) as ex:  # one nvcc per module: build them side by side
-        list(ex.map(lambda f: _try(lambda: compile(load_file(f), "cuda", Options(archs=archs, log=lambda m: None))), files))
+        list(ex.map(lambda f: common.attempt(lambda: compile(load_file(f), "cuda", Options(archs=archs, log=lambda m: None))), files))
     rows = []
     for f in files:
         t0 = time.time()

@@ -59,7 +59,6 @@ import gc
 import json
 import os
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -302,11 +301,8 @@ def communicator(emulate: bool) -> tuple[dict, str, int, int]:
     if emulate:
         comm = common.setup_rank()
         return {"comm": comm}, f"MPI COMM_WORLD (emulated NCCL), {comm.Get_size()} ranks", comm.Get_rank(), comm.Get_size()
-    import torch.distributed as dist
-    d = tempfile.mkdtemp(prefix="coconet_bench_pg_")
     try:
-        dist.init_process_group("nccl", init_method=f"file://{d}/rendezvous", rank=0, world_size=1)
-        return {"process_group": dist.group.WORLD}, "process_group= a one-rank torch.distributed NCCL group", 0, 1
+        return {"process_group": common.one_rank_group("nccl")}, "process_group= a one-rank torch.distributed NCCL group", 0, 1
     except Exception as err:  # noqa: BLE001 - the one-rank NCCL communicator without a group
         print(f"torch.distributed NCCL group failed ({err}); comm= the default one-rank communicator",
               file=sys.stderr, flush=True)
@@ -321,7 +317,7 @@ def build_modules() -> float:
     t0 = time.time()
     every = list(FILES.values())
     with ThreadPoolExecutor(len(every)) as ex:
-        list(ex.map(lambda f: common_try(lambda: coconetc.load(EX / f, backend="cuda", log=lambda m: None)), every))
+        list(ex.map(lambda f: common.attempt(lambda: coconetc.load(EX / f, backend="cuda", log=lambda m: None)), every))
     print(f"built {', '.join(every)} in {time.time() - t0:.0f} s", flush=True)
     return time.time() - t0
 
@@ -405,7 +401,7 @@ def main() -> int:
         print(f"wrote {out}")
     if "process_group" in comm_kw:
         import torch.distributed as dist
-        common_try(dist.destroy_process_group)
+        common.attempt(dist.destroy_process_group)
     return 1 if any(r.get("error") for r in doc["rows"]) else 0
 
 
@@ -414,14 +410,6 @@ def save(doc: dict, out: Path) -> None:
     tmp = out.with_suffix(".partial")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(out)
-
-
-def common_try(fn: Callable[[], Any]) -> Any:
-    """FN's value, or the exception it raised (a module that fails to build fails its table)."""
-    try:
-        return fn()
-    except Exception as err:  # noqa: BLE001
-        return err
 
 
 if __name__ == "__main__":

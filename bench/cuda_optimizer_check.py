@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from coconetc.torch import DistributedOptimizer  # noqa: E402
 
 EX = ROOT / "examples"
@@ -190,9 +192,7 @@ def main() -> int:
         return 2
     if GPU:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if GPU else "gloo", init_method=f"file://{tempfile.mkdtemp()}/rendezvous",
-                            rank=0, world_size=1)
-    pg = dist.group.WORLD
+    pg = common.one_rank_group("nccl" if GPU else "gloo")
     from coconetc.torch import _function
     schedules = sorted(_function(EX / "adam.ccn", None, backend="cuda").schedules)
     for s in schedules:
