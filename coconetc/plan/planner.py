@@ -432,10 +432,28 @@ class _Planner:
         partials: tuple[str, ...] = ()
         if not overlapped and op_of(coll).op == "reducescatter":
             after, phases, partials = self._partials(f, after, phases, lets)
+        gather_after = _gather_after(after, coll.type, self.buffers) if partials else ""
+        if gather_after:
+            self._gathered_in_place(after)
         return Fused(f.fusion.name, f.members, coll.name, op_of(coll).op, op_of(coll).attr("op"), x,
                      coll.type, tuple(phases), tuple(lets), f.gather.name if f.gather else "",
                      gathered, f.rows, store_reduced, after, _line(f.fusion.span), partials=partials,
-                     gather_after=_gather_after(after, coll.type, self.buffers) if partials else "")
+                     gather_after=gather_after)
+
+    def _gathered_in_place(self, after: tuple[Unit, ...]) -> None:
+        """Phase B's last loop computes the value its closing allgather gathers (Fused.gather_after):
+        a value of its own only for the gather (scratch) is computed in place inside the gathered
+        result, this rank's part (a view, as in phase A), so the gather copies nothing of this
+        rank's and the loop writes straight into the result (AdamW's w1 straight into w). The
+        loop reads the result's storage (w, updated in place) only at the element it writes."""
+        coll = after[-1]
+        assert isinstance(coll, Collective)
+        b = self.buffers[coll.src]
+        if (b.kind != "scratch" or coll.into or self.buffers[coll.dst].kind == "into"
+                or any(u.name != coll.dst for u in self.p.users(coll.src))):
+            return  # (gathered into a scattered parameter's segments: no one place to compute in)
+        del self.buffers[coll.src]  # declared after the result it lies in
+        self._buffer(b.name, b.type, "view", coll.dst, b.line)
 
     def _partials(self, f: FusedSpec, after: tuple[Unit, ...], phases: list[Phase],
                   lets: list[Let]) -> tuple[tuple[Unit, ...], list[Phase], tuple[str, ...]]:

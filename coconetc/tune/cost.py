@@ -17,7 +17,8 @@ ring / pairwise factor f = (R-1)/R (ops.Cost.comm holds the factor in front of f
 
     allreduce      sent 2 f n       moved n + n + sent     (in, out, received)
     reducescatter  sent f n         moved n + n/R + sent
-    allgather      sent f N         moved N/R + N + sent
+    allgather      sent f N         moved N/R + N + sent   (in place, its source a view inside
+                                                            its result: N - N/R + sent)
     broadcast      sent f n         moved n + n + sent     (pipelined ring)
     reduce         sent f n         moved n + n + sent
     scatter        sent 0           moved n/R
@@ -292,7 +293,10 @@ class _Counter:
             sent, net = (self.hierarchical(0.0, n_out) if op == "allgather"
                          else self.hierarchical(n_in, n_in if op == "allreduce" else 0.0))
         slow = sent - net if op == "reducescatter" and algo == "mpi" else 0.0
-        return Cost(moved=n_in + n_out + sent, sent=sent, net=net, slow=slow,
+        moved = n_in + n_out + sent
+        if op == "allgather" and sb is not None and sb.kind == "view" and sb.of == dst:
+            moved = n_out - n_in + sent  # in place: this rank's part is computed where it lies
+        return Cost(moved=moved, sent=sent, net=net, slow=slow,
                     passes=2 if op == "allreduce" else 1, launches=1, algorithm=algo)
 
     def fused(self, u: Fused, flat: bool = False) -> Cost:

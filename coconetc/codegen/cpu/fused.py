@@ -70,7 +70,8 @@ class CpuFused:
             self.w.emit(f"  coconet::copy_in(v_{coll.src} + lo, p_{coll.into}, gb, ge);")
             target = f"coconet::gather_target(p_{coll.into})"
         else:
-            self.w.emit(f"  std::copy(v_{coll.src} + lo, v_{coll.src} + hi, v_{coll.dst} + gb);")
+            if self.w.plan.buffer(coll.src).kind != "view":  # a view: computed in its place already
+                self.w.emit(f"  std::copy(v_{coll.src} + lo, v_{coll.src} + hi, v_{coll.dst} + gb);")
             target = f"coconet::gather_target(v_{coll.dst}, {_prod(self.w.gdims(self.w.types[coll.dst]))})"
         self.w.emit("};")
         xt = self.w.types[coll.src]
