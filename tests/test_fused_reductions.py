@@ -332,6 +332,24 @@ schedule s for sgd {
     FUSE
 }
 """
+SCALED = """
+program ls(g: f16[N] local, w: f32[N] replicated, m: f32[N] replicated, v: f32[N] replicated,
+           lr: f32, beta1: f32, eps: f32, scale: f32, maxnorm: f32) {
+    g1 = allreduce(sum, g)
+    gf = cast(g1, f32) / scale
+    bad = sum(where(abs(gf) < 3.0e38, 0.0, 1.0))
+    c = min(maxnorm / (norm(gf) + 1e-6), 1.0)
+    m1 = update(m, where(bad > 0, m, beta1 * m + (1 - beta1) * c * gf))
+    v1 = update(v, where(bad > 0, v, v + c * c * gf * gf))
+    w1 = update(w, where(bad > 0, w, w - lr * m1 / (sqrt(v1) + eps)))
+}
+schedule s for ls {
+    rs, ag = split(g1)
+    REORDER
+    slice(m, v)
+    FUSE
+}
+"""
 REFUSED = [  # (program, a refused fuse directive, what the message says)
     (ADAMW, "fuse(rs, m1, v1, mh, vh, w1, agw)", "reads the fusion and the fusion reads it"),
     (TWO, "fuse(rs, h1, w1, agw)", "at most one collective"),
@@ -352,6 +370,14 @@ REFUSED = [  # (program, a refused fuse directive, what the message says)
      "fuse(rs, m1, v1, ag)", "'c' reads the all-gathered 'ag'"),  # c between: moved too
     (SGD.replace("    agw = reorder(ag, w1)\n", ""), "fuse(rs, w1, ag)", "reads the all-gathered 'ag'"),
     (SGD.replace("    agw = reorder(ag, w1)\n", ""), "fuse(rs, w1)", "reads the all-gathered 'ag'"),
+    # a reorder that left the clipping factor reading the all-gathered value: moved too
+    (ADAMW.replace("reorder(ag, c, m1,", "reorder(ag, m1,"), "fuse(rs, m1, v1, mh, vh, w1, agw)",
+     "'c' reads the all-gathered 'ag'"),
+    (ADAMW.replace("reorder(ag, c, m1,", "reorder(ag, m1,").replace("slice(m, v)", "slice(m, v, w)"),
+     "fuse(rs, m1, v1, mh, vh, w1)", "'c' reads the all-gathered 'ag'"),
+    # the inf/NaN count and the norm read the allgather of a member (gf): moved onto the slices
+    (SCALED.replace("REORDER", "aggf, agm, agv, agw = reorder(ag, gf, m1, v1, w1)"), "fuse(rs, gf, m1, v1, w1, agw)",
+     "'bad' reads the all-gathered 'aggf'"),
 ]
 
 # the advice at the end of a refusal: a fuse directive, or a reorder then a fuse directive
@@ -389,6 +415,25 @@ def test_refusal_advice_leads_to_an_accepted_fusion(case):
     fixed = _follow(text, directive, message)
     assert fixed != text
     _load(fixed)  # accepted: no refusal of the fusion, nor of anything else
+
+
+def test_a_reorder_refused_for_its_names_leads_to_an_accepted_fusion():
+    """Too few names for a reorder whose values other stages still read whole (the inf/NaN
+    count and the norm of gf): the advice moves those readers too; the fuse refused after it
+    says what to add; following both gives one fused collective with the two reductions."""
+    text = SCALED.replace("REORDER", "agm, agv, agw = reorder(ag, gf, m1, v1, w1)").replace(
+        "FUSE", "fuse(rs, gf, m1, v1, w1, agw)")
+    with pytest.raises(CompileError) as e:
+        _load(text)
+    advised = re.search(r"onto the slices too: (agm, agv, agw = reorder\([^()]*\))$", str(e.value).splitlines()[0])
+    assert advised is not None, str(e.value)
+    text = text.replace("agm, agv, agw = reorder(ag, gf, m1, v1, w1)", advised[1])
+    with pytest.raises(CompileError) as e:
+        _load(text)
+    assert "add 'bad', 'c' to the fusion" in str(e.value), str(e.value)
+    mod = _load(_follow(text, "fuse(rs, gf, m1, v1, w1, agw)", str(e.value)))
+    fused = [u for u in mod.plans[("ls", "s")].units if isinstance(u, Fused)]
+    assert len(fused) == 1 and len(fused[0].partials) == 2
 
 
 def test_adamw_clipping_fuses_with_c():

@@ -172,40 +172,64 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
 
 
 def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
-    """A split not followed by a reorder: when the members (of a fuse directive, not applied to
-    P) hold a reducescatter and computations that read its allgather, the advice to move those
-    computations (and the stages between them) onto the slices first (`reorder`) and fuse them
-    with the reducescatter and the allgather of the last value still needed whole, with the
-    program both directives give.
+    """A split not followed by a reorder, or a reorder that left stages reading an allgather (a
+    norm, a clipping factor): when the members (of a fuse directive, not applied to P) hold a
+    reducescatter and computations that read its allgather (or the allgather of a member), the
+    advice to move those computations (and the stages between them) onto the slices first
+    (`reorder`) and fuse them with the members (and the allgather of the last value still needed
+    whole), with the program both directives give.
     None when there is no such allgather or either directive is refused."""
     def is_op(n: str, op: str) -> bool:
         s = p.stage(n)
         return s is not None and s.kind == "collective" and isinstance(s.expr, Op) and s.expr.op == op
     rs = next((m for m in members if is_op(m, "reducescatter")), None)
-    ag = next((u.name for u in p.users(rs) if is_op(u.name, "allgather")), None) if rs else None
-    if rs is None or ag is None:
+    if rs is None:
         return None
+    listed = list(dict.fromkeys(members))
+    gathers = [u.name for u in p.users(rs) if is_op(u.name, "allgather")]
+    gathers += [s.name for s in p.stages if is_op(s.name, "allgather") and s.name not in gathers and s.name not in listed
+                and any(isinstance(a, Ref) and a.name in listed for a in s.expr.args)]  # type: ignore[union-attr]
     deps = depends_on(p)
-    # the members that read the allgather, and the stages between them (else a cycle), in order
-    listed = set(members)
-    stages = [s.name for s in p.stages if s.kind != "collective" and ag in deps.get(s.name, ())
-              and (s.name in listed or any(s.name in deps.get(m, ()) for m in listed))]
-    if not stages:
-        return None
+    for ag in gathers:
+        # the members that read the allgather, and the stages between them (else a cycle), in order
+        stages = [s.name for s in p.stages if s.kind != "collective" and ag in deps.get(s.name, ())
+                  and (s.name in listed or any(s.name in deps.get(m, ()) for m in listed))]
+        if not stages:
+            continue
+        advice = _moved_and_fused(p, rs, ag, stages, (rs, *stages), name)
+        partly = [n for n in stages if not p.stage_named(n).type.layout.sliced]
+        if advice is None and partly and partly != stages:
+            # some stages already on the slices: move the others too, and fuse them with the
+            # members listed (in the program's order)
+            order = {s.name: i for i, s in enumerate(p.stages)}
+            keep = sorted({*listed, *partly}, key=lambda n: order.get(n, len(order)))
+            advice = _moved_and_fused(p, rs, ag, partly, tuple(keep), name, gather=False)
+        if advice is None:
+            continue
+        q, left, moved, advised = advice
+        return (f"'{moved[0]}' reads the all-gathered '{ag}', not the chunks of '{rs}': move "
+                f"{'the stages' if len(moved) > 1 else 'it'} onto the slices{' too' if moved != stages else ' first'}, "
+                f"then fuse them: {left}reorder({ag}, {', '.join(moved)}); "
+                f"{_fuse_text(advised, list(advised.stages))}", q)
+    return None
+
+
+def _moved_and_fused(p: Program, rs: str, ag: str, stages: list[str], members: tuple[str, ...],
+                     name: str | None, gather: bool = True) -> tuple[Program, str, list[str], Fuse] | None:
+    """reorder(ag, stages) and then fuse(members) (with the allgather of the last value still
+    needed whole when `gather`), applied to P: the program, the reorder's names (`a, b = `),
+    the stages and the fuse directive; None when either is refused."""
     taken = {s.name for s in p.stages} | {q.name for q in p.params} | {f.name for f in p.fusions}
     try:
         outs: list[str] = []
         for m in reorder_gathers(p, ag, tuple(stages)):
             outs.append(next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken))
         q = reorder(p, Reorder(ag, tuple(stages), tuple(outs), NOWHERE))
-        advised = Fuse((rs, *stages, *outs[-1:]), name, NOWHERE)
+        advised = Fuse((*members, *(outs[-1:] if gather else ())), name, NOWHERE)
         q = fuse(q, advised)
     except ScheduleError:
         return None
-    left = f"{', '.join(outs)} = " if outs else ""
-    return (f"'{stages[0]}' reads the all-gathered '{ag}', not the chunks of '{rs}': move the stages onto "
-            f"the slices first, then fuse them: {left}reorder({ag}, {', '.join(stages)}); "
-            f"{_fuse_text(advised, list(advised.stages))}", q)
+    return q, f"{', '.join(outs)} = " if outs else "", stages, advised
 
 
 def _contiguous(p: Program, group: set[str]) -> tuple[Stage, ...]:

@@ -94,13 +94,15 @@ def reorder(p: Program, d: Reorder) -> Program:
     if len(moved) != len(d.stages):
         twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
         raise ScheduleError(span_of(d, twice + "#2"), "reorder", twice, "the stage is listed twice")
+    original = p
     p = _retype_moved(p, ag, src, moved, d)
     needed = [m for m in moved if _needed_whole(p, m, moved)]
     if len(needed) != len(d.outs):
         raise ScheduleError(span_of(d, "=" + d.outs[0] if d.outs else "()"), "reorder", d.ag,
                             f"{len(needed)} reordered value(s) are still needed whole "
                             f"({', '.join(needed) or 'none'}), so it returns {len(needed)} "
-                            f"allgather(s); {len(d.outs)} name(s) given")
+                            f"allgather(s); {len(d.outs)} name(s) given"
+                            + _readers_too(original, p, d, moved, needed))
     _fresh(p, d.outs, d, "reorder")
     for m, out in zip(needed, d.outs):
         t = p.type_of(m)
@@ -111,6 +113,28 @@ def reorder(p: Program, d: Reorder) -> Program:
     # read a moved value was typed as sliced while it read the slice)
     p = retype_program(p)
     return drop_stage(p, d.ag) if not is_used(p, d.ag) else p
+
+
+def _readers_too(p: Program, moved_p: Program, d: Reorder, moved: list[str], needed: list[str]) -> str:
+    """The other way out of a count that does not match: the computations that still read a
+    reordered value whole (a norm, an inf/NaN count of the gradient) moved onto the slices too,
+    so fewer values are needed whole ("" when they cannot all move)."""
+    readers = {u.name for m in needed for u in moved_p.users(m) if u.name not in moved and u.kind == "compute"}
+    if not readers:
+        return ""
+    more = [s.name for s in p.stages if s.name in readers or s.name in moved]
+    try:
+        gathers = reorder_gathers(p, d.ag, tuple(more))
+    except ScheduleError:
+        return ""
+    if len(gathers) >= len(needed):
+        return ""
+    taken = {s.name for s in p.stages} | {q.name for q in p.params}
+    outs = list(d.outs) if len(d.outs) == len(gathers) else [
+        next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken) for m in gathers]
+    left = f"{', '.join(outs)} = " if outs else ""
+    whole = ", ".join(f"'{m}'" for m in needed if any(u.name in readers for u in moved_p.users(m)))
+    return f"; or move what reads {whole} whole onto the slices too: {left}reorder({d.ag}, {', '.join(more)})"
 
 
 def reorder_gathers(p: Program, ag: str, stages: tuple[str, ...]) -> list[str]:
