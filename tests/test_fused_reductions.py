@@ -38,7 +38,7 @@ CASES = [("adamw.ccn", "adamw", ("rs_c_ag", "sliced", "zero")),
          ("lamb.ccn", "lamb", ("rs_c_ag", "zero", "zero_w"))]
 FUSED = [("adamw.ccn", "adamw", "zero", {"t0_c": "norm"}),
          ("scaled_adam.ccn", "scaled_adam", "zero", {"bad": "sum"}),
-         ("lamb.ccn", "lamb", "zero", {"t1_w1": "segment_norm"}),
+         ("lamb.ccn", "lamb", "zero", {"t0_w1": "segment_norm", "t1_w1": "segment_norm"}),
          ("lamb.ccn", "lamb", "zero_w", {"t0_w1": "segment_norm", "t1_w1": "segment_norm"})]
 
 
@@ -185,6 +185,55 @@ def test_cuda_per_chunk_equals_the_interpreter(file, prog, scheds, algo):
         for s in ("default", *scheds):
             assert re.search(rf"{prog} \[{s}\] \(CUDA, host emulation\): {ranks} ranks: .* matches the interpreter",
                              out), out
+
+
+TRUST = """program trust(g: f32[N] local, w: f32[N] replicated, lr: f32) {
+    g1 = allreduce(avg, g)
+    r = g1 + 0.01 * w
+    ratio = norm(w) / (norm(r) + 1e-6)
+    w1 = update(w, w - lr * ratio * r - 1e-4 * (max(w) - min(w)) - 1e-6 * sum(w))
+}
+schedule zero for trust {
+    rs, ag = split(g1)
+    agw = reorder(ag, r, ratio, w1)
+    fuse(rs, r, ratio, w1, agw)
+}
+"""
+
+
+def test_reductions_of_a_replicated_parameter_are_accumulated_over_the_slices():
+    """norm, max, min, sum of the replicated (not scattered) weights inside a fused collective:
+    each rank accumulates its slice's part as the chunks pass (instead of reading all of w
+    after them), and the partial results are combined across ranks with the others."""
+    f = next(u for u in _load(TRUST).plans[("trust", "zero")].units if isinstance(u, Fused))
+    got = sorted((r.op, r.src) for r in f.accumulated("cpu"))
+    assert got == [("max", "w"), ("min", "w"), ("norm", "r"), ("norm", "w"), ("sum", "w")], got
+    assert not [a for a in f.after if isinstance(a, Reduce) and a.dst not in f.partials]
+
+
+@pytest.mark.parametrize("algo", ["shm", "p2p"])
+def test_reductions_of_a_replicated_parameter_equal_the_interpreter(algo, tmp_path):
+    """Chunks of 256 elements, N = 2003 (uneven slices), 1 to 3 ranks, both CPU algorithms."""
+    path = tmp_path / "trust.ccn"
+    path.write_text(TRUST)
+    env = {"COCONET_CHUNK": "256", **({"COCONET_FUSED": "p2p"} if algo == "p2p" else {})}
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(path), "-s", "zero", "--ranks", str(ranks), "--size", "N=2003"], env)
+        assert f"trust [zero]: {ranks} ranks" in out and "matches the interpreter on every rank" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+@pytest.mark.parametrize("algo", ["pipeline", "auto"])
+def test_cuda_reductions_of_a_replicated_parameter_equal_the_interpreter(algo, tmp_path):
+    """The same on CUDA under the host emulation: chunks of 5 elements, N = 23, 1 to 3 ranks,
+    the chunk pipeline and (auto) the symmetric kernel, which accumulates after its kernel."""
+    path = tmp_path / "trust.ccn"
+    path.write_text(TRUST)
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(path), "-s", "zero", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
+                    "--size", "N=23"], {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo})
+        assert "matches the interpreter on every rank" in out, out
 
 
 ROWS = """program lnn(y: f32[B, S, H] local, gamma: f32[H] replicated, beta: f32[H] replicated, c: f32) {

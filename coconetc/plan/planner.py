@@ -472,11 +472,18 @@ class _Planner:
         units = list(after)
         partials: list[str] = []
         for a in after:
-            if not (isinstance(a, Reduce) and a.cross_rank):
+            if not isinstance(a, Reduce):
                 continue
-            param = (a.src in self.buffers and self.buffers[a.src].kind == "param"  # not written in phase A
-                     and not any(b.kind == "alias" and b.of == a.src and b.name in chunk
+            param = (a.src in self.buffers and self.buffers[a.src].kind in ("param", "segments")
+                     and not any(b.kind == "alias" and b.of == a.src and b.name in chunk  # not written in phase A
                                  for b in self.buffers.values()))
+            if not a.cross_rank:
+                if param and _whole_of_slices(self.types[a.src], coll.type):
+                    # a reduction of a replicated parameter (LAMB's segment_norm(w)): every rank
+                    # would read all of it; instead each accumulates its slice's part as the
+                    # chunks pass, and the partial results are summed across the group
+                    partials.append(a.dst)
+                continue
             if (a.src in chunk or param) and same_elements(self.types[a.src], coll.type):
                 partials.append(a.dst)
                 continue
@@ -591,6 +598,12 @@ def _gather_after(after: tuple[Unit, ...], t: TType, buffers: dict[str, Buffer])
           and t.layout.dim == 0 and loop.type.shape == t.shape and loop.type.layout == t.layout
           and src.shape == t.shape and src.layout == t.layout)
     return coll.dst if ok else ""
+
+
+def _whole_of_slices(rt: TType, t: TType) -> bool:
+    """Is rt a replicated value whose elements a chunk of t (sliced along dim 0, a contiguous
+    range of global indices) covers at the chunk's global indices?"""
+    return rt.shape == t.shape and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0
 
 
 def _unit_reads(u: Unit) -> set[str]:

@@ -82,11 +82,22 @@ class CpuFused:
     def _accumulate(self, u: Fused, r: Reduce) -> None:
         """Adds the chunk's part of reduction r (its sum, or sum of squares, per segment for a
         segment_norm) to pa_<dst>: the chunk's values are the reduced chunk or stored at once."""
-        first = "red" if r.src == u.collective else f"v_{r.src} + lo"  # the chunk's first element
+        t = self.w.types[r.src]
+        # the chunk's first element: in the reduced chunk, in a value over the slice, or at its
+        # global index in a replicated parameter
+        first = "red" if r.src == u.collective else f"v_{r.src} + lo" if t.layout.sliced else f"v_{r.src} + gb"
         fn = {"sum": "sum_of", "norm": "sumsq_of", "segment_norm": "sumsq_of", "max": "max_of",
               "min": "min_of"}[r.op]  # the runtime's reductions (kernels.h)
         self.w.emit(f"  {{  // {r.dst}: partial {r.op}({r.src}) of the chunk")
-        if r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
+        if r.src in self.w.scattered and r.src != u.collective:  # a parameter still in its segments
+            part = f"coconet::{fn}(p_{r.src}.ptrs[pc.segment] + pc.at, pc.size)"
+            self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge))")
+            if r.op in ("max", "min"):
+                self.w.emit(f"      pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
+                            f"pa_{r.dst}[0], {part});")
+            else:
+                self.w.emit(f"      pa_{r.dst}[{'pc.segment' if r.op == 'segment_norm' else '0'}] += {part};")
+        elif r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
             self.w.emit(f"    pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
                         f"pa_{r.dst}[0], coconet::{fn}({first}, hi - lo));")
         elif r.op == "segment_norm":

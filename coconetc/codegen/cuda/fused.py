@@ -130,7 +130,9 @@ class CudaFused:
         parameter at the chunk's elements) added to its accumulator."""
         for r in (a for a in u.after if isinstance(a, Reduce) and a.dst in layout):
             T, acc = CTYPE[self.w.types[r.src].dtype], layout[r.dst]
-            x = red if r.src == u.collective else f"p_{r.src}" if r.src in self.w.scattered else f"v_{r.src} + lo"
+            x = (red if r.src == u.collective else f"p_{r.src}" if r.src in self.w.scattered
+                 else f"v_{r.src} + lo" if self.w.types[r.src].layout.sliced
+                 else f"v_{r.src} + off + lo")  # a replicated parameter: at the chunk's global index
             if r.op == "segment_norm":  # per segment (x: from logical element off + lo, or the segments)
                 self.w.emit(f"{ind}coconet::cuda::segment_partial<{T}>({x}, hi - lo, off + lo, seg_starts, {acc}, ctx);")
                 continue
