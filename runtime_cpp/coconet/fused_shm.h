@@ -73,7 +73,9 @@ void accumulate(Op op, bool first, compute_t<T>* dst, const T* src, int64_t n) {
   if (first) {
     for (int64_t i = 0; i < n; ++i) dst[i] = to_compute(src[i]);
   } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = combine(op, dst[i], to_compute(src[i]));
+    with_op(op, [&](auto o) {  // the op fixed for the loop: no switch per element
+      for (int64_t i = 0; i < n; ++i) dst[i] = combine(o.value, dst[i], to_compute(src[i]));
+    });
   }
 }
 

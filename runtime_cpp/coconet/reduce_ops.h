@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "dtypes.h"
 #include "errors.h"
@@ -54,11 +55,26 @@ COCONET_HD inline C combine(Op op, C a, C b) {
   return a;
 }
 
+// f(std::integral_constant<Op, op>{}): a loop given the op as a constant (combine(O::value, ...))
+// has no switch per element, so it vectorizes.
+template <class F>
+inline void with_op(Op op, F&& f) {
+  switch (op) {
+    case Op::sum: f(std::integral_constant<Op, Op::sum>{}); return;
+    case Op::avg: f(std::integral_constant<Op, Op::avg>{}); return;
+    case Op::prod: f(std::integral_constant<Op, Op::prod>{}); return;
+    case Op::max: f(std::integral_constant<Op, Op::max>{}); return;
+    case Op::min: f(std::integral_constant<Op, Op::min>{}); return;
+  }
+}
+
 // inout[i] = inout[i] (op) in[i] for storage type T (16-bit floats combine in float, round back).
 template <class T>
 inline void combine_into(Op op, const T* in, T* inout, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
-    inout[i] = from_compute<T>(combine(op, to_compute(inout[i]), to_compute(in[i])));
+  with_op(op, [&](auto o) {
+    for (int64_t i = 0; i < n; ++i)
+      inout[i] = from_compute<T>(combine(o.value, to_compute(inout[i]), to_compute(in[i])));
+  });
 }
 
 // x[i] /= d: the second half of avg (integers truncate toward zero).
