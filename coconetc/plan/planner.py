@@ -18,7 +18,7 @@ from dataclasses import replace
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
-from coconetc.ir.rewrite import depends_on
+from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
 from coconetc.plan.chunking import (REDUCE_UNIT, FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
                                     same_elements, stage_of)
@@ -483,6 +483,7 @@ class _Planner:
                     # would read all of it; instead each accumulates its slice's part as the
                     # chunks pass, and the partial results are summed across the group
                     partials.append(a.dst)
+                    units = self._per_element_on_the_slice(a, units, coll.type)
                 continue
             if (a.src in chunk or param) and same_elements(self.types[a.src], coll.type):
                 partials.append(a.dst)
@@ -502,6 +503,30 @@ class _Planner:
             chunk.add(a.src)
             partials.append(a.dst)
         return tuple(units), phases, tuple(partials)
+
+    def _per_element_on_the_slice(self, a: Reduce, units: list[Unit], t: TType) -> list[Unit]:
+        """A segment_norm of a replicated parameter holds its segment's norm at each of the N
+        elements; when only loops over this rank's slice (of type t) read it, it is kept for
+        the slice's elements only (written once per element of the slice, not of all N)."""
+        b = self.buffers[a.dst]
+        readers = [u for u in units if a.dst in _unit_reads(u)]
+        if (a.op != "segment_norm" or b.kind != "scratch" or self.p.stage(a.dst) is not None
+                or not all(isinstance(u, Loop) and not u.seg_dst and u.type.shape == t.shape
+                           and u.type.layout == t.layout for u in readers)):
+            return units
+        sliced = replace(b.type, layout=t.layout)
+        self._buffer(a.dst, sliced, "scratch", line=b.line)
+
+        def again(e: Expr) -> Expr:
+            typed = {r.name: r.type for r in walk(e) if isinstance(r, Ref)} | {a.dst: sliced}
+            return retype(e, typed.__getitem__)
+
+        def retyped(u: Unit) -> Unit:
+            if u not in readers:
+                return u
+            assert isinstance(u, Loop)
+            return replace(u, items=tuple(replace(i, expr=again(i.expr)) for i in u.items))
+        return [retyped(u) for u in units]
 
     def _after(self, f: FusedSpec) -> tuple[Unit, ...]:
         """The fusion's members that wait for every chunk, planned as units of their own."""

@@ -155,9 +155,10 @@ class CudaFused:
         for r in (a for a in u.after if isinstance(a, Reduce) and a.dst in layout):
             xt, acc = self.w.types[r.src], layout[r.dst]
             T = CTYPE[xt.dtype]
-            if r.op == "segment_norm":
-                self.w.emit(f"coconet::cuda::segment_norm_fill<{T}>({acc}, v_{r.dst}, {_prod(self.w.ldims(xt))}, "
-                            f"{self.w.offset(xt)}, seg_starts, ctx);")
+            if r.op == "segment_norm":  # its segment's norm at each element of the result
+                dt = self.w.types[r.dst]
+                self.w.emit(f"coconet::cuda::segment_norm_fill<{T}>({acc}, v_{r.dst}, {_prod(self.w.ldims(dt))}, "
+                            f"{self.w.offset(dt)}, seg_starts, ctx);")
             elif r.op in ("max", "min"):
                 self.w.emit(f"coconet::cuda::finish_extreme<{T}, {'true' if r.op == 'max' else 'false'}>({acc}, "
                             f"v_{r.dst}, ctx);")
