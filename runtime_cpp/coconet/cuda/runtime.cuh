@@ -1231,6 +1231,36 @@ extern "C" __attribute__((visibility("default"), used)) inline int coconet_nccl_
   return int(r);
 }
 
+// Events for the same watchdog, which times each call's work on the GPU (a call returns before its
+// collectives run, so one whose peers never join would otherwise hang the next synchronization
+// untimed): after a call's work is queued, an event of a small pool is recorded on its stream
+// (never waited for) and queried until it completes or the call's time is up. Handles are
+// cudaEvent_t as integers; 0 from create: none could be made.
+extern "C" __attribute__((visibility("default"), used)) inline uintptr_t coconet_event_create() {
+  cudaEvent_t e = nullptr;
+  return cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess ? reinterpret_cast<uintptr_t>(e) : 0;
+}
+// The cudaError_t of cudaEventRecord(event, stream).
+extern "C" __attribute__((visibility("default"), used)) inline int coconet_event_record(uintptr_t event,
+                                                                                      uintptr_t stream) {
+  return int(cudaEventRecord(reinterpret_cast<cudaEvent_t>(event), reinterpret_cast<cudaStream_t>(stream)));
+}
+// 0: the work before the event completed; 1: not yet (cudaErrorNotReady); else the cudaError_t of
+// cudaEventQuery (a failed kernel: the device's error), its text in buf.
+extern "C" __attribute__((visibility("default"), used)) inline int coconet_event_query(uintptr_t event, char* buf,
+                                                                                     int len) {
+  const cudaError_t r = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (r == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not an error: cleared, as PyTorch's CUDAEvent::query does
+    return 1;
+  }
+  if (r != cudaSuccess && len > 0) std::snprintf(buf, size_t(len), "%s", cudaGetErrorString(r));
+  return int(r);
+}
+extern "C" __attribute__((visibility("default"), used)) inline int coconet_event_destroy(uintptr_t event) {
+  return int(cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)));
+}
+
 // The fused collective as one kernel over symmetric memory (NCCL device API), chosen at run time.
 #include "symmetric.cuh"
 // The tensor operations a derived (vector-Jacobian) program adds.
