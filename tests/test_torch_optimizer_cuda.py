@@ -132,6 +132,26 @@ def test_loss_scaled_step_across_groups(built, capfd, ranks):
     assert rc == 0, log
 
 
+def test_the_watchdogs_events_are_recycled_and_time_only_unfinished_work(built):
+    """runtime/events.py on the emulated module: an event recorded after work that completed
+    goes back to the pool (five calls, one event made) and is never late, even past its
+    deadline; close() destroys them all."""
+    import time
+
+    import coconetc
+    from coconetc.runtime.events import Events
+    fn = coconetc.load(EX / "adam.ccn", log=lambda msg: None, backend="cuda").adam
+    events = Events(fn.ext)
+    for k in range(5):
+        events.record(0, f"call {k}", time.monotonic() - 1.0, 3.0)  # already past its deadline
+        fn.ext.synchronize()
+    assert events.made == 1 and len(events.outstanding) == 1, (events.made, events.outstanding)
+    assert events.late(time.monotonic()) is None
+    assert events.made == 1 and events.free and not events.outstanding
+    events.close()
+    assert not events.free and not events.outstanding
+
+
 def test_a_batch_runs_on_one_stream(built):
     """The calls of one batch must share a stream (they run on it in turn): two streams raise."""
     import coconetc

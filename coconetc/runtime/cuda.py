@@ -27,8 +27,8 @@ from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, batch, marshal
-from coconetc.runtime.events import Events
 from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
+from coconetc.runtime.events import Events
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
 from coconetc.sourcefile import load_file, with_grads
