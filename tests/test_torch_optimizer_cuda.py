@@ -7,8 +7,8 @@ AdamW; a checkpoint of the emulated CUDA optimizer loaded by the CPU one and bac
 process_group= with a gloo group; mixed precision (f16 and bf16 parameters, f32 master weights
 and state); across_groups=True (clipping by the norm of every group, the loss-scaled step's
 inf/NaN test over every group); the abort path: an NCCL error on one rank, an asynchronous one
-after a step, and a collective that never completes (timed by the watchdog's event on 2 and 3
-ranks). In this process: without the switch, CPU tensors given to the CUDA backend are an
+after a step, and a collective that never completes (timed by the watchdog's event on 2 ranks, 3
+slow-marked). In this process: without the switch, CPU tensors given to the CUDA backend are an
 error naming the tensor (nothing built).
 
 The ranks run tests/torch_optimizer_cuda_worker.py; the modules are built once into the pytest
@@ -208,7 +208,7 @@ def test_an_asynchronous_nccl_error_after_a_step_ends_the_job_on_every_rank(buil
     assert rc == 0, log
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", RANKS)
 def test_a_collective_that_never_completes_ends_the_job_on_every_rank_after_the_timeout(built, capfd, monkeypatch,
                                                                                           ranks):
     """Rank 1's NCCL calls after its first two never complete (COCONET_EMULATE_NCCL_HANG_RANK=1:2:

@@ -39,11 +39,13 @@ class Events:
         lib = ctypes.CDLL(ext.__file__)
         self._create, self._record = lib.coconet_event_create, lib.coconet_event_record
         self._query, self._destroy = lib.coconet_event_query, lib.coconet_event_destroy
-        self._create.argtypes, self._create.restype = [], ctypes.c_uint64
+        self._create.argtypes, self._create.restype = [ctypes.POINTER(ctypes.c_int)], ctypes.c_uint64
         self._record.argtypes, self._record.restype = [ctypes.c_uint64, ctypes.c_uint64], ctypes.c_int
-        self._query.argtypes, self._query.restype = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int], ctypes.c_int
-        self._destroy.argtypes, self._destroy.restype = [ctypes.c_uint64], ctypes.c_int
+        self._query.argtypes = [ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self._query.restype = ctypes.c_int
+        self._destroy.argtypes, self._destroy.restype = [ctypes.c_uint64, ctypes.c_int], ctypes.c_int
         self._buf = ctypes.create_string_buffer(256)
+        self._device = ctypes.c_int(0)  # the events' device (set by create, on the caller's thread)
         self.free: list[int] = []
         self.outstanding: deque[Work] = deque()
         self.made = 0  # events created (the pool's size, with those outstanding)
@@ -59,24 +61,25 @@ class Events:
         self.outstanding.append(Work(event, what, deadline, limit))
 
     def _new(self, what: str) -> int:
-        event = self._create()
+        event = self._create(ctypes.byref(self._device))
         if not event:
             raise RuntimeError(f"{what}: cudaEventCreate failed (the watchdog's event for the call)")
         self.made += 1
         return event
 
     def reap(self) -> None:
-        """The events whose work completed back to the pool, from the oldest on."""
-        while self.outstanding and self._query(self.outstanding[0].event, self._buf, len(self._buf)) == 0:
+        """The events whose work completed back to the pool, from the oldest on (on the caller's
+        thread: its current device is left alone)."""
+        while self.outstanding and self._query(self.outstanding[0].event, -1, self._buf, len(self._buf)) == 0:
             self.free.append(self.outstanding.popleft().event)
 
     def late(self, now: float) -> str | None:
         """Why the oldest outstanding work failed, if it did: it is not complete past its
         deadline, or its event reports a CUDA error (a kernel that faulted); None otherwise.
-        Completed work is recycled on the way."""
+        Completed work is recycled on the way. On the watchdog's thread."""
         while self.outstanding:
             work = self.outstanding[0]
-            code = self._query(work.event, self._buf, len(self._buf))
+            code = self._ask(work.event)
             if code == _NOT_READY:
                 if now <= work.deadline:
                     return None
@@ -89,9 +92,13 @@ class Events:
                         f"(cudaEventQuery: {code})")
         return None
 
+    def _ask(self, event: int) -> int:
+        """coconet_event_query, the events' device made current on this thread first (once)."""
+        return self._query(event, self._device, self._buf, len(self._buf))
+
     def close(self) -> None:
-        """Every event destroyed (those not reached yet are released when their stream reaches
-        them, as cudaEventDestroy does)."""
+        """On the watchdog's thread: every event destroyed (those not reached yet are released
+        when their stream reaches them, as cudaEventDestroy does)."""
         for event in self.free + [w.event for w in self.outstanding]:
-            self._destroy(event)
+            self._destroy(event, self._device)
         self.free, self.outstanding = [], deque()
