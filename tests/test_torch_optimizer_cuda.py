@@ -6,7 +6,9 @@ examples/adam.ccn the CUDA module has, against torch.optim.Adam and against the 
 AdamW; a checkpoint of the emulated CUDA optimizer loaded by the CPU one and back;
 process_group= with a gloo group; mixed precision (f16 and bf16 parameters, f32 master weights
 and state); across_groups=True (clipping by the norm of every group, the loss-scaled step's
-inf/NaN test over every group). In this process: without the switch, CPU tensors given to the CUDA backend are an
+inf/NaN test over every group); the abort path: an NCCL error on one rank, an asynchronous one
+after a step, and a collective that never completes (timed by the watchdog's event on 2 ranks, 3
+slow-marked). In this process: without the switch, CPU tensors given to the CUDA backend are an
 error naming the tensor (nothing built).
 
 The ranks run tests/torch_optimizer_cuda_worker.py; the modules are built once into the pytest
@@ -130,6 +132,26 @@ def test_loss_scaled_step_across_groups(built, capfd, ranks):
     assert rc == 0, log
 
 
+def test_the_watchdogs_events_are_recycled_and_time_only_unfinished_work(built):
+    """runtime/events.py on the emulated module: an event recorded after work that completed
+    goes back to the pool (five calls, one event made) and is never late, even past its
+    deadline; close() destroys them all."""
+    import time
+
+    import coconetc
+    from coconetc.runtime.events import Events
+    fn = coconetc.load(EX / "adam.ccn", log=lambda msg: None, backend="cuda").adam
+    events = Events(fn.ext)
+    for k in range(5):
+        events.record(0, f"call {k}", time.monotonic() - 1.0, 3.0)  # already past its deadline
+        fn.ext.synchronize()
+    assert events.made == 1 and len(events.outstanding) == 1, (events.made, events.outstanding)
+    assert events.late(time.monotonic()) is None
+    assert events.made == 1 and events.free and not events.outstanding
+    events.close()
+    assert not events.free and not events.outstanding
+
+
 def test_a_batch_runs_on_one_stream(built):
     """The calls of one batch must share a stream (they run on it in turn): two streams raise."""
     import coconetc
@@ -183,6 +205,38 @@ def test_an_asynchronous_nccl_error_after_a_step_ends_the_job_on_every_rank(buil
         assert "ncclCommGetAsyncError: 6" in raised or "ncclCommGetAsyncError" in raised, raised
         again = next(ln for ln in lines if ln.startswith(f"AGAIN {r} "))
         assert "the NCCL communicator was aborted (rank 1 failed" in again, again
+    assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_a_collective_that_never_completes_ends_the_job_on_every_rank_after_the_timeout(built, capfd, monkeypatch,
+                                                                                          ranks):
+    """Rank 1's NCCL calls after its first two never complete (COCONET_EMULATE_NCCL_HANG_RANK=1:2:
+    its emulated stream blocks in the all-reduce, posting nothing, so the peers' all-reduce waits
+    too), as a GPU collective that a stuck or dead peer never joins, after step() has returned.
+    The event the watchdog recorded after the step's work stays not ready (cudaEventQuery);
+    COCONET_TIMEOUT (3 s) after the call the watchdog aborts the communicator, which ends the
+    blocked work, and the step raises on every rank, naming the rank, the call whose work did
+    not complete and the timeout, within a bounded time; the communicator refuses the next
+    step. The healthy steps before it reused one event (the pool)."""
+    monkeypatch.setenv("COCONET_EMULATE_NCCL_HANG_RANK", "1:2")
+    monkeypatch.setenv("COCONET_TIMEOUT", "3")
+    rc, lines, log = _run(capfd, ranks, "hang")
+    assert not [ln for ln in lines if "NOT RAISED" in ln], log
+    for r in range(ranks):
+        raised = next((ln for ln in lines if ln.startswith(f"RAISED {r} ")), None)
+        assert raised is not None, log
+        step, seconds = int(raised.split()[2]), float(raised.split()[3].rstrip("s"))
+        assert step == 3, raised  # steps 1 and 2 ran; the third's collective never completed
+        assert 2.5 <= seconds < 15, raised  # the timeout, not sooner, and not much later
+        for needle in (".adam(schedule='default'): rank ", " failed: the work of ccn_emu_adam_",
+                       ".adam(schedule='default') (its kernels and NCCL collectives, queued on the call's stream) "
+                       "did not complete within 3 s of the call (COCONET_TIMEOUT)",
+                       "the NCCL communicator was aborted (ncclCommAbort) on every rank", f"(this is rank {r})"):
+            assert needle in raised, raised
+        assert next(ln for ln in lines if ln.startswith(f"EVENTS {r} ")).split()[2:] == ["1", "0"], log
+        again = next(ln for ln in lines if ln.startswith(f"AGAIN {r} "))
+        assert "the NCCL communicator was aborted (rank " in again, again
     assert rc == 0, log
 
 

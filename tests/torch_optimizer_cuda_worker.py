@@ -27,6 +27,9 @@ MODE scaled        examples/scaled_adam.ccn, two groups, across_groups=True on t
                    mode_scaled (an inf and a NaN in one group skip every group's step)
 MODE async         COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1: an asynchronous NCCL error on rank 1 after
                    its step returned; a later step raises on every rank (the watchdog)
+MODE hang          COCONET_EMULATE_NCCL_HANG_RANK=1:K: rank 1's NCCL calls after its first K never
+                   complete (its stream blocks, the peers' collectives wait for it): every rank's
+                   step raises after COCONET_TIMEOUT (the watchdog's event on the call's stream)
 MODE abort [SCHED [pg]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
                    (pg: the communicator made from a gloo process group, no MPI);
                    step() must raise on every rank, naming rank 1 and the call, the NCCL
@@ -361,10 +364,43 @@ def mode_async() -> None:
     comm.Barrier()
 
 
+def mode_hang() -> None:
+    """COCONET_EMULATE_NCCL_HANG_RANK=1:K and a short COCONET_TIMEOUT (set by the test): steps
+    run until rank 1's NCCL calls stop completing; that step's work never completes on any rank
+    (rank 1's stream is blocked, the others' all-reduce waits for it), its event stays not
+    ready, and the watchdog aborts the communicator after COCONET_TIMEOUT: the step raises on
+    every rank ("RAISED <rank> <step> <seconds>s <message>"), and the communicator refuses the
+    next one ("AGAIN <rank> <message>"). "EVENTS <rank> <made>": the events the watchdog made
+    (recycled: one per call outstanding at once, not one per call)."""
+    from coconetc.runtime.cuda import _WATCHDOGS
+    model = W.make_model()
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", **HYPER)
+    for t in range(1, 11):
+        opt.zero_grad()
+        W.local_loss(model, t).backward()
+        start = time.monotonic()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            print(f"RAISED {rank} {t} {time.monotonic() - start:.1f}s {err}".replace("\n", " "), flush=True)
+            break
+    else:
+        print(f"NOT RAISED {rank}", flush=True)
+    dog = _WATCHDOGS[id(opt._comm)]
+    dog.thread.join(10.0)  # it ends after the abort, destroying its events
+    print(f"EVENTS {rank} {dog.events.made} {len(dog.events.free) + len(dog.events.outstanding)}", flush=True)
+    try:
+        opt.step()
+        print(f"AGAIN NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
+    comm.Barrier()
+
+
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
-     "abort": mode_abort, "async": mode_async, "across": mode_across, "scaled": mode_scaled}[mode]()
+     "abort": mode_abort, "async": mode_async, "hang": mode_hang, "across": mode_across, "scaled": mode_scaled}[mode]()
     return 1 if W.failures else 0
 
 

@@ -28,6 +28,7 @@ from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
+from coconetc.runtime.events import Events
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
 from coconetc.sourcefile import load_file, with_grads
@@ -136,9 +137,12 @@ class _Watchdog:
     thread that polls for the peers' abort notices and for this rank's asynchronous NCCL error
     (ncclCommGetAsyncError, the module's coconet_nccl_async_error: on a GPU a call returns
     before its collectives run, so their errors surface after it), every 2 ms (MPI notices) or
-    20 ms (a store's) while a call runs and every 50 ms between calls, and for a call still
-    running after COCONET_TIMEOUT seconds. What it hears aborts the communicator (and, if it is
-    this rank's own, is sent to the peers first); the call running raises, or the next one."""
+    20 ms (a store's) while a call runs and every 50 ms between calls, for a call still
+    running on the host after COCONET_TIMEOUT seconds, and for a call whose work on the GPU
+    (kernels and collectives, queued when it returned) has not completed COCONET_TIMEOUT
+    seconds after it (an event recorded on the call's stream, runtime/events.py: a collective
+    that a peer never joins). What it hears aborts the communicator (and, if it is this rank's
+    own, is sent to the peers first); the call running raises, or the next one."""
 
     def __init__(self, ext: Any, comm: NcclComm):
         import ctypes
@@ -146,12 +150,14 @@ class _Watchdog:
         self.ext, self.comm = ext, comm
         self.heard: list[tuple[int, str]] = []
         self.call: tuple[str, float] | None = None  # the call running: (what, deadline or 0)
+        self.limit = 0.0  # the call's COCONET_TIMEOUT (0: none)
         self.last = ""  # the last call begun, named in an error heard between calls
         self.lock = threading.Lock()
         self.wake = threading.Event()
         fn = ctypes.CDLL(ext.__file__).coconet_nccl_async_error
         fn.argtypes, fn.restype = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int], ctypes.c_int
         self._async_error, self._buf = fn, ctypes.create_string_buffer(512)
+        self.events = Events(ext)
         self.stopped = False
         if not _WATCHDOGS:  # stopped before MPI is finalized at exit (atexit runs in reverse)
             import atexit
@@ -163,7 +169,20 @@ class _Watchdog:
         import time
         with self.lock:
             self.call, self.last = (what, time.monotonic() + limit if limit else 0.0), what
+            self.limit = limit
         self.wake.set()
+
+    def enqueued(self, stream: int) -> None:
+        """The call's work is queued on `stream` (its cudaStream_t): an event recorded after it
+        times it from now on (not waited for); what remains of the call on the host (the
+        emulation's synchronization) has no deadline of its own."""
+        import time
+        with self.lock:
+            if self.call is None or not self.limit or self.comm.aborted is not None:
+                return
+            what = self.call[0]
+            self.events.record(stream, what, time.monotonic() + self.limit, self.limit)
+            self.call = (what, 0.0)
 
     def end(self) -> None:
         with self.lock:
@@ -192,6 +211,8 @@ class _Watchdog:
                                     f"(ncclCommGetAsyncError: {code})")
         elif call and call[1] and time.monotonic() > call[1]:
             mine = (self.comm.rank, f"the call did not finish in {agree.timeout_s():g} s ({agree.ENV_TIMEOUT})")
+        elif (late := self.events.late(time.monotonic())) is not None:
+            mine = (self.comm.rank, late)
         else:
             return None
         self.comm.notices.send(mine)
@@ -203,8 +224,10 @@ class _Watchdog:
             self.wake.wait(0.05 if not busy else 0.002 if self.comm.mpi is not None else 0.02)
             self.wake.clear()
             with self.lock:
-                if self.heard or self.comm.aborted is not None or self.stopped:
+                if self.stopped:
                     return
+                if self.heard or self.comm.aborted is not None:
+                    break
                 try:
                     notice = self._poll()
                 except Exception:  # noqa: BLE001 - MPI or the store gone (the job is ending)
@@ -214,7 +237,10 @@ class _Watchdog:
                 self.heard.append(notice)
                 _abort_nccl(self.ext, self.comm, f"rank {notice[0]} failed in {self.call[0]}" if self.call
                             else f"rank {notice[0]} failed after {self.last}: {notice[1]}")
-                return
+                break
+        with self.lock:  # aborted: the events go (not at exit, where the process frees them)
+            if not self.stopped:
+                self.events.close()
 
 
 _WATCHDOGS: dict[int, _Watchdog] = {}
@@ -235,8 +261,9 @@ def _refuse_aborted(comm: NcclComm, what: str) -> None:
         raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
 
 
-def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
-    """body() (a call of the module on comm) with the abort path: a CUDA or NCCL error on one
+def _guarded(ext: Any, comm: NcclComm, what: str, body, stream: int = 0, sync: Any = None) -> Any:
+    """body() (a call of the module on comm, queuing its work on `stream`, a cudaStream_t), then
+    sync() if given (the emulation's synchronization), with the abort path: a CUDA or NCCL error on one
     rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
     the failing rank and the call. The failing rank tells the others (a notice over a duplicate
     of the MPI communicator, or in the process group's store) and aborts its communicator; on
@@ -245,12 +272,17 @@ def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     NCCL's own abort does that on a GPU); a call still running after COCONET_TIMEOUT seconds
     aborts the same way, naming this rank. An error NCCL reports asynchronously, after a call
     returned (a GPU call returns before its collectives run), is found by the same watchdog
-    between calls and ends the job the same way: the next call raises, on every rank. An
-    aborted communicator is unusable: later calls on it raise at once. One-rank communicators
-    run body() as it is."""
+    between calls and ends the job the same way: the next call raises, on every rank; so does
+    work queued by body() that has not completed COCONET_TIMEOUT seconds after it returned (an
+    event recorded on `stream` after body(), queried by the watchdog: a collective that some
+    rank never joins, which NCCL's abort ends). An aborted communicator is unusable: later
+    calls on it raise at once. One-rank communicators run body() (and sync()) as they are."""
     _refuse_aborted(comm, what)
     if comm.notices is None or comm.size == 1:
-        return body()
+        result = body()
+        if sync is not None:
+            sync()
+        return result
     dog = _WATCHDOGS.get(id(comm))
     if dog is None or dog.comm is not comm:
         dog = _WATCHDOGS[id(comm)] = _Watchdog(ext, comm)
@@ -258,6 +290,9 @@ def _guarded(ext: Any, comm: NcclComm, what: str, body) -> Any:
     failed: BaseException | None = None
     try:
         result = body()
+        dog.enqueued(stream)
+        if sync is not None:
+            sync()
     except (RuntimeError, ValueError) as err:
         failed = err
     finally:
@@ -364,12 +399,13 @@ class CudaProgram:
         def make(shape, dtype):
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
         st: Any = stream if stream is not None else torch.cuda.current_stream()
+        handle = int(getattr(st, "cuda_stream", st))
         what = _call_name(self, label)
 
-        def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded: no host sync
-            _guarded(self.ext, comm, what, go)
+        def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed: no host sync
+            _guarded(self.ext, comm, what, go, handle)
         return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
-                                     marshal.device_ptr, make, int(getattr(st, "cuda_stream", st)), around))
+                                     marshal.device_ptr, make, handle, around))
 
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
@@ -552,11 +588,8 @@ class EmulatedProgram(CudaProgram):
                                                          lambda p: _check_local_numpy(p, kwargs))
         what = _call_name(self, label)
 
-        def around(go) -> None:  # the call (or a batch of calls, batch.py) synchronized, guarded
-            def body() -> None:
-                go()
-                self.ext.synchronize()
-            _guarded(self.ext, comm, what, body)
+        def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed, synchronized
+            _guarded(self.ext, comm, what, go, 0, self.ext.synchronize)
         outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
                     _numpy_zeros, 0, around)
         if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out

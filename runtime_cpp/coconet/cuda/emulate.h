@@ -57,7 +57,7 @@
 
 // ---- CUDA runtime types --------------------------------------------------------------------------
 
-enum cudaError_t { cudaSuccess = 0, cudaErrorUnknown = 999 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorNotReady = 600, cudaErrorUnknown = 999 };
 enum cudaMemcpyKind { cudaMemcpyHostToHost = 0, cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2,
                       cudaMemcpyDeviceToDevice = 3, cudaMemcpyDefault = 4 };
 enum cudaDataType_t { CUDA_R_16F = 2, CUDA_R_32F = 0, CUDA_R_64F = 1, CUDA_R_16BF = 14 };
@@ -622,6 +622,26 @@ inline void injected_async_failure(Comm* comm) {
   if (is_this_world_rank(fail)) comm->async_error.store(int(ncclRemoteError));
 }
 
+// COCONET_EMULATE_NCCL_HANG_RANK=r[:k]: the NCCL calls of (MPI_COMM_WORLD) rank r after its first k
+// (default 0) never complete: the call blocks its stream, posting nothing (so the peers' calls wait
+// for it too), until the communicator is aborted, as a GPU collective that a peer never joins (a
+// rank stuck or gone) would: the work queued behind it never completes, cudaEventQuery reports it
+// not ready, and ncclCommAbort ends it. For testing the watchdog that times each call's work with
+// a CUDA event (coconetc/runtime/cuda.py).
+inline void injected_hang(Comm* comm, const char* call) {
+  static const int hang = injected_rank("COCONET_EMULATE_NCCL_HANG_RANK");
+  static const long after = [] {
+    const char* e = std::getenv("COCONET_EMULATE_NCCL_HANG_RANK");
+    const char* colon = e ? std::strchr(e, ':') : nullptr;
+    return colon ? std::atol(colon + 1) : 0L;
+  }();
+  static std::atomic<long> calls{0};
+  if (!is_this_world_rank(hang) || calls.fetch_add(1) < after) return;
+  while (!comm->aborted.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  throw std::runtime_error(std::string(call) + ": the communicator was aborted (ncclCommAbort) while the call hung "
+                           "(injected by COCONET_EMULATE_NCCL_HANG_RANK)");
+}
+
 inline size_t type_size(ncclDataType_t t) {
   switch (t) {
     case ncclInt8: case ncclUint8: return 1;
@@ -755,6 +775,7 @@ inline void spans_of(const Call& c, std::vector<Span>& out) {
 inline void run_calls(std::vector<Call>& calls) {
   std::vector<MPI_Request> reqs;
   if (!calls.empty()) injected_failure(call_name(calls[0].kind));
+  if (!calls.empty()) injected_hang(calls[0].comm, call_name(calls[0].kind));
   for (Call& c : calls) injected_async_failure(c.comm);
   for (Call& c : calls) {
     const size_t el = type_size(c.type), n = c.count * el, R = size_t(c.comm->size);
@@ -880,7 +901,9 @@ inline ncclResult_t nccl(Call c, cudaStream_t s) {
 
 // ---- the CUDA runtime API ----------------------------------------------------------------------------
 
-inline const char* cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : "emulation error"; }
+inline const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : e == cudaErrorNotReady ? "device not ready" : "emulation error";
+}
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
 inline cudaError_t cudaSetDevice(int) { return cudaSuccess; }
@@ -938,6 +961,27 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   m::State& st = m::state();
   std::unique_lock<std::mutex> lock(st.mu);
   st.cv.wait(lock, [&] { return e->stream->completed >= e->position; });
+  return cudaSuccess;
+}
+// Whether the event's stream has reached it (never waits): cudaErrorNotReady while the work queued
+// before it runs, or is blocked (an NCCL call whose peers never join).
+inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+  namespace m = coconet::cuda::emu;
+  if (!e->recorded) return cudaSuccess;
+  m::State& st = m::state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  return e->stream->completed >= e->position ? cudaSuccess : cudaErrorNotReady;
+}
+// As CUDA's: an event its stream has not reached yet is released once it is (the release queued
+// behind it; a stream blocked for ever keeps it).
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  namespace m = coconet::cuda::emu;
+  if (!e) return cudaSuccess;
+  if (!e->recorded || cudaEventQuery(e) == cudaSuccess) {
+    delete e;
+    return cudaSuccess;
+  }
+  m::enqueue(e->stream, [e] { delete e; });
   return cudaSuccess;
 }
 // Milliseconds between two events their streams have reached (the host's wall clock there).
