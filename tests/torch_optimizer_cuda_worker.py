@@ -337,6 +337,16 @@ def mode_abort() -> None:
     comm.Barrier()  # MPI_COMM_WORLD is untouched by the abort
 
 
+def _refused_again(opt) -> None:
+    """The step after an abort: the communicator refuses it ("AGAIN <rank> <message>")."""
+    try:
+        opt.step()
+        print(f"AGAIN NOT RAISED {rank}", flush=True)
+    except RuntimeError as err:
+        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
+    comm.Barrier()
+
+
 def mode_async() -> None:
     """COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1 (set by the test): rank 1's NCCL calls complete but
     leave an asynchronous error on its communicator, as on a GPU after step() has returned. Steps
@@ -356,12 +366,7 @@ def mode_async() -> None:
         time.sleep(1.0)  # the notice reaches every watchdog before the next step
     else:
         print(f"NOT RAISED {rank}", flush=True)
-    try:
-        opt.step()
-        print(f"AGAIN NOT RAISED {rank}", flush=True)
-    except RuntimeError as err:
-        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
-    comm.Barrier()
+    _refused_again(opt)
 
 
 def mode_hang() -> None:
@@ -389,12 +394,7 @@ def mode_hang() -> None:
     dog = _WATCHDOGS[id(opt._comm)]
     dog.thread.join(10.0)  # it ends after the abort, destroying its events
     print(f"EVENTS {rank} {dog.events.made} {len(dog.events.free) + len(dog.events.outstanding)}", flush=True)
-    try:
-        opt.step()
-        print(f"AGAIN NOT RAISED {rank}", flush=True)
-    except RuntimeError as err:
-        print(f"AGAIN {rank} {err}".replace("\n", " "), flush=True)
-    comm.Barrier()
+    _refused_again(opt)
 
 
 def run_mode(comm) -> int:
