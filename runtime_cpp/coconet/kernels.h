@@ -8,7 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "collectives.h"
 #include "comm.h"
@@ -31,6 +35,23 @@ inline std::vector<Piece> pieces(const std::vector<int64_t>& starts, int64_t beg
     out.push_back(Piece{s, a, b, len});
   });
   return out;
+}
+
+// dst[0, n) = src (a reduced chunk, in the compute type) rounded to T: the reduced value a fused
+// collective keeps for its phase B. f32 goes with non-temporal stores where the target has them:
+// the chunk is written once and read again only after every chunk, so its lines are not read in
+// first (a write-allocate) nor kept in cache in place of the chunks still to come.
+template <class T, class C>
+inline void keep_chunk(T* dst, const C* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {
+    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; ++i) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+    _mm_sfence();
+  }
+#endif
+  for (; i < n; ++i) dst[i] = from_compute<T>(src[i]);
 }
 
 // Loops of more elements than this may run on several OpenMP threads.

@@ -216,6 +216,9 @@ class CpuFused:
         if coords:
             for line in self.idx.extents(t0):
                 self.w.emit(f"  {line}")
+        kept = any(i.name == u.collective and i.store for i in ph.items)
+        if kept:  # the reduced chunk kept for phase B: one streaming copy, not a store per element
+            self.w.emit(f"  coconet::keep_chunk(v_{u.collective} + lo, red, hi - lo);")
         segmented = any(r.name in self.w.scattered for r in operands)
         if segmented:
             self.w.emit("  for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge)) {")
@@ -246,7 +249,7 @@ class CpuFused:
         stored = {i.name for i in ph.items if i.store}
 
         def stores(name: str) -> list[str]:
-            out = [f"v_{name}[i]"] if name in stored else []
+            out = [f"v_{name}[i]"] if name in stored and name != u.collective else []  # (kept: keep_chunk)
             if name == u.gathered and d0 != 0:  # this rank's part, at its global index
                 out.append(f"v_{u.gather}[gb + (i - lo)]")
             return out
