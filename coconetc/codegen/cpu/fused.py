@@ -89,22 +89,18 @@ class CpuFused:
         fn = {"sum": "sum_of", "norm": "sumsq_of", "segment_norm": "sumsq_of", "max": "max_of",
               "min": "min_of"}[r.op]  # the runtime's reductions (kernels.h)
         self.w.emit(f"  {{  // {r.dst}: partial {r.op}({r.src}) of the chunk")
-        if r.src in self.w.scattered and r.src != u.collective:  # a parameter still in its segments
-            part = f"coconet::{fn}(p_{r.src}.ptrs[pc.segment] + pc.at, pc.size)"
+        scattered = r.src in self.w.scattered and r.src != u.collective  # a parameter still in its segments
+        if scattered or r.op == "segment_norm":  # piece by piece of the segments
             self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge))")
-            if r.op in ("max", "min"):
-                self.w.emit(f"      pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
-                            f"pa_{r.dst}[0], {part});")
-            else:
-                self.w.emit(f"      pa_{r.dst}[{'pc.segment' if r.op == 'segment_norm' else '0'}] += {part};")
-        elif r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
-            self.w.emit(f"    pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
-                        f"pa_{r.dst}[0], coconet::{fn}({first}, hi - lo));")
-        elif r.op == "segment_norm":
-            self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge))")
-            self.w.emit(f"      pa_{r.dst}[pc.segment] += coconet::{fn}({first} + pc.offset, pc.size);")
+            at = f"p_{r.src}.ptrs[pc.segment] + pc.at" if scattered else f"{first} + pc.offset"
+            part, ind = f"coconet::{fn}({at}, pc.size)", "      "
         else:
-            self.w.emit(f"    pa_{r.dst}[0] += coconet::{fn}({first}, hi - lo);")
+            part, ind = f"coconet::{fn}({first}, hi - lo)", "    "
+        if r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
+            self.w.emit(f"{ind}pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
+                        f"pa_{r.dst}[0], {part});")
+        else:
+            self.w.emit(f"{ind}pa_{r.dst}[{'pc.segment' if r.op == 'segment_norm' else '0'}] += {part};")
         self.w.emit("  }")
 
     def _combine(self, u: Fused, partials: list[Reduce]) -> None:
