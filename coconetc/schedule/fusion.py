@@ -10,7 +10,7 @@ from coconetc.ir import ops
 from coconetc.ir.nodes import POINTWISE, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on
 from coconetc.schedule.directives import Fuse, OverlapD, Reorder, span_of
-from coconetc.schedule.primitives import _fresh, _stage, reorder, reorder_gathers
+from coconetc.schedule.primitives import _fresh, _stage, gather_names, reorder, reorder_gathers
 
 
 def fuse(p: Program, d: Fuse) -> Program:
@@ -219,11 +219,8 @@ def _moved_and_fused(p: Program, rs: str, ag: str, stages: list[str], members: t
     """reorder(ag, stages) and then fuse(members) (with the allgather of the last value still
     needed whole when `gather`), applied to P: the program, the reorder's names (`a, b = `),
     the stages and the fuse directive; None when either is refused."""
-    taken = {s.name for s in p.stages} | {q.name for q in p.params} | {f.name for f in p.fusions}
     try:
-        outs: list[str] = []
-        for m in reorder_gathers(p, ag, tuple(stages)):
-            outs.append(next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken))
+        outs = gather_names(p, reorder_gathers(p, ag, tuple(stages)))
         q = reorder(p, Reorder(ag, tuple(stages), tuple(outs), NOWHERE))
         advised = Fuse((*members, *(outs[-1:] if gather else ())), name, NOWHERE)
         q = fuse(q, advised)

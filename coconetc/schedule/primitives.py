@@ -129,12 +129,16 @@ def _readers_too(p: Program, moved_p: Program, d: Reorder, moved: list[str], nee
         return ""
     if len(gathers) >= len(needed):
         return ""
-    taken = {s.name for s in p.stages} | {q.name for q in p.params}
-    outs = list(d.outs) if len(d.outs) == len(gathers) else [
-        next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken) for m in gathers]
+    outs = list(d.outs) if len(d.outs) == len(gathers) else gather_names(p, gathers)
     left = f"{', '.join(outs)} = " if outs else ""
     whole = ", ".join(f"'{m}'" for m in needed if any(u.name in readers for u in moved_p.users(m)))
     return f"; or move what reads {whole} whole onto the slices too: {left}reorder({d.ag}, {', '.join(more)})"
+
+
+def gather_names(p: Program, values: list[str]) -> list[str]:
+    """Names for the allgathers of `values` in advice: ag_<value>, numbered where P has it."""
+    taken = {s.name for s in p.stages} | {q.name for q in p.params} | {f.name for f in p.fusions}
+    return [next(n for k in range(len(taken) + 1) if (n := f"ag_{m}{k or ''}") not in taken) for m in values]
 
 
 def reorder_gathers(p: Program, ag: str, stages: tuple[str, ...]) -> list[str]:
