@@ -133,18 +133,6 @@ def coconet_step(mod, sched, comm, g, w, path=None, empty=False, w_empty=False):
     return step
 
 
-def optimizer_step(comm, g, w, shared: bool | None):
-    """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements (what
-    a PyTorch user writes), its gradient set once: from the second step on p.grad is a view of
-    the optimizer's flat gradient, as when autograd accumulates into it."""
-    import torch
-    from coconetc.torch import DistributedOptimizer
-    p = torch.nn.Parameter(torch.from_numpy(w.copy()))
-    opt = DistributedOptimizer([p], ADAM_CCN, schedule="zero", comm=comm, shared_memory=shared, **HP)
-    p.grad = torch.from_numpy(g.copy())
-    return opt.step
-
-
 def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
     rng = np.random.default_rng(comm.Get_rank())
     g = rng.standard_normal(n).astype(np.float32)
@@ -156,8 +144,9 @@ def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
     variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
     variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
     variants["zero, g and w in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True, w_empty=True)
-    variants["zero, DistributedOptimizer (defaults)"] = optimizer_step(comm, g, w, shared=None)
-    variants["zero, DistributedOptimizer(shared_memory=False)"] = optimizer_step(comm, g, w, shared=False)
+    for label, shared in (("zero, DistributedOptimizer (defaults)", None),
+                          ("zero, DistributedOptimizer(shared_memory=False)", False)):
+        variants[label] = common.optimizer_step(ADAM_CCN, comm, g, w, HP, shared_memory=shared)[0]
     t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}

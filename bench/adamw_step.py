@@ -76,19 +76,6 @@ def coconet_step(fn, sched, comm, g, w, hp):
     return (lambda: fn(schedule=name, **args)), args["w"]
 
 
-def optimizer_step(src: Path, comm, g, w, hp):
-    """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements with
-    its default arguments, its gradient set once (from the second step on p.grad is a view of
-    the optimizer's flat gradient, as when autograd accumulates into it). Returns (step, the
-    weights: a view of the optimizer's flat buffer)."""
-    import torch
-    from coconetc.torch import DistributedOptimizer
-    p = torch.nn.Parameter(torch.from_numpy(w.copy()))
-    opt = DistributedOptimizer([p], src, schedule="zero", comm=comm, **hp)
-    p.grad = torch.from_numpy(g.copy())
-    return opt.step, p.detach().numpy()
-
-
 def variants(mods, comm, g, w, hp) -> tuple[dict, dict]:
     """The baselines and the AdamW schedules with the hyperparameters HP."""
     from mpi4py import MPI
@@ -96,7 +83,7 @@ def variants(mods, comm, g, w, hp) -> tuple[dict, dict]:
     base = {ALLREDUCE: torch_adamw(g, w, lambda gt: comm.Allreduce(MPI.IN_PLACE, gt.numpy(), op=MPI.SUM), hp),
             GLOO: torch_adamw(g, w, dist.all_reduce, hp)}
     ours = {s: coconet_step(mods["adamw"].adamw, s, comm, g, w, hp) for s in SCHEDULES}
-    ours[OPT] = optimizer_step(ADAMW_CCN, comm, g, w, hp)
+    ours[OPT] = common.optimizer_step(ADAMW_CCN, comm, g, w, hp)
     return base, ours
 
 
@@ -132,7 +119,7 @@ def run_size(mods, comm, n: int, reps: int, bw_reps: int) -> dict:
     base, ours = variants(mods, comm, g, w, HP)
     adam_hp = {k: v for k, v in HP.items() if k not in ("wd", "maxnorm")}
     ours[ADAM_ZERO] = coconet_step(mods["adam"].adam, "zero", comm, g, w, adam_hp)
-    ours[ADAM_OPT] = optimizer_step(ADAM_CCN, comm, g, w, adam_hp)
+    ours[ADAM_OPT] = common.optimizer_step(ADAM_CCN, comm, g, w, adam_hp)
     fns = {("b", k): v[0] for k, v in base.items()}
     fns.update({("c", k): v[0] for k, v in ours.items()})
     t = common.timed_all(comm, fns, reps)

@@ -90,6 +90,20 @@ def one_rank_group(backend: str) -> Any:
     return dist.group.WORLD
 
 
+def optimizer_step(src: Path, comm, g, w, hp: dict, shared_memory: bool | None = None) -> tuple[Callable[[], Any], Any]:
+    """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements (what a
+    PyTorch user writes; SHARED_MEMORY as its argument, None its default: on one node the flat
+    weights and gradient in shared windows), its gradient set once (from the second step on
+    p.grad is a view of the optimizer's flat gradient, as when autograd accumulates into it).
+    Returns (step, the weights: a NumPy view of the optimizer's flat buffer)."""
+    import torch
+    from coconetc.torch import DistributedOptimizer
+    p = torch.nn.Parameter(torch.from_numpy(w.copy()))
+    opt = DistributedOptimizer([p], src, schedule="zero", comm=comm, shared_memory=shared_memory, **hp)
+    p.grad = torch.from_numpy(g.copy())
+    return opt.step, p.detach().numpy()
+
+
 def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     """Median over REPS calls of FN, in seconds, after WARMUP calls: on a GPU each call between
     two CUDA events (the GPU's time of the work the call queued, the Python call included when
