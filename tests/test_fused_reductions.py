@@ -27,7 +27,7 @@ import pytest
 from coconetc.codegen.cuda import generate
 from coconetc.errors import CompileError
 from coconetc.plan.show import show
-from coconetc.plan.units import Fused, Reduce
+from coconetc.plan.units import Fused, Overlap, Reduce
 from coconetc.sourcefile import SourceFile, load_source
 from coconetc.toolchain import probes
 
@@ -233,6 +233,70 @@ def test_cuda_reductions_of_a_replicated_parameter_equal_the_interpreter(algo, t
     for ranks in (1, 2, 3):
         out = _run(["run", str(path), "-s", "zero", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
                     "--size", "N=23"], {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo})
+        assert "matches the interpreter on every rank" in out, out
+
+
+OVERLAPPED = """program tp_amax(x: f32[B, S, K] sliced(2), w: f32[K, H] sliced(0), b: f32[H] replicated) {
+    y = matmul(x, w)
+    s = allreduce(sum, y)
+    o = s + b
+    a = max(abs(o))
+    q = o / a
+    n = norm(o)
+    t = sum(o) - min(o)
+    return q, a, n, t
+}
+schedule overlapped for tp_amax {
+    rs, ag = split(s, dim=1)
+    agq = reorder(ag, o, a, q, n, t)
+    f = fuse(rs, o, a, q, n, t, agq)
+    overlap(y, f, chunks=3)
+}
+"""
+OVERLAPPED_SIZES = ["--size", "B=4", "--size", "S=9", "--size", "K=6", "--size", "H=5"]
+
+
+def test_an_overlaps_fused_collective_accumulates_its_reductions_per_chunk():
+    """A tensor-parallel matmul overlapped with its fused reduce-scatter (an FP8-style amax of
+    the output, its norm, sum and min): every block's chunks add to the same partial results,
+    combined once after the last block, before the phase that reads them (on both targets);
+    the CUDA accumulators are made before the first block and combined on the call's stream
+    after the side stream has joined it."""
+    plan = _load(OVERLAPPED).plans[("tp_amax", "overlapped")]
+    ov = next(u for u in plan.units if isinstance(u, Overlap))
+    f = ov.fused
+    assert f is not None
+    for target in ("cpu", "cuda"):
+        got = sorted((r.op, r.src) for r in f.accumulated(target))
+        assert got == [("max", "t0_a"), ("min", "o"), ("norm", "o"), ("sum", "o")], (target, got)
+    assert not [a for a in f.after if isinstance(a, Reduce) and a.dst not in f.partials]
+    text = "\n".join(generate(_load(OVERLAPPED), "m").functions[("tp_amax", "overlapped")].body)
+    made, blocks = text.index("coconet::cuda::partials("), text.index("for (int ob = 0;")
+    accumulate = text.index("partial_extreme<float, true>(v_t0_a + lo, hi - lo, pa_f.extreme(")
+    join = text.rindex("coconet::cuda::join(sctx.stream, ctx.stream")
+    assert made < blocks < accumulate < join < text.index("coconet::cuda::combine(pa_f, ctx);")
+
+
+def test_an_overlaps_fused_reductions_equal_the_interpreter(tmp_path):
+    """CPU, point to point (an overlap's tasks), chunks of 7 elements inside 3 blocks of rows,
+    S = 9 (uneven slices), 1 to 3 ranks, and 4 ranks as 2 simulated nodes."""
+    path = tmp_path / "tp_amax.ccn"
+    path.write_text(OVERLAPPED)
+    for ranks, nodes in ((1, 1), (2, 1), (3, 1), (4, 2)):
+        out = _run(["run", str(path), "-s", "overlapped", "--ranks", str(ranks), *OVERLAPPED_SIZES],
+                   {"COCONET_CHUNK": "7", "COCONET_SIMULATE_NODES": str(nodes)})
+        assert f"tp_amax [overlapped]: {ranks} ranks" in out and "matches the interpreter on every rank" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+def test_cuda_an_overlaps_fused_reductions_equal_the_interpreter(tmp_path):
+    """The same on CUDA under the host emulation (chunks of 4 elements, 1 to 3 ranks)."""
+    path = tmp_path / "tp_amax.ccn"
+    path.write_text(OVERLAPPED)
+    for ranks in (1, 2, 3):
+        out = _run(["run", str(path), "-s", "overlapped", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
+                    *OVERLAPPED_SIZES], {"COCONET_CUDA_CHUNK": "4"})
         assert "matches the interpreter on every rank" in out, out
 
 

@@ -430,8 +430,8 @@ class _Planner:
                 phases.insert(0, Phase("pointwise", (keep,)))
         after = self._after(f)
         partials: tuple[str, ...] = ()
-        if not overlapped and op_of(coll).op == "reducescatter":
-            after, phases, partials = self._partials(f, after, phases, lets)
+        if op_of(coll).op == "reducescatter":
+            after, phases, partials = self._partials(f, after, phases, lets, overlapped)
         gather_after = _gather_after(after, coll.type, self.buffers) if partials else ""
         if gather_after:
             self._gathered_in_place(after)
@@ -455,12 +455,15 @@ class _Planner:
         del self.buffers[coll.src]  # declared after the result it lies in
         self._buffer(b.name, b.type, "view", coll.dst, b.line)
 
-    def _partials(self, f: FusedSpec, after: tuple[Unit, ...], phases: list[Phase],
-                  lets: list[Let]) -> tuple[tuple[Unit, ...], list[Phase], tuple[str, ...]]:
+    def _partials(self, f: FusedSpec, after: tuple[Unit, ...], phases: list[Phase], lets: list[Let],
+                  overlapped: bool) -> tuple[tuple[Unit, ...], list[Phase], tuple[str, ...]]:
         """The reductions of phase B over values of the chunk (the reduced value, a stored value
         of phase A, or a pointwise expression of them, which joins phase A as a stored item):
         each is accumulated chunk by chunk as the chunks arrive; their partial results are
-        combined across the group in one small all-reduce after the chunks (Fused.partials)."""
+        combined across the group in one small all-reduce after the chunks (Fused.partials).
+        OVERLAPPED (an overlap's fused collective, one per block of the matmul's rows): the
+        chunks of every block add to the same partial results, combined after the last block;
+        only whole-slice reductions (sum, norm, max, min) of values of the chunk."""
         coll = f.collective
         chunk = {coll.name} | {c.name for c in f.computes}
         made_after = {getattr(a, "dst", "") for a in after} | {i.name for a in after if isinstance(a, Loop)
@@ -472,7 +475,7 @@ class _Planner:
         units = list(after)
         partials: list[str] = []
         for a in after:
-            if not isinstance(a, Reduce):
+            if not isinstance(a, Reduce) or (overlapped and (a.op == "segment_norm" or not a.cross_rank)):
                 continue
             param = (a.src in self.buffers and self.buffers[a.src].kind in ("param", "segments")
                      and not any(b.kind == "alias" and b.of == a.src and b.name in chunk  # not written in phase A

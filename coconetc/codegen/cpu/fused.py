@@ -30,18 +30,27 @@ class CpuFused:
         in the full-size result, which the collective fills in from the others. Then what
         waits for all chunks."""
         ct = COMPUTE[u.type.dtype]
-        partials = u.accumulated("cpu")
-        for r in partials:  # phase A's partial results of the reductions, accumulated per chunk
-            n = "seg_starts.size() - 1" if r.op == "segment_norm" else "1"
-            init = {"max": "-HUGE_VAL", "min": "HUGE_VAL"}.get(r.op, "0.0")  # max, min: no element yet
-            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, {init});")
+        self.partials_begin(u)
         self.w.emit(f"const int64_t off_{u.name} = {self.fused_offset(u)};")
         self.w.emit(f"auto compute_{u.name} = [&](int64_t gb, int64_t ge, const {ct}* red) {{")
         self.chunk(u, f"off_{u.name}")
-        for r in partials:
-            self._accumulate(u, r)
         self.w.emit("};")
         self._fused_call(u)
+        self.after_chunks(u)
+
+    def partials_begin(self, u: Fused) -> None:
+        """The accumulators (pa_<name>) of the reductions that the chunks accumulate, before the
+        first chunk (an overlap's: before its first block)."""
+        for r in u.accumulated("cpu"):
+            n = "seg_starts.size() - 1" if r.op == "segment_norm" else "1"
+            init = {"max": "-HUGE_VAL", "min": "HUGE_VAL"}.get(r.op, "0.0")  # max, min: no element yet
+            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, {init});")
+
+    def after_chunks(self, u: Fused) -> None:
+        """What waits for every chunk (an overlap's: of every block): the partial results
+        combined across the group, then phase B (its loops piece by piece with the closing
+        allgather where the plan says so)."""
+        partials = u.accumulated("cpu")
         if partials:
             self._combine(u, partials)
         rest = [a for a in u.after if a not in partials]  # phase B
@@ -59,7 +68,7 @@ class CpuFused:
         chunks, each chunk of the gathered value sent to the other ranks as soon as it is
         computed (coconet::compute_ag, fused.h): the loops' items as phases of a chunk callback."""
         b = replace(u, name=f"{u.name}_b", collective="", phases=tuple(Phase("pointwise", lp.items) for lp in loops),
-                    lets=tuple(k for lp in loops for k in lp.lets), gather="", gathered="")
+                    lets=tuple(k for lp in loops for k in lp.lets), gather="", gathered="", partials=())
         loop = loops[-1]
         ct = CTYPE[self.w.types[coll.src].dtype]
         self.w.emit(f"const int64_t off_{b.name} = {self.fused_offset(b)};")
@@ -181,6 +190,8 @@ class CpuFused:
                 self._chunk_rows(u, ph.items[0], d)
             else:
                 self._chunk_pointwise(u, ph, d)
+        for r in u.accumulated("cpu"):  # the chunk's part of each reduction (Fused.partials)
+            self._accumulate(u, r)
         self.w.consts = saved
 
     def _chunk_rows(self, u: Fused, item: Item, d0: int) -> None:

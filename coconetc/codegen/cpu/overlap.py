@@ -22,14 +22,14 @@ class CpuOverlap:
 
     def render_overlap(self, u: Overlap) -> None:
         if u.fused is not None:
+            self.fusion.partials_begin(u.fused)  # every block's chunks add to them
             self.w.emit(f"const int64_t off_{u.fused.name} = {self.fusion.fused_offset(u.fused)};")
         if u.direct:
             self._overlap_rows(u)
         else:
             self._overlap_packed(u)
         if u.fused is not None:
-            for a in u.fused.after:
-                self.unit(a)
+            self.fusion.after_chunks(u.fused)
 
     def _overlap_rows(self, u: Overlap) -> None:
         """The matmul in chunks of rows (dim 0 of its result); each chunk's collective starts

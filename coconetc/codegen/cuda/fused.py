@@ -25,12 +25,14 @@ class CudaFused:
         self.w = w
         self.idx, self.kernels, self.notes, self.unit = idx, kernels, notes, unit
 
-    def render_fused(self, u: Fused, block: tuple[str, str] | None = None) -> None:
+    def render_fused(self, u: Fused, block: tuple[str, str] | None = None,
+                     layout: dict[str, str] | None = None) -> None:
         """Chunks of this rank's part of the reduced value: the reduction of chunk k+1 on the
         comm stream while chunk k's kernel runs on the call's stream, then chunk k's gather on
         the comm stream after an event (coconet::cuda::pipeline). block: only the rows
         [row0, row1) of dim 0 (an overlap's chunk; the collective is sliced along d != 0, so they
-        are one contiguous range of this rank's part)."""
+        are one contiguous range of this rank's part; layout: the accumulators every block's
+        chunks add to, made before the first block, partials_begin)."""
         t = u.type
         xt = self.w.types[u.src]
         ct = CTYPE[t.dtype]
@@ -45,9 +47,9 @@ class CudaFused:
         nm = u.name
         mine = _prod(self.w.ldims(t))
         direct = u.on("cuda").chunking.whole_alone  # one rank: each chunk's kernel reads the source itself
-        partials = u.accumulated("cuda")
-        assert block is None or not partials, u.name  # (the planner accumulates none inside an overlap)
-        layout = self._partials_begin(u, partials)
+        if block is None:
+            layout = self.partials_begin(u)
+        assert layout is not None, u.name
         symmetric = block is None and self._symmetric_ok(u)
         if symmetric:
             self._fused_symmetric(u, ct, op, n0, inner, mine, layout)
@@ -95,15 +97,24 @@ class CudaFused:
         self.w.emit("}")
         if symmetric:  # auto's timed trial calls: the unit's end
             self.w.emit(f"coconet::cuda::fused_done(choice_{nm}, ctx);")
+        if block is None:  # an overlap's block: after every block (overlap.py: _overlap_fused)
+            self.after_chunks(u, layout)
+
+    def after_chunks(self, u: Fused, layout: dict[str, str]) -> None:
+        """What waits for every chunk (an overlap's: of every block), on the call's stream: the
+        partial results combined across the group, then phase B."""
         self._combine(u, layout)
-        for a in u.after if block is None else ():  # an overlap's block: after every block (_overlap_fused)
+        partials = u.accumulated("cuda")
+        for a in u.after:
             if a not in partials:
                 self.unit(a)
 
     # --- reductions accumulated chunk by chunk (Fused.partials; runtime.cuh: Partials) ----------
-    def _partials_begin(self, u: Fused, partials: list[Reduce]) -> dict[str, str]:
+    def partials_begin(self, u: Fused) -> dict[str, str]:
         """The accumulators of the reductions the chunks accumulate (pa_<name>), initialized
-        before the first chunk. Returns, per reduction, its accumulator (an expression)."""
+        before the first chunk (an overlap's: before its first block). Returns, per
+        reduction, its accumulator (an expression)."""
+        partials = u.accumulated("cuda")
         if not partials:
             return {}
         sums: list[str] = []  # the sums' sizes so far

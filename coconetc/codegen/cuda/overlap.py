@@ -72,6 +72,7 @@ class CudaOverlap:
         rows, per_row = ly[0], _prod(ly[1:-1])
         ev, done = self.w.site(), self.w.site()
         self.w.emit("{")
+        layout = self.fusion.partials_begin(f)  # on the call's stream, before the first block's event
         self.w.emit("  coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream")
         self.w.emit("  sctx.stream = coconet::cuda::side_stream();")
         self.w.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
@@ -84,12 +85,11 @@ class CudaOverlap:
         self.w.emit("    const coconet::cuda::Ctx& ctx = sctx;")
         self.w.emit("    const cudaStream_t stream = ctx.stream;")
         self.w.comment(f.line, f"fused collective {f.name}: {', '.join(f.members)} (rows rb of dim 0)")
-        self.fusion.render_fused(f, ("rb.begin", "rb.end"))
+        self.fusion.render_fused(f, ("rb.begin", "rb.end"), layout)
         self.w.emit("    }")
         self.w.emit("  }")
         self.w.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
-        for a in f.after:  # what waits for every chunk of every block, on the call's stream
-            self.unit(a)
+        self.fusion.after_chunks(f, layout)  # what waits for every chunk of every block, on the call's stream
         self.w.emit("}")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, lc, ev: int) -> None:
