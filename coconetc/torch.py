@@ -86,6 +86,54 @@ def _program(fn: Any, schedule: str | None) -> Any:
     return fn.program_of(parse(schedule))
 
 
+def _param_groups(params: Any) -> list:
+    """`params` as torch optimizers take it (a tensor, an iterable of tensors, of (name, tensor)
+    pairs as `model.named_parameters()` gives, or of param-group dicts) as a list of tensors or
+    of group dicts whose "params" is a list of tensors; named parameters become tensors with
+    the group's "param_names" beside them, as torch.optim does. Anything else is torch's
+    TypeError, raised before anything is built or communicated."""
+    what = "DistributedOptimizer"
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, (dict, str, set)) or not hasattr(params, "__iter__"):
+        raise TypeError(f"{what}: params must be an iterable of tensors, of (name, tensor) pairs or of "
+                        f"param-group dicts (as torch optimizers take), got {torch.typename(params)}")
+    params = list(params)
+
+    def named(ps: Any, where: str) -> tuple[list, list[str] | None]:
+        if isinstance(ps, torch.Tensor):
+            ps = [ps]
+        elif isinstance(ps, (dict, str, set)) or not hasattr(ps, "__iter__"):
+            raise TypeError(f"{what}: {where} must be a tensor or an ordered collection of tensors, "
+                            f"got {torch.typename(ps)}")
+        tensors, names = [], []
+        for x in ps:
+            if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+                names.append(x[0])
+                x = x[1]
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{what}: optimizer can only optimize Tensors, but one of the params "
+                                f"is {torch.typename(x)}")
+            tensors.append(x)
+        if names and len(names) != len(tensors):
+            raise ValueError(f"{what}: all optimizer params should be with/without names. "
+                             "Some param names are missing")
+        return tensors, names or None
+
+    if params and not all(isinstance(x, dict) for x in params):
+        if any(isinstance(x, dict) for x in params):
+            raise TypeError(f"{what}: params mixes param-group dicts with tensors")
+        tensors, names = named(params, "params")
+        return tensors if names is None else [{"params": tensors, "param_names": names}]
+    out = []
+    for g, x in enumerate(params):
+        if "params" not in x:
+            raise TypeError(f"{what}: param group {g} has no 'params'")
+        tensors, names = named(x["params"], f"param group {g}'s 'params'")
+        out.append(dict(x, params=tensors) if names is None else dict(x, params=tensors, param_names=names))
+    return out
+
+
 def _tensors(params: list) -> list:
     """The parameter tensors of `params` (tensors, or param-group dicts)."""
     out = []
@@ -275,8 +323,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
                  across_groups: bool = False, skipped: str | None = None,
                  feedback: dict[str, str] | None = None, **scalars: Any):
-        params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
-                  if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
+        params = _param_groups(params)
         backend = self._settings(params, backend, shared_memory, across_groups)
         self._connect(params, source, program, comm, process_group)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
@@ -328,6 +375,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The backend's module function, communicator and device; the parameters on that device."""
         from coconetc.runtime.cuda import NcclComm, emulating
         backend = self._backend
+        if comm is not None and not isinstance(comm, NcclComm):
+            from mpi4py import MPI
+            if not isinstance(comm, MPI.Intracomm):
+                raise TypeError(f"DistributedOptimizer: comm must be an mpi4py intra-communicator"
+                                f"{' or a coconetc.runtime.cuda.NcclComm' if backend == 'cuda' else ''} "
+                                f"(default MPI.COMM_WORLD), got {torch.typename(comm)}")
         if backend == "cpu":
             if process_group is not None or isinstance(comm, NcclComm):
                 raise ValueError("DistributedOptimizer: the CPU backend communicates over MPI (comm= an "
@@ -577,8 +630,10 @@ def _param_names(params: list) -> dict[str, torch.Tensor]:
     for g, x in enumerate(params):
         if isinstance(x, dict):
             ps = x["params"]
-            for i, p in enumerate([ps] if isinstance(ps, torch.Tensor) else list(ps)):
-                out[f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"] = p
+            names = x.get("param_names") or [None] * len(ps)
+            for i, (p, name) in enumerate(zip(ps, names)):
+                called = f" {name!r}" if name is not None else ""
+                out[f"param_groups[{g}]['params'][{i}]{called} (shape {tuple(p.shape)})"] = p
         else:
             out[f"params[{g}] (shape {tuple(x.shape)})"] = x
     return out

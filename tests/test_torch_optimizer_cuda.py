@@ -279,3 +279,51 @@ def test_backend_follows_the_parameters_and_is_checked(built):
                              **HYPER)
     with pytest.raises(ValueError, match="master='m16' must name a floating-point tensor parameter"):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), master="m16", **HYPER)
+
+
+def _two_group_adamw(backend: str):
+    from coconetc.torch import DistributedOptimizer
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = DistributedOptimizer([{"params": decay}, {"params": other, "wd": 0.0}], str(EX / "adamw.ccn"),
+                               schedule="zero", backend=backend, across_groups=True, wd=0.1, maxnorm=1.0, **HYPER)
+    return model, opt
+
+
+def _train(model, opt, steps: int) -> None:
+    for t in range(steps):
+        opt.zero_grad()
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(t))
+        model(x).square().sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_parameters_are_taken_as_torch_optimizers_take_them(built, backend):
+    """model.named_parameters() (as torch.optim takes it since 2.6: the names in the group's
+    "param_names", in state_dict() too), and torch's TypeError for what is not a parameter, not an
+    AttributeError from inside; comm= must be an mpi4py communicator."""
+    from coconetc.torch import DistributedOptimizer
+    src = str(EX / "adam.ccn")
+    named, plain = _model(), _model()
+    opt = DistributedOptimizer(named.named_parameters(), src, backend=backend, **HYPER)
+    ref = DistributedOptimizer(plain.parameters(), src, backend=backend, **HYPER)
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for m, o in ((named, opt), (plain, ref)):
+        o.zero_grad()
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(named.parameters(), plain.parameters()))
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    groups = [{"params": [(n, p) for n, p in _model().named_parameters() if p.dim() == 2]}]
+    assert DistributedOptimizer(groups, src, backend=backend, **HYPER).param_groups[0]["param_names"] == \
+        ["0.weight", "2.weight"]
+    for bad, match in (([1, 2], "optimizer can only optimize Tensors, but one of the params is int"),
+                       ([_model().parameters()], "one of the params is Module.parameters"),
+                       (dict(_model().named_parameters()), "params must be an iterable of tensors"),
+                       ([{"params": {torch.zeros(2)}}], "must be a tensor or an ordered collection")):
+        with pytest.raises(TypeError, match=match):
+            DistributedOptimizer(bad, src, backend=backend, **HYPER)
+    with pytest.raises(TypeError, match="comm must be an mpi4py intra-communicator"):
+        DistributedOptimizer(_model().parameters(), src, backend=backend, comm=42, **HYPER)
