@@ -522,47 +522,81 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict() taken under any schedule, rank count and backend: the state is
-        sliced again for this optimizer's schedule and this rank, and copied to its device."""
+        sliced again for this optimizer's schedule and this rank, and copied to its device.
+        Everything is checked first (groups, parameters, every state tensor's name and shape,
+        step counts, the scalars' types): a state dict that does not fit raises, naming what,
+        and leaves the optimizer as it was."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
+                or not isinstance(state_dict.get("state", {}), dict):
+            raise ValueError("DistributedOptimizer.load_state_dict: expected a dict with 'param_groups' (a list) "
+                             "and 'state' (a dict), as state_dict() returns")
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         for sg, group in zip(saved, self._groups):
-            if len(sg["params"]) != len(group.params):
+            if not isinstance(sg, dict) or len(sg.get("params", ())) != len(group.params):
                 raise ValueError("loaded state dict contains a parameter group that doesn't "
                                  "match the size of optimizer's group")
-        states = {int(k): v for k, v in state_dict["state"].items()}
-        for sg, group, opts in zip(saved, self._groups, self.param_groups):
-            self._load_group(sg, group, states)
+        states = {int(k): v for k, v in state_dict.get("state", {}).items()}
+        loads = [self._check_group(g, sg, group, states) for g, (sg, group) in enumerate(zip(saved, self._groups))]
+        for load, sg, group, opts in zip(loads, saved, self._groups, self.param_groups):
+            steps, parts = load
+            group.steps = steps
+            for name, t in group.state.items():
+                part = parts.get(name)
+                if part is None:
+                    t.zero_()
+                else:
+                    t.copy_(part)
+            if self._roles.master is not None and self._roles.master not in parts:
+                group.reset_master(self)  # no master weights saved: the parameters' values
             opts.update({k: v for k, v in sg.items() if k != "params"})
 
-    def _load_group(self, sg: dict, group: _Group, states: dict[int, dict]) -> None:
+    def _check_group(self, g: int, sg: dict, group: _Group, states: dict[int, Any]) -> tuple[int, dict]:
+        """Group g of a state dict checked against this optimizer's group: (its step count, this
+        rank's part of each state tensor it holds, on the optimizer's device); raises, naming
+        what does not fit, before anything is changed."""
+        what = f"loaded state dict: param group {g}"
+        for s in self._roles.scalars:
+            v = sg.get(s)
+            if v is None and s not in sg:
+                continue  # not saved: the group keeps its own value
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+                raise ValueError(f"{what}: scalar {s!r} is {v!r}; it must be a number")
         entries = [states.get(int(i)) for i in sg["params"]]
         master = self._roles.master
         if all(e is None for e in entries):
-            group.steps = 0
-            for t in group.state.values():
-                t.zero_()
-            if master is not None:
-                group.reset_master(self)
-            return
+            return 0, {}
         if any(e is None for e in entries):
             raise ValueError("loaded state dict has state for only some parameters of a group")
+        for i, e in zip(sg["params"], entries):
+            if not isinstance(e, dict) or "step" not in e:
+                raise ValueError(f"{what}: the state of parameter {i} has no 'step'")
         steps = {float(e["step"]) for e in entries}  # type: ignore[index]
         if len(steps) != 1:
             raise ValueError(f"loaded state dict: the parameters of a group are at different steps {sorted(steps)}")
+        step = steps.pop()
+        if step != int(step) or step < 0:
+            raise ValueError(f"{what}: step {step} is not a step count")
+        parts = {}
         for name, t in group.state.items():
             if name == master and all(name not in e for e in entries):  # type: ignore[operator]
-                group.reset_master(self)  # a checkpoint without master weights: the parameters
-                continue
-            parts = []
-            for e, p in zip(entries, group.params):
-                v = e.get(name) if e is not None else None
-                if v is None or v.numel() != p.numel():
-                    raise ValueError(f"loaded state dict: {name!r} is missing or has the wrong size")
-                parts.append(v.reshape(-1).to(device=t.device, dtype=t.dtype))
-            full = torch.cat(parts)
-            t.copy_(full[self._index(name, group.n)])
-        group.steps = int(steps.pop())
+                continue  # a checkpoint without master weights: the parameters' values
+            full = []
+            for i, e, p in zip(sg["params"], entries, group.params):
+                v = e.get(name)  # type: ignore[union-attr]
+                if not isinstance(v, torch.Tensor):
+                    raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
+                                     f"missing (its state has {', '.join(map(repr, e)) or 'nothing'})")  # type: ignore[arg-type]
+                if tuple(v.shape) != tuple(p.shape):
+                    raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
+                                     f"shaped {tuple(v.shape)}; the parameter is {tuple(p.shape)}")
+                full.append(v.reshape(-1))
+            whole = torch.cat(full) if full else torch.empty(0)
+            parts[name] = whole[self._index(name, group.n)].to(device=t.device, dtype=t.dtype, copy=True)
+        return int(step), parts
 
     def _everyone_here(self, what: str) -> None:
         """Every rank of the communicator must be here (gathering the state is collective): a
