@@ -86,50 +86,53 @@ def _program(fn: Any, schedule: str | None) -> Any:
     return fn.program_of(parse(schedule))
 
 
+def _ordered(ps: Any, where: str) -> list:
+    """ps (a tensor, or an ordered collection) as a list; a dict, a string or a set (whose
+    order changes between runs) is a TypeError."""
+    if isinstance(ps, torch.Tensor):
+        return [ps]
+    if isinstance(ps, (dict, str, set)) or not hasattr(ps, "__iter__"):
+        raise TypeError(f"DistributedOptimizer: {where} must be a tensor or an ordered collection of tensors, "
+                        f"of (name, tensor) pairs or of param-group dicts (as torch optimizers take), "
+                        f"got {torch.typename(ps)}")
+    return list(ps)
+
+
+def _named(ps: Any, where: str) -> tuple[list, list[str] | None]:
+    """The tensors of ps (tensors or (name, tensor) pairs) and their names (None: unnamed);
+    anything else is torch's TypeError."""
+    tensors, names = [], []
+    for x in _ordered(ps, where):
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+            names.append(x[0])
+            x = x[1]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("DistributedOptimizer: optimizer can only optimize Tensors, but one of the params "
+                            f"is {torch.typename(x)}")
+        tensors.append(x)
+    if names and len(names) != len(tensors):
+        raise ValueError("DistributedOptimizer: all optimizer params should be with/without names. "
+                         "Some param names are missing")
+    return tensors, names or None
+
+
 def _param_groups(params: Any) -> list:
     """`params` as torch optimizers take it (a tensor, an iterable of tensors, of (name, tensor)
     pairs as `model.named_parameters()` gives, or of param-group dicts) as a list of tensors or
     of group dicts whose "params" is a list of tensors; named parameters become tensors with
     the group's "param_names" beside them, as torch.optim does. Anything else is torch's
     TypeError, raised before anything is built or communicated."""
-    what = "DistributedOptimizer"
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    elif isinstance(params, (dict, str, set)) or not hasattr(params, "__iter__"):
-        raise TypeError(f"{what}: params must be an iterable of tensors, of (name, tensor) pairs or of "
-                        f"param-group dicts (as torch optimizers take), got {torch.typename(params)}")
-    params = list(params)
-
-    def named(ps: Any, where: str) -> tuple[list, list[str] | None]:
-        if isinstance(ps, torch.Tensor):
-            ps = [ps]
-        elif isinstance(ps, (dict, str, set)) or not hasattr(ps, "__iter__"):
-            raise TypeError(f"{what}: {where} must be a tensor or an ordered collection of tensors, "
-                            f"got {torch.typename(ps)}")
-        tensors, names = [], []
-        for x in ps:
-            if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
-                names.append(x[0])
-                x = x[1]
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{what}: optimizer can only optimize Tensors, but one of the params "
-                                f"is {torch.typename(x)}")
-            tensors.append(x)
-        if names and len(names) != len(tensors):
-            raise ValueError(f"{what}: all optimizer params should be with/without names. "
-                             "Some param names are missing")
-        return tensors, names or None
-
+    params = _ordered(params, "params")
     if params and not all(isinstance(x, dict) for x in params):
         if any(isinstance(x, dict) for x in params):
-            raise TypeError(f"{what}: params mixes param-group dicts with tensors")
-        tensors, names = named(params, "params")
+            raise TypeError("DistributedOptimizer: params mixes param-group dicts with tensors")
+        tensors, names = _named(params, "params")
         return tensors if names is None else [{"params": tensors, "param_names": names}]
     out = []
     for g, x in enumerate(params):
         if "params" not in x:
-            raise TypeError(f"{what}: param group {g} has no 'params'")
-        tensors, names = named(x["params"], f"param group {g}'s 'params'")
+            raise TypeError(f"DistributedOptimizer: param group {g} has no 'params'")
+        tensors, names = _named(x["params"], f"param group {g}'s 'params'")
         out.append(dict(x, params=tensors) if names is None else dict(x, params=tensors, param_names=names))
     return out
 
@@ -559,14 +562,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         what = f"loaded state dict: param group {g}"
         for s in self._roles.scalars:
             v = sg.get(s)
-            if v is None and s not in sg:
-                continue  # not saved: the group keeps its own value
-            if isinstance(v, torch.Tensor) and v.numel() == 1:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+            if s in sg and not (isinstance(v, torch.Tensor) and v.numel() == 1) and \
+                    (isinstance(v, bool) or not isinstance(v, (int, float, np.number))):
                 raise ValueError(f"{what}: scalar {s!r} is {v!r}; it must be a number")
         entries = [states.get(int(i)) for i in sg["params"]]
-        master = self._roles.master
         if all(e is None for e in entries):
             return 0, {}
         if any(e is None for e in entries):
@@ -582,21 +581,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{what}: step {step} is not a step count")
         parts = {}
         for name, t in group.state.items():
-            if name == master and all(name not in e for e in entries):  # type: ignore[operator]
+            if name == self._roles.master and all(name not in e for e in entries):  # type: ignore[operator]
                 continue  # a checkpoint without master weights: the parameters' values
-            full = []
-            for i, e, p in zip(sg["params"], entries, group.params):
-                v = e.get(name)  # type: ignore[union-attr]
-                if not isinstance(v, torch.Tensor):
-                    raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
-                                     f"missing (its state has {', '.join(map(repr, e)) or 'nothing'})")  # type: ignore[arg-type]
-                if tuple(v.shape) != tuple(p.shape):
-                    raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
-                                     f"shaped {tuple(v.shape)}; the parameter is {tuple(p.shape)}")
-                full.append(v.reshape(-1))
-            whole = torch.cat(full) if full else torch.empty(0)
-            parts[name] = whole[self._index(name, group.n)].to(device=t.device, dtype=t.dtype, copy=True)
+            whole = torch.cat([self._saved_tensor(g, i, e, p, name, t)  # type: ignore[arg-type]
+                               for i, e, p in zip(sg["params"], entries, group.params)]) \
+                if group.params else t.new_empty(0)
+            parts[name] = whole[self._index(name, group.n)].clone()
         return int(step), parts
+
+    @staticmethod
+    def _saved_tensor(g: int, i: Any, entry: dict, p: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+        """State NAME of parameter i (of group g) in a state dict, flat, on like's device and
+        dtype; missing, or shaped otherwise than the parameter, is a ValueError naming it."""
+        v = entry.get(name)
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
+                             f"missing (its state has {', '.join(map(repr, entry)) or 'nothing'})")
+        if tuple(v.shape) != tuple(p.shape):
+            raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
+                             f"shaped {tuple(v.shape)}; the parameter is {tuple(p.shape)}")
+        return v.reshape(-1).to(device=like.device, dtype=like.dtype)
 
     def _everyone_here(self, what: str) -> None:
         """Every rank of the communicator must be here (gathering the state is collective): a

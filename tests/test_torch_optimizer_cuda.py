@@ -321,7 +321,7 @@ def test_parameters_are_taken_as_torch_optimizers_take_them(built, backend):
         ["0.weight", "2.weight"]
     for bad, match in (([1, 2], "optimizer can only optimize Tensors, but one of the params is int"),
                        ([_model().parameters()], "one of the params is Module.parameters"),
-                       (dict(_model().named_parameters()), "params must be an iterable of tensors"),
+                       (dict(_model().named_parameters()), "params must be a tensor or an ordered collection of tensors"),
                        ([{"params": {torch.zeros(2)}}], "must be a tensor or an ordered collection")):
         with pytest.raises(TypeError, match=match):
             DistributedOptimizer(bad, src, backend=backend, **HYPER)
