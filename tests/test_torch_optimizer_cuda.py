@@ -9,7 +9,10 @@ and state); across_groups=True (clipping by the norm of every group, the loss-sc
 inf/NaN test over every group); the abort path: an NCCL error on one rank, an asynchronous one
 after a step, and a collective that never completes (timed by the watchdog's event on 2 ranks, 3
 slow-marked). In this process: without the switch, CPU tensors given to the CUDA backend are an
-error naming the tensor (nothing built).
+error naming the tensor (nothing built); parameters given as torch optimizers take them
+(named_parameters(), torch's TypeError for anything else); a state dict that does not fit
+(shapes, a later group's steps, a scalar that is not a number, torch.optim.AdamW's own) refused
+with nothing changed, on both backends.
 
 The ranks run tests/torch_optimizer_cuda_worker.py; the modules are built once into the pytest
 cache (shared with the other end-to-end tests)."""
