@@ -639,15 +639,25 @@ def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:
               help="Run the ranks on the hosts this file lists (mpiexec's hostfile; docs/cluster.md).")
 @click.option("--host", "hosts", metavar="H1,H2",
               help="Run the ranks on these hosts (comma-separated, HOST:SLOTS allowed; mpiexec's --host).")
-@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def launch(ranks: int, hostfile: str | None, hosts: str | None, script: str, args: tuple[str, ...]) -> None:
     """Run `python SCRIPT ARGS...` on R MPI ranks (the mpiexec installed beside Python, with the
     flags Open MPI needs as root or with more ranks than cores), e.g. a training script that
     uses coconetc.torch.DistributedOptimizer; on this machine, or on the hosts of --hostfile /
     --host (the script and Python at the same path on every host). Exits non-zero if any rank
-    failed."""
+    failed. A leading `python` (`coconetc launch -n 2 python train.py`, as with mpiexec) is
+    accepted: the script runs under this Python either way."""
+    import re
+    from pathlib import Path
+
     from coconetc.launch.mpiexec import run_python
+    if args and re.fullmatch(r"python[0-9.]*", Path(script).name):  # an interpreter, not a script
+        script, args = args[0], args[1:]
+    if not Path(script).exists():
+        raise click.BadParameter(f"File {script!r} does not exist.", param_hint="'SCRIPT'")
+    if not Path(script).is_file():
+        raise click.BadParameter(f"File {script!r} is a directory.", param_hint="'SCRIPT'")
     if hosts is not None and not all(h.strip() for h in hosts.split(",")):
         _fail(f"coconetc: launch --host {hosts!r}: an empty host name (write H1,H2 or H1:SLOTS,H2:SLOTS)")
     sys.exit(run_python(ranks, [script, *args], hostfile=hostfile, hosts=hosts))

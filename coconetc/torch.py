@@ -86,6 +86,57 @@ def _program(fn: Any, schedule: str | None) -> Any:
     return fn.program_of(parse(schedule))
 
 
+def _ordered(ps: Any, where: str) -> list:
+    """ps (a tensor, or an ordered collection) as a list; a dict, a string or a set (whose
+    order changes between runs) is a TypeError."""
+    if isinstance(ps, torch.Tensor):
+        return [ps]
+    if isinstance(ps, (dict, str, set)) or not hasattr(ps, "__iter__"):
+        raise TypeError(f"DistributedOptimizer: {where} must be a tensor or an ordered collection of tensors, "
+                        f"of (name, tensor) pairs or of param-group dicts (as torch optimizers take), "
+                        f"got {torch.typename(ps)}")
+    return list(ps)
+
+
+def _named(ps: Any, where: str) -> tuple[list, list[str] | None]:
+    """The tensors of ps (tensors or (name, tensor) pairs) and their names (None: unnamed);
+    anything else is torch's TypeError."""
+    tensors, names = [], []
+    for x in _ordered(ps, where):
+        if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+            names.append(x[0])
+            x = x[1]
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("DistributedOptimizer: optimizer can only optimize Tensors, but one of the params "
+                            f"is {torch.typename(x)}")
+        tensors.append(x)
+    if names and len(names) != len(tensors):
+        raise ValueError("DistributedOptimizer: all optimizer params should be with/without names. "
+                         "Some param names are missing")
+    return tensors, names or None
+
+
+def _param_groups(params: Any) -> list:
+    """`params` as torch optimizers take it (a tensor, an iterable of tensors, of (name, tensor)
+    pairs as `model.named_parameters()` gives, or of param-group dicts) as a list of tensors or
+    of group dicts whose "params" is a list of tensors; named parameters become tensors with
+    the group's "param_names" beside them, as torch.optim does. Anything else is torch's
+    TypeError, raised before anything is built or communicated."""
+    params = _ordered(params, "params")
+    if params and not all(isinstance(x, dict) for x in params):
+        if any(isinstance(x, dict) for x in params):
+            raise TypeError("DistributedOptimizer: params mixes param-group dicts with tensors")
+        tensors, names = _named(params, "params")
+        return tensors if names is None else [{"params": tensors, "param_names": names}]
+    out = []
+    for g, x in enumerate(params):
+        if "params" not in x:
+            raise TypeError(f"DistributedOptimizer: param group {g} has no 'params'")
+        tensors, names = _named(x["params"], f"param group {g}'s 'params'")
+        out.append(dict(x, params=tensors) if names is None else dict(x, params=tensors, param_names=names))
+    return out
+
+
 def _tensors(params: list) -> list:
     """The parameter tensors of `params` (tensors, or param-group dicts)."""
     out = []
@@ -275,8 +326,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
                  across_groups: bool = False, skipped: str | None = None,
                  feedback: dict[str, str] | None = None, **scalars: Any):
-        params = [dict(x, params=[x["params"]] if isinstance(x["params"], torch.Tensor) else list(x["params"]))
-                  if isinstance(x, dict) else x for x in ([params] if isinstance(params, torch.Tensor) else params)]
+        params = _param_groups(params)
         backend = self._settings(params, backend, shared_memory, across_groups)
         self._connect(params, source, program, comm, process_group)
         if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
@@ -328,6 +378,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The backend's module function, communicator and device; the parameters on that device."""
         from coconetc.runtime.cuda import NcclComm, emulating
         backend = self._backend
+        if comm is not None and not isinstance(comm, NcclComm):
+            from mpi4py import MPI
+            if not isinstance(comm, MPI.Intracomm):
+                raise TypeError(f"DistributedOptimizer: comm must be an mpi4py intra-communicator"
+                                f"{' or a coconetc.runtime.cuda.NcclComm' if backend == 'cuda' else ''} "
+                                f"(default MPI.COMM_WORLD), got {torch.typename(comm)}")
         if backend == "cpu":
             if process_group is not None or isinstance(comm, NcclComm):
                 raise ValueError("DistributedOptimizer: the CPU backend communicates over MPI (comm= an "
@@ -469,47 +525,82 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict() taken under any schedule, rank count and backend: the state is
-        sliced again for this optimizer's schedule and this rank, and copied to its device."""
+        sliced again for this optimizer's schedule and this rank, and copied to its device.
+        Everything is checked first (groups, parameters, every state tensor's name and shape,
+        step counts, the scalars' types): a state dict that does not fit raises, naming what,
+        and leaves the optimizer as it was."""
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list) \
+                or not isinstance(state_dict.get("state", {}), dict):
+            raise ValueError("DistributedOptimizer.load_state_dict: expected a dict with 'param_groups' (a list) "
+                             "and 'state' (a dict), as state_dict() returns")
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         for sg, group in zip(saved, self._groups):
-            if len(sg["params"]) != len(group.params):
+            if not isinstance(sg, dict) or len(sg.get("params", ())) != len(group.params):
                 raise ValueError("loaded state dict contains a parameter group that doesn't "
                                  "match the size of optimizer's group")
-        states = {int(k): v for k, v in state_dict["state"].items()}
-        for sg, group, opts in zip(saved, self._groups, self.param_groups):
-            self._load_group(sg, group, states)
+        states = {int(k): v for k, v in state_dict.get("state", {}).items()}
+        loads = [self._check_group(g, sg, group, states) for g, (sg, group) in enumerate(zip(saved, self._groups))]
+        for load, sg, group, opts in zip(loads, saved, self._groups, self.param_groups):
+            steps, parts = load
+            group.steps = steps
+            for name, t in group.state.items():
+                part = parts.get(name)
+                if part is None:
+                    t.zero_()
+                else:
+                    t.copy_(part)
+            if self._roles.master is not None and self._roles.master not in parts:
+                group.reset_master(self)  # no master weights saved: the parameters' values
             opts.update({k: v for k, v in sg.items() if k != "params"})
 
-    def _load_group(self, sg: dict, group: _Group, states: dict[int, dict]) -> None:
+    def _check_group(self, g: int, sg: dict, group: _Group, states: dict[int, Any]) -> tuple[int, dict]:
+        """Group g of a state dict checked against this optimizer's group: (its step count, this
+        rank's part of each state tensor it holds, on the optimizer's device); raises, naming
+        what does not fit, before anything is changed."""
+        what = f"loaded state dict: param group {g}"
+        for s in self._roles.scalars:
+            v = sg.get(s)
+            if s in sg and not (isinstance(v, torch.Tensor) and v.numel() == 1) and \
+                    (isinstance(v, bool) or not isinstance(v, (int, float, np.number))):
+                raise ValueError(f"{what}: scalar {s!r} is {v!r}; it must be a number")
         entries = [states.get(int(i)) for i in sg["params"]]
-        master = self._roles.master
         if all(e is None for e in entries):
-            group.steps = 0
-            for t in group.state.values():
-                t.zero_()
-            if master is not None:
-                group.reset_master(self)
-            return
+            return 0, {}
         if any(e is None for e in entries):
             raise ValueError("loaded state dict has state for only some parameters of a group")
+        for i, e in zip(sg["params"], entries):
+            if not isinstance(e, dict) or "step" not in e:
+                raise ValueError(f"{what}: the state of parameter {i} has no 'step'")
         steps = {float(e["step"]) for e in entries}  # type: ignore[index]
         if len(steps) != 1:
             raise ValueError(f"loaded state dict: the parameters of a group are at different steps {sorted(steps)}")
+        step = steps.pop()
+        if step != int(step) or step < 0:
+            raise ValueError(f"{what}: step {step} is not a step count")
+        parts = {}
         for name, t in group.state.items():
-            if name == master and all(name not in e for e in entries):  # type: ignore[operator]
-                group.reset_master(self)  # a checkpoint without master weights: the parameters
-                continue
-            parts = []
-            for e, p in zip(entries, group.params):
-                v = e.get(name) if e is not None else None
-                if v is None or v.numel() != p.numel():
-                    raise ValueError(f"loaded state dict: {name!r} is missing or has the wrong size")
-                parts.append(v.reshape(-1).to(device=t.device, dtype=t.dtype))
-            full = torch.cat(parts)
-            t.copy_(full[self._index(name, group.n)])
-        group.steps = int(steps.pop())
+            if name == self._roles.master and all(name not in e for e in entries):  # type: ignore[operator]
+                continue  # a checkpoint without master weights: the parameters' values
+            whole = torch.cat([self._saved_tensor(g, i, e, p, name, t)  # type: ignore[arg-type]
+                               for i, e, p in zip(sg["params"], entries, group.params)]) \
+                if group.params else t.new_empty(0)
+            parts[name] = whole[self._index(name, group.n)].clone()
+        return int(step), parts
+
+    @staticmethod
+    def _saved_tensor(g: int, i: Any, entry: dict, p: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+        """State NAME of parameter i (of group g) in a state dict, flat, on like's device and
+        dtype; missing, or shaped otherwise than the parameter, is a ValueError naming it."""
+        v = entry.get(name)
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
+                             f"missing (its state has {', '.join(map(repr, entry)) or 'nothing'})")
+        if tuple(v.shape) != tuple(p.shape):
+            raise ValueError(f"loaded state dict: {name!r} of parameter {i} (param group {g}) is "
+                             f"shaped {tuple(v.shape)}; the parameter is {tuple(p.shape)}")
+        return v.reshape(-1).to(device=like.device, dtype=like.dtype)
 
     def _everyone_here(self, what: str) -> None:
         """Every rank of the communicator must be here (gathering the state is collective): a
@@ -577,8 +668,10 @@ def _param_names(params: list) -> dict[str, torch.Tensor]:
     for g, x in enumerate(params):
         if isinstance(x, dict):
             ps = x["params"]
-            for i, p in enumerate([ps] if isinstance(ps, torch.Tensor) else list(ps)):
-                out[f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"] = p
+            names = x.get("param_names") or [None] * len(ps)
+            for i, (p, name) in enumerate(zip(ps, names)):
+                called = f" {name!r}" if name is not None else ""
+                out[f"param_groups[{g}]['params'][{i}]{called} (shape {tuple(p.shape)})"] = p
         else:
             out[f"params[{g}] (shape {tuple(x.shape)})"] = x
     return out

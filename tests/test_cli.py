@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -547,6 +548,15 @@ def test_launch_passes_the_hosts_on(tmp_path: Path, monkeypatch) -> None:
     assert seen == dict(ranks=4, args=[str(script), "--host", "x"], hostfile=str(hosts), hosts="a,b")
     res = invoke("launch", "--hostfile", tmp_path / "nope", script)
     assert res.exit_code == 2 and "nope" in res.output
+    # `coconetc launch -n 2 python train.py ARGS`, as one writes it for mpiexec: the same run
+    for python in ("python", "python3", sys.executable):
+        seen.clear()
+        res = invoke("launch", "-n", "2", python, script, "--x", "1")
+        assert res.exit_code == 0, res.output
+        assert seen["args"] == [str(script), "--x", "1"], (python, seen)
+    for missing in (tmp_path / "nope.py", "python"):  # a missing script; `python` with no script
+        res = invoke("launch", missing)
+        assert res.exit_code == 2 and "does not exist" in res.output, res.output
     clean_error(invoke("launch", "--host", "a,,b", script), "an empty host name")
 
 

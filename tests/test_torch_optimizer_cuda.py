@@ -9,7 +9,10 @@ and state); across_groups=True (clipping by the norm of every group, the loss-sc
 inf/NaN test over every group); the abort path: an NCCL error on one rank, an asynchronous one
 after a step, and a collective that never completes (timed by the watchdog's event on 2 ranks, 3
 slow-marked). In this process: without the switch, CPU tensors given to the CUDA backend are an
-error naming the tensor (nothing built).
+error naming the tensor (nothing built); parameters given as torch optimizers take them
+(named_parameters(), torch's TypeError for anything else); a state dict that does not fit
+(shapes, a later group's steps, a scalar that is not a number, torch.optim.AdamW's own) refused
+with nothing changed, on both backends.
 
 The ranks run tests/torch_optimizer_cuda_worker.py; the modules are built once into the pytest
 cache (shared with the other end-to-end tests)."""
@@ -279,3 +282,109 @@ def test_backend_follows_the_parameters_and_is_checked(built):
                              **HYPER)
     with pytest.raises(ValueError, match="master='m16' must name a floating-point tensor parameter"):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), master="m16", **HYPER)
+
+
+def _two_group_adamw(backend: str):
+    from coconetc.torch import DistributedOptimizer
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    opt = DistributedOptimizer([{"params": decay}, {"params": other, "wd": 0.0}], str(EX / "adamw.ccn"),
+                               schedule="zero", backend=backend, across_groups=True, wd=0.1, maxnorm=1.0, **HYPER)
+    return model, opt
+
+
+def _train(model, opt, steps: int) -> None:
+    for t in range(steps):
+        opt.zero_grad()
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(t))
+        model(x).square().sum().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_parameters_are_taken_as_torch_optimizers_take_them(built, backend):
+    """model.named_parameters() (as torch.optim takes it since 2.6: the names in the group's
+    "param_names", in state_dict() too), and torch's TypeError for what is not a parameter, not an
+    AttributeError from inside; comm= must be an mpi4py communicator."""
+    from coconetc.torch import DistributedOptimizer
+    src = str(EX / "adam.ccn")
+    named, plain = _model(), _model()
+    opt = DistributedOptimizer(named.named_parameters(), src, backend=backend, **HYPER)
+    ref = DistributedOptimizer(plain.parameters(), src, backend=backend, **HYPER)
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for m, o in ((named, opt), (plain, ref)):
+        o.zero_grad()
+        m(torch.ones(2, 3)).sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(named.parameters(), plain.parameters()))
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    groups = [{"params": [(n, p) for n, p in _model().named_parameters() if p.dim() == 2]}]
+    assert DistributedOptimizer(groups, src, backend=backend, **HYPER).param_groups[0]["param_names"] == \
+        ["0.weight", "2.weight"]
+    for bad, match in (([1, 2], "optimizer can only optimize Tensors, but one of the params is int"),
+                       ([_model().parameters()], "one of the params is Module.parameters"),
+                       (dict(_model().named_parameters()), "params must be a tensor or an ordered collection of tensors"),
+                       ([{"params": {torch.zeros(2)}}], "must be a tensor or an ordered collection")):
+        with pytest.raises(TypeError, match=match):
+            DistributedOptimizer(bad, src, backend=backend, **HYPER)
+    with pytest.raises(TypeError, match="comm must be an mpi4py intra-communicator"):
+        DistributedOptimizer(_model().parameters(), src, backend=backend, comm=42, **HYPER)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cpu"])
+def test_a_state_dict_that_does_not_fit_is_refused_and_changes_nothing(built, backend):
+    """load_state_dict checks everything before it copies anything: a state tensor shaped
+    otherwise than its parameter (even with as many elements), a later group's mismatch, a
+    scalar that is not a number, torch.optim.AdamW's own state dict: a ValueError naming what,
+    the optimizer's state, step counts and scalars as they were, and it still trains."""
+    import copy
+    model, opt = _two_group_adamw(backend)
+    _train(model, opt, 2)
+    good = opt.state_dict()
+    _train(model, opt, 1)  # the optimizer now differs from `good`
+    opt.param_groups[1]["lr"] = 1e-4
+
+    def snapshot():
+        return ([{k: v.clone() for k, v in g.items()} for g in opt.state_tensors],
+                [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                [g.steps for g in opt._groups])
+
+    def refused(mutate, match):
+        sd = copy.deepcopy(good)
+        mutate(sd)
+        before = snapshot()
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        after = snapshot()
+        assert after[1:] == before[1:]
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(after[0], before[0]) for k in x)
+
+    first, later = good["param_groups"][0]["params"][0], good["param_groups"][1]["params"][0]
+
+    def transposed(sd):
+        sd["state"][first]["m"] = sd["state"][first]["m"].t().contiguous()
+    refused(transposed, r"'m' of parameter 0 \(param group 0\) is shaped \(3, 4\); the parameter is \(4, 3\)")
+
+    def steps_differ(sd):  # group 0 would load fine; group 1 does not
+        sd["state"][later]["step"] = torch.tensor(7.0)
+    refused(steps_differ, r"different steps \[2.0, 7.0\]")
+
+    def short_v(sd):
+        sd["state"][later]["v"] = sd["state"][later]["v"][:-1]
+    refused(short_v, r"'v' of parameter 2 \(param group 1\) is shaped \(3,\); the parameter is \(4,\)")
+
+    def lr_text(sd):
+        sd["param_groups"][1]["lr"] = "fast"
+    refused(lr_text, "param group 1: scalar 'lr' is 'fast'; it must be a number")
+    ref_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    ref = torch.optim.AdamW([{"params": [p for p in ref_model.parameters() if p.dim() >= 2]},
+                             {"params": [p for p in ref_model.parameters() if p.dim() < 2]}])
+    _train(ref_model, ref, 1)
+    torch_sd = ref.state_dict()
+    refused(lambda sd: sd.update(torch_sd), r"'m' of parameter 0 \(param group 0\) is missing \(its state has "
+                                            r"'step', 'exp_avg', 'exp_avg_sq'\)")
+    opt.load_state_dict(good)
+    assert all(torch.equal(a, b) for a, b in zip(opt.state_dict()["state"][later].values(),
+                                                 good["state"][later].values()))
+    _train(model, opt, 1)
