@@ -289,6 +289,29 @@ class _Group:
         for p, v in stale:  # from now on autograd accumulates into the flat buffer
             p.grad = v
 
+    def frozen(self, opt: DistributedOptimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The parameters the step must leave as they are (requires_grad=False: torch.optim
+        skips them; the same on every rank, as the model is): (a view, its values before the
+        step) for each one's weights and this rank's part of each state tensor, to put back
+        after the step. Empty when nothing is frozen."""
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        at = 0
+        for p, k in zip(self.params, self.numels):
+            a, b = at, at + k
+            at = b
+            if p.requires_grad:
+                continue
+            views = [self.flat[a:b] if self.flat is not None else p.view(-1)]
+            for name, t in self.state.items():
+                index = opt._index(name, self.n)
+                if len(index) != 1:  # (a state that is not one value per element)
+                    continue
+                lo, hi, _ = index[0].indices(self.n)  # this rank's part of it
+                if max(a, lo) < min(b, hi):
+                    views.append(t.view(-1)[max(a, lo) - lo:min(b, hi) - lo])
+            out.extend((v, v.clone()) for v in views)
+        return out
+
     def arguments(self, roles: _Roles) -> dict[str, Any]:
         args: dict[str, Any]
         if roles.scattered:
@@ -469,11 +492,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         returned: list[tuple[_Group, dict, Any]] = []
+        frozen: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad(), batch.together() if self._across else contextlib.nullcontext():
             for group, opts in zip(self._groups, self.param_groups):
                 if group.n == 0:
                     continue
                 group.gather_grads()
+                frozen.extend(group.frozen(self))
                 group.steps += 1
                 args = group.arguments(self._roles)
                 for s in self._roles.scalars:
@@ -483,6 +508,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
                 if group.flat is not None:  # the parameters view the flat buffer: bump them
                     torch.autograd.graph.increment_version(group.params)
+        with torch.no_grad():  # (after a batch has run) the frozen parameters as they were
+            for view, before in frozen:
+                view.copy_(before)
         self._returned(returned)
         return loss
 

@@ -86,11 +86,12 @@ def test_lamb_matches_pytorch_lamb_every_schedule(built, capfd, ranks):
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
     """adamw.ccn with three parameter groups, every schedule: across_groups=True clips by the
-    norm of all of them (clip_grad_norm_(model.parameters())), False by each group's own."""
+    norm of all of them (clip_grad_norm_(model.parameters())), False by each group's own; and
+    with a frozen matrix (requires_grad=False), which the step leaves as it is, as torch does."""
     rc, lines, log = _launch(capfd, ranks, "clip")
     _check(lines, log, [f"clip:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "sliced", "zero", "zero+shm")
                         for what in ("across_groups", "across_groups:clipped", "per_group",
-                                     "per_group:clipped", "norms_differ")])
+                                     "per_group:clipped", "norms_differ", "frozen")])
     assert rc == 0, log
 
 

@@ -79,8 +79,11 @@ def local_loss(model: torch.nn.Module, t: int) -> torch.Tensor:
 
 
 def allreduced_grads(model: torch.nn.Module, avg: bool = False) -> None:
-    """The reference's gradients: each rank's, summed (or averaged) with mpi4py."""
+    """The reference's gradients: each rank's, summed (or averaged) with mpi4py (a frozen
+    parameter has none)."""
     for p in model.parameters():
+        if p.grad is None:
+            continue
         g = p.grad.numpy()
         comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
         if avg:
@@ -324,6 +327,28 @@ def mode_clip() -> None:
             trained.append(model)
         # and the two norms train differently (so each check above can tell them apart)
         report(f"clip:{schedule}:R{R}:norms_differ", 0.0 if max_diff(*trained) > 1e-3 else 1.0)
+        # a frozen matrix (requires_grad=False, decayed group): torch.optim.AdamW leaves it as it
+        # is and clip_grad_norm_ leaves it out; the step must too (not decay it)
+        model = make_model()
+        frozen = list(model.parameters())[2]
+        frozen.requires_grad_(False)
+        before = frozen.detach().clone()
+        ref = copy.deepcopy(model)
+        opt = DistributedOptimizer(_three_groups(model), str(ADAMW), schedule=sched, across_groups=True,
+                                   shared_memory=shared, **hyper)
+        ref_opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "wd"} | {"weight_decay": g.get("wd", 0.1)}
+                                     for g in _three_groups(ref)], lr=hyper["lr"],
+                                    betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"], foreach=False)
+        for t in range(1, STEPS // 2 + 1):
+            opt.zero_grad()
+            local_loss(model, t).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            local_loss(ref, t).backward()
+            allreduced_grads(ref)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), hyper["maxnorm"])
+            ref_opt.step()
+        report(f"clip:{schedule}:R{R}:frozen", max(max_diff(model, ref), (frozen - before).abs().max().item()))
 
 
 def mode_scaled(schedules=("default", "rs_c_ag", "zero"), backend: str | None = None, tag: str = "scaled") -> None:
