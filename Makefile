@@ -30,12 +30,14 @@ test: lint
 test-quick: lint
 	$(PY) -m pytest -n 2 -m "not slow" tests
 
-# every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2), side by side in one run
+# every benchmark on 2 ranks (the pipeline stage on 4: two groups of 2; the Adam step once more on 4
+# ranks as 2 simulated nodes: hierarchical against flat and one node), side by side in one run
 # each; tables on stdout, JSON and PNG plots in bench/results/ (docs/performance.md)
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/adam_step.py $(BENCH_ARGS)
+	$(PY) bench/adam_step.py --ranks 4 --nodes 2
 	$(PY) bench/adamw_step.py $(BENCH_ARGS)
 	$(PY) bench/lamb_step.py $(BENCH_ARGS)
 	$(PY) bench/mlp_out.py --dtype f16
