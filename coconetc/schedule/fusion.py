@@ -49,12 +49,38 @@ def _check_names(p: Program, d: Fuse) -> None:
             raise ScheduleError(span_of(d, n), "fuse", n, f"the stage is already fused (in '{other.name}'; "
                                 f"a stage belongs to one fusion, so fuse last); {fix}")
         known = ", ".join(x.name for x in p.stages)
-        raise ScheduleError(span_of(d, n), "fuse", n, f"no stage named '{n}' (stages: {known}); {fix}")
+        raise ScheduleError(span_of(d, n), "fuse", n, f"no stage named '{n}' (stages: {known}); "
+                            + (_gather_instead(p, d, n) or fix))
     if d.name and (p.param(d.name) or p.stage(d.name) or any(f.name == d.name for f in p.fusions)):
         taken = {q.name for q in p.params} | {x.name for x in p.stages} | {f.name for f in p.fusions}
         fresh = next(f"{d.name}{k}" for k in range(2, len(taken) + 3) if f"{d.name}{k}" not in taken)
         raise ScheduleError(span_of(d, "=" + d.name), "fuse", d.name, f"the name '{d.name}' is already taken; "
                             f"choose another: {fresh} = fuse({', '.join(members)})")
+
+
+def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
+    """An unknown name where a fusion of a reducescatter wants its allgather (the user's name
+    for it, which a reorder named otherwise, as its advice's ag_<value>): the allgather of the
+    last member still gathered, in its place, when that fusion is accepted; else None."""
+    members = [m for m in dict.fromkeys(d.stages) if m != n]
+    listed = [p.stage(m) for m in members]
+    if any(s is None or p.fusion_of(s.name) is not None for s in listed):
+        return None
+    ops_ = [s.top.op for s in listed if s is not None and s.kind == "collective"]
+    if ops_ != ["reducescatter"]:
+        return None
+    gathers = [s for s in p.stages if s.kind == "collective" and isinstance(s.expr, Op) and s.expr.op == "allgather"
+               and isinstance(s.expr.args[0], Ref) and s.expr.args[0].name in members]
+    if not gathers:
+        return None
+    g = gathers[-1]
+    advised = replace(d, stages=tuple(g.name if m == n else m for m in dict.fromkeys(d.stages)))
+    try:
+        fuse(p, advised)
+    except ScheduleError:
+        return None
+    return (f"the all-gather of '{g.expr.args[0].name}' is '{g.name}': "  # type: ignore[union-attr]
+            f"{_fuse_text(advised, list(advised.stages))}")
 
 
 def _check_members(p: Program, stages: list[Stage], d: Fuse) -> None:

@@ -75,7 +75,7 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
                                 "the last dim, which the slice would cut")
 
 
-def reorder(p: Program, d: Reorder) -> Program:
+def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
     """agm, agw = reorder(ag, m1, w1)
 
     before:  rs = reducescatter(sum, g)  ag = allgather(rs)
@@ -95,14 +95,20 @@ def reorder(p: Program, d: Reorder) -> Program:
         twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
         raise ScheduleError(span_of(d, twice + "#2"), "reorder", twice, "the stage is listed twice")
     original = p
-    p = _retype_moved(p, ag, src, moved, d)
+    try:
+        p = _retype_moved(p, ag, src, moved, d)
+    except ScheduleError as err:
+        if not (advise and err.reason.startswith("would run as")):
+            raise
+        raise ScheduleError(span_of(d, err.stage), "reorder", err.stage,
+                            err.reason + _between_too(original, d, moved)) from None
     needed = [m for m in moved if _needed_whole(p, m, moved)]
     if len(needed) != len(d.outs):
         raise ScheduleError(span_of(d, "=" + d.outs[0] if d.outs else "()"), "reorder", d.ag,
                             f"{len(needed)} reordered value(s) are still needed whole "
                             f"({', '.join(needed) or 'none'}), so it returns {len(needed)} "
                             f"allgather(s); {len(d.outs)} name(s) given"
-                            + _readers_too(original, p, d, moved, needed))
+                            + (_readers_too(original, p, d, moved, needed) or _named(original, d, needed)))
     _fresh(p, d.outs, d, "reorder")
     for m, out in zip(needed, d.outs):
         t = p.type_of(m)
@@ -111,8 +117,42 @@ def reorder(p: Program, d: Reorder) -> Program:
                            skip={*moved, out})
     # the stages left in place now read the gathered values: type them again (a stage that
     # read a moved value was typed as sliced while it read the slice)
-    p = retype_program(p)
+    try:
+        p = retype_program(p)
+    except TypeErr:
+        # a stage left out of the list sits between two moved ones (mhat between m1 and w1):
+        # it reads a gathered value, and the moved stage that reads it runs whole
+        deps = depends_on(original)
+        left_out = {s.name for s in original.stages if s.name not in moved and deps[s.name] & set(moved)}
+        late = next((m for m in moved if deps[m] & left_out), None)
+        if late is None:
+            raise
+        raise ScheduleError(span_of(d, late), "reorder", late, "would run whole, not on slices: it reads "
+                            "stages left out of the list that read a reordered value (through its allgather)"
+                            + (_between_too(original, d, moved) if advise else "")) from None
     return drop_stage(p, d.ag) if not is_used(p, d.ag) else p
+
+
+def _between_too(p: Program, d: Reorder, moved: list[str]) -> str:
+    """Advice for a listed stage that would not run on slices because it reads stages left
+    out of the list that read the allgather or a listed stage: the reorder with them listed
+    too (in the program's order), when that reorder is legal; else ""."""
+    deps = depends_on(p)
+    listed = set(moved)
+    between = [s.name for s in p.stages if s.name not in listed and s.kind == "compute"
+               and (d.ag in deps[s.name] or deps[s.name] & listed)
+               and any(s.name in deps[m] for m in moved)]
+    if not between:
+        return ""
+    more = tuple(s.name for s in p.stages if s.name in listed or s.name in between)
+    try:
+        gathers = reorder_gathers(p, d.ag, more)
+        outs = _keep_names(p, d.outs, gathers)
+        reorder(p, Reorder(d.ag, more, tuple(outs), d.span), advise=False)
+    except ScheduleError:
+        return ""
+    left = f"{', '.join(outs)} = " if outs else ""
+    return f"; add {', '.join(repr(n) for n in between)} to the reorder: {left}reorder({', '.join((d.ag, *more))})"
 
 
 def _readers_too(p: Program, moved_p: Program, d: Reorder, moved: list[str], needed: list[str]) -> str:
@@ -129,10 +169,26 @@ def _readers_too(p: Program, moved_p: Program, d: Reorder, moved: list[str], nee
         return ""
     if len(gathers) >= len(needed):
         return ""
-    outs = list(d.outs) if len(d.outs) == len(gathers) else gather_names(p, gathers)
+    outs = _keep_names(p, d.outs, gathers)
     left = f"{', '.join(outs)} = " if outs else ""
     whole = ", ".join(f"'{m}'" for m in needed if any(u.name in readers for u in moved_p.users(m)))
     return f"; or move what reads {whole} whole onto the slices too: {left}reorder({d.ag}, {', '.join(more)})"
+
+
+def _named(p: Program, d: Reorder, needed: list[str]) -> str:
+    """The reorder with one name per allgather it returns (the names given kept, for the last
+    values: a schedule names the gathers it fuses or keeps, the weights' last)."""
+    outs = _keep_names(p, d.outs, needed)
+    left = f"{', '.join(outs)} = " if outs else ""
+    what = "name them" if len(outs) > 1 else "name it" if outs else "give it no names"
+    return f"; {what}: {left}reorder({', '.join((d.ag, *d.stages))})"
+
+
+def _keep_names(p: Program, given: tuple[str, ...], values: list[str]) -> list[str]:
+    """Names for the allgathers of `values`: the names given, for the last values (all of
+    them when there are as many), ag_<value> for the others."""
+    keep = min(len(given), len(values))
+    return gather_names(p, values[:len(values) - keep]) + list(given[len(given) - keep:])
 
 
 def gather_names(p: Program, values: list[str]) -> list[str]:

@@ -1,0 +1,148 @@
+"""Programs written as users write them, not as the examples do (a clipped AdamW with the norm
+as its own stage, a loss-scaled f16 step with a max-based inf/NaN test), and schedules with
+the mistakes users make: every refusal says what to write instead, and following each advice
+(of a fuse, and of a reorder) ends in an accepted schedule whose fused collective is the one
+meant (the reduce-scatter, the reductions, the update and the all-gather together)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from coconetc.errors import CompileError
+from coconetc.plan.units import Fused
+from coconetc.sourcefile import SourceFile, load_source
+
+CLIP = """
+program clip(g: f32[N] local, w: f32[N] replicated, m: f32[N] replicated, v: f32[N] replicated,
+             lr: f32, beta1: f32, beta2: f32, eps: f32, wd: f32, step: f32, maxnorm: f32) {
+    g1 = allreduce(avg, g)
+    nrm = norm(g1)
+    c = min(maxnorm / (nrm + 1e-6), 1.0)
+    gc = g1 * c
+    m1 = update(m, beta1 * m + (1 - beta1) * gc)
+    v1 = update(v, beta2 * v + (1 - beta2) * gc * gc)
+    mhat = m1 / (1 - beta1 ** step)
+    vhat = v1 / (1 - beta2 ** step)
+    w1 = update(w, w * (1 - lr * wd) - lr * mhat / (sqrt(vhat) + eps))
+}
+schedule zero for clip {
+    rs, ag = split(g1)
+    agm, agv, agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)
+    slice(m, v)
+    fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, agw)
+}
+"""
+CLIP_REORDER = "agm, agv, agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)"
+CLIP_FUSE = "fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, agw)"
+
+SCALED = """
+program mixed(g: f16[N] local, w: f32[N] replicated, w16: f16[N] replicated,
+              m: f32[N] replicated, v: f32[N] replicated,
+              lr: f32, beta1: f32, beta2: f32, eps: f32, step: f32, scale: f32, maxnorm: f32) {
+    g1 = allreduce(sum, g)
+    gf = cast(g1, f32) / scale
+    amax = max(abs(gf))
+    c = min(maxnorm / (norm(gf) + 1e-6), 1.0)
+    m1 = update(m, where(amax <= 3.0e38, beta1 * m + (1 - beta1) * c * gf, m))
+    v1 = update(v, where(amax <= 3.0e38, beta2 * v + (1 - beta2) * (c * gf) * (c * gf), v))
+    w1 = update(w, where(amax <= 3.0e38, w - lr * (m1 / (1 - beta1 ** step)) / (sqrt(v1 / (1 - beta2 ** step)) + eps), w))
+    h1 = update(w16, cast(w1, f16))
+    skipped = where(amax <= 3.0e38, 0.0, 1.0)
+    return skipped
+}
+schedule zero for mixed {
+    rs, ag = split(g1)
+    agm, agv, agw, agh = reorder(ag, gf, amax, c, m1, v1, w1, h1)
+    slice(m, v, w)
+    fuse(rs, gf, amax, c, m1, v1, w1, h1, agh)
+}
+"""
+SCALED_REORDER = "agm, agv, agw, agh = reorder(ag, gf, amax, c, m1, v1, w1, h1)"
+SCALED_FUSE = "fuse(rs, gf, amax, c, m1, v1, w1, h1, agh)"
+
+# the directive a refusal says to write instead, at the end of its first line
+FUSE_ADVICE = re.compile(r"(?:: ((?:[\w, ]+ = )?reorder\([^()]*\)); )?((?:\w+ = )?fuse\([^()]*\))\s*$")
+REORDER_ADVICE = re.compile(r"(?:onto the slices too|name them|name it|give it no names|to the reorder): ((?:[\w, ]+ = )?reorder\([^()]*\))$")
+
+
+def _load(text: str) -> SourceFile:
+    return load_source(text, "heldout.ccn")
+
+
+def _follow(text: str) -> tuple[SourceFile, list[str]]:
+    """Apply each refusal's advice to the directive it refuses until the file is accepted;
+    the accepted file and the refusals seen (at most four: advice must converge)."""
+    seen: list[str] = []
+    for _ in range(5):
+        try:
+            return _load(text), seen
+        except CompileError as e:
+            message = str(e)
+        first = message.splitlines()[0]
+        seen.append(first)
+        line = int(re.search(r"heldout\.ccn:(\d+):", first)[1]) - 1  # type: ignore[index]
+        lines = text.splitlines()
+        indent = lines[line][:len(lines[line]) - len(lines[line].lstrip())]
+        if (m := FUSE_ADVICE.search(first)) is not None:
+            new = (f"{indent}{m[1]}\n" if m[1] else "") + indent + m[2]
+        elif (r := REORDER_ADVICE.search(first)) is not None:
+            new = indent + r[1]
+        else:
+            raise AssertionError(f"a refusal without advice: {message}")
+        lines[line] = new
+        text = "\n".join(lines) + "\n"
+    raise AssertionError(f"the advice does not converge: {seen}")
+
+
+def _fused(mod: SourceFile, prog: str, sched: str) -> Fused:
+    fused = [u for u in mod.plans[(prog, sched)].units if isinstance(u, Fused)]
+    assert len(fused) == 1
+    return fused[0]
+
+
+def test_the_programs_load_as_written():
+    _fused(_load(CLIP), "clip", "zero")
+    _fused(_load(SCALED), "mixed", "zero")
+
+
+MISTAKES = [  # (program, what the user wrote instead of the schedule's line, the line, what the first refusal says)
+    # a fusion of computations only, the reduce-scatter forgotten: not every member is pointwise
+    (CLIP, CLIP_FUSE, "fuse(nrm, c, gc, m1, v1, mhat, vhat, w1)", "leave out 'nrm', 'c': fuse(gc, m1, v1, mhat, vhat, w1)"),
+    (CLIP, CLIP_FUSE, "fuse(c, gc, m1, v1, mhat, vhat, w1)", "leave out 'c': fuse(gc, m1, v1, mhat, vhat, w1)"),
+    # the all-gather named wrongly (agm was sliced away; ag was the split's)
+    (CLIP, CLIP_FUSE, "fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, agm)", "the all-gather of 'w1' is 'agw'"),
+    (CLIP, CLIP_FUSE, "fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, ag)", "the all-gather of 'w1' is 'agw'"),
+    # one name for the reorder (the user means the gather of w; m and v are sliced after it)
+    (CLIP, CLIP_REORDER, "agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)",
+     "name them: ag_m1, ag_v1, agw = reorder("),
+    # the norm and the clipping factor left out of the reorder
+    (CLIP, CLIP_REORDER, "agm, agv, agw = reorder(ag, m1, v1, mhat, vhat, w1)",
+     "add 'nrm', 'c', 'gc' to the reorder: agm, agv, agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)"),
+    (CLIP, CLIP_REORDER, "agw = reorder(ag, w1)", "add 'nrm', 'c', 'gc', 'm1', 'v1', 'mhat', 'vhat' to the reorder"),
+    # the bias corrections left out of the reorder: w1 reads them, they read m1 and v1
+    (CLIP, CLIP_REORDER, "agm, agv, agw = reorder(ag, nrm, c, gc, m1, v1, w1)",
+     "add 'mhat', 'vhat' to the reorder"),
+    # the same, for the loss-scaled step: one name, the all-gather of h1 then named by the advice
+    (SCALED, SCALED_REORDER, "agh = reorder(ag, gf, amax, c, m1, v1, w1, h1)",
+     "name them: ag_m1, ag_v1, ag_w1, agh = reorder("),
+    (SCALED, SCALED_REORDER, "agh = reorder(ag, gf, m1, v1, w1, h1)",
+     "onto the slices too: ag_m1, ag_v1, ag_w1, agh = reorder(ag, gf, amax, c, m1, v1, w1, h1)"),
+    (SCALED, SCALED_FUSE, "fuse(rs, gf, amax, c, m1, v1, w1, h1, agw)", "the all-gather of 'h1' is 'agh'"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(MISTAKES)))
+def test_following_the_advice_gives_the_fusion_meant(case):
+    program, line, wrong, what = MISTAKES[case]
+    assert line in program
+    mod, seen = _follow(program.replace(line, wrong))
+    assert seen and what in seen[0], seen
+    prog = "clip" if program is CLIP else "mixed"
+    if line.startswith("fuse(") and not wrong.startswith("fuse(rs"):
+        return  # a fusion of computations only: accepted as a loop, no fused collective
+    f = _fused(mod, prog, "zero")
+    assert f.partials, f  # the reductions are accumulated inside the fused collective
+    assert f.collective == "rs"
+    assert f.gather or f.gather_after  # and the all-gather is part of it
