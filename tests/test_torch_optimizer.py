@@ -289,6 +289,25 @@ def test_constructor_errors(built, kwargs, error, needle):
         DistributedOptimizer(_model().parameters(), str(ADAM), **kwargs)
 
 
+@pytest.mark.parametrize("schedule", ["default", "fused"])
+def test_a_program_without_a_step_count(built, schedule):
+    """examples/sgd.ccn has no scalar `step` (SGD needs no count): the default step="step"
+    names none, and the optimizer steps as torch.optim.SGD (one rank: the sum is the gradient)."""
+    from coconetc.torch import DistributedOptimizer
+    model = _model()
+    ref = _model()
+    opt = DistributedOptimizer(model.parameters(), str(REPO / "examples" / "sgd.ccn"), schedule=schedule, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for t in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.full((5, 3), float(t + 1))).pow(2).sum().backward()
+            o.step()
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())) < 1e-6
+    with pytest.raises(ValueError, match="step='t' must name a scalar parameter"):
+        DistributedOptimizer(model.parameters(), str(REPO / "examples" / "sgd.ccn"), step="t", lr=0.1)
+
+
 def test_wrong_parameter_dtype(built):
     from coconetc.torch import DistributedOptimizer
     with pytest.raises(ValueError, match="a parameter is torch.float64 .* 'w' is f32"):
