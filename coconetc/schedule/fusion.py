@@ -222,12 +222,21 @@ def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tupl
                   and (s.name in listed or any(s.name in deps.get(m, ()) for m in listed))]
         if not stages:
             continue
-        advice = _moved_and_fused(p, rs, ag, stages, (rs, *stages), name)
+        order = {s.name: i for i, s in enumerate(p.stages)}
+        # the other members listed (a norm of a replicated parameter, LAMB's norm(w)) stay in
+        # the fusion where they can; else the fusion of the moved stages alone
+        others = [m for m in listed if m not in stages and m != rs and p.stage(m) is not None
+                  and not is_op(m, "allgather")]
+        advice = None
+        if others:
+            advice = _moved_and_fused(p, rs, ag, stages, tuple(sorted({rs, *stages, *others}, key=order.__getitem__)),
+                                      name)
+        if advice is None:
+            advice = _moved_and_fused(p, rs, ag, stages, (rs, *stages), name)
         partly = [n for n in stages if not p.stage_named(n).type.layout.sliced]
         if advice is None and partly and partly != stages:
             # some stages already on the slices: move the others too, and fuse them with the
             # members listed (in the program's order)
-            order = {s.name: i for i, s in enumerate(p.stages)}
             keep = sorted({*listed, *partly}, key=lambda n: order.get(n, len(order)))
             advice = _moved_and_fused(p, rs, ag, partly, tuple(keep), name, gather=False)
         if advice is None:
