@@ -7,6 +7,8 @@ meant (the reduce-scatter, the reductions, the update and the all-gather togethe
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -179,3 +181,58 @@ def test_following_the_advice_gives_the_fusion_meant(case):
     assert f.gather or f.gather_after  # and the all-gather is part of it
     if program is LAMB:
         assert "wn" in f.partials  # norm(w) accumulated with the others, over this rank's slice
+
+
+# --- the decay written as its own stage, the weights sliced too ---------------------------------
+DECAY = """
+program decay(g: f32[N] local, w: f32[N] replicated, m: f32[N] replicated, v: f32[N] replicated,
+              lr: f32, beta1: f32, beta2: f32, eps: f32, wd: f32, step: f32, maxnorm: f32) {
+    g1 = allreduce(avg, g)
+    gc = g1 * min(maxnorm / (sqrt(sum(g1 * g1)) + 1e-6), 1.0)
+    m1 = update(m, beta1 * m + (1 - beta1) * gc)
+    v1 = update(v, beta2 * v + (1 - beta2) * gc * gc)
+    wd1 = w * (1 - lr * wd)
+    w1 = update(w, wd1 - (lr / (1 - beta1 ** step)) * m1 / (sqrt(v1) / sqrt(1 - beta2 ** step) + eps))
+    RETURN
+}
+schedule zero_w for decay {
+    rs, ag = split(g1)
+    agm, agv, agw = reorder(ag, gc, m1, v1, w1)
+    slice(m, v, w)
+    fuse(rs, gc, m1, v1, w1)
+}
+schedule zero_w2 for decay {
+    rs, ag = split(g1)
+    agm, agv, agw = reorder(ag, gc, m1, v1, w1)
+    slice(m, v, w)
+    fuse(rs, gc, m1, v1, wd1, w1)
+}
+"""
+
+
+def test_a_stage_of_the_sliced_parameter_alone_runs_on_its_slice():
+    """wd1 reads only w (no all-gather, so no reorder moves it) and only w1, on the slices,
+    reads it: slice(w) takes it onto the slices (it was refused: 'every use must run on slices
+    after reorder; uses: wd1 (replicated)')."""
+    mod = _load(DECAY.replace("RETURN", ""))
+    for sched in ("zero_w", "zero_w2"):
+        assert mod.variants()[("decay", sched)].type_of("wd1").layout.sliced
+        f = _fused(mod, "decay", sched)
+        assert not f.gather  # the weights stay sliced: no all-gather at all
+
+
+def test_a_stage_of_the_parameter_read_whole_elsewhere_still_refuses_the_slice():
+    """Returned, wd1 must stay whole: slicing w would change what the call returns."""
+    with pytest.raises(CompileError, match=r"slice on 'w': every use must run on slices after reorder; uses: wd1"):
+        _load(DECAY.replace("RETURN", "return wd1"))
+
+
+def test_the_sliced_decay_equals_the_program(tmp_path):
+    src = tmp_path / "decay.ccn"
+    src.write_text(DECAY.replace("RETURN", ""))
+    for ranks in (2, 3):
+        res = subprocess.run([sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(src), "-s", "all",
+                              "--interp", "--ranks", str(ranks), "--size", "N=13"],
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.count("matches the unscheduled program on every rank") == 2, res.stdout

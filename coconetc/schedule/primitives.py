@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from coconetc.errors import NOWHERE, ScheduleError
 from coconetc.ir import ops
-from coconetc.ir.nodes import Op, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, rename,
                                  rename_program, retype_program)
 from coconetc.ir.types import REPLICATED, TType, sliced
@@ -266,7 +266,8 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
     if param.type.layout.sliced:
         raise ScheduleError(span_of(d, name), "slice", name, "the parameter is already sliced")
     users = p.users(name)
-    layouts = {u.type.layout for u in users}
+    layouts = set().union(*({u.type.layout} if not _follows(p, u, name) else _readers_layouts(p, u)
+                            for u in users)) if users else set()
     if not users or len(layouts) != 1 or not next(iter(layouts)).sliced:
         shown = ", ".join(f"{u.name} ({u.type.layout})" for u in users) or "none"
         raise ScheduleError(span_of(d, name), "slice", name, f"every use must run on slices after reorder; uses: {shown}")
@@ -279,6 +280,31 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
     params = tuple(replace(q, type=replace(q.type, layout=lay), scattered=False) if q.name == name
                    else q for q in p.params)
     return replace(p, params=params)
+
+
+def _follows(p: Program, u: Stage, name: str) -> bool:
+    """A stage that runs whole only because the parameter it reads is whole, and runs on the
+    slices once the parameter is sliced: a pointwise computation over the parameter's elements
+    (the decay `wd1 = w * (1 - lr * wd)` of an AdamW written in two stages) whose other
+    operands are replicated, that only stages running on slices read (or other such stages),
+    and that is neither returned nor an update. Reorder cannot move it (it reads no
+    allgather); slicing the parameter does."""
+    if u.type.layout != REPLICATED or u.kind != "compute" or u.type.shape != p.type_of(name).shape:
+        return False
+    if any(isinstance(n, Op) and n.op not in POINTWISE for n in walk(u.expr)):
+        return False
+    if any(isinstance(n, Ref) and n.name != name and p.type_of(n.name).ndim and p.type_of(n.name).layout != REPLICATED
+           for n in walk(u.expr)):
+        return False
+    if any(s == u.name for _, s in p.outputs) or any(s == u.name for _, s in p.updates):
+        return False
+    readers = p.users(u.name)
+    return bool(readers) and all(r.type.layout.sliced or _follows(p, r, u.name) for r in readers)
+
+
+def _readers_layouts(p: Program, u: Stage) -> set:
+    """The layouts of the stages on slices that read a stage that _follows its parameter."""
+    return set().union(*({r.type.layout} if r.type.layout.sliced else _readers_layouts(p, r) for r in p.users(u.name)))
 
 
 def _unsliced_update(p: Program, name: str, src: str, lay, d: Slice) -> Program:
