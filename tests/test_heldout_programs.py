@@ -91,7 +91,7 @@ LAMB_SCHEDULE = """    agm, agv, agw = reorder(ag, gn, gc, m1, v1, r, rn, tr, w1
 
 # the directive a refusal says to write instead, at the end of its first line
 FUSE_ADVICE = re.compile(r"(?:: ((?:[\w, ]+ = )?reorder\([^()]*\)); )?((?:\w+ = )?fuse\([^()]*\))\s*$")
-REORDER_ADVICE = re.compile(r"(?:onto the slices too|name them|name it|give it no names|to the reorder): ((?:[\w, ]+ = )?reorder\([^()]*\))$")
+REORDER_ADVICE = re.compile(r"(?:onto the slices too|name them|name it|give it no names|to the reorder| out): ((?:[\w, ]+ = )?reorder\([^()]*\))$")
 
 
 def _load(text: str) -> SourceFile:
@@ -236,3 +236,11 @@ def test_the_sliced_decay_equals_the_program(tmp_path):
                              capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stdout + res.stderr
         assert res.stdout.count("matches the unscheduled program on every rank") == 2, res.stdout
+
+
+def test_listing_the_decay_in_the_reorder_says_to_leave_it_out():
+    text = DECAY.replace("RETURN", "").replace("reorder(ag, gc, m1, v1, w1)\n    slice(m, v, w)\n    fuse(rs, gc, m1, v1, wd1, w1)",
+                                               "reorder(ag, gc, m1, v1, wd1, w1)\n    slice(m, v, w)\n    fuse(rs, gc, m1, v1, wd1, w1)")
+    mod, seen = _follow(text)
+    assert "leave 'wd1' out: agm, agv, agw = reorder(ag, gc, m1, v1, w1)" in seen[0], seen
+    assert mod.variants()[("decay", "zero_w2")].type_of("wd1").layout.sliced

@@ -98,6 +98,9 @@ def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
     try:
         p = _retype_moved(p, ag, src, moved, d)
     except ScheduleError as err:
+        if advise and err.reason.startswith("the stage does not consume"):
+            raise ScheduleError(span_of(d, err.stage), "reorder", err.stage,
+                                err.reason + _left_out(original, d, err.stage)) from None
         if not (advise and err.reason.startswith("would run as")):
             raise
         raise ScheduleError(span_of(d, err.stage), "reorder", err.stage,
@@ -131,6 +134,25 @@ def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
                             "stages left out of the list that read a reordered value (through its allgather)"
                             + (_between_too(original, d, moved) if advise else "")) from None
     return drop_stage(p, d.ag) if not is_used(p, d.ag) else p
+
+
+def _left_out(p: Program, d: Reorder, stage: str) -> str:
+    """Advice for a listed stage that reads no all-gathered value (a decay `w * (1 - lr * wd)`):
+    the reorder without it (and without the other such stages), when that one is legal."""
+    deps = depends_on(p)
+    rest = [m for m in dict.fromkeys(d.stages) if p.stage(m) is not None and
+            (d.ag in deps[m] or any(x in deps[m] for x in d.stages if x != m and d.ag in deps.get(x, ())))]
+    if not rest or len(rest) == len(d.stages):
+        return ""
+    try:
+        outs = _keep_names(p, d.outs, reorder_gathers(p, d.ag, tuple(rest)))
+        reorder(p, Reorder(d.ag, tuple(rest), tuple(outs), d.span), advise=False)
+    except ScheduleError:
+        return ""
+    left = f"{', '.join(outs)} = " if outs else ""
+    gone = ", ".join(f"'{m}'" for m in d.stages if m not in rest)
+    return (f" (it reads no all-gathered value; slicing the parameters it reads takes it onto the slices); "
+            f"leave {gone} out: {left}reorder({', '.join((d.ag, *rest))})")
 
 
 def _between_too(p: Program, d: Reorder, moved: list[str]) -> str:
