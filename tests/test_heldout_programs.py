@@ -142,6 +142,11 @@ MISTAKES = [  # (program, what the user wrote instead of the schedule's line, th
     # the all-gather named wrongly (agm was sliced away; ag was the split's)
     (CLIP, CLIP_FUSE, "fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, agm)", "the all-gather of 'w1' is 'agw'"),
     (CLIP, CLIP_FUSE, "fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, ag)", "the all-gather of 'w1' is 'agw'"),
+    # ... and the norm and the clip factor forgotten too: the advice adds them as well
+    (CLIP, CLIP_FUSE, "fuse(rs, gc, m1, v1, mhat, vhat, w1, agm, agw)",
+     "leave it out: fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, agw)"),
+    (CLIP, CLIP_FUSE, "fuse(rs, gc, m1, v1, mhat, vhat, w1, ag)",
+     "the all-gather of 'w1' is 'agw': fuse(rs, nrm, c, gc, m1, v1, mhat, vhat, w1, agw)"),
     # one name for the reorder (the user means the gather of w; m and v are sliced after it)
     (CLIP, CLIP_REORDER, "agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)",
      "name them: ag_m1, ag_v1, agw = reorder("),
@@ -172,6 +177,7 @@ def test_following_the_advice_gives_the_fusion_meant(case):
     assert line in program
     mod, seen = _follow(program.replace(line, wrong))
     assert seen and what in seen[0], seen
+    assert len(seen) == 1, seen  # following the advice ends the refusals
     prog = re.search(r"program (\w+)", program)[1]  # type: ignore[index]
     if line.startswith("fuse(") and not wrong.startswith("fuse(rs"):
         return  # a fusion of computations only: accepted as a loop, no fused collective
@@ -244,3 +250,4 @@ def test_listing_the_decay_in_the_reorder_says_to_leave_it_out():
     mod, seen = _follow(text)
     assert "leave 'wd1' out: agm, agv, agw = reorder(ag, gc, m1, v1, w1)" in seen[0], seen
     assert mod.variants()[("decay", "zero_w2")].type_of("wd1").layout.sliced
+

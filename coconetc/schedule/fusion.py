@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -43,6 +44,7 @@ def _check_names(p: Program, d: Fuse) -> None:
         if p.stage(n) is not None and other is None:
             continue
         rest = [m for m in members if m != n and p.stage(m) is not None and p.fusion_of(m) is None]
+        rest = _settled(p, d, rest) if len(rest) >= 2 else rest
         fix = (f"leave it out: {_fuse_text(d, rest)}" if len(rest) >= 2
                else "nothing would be left to fuse; remove this fuse directive")
         if other is not None:
@@ -56,6 +58,29 @@ def _check_names(p: Program, d: Fuse) -> None:
         fresh = next(f"{d.name}{k}" for k in range(2, len(taken) + 3) if f"{d.name}{k}" not in taken)
         raise ScheduleError(span_of(d, "=" + d.name), "fuse", d.name, f"the name '{d.name}' is already taken; "
                             f"choose another: {fresh} = fuse({', '.join(members)})")
+
+
+_ADVISED = re.compile(r"(?:\w+ = )?fuse\(([^()]*)\)$")
+
+
+def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
+    """The members of an advised fusion, completed by what the refusal of it would advise in
+    turn (the stages between two members, that would make a cycle, added), so that following
+    one advice never ends in another refusal of the fusion; `stages` when that fusion is
+    accepted or its refusal advises nothing more."""
+    for _ in range(3):
+        try:
+            fuse(p, replace(d, stages=tuple(stages)))
+            return stages
+        except ScheduleError as err:
+            m = _ADVISED.search(err.reason)
+            if m is None or "fuse" not in err.directive:
+                return stages
+            more = [x.strip() for x in m[1].split(",")]
+            if more == stages or len(more) < 2:
+                return stages
+            stages = more
+    return stages
 
 
 def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
@@ -74,7 +99,7 @@ def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
     if not gathers:
         return None
     g = gathers[-1]
-    advised = replace(d, stages=tuple(g.name if m == n else m for m in dict.fromkeys(d.stages)))
+    advised = replace(d, stages=tuple(_settled(p, d, [g.name if m == n else m for m in dict.fromkeys(d.stages)])))
     try:
         fuse(p, advised)
     except ScheduleError:
