@@ -251,3 +251,26 @@ def test_listing_the_decay_in_the_reorder_says_to_leave_it_out():
     assert "leave 'wd1' out: agm, agv, agw = reorder(ag, gc, m1, v1, w1)" in seen[0], seen
     assert mod.variants()[("decay", "zero_w2")].type_of("wd1").layout.sliced
 
+
+def test_members_listed_out_of_order_run_in_program_order():
+    """fuse(w1, m1): w1 reads m1. The fusion's members were kept in the listed order, so the
+    loop computed w1 before m1 and the plan check crashed ('PlanInvalid: the loop reads 'm1'
+    before it is written', a traceback, not an error); they run in program order now."""
+    text = """
+program p(g: f32[N] local, w: f32[N] replicated, m: f32[N] replicated, lr: f32) {
+    g1 = allreduce(sum, g)
+    m1 = update(m, 0.9 * m + g1)
+    w1 = update(w, w - lr * m1)
+}
+schedule s for p {
+    fuse(w1, m1)
+}
+schedule z for p {
+    rs, ag = split(g1)
+    agm, agw = reorder(ag, m1, w1)
+    fuse(agw, w1, m1, rs)
+}
+"""
+    mod = _load(text)
+    assert mod.variants()[("p", "s")].fusions[0].stages == ("m1", "w1")
+    assert _fused(mod, "p", "z").collective == "rs"

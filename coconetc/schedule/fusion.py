@@ -31,8 +31,11 @@ def fuse(p: Program, d: Fuse) -> Program:
     order = _contiguous(p, {s.name for s in stages})
     pos = {s.name: i for i, s in enumerate(order)}
     updates = tuple(sorted(p.updates, key=lambda u: pos.get(u[1], -1)))  # canonical: stage order
-    return replace(p, stages=order, updates=updates,
-                   fusions=p.fusions + (Fusion(name, tuple(s.name for s in stages), d.span),))
+    # the members in the order they run (a fusion listed out of order, fuse(w1, m1), would
+    # otherwise compute w1 before the m1 it reads)
+    names = {s.name for s in stages}
+    members = tuple(s.name for s in order if s.name in names)
+    return replace(p, stages=order, updates=updates, fusions=p.fusions + (Fusion(name, members, d.span),))
 
 
 def _check_names(p: Program, d: Fuse) -> None:
