@@ -9,7 +9,8 @@ for the generated Python extension module and the loader's CompiledModule.)"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from coconetc.autodiff import vjp
@@ -25,7 +26,7 @@ from coconetc.ir.ops import OpDef
 from coconetc.plan import Plan, plan_program
 from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
-from coconetc.schedule.directives import Directive
+from coconetc.schedule.directives import Directive, Fuse
 
 
 
@@ -146,7 +147,6 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     `<p>_grad` and that program cut at the forward's saved values (autodiff/saved.py):
     `<p>_fwd` (p returning the saved values too) and `<p>_bwd` (the backward reading them),
     each with the schedules of p (of grad(p)) that apply to it unchanged."""
-    from dataclasses import replace
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))
     for p in programs:
@@ -223,15 +223,78 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
             raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.target, (), None)
         return
-    ir = apply_all(mod.programs[sched.target], directives)
-    mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
+    try:
+        ir = apply_all(mod.programs[sched.target], directives)
+        mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
+    except CompileError as err:
+        raise _settled(err, mod.programs[sched.target], directives, sched.name) from None
     known[sched.name] = ScheduleIR(sched.name, sched.target, directives, ir)
+
+
+def _nothing_left(err: CompileError, program: Program, directives: tuple[Directive, ...], at: int, name: str,
+                  given: str, said: str) -> CompileError:
+    """The advised fusion is refused in turn with 'remove this fuse directive': say that at once
+    (when the schedule without the directive is accepted)."""
+    if not said.endswith("remove this fuse directive"):
+        return err
+    try:
+        plan_program(apply_all(program, directives[:at] + directives[at + 1:]), name)
+    except CompileError:
+        return err
+    first = err.diagnostics[0]
+    head = first.message[:first.message.rindex(given)].rstrip()
+    head = head[:head.rfind("; ")] if "; " in head else head
+    why = said.removeprefix("fuse: ").split("; ")[0]
+    message = f"{head}; without it the fusion would be refused too ({why}): remove this fuse directive"
+    return CompileError([Diagnostic(first.span, message), *err.diagnostics[1:]])
+
+
+_FUSE_ADVICE = re.compile(r"((?:\w+ = )?fuse\(([^()]*)\))\s*$")
+_REORDER_FIRST = re.compile(r"reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)\s*$")
+
+
+def _settled(err: CompileError, program: Program, directives: tuple[Directive, ...], name: str) -> CompileError:
+    """A refused fuse whose advice is a fuse directive: the schedule is checked with the advice
+    followed, and with the advice of that check's refusal followed in turn (a fusion the
+    planner refuses after the schedule accepted it, say), so that the advice given is the one
+    that ends in an accepted schedule: following an advice never ends in another refusal of
+    the same fusion. The error unchanged where the first advice is accepted, or where no advice
+    leads to an accepted schedule."""
+    first = err.diagnostics[0]
+    m = _FUSE_ADVICE.search(first.message)
+    at = next((i for i, d in enumerate(directives) if isinstance(d, Fuse)
+               and d.span.line <= first.span.line <= max(d.span.line, d.span.end_line)), None)
+    if m is None or at is None or _REORDER_FIRST.search(first.message):
+        return err
+    given = m[1]
+    for _ in range(3):
+        members = tuple(x.strip() for x in m[2].split(","))
+        refused = directives[at]
+        assert isinstance(refused, Fuse)
+        tried = directives[:at] + (replace(refused, stages=members),) + directives[at + 1:]
+        try:
+            plan_program(apply_all(program, tried), name)
+        except CompileError as again:
+            said = again.diagnostics[0].message
+            nxt = _FUSE_ADVICE.search(said)
+            line = again.diagnostics[0].span.line
+            if _REORDER_FIRST.search(said) or not refused.span.line <= line <= max(refused.span.line,
+                                                                                 refused.span.end_line):
+                return err
+            if nxt is None:
+                return _nothing_left(err, program, directives, at, name, given, said)
+            m = nxt
+            continue
+        if m[1] == given:
+            return err
+        message = first.message[:first.message.rindex(given)] + m[1]
+        return CompileError([Diagnostic(first.span, message), *err.diagnostics[1:]])
+    return err
 
 
 def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFile:
     """A copy of MOD with the schedule blocks of TEXT added (each checked and planned as the
     file's own are); the autotuner's generated schedules join a file this way."""
-    from dataclasses import replace
     tree = parse(text, file)
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))

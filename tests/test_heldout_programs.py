@@ -274,3 +274,52 @@ schedule z for p {
     mod = _load(text)
     assert mod.variants()[("p", "s")].fusions[0].stages == ("m1", "w1")
     assert _fused(mod, "p", "z").collective == "rs"
+
+
+def _one_refusal(text: str, directive: str) -> None:
+    """`directive` in place of the zero schedule's fuse: at most one refusal, whose advice
+    (a fuse directive, or removing it) is accepted."""
+    try:
+        _load(text)
+        return
+    except CompileError as e:
+        message = str(e)
+    first = message.splitlines()[0]
+    assert "error: fuse" in first, first
+    m = FUSE_ADVICE.search(first)
+    if m is None:
+        assert first.endswith("remove this fuse directive"), first
+        fixed = text.replace(directive, "")
+    else:
+        assert m[1] is None, first  # the members listed are the split's: no reorder advised
+        fixed = text.replace(directive, m[2])
+    _load(fixed)
+
+
+WRONG_FUSIONS = [  # each found to take two refusals (the second after following the first's advice)
+    "fuse(agv, nrm, agw)",  # no rs: left out, then 'needs a reducescatter'
+    "fuse(w1, vhat, nrm, m1, agv, agw)",
+    "fuse(ag, vhat, agm, m1, w1, mhat, nrm, v1, agv)",  # left out: a cycle through c, then nothing left
+    "fuse(rs, gc, m1, v1, mhat, vhat, w1, agm, agw)",
+    "fuse(w1, m1)",  # listed out of order (a crash: the plan read m1 before it was written)
+]
+
+
+@pytest.mark.parametrize("directive", WRONG_FUSIONS)
+def test_one_refusal_and_its_advice_is_accepted(directive):
+    _one_refusal(CLIP.replace(CLIP_FUSE, directive), directive)
+
+
+def test_random_fusions_take_one_refusal():
+    """Members of the zero schedule's fusion (and all-gathers that do not exist) drawn at
+    random, in random order, with and without the reduce-scatter."""
+    import random
+    rng = random.Random(7)
+    members = [x.strip() for x in CLIP_FUSE[5:-1].split(",")]
+    pool = [*members, "ag", "agm", "agv"]
+    for _ in range(25):
+        sub = rng.sample(pool, rng.randint(1, len(members)))
+        if rng.random() < 0.6 and "rs" not in sub:
+            sub.insert(0, "rs")
+        directive = f"fuse({', '.join(sub)})"
+        _one_refusal(CLIP.replace(CLIP_FUSE, directive), directive)
