@@ -64,6 +64,8 @@ def _check_names(p: Program, d: Fuse) -> None:
 
 
 _ADVISED = re.compile(r"(?:\w+ = )?fuse\(([^()]*)\)$")
+_REORDER_FIRST = re.compile(r"reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)$")
+_settling = [False]  # _settled is running: the probes it makes do not settle in turn
 
 
 def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
@@ -71,19 +73,25 @@ def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
     turn (the stages between two members, that would make a cycle, added), so that following
     one advice never ends in another refusal of the fusion; `stages` when that fusion is
     accepted or its refusal advises nothing more."""
-    for _ in range(3):
-        try:
-            fuse(p, replace(d, stages=tuple(stages)))
-            return stages
-        except ScheduleError as err:
-            m = _ADVISED.search(err.reason)
-            if m is None or "fuse" not in err.directive:
+    if _settling[0]:
+        return stages
+    _settling[0] = True
+    try:
+        for _ in range(3):
+            try:
+                fuse(p, replace(d, stages=tuple(stages)))
                 return stages
-            more = [x.strip() for x in m[1].split(",")]
-            if more == stages or len(more) < 2:
-                return stages
-            stages = more
-    return stages
+            except ScheduleError as err:
+                m = _ADVISED.search(err.reason)
+                if m is None or "fuse" not in err.directive or _REORDER_FIRST.search(err.reason):
+                    return stages  # a reorder first: its names are not stages of P yet
+                more = [x.strip() for x in m[1].split(",")]
+                if more == stages or len(more) < 2 or any(p.stage(x) is None for x in more):
+                    return stages
+                stages = more
+        return stages
+    finally:
+        _settling[0] = False
 
 
 def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
