@@ -207,10 +207,30 @@ def _named(p: Program, d: Reorder, needed: list[str]) -> str:
 
 
 def _keep_names(p: Program, given: tuple[str, ...], values: list[str]) -> list[str]:
-    """Names for the allgathers of `values`: the names given, for the last values (all of
-    them when there are as many), ag_<value> for the others."""
-    keep = min(len(given), len(values))
-    return gather_names(p, values[:len(values) - keep]) + list(given[len(given) - keep:])
+    """Names for the allgathers of `values`: a name given that names a value (agw or ag_w1
+    for w1, as the examples and the advice name them) for it; the other names given for the
+    last values left (all of them when there are as many); ag_<value> for the rest."""
+    out: list[str | None] = [None] * len(values)
+    free = list(given)
+    for i, v in enumerate(values):
+        base = v.rstrip("0123456789") or v
+        n = next((n for n in (f"ag_{v}", f"ag{v}", f"ag_{base}", f"ag{base}") if n in free), None)
+        if n is not None:
+            out[i] = n
+            free.remove(n)
+    others = {x.name for x in p.stages} - set(values)
+    free = [n for n in free if not any(n in (f"ag_{x}", f"ag{x}", f"ag_{x.rstrip('0123456789')}",
+                                             f"ag{x.rstrip('0123456789')}") for x in others)]  # another value's
+    rest = [i for i, n in enumerate(out) if n is None]
+    keep = min(len(free), len(rest))
+    for i, n in zip(rest[len(rest) - keep:], free[len(free) - keep:]):
+        out[i] = n
+    left = [i for i, n in enumerate(out) if n is None]
+    fresh = iter(gather_names(p, [values[i] for i in left]))
+    for i in left:
+        n = next(fresh)
+        out[i] = n if n not in out else n + "_"
+    return [n for n in out if n is not None]
 
 
 def gather_names(p: Program, values: list[str]) -> list[str]:
