@@ -150,6 +150,9 @@ MISTAKES = [  # (program, what the user wrote instead of the schedule's line, th
     # one name for the reorder (the user means the gather of w; m and v are sliced after it)
     (CLIP, CLIP_REORDER, "agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)",
      "name them: ag_m1, ag_v1, agw = reorder("),
+    # names that say which value they gather keep it (agw for w1), whatever their place
+    (CLIP, CLIP_REORDER, "agw, agm = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)",
+     "name them: agm, ag_v1, agw = reorder("),
     # the norm and the clipping factor left out of the reorder
     (CLIP, CLIP_REORDER, "agm, agv, agw = reorder(ag, m1, v1, mhat, vhat, w1)",
      "add 'nrm', 'c', 'gc' to the reorder: agm, agv, agw = reorder(ag, nrm, c, gc, m1, v1, mhat, vhat, w1)"),
