@@ -111,6 +111,8 @@ def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
         return None
     g = gathers[-1]
     advised = replace(d, stages=tuple(_settled(p, d, [g.name if m == n else m for m in dict.fromkeys(d.stages)])))
+    if g.name not in advised.stages:
+        return None  # the fusion that would be accepted leaves that all-gather out after all
     try:
         fuse(p, advised)
     except ScheduleError:

@@ -106,6 +106,14 @@ def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
         raise ScheduleError(span_of(d, err.stage), "reorder", err.stage,
                             err.reason + _between_too(original, d, moved)) from None
     needed = [m for m in moved if _needed_whole(p, m, moved)]
+    if len(needed) != len(d.outs) and advise and not _readers_too(original, p, d, moved, needed):
+        # named right, would the reorder be accepted? if not, its own refusal (with the names
+        # right in its advice) says more than the count does
+        renamed = replace(d, outs=tuple(_keep_names(original, d.outs, needed)))
+        try:
+            reorder(original, renamed, advise=False)
+        except ScheduleError:
+            reorder(original, renamed)
     if len(needed) != len(d.outs):
         raise ScheduleError(span_of(d, "=" + d.outs[0] if d.outs else "()"), "reorder", d.ag,
                             f"{len(needed)} reordered value(s) are still needed whole "
@@ -312,7 +320,8 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
                             for u in users)) if users else set()
     if not users or len(layouts) != 1 or not next(iter(layouts)).sliced:
         shown = ", ".join(f"{u.name} ({u.type.layout})" for u in users) or "none"
-        raise ScheduleError(span_of(d, name), "slice", name, f"every use must run on slices after reorder; uses: {shown}")
+        raise ScheduleError(span_of(d, name), "slice", name, f"every use must run on slices after reorder; uses: {shown}"
+                            + _reorder_first(p, d))
     lay = next(iter(layouts))
     if lay.dim >= param.type.ndim or any(u.type.ndim != param.type.ndim for u in users):
         raise ScheduleError(span_of(d, name), "slice", name, "its uses are sliced along a dim the parameter does not have")
@@ -322,6 +331,38 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
     params = tuple(replace(q, type=replace(q.type, layout=lay), scattered=False) if q.name == name
                    else q for q in p.params)
     return replace(p, params=params)
+
+
+def _reorder_first(p: Program, d: Slice) -> str:
+    """Advice for a slice whose parameters are read by stages that still run whole after a
+    split's all-gather (left out of the reorder, or no reorder yet): the reorder that moves
+    them (and the stages between the all-gather and them) onto the slices, then the slice,
+    when both are accepted; else ""."""
+    whole = list({u.name: u for q in d.params if p.param(q) is not None and not p.type_of(q).layout.sliced
+                  for u in p.users(q) if not u.type.layout.sliced and not _follows(p, u, q)}.values())
+    if not whole:
+        return ""
+    deps = depends_on(p)
+    gathers = [s.name for s in p.stages if isinstance(s.expr, Op) and s.expr.op == "allgather"
+               and any(s.name in deps[u.name] for u in whole)]
+    params = tuple(x for x in d.params if not p.type_of(x).layout.sliced)
+    for g, wide in ((g, wide) for g in gathers for wide in (True, False)):
+        # every whole computation after the all-gather (as a zero schedule moves them), else
+        # only those the slice needs
+        stages = tuple(s.name for s in p.stages if g in deps[s.name] and not s.type.layout.sliced
+                       and s.kind == "compute"
+                       and (wide or s in whole or any(s.name in deps[u.name] for u in whole)))
+        try:
+            outs = _keep_names(p, (), reorder_gathers(p, g, stages))
+            q = reorder(p, Reorder(g, stages, tuple(outs), d.span), advise=False)
+            slice_params(q, replace(d, params=params))
+        except ScheduleError:
+            continue
+        left = f"{', '.join(outs)} = " if outs else ""
+        moved = ", ".join(f"'{u.name}'" for u in whole)
+        return (f"; move {moved} onto the slices first: {left}reorder({', '.join((g, *stages))}); "
+                f"slice({', '.join(d.params)})")
+    return ""
 
 
 def _follows(p: Program, u: Stage, name: str) -> bool:
