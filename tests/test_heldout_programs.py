@@ -350,3 +350,14 @@ def test_a_slice_after_a_partial_reorder_is_advised_a_second_reorder():
     lines = [re.search(r"heldout\.ccn:(\d+):", x)[1] for x in seen]  # type: ignore[index]
     assert len(set(lines)) == len(lines), seen
     assert mod.variants()[("clip", "zero")].param("v").type.layout.sliced  # type: ignore[union-attr]
+
+
+def test_random_inputs_fit_an_i32_step_count():
+    """`coconetc run` drew every integer scalar below 2^40, so a program whose step count is
+    an i32 (`step: i32`) failed at once: "'step' = 343702548779 does not fit i32"."""
+    from coconetc.oracle.inputs import random_inputs
+    text = CLIP.replace("step: f32", "step: i32")
+    prog = _load(text).programs["clip"]
+    for seed in range(20):
+        step = random_inputs(prog, 2, sizes={"N": 7}, seed=seed)[0]["step"]
+        assert 0 <= step < 2**31
