@@ -94,6 +94,22 @@ def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
     assert rc == 0, log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_users_clipped_adamw_matches_torch(built, capfd, ranks):
+    """tests/programs/heldout_clip_adamw.ccn (averaged gradients, the norm and the decay as
+    stages of their own, a zero schedule listing its fusion out of order) under each schedule,
+    two groups clipped together, against clip_grad_norm_ + torch.optim.AdamW."""
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file
+    path = REPO / "tests" / "programs" / "heldout_clip_adamw.ccn"
+    compile_cpu(load_file(path), log=lambda msg: None)
+    scheds = ("default", "rs_c_ag", "zero")
+    rc, lines, log = _launch(capfd, ranks, "clip_file", str(path), *scheds)
+    _check(lines, log, [f"clip_file:{s}:R{ranks}{what}" for s in scheds for what in ("", ":clipped")])
+    assert rc == 0, log
+
+
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_loss_scaled_step_skips_like_grad_scaler(built, capfd, ranks):
     """scaled_adam.ccn (f16 parameters, f32 master weights, dynamic loss scale) with two groups,
