@@ -245,7 +245,7 @@ def _nothing_left(err: CompileError, program: Program, directives: tuple[Directi
     head = first.message[:first.message.rindex(given)].rstrip()
     head = head[:head.rfind("; ")] if "; " in head else head
     why = said.removeprefix("fuse: ").split("; ")[0]
-    message = f"{head}; without it the fusion would be refused too ({why}): remove this fuse directive"
+    message = f"{head}; {given} would be refused too ({why}): remove this fuse directive"
     return CompileError([Diagnostic(first.span, message), *err.diagnostics[1:]])
 
 

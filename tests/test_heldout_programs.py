@@ -361,3 +361,11 @@ def test_random_inputs_fit_an_i32_step_count():
     for seed in range(20):
         step = random_inputs(prog, 2, sizes={"N": 7}, seed=seed)[0]["step"]
         assert 0 <= step < 2**31
+
+
+def test_a_reorder_that_leaves_the_moments_whole_is_refused_not_recursed():
+    """LAMB's reorder moving only gc, v1 and m1 (their readers left whole), then the zero
+    schedule's fuse: probing the reorder-then-fuse advice recursed without end (RecursionError
+    out of 'coconetc check'); it is one refusal with advice."""
+    text = LAMB.replace("agm, agv, agw = reorder(ag, gn, gc, m1, v1, r, rn, tr, w1)", "agv, agm = reorder(ag, gc, v1, m1)")
+    _one_refusal(text, "fuse(rs, gn, gc, m1, v1, r, wn, rn, tr, w1, agw)")

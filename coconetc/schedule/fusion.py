@@ -235,7 +235,20 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
                     "")
 
 
+_advising = [False]  # reorder_advice is running: the fusions it probes advise nothing in turn
+
+
 def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
+    if _advising[0]:
+        return None
+    _advising[0] = True
+    try:
+        return _reorder_advice(p, members, name)
+    finally:
+        _advising[0] = False
+
+
+def _reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
     """A split not followed by a reorder, or a reorder that left stages reading an allgather (a
     norm, a clipping factor): when the members (of a fuse directive, not applied to P) hold a
     reducescatter and computations that read its allgather (or the allgather of a member), the
