@@ -250,46 +250,59 @@ def _nothing_left(err: CompileError, program: Program, directives: tuple[Directi
 
 
 _FUSE_ADVICE = re.compile(r"((?:\w+ = )?fuse\(([^()]*)\))\s*$")
-_REORDER_FIRST = re.compile(r"reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)\s*$")
+_REORDER_FIRST = re.compile(r"(?:[\w, ]+ = )?reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)\s*$")
 
 
 def _settled(err: CompileError, program: Program, directives: tuple[Directive, ...], name: str) -> CompileError:
     """A refused fuse whose advice is a fuse directive: the schedule is checked with the advice
     followed, and with the advice of that check's refusal followed in turn (a fusion the
-    planner refuses after the schedule accepted it, say), so that the advice given is the one
-    that ends in an accepted schedule: following an advice never ends in another refusal of
-    the same fusion. The error unchanged where the first advice is accepted, or where no advice
-    leads to an accepted schedule."""
+    planner refuses after the schedule accepted it, or one that needs a reorder first), so
+    that the advice given is the one that ends in an accepted schedule: following an advice
+    never ends in another refusal of the same fusion. The error unchanged where the first
+    advice is accepted, or where no advice leads to an accepted schedule."""
     first = err.diagnostics[0]
     m = _FUSE_ADVICE.search(first.message)
     at = next((i for i, d in enumerate(directives) if isinstance(d, Fuse)
                and d.span.line <= first.span.line <= max(d.span.line, d.span.end_line)), None)
     if m is None or at is None or _REORDER_FIRST.search(first.message):
         return err
-    given = m[1]
+    refused = directives[at]
+    assert isinstance(refused, Fuse)
+    given, text = m[1], m[1]
+    instead: tuple[Directive, ...] = (replace(refused, stages=tuple(x.strip() for x in m[2].split(","))),)
     for _ in range(3):
-        members = tuple(x.strip() for x in m[2].split(","))
-        refused = directives[at]
-        assert isinstance(refused, Fuse)
-        tried = directives[:at] + (replace(refused, stages=members),) + directives[at + 1:]
+        tried = directives[:at] + instead + directives[at + 1:]
         try:
             plan_program(apply_all(program, tried), name)
         except CompileError as again:
             said = again.diagnostics[0].message
-            nxt = _FUSE_ADVICE.search(said)
             line = again.diagnostics[0].span.line
-            if _REORDER_FIRST.search(said) or not refused.span.line <= line <= max(refused.span.line,
-                                                                                 refused.span.end_line):
+            if not refused.span.line <= line <= max(refused.span.line, refused.span.end_line):
                 return err
+            nxt = _FUSE_ADVICE.search(said)
             if nxt is None:
                 return _nothing_left(err, program, directives, at, name, given, said)
-            m = nxt
+            both = _REORDER_FIRST.search(said)
+            if both is not None:  # a reorder, then the fuse: both take the refused one's place
+                text = both[0].strip()
+                instead = tuple(replace(x, span=refused.span) for x in _advised_directives(text))
+            else:
+                text = nxt[1]
+                instead = (replace(refused, stages=tuple(x.strip() for x in nxt[2].split(","))),)
             continue
-        if m[1] == given:
+        if text == given:
             return err
-        message = first.message[:first.message.rindex(given)] + m[1]
-        return CompileError([Diagnostic(first.span, message), *err.diagnostics[1:]])
+        head = first.message[:first.message.rindex(given)]
+        if ";" in text:  # a reorder first: say why
+            head = head.rstrip().removesuffix(":") + ", then move the stages that read an all-gather onto the slices: "
+        return CompileError([Diagnostic(first.span, head + text), *err.diagnostics[1:]])
     return err
+
+
+def _advised_directives(text: str) -> tuple[Directive, ...]:
+    """The directives of an advice written 'reorder(...); fuse(...)'."""
+    body = "\n".join(f"    {x.strip()}" for x in text.split(";"))
+    return tuple(from_ast(parse(f"schedule advice for p {{\n{body}\n}}\n", "<advice>").schedules[0].body or ()))
 
 
 def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFile:

@@ -369,3 +369,33 @@ def test_a_reorder_that_leaves_the_moments_whole_is_refused_not_recursed():
     out of 'coconetc check'); it is one refusal with advice."""
     text = LAMB.replace("agm, agv, agw = reorder(ag, gn, gc, m1, v1, r, rn, tr, w1)", "agv, agm = reorder(ag, gc, v1, m1)")
     _one_refusal(text, "fuse(rs, gn, gc, m1, v1, r, wn, rn, tr, w1, agw)")
+
+
+MOMENTUM = """# SGD with momentum (nesterov-free), gradient clipped by the global norm, weight decay coupled
+program sgd_mom_clip(g: f32[N] local, w: f32[N] replicated, buf: f32[N] replicated,
+                     lr: f32, mu: f32, wd: f32, maxnorm: f32) {
+    g1 = allreduce(avg, g)
+    total = norm(g1)
+    coef = min(maxnorm / (total + 1e-6), 1.0)
+    d = coef * g1 + wd * w
+    b1 = update(buf, mu * buf + d)
+    w1 = update(w, w - lr * b1)
+}
+
+
+schedule zero for sgd_mom_clip {
+    rs, ag = split(g1)
+    ag_b1, ag_w1 = reorder(ag, coef, d, b1, w1)
+    slice(buf)
+    fuse(rs, total, coef, d, b1, w1, agw)
+}
+"""
+
+
+def test_a_fuse_advice_that_needs_a_reorder_first_says_so_at_once():
+    """The reorder left the norm and the clip factor out and named the gathers ag_b1, ag_w1;
+    the fuse names agw. Leaving agw out was advised, and that fusion was refused next (the
+    norm reads the all-gather): the advice is now the reorder and the fuse that are accepted."""
+    mod, seen = _follow(MOMENTUM)
+    assert len(seen) == 1 and "reorder(ag, total, coef); fuse(rs, total, coef, d, b1, w1)" in seen[0], seen
+    assert _fused(mod, "sgd_mom_clip", "zero").partials
