@@ -9,7 +9,8 @@ for the generated Python extension module and the loader's CompiledModule.)"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from coconetc.autodiff import vjp
@@ -25,7 +26,7 @@ from coconetc.ir.ops import OpDef
 from coconetc.plan import Plan, plan_program
 from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
-from coconetc.schedule.directives import Directive
+from coconetc.schedule.directives import Directive, Fuse
 
 
 
@@ -146,7 +147,6 @@ def with_grads(mod: SourceFile, programs) -> SourceFile:
     `<p>_grad` and that program cut at the forward's saved values (autodiff/saved.py):
     `<p>_fwd` (p returning the saved values too) and `<p>_bwd` (the backward reading them),
     each with the schedules of p (of grad(p)) that apply to it unchanged."""
-    from dataclasses import replace
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))
     for p in programs:
@@ -223,15 +223,91 @@ def _schedule(mod: SourceFile, sched: syntax.Schedule, tree: syntax.File,
             raise CompileError.at(body[0].span, "schedule auto takes no directives: the autotuner chooses")
         known[sched.name] = ScheduleIR("auto", sched.target, (), None)
         return
-    ir = apply_all(mod.programs[sched.target], directives)
-    mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
+    try:
+        ir = apply_all(mod.programs[sched.target], directives)
+        mod.plans[(sched.target, sched.name)] = plan_program(ir, sched.name)
+    except CompileError as err:
+        raise _settled(err, mod.programs[sched.target], directives, sched.name) from None
     known[sched.name] = ScheduleIR(sched.name, sched.target, directives, ir)
+
+
+def _nothing_left(err: CompileError, program: Program, directives: tuple[Directive, ...], at: int, name: str,
+                  given: str, said: str) -> CompileError:
+    """The advised fusion is refused in turn with 'remove this fuse directive': say that at once
+    (when the schedule without the directive is accepted)."""
+    if not said.endswith("remove this fuse directive"):
+        return err
+    try:
+        plan_program(apply_all(program, directives[:at] + directives[at + 1:]), name)
+    except CompileError:
+        return err
+    first = err.diagnostics[0]
+    head = first.message[:first.message.rindex(given)].rstrip()
+    head = head[:head.rfind("; ")] if "; " in head else head
+    why = said.removeprefix("fuse: ").split("; ")[0]
+    message = f"{head}; {given} would be refused too ({why}): remove this fuse directive"
+    return CompileError([Diagnostic(first.span, message), *err.diagnostics[1:]])
+
+
+_FUSE_ADVICE = re.compile(r"((?:\w+ = )?fuse\(([^()]*)\))\s*$")
+_REORDER_FIRST = re.compile(r"(?:[\w, ]+ = )?reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)\s*$")
+
+
+def _settled(err: CompileError, program: Program, directives: tuple[Directive, ...], name: str) -> CompileError:
+    """A refused fuse whose advice is a fuse directive: the schedule is checked with the advice
+    followed, and with the advice of that check's refusal followed in turn (a fusion the
+    planner refuses after the schedule accepted it, or one that needs a reorder first), so
+    that the advice given is the one that ends in an accepted schedule: following an advice
+    never ends in another refusal of the same fusion. The error unchanged where the first
+    advice is accepted, or where no advice leads to an accepted schedule."""
+    first = err.diagnostics[0]
+    m = _FUSE_ADVICE.search(first.message)
+    at = next((i for i, d in enumerate(directives) if isinstance(d, Fuse)
+               and d.span.line <= first.span.line <= max(d.span.line, d.span.end_line)), None)
+    if m is None or at is None or _REORDER_FIRST.search(first.message):
+        return err
+    refused = directives[at]
+    assert isinstance(refused, Fuse)
+    given, text = m[1], m[1]
+    instead: tuple[Directive, ...] = (replace(refused, stages=tuple(x.strip() for x in m[2].split(","))),)
+    for _ in range(3):
+        tried = directives[:at] + instead + directives[at + 1:]
+        try:
+            plan_program(apply_all(program, tried), name)
+        except CompileError as again:
+            said = again.diagnostics[0].message
+            line = again.diagnostics[0].span.line
+            if not refused.span.line <= line <= max(refused.span.line, refused.span.end_line):
+                return err
+            nxt = _FUSE_ADVICE.search(said)
+            if nxt is None:
+                return _nothing_left(err, program, directives, at, name, given, said)
+            both = _REORDER_FIRST.search(said)
+            if both is not None:  # a reorder, then the fuse: both take the refused one's place
+                text = both[0].strip()
+                instead = tuple(replace(x, span=refused.span) for x in _advised_directives(text))
+            else:
+                text = nxt[1]
+                instead = (replace(refused, stages=tuple(x.strip() for x in nxt[2].split(","))),)
+            continue
+        if text == given:
+            return err
+        head = first.message[:first.message.rindex(given)]
+        if ";" in text:  # a reorder first: say why
+            head = head.rstrip().removesuffix(":") + ", then move the stages that read an all-gather onto the slices: "
+        return CompileError([Diagnostic(first.span, head + text), *err.diagnostics[1:]])
+    return err
+
+
+def _advised_directives(text: str) -> tuple[Directive, ...]:
+    """The directives of an advice written 'reorder(...); fuse(...)'."""
+    body = "\n".join(f"    {x.strip()}" for x in text.split(";"))
+    return tuple(from_ast(parse(f"schedule advice for p {{\n{body}\n}}\n", "<advice>").schedules[0].body or ()))
 
 
 def add_schedules(mod: SourceFile, text: str, file: str = "<tuned>") -> SourceFile:
     """A copy of MOD with the schedule blocks of TEXT added (each checked and planned as the
     file's own are); the autotuner's generated schedules join a file this way."""
-    from dataclasses import replace
     tree = parse(text, file)
     new = replace(mod, programs=dict(mod.programs), schedules={p: dict(s) for p, s in mod.schedules.items()},
                   plans=dict(mod.plans), derived=dict(mod.derived))

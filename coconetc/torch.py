@@ -10,7 +10,8 @@ function with its parameters (sliced for this rank) as an `nn.Module`.
 The program's tensor parameter named by `weights` receives the model's parameters, the one
 named by `grads` their gradients; every other tensor parameter is optimizer state, kept here as
 zeros in the layout the schedule gives it (this rank's slice under `slice(...)`); the scalar
-named by `step` is the 1-based step count; every other scalar lives in `param_groups` (so
+named by `step` is the 1-based step count (a program with no scalar `step`, as SGD, takes
+none); every other scalar lives in `param_groups` (so
 `torch.optim.lr_scheduler` works). One call of the compiled function per parameter group and
 step. `state_dict()` is the whole optimizer state on every rank (slices gathered), and
 `load_state_dict()` slices it again for this optimizer's schedule and rank count.
@@ -154,7 +155,7 @@ def _numel(params: list) -> int:
 class _Roles:
     """Which parameter of the program is what, checked once against every schedule."""
 
-    def __init__(self, fn: Any, schedule: str, weights: str, grads: str, step: str,
+    def __init__(self, fn: Any, schedule: str, weights: str, grads: str, step: str | None,
                  scalars: dict[str, Any], master: str | None = None):
         self.p = _program(fn, schedule)
         what = f"DistributedOptimizer({fn.name})"
@@ -163,8 +164,11 @@ class _Roles:
             if name not in q or q[name].scalar:
                 raise ValueError(f"{what}: {role}={name!r} must name a tensor parameter "
                                  f"(tensors: {', '.join(x.name for x in self.p.params if not x.scalar)})")
-        if step not in q or not q[step].scalar:
-            raise ValueError(f"{what}: step={step!r} must name a scalar parameter")
+        if step == "step" and step not in q:
+            step = None  # a program without a step count (SGD, momentum): the default names none
+        if step is not None and (step not in q or not q[step].scalar):
+            raise ValueError(f"{what}: step={step!r} must name a scalar parameter (or be None: "
+                             "the program takes no step count)")
         if master is not None and (master not in q or q[master].scalar or master in (weights, grads)
                                    or q[master].type.dtype not in _FLOATS):
             raise ValueError(f"{what}: master={master!r} must name a floating-point tensor parameter "
@@ -174,8 +178,9 @@ class _Roles:
         self.scalars = [x.name for x in self.p.params if x.scalar and x.name != step]
         extra = sorted(set(scalars) - set(self.scalars))
         if extra:
+            counted = f"; {step!r} is the step count" if step is not None else ""
             raise TypeError(f"{what}: unexpected keyword argument {extra[0]!r} (its scalars: "
-                            f"{', '.join(self.scalars)}; {step!r} is the step count)")
+                            f"{', '.join(self.scalars)}{counted})")
         for x in self.p.params:
             if x.scalar:
                 continue
@@ -345,7 +350,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
                  schedule: str = "default", comm: Any = None, weights: str = "w",
-                 grads: str = "g", step: str = "step", shared_memory: bool | None = None,
+                 grads: str = "g", step: str | None = "step", shared_memory: bool | None = None,
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
                  across_groups: bool = False, skipped: str | None = None,
                  feedback: dict[str, str] | None = None, **scalars: Any):
@@ -504,7 +509,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for s in self._roles.scalars:
                     v = opts[s]
                     args[s] = v.item() if isinstance(v, torch.Tensor) else v
-                args[self._roles.step] = group.steps
+                if self._roles.step is not None:
+                    args[self._roles.step] = group.steps
                 returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
                 if group.flat is not None:  # the parameters view the flat buffer: bump them
                     torch.autograd.graph.increment_version(group.params)

@@ -95,6 +95,22 @@ def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
     assert rc == 0, log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_users_clipped_adamw_matches_torch(built, capfd, ranks):
+    """tests/programs/heldout_clip_adamw.ccn (averaged gradients, the norm and the decay as
+    stages of their own, a zero schedule listing its fusion out of order) under each schedule,
+    two groups clipped together, against clip_grad_norm_ + torch.optim.AdamW."""
+    from coconetc.runtime.loader import compile_cpu
+    from coconetc.sourcefile import load_file
+    path = REPO / "tests" / "programs" / "heldout_clip_adamw.ccn"
+    compile_cpu(load_file(path), log=lambda msg: None)
+    scheds = ("default", "rs_c_ag", "zero")
+    rc, lines, log = _launch(capfd, ranks, "clip_file", str(path), *scheds)
+    _check(lines, log, [f"clip_file:{s}:R{ranks}{what}" for s in scheds for what in ("", ":clipped")])
+    assert rc == 0, log
+
+
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_loss_scaled_step_skips_like_grad_scaler(built, capfd, ranks):
     """scaled_adam.ccn (f16 parameters, f32 master weights, dynamic loss scale) with two groups,
@@ -288,6 +304,25 @@ def test_constructor_errors(built, kwargs, error, needle):
     from coconetc.torch import DistributedOptimizer
     with pytest.raises(error, match=needle):
         DistributedOptimizer(_model().parameters(), str(ADAM), **kwargs)
+
+
+@pytest.mark.parametrize("schedule", ["default", "fused"])
+def test_a_program_without_a_step_count(built, schedule):
+    """examples/sgd.ccn has no scalar `step` (SGD needs no count): the default step="step"
+    names none, and the optimizer steps as torch.optim.SGD (one rank: the sum is the gradient)."""
+    from coconetc.torch import DistributedOptimizer
+    model = _model()
+    ref = _model()
+    opt = DistributedOptimizer(model.parameters(), str(REPO / "examples" / "sgd.ccn"), schedule=schedule, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for t in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.full((5, 3), float(t + 1))).pow(2).sum().backward()
+            o.step()
+    assert max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())) < 1e-6
+    with pytest.raises(ValueError, match="step='t' must name a scalar parameter"):
+        DistributedOptimizer(model.parameters(), str(REPO / "examples" / "sgd.ccn"), step="t", lr=0.1)
 
 
 def test_wrong_parameter_dtype(built):

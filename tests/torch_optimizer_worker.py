@@ -20,6 +20,8 @@ MODE clip             examples/adamw.ccn, every schedule, three parameter groups
                       and weight decay): across_groups=True against clip_grad_norm_ over every
                       parameter + torch.optim.AdamW; across_groups=False against each group
                       clipped by its own norm
+MODE clip_file PATH SCHEDULE...  a clipped AdamW of another .ccn file (two groups, across_groups=True)
+                      against clip_grad_norm_ + torch.optim.AdamW
 MODE scaled           examples/scaled_adam.ccn (f16 parameters and gradients, f32 master weights,
                       dynamic loss scaling), every schedule, two groups with across_groups=True,
                       skipped="bad" and feedback={"scale": "newscale"}: an inf and a NaN in one
@@ -351,6 +353,36 @@ def mode_clip() -> None:
         report(f"clip:{schedule}:R{R}:frozen", max(max_diff(model, ref), (frozen - before).abs().max().item()))
 
 
+def mode_clip_file(path: str, schedules: list[str]) -> None:
+    """A clipped AdamW of another file (tests/programs/heldout_clip_adamw.ccn, gradients
+    averaged): two groups (decayed and not), across_groups=True, against clip_grad_norm_ over
+    every parameter + torch.optim.AdamW."""
+    hyper = dict(HYPER, beta2=0.95, wd=0.1, maxnorm=0.05)
+    avg = "allreduce(avg" in Path(path).read_text()
+    for schedule in schedules:
+        model = make_model()
+        ref = copy.deepcopy(model)
+
+        def groups(m: torch.nn.Module, key: str) -> list[dict]:
+            return [{"params": [p for p in m.parameters() if p.dim() >= 2]},
+                    {"params": [p for p in m.parameters() if p.dim() < 2], key: 0.0}]
+        opt = DistributedOptimizer(groups(model, "wd"), path, schedule=schedule, across_groups=True, **hyper)
+        ref_opt = torch.optim.AdamW(groups(ref, "weight_decay"), lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                                    eps=hyper["eps"], weight_decay=hyper["wd"], foreach=False)
+        clipped = 0
+        for t in range(1, STEPS // 4 + 1):
+            opt.zero_grad()
+            (local_loss(model, t) * (R if avg else 1)).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            (local_loss(ref, t) * (R if avg else 1)).backward()
+            allreduced_grads(ref, avg=avg)
+            clipped += torch.nn.utils.clip_grad_norm_(ref.parameters(), hyper["maxnorm"]).item() > hyper["maxnorm"]
+            ref_opt.step()
+        report(f"clip_file:{schedule}:R{R}", max_diff(model, ref))
+        report(f"clip_file:{schedule}:R{R}:clipped", 0.0 if clipped else 1.0)
+
+
 def mode_scaled(schedules=("default", "rs_c_ag", "zero"), backend: str | None = None, tag: str = "scaled") -> None:
     """The loss-scaled step against GradScaler's logic written out: the ranks' f16 gradients
     summed in f16 (as the program does), unscaled in f32; any inf/NaN: no optimizer step, the
@@ -419,6 +451,8 @@ def run_mode(comm) -> int:
         mode_clip()
     elif mode == "scaled":
         mode_scaled()
+    elif mode == "clip_file":
+        mode_clip_file(sys.argv[2], sys.argv[3:])
     elif mode == "save":
         mode_save(sys.argv[2])
     elif mode == "rank0_only":

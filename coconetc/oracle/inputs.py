@@ -37,8 +37,8 @@ def _values(q: Param, shape: tuple[int, ...], rng: np.random.Generator) -> np.nd
 
 
 def _scalar(q: Param, rng: np.random.Generator) -> Any:
-    if q.type.dtype.startswith("i"):
-        return int(rng.integers(0, 2**40))
+    if q.type.dtype.startswith("i"):  # within the dtype (an i32 step count, an i64 seed)
+        return int(rng.integers(0, 2**40 if q.type.dtype == "i64" else 2**31))
     return float(np.asarray(rng.uniform(0.05, 0.95), dtype=STORAGE[q.type.dtype]))
 
 

@@ -165,7 +165,7 @@ class _Planner:
         chain: list[Stage] = []
         for s in stages:
             if not self._chainable(s) or (chain and s.type != chain[0].type):
-                first = chain[0] if chain else s
+                first = chain[0] if chain else next((x for x in stages if x is not s), s)
                 raise PlanError.at(fusion.span, f"fuse: '{s.name}' cannot share one loop with "
                                    f"'{first.name}' ({_why_not_chained(s, first, self.scattered)}); "
                                    + self._chain_advice(fusion, stages))
@@ -180,7 +180,15 @@ class _Planner:
         first = ok[0] if ok else None
         drop = {s.name for s in stages if first is None or not self._chainable(s) or s.type != first.type}
         deps = depends_on(self.p)
-        gone = drop | {s.name for s in stages if deps.get(s.name, set()) & drop}
+        # a member that reads a left-out stage stays only if that stage reads no kept member
+        # (else it would sit between two members: a cycle); reading it from outside is fine
+        gone = set(drop)
+        while True:
+            kept = {s.name for s in stages} - gone
+            more = {m for m in kept if any(x in deps.get(m, set()) and deps.get(x, set()) & kept for x in gone)}
+            if not more:
+                break
+            gone |= more
         keep = [s.name for s in stages if s.name not in gone]
         left = ", ".join(f"'{n}'" for n in fusion.stages if n in gone)
         if len(keep) < 2:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,8 +31,11 @@ def fuse(p: Program, d: Fuse) -> Program:
     order = _contiguous(p, {s.name for s in stages})
     pos = {s.name: i for i, s in enumerate(order)}
     updates = tuple(sorted(p.updates, key=lambda u: pos.get(u[1], -1)))  # canonical: stage order
-    return replace(p, stages=order, updates=updates,
-                   fusions=p.fusions + (Fusion(name, tuple(s.name for s in stages), d.span),))
+    # the members in the order they run (a fusion listed out of order, fuse(w1, m1), would
+    # otherwise compute w1 before the m1 it reads)
+    names = {s.name for s in stages}
+    members = tuple(s.name for s in order if s.name in names)
+    return replace(p, stages=order, updates=updates, fusions=p.fusions + (Fusion(name, members, d.span),))
 
 
 def _check_names(p: Program, d: Fuse) -> None:
@@ -43,18 +47,78 @@ def _check_names(p: Program, d: Fuse) -> None:
         if p.stage(n) is not None and other is None:
             continue
         rest = [m for m in members if m != n and p.stage(m) is not None and p.fusion_of(m) is None]
+        rest = _settled(p, d, rest) if len(rest) >= 2 else rest
         fix = (f"leave it out: {_fuse_text(d, rest)}" if len(rest) >= 2
                else "nothing would be left to fuse; remove this fuse directive")
         if other is not None:
             raise ScheduleError(span_of(d, n), "fuse", n, f"the stage is already fused (in '{other.name}'; "
                                 f"a stage belongs to one fusion, so fuse last); {fix}")
         known = ", ".join(x.name for x in p.stages)
-        raise ScheduleError(span_of(d, n), "fuse", n, f"no stage named '{n}' (stages: {known}); {fix}")
+        raise ScheduleError(span_of(d, n), "fuse", n, f"no stage named '{n}' (stages: {known}); "
+                            + (_gather_instead(p, d, n) or fix))
     if d.name and (p.param(d.name) or p.stage(d.name) or any(f.name == d.name for f in p.fusions)):
         taken = {q.name for q in p.params} | {x.name for x in p.stages} | {f.name for f in p.fusions}
         fresh = next(f"{d.name}{k}" for k in range(2, len(taken) + 3) if f"{d.name}{k}" not in taken)
         raise ScheduleError(span_of(d, "=" + d.name), "fuse", d.name, f"the name '{d.name}' is already taken; "
                             f"choose another: {fresh} = fuse({', '.join(members)})")
+
+
+_ADVISED = re.compile(r"(?:\w+ = )?fuse\(([^()]*)\)$")
+_REORDER_FIRST = re.compile(r"reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)$")
+_settling = [False]  # _settled is running: the probes it makes do not settle in turn
+
+
+def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
+    """The members of an advised fusion, completed by what the refusal of it would advise in
+    turn (the stages between two members, that would make a cycle, added), so that following
+    one advice never ends in another refusal of the fusion; `stages` when that fusion is
+    accepted or its refusal advises nothing more."""
+    if _settling[0]:
+        return stages
+    _settling[0] = True
+    try:
+        for _ in range(3):
+            try:
+                fuse(p, replace(d, stages=tuple(stages)))
+                return stages
+            except ScheduleError as err:
+                m = _ADVISED.search(err.reason)
+                if m is None or "fuse" not in err.directive or _REORDER_FIRST.search(err.reason):
+                    return stages  # a reorder first: its names are not stages of P yet
+                more = [x.strip() for x in m[1].split(",")]
+                if more == stages or len(more) < 2 or any(p.stage(x) is None for x in more):
+                    return stages
+                stages = more
+        return stages
+    finally:
+        _settling[0] = False
+
+
+def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
+    """An unknown name where a fusion of a reducescatter wants its allgather (the user's name
+    for it, which a reorder named otherwise, as its advice's ag_<value>): the allgather of the
+    last member still gathered, in its place, when that fusion is accepted; else None."""
+    members = [m for m in dict.fromkeys(d.stages) if m != n]
+    listed = [p.stage(m) for m in members]
+    if any(s is None or p.fusion_of(s.name) is not None for s in listed):
+        return None
+    ops_ = [s.top.op for s in listed if s is not None and s.kind == "collective"]
+    if ops_ != ["reducescatter"]:
+        return None
+    gathers = [s for s in p.stages if s.kind == "collective" and isinstance(s.expr, Op) and s.expr.op == "allgather"
+               and isinstance(s.expr.args[0], Ref) and s.expr.args[0].name in members]
+    if not gathers:
+        return None
+    g = gathers[-1]
+    advised = replace(d, stages=tuple(_settled(p, d, [g.name if m == n else m for m in dict.fromkeys(d.stages)])))
+    if g.name not in advised.stages:
+        return None  # the fusion that would be accepted leaves that all-gather out after all
+    try:
+        fuse(p, advised)
+    except ScheduleError:
+        return None
+    return (f"the all-gather of '{g.expr.args[0].name}' is '{g.name}': "  # type: ignore[union-attr]
+            f"{_fuse_text(advised, list(advised.stages))}")
 
 
 def _check_members(p: Program, stages: list[Stage], d: Fuse) -> None:
@@ -171,7 +235,20 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
                     "")
 
 
+_advising = [False]  # reorder_advice is running: the fusions it probes advise nothing in turn
+
+
 def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
+    if _advising[0]:
+        return None
+    _advising[0] = True
+    try:
+        return _reorder_advice(p, members, name)
+    finally:
+        _advising[0] = False
+
+
+def _reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
     """A split not followed by a reorder, or a reorder that left stages reading an allgather (a
     norm, a clipping factor): when the members (of a fuse directive, not applied to P) hold a
     reducescatter and computations that read its allgather (or the allgather of a member), the
@@ -196,12 +273,21 @@ def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tupl
                   and (s.name in listed or any(s.name in deps.get(m, ()) for m in listed))]
         if not stages:
             continue
-        advice = _moved_and_fused(p, rs, ag, stages, (rs, *stages), name)
+        order = {s.name: i for i, s in enumerate(p.stages)}
+        # the other members listed (a norm of a replicated parameter, LAMB's norm(w)) stay in
+        # the fusion where they can; else the fusion of the moved stages alone
+        others = [m for m in listed if m not in stages and m != rs and p.stage(m) is not None
+                  and not is_op(m, "allgather")]
+        advice = None
+        if others:
+            advice = _moved_and_fused(p, rs, ag, stages, tuple(sorted({rs, *stages, *others}, key=order.__getitem__)),
+                                      name)
+        if advice is None:
+            advice = _moved_and_fused(p, rs, ag, stages, (rs, *stages), name)
         partly = [n for n in stages if not p.stage_named(n).type.layout.sliced]
         if advice is None and partly and partly != stages:
             # some stages already on the slices: move the others too, and fuse them with the
             # members listed (in the program's order)
-            order = {s.name: i for i, s in enumerate(p.stages)}
             keep = sorted({*listed, *partly}, key=lambda n: order.get(n, len(order)))
             advice = _moved_and_fused(p, rs, ag, partly, tuple(keep), name, gather=False)
         if advice is None:

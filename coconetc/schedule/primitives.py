@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from coconetc.errors import NOWHERE, ScheduleError
 from coconetc.ir import ops
-from coconetc.ir.nodes import Op, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import (depends_on, drop_stage, insert_after, is_used, rename,
                                  rename_program, retype_program)
 from coconetc.ir.types import REPLICATED, TType, sliced
@@ -75,7 +75,7 @@ def _movable(s: Stage, dim: int, d: Reorder) -> None:
                                 "the last dim, which the slice would cut")
 
 
-def reorder(p: Program, d: Reorder) -> Program:
+def reorder(p: Program, d: Reorder, advise: bool = True) -> Program:
     """agm, agw = reorder(ag, m1, w1)
 
     before:  rs = reducescatter(sum, g)  ag = allgather(rs)
@@ -95,14 +95,31 @@ def reorder(p: Program, d: Reorder) -> Program:
         twice = next(m for i, m in enumerate(d.stages) if m in d.stages[:i])
         raise ScheduleError(span_of(d, twice + "#2"), "reorder", twice, "the stage is listed twice")
     original = p
-    p = _retype_moved(p, ag, src, moved, d)
+    try:
+        p = _retype_moved(p, ag, src, moved, d)
+    except ScheduleError as err:
+        if advise and err.reason.startswith("the stage does not consume"):
+            raise ScheduleError(span_of(d, err.stage), "reorder", err.stage,
+                                err.reason + _left_out(original, d, err.stage)) from None
+        if not (advise and err.reason.startswith("would run as")):
+            raise
+        raise ScheduleError(span_of(d, err.stage), "reorder", err.stage,
+                            err.reason + _between_too(original, d, moved)) from None
     needed = [m for m in moved if _needed_whole(p, m, moved)]
+    if len(needed) != len(d.outs) and advise and not _readers_too(original, p, d, moved, needed):
+        # named right, would the reorder be accepted? if not, its own refusal (with the names
+        # right in its advice) says more than the count does
+        renamed = replace(d, outs=tuple(_keep_names(original, d.outs, needed)))
+        try:
+            reorder(original, renamed, advise=False)
+        except ScheduleError:
+            reorder(original, renamed)
     if len(needed) != len(d.outs):
         raise ScheduleError(span_of(d, "=" + d.outs[0] if d.outs else "()"), "reorder", d.ag,
                             f"{len(needed)} reordered value(s) are still needed whole "
                             f"({', '.join(needed) or 'none'}), so it returns {len(needed)} "
                             f"allgather(s); {len(d.outs)} name(s) given"
-                            + _readers_too(original, p, d, moved, needed))
+                            + (_readers_too(original, p, d, moved, needed) or _named(original, d, needed)))
     _fresh(p, d.outs, d, "reorder")
     for m, out in zip(needed, d.outs):
         t = p.type_of(m)
@@ -111,8 +128,61 @@ def reorder(p: Program, d: Reorder) -> Program:
                            skip={*moved, out})
     # the stages left in place now read the gathered values: type them again (a stage that
     # read a moved value was typed as sliced while it read the slice)
-    p = retype_program(p)
+    try:
+        p = retype_program(p)
+    except TypeErr:
+        # a stage left out of the list sits between two moved ones (mhat between m1 and w1):
+        # it reads a gathered value, and the moved stage that reads it runs whole
+        deps = depends_on(original)
+        left_out = {s.name for s in original.stages if s.name not in moved and deps[s.name] & set(moved)}
+        late = next((m for m in moved if deps[m] & left_out), None)
+        if late is None:
+            raise
+        raise ScheduleError(span_of(d, late), "reorder", late, "would run whole, not on slices: it reads "
+                            "stages left out of the list that read a reordered value (through its allgather)"
+                            + (_between_too(original, d, moved) if advise else "")) from None
     return drop_stage(p, d.ag) if not is_used(p, d.ag) else p
+
+
+def _left_out(p: Program, d: Reorder, stage: str) -> str:
+    """Advice for a listed stage that reads no all-gathered value (a decay `w * (1 - lr * wd)`):
+    the reorder without it (and without the other such stages), when that one is legal."""
+    deps = depends_on(p)
+    rest = [m for m in dict.fromkeys(d.stages) if p.stage(m) is not None and
+            (d.ag in deps[m] or any(x in deps[m] for x in d.stages if x != m and d.ag in deps.get(x, ())))]
+    if not rest or len(rest) == len(d.stages):
+        return ""
+    try:
+        outs = _keep_names(p, d.outs, reorder_gathers(p, d.ag, tuple(rest)))
+        reorder(p, Reorder(d.ag, tuple(rest), tuple(outs), d.span), advise=False)
+    except ScheduleError:
+        return ""
+    left = f"{', '.join(outs)} = " if outs else ""
+    gone = ", ".join(f"'{m}'" for m in d.stages if m not in rest)
+    return (f" (it reads no all-gathered value; slicing the parameters it reads takes it onto the slices); "
+            f"leave {gone} out: {left}reorder({', '.join((d.ag, *rest))})")
+
+
+def _between_too(p: Program, d: Reorder, moved: list[str]) -> str:
+    """Advice for a listed stage that would not run on slices because it reads stages left
+    out of the list that read the allgather or a listed stage: the reorder with them listed
+    too (in the program's order), when that reorder is legal; else ""."""
+    deps = depends_on(p)
+    listed = set(moved)
+    between = [s.name for s in p.stages if s.name not in listed and s.kind == "compute"
+               and (d.ag in deps[s.name] or deps[s.name] & listed)
+               and any(s.name in deps[m] for m in moved)]
+    if not between:
+        return ""
+    more = tuple(s.name for s in p.stages if s.name in listed or s.name in between)
+    try:
+        gathers = reorder_gathers(p, d.ag, more)
+        outs = _keep_names(p, d.outs, gathers)
+        reorder(p, Reorder(d.ag, more, tuple(outs), d.span), advise=False)
+    except ScheduleError:
+        return ""
+    left = f"{', '.join(outs)} = " if outs else ""
+    return f"; add {', '.join(repr(n) for n in between)} to the reorder: {left}reorder({', '.join((d.ag, *more))})"
 
 
 def _readers_too(p: Program, moved_p: Program, d: Reorder, moved: list[str], needed: list[str]) -> str:
@@ -129,10 +199,46 @@ def _readers_too(p: Program, moved_p: Program, d: Reorder, moved: list[str], nee
         return ""
     if len(gathers) >= len(needed):
         return ""
-    outs = list(d.outs) if len(d.outs) == len(gathers) else gather_names(p, gathers)
+    outs = _keep_names(p, d.outs, gathers)
     left = f"{', '.join(outs)} = " if outs else ""
     whole = ", ".join(f"'{m}'" for m in needed if any(u.name in readers for u in moved_p.users(m)))
     return f"; or move what reads {whole} whole onto the slices too: {left}reorder({d.ag}, {', '.join(more)})"
+
+
+def _named(p: Program, d: Reorder, needed: list[str]) -> str:
+    """The reorder with one name per allgather it returns (the names given kept, for the last
+    values: a schedule names the gathers it fuses or keeps, the weights' last)."""
+    outs = _keep_names(p, d.outs, needed)
+    left = f"{', '.join(outs)} = " if outs else ""
+    what = "name them" if len(outs) > 1 else "name it" if outs else "give it no names"
+    return f"; {what}: {left}reorder({', '.join((d.ag, *d.stages))})"
+
+
+def _keep_names(p: Program, given: tuple[str, ...], values: list[str]) -> list[str]:
+    """Names for the allgathers of `values`: a name given that names a value (agw or ag_w1
+    for w1, as the examples and the advice name them) for it; the other names given for the
+    last values left (all of them when there are as many); ag_<value> for the rest."""
+    out: list[str | None] = [None] * len(values)
+    free = list(given)
+    for i, v in enumerate(values):
+        base = v.rstrip("0123456789") or v
+        n = next((n for n in (f"ag_{v}", f"ag{v}", f"ag_{base}", f"ag{base}") if n in free), None)
+        if n is not None:
+            out[i] = n
+            free.remove(n)
+    others = {x.name for x in p.stages} - set(values)
+    free = [n for n in free if not any(n in (f"ag_{x}", f"ag{x}", f"ag_{x.rstrip('0123456789')}",
+                                             f"ag{x.rstrip('0123456789')}") for x in others)]  # another value's
+    rest = [i for i, n in enumerate(out) if n is None]
+    keep = min(len(free), len(rest))
+    for i, n in zip(rest[len(rest) - keep:], free[len(free) - keep:]):
+        out[i] = n
+    left = [i for i, n in enumerate(out) if n is None]
+    fresh = iter(gather_names(p, [values[i] for i in left]))
+    for i in left:
+        n = next(fresh)
+        out[i] = n if n not in out else n + "_"
+    return [n for n in out if n is not None]
 
 
 def gather_names(p: Program, values: list[str]) -> list[str]:
@@ -210,10 +316,12 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
     if param.type.layout.sliced:
         raise ScheduleError(span_of(d, name), "slice", name, "the parameter is already sliced")
     users = p.users(name)
-    layouts = {u.type.layout for u in users}
+    layouts = set().union(*({u.type.layout} if not _follows(p, u, name) else _readers_layouts(p, u)
+                            for u in users)) if users else set()
     if not users or len(layouts) != 1 or not next(iter(layouts)).sliced:
         shown = ", ".join(f"{u.name} ({u.type.layout})" for u in users) or "none"
-        raise ScheduleError(span_of(d, name), "slice", name, f"every use must run on slices after reorder; uses: {shown}")
+        raise ScheduleError(span_of(d, name), "slice", name, f"every use must run on slices after reorder; uses: {shown}"
+                            + _reorder_first(p, d))
     lay = next(iter(layouts))
     if lay.dim >= param.type.ndim or any(u.type.ndim != param.type.ndim for u in users):
         raise ScheduleError(span_of(d, name), "slice", name, "its uses are sliced along a dim the parameter does not have")
@@ -223,6 +331,63 @@ def _slice_one(p: Program, name: str, d: Slice) -> Program:
     params = tuple(replace(q, type=replace(q.type, layout=lay), scattered=False) if q.name == name
                    else q for q in p.params)
     return replace(p, params=params)
+
+
+def _reorder_first(p: Program, d: Slice) -> str:
+    """Advice for a slice whose parameters are read by stages that still run whole after a
+    split's all-gather (left out of the reorder, or no reorder yet): the reorder that moves
+    them (and the stages between the all-gather and them) onto the slices, then the slice,
+    when both are accepted; else ""."""
+    whole = list({u.name: u for q in d.params if p.param(q) is not None and not p.type_of(q).layout.sliced
+                  for u in p.users(q) if not u.type.layout.sliced and not _follows(p, u, q)}.values())
+    if not whole:
+        return ""
+    deps = depends_on(p)
+    gathers = [s.name for s in p.stages if isinstance(s.expr, Op) and s.expr.op == "allgather"
+               and any(s.name in deps[u.name] for u in whole)]
+    params = tuple(x for x in d.params if not p.type_of(x).layout.sliced)
+    for g, wide in ((g, wide) for g in gathers for wide in (True, False)):
+        # every whole computation after the all-gather (as a zero schedule moves them), else
+        # only those the slice needs
+        stages = tuple(s.name for s in p.stages if g in deps[s.name] and not s.type.layout.sliced
+                       and s.kind == "compute"
+                       and (wide or s in whole or any(s.name in deps[u.name] for u in whole)))
+        try:
+            outs = _keep_names(p, (), reorder_gathers(p, g, stages))
+            q = reorder(p, Reorder(g, stages, tuple(outs), d.span), advise=False)
+            slice_params(q, replace(d, params=params))
+        except ScheduleError:
+            continue
+        left = f"{', '.join(outs)} = " if outs else ""
+        moved = ", ".join(f"'{u.name}'" for u in whole)
+        return (f"; move {moved} onto the slices first: {left}reorder({', '.join((g, *stages))}); "
+                f"slice({', '.join(d.params)})")
+    return ""
+
+
+def _follows(p: Program, u: Stage, name: str) -> bool:
+    """A stage that runs whole only because the parameter it reads is whole, and runs on the
+    slices once the parameter is sliced: a pointwise computation over the parameter's elements
+    (the decay `wd1 = w * (1 - lr * wd)` of an AdamW written in two stages) whose other
+    operands are replicated, that only stages running on slices read (or other such stages),
+    and that is neither returned nor an update. Reorder cannot move it (it reads no
+    allgather); slicing the parameter does."""
+    if u.type.layout != REPLICATED or u.kind != "compute" or u.type.shape != p.type_of(name).shape:
+        return False
+    if any(isinstance(n, Op) and n.op not in POINTWISE for n in walk(u.expr)):
+        return False
+    if any(isinstance(n, Ref) and n.name != name and p.type_of(n.name).ndim and p.type_of(n.name).layout != REPLICATED
+           for n in walk(u.expr)):
+        return False
+    if any(s == u.name for _, s in p.outputs) or any(s == u.name for _, s in p.updates):
+        return False
+    readers = p.users(u.name)
+    return bool(readers) and all(r.type.layout.sliced or _follows(p, r, u.name) for r in readers)
+
+
+def _readers_layouts(p: Program, u: Stage) -> set:
+    """The layouts of the stages on slices that read a stage that _follows its parameter."""
+    return set().union(*({r.type.layout} if r.type.layout.sliced else _readers_layouts(p, r) for r in p.users(u.name)))
 
 
 def _unsliced_update(p: Program, name: str, src: str, lay, d: Slice) -> Program:
