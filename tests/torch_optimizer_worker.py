@@ -294,63 +294,57 @@ def _three_groups(model: torch.nn.Module) -> list[dict]:
             {"params": ps[1::2], "wd": 0.0}]
 
 
+def _clipped_pair(sched: str, shared: bool, across: bool, hyper: dict, frozen: int | None = None):
+    """Our clipped AdamW (adamw.ccn, three groups) beside PyTorch doing the same
+    (clip_grad_norm_ over every parameter, or each group's own, + torch.optim.AdamW), trained
+    STEPS // 2 steps; FROZEN: the index of a parameter frozen (requires_grad=False) in both.
+    Returns (model, reference, the steps whose gradient was clipped)."""
+    model = make_model()
+    if frozen is not None:
+        list(model.parameters())[frozen].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt = DistributedOptimizer(_three_groups(model), str(ADAMW), schedule=sched, across_groups=across,
+                               shared_memory=shared, **hyper)
+    ref_groups = _three_groups(ref)
+    ref_opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "wd"} |
+                                 {"weight_decay": g.get("wd", 0.1)} for g in ref_groups],
+                                lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
+                                eps=hyper["eps"], foreach=False)
+    clipped = 0
+    for t in range(1, STEPS // 2 + 1):
+        opt.zero_grad()
+        local_loss(model, t).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        local_loss(ref, t).backward()
+        allreduced_grads(ref)
+        parts = [list(ref.parameters())] if across else [g["params"] for g in ref_groups]
+        for ps in parts:
+            clipped += torch.nn.utils.clip_grad_norm_(ps, hyper["maxnorm"]).item() > hyper["maxnorm"]
+        ref_opt.step()
+    return model, ref, clipped
+
+
 def mode_clip() -> None:
     """AdamW with clipping by the global norm: every group's gradient in one norm
-    (across_groups=True), or each group's own (False), against PyTorch doing the same."""
+    (across_groups=True), or each group's own (False), against PyTorch doing the same; and with
+    a frozen matrix, which torch.optim.AdamW leaves as it is and clip_grad_norm_ leaves out."""
     hyper = dict(HYPER, wd=0.1, maxnorm=0.05)
     for schedule in ("default", "rs_c_ag", "sliced", "zero", "zero+shm"):
+        sched, shared = schedule.split("+")[0], schedule.endswith("+shm")
         trained = []
         for across in (True, False):
-            sched, shared = schedule.split("+")[0], schedule.endswith("+shm")
-            model = make_model()
-            ref = copy.deepcopy(model)
-            opt = DistributedOptimizer(_three_groups(model), str(ADAMW), schedule=sched, across_groups=across,
-                                       shared_memory=shared, **hyper)
-            ref_groups = _three_groups(ref)
-            ref_opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "wd"} |
-                                         {"weight_decay": g.get("wd", 0.1)} for g in ref_groups],
-                                        lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
-                                        eps=hyper["eps"], foreach=False)
-            clipped = 0
-            for t in range(1, STEPS // 2 + 1):
-                opt.zero_grad()
-                local_loss(model, t).backward()
-                opt.step()
-                ref_opt.zero_grad()
-                local_loss(ref, t).backward()
-                allreduced_grads(ref)
-                parts = [list(ref.parameters())] if across else [g["params"] for g in ref_groups]
-                for ps in parts:
-                    clipped += torch.nn.utils.clip_grad_norm_(ps, hyper["maxnorm"]).item() > hyper["maxnorm"]
-                ref_opt.step()
+            model, ref, clipped = _clipped_pair(sched, shared, across, hyper)
             label = f"clip:{schedule}:R{R}:{'across_groups' if across else 'per_group'}"
             report(label, max_diff(model, ref))
             report(f"{label}:clipped", 0.0 if clipped >= STEPS // 2 else 1.0)  # the clipping mattered
             trained.append(model)
         # and the two norms train differently (so each check above can tell them apart)
         report(f"clip:{schedule}:R{R}:norms_differ", 0.0 if max_diff(*trained) > 1e-3 else 1.0)
-        # a frozen matrix (requires_grad=False, decayed group): torch.optim.AdamW leaves it as it
-        # is and clip_grad_norm_ leaves it out; the step must too (not decay it)
-        model = make_model()
-        frozen = list(model.parameters())[2]
-        frozen.requires_grad_(False)
-        before = frozen.detach().clone()
-        ref = copy.deepcopy(model)
-        opt = DistributedOptimizer(_three_groups(model), str(ADAMW), schedule=sched, across_groups=True,
-                                   shared_memory=shared, **hyper)
-        ref_opt = torch.optim.AdamW([{k: v for k, v in g.items() if k != "wd"} | {"weight_decay": g.get("wd", 0.1)}
-                                     for g in _three_groups(ref)], lr=hyper["lr"],
-                                    betas=(hyper["beta1"], hyper["beta2"]), eps=hyper["eps"], foreach=False)
-        for t in range(1, STEPS // 2 + 1):
-            opt.zero_grad()
-            local_loss(model, t).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            local_loss(ref, t).backward()
-            allreduced_grads(ref)
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), hyper["maxnorm"])
-            ref_opt.step()
-        report(f"clip:{schedule}:R{R}:frozen", max(max_diff(model, ref), (frozen - before).abs().max().item()))
+        # a decayed matrix frozen: the step must leave it as it was (not decay it)
+        model, ref, _ = _clipped_pair(sched, shared, True, hyper, frozen=2)
+        moved = (list(model.parameters())[2] - list(make_model().parameters())[2]).abs().max().item()
+        report(f"clip:{schedule}:R{R}:frozen", max(max_diff(model, ref), moved))
 
 
 def mode_clip_file(path: str, schedules: list[str]) -> None:
