@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import replace
 
 from coconetc.errors import NOWHERE, ScheduleError
@@ -65,7 +66,8 @@ def _check_names(p: Program, d: Fuse) -> None:
 
 _ADVISED = re.compile(r"(?:\w+ = )?fuse\(([^()]*)\)$")
 _REORDER_FIRST = re.compile(r"reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)$")
-_settling = [False]  # _settled is running: the probes it makes do not settle in turn
+# _settled is running (in this thread or task): the probes it makes do not settle in turn
+_settling: ContextVar[bool] = ContextVar("coconet_fuse_settling", default=False)
 
 
 def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
@@ -73,9 +75,9 @@ def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
     turn (the stages between two members, that would make a cycle, added), so that following
     one advice never ends in another refusal of the fusion; `stages` when that fusion is
     accepted or its refusal advises nothing more."""
-    if _settling[0]:
+    if _settling.get():
         return stages
-    _settling[0] = True
+    token = _settling.set(True)
     try:
         for _ in range(3):
             try:
@@ -91,7 +93,7 @@ def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
                 stages = more
         return stages
     finally:
-        _settling[0] = False
+        _settling.reset(token)
 
 
 def _gather_instead(p: Program, d: Fuse, n: str) -> str | None:
@@ -235,17 +237,18 @@ def _cycle_advice(p: Program, group: set[str], d: Fuse, deps: dict[str, set[str]
                     "")
 
 
-_advising = [False]  # reorder_advice is running: the fusions it probes advise nothing in turn
+# reorder_advice is running (in this thread or task): the fusions it probes advise nothing in turn
+_advising: ContextVar[bool] = ContextVar("coconet_reorder_advising", default=False)
 
 
 def reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
-    if _advising[0]:
+    if _advising.get():
         return None
-    _advising[0] = True
+    token = _advising.set(True)
     try:
         return _reorder_advice(p, members, name)
     finally:
-        _advising[0] = False
+        _advising.reset(token)
 
 
 def _reorder_advice(p: Program, members: Sequence[str], name: str | None) -> tuple[str, Program] | None:
