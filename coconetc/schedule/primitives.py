@@ -221,14 +221,12 @@ def _keep_names(p: Program, given: tuple[str, ...], values: list[str]) -> list[s
     out: list[str | None] = [None] * len(values)
     free = list(given)
     for i, v in enumerate(values):
-        base = v.rstrip("0123456789") or v
-        n = next((n for n in (f"ag_{v}", f"ag{v}", f"ag_{base}", f"ag{base}") if n in free), None)
+        n = next((n for n in _gather_forms(v) if n in free), None)
         if n is not None:
             out[i] = n
             free.remove(n)
     others = {x.name for x in p.stages} - set(values)
-    free = [n for n in free if not any(n in (f"ag_{x}", f"ag{x}", f"ag_{x.rstrip('0123456789')}",
-                                             f"ag{x.rstrip('0123456789')}") for x in others)]  # another value's
+    free = [n for n in free if not any(n in _gather_forms(x) for x in others)]  # another value's
     rest = [i for i, n in enumerate(out) if n is None]
     keep = min(len(free), len(rest))
     for i, n in zip(rest[len(rest) - keep:], free[len(free) - keep:]):
@@ -239,6 +237,12 @@ def _keep_names(p: Program, given: tuple[str, ...], values: list[str]) -> list[s
         n = next(fresh)
         out[i] = n if n not in out else n + "_"
     return [n for n in out if n is not None]
+
+
+def _gather_forms(v: str) -> tuple[str, ...]:
+    """The names a schedule gives the allgather of value v (agw, ag_w1 for w1)."""
+    base = v.rstrip("0123456789") or v
+    return (f"ag_{v}", f"ag{v}", f"ag_{base}", f"ag{base}")
 
 
 def gather_names(p: Program, values: list[str]) -> list[str]:
