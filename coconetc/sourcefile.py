@@ -9,7 +9,6 @@ for the generated Python extension module and the loader's CompiledModule.)"""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from coconetc.plan import Plan, plan_program
 from coconetc.plan.label import DEFAULT
 from coconetc.schedule import apply_all, from_ast
 from coconetc.schedule.directives import Directive, Fuse
+from coconetc.schedule.fusion import FUSE_ADVICE, REORDER_FIRST_ADVICE
 
 
 
@@ -249,10 +249,6 @@ def _nothing_left(err: CompileError, program: Program, directives: tuple[Directi
     return CompileError([Diagnostic(first.span, message), *err.diagnostics[1:]])
 
 
-_FUSE_ADVICE = re.compile(r"((?:\w+ = )?fuse\(([^()]*)\))\s*$")
-_REORDER_FIRST = re.compile(r"(?:[\w, ]+ = )?reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)\s*$")
-
-
 def _settled(err: CompileError, program: Program, directives: tuple[Directive, ...], name: str) -> CompileError:
     """A refused fuse whose advice is a fuse directive: the schedule is checked with the advice
     followed, and with the advice of that check's refusal followed in turn (a fusion the
@@ -261,10 +257,10 @@ def _settled(err: CompileError, program: Program, directives: tuple[Directive, .
     never ends in another refusal of the same fusion. The error unchanged where the first
     advice is accepted, or where no advice leads to an accepted schedule."""
     first = err.diagnostics[0]
-    m = _FUSE_ADVICE.search(first.message)
+    m = FUSE_ADVICE.search(first.message)
     at = next((i for i, d in enumerate(directives) if isinstance(d, Fuse)
                and d.span.line <= first.span.line <= max(d.span.line, d.span.end_line)), None)
-    if m is None or at is None or _REORDER_FIRST.search(first.message):
+    if m is None or at is None or REORDER_FIRST_ADVICE.search(first.message):
         return err
     refused = directives[at]
     assert isinstance(refused, Fuse)
@@ -279,10 +275,10 @@ def _settled(err: CompileError, program: Program, directives: tuple[Directive, .
             line = again.diagnostics[0].span.line
             if not refused.span.line <= line <= max(refused.span.line, refused.span.end_line):
                 return err
-            nxt = _FUSE_ADVICE.search(said)
+            nxt = FUSE_ADVICE.search(said)
             if nxt is None:
                 return _nothing_left(err, program, directives, at, name, given, said)
-            both = _REORDER_FIRST.search(said)
+            both = REORDER_FIRST_ADVICE.search(said)
             if both is not None:  # a reorder, then the fuse: both take the refused one's place
                 text = both[0].strip()
                 instead = tuple(replace(x, span=refused.span) for x in _advised_directives(text))

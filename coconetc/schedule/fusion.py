@@ -64,8 +64,10 @@ def _check_names(p: Program, d: Fuse) -> None:
                             f"choose another: {fresh} = fuse({', '.join(members)})")
 
 
-_ADVISED = re.compile(r"(?:\w+ = )?fuse\(([^()]*)\)$")
-_REORDER_FIRST = re.compile(r"reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)$")
+# the advice at the end of a refusal, as the messages write it: a fuse directive (group 1 the
+# directive, group 2 its members), or a reorder then a fuse (sourcefile._settled follows them too)
+FUSE_ADVICE = re.compile(r"((?:\w+ = )?fuse\(([^()]*)\))\s*$")
+REORDER_FIRST_ADVICE = re.compile(r"(?:[\w, ]+ = )?reorder\([^()]*\); (?:\w+ = )?fuse\([^()]*\)\s*$")
 # _settled is running (in this thread or task): the probes it makes do not settle in turn
 _settling: ContextVar[bool] = ContextVar("coconet_fuse_settling", default=False)
 
@@ -84,10 +86,10 @@ def _settled(p: Program, d: Fuse, stages: list[str]) -> list[str]:
                 fuse(p, replace(d, stages=tuple(stages)))
                 return stages
             except ScheduleError as err:
-                m = _ADVISED.search(err.reason)
-                if m is None or "fuse" not in err.directive or _REORDER_FIRST.search(err.reason):
+                m = FUSE_ADVICE.search(err.reason)
+                if m is None or "fuse" not in err.directive or REORDER_FIRST_ADVICE.search(err.reason):
                     return stages  # a reorder first: its names are not stages of P yet
-                more = [x.strip() for x in m[1].split(",")]
+                more = [x.strip() for x in m[2].split(",")]
                 if more == stages or len(more) < 2 or any(p.stage(x) is None for x in more):
                     return stages
                 stages = more
