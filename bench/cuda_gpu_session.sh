@@ -17,6 +17,8 @@
 #                   (coconetc.torch.function) against the same layer in PyTorch
 #   chunks          the examples at size 37 in 5-element chunks (every fused pipeline runs many chunks)
 #   misalign        the examples with every tensor one element off (the element path)
+#   tune_cuda       `coconetc tune --backend cuda` on adam.ccn at 2^26: the tuner on the GPU (its
+#                   table in session.log; the record whole in gpu_session.json)
 # then bench/cuda_gpu_report.py merges them. OUTDIR ends up with three files only (the device
 # tool brings back at most 8):
 #   session.log      every step's output, its exit code and seconds
@@ -90,6 +92,8 @@ step tp_mlp_bf16 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf
     --json "$tmp/tp_mlp_bf16.json"
 check chunks 300 env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --odd 37
 check misalign 240 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --misalign
+step tune_cuda 240 python3 -c "from coconetc.cli import main; main()" tune examples/adam.ccn --backend cuda --ranks 1 --size N=67108864 --reps 5 \
+    --json "$tmp/tune_cuda.json"
 step report 60 python3 bench/cuda_gpu_report.py "$tmp" --out "$OUT"
 cat "$OUT/gpu_session.md" 2>/dev/null
 rm -rf "$tmp"

@@ -3,6 +3,7 @@ Python traceback (--debug shows it)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import NoReturn
 import traceback
@@ -670,10 +671,18 @@ def launch(ranks: int, hostfile: str | None, hosts: str | None, script: str, arg
 @click.option("--size", "sizes", multiple=True, metavar="NAME=INT", help="Every size symbol, e.g. N=4194304.")
 @click.option("--reps", type=click.IntRange(1), default=5, show_default=True,
               help="Timed calls per schedule (after one warm-up); the median counts.")
-@click.option("--keep", type=float, default=2.0, show_default=True,
-              help="Measure a generated schedule only if its modelled time is at most KEEP x the best.")
+@click.option("--keep", type=float, default=None,
+              help="Measure a generated schedule only if its modelled time is at most KEEP x the best "
+                   "(default: 2 on the CPU; on CUDA every one: the cost model is the CPU backend's).")
 @click.option("--json", "json_path", type=click.Path(), help="Write the measurements and the choice here.")
-def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
+@click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="The backend whose module is measured (cuda: on this node's GPUs, one rank a GPU; "
+                   "with --emulate, under the host emulation). schedule=\"auto\" reads the choice "
+                   "on the backend that measured it.")
+@click.option("--emulate", is_flag=True,
+              help="With --backend cuda: measure the generated CUDA code under the host emulation "
+                   "(the path, not a GPU's times; its choice serves COCONET_CUDA_EMULATE=1).")
+def tune(file, ranks, program, sizes, reps, keep, json_path, backend, emulate) -> None:
     """Choose the fastest schedule of a program at these sizes on R ranks (schedule="auto").
 
     Measures the file's schedules and the ones the tuner writes itself (split, reorder, slice,
@@ -682,6 +691,14 @@ def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
     from coconetc.oracle.inputs import size_symbols
     from coconetc.toolchain import BuildError
     from coconetc.tune import tuner
+    if emulate and backend != "cuda":
+        _fail("coconetc: --emulate goes with --backend cuda")
+    if backend == "cuda" and not emulate and not _gpu_here():
+        _fail("coconetc: tune --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
+              "add --emulate to measure the generated CUDA code on the CPU")
+    target = "cpu" if backend == "cpu" else "cuda-emulated" if emulate else "cuda"
+    if keep is None:
+        keep = tuner.KEEP if target == "cpu" else math.inf
     mod = _load(file)
     name = _pick_program(mod, program, None)
     known = size_symbols(mod.programs[name])
@@ -691,7 +708,8 @@ def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
         _fail(f"coconetc: tune needs every size symbol: add {' '.join(f'--size {k}=INT' for k in missing)}")
     _check_sizes(mod.programs[name], sz, 0)
     try:
-        rec = tuner.tune(mod, name, sz, ranks, reps=reps, keep=keep, echo=lambda m: click.echo(m, err=True))
+        rec = tuner.tune(mod, name, sz, ranks, reps=reps, keep=keep, echo=lambda m: click.echo(m, err=True),
+                         target=target)
     except (tuner.TuneError, BuildError) as err:
         _fail(str(err))
     except CompileError as err:
@@ -704,7 +722,7 @@ def tune(file, ranks, program, sizes, reps, keep, json_path) -> None:
     if json_path:
         import json
         keys = ("measured", "choice", "generated", "schedules", "modelled", "by_convention",
-                "conventions", "sizes", "ranks", "machine")
+                "conventions", "sizes", "ranks", "target", "machine")
         with open(json_path, "w") as f:
             json.dump({k: rec[k] for k in keys}, f, indent=1)
         click.echo(f"wrote {json_path}")

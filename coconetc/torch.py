@@ -357,13 +357,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = _param_groups(params)
         backend = self._settings(params, backend, shared_memory, across_groups)
         self._connect(params, source, program, comm, process_group)
-        if schedule == "auto":  # the tuning cache's choice for this model's size, fixed now
-            if backend != "cpu":
-                raise ValueError("DistributedOptimizer: schedule='auto' reads the CPU backend's tuning "
-                                 "cache; name the CUDA module's schedule")
-            schedule = self._fn.resolve_schedule("auto", comm=self._comm,
-                                                 **{self._fn_size(weights): _numel(params)})
         try:
+            if schedule == "auto":  # the tuning cache's choice (of this backend) for this model's size, fixed now
+                schedule = self._fn.resolve_schedule("auto", comm=self._comm,
+                                                     **{self._fn_size(weights): _numel(params)})
             _program(self._fn, schedule)  # an unknown schedule raises, naming the known ones
         except ValueError as err:
             if backend == "cuda":

@@ -21,6 +21,7 @@ from coconetc.ir import printer
 from coconetc.launch.mpiexec import run_python
 from coconetc.schedule import apply_all
 from coconetc.runtime import tuned
+from coconetc.toolchain import probes
 from coconetc.tune.cost import Machine, cost
 from coconetc.tune.space import candidates, state_params
 from coconetc.tune.tuner import prune
@@ -320,13 +321,14 @@ from coconetc.interp.interpreter import Result, run
 
 comm = MPI.COMM_WORLD
 rank, R = comm.Get_rank(), comm.Get_size()
-mod = coconetc.load(sys.argv[1], log=lambda m: None)
+backend = sys.argv[3]  # cuda: the CUDA module (under COCONET_CUDA_EMULATE=1, the host emulation)
+mod = coconetc.load(sys.argv[1], log=lambda m: None, backend=backend)
 fn = mod.adam
 base = mod.source_module.programs["adam"]
 inputs = random_inputs(base, R, 1, {"N": int(sys.argv[2])}, seed=5)
 ref = run(base, inputs)
-for want in sys.argv[3:]:
-    ir = fn._program(want)
+for want in sys.argv[4:]:
+    ir = fn.schedules[want]
     mine = copy.deepcopy(adapt_inputs(inputs, base, ir)[rank])
     fn(schedule="auto", **mine)  # the arrays say which calling convention
     got = comm.allgather(Result({}, {t: np.asarray(mine[t]) for t, _ in ir.updates}, None))
@@ -359,5 +361,72 @@ def test_tune_then_call_with_schedule_auto(tmp_path, tuning_file) -> None:
     tuning_file.write_text(json.dumps({key: rec}))
     script = tmp_path / "auto_call.py"
     script.write_text(AUTO_CALL)
-    rc = run_python(2, [str(script), str(ADAM), "1000", "auto_split", "auto_rs_c_ag_slice"], timeout=240)
+    rc = run_python(2, [str(script), str(ADAM), "1000", "cpu", "auto_split", "auto_rs_c_ag_slice"], timeout=240)
     assert rc == 0
+
+
+AUTO_OPTIMIZER = r"""
+import sys
+import torch  # (and no mpi4py: the emulated module's own MPI_Init once left MPI unfinalized, a failed rank)
+from coconetc.torch import DistributedOptimizer
+
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(400))]  # N = 1000
+mine = [torch.nn.Parameter(p.detach().clone()) for p in params]
+hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+opt = DistributedOptimizer(mine, sys.argv[1], backend="cuda", schedule="auto", lr=1e-2, beta1=0.9,
+                           beta2=0.999, eps=1e-8)
+assert opt.schedule == sys.argv[2], (opt.schedule, sys.argv[2])
+ref = torch.optim.Adam(params, **hyper)
+for it in range(3):
+    grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(7 * it + i)) for i, p in enumerate(params)]
+    for p, q, g in zip(params, mine, grads):
+        p.grad, q.grad = g.clone(), g.clone()  # the same gradient on every rank: the mean is itself
+    ref.step()
+    opt.step()
+for p, q in zip(params, mine):
+    torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6)
+print("optimizer auto ok", opt.schedule, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_tune_cuda_emulated_then_auto(tmp_path, tuning_file, monkeypatch, capfd) -> None:
+    """`coconetc tune --backend cuda --emulate` measures the CUDA module's schedules (no
+    point-to-point variants: a CPU choice) and stores the record for the emulated CUDA target
+    only; the emulated CUDA module's schedule="auto", and DistributedOptimizer(backend="cuda",
+    schedule="auto"), then run its choices, the tuner's own schedules built in."""
+    from coconetc.runtime.cuda import EMULATE
+    monkeypatch.setenv(probes.ENV_CACHE, str(tmp_path.parent / "cuda-auto-cache"))
+    out = tmp_path / "tune.json"
+    res = invoke("tune", ADAM, "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=1000",
+                 "--reps", "1", "--json", out)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["target"] == "cuda-emulated" and data["machine"].endswith("| CUDA host emulation")
+    assert not any("@" in label for label in data["measured"])
+    assert {"default", "zero", "fused"} <= set(data["measured"]) and data["choice"] in data["measured"]
+    mod = load_file(ADAM)
+    assert tuned.lookup(mod.source, "adam", {"N": 1000}, 2) is None  # the CPU backend's own records
+    assert tuned.lookup(mod.source, "adam", {"N": 1000}, 2, target="cuda-emulated")["choice"] == data["choice"]
+    # the call-time choices made schedules the tuner wrote, which the module must then carry
+    store = json.loads(tuning_file.read_text())
+    (key, rec), = store.items()
+    rec["choice"] = "auto_rs_c_ag_slice"
+    rec["by_convention"] = {"": "auto_split", "m: sliced(0), v: sliced(0)": "auto_rs_c_ag_slice"}
+    tuning_file.write_text(json.dumps({key: rec}))
+    monkeypatch.setenv(EMULATE, "1")
+    script = tmp_path / "auto_call.py"
+    script.write_text(AUTO_CALL)
+    rc = run_python(2, [str(script), str(ADAM), "1000", "cuda", "auto_split", "auto_rs_c_ag_slice"], timeout=240)
+    assert rc == 0
+    script = tmp_path / "auto_optimizer.py"
+    script.write_text(AUTO_OPTIMIZER)
+    rc = run_python(2, [str(script), str(ADAM), "auto_rs_c_ag_slice"], timeout=240)
+    assert rc == 0
+    assert capfd.readouterr().out.count("optimizer auto ok auto_rs_c_ag_slice") == 2
+
+
+def test_tune_backend_options() -> None:
+    res = invoke("tune", ADAM, "--emulate", "--size", "N=64")
+    assert res.exit_code == 1 and "--emulate goes with --backend cuda" in res.stderr

@@ -46,8 +46,7 @@ class GpuFunction:
 
     def __call__(self, schedule=None, groups=1, **kwargs):
         import torch
-        dev = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() if isinstance(v, np.ndarray) else v
-               for k, v in kwargs.items()}
+        dev = self.on_device(kwargs)
         out = self.fn(schedule=schedule, groups=groups, comm=self.comm, **dev)
         torch.cuda.synchronize()
         for k, v in kwargs.items():
@@ -56,6 +55,36 @@ class GpuFunction:
         outs = out if isinstance(out, tuple) else (out,) if out is not None else ()
         got = tuple(o.cpu().numpy() for o in outs)
         return None if not got else got[0] if len(got) == 1 else got
+
+    @staticmethod
+    def on_device(kwargs: dict) -> dict:
+        """The NumPy arrays among KWARGS copied to this rank's GPU (the rest as given)."""
+        import torch
+        return {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() if isinstance(v, np.ndarray) else v
+                for k, v in kwargs.items()}
+
+    def synced(self, schedule: str, kwargs: dict):
+        """A call of SCHEDULE on copies of KWARGS already on the GPU, returning when the GPU is
+        done (what a timing measures: no copy to or from the host inside it)."""
+        import torch
+        dev = self.on_device(kwargs)
+        torch.cuda.synchronize()
+
+        def call():
+            out = self.fn(schedule=schedule, comm=self.comm, **dev)
+            torch.cuda.synchronize()
+            return out
+        return call
+
+
+def load_for(a: Any, comm: Any) -> Any:
+    """The module a rank program's command line asks for (args.py): --emulate-cuda, --cuda, or
+    the CPU module."""
+    if a.emulate_cuda:
+        return load_emulated(a.file, a.grad_of)
+    if a.cuda:
+        return load_on_gpu(a.file, comm, a.grad_of)
+    return load_cpu(a.file, a.include_dir, getattr(a, "library_dir", ()), getattr(a, "library", ()), a.grad_of)
 
 
 def load_on_gpu(file: str, comm: Any, grad=()) -> Any:

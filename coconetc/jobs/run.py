@@ -13,7 +13,7 @@ from typing import Any
 
 from coconetc.jobs import args
 from coconetc.jobs.abort import stop_job_on_failure
-from coconetc.jobs.modules import load_cpu, load_emulated, load_on_gpu
+from coconetc.jobs.modules import load_for
 from coconetc.jobs.timing import slowest_median, timed_rounds
 from coconetc.jobs.verify import call_results, print_problems, verify_results
 from coconetc.oracle.inputs import adapt_inputs, random_inputs
@@ -26,10 +26,6 @@ def _args(argv):
     ap.add_argument("--save")
     ap.add_argument("--library-dir", action="append", default=[])
     ap.add_argument("--library", action="append", default=[])
-    ap.add_argument("--emulate-cuda", action="store_true",
-                    help="the CUDA module under the host emulation instead of the CPU module")
-    ap.add_argument("--cuda", action="store_true",
-                    help="the CUDA module on this node's GPUs (one rank a GPU), torch CUDA tensors")
     return ap.parse_args(argv)
 
 
@@ -37,17 +33,9 @@ def main(argv=None) -> int:
     return stop_job_on_failure(lambda comm: _main(_args(argv), comm), "coconetc")
 
 
-def _load(a, comm) -> Any:
-    if a.emulate_cuda:
-        return load_emulated(a.file, a.grad_of)
-    if a.cuda:
-        return load_on_gpu(a.file, comm, a.grad_of)
-    return load_cpu(a.file, a.include_dir, a.library_dir, a.library, a.grad_of)
-
-
 def _main(a, comm) -> int:
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
-    mod = _load(a, comm)
+    mod = load_for(a, comm)
     fn: Any = mod.programs[a.program]
     base = mod.source_module.programs[a.program]
     inputs = random_inputs(base, comm.Get_size(), a.groups, sizes, a.seed)

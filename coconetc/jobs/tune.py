@@ -4,9 +4,12 @@ schedule; the median of each rank's calls, the slowest rank's median counted), t
 calling convention the fastest schedule checked once against the interpreter (the next
 fastest if it does not match). Rank 0 prints `PROGRESS i n label seconds` lines for the
 tuner's progress bar and writes the results as JSON to --out. A rank that fails stops the
-whole job (MPI Abort).
+whole job (MPI Abort). With --cuda the CUDA module runs on this node's GPUs: each call's inputs
+are copied to the GPU before it and the call is timed up to the GPU's end of it
+(torch.cuda.synchronize); with --emulate-cuda, under the host emulation (which synchronizes).
 
-    python -m coconetc.jobs.tune FILE --program P --out JSON --schedule LABEL... [--size N=INT]..."""
+    python -m coconetc.jobs.tune FILE --program P --out JSON --schedule LABEL... [--size N=INT]...
+        [--cuda | --emulate-cuda]"""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import sys
 
 from coconetc.jobs import args
 from coconetc.jobs.abort import stop_job_on_failure
-from coconetc.jobs.modules import load_cpu
+from coconetc.jobs.modules import load_for
 from coconetc.jobs.timing import slowest_medians, timed_rounds
 from coconetc.jobs.verify import verify_call
 from coconetc.interp.interpreter import run
@@ -37,17 +40,17 @@ def main(argv=None) -> int:
 
 def _main(a, comm) -> int:
     sizes = {k: int(v) for k, v in (s.split("=") for s in a.size)}
-    mod = load_cpu(a.file, a.include_dir)
+    mod = load_for(a, comm)
     fn, base = mod.programs[a.program], mod.source_module.programs[a.program]
     inputs = random_inputs(base, comm.Get_size(), 1, sizes, a.seed)
-    measured = _time_all(fn, a.schedule, base, inputs, comm, a.reps)
-    conv = {label: convention(fn._program(label), base) for label in a.schedule}
+    measured = _time_all(fn, a.schedule, base, inputs, comm, a.reps, a.cuda)
+    conv = {label: convention(_ir(fn, label), base) for label in a.schedule}
     verified: dict[str, list[str]] = {}
     ref = functools.cache(lambda: run(base, inputs, 1))  # the unscheduled program's results (rank 0, once)
     by_conv: dict[str, str] = {}
     for c in sorted(set(conv.values()), key=lambda c: (c != "", c)):
         for label in sorted((x for x in a.schedule if conv[x] == c), key=measured.__getitem__):
-            ir = fn._program(label)
+            ir = _ir(fn, label)
             verified[label] = verify_call(comm, fn, ir, adapt_inputs(inputs, base, ir), 1, ref, base,
                                           schedule=label).problems
             if not verified[label]:
@@ -62,13 +65,18 @@ def _main(a, comm) -> int:
     return 0 if choice is not None else 1
 
 
-def _time_all(fn, labels: list[str], base, inputs, comm, reps: int) -> dict[str, float]:
+def _ir(fn, label: str):
+    """The program LABEL runs (a CUDA module's schedules carry no CPU algorithm: a name)."""
+    return fn._program(label) if hasattr(fn, "_program") else fn.schedules[label]
+
+
+def _time_all(fn, labels: list[str], base, inputs, comm, reps: int, gpu: bool) -> dict[str, float]:
     """Round-robin: one call of every schedule per round (the first round warms up: caches,
     pages, the communicator's buffers), so that a change in the machine's load touches every
     schedule alike; the median of each rank's calls, the slowest rank's median counted."""
     rank = comm.Get_rank()
-    mine = {x: adapt_inputs(inputs, base, fn._program(x))[rank] for x in labels}
-    calls = {x: functools.partial(_prepare, fn, x, mine[x]) for x in labels}
+    mine = {x: adapt_inputs(inputs, base, _ir(fn, x))[rank] for x in labels}
+    calls = {x: functools.partial(_prepare, fn, x, mine[x], gpu) for x in labels}
     total, done = len(labels) * (max(1, reps) + 1), [0]
 
     def progress(label, k, seconds, out):
@@ -80,7 +88,9 @@ def _time_all(fn, labels: list[str], base, inputs, comm, reps: int) -> dict[str,
     return slowest_medians(comm, times)
 
 
-def _prepare(fn, label: str, args: dict):
+def _prepare(fn, label: str, args: dict, gpu: bool):
+    if gpu:  # (modules.GpuFunction) the copies to the GPU made here, outside the timing
+        return fn.synced(label, copy.deepcopy(args))
     return functools.partial(fn, schedule=label, **copy.deepcopy(args))
 
 

@@ -1,7 +1,9 @@
 """schedule="auto": the schedule the autotuner chose, read from the tuning records
 (tuned.py), never from the tuner itself. In a call (`for_call`): the fastest tuned schedule
 whose calling convention matches the arrays given; for a size set (`overall`,
-`fn.resolve_schedule("auto", ...)`): the tuner's overall choice."""
+`fn.resolve_schedule("auto", ...)`): the tuner's overall choice. FN is a program of a module
+built for fn.target ("cpu" unless it says otherwise): it reads the records measured there;
+COMM an mpi4py communicator or the CUDA module's NCCL one (runtime/cuda.py: NcclComm)."""
 
 from __future__ import annotations
 
@@ -18,28 +20,52 @@ from coconetc.runtime.marshal import local_shape
 def overall(fn: Any, comm: Any, groups: int, sizes: dict) -> str:
     """The tuner's overall choice for FN at these sizes on the communicator's ranks; without
     one a ValueError says how to make one."""
-    ranks = layout.group_position(comm, None, None, groups)[0] * groups
+    size, rank = _position(comm)
+    ranks = layout.group_position(None, rank, size, groups)[0] * groups
     choice = tuned.cached_choice(fn, dict(sizes), ranks, groups)
     if choice is None:
         shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        opts = " ".join(f"--size {k}={v}" for k, v in sizes.items())
         raise ValueError(f"{fn.name}(schedule='auto'): the tuning cache has no choice for "
-                         f"{shown} on {ranks} ranks; run `coconetc tune` for these sizes "
-                         f"first, or name a schedule ({', '.join(fn.schedules)})")
+                         f"{shown} on {ranks} ranks{_on(fn)}; run `coconetc tune {fn.file} "
+                         f"--program {fn.name} --ranks {ranks} {opts}{_backend(fn)}` first, or "
+                         f"name a schedule ({', '.join(fn.schedules)})")
     return choice
+
+
+def _position(comm: Any) -> tuple[int, int]:
+    """(ranks, this rank) of an mpi4py communicator (None: COMM_WORLD) or an NcclComm."""
+    if comm is None:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+    if hasattr(comm, "Get_size"):
+        return comm.Get_size(), comm.Get_rank()
+    return comm.size, comm.rank
+
+
+def _on(fn: Any) -> str:
+    target = getattr(fn, "target", "cpu")
+    return {"cuda": " on this GPU", "cuda-emulated": " on the CUDA backend's host emulation"}.get(target, "")
+
+
+def _backend(fn: Any) -> str:
+    """The tune options that measure on fn's target."""
+    target = getattr(fn, "target", "cpu")
+    return "" if target == "cpu" else " --backend cuda" + (" --emulate" if target == "cuda-emulated" else "")
 
 
 def for_call(fn: Any, comm: Any, groups: int, kwargs: dict) -> str:
     """schedule="auto" in a call: the tuner's fastest schedule whose calling convention
     (parameter layouts and local shapes at the tuned sizes) matches the arrays given, the
     program's own layouts first. None tuned: a ValueError with the command to run."""
-    size = comm.Get_size()
+    size, rank = _position(comm)
     gs = size // groups if groups >= 1 and size % groups == 0 else size
-    rank = comm.Get_rank() % gs
+    rank %= gs
     memo = (size, rank, groups, tuple((k, _shape(v)) for k, v in sorted(kwargs.items())))
     if memo in fn.auto_memo:  # a training loop calls with the same shapes again and again
         return fn.auto_memo[memo]
     if fn.tuned is None:  # read once: the module holds the schedules tuned when it loaded
-        fn.tuned = tuned.records(fn.source, fn.name)
+        fn.tuned = tuned.records(fn.source, fn.name, getattr(fn, "target", "cpu"))
     for rec in reversed(fn.tuned):
         if rec.get("ranks") != size or rec.get("groups", 1) != groups:
             continue
@@ -49,7 +75,7 @@ def for_call(fn: Any, comm: Any, groups: int, kwargs: dict) -> str:
                 fn.auto_memo[memo] = label
                 return label
     raise ValueError(f"{fn.name}(schedule='auto'): the tuning cache holds no schedule for "
-                     f"these arrays on {size} ranks; run `{_tune_command(fn, kwargs, size)}` "
+                     f"these arrays on {size} ranks{_on(fn)}; run `{_tune_command(fn, kwargs, size)}` "
                      f"first (and load the module again), or name a schedule "
                      f"({', '.join(fn.schedules)})")
 
@@ -91,4 +117,4 @@ def _tune_command(fn: Any, kwargs: dict, ranks: int) -> str:
             if isinstance(d, str) and i < len(shape) and not (q.type.layout.sliced and q.type.layout.dim == i):
                 sizes.setdefault(d, int(shape[i]))
     shown = " ".join(f"--size {k}={v}" for k, v in sorted(sizes.items()))
-    return f"coconetc tune {fn.file} --program {fn.name} --ranks {ranks} {shown}".rstrip()
+    return f"coconetc tune {fn.file} --program {fn.name} --ranks {ranks} {shown}".rstrip() + _backend(fn)

@@ -26,11 +26,12 @@ from coconetc.ir.arguments import from_torch, is_torch, overlapping
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
-from coconetc.runtime import agree, batch, marshal
+from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
 from coconetc.runtime.events import Events
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
+from coconetc.runtime.tuned import with_tuned
 from coconetc.sourcefile import load_file, with_grads
 from coconetc.toolchain import Artifact, Options, compile
 
@@ -334,18 +335,23 @@ def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(
          libraries=(), grad=()) -> CudaModule:
     """include_dirs, library_dirs, libraries: for the file's extern operations; grad: programs
     whose derived programs the module holds too (as coconetc.load). Under COCONET_CUDA_EMULATE=1
-    the module is built for the host emulation (emulating())."""
+    the module is built for the host emulation (emulating()). The schedules `coconetc tune
+    --backend cuda` wrote and chose for the file on this GPU are built in (runtime/tuned.py),
+    so that schedule="auto" can run them."""
     if emulating():
         if include_dirs or library_dirs or libraries:
             raise ValueError(f"{EMULATE}=1: the host emulation builds no extern operations' libraries; "
                              "unset it to build them for the GPU")
         return load_emulated(path, log, grad=grad)
-    art = compile(with_grads(load_file(path), grad), "cuda", Options(archs=archs, log=log, include_dirs=include_dirs,
-                                                   library_dirs=library_dirs, libraries=libraries))
+    art = compile(with_tuned(with_grads(load_file(path), grad), "cuda"), "cuda",
+                  Options(archs=archs, log=log, include_dirs=include_dirs, library_dirs=library_dirs,
+                          libraries=libraries))
     return CudaModule.of(art)
 
 
 class CudaModule:
+    target = "cuda"  # the toolchain's target: which tuning records schedule="auto" reads
+
     @classmethod
     def of(cls, art: Artifact):
         """The built module of ART imported and wrapped."""
@@ -360,8 +366,10 @@ class CudaModule:
             if (prog, sched) in src.functions:  # what the CUDA renderer implements
                 by_program.setdefault(prog, {})[sched] = ir
         for prog, scheds in by_program.items():
-            self.programs[prog] = CudaProgram(prog, scheds, ext)
-            setattr(self, prog, self.programs[prog])
+            fn = CudaProgram(prog, scheds, ext)
+            fn.source, fn.file, fn.target = mod.source, mod.file, self.target
+            self.programs[prog] = fn
+            setattr(self, prog, fn)
         self._comm: NcclComm | None = None
 
     def comm(self, mpi_comm: Any = None) -> NcclComm:
@@ -375,6 +383,22 @@ class CudaProgram:
     def __init__(self, name: str, schedules: dict[str, Program], ext: Any):
         self.name, self.schedules, self.ext = name, schedules, ext
         self._bound: list = []  # the last call's shapes and the sizes they bound
+        # schedule="auto" (runtime/auto.py): the records measured on this target
+        self.source, self.file, self.target = "", "FILE", "cuda"
+        self.tuned: list | None = None
+        self.auto_memo: dict[tuple, str] = {}
+
+    def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
+                         **sizes: int) -> str:
+        """The schedule a call with SCHEDULE runs: a named one is itself; "auto" the choice of
+        `coconetc tune --backend cuda` for these sizes on the ranks of COMM (an NcclComm) on
+        this GPU (as the CPU module's resolve_schedule)."""
+        if schedule != "auto":
+            self.program_of(parse(schedule))
+            return schedule or "default"
+        choice = auto.overall(self, comm, groups, sizes)
+        self.program_of(parse(choice))
+        return choice
 
     def program_of(self, label: ScheduleLabel) -> Program:
         """The program a schedule label runs. A fused-collective algorithm ("zero@p2p") is a
@@ -394,7 +418,7 @@ class CudaProgram:
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime.cuda.nccl_comm(module.ext, mpi_comm)")
         label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
-                                                         lambda p: _check_local(p, kwargs, stream))
+                                                         lambda p: _check_local(p, kwargs, stream), kwargs)
         dev = torch.device("cuda", torch.cuda.current_device())
         def make(shape, dtype):
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
@@ -430,8 +454,10 @@ def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
     return f"{fn.ext.__name__}.{fn.name}(schedule={str(label)!r})"
 
 
-def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, check) -> tuple:
-    """A call's entry, as the CPU runtime's (call.py): the label parsed, this rank's arguments
+def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, check,
+           kwargs: dict) -> tuple:
+    """A call's entry, as the CPU runtime's (call.py): "auto" resolved to the tuner's choice for
+    these arrays (auto.for_call), the label parsed, this rank's arguments
     checked (`check(program)`), then one exchange with every rank of the communicator under
     the watchdog (agree.py), so a wrong argument on any rank, or ranks that disagree on the
     schedule, groups, a scalar's bits or a shape, raise the same error on every rank before
@@ -444,6 +470,8 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     timeout = agree.DEFAULT_TIMEOUT
     try:
         timeout = agree.timeout_s()
+        if schedule == "auto":
+            schedule = auto.for_call(fn, comm, groups, kwargs)
         label = parse(schedule)
         what = _call_name(fn, label)
         p = fn.program_of(label)
@@ -563,15 +591,24 @@ def load_emulated(path: str | Path, log=None, *, grad=()) -> EmulatedModule:
     the generated CUDA code run on the CPU, NCCL on MPI. Programs take NumPy arrays (host memory
     stands for device memory), update parameters in place and return new NumPy outputs; every
     call synchronizes and raises if the emulation found a stream race."""
-    return EmulatedModule.of(compile(with_grads(load_file(path), grad), "cuda-emulated", Options(log=log)))
+    # MPI started by mpi4py before the module loads (the emulated NCCL starts it itself when
+    # nobody has): mpi4py finalizes only what it initialized, so a script that never imported
+    # mpi4py would otherwise end without MPI_Finalize, which mpiexec reports as a failed rank
+    from mpi4py import MPI  # noqa: F401
+    return EmulatedModule.of(compile(with_tuned(with_grads(load_file(path), grad), "cuda-emulated"),
+                                     "cuda-emulated", Options(log=log)))
 
 
 class EmulatedModule(CudaModule):
+    target = "cuda-emulated"
+
     def __init__(self, mod: Any, src: Any, ext: Any):
         super().__init__(mod, src, ext)
         for name, prog in list(self.programs.items()):
-            self.programs[name] = EmulatedProgram(prog.name, prog.schedules, ext, self)
-            setattr(self, name, self.programs[name])
+            fn = EmulatedProgram(prog.name, prog.schedules, ext, self)
+            fn.source, fn.file, fn.target = prog.source, prog.file, self.target
+            self.programs[name] = fn
+            setattr(self, name, fn)
 
 
 class EmulatedProgram(CudaProgram):
@@ -585,7 +622,7 @@ class EmulatedProgram(CudaProgram):
         torch_in = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
                        for v in kwargs.values())
         label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
-                                                         lambda p: _check_local_numpy(p, kwargs))
+                                                         lambda p: _check_local_numpy(p, kwargs), kwargs)
         what = _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed, synchronized

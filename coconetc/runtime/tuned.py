@@ -1,7 +1,10 @@
 """The tuning records: one JSON file, `tuning.json` under the build cache (COCONET_CACHE, default
 ~/.cache/coconet; COCONET_TUNING names another file), mapping a key to the tuner's record. The key is the file's
 content hash, the program, the size symbols, the ranks, the groups and the machine (host name,
-CPU model, core count), so a record never outlives what it measured.
+CPU model, core count; for the CUDA backend the GPU's name too, or the host emulation), so a
+record never outlives what it measured and a backend reads only its own records: a module
+built for a target ("cpu", "cuda", "cuda-emulated", as the toolchain names them) reads the
+records measured on that target.
 
 A record holds what `coconetc tune --json` writes (measured, choice, generated, schedules) and
 `by_convention`: for each calling convention among the measured schedules ('' for the
@@ -39,8 +42,14 @@ def path() -> Path:
 
 
 @cache
-def machine() -> str:
-    """host name, CPU model and core count: what a timing depends on beyond the program."""
+def machine(target: str = "cpu") -> str:
+    """host name, CPU model and core count (and, for a CUDA target, the GPU's name or the host
+    emulation): what a timing on TARGET depends on beyond the program."""
+    if target == "cuda-emulated":
+        return machine() + " | CUDA host emulation"
+    if target == "cuda":
+        import torch
+        return machine() + " | " + torch.cuda.get_device_name()
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -56,9 +65,10 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def key(source: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1) -> str:
+def key(source: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1,
+        target: str = "cpu") -> str:
     shown = ",".join(f"{k}={sizes[k]}" for k in sorted(sizes))
-    return f"{source_hash(source)} {program} [{shown}] R={ranks} G={groups} @ {machine()}"
+    return f"{source_hash(source)} {program} [{shown}] R={ranks} G={groups} @ {machine(target)}"
 
 
 def read_all() -> dict[str, Any]:
@@ -81,24 +91,25 @@ def store(k: str, record: dict[str, Any]) -> None:
     os.replace(tmp, p)
 
 
-def lookup(source: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1):
-    return read_all().get(key(source, program, sizes, ranks, groups))
+def lookup(source: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1,
+           target: str = "cpu"):
+    return read_all().get(key(source, program, sizes, ranks, groups, target))
 
 
-def records(source: str, program: str | None = None) -> list[dict[str, Any]]:
-    """Every record of this file (and program) on this machine, the newest last."""
+def records(source: str, program: str | None = None, target: str = "cpu") -> list[dict[str, Any]]:
+    """Every record of this file (and program) measured on this machine's TARGET, the newest last."""
     head = source_hash(source) + " "
     found = [r for k, r in read_all().items()
-             if k.startswith(head) and k.endswith("@ " + machine())
+             if k.startswith(head) and k.endswith("@ " + machine(target))
              and (program is None or r.get("program") == program)]
     return sorted(found, key=lambda r: r.get("time", 0))
 
 
-def tuned_schedules(source: str) -> str:
-    """The .ccn text of every generated schedule a record of this file chose (the loader adds
-    them to the module, so that schedule="auto" can run them)."""
+def tuned_schedules(source: str, target: str = "cpu") -> str:
+    """The .ccn text of every generated schedule a record of this file on TARGET chose (the
+    loader adds them to the module, so that schedule="auto" can run them)."""
     texts: dict[tuple[str, str], str] = {}
-    for r in records(source):
+    for r in records(source, target=target):
         chosen = {r.get("choice"), *r.get("by_convention", {}).values()}
         for label in sorted(x for x in chosen if x):  # the same text (and module) on every rank
             if label in r.get("generated", []):  # "auto_x@p2p": the schedule auto_x, once
@@ -115,17 +126,18 @@ def generated_texts(record: dict[str, Any]) -> str:
 
 
 def cached_choice(fn: Any, sizes: dict[str, int], ranks: int, groups: int = 1) -> str | None:
-    """The tuner's overall choice for program function FN at these sizes (the loader's and
-    DistributedOptimizer's hook: the optimizer allocates state in the choice's layout)."""
-    r = lookup(getattr(fn, "source", ""), fn.name, dict(sizes), ranks, groups)
+    """The tuner's overall choice for program function FN (of a module built for fn.target) at
+    these sizes (the loader's and DistributedOptimizer's hook: the optimizer allocates state
+    in the choice's layout)."""
+    r = lookup(getattr(fn, "source", ""), fn.name, dict(sizes), ranks, groups, getattr(fn, "target", "cpu"))
     return None if r is None else r.get("choice")
 
 
-def with_tuned(mod: SourceFile) -> SourceFile:
-    """The file with the schedules the autotuner wrote and chose for it, so that schedule="auto"
-    can run them (what coconetc.load compiles); a stale record that no longer checks is left
-    out."""
-    text = tuned_schedules(mod.source)
+def with_tuned(mod: SourceFile, target: str = "cpu") -> SourceFile:
+    """The file with the schedules the autotuner wrote and chose for it on TARGET, so that
+    schedule="auto" can run them (what coconetc.load compiles); a stale record that no longer
+    checks is left out."""
+    text = tuned_schedules(mod.source, target)
     if not text:
         return mod
     try:

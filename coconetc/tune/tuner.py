@@ -5,7 +5,13 @@ winners checked against the interpreter, and the record stored in the tuning cac
 
 Pruning: the file's own schedules and the program itself are always measured; a generated
 schedule is measured when its modelled time is at most KEEP times the best modelled time of
-any candidate (and at most MAX_GENERATED of them, the best modelled first)."""
+any candidate (and at most MAX_GENERATED of them, the best modelled first).
+
+Targets: "cpu" (the CPU module, each fused schedule also measured point to point), "cuda" (the
+CUDA module on the node's GPUs, one rank a GPU) and "cuda-emulated" (the CUDA module under the
+host emulation: the path, not a GPU's times). On a CUDA target only the schedules the CUDA
+backend implements are measured, and the record is stored for that target (runtime/tuned.py),
+where the CUDA module's schedule="auto" reads it."""
 
 from __future__ import annotations
 
@@ -25,12 +31,13 @@ from coconetc.runtime import tuned
 from coconetc.runtime.nodes import simulated_nodes
 from coconetc.runtime.loader import compile_cpu
 from coconetc.sourcefile import SourceFile, load_file
-from coconetc.toolchain import module_stem
+from coconetc.toolchain import Artifact, Options, compile, module_stem
 from coconetc.tune.cost import cost
 from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates
 
 KEEP = 2.0
 MAX_GENERATED = 12
+TARGETS = ("cpu", "cuda", "cuda-emulated")
 
 
 class TuneError(Exception):
@@ -66,11 +73,13 @@ def augmented_source(mod: SourceFile, generated: list[Candidate]) -> str:
 
 def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, reps: int = 5,
          keep: float = KEEP, echo: Callable[[str], None] = print, progress: bool = True,
-         timeout: float | None = 600) -> dict[str, Any]:
-    """Measures the candidates of PROGRAM and stores the record in the tuning cache; returns it."""
+         timeout: float | None = 600, target: str = "cpu") -> dict[str, Any]:
+    """Measures the candidates of PROGRAM on TARGET and stores the record in the tuning cache;
+    returns it."""
+    assert target in TARGETS, target
     cands = candidates(mod, program)
     pr = prune(cands, sizes, ranks, keep)
-    variants = algorithm_variants(pr.measured, ranks)
+    variants = algorithm_variants(pr.measured, ranks) if target == "cpu" else []
     echo(f"{program}: {len(cands)} legal schedules ({sum(c.generated for c in cands)} written by the "
          f"tuner); measuring {len(pr.measured)} ({len(pr.dropped)} pruned by the cost model)"
          + (f", {len(variants)} of them also with point-to-point fused collectives (@p2p)" if variants else ""))
@@ -78,27 +87,42 @@ def tune(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, *, re
     pr.modelled.update({c.label: pr.modelled[c.schedule] for c in variants})
     work = Path(tempfile.mkdtemp(prefix="coconet-tune-"))
     try:
-        res = _measure(mod, program, sizes, ranks, reps, pr, work, echo, progress, timeout)
+        res = _measure(mod, program, sizes, ranks, reps, pr, work, echo, progress, timeout, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record = _record(mod, program, sizes, ranks, reps, pr, res)
-    tuned.store(tuned.key(mod.source, program, sizes, ranks), record)
+    record = _record(mod, program, sizes, ranks, reps, pr, res, target)
+    tuned.store(tuned.key(mod.source, program, sizes, ranks, target=target), record)
     return record
+
+
+def _build(src: Path, mod: SourceFile, target: str) -> Artifact:
+    """The module the ranks load (cached by the toolchain, so they find it built)."""
+    if target == "cpu":
+        return compile_cpu(load_file(src), include_dirs=[str(Path(mod.file).resolve().parent)])
+    return compile(load_file(src), target, Options())
 
 
 def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, reps: int,
              pr: Pruned, work: Path, echo: Callable[[str], None], progress: bool,
-             timeout: float | None) -> dict[str, Any]:
+             timeout: float | None, target: str) -> dict[str, Any]:
     """Builds the file with the generated candidates appended and times them on R ranks."""
     gen = [c for c in pr.measured if c.generated and c.label == c.schedule]  # each text once
     src = work / f"{module_stem(mod.file)}.ccn"
     src.write_text(augmented_source(mod, gen))
-    echo(f"building one module with {len(pr.measured)} schedules ...")
-    compile_cpu(load_file(src), include_dirs=[str(Path(mod.file).resolve().parent)])
+    echo(f"building one module with {len(pr.measured)} schedules"
+         + ("" if target == "cpu" else f" ({target})") + " ...")
+    art = _build(src, mod, target)
+    if target != "cpu":  # the schedules the CUDA backend does not implement are not in the module
+        left = [c for c in pr.measured if (program, c.schedule) not in art.sources.functions]
+        if left:
+            echo("not measured (the CUDA backend does not implement them; `coconetc check --backend cuda` "
+                 "says why): " + ", ".join(c.label for c in left))
+        pr.measured = [c for c in pr.measured if c not in left]
     out = work / "result.json"
     argv = ["-m", "coconetc.jobs.tune", str(src), "--program", program, f"--reps={reps}",
             f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
             *[f"--size={k}={v}" for k, v in sizes.items()],
+            *({"cuda": ["--cuda"], "cuda-emulated": ["--emulate-cuda"]}.get(target, [])),
             *[f"--schedule={c.label}" for c in pr.measured]]
     rc = _run_worker(ranks, argv, len(pr.measured) * (reps + 1), progress, timeout)
     if not out.exists():  # (written, with no choice, when no winner matched the interpreter)
@@ -107,13 +131,13 @@ def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, r
 
 
 def _record(mod: SourceFile, program: str, sizes, ranks: int, reps: int, pr: Pruned,
-            res: dict[str, Any]) -> dict[str, Any]:
+            res: dict[str, Any], target: str) -> dict[str, Any]:
     if res.get("choice") is None:
         raise TuneError("coconetc tune: no schedule matched the interpreter: "
                         + json.dumps(res.get("problems"))[:2000])
     return {
         "file": mod.file, "program": program, "sizes": dict(sizes), "ranks": ranks, "groups": 1,
-        "machine": tuned.machine(), "time": time.time(), "reps": reps,
+        "target": target, "machine": tuned.machine(target), "time": time.time(), "reps": reps,
         "measured": res["measured"], "choice": res["choice"],
         "by_convention": res["by_convention"], "conventions": res["conventions"],
         "problems": {k: v for k, v in res["problems"].items() if v},
