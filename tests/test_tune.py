@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -430,3 +431,37 @@ def test_tune_cuda_emulated_then_auto(tmp_path, tuning_file, monkeypatch, capfd)
 def test_tune_backend_options() -> None:
     res = invoke("tune", ADAM, "--emulate", "--size", "N=64")
     assert res.exit_code == 1 and "--emulate goes with --backend cuda" in res.stderr
+
+
+def test_the_tuned_copy_sits_beside_the_file(tmp_path) -> None:
+    """The file the tuner builds is written beside the user's (what the file finds beside
+    itself, an extern operation's reference module, it finds there too), in the work folder
+    when that directory is read-only."""
+    from coconetc.tune.tuner import _beside
+    (tmp_path / "src").mkdir()
+    (tmp_path / "work").mkdir()
+    f = tmp_path / "src" / "adam.ccn"
+    f.write_text(ADAM.read_text())
+    mod = load_file(f)
+    got = _beside(mod, mod.source + "\n# more\n", tmp_path / "work")
+    assert got.parent == tmp_path / "src" and got.name.startswith(".adam.tune_") and got.suffix == ".ccn"
+    assert got.read_text().endswith("# more\n")
+    (tmp_path / "src").chmod(0o500)
+    try:
+        if not os.access(tmp_path / "src", os.W_OK):  # (root writes anywhere)
+            assert _beside(mod, mod.source, tmp_path / "work").parent == tmp_path / "work"
+    finally:
+        (tmp_path / "src").chmod(0o700)
+
+
+@pytest.mark.slow
+def test_tune_a_file_with_extern_operations(tmp_path) -> None:
+    """The extern operations' reference module and header are found beside the file (the
+    tuner's copy of it was once written elsewhere, where neither was)."""
+    out = tmp_path / "tune.json"
+    res = invoke("tune", REPO / "examples" / "extern_ops.ccn", "--ranks", "1", "--size", "B=4",
+                 "--size", "K=8", "--size", "H=8", "--reps", "1", "--keep", "1", "--json", out)
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["choice"] in data["measured"] and "rows" in data["measured"]
+    assert not list((REPO / "examples").glob(".*tune_*.ccn"))  # the copy is gone

@@ -15,6 +15,7 @@ where the CUDA module's schedule="auto" reads it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -107,8 +108,33 @@ def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, r
              timeout: float | None, target: str) -> dict[str, Any]:
     """Builds the file with the generated candidates appended and times them on R ranks."""
     gen = [c for c in pr.measured if c.generated and c.label == c.schedule]  # each text once
-    src = work / f"{module_stem(mod.file)}.ccn"
-    src.write_text(augmented_source(mod, gen))
+    src = _beside(mod, augmented_source(mod, gen), work)
+    try:
+        return _run_measured(mod, program, sizes, ranks, reps, pr, work, src, echo, progress, timeout, target)
+    finally:
+        if src.parent != work:
+            src.unlink(missing_ok=True)
+
+
+def _beside(mod: SourceFile, text: str, work: Path) -> Path:
+    """The augmented file, written beside the user's file (a hidden name, one per content), so
+    that what the file finds beside itself (an extern operation's reference module, its
+    headers) it finds there too; in WORK when that directory cannot be written."""
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    name = f".{module_stem(mod.file)}.tune_{digest}.ccn"
+    try:
+        src = Path(mod.file).resolve().parent / name
+        src.write_text(text)
+        return src
+    except OSError:
+        src = work / name
+        src.write_text(text)
+        return src
+
+
+def _run_measured(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, reps: int,
+                  pr: Pruned, work: Path, src: Path, echo: Callable[[str], None], progress: bool,
+                  timeout: float | None, target: str) -> dict[str, Any]:
     echo(f"building one module with {len(pr.measured)} schedules"
          + ("" if target == "cpu" else f" ({target})") + " ...")
     art = _build(src, mod, target)
