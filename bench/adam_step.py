@@ -12,10 +12,12 @@ variant side by side in one run, at every size (default 2^16 .. 2^24):
   each rank's updated part of w in place: no copy of it into the window); "zero,
   DistributedOptimizer" the same step through coconetc.torch.DistributedOptimizer (a torch
   Parameter of N elements) with its default arguments (on one node its flat weights and
-  gradient in shared windows), and with shared_memory=False (ordinary tensors).
+  gradient in shared windows, one copy of the weights for the node's ranks), with
+  shared_weights=False (each rank's own copy of the weights, in its window) and with
+  shared_memory=False (ordinary tensors).
   * the memory roofline of each schedule, a bound: the least bytes a step with its calling
     convention must move (common.min_bytes: 18 an element at R = 2 for sliced m, v; 22
-    replicated) over the STREAM bandwidth measured in the same run (common.stream_bandwidth), and
+    replicated; 16 with one copy of the weights for the node) over the STREAM bandwidth measured in the same run (common.stream_bandwidth), and
     each schedule's time as a fraction of it.
 
 --backend cuda (a machine with a GPU; R = 1, NCCL refuses two ranks on one GPU): the generated
@@ -144,14 +146,16 @@ def run_size(mod, comm, n: int, reps: int, bw_reps: int) -> dict:
     variants["zero p2p"] = coconet_step(mod, "zero", comm, g, w, path="p2p")
     variants["zero, g in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True)
     variants["zero, g and w in coconetc.empty"] = coconet_step(mod, "zero", comm, g, w, empty=True, w_empty=True)
-    for label, shared in (("zero, DistributedOptimizer (defaults)", None),
-                          ("zero, DistributedOptimizer(shared_memory=False)", False)):
-        variants[label] = common.optimizer_step(ADAM_CCN, comm, g, w, HP, shared_memory=shared)[0]
+    for label, kw in (("zero, DistributedOptimizer (defaults)", {}),
+                      ("zero, DistributedOptimizer(shared_weights=False)", {"shared_weights": False}),
+                      ("zero, DistributedOptimizer(shared_memory=False)", {"shared_memory": False})):
+        variants[label] = common.optimizer_step(ADAM_CCN, comm, g, w, HP, **kw)[0]
     t = common.timed_all(comm, {**{("b", k): f for k, f in base.items()},
                                 **{("c", k): f for k, f in variants.items()}}, reps)
     base = {k: t["b", k] for k in base}
     ours = {k: t["c", k] for k in variants}
-    conv = {s: {"state_sliced": s.startswith("zero")} for s in variants}  # every zero variant: m, v sliced
+    conv = {s: {"state_sliced": s.startswith("zero"),  # every zero variant: m, v sliced
+                "weights_shared": getattr(f, "shared_weights", False)} for s, f in variants.items()}
     return {"baselines": base, "coconet": ours, "reps": reps,
             **common.rooflines(comm, n, conv, 16 * n, bw_reps)}
 

@@ -90,18 +90,26 @@ def one_rank_group(backend: str) -> Any:
     return dist.group.WORLD
 
 
-def optimizer_step(src: Path, comm, g, w, hp: dict, shared_memory: bool | None = None) -> tuple[Callable[[], Any], Any]:
+def optimizer_step(src: Path, comm, g, w, hp: dict, shared_memory: bool | None = None,
+                   shared_weights: bool | None = None) -> tuple[Callable[[], Any], Any]:
     """coconetc.torch.DistributedOptimizer under zero on one flat parameter of n elements (what a
-    PyTorch user writes; SHARED_MEMORY as its argument, None its default: on one node the flat
-    weights and gradient in shared windows), its gradient set once (from the second step on
-    p.grad is a view of the optimizer's flat gradient, as when autograd accumulates into it).
-    Returns (step, the weights: a NumPy view of the optimizer's flat buffer)."""
+    PyTorch user writes; SHARED_MEMORY and SHARED_WEIGHTS as its arguments, None their default:
+    on one node the flat weights and gradient in shared windows, one copy of the weights for
+    the node), its gradient set once (from the second step on p.grad is a view of the
+    optimizer's flat gradient, as when autograd accumulates into it). Returns (step, the
+    weights: a NumPy view of the optimizer's flat buffer); step.shared_weights says whether the
+    node holds one copy of the weights."""
     import torch
     from coconetc.torch import DistributedOptimizer
     p = torch.nn.Parameter(torch.from_numpy(w.copy()))
-    opt = DistributedOptimizer([p], src, schedule="zero", comm=comm, shared_memory=shared_memory, **hp)
+    opt = DistributedOptimizer([p], src, schedule="zero", comm=comm, shared_memory=shared_memory,
+                               shared_weights=shared_weights, **hp)
+
+    def step() -> None:
+        opt.step()
     p.grad = torch.from_numpy(g.copy())
-    return opt.step, p.detach().numpy()
+    step.shared_weights = opt.shared_weights  # type: ignore[attr-defined]  (for the roofline's bytes)
+    return step, p.detach().numpy()
 
 
 def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
@@ -237,14 +245,15 @@ def bound_bandwidth(comm, footprint_bytes: int, reps: int = 10, measure: bool = 
 
 
 def min_bytes(n: int, ranks: int, *, grads: int = 1, weights: int = 1, state: int = 2,
-              state_sliced: bool, kept: int = 0, elem: int = 4) -> int:
+              state_sliced: bool, kept: int = 0, elem: int = 4, weights_shared: bool = False) -> int:
     """The least bytes one rank must move through memory in a data-parallel optimizer step over
     n elements (f32: ELEM = 4), whatever the schedule, given the calling convention; what does
     not fit in any cache must go through memory at least once:
     - each gradient: every rank's copy read once (the rank reduces its slice E = ceil(n / R) of
       all R copies: R E = n elements read per rank);
     - each weight tensor: its slice read once, the updated tensor written whole (every rank's
-      copy is replicated);
+      copy is replicated); with WEIGHTS_SHARED (one copy for the node's ranks,
+      DistributedOptimizer's shared_weights) its slice written only;
     - each state tensor (Adam's m, v): sliced, its slice read and written; replicated, its
       slice read and the whole written;
     - KEPT values of a slice that must be stored and read back between two passes (a global
@@ -253,7 +262,7 @@ def min_bytes(n: int, ranks: int, *, grads: int = 1, weights: int = 1, state: in
     Registers and scalars are free; messages between ranks on one node are memory traffic
     already counted (the reads of the peers' gradients, the writes of the gathered weights)."""
     e = -(-n // ranks)
-    moved = grads * n + weights * (e + n) + state * (2 * e if state_sliced else e + n) + kept * 2 * e
+    moved = grads * n + weights * (2 * e if weights_shared else e + n) + state * (2 * e if state_sliced else e + n) + kept * 2 * e
     return moved * elem
 
 

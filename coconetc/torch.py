@@ -80,6 +80,12 @@ def _function(source, program: str | None, backend: str = "cpu") -> Any:
     return mod.programs[program]
 
 
+def _plan(source: str | Path, fn: Any, schedule: str) -> Any:
+    """The execution plan of a CPU module's function under a schedule label."""
+    from coconetc.plan.label import parse
+    return _load(source).source_module.plans[(fn.name, parse(schedule).name)]
+
+
 def _program(fn: Any, schedule: str | None) -> Any:
     """The Program a schedule label runs, for a CPU or a CUDA module's function (an unknown
     schedule raises, naming the known ones)."""
@@ -230,6 +236,22 @@ def _shared_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
     return out
 
 
+def _node_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
+    """The 1-d tensor t in one window for the ranks of comm on this node (shm.empty_node;
+    collective), holding the values of the node's first rank (as DDP broadcasts rank 0's)."""
+    from coconetc.runtime.nodes import node_comm
+    from coconetc.runtime.shm import empty_node
+    out = empty_node((t.numel(),), dtype, comm=comm, framework="torch")
+    node = node_comm(comm)
+    try:
+        if node.Get_rank() == 0:
+            out.copy_(t)
+        node.Barrier()  # (every rank reads the values only when they are there)
+    finally:
+        node.Free()
+    return out
+
+
 class _Group:
     """One parameter group's buffers: the flat weights the parameters view (or the parameters
     themselves as segments), the flat gradient, the state in the schedule's layout, all on the
@@ -258,7 +280,7 @@ class _Group:
                 torch.empty(0, dtype=want, device=dev)
             if opt._shared:  # in a shared window: the peers read this rank's part in place
                 opt._everyone_here("a parameter group in shared memory")
-                self.flat = _shared_copy(self.flat, roles.dtype, opt._comm)
+                self.flat = (_node_copy if opt._one_copy else _shared_copy)(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
                 p.data = view
         gdt = getattr(torch, layout.TORCH_DTYPES[roles.grad_dtype])
@@ -351,6 +373,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, source: str | Path, *, program: str | None = None,
                  schedule: str = "default", comm: Any = None, weights: str = "w",
                  grads: str = "g", step: str | None = "step", shared_memory: bool | None = None,
+                 shared_weights: bool | None = None,
                  backend: str | None = None, process_group: Any = None, master: str | None = None,
                  across_groups: bool = False, skipped: str | None = None,
                  feedback: dict[str, str] | None = None, **scalars: Any):
@@ -372,6 +395,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.outputs: list[dict[str, torch.Tensor]] = []
         if shared_memory is None:  # in place where it is safe: flat weights, one node
             self._shared = backend == "cpu" and not self._roles.scattered and self._one_node()
+        self._one_copy = self._node_weights(shared_weights, source, schedule)
         self._groups: list[_Group] = []
         defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
         super().__init__(params, defaults)
@@ -380,6 +404,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if missing:
                 raise TypeError(f"DistributedOptimizer({self._fn.name}): no value for the "
                                 f"scalar {missing[0]!r} (pass {missing[0]}=...)")
+
+    @property
+    def shared_weights(self) -> bool:
+        """Whether the ranks of this node hold one copy of the weights (shared_weights=)."""
+        return self._one_copy
+
+    def _node_weights(self, asked: bool | None, source: str | Path, schedule: str) -> bool:
+        """Whether the node's ranks hold one copy of the weights (shared_weights): where the
+        weights are in shared memory and each rank writes only its own part of them in a step
+        (plan.own_part_only), so the all-gather has nothing to copy; None: wherever so."""
+        if asked is not None and not isinstance(asked, bool):
+            raise TypeError(f"DistributedOptimizer: shared_weights must be None, True or False, got {asked!r}")
+        if asked is False:
+            return False
+        why = ("the weights are not in shared memory (shared_memory=False, the CUDA backend, scattered "
+               "weights, or ranks on several nodes)" if not self._shared or self._roles.scattered else
+               f"schedule {schedule!r} does not write each rank's part of '{self._roles.weights}' alone "
+               f"(a fused collective's all-gather into it does: `zero`)"
+               if not _plan(source, self._fn, schedule).own_part_only(self._roles.weights) else "")
+        if asked and why:
+            raise ValueError(f"DistributedOptimizer({self._fn.name}): shared_weights=True: {why}; "
+                             f"leave shared_weights out to decide where it can")
+        return not why
 
     def _settings(self, params: list, backend: str | None, shared_memory: bool | None,
                   across_groups: bool) -> str:
@@ -390,7 +437,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if backend is None:
             backend = "cuda" if any(p.is_cuda for p in _tensors(params)) else "cpu"
         self._backend = backend
-        if shared_memory not in (None, True, False):
+        if shared_memory is not None and not isinstance(shared_memory, bool):
             raise TypeError(f"DistributedOptimizer: shared_memory must be None, True or False, got {shared_memory!r}")
         self._shared = bool(shared_memory)
         if not isinstance(across_groups, bool):

@@ -64,7 +64,9 @@ def test_adam_matches_torch_adam_every_schedule(built, capfd, ranks):
     labels = [f"adam:{s}:R{ranks}:{what}" for s in ("default", "rs_c_ag", "zero", "fused")
               for what in ("params", "state", "lr_scheduled", "state_elements")]
     _check(lines, log, labels + [f"adam:zero:R{ranks}:two_groups", f"adam:closure:R{ranks}"]
-           + [f"adam:{s}:R{ranks}:shared_memory{b}" for s in ("zero", "fused") for b in ("", "_buffers")])
+           + [f"adam:{s}:R{ranks}:{what}{t}" for s in ("zero", "fused")
+              for what in ("shared_memory", "shared_memory_buffers", "one_copy") for t in ("", "_own_weights")]
+           + [f"adam:rs_c_ag:R{ranks}:own_weights"])
     # memory per rank under zero: this rank's slice of m and v, 1/R of the state
     n = 186
     line = next(ln for ln in lines if ln.startswith(f"STATE zero R{ranks} "))
@@ -151,6 +153,47 @@ def test_shared_memory_by_default_where_safe(built):
     assert opt._groups[0].flat is None and not in_window(opt._groups[0].gflat)
     with pytest.raises(TypeError, match="shared_memory must be None, True or False"):
         DistributedOptimizer(_model().parameters(), str(ADAM), shared_memory="yes", **HYPER)
+
+
+def test_one_copy_of_the_weights_where_each_rank_writes_its_own_part(built):
+    """shared_weights=None: one copy of the weights for the node's ranks where the schedule
+    has each rank write only its own part of them (zero, fused: the all-gather into them then
+    copies nothing; on 2 and 3 ranks in the worker's shared_memory checks); not where every
+    rank writes all of them (default, rs_c_ag), nor without shared memory. True where it cannot
+    be says why, and leaving it out is accepted."""
+    from coconetc.torch import DistributedOptimizer
+    for schedule, want in (("zero", True), ("fused", True), ("default", False), ("rs_c_ag", False)):
+        opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule=schedule, **HYPER)
+        assert opt.shared_weights is want, schedule
+    assert not DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_weights=False,
+                                    **HYPER).shared_weights
+    assert not DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_memory=False,
+                                    **HYPER).shared_weights
+    assert DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_weights=True,
+                                **HYPER).shared_weights
+    with pytest.raises(ValueError, match="shared_weights=True: schedule 'default' does not write each rank's "
+                                         "part of 'w' alone.*leave shared_weights out"):
+        DistributedOptimizer(_model().parameters(), str(ADAM), schedule="default", shared_weights=True, **HYPER)
+    with pytest.raises(ValueError, match="shared_weights=True: the weights are not in shared memory"):
+        DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_memory=False,
+                             shared_weights=True, **HYPER)
+    with pytest.raises(TypeError, match="shared_weights must be None, True or False"):
+        DistributedOptimizer(_model().parameters(), str(ADAM), shared_weights=1, **HYPER)
+    assert not DistributedOptimizer(_model().parameters(), str(LAMB), **HYPER, wd=0.01).shared_weights
+
+
+def test_own_part_only_reads_the_plan() -> None:
+    """plan.own_part_only: which schedules of the examples have each rank write only its own
+    part of the weights (through a fused collective's all-gather into them, in place)."""
+    from coconetc.sourcefile import load_file
+    found = set()
+    for f in sorted((REPO / "examples").glob("*.ccn")):
+        mod = load_file(f)
+        for (_, sched), plan in mod.plans.items():
+            found |= {(f.stem, sched, q) for q in plan.params if plan.own_part_only(q)}
+    assert found == {("adam", "zero", "w"), ("adam", "fused", "w"), ("adamw", "zero", "w"),
+                     ("amax_scale", "zero", "w"), ("clipped_sgd", "fused", "w"), ("mixed_adam", "zero", "w16"),
+                     ("mixed_adam_bf16", "zero", "w16"), ("scaled_adam", "zero", "w16"), ("sgd", "fused", "w")}
 
 
 def test_batch_of_calls_runs_each_once_and_refuses_two_functions(built):

@@ -101,14 +101,14 @@ class Pair:
     """Our model and optimizer beside the reference's, stepped together."""
 
     def __init__(self, schedule: str, model=None, ref=None, source=ADAM, groups=None, shared_memory=False,
-                 **hyper):
+                 shared_weights=None, **hyper):
         self.model = model or make_model()
         self.ref = ref or copy.deepcopy(self.model)
         self.source = source
         if source == ADAM:
             self.opt = DistributedOptimizer(groups(self.model) if groups else self.model.parameters(),
                                             str(source), schedule=schedule, shared_memory=shared_memory,
-                                            **(hyper or HYPER))
+                                            shared_weights=shared_weights, **(hyper or HYPER))
             h = hyper or HYPER
             self.ref_opt = torch.optim.Adam(groups(self.ref) if groups else self.ref.parameters(),
                                             lr=h["lr"], betas=(h["beta1"], h["beta2"]),
@@ -190,18 +190,42 @@ def mode_adam() -> None:
 
 def shared_memory() -> None:
     """shared_memory=True: the flat weights and gradients in coconetc.empty windows (the fused
-    collectives read them in place); the same training as the reference, under zero and fused."""
+    collectives read them in place); the same training as the reference, under zero and fused,
+    with one copy of the weights for the node (shared_weights=None: what one rank writes, every
+    rank reads) and with each rank's own (shared_weights=False)."""
     from coconetc.runtime import shm
     for schedule in ("zero", "fused"):
-        pair = Pair(schedule, shared_memory=True)
-        g = pair.opt._groups[0]
-        spans = [(shm.WINDOWS[k + 1], shm.WINDOWS[k + 2]) for k in range(0, len(shm.WINDOWS), 4)]
-        inside = all(any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a + n for a, n in spans)
-                     for t in (g.flat, g.gflat))
-        views = all(p.data_ptr() >= g.flat.data_ptr() for p in pair.model.parameters())
-        report(f"adam:{schedule}:R{R}:shared_memory_buffers", 0.0 if inside and views else 1.0)
-        pair.run(STEPS // 2)
-        report(f"adam:{schedule}:R{R}:shared_memory", max_diff(pair.model, pair.ref))
+        for sw in (None, False):
+            pair = Pair(schedule, shared_memory=True, shared_weights=sw)
+            g = pair.opt._groups[0]
+            spans = [(shm.WINDOWS[k + 1], shm.WINDOWS[k + 2]) for k in range(0, len(shm.WINDOWS), 4)]
+            inside = all(any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a + n
+                             for a, n in spans) for t in (g.flat, g.gflat))
+            views = all(p.data_ptr() >= g.flat.data_ptr() for p in pair.model.parameters())
+            tag = "" if sw is None else "_own_weights"
+            report(f"adam:{schedule}:R{R}:shared_memory_buffers{tag}",
+                   0.0 if inside and views and pair.opt.shared_weights == (sw is None) else 1.0)
+            pair.run(STEPS // 2)
+            report(f"adam:{schedule}:R{R}:shared_memory{tag}", max_diff(pair.model, pair.ref))
+            report(f"adam:{schedule}:R{R}:one_copy{tag}", 0.0 if one_copy(g.flat) == (sw is None) else 1.0)
+    pair = Pair("rs_c_ag", shared_memory=True)  # every rank writes all of w: its own copy
+    report(f"adam:rs_c_ag:R{R}:own_weights", 0.0 if not pair.opt.shared_weights and not one_copy(pair.opt._groups[0].flat) else 1.0)
+
+
+def one_copy(flat: torch.Tensor) -> bool:
+    """Whether the ranks' flat weights are one memory: a value the last rank writes, the first
+    reads (then put back, the ranks agreeing at each barrier)."""
+    old = flat[0].item()
+    comm.Barrier()
+    if rank == R - 1:
+        flat[0] = 1234.5  # (exact in every float type, and no weight of the model)
+    comm.Barrier()
+    seen = flat[0].item() == 1234.5
+    comm.Barrier()
+    if rank == R - 1:
+        flat[0] = old
+    comm.Barrier()
+    return comm.bcast(seen, root=0)
 
 
 def two_groups() -> None:

@@ -283,3 +283,66 @@ class Plan:
             if b.name == name:
                 return b
         raise KeyError(name)
+
+    def own_part_only(self, param: str) -> bool:
+        """Whether each rank writes only its own part of PARAM (the rest arriving through one
+        fused collective's all-gather into it, in place) and reads no other part of it, in
+        one call: then the ranks of a node may hold one copy of PARAM, every rank's part
+        written in place by its owner, the gather's copies left out (DistributedOptimizer's
+        weights, runtime/shm.py: empty_node). Conservative: anything else that touches
+        PARAM (or a value stored in it) answers False."""
+        names = {param}
+        while True:  # the values stored in PARAM: its aliases and the views inside them
+            more = {b.name for b in self.buffers if b.kind in ("alias", "view") and b.of in names} - names
+            if not more:
+                break
+            names |= more
+        ptype = self.buffer(param).type
+        fused = [u for u in self.units if isinstance(u, Fused) and (u.gather or u.gather_after) in names]
+        if len(fused) != 1 or fused[0].src in names:
+            return False
+        f = fused[0]
+        for u in self.units:
+            if u is not f and _touches(u, names):
+                return False
+        for ph in f.phases:
+            if any(_item_touches(i, names) for i in ph.items) and (ph.kind != "pointwise" or f.type.shape != ptype.shape):
+                return False
+        for a in f.after:
+            if isinstance(a, Collective) and a.op == "allgather" and a.dst == f.gather_after:
+                continue
+            if not _touches(a, names):
+                continue
+            if not isinstance(a, Loop) or a.type.layout.kind != "sliced" or a.type.shape != ptype.shape:
+                return False
+        return True
+
+
+def _item_touches(i: Item, names: set[str]) -> bool:
+    from coconetc.ir.expr import refs
+    return i.name in names or bool(names.intersection(refs(i.expr)))
+
+
+def _touches(u: Unit, names: set[str]) -> bool:
+    """Whether unit U reads or writes any of NAMES (a fused collective or an overlap: anywhere
+    inside it)."""
+    from coconetc.ir.expr import refs
+    if isinstance(u, Loop):
+        return any(_item_touches(i, names) for i in u.items) or \
+            any(names.intersection(refs(x.expr)) for x in u.lets)
+    if isinstance(u, Reduce):
+        return bool({u.dst, u.src} & names)
+    if isinstance(u, Library):
+        return bool({u.dst, *u.args} & names)
+    if isinstance(u, Collective):
+        return bool({u.dst, u.src, u.into, u.packed} & names)
+    if isinstance(u, Copy):
+        return bool({u.dst, u.src} & names)
+    if isinstance(u, Fused):
+        return bool({u.src, u.collective, u.gather, u.gathered, u.gather_after} & names) or \
+            any(_item_touches(i, names) for ph in u.phases for i in ph.items) or \
+            any(_touches(a, names) for a in u.after)
+    if isinstance(u, Overlap):
+        return bool({u.producer, u.a, u.b, u.collective} & names) or \
+            (u.fused is not None and _touches(u.fused, names))
+    return False

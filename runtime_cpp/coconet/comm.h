@@ -246,8 +246,12 @@ class ShmWindow {
   int64_t calls = 0;  // fused calls run on the window (their parity picks a region)
 
   // The user's shared windows known to the running call (coconetc.empty, set by the generated
-  // function from CallArgs::windows): (id, address, bytes, MPI_Win handle) each.
+  // function from CallArgs::windows): (id, address, bytes, MPI_Win handle) each. An id with
+  // kNodeShared set is a window whose memory is one for the whole node (runtime/shm.py:
+  // empty_node, every rank mapping the same bytes): every rank's memory at an offset there is
+  // this rank's own mapping of it, so a gather into it finds every part already in place.
   const std::vector<uint64_t>* user = nullptr;
+  static constexpr uint64_t kNodeShared = uint64_t(1) << 41;
 
   // The running call's fused-collective algorithm (CallArgs::fused): 0 as COCONET_FUSED says,
   // 1 point-to-point, 2 this window when every rank is on this node (across nodes of L ranks
@@ -277,12 +281,13 @@ class ShmWindow {
 
   // Rank r's memory at `offset` in the user window `id` (as every rank registered it).
   const char* user_memory(int64_t id, int r, int64_t offset) const {
-    if (id >= kOwnIds) {
+    if (id >= kOwnIds && (static_cast<uint64_t>(id) & kNodeShared) == 0) {
       auto it = own_.find(static_cast<int>(id - kOwnIds));
       if (it != own_.end()) return it->second.at(r) + offset;
     }
     for (size_t k = 0; user && k + 3 < user->size(); k += 4) {
       if (static_cast<int64_t>((*user)[k]) != id) continue;
+      if ((*user)[k] & kNodeShared) return reinterpret_cast<const char*>((*user)[k + 1]) + offset;
       MPI_Win w = handle(k);
       int wr = window_ranks(w)[static_cast<size_t>(r)];
       MPI_Aint size = 0;
