@@ -37,7 +37,7 @@ WAYS = {"examples": "as allocated (vector path)", "misalign": "every tensor one 
 
 # without steps.tsv: the session script's order of its steps
 FALLBACK_ORDER = ["examples", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "symmetric",
-                  "misalign", "chunks", "adam_step", "adam_step_symmetric"]
+                  "misalign", "chunks", "adam_step", "adam_step_pipeline", "adam_step_symmetric"]
 
 
 def read_steps(d: Path) -> list[dict]:

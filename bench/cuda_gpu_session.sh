@@ -10,8 +10,12 @@
 #                   clip_grad_norm_ + fused AdamW, at 2^20 .. 2^28 (bench/cuda_optimizer.py)
 #   optimizer_bf16  the same with bf16 parameters and gradients, f32 master weights and state,
 #                   against torch's ways (an f32 master copy; fused Adam on the bf16 parameters)
-#   adam_step, adam_step_symmetric  the module's Adam step called directly against torch's fused
-#                   Adam, the pipeline and (COCONET_CUDA_FUSED=symmetric) the device-API kernel
+#   adam_step       the module's Adam step called directly against torch's fused Adam (auto: the
+#                   faster fused algorithm, measured), at 2^20, 2^24, 2^26
+#   adam_step_pipeline, adam_step_symmetric  the same with the fused algorithm forced
+#                   (COCONET_CUDA_FUSED=pipeline, =symmetric: the device-API kernel) at 2^24, 2^26,
+#                   2^28: the two side by side for `zero` and `fused` (docs/cuda.md, the symmetric
+#                   kernel's tiles)
 #   symmetric       the examples with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
 #   tp_mlp_f32, tp_mlp_bf16  the tensor-parallel MLP's forward + backward
 #                   (coconetc.torch.function) against the same layer in PyTorch
@@ -84,8 +88,10 @@ step optimizer_f32 300 python3 bench/cuda_optimizer.py --tables adam_f32,adamw_f
 step optimizer_bf16 240 python3 bench/cuda_optimizer.py --tables mixed_bf16 --sizes 20,22,24,26,28 \
     --json "$tmp/optimizer_bf16.json"
 step adam_step 180 python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step.json"
-step adam_step_symmetric 120 env COCONET_CUDA_FUSED=symmetric \
-    python3 bench/adam_step.py --backend cuda --sizes 20,24,26 --json "$tmp/adam_step_symmetric.json"
+step adam_step_pipeline 180 env COCONET_CUDA_FUSED=pipeline \
+    python3 bench/adam_step.py --backend cuda --sizes 24,26,28 --json "$tmp/adam_step_pipeline.json"
+step adam_step_symmetric 180 env COCONET_CUDA_FUSED=symmetric \
+    python3 bench/adam_step.py --backend cuda --sizes 24,26,28 --json "$tmp/adam_step_symmetric.json"
 check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
 step tp_mlp_f32 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$tmp/tp_mlp_f32.json"
 step tp_mlp_bf16 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \

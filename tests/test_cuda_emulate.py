@@ -180,10 +180,15 @@ def _joins_in(cu: str, fn: str) -> list[int]:
     return [lo + m.start() for m in re.finditer(r"coconet::cuda::join\(", cu[lo:hi])]
 
 
-def _source(file: str, program: str, sched: str) -> str:
+def _ccn(file: str | Path) -> Path:
+    """An example by name, or a .ccn file by path."""
+    return file if isinstance(file, Path) else EX / f"{file}.ccn"
+
+
+def _source(file: str | Path, program: str, sched: str) -> str:
     from coconetc.codegen.cuda import generate
     from coconetc.sourcefile import load_file
-    mod = load_file(EX / f"{file}.ccn")
+    mod = load_file(_ccn(file))
     mod = replace(mod, schedules={p: {s: x for s, x in sc.items() if s == sched} for p, sc in mod.schedules.items()})
     return generate(mod, compiler.PROBE, skip_unsupported=True, emulate=True).cu
 
@@ -398,8 +403,8 @@ def _grids(stderr: str) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-def _sym_modules(tmp_path: Path, threads: int | None = None, cases: list[tuple[str, str, str]] | None = None
-                 ) -> tuple[Path, dict[tuple[str, str, str], tuple[str, Path]]]:
+def _sym_modules(tmp_path: Path, threads: int | None = None, cases: list[tuple[str | Path, str, str]] | None = None
+                 ) -> tuple[Path, dict[tuple[str | Path, str, str], tuple[str, Path]]]:
     """The symmetric kernel's schedules (cases: (file, program, schedule), default SYM_CASES) built
     against a copy of the runtime (threads: its blocks of that many threads instead of 512)."""
     from coconetc.paths import runtime_dir
@@ -418,43 +423,125 @@ def _sym_modules(tmp_path: Path, threads: int | None = None, cases: list[tuple[s
     return rt, built
 
 
-SYM_CASES = [("adam", "adam", "fused"), ("clipped_sgd", "clipped_sgd", "fused"), ("mixed_adam", "mixed_adam", "zero"),
-             ("sgd", "sgd", "fused")]
+SYM_CASES: list[tuple[str | Path, str, str]] = [("adam", "adam", "fused"), ("clipped_sgd", "clipped_sgd", "fused"),
+                                                ("mixed_adam", "mixed_adam", "zero"), ("sgd", "sgd", "fused")]
+SMS = [3, 1, 2, 5]  # COCONET_EMULATE_SMS of the grid tests: rank r's multiprocessors
+
+
+def _tile(file: str | Path, prog: str, sched: str, threads: int) -> int:
+    """symmetric.cuh's sym_tile(V) for blocks of `threads`: threads x V in whole 16-element units
+    (V: the program's generated launch, fused_symmetric<T, G, V>)."""
+    from coconetc.codegen.naming import function_name
+    cu = _source(file, prog, sched)
+    m = re.compile(r"fused_symmetric<[^<>]+, (\d+)>\(").search(cu, cu.index(f"void {function_name(prog, sched)}("))
+    assert m, (file, prog, sched)
+    return -(-threads * int(m[1]) // 16) * 16
+
+
+def _slices(n0: int, inner: int, ranks: int) -> list[int]:
+    """Each rank's elements of a reduce-scatter of n0 rows of inner (slices.h: ceil(n0 / R) rows
+    a rank, the last ones short or empty)."""
+    c = -(-n0 // ranks)
+    return [max(0, min(c, n0 - r * c)) * inner for r in range(ranks)]
+
+
+def _grid(slices: list[int], tile: int, threads: int, sm_threads: int) -> int:
+    """symmetric_grid: one block per tile of the largest slice, at most the smallest GPU's
+    resident blocks (the SMS multiprocessors of sm_threads threads each)."""
+    return max(1, min(-(-max(slices) // tile), min(SMS[:len(slices)]) * max(1, sm_threads // threads)))
+
+
+def _sym_check(ranks: int, case: tuple[str | Path, str, str], mod: tuple[str, Path], sizes: list[int],
+               extra: dict | None = None) -> dict[int, list[tuple[int, str]]]:
+    """Calls of a built symmetric-kernel module (COCONET_CUDA_FUSED=symmetric, every size symbol
+    at each size in turn) on ranks emulating SMS multiprocessors: every call matches the
+    interpreter and every rank launches the same grids. Each rank's (grid, path) per call."""
+    (file, prog, sched), (name, so) = case, mod
+    res = _launch(ranks, ["check", str(_ccn(file)), prog, sched, str(so), name, ",".join(map(str, sizes))],
+                  env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1",
+                       "COCONET_EMULATE_SMS": ",".join(map(str, SMS)), **(extra or {})}, timeout=300)
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert len(lines) == len(sizes) and all(ln.startswith("MATCH ") for ln in lines), log
+    grids = _grids(res.stderr)
+    assert sorted(grids) == list(range(ranks)), log
+    assert all([g for g, _ in grids[r]] == [g for g, _ in grids[0]] for r in grids), log
+    return grids
 
 
 @pytest.mark.slow
 def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(tmp_path):
-    """The grid is sized from the device and the same on every rank. With blocks of 2 threads (an
-    edited copy of symmetric.cuh) a call takes one block per 2 * V elements of the largest slice,
-    up to multiprocessors x resident blocks: many blocks, each a contiguous share of whole
-    16-element units of its rank's slice, the last ones short or empty (sizes 10, 100, 1001,
-    4099 at R = 1..4: uneven and empty slices too). The ranks emulate different multiprocessor
-    counts (COCONET_EMULATE_SMS=3,1,2,5: 2048 threads each, so 1024 blocks of 2 on the smallest),
-    and with the unedited kernel (blocks of 512: 4 a multiprocessor) at 100003 elements the
-    smallest GPU's 4 blocks bound the grid of every rank (12 on rank 0 alone, at R = 1). Every
-    call matches the interpreter, every rank launches the same grid for it, and both the vector
-    and the element path run (slices that start off a vector boundary take the element path)."""
-    for threads, sizes, least in [(2, "10,100,1001,4099", 100), (None, "100003", 1)]:
-        _, mods = _sym_modules(tmp_path / str(threads), threads)
-        paths = set()
+    """The grid is sized from the device and the same on every rank: one block per tile of the
+    largest slice (a tile: the block's threads x V elements, in whole 16-element units), up to the
+    smallest GPU's multiprocessors x resident blocks. The ranks emulate different multiprocessor
+    counts (COCONET_EMULATE_SMS=3,1,2,5). With blocks of 2 threads (an edited copy of
+    symmetric.cuh; tiles of 16 elements) at sizes 10 .. 8209 on R = 1..4 (uneven and empty
+    slices): many blocks (up to 514; a multiprocessor holds 1024 blocks of 2), then, with
+    multiprocessors of 16 threads (COCONET_EMULATE_SM_THREADS), grids of 8 blocks (24 at R = 1)
+    that take many tiles each (up to 22), the last one partial; with the unedited kernel (blocks
+    of 512: 4 a multiprocessor) at 100003 elements the smallest GPU's 4 blocks bound the grid of
+    every rank (12 on rank 0 alone, at R = 1), 3 to 7 tiles a block. Every call matches the
+    interpreter, every rank launches the grid expected for it, and both the vector and the
+    element path run (slices that start off a vector boundary take the element path)."""
+    sizes = [10, 100, 1001, 4099, 8209]
+    runs = [(2, sizes, 2048, lambda grid, tiles: grid >= 100 and tiles <= grid),  # many blocks, one tile each
+            (2, sizes, 16, lambda grid, tiles: tiles >= 10 * grid),  # few blocks, many tiles each
+            (None, [100003], 2048, lambda grid, tiles: tiles >= 4 * grid)]
+    built: dict[int | None, dict] = {}
+    for threads, run_sizes, sm_threads, most in runs:
+        if threads not in built:
+            built[threads] = _sym_modules(tmp_path / str(threads), threads)[1]
+        mods = built[threads]
+        paths, seen = set(), False
         for ranks in (1, 2, 3, 4):
-            for (file, prog, sched), (name, so) in mods.items():
-                res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
-                              env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1",
-                                   "COCONET_EMULATE_SMS": "3,1,2,5"}, timeout=300)
-                log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
-                assert res.returncode == 0, log
-                lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-                assert len(lines) == len(sizes.split(",")) and all(ln.startswith("MATCH ") for ln in lines), log
-                grids = _grids(res.stderr)
-                assert sorted(grids) == list(range(ranks)), log
-                calls = grids[0]
-                assert calls and all([g for g, _ in grids[r]] == [g for g, _ in calls] for r in grids), log
-                assert max(g for g, _ in calls) >= least, log
-                if threads is None:  # 100003 elements: 4 blocks, or 12 on one rank (3 multiprocessors)
-                    assert {g for g, _ in calls} == ({12} if ranks == 1 else {4}), log
+            for case, mod in mods.items():
+                tile = _tile(*case, threads or 512)
+                grids = _sym_check(ranks, case, mod, run_sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
+                for k, n in enumerate(run_sizes):
+                    sl = _slices(n, 1, ranks)
+                    want = _grid(sl, tile, threads or 512, sm_threads)
+                    assert grids[0][k][0] == want, (case, ranks, n, grids[0], want)
+                    seen |= most(want, -(-max(sl) // tile))
                 paths |= {p for r in grids for _, p in grids[r]}
+        assert seen, (threads, sm_threads)
         assert paths == {"vector", "element"}, paths
+
+
+TILES = REPO / "tests" / "programs" / "sym_tiles.ccn"  # 2-d: avg f32, max bf16, min f16
+
+
+@pytest.mark.slow
+def test_symmetric_kernel_tiles_of_uneven_slices(tmp_path):
+    """Slices that are no whole number of tiles, on ranks with fewer tiles than the grid has
+    blocks (blocks with no tile; the grid is one block per tile of the largest slice): fused
+    reduce-scatters along dim 0 of [N, N] tensors (slices of whole rows, the last rank's short),
+    avg in f32, max in bf16, min in f16. With blocks of 2 threads (tiles of 16 elements) at N = 7
+    (21, 21, 7 elements on 3 ranks: 2, 2, 1 tiles) and N = 41 (861, 820 on 2 ranks: 54, 52
+    tiles), on multiprocessors of 2048 threads (a block a tile) and of 16 (8 blocks, many tiles
+    each); with the unedited kernel (tiles of 2048 f32 or 4096 f16/bf16 elements) at N = 91 (4
+    ranks: 2093, 2093, 2093, 2002 elements; 2 ranks: 4186, 4095). Every call matches the
+    interpreter, on every rank with the grid expected for it, and each program has a call in
+    which some rank's slice is no whole number of tiles and has fewer tiles than the grid."""
+    cases = [(TILES, prog, "fused") for prog in ("avg2", "max2", "min2")]
+    runs = [(2, (2, 3), [7, 41], 2048), (2, (2, 3), [7, 41], 16), (None, (2, 4), [91], 2048)]
+    short: set[str] = set()
+    built: dict[int | None, dict] = {}
+    for threads, ranks_list, sizes, sm_threads in runs:
+        if threads not in built:
+            built[threads] = _sym_modules(tmp_path / str(threads), threads, cases)[1]
+        mods = built[threads]
+        for ranks in ranks_list:
+            for case, mod in mods.items():
+                tile = _tile(*case, threads or 512)
+                grids = _sym_check(ranks, case, mod, sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
+                for k, n in enumerate(sizes):
+                    sl = _slices(n, n, ranks)
+                    grid = _grid(sl, tile, threads or 512, sm_threads)
+                    assert grids[0][k][0] == grid, (case, ranks, n, grids[0], grid)
+                    if any(m % tile and -(-m // tile) < grid for m in sl):
+                        short.add(case[1])
+    assert short == {"avg2", "max2", "min2"}, short
 
 
 @pytest.mark.slow

@@ -1227,7 +1227,8 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
 // One emulated multiprocessor (so grids stay small and threads take several vectors), or with
 // COCONET_EMULATE_SMS=a,b,c... (MPI_COMM_WORLD rank r: the (r mod count)-th): that many, which may
 // differ between ranks (the symmetric kernel's grid must still be the same on every rank); each
-// holds 2048 threads, and a kernel's resident blocks per multiprocessor
+// holds 2048 threads (COCONET_EMULATE_SM_THREADS=k: k, so that a grid of small blocks stays small),
+// and a kernel's resident blocks per multiprocessor
 // (cudaOccupancyMaxActiveBlocksPerMultiprocessor) are as many blocks as fit those threads. A
 // vector access must be aligned as on a GPU, where a misaligned one faults; the kernels launched
 // on the vector path and the vector accesses made are counted (the module's emulation_counts()).
@@ -1235,7 +1236,10 @@ enum cudaDeviceAttr { cudaDevAttrMaxThreadsPerMultiProcessor = 39, cudaDevAttrMu
 namespace coconet {
 namespace cuda {
 namespace emu {
-constexpr int kThreadsPerSm = 2048;
+inline int threads_per_sm() {
+  const char* e = std::getenv("COCONET_EMULATE_SM_THREADS");
+  return e && *e ? std::max(1, std::atoi(e)) : 2048;
+}
 inline int sm_count() {
   const char* e = std::getenv("COCONET_EMULATE_SMS");
   if (!e || !*e) return 1;
@@ -1253,12 +1257,12 @@ inline int sm_count() {
 }  // namespace cuda
 }  // namespace coconet
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
-  *v = a == cudaDevAttrMaxThreadsPerMultiProcessor ? coconet::cuda::emu::kThreadsPerSm : coconet::cuda::emu::sm_count();
+  *v = a == cudaDevAttrMaxThreadsPerMultiProcessor ? coconet::cuda::emu::threads_per_sm() : coconet::cuda::emu::sm_count();
   return cudaSuccess;
 }
 template <class K>
 inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, K, int block_size, size_t) {
-  *blocks = block_size > 0 ? std::max(1, coconet::cuda::emu::kThreadsPerSm / block_size) : 0;
+  *blocks = block_size > 0 ? std::max(1, coconet::cuda::emu::threads_per_sm() / block_size) : 0;
   return cudaSuccess;
 }
 namespace coconet {

@@ -313,19 +313,16 @@ struct Strided {
   COCONET_HD It end() const { return It{hi, step}; }
 };
 
-// One thread's share of the elements [lo, n) of a pointwise kernel (see above; lo: 0, or where a
-// block's share starts in the symmetric kernel, a whole number of vectors).
+// One thread's share of the elements [0, n) of a pointwise kernel (see above; the symmetric
+// kernel's SymThread offers the same two loops over its block's tiles).
 template <int V>
 struct Thread {
   int64_t n = 0, first = 0, stride = 1;
   bool vec = false;
-  int64_t lo = 0;
   // the first element of each whole group of V elements this thread takes (none unless vec)
-  COCONET_HD Strided vectors() const {
-    return vec ? Strided{lo + first * V, lo + (n - lo) / V * V, stride * V} : Strided{0, 0, 1};
-  }
+  COCONET_HD Strided vectors() const { return vec ? Strided{first * V, n / V * V, stride * V} : Strided{0, 0, 1}; }
   // the elements it takes one at a time: those past the last whole group, or all of them
-  COCONET_HD Strided elements() const { return Strided{(vec ? lo + (n - lo) / V * V : lo) + first, n, stride}; }
+  COCONET_HD Strided elements() const { return Strided{(vec ? n / V * V : 0) + first, n, stride}; }
 };
 
 // V elements of T held in registers, aligned as one vector access (V * sizeof(T) bytes, at most 16).

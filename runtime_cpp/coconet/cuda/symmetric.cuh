@@ -14,17 +14,21 @@
 // reads the caller's input itself); then the kernel, whose block b of every rank pairs with block b
 // of every peer at each LSA barrier. The grid is the same on every rank (symmetric_grid: the least
 // over the ranks of multiprocessors x resident blocks per multiprocessor, at most one block per
-// kSymThreads * V elements of the largest slice), and block b takes a contiguous share of each
-// slice (block_share: a function of the slice's size and the grid only, whole 16-element units):
+// tile of the largest slice). Each slice is cut into tiles of sym_tile(V) elements (kSymThreads x
+// V: one whole vector a thread) and block b of a grid of G takes tiles b, b + G, b + 2G, ... of
+// each slice (Tiled: a function of the slice's size and the grid only), its threads striding
+// within a tile, so that the blocks walk the arrays together in one window of about G tiles, as
+// the pipeline's grid-stride kernels do:
 //   1. barrier (acquire): every rank's input is staged
 //   2. the generated per-thread function (the pipeline chunk kernel's, rendered by the same
-//      code: its Lets once per thread, then the thread's whole vectors of V elements where every
-//      operand is aligned, then the rest one element at a time) reads each element's value
-//      reduced over every peer's window (SymThread::reduce / vreduce: peer loads, reduced in the
-//      compute type as the plan says: sum, avg, max, min), runs the fused element math, and
-//      stores the gathered value in the caller's tensor and in this rank's window (th.out)
+//      code: its Lets once per thread, then the thread's whole vectors of V elements in its
+//      block's tiles where every operand is aligned, then the rest one element at a time) reads
+//      each element's value reduced over every peer's window (SymThread::reduce / vreduce: peer
+//      loads, reduced in the compute type as the plan says: sum, avg, max, min), runs the fused
+//      element math, and stores the gathered value in the caller's tensor and in this rank's
+//      window (th.out)
 //   3. barrier (acq_rel): every rank's computed slice is in its window
-//   4. block b reads the share block b of each peer wrote in step 2 from that peer's window
+//   4. block b reads the tiles block b of each peer wrote in step 2 from that peer's window
 //      (peer loads, 16 bytes at a time where the caller's tensor is aligned) straight into the
 //      caller's gathered tensor.
 // Pull, not push, for the gather: the peers' values land in the caller's tensor without a copy
@@ -49,9 +53,13 @@ namespace cuda {
 
 // The kernel's blocks have kSymThreads threads; the grid is sized from the device (symmetric_grid).
 constexpr int kSymThreads = 512;
-// A block's share of a slice is a whole number of these elements (a multiple of every vector
-// width V: 16 bytes of a 1-byte type), so that each share starts on a whole vector.
+// A tile is a whole number of these elements (a multiple of every vector width: 16 bytes of a
+// 1-byte type), so that each tile starts on a whole 16-byte vector of any operand's type.
 constexpr int64_t kSymUnit = 16;
+// The elements of a tile of a kernel of V elements a vector: one vector a thread of a block
+// (kSymThreads x V, as a block of the pipeline's kernels steps), in whole kSymUnits (which
+// kSymThreads x V is unless a block has fewer than 16 threads).
+COCONET_HD constexpr int64_t sym_tile(int V) { return (int64_t(kSymThreads) * V + kSymUnit - 1) / kSymUnit * kSymUnit; }
 
 enum class FusedAlgo { automatic, pipeline, symmetric };
 
@@ -304,23 +312,57 @@ COCONET_HD inline C combine(int op, C a, C b) {
   }
 }
 
-// Block b's share [begin, end) of a slice of m elements over a grid of `blocks`: contiguous, a
-// whole number of kSymUnit elements (the last shares may be short or empty). A function of m and
-// the grid only, so that a rank knows which of a peer's elements the peer's block b computed: the
-// only ones LSA barrier b orders before this rank's block b.
-COCONET_HD inline Range block_share(int64_t m, int64_t blocks, int64_t b) {
-  const int64_t per = ((m + blocks - 1) / blocks + kSymUnit - 1) / kSymUnit * kSymUnit;
-  const int64_t lo = b * per < m ? b * per : m;
-  return Range{lo, lo + per < m ? lo + per : m};
-}
+// The elements a thread takes of [lo, hi) cut into tiles of `tile` elements (tile k: [k * tile,
+// (k + 1) * tile) clipped to [lo, hi)): in tiles k, k + every, k + 2 * every, ... (its block's),
+// the elements first, first + step, ... from the start of each, for a range-for in device code.
+// Which tiles a block takes is a function of the tiling and the grid only, so that a rank knows
+// which of a peer's elements the peer's block b computed: the only ones LSA barrier b orders
+// before this rank's block b.
+struct Tiled {
+  int64_t lo, hi, tile, k, every, first, step;
+  struct It {
+    int64_t i, end, next, hop, first, step, tile, hi;  // end: the current tile's; next: the block's next tile
+    COCONET_HD void settle() {  // past the current tile: on to the block's next tile, or done (i = hi)
+      while (i >= end) {
+        if (next >= hi) {
+          i = hi;
+          return;
+        }
+        i = next + first;
+        end = next + tile < hi ? next + tile : hi;
+        next += hop;
+      }
+    }
+    COCONET_HD int64_t operator*() const { return i; }
+    COCONET_HD It& operator++() {
+      i += step;
+      settle();
+      return *this;
+    }
+    COCONET_HD bool operator!=(const It& e) const { return i < e.i; }
+  };
+  COCONET_HD It begin() const {
+    const int64_t kl = lo / tile;  // the tile lo is in, and the block's first tile from there
+    const int64_t k0 = k >= kl ? k : k + (kl - k + every - 1) / every * every, at = k0 * tile;
+    It it{(at > lo ? at : lo) + first, at + tile < hi ? at + tile : hi, at + every * tile, every * tile, first, step,
+          tile, hi};
+    it.settle();
+    return it;
+  }
+  COCONET_HD It end() const { return It{hi, hi, hi, 0, 0, 0, tile, hi}; }
+};
 
-// What the generated per-thread function of the symmetric kernel sees: a pipeline kernel's
-// Thread<V> over its block's share [lo, n) of this rank's slice (vectors(), elements()), plus an
-// element's value reduced over the ranks (reduce, vreduce: V of them) and where the gathered value
-// goes besides the caller's tensor (out: this rank's window; slice-local indices throughout).
+// What the generated per-thread function of the symmetric kernel sees: its elements of this rank's
+// slice [0, m) as a pipeline kernel's Thread<V> offers them (vectors(), elements()), but in its
+// block's tiles (Tiled), plus an element's value reduced over the ranks (reduce, vreduce: V of
+// them) and where the gathered value goes besides the caller's tensor (out: this rank's window;
+// slice-local indices throughout).
 template <class T, class G, int V>
-struct SymThread : Thread<V> {
+struct SymThread {
   using C = compute_t<T>;
+  int64_t m = 0;  // this rank's slice
+  int64_t block = 0, blocks = 1, thread = 0, threads = 1;  // the thread's block of the grid, its place in the block
+  bool vec = false;  // every operand is aligned for V (the vector path)
   const T* direct = nullptr;  // one rank: the caller's input at this rank's slice (nothing staged)
   ncclWindow_t win{};
   int64_t base = 0;  // this rank's slice in the staged input
@@ -328,6 +370,14 @@ struct SymThread : Thread<V> {
   T* keep = nullptr;  // this rank's slice of the reduced value, kept (or null)
   G* out = nullptr;
 
+  // the thread's elements first, first + step, ... of each of its block's tiles, in [lo, hi)
+  COCONET_HD Tiled tiles(int64_t lo, int64_t hi, int64_t first, int64_t step) const {
+    return Tiled{lo, hi, sym_tile(V), block, blocks, first, step};
+  }
+  // the first element of each whole group of V elements this thread takes (none unless vec)
+  COCONET_HD Tiled vectors() const { return tiles(0, vec ? m / V * V : 0, thread * V, threads * V); }
+  // the elements it takes one at a time: those past the last whole group, or all of them
+  COCONET_HD Tiled elements() const { return tiles(vec ? m / V * V : 0, m, thread, threads); }
   // rank p's input at this rank's slice
   __device__ const T* input(int p) const {
     return direct ? direct : static_cast<const T*>(ncclGetLsaPointer(win, 0, p)) + base;
@@ -360,16 +410,16 @@ struct SymThread : Thread<V> {
   }
 };
 
-// The kernel (see the top of this file). th: every thread's SymThread but for its share; f(th): the
-// generated per-thread function. The window holds the staged input [0, n0*inner) of type T and,
+// The kernel (see the top of this file). th: every thread's SymThread but for its place in the grid
+// and its slice; f(th): the generated per-thread function. The window holds the staged input [0, n0*inner) of type T and,
 // from out_off, this rank's gathered slice (type G) at slice-local indices.
 template <class T, class G, int V, class F>
 __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, size_t out_off, int64_t n0,
                                        int64_t inner, G* gathered, F f) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x};
   const int R = dev.lsaSize, me = dev.lsaRank;
-  const Range share = block_share(slice_range(n0, R, me).size() * inner, gridDim.x, blockIdx.x);
-  th.lo = share.begin, th.n = share.end, th.first = threadIdx.x, th.stride = blockDim.x;
+  th.m = slice_range(n0, R, me).size() * inner;
+  th.block = blockIdx.x, th.blocks = gridDim.x, th.thread = threadIdx.x, th.threads = blockDim.x;
   if (R > 1) bar.sync(ncclCoopCta(), ::cuda::memory_order_acquire);  // every rank's input is staged
   f(static_cast<const SymThread<T, G, V>&>(th));
   if (R == 1) return;  // nothing staged, nothing to gather
@@ -379,16 +429,15 @@ __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, s
   for (int p = 0; p < R; ++p) {
     if (p == me) continue;
     const Range sl = slice_range(n0, R, p);
-    const Range sh = block_share(sl.size() * inner, gridDim.x, blockIdx.x);  // what p's block b wrote
+    const int64_t mp = sl.size() * inner;  // p's slice, of which p's block b wrote its tiles
     const G* const src = static_cast<const G*>(ncclGetLsaPointer(th.win, out_off, p));
     G* const dst = gathered + sl.begin * inner;
-    int64_t rest = sh.begin;
+    int64_t rest = 0;
     if (VG > 1 && reinterpret_cast<uintptr_t>(dst) % (sizeof(G) * VG) == 0) {  // the window is aligned
-      rest = sh.begin + (sh.end - sh.begin) / VG * VG;
-      for (const int64_t l : Strided{sh.begin + threadIdx.x * int64_t(VG), rest, int64_t(blockDim.x) * VG})
-        store<VG>(dst + l, load<VG>(src + l));
+      rest = mp / VG * VG;  // (a tile is whole VG-vectors: some threads idle in a tile where VG > V)
+      for (const int64_t l : th.tiles(0, rest, th.thread * VG, th.threads * VG)) store<VG>(dst + l, load<VG>(src + l));
     }
-    for (const int64_t l : Strided{rest + threadIdx.x, sh.end, int64_t(blockDim.x)}) dst[l] = src[l];
+    for (const int64_t l : th.tiles(rest, mp, th.thread, th.threads)) dst[l] = src[l];
   }
 }
 
@@ -396,8 +445,8 @@ __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, s
 // rank (block b pairs with the peers' block b at each barrier). Made once per kernel: the least
 // over the ranks of multiprocessors x this kernel's resident blocks per multiprocessor
 // (cudaOccupancyMaxActiveBlocksPerMultiprocessor), at most the device communicator's barriers; a
-// call takes no more blocks than one per kSymThreads * V elements of the largest slice (the same
-// on every rank too).
+// call takes no more blocks than the largest slice has tiles (the same on every rank too; a
+// smaller slice may have fewer, and blocks with none).
 template <class K>
 int symmetric_grid(const Ctx& c, Symmetric& s, K kernel, int64_t most, int V) {
   auto it = s.grids.find(reinterpret_cast<const void*>(kernel));
@@ -407,7 +456,7 @@ int symmetric_grid(const Ctx& c, Symmetric& s, K kernel, int64_t most, int V) {
     const int mine = std::max(1, std::min(s.barriers, sm_count() * std::max(1, occ)));
     it = s.grids.emplace(reinterpret_cast<const void*>(kernel), agree_min(mine, c)).first;
   }
-  const int64_t per = int64_t(kSymThreads) * V, work = (most + per - 1) / per;
+  const int64_t per = sym_tile(V), work = (most + per - 1) / per;
   return int(std::max<int64_t>(1, std::min<int64_t>(work, it->second)));
 }
 
