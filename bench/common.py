@@ -196,10 +196,13 @@ def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10
     """The memory bandwidth one rank gets with every rank streaming at once, measured as STREAM
     does: the triad a = b + s c (torch.add(b, c, alpha=s, out=a): one pass, 12 bytes an f32
     element: b and c read, a written; write-allocate traffic not counted, as STREAM does not)
-    and the copy a = b (8 bytes), on arrays of ARRAY_BYTES each in every rank (by default
+    and the copy a = b (8 bytes); and the same two in place, b += s c (12 bytes) and b *= s
+    (8 bytes), whose writes go to lines just read (no write-allocate traffic at all: the
+    optimizer steps update their state and weights this way, so a bound without them is no
+    bound for those steps); on arrays of ARRAY_BYTES each in every rank (by default
     64 MiB, far out of cache), all ranks starting together after a barrier; each repetition's
     time is the slowest rank's (REPS of them, more for small arrays, up to 200), and the result
-    is the best repetition of the better kernel, in
+    is the best repetition of the best kernel, in
     bytes per second per rank. Measured again at every call; the best over the calls of the
     process at that array size is returned (a burst of load during one measurement must not
     lower the bound's bandwidth)."""
@@ -210,7 +213,9 @@ def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10
     reps = max(reps, min(200, reps * STREAM_ARRAY_BYTES // max(array_bytes, 1)))
     a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
     kernels = {"triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12 * n),
-               "copy": (lambda: a.copy_(b), 8 * n)}
+               "copy": (lambda: a.copy_(b), 8 * n),
+               "triad in place": (lambda: b.add_(c, alpha=0.5), 12 * n),
+               "scale in place": (lambda: a.mul_(1.0001), 8 * n)}
     best = 0.0
     for fn, nbytes in kernels.values():
         fn()  # first touch
@@ -290,7 +295,7 @@ def final_rooflines(results: dict[int, dict[str, Any]]) -> None:
 
 
 ROOFLINE_NOTE = ("a bound: the least bytes each schedule's calling convention must move "
-                 "(bench/common.py min_bytes) over the STREAM bandwidth (triad and copy, every rank at "
+                 "(bench/common.py min_bytes) over the STREAM bandwidth (triad and copy, also in place, every rank at "
                  "once, best of the repetitions; bench/common.py stream_bandwidth), measured in this run")
 
 
