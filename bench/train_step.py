@@ -7,7 +7,8 @@ step) on 2 ranks, data-parallel on random tokens, every variant side by side in 
   * DDP (gloo) + torch AdamW(foreach=True)
   coconet (the model NOT wrapped: coconetc.torch.DistributedOptimizer over examples/adamw.ccn
   all-reduces the gradients itself, clips and steps; each rank's loss divided by R, as adamw.ccn
-  sums the gradients): default, rs_c_ag, sliced, zero, and zero with shared_memory=True
+  sums the gradients): default, rs_c_ag, sliced, zero (on one node with one copy of the weights
+  for the node's ranks), zero with shared_weights=False and zero with shared_memory=False
 
 The model: token and position embeddings, L pre-LN blocks (causal self-attention through
 scaled_dot_product_attention, a 4x GELU MLP, residuals), a final LayerNorm and a head tied to
@@ -18,8 +19,9 @@ biases, LayerNorms and embeddings not.
 
 The clipping norm: clip_grad_norm_(model.parameters()) takes it over every group together; the
 DistributedOptimizer variants pass `across_groups=True` (the program's reductions over all
-groups together). Each schedule runs with the optimizer's default shared_memory (the in-place
-shared windows on one node), and `zero` once more with shared_memory=False.
+groups together). Each schedule runs with the optimizer's defaults (the in-place shared windows
+on one node; under zero one copy of the weights for the node), and `zero` once more with each
+rank's own copy of the weights (shared_weights=False) and with shared_memory=False.
 
 Before timing, every variant trains --check iterations from the same initial weights on the same
 batches, and its losses are compared with DDP + fused AdamW's (relative 1e-4); a mismatch stops
@@ -48,6 +50,7 @@ DDP_FUSED = "DDP (gloo) + AdamW(fused=True)"
 DDP_FOREACH = "DDP (gloo) + AdamW(foreach=True)"
 SCHEDULES = ("default", "rs_c_ag", "sliced", "zero")
 UNSHARED = "zero, shared_memory=False"
+OWN_WEIGHTS = "zero, shared_weights=False"
 
 
 def gpt(d: int, layers: int, heads: int, vocab: int, seq: int, tied: bool):
@@ -140,10 +143,11 @@ def make_variants(comm, base, batches) -> dict[str, Variant]:
         opt = torch.optim.AdamW(groups(m, "weight_decay"), lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]),
                                 eps=HP["eps"], **kw)
         out[label] = Variant(DDP(m), opt, True, R, batches)
-    for label, sched, shared in [*((s, s, None) for s in SCHEDULES), (UNSHARED, "zero", False)]:
+    for label, sched, kw in [*((s, s, {}) for s in SCHEDULES), (OWN_WEIGHTS, "zero", {"shared_weights": False}),
+                             (UNSHARED, "zero", {"shared_memory": False})]:
         m = copy.deepcopy(base)
         opt = DistributedOptimizer(groups(m, "wd"), ADAMW_CCN, schedule=sched, comm=comm,
-                                   shared_memory=shared, across_groups=True, wd=WD, **HP)
+                                   across_groups=True, wd=WD, **kw, **HP)
         out[label] = Variant(m, opt, False, R, batches)
     return out
 
