@@ -383,8 +383,12 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     _check_sizes(mod.programs[name], sz, DEFAULT_SIZE)
     parsed = mod  # the file as read (what the ranks load), before any tuned schedule is added
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
+    # the records of the target the schedules run on (`coconetc tune --backend cuda [--emulate]`
+    # measures the CUDA module's, whose choice may be a schedule the tuner wrote for it alone)
+    target = "cpu" if interp or backend != "cuda" else "cuda-emulated" if emulate else "cuda"
     if schedule == "auto" or any(_auto(mod, name, s) for s in names):
-        mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto")
+        mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto",
+                                   target=target)
     if interp or backend == "cuda":  # a CPU algorithm choice ("zero@p2p") means nothing there
         names = list(dict.fromkeys(_base(s) for s in names))
     if backend == "cuda" and not interp:
@@ -402,23 +406,23 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
 
 
 def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: int, sizes: dict,
-                  explicit: bool) -> tuple[SourceFile, list]:
+                  explicit: bool, target: str = "cpu") -> tuple[SourceFile, list]:
     """run: `auto` (-s auto, or the file's `schedule auto for P` among -s all) becomes the
-    tuner's choice for these sizes, ranks and groups on this machine (the tuning cache), the
-    choice's schedule added to the module when the tuner wrote it; with no record it is
-    skipped (-s auto: an error) naming the tune command to run."""
+    tuner's choice for these sizes, ranks and groups on this machine and TARGET (the tuning
+    cache), the choice's schedule added to the module when the tuner wrote it; with no record
+    it is skipped (-s auto: an error) naming the tune command to run."""
     from coconetc.sourcefile import add_schedules
     from coconetc.oracle.inputs import DEFAULT_SIZE, size_symbols
     from coconetc.runtime import tuned as cache
     full = {k: sizes.get(k, DEFAULT_SIZE) for k in size_symbols(mod.programs[name])}
-    rec = cache.lookup(mod.source, name, full, ranks, groups)
+    rec = cache.lookup(mod.source, name, full, ranks, groups, target)
     shown = ", ".join(f"{k}={v}" for k, v in full.items())
     keep = [] if explicit else [s for s in names if not _auto(mod, name, s)]
     if rec is None:
         what = (f"no tuning record for {shown} on {ranks} ranks"
-                + (f" in {groups} groups" if groups > 1 else "") + " on this machine; run `coconetc tune "
-                f"{mod.file} --program {name} --ranks {ranks} " + " ".join(f"--size {k}={v}" for k, v in full.items())
-                + "` first")
+                + (f" in {groups} groups" if groups > 1 else "") + f"{_TUNED_ON[target]}; run `coconetc tune "
+                f"{mod.file} --program {name}{_TUNE_FLAGS[target]} --ranks {ranks} "
+                + " ".join(f"--size {k}={v}" for k, v in full.items()) + "` first")
         if explicit:
             _fail(f"coconetc: {name} [auto]: {what}")
         click.echo(f"{name} [auto]: skipped: {what}")
@@ -429,6 +433,11 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {label}")
     chosen = None if label == DEFAULT else label
     return mod, keep if chosen in keep else keep + [chosen]
+
+
+_TUNED_ON = {"cpu": " on this machine", "cuda": " on this machine's GPU",
+             "cuda-emulated": " under the host emulation on this machine"}
+_TUNE_FLAGS = {"cpu": "", "cuda": " --backend cuda", "cuda-emulated": " --backend cuda --emulate"}
 
 
 def _auto(mod: SourceFile, name: str, label: str | None) -> bool:
@@ -448,8 +457,10 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
     if not emulate and not _gpu_here():
         _fail("coconetc: run --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               "add --emulate to run the generated CUDA code on the CPU")
-    try:
-        compile(parsed, "cuda-emulated" if emulate else "cuda")
+    from coconetc.runtime.tuned import with_tuned
+    target = "cuda-emulated" if emulate else "cuda"
+    try:  # what the ranks load (runtime/cuda.py): the file with the schedules tuned for this target
+        compile(with_tuned(parsed, target), target)
     except (BuildError, CompileError) as err:
         _fail(str(err))
     skip = emulation_problems(mod) if emulate else {k: e[0].what for k, e in problems(mod).items()}

@@ -860,8 +860,9 @@ class Differentiable:
             self._impl[backend] = (fwd, bwd, comm)
         return self._impl[backend]
 
-    def __call__(self, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         what = f"{self.program.name}()"
+        kwargs = _bind(what, [q.name for q in self.program.params], args, kwargs)
         unknown = sorted(set(kwargs) - set(self.tensors) - set(self.scalars))
         if unknown:
             raise TypeError(f"{what}: unexpected keyword argument {unknown[0]!r} (its parameters: "
@@ -877,6 +878,19 @@ class Differentiable:
         scalars = {n: kwargs[n].item() if isinstance(kwargs[n], torch.Tensor) else kwargs[n] for n in self.scalars}
         out = _Apply.apply(self, backend, scalars, *[kwargs[n] for n in self.tensors])
         return out[0] if len(out) == 1 else out
+
+
+def _bind(what: str, names: list[str], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Positional arguments bound to `names` in order (the program's parameters, as a Python
+    function's), then the keywords; too many, or one given both ways, is a TypeError."""
+    if len(args) > len(names):
+        raise TypeError(f"{what}: takes {len(names)} argument{'s' if len(names) != 1 else ''} "
+                        f"({', '.join(names)}), got {len(args)} positional")
+    bound = dict(zip(names, args))
+    both = sorted(set(bound) & set(kwargs))
+    if both:
+        raise TypeError(f"{what}: got multiple values for argument {both[0]!r}")
+    return {**bound, **kwargs}
 
 
 _FLOATS = ("f16", "bf16", "f32", "f64")
@@ -941,8 +955,8 @@ class Module(torch.nn.Module):
     tensor parameters to their FULL values (the same on every rank, e.g. from one seeded
     initialisation); each becomes an `nn.Parameter` holding this rank's part in the program's
     layout (sliced: this rank's slice; replicated: the whole tensor), so a tensor-parallel
-    layer is a module and any torch optimizer trains it. `forward(**rest)` takes the other
-    parameters. `full(name)` gathers a parameter's whole value (collective over `comm`).
+    layer is a module and any torch optimizer trains it. `forward(*rest, **rest)` takes the
+    other parameters (positional ones in the program's order: `layer(x)`). `full(name)` gathers a parameter's whole value (collective over `comm`).
     The other keywords are `function`'s.
 
         layer = coconetc.torch.Module("tp_mlp.ccn", "tp_mlp", parameters={"w1": w1, "b1": b1, ...})
@@ -979,7 +993,9 @@ class Module(torch.nn.Module):
         pg = self.fn.process_group
         return layout.group_position(None, dist.get_rank(pg), dist.get_world_size(pg), self.groups)
 
-    def forward(self, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        rest = [q.name for q in self.fn.program.params if q.name not in self._index]
+        kwargs = _bind(self.fn.program.name, rest, args, kwargs)
         clash = sorted(set(kwargs) & set(self._index))
         if clash:
             raise TypeError(f"{self.fn.program.name}: {clash[0]!r} is a parameter of the module; do not pass it")

@@ -254,6 +254,14 @@ def test_watchdog_message_names_ranks():
     assert "ranks 1 did not arrive" not in msg
     assert "rank 1 did not arrive" in msg and "rank 3 is in call #6" in msg
     assert "ranks 0, 2 did" in msg and "call #7" in msg and "10 s" in msg
+    # every rank answered, from different calls (a step on one rank, a checkpoint on the other):
+    # the message said 'no rank did not arrive; ... (rank 1 did)'
+    msg = watchdog_message(1, 2, 4, "DistributedOptimizer.state_dict() (adam, schedule 'zero')", 10.0,
+                           {0: (4, "m.adam(schedule='zero')"),
+                            1: (4, "DistributedOptimizer.state_dict() (adam, schedule 'zero')")})
+    assert "did not arrive" not in msg, msg
+    assert ("every rank is in a call of this communicator, but not all in this one; rank 0 is in call #4 "
+            "(m.adam(schedule='zero')) (rank 1 in this one). Aborting the job.") in msg, msg
 
 
 # --- the shipping path imports no interpreter ------------------------------------------------------

@@ -338,6 +338,28 @@ def test_nccl_comm_from_torch_process_group(built):
     assert "RANK 0: ok" in res.stdout and "RANK 1: ok" in res.stdout, res.stdout
 
 
+def test_a_process_group_wider_than_the_mpi_job_is_refused_with_what_to_run(monkeypatch):
+    """Under torchrun each process is an MPI singleton, so the emulated NCCL (on MPI) cannot span
+    a 2-rank gloo group: nccl_comm says so and names the launch that works (mpiexec, without
+    process_group=), before any NCCL call; emulate.h's own refusal ('an NCCL communicator is
+    MPI_COMM_WORLD or one rank') came from inside the module on every rank."""
+    pytest.importorskip("torch.distributed")
+    import torch.distributed as dist
+    from coconetc.runtime import cuda
+    monkeypatch.setenv(cuda.EMULATE, "1")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+    class NoNccl:
+        def __getattr__(self, name):
+            raise AssertionError(f"the module's {name} was called")
+
+    with pytest.raises(ValueError, match=r"this group has 2 and MPI_COMM_WORLD 1 \(under torchrun each "
+                                         r"process is an MPI job of its own\): launch the script under "
+                                         r"mpiexec, `COCONET_CUDA_EMULATE=1 coconetc launch -n 2 python SCRIPT`"):
+        cuda.nccl_comm(NoNccl(), process_group=object())
+
+
 def test_load_backend_argument():
     import coconetc
     with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda'"):

@@ -121,6 +121,28 @@ def test_one_rank_gradients_match_autograd(built):
         torch.testing.assert_close(a[k].grad, b[k].grad, rtol=1e-5, atol=1e-5)
 
 
+def test_positional_arguments_bind_in_the_programs_order(built):
+    """As a PyTorch user calls a layer: `layer(x)` for a Module whose only other input is x, and
+    f(x, w1, ...) for a function, bound in the program's parameter order (a Module's: the
+    parameters it does not hold). They raised 'Differentiable.__call__() takes 1 positional
+    argument but 6 were given' / 'Module.forward() takes 1 positional argument ...'."""
+    import coconetc.torch as ct
+    gen = torch.Generator().manual_seed(4)
+    t = {"x": torch.randn(2, 3, 4, generator=gen), "w1": torch.randn(4, 6, generator=gen),
+         "b1": torch.randn(6, generator=gen), "w2": torch.randn(6, 4, generator=gen), "b2": torch.randn(4, generator=gen)}
+    f = ct.function(TP_MLP, "tp_mlp")
+    torch.testing.assert_close(f(*t.values()), f(**t))
+    torch.testing.assert_close(f(t["x"], t["w1"], b1=t["b1"], w2=t["w2"], b2=t["b2"]), f(**t))
+    layer = ct.Module(TP_MLP, "tp_mlp", parameters={k: v for k, v in t.items() if k != "x"})
+    torch.testing.assert_close(layer(t["x"]), f(**t))
+    with pytest.raises(TypeError, match=r"tp_mlp\(\): takes 5 arguments \(x, w1, b1, w2, b2\), got 6 positional"):
+        f(*t.values(), t["x"])
+    with pytest.raises(TypeError, match=r"tp_mlp\(\): got multiple values for argument 'x'"):
+        f(t["x"], x=t["x"], w1=t["w1"], b1=t["b1"], w2=t["w2"], b2=t["b2"])
+    with pytest.raises(TypeError, match=r"tp_mlp: takes 1 argument \(x\), got 2 positional"):
+        layer(t["x"], t["w1"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script, ranks, args", [
     ("train_tp.py", 2, ["--steps", "12", "--schedule", "overlapped"]),

@@ -428,6 +428,40 @@ def test_tune_cuda_emulated_then_auto(tmp_path, tuning_file, monkeypatch, capfd)
     assert capfd.readouterr().out.count("optimizer auto ok auto_rs_c_ag_slice") == 2
 
 
+def test_run_auto_on_the_cuda_backend_reads_the_cuda_records(example) -> None:
+    """`run -s auto --backend cuda --emulate` takes the choice `tune --backend cuda --emulate`
+    recorded, never the CPU backend's: with only a CPU record it names the CUDA tune command
+    (it ran the CPU's choice, and a schedule the CPU tuner wrote failed on every rank with
+    KeyError: 'auto_rs_c_ag_slice', which the CUDA module does not carry)."""
+    rec = _fake_record(example("adam.ccn"), {"N": 65}, 2)
+    rec["choice"] = "auto_rs_c_ag_slice"
+    tuned.store(tuned.key(example("adam.ccn").source, "adam", {"N": 65}, 2), rec)
+    res = invoke("run", ADAM, "-s", "auto", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=65")
+    assert res.exit_code == 1, res.output
+    assert ("no tuning record for N=65 on 2 ranks under the host emulation on this machine; run `coconetc "
+            f"tune {ADAM} --program adam --backend cuda --emulate --ranks 2 --size N=65` first") in res.stderr
+    res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65", "--interp")  # the CPU's, as before
+    assert res.exit_code == 0 and "the tuner's choice for N=65 on 2 ranks: auto_rs_c_ag_slice" in res.stdout
+
+
+def test_run_auto_on_the_cuda_backend_runs_the_cuda_choice(example, tmp_path, monkeypatch, capfd) -> None:
+    """With a record for each target, `run -s auto --backend cuda --emulate` runs the CUDA
+    record's choice (a schedule its tuner wrote, built into the module before the ranks start)."""
+    monkeypatch.setenv(probes.ENV_CACHE, str(tmp_path.parent / "cuda-auto-cache"))
+    mod = example("adam.ccn")
+    _fake_record(mod, {"N": 65}, 2)  # the CPU's: zero
+    rec = _fake_record(mod, {"N": 65}, 2)
+    rec["choice"], rec["machine"], rec["target"] = "auto_rs_c_ag_slice", tuned.machine("cuda-emulated"), "cuda-emulated"
+    tuned.store(tuned.key(mod.source, "adam", {"N": 65}, 2, target="cuda-emulated"), rec)
+    capfd.readouterr()
+    res = invoke("run", ADAM, "-s", "auto", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=65")
+    ranks_out = capfd.readouterr().out
+    assert res.exit_code == 0, res.output + ranks_out
+    assert "the tuner's choice for N=65 on 2 ranks: auto_rs_c_ag_slice" in res.stdout
+    assert "adam [auto_rs_c_ag_slice] (CUDA, host emulation): 2 ranks" in ranks_out
+    assert "matches the interpreter on every rank" in ranks_out
+
+
 def test_tune_backend_options() -> None:
     res = invoke("tune", ADAM, "--emulate", "--size", "N=64")
     assert res.exit_code == 1 and "--emulate goes with --backend cuda" in res.stderr

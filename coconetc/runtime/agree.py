@@ -284,11 +284,14 @@ def watchdog_message(me: int, size: int, call: int, what: str, limit: float,
                  if (c, w) != (call, what)]
     here = sorted(r for r, cw in where.items() if cw == (call, what))
     text = (f"coconet watchdog: {what}, call #{call} on this communicator, rank {me}: "
-            f"waited {limit:g} s ({ENV_TIMEOUT}) for every rank to enter the call; "
-            f"{_ranks(missing) if missing else 'no rank'} did not arrive")
+            f"waited {limit:g} s ({ENV_TIMEOUT}) for every rank to enter the call; ")
+    if missing:
+        text += f"{_ranks(missing)} did not arrive"
+    else:  # every rank answered from a call: not all from this one (different calls, or out of step)
+        text += "every rank is in a call of this communicator, but not all in this one"
     if elsewhere:
         text += "; " + "; ".join(elsewhere)
-    return text + f" ({_ranks(here)} did). Aborting the job."
+    return text + f" ({_ranks(here)} {'did' if missing else 'in this one'}). Aborting the job."
 
 
 def _ranks(rs: list[int]) -> str:

@@ -59,6 +59,8 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
         import uuid
         import torch.distributed as dist
         size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        if size > 1 and emulating():
+            _emulated_group_check(size)
         box: list[Any] = [(ext.nccl_unique_id(), uuid.uuid4().hex) if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
         uid, token = box[0]
@@ -77,6 +79,24 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
     uid = mpi_comm.bcast(ext.nccl_unique_id() if rank == 0 else None, root=0)
     return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm,
                     notices=_MpiNotices(mpi_comm.Dup(), rank, size))
+
+
+def _emulated_group_check(size: int) -> None:
+    """Under the host emulation the NCCL communicator of a process group of `size` ranks is
+    MPI_COMM_WORLD (emulate.h, ncclCommInitRank): the processes must be one MPI job of that size.
+    Under torchrun each process is an MPI job of its own (a singleton), which emulate.h refused
+    only as 'an NCCL communicator is MPI_COMM_WORLD or one rank'; say what to run instead. The
+    same on every rank of the group (each sees its own world's size), so all raise together."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD.Get_size()
+    if world != size:
+        why = " (under torchrun each process is an MPI job of its own)" if world == 1 else ""
+        raise ValueError(
+            f"{EMULATE}=1: the emulated NCCL runs on MPI, so a process group's ranks must be all the "
+            f"ranks of the MPI job; this group has {size} and MPI_COMM_WORLD {world}{why}: launch the "
+            f"script under mpiexec, `{EMULATE}=1 coconetc launch -n {size} python SCRIPT`, and there "
+            f"leave out process_group= (the communicator is made from MPI_COMM_WORLD) or pass a "
+            f"group of every rank (docs/pytorch.md, 'Without a GPU: the host emulation')")
 
 
 ABORT_TAG = 31_003
