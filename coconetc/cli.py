@@ -420,8 +420,8 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     keep = [] if explicit else [s for s in names if not _auto(mod, name, s)]
     if rec is None:
         what = (f"no tuning record for {shown} on {ranks} ranks"
-                + (f" in {groups} groups" if groups > 1 else "") + f"{_TUNED_ON[target]}; run `coconetc tune "
-                f"{mod.file} --program {name}{_TUNE_FLAGS[target]} --ranks {ranks} "
+                + (f" in {groups} groups" if groups > 1 else "") + f"{cache.MEASURED_ON[target]}; run `coconetc tune "
+                f"{mod.file} --program {name}{cache.TUNE_FLAGS[target]} --ranks {ranks} "
                 + " ".join(f"--size {k}={v}" for k, v in full.items()) + "` first")
         if explicit:
             _fail(f"coconetc: {name} [auto]: {what}")
@@ -433,11 +433,6 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {label}")
     chosen = None if label == DEFAULT else label
     return mod, keep if chosen in keep else keep + [chosen]
-
-
-_TUNED_ON = {"cpu": " on this machine", "cuda": " on this machine's GPU",
-             "cuda-emulated": " under the host emulation on this machine"}
-_TUNE_FLAGS = {"cpu": "", "cuda": " --backend cuda", "cuda-emulated": " --backend cuda --emulate"}
 
 
 def _auto(mod: SourceFile, name: str, label: str | None) -> bool:

@@ -279,7 +279,7 @@ class _Group:
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.empty(0, dtype=want, device=dev)
             if opt._shared:  # in a shared window: the peers read this rank's part in place
-                opt._everyone_here("a parameter group in shared memory")
+                opt._everyone_here("a parameter group in shared memory", self.n)  # (sizes agreed first)
                 self.flat = (_node_copy if opt._one_copy else _shared_copy)(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
                 p.data = view
@@ -680,12 +680,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              f"shaped {tuple(v.shape)}; the parameter is {tuple(p.shape)}")
         return v.reshape(-1).to(device=like.device, dtype=like.dtype)
 
-    def _everyone_here(self, what: str) -> None:
+    def _everyone_here(self, what: str, extra: Any = None) -> None:
         """Every rank of the communicator must be here (gathering the state is collective): a
         rank that is not makes the job end after COCONET_TIMEOUT, naming it, instead of hanging;
         ranks whose groups differ in size raise on every rank."""
         from coconetc.runtime import agree
-        mine = ("coconetc.torch", what, [g.n for g in self._groups])
+        mine = ("coconetc.torch", what, [g.n for g in self._groups], extra)
         label = f"DistributedOptimizer.{what} ({self._fn.name}, schedule {self._schedule!r})"
         if self._backend == "cpu":
             everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())

@@ -182,6 +182,18 @@ def test_one_copy_of_the_weights_where_each_rank_writes_its_own_part(built):
     assert not DistributedOptimizer(_model().parameters(), str(LAMB), **HYPER, wd=0.01).shared_weights
 
 
+@pytest.mark.slow
+def test_parameter_sizes_that_differ_by_rank_are_refused_on_every_rank(built, capfd):
+    """Sizes that differ by rank are refused on every rank before the node's shared windows
+    are made (an allocation sized by one rank's parameters would fail on another, or wait
+    for ever), and every rank goes on."""
+    rc, lines, log = _launch(capfd, 2, "shapes_differ")
+    assert rc == 0, log
+    refused = [ln for ln in lines if ln.startswith("REFUSED")]
+    assert len(refused) == 2 and all("with the same parameter shapes" in ln for ln in refused), log
+    assert sorted(ln for ln in lines if ln.startswith("AFTER")) == ["AFTER 0", "AFTER 1"], log
+
+
 def test_own_part_only_reads_the_plan() -> None:
     """plan.own_part_only: which schedules of the examples have each rank write only its own
     part of the weights (through a fused collective's all-gather into them, in place)."""

@@ -438,7 +438,7 @@ def test_run_auto_on_the_cuda_backend_reads_the_cuda_records(example) -> None:
     tuned.store(tuned.key(example("adam.ccn").source, "adam", {"N": 65}, 2), rec)
     res = invoke("run", ADAM, "-s", "auto", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=65")
     assert res.exit_code == 1, res.output
-    assert ("no tuning record for N=65 on 2 ranks under the host emulation on this machine; run `coconetc "
+    assert ("no tuning record for N=65 on 2 ranks under the CUDA host emulation on this machine; run `coconetc "
             f"tune {ADAM} --program adam --backend cuda --emulate --ranks 2 --size N=65` first") in res.stderr
     res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65", "--interp")  # the CPU's, as before
     assert res.exit_code == 0 and "the tuner's choice for N=65 on 2 ranks: auto_rs_c_ag_slice" in res.stdout

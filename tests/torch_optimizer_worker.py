@@ -481,6 +481,15 @@ def run_mode(comm) -> int:
         if rank == 0:
             pair.opt.state_dict()
             print("RANK 0 WAS NOT STOPPED", flush=True)
+    elif mode == "shapes_differ":  # each rank its own parameter size: refused on every rank, before
+        p = torch.nn.Parameter(torch.zeros(10 + rank))  # any shared window is made
+        try:
+            DistributedOptimizer([p], str(ADAM), schedule="zero", **HYPER)
+            print(f"ACCEPTED {rank}", flush=True)
+        except RuntimeError as err:
+            print(f"REFUSED {rank}: {err}", flush=True)
+        comm.Barrier()  # (every rank gets here: none is left waiting in an allocation)
+        print(f"AFTER {rank}", flush=True)
     elif mode == "resume":
         resume(sys.argv[2], "checkpoint")
     else:

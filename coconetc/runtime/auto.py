@@ -44,14 +44,12 @@ def _position(comm: Any) -> tuple[int, int]:
 
 
 def _on(fn: Any) -> str:
-    target = getattr(fn, "target", "cpu")
-    return {"cuda": " on this GPU", "cuda-emulated": " on the CUDA backend's host emulation"}.get(target, "")
+    return tuned.MEASURED_ON[getattr(fn, "target", "cpu")]
 
 
 def _backend(fn: Any) -> str:
     """The tune options that measure on fn's target."""
-    target = getattr(fn, "target", "cpu")
-    return "" if target == "cpu" else " --backend cuda" + (" --emulate" if target == "cuda-emulated" else "")
+    return tuned.TUNE_FLAGS[getattr(fn, "target", "cpu")]
 
 
 def for_call(fn: Any, comm: Any, groups: int, kwargs: dict) -> str:

@@ -37,6 +37,12 @@ FILE = "tuning.json"
 ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/tuning.json)
 
 
+# per target: where its records were measured, and the `coconetc tune` options that measure there
+MEASURED_ON = {"cpu": " on this machine", "cuda": " on this machine's GPU",
+               "cuda-emulated": " under the CUDA host emulation on this machine"}
+TUNE_FLAGS = {"cpu": "", "cuda": " --backend cuda", "cuda-emulated": " --backend cuda --emulate"}
+
+
 def path() -> Path:
     return Path(os.environ.get(ENV_TUNING) or cache_dir() / FILE)
 
