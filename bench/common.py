@@ -189,7 +189,8 @@ def rank_slice(comm, n: int) -> tuple[int, int, list[int], list[int]]:
 
 
 _STREAM: dict[int, float] = {}
-STREAM_ARRAY_BYTES = 64 << 20  # each of the triad's three arrays, per rank: 2x the 32 MiB L3
+STREAM_ARRAY_BYTES = 64 << 20  # each of the triad's three arrays, per rank (192 MiB a kernel a rank:
+# out of this machine's last-level cache, which keeps a 96 MiB array in place but not a 128 MiB one)
 
 
 def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10) -> float:
@@ -200,7 +201,7 @@ def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10
     (8 bytes), whose writes go to lines just read (no write-allocate traffic at all: the
     optimizer steps update their state and weights this way, so a bound without them is no
     bound for those steps); on arrays of ARRAY_BYTES each in every rank (by default
-    64 MiB, far out of cache), all ranks starting together after a barrier; each repetition's
+    64 MiB, far out of cache; the in-place kernels on as many bytes as the triad's three), all ranks starting together after a barrier; each repetition's
     time is the slowest rank's (REPS of them, more for small arrays, up to 200), and the result
     is the best repetition of the best kernel, in
     bytes per second per rank. Measured again at every call; the best over the calls of the
@@ -212,10 +213,14 @@ def stream_bandwidth(comm, array_bytes: int = STREAM_ARRAY_BYTES, reps: int = 10
     # small arrays: more repetitions (the same total time), so that one of them runs unpreempted
     reps = max(reps, min(200, reps * STREAM_ARRAY_BYTES // max(array_bytes, 1)))
     a, b, c = torch.empty(n), torch.ones(n), torch.full((n,), 2.0)
+    # the in-place kernels on as many bytes as the triad's three arrays (one array of 3 n, two of
+    # 3 n / 2): a kernel on fewer bytes would run in a cache the triad's arrays do not fit in
+    x, y = torch.ones(3 * n), torch.full((3 * n // 2,), 2.0)
+    x2 = x[:3 * n // 2]
     kernels = {"triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12 * n),
                "copy": (lambda: a.copy_(b), 8 * n),
-               "triad in place": (lambda: b.add_(c, alpha=0.5), 12 * n),
-               "scale in place": (lambda: a.mul_(1.0001), 8 * n)}
+               "triad in place": (lambda: x2.add_(y, alpha=0.5), 12 * (3 * n // 2)),
+               "scale in place": (lambda: x.mul_(1.0001), 8 * 3 * n)}
     best = 0.0
     for fn, nbytes in kernels.values():
         fn()  # first touch
