@@ -386,11 +386,15 @@ class CudaModule:
             if (prog, sched) in src.functions:  # what the CUDA renderer implements
                 by_program.setdefault(prog, {})[sched] = ir
         for prog, scheds in by_program.items():
-            fn = CudaProgram(prog, scheds, ext)
+            fn = self._function(prog, scheds, ext)
             fn.source, fn.file, fn.target = mod.source, mod.file, self.target
             self.programs[prog] = fn
             setattr(self, prog, fn)
         self._comm: NcclComm | None = None
+
+    def _function(self, name: str, schedules: dict[str, Program], ext: Any) -> CudaProgram:
+        """The wrapper of one program's functions (the emulated module's takes NumPy arrays)."""
+        return CudaProgram(name, schedules, ext)
 
     def comm(self, mpi_comm: Any = None) -> NcclComm:
         """This module's default communicator (made on first use)."""
@@ -622,13 +626,8 @@ def load_emulated(path: str | Path, log=None, *, grad=()) -> EmulatedModule:
 class EmulatedModule(CudaModule):
     target = "cuda-emulated"
 
-    def __init__(self, mod: Any, src: Any, ext: Any):
-        super().__init__(mod, src, ext)
-        for name, prog in list(self.programs.items()):
-            fn = EmulatedProgram(prog.name, prog.schedules, ext, self)
-            fn.source, fn.file, fn.target = prog.source, prog.file, self.target
-            self.programs[name] = fn
-            setattr(self, name, fn)
+    def _function(self, name: str, schedules: dict[str, Program], ext: Any) -> CudaProgram:
+        return EmulatedProgram(name, schedules, ext, self)
 
 
 class EmulatedProgram(CudaProgram):
