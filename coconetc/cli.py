@@ -385,7 +385,7 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     names = [None] if schedule == "auto" else _schedule_names(mod, name, schedule)
     # the records of the target the schedules run on (`coconetc tune --backend cuda [--emulate]`
     # measures the CUDA module's, whose choice may be a schedule the tuner wrote for it alone)
-    target = "cpu" if interp or backend != "cuda" else "cuda-emulated" if emulate else "cuda"
+    target = "cpu" if interp else _target(backend, emulate)
     if schedule == "auto" or any(_auto(mod, name, s) for s in names):
         mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto",
                                    target=target)
@@ -453,7 +453,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
         _fail("coconetc: run --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               "add --emulate to run the generated CUDA code on the CPU")
     from coconetc.runtime.tuned import with_tuned
-    target = "cuda-emulated" if emulate else "cuda"
+    target = _target("cuda", emulate)
     try:  # what the ranks load (runtime/cuda.py): the file with the schedules tuned for this target
         compile(with_tuned(parsed, target), target)
     except (BuildError, CompileError) as err:
@@ -477,6 +477,11 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
     if save:
         argv += ["--save", save]
     sys.exit(run_python(ranks, argv))
+
+
+def _target(backend: str, emulate: bool) -> str:
+    """The toolchain's target of --backend and --emulate: cpu, cuda or cuda-emulated."""
+    return "cpu" if backend != "cuda" else "cuda-emulated" if emulate else "cuda"
 
 
 def _gpu_here() -> bool:
@@ -702,7 +707,7 @@ def tune(file, ranks, program, sizes, reps, keep, json_path, backend, emulate) -
     if backend == "cuda" and not emulate and not _gpu_here():
         _fail("coconetc: tune --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               "add --emulate to measure the generated CUDA code on the CPU")
-    target = "cpu" if backend == "cpu" else "cuda-emulated" if emulate else "cuda"
+    target = _target(backend, emulate)
     if keep is None:
         keep = tuner.KEEP if target == "cpu" else math.inf
     mod = _load(file)
