@@ -1,6 +1,6 @@
 """The command line every rank program takes (run.py, tune.py): the file, its program, the
 schedule labels (repeated), the sizes (N=4096, repeated), repetitions, the inputs' seed, the
-extern operations' header folders and the module's backend (modules.load_for); each program
+extern operations' header and library folders and libraries, and the module's backend (modules.load_for); each program
 adds its own."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ def parser(prog: str, reps: int) -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--include-dir", action="append", default=[])
+    ap.add_argument("--library-dir", action="append", default=[])
+    ap.add_argument("--library", action="append", default=[])
     ap.add_argument("--grad-of", action="append", default=[],
                     help="a program whose derived programs (<p>_grad, <p>_fwd, <p>_bwd) the module holds")
     ap.add_argument("--emulate-cuda", action="store_true",

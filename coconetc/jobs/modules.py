@@ -84,7 +84,7 @@ def load_for(a: Any, comm: Any) -> Any:
         return load_emulated(a.file, a.grad_of)
     if a.cuda:
         return load_on_gpu(a.file, comm, a.grad_of)
-    return load_cpu(a.file, a.include_dir, getattr(a, "library_dir", ()), getattr(a, "library", ()), a.grad_of)
+    return load_cpu(a.file, a.include_dir, a.library_dir, a.library, a.grad_of)
 
 
 def load_on_gpu(file: str, comm: Any, grad=()) -> Any:

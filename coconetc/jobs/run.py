@@ -24,8 +24,6 @@ def _args(argv):
     ap = args.parser("coconetc-worker", reps=3)
     ap.add_argument("--groups", type=int, default=1)
     ap.add_argument("--save")
-    ap.add_argument("--library-dir", action="append", default=[])
-    ap.add_argument("--library", action="append", default=[])
     return ap.parse_args(argv)
 
 
