@@ -6,6 +6,8 @@ largest difference is printed and written to a JSON (bench/cuda_gpu_session.sh r
   adamw.ccn (default, zero): clip_grad_norm_ + torch.optim.AdamW(fused=True), clipping active;
   and two parameter groups clipped together (across_groups=True) against
   clip_grad_norm_(model.parameters()) + AdamW with the same two groups
+  adam zero with the flat gradient in an NCCL window (shared_memory=True: what R > 1 does by
+  default; at R = 1 the kernel reads it as any input)
   the communicator from a torch.distributed NCCL group (process_group=, the torchrun path) and
   from MPI (comm=, default)
   a checkpoint: the CUDA optimizer's state_dict (zero) loaded by the CPU backend and back into a
@@ -78,9 +80,9 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 
 def against_torch(schedule: str, pg, source: Path = EX / "adam.ccn", wd: float | None = None,
-                  maxnorm: float | None = None):
+                  maxnorm: float | None = None, **options):
     a, b = model(), model()
-    extra = {} if wd is None else dict(wd=wd, maxnorm=maxnorm)
+    extra = ({} if wd is None else dict(wd=wd, maxnorm=maxnorm)) | options
     opt = DistributedOptimizer(a.parameters(), str(source), schedule=schedule, backend="cuda",
                                **({"process_group": pg} if pg is not None else {}), **HP, **extra)
     betas = (HP["beta1"], HP["beta2"])
@@ -97,7 +99,7 @@ def against_torch(schedule: str, pg, source: Path = EX / "adam.ccn", wd: float |
         ref.step()
     if GPU:
         torch.cuda.synchronize()
-    how = "process_group" if pg is not None else "MPI"
+    how = ("process_group" if pg is not None else "MPI") + "".join(f", {k}={v}" for k, v in options.items())
     record(f"{source.stem} {schedule} ({how}): max |w - torch's w| after {STEPS} steps", max_diff(a, b), 1e-5)
     if maxnorm is not None:
         record(f"{source.stem} {schedule}: clipping was active (steps clipped: {clipped})", clipped > 0)
@@ -202,6 +204,9 @@ def main() -> int:
     for s in ("default", "zero"):
         trial(f"adamw {s} across groups", lambda s=s: across_groups(s, pg))
     trial("adam zero, comm from MPI", lambda: against_torch("zero", None))
+    # the flat gradient in an NCCL window (window_empty: ncclMemAlloc + ncclCommWindowRegister, a
+    # torch tensor over it), as every run on more than one rank has it by default
+    trial("adam zero, gradient in a window", lambda: against_torch("zero", pg, shared_memory=True))
     trial("checkpoint", lambda: checkpoint(pg))
     trial("mixed precision", lambda: mixed(pg))
     dist.destroy_process_group()

@@ -278,7 +278,7 @@ class _Group:
         else:  # packed once; the parameters then view the flat buffer
             self.flat = torch.cat([p.detach().reshape(-1) for p in params]) if params else \
                 torch.empty(0, dtype=want, device=dev)
-            if opt._shared:  # in a shared window: the peers read this rank's part in place
+            if opt._shared and opt._backend == "cpu":  # in a shared window: the peers read this rank's part in place
                 opt._everyone_here("a parameter group in shared memory", self.n)  # (sizes agreed first)
                 self.flat = (_node_copy if opt._one_copy else _shared_copy)(self.flat, roles.dtype, opt._comm)
             for p, view in zip(params, self._views(self.flat)):
@@ -286,7 +286,12 @@ class _Group:
         gdt = getattr(torch, layout.TORCH_DTYPES[roles.grad_dtype])
         self.gflat = torch.zeros(self.n, dtype=gdt, device=dev)
         if opt._shared and not roles.scattered:  # the gradient too: nothing staged
-            self.gflat = _shared_copy(self.gflat, roles.grad_dtype, opt._comm)
+            if opt._backend == "cpu":
+                self.gflat = _shared_copy(self.gflat, roles.grad_dtype, opt._comm)
+            else:  # in a window of the NCCL communicator: the symmetric kernel's peers read it in place
+                from coconetc.runtime.cuda import window_empty
+                nccl: Any = opt._comm
+                self.gflat = window_empty(opt._fn.ext, nccl, (self.n,), roles.grad_dtype).zero_()
         self.gviews = self._views(self.gflat)
         self.state = {q.name: opt._zeros(q.name, self.n) for q in roles.state}
         if roles.master is not None:  # the master weights start as the parameters' values
@@ -393,8 +398,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._roles = _Roles(self._fn, schedule, weights, grads, step, scalars, master)
         self._skipped, self._feedback = self._roles.returned(skipped, feedback)
         self.outputs: list[dict[str, torch.Tensor]] = []
-        if shared_memory is None:  # in place where it is safe: flat weights, one node
-            self._shared = backend == "cpu" and not self._roles.scattered and self._one_node()
+        if shared_memory is None:  # in place where it is safe: flat weights on one node (CPU), a flat gradient (CUDA)
+            self._shared = not self._roles.scattered and (self._one_node() if backend == "cpu" else self._size > 1)
         self._one_copy = self._node_weights(shared_weights, source, schedule)
         self._groups: list[_Group] = []
         defaults = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
@@ -419,7 +424,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if asked is False:
             return False
         why = ("the weights are not in shared memory (shared_memory=False, the CUDA backend, scattered "
-               "weights, or ranks on several nodes)" if not self._shared or self._roles.scattered else
+               "weights, or ranks on several nodes)"
+               if not self._shared or self._roles.scattered or self._backend != "cpu" else
                f"schedule {schedule!r} does not write each rank's part of '{self._roles.weights}' alone "
                f"(a fused collective's all-gather into it does: `zero`)"
                if not _plan(source, self._fn, schedule).own_part_only(self._roles.weights) else "")
@@ -468,9 +474,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._device = torch.device("cpu")
             self._device_words = "the CPU"
         else:
-            if self._shared:
-                raise ValueError("DistributedOptimizer: shared_memory=True is for the CPU backend "
-                                 "(MPI shared windows)")
             _check_devices("DistributedOptimizer", "cuda", _param_names(params))
             self._fn = _function(source, program, backend="cuda")
             if isinstance(comm, NcclComm):

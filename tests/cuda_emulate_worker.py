@@ -13,6 +13,8 @@ of a module whose stream waits were edited (the race tests).
                                 (FILE@N: that file at size N)
     check FILE PROGRAM SCHED SO NAME SIZES  calls of a prebuilt module against the interpreter
                                 (SIZES: comma-separated, a call each)
+    inplace SIZE WHO FILE:PROGRAM:SCHED:PARAM...   PARAM in a window_empty buffer on the ranks WHO
+                                names ("all" or "0,2"), two calls each, against the interpreter
     wrong FILE      sgd.ccn's calls that are wrong on one rank only: every rank must raise
     torchpg FILE    the NCCL communicator made from a torch.distributed (gloo) process group
 """
@@ -172,6 +174,50 @@ def check(file: str, prog: str, sched: str, so: str, name: str, sizes: str) -> i
     return 0
 
 
+def inplace(size: int, who: str, specs: list[str]) -> int:
+    """Each FILE:PROGRAM:SCHED:PARAM call with PARAM (the fused collective's input) in a window of
+    the communicator (the module's empty(): window_empty) on the ranks WHO names ("all", or a
+    comma-separated list: the others pass an ordinary array), against the interpreter; printed
+    per call: which ranks read it in place is in the trace (COCONET_CUDA_FUSED_TRACE)."""
+    from coconetc.runtime.cuda import load_emulated
+    bad = 0
+    mine_too = who == "all" or str(rank) in who.split(",")
+    probe = load_emulated(specs[0].split(":")[0], log=lambda msg: None)
+    try:  # shapes that differ by rank: refused on every rank, before anything is allocated
+        probe.empty((3 + rank,), "f32")
+        raise AssertionError(f"rank {rank}: no error for window_empty shapes that differ")
+    except ValueError as err:
+        assert "every rank must ask for the same shape" in str(err), str(err)
+    for spec in specs:
+        f, prog_name, sched, param = spec.split(":")
+        mod = load_emulated(f, log=lambda msg: None)
+        prog = mod.programs[prog_name]
+        base = mod.source_module.programs[prog_name]
+        ir = prog.schedules[sched]
+        inputs = adapt_inputs(random_inputs(base, R, 1, sizes_of(base, size), seed=5), base, ir, 1)
+        mine = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in inputs[rank].items()}
+        q = ir.param(param)
+        assert q is not None, (spec, "no such parameter")
+        win = mod.empty(mine[param].shape, q.type.dtype).numpy()
+        if mine_too:
+            win[...] = mine[param]
+            mine[param] = win
+        for call in range(2):  # the second call: the window's SymInput written again
+            before = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in mine.items()}
+            out = prog(schedule=sched, **mine)
+            problems = verify_results(comm, call_results(ir, out, mine), ir,
+                                      [before if r == rank else inputs[r] for r in range(R)]).problems
+            if call == 0:
+                for k, v in inputs[rank].items():  # the next call's inputs: as the first's
+                    if isinstance(v, np.ndarray):
+                        mine[k][...] = v
+            if rank == 0:
+                print(f"{'MATCH' if not problems else 'MISMATCH'} {f} {prog_name} {sched} R={R} size={size} "
+                      f"who={who} call={call} {problems[:3]}", flush=True)
+            bad += bool(problems)
+    return bad
+
+
 def wrong(file: str) -> int:
     """Each call is wrong on rank 1 only (or differs between the ranks); every rank must raise
     the same kind of error, naming the parameter, and leave w as it was; then a right call runs."""
@@ -243,6 +289,8 @@ def main(argv: list[str]) -> int:
         return vector(int(argv[1]), int(argv[2]), argv[3:])
     if mode == "dropout":
         return dropout(argv[1], argv[2], argv[3:])
+    if mode == "inplace":
+        return inplace(int(argv[1]), argv[2], argv[3:])
     if mode == "check":
         return check(argv[1], argv[2], argv[3], argv[4], argv[5], argv[6])
     assert mode == "race", mode

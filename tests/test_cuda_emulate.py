@@ -414,6 +414,27 @@ def test_symmetric_kernel_matches_interpreter(built, ranks, size, groups):
     assert "runs the pipeline" not in res.stderr, log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, who, size", [(2, "all", 10), (3, "1", 20001), (4, "0,2", 10)])
+def test_symmetric_kernel_reads_a_window_in_place(built, ranks, who, size):
+    """An input in a window of the communicator (module.empty: window_empty) is read by the peers
+    in place, not staged: on the ranks WHO names; the others stage theirs, and each rank finds
+    where each peer's input is (its SymInput). Two calls of each (the second rewrites the
+    SymInput), f32 and f16 gradients, against the interpreter; window_empty shapes that differ
+    by rank raise on every rank."""
+    specs = [f"{EX / 'adam.ccn'}:adam:zero:g", f"{EX / 'mixed_adam.ccn'}:mixed_adam:zero:g",
+             f"{EX / 'sgd.ccn'}:sgd:fused:g"]
+    res = _launch(ranks, ["inplace", str(size), who, *specs],
+                  env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1"})
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert len(lines) == 2 * len(specs) and all(ln.startswith("MATCH ") for ln in lines), log
+    inplace = ranks if who == "all" else len(who.split(","))
+    assert res.stderr.count("input read in place") == 2 * len(specs) * inplace, log
+    assert res.stderr.count("input staged") == 2 * len(specs) * (ranks - inplace), log
+
+
 GRID = re.compile(r"rank (\d+) of \d+: symmetric grid (\d+) blocks of \d+ threads, (\w+) path")
 
 

@@ -20,11 +20,13 @@ cache (shared with the other end-to-end tests)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 from rank_checks import check, launch
 
+from coconetc.launch.mpiexec import run_python
 from coconetc.toolchain import probes
 
 torch = pytest.importorskip("torch")
@@ -77,6 +79,24 @@ def test_every_cuda_schedule_of_adam_against_torch_and_the_cpu_backend(built, ca
                         for w in ("backend", "params_vs_torch", "state_vs_torch", "params_vs_cpu", "state_elements")]
            + [f"cuda:adamw{t}:R{ranks}:{w}" for t in ("", ":zero") for w in ("params_vs_torch", "params_vs_cpu")])
     assert rc == 0, log
+
+
+@pytest.mark.parametrize("ranks", RANKS)
+def test_the_peers_read_the_gradient_in_place(built, capfd, monkeypatch, ranks):
+    """At R > 1 the optimizer's flat gradient is in a window of the NCCL communicator
+    (shared_memory's default on the CUDA backend): the symmetric kernel (forced) reads it on the
+    peers in place, staging nothing, and zero and fused still match torch.optim.Adam and the
+    CPU backend; with shared_memory=False every call stages it, as before."""
+    monkeypatch.setenv("COCONET_CUDA_FUSED", "symmetric")
+    monkeypatch.setenv("COCONET_CUDA_FUSED_TRACE", "1")
+    rc = run_python(ranks, [str(WORKER), "inplace"], timeout=500)
+    out, err = capfd.readouterr()
+    log = f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
+    _check(out.splitlines(), log, [f"cuda:{s}:R{ranks}:{sh}:{w}" for sh in ("None", "False")
+                                   for s in ("zero", "fused") for w in ("shared", "params_vs_torch", "params_vs_cpu")])
+    assert rc == 0, log
+    calls = ranks * 2 * 10  # each rank's call of each schedule at each of the 10 steps, in each phase
+    assert err.count("input read in place") == calls and err.count("input staged") == calls, log
 
 
 @pytest.mark.parametrize("ranks", RANKS)
@@ -167,22 +187,26 @@ def test_a_batch_runs_on_one_stream(built):
         batch.run_all([(ext, ext.adamw__default, a, None) for a in calls])
 
 
-@pytest.mark.parametrize("made_from", ["mpi", "pg"])
+@pytest.mark.parametrize("made_from", ["mpi", "pg", "window"])
 def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, capfd, monkeypatch, made_from):
     """Rank 1's NCCL calls fail (COCONET_EMULATE_NCCL_FAIL_RANK, the emulation's injection) while
     rank 0 waits in the all-reduce for it: rank 1 notifies rank 0 and aborts its communicator,
     rank 0's watchdog aborts its own (ncclCommAbort), and step() raises on both, naming rank 1
     and the call, well within COCONET_TIMEOUT; the aborted communicator refuses later calls.
-    pg: the communicator made from a gloo process group, the notice in the group's store."""
+    pg: the communicator made from a gloo process group, the notice in the group's store.
+    window: the first NCCL call is the one that makes the optimizer's gradient window
+    (window_empty, collective), so the construction raises so on every rank, and again."""
     monkeypatch.setenv("COCONET_EMULATE_NCCL_FAIL_RANK", "1")
     monkeypatch.setenv("COCONET_TIMEOUT", "60")
-    rc, lines, log = _run(capfd, 2, "abort", *(["default", "pg"] if made_from == "pg" else []))
+    rc, lines, log = _run(capfd, 2, "abort", *(["default", made_from] if made_from != "mpi" else []))
     assert not [ln for ln in lines if "NOT RAISED" in ln or "NOT FROM THE GROUP" in ln], log
     for r in (0, 1):
         raised = next((ln for ln in lines if ln.startswith(f"RAISED {r} ")), None)
         assert raised is not None, log
         assert float(raised.split()[2].rstrip("s")) < 30, raised
-        for needle in (".adam(schedule='default'): rank 1 failed: ", "ncclAllReduce: unhandled system error",
+        call = r"window_empty\(\(\d+,\), 'f32'\)" if made_from == "window" else r"\.adam\(schedule='default'\)"
+        assert re.search(call + ": rank 1 failed: ", raised), raised
+        for needle in ("ncclAllReduce: unhandled system error",
                        "the NCCL communicator was aborted (ncclCommAbort) on every rank", f"(this is rank {r})"):
             assert needle in raised, raised
         again = next(ln for ln in lines if ln.startswith(f"AGAIN {r} "))
@@ -274,9 +298,11 @@ def test_backend_follows_the_parameters_and_is_checked(built):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="gpu", **HYPER)
     with pytest.raises(ValueError, match="process_group= and NCCL are for backend='cuda'"):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), process_group=object(), **HYPER)
-    with pytest.raises(ValueError, match="shared_memory=True is for the CPU backend"):
-        DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda",
-                             shared_memory=True, **HYPER)
+    opt = DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", shared_memory=True,
+                               **HYPER)  # the gradient in an NCCL window (one rank: plain memory), not the weights
+    assert opt._shared and not opt.shared_weights
+    opt = DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", **HYPER)
+    assert not opt._shared  # one rank: nothing for a peer to read in place
     with pytest.raises(ValueError, match="no schedule 'nope' in the CUDA module"):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", schedule="nope",
                              **HYPER)

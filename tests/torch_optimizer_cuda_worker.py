@@ -10,6 +10,8 @@ its rows' over the global batch); rank 0 prints "OK <label> <max |difference|>" 
 MODE adam          every schedule of examples/adam.ccn the CUDA module has, backend="cuda",
                    against torch.optim.Adam and against the CPU backend stepped beside it;
                    examples/adamw.ccn (default, zero) against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW
+MODE inplace       zero and fused with the gradient in an NCCL window (read in place by the peers'
+                   symmetric kernel) and, shared_memory=False, staged: against torch.optim.Adam
 MODE checkpoint    a checkpoint of the emulated CUDA optimizer (zero) loaded by the CPU one
                    (every schedule) and one of the CPU optimizer loaded by the CUDA one, each
                    continued against torch.optim.Adam continued from its own checkpoint
@@ -30,8 +32,9 @@ MODE async         COCONET_EMULATE_NCCL_ASYNC_FAIL_RANK=1: an asynchronous NCCL 
 MODE hang          COCONET_EMULATE_NCCL_HANG_RANK=1:K: rank 1's NCCL calls after its first K never
                    complete (its stream blocks, the peers' collectives wait for it): every rank's
                    step raises after COCONET_TIMEOUT (the watchdog's event on the call's stream)
-MODE abort [SCHED [pg]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
-                   (pg: the communicator made from a gloo process group, no MPI);
+MODE abort [SCHED [pg|window]]  COCONET_EMULATE_NCCL_FAIL_RANK=1 (set by the test): rank 1's NCCL calls fail
+                   (pg: the communicator made from a gloo process group, no MPI; window: the
+                   gradient's window, made when the optimizer is, fails first);
                    step() must raise on every rank, naming rank 1 and the call, the NCCL
                    communicator aborted on each (prints "RAISED <rank> <message>")"""
 
@@ -65,11 +68,12 @@ report = W.report
 class Trio:
     """The CUDA-backend optimizer, the CPU-backend one and torch's, on three copies of one model."""
 
-    def __init__(self, schedule: str, source: Path = ADAM, models=None, **hyper):
+    def __init__(self, schedule: str, source: Path = ADAM, models=None, cuda_options=None, **hyper):
         hyper = hyper or dict(HYPER)
         self.models = models or [W.make_model() for _ in range(3)]
         cuda, cpu, ref = self.models
-        self.cuda = DistributedOptimizer(cuda.parameters(), str(source), schedule=schedule, backend="cuda", **hyper)
+        self.cuda = DistributedOptimizer(cuda.parameters(), str(source), schedule=schedule, backend="cuda",
+                                         **(cuda_options or {}), **hyper)
         self.cpu = DistributedOptimizer(cpu.parameters(), str(source), schedule=schedule, **hyper)
         betas = (hyper["beta1"], hyper["beta2"])
         self.maxnorm = hyper.get("maxnorm")  # adamw.ccn clips by the global norm first
@@ -118,6 +122,21 @@ def mode_adam() -> None:
         tag = "" if schedule == "default" else f":{schedule}"
         report(f"cuda:adamw{tag}:R{R}:params_vs_torch", W.max_diff(trio.models[0], trio.models[2]))
         report(f"cuda:adamw{tag}:R{R}:params_vs_cpu", W.max_diff(trio.models[0], trio.models[1]))
+
+
+def mode_inplace() -> None:
+    """COCONET_CUDA_FUSED=symmetric and COCONET_CUDA_FUSED_TRACE=1 (set by the test): zero and
+    fused with the flat gradient in a window of the NCCL communicator (shared_memory's default
+    at R > 1), which the peers read in place, then with shared_memory=False (staged), each
+    against torch.optim.Adam and the CPU backend."""
+    for shared in (None, False):
+        for schedule in ("zero", "fused"):
+            trio = Trio(schedule, cuda_options={"shared_memory": shared})
+            report(f"cuda:{schedule}:R{R}:{shared}:shared", 0.0 if trio.cuda._shared == (shared is None) else 1.0)
+            trio.run(10)
+            cuda, cpu, ref = trio.models
+            report(f"cuda:{schedule}:R{R}:{shared}:params_vs_torch", W.max_diff(cuda, ref))
+            report(f"cuda:{schedule}:R{R}:{shared}:params_vs_cpu", W.max_diff(cuda, cpu))
 
 
 def _two_groups(model: torch.nn.Module) -> list[dict]:
@@ -318,8 +337,20 @@ def mode_mixed() -> None:
 def mode_abort() -> None:
     model = W.make_model()
     schedule = sys.argv[2] if len(sys.argv) > 2 else "default"
-    pg = {"process_group": gloo()} if len(sys.argv) > 3 and sys.argv[3] == "pg" else {}
-    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", **HYPER, **pg)
+    how = sys.argv[3] if len(sys.argv) > 3 else ""
+    pg = {"process_group": gloo()} if how == "pg" else {}
+    if how == "window":  # the gradient's window (collective) is the first NCCL call: the construction fails
+        for tag in ("RAISED", "AGAIN"):
+            try:
+                DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", **HYPER)
+                print(f"NOT RAISED {rank}", flush=True)
+            except RuntimeError as err:
+                print(f"{tag} {rank} 0.0s {err}".replace("\n", " "), flush=True)
+        comm.Barrier()
+        return
+    # (shared_memory=False: the step's NCCL calls are the first to fail, not the gradient window's allocation)
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule=schedule, backend="cuda", shared_memory=False,
+                               **HYPER, **pg)
     if pg and opt._comm.mpi is not None:
         print("NOT FROM THE GROUP", flush=True)
     W.local_loss(model, 1).backward()
@@ -354,7 +385,10 @@ def mode_async() -> None:
     every rank's step raises, naming rank 1 and the asynchronous error (prints "RAISED <rank>
     <step> <message>"), and the communicator refuses the next one ("AGAIN <rank> <message>")."""
     model = W.make_model()
-    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", **HYPER)
+    # (shared_memory=False: no gradient window, whose making is NCCL calls of its own, so the step's
+    # calls are the ones the injection counts)
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", shared_memory=False,
+                               **HYPER)
     for t in range(1, 6):
         opt.zero_grad()
         W.local_loss(model, t).backward()
@@ -379,7 +413,10 @@ def mode_hang() -> None:
     (recycled: one per call outstanding at once, not one per call)."""
     from coconetc.runtime.cuda import _WATCHDOGS
     model = W.make_model()
-    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", **HYPER)
+    # (shared_memory=False: no gradient window, whose making is NCCL calls of its own, so the step's
+    # calls are the ones the injection counts)
+    opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda", shared_memory=False,
+                               **HYPER)
     for t in range(1, 11):
         opt.zero_grad()
         W.local_loss(model, t).backward()
@@ -400,7 +437,8 @@ def mode_hang() -> None:
 def run_mode(comm) -> int:
     mode = sys.argv[1]
     {"adam": mode_adam, "checkpoint": mode_checkpoint, "pg": mode_pg, "mixed": mode_mixed,
-     "abort": mode_abort, "async": mode_async, "hang": mode_hang, "across": mode_across, "scaled": mode_scaled}[mode]()
+     "abort": mode_abort, "async": mode_async, "hang": mode_hang, "across": mode_across, "scaled": mode_scaled,
+     "inplace": mode_inplace}[mode]()
     return 1 if W.failures else 0
 
 

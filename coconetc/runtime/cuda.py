@@ -340,6 +340,55 @@ def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]
     return everyone
 
 
+def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: str = "f32", *,
+                 stream: Any = None) -> Any:
+    """An uninitialised torch tensor of SHAPE and language DTYPE that a fused collective's
+    symmetric kernel (symmetric.cuh) reads in place, where it would stage a copy of any other
+    input: NCCL memory registered as a window of COMM (ncclMemAlloc, ncclCommWindowRegister)
+    where the communicator can run that kernel (every rank on one node, NCCL's device API),
+    else ordinary device memory. On the current CUDA device (under the host emulation: a CPU
+    tensor in shared memory). Collective over COMM: every rank calls it together, with the
+    same shape and dtype (checked on every rank, under the watchdog). Only a module's first 8
+    windows on a communicator are read in place (symmetric.cuh: kSymUserWindows). The memory
+    lives until the process ends, as coconetc.empty's windows do."""
+    import ctypes
+    import math
+
+    import torch
+    if dtype not in STORAGE:
+        raise ValueError(f"window_empty: unknown dtype {dtype!r} (one of {', '.join(STORAGE)})")
+    shape = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
+    if any(x < 0 for x in shape):
+        raise ValueError(f"window_empty: negative size in shape {shape}")
+    what = f"window_empty({shape}, {dtype!r})"
+    mine = ("window_empty", shape, dtype)
+    everyone = _exchange(comm, mine, what, agree.timeout_s())
+    bad = [r for r, x in enumerate(everyone) if x != mine]
+    if bad:
+        raise ValueError(f"{what}: rank {bad[0]} asks for {everyone[bad[0]][1]} {everyone[bad[0]][2]!r}; "
+                         f"every rank must ask for the same shape and dtype")
+    nbytes = math.prod(shape) * STORAGE[dtype].itemsize
+    tdt = getattr(torch, TORCH_DTYPES[dtype])
+    emulated = bool(getattr(ext, "emulated", False))
+    if emulated:
+        handle = 0
+    else:
+        st: Any = stream if stream is not None else torch.cuda.current_stream()
+        handle = int(getattr(st, "cuda_stream", st))
+    ptr, _ = _guarded(ext, comm, what, lambda: ext.window_empty(comm.handle, handle, nbytes), handle)
+    if emulated:
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)) if nbytes else \
+            np.empty(0, np.uint8)
+        return torch.from_numpy(raw).view(tdt).reshape(shape)
+
+    class _Device:  # the bytes as a CUDA array (torch reads __cuda_array_interface__, no copy)
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                    "version": 3, "strides": None, "stream": None}
+    if not nbytes:
+        return torch.empty(shape, dtype=tdt, device=torch.device("cuda", torch.cuda.current_device()))
+    return torch.as_tensor(_Device(), device="cuda").view(tdt).reshape(shape)
+
+
 EMULATE = "COCONET_CUDA_EMULATE"
 
 
@@ -401,6 +450,11 @@ class CudaModule:
         if self._comm is None:
             self._comm = nccl_comm(self.ext, mpi_comm)
         return self._comm
+
+    def empty(self, shape: int | tuple[int, ...], dtype: str = "f32", *, comm: NcclComm | None = None) -> Any:
+        """A tensor that this module's fused collectives read in place on the ranks of COMM
+        (default: the module's communicator); see window_empty. Collective over COMM."""
+        return window_empty(self.ext, comm or self.comm(), shape, dtype)
 
 
 class CudaProgram:

@@ -355,11 +355,11 @@ COCONET_HD inline void store(T* p, const Vec<T, V>& x) {
 
 // Whether every pointer is aligned for a vector of V of its elements.
 template <int V>
-inline bool aligned() {
+COCONET_HD inline bool aligned() {
   return true;
 }
 template <int V, class T, class... Rest>
-inline bool aligned(const T* p, const Rest*... rest) {
+COCONET_HD inline bool aligned(const T* p, const Rest*... rest) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V) == 0 && aligned<V>(rest...);
 }
 

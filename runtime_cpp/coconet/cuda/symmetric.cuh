@@ -10,8 +10,10 @@
 // Covered (the renderer emits this path only for them): a reduce-scatter along dim 0 of a
 // contiguous (not scattered) tensor, pointwise phases only, not inside an overlap.
 //
-// One call: at R > 1 the input is staged into this rank's window (one copy; at R = 1 the kernel
-// reads the caller's input itself); then the kernel, whose block b of every rank pairs with block b
+// One call: at R > 1 the input is staged into this rank's window (one copy), unless it lies in a
+// window of the communicator's the caller allocated (window_empty: the optimizer's flat gradient),
+// which the peers then read in place; at R = 1 the kernel reads the caller's input itself. Then
+// the kernel, whose block b of every rank pairs with block b
 // of every peer at each LSA barrier. The grid is the same on every rank (symmetric_grid: the least
 // over the ranks of multiprocessors x resident blocks per multiprocessor, at most one block per
 // tile of the largest slice). Each slice is cut into tiles of sym_tile(V) elements (kSymThreads x
@@ -19,7 +21,9 @@
 // each slice (Tiled: a function of the slice's size and the grid only), its threads striding
 // within a tile, so that the blocks walk the arrays together in one window of about G tiles, as
 // the pipeline's grid-stride kernels do:
-//   1. barrier (acquire): every rank's input is staged
+//   1. each block writes where this rank's input is (SymInput: staged, or window k at offset o)
+//      into the head of this rank's window; barrier (acq_rel): every rank's input is staged and
+//      its SymInput written; the block reads every rank's SymInput once (into shared memory)
 //   2. the generated per-thread function (the pipeline chunk kernel's, rendered by the same
 //      code: its Lets once per thread, then the thread's whole vectors of V elements in its
 //      block's tiles where every operand is aligned, then the rest one element at a time) reads
@@ -61,6 +65,23 @@ constexpr int64_t kSymUnit = 16;
 // kSymThreads x V is unless a block has fewer than 16 threads).
 COCONET_HD constexpr int64_t sym_tile(int V) { return (int64_t(kSymThreads) * V + kSymUnit - 1) / kSymUnit * kSymUnit; }
 
+// The head of a rank's window: where its input is this call (SymInput), written by its kernel.
+constexpr size_t kSymHead = 256;
+// The caller's windows (window_empty) a kernel can read in place: the first this many made on a
+// communicator (an input in a later one is staged).
+constexpr int kSymUserWindows = 8;
+// The most ranks a group may have for the symmetric kernel (the kernel keeps a pointer per rank in
+// shared memory).
+constexpr int kSymMaxRanks = 128;
+
+// Where a rank's input is in a call: win < 0, staged in its window at kSymHead; else in the
+// caller's window `win` (the communicator's win-th window_empty, the same on every rank: they
+// are made collectively, in order) at byte offset off.
+struct SymInput {
+  int64_t win = -1;
+  int64_t off = 0;
+};
+
 enum class FusedAlgo { automatic, pipeline, symmetric };
 
 // COCONET_CUDA_FUSED: auto (default), pipeline or symmetric.
@@ -89,8 +110,16 @@ struct Trial {
   int decided = -1;                  // 1: the symmetric kernel, 0: the pipeline
 };
 
+// A window the caller allocated on a communicator (window_empty).
+struct UserWindow {
+  char* buf = nullptr;
+  size_t bytes = 0;
+  ncclWindow_t win = nullptr;
+};
+
 // A communicator's device-API state, made on first use and kept: whether the symmetric kernel can
-// run on it (and why not), its device communicator (LSA barriers) and its window.
+// run on it (and why not), its device communicator (LSA barriers), its window and the windows the
+// caller allocated on it (window_empty: kept until the process ends).
 struct Symmetric {
   bool ok = false;
   std::string why;
@@ -102,6 +131,7 @@ struct Symmetric {
   void* buf = nullptr;
   size_t bytes = 0;
   ncclWindow_t win = nullptr;
+  std::vector<UserWindow> user;
 };
 
 // v[0..count) combined over every rank by op (collective over the communicator, blocking: on first
@@ -161,6 +191,10 @@ inline Symmetric probe_symmetric(const Ctx& c) {
     return s;
   }
 #endif
+  if (g.size > kSymMaxRanks) {
+    s.why = std::to_string(g.size) + " ranks: the symmetric kernel takes at most " + std::to_string(kSymMaxRanks);
+    return s;
+  }
   const ncclTeam_t lsa = ncclTeamLsa(comm);
   if (lsa.nRanks != g.size || lsa.rank != g.rank) {
     s.why = "not every rank of the group is in this rank's LSA team (lsaSize " + std::to_string(lsa.nRanks) +
@@ -365,7 +399,10 @@ struct SymThread {
   bool vec = false;  // every operand is aligned for V (the vector path)
   const T* direct = nullptr;  // one rank: the caller's input at this rank's slice (nothing staged)
   ncclWindow_t win{};
-  int64_t base = 0;  // this rank's slice in the staged input
+  SymInput mine;                        // where this rank's input is (R > 1)
+  ncclWindow_t user[kSymUserWindows]{};  // the communicator's first caller windows
+  const void* const* in = nullptr;      // every rank's whole input (R > 1; the kernel's shared memory)
+  int64_t base = 0;  // this rank's slice in the input
   int R = 1, op = 0;
   T* keep = nullptr;  // this rank's slice of the reduced value, kept (or null)
   G* out = nullptr;
@@ -379,8 +416,11 @@ struct SymThread {
   // the elements it takes one at a time: those past the last whole group, or all of them
   COCONET_HD Tiled elements() const { return tiles(vec ? m / V * V : 0, m, thread, threads); }
   // rank p's input at this rank's slice
-  __device__ const T* input(int p) const {
-    return direct ? direct : static_cast<const T*>(ncclGetLsaPointer(win, 0, p)) + base;
+  __device__ const T* input(int p) const { return direct ? direct : static_cast<const T*>(in[p]) + base; }
+  // where rank p's input starts (its SymInput, read from the head of its window)
+  __device__ const void* find_input(int p) const {
+    const SymInput h = *static_cast<const SymInput*>(ncclGetLsaPointer(win, 0, p));
+    return h.win < 0 ? ncclGetLsaPointer(win, kSymHead, p) : ncclGetLsaPointer(user[h.win], size_t(h.off), p);
   }
   // element l of this rank's slice reduced over the ranks (stored in keep too, when kept)
   __device__ T reduce(int64_t l) const {
@@ -410,9 +450,10 @@ struct SymThread {
   }
 };
 
-// The kernel (see the top of this file). th: every thread's SymThread but for its place in the grid
-// and its slice; f(th): the generated per-thread function. The window holds the staged input [0, n0*inner) of type T and,
-// from out_off, this rank's gathered slice (type G) at slice-local indices.
+// The kernel (see the top of this file). th: every thread's SymThread but for its place in the grid,
+// its slice and the ranks' inputs; f(th): the generated per-thread function. The window holds this
+// rank's SymInput at 0, the staged input [0, n0*inner) of type T from kSymHead (where it is staged)
+// and, from out_off, this rank's gathered slice (type G) at slice-local indices.
 template <class T, class G, int V, class F>
 __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, size_t out_off, int64_t n0,
                                        int64_t inner, G* gathered, F f) {
@@ -420,7 +461,15 @@ __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, s
   const int R = dev.lsaSize, me = dev.lsaRank;
   th.m = slice_range(n0, R, me).size() * inner;
   th.block = blockIdx.x, th.blocks = gridDim.x, th.thread = threadIdx.x, th.threads = blockDim.x;
-  if (R > 1) bar.sync(ncclCoopCta(), ::cuda::memory_order_acquire);  // every rank's input is staged
+  __shared__ const void* ins[kSymMaxRanks];
+  if (R > 1) {
+    if (threadIdx.x == 0) *static_cast<SymInput*>(ncclGetLsaPointer(th.win, 0, me)) = th.mine;  // every block: the same
+    bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);  // every rank's input is staged, its SymInput written
+    for (int p = threadIdx.x; p < R; p += blockDim.x) ins[p] = th.find_input(p);
+    __syncthreads();
+    th.in = ins;
+    for (int p = 0; p < R && th.vec; ++p) th.vec = aligned<V>(static_cast<const T*>(ins[p]) + th.base);
+  }
   f(static_cast<const SymThread<T, G, V>&>(th));
   if (R == 1) return;  // nothing staged, nothing to gather
   bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);  // every rank's computed slice is in its window
@@ -473,9 +522,10 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
   const int64_t n = n0 * inner, most = slice_chunk(n0, R) * inner;
   const Range mine = slice_range(n0, R, c.group.rank);
   const int64_t m = mine.size() * inner, base = mine.begin * inner;
-  const bool staged = R > 1;  // one rank: the kernel reads the caller's input, and gathers nothing
-  const size_t in_bytes = staged ? size_t(n) * sizeof(T) : 0;
-  const size_t out_off = (in_bytes + 255) / 256 * 256;
+  // the window's size is the same on every rank (it is made collectively): room to stage the
+  // input on every rank, whether or not this one stages
+  const size_t in_bytes = R > 1 ? size_t(n) * sizeof(T) : 0;
+  const size_t out_off = (kSymHead + in_bytes + 255) / 256 * 256;
   void (*kernel)(ncclDevComm, SymThread<T, G, V>, size_t, int64_t, int64_t, G*, F) = fused_symmetric_kernel<T, G, V, F>;
   SymThread<T, G, V> th;
   ncclDevComm dev;
@@ -483,30 +533,73 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
   int blocks;
   {
     std::lock_guard<std::mutex> lock(symmetric_mutex());
-    Symmetric& s = symmetric_window(c, staged ? out_off + size_t(most > 0 ? most : 1) * sizeof(G) : 1);
+    Symmetric& s = symmetric_window(c, R > 1 ? out_off + size_t(most > 0 ? most : 1) * sizeof(G) : 1);
     dev = s.dev, th.win = s.win, buf = static_cast<char*>(s.buf);
     blocks = symmetric_grid(c, s, kernel, most, V);
+    for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) {
+      const UserWindow& u = s.user[size_t(k)];
+      th.user[k] = u.win;
+      const char* at = reinterpret_cast<const char*>(x);
+      if (R > 1 && th.mine.win < 0 && at >= u.buf && at + in_bytes <= u.buf + u.bytes)
+        th.mine = SymInput{k, int64_t(at - u.buf)};  // the peers read it in place
+    }
   }
-  if (staged && n > 0) COCONET_CUDA(cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream));
-  th.direct = staged ? nullptr : x + base;
+  const bool staged = R > 1 && th.mine.win < 0;
+  if (staged && n > 0) COCONET_CUDA(cudaMemcpyAsync(buf + kSymHead, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream));
+  th.direct = R > 1 ? nullptr : x + base;
   th.base = base, th.R = R, th.op = int(op), th.keep = keep;
-  th.out = staged ? reinterpret_cast<G*>(buf + out_off) : gathered ? gathered + base : nullptr;
-  th.vec = vec && V > 1 && aligned<V>(staged ? reinterpret_cast<const T*>(buf) + base : x + base) &&
+  th.out = R > 1 ? reinterpret_cast<G*>(buf + out_off) : gathered ? gathered + base : nullptr;
+  // (the kernel checks every rank's input too)
+  th.vec = vec && V > 1 && aligned<V>(staged ? reinterpret_cast<const T*>(buf + kSymHead) + base : x + base) &&
            (!keep || aligned<V>(keep)) && (!th.out || aligned<V>(th.out));
-  if (staged)
-    COCONET_ACCESS_ALSO(COCONET_R(buf, 0, int64_t(in_bytes)), COCONET_W(buf + out_off, 0, m * int64_t(sizeof(G))),
+  if (R > 1)  // the peers read x in place during this kernel where it is not staged
+    COCONET_ACCESS_ALSO(COCONET_W(buf, 0, int64_t(sizeof(SymInput))),
+                        staged ? COCONET_R(buf + kSymHead, 0, int64_t(in_bytes)) : COCONET_R(x, 0, n),
+                        COCONET_W(buf + out_off, 0, m * int64_t(sizeof(G))),
                         gathered ? COCONET_W(gathered, 0, n) : COCONET_R(buf, 0, 0),
                         keep ? COCONET_W(keep, 0, m) : COCONET_R(buf, 0, 0));
   else
     COCONET_ACCESS_ALSO(COCONET_R(x, base, base + m), gathered ? COCONET_W(gathered, base, base + m) : COCONET_R(x, 0, 0),
                         keep ? COCONET_W(keep, 0, m) : COCONET_R(x, 0, 0));
-  if (fused_trace())
-    std::fprintf(stderr, "coconet fused: rank %d of %d: symmetric grid %d blocks of %d threads, %s path\n", c.group.rank,
-                 R, blocks, kSymThreads, th.vec ? "vector" : "element");
+  if (fused_trace()) {
+    char where[64] = "";
+    if (R > 1)
+      std::snprintf(where, sizeof where, ", input %s", staged ? "staged" : "read in place");
+    std::fprintf(stderr, "coconet fused: rank %d of %d: symmetric grid %d blocks of %d threads, %s path%s\n",
+                 c.group.rank, R, blocks, kSymThreads, th.vec ? "vector" : "element", where);
+  }
   COCONET_COUNT_KERNEL(th.vec);
   COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kSymThreads, 0, c.stream, dev, th, out_off, n0, inner,
                  gathered, f);
   COCONET_CUDA(cudaGetLastError());
+}
+
+// A buffer of `bytes` (the most any rank asks for) that the symmetric kernel reads in place, on
+// communicator comm (collective: every rank calls it together, in the same order): NCCL memory
+// registered as a window of comm (ncclMemAlloc, ncclCommWindowRegister) where comm can run the
+// symmetric kernel, else plain device memory. Kept until the process ends (deregistering is
+// collective too). Returns the buffer and whether it is a window.
+inline std::pair<uintptr_t, bool> window_empty(uintptr_t comm, uintptr_t stream, size_t bytes) {
+  CallArgs a;
+  a.comm = comm, a.stream = stream;
+  const Ctx c = context(a);
+  std::lock_guard<std::mutex> lock(symmetric_mutex());
+  Symmetric& s = symmetric_state(c);
+  int64_t most = int64_t(bytes);
+  agree(&most, 1, ncclInt64, ncclMax, c);
+  const size_t size = (size_t(std::max<int64_t>(most, 1)) + NCCL_WIN_REQUIRED_ALIGNMENT - 1) /
+                      NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+  void* p = nullptr;
+  if (!s.ok) {
+    COCONET_CUDA(cudaMalloc(&p, size));
+    return {reinterpret_cast<uintptr_t>(p), false};
+  }
+  COCONET_CUDA(ncclMemAlloc(&p, size));
+  UserWindow u{static_cast<char*>(p), size, nullptr};
+  COCONET_CUDA(ncclCommWindowRegister(c.comm, p, size, &u.win, NCCL_WIN_COLL_SYMMETRIC));
+  s.user.push_back(u);
+  COCONET_BUFFER(p, size, "window_empty #" + std::to_string(s.user.size()));
+  return {reinterpret_cast<uintptr_t>(p), true};
 }
 
 }  // namespace cuda
