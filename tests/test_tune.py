@@ -26,6 +26,7 @@ from coconetc.runtime import tuned
 from coconetc.toolchain import probes
 from coconetc.tune.cost import Machine, cost
 from coconetc.tune.space import candidates, state_params
+from coconetc.tune import tuner
 from coconetc.tune.tuner import prune
 
 REPO = Path(__file__).resolve().parents[1]
@@ -542,6 +543,16 @@ def test_show_and_explain_read_the_records_of_the_backend(example) -> None:
     assert one.exit_code == 0 and one.stdout.splitlines()[2].startswith("auto_rs_c_ag_slice "), one.output
     res = invoke("explain", ADAM, "--ranks", "2")  # the CPU's, with the model
     assert "modelled" in res.stdout.splitlines()[1] and "2.000 ms (tuner's choice)" in res.stdout
+
+
+def test_tune_table_has_no_modelled_time_on_cuda(example) -> None:
+    """tune's table: the CPU cost model's time beside a CPU record's measurements only."""
+    mod = example("adam.ccn")
+    cpu = tuner.table(_fake_record(mod, {"N": 64}, 2)).splitlines()
+    gpu = tuner.table(_cuda_record(mod, {"N": 64}, 2)).splitlines()
+    assert "modelled" in cpu[0] and "1.000 ms" in cpu[1]
+    assert "modelled" not in gpu[0] and gpu[1].split()[:4] == ["auto_rs_c_ag_slice", "6.000", "ms", "1.00x"]
+    assert gpu[1].split()[4:] == ["CHOICE,", "generated,", "takes", "m:", "sliced(0),", "v:", "sliced(0)"]
 
 
 def test_show_and_explain_backend_options(monkeypatch) -> None:
