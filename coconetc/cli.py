@@ -121,6 +121,17 @@ def _target_problems(mod: SourceFile, backend: str) -> bool:
     return bool(found)
 
 
+def _records_options(what: str):
+    """--backend and --emulate of show and explain: the target whose tuning records they read."""
+    def wrap(f):
+        f = click.option("--emulate", is_flag=True,
+                         help="With --backend cuda: the records `coconetc tune --backend cuda --emulate` "
+                              "measured under the host emulation.")(f)
+        return click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                            help=f"The backend whose tuning records to read: {what}.")(f)
+    return wrap
+
+
 @main.command()
 @click.argument("file", type=click.Path())
 @click.option("--program", "-p", help="The program (default: the file's only program).")
@@ -129,10 +140,14 @@ def _target_problems(mod: SourceFile, backend: str) -> bool:
 @click.option("--grad", is_flag=True, help="Show the program's derived vector-Jacobian program (docs/autodiff.md).")
 @click.option("--wrt", help="With --grad: the inputs to differentiate, comma-separated (default: every "
               "floating tensor parameter).")
-def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: bool, wrt: str | None) -> None:
+@_records_options("-s auto shows the choice of the records measured on that backend (the plan "
+                  "itself is every backend's)")
+def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: bool, wrt: str | None,
+         backend: str, emulate: bool) -> None:
     """Print a program's IR as .ccn text, its stage graph as Graphviz dot, or its execution
     plan (what every backend runs: buffers, then one unit a line with its .ccn line)."""
     from coconetc.ir import printer
+    target = _checked_target("show", backend, emulate, "read the records measured under the host emulation")
     mod = _load(file)
     if grad or wrt is not None:
         _show_grad(mod, _pick_program(mod, program, None), schedule, fmt, wrt)
@@ -140,7 +155,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
     name = _pick_program(mod, program, schedule)
     ir = mod.programs[name]
     if schedule == "auto":  # with or without `schedule auto for P` in the file
-        _show_auto(mod, name, fmt)
+        _show_auto(mod, name, fmt, target)
         return
     label = _label(schedule) if schedule else parse(None)  # -s zero@p2p: the schedule zero
     if not label.default:
@@ -149,7 +164,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
         except KeyError as err:
             _fail(f"coconetc: {err.args[0]}")
         if sched.ir is None:
-            _show_auto(mod, name, fmt)
+            _show_auto(mod, name, fmt, target)
             return
         ir = sched.ir
     if fmt == "plan":
@@ -219,16 +234,19 @@ def _derived(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: st
     raise AssertionError
 
 
-def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
-    """show -s auto: the autotuner's newest choice for the program on this machine, as the
-    schedule block (text), its plan or its stage graph."""
+def _show_auto(mod: SourceFile, name: str, fmt: str, target: str = "cpu") -> None:
+    """show -s auto: the autotuner's newest choice for the program on this machine's TARGET (the
+    records `coconetc tune` measured there), as the schedule block (text), its plan or its
+    stage graph."""
     from coconetc.sourcefile import add_schedules
     from coconetc.ir import printer
+    from coconetc.oracle.inputs import size_symbols
     from coconetc.runtime import tuned as cache
-    recs = cache.records(mod.source, name)
+    recs = cache.records(mod.source, name, target)
     if not recs:
-        _fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file} on this machine; run "
-              f"`coconetc tune {mod.file} --program {name} --ranks R --size ...` first")
+        cmd = cache.tune_command(mod.file, name, "R", dict.fromkeys(size_symbols(mod.programs[name]), "INT"), target)
+        _fail(f"coconetc: the autotuner has no choice for '{name}' in {mod.file}{cache.MEASURED_ON[target]}; "
+              f"run `{cmd}` first")
     rec = recs[-1]
     choice, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
     label = parse(choice).name  # "zero@p2p": zero, with point-to-point fused collectives
@@ -244,8 +262,8 @@ def _show_auto(mod: SourceFile, name: str, fmt: str) -> None:
         click.echo(printer.dot(ir), nl=False)
         return
     shown = ", ".join(f"{k}={v}" for k, v in rec["sizes"].items())
-    click.echo(f"# schedule auto for {name}: the tuner's choice for {shown} on {rec['ranks']} ranks "
-               f"({rec['measured'][choice] * 1e3:.3f} ms): {choice}"
+    click.echo(f"# schedule auto for {name}: the tuner's choice for {shown} on {rec['ranks']} ranks"
+               f"{cache.MEASURED_ON[target]} ({rec['measured'][choice] * 1e3:.3f} ms): {choice}"
                + (" (its fused collectives point-to-point: call it as schedule=" + repr(choice) + ")"
                   if choice != label else ""))
     click.echo(text or f"# (the program itself, unscheduled)\n{printer.program(mod.programs[name])}", nl=False)
@@ -420,9 +438,8 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     keep = [] if explicit else [s for s in names if not _auto(mod, name, s)]
     if rec is None:
         what = (f"no tuning record for {shown} on {ranks} ranks"
-                + (f" in {groups} groups" if groups > 1 else "") + f"{cache.MEASURED_ON[target]}; run `coconetc tune "
-                f"{mod.file} --program {name}{cache.TUNE_FLAGS[target]} --ranks {ranks} "
-                + " ".join(f"--size {k}={v}" for k, v in full.items()) + "` first")
+                + (f" in {groups} groups" if groups > 1 else "") + f"{cache.MEASURED_ON[target]}; run "
+                f"`{cache.tune_command(mod.file, name, ranks, full, target)}` first")
         if explicit:
             _fail(f"coconetc: {name} [auto]: {what}")
         click.echo(f"{name} [auto]: skipped: {what}")
@@ -482,6 +499,18 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
 def _target(backend: str, emulate: bool) -> str:
     """The toolchain's target of --backend and --emulate: cpu, cuda or cuda-emulated."""
     return "cpu" if backend != "cuda" else "cuda-emulated" if emulate else "cuda"
+
+
+def _checked_target(command: str, backend: str, emulate: bool, emulated: str) -> str:
+    """_target, after the checks every command taking --backend/--emulate makes: --emulate only
+    with --backend cuda, and --backend cuda alone only where PyTorch sees a GPU (a GPU's
+    records are keyed by its name); EMULATED says what --emulate would do instead."""
+    if emulate and backend != "cuda":
+        _fail("coconetc: --emulate goes with --backend cuda")
+    if backend == "cuda" and not emulate and not _gpu_here():
+        _fail(f"coconetc: {command} --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
+              f"add --emulate to {emulated}")
+    return _target(backend, emulate)
 
 
 def _gpu_here() -> bool:
@@ -702,12 +731,7 @@ def tune(file, ranks, program, sizes, reps, keep, json_path, backend, emulate) -
     from coconetc.oracle.inputs import size_symbols
     from coconetc.toolchain import BuildError
     from coconetc.tune import tuner
-    if emulate and backend != "cuda":
-        _fail("coconetc: --emulate goes with --backend cuda")
-    if backend == "cuda" and not emulate and not _gpu_here():
-        _fail("coconetc: tune --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
-              "add --emulate to measure the generated CUDA code on the CPU")
-    target = _target(backend, emulate)
+    target = _checked_target("tune", backend, emulate, "measure the generated CUDA code on the CPU")
     if keep is None:
         keep = tuner.KEEP if target == "cpu" else math.inf
     mod = _load(file)
@@ -749,11 +773,15 @@ def tune(file, ranks, program, sizes, reps, keep, json_path, backend, emulate) -
 @click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
               help="The ranks on this many nodes (equal shares): the model's bytes across the network "
                    "(docs/cluster.md); measured times are shown for one node only.")
-def explain(file, program, schedule, ranks, sizes, nodes) -> None:
+@_records_options("the measured times, the tuner's choice and its schedules are those measured there "
+                  "(on cuda the CPU cost model's times do not apply and are not shown)")
+def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate) -> None:
     """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
-    passes over memory, kernel launches and plan units, the modelled time, and the measured
-    time where the tuning cache has one for these sizes and ranks."""
+    passes over memory, kernel launches and plan units, the modelled time (the CPU backend's:
+    left out for --backend cuda), and the measured time where the tuning cache has one for
+    these sizes and ranks on the backend."""
     from coconetc.tune import explain as ex
+    target = _checked_target("explain", backend, emulate, "read the records measured under the host emulation")
     mod = _load(file)
     if not mod.programs:
         _fail(_no_program(mod))
@@ -764,7 +792,7 @@ def explain(file, program, schedule, ranks, sizes, nodes) -> None:
     for i, name in enumerate(names):
         try:
             mine = {k: v for k, v in given.items() if k in ex.symbols(mod, name)}
-            text = ex.explain(mod, name, schedule, ranks, mine, nodes)
+            text = ex.explain(mod, name, schedule, ranks, mine, nodes, target)
             click.echo(("\n" if i else "") + text, nl=False)
         except ex.ExplainError as err:
             _fail(f"coconetc: {err}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from coconetc.runtime import tuned
 from coconetc.toolchain import probes
 from coconetc.tune.cost import Machine, cost
 from coconetc.tune.space import candidates, state_params
+from coconetc.tune import tuner
 from coconetc.tune.tuner import prune
 
 REPO = Path(__file__).resolve().parents[1]
@@ -428,6 +430,30 @@ def test_tune_cuda_emulated_then_auto(tmp_path, tuning_file, monkeypatch, capfd)
     assert capfd.readouterr().out.count("optimizer auto ok auto_rs_c_ag_slice") == 2
 
 
+@pytest.mark.slow
+def test_tune_cuda_emulated_as_explain_advises_then_show_and_explain(tmp_path, monkeypatch) -> None:
+    """With no CUDA-emulated record, `explain -s auto --backend cuda --emulate` names the tune
+    command; running it as named makes the record `show -s auto` and `explain` then read for
+    that target (and the CPU's stay apart: none)."""
+    monkeypatch.setenv(probes.ENV_CACHE, str(tmp_path.parent / "cuda-auto-cache"))
+    cuda = ("--backend", "cuda", "--emulate")
+    res = invoke("explain", ADAM, "-s", "auto", *cuda, "--ranks", "2", "--size", "N=1000")
+    assert res.exit_code == 1, res.output
+    advice = re.search(r"`coconetc (tune [^`]*)`", res.stderr)
+    assert advice is not None, res.stderr
+    res = invoke(*advice.group(1).split(), "--reps", "1")
+    assert res.exit_code == 0, res.output
+    choice = tuned.lookup(load_file(ADAM).source, "adam", {"N": 1000}, 2, target="cuda-emulated")["choice"]
+    res = invoke("show", ADAM, "-s", "auto", *cuda)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0].endswith(f"ms): {choice}"), res.stdout
+    res = invoke("explain", ADAM, *cuda, "--ranks", "2")
+    assert res.exit_code == 0, res.output
+    rows = {x.split()[0]: x for x in res.stdout.splitlines()[2:]}
+    assert "(tuner's choice)" in rows[choice] and "modelled" not in res.stdout.splitlines()[1]
+    assert invoke("show", ADAM, "-s", "auto").exit_code == 1  # no CPU record
+
+
 def test_run_auto_on_the_cuda_backend_reads_the_cuda_records(example) -> None:
     """`run -s auto --backend cuda --emulate` takes the choice `tune --backend cuda --emulate`
     recorded, never the CPU backend's: with only a CPU record it names the CUDA tune command
@@ -460,6 +486,83 @@ def test_run_auto_on_the_cuda_backend_runs_the_cuda_choice(example, tmp_path, mo
     assert "the tuner's choice for N=65 on 2 ranks: auto_rs_c_ag_slice" in res.stdout
     assert "adam [auto_rs_c_ag_slice] (CUDA, host emulation): 2 ranks" in ranks_out
     assert "matches the interpreter on every rank" in ranks_out
+
+
+def _cuda_record(mod, sizes: dict, R: int) -> dict:
+    """A record `tune --backend cuda --emulate` could have written: its own times and choice
+    (a schedule its tuner wrote), no point-to-point variants, no 'fused' measured."""
+    rec = _fake_record(mod, sizes, R)  # the CPU's: zero at 2.000 ms
+    rec["measured"] = {"default": 9e-3, "rs_c_ag": 8e-3, "zero": 7e-3, "auto_rs_c_ag_slice": 6e-3}
+    rec["choice"], rec["target"], rec["machine"] = "auto_rs_c_ag_slice", "cuda-emulated", tuned.machine("cuda-emulated")
+    rec["by_convention"] = {"": "default", "m: sliced(0), v: sliced(0)": "auto_rs_c_ag_slice"}
+    tuned.store(tuned.key(mod.source, "adam", sizes, R, target="cuda-emulated"), rec)
+    return rec
+
+
+def test_show_and_explain_read_the_records_of_the_backend(example) -> None:
+    """`show -s auto` and `explain` with --backend cuda --emulate read the records `tune
+    --backend cuda --emulate` wrote, never the CPU's (they read only the CPU's: the CPU's choice
+    shown for the CUDA module, and no CUDA record reachable); with none, they name the command
+    that makes one; on CUDA explain prints no modelled time (the cost model is the CPU's)."""
+    mod = example("adam.ccn")
+    _fake_record(mod, {"N": 64}, 2)
+    cuda = ("--backend", "cuda", "--emulate")
+    res = invoke("show", ADAM, "-s", "auto", *cuda)
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert ("no choice for 'adam' in " f"{ADAM} under the CUDA host emulation on this machine; run `coconetc "
+            f"tune {ADAM} --program adam --backend cuda --emulate --ranks R --size N=INT` first") in res.stderr
+    res = invoke("explain", ADAM, "-s", "auto", *cuda, "--ranks", "2", "--size", "N=64")
+    assert res.exit_code == 1, res.output
+    assert f"run `coconetc tune {ADAM} --program adam --backend cuda --emulate --ranks 2 --size N=64`" in res.stderr
+    res = invoke("explain", ADAM, *cuda, "--ranks", "2")  # no CUDA record to take the sizes from
+    assert res.exit_code == 1 and "--backend cuda --emulate --ranks 2 --size N=INT` makes one" in res.stderr
+    res = invoke("explain", ADAM, *cuda, "--ranks", "2", "--size", "N=64")  # the counts, no times
+    assert res.exit_code == 0, res.output
+    assert "modelled" not in res.stdout.splitlines()[1] and "(tuner's choice)" not in res.stdout
+    assert "--backend cuda --emulate --ranks 2 --size N=64`" in res.stdout.splitlines()[-1]
+    _cuda_record(mod, {"N": 64}, 2)
+    res = invoke("show", ADAM, "-s", "auto", *cuda)
+    assert res.exit_code == 0, res.output
+    head = res.stdout.splitlines()[0]
+    assert "under the CUDA host emulation" in head and head.endswith("(6.000 ms): auto_rs_c_ag_slice"), head
+    assert "schedule auto_rs_c_ag_slice for adam {" in res.stdout
+    plan = invoke("show", ADAM, "-s", "auto", "--format", "plan", *cuda)
+    assert plan.stdout.startswith("plan adam [auto_rs_c_ag_slice]"), plan.output
+    res = invoke("show", ADAM, "-s", "auto")  # the CPU's, as before
+    assert res.exit_code == 0 and "schedule zero for adam {" in res.stdout, res.output
+    res = invoke("explain", ADAM, *cuda, "--ranks", "2")  # sizes from the CUDA record
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("adam at N=64 on 2 ranks, measured under the CUDA host emulation")
+    assert "do not apply to cuda-emulated" in lines[0] and "modelled" not in lines[1]
+    rows = {x.split()[0]: x for x in lines[2:]}
+    assert rows["auto_rs_c_ag_slice"].endswith("6.000 ms (tuner's choice) (generated)")
+    assert rows["zero"].endswith("7.000 ms") and rows["fused"].endswith(" -")
+    assert "zero@p2p" not in rows and len(rows["zero"].split()) == 10  # no modelled column
+    one = invoke("explain", ADAM, *cuda, "--ranks", "2", "-s", "auto")
+    assert one.exit_code == 0 and one.stdout.splitlines()[2].startswith("auto_rs_c_ag_slice "), one.output
+    res = invoke("explain", ADAM, "--ranks", "2")  # the CPU's, with the model
+    assert "modelled" in res.stdout.splitlines()[1] and "2.000 ms (tuner's choice)" in res.stdout
+
+
+def test_tune_table_has_no_modelled_time_on_cuda(example) -> None:
+    """tune's table: the CPU cost model's time beside a CPU record's measurements only."""
+    mod = example("adam.ccn")
+    cpu = tuner.table(_fake_record(mod, {"N": 64}, 2)).splitlines()
+    gpu = tuner.table(_cuda_record(mod, {"N": 64}, 2)).splitlines()
+    assert "modelled" in cpu[0] and "1.000 ms" in cpu[1]
+    assert "modelled" not in gpu[0] and gpu[1].split()[:4] == ["auto_rs_c_ag_slice", "6.000", "ms", "1.00x"]
+    assert gpu[1].split()[4:] == ["CHOICE,", "generated,", "takes", "m:", "sliced(0),", "v:", "sliced(0)"]
+
+
+def test_show_and_explain_backend_options(monkeypatch) -> None:
+    """--emulate only with --backend cuda; a GPU's records (keyed by its name) need a GPU here."""
+    monkeypatch.setattr(cli, "_gpu_here", lambda: False)
+    for cmd in (("show", ADAM, "-s", "auto"), ("explain", ADAM, "--size", "N=64")):
+        res = invoke(*cmd, "--emulate")
+        assert res.exit_code == 1 and "--emulate goes with --backend cuda" in res.stderr, res.output
+        res = invoke(*cmd, "--backend", "cuda")
+        assert res.exit_code == 1 and "no CUDA device here" in res.stderr and "add --emulate" in res.stderr
 
 
 def test_tune_backend_options() -> None:

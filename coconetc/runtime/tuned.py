@@ -43,6 +43,13 @@ MEASURED_ON = {"cpu": " on this machine", "cuda": " on this machine's GPU",
 TUNE_FLAGS = {"cpu": "", "cuda": " --backend cuda", "cuda-emulated": " --backend cuda --emulate"}
 
 
+def tune_command(file: str, program: str, ranks: int | str, sizes: dict[str, Any], target: str = "cpu") -> str:
+    """The `coconetc tune` command that makes the record of PROGRAM at these SIZES on RANKS on
+    TARGET (what a reader of the records names when it finds none; "R", "INT": for the user to fill)."""
+    shown = " ".join(f"--size {k}={v}" for k, v in sizes.items())
+    return f"coconetc tune {file} --program {program}{TUNE_FLAGS[target]} --ranks {ranks} {shown}".rstrip()
+
+
 def path() -> Path:
     return Path(os.environ.get(ENV_TUNING) or cache_dir() / FILE)
 

@@ -198,11 +198,14 @@ def _run_worker(ranks: int, argv: list[str], n: int, progress: bool, timeout: fl
 
 
 def table(record: dict[str, Any]) -> str:
-    """The measured schedules, fastest first, with what they are."""
+    """The measured schedules, fastest first, with what they are; the modelled time only for a
+    CPU record (the cost model is the CPU backend's: on a CUDA target it does not apply)."""
     meas = record["measured"]
     best = min(meas.values())
     choice = record["choice"]
-    lines = [f"{'schedule':<28} {'measured':>11} {'vs best':>8} {'modelled':>11}  notes"]
+    modelled = record.get("target", "cpu") == "cpu"
+    lines = [f"{'schedule':<28} {'measured':>11} {'vs best':>8} " + (f"{'modelled':>11}  " if modelled else "")
+             + "notes"]
     for label in sorted(meas, key=meas.__getitem__):
         notes = []
         if label == choice:
@@ -214,8 +217,9 @@ def table(record: dict[str, Any]) -> str:
             notes.append(f"takes {conv}")
         if label in record.get("problems", {}):
             notes.append("MISMATCH")
+        model = f"{record['modelled'].get(label, 0.0) * 1e3:>8.3f} ms  " if modelled else ""
         lines.append(f"{label:<28} {meas[label] * 1e3:>8.3f} ms {meas[label] / best:>7.2f}x "
-                     f"{record['modelled'].get(label, 0.0) * 1e3:>8.3f} ms  {', '.join(notes)}")
+                     f"{model}{', '.join(notes)}")
     for conv, label in record["by_convention"].items():
         who = conv or "the program's own layouts"
         lines.append(f"schedule='auto' with {who}: {label}")
