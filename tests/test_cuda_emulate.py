@@ -734,7 +734,7 @@ def test_symmetric_window_is_race_checked(tmp_path):
     rt = tmp_path / "runtime"
     shutil.copytree(runtime_dir(), rt)
     sym = rt / "coconet" / "cuda" / "symmetric.cuh"
-    old = "cudaMemcpyAsync(buf, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream)"
+    old = "cudaMemcpyAsync(buf + kSymHead, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream)"
     assert old in sym.read_text()
     sym.write_text(sym.read_text().replace(old, old.replace("c.stream", "c.comm_stream")))
     name, so = compiler.build_emulated(_source("sgd", "sgd", "fused"), "sym_race", tmp_path / "b", runtime=rt,
