@@ -286,15 +286,16 @@ def watchdog_message(me: int, size: int, call: int, what: str, limit: float,
     text = (f"coconet watchdog: {what}, call #{call} on this communicator, rank {me}: "
             f"waited {limit:g} s ({ENV_TIMEOUT}) for every rank to enter the call; ")
     if missing:
-        text += f"{_ranks(missing)} did not arrive"
+        text += f"{ranks_text(missing)} did not arrive"
     else:  # every rank answered from a call: not all from this one (different calls, or out of step)
         text += "every rank is in a call of this communicator, but not all in this one"
     if elsewhere:
         text += "; " + "; ".join(elsewhere)
-    return text + f" ({_ranks(here)} {'did' if missing else 'in this one'}). Aborting the job."
+    return text + f" ({ranks_text(here)} {'did' if missing else 'in this one'}). Aborting the job."
 
 
-def _ranks(rs: list[int]) -> str:
+def ranks_text(rs: list[int]) -> str:
+    """'rank 1' or 'ranks 1, 3'."""
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
 
 
@@ -318,4 +319,4 @@ def differ(values: list[Any], key: Callable[[Any], Any] = lambda v: v,
         shown.setdefault(k, show(v))
     if len(groups) == 1:
         return None
-    return "; ".join(f"{_ranks(rs)}: {shown[k]!r}" for k, rs in groups.items())
+    return "; ".join(f"{ranks_text(rs)}: {shown[k]!r}" for k, rs in groups.items())

@@ -27,7 +27,7 @@ from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, marshal
-from coconetc.runtime.call import agreed, check_groups, check_names, scalar_bits, tensor_shapes
+from coconetc.runtime.call import agreed, check_groups, check_names, description, tensor_shapes
 from coconetc.runtime.events import Events
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
@@ -538,8 +538,10 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     these arrays (auto.for_call), the label parsed, this rank's arguments
     checked (`check(program)`), then one exchange with every rank of the communicator under
     the watchdog (agree.py), so a wrong argument on any rank, or ranks that disagree on the
-    schedule, groups, a scalar's bits or a shape, raise the same error on every rank before
-    anything runs, and a rank that never arrives ends the job. Returns (label, program, this
+    schedule, groups, a scalar's bits or a shape (or, under COCONET_CHECK_REPLICATED, a
+    replicated tensor's value: call.value_digest, which copies a CUDA tensor to the host after
+    synchronizing the device) raise the same error on every rank before anything runs, and a
+    rank that never arrives ends the job. Returns (label, program, this
     rank's checked values, size symbols, ranks, the segment sizes of scattered parameters)."""
     what = f"{fn.ext.__name__}.{fn.name}(schedule={schedule!r})"
     p: Program | None = None
@@ -556,7 +558,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
         check_groups(fn.name, groups)
         local = check(p)
         head = (fn.ext.__name__, fn.name, str(label), groups, comm.size)
-        mine: tuple = ("ok", (head, scalar_bits(p, local), tensor_shapes(p, local)))
+        mine: tuple = ("ok", description(head, p, local, tensor_shapes(p, local)))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     _refuse_aborted(comm, what)

@@ -4,7 +4,9 @@ NumPy arrays or CPU tensors are compared with the remembered ones (identity, sha
 dtype, flags or storage), the scalars packed with one struct, and the ranks exchange one
 64-byte record (the digest of the agreed configuration and the scalars' bits) over a
 persistent allgather (agree.Channel); any difference sends every rank through the full checks
-and exchange (call.py). Its speed matters (bench/call_overhead.py): add no work here."""
+and exchange (call.py). Its speed matters (bench/call_overhead.py): add no work here. Under
+COCONET_CHECK_REPLICATED (call.check_replicated, read once per process) no call is given a hot
+path: every call's description then carries its replicated tensors' digests, in full."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 from coconetc.ir.arguments import check_param, is_torch
 from coconetc.ir.storage import STORAGE
 from coconetc.runtime import agree, batch, shm
-from coconetc.runtime.call import PACK, Local, scalar_bits, scalar_names, torch_updates
+from coconetc.runtime.call import PACK, Local, check_replicated, description, scalar_names, torch_updates
 from coconetc.runtime.marshal import as_torch, local_shape
 
 
@@ -117,8 +119,7 @@ def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
         torch_updated = torch_updates(p, kwargs, {t for t, _ in p.updates}) if fast.local.torch_out else []
     except (TypeError, ValueError, RuntimeError):
         return None  # the full checks report it
-    head = fast.local.shared[1][0]
-    desc = (head, scalar_bits(p, values), fast.shapes)
+    desc = description(fast.local.shared[1][0], p, values, fast.shapes)
     return replace(fast.local, values=values, torch_updated=torch_updated, shared=("ok", desc),
                    timeout=agree.timeout_s(), fast=fast)
 
@@ -151,7 +152,7 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
     arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
     torches = [(k, v) for k, v in tensors if type(v) is not np.ndarray and is_torch(v)
                and hasattr(v, "data_ptr") and v.device.type == "cpu"]
-    if len(arrays) + len(torches) == len(tensors) and \
+    if len(arrays) + len(torches) == len(tensors) and not check_replicated() and \
             all(q.type.dtype in PACK for q in p.params if q.scalar):
         from mpi4py import MPI
         gs = comm.Get_size() // groups

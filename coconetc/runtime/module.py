@@ -16,7 +16,7 @@ from coconetc.codegen.naming import function_name
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, layout, marshal, shm
-from coconetc.runtime.call import Local, agreed, check_local, failed
+from coconetc.runtime.call import Local, agreed, check_local, check_replicated, failed
 from coconetc.runtime.fastpath import Fast, hot_check, remember, repeat, run_hot, slot_of
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.sourcefile import SourceFile
@@ -185,10 +185,12 @@ class ProgramFunction:
         """The ranks agree on the call (or all raise): first the record round of repeated calls
         (agree.Channel.agreed), unless the hot path ran it (counted), then, unless every rank
         repeats the same agreed call, the full exchange. Returns (sizes, segments, the digest
-        of the agreed configuration)."""
+        of the agreed configuration). Under COCONET_CHECK_REPLICATED this rank asks for the full
+        exchange (the record round has no room for the digests)."""
         if counted is None and comm.Get_size() > 1:
             fast = local.fast
-            config = fast.config if fast is not None and local.shared[0] == "ok" else None
+            config = fast.config if fast is not None and local.shared[0] == "ok" \
+                and not check_replicated() else None
             scal = agree.scalar_record(b"".join(b for _, _, b in local.shared[1][1])) if config else b""
             if agree.channel(comm).agreed(config, scal, groups, what, local.timeout, time.monotonic()):
                 assert fast is not None
