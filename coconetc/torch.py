@@ -411,6 +411,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 f"scalar {missing[0]!r} (pass {missing[0]}=...)")
 
     @property
+    def shared_memory(self) -> bool:
+        """Whether the flat buffers are where the peers read them in place (shared_memory=): on
+        the CPU backend the weights and gradients in shared windows, on the CUDA backend the
+        gradient in a window of the NCCL communicator."""
+        return self._shared
+
+    @property
     def shared_weights(self) -> bool:
         """Whether the ranks of this node hold one copy of the weights (shared_weights=)."""
         return self._one_copy

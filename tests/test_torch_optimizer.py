@@ -146,9 +146,9 @@ def test_shared_memory_by_default_where_safe(built):
         spans = [(shm.WINDOWS[k + 1], shm.WINDOWS[k + 2]) for k in range(0, len(shm.WINDOWS), 4)]
         return any(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= a + n for a, n in spans)
     opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", **HYPER)
-    assert in_window(opt._groups[0].flat) and in_window(opt._groups[0].gflat)
+    assert in_window(opt._groups[0].flat) and in_window(opt._groups[0].gflat) and opt.shared_memory
     opt = DistributedOptimizer(_model().parameters(), str(ADAM), schedule="zero", shared_memory=False, **HYPER)
-    assert not in_window(opt._groups[0].flat) and not in_window(opt._groups[0].gflat)
+    assert not in_window(opt._groups[0].flat) and not in_window(opt._groups[0].gflat) and not opt.shared_memory
     opt = DistributedOptimizer(_model().parameters(), str(LAMB), **HYPER, wd=0.01)
     assert opt._groups[0].flat is None and not in_window(opt._groups[0].gflat)
     with pytest.raises(TypeError, match="shared_memory must be None, True or False"):

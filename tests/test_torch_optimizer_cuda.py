@@ -300,9 +300,9 @@ def test_backend_follows_the_parameters_and_is_checked(built):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), process_group=object(), **HYPER)
     opt = DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", shared_memory=True,
                                **HYPER)  # the gradient in an NCCL window (one rank: plain memory), not the weights
-    assert opt._shared and not opt.shared_weights
+    assert opt.shared_memory and not opt.shared_weights
     opt = DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", **HYPER)
-    assert not opt._shared  # one rank: nothing for a peer to read in place
+    assert not opt.shared_memory  # one rank: nothing for a peer to read in place
     with pytest.raises(ValueError, match="no schedule 'nope' in the CUDA module"):
         DistributedOptimizer(_model().parameters(), str(EX / "adam.ccn"), backend="cuda", schedule="nope",
                              **HYPER)

@@ -132,7 +132,7 @@ def mode_inplace() -> None:
     for shared in (None, False):
         for schedule in ("zero", "fused"):
             trio = Trio(schedule, cuda_options={"shared_memory": shared})
-            report(f"cuda:{schedule}:R{R}:{shared}:shared", 0.0 if trio.cuda._shared == (shared is None) else 1.0)
+            report(f"cuda:{schedule}:R{R}:{shared}:shared", 0.0 if trio.cuda.shared_memory == (shared is None) else 1.0)
             trio.run(10)
             cuda, cpu, ref = trio.models
             report(f"cuda:{schedule}:R{R}:{shared}:params_vs_torch", W.max_diff(cuda, ref))
