@@ -29,7 +29,7 @@ from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, description, tensor_shapes
 from coconetc.runtime.events import Events
-from coconetc.runtime.layout import TORCH_DTYPES
+from coconetc.runtime.layout import TORCH_DTYPES, checked_shape
 from coconetc.runtime.loader import import_extension
 from coconetc.runtime.tuned import with_tuned
 from coconetc.sourcefile import load_file, with_grads
@@ -355,11 +355,7 @@ def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: 
     import math
 
     import torch
-    if dtype not in STORAGE:
-        raise ValueError(f"window_empty: unknown dtype {dtype!r} (one of {', '.join(STORAGE)})")
-    shape = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
-    if any(x < 0 for x in shape):
-        raise ValueError(f"window_empty: negative size in shape {shape}")
+    shape = checked_shape(shape, dtype, "window_empty")
     what = f"window_empty({shape}, {dtype!r})"
     mine = ("window_empty", shape, dtype)
     everyone = _exchange(comm, mine, what, agree.timeout_s())

@@ -23,6 +23,18 @@ TORCH_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "
                 "i32": "int32", "i64": "int64", "bool": "bool"}
 
 
+def checked_shape(shape: int | tuple[int, ...], dtype: str, what: str) -> tuple[int, ...]:
+    """SHAPE (a size or a sequence of sizes) as a tuple, once DTYPE is known to be a language
+    dtype and no size is negative (the allocators' check: coconetc.empty, window_empty; WHAT
+    names the caller in the message)."""
+    if dtype not in STORAGE:
+        raise ValueError(f"{what}: unknown dtype {dtype!r} (one of {', '.join(STORAGE)})")
+    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"{what}: negative size in shape {shape}")
+    return shape
+
+
 def group_position(comm: Any, rank: int | None, ranks: int | None, groups: int) -> tuple[int, int]:
     """(ranks per group, this rank's index in its group) from a communicator or explicit
     rank/ranks (explicit values win; the communicator defaults to COMM_WORLD)."""

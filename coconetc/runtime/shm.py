@@ -23,7 +23,7 @@ import numpy as np
 
 from coconetc.ir.storage import STORAGE
 from coconetc.runtime.nodes import node_comm
-from coconetc.runtime.layout import FRAMEWORKS, TORCH_DTYPES
+from coconetc.runtime.layout import FRAMEWORKS, TORCH_DTYPES, checked_shape
 
 _KEEP: list[Any] = []  # the windows and their node communicators, alive until the process ends
 WINDOWS: list[int] = []  # (id, address, bytes, MPI_Win handle) of every window, flattened
@@ -60,13 +60,9 @@ def empty_node(shape: int | tuple[int, ...], dtype: str = "f32", *, comm: Any = 
 def _allocate(shape: int | tuple[int, ...], dtype: str, comm: Any, framework: str, what: str,
               one: bool) -> Any:
     from mpi4py import MPI
-    if dtype not in STORAGE:
-        raise ValueError(f"{what}: unknown dtype {dtype!r} (one of {', '.join(STORAGE)})")
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(map(repr, FRAMEWORKS))}, got {framework!r}")
-    shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{what}: negative size in shape {shape}")
+    shape = checked_shape(shape, dtype, what)
     comm = MPI.COMM_WORLD if comm is None else comm
     dt = STORAGE[dtype]
     nbytes = math.prod(shape) * dt.itemsize
