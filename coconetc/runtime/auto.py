@@ -25,11 +25,9 @@ def overall(fn: Any, comm: Any, groups: int, sizes: dict) -> str:
     choice = tuned.cached_choice(fn, dict(sizes), ranks, groups)
     if choice is None:
         shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        opts = " ".join(f"--size {k}={v}" for k, v in sizes.items())
         raise ValueError(f"{fn.name}(schedule='auto'): the tuning cache has no choice for "
-                         f"{shown} on {ranks} ranks{_on(fn)}; run `coconetc tune {fn.file} "
-                         f"--program {fn.name} --ranks {ranks} {opts}{_backend(fn)}` first, or "
-                         f"name a schedule ({', '.join(fn.schedules)})")
+                         f"{shown} on {ranks} ranks{_on(fn)}; run `{_command(fn, ranks, dict(sizes))}` "
+                         f"first, or name a schedule ({', '.join(fn.schedules)})")
     return choice
 
 
@@ -47,9 +45,9 @@ def _on(fn: Any) -> str:
     return tuned.MEASURED_ON[getattr(fn, "target", "cpu")]
 
 
-def _backend(fn: Any) -> str:
-    """The tune options that measure on fn's target."""
-    return tuned.TUNE_FLAGS[getattr(fn, "target", "cpu")]
+def _command(fn: Any, ranks: int, sizes: dict[str, int]) -> str:
+    """The `coconetc tune` command that measures FN at SIZES on RANKS on fn's target."""
+    return tuned.tune_command(fn.file, fn.name, ranks, sizes, getattr(fn, "target", "cpu"))
 
 
 def for_call(fn: Any, comm: Any, groups: int, kwargs: dict) -> str:
@@ -114,5 +112,4 @@ def _tune_command(fn: Any, kwargs: dict, ranks: int) -> str:
         for i, d in enumerate(q.type.shape):
             if isinstance(d, str) and i < len(shape) and not (q.type.layout.sliced and q.type.layout.dim == i):
                 sizes.setdefault(d, int(shape[i]))
-    shown = " ".join(f"--size {k}={v}" for k, v in sorted(sizes.items()))
-    return f"coconetc tune {fn.file} --program {fn.name} --ranks {ranks} {shown}".rstrip() + _backend(fn)
+    return _command(fn, ranks, dict(sorted(sizes.items())))
