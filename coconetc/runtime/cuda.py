@@ -371,7 +371,7 @@ def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: 
     else:
         st: Any = stream if stream is not None else torch.cuda.current_stream()
         handle = int(getattr(st, "cuda_stream", st))
-    ptr, _ = _guarded(ext, comm, what, lambda: ext.window_empty(comm.handle, handle, nbytes), handle)
+    ptr = _guarded(ext, comm, what, lambda: ext.window_empty(comm.handle, handle, nbytes), handle)
     if emulated:
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)) if nbytes else \
             np.empty(0, np.uint8)

@@ -316,6 +316,11 @@ inline void fused_done(const FusedChoice& ch, const Ctx& c) {
   COCONET_CUDA(cudaEventRecord(ch.timed->end[ch.which], c.stream));
 }
 
+// `bytes` rounded up to a whole number of NCCL_WIN_REQUIRED_ALIGNMENT (a window's size).
+inline size_t window_bytes(size_t bytes) {
+  return (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+}
+
 // This communicator's window of at least `bytes` (collective: every rank asks for the same size
 // in the same order, as every rank runs the same calls) and its device communicator, made once
 // (the window grown when a call needs more). The caller holds symmetric_mutex().
@@ -328,7 +333,7 @@ inline Symmetric& symmetric_window(const Ctx& c, size_t bytes) {
       COCONET_CUDA(ncclCommWindowDeregister(c.comm, s.win));
       COCONET_CUDA(ncclMemFree(s.buf));
     }
-    bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    bytes = window_bytes(bytes);
     COCONET_CUDA(ncclMemAlloc(&s.buf, bytes));
     COCONET_CUDA(ncclCommWindowRegister(c.comm, s.buf, bytes, &s.win, NCCL_WIN_COLL_SYMMETRIC));
     s.bytes = bytes;
@@ -578,8 +583,8 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
 // communicator comm (collective: every rank calls it together, in the same order): NCCL memory
 // registered as a window of comm (ncclMemAlloc, ncclCommWindowRegister) where comm can run the
 // symmetric kernel, else plain device memory. Kept until the process ends (deregistering is
-// collective too). Returns the buffer and whether it is a window.
-inline std::pair<uintptr_t, bool> window_empty(uintptr_t comm, uintptr_t stream, size_t bytes) {
+// collective too).
+inline uintptr_t window_empty(uintptr_t comm, uintptr_t stream, size_t bytes) {
   CallArgs a;
   a.comm = comm, a.stream = stream;
   const Ctx c = context(a);
@@ -587,19 +592,18 @@ inline std::pair<uintptr_t, bool> window_empty(uintptr_t comm, uintptr_t stream,
   Symmetric& s = symmetric_state(c);
   int64_t most = int64_t(bytes);
   agree(&most, 1, ncclInt64, ncclMax, c);
-  const size_t size = (size_t(std::max<int64_t>(most, 1)) + NCCL_WIN_REQUIRED_ALIGNMENT - 1) /
-                      NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+  const size_t size = window_bytes(size_t(std::max<int64_t>(most, 1)));
   void* p = nullptr;
   if (!s.ok) {
     COCONET_CUDA(cudaMalloc(&p, size));
-    return {reinterpret_cast<uintptr_t>(p), false};
+    return reinterpret_cast<uintptr_t>(p);
   }
   COCONET_CUDA(ncclMemAlloc(&p, size));
   UserWindow u{static_cast<char*>(p), size, nullptr};
   COCONET_CUDA(ncclCommWindowRegister(c.comm, p, size, &u.win, NCCL_WIN_COLL_SYMMETRIC));
   s.user.push_back(u);
   COCONET_BUFFER(p, size, "window_empty #" + std::to_string(s.user.size()));
-  return {reinterpret_cast<uintptr_t>(p), true};
+  return reinterpret_cast<uintptr_t>(p);
 }
 
 }  // namespace cuda
