@@ -415,7 +415,7 @@ def test_symmetric_kernel_matches_interpreter(built, ranks, size, groups):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, who, size", [(2, "all", 10), (3, "1", 20001), (4, "0,2", 10)])
+@pytest.mark.parametrize("ranks, who, size", [(2, "all", 10), (2, "all", 20001), (3, "1", 20001), (4, "0,2", 10)])
 def test_symmetric_kernel_reads_a_window_in_place(built, ranks, who, size):
     """An input in a window of the communicator (module.empty: window_empty) is read by the peers
     in place, not staged: on the ranks WHO names; the others stage theirs, and each rank finds
@@ -433,6 +433,14 @@ def test_symmetric_kernel_reads_a_window_in_place(built, ranks, who, size):
     inplace = ranks if who == "all" else len(who.split(","))
     assert res.stderr.count("input read in place") == 2 * len(specs) * inplace, log
     assert res.stderr.count("input staged") == 2 * len(specs) * (ranks - inplace), log
+    # each spec's kernel window (rank 0's trace, two calls a spec, in order): room to stage its
+    # input (size elements of g: f32, f16, f32) only where some rank stages it
+    windows = [int(m[1]) for m in re.finditer(r"rank 0 of \d+: symmetric .*, window (\d+) bytes", res.stderr)]
+    assert len(windows) == 2 * len(specs), log
+    for (spec_in, spec_out), (first, second) in zip([(4, 4), (2, 2), (4, 4)], zip(windows[::2], windows[1::2])):
+        most = -(-size // ranks)  # the largest slice, gathered into the window
+        room = (256 + (size * spec_in if who != "all" else 0) + 255) // 256 * 256 + most * spec_out
+        assert first == second == -(-room // 4096) * 4096, (windows, log)  # whole emulated NCCL alignments
 
 
 GRID = re.compile(r"rank (\d+) of \d+: symmetric grid (\d+) blocks of \d+ threads, (\w+) path")

@@ -97,6 +97,13 @@ def test_the_peers_read_the_gradient_in_place(built, capfd, monkeypatch, ranks):
     assert rc == 0, log
     calls = ranks * 2 * 10  # each rank's call of each schedule at each of the 10 steps, in each phase
     assert err.count("input read in place") == calls and err.count("input staged") == calls, log
+    # the kernel's window (20002 f32 parameters): this rank's slice of the gathered weights, and
+    # room to stage the gradient only where it is staged (its size in the emulated NCCL's 4096-byte units)
+    n, most = 20002, -(-20002 // ranks)
+    def window(staged: int) -> int:
+        return -(-((256 + staged + 255) // 256 * 256 + 4 * most) // 4096) * 4096
+    sizes = {(how, int(size)) for how, size in re.findall(r"input (staged|read in place), window (\d+) bytes", err)}
+    assert sizes == {("read in place", window(0)), ("staged", window(4 * n))}, (sizes, log)
 
 
 @pytest.mark.parametrize("ranks", RANKS)

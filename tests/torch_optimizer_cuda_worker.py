@@ -12,6 +12,7 @@ MODE adam          every schedule of examples/adam.ccn the CUDA module has, back
                    examples/adamw.ccn (default, zero) against torch.nn.utils.clip_grad_norm_ + torch.optim.AdamW
 MODE inplace       zero and fused with the gradient in an NCCL window (read in place by the peers'
                    symmetric kernel) and, shared_memory=False, staged: against torch.optim.Adam
+                   (a model of 20002 parameters)
 MODE checkpoint    a checkpoint of the emulated CUDA optimizer (zero) loaded by the CPU one
                    (every schedule) and one of the CPU optimizer loaded by the CUDA one, each
                    continued against torch.optim.Adam continued from its own checkpoint
@@ -129,13 +130,18 @@ def mode_inplace() -> None:
     fused with the flat gradient in a window of the NCCL communicator (shared_memory's default
     at R > 1), which the peers read in place, then with shared_memory=False (staged), each
     against torch.optim.Adam and the CPU backend."""
+    def wide() -> torch.nn.Module:  # 20002 parameters: the window's staging room shows (its 4096-byte units)
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(7, 2000), torch.nn.Tanh(), torch.nn.Linear(2000, 2))
     for shared in (None, False):
         for schedule in ("zero", "fused"):
-            trio = Trio(schedule, cuda_options={"shared_memory": shared})
+            trio = Trio(schedule, models=[wide() for _ in range(3)], cuda_options={"shared_memory": shared})
             report(f"cuda:{schedule}:R{R}:{shared}:shared", 0.0 if trio.cuda.shared_memory == (shared is None) else 1.0)
             trio.run(10)
             cuda, cpu, ref = trio.models
-            report(f"cuda:{schedule}:R{R}:{shared}:params_vs_torch", W.max_diff(cuda, ref))
+            # the ranks' gradients summed vs torch's one backward over the whole batch: f32 rounding
+            # of 2000-term sums, which Adam's m / sqrt(v) scales up where a gradient is near zero
+            report(f"cuda:{schedule}:R{R}:{shared}:params_vs_torch", W.max_diff(cuda, ref), 1e-5)
             report(f"cuda:{schedule}:R{R}:{shared}:params_vs_cpu", W.max_diff(cuda, cpu))
 
 

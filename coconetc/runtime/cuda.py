@@ -48,6 +48,7 @@ class NcclComm:
     group: Any = None  # a torch.distributed ProcessGroup (None: mpi, or one rank)
     notices: Any = None  # where the abort path's notices go (_MpiNotices, _StoreNotices; _guarded)
     aborted: str | None = None  # why the communicator was aborted (then unusable)
+    windows: int = 0  # window_empty buffers made on it (none: no call asks where its tensors are)
 
 
 def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> NcclComm:
@@ -372,6 +373,7 @@ def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: 
         st: Any = stream if stream is not None else torch.cuda.current_stream()
         handle = int(getattr(st, "cuda_stream", st))
     ptr = _guarded(ext, comm, what, lambda: ext.window_empty(comm.handle, handle, nbytes), handle)
+    comm.windows += 1
     if emulated:
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)) if nbytes else \
             np.empty(0, np.uint8)
@@ -491,8 +493,8 @@ class CudaProgram:
         import torch
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime.cuda.nccl_comm(module.ext, mpi_comm)")
-        label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
-                                                         lambda p: _check_local(p, kwargs, stream), kwargs)
+        label, p, local, sizes, ranks, segments, in_place = _enter(
+            self, schedule, comm, groups, lambda p: _check_local(p, kwargs, stream), kwargs, marshal.device_ptr)
         dev = torch.device("cuda", torch.cuda.current_device())
         def make(shape, dtype):
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
@@ -503,17 +505,20 @@ class CudaProgram:
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed: no host sync
             _guarded(self.ext, comm, what, go, handle)
         return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
-                                     marshal.device_ptr, make, handle, around))
+                                     marshal.device_ptr, make, handle, around, in_place))
 
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
-         comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int, around: Any = None) -> list:
+         comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int, around: Any = None,
+         in_place: frozenset = frozenset()) -> list:
     """The module function with the call's arguments (marshal.py, as the CPU runtime lays them
     out) on STREAM, now or, inside batch.together(), with the batch's other calls at its end
-    (around: how it runs, batch.invoke); returns the outputs made by `make`."""
+    (around: how it runs, batch.invoke); returns the outputs made by `make`. in_place: the
+    tensor parameters every rank has in a window (_enter)."""
     gs = ranks // groups
     args = fn.ext.CallArgs()
     marshal.tensors(args, p, local, segments, ptr)
+    args.in_place = [ptr(local[name]) for name in sorted(in_place)]
     outs = marshal.outputs(p, sizes, gs, comm.rank % gs, make)
     args.outputs = [ptr(o) for o in outs]
     marshal.scalars(args, p, local, sizes)
@@ -529,7 +534,7 @@ def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
 
 
 def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, check,
-           kwargs: dict) -> tuple:
+           kwargs: dict, ptr) -> tuple:
     """A call's entry, as the CPU runtime's (call.py): "auto" resolved to the tuner's choice for
     these arrays (auto.for_call), the label parsed, this rank's arguments
     checked (`check(program)`), then one exchange with every rank of the communicator under
@@ -537,8 +542,10 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     schedule, groups, a scalar's bits or a shape (or, under COCONET_CHECK_REPLICATED, a
     replicated tensor's value: call.value_digest, which copies a CUDA tensor to the host after
     synchronizing the device) raise the same error on every rank before anything runs, and a
-    rank that never arrives ends the job. Returns (label, program, this
-    rank's checked values, size symbols, ranks, the segment sizes of scattered parameters)."""
+    rank that never arrives ends the job. The exchange also carries which tensor arguments
+    lie in a window of the communicator (window_empty) on this rank (ptr: a tensor's
+    address). Returns (label, program, this rank's checked values, size symbols, ranks, the
+    segment sizes of scattered parameters, the tensor parameters in a window on every rank)."""
     what = f"{fn.ext.__name__}.{fn.name}(schedule={schedule!r})"
     p: Program | None = None
     label = None
@@ -554,14 +561,27 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
         check_groups(fn.name, groups)
         local = check(p)
         head = (fn.ext.__name__, fn.name, str(label), groups, comm.size)
-        mine: tuple = ("ok", description(head, p, local, tensor_shapes(p, local)))
+        mine: tuple = ("ok", description(head, p, local, tensor_shapes(p, local)),
+                       _windowed(fn.ext, comm, groups, p, local, ptr))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     _refuse_aborted(comm, what)
     everyone = _exchange(comm, mine, what, timeout)
     sizes, segments = agreed(everyone, comm.rank, p, mine, fn._bound)
     assert p is not None and label is not None  # else agreed() raised this rank's error
-    return label, p, local, sizes, len(everyone), segments
+    in_place = frozenset(mine[2]).intersection(*(item[2] for item in everyone))
+    return label, p, local, sizes, len(everyone), segments, in_place
+
+
+def _windowed(ext: Any, comm: NcclComm, groups: int, p: Program, values: dict, ptr) -> tuple[str, ...]:
+    """The tensor parameters whose value lies in a window of COMM that the module's symmetric
+    kernel reads in place (window_index, symmetric.cuh): where they are on every rank, the
+    kernel's own window needs no room to stage them. None at one rank, with groups (the windows
+    are the whole communicator's) or before any window_empty on COMM (then no call to ask)."""
+    if comm.size == 1 or groups != 1 or not comm.windows:
+        return ()
+    return tuple(q.name for q in p.params if not q.scalar and not isinstance(values[q.name], list)
+                 and ext.window_index(comm.handle, ptr(values[q.name]), values[q.name].nbytes) >= 0)
 
 
 def _as_tensor(q: Param, v: Any) -> Any:
@@ -692,14 +712,14 @@ class EmulatedProgram(CudaProgram):
         comm = comm or self.owner.comm()
         torch_in = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
                        for v in kwargs.values())
-        label, p, local, sizes, ranks, segments = _enter(self, schedule, comm, groups,
-                                                         lambda p: _check_local_numpy(p, kwargs), kwargs)
+        label, p, local, sizes, ranks, segments, in_place = _enter(
+            self, schedule, comm, groups, lambda p: _check_local_numpy(p, kwargs), kwargs, marshal.host_ptr)
         what = _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed, synchronized
             _guarded(self.ext, comm, what, go, 0, self.ext.synchronize)
         outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
-                    _numpy_zeros, 0, around)
+                    _numpy_zeros, 0, around, in_place)
         if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out
             outs = [marshal.as_torch(o) for o in outs]
         return marshal.returned(outs)

@@ -128,6 +128,10 @@ struct CallArgs {
   uintptr_t stream = 0;  // cudaStream_t (0: the legacy default stream)
   uintptr_t comm = 0;    // ncclComm_t of all ranks
   int groups = 1;
+  // the tensors that every rank's call has in a window of comm (window_index, symmetric.cuh;
+  // agreed by the call's exchange): the symmetric kernel reads them in place on every rank, so
+  // its own window needs no room to stage them
+  std::vector<uintptr_t> in_place;
   template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
   template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }
 };
@@ -141,6 +145,7 @@ struct Ctx {
   Group group;
   cudaStream_t stream = nullptr;
   cudaStream_t comm_stream = nullptr;
+  std::vector<uintptr_t> in_place;  // CallArgs::in_place
 };
 
 // The current device's value in `values`, made by make(device) on first use; the caller holds
@@ -172,6 +177,7 @@ inline Ctx context(const CallArgs& a) {
   c.world = reinterpret_cast<ncclComm_t>(a.comm);
   c.stream = reinterpret_cast<cudaStream_t>(a.stream);
   c.groups = a.groups;
+  c.in_place = a.in_place;
   COCONET_CUDA(ncclCommCount(c.world, &c.wsize));
   COCONET_CUDA(ncclCommUserRank(c.world, &c.wrank));
   require(a.groups >= 1 && c.wsize % a.groups == 0,

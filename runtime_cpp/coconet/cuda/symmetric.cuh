@@ -12,7 +12,9 @@
 //
 // One call: at R > 1 the input is staged into this rank's window (one copy), unless it lies in a
 // window of the communicator's the caller allocated (window_empty: the optimizer's flat gradient),
-// which the peers then read in place; at R = 1 the kernel reads the caller's input itself. Then
+// which the peers then read in place; at R = 1 the kernel reads the caller's input itself. The
+// window holds room to stage the input only where some rank's call stages it (c.in_place: the
+// call's exchange agrees whether every rank's input is in a caller window). Then
 // the kernel, whose block b of every rank pairs with block b
 // of every peer at each LSA barrier. The grid is the same on every rank (symmetric_grid: the least
 // over the ranks of multiprocessors x resident blocks per multiprocessor, at most one block per
@@ -49,6 +51,7 @@
 #define COCONET_ACCESS_ALSO(...) ::coconet::cuda::emu::declare_also({__VA_ARGS__})
 #endif
 
+#include <algorithm>
 #include <cstdio>
 #include <tuple>
 
@@ -217,12 +220,38 @@ inline std::mutex& symmetric_mutex() {
   static std::mutex mu;
   return mu;
 }
-// The state of communicator c.comm (the caller holds symmetric_mutex()).
-inline Symmetric& symmetric_state(const Ctx& c) {
+// Every communicator's state made so far (the caller holds symmetric_mutex()).
+inline std::map<ncclComm_t, Symmetric>& symmetric_states() {
   static std::map<ncclComm_t, Symmetric> states;
+  return states;
+}
+// The state of communicator c.comm, made (collectively) on first use (the caller holds
+// symmetric_mutex()).
+inline Symmetric& symmetric_state(const Ctx& c) {
+  auto& states = symmetric_states();
   auto it = states.find(c.comm);
   if (it == states.end()) it = states.emplace(c.comm, probe_symmetric(c)).first;
   return it->second;
+}
+
+// Which of s's caller windows (window_empty's: the first kSymUserWindows) holds [at, at + bytes):
+// its index, or -1.
+inline int user_window(const Symmetric& s, const void* at, size_t bytes) {
+  const char* p = static_cast<const char*>(at);
+  for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) {
+    const UserWindow& u = s.user[size_t(k)];
+    if (p >= u.buf && p + bytes <= u.buf + u.bytes) return k;
+  }
+  return -1;
+}
+
+// user_window on communicator comm (a world communicator: groups = 1), or -1 where comm has no
+// state yet; makes nothing (no collective): a call's exchange asks it of each tensor argument.
+inline int window_index(uintptr_t comm, uintptr_t at, size_t bytes) {
+  std::lock_guard<std::mutex> lock(symmetric_mutex());
+  const auto& states = symmetric_states();
+  const auto it = states.find(reinterpret_cast<ncclComm_t>(comm));
+  return it == states.end() ? -1 : user_window(it->second, reinterpret_cast<const void*>(at), bytes);
 }
 
 // COCONET_CUDA_FUSED_TRACE=1: print each fused unit's algorithm and the symmetric kernel's grid.
@@ -527,29 +556,33 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
   const int64_t n = n0 * inner, most = slice_chunk(n0, R) * inner;
   const Range mine = slice_range(n0, R, c.group.rank);
   const int64_t m = mine.size() * inner, base = mine.begin * inner;
-  // the window's size is the same on every rank (it is made collectively): room to stage the
-  // input on every rank, whether or not this one stages
-  const size_t in_bytes = R > 1 ? size_t(n) * sizeof(T) : 0;
-  const size_t out_off = (kSymHead + in_bytes + 255) / 256 * 256;
+  // The window's size is the same on every rank (it is made collectively): room to stage the
+  // input, unless every rank's is in a caller window (c.in_place, agreed by the call's exchange),
+  // whether or not this one stages.
+  const size_t in_bytes = size_t(n) * sizeof(T);
+  const bool everywhere =
+      R > 1 && std::find(c.in_place.begin(), c.in_place.end(), reinterpret_cast<uintptr_t>(x)) != c.in_place.end();
+  const size_t out_off = (kSymHead + (R > 1 && !everywhere ? in_bytes : 0) + 255) / 256 * 256;
   void (*kernel)(ncclDevComm, SymThread<T, G, V>, size_t, int64_t, int64_t, G*, F) = fused_symmetric_kernel<T, G, V, F>;
   SymThread<T, G, V> th;
   ncclDevComm dev;
   char* buf;
   int blocks;
+  size_t window;
   {
     std::lock_guard<std::mutex> lock(symmetric_mutex());
     Symmetric& s = symmetric_window(c, R > 1 ? out_off + size_t(most > 0 ? most : 1) * sizeof(G) : 1);
     dev = s.dev, th.win = s.win, buf = static_cast<char*>(s.buf);
     blocks = symmetric_grid(c, s, kernel, most, V);
-    for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) {
-      const UserWindow& u = s.user[size_t(k)];
-      th.user[k] = u.win;
-      const char* at = reinterpret_cast<const char*>(x);
-      if (R > 1 && th.mine.win < 0 && at >= u.buf && at + in_bytes <= u.buf + u.bytes)
-        th.mine = SymInput{k, int64_t(at - u.buf)};  // the peers read it in place
-    }
+    window = s.bytes;
+    for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) th.user[k] = s.user[size_t(k)].win;
+    const int k = R > 1 ? user_window(s, x, in_bytes) : -1;
+    if (k >= 0)  // the peers read it in place
+      th.mine = SymInput{k, int64_t(reinterpret_cast<const char*>(x) - s.user[size_t(k)].buf)};
   }
   const bool staged = R > 1 && th.mine.win < 0;
+  require(!(everywhere && staged), "coconet (cuda): the fused collective's input was agreed to be in a window of "
+                                   "the communicator on every rank, but is not in one on this rank");
   if (staged && n > 0) COCONET_CUDA(cudaMemcpyAsync(buf + kSymHead, x, in_bytes, cudaMemcpyDeviceToDevice, c.stream));
   th.direct = R > 1 ? nullptr : x + base;
   th.base = base, th.R = R, th.op = int(op), th.keep = keep;
@@ -567,9 +600,9 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
     COCONET_ACCESS_ALSO(COCONET_R(x, base, base + m), gathered ? COCONET_W(gathered, base, base + m) : COCONET_R(x, 0, 0),
                         keep ? COCONET_W(keep, 0, m) : COCONET_R(x, 0, 0));
   if (fused_trace()) {
-    char where[64] = "";
+    char where[96] = "";
     if (R > 1)
-      std::snprintf(where, sizeof where, ", input %s", staged ? "staged" : "read in place");
+      std::snprintf(where, sizeof where, ", input %s, window %zu bytes", staged ? "staged" : "read in place", window);
     std::fprintf(stderr, "coconet fused: rank %d of %d: symmetric grid %d blocks of %d threads, %s path%s\n",
                  c.group.rank, R, blocks, kSymThreads, th.vec ? "vector" : "element", where);
   }
