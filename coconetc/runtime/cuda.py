@@ -349,7 +349,7 @@ def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: 
     where the communicator can run that kernel (every rank on one node, NCCL's device API),
     else ordinary device memory. On the current CUDA device (under the host emulation: a CPU
     tensor in shared memory). Collective over COMM: every rank calls it together, with the
-    same shape and dtype (checked on every rank, under the watchdog). Only a module's first 8
+    same shape and dtype (checked on every rank, under the watchdog). Only a module's first 64
     windows on a communicator are read in place (symmetric.cuh: kSymUserWindows). The memory
     lives until the process ends, as coconetc.empty's windows do."""
     import ctypes

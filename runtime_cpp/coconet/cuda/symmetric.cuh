@@ -71,8 +71,10 @@ COCONET_HD constexpr int64_t sym_tile(int V) { return (int64_t(kSymThreads) * V 
 // The head of a rank's window: where its input is this call (SymInput), written by its kernel.
 constexpr size_t kSymHead = 256;
 // The caller's windows (window_empty) a kernel can read in place: the first this many made on a
-// communicator (an input in a later one is staged).
-constexpr int kSymUserWindows = 8;
+// communicator (an input in a later one is staged). The optimizer makes one a param group, and
+// layer-wise learning rates make a group or two a layer; each is 8 bytes of the kernel's
+// parameters (SymThread::user), 512 in all.
+constexpr int kSymUserWindows = 64;
 // The most ranks a group may have for the symmetric kernel (the kernel keeps a pointer per rank in
 // shared memory).
 constexpr int kSymMaxRanks = 128;
