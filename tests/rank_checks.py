@@ -53,3 +53,11 @@ def gathered_report(comm, label: str, why: str) -> bool:
     errs = [x for x in whys if x]
     print(f"FAIL {label}: {' | '.join(errs)}" if errs else f"OK {label}", flush=True)
     return bool(errs)
+
+
+def symmetric_window_bytes(staged: int, most: int, out: int) -> int:
+    """The emulated symmetric kernel's window as COCONET_CUDA_FUSED_TRACE prints it (symmetric.cuh,
+    fused_symmetric): the 256-byte head and STAGED bytes of room to stage the input, rounded up to
+    256, then the largest slice, MOST elements of OUT bytes, in whole 4096-byte units (the
+    emulated NCCL_WIN_REQUIRED_ALIGNMENT)."""
+    return -(-((256 + staged + 255) // 256 * 256 + most * out) // 4096) * 4096

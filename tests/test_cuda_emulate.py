@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rank_checks import symmetric_window_bytes
 
 from coconetc import toolchain
 from coconetc.toolchain import compiler, probes
@@ -438,9 +439,8 @@ def test_symmetric_kernel_reads_a_window_in_place(built, ranks, who, size):
     windows = [int(m[1]) for m in re.finditer(r"rank 0 of \d+: symmetric .*, window (\d+) bytes", res.stderr)]
     assert len(windows) == 2 * len(specs), log
     for (spec_in, spec_out), (first, second) in zip([(4, 4), (2, 2), (4, 4)], zip(windows[::2], windows[1::2])):
-        most = -(-size // ranks)  # the largest slice, gathered into the window
-        room = (256 + (size * spec_in if who != "all" else 0) + 255) // 256 * 256 + most * spec_out
-        assert first == second == -(-room // 4096) * 4096, (windows, log)  # whole emulated NCCL alignments
+        staged = size * spec_in if who != "all" else 0
+        assert first == second == symmetric_window_bytes(staged, -(-size // ranks), spec_out), (windows, log)
 
 
 GRID = re.compile(r"rank (\d+) of \d+: symmetric grid (\d+) blocks of \d+ threads, (\w+) path")

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 import pytest
-from rank_checks import check, launch
+from rank_checks import check, launch, symmetric_window_bytes
 
 from coconetc.launch.mpiexec import run_python
 from coconetc.toolchain import probes
@@ -100,10 +100,9 @@ def test_the_peers_read_the_gradient_in_place(built, capfd, monkeypatch, ranks):
     # the kernel's window (20002 f32 parameters): this rank's slice of the gathered weights, and
     # room to stage the gradient only where it is staged (its size in the emulated NCCL's 4096-byte units)
     n, most = 20002, -(-20002 // ranks)
-    def window(staged: int) -> int:
-        return -(-((256 + staged + 255) // 256 * 256 + 4 * most) // 4096) * 4096
     sizes = {(how, int(size)) for how, size in re.findall(r"input (staged|read in place), window (\d+) bytes", err)}
-    assert sizes == {("read in place", window(0)), ("staged", window(4 * n))}, (sizes, log)
+    assert sizes == {("read in place", symmetric_window_bytes(0, most, 4)),
+                     ("staged", symmetric_window_bytes(4 * n, most, 4))}, (sizes, log)
 
 
 @pytest.mark.parametrize("ranks", RANKS)
