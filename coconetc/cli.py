@@ -24,6 +24,17 @@ def _fail(message: str) -> NoReturn:
     sys.exit(1)
 
 
+def _launch(ranks: int, argv: list[str], **hosts) -> NoReturn:
+    """Runs `python ARGV` on R ranks (launch.mpiexec.run_python) and exits with its code; an
+    mpiexec that cannot be started is an error message, not a traceback."""
+    from coconetc.launch.mpiexec import run_python
+    try:
+        code = run_python(ranks, argv, **hosts)
+    except (RuntimeError, OSError) as err:
+        _fail(f"coconetc: could not start {ranks} ranks: {err}")
+    sys.exit(code)
+
+
 def _load(path: str) -> SourceFile:
     try:
         return load_file(path)
@@ -464,7 +475,6 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
     nvcc for the GPUs) here, from the file as read (PARSED, what the ranks load), then the
     worker on R ranks; what the CUDA backend does not implement is named and left out."""
     from coconetc.codegen.cuda import emulation_problems, problems
-    from coconetc.launch.mpiexec import run_python
     from coconetc.toolchain import BuildError, compile
     if not emulate and not _gpu_here():
         _fail("coconetc: run --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
@@ -493,7 +503,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
     argv += [f"--schedule={s or 'default'}" for s in keep] + [f"--grad-of={g}" for g in grad_of]
     if save:
         argv += ["--save", save]
-    sys.exit(run_python(ranks, argv))
+    _launch(ranks, argv)
 
 
 def _target(backend: str, emulate: bool) -> str:
@@ -525,7 +535,6 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
                   libs: dict, grad_of: list[str]) -> None:
     """Build in this process (progress on stderr) the module the ranks load (the file as read,
     PARSED, with its tuned schedules), then run the worker on R ranks."""
-    from coconetc.launch.mpiexec import run_python
     from coconetc.runtime.loader import compile_cpu
     from coconetc.toolchain import BuildError
     try:
@@ -540,7 +549,7 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
     argv += [f"--grad-of={g}" for g in grad_of]
     if save:
         argv += ["--save", save]
-    sys.exit(run_python(ranks, argv))
+    _launch(ranks, argv)
 
 
 @main.command()
@@ -692,7 +701,6 @@ def launch(ranks: int, hostfile: str | None, hosts: str | None, script: str, arg
     import re
     from pathlib import Path
 
-    from coconetc.launch.mpiexec import run_python
     if args and re.fullmatch(r"python[0-9.]*", Path(script).name):  # an interpreter, not a script
         script, args = args[0], args[1:]
     if not Path(script).exists():
@@ -701,7 +709,7 @@ def launch(ranks: int, hostfile: str | None, hosts: str | None, script: str, arg
         raise click.BadParameter(f"File {script!r} is a directory.", param_hint="'SCRIPT'")
     if hosts is not None and not all(h.strip() for h in hosts.split(",")):
         _fail(f"coconetc: launch --host {hosts!r}: an empty host name (write H1,H2 or H1:SLOTS,H2:SLOTS)")
-    sys.exit(run_python(ranks, [script, *args], hostfile=hostfile, hosts=hosts))
+    _launch(ranks, [script, *args], hostfile=hostfile, hosts=hosts)
 
 
 @main.command()

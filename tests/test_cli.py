@@ -512,6 +512,21 @@ def test_launch_runs_a_python_script_on_every_rank(tmp_path: Path) -> None:
     assert res.returncode != 0, res.stdout + res.stderr
 
 
+def test_launch_with_an_mpiexec_that_is_not_there_says_so(tmp_path: Path) -> None:
+    """COCONET_MPIEXEC naming no program: launch and run say which and what to do (no traceback)."""
+    import os
+    script = tmp_path / "hello.py"
+    script.write_text("print('never')\n")
+    exe = Path(sys.executable).parent / "coconetc"
+    env = {**os.environ, "COCONET_MPIEXEC": str(tmp_path / "nope")}
+    for argv in (["launch", "-n", "2", str(script)], ["run", str(REPO / "examples" / "adam.ccn"), "--ranks", "2"]):
+        res = subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=300, env=env)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "Traceback" not in res.stderr and "never" not in res.stdout
+        assert f"could not start 2 ranks: coconetc: COCONET_MPIEXEC='{tmp_path / 'nope'}' is not an executable " \
+               "file: unset it" in res.stderr, res.stderr
+
+
 def test_launch_command_line_names_the_hosts(tmp_path: Path) -> None:
     """--hostfile / --host reach mpiexec's command line (Open MPI's spelling, or hydra's -f /
     -hosts), before the program; without them the command names no host."""

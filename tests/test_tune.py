@@ -368,6 +368,32 @@ def test_tune_then_call_with_schedule_auto(tmp_path, tuning_file) -> None:
     assert rc == 0
 
 
+@pytest.mark.slow
+def test_tune_one_rank_starts_no_mpiexec(tmp_path, monkeypatch) -> None:
+    """At one rank the tuner's worker runs as `python ...` (MPI a singleton), as a one-GPU
+    machine whose mpiexec does not start still tunes: here the only mpiexec named does not exist."""
+    from coconetc.launch import mpiexec
+    monkeypatch.setenv(mpiexec.ENV_MPIEXEC, str(tmp_path / "no-such-mpiexec"))
+    mpiexec.mpiexec.cache_clear()
+    mpiexec._is_open_mpi.cache_clear()
+    try:
+        out = tmp_path / "tune.json"
+        res = invoke("tune", ADAM, "--ranks", "1", "--size", "N=1000", "--reps", "2", "--json", out)
+        assert res.exit_code == 0, res.output
+        data = json.loads(out.read_text())
+        assert data["ranks"] == 1 and data["choice"] in data["measured"]
+        assert {"default", "zero"} <= set(data["measured"])
+    finally:
+        mpiexec.mpiexec.cache_clear()
+        mpiexec._is_open_mpi.cache_clear()
+    # R > 1 still goes through that mpiexec, and says it could not start it
+    res = invoke("tune", ADAM, "--ranks", "2", "--size", "N=1000", "--reps", "2")
+    mpiexec.mpiexec.cache_clear()
+    mpiexec._is_open_mpi.cache_clear()
+    assert res.exit_code == 1 and "could not start the 2 ranks" in res.output, res.output
+    assert "COCONET_MPIEXEC=" in res.output and "is not an executable file" in res.output
+
+
 AUTO_OPTIMIZER = r"""
 import sys
 import torch  # (and no mpi4py: the emulated module's own MPI_Init once left MPI unfinalized, a failed rank)

@@ -20,6 +20,9 @@ def mpiexec() -> str:
     found = os.environ.get(ENV_MPIEXEC) or (str(here) if here.exists() else shutil.which("mpiexec"))
     if not found:
         raise RuntimeError("coconetc: no mpiexec found (pip install 'coconet[cpu]' brings Open MPI)")
+    if not os.access(found, os.X_OK) or os.path.isdir(found):
+        raise RuntimeError(f"coconetc: {ENV_MPIEXEC}={found!r} is not an executable file: unset it to use "
+                           "the mpiexec beside python or on the PATH")
     return found
 
 

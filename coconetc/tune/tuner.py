@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -179,8 +180,14 @@ def _run_worker(ranks: int, argv: list[str], n: int, progress: bool, timeout: fl
     import click
 
     from coconetc.launch.mpiexec import command, environment
-    cmd = command(ranks, [sys.executable, *argv])
-    proc = subprocess.Popen(cmd, env=environment(ranks), stdout=subprocess.PIPE, text=True)
+    # one rank needs no mpiexec (MPI starts as a singleton), as `python train.py` needs none
+    one = ranks == 1
+    try:
+        cmd = [sys.executable, *argv] if one else command(ranks, [sys.executable, *argv])
+        env = dict(os.environ) if one else environment(ranks)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    except (RuntimeError, OSError) as err:
+        raise TuneError(f"coconetc tune: could not start the {ranks} ranks: {err}") from None
     assert proc.stdout is not None
     start = time.monotonic()
     with click.progressbar(length=n, label="timing schedules", file=sys.stderr,
