@@ -5,6 +5,7 @@ Running the modules needs a GPU: bench/cuda_gpu_check.py does that (docs/cuda.md
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -230,3 +231,26 @@ def test_every_example_compiles_and_links_with_nvcc(path):
     # linked against the wheels' NCCL (and cuBLAS where a matmul is used), resolvable without a GPU
     ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
     assert "libnccl.so.2" in ldd and "not found" not in ldd, ldd
+
+
+@pytest.mark.slow
+def test_the_symmetric_kernel_keeps_no_stack_frame(tmp_path):
+    """ptxas's report of the symmetric-memory kernel (adam zero and fused, sm_90): no local memory.
+    Its caller windows inside the SymThread the kernel modifies, indexed at run time, once made
+    every thread copy a 632-byte frame into local memory before any work (docs/cuda.md)."""
+    why = probes.cuda_missing()
+    if why:
+        print(f"skipped: {why}")
+        pytest.skip(why)
+    env = {**os.environ, "CUDAFLAGS": "-Xptxas -v", "COCONET_VERBOSE": "1",
+           "COCONET_CACHE": str(tmp_path / "cache")}
+    res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "compile", "--backend", "cuda",
+                          "--arch", ARCHS, "-o", str(tmp_path / "out"), str(EXAMPLES[0].parent / "adam.ccn")],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = res.stdout + res.stderr
+    # per kernel: "Function properties for <mangled>", then "N bytes stack frame, M bytes spill stores"
+    entries = re.findall(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores", text)
+    sym = [(frame, spills) for name, frame, spills in entries if "fused_symmetric_kernel" in name]
+    assert len(sym) == 2, (len(entries), text[-2000:])  # zero's and fused's
+    assert all(frame == "0" and spills == "0" for frame, spills in sym), sym

@@ -73,7 +73,7 @@ constexpr size_t kSymHead = 256;
 // The caller's windows (window_empty) a kernel can read in place: the first this many made on a
 // communicator (an input in a later one is staged). The optimizer makes one a param group, and
 // layer-wise learning rates make a group or two a layer; each is 8 bytes of the kernel's
-// parameters (SymThread::user), 512 in all.
+// parameters (SymWindows), 512 in all.
 constexpr int kSymUserWindows = 64;
 // The most ranks a group may have for the symmetric kernel (the kernel keeps a pointer per rank in
 // shared memory).
@@ -85,6 +85,21 @@ constexpr int kSymMaxRanks = 128;
 struct SymInput {
   int64_t win = -1;
   int64_t off = 0;
+};
+
+// The communicator's first kSymUserWindows caller windows, a kernel parameter of its own, read
+// only at constant indices (at(k)): a parameter indexed at run time, or one inside the SymThread
+// the kernel modifies, is copied into every thread's local memory (a 632-byte stack frame when it
+// was SymThread::user, written by each of the 135 168 threads of a call on an H100 before any work).
+struct SymWindows {
+  ncclWindow_t user[kSymUserWindows]{};
+  __device__ ncclWindow_t at(int64_t k) const {
+    ncclWindow_t w{};
+    COCONET_UNROLL
+    for (int j = 0; j < kSymUserWindows; ++j)
+      if (j == k) w = user[j];
+    return w;
+  }
 };
 
 enum class FusedAlgo { automatic, pipeline, symmetric };
@@ -436,7 +451,6 @@ struct SymThread {
   const T* direct = nullptr;  // one rank: the caller's input at this rank's slice (nothing staged)
   ncclWindow_t win{};
   SymInput mine;                        // where this rank's input is (R > 1)
-  ncclWindow_t user[kSymUserWindows]{};  // the communicator's first caller windows
   const void* const* in = nullptr;      // every rank's whole input (R > 1; the kernel's shared memory)
   int64_t base = 0;  // this rank's slice in the input
   int R = 1, op = 0;
@@ -454,9 +468,9 @@ struct SymThread {
   // rank p's input at this rank's slice
   __device__ const T* input(int p) const { return direct ? direct : static_cast<const T*>(in[p]) + base; }
   // where rank p's input starts (its SymInput, read from the head of its window)
-  __device__ const void* find_input(int p) const {
+  __device__ const void* find_input(int p, const SymWindows& users) const {
     const SymInput h = *static_cast<const SymInput*>(ncclGetLsaPointer(win, 0, p));
-    return h.win < 0 ? ncclGetLsaPointer(win, kSymHead, p) : ncclGetLsaPointer(user[h.win], size_t(h.off), p);
+    return h.win < 0 ? ncclGetLsaPointer(win, kSymHead, p) : ncclGetLsaPointer(users.at(h.win), size_t(h.off), p);
   }
   // element l of this rank's slice reduced over the ranks (stored in keep too, when kept)
   __device__ T reduce(int64_t l) const {
@@ -491,8 +505,8 @@ struct SymThread {
 // rank's SymInput at 0, the staged input [0, n0*inner) of type T from kSymHead (where it is staged)
 // and, from out_off, this rank's gathered slice (type G) at slice-local indices.
 template <class T, class G, int V, class F>
-__global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, size_t out_off, int64_t n0,
-                                       int64_t inner, G* gathered, F f) {
+__global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, const SymWindows users,
+                                       size_t out_off, int64_t n0, int64_t inner, G* gathered, F f) {
   ncclLsaBarrierSession<ncclCoopCta> bar{ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x};
   const int R = dev.lsaSize, me = dev.lsaRank;
   th.m = slice_range(n0, R, me).size() * inner;
@@ -501,7 +515,7 @@ __global__ void fused_symmetric_kernel(ncclDevComm dev, SymThread<T, G, V> th, s
   if (R > 1) {
     if (threadIdx.x == 0) *static_cast<SymInput*>(ncclGetLsaPointer(th.win, 0, me)) = th.mine;  // every block: the same
     bar.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel);  // every rank's input is staged, its SymInput written
-    for (int p = threadIdx.x; p < R; p += blockDim.x) ins[p] = th.find_input(p);
+    for (int p = threadIdx.x; p < R; p += blockDim.x) ins[p] = th.find_input(p, users);
     __syncthreads();
     th.in = ins;
     for (int p = 0; p < R && th.vec; ++p) th.vec = aligned<V>(static_cast<const T*>(ins[p]) + th.base);
@@ -565,8 +579,10 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
   const bool everywhere =
       R > 1 && std::find(c.in_place.begin(), c.in_place.end(), reinterpret_cast<uintptr_t>(x)) != c.in_place.end();
   const size_t out_off = (kSymHead + (R > 1 && !everywhere ? in_bytes : 0) + 255) / 256 * 256;
-  void (*kernel)(ncclDevComm, SymThread<T, G, V>, size_t, int64_t, int64_t, G*, F) = fused_symmetric_kernel<T, G, V, F>;
+  void (*kernel)(ncclDevComm, SymThread<T, G, V>, const SymWindows, size_t, int64_t, int64_t, G*, F) =
+      fused_symmetric_kernel<T, G, V, F>;
   SymThread<T, G, V> th;
+  SymWindows users;
   ncclDevComm dev;
   char* buf;
   int blocks;
@@ -577,7 +593,7 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
     dev = s.dev, th.win = s.win, buf = static_cast<char*>(s.buf);
     blocks = symmetric_grid(c, s, kernel, most, V);
     window = s.bytes;
-    for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) th.user[k] = s.user[size_t(k)].win;
+    for (int k = 0; k < kSymUserWindows && k < int(s.user.size()); ++k) users.user[k] = s.user[size_t(k)].win;
     const int k = R > 1 ? user_window(s, x, in_bytes) : -1;
     if (k >= 0)  // the peers read it in place
       th.mine = SymInput{k, int64_t(reinterpret_cast<const char*>(x) - s.user[size_t(k)].buf)};
@@ -609,8 +625,8 @@ void fused_symmetric(ncclRedOp_t op, const T* x, int64_t n0, int64_t inner, G* g
                  c.group.rank, R, blocks, kSymThreads, th.vec ? "vector" : "element", where);
   }
   COCONET_COUNT_KERNEL(th.vec);
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kSymThreads, 0, c.stream, dev, th, out_off, n0, inner,
-                 gathered, f);
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kSymThreads, 0, c.stream, dev, th, users, out_off, n0,
+                 inner, gathered, f);
   COCONET_CUDA(cudaGetLastError());
 }
 
