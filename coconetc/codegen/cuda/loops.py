@@ -196,7 +196,12 @@ class CudaKernels:
         for s in stored:
             for n in range(len(outs[s])):
                 ptr = ptrs[f"out {s}" + (f" {n}" if n else "")]
-                self.w.emit(f"{ind}  coconet::cuda::store<{V}>({ptr} + {v0}, out_{s});")
+                store = f"coconet::cuda::store<{V}>({ptr} + {v0}, out_{s});"
+                if n and ptr in k.own:  # (the symmetric kernel's th.out: at R = 1 where the gathered
+                    # value is computed in place, the item's own store, which it need not repeat)
+                    own = ptrs[f"out {s}"]
+                    store = f"if (static_cast<const void*>({ptr}) != static_cast<const void*>({own})) {store}"
+                self.w.emit(f"{ind}  {store}")
         self.w.emit(f"{ind}}}")
 
     def body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:

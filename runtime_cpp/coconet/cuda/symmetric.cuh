@@ -461,8 +461,18 @@ struct SymThread {
   COCONET_HD Tiled tiles(int64_t lo, int64_t hi, int64_t first, int64_t step) const {
     return Tiled{lo, hi, sym_tile(V), block, blocks, first, step};
   }
-  // the first element of each whole group of V elements this thread takes (none unless vec)
-  COCONET_HD Tiled vectors() const { return tiles(0, vec ? m / V * V : 0, thread * V, threads * V); }
+  // the first element of each whole group of V elements this thread takes (none unless vec): its
+  // block's tiles, tiles(0, m / V * V, thread * V, threads * V); where a tile is one vector a
+  // thread of the launch's kSymThreads (the usual case) the same elements as a plain grid
+  // stride, with the state of a pipeline kernel's loop (3 values, not Tiled's 8: fewer registers)
+  COCONET_HD auto vectors() const {
+    const int64_t hi = vec ? m / V * V : 0;
+    if constexpr (sym_tile(V) == int64_t(kSymThreads) * V) {
+      return Strided{block * sym_tile(V) + thread * V, hi, blocks * sym_tile(V)};
+    } else {
+      return tiles(0, hi, thread * V, threads * V);
+    }
+  }
   // the elements it takes one at a time: those past the last whole group, or all of them
   COCONET_HD Tiled elements() const { return tiles(vec ? m / V * V : 0, m, thread, threads); }
   // rank p's input at this rank's slice
