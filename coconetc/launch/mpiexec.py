@@ -17,12 +17,16 @@ ENV_MPIEXEC = "COCONET_MPIEXEC"  # an mpiexec to use instead of the one beside p
 @cache
 def mpiexec() -> str:
     here = Path(sys.executable).parent / "mpiexec"
-    found = os.environ.get(ENV_MPIEXEC) or (str(here) if here.exists() else shutil.which("mpiexec"))
+    named = os.environ.get(ENV_MPIEXEC)
+    found = named or (str(here) if here.exists() else shutil.which("mpiexec"))
     if not found:
         raise RuntimeError("coconetc: no mpiexec found (pip install 'coconet[cpu]' brings Open MPI)")
     if not os.access(found, os.X_OK) or os.path.isdir(found):
-        raise RuntimeError(f"coconetc: {ENV_MPIEXEC}={found!r} is not an executable file: unset it to use "
-                           "the mpiexec beside python or on the PATH")
+        if named:
+            raise RuntimeError(f"coconetc: {ENV_MPIEXEC}={found!r} is not an executable file: unset it to use "
+                               "the mpiexec beside python or on the PATH")
+        raise RuntimeError(f"coconetc: the mpiexec beside python, {found!r}, is not an executable file "
+                           "(reinstall: pip install 'coconet[cpu]'; or name another in COCONET_MPIEXEC)")
     return found
 
 

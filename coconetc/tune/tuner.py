@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -184,7 +183,7 @@ def _run_worker(ranks: int, argv: list[str], n: int, progress: bool, timeout: fl
     one = ranks == 1
     try:
         cmd = [sys.executable, *argv] if one else command(ranks, [sys.executable, *argv])
-        env = dict(os.environ) if one else environment(ranks)
+        env = None if one else environment(ranks)  # (None: this process's environment)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     except (RuntimeError, OSError) as err:
         raise TuneError(f"coconetc tune: could not start the {ranks} ranks: {err}") from None
