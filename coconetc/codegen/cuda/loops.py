@@ -51,8 +51,9 @@ class Kernel:
     outs: Outs = field(default_factory=dict)
     # the symmetric kernel's (fused.py): lines the element path defines after `defs` (a reduced
     # value read once per element); per value in regs read by a call instead of a vector load,
-    # that function (given the group's first element); pointers the launcher checks itself
-    # (left out of the kernel's aligned<V> check)
+    # that function (given the group's first element); pointers the launcher sets and checks itself
+    # (left out of the kernel's aligned<V> check; as an extra store target, one that may be the
+    # item's own pointer, so its vector store is skipped where it is: th.out at R = 1)
     elem_defs: tuple[str, ...] = ()
     vloads: dict[str, str] = field(default_factory=dict)
     own: tuple[str, ...] = ()
