@@ -139,6 +139,24 @@ def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def host_timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median over REPS calls of FN of the host's time from the call to its return (on a GPU:
+    to its work queued; the device is synchronized between calls, untimed): what a step costs
+    the host, which the GPU waits for where nothing else is queued ahead of it."""
+    import statistics
+
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    sync()
+    return statistics.median(times)
+
+
 def device_copy_bandwidth(nbytes: int, reps: int = 10) -> float:
     """The device's copy bandwidth in bytes moved (read + written) per second: the best of REPS
     timed torch copy_ calls moving NBYTES in all (NBYTES / 2 read, NBYTES / 2 written), on the

@@ -229,6 +229,7 @@ def run_table(table: str, n: int, vs: list[Variant], ranks: int, reps: int, dev:
             del w, mw
             t = common.device_timed(step, reps_n, warm)
             row["seconds"] = t
+            row["host_seconds"] = common.host_timed(step, reps_n)
             nb = v.nbytes * n
             row["copy_bandwidth_Bps"] = copy_bw[nb]
             row["fraction_of_copy_bandwidth"] = nb / t / copy_bw[nb]
@@ -264,15 +265,17 @@ def markdown(doc: dict) -> str:
                   f"Baseline: {BASELINE[table]}. ms: median of CUDA-event-timed step() calls; "
                   "% copy: the step's bytes over its time, of the device copy bandwidth; "
                   "max |dw|: weights against the baseline's after 3 steps (master: the f32 master "
-                  "weights); MiB held: device memory the optimizer holds after its first step.\n",
-                  "| N | variant | ms | x baseline | B/elem | % copy | max abs dw | MiB held |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "weights); MiB held: device memory the optimizer holds after its first step; "
+                  "host us: median host time of a step() call to its return (the device synchronized "
+                  "between calls), which an idle GPU waits for.\n",
+                  "| N | variant | ms | x baseline | B/elem | % copy | max abs dw | MiB held | host us |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             n = r["n"]
             size = f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n)
             if r.get("error"):
                 last = r["error"].strip().splitlines()[-1][:200].replace("|", "/")
-                lines.append(f"| {size} | {r['variant']} | ERROR: {last} | | | | | |")
+                lines.append(f"| {size} | {r['variant']} | ERROR: {last} | | | | | | |")
                 continue
             diff = _fmt(r.get("max_abs_diff_vs_torch"), ".2g")
             if r.get("max_abs_diff_master_vs_torch") is not None:
@@ -282,7 +285,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {size} | {r['variant']} | {ms} | "
                          f"{_fmt(r.get('vs_baseline'), '.2f')} | {r['bytes_per_element']} | "
                          f"{_fmt(r.get('fraction_of_copy_bandwidth') and 100 * r['fraction_of_copy_bandwidth'], '.0f')} | "
-                         f"{diff} | {_fmt(held and held / 2**20, '.0f')} |")
+                         f"{diff} | {_fmt(held and held / 2**20, '.0f')} | "
+                         f"{_fmt(r.get('host_seconds') and r['host_seconds'] * 1e6, '.0f')} |")
         for s in skipped:
             lines.append(f"\nskipped: {table} at N = {s['n']}: {s['why']}")
     return "\n".join(lines) + "\n"

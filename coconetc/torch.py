@@ -742,7 +742,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             import torch.distributed as dist
             parts = [None] * comm.size
-            dist.all_gather_object(parts, mine, group=comm.group)
+            dist.all_gather_object(parts, mine, group=comm.host_group or comm.group)
         for sl, part in zip(spans, parts):
             assert part.numel() == sl.stop - sl.start, (sl, part.shape)
         full = torch.cat(parts) if parts else torch.empty(0, dtype=local.dtype)

@@ -318,6 +318,80 @@ def test_load_emulated_calling_convention(built):
     assert res.stdout.count("raised:") == 3, res.stdout
 
 
+REPEATS = r"""
+import sys
+import numpy as np
+import torch
+from mpi4py import MPI  # noqa: F401
+from coconetc.runtime.cuda import load_emulated
+mod = load_emulated(sys.argv[1], log=lambda m: None)
+g, w = np.full(7, 2.0, np.float32), np.ones(7, np.float32)
+ref = w.copy()
+args = None
+for i, lr in enumerate((0.25, 0.5, 0.125, 1.0)):  # the same buffers, new scalars
+    mod.sgd(schedule="fused", g=g, w=w, lr=lr)
+    ref -= np.float32(lr) * g
+    assert np.array_equal(w, ref), (lr, w, ref)
+    reps = list(mod.sgd._repeats.values())
+    assert len(reps) == 1 and reps[0].args is not None, reps
+    assert args is None or reps[0].args is args, "the module's arguments were built again"
+    args = reps[0].args
+print("repeated ok")
+g.dtype = np.int32  # the same array object, now of another dtype: checked again
+try:
+    mod.sgd(schedule="fused", g=g, w=w, lr=0.5)
+except TypeError as e:
+    assert "'g'" in str(e), e
+    print("raised:", e)
+g.dtype = np.float32
+w.shape = (7, 1)  # the same object, another shape
+try:
+    mod.sgd(schedule="fused", g=g, w=w, lr=0.5)
+except ValueError as e:
+    assert "'w'" in str(e), e
+    print("raised:", e)
+w.shape = (7,)
+try:
+    mod.sgd(schedule="fused", g=g, w=w, lr="0.5")
+except TypeError as e:
+    assert "'lr'" in str(e), e
+    print("raised:", e)
+gt, wt = torch.full((7,), 2.0), torch.ones(7)
+mod.sgd(schedule="fused", g=gt, w=wt, lr=0.25)
+mod.sgd(schedule="fused", g=gt, w=wt, lr=0.25)
+old = wt.clone()
+kept = wt.detach()  # a view of the first storage, which set_ leaves alone
+wt.set_(torch.zeros(7))  # the same tensor object, another storage
+mod.sgd(schedule="fused", g=gt, w=wt, lr=0.25)
+assert torch.equal(wt, torch.full((7,), -0.5)), wt
+assert torch.equal(kept, old), (kept, old)
+with torch.no_grad():
+    mod.sgd(schedule="fused", g=gt, w=wt, lr=0.25)
+assert torch.equal(wt, torch.full((7,), -1.0)), wt
+print("storage ok")
+import gc, weakref
+alive = weakref.ref(gt)
+del gt
+gc.collect()
+assert alive() is None, "a remembered call keeps its tensor alive"
+print("memory ok")
+"""
+
+
+@pytest.mark.slow
+def test_a_repeated_call_checks_what_changed(built):
+    """A call with the same buffers as the last (a training loop's step) reuses the module's
+    arguments and checks only its scalars (runtime/cuda.py, _Repeat), and is still right: new
+    scalars each call; an array whose dtype or shape changed in place, a scalar of the wrong
+    type, raise naming it; a tensor given new storage (set_) is updated there, not in the old;
+    and a remembered call does not keep its tensors alive."""
+    res = subprocess.run([sys.executable, "-c", REPEATS, str(EX / "sgd.ccn")], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0 and all(f"{w} ok" in res.stdout for w in ("repeated", "storage", "memory")), \
+        res.stdout + res.stderr
+    assert res.stdout.count("raised:") == 3, res.stdout
+
+
 @pytest.mark.slow
 def test_wrong_call_on_one_rank_raises_on_every_rank(built):
     """The emulated module's call entry is the CPU loader's agreement: a wrong argument on rank 1

@@ -115,7 +115,8 @@ def test_checkpoints_across_backends(built, capfd, ranks):
 
 def test_process_group_gloo(built, capfd):
     rc, lines, log = _run(capfd, 2, "pg")
-    _check(lines, log, [f"pg:{s}:R2:{w}" for s in ("default", "zero") for w in ("nccl_from_group", "params", "state")])
+    _check(lines, log, [f"pg:{s}:R2:{w}" for s in ("default", "zero") for w in ("nccl_from_group", "params", "state")]
+           + [f"pg:device_group:R2:{w}" for w in ("host_group", "exchanged_over_host_group", "params")])
     assert rc == 0, log
 
 

@@ -286,6 +286,50 @@ def mode_pg() -> None:
                 o.step()
         report(f"pg:{schedule}:R{R}:params", W.max_diff(model, ref))
         report(f"pg:{schedule}:R{R}:state", W.state_diff(opt, ref_opt))  # gathered over gloo
+    device_group()
+
+
+def device_group() -> None:
+    """A group whose object collectives run on the device (an NCCL group under torchrun; a new
+    gloo group said to be one here): the calls agree over a gloo group of its ranks made once
+    (runtime/cuda.py, _host_group), never over the group itself, which would synchronize the
+    host with the GPU on every step; the steps are still torch's."""
+    import torch.distributed as dist
+
+    import coconetc.runtime.cuda as rc
+    group = dist.new_group(list(range(R)), backend="gloo")  # (the optimizers above made their NCCL
+    # communicator from WORLD: one per module and group)
+    real_device, real_gather = rc._object_device, dist.all_gather_object
+    used: list = []
+    rc._object_device = lambda pg: "cuda" if pg is group else real_device(pg)
+
+    def gather(out, obj, group=None):
+        used.append(group)
+        return real_gather(out, obj, group=group)
+    try:
+        model, ref = W.make_model(), W.make_model()
+        opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="default", backend="cuda",
+                                   process_group=group, **HYPER)
+        host = opt._comm.host_group
+        report(f"pg:device_group:R{R}:host_group",
+               0.0 if host is not group and dist.get_backend(host) == "gloo"
+               and dist.get_process_group_ranks(host) == dist.get_process_group_ranks(group) else 1.0)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                                   eps=HYPER["eps"], foreach=False)
+        dist.all_gather_object = gather
+        for t in range(1, STEPS + 1):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                W.local_loss(m, t).backward()
+                if o is ref_opt:
+                    W.allreduced_grads(m)
+                o.step()
+        dist.all_gather_object = real_gather
+        report(f"pg:device_group:R{R}:exchanged_over_host_group",
+               0.0 if len(used) >= STEPS and all(g is host for g in used) else 1.0)
+        report(f"pg:device_group:R{R}:params", W.max_diff(model, ref))
+    finally:
+        rc._object_device, dist.all_gather_object = real_device, real_gather
 
 
 def mode_mixed() -> None:

@@ -33,6 +33,11 @@ def invoke(ext: Any, run: Any, args: Any, around: Any = None) -> None:
         around(lambda: run(args))
 
 
+def collecting() -> bool:
+    """Inside together() on this thread: module calls are held until the block ends."""
+    return getattr(_local, "pending", None) is not None
+
+
 @contextmanager
 def together() -> Iterator[None]:
     """The module calls made in the block (on this thread) run as one batch at its end; if the

@@ -9,12 +9,17 @@ Communicators: `nccl_comm(module, mpi_comm)` makes an NCCL communicator from an 
 A call checks on this rank, before anything runs: presence, dtype, device (the current CUDA
 device), rank, contiguity; then the shapes of all ranks are exchanged over MPI (when there is an
 MPI communicator) and bound to the program (ir/arguments.py), so sizes bound across ranks are
-checked identically everywhere. Kernels and collectives run on the given CUDA stream (default:
-PyTorch's current stream); the call returns without synchronizing."""
+checked identically everywhere. A call with the same tensors as a recent one (a training loop's
+step) checks only its scalars on this rank before that exchange (_Repeat). With a process group,
+the exchange goes over the group, or over a gloo group of its ranks where the group's object
+collectives would go through the GPU (_host_group). Kernels and collectives run on the given
+CUDA stream (default: PyTorch's current stream); the call returns without synchronizing."""
 
 from __future__ import annotations
 
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +32,9 @@ from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, marshal
-from coconetc.runtime.call import agreed, check_groups, check_names, description, tensor_shapes
+from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
 from coconetc.runtime.events import Events
+from coconetc.runtime.fastpath import RECENT, ident
 from coconetc.runtime.layout import TORCH_DTYPES, checked_shape
 from coconetc.runtime.loader import import_extension
 from coconetc.runtime.tuned import with_tuned
@@ -49,6 +55,7 @@ class NcclComm:
     notices: Any = None  # where the abort path's notices go (_MpiNotices, _StoreNotices; _guarded)
     aborted: str | None = None  # why the communicator was aborted (then unusable)
     windows: int = 0  # window_empty buffers made on it (none: no call asks where its tensors are)
+    host_group: Any = None  # the group calls agree over (_host_group): `group`, or a gloo group of its ranks
 
 
 def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> NcclComm:
@@ -66,7 +73,9 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
         uid, token = box[0]
         notices = _StoreNotices(dist.distributed_c10d._get_default_store(), token, rank) if size > 1 else None
-        return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, None, process_group, notices)
+        host = _host_group(process_group, size)
+        return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, None, process_group, notices,
+                        host_group=host)
     if mpi_comm is None:
         try:
             from mpi4py import MPI
@@ -80,6 +89,36 @@ def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> N
     uid = mpi_comm.bcast(ext.nccl_unique_id() if rank == 0 else None, root=0)
     return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm,
                     notices=_MpiNotices(mpi_comm.Dup(), rank, size))
+
+
+def _object_device(process_group: Any) -> str:
+    """Where torch.distributed's object collectives on the group move their bytes: "cpu" for
+    gloo (or a group with a CPU backend beside its NCCL one), else the group's device."""
+    import torch.distributed as dist
+    try:
+        return str(dist.distributed_c10d._get_object_coll_device(process_group))
+    except (AttributeError, ValueError):  # a torch without the helper
+        return "cpu" if dist.get_backend(process_group) == "gloo" else "cuda"
+
+
+def _host_group(process_group: Any, size: int) -> Any:
+    """The group every call's agreement is exchanged over (_exchange): the process group itself
+    where its object collectives run on the host, else (an NCCL group, as torchrun's default
+    `init_process_group("nccl")`) a gloo group of the same ranks, made here, once: an object
+    collective over an NCCL group goes through the device and waits for it (all_gather_object
+    reads the gathered sizes back with .item()), which would synchronize the host with the GPU
+    on every step. Made by the group's ranks alone (use_local_synchronization), as they call
+    nccl_comm together; its timeout is COCONET_TIMEOUT's, so a rank that stops calling ends
+    the others' exchanges within the watchdog's time."""
+    import datetime
+
+    import torch.distributed as dist
+    if size == 1 or _object_device(process_group) == "cpu":
+        return process_group
+    limit = agree.timeout_s()  # 0: no limit of coconet's (torch's default then)
+    return dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo",
+                          timeout=datetime.timedelta(seconds=limit) if limit else None,
+                          use_local_synchronization=True)
 
 
 def _emulated_group_check(size: int) -> None:
@@ -330,14 +369,14 @@ def _guarded(ext: Any, comm: NcclComm, what: str, body, stream: int = 0, sync: A
 
 def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]:
     """Every rank's `mine`: over MPI under the watchdog (runtime/agree.py), or over the
-    torch.distributed group (its own timeout applies)."""
+    torch.distributed group's host group (_host_group; its own timeout applies)."""
     if comm.size == 1:
         return [mine]
     if comm.mpi is not None:
         return agree.exchange(comm.mpi, mine, what, timeout)
     import torch.distributed as dist
     everyone: list[Any] = [None] * comm.size
-    dist.all_gather_object(everyone, mine, group=comm.group)
+    dist.all_gather_object(everyone, mine, group=comm.host_group or comm.group)
     return everyone
 
 
@@ -463,6 +502,7 @@ class CudaProgram:
         self.source, self.file, self.target = "", "FILE", "cuda"
         self.tuned: list | None = None
         self.auto_memo: dict[tuple, str] = {}
+        self._repeats: dict[tuple, _Repeat] = {}  # recent calls by their buffers (_Repeat)
 
     def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
                          **sizes: int) -> str:
@@ -493,9 +533,11 @@ class CudaProgram:
         import torch
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime.cuda.nccl_comm(module.ext, mpi_comm)")
-        label, p, local, sizes, ranks, segments, in_place = _enter(
-            self, schedule, comm, groups, lambda p: _check_local(p, kwargs, stream), kwargs, marshal.device_ptr)
-        dev = torch.device("cuda", torch.cuda.current_device())
+        current = torch.cuda.current_device()
+        label, p, local, sizes, ranks, segments, in_place, rep, repeated = _enter(
+            self, schedule, comm, groups, lambda p: _check_local(p, kwargs, stream), kwargs, marshal.device_ptr,
+            (current, stream))
+        dev = torch.device("cuda", current)
         def make(shape, dtype):
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
         st: Any = stream if stream is not None else torch.cuda.current_stream()
@@ -505,20 +547,29 @@ class CudaProgram:
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed: no host sync
             _guarded(self.ext, comm, what, go, handle)
         return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
-                                     marshal.device_ptr, make, handle, around, in_place))
+                                     marshal.device_ptr, make, handle, around, in_place, rep, repeated))
 
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
          comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int, around: Any = None,
-         in_place: frozenset = frozenset()) -> list:
+         in_place: frozenset = frozenset(), rep: _Repeat | None = None, repeated: bool = False) -> list:
     """The module function with the call's arguments (marshal.py, as the CPU runtime lays them
     out) on STREAM, now or, inside batch.together(), with the batch's other calls at its end
     (around: how it runs, batch.invoke); returns the outputs made by `make`. in_place: the
-    tensor parameters every rank has in a window (_enter)."""
+    tensor parameters every rank has in a window (_enter). rep, repeated: the _Repeat that
+    _enter took (repeated: this call reuses its module arguments) or made (this call's are kept
+    in it for the next)."""
     gs = ranks // groups
-    args = fn.ext.CallArgs()
-    marshal.tensors(args, p, local, segments, ptr)
-    args.in_place = [ptr(local[name]) for name in sorted(in_place)]
+    if repeated:
+        assert rep is not None and rep.args is not None
+        args = rep.args
+        args.in_place = [rep.ptrs[name] for name in sorted(in_place)]
+    else:
+        args = fn.ext.CallArgs()
+        marshal.tensors(args, p, local, segments, ptr)
+        args.in_place = [ptr(local[name]) for name in sorted(in_place)]
+        if rep is not None:
+            rep.args = args
     outs = marshal.outputs(p, sizes, gs, comm.rank % gs, make)
     args.outputs = [ptr(o) for o in outs]
     marshal.scalars(args, p, local, sizes)
@@ -533,8 +584,93 @@ def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
     return f"{fn.ext.__name__}.{fn.name}(schedule={str(label)!r})"
 
 
+@dataclass
+class _Repeat:
+    """A call whose checks passed on every rank, remembered (CudaProgram._repeats) for the next
+    call with the same buffers (a training loop's step): that call checks its scalars and that
+    its buffers are these, unchanged (fastpath.ident: the same objects, shapes, strides, dtypes,
+    data pointers), not each tensor again, and reuses the module's arguments (_run). It is then
+    exchanged with the other ranks and agreed as any call (scalars, shapes): only this rank's
+    checks are skipped. It holds its buffers weakly: remembering a call keeps no memory alive."""
+
+    key: tuple
+    refs: tuple  # weak references to the communicator and the buffers (in the key's order)
+    label: ScheduleLabel
+    p: Program
+    head: tuple
+    shapes: dict
+    windowed: tuple
+    ptrs: dict  # each tensor parameter's address (for the windows read in place)
+    grad_check: bool  # a tensor the call updates requires grad: repeated only under torch.no_grad()
+    args: Any = None  # the module's CallArgs, built by the call remembered (outside a batch)
+
+
+def _buffers(comm: NcclComm, kwargs: dict) -> list:
+    """The communicator and the call's values that are not numbers (what _Repeat.refs holds)."""
+    return [comm, *(v for v in kwargs.values() if type(v) not in (float, int))]
+
+
+def _repeat_key(schedule: str | None, comm: NcclComm, groups: int, kwargs: dict, extra: tuple) -> tuple | None:
+    """What a repeated call must have in common with the remembered one: the thread, schedule,
+    groups, communicator (and its windows), EXTRA, the names of the arguments in order and
+    each buffer's fastpath.ident (None: a value that cannot be compared cheaply). A number
+    stands for itself: scalars are checked on every call."""
+    idents: list = [threading.get_ident(), schedule, type(groups), groups, id(comm), comm.windows, extra]
+    for k, v in kwargs.items():
+        if type(v) in (float, int):
+            idents.append(k)
+            continue
+        i = ident(v)
+        if i is None:
+            return None
+        idents.append((k, i))
+    return tuple(idents)
+
+
+def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
+              extra: tuple) -> _Repeat | None:
+    """The remembered call with these buffers, if any (never for "auto", which the full
+    checks resolve, under COCONET_CHECK_REPLICATED, whose digests are of each call's values,
+    nor inside a batch, which holds each call's own arguments until it ends)."""
+    if not fn._repeats or schedule == "auto" or check_replicated() or batch.collecting():
+        return None
+    rep = fn._repeats.get(_repeat_key(schedule, comm, groups, kwargs, extra))  # type: ignore[arg-type]
+    if rep is None or rep.args is None or any(r() is not v for r, v in zip(rep.refs, _buffers(comm, kwargs))):
+        return None
+    if rep.grad_check:
+        import torch
+        if torch.is_grad_enabled():
+            return None  # the full checks raise
+    return rep
+
+
+def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict, extra: tuple,
+              label: ScheduleLabel, p: Program, local: dict, head: tuple, mine: tuple, ptr) -> _Repeat | None:
+    """After a call agreed on every rank: remember it for the next with the same buffers (its
+    module arguments are added by _run)."""
+    if schedule == "auto" or check_replicated() or batch.collecting():
+        return None
+    key = _repeat_key(schedule, comm, groups, kwargs, extra)
+    if key is None:
+        return None
+    try:
+        refs = tuple(weakref.ref(v) for v in _buffers(comm, kwargs))
+    except TypeError:  # a list of segments: not remembered
+        return None
+    tensors = [q.name for q in p.params if not q.scalar]
+    if any(isinstance(local[n], list) for n in tensors):
+        return None
+    grad = any(getattr(kwargs[t], "requires_grad", False) for t, _ in p.updates)
+    rep = _Repeat(key, refs, label, p, head, mine[1][2], mine[2], {n: ptr(local[n]) for n in tensors}, grad)
+    fn._repeats.pop(key, None)
+    fn._repeats[key] = rep
+    while len(fn._repeats) > RECENT:  # the oldest first
+        del fn._repeats[next(iter(fn._repeats))]
+    return rep
+
+
 def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, check,
-           kwargs: dict, ptr) -> tuple:
+           kwargs: dict, ptr, extra: tuple = ()) -> tuple:
     """A call's entry, as the CPU runtime's (call.py): "auto" resolved to the tuner's choice for
     these arrays (auto.for_call), the label parsed, this rank's arguments
     checked (`check(program)`), then one exchange with every rank of the communicator under
@@ -545,24 +681,35 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     rank that never arrives ends the job. The exchange also carries which tensor arguments
     lie in a window of the communicator (window_empty) on this rank (ptr: a tensor's
     address). Returns (label, program, this rank's checked values, size symbols, ranks, the
-    segment sizes of scattered parameters, the tensor parameters in a window on every rank)."""
+    segment sizes of scattered parameters, the tensor parameters in a window on every rank,
+    the _Repeat this call took or made (or None), and whether it took it: a call with the same
+    buffers as a recent one (extra: what else it must share with it, the device and stream)
+    checks only its scalars here, and its `local` holds only them)."""
     what = f"{fn.ext.__name__}.{fn.name}(schedule={schedule!r})"
     p: Program | None = None
     label = None
     local: dict[str, Any] = {}
     timeout = agree.DEFAULT_TIMEOUT
+    head: tuple = ()
+    rep = _repeated(fn, schedule, comm, groups, kwargs, extra)
     try:
         timeout = agree.timeout_s()
-        if schedule == "auto":
-            schedule = auto.for_call(fn, comm, groups, kwargs)
-        label = parse(schedule)
-        what = _call_name(fn, label)
-        p = fn.program_of(label)
-        check_groups(fn.name, groups)
-        local = check(p)
-        head = (fn.ext.__name__, fn.name, str(label), groups, comm.size)
-        mine: tuple = ("ok", description(head, p, local, tensor_shapes(p, local)),
-                       _windowed(fn.ext, comm, groups, p, local, ptr))
+        if rep is not None:  # local: the scalars only (the tensors' addresses are rep's)
+            label, p, head = rep.label, rep.p, rep.head
+            what = _call_name(fn, label)
+            local = {q.name: _scalar(q, kwargs[q.name]) for q in p.params if q.scalar}
+            mine: tuple = ("ok", description(head, p, local, rep.shapes), rep.windowed)
+        else:
+            if schedule == "auto":
+                schedule = auto.for_call(fn, comm, groups, kwargs)
+            label = parse(schedule)
+            what = _call_name(fn, label)
+            p = fn.program_of(label)
+            check_groups(fn.name, groups)
+            local = check(p)
+            head = (fn.ext.__name__, fn.name, str(label), groups, comm.size)
+            mine = ("ok", description(head, p, local, tensor_shapes(p, local)),
+                    _windowed(fn.ext, comm, groups, p, local, ptr))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     _refuse_aborted(comm, what)
@@ -570,7 +717,10 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     sizes, segments = agreed(everyone, comm.rank, p, mine, fn._bound)
     assert p is not None and label is not None  # else agreed() raised this rank's error
     in_place = frozenset(mine[2]).intersection(*(item[2] for item in everyone))
-    return label, p, local, sizes, len(everyone), segments, in_place
+    if rep is not None:
+        return label, p, local, sizes, len(everyone), segments, in_place, rep, True
+    rep = _remember(fn, schedule, comm, groups, kwargs, extra, label, p, local, head, mine, ptr)
+    return label, p, local, sizes, len(everyone), segments, in_place, rep, False
 
 
 def _windowed(ext: Any, comm: NcclComm, groups: int, p: Program, values: dict, ptr) -> tuple[str, ...]:
@@ -712,14 +862,14 @@ class EmulatedProgram(CudaProgram):
         comm = comm or self.owner.comm()
         torch_in = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
                        for v in kwargs.values())
-        label, p, local, sizes, ranks, segments, in_place = _enter(
+        label, p, local, sizes, ranks, segments, in_place, rep, repeated = _enter(
             self, schedule, comm, groups, lambda p: _check_local_numpy(p, kwargs), kwargs, marshal.host_ptr)
         what = _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed, synchronized
             _guarded(self.ext, comm, what, go, 0, self.ext.synchronize)
         outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
-                    _numpy_zeros, 0, around, in_place)
+                    _numpy_zeros, 0, around, in_place, rep, repeated)
         if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out
             outs = [marshal.as_torch(o) for o in outs]
         return marshal.returned(outs)
