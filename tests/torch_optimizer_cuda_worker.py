@@ -267,6 +267,21 @@ def gloo() -> object:
     return dist.group.WORLD
 
 
+def train_against_adam(model, opt, ref):
+    """STEPS steps of MODEL with OPT and of REF with torch.optim.Adam on the all-reduced
+    gradients (the same losses); returns torch's optimizer."""
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
+                               eps=HYPER["eps"], foreach=False)
+    for t in range(1, STEPS + 1):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            W.local_loss(m, t).backward()
+            if o is ref_opt:
+                W.allreduced_grads(m)
+            o.step()
+    return ref_opt
+
+
 def mode_pg() -> None:
     group = gloo()
     for schedule in ("default", "zero"):
@@ -275,15 +290,7 @@ def mode_pg() -> None:
                                    process_group=group, **HYPER)
         ok = opt._comm.group is group and opt._comm.mpi is None
         report(f"pg:{schedule}:R{R}:nccl_from_group", 0.0 if ok else 1.0)
-        ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                                   eps=HYPER["eps"], foreach=False)
-        for t in range(1, STEPS + 1):
-            for m, o in ((model, opt), (ref, ref_opt)):
-                o.zero_grad()
-                W.local_loss(m, t).backward()
-                if o is ref_opt:
-                    W.allreduced_grads(m)
-                o.step()
+        ref_opt = train_against_adam(model, opt, ref)
         report(f"pg:{schedule}:R{R}:params", W.max_diff(model, ref))
         report(f"pg:{schedule}:R{R}:state", W.state_diff(opt, ref_opt))  # gathered over gloo
     device_group()
@@ -314,16 +321,8 @@ def device_group() -> None:
         report(f"pg:device_group:R{R}:host_group",
                0.0 if host is not group and dist.get_backend(host) == "gloo"
                and dist.get_process_group_ranks(host) == dist.get_process_group_ranks(group) else 1.0)
-        ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                                   eps=HYPER["eps"], foreach=False)
         dist.all_gather_object = gather
-        for t in range(1, STEPS + 1):
-            for m, o in ((model, opt), (ref, ref_opt)):
-                o.zero_grad()
-                W.local_loss(m, t).backward()
-                if o is ref_opt:
-                    W.allreduced_grads(m)
-                o.step()
+        train_against_adam(model, opt, ref)
         dist.all_gather_object = real_gather
         report(f"pg:device_group:R{R}:exchanged_over_host_group",
                0.0 if len(used) >= STEPS and all(g is host for g in used) else 1.0)

@@ -34,7 +34,7 @@ from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
 from coconetc.runtime.events import Events
-from coconetc.runtime.fastpath import RECENT, ident
+from coconetc.runtime.fastpath import RECENT, idents
 from coconetc.runtime.layout import TORCH_DTYPES, checked_shape
 from coconetc.runtime.loader import import_extension
 from coconetc.runtime.tuned import with_tuned
@@ -503,6 +503,8 @@ class CudaProgram:
         self.tuned: list | None = None
         self.auto_memo: dict[tuple, str] = {}
         self._repeats: dict[tuple, _Repeat] = {}  # recent calls by their buffers (_Repeat)
+        # the scalar parameters' names (every schedule of a program has its parameters)
+        self.scalars = frozenset(q.name for q in next(iter(schedules.values())).params if q.scalar)
 
     def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
                          **sizes: int) -> str:
@@ -605,26 +607,19 @@ class _Repeat:
     args: Any = None  # the module's CallArgs, built by the call remembered (outside a batch)
 
 
-def _buffers(comm: NcclComm, kwargs: dict) -> list:
-    """The communicator and the call's values that are not numbers (what _Repeat.refs holds)."""
-    return [comm, *(v for v in kwargs.values() if type(v) not in (float, int))]
+def _buffers(fn: CudaProgram, comm: NcclComm, kwargs: dict) -> list:
+    """The communicator and the call's values that are not scalars (what _Repeat.refs holds)."""
+    return [comm, *(v for k, v in kwargs.items() if k not in fn.scalars)]
 
 
-def _repeat_key(schedule: str | None, comm: NcclComm, groups: int, kwargs: dict, extra: tuple) -> tuple | None:
+def _repeat_key(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
+                extra: tuple) -> tuple | None:
     """What a repeated call must have in common with the remembered one: the thread, schedule,
-    groups, communicator (and its windows), EXTRA, the names of the arguments in order and
-    each buffer's fastpath.ident (None: a value that cannot be compared cheaply). A number
-    stands for itself: scalars are checked on every call."""
-    idents: list = [threading.get_ident(), schedule, type(groups), groups, id(comm), comm.windows, extra]
-    for k, v in kwargs.items():
-        if type(v) in (float, int):
-            idents.append(k)
-            continue
-        i = ident(v)
-        if i is None:
-            return None
-        idents.append((k, i))
-    return tuple(idents)
+    groups, communicator (and its windows), EXTRA, and the arguments (fastpath.idents: each
+    buffer's ident; None where a value cannot be compared cheaply)."""
+    ids = idents(kwargs, fn.scalars)
+    return None if ids is None else \
+        (threading.get_ident(), schedule, type(groups), groups, id(comm), comm.windows, extra, ids)
 
 
 def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
@@ -634,8 +629,8 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     nor inside a batch, which holds each call's own arguments until it ends)."""
     if not fn._repeats or schedule == "auto" or check_replicated() or batch.collecting():
         return None
-    rep = fn._repeats.get(_repeat_key(schedule, comm, groups, kwargs, extra))  # type: ignore[arg-type]
-    if rep is None or rep.args is None or any(r() is not v for r, v in zip(rep.refs, _buffers(comm, kwargs))):
+    rep = fn._repeats.get(_repeat_key(fn, schedule, comm, groups, kwargs, extra))  # type: ignore[arg-type]
+    if rep is None or rep.args is None or any(r() is not v for r, v in zip(rep.refs, _buffers(fn, comm, kwargs))):
         return None
     if rep.grad_check:
         import torch
@@ -650,11 +645,11 @@ def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     module arguments are added by _run)."""
     if schedule == "auto" or check_replicated() or batch.collecting():
         return None
-    key = _repeat_key(schedule, comm, groups, kwargs, extra)
+    key = _repeat_key(fn, schedule, comm, groups, kwargs, extra)
     if key is None:
         return None
     try:
-        refs = tuple(weakref.ref(v) for v in _buffers(comm, kwargs))
+        refs = tuple(weakref.ref(v) for v in _buffers(fn, comm, kwargs))
     except TypeError:  # a list of segments: not remembered
         return None
     tensors = [q.name for q in p.params if not q.scalar]

@@ -88,17 +88,24 @@ def ident(v: Any) -> tuple | None:
     return None
 
 
-def call_key(fn: Any, schedule, groups, comm, kwargs: dict, scalars: frozenset) -> tuple | None:
-    idents = []
+def idents(kwargs: dict, scalars: frozenset) -> tuple | None:
+    """The call's arguments in order: a scalar parameter's name (its value is checked on every
+    call), each other (name, ident); None where a value has no ident."""
+    out: list = []
     for k, v in kwargs.items():
         if k in scalars:
-            idents.append(k)
+            out.append(k)
             continue
         i = ident(v)
         if i is None:
             return None
-        idents.append((k, i))
-    return (schedule, groups, comm.py2f(), tuple(idents))
+        out.append((k, i))
+    return tuple(out)
+
+
+def call_key(fn: Any, schedule, groups, comm, kwargs: dict, scalars: frozenset) -> tuple | None:
+    ids = idents(kwargs, scalars)
+    return None if ids is None else (schedule, groups, comm.py2f(), ids)
 
 
 def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
