@@ -535,11 +535,14 @@ class CudaProgram:
         import torch
         if comm is None:
             raise ValueError("pass comm=coconetc.runtime.cuda.nccl_comm(module.ext, mpi_comm)")
-        current = torch.cuda.current_device()
+        try:
+            current: int | None = torch.cuda.current_device()
+        except RuntimeError:  # no usable device here: the checks raise it, on every rank
+            current = None
         label, p, local, sizes, ranks, segments, in_place, rep, repeated = _enter(
             self, schedule, comm, groups, lambda p: _check_local(p, kwargs, stream), kwargs, marshal.device_ptr,
             (current, stream))
-        dev = torch.device("cuda", current)
+        dev = torch.device("cuda", torch.cuda.current_device() if current is None else current)
         def make(shape, dtype):
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
         st: Any = stream if stream is not None else torch.cuda.current_stream()
@@ -629,7 +632,10 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     nor inside a batch, which holds each call's own arguments until it ends)."""
     if not fn._repeats or schedule == "auto" or check_replicated() or batch.collecting():
         return None
-    rep = fn._repeats.get(_repeat_key(fn, schedule, comm, groups, kwargs, extra))  # type: ignore[arg-type]
+    try:
+        rep = fn._repeats.get(_repeat_key(fn, schedule, comm, groups, kwargs, extra))  # type: ignore[arg-type]
+    except TypeError:  # an unhashable stream= (the checks refuse it, on every rank)
+        return None
     if rep is None or rep.args is None or any(r() is not v for r, v in zip(rep.refs, _buffers(fn, comm, kwargs))):
         return None
     if rep.grad_check:
