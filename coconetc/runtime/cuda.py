@@ -692,9 +692,10 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     local: dict[str, Any] = {}
     timeout = agree.DEFAULT_TIMEOUT
     head: tuple = ()
-    rep = _repeated(fn, schedule, comm, groups, kwargs, extra)
+    rep = None
     try:
         timeout = agree.timeout_s()
+        rep = _repeated(fn, schedule, comm, groups, kwargs, extra)  # (COCONET_CHECK_REPLICATED read here may raise)
         if rep is not None:  # local: the scalars only (the tensors' addresses are rep's)
             label, p, head = rep.label, rep.p, rep.head
             what = _call_name(fn, label)
