@@ -208,15 +208,7 @@ def mode_checkpoint() -> None:
     for src, dst_backend in (("cuda", "cpu"), ("cpu", "cuda")):
         model, ref = W.make_model(), W.make_model()
         opt = DistributedOptimizer(model.parameters(), str(ADAM), schedule="zero", backend=src, **HYPER)
-        ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                                   eps=HYPER["eps"], foreach=False)
-        for t in range(1, STEPS // 2 + 1):
-            for m, o in ((model, opt), (ref, ref_opt)):
-                o.zero_grad()
-                W.local_loss(m, t).backward()
-                if o is ref_opt:
-                    W.allreduced_grads(m)
-                o.step()
+        ref_opt = train_against_adam(model, opt, ref, STEPS // 2)
         sd = opt.state_dict()
         f = os.path.join(path, f"{src}.pt")
         if rank == 0:
@@ -237,13 +229,7 @@ def mode_checkpoint() -> None:
             exact &= back["param_groups"] == ck["opt"]["param_groups"]
             label = f"ckpt:{src}:zero->{dst_backend}:{schedule}:R{R}"
             report(f"{label}:state_round_trip", 0.0 if exact else 1.0)
-            for t in range(STEPS // 2 + 1, STEPS + 1):
-                for m, o in ((m2, o2), (r2, ro2)):
-                    o.zero_grad()
-                    W.local_loss(m, t).backward()
-                    if o is ro2:
-                        W.allreduced_grads(m)
-                    o.step()
+            train(m2, o2, r2, ro2, range(STEPS // 2 + 1, STEPS + 1))
             report(f"{label}:params", W.max_diff(m2, r2))
             report(f"{label}:state", W.state_diff(o2, ro2))
     comm.Barrier()
@@ -267,19 +253,25 @@ def gloo() -> object:
     return dist.group.WORLD
 
 
-def train_against_adam(model, opt, ref):
+def train_against_adam(model, opt, ref, steps: int = STEPS):
     """STEPS steps of MODEL with OPT and of REF with torch.optim.Adam on the all-reduced
     gradients (the same losses); returns torch's optimizer."""
     ref_opt = torch.optim.Adam(ref.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
                                eps=HYPER["eps"], foreach=False)
-    for t in range(1, STEPS + 1):
+    train(model, opt, ref, ref_opt, range(1, steps + 1))
+    return ref_opt
+
+
+def train(model, opt, ref, ref_opt, steps: range) -> None:
+    """Steps STEPS (their numbers pick the losses) of MODEL with OPT and of REF with REF_OPT,
+    which is given the gradients all-reduced."""
+    for t in steps:
         for m, o in ((model, opt), (ref, ref_opt)):
             o.zero_grad()
             W.local_loss(m, t).backward()
             if o is ref_opt:
                 W.allreduced_grads(m)
             o.step()
-    return ref_opt
 
 
 def mode_pg() -> None:
