@@ -53,7 +53,7 @@ class Kernel:
     # value read once per element); per value in regs read by a call instead of a vector load,
     # that function (given the group's first element); pointers the launcher sets and checks itself
     # (left out of the kernel's aligned<V> check; as an extra store target, one that may be the
-    # item's own pointer, so its vector store is skipped where it is: th.out at R = 1)
+    # item's own pointer, so its store, vector or element, is skipped where it is: th.out at R = 1)
     elem_defs: tuple[str, ...] = ()
     vloads: dict[str, str] = field(default_factory=dict)
     own: tuple[str, ...] = ()
@@ -110,7 +110,20 @@ class CudaKernels:
                   + ("  // past the last whole vector, or all when not aligned" if vec else ""))
         load = self.idx.loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
-        body = self.with_coords(t, coords, self.body(t, items, local, load, outs, lambda target, name: target))
+        # an extra target that may be the item's own (k.own: th.out at R = 1) is stored after the
+        # body, only where it is not, as the vector loop stores it
+        own = {name: [(tgt, p) for n, (tgt, p) in enumerate(targets) if n and p in k.own]
+               for name, targets in outs.items()}
+        plain = {name: [x for x in targets if x not in own[name]] for name, targets in outs.items()}
+        body = self.body(t, items, local, load, plain, lambda target, name: target)
+        for name, extra in own.items():
+            if not extra:
+                continue
+            first = plain[name][0][1]
+            body += [f"if (static_cast<const void*>({p}) != static_cast<const void*>({first})) "
+                     f"{tgt} = coconet::from_compute<{CTYPE[self.w.types[name].dtype]}>(x_{name});"
+                     for tgt, p in extra]
+        body = self.with_coords(t, coords, body)
         for line in (*_indices((*k.defs, *k.elem_defs), body), *body):
             self.w.emit(f"{ind}    {line}")
         self.w.emit(f"{ind}  }}")
