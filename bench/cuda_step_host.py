@@ -1,0 +1,73 @@
+"""The host's (Python) time of one `DistributedOptimizer.step()` on the CUDA backend, without a
+GPU: the CUDA module built for the host emulation (COCONET_CUDA_EMULATE=1), one rank, with the
+module's function and the emulation's synchronization replaced by no-ops, so that what is timed
+is only what a GPU's host would run before the step's work is queued (an idle GPU waits for it:
+bench/common.device_timed counts it). Reference in the same run: `torch.optim.Adam(fused=True)`
+on CPU tensors of the same size (its arithmetic included).
+
+Run: python bench/cuda_step_host.py [--schedules default,zero] [--n 1024] [--reps 2000]
+For a before/after comparison, run it once with this tree and once with PYTHONPATH pointing at
+another checkout (the table names the coconetc it imported). Medians of REPS calls, in us."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ADAM = HERE.parent / "examples" / "adam.ccn"
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def per_call_us(fn, reps: int) -> float:
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schedules", default="default,zero,fused")
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    os.environ["COCONET_CUDA_EMULATE"] = "1"
+    import torch
+
+    import coconetc
+    from coconetc.torch import DistributedOptimizer
+    rows = []
+    for sched in a.schedules.split(","):
+        p = torch.nn.Parameter(torch.rand(a.n))
+        p.grad = torch.randn(a.n)
+        opt = DistributedOptimizer([p], str(ADAM), schedule=sched, backend="cuda", **HP)
+        ext = opt._fn.ext
+        ext.synchronize = lambda: None  # only Python is timed: no emulated kernel, no wait for it
+        setattr(ext, f"adam__{sched}", lambda args: None)
+        rows.append((f"DistributedOptimizer(adam.ccn) [{sched}], module call a no-op", per_call_us(opt.step, a.reps)))
+    q = torch.nn.Parameter(torch.rand(a.n))
+    q.grad = torch.randn(a.n)
+    ref = torch.optim.Adam([q], lr=1e-3, fused=True)
+    rows.append(("torch.optim.Adam(fused=True), CPU tensors (with its arithmetic)", per_call_us(ref.step, a.reps)))
+    print(f"coconetc from {Path(coconetc.__file__).parent}, N = {a.n}, medians of {a.reps} calls\n")
+    print("| step | host us per call |\n| --- | --- |")
+    for label, us in rows:
+        print(f"| {label} | {us:.1f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(coconetc=str(Path(coconetc.__file__).parent), n=a.n, reps=a.reps,
+                                                rows=[dict(step=k, host_us=v) for k, v in rows]), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
