@@ -139,14 +139,16 @@ def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def host_timed(fn: Callable[[], Any], reps: int) -> float:
-    """Median over REPS calls of FN of the host's time from the call to its return (on a GPU:
-    to its work queued; the device is synchronized between calls, untimed): what a step costs
-    the host, which the GPU waits for where nothing else is queued ahead of it."""
+def host_timed(fn: Callable[[], Any], reps: int, warmup: int = 0) -> float:
+    """Median over REPS calls of FN, after WARMUP calls, of the host's time from the call to its
+    return (on a GPU: to its work queued; the device is synchronized between calls, untimed):
+    what a step costs the host, which the GPU waits for where nothing else is queued ahead of it."""
     import statistics
 
     import torch
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         sync()

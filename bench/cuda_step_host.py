@@ -14,24 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ADAM = HERE.parent / "examples" / "adam.ccn"
-HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from adam_step import HP  # noqa: E402  (Adam's hyper-parameters, as the other benches)
+
+ADAM = common.ROOT / "examples" / "adam.ccn"
 
 
 def per_call_us(fn, reps: int) -> float:
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return common.host_timed(fn, reps, warmup=50) * 1e6
 
 
 def main() -> int:

@@ -598,7 +598,6 @@ class _Repeat:
     exchanged with the other ranks and agreed as any call (scalars, shapes): only this rank's
     checks are skipped. It holds its buffers weakly: remembering a call keeps no memory alive."""
 
-    key: tuple
     refs: tuple  # weak references to the communicator and the buffers (in the key's order)
     label: ScheduleLabel
     p: Program
@@ -662,7 +661,7 @@ def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     if any(isinstance(local[n], list) for n in tensors):
         return None
     grad = any(getattr(kwargs[t], "requires_grad", False) for t, _ in p.updates)
-    rep = _Repeat(key, refs, label, p, head, mine[1][2], mine[2], {n: ptr(local[n]) for n in tensors}, grad)
+    rep = _Repeat(refs, label, p, head, mine[1][2], mine[2], {n: ptr(local[n]) for n in tensors}, grad)
     fn._repeats.pop(key, None)
     fn._repeats[key] = rep
     while len(fn._repeats) > RECENT:  # the oldest first
