@@ -552,25 +552,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         returned: list[tuple[_Group, dict, Any]] = []
         frozen: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.no_grad(), batch.together() if self._across else contextlib.nullcontext():
-            for group, opts in zip(self._groups, self.param_groups):
-                if group.n == 0:
-                    continue
-                group.gather_grads()
-                frozen.extend(group.frozen(self))
-                group.steps += 1
-                args = group.arguments(self._roles)
-                for s in self._roles.scalars:
-                    v = opts[s]
-                    args[s] = v.item() if isinstance(v, torch.Tensor) else v
-                if self._roles.step is not None:
-                    args[self._roles.step] = group.steps
-                returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
-                if group.flat is not None:  # the parameters view the flat buffer: bump them
-                    torch.autograd.graph.increment_version(group.params)
-        with torch.no_grad():  # (after a batch has run) the frozen parameters as they were
-            for view, before in frozen:
+        grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # (as torch.no_grad(), at half its cost: a step's host time counts)
+        try:
+            with batch.together() if self._across else contextlib.nullcontext():
+                for group, opts in zip(self._groups, self.param_groups):
+                    if group.n == 0:
+                        continue
+                    group.gather_grads()
+                    frozen.extend(group.frozen(self))
+                    group.steps += 1
+                    args = group.arguments(self._roles)
+                    for s in self._roles.scalars:
+                        v = opts[s]
+                        args[s] = v.item() if isinstance(v, torch.Tensor) else v
+                    if self._roles.step is not None:
+                        args[self._roles.step] = group.steps
+                    returned.append((group, opts, self._fn(schedule=self._schedule, comm=self._comm, **args)))
+                    if group.flat is not None:  # the parameters view the flat buffer: bump them
+                        torch.autograd.graph.increment_version(group.params)
+            for view, before in frozen:  # (after a batch has run) the frozen parameters as they were
                 view.copy_(before)
+        finally:
+            torch.set_grad_enabled(grad)
         self._returned(returned)
         return loss
 

@@ -315,7 +315,7 @@ def test_load_emulated_calling_convention(built):
     res = subprocess.run([sys.executable, "-c", CALLS, str(EX / "sgd.ccn")], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and "calls ok" in res.stdout, res.stdout + res.stderr
-    assert res.stdout.count("raised:") == 3, res.stdout
+    assert res.stdout.count("raised:") == 4, res.stdout
 
 
 REPEATS = r"""
@@ -337,6 +337,15 @@ for i, lr in enumerate((0.25, 0.5, 0.125, 1.0)):  # the same buffers, new scalar
     assert args is None or reps[0].args is args, "the module's arguments were built again"
     args = reps[0].args
 print("repeated ok")
+import os
+os.environ["COCONET_TIMEOUT"] = "soon"  # read again once it changed (a repeated call reuses what it read)
+try:
+    mod.sgd(schedule="fused", g=g, w=w, lr=0.5)
+except ValueError as e:
+    assert "COCONET_TIMEOUT='soon'" in str(e), e
+    print("raised:", e)
+del os.environ["COCONET_TIMEOUT"]
+assert np.array_equal(w, ref), "a refused call changed w"
 g.dtype = np.int32  # the same array object, now of another dtype: checked again
 try:
     mod.sgd(schedule="fused", g=g, w=w, lr=0.5)
@@ -382,14 +391,14 @@ print("memory ok")
 def test_a_repeated_call_checks_what_changed(built):
     """A call with the same buffers as the last (a training loop's step) reuses the module's
     arguments and checks only its scalars (runtime/cuda.py, _Repeat), and is still right: new
-    scalars each call; an array whose dtype or shape changed in place, a scalar of the wrong
-    type, raise naming it; a tensor given new storage (set_) is updated there, not in the old;
+    scalars each call; a COCONET_TIMEOUT set since is read again (and refused); an array whose
+    dtype or shape changed in place, a scalar of the wrong type, raise naming it; a tensor given new storage (set_) is updated there, not in the old;
     and a remembered call does not keep its tensors alive."""
     res = subprocess.run([sys.executable, "-c", REPEATS, str(EX / "sgd.ccn")], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0 and all(f"{w} ok" in res.stdout for w in ("repeated", "storage", "memory")), \
         res.stdout + res.stderr
-    assert res.stdout.count("raised:") == 3, res.stdout
+    assert res.stdout.count("raised:") == 4, res.stdout
 
 
 @pytest.mark.slow

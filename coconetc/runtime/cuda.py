@@ -34,7 +34,7 @@ from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
 from coconetc.runtime.events import Events
-from coconetc.runtime.fastpath import RECENT, idents
+from coconetc.runtime.fastpath import RECENT, ident
 from coconetc.runtime.layout import TORCH_DTYPES, checked_shape
 from coconetc.runtime.loader import import_extension
 from coconetc.runtime.tuned import with_tuned
@@ -503,8 +503,8 @@ class CudaProgram:
         self.tuned: list | None = None
         self.auto_memo: dict[tuple, str] = {}
         self._repeats: dict[tuple, _Repeat] = {}  # recent calls by their buffers (_Repeat)
-        # the scalar parameters' names (every schedule of a program has its parameters)
-        self.scalars = frozenset(q.name for q in next(iter(schedules.values())).params if q.scalar)
+        # the tensor parameters' names (every schedule of a program has its parameters)
+        self.buffers = tuple(q.name for q in next(iter(schedules.values())).params if not q.scalar)
 
     def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
                          **sizes: int) -> str:
@@ -542,17 +542,30 @@ class CudaProgram:
         label, p, local, sizes, ranks, segments, in_place, rep, repeated = _enter(
             self, schedule, comm, groups, lambda p: _check_local(p, kwargs, stream), kwargs, marshal.device_ptr,
             (current, stream))
-        dev = torch.device("cuda", torch.cuda.current_device() if current is None else current)
         def make(shape, dtype):
+            dev = torch.device("cuda", torch.cuda.current_device() if current is None else current)
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
-        st: Any = stream if stream is not None else torch.cuda.current_stream()
-        handle = int(getattr(st, "cuda_stream", st))
+        handle = _stream_handle(stream, current)
         what = _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed: no host sync
             _guarded(self.ext, comm, what, go, handle)
         return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
                                      marshal.device_ptr, make, handle, around, in_place, rep, repeated))
+
+
+def _stream_handle(stream: Any, current: int | None) -> int:
+    """The cudaStream_t a call runs on: `stream=` (checked: a torch.cuda.Stream or a raw int),
+    else PyTorch's current stream of the current device, read as torch's compiled code reads it
+    (torch._C._cuda_getCurrentRawStream, which Inductor's generated code imports), without
+    making a torch.cuda.Stream object: a training step's host time counts."""
+    if stream is not None:
+        return int(getattr(stream, "cuda_stream", stream))
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and current is not None:
+        return int(raw(current))
+    return int(torch.cuda.current_stream().cuda_stream)
 
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
@@ -567,20 +580,20 @@ def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: 
     gs = ranks // groups
     if repeated:
         assert rep is not None and rep.args is not None
-        args = rep.args
+        args, run = rep.args, rep.run
         args.in_place = [rep.ptrs[name] for name in sorted(in_place)]
     else:
-        args = fn.ext.CallArgs()
+        args, run = fn.ext.CallArgs(), getattr(fn.ext, function_name(fn.name, label.name))
         marshal.tensors(args, p, local, segments, ptr)
         args.in_place = [ptr(local[name]) for name in sorted(in_place)]
         if rep is not None:
-            rep.args = args
-    outs = marshal.outputs(p, sizes, gs, comm.rank % gs, make)
+            rep.args, rep.run = args, run
+    outs = marshal.outputs(p, sizes, gs, comm.rank % gs, make) if p.outputs else []
     args.outputs = [ptr(o) for o in outs]
     marshal.scalars(args, p, local, sizes)
     args.stream = stream
     args.comm, args.groups = comm.handle, groups
-    batch.invoke(fn.ext, getattr(fn.ext, function_name(fn.name, label.name)), args, around)
+    batch.invoke(fn.ext, run, args, around)
     return outs
 
 
@@ -591,14 +604,22 @@ def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
 
 @dataclass
 class _Repeat:
-    """A call whose checks passed on every rank, remembered (CudaProgram._repeats) for the next
-    call with the same buffers (a training loop's step): that call checks its scalars and that
-    its buffers are these, unchanged (fastpath.ident: the same objects, shapes, strides, dtypes,
-    data pointers), not each tensor again, and reuses the module's arguments (_run). It is then
-    exchanged with the other ranks and agreed as any call (scalars, shapes): only this rank's
-    checks are skipped. It holds its buffers weakly: remembering a call keeps no memory alive."""
+    """A call whose checks passed on every rank, remembered (CudaProgram._repeats, by its slot)
+    for the next call with the same buffers (a training loop's step): that call checks its
+    scalars and that its buffers are these, unchanged (fastpath.ident: the same objects, shapes,
+    strides, dtypes, data pointers, requires_grad, device), not each tensor again, and reuses
+    the module's arguments (_run). It is then exchanged with the other ranks and agreed as any
+    call (scalars, shapes): only this rank's checks are skipped; at one rank, where there is no
+    one to agree with, it reuses what the remembered call's agreement bound. It holds its
+    buffers weakly: remembering a call keeps no memory alive."""
 
-    refs: tuple  # weak references to the communicator and the buffers (in the key's order)
+    comm: Any  # a weak reference to the communicator
+    windows: int  # the communicator's window count then (a new window may hold a buffer)
+    nkw: int  # how many keyword arguments
+    timeout_raw: Any  # COCONET_TIMEOUT as set then (agree.timeout_raw), and as read:
+    timeout: float
+    buffers: tuple  # (name, weak reference, fastpath.ident) of each tensor parameter
+    scalars: tuple  # the scalar parameters, in parameter order
     label: ScheduleLabel
     p: Program
     head: tuple
@@ -606,37 +627,38 @@ class _Repeat:
     windowed: tuple
     ptrs: dict  # each tensor parameter's address (for the windows read in place)
     grad_check: bool  # a tensor the call updates requires grad: repeated only under torch.no_grad()
-    args: Any = None  # the module's CallArgs, built by the call remembered (outside a batch)
+    sizes: dict  # what the remembered call's agreement bound (the size symbols, the segments)
+    segments: Any
+    run: Any = None  # the module function and its CallArgs, set by the call remembered (outside a batch)
+    args: Any = None
 
 
-def _buffers(fn: CudaProgram, comm: NcclComm, kwargs: dict) -> list:
-    """The communicator and the call's values that are not scalars (what _Repeat.refs holds)."""
-    return [comm, *(v for k, v in kwargs.items() if k not in fn.scalars)]
-
-
-def _repeat_key(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
-                extra: tuple) -> tuple | None:
-    """What a repeated call must have in common with the remembered one: the thread, schedule,
-    groups, communicator (and its windows), EXTRA, and the arguments (fastpath.idents: each
-    buffer's ident; None where a value cannot be compared cheaply)."""
-    ids = idents(kwargs, fn.scalars)
-    return None if ids is None else \
-        (threading.get_ident(), schedule, type(groups), groups, id(comm), comm.windows, extra, ids)
+def _slot(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
+          extra: tuple) -> tuple:
+    """Where CudaProgram._repeats keeps a call: the thread, schedule, groups, communicator,
+    EXTRA and the tensor arguments' identities (hashing EXTRA may raise TypeError)."""
+    return (threading.get_ident(), schedule, type(groups), groups, id(comm), extra,
+            *[id(kwargs.get(n)) for n in fn.buffers])
 
 
 def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
               extra: tuple) -> _Repeat | None:
-    """The remembered call with these buffers, if any (never for "auto", which the full
+    """The remembered call these arguments repeat, if any (never for "auto", which the full
     checks resolve, under COCONET_CHECK_REPLICATED, whose digests are of each call's values,
     nor inside a batch, which holds each call's own arguments until it ends)."""
-    if not fn._repeats or schedule == "auto" or check_replicated() or batch.collecting():
-        return None
+    if not fn._repeats or schedule == "auto" or batch.collecting():
+        return None  # (COCONET_CHECK_REPLICATED on: no call was remembered)
     try:
-        rep = fn._repeats.get(_repeat_key(fn, schedule, comm, groups, kwargs, extra))  # type: ignore[arg-type]
+        rep = fn._repeats.get(_slot(fn, schedule, comm, groups, kwargs, extra))
     except TypeError:  # an unhashable stream= (the checks refuse it, on every rank)
         return None
-    if rep is None or rep.args is None or any(r() is not v for r, v in zip(rep.refs, _buffers(fn, comm, kwargs))):
+    if rep is None or rep.args is None or rep.comm() is not comm or comm.windows != rep.windows \
+            or len(kwargs) != rep.nkw or agree.timeout_raw() != rep.timeout_raw:
         return None
+    for name, ref, was in rep.buffers:
+        v = kwargs[name]
+        if ref() is not v or ident(v) != was:
+            return None
     if rep.grad_check:
         import torch
         if torch.is_grad_enabled():
@@ -645,25 +667,28 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
 
 
 def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict, extra: tuple,
-              label: ScheduleLabel, p: Program, local: dict, head: tuple, mine: tuple, ptr) -> _Repeat | None:
+              label: ScheduleLabel, p: Program, local: dict, head: tuple, mine: tuple, ptr, timeout: float,
+              sizes: dict, segments: Any) -> _Repeat | None:
     """After a call agreed on every rank: remember it for the next with the same buffers (its
-    module arguments are added by _run)."""
+    module function and arguments are added by _run)."""
     if schedule == "auto" or check_replicated() or batch.collecting():
-        return None
-    key = _repeat_key(fn, schedule, comm, groups, kwargs, extra)
-    if key is None:
-        return None
-    try:
-        refs = tuple(weakref.ref(v) for v in _buffers(fn, comm, kwargs))
-    except TypeError:  # a list of segments: not remembered
         return None
     tensors = [q.name for q in p.params if not q.scalar]
     if any(isinstance(local[n], list) for n in tensors):
+        return None  # a list of segments: not remembered
+    try:
+        slot = _slot(fn, schedule, comm, groups, kwargs, extra)
+        buffers = tuple((n, weakref.ref(kwargs[n]), ident(kwargs[n])) for n in tensors)
+    except TypeError:
+        return None
+    if any(i is None for _, _, i in buffers):
         return None
     grad = any(getattr(kwargs[t], "requires_grad", False) for t, _ in p.updates)
-    rep = _Repeat(refs, label, p, head, mine[1][2], mine[2], {n: ptr(local[n]) for n in tensors}, grad)
-    fn._repeats.pop(key, None)
-    fn._repeats[key] = rep
+    rep = _Repeat(weakref.ref(comm), comm.windows, len(kwargs), agree.timeout_raw(), timeout, buffers,
+                  tuple(q for q in p.params if q.scalar), label, p, head, mine[1][2], mine[2],
+                  {n: ptr(local[n]) for n in tensors}, grad, sizes, segments)
+    fn._repeats.pop(slot, None)
+    fn._repeats[slot] = rep
     while len(fn._repeats) > RECENT:  # the oldest first
         del fn._repeats[next(iter(fn._repeats))]
     return rep
@@ -693,14 +718,17 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     head: tuple = ()
     rep = None
     try:
-        timeout = agree.timeout_s()
-        rep = _repeated(fn, schedule, comm, groups, kwargs, extra)  # (COCONET_CHECK_REPLICATED read here may raise)
+        rep = _repeated(fn, schedule, comm, groups, kwargs, extra)
         if rep is not None:  # local: the scalars only (the tensors' addresses are rep's)
-            label, p, head = rep.label, rep.p, rep.head
+            label, p, head, timeout = rep.label, rep.p, rep.head, rep.timeout
+            local = {q.name: _scalar(q, kwargs[q.name]) for q in rep.scalars}
+            if comm.size == 1:  # nothing to agree: what the remembered call's agreement bound
+                _refuse_aborted(comm, _call_name(fn, label))
+                return label, p, local, rep.sizes, 1, rep.segments, frozenset(), rep, True
             what = _call_name(fn, label)
-            local = {q.name: _scalar(q, kwargs[q.name]) for q in p.params if q.scalar}
             mine: tuple = ("ok", description(head, p, local, rep.shapes), rep.windowed)
         else:
+            timeout = agree.timeout_s()
             if schedule == "auto":
                 schedule = auto.for_call(fn, comm, groups, kwargs)
             label = parse(schedule)
@@ -720,7 +748,8 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     in_place = frozenset(mine[2]).intersection(*(item[2] for item in everyone))
     if rep is not None:
         return label, p, local, sizes, len(everyone), segments, in_place, rep, True
-    rep = _remember(fn, schedule, comm, groups, kwargs, extra, label, p, local, head, mine, ptr)
+    rep = _remember(fn, schedule, comm, groups, kwargs, extra, label, p, local, head, mine, ptr, timeout,
+                    sizes, segments)
     return label, p, local, sizes, len(everyone), segments, in_place, rep, False
 
 
@@ -861,8 +890,6 @@ class EmulatedProgram(CudaProgram):
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
         comm = comm or self.owner.comm()
-        torch_in = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
-                       for v in kwargs.values())
         label, p, local, sizes, ranks, segments, in_place, rep, repeated = _enter(
             self, schedule, comm, groups, lambda p: _check_local_numpy(p, kwargs), kwargs, marshal.host_ptr)
         what = _call_name(self, label)
@@ -871,7 +898,8 @@ class EmulatedProgram(CudaProgram):
             _guarded(self.ext, comm, what, go, 0, self.ext.synchronize)
         outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
                     _numpy_zeros, 0, around, in_place, rep, repeated)
-        if torch_in:  # CPU tensors standing for CUDA tensors (COCONET_CUDA_EMULATE=1): tensors out
+        if outs and any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
+                        for v in kwargs.values()):  # CPU tensors standing for CUDA tensors: tensors out
             outs = [marshal.as_torch(o) for o in outs]
         return marshal.returned(outs)
 

@@ -76,12 +76,13 @@ class Hot:
 
 def ident(v: Any) -> tuple | None:
     """What makes a buffer the same buffer as last call: its object, shape, dtype, strides (and
-    data pointer, for a torch tensor, whose storage can be swapped); None for a value the fast
-    path does not take (any other type)."""
+    data pointer, for a torch tensor, whose storage can be swapped, and whether it is on a CUDA
+    device: `.data =` may move it, with a new data pointer); None for a value the fast path does
+    not take (any other type). (A torch.Size is a tuple, equal to one and hashed as one.)"""
     if type(v) is np.ndarray:
         return (id(v), v.shape, v.dtype, v.strides, v.flags.writeable)
     if is_torch(v):
-        return (id(v), tuple(v.shape), v.dtype, v.stride(), v.data_ptr(), v.requires_grad, v.device.type)
+        return (id(v), v.shape, v.dtype, v.stride(), v.data_ptr(), v.requires_grad, v.is_cuda)
     if isinstance(v, list):
         parts = tuple(ident(x) for x in v)
         return None if None in parts else (id(v), len(v), parts)

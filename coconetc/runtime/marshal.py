@@ -63,9 +63,14 @@ def outputs(p: Program, sizes: dict, gs: int, rank: int, make: Callable[[tuple[i
 def scalars(args: Any, p: Program, values: dict, sizes: dict) -> None:
     """The size symbols (sorted by name) and the scalars (floats and integers apart)."""
     args.sizes = [sizes[s] for s in sorted(sizes)]
-    scal = [q for q in p.params if q.scalar]
-    args.scalars = [float(values[q.name]) if not q.type.dtype.startswith("i") else 0.0 for q in scal]
-    args.iscalars = [int(values[q.name]) if q.type.dtype.startswith("i") else 0 for q in scal]
+    floats: list[float] = []
+    ints: list[int] = []
+    for q in p.params:  # (one pass: a training step's host time counts)
+        if q.scalar:
+            integer = q.type.dtype.startswith("i")
+            floats.append(0.0 if integer else float(values[q.name]))
+            ints.append(int(values[q.name]) if integer else 0)
+    args.scalars, args.iscalars = floats, ints
 
 
 def as_torch(a: np.ndarray):
