@@ -246,8 +246,45 @@ def wrong(file: str) -> int:
         assert "schedule" in str(err), str(err)
     mod.sgd(g=g, w=w, lr=0.5)
     assert np.allclose(w, 1 - 0.5 * sum(range(1, R + 1))), w
+    repeats(mod, g, w)
     print(f"RANK {rank}: ok", flush=True)
     return 0
+
+
+def repeats(mod, g, w, **comm_kw) -> None:
+    """Calls that repeat an agreed one (the same buffers on every rank) agree by one round of
+    64-byte records, without the full exchange, and stay right; a scalar that differs on
+    rank 1 still raises on every rank, leaving w as it was; a rank that passes new buffers
+    sends every rank through the full exchange."""
+    from coconetc.runtime import cuda
+    full = []
+    exchange = cuda._exchange
+
+    def counted(*a, **k):
+        full.append(1)
+        return exchange(*a, **k)
+    cuda._exchange = counted
+    try:
+        want = w.copy()
+        for lr in (0.5, 0.25, 0.125):
+            mod.sgd(g=g, w=w, lr=lr, schedule="fused", **comm_kw)
+            want -= np.float32(lr) * np.float32(sum(range(1, R + 1)))
+            assert np.allclose(w, want), (lr, w, want)
+        assert len(full) <= 1, f"rank {rank}: {len(full)} full exchanges for repeated calls"  # (the first may)
+        before, n = w.copy(), len(full)
+        try:
+            mod.sgd(g=g, w=w, lr=0.75 if rank == 1 else 0.5, schedule="fused", **comm_kw)
+            raise AssertionError(f"rank {rank}: no error for a repeated call's scalar that differs")
+        except ValueError as err:
+            assert "scalar 'lr' differs" in str(err), str(err)
+        assert np.array_equal(w, before) and len(full) == n + 1, (w, before, full)
+        g2 = g.copy() if rank == 1 else g  # new buffers on rank 1 only
+        mod.sgd(g=g2, w=w, lr=0.5, schedule="fused", **comm_kw)
+        assert np.allclose(w, before - np.float32(0.5) * np.float32(sum(range(1, R + 1)))), w
+        assert len(full) == n + 2, full
+    finally:
+        cuda._exchange = exchange
+    print(f"RANK {rank}: repeats ok", flush=True)
 
 
 def torchpg(file: str) -> int:
@@ -272,6 +309,7 @@ def torchpg(file: str) -> int:
         assert "scalar 'lr' differs" in str(err), str(err)
     mod.sgd(g=g, w=w, lr=0.5, comm=c, schedule="fused")
     assert np.allclose(w, 1 - 0.5 * sum(range(1, R + 1))), w
+    repeats(mod, g, w, comm=c)
     dist.destroy_process_group()
     print(f"RANK {rank}: ok", flush=True)
     return 0

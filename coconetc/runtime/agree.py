@@ -124,6 +124,17 @@ class Channel:
         return _uniform(recv, send, config is not None, self.size, groups)
 
 
+def agreed_over(allgather: Callable[[bytearray], bytes], config: bytes | None, scalars: bytes, size: int,
+                groups: int) -> bool:
+    """Channel.agreed's round over another transport (a torch.distributed group): ALLGATHER
+    takes this rank's record and returns every rank's, in rank order. Not counted, and not
+    watched: the transport's own timeout applies."""
+    if size == 1:
+        return config is not None
+    send = _record(bytearray(RECORD), config, scalars)
+    return _uniform(bytearray(allgather(send)), send, config is not None, size, groups)
+
+
 def _record(send: bytearray, config: bytes | None, scalars: bytes) -> bytearray:
     """SEND filled with this rank's record: _FULL, or _FAST, the configuration digest and the
     scalars' bits (zero-padded)."""

@@ -10,8 +10,9 @@ A call checks on this rank, before anything runs: presence, dtype, device (the c
 device), rank, contiguity; then the shapes of all ranks are exchanged over MPI (when there is an
 MPI communicator) and bound to the program (ir/arguments.py), so sizes bound across ranks are
 checked identically everywhere. A call with the same tensors as a recent one (a training loop's
-step) checks only its scalars on this rank before that exchange (_Repeat). With a process group,
-the exchange goes over the group, or over a gloo group of its ranks where the group's object
+step) checks only its scalars on this rank, and the ranks exchange 64-byte records, not their
+descriptions, while every rank repeats an agreed call (_Repeat). With a process group, the
+exchange goes over the group, or over a gloo group of its ranks where the group's object
 collectives would go through the GPU (_host_group). Kernels and collectives run on the given
 CUDA stream (default: PyTorch's current stream); the call returns without synchronizing."""
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,17 +369,37 @@ def _guarded(ext: Any, comm: NcclComm, what: str, body, stream: int = 0, sync: A
     return result
 
 
-def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float) -> list[Any]:
-    """Every rank's `mine`: over MPI under the watchdog (runtime/agree.py), or over the
-    torch.distributed group's host group (_host_group; its own timeout applies)."""
+def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float, *, counted: bool = False) -> list[Any]:
+    """Every rank's `mine`: over MPI under the watchdog (runtime/agree.py; counted: the call
+    was counted by its record round), or over the torch.distributed group's host group
+    (_host_group; its own timeout applies)."""
     if comm.size == 1:
         return [mine]
     if comm.mpi is not None:
-        return agree.exchange(comm.mpi, mine, what, timeout)
+        return agree.exchange(comm.mpi, mine, what, timeout, counted=counted)
     import torch.distributed as dist
     everyone: list[Any] = [None] * comm.size
     dist.all_gather_object(everyone, mine, group=comm.host_group or comm.group)
     return everyone
+
+
+def _agree_record(comm: NcclComm, config: bytes | None, scalars: bytes, groups: int, what: str,
+                  timeout: float) -> bool:
+    """A call's record round (agree.Channel.agreed: True on every rank when every rank repeats
+    a call agreed with the same configuration digest, with the same scalar bits per group;
+    else False on every rank, and the full exchange follows): over MPI under the watchdog, or
+    as one all_gather of 64 bytes a rank over the process group's host group (where the full
+    exchange is an all_gather_object: two all_gathers and pickling)."""
+    if comm.mpi is not None:
+        return agree.channel(comm.mpi).agreed(config, scalars, groups, what, timeout, time.monotonic())
+    import torch
+    import torch.distributed as dist
+
+    def allgather(send: bytearray) -> bytes:
+        parts = [torch.empty(len(send), dtype=torch.uint8) for _ in range(comm.size)]
+        dist.all_gather(parts, torch.frombuffer(send, dtype=torch.uint8), group=comm.host_group or comm.group)
+        return b"".join(t.numpy().tobytes() for t in parts)
+    return agree.agreed_over(allgather, config, scalars, comm.size, groups)
 
 
 def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: str = "f32", *,
@@ -608,10 +630,12 @@ class _Repeat:
     for the next call with the same buffers (a training loop's step): that call checks its
     scalars and that its buffers are these, unchanged (fastpath.ident: the same objects, shapes,
     strides, dtypes, data pointers, requires_grad, device), not each tensor again, and reuses
-    the module's arguments (_run). It is then exchanged with the other ranks and agreed as any
-    call (scalars, shapes): only this rank's checks are skipped; at one rank, where there is no
-    one to agree with, it reuses what the remembered call's agreement bound. It holds its
-    buffers weakly: remembering a call keeps no memory alive."""
+    the module's arguments (_run). The ranks then agree as the CPU runtime's repeated calls do
+    (agree.py): one round of 64-byte records (this configuration's digest, the scalars' bits);
+    when every rank repeats the same agreed configuration with the same scalars, what its last
+    full agreement bound is reused, else every rank goes on to the full exchange (which says
+    what differs). At one rank there is no round. It holds its buffers weakly: remembering a
+    call keeps no memory alive."""
 
     comm: Any  # a weak reference to the communicator
     windows: int  # the communicator's window count then (a new window may hold a buffer)
@@ -627,8 +651,10 @@ class _Repeat:
     windowed: tuple
     ptrs: dict  # each tensor parameter's address (for the windows read in place)
     grad_check: bool  # a tensor the call updates requires grad: repeated only under torch.no_grad()
-    sizes: dict  # what the remembered call's agreement bound (the size symbols, the segments)
-    segments: Any
+    sizes: dict  # what the last full agreement of these buffers bound (the size symbols, the segments,
+    segments: Any  # the tensors in a window on every rank) and its configuration digest (_enter's
+    in_place: frozenset = frozenset()  # record round compares it): reused while every rank repeats
+    config: bytes | None = None
     run: Any = None  # the module function and its CallArgs, set by the call remembered (outside a batch)
     args: Any = None
 
@@ -698,8 +724,9 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
            kwargs: dict, ptr, extra: tuple = ()) -> tuple:
     """A call's entry, as the CPU runtime's (call.py): "auto" resolved to the tuner's choice for
     these arrays (auto.for_call), the label parsed, this rank's arguments
-    checked (`check(program)`), then one exchange with every rank of the communicator under
-    the watchdog (agree.py), so a wrong argument on any rank, or ranks that disagree on the
+    checked (`check(program)`), then (at more than one rank) the round of 64-byte records, which
+    ends the agreement when every rank repeats an agreed call with the same scalars (_Repeat),
+    else one exchange with every rank of the communicator under the watchdog (agree.py), so a wrong argument on any rank, or ranks that disagree on the
     schedule, groups, a scalar's bits or a shape (or, under COCONET_CHECK_REPLICATED, a
     replicated tensor's value: call.value_digest, which copies a CUDA tensor to the host after
     synchronizing the device) raise the same error on every rank before anything runs, and a
@@ -742,14 +769,24 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
     _refuse_aborted(comm, what)
-    everyone = _exchange(comm, mine, what, timeout)
+    if comm.size > 1:  # first the round of 64-byte records: enough when every rank repeats an agreed call
+        config = rep.config if rep is not None and mine[0] == "ok" else None
+        scal = agree.scalar_record(b"".join(b for _, _, b in mine[1][1])) if config else b""
+        if _agree_record(comm, config, scal, groups, what, timeout):
+            assert rep is not None and p is not None and label is not None
+            return label, p, local, rep.sizes, comm.size, rep.segments, rep.in_place, rep, True
+    everyone = _exchange(comm, mine, what, timeout, counted=True)
     sizes, segments = agreed(everyone, comm.rank, p, mine, fn._bound)
     assert p is not None and label is not None  # else agreed() raised this rank's error
     in_place = frozenset(mine[2]).intersection(*(item[2] for item in everyone))
-    if rep is not None:
+    config = agree.digest([(item[1][0], item[1][2], item[2]) for item in everyone])
+    if rep is not None:  # what this full agreement bound, for the next repeat
+        rep.config, rep.in_place, rep.sizes, rep.segments = config, in_place, sizes, segments
         return label, p, local, sizes, len(everyone), segments, in_place, rep, True
     rep = _remember(fn, schedule, comm, groups, kwargs, extra, label, p, local, head, mine, ptr, timeout,
                     sizes, segments)
+    if rep is not None:
+        rep.config, rep.in_place = config, in_place
     return label, p, local, sizes, len(everyone), segments, in_place, rep, False
 
 
