@@ -229,11 +229,14 @@ class _Watchdog:
         self.thread.start()
 
     def begin(self, what: str, limit: float) -> None:
+        """A call starts. The thread is not woken for it: a step on the GPU returns once its
+        work is queued, and waking the thread at every call made it poll (MPI, NCCL, the
+        events) during every step, holding the GIL and the lock against the caller; a call
+        that blocks is polled every 2 ms once the thread's current wait (at most 50 ms) ends."""
         import time
         with self.lock:
             self.call, self.last = (what, time.monotonic() + limit if limit else 0.0), what
             self.limit = limit
-        self.wake.set()
 
     def enqueued(self, stream: int) -> None:
         """The call's work is queued on `stream` (its cudaStream_t): an event recorded after it
