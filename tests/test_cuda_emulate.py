@@ -448,6 +448,25 @@ def test_a_process_group_wider_than_the_mpi_job_is_refused_with_what_to_run(monk
         cuda.nccl_comm(NoNccl(), process_group=object())
 
 
+def test_the_stream_a_call_runs_on(monkeypatch):
+    """stream= as given (a torch.cuda.Stream's cuda_stream, or a raw cudaStream_t int); else
+    torch's current stream of the current device, read as a raw handle (a GPU's torch), or
+    through torch.cuda.current_stream where torch has no such reader or no device is current."""
+    torch = pytest.importorskip("torch")
+    from coconetc.runtime import cuda
+
+    class Given:
+        cuda_stream = 1234
+    assert cuda._stream_handle(Given(), 0) == 1234
+    assert cuda._stream_handle(77, 0) == 77
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 500 + device, raising=False)
+    assert cuda._stream_handle(None, 3) == 503
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Given())
+    assert cuda._stream_handle(None, None) == 1234
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    assert cuda._stream_handle(None, 3) == 1234
+
+
 def test_load_backend_argument():
     import coconetc
     with pytest.raises(ValueError, match="backend must be 'cpu' or 'cuda'"):
