@@ -727,11 +727,12 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
            kwargs: dict, ptr, extra: tuple = ()) -> tuple:
     """A call's entry, as the CPU runtime's (call.py): "auto" resolved to the tuner's choice for
     these arrays (auto.for_call), the label parsed, this rank's arguments
-    checked (`check(program)`), then (at more than one rank) the round of 64-byte records, which
-    ends the agreement when every rank repeats an agreed call with the same scalars (_Repeat),
-    else one exchange with every rank of the communicator under the watchdog (agree.py), so a wrong argument on any rank, or ranks that disagree on the
-    schedule, groups, a scalar's bits or a shape (or, under COCONET_CHECK_REPLICATED, a
-    replicated tensor's value: call.value_digest, which copies a CUDA tensor to the host after
+    checked (`check(program)`), then (at more than one rank) the round of 64-byte records,
+    which ends the agreement when every rank repeats an agreed call with the same scalars
+    (_Repeat), else one exchange with every rank of the communicator under the watchdog
+    (agree.py), so a wrong argument on any rank, or ranks that disagree on the schedule,
+    groups, a scalar's bits or a shape (or, under COCONET_CHECK_REPLICATED, a replicated
+    tensor's value: call.value_digest, which copies a CUDA tensor to the host after
     synchronizing the device) raise the same error on every rank before anything runs, and a
     rank that never arrives ends the job. The exchange also carries which tensor arguments
     lie in a window of the communicator (window_empty) on this rank (ptr: a tensor's
