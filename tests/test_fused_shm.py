@@ -140,3 +140,41 @@ def test_generated_code_puts_collective_sources_in_the_window():
     for name, body in bodies.items():
         shared = "coconet::shared_scratch<coconet::half, 1>(comm," in body
         assert shared == (name in ("default", "fused")), (name, body[:400])
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_remembered_calls_keep_no_buffer_alive(framework: str):
+    """The loader remembers recent calls' buffers for the fast path (fastpath.Fast, Hot) by weak
+    references: arrays passed once and dropped are freed (a loop that passes new activations
+    each call kept the last 64 calls' alive), and the buffers still remembered still take the
+    hot path, exactly, or are checked again where the module's arguments must be laid out anew."""
+    pytest.importorskip("mpi4py")
+    torch = pytest.importorskip("torch") if framework == "torch" else None
+    import gc
+    import weakref
+
+    import coconetc
+    fn = coconetc.load(REPO / "examples" / "sgd.ccn", log=lambda msg: None).sgd
+
+    def array(v: float):
+        a = np.full(9, v, np.float32)
+        return torch.from_numpy(a) if torch is not None else a
+
+    dropped = []
+    for _ in range(5):
+        g, w = array(2.0), array(1.0)
+        fn(g=g, w=w, lr=0.5)
+        dropped += [weakref.ref(g), weakref.ref(w)]
+        del g, w
+    gc.collect()
+    assert [r for r in dropped if r() is not None] == [], "a remembered call keeps its buffers alive"
+    g, w = array(2.0), array(1.0)
+    for k in range(3):  # the same buffers: the hot path, its results exact
+        fn(g=g, w=w, lr=0.25)
+        assert np.array_equal(np.asarray(w), np.full(9, 1.0 - 0.5 * (k + 1), np.float32)), (k, w)
+    from coconetc.runtime.fastpath import slot_of
+    fast = fn._last[slot_of(fn, None, dict(g=g, w=w))]
+    assert fast.hot is not None
+    fast.hot, fast.sizes = None, None  # as if the ranks had bound other sizes: the buffers
+    fn(g=g, w=w, lr=0.25)  # are checked again (the remembered call holds none), the result exact
+    assert np.array_equal(np.asarray(w), np.full(9, 1.0 - 0.5 * 4, np.float32)), w

@@ -67,9 +67,7 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
         check_groups(fn.name, groups)
         check_names(p, kwargs)
         updated = {t for t, _ in p.updates}
-        values: dict[str, Any] = {}
-        for q in p.params:
-            values[q.name] = check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
+        values = checked_values(p, kwargs)
         both = overlapping(p, values)
         if both:
             raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory (the same "
@@ -83,6 +81,14 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
         return Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
     except (TypeError, ValueError, RuntimeError) as err:
         return failed(err, timeout)
+
+
+def checked_values(p: Program, kwargs: dict, *, tensors_only: bool = False) -> dict[str, Any]:
+    """Each argument (or each tensor argument) checked as the compiled code takes it
+    (ir/arguments.py: check_param): a NumPy array, or a view of a CPU tensor."""
+    updated = {t for t, _ in p.updates}
+    return {q.name: check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
+            for q in p.params if not (tensors_only and q.scalar)}
 
 
 def check_names(p: Program, kwargs: dict) -> None:

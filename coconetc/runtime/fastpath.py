@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,11 +30,13 @@ class Fast:
     """A recent call of a function on this thread (ProgramFunction._last), remembered so that a
     call with the same buffers (a training loop) skips the per-array checks and reuses the
     module's CallArgs: the
-    key (the buffers' identity, shape, dtype, strides), the objects (kept alive so that their
-    ids are not reused), what the checks returned, and the arguments built for the module."""
+    key (the buffers' identity, shape, dtype, strides), weak references to the buffers (an id
+    in the key may be a dead buffer's, reused: the references say whether these are the
+    buffers), what the checks returned (its scalars only: remembering a call keeps no buffer
+    alive), and the arguments built for the module."""
 
     key: tuple
-    refs: list
+    refs: tuple  # (name, a weak reference, or a list of them for segments) of each tensor argument
     local: Local
     shapes: dict
     scalars: list  # (name, is integer) of the scalar parameters, in order
@@ -59,9 +62,9 @@ class Hot:
     handle: int
     groups: int
     nkw: int
-    arrays: tuple  # (name, array, shape, strides, dtype, writeable) each
-    torch: tuple  # (name, tensor, shape, strides, dtype, data pointer, requires_grad) each
-    torch_updated: tuple  # the tensors the call updates in place (their versions are bumped)
+    arrays: tuple  # (name, weak reference to the array, shape, strides, dtype, writeable) each
+    torch: tuple  # (name, weak reference to the tensor, shape, strides, dtype, data pointer, requires_grad) each
+    torch_updated: tuple  # the names of the tensors the call updates in place (their versions are bumped)
     grad_check: bool  # an updated tensor requires grad: only under torch.no_grad()
     torch_out: bool  # outputs are returned as tensors
     scalars: tuple  # (name, is integer) each, in parameter order
@@ -117,9 +120,9 @@ def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
     if fast is None or fast.local.program is None or fast.key[0] != schedule:
         return None
     p = fast.local.program
-    if call_key(fn, schedule, groups, comm, kwargs, scalar_names(p)) != fast.key:
+    if call_key(fn, schedule, groups, comm, kwargs, scalar_names(p)) != fast.key or not alive(fast.refs, kwargs):
         return None
-    values = dict(fast.local.values)
+    values = dict(fast.local.values)  # (the scalars: the tensors are the module's CallArgs')
     try:
         for q in p.params:
             if q.scalar:
@@ -133,6 +136,24 @@ def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
 
 
 RECENT = 64  # calls (sets of buffers) remembered per function
+
+
+def weak(v: Any) -> Any:
+    """A weak reference to a buffer argument (a list of them for segments); TypeError where
+    one cannot be made."""
+    return [weakref.ref(x) for x in v] if isinstance(v, list) else weakref.ref(v)
+
+
+def alive(refs: tuple, kwargs: dict) -> bool:
+    """The call's buffer arguments are the objects REFS (Fast.refs) refer to, still alive."""
+    for name, r in refs:
+        v = kwargs.get(name)
+        if isinstance(r, list):
+            if not isinstance(v, list) or len(v) != len(r) or any(x() is not y for x, y in zip(r, v)):
+                return False
+        elif r() is not v:
+            return False
+    return True
 
 
 def slot_of(fn: Any, schedule, kwargs: dict) -> tuple:
@@ -150,7 +171,12 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
     if key is None:
         return
     scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
-    local.fast = Fast(key, list(kwargs.values()), local, local.shared[1][2], scalars)
+    try:
+        refs = tuple((n, weak(kwargs[n])) for n in fn._tensors)
+    except TypeError:  # a buffer that cannot be referred to weakly: not remembered
+        return
+    kept = replace(local, values={n: local.values[n] for n, _ in scalars}, torch_updated=[])
+    local.fast = Fast(key, refs, kept, local.shared[1][2], scalars)
     slot = slot_of(fn, schedule, kwargs)
     fn._last.pop(slot, None)
     fn._last[slot] = local.fast
@@ -168,10 +194,10 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
         updated = {t for t, _ in p.updates}
         local.fast.hot = Hot(
             comm=comm, world=MPI.COMM_WORLD, handle=comm.py2f(), groups=groups, nkw=len(kwargs),
-            arrays=tuple((k, v, v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),
-            torch=tuple((k, v, tuple(v.shape), v.stride(), v.dtype, v.data_ptr(), v.requires_grad)
+            arrays=tuple((k, weakref.ref(v), v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),
+            torch=tuple((k, weakref.ref(v), tuple(v.shape), v.stride(), v.dtype, v.data_ptr(), v.requires_grad)
                         for k, v in torches),
-            torch_updated=tuple(local.torch_updated),
+            torch_updated=tuple(k for k, _ in torches if k in updated),
             grad_check=any(v.requires_grad for k, v in torches if k in updated),
             torch_out=local.torch_out,
             scalars=tuple(scalars),
@@ -191,7 +217,7 @@ def hot_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None
         return None
     for name, a, shape, strides, dtype, writeable in hot.arrays:
         v = kwargs.get(name)
-        if v is not a or v.shape != shape or v.strides != strides or v.dtype is not dtype \
+        if a() is not v or v.shape != shape or v.strides != strides or v.dtype is not dtype \
                 or v.flags.writeable != writeable:
             return None
     if hot.torch and not hot_torch(hot, kwargs):
@@ -222,7 +248,7 @@ def hot_torch(hot: Hot, kwargs: dict) -> bool:
     general path raises for that)."""
     for name, t, shape, stride, dtype, ptr, grad in hot.torch:
         v = kwargs.get(name)
-        if v is not t or v.shape != shape or v.stride() != stride or v.dtype is not dtype \
+        if t() is not v or v.shape != shape or v.stride() != stride or v.dtype is not dtype \
                 or v.data_ptr() != ptr or v.requires_grad != grad:
             return False
     if hot.grad_check:
@@ -231,7 +257,7 @@ def hot_torch(hot: Hot, kwargs: dict) -> bool:
     return True
 
 
-def run_hot(ext: Any, fast: Fast, hot: Hot, vals: list):
+def run_hot(ext: Any, fast: Fast, hot: Hot, vals: list, kwargs: dict):
     """Runs the module function of an agreed repeated call (the hot path of __call__)."""
     args = fast.args
     if hot.floats_only:
@@ -250,7 +276,7 @@ def run_hot(ext: Any, fast: Fast, hot: Hot, vals: list):
     batch.invoke(ext, fast.run, args)
     if hot.torch_updated:
         import torch
-        torch.autograd.graph.increment_version(hot.torch_updated)
+        torch.autograd.graph.increment_version([kwargs[n] for n in hot.torch_updated])
     if outs and hot.torch_out:
         outs = [as_torch(o) for o in outs]
     return None if not outs else outs[0] if len(outs) == 1 else tuple(outs)

@@ -16,7 +16,7 @@ from coconetc.codegen.naming import function_name
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, layout, marshal, shm
-from coconetc.runtime.call import Local, agreed, check_local, check_replicated, failed
+from coconetc.runtime.call import Local, agreed, check_local, check_replicated, checked_values, failed
 from coconetc.runtime.fastpath import Fast, hot_check, remember, repeat, run_hot, slot_of
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.sourcefile import SourceFile
@@ -138,7 +138,7 @@ class ProgramFunction:
             if got is not None:
                 hot, start = fast.hot, time.monotonic()
                 if hot.channel.agreed(fast.config, got[1], groups, hot.what, hot.limit, start):
-                    return run_hot(self.ext, fast, hot, got[0])
+                    return run_hot(self.ext, fast, hot, got[0], kwargs)
                 return self._call(schedule, comm, groups, kwargs, start)
         return self._call(schedule, comm, groups, kwargs, None)
 
@@ -171,7 +171,7 @@ class ProgramFunction:
         assert local.program is not None and label is not None  # else agreed() raised this rank's error
         if local.fast is None:
             remember(self, schedule, groups, comm, kwargs, local, what)
-        out = self._run(local.program, local.values, sizes, segments, comm, groups, label, local)
+        out = self._run(local.program, local.values, sizes, segments, comm, groups, label, local, kwargs)
         if local.fast is not None:  # the next call with these buffers may take the hot path
             local.fast.config = config
         if local.torch_updated:
@@ -201,11 +201,14 @@ class ProgramFunction:
         return sizes, segments, agree.digest([(item[1][0], item[1][2]) for item in everyone])
 
     def _run(self, p: Program, arrays: dict, sizes: dict, segments, comm, groups: int,
-             label: ScheduleLabel, local: Local | None = None):
+             label: ScheduleLabel, local: Local | None = None, kwargs: dict | None = None):
         from mpi4py import MPI
         fast = local.fast if local is not None else None
         if fast is not None and fast.args is not None and fast.sizes == (sizes, segments):
             return self._run_again(p, arrays, fast, sizes, comm, groups)
+        if len(arrays) < len(p.params):  # a repeated call (fastpath.repeat) bound anew: its buffers
+            assert kwargs is not None  # (the remembered call keeps none), checked as they were
+            arrays = {**checked_values(p, kwargs, tensors_only=True), **arrays}
         args = self.ext.CallArgs()
         marshal.tensors(args, p, arrays, segments, marshal.host_ptr)
         gs = comm.Get_size() // groups
