@@ -6,7 +6,8 @@ dtype, flags or storage), the scalars packed with one struct, and the ranks exch
 persistent allgather (agree.Channel); any difference sends every rank through the full checks
 and exchange (call.py). Its speed matters (bench/call_overhead.py): add no work here. Under
 COCONET_CHECK_REPLICATED (call.check_replicated, read once per process) no call is given a hot
-path: every call's description then carries its replicated tensors' digests, in full."""
+path, nor repeat's: every call is checked in full, its description carrying its replicated
+tensors' digests (a remembered call holds its buffers weakly and its scalars only)."""
 
 from __future__ import annotations
 
