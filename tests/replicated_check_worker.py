@@ -73,7 +73,7 @@ def mode_on(fn, backend: str) -> None:
     for _ in range(3):  # calls that agree, with the same buffers (the CPU hot path, when off)
         fn(**good)
     if backend == "cpu":
-        assert all(f.hot is None for f in fn._last.values()), "a hot path under the check"
+        assert all(f.hot is None for f in fn.recent.values()), "a hot path under the check"
     w = good["w"]
     saved = w[N // 2]
     if rank == 1:

@@ -332,7 +332,7 @@ for i, lr in enumerate((0.25, 0.5, 0.125, 1.0)):  # the same buffers, new scalar
     mod.sgd(schedule="fused", g=g, w=w, lr=lr)
     ref -= np.float32(lr) * g
     assert np.array_equal(w, ref), (lr, w, ref)
-    reps = list(mod.sgd._repeats.values())
+    reps = mod.sgd.recent.values()
     assert len(reps) == 1 and reps[0].args is not None, reps
     assert args is None or reps[0].args is args, "the module's arguments were built again"
     args = reps[0].args

@@ -95,7 +95,7 @@ def test_repeated_call_hot_path_with_torch_tensors():
         assert t["w"]._version > before
         fn(g=g.copy(), **b, **hp, step=step)
         b = {k: v.copy() for k, v in b.items()}
-    assert any(f.hot is not None and f.hot.torch for f in fn._last.values())
+    assert any(f.hot is not None and f.hot.torch for f in fn.recent.values())
     for k in "wmv":
         assert np.array_equal(t[k].numpy(), b[k]), k
     w = t["w"].requires_grad_()
@@ -172,8 +172,7 @@ def test_remembered_calls_keep_no_buffer_alive(framework: str):
     for k in range(3):  # the same buffers: the hot path, its results exact
         fn(g=g, w=w, lr=0.25)
         assert np.array_equal(np.asarray(w), np.full(9, 1.0 - 0.5 * (k + 1), np.float32)), (k, w)
-    from coconetc.runtime.fastpath import slot_of
-    fast = fn._last[slot_of(fn, None, dict(g=g, w=w))]
+    fast = fn.recent.get(fn.recent.slot(None, dict(g=g, w=w)))
     assert fast.hot is not None
     fast.hot, fast.sizes = None, None  # as if the ranks had bound other sizes: the buffers
     fn(g=g, w=w, lr=0.25)  # are checked again (the remembered call holds none), the result exact

@@ -36,7 +36,7 @@ from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
 from coconetc.runtime.events import Events
-from coconetc.runtime.fastpath import RECENT, ident
+from coconetc.runtime.fastpath import Recent, held, same
 from coconetc.runtime.layout import TORCH_DTYPES, checked_shape
 from coconetc.runtime.loader import import_extension
 from coconetc.runtime.tuned import with_tuned
@@ -209,7 +209,6 @@ class _Watchdog:
 
     def __init__(self, ext: Any, comm: NcclComm):
         import ctypes
-        import threading
         self.ext, self.comm = ext, comm
         self.heard: list[tuple[int, str]] = []
         self.call: tuple[str, float] | None = None  # the call running: (what, deadline or 0)
@@ -527,9 +526,8 @@ class CudaProgram:
         self.source, self.file, self.target = "", "FILE", "cuda"
         self.tuned: list | None = None
         self.auto_memo: dict[tuple, str] = {}
-        self._repeats: dict[tuple, _Repeat] = {}  # recent calls by their buffers (_Repeat)
-        # the tensor parameters' names (every schedule of a program has its parameters)
-        self.buffers = tuple(q.name for q in next(iter(schedules.values())).params if not q.scalar)
+        # the recent agreed calls (_Repeat), by their buffers (fastpath.Recent)
+        self.recent = Recent(tuple(q.name for q in next(iter(schedules.values())).params if not q.scalar))
 
     def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
                          **sizes: int) -> str:
@@ -571,7 +569,7 @@ class CudaProgram:
             dev = torch.device("cuda", torch.cuda.current_device() if current is None else current)
             return torch.empty(shape, dtype=getattr(torch, TORCH_DTYPES[dtype]), device=dev)
         handle = _stream_handle(stream, current)
-        what = _call_name(self, label)
+        what = rep.what if rep is not None else _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed: no host sync
             _guarded(self.ext, comm, what, go, handle)
@@ -629,9 +627,9 @@ def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
 
 @dataclass
 class _Repeat:
-    """A call whose checks passed on every rank, remembered (CudaProgram._repeats, by its slot)
+    """A call whose checks passed on every rank, remembered (CudaProgram.recent, by its slot)
     for the next call with the same buffers (a training loop's step): that call checks its
-    scalars and that its buffers are these, unchanged (fastpath.ident: the same objects, shapes,
+    scalars and that its buffers are these, unchanged (fastpath.same: the same objects, shapes,
     strides, dtypes, data pointers, requires_grad, device), not each tensor again, and reuses
     the module's arguments (_run). The ranks then agree as the CPU runtime's repeated calls do
     (agree.py): one round of 64-byte records (this configuration's digest, the scalars' bits);
@@ -645,9 +643,10 @@ class _Repeat:
     nkw: int  # how many keyword arguments
     timeout_raw: Any  # COCONET_TIMEOUT as set then (agree.timeout_raw), and as read:
     timeout: float
-    buffers: tuple  # (name, weak reference, fastpath.ident) of each tensor parameter
+    buffers: tuple  # fastpath.held: (name, weak reference, ident) of each tensor parameter
     scalars: tuple  # the scalar parameters, in parameter order
     label: ScheduleLabel
+    what: str  # how errors name the call (_call_name)
     p: Program
     head: tuple
     shapes: dict
@@ -664,10 +663,9 @@ class _Repeat:
 
 def _slot(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
           extra: tuple) -> tuple:
-    """Where CudaProgram._repeats keeps a call: the thread, schedule, groups, communicator,
-    EXTRA and the tensor arguments' identities (hashing EXTRA may raise TypeError)."""
-    return (threading.get_ident(), schedule, type(groups), groups, id(comm), extra,
-            *[id(kwargs.get(n)) for n in fn.buffers])
+    """Where CudaProgram.recent keeps a call: beside the thread, schedule and buffers, the
+    groups, communicator and EXTRA (hashing EXTRA may raise TypeError)."""
+    return fn.recent.slot(schedule, kwargs, type(groups), groups, id(comm), extra)
 
 
 def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
@@ -675,19 +673,15 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     """The remembered call these arguments repeat, if any (never for "auto", which the full
     checks resolve, under COCONET_CHECK_REPLICATED, whose digests are of each call's values,
     nor inside a batch, which holds each call's own arguments until it ends)."""
-    if not fn._repeats or schedule == "auto" or batch.collecting():
+    if not fn.recent or schedule == "auto" or batch.collecting():
         return None  # (COCONET_CHECK_REPLICATED on: no call was remembered)
     try:
-        rep = fn._repeats.get(_slot(fn, schedule, comm, groups, kwargs, extra))
+        rep = fn.recent.get(_slot(fn, schedule, comm, groups, kwargs, extra))
     except TypeError:  # an unhashable stream= (the checks refuse it, on every rank)
         return None
     if rep is None or rep.args is None or rep.comm() is not comm or comm.windows != rep.windows \
-            or len(kwargs) != rep.nkw or agree.timeout_raw() != rep.timeout_raw:
+            or len(kwargs) != rep.nkw or agree.timeout_raw() != rep.timeout_raw or not same(rep.buffers, kwargs):
         return None
-    for name, ref, was in rep.buffers:
-        v = kwargs[name]
-        if ref() is not v or ident(v) != was:
-            return None
     if rep.grad_check:
         import torch
         if torch.is_grad_enabled():
@@ -707,19 +701,16 @@ def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
         return None  # a list of segments: not remembered
     try:
         slot = _slot(fn, schedule, comm, groups, kwargs, extra)
-        buffers = tuple((n, weakref.ref(kwargs[n]), ident(kwargs[n])) for n in tensors)
-    except TypeError:
+    except TypeError:  # an unhashable EXTRA
         return None
-    if any(i is None for _, _, i in buffers):
+    buffers = held(kwargs, fn.recent.names)
+    if buffers is None:
         return None
     grad = any(getattr(kwargs[t], "requires_grad", False) for t, _ in p.updates)
     rep = _Repeat(weakref.ref(comm), comm.windows, len(kwargs), agree.timeout_raw(), timeout, buffers,
-                  tuple(q for q in p.params if q.scalar), label, p, head, mine[1][2], mine[2],
-                  {n: ptr(local[n]) for n in tensors}, grad, sizes, segments)
-    fn._repeats.pop(slot, None)
-    fn._repeats[slot] = rep
-    while len(fn._repeats) > RECENT:  # the oldest first
-        del fn._repeats[next(iter(fn._repeats))]
+                  tuple(q for q in p.params if q.scalar), label, _call_name(fn, label), p, head, mine[1][2],
+                  mine[2], {n: ptr(local[n]) for n in tensors}, grad, sizes, segments)
+    fn.recent.put(slot, rep)
     return rep
 
 
@@ -753,10 +744,10 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
         if rep is not None:  # local: the scalars only (the tensors' addresses are rep's)
             label, p, head, timeout = rep.label, rep.p, rep.head, rep.timeout
             local = {q.name: _scalar(q, kwargs[q.name]) for q in rep.scalars}
+            what = rep.what
             if comm.size == 1:  # nothing to agree: what the remembered call's agreement bound
-                _refuse_aborted(comm, _call_name(fn, label))
+                _refuse_aborted(comm, what)
                 return label, p, local, rep.sizes, 1, rep.segments, frozenset(), rep, True
-            what = _call_name(fn, label)
             mine: tuple = ("ok", description(head, p, local, rep.shapes), rep.windowed)
         else:
             timeout = agree.timeout_s()
@@ -933,7 +924,7 @@ class EmulatedProgram(CudaProgram):
         comm = comm or self.owner.comm()
         label, p, local, sizes, ranks, segments, in_place, rep, repeated = _enter(
             self, schedule, comm, groups, lambda p: _check_local_numpy(p, kwargs), kwargs, marshal.host_ptr)
-        what = _call_name(self, label)
+        what = rep.what if rep is not None else _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed, synchronized
             _guarded(self.ext, comm, what, go, 0, self.ext.synchronize)

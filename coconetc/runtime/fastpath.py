@@ -22,22 +22,21 @@ import numpy as np
 from coconetc.ir.arguments import check_param, is_torch
 from coconetc.ir.storage import STORAGE
 from coconetc.runtime import agree, batch, shm
-from coconetc.runtime.call import PACK, Local, check_replicated, description, scalar_names, torch_updates
+from coconetc.runtime.call import PACK, Local, check_replicated, description, torch_updates
 from coconetc.runtime.marshal import as_torch, local_shape
 
 
 @dataclass
 class Fast:
-    """A recent call of a function on this thread (ProgramFunction._last), remembered so that a
+    """A recent call of a function on this thread (ProgramFunction.recent), remembered so that a
     call with the same buffers (a training loop) skips the per-array checks and reuses the
-    module's CallArgs: the
-    key (the buffers' identity, shape, dtype, strides), weak references to the buffers (an id
-    in the key may be a dead buffer's, reused: the references say whether these are the
-    buffers), what the checks returned (its scalars only: remembering a call keeps no buffer
-    alive), and the arguments built for the module."""
+    module's CallArgs: the key (schedule, groups, communicator, the keyword arguments' names in
+    order), the buffers as `held` keeps them (weak references and idents: remembering a call
+    keeps no buffer alive), what the checks returned (its scalars only), and the arguments
+    built for the module."""
 
     key: tuple
-    refs: tuple  # (name, a weak reference, or a list of them for segments) of each tensor argument
+    buffers: tuple  # held(): (name, weak reference(s), ident) of each tensor argument
     local: Local
     shapes: dict
     scalars: list  # (name, is integer) of the scalar parameters, in order
@@ -93,35 +92,80 @@ def ident(v: Any) -> tuple | None:
     return None
 
 
-def idents(kwargs: dict, scalars: frozenset) -> tuple | None:
-    """The call's arguments in order: a scalar parameter's name (its value is checked on every
-    call), each other (name, ident); None where a value has no ident."""
-    out: list = []
-    for k, v in kwargs.items():
-        if k in scalars:
-            out.append(k)
-            continue
+def held(kwargs: dict, names: tuple) -> tuple | None:
+    """What a remembered call keeps of its buffer arguments NAMES: (name, a weak reference (a
+    list of them for segments), ident) of each, so that remembering a call keeps no buffer
+    alive; None where a value has no ident or cannot be referred to weakly."""
+    out = []
+    for n in names:
+        v = kwargs[n]
         i = ident(v)
         if i is None:
             return None
-        out.append((k, i))
+        try:
+            out.append((n, [weakref.ref(x) for x in v] if isinstance(v, list) else weakref.ref(v), i))
+        except TypeError:
+            return None
     return tuple(out)
 
 
-def call_key(fn: Any, schedule, groups, comm, kwargs: dict, scalars: frozenset) -> tuple | None:
-    ids = idents(kwargs, scalars)
-    return None if ids is None else (schedule, groups, comm.py2f(), ids)
+def same(buffers: tuple, kwargs: dict) -> bool:
+    """The call passes the buffers BUFFERS (held()) refer to, alive and unchanged (ident: an id
+    in an ident may be a dead buffer's, reused; the references say whether these are they)."""
+    for name, r, was in buffers:
+        v = kwargs.get(name)
+        if isinstance(r, list):
+            if not isinstance(v, list) or len(v) != len(r) or any(x() is not y for x, y in zip(r, v)):
+                return False
+        elif r() is not v:
+            return False
+        if ident(v) != was:
+            return False
+    return True
+
+
+RECENT = 64  # calls (sets of buffers) remembered per function
+
+
+class Recent:
+    """A function's recent agreed calls (Fast on the CPU, cuda._Repeat), by slot: this thread,
+    the schedule, what else the backend says a repeat must share (groups, communicator,
+    device, stream) and the tensor arguments' identities. A training step calls a function for
+    several parameter groups in turn; at most RECENT are kept, the oldest dropped first."""
+
+    def __init__(self, names: tuple):
+        self.names = names  # the tensor parameters (every schedule of a program has its parameters)
+        self.calls: dict[tuple, Any] = {}
+
+    def slot(self, schedule, kwargs: dict, *extra) -> tuple:
+        """Where a call with these buffers is kept (hashing EXTRA may raise TypeError)."""
+        return (threading.get_ident(), schedule, *extra, *[id(kwargs.get(n)) for n in self.names])
+
+    def get(self, slot: tuple) -> Any:
+        return self.calls.get(slot)
+
+    def put(self, slot: tuple, call: Any) -> None:
+        self.calls.pop(slot, None)
+        self.calls[slot] = call
+        while len(self.calls) > RECENT:  # the oldest first
+            del self.calls[next(iter(self.calls))]
+
+    def values(self) -> list:
+        return list(self.calls.values())
+
+    def __bool__(self) -> bool:
+        return bool(self.calls)
 
 
 def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
     """This rank's checked arguments without checking each buffer again, when the call passes
     the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
     otherwise (the full checks run)."""
-    fast = fn._last.get(slot_of(fn, schedule, kwargs))
-    if fast is None or fast.local.program is None or fast.key[0] != schedule or check_replicated():
+    fast = fn.recent.get(fn.recent.slot(schedule, kwargs))
+    if fast is None or fast.local.program is None or check_replicated():
         return None  # (under COCONET_CHECK_REPLICATED the description digests the buffers: checked in full)
     p = fast.local.program
-    if call_key(fn, schedule, groups, comm, kwargs, scalar_names(p)) != fast.key or not alive(fast.refs, kwargs):
+    if fast.key != (schedule, groups, comm.py2f(), tuple(kwargs)) or not same(fast.buffers, kwargs):
         return None
     values = dict(fast.local.values)  # (the scalars: the tensors are the module's CallArgs')
     try:
@@ -136,53 +180,19 @@ def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
                    timeout=agree.timeout_s(), fast=fast)
 
 
-RECENT = 64  # calls (sets of buffers) remembered per function
-
-
-def weak(v: Any) -> Any:
-    """A weak reference to a buffer argument (a list of them for segments); TypeError where
-    one cannot be made."""
-    return [weakref.ref(x) for x in v] if isinstance(v, list) else weakref.ref(v)
-
-
-def alive(refs: tuple, kwargs: dict) -> bool:
-    """The call's buffer arguments are the objects REFS (Fast.refs) refer to, still alive."""
-    for name, r in refs:
-        v = kwargs.get(name)
-        if isinstance(r, list):
-            if not isinstance(v, list) or len(v) != len(r) or any(x() is not y for x, y in zip(r, v)):
-                return False
-        elif r() is not v:
-            return False
-    return True
-
-
-def slot_of(fn: Any, schedule, kwargs: dict) -> tuple:
-    """Where fn._last keeps a call with these buffers."""
-    return (threading.get_ident(), schedule, *map(id, map(kwargs.get, fn._tensors)))
-
-
 def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
               what: str) -> None:
     """After a call whose checks passed everywhere: remember its buffers for repeat (and,
     when every tensor is a NumPy array, for the hot path)."""
     p = local.program
     assert p is not None
-    key = call_key(fn, schedule, groups, comm, kwargs, scalar_names(p))
-    if key is None:
+    buffers = held(kwargs, fn.recent.names)
+    if buffers is None:
         return
     scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
-    try:
-        refs = tuple((n, weak(kwargs[n])) for n in fn._tensors)
-    except TypeError:  # a buffer that cannot be referred to weakly: not remembered
-        return
     kept = replace(local, values={n: local.values[n] for n, _ in scalars}, torch_updated=[])
-    local.fast = Fast(key, refs, kept, local.shared[1][2], scalars)
-    slot = slot_of(fn, schedule, kwargs)
-    fn._last.pop(slot, None)
-    fn._last[slot] = local.fast
-    while len(fn._last) > RECENT:  # the oldest first
-        del fn._last[next(iter(fn._last))]
+    local.fast = Fast((schedule, groups, comm.py2f(), tuple(kwargs)), buffers, kept, local.shared[1][2], scalars)
+    fn.recent.put(fn.recent.slot(schedule, kwargs), local.fast)
     tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
     arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
     torches = [(k, v) for k, v in tensors if type(v) is not np.ndarray and is_torch(v)

@@ -17,7 +17,7 @@ from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, layout, marshal, shm
 from coconetc.runtime.call import Local, agreed, check_local, check_replicated, checked_values, failed
-from coconetc.runtime.fastpath import Fast, hot_check, remember, repeat, run_hot, slot_of
+from coconetc.runtime.fastpath import Fast, Recent, hot_check, remember, repeat, run_hot
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.sourcefile import SourceFile
 from coconetc.toolchain.probes import require_cpu_extra
@@ -48,10 +48,8 @@ class ProgramFunction:
         self.tuned: list | None = None  # the tuning records of this program (schedule="auto")
         self.auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see call.agreed)
-        # the recent calls' buffers, by (thread, schedule, the tensor arguments' ids): a
-        # training step calls a function for several parameter groups in turn (see fastpath.repeat)
-        self._last: dict[tuple, Fast] = {}
-        self._tensors = tuple(q.name for q in schedules[DEFAULT].params if not q.scalar)
+        # the recent agreed calls (fastpath.Fast), by their buffers (fastpath.repeat)
+        self.recent = Recent(tuple(q.name for q in schedules[DEFAULT].params if not q.scalar))
         self._extra_checked = False
         base = schedules[DEFAULT]
         self.__doc__ = (f"{name}({', '.join(q.name for q in base.params)}, *, schedule=None, "
@@ -130,9 +128,8 @@ class ProgramFunction:
         return p
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
-        fast = self._last.get(slot_of(self, schedule, kwargs))
-        if fast is not None and fast.hot is not None and fast.config is not None \
-                and fast.key[0] == schedule:
+        fast = self.recent.get(self.recent.slot(schedule, kwargs))
+        if fast is not None and fast.hot is not None and fast.config is not None:
             # the hot path: the same NumPy buffers as an agreed call; one round of 64 bytes
             got = hot_check(fast.hot, comm, groups, kwargs)
             if got is not None:
