@@ -14,6 +14,8 @@ MODE comm   (3 ranks, any files): every program and schedule on ranks {0, 1} of 
             communicator).
 MODE crash  (2 ranks): rank 1 raises an uncaught exception while rank 0 waits in a call: the
             exception hook that `import coconetc` installs must abort the job.
+MODE crash_torch  (2 ranks): the same after torch.distributed.init_process_group (gloo), whose
+            own exception hook prints the traceback only after the hooks it wraps return.
 MODE stall  (2 ranks): rank 1 never arrives at the second call: the watchdog (COCONET_TIMEOUT)
             must abort the job and name rank 1."""
 
@@ -187,7 +189,7 @@ def check_repeated_call_scalar_differs(fn, rank, size, comm):
     args = _inputs(rank, size, "zero")
     for _ in range(3):
         fn(schedule="zero", **args)
-    if not any(f.config is not None and f.hot is not None for f in fn._last.values()):
+    if not any(f.config is not None and f.hot is not None for f in fn.recent.values()):
         return f"rank {rank}: the repeated calls did not take the hot path"
     for lr in (0.02, float(np.nextafter(np.float32(0.01), np.float32(1)))):
         why = _expect(fn, rank, {**args, "lr": lr if rank == 1 else 0.01}, ValueError,
@@ -283,6 +285,27 @@ def mode_crash(comm, files) -> int:
     return 0
 
 
+def mode_crash_torch(comm, files) -> int:
+    """As crash, under torch.distributed: init_process_group wraps the exception hook (its
+    traceback collected in memory, then printed with "[rankN]: "), so the abort must print it."""
+    import os
+
+    import torch.distributed as dist
+
+    import coconetc  # noqa: F401  (first, as a script would: its hook is the one torch's wraps)
+    port = comm.bcast(_free_port() if comm.Get_rank() == 0 else None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+    return mode_crash(comm, files)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def mode_stall(comm, files) -> int:
     import coconetc
     fn = coconetc.load(files[0], log=lambda msg: None).adam
@@ -301,7 +324,7 @@ def main() -> int:
     from mpi4py import MPI
     mode, files = sys.argv[1], sys.argv[2:]
     comm = MPI.COMM_WORLD
-    return 1 if {"calls": mode_calls, "comm": mode_comm, "crash": mode_crash,
+    return 1 if {"calls": mode_calls, "comm": mode_comm, "crash": mode_crash, "crash_torch": mode_crash_torch,
                  "stall": mode_stall}[mode](comm, files) else 0
 
 

@@ -104,6 +104,21 @@ def test_uncaught_exception_on_one_rank_ends_the_job(built, capfd):
     assert took < 60, f"the job took {took:.0f} s to end\n{log}"
 
 
+def test_uncaught_exception_under_torch_distributed_is_printed(built, capfd):
+    """As above after torch.distributed.init_process_group, whose exception hook collects the
+    traceback in memory and prints it after the hook it wraps returns (which aborts): the
+    traceback must still reach stderr, not end the job without a word."""
+    pytest.importorskip("torch")
+    rc, took, out, err, log = _launch(capfd, 2, "crash_torch", [ADAM], timeout=120,
+                                      env={"COCONET_TIMEOUT": "300"})
+    assert "FIRST CALL DONE 0" in out and "FIRST CALL DONE 1" in out, log
+    assert rc != 0, log
+    assert "KeyError: 'deliberate failure on rank 1'" in err, log
+    assert "uncaught KeyError on rank 1: aborting the MPI job" in err, log
+    assert "RANK 0 WAS NOT STOPPED" not in out, log
+    assert took < 60, f"the job took {took:.0f} s to end\n{log}"
+
+
 def test_rank_that_never_arrives_trips_the_watchdog(built, capfd):
     rc, took, out, err, log = _launch(capfd, 2, "stall", [ADAM], timeout=120,
                                       env={"COCONET_TIMEOUT": "3"})

@@ -29,9 +29,18 @@ def _abort_hook(previous):
         if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
             return  # MPI never started here: the launcher sees this process exit non-zero
         rank = mpi.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"coconet: uncaught {kind.__name__} on rank {rank}: aborting the MPI job "
-                         "(MPI_Abort) so that the other ranks do not wait for ever\n")
-        sys.stderr.flush()
+        note = (f"coconet: uncaught {kind.__name__} on rank {rank}: aborting the MPI job "
+                "(MPI_Abort) so that the other ranks do not wait for ever\n")
+        out = sys.stderr
+        kept = getattr(out, "getvalue", None)
+        if kept is not None and sys.__stderr__ is not None and out is not sys.__stderr__:
+            # a hook installed after this one (torch.distributed.init_process_group's, which
+            # prefixes "[rankN]: ") collects the traceback in memory to print it after this
+            # hook returns, which it never does: print it now, or the job ends without it
+            out = sys.__stderr__
+            out.write(kept())
+        out.write(note)
+        out.flush()
         mpi.COMM_WORLD.Abort(1)
 
     hook.coconet_abort = True  # type: ignore[attr-defined]
