@@ -16,7 +16,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_local = threading.local()
+class _Local(threading.local):
+    pending: list | None = None  # the calls held inside together() on this thread (a class
+    # default, so that reading it where it was never set is an attribute read, not a failed one)
+
+
+_local = _Local()
 
 
 def invoke(ext: Any, run: Any, args: Any, around: Any = None) -> None:
@@ -24,7 +29,7 @@ def invoke(ext: Any, run: Any, args: Any, around: Any = None) -> None:
     its end. around: None, or a function that runs its argument (a function of no arguments:
     the call, or the batch's calls together) as the module's calls must run (the emulated CUDA
     module's abort path and synchronization)."""
-    pending = getattr(_local, "pending", None)
+    pending = _local.pending
     if pending is not None:
         pending.append((ext, run, args, around))
     elif around is None:
@@ -35,14 +40,14 @@ def invoke(ext: Any, run: Any, args: Any, around: Any = None) -> None:
 
 def collecting() -> bool:
     """Inside together() on this thread: module calls are held until the block ends."""
-    return getattr(_local, "pending", None) is not None
+    return _local.pending is not None
 
 
 @contextmanager
 def together() -> Iterator[None]:
     """The module calls made in the block (on this thread) run as one batch at its end; if the
     block raises, none of them runs."""
-    if getattr(_local, "pending", None) is not None:
+    if _local.pending is not None:
         raise RuntimeError("coconetc: together() blocks do not nest")
     _local.pending = []
     try:
