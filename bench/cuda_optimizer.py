@@ -227,7 +227,9 @@ def run_table(table: str, n: int, vs: list[Variant], ranks: int, reps: int, dev:
                 if mw is not None and ref["master"] is not None:
                     row["max_abs_diff_master_vs_torch"] = float((mw.float() - ref["master"]).abs().max())
             del w, mw
-            t = common.device_timed(step, reps_n, warm)
+            owner = getattr(step, "__self__", None)  # DistributedOptimizer.step: past its module's trials
+            trials = common.fused_trials(owner._fn.ext) if hasattr(owner, "_fn") else 0
+            t = common.device_timed(step, reps_n, max(warm, trials + 1 - CHECK_STEPS))  # (+1: the deciding call)
             row["seconds"] = t
             row["host_seconds"] = common.host_timed(step, reps_n)
             nb = v.nbytes * n

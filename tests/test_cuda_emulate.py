@@ -747,7 +747,7 @@ def test_symmetric_kernel_is_chosen_at_run_time(built):
     for ranks in (1, 2):
         res, log, lines = _sym_run(ranks, 10, "auto")
         assert res.returncode == 0 and lines and all(ln.startswith("MATCH ") for ln in lines), log
-        assert res.stderr.count(SYMMETRIC + " (trial 1 of 4)") == SYM_UNITS * ranks, log
+        assert res.stderr.count(SYMMETRIC + " (trial 1 of 8)") == SYM_UNITS * ranks, log
         assert "runs the pipeline" not in res.stderr, log
     for ranks, algo, extra in [(2, "auto", {"COCONET_EMULATE_LSA_SIZE": "1"}),
                                (2, "auto", {"COCONET_EMULATE_NO_DEVICE_API": "1"}), (2, "pipeline", {})]:
@@ -759,7 +759,7 @@ def test_symmetric_kernel_is_chosen_at_run_time(built):
     assert "COCONET_CUDA_FUSED=symmetric, but fused fused0 cannot run over symmetric memory: not every rank" in log
 
 
-CHOICE = re.compile(r"rank (\d+) of \d+: fused0 runs the (symmetric kernel|pipeline) \((trial \d of 4(?:, timed)?|measured: "
+CHOICE = re.compile(r"rank (\d+) of \d+: fused0 runs the (symmetric kernel|pipeline) \((trial \d of 8(?:, timed)?|measured: "
                     r"symmetric [\d.]+ ms, pipeline [\d.]+ ms)\)")
 SLOWEST = re.compile(r"rank (\d+) of \d+: measured here .*; slowest rank's symmetric ([\d.]+) ms, pipeline ([\d.]+) ms")
 
@@ -767,20 +767,21 @@ SLOWEST = re.compile(r"rank (\d+) of \d+: measured here .*; slowest rank's symme
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_symmetric_choice_is_measured_and_agreed(tmp_path, ranks):
-    """auto where both algorithms can run: a unit's first 4 calls at a size alternate the symmetric
-    kernel and the pipeline (the last two timed by events), then every later call at that size
-    runs the faster by the slowest rank's times (an ncclMax over the ranks): every rank prints the
-    same agreed times, takes the same decision, the one those times give, at each size on its own
-    (10 and 1001 elements, 6 calls each), and every call matches the interpreter."""
+    """auto where both algorithms can run: a unit's first 8 calls at a size alternate the symmetric
+    kernel and the pipeline (all but the first two timed by events, three of each), then every
+    later call at that size runs the faster by the slowest rank's medians (an ncclMax over the
+    ranks): every rank prints the same agreed times, takes the same decision, the one those times
+    give, at each size on its own (10 and 1001 elements, 10 calls each), and every call matches
+    the interpreter."""
     (_, mods) = _sym_modules(tmp_path, cases=[("sgd", "sgd", "fused"), ("mixed_adam", "mixed_adam", "zero")])
-    sizes = ",".join(["10"] * 6 + ["1001"] * 6)
+    sizes = ",".join(["10"] * 10 + ["1001"] * 10)
     for (file, prog, sched), (name, so) in mods.items():
         res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
                       env={"COCONET_CUDA_FUSED": "auto", "COCONET_CUDA_FUSED_TRACE": "1"}, timeout=300)
         log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
         assert res.returncode == 0, log
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-        assert len(lines) == 12 and all(ln.startswith("MATCH ") for ln in lines), log
+        assert len(lines) == 20 and all(ln.startswith("MATCH ") for ln in lines), log
         runs: dict[int, list[tuple[str, str]]] = {}
         for m in CHOICE.finditer(res.stderr):
             runs.setdefault(int(m[1]), []).append((m[2], m[3].split(":")[0].split(" of")[0]))
@@ -790,10 +791,9 @@ def test_symmetric_choice_is_measured_and_agreed(tmp_path, ranks):
         assert sorted(runs) == sorted(slowest) == list(range(ranks)), log
         assert all(runs[r] == runs[0] and slowest[r] == slowest[0] for r in runs), log  # every rank the same
         assert len(slowest[0]) == 2, log  # one decision a size
-        trials = [("symmetric kernel", "trial 1"), ("pipeline", "trial 2"), ("symmetric kernel", "trial 3"),
-                  ("pipeline", "trial 4")]
+        trials = [("symmetric kernel" if t % 2 else "pipeline", f"trial {t}") for t in range(1, 9)]
         for k, (sym_ms, pipe_ms) in enumerate(slowest[0]):
-            calls = runs[0][6 * k:6 * k + 6]
+            calls = runs[0][10 * k:10 * k + 10]
             want = "symmetric kernel" if float(sym_ms) <= float(pipe_ms) else "pipeline"
             assert calls == trials + [(want, "measured")] * 2, (calls, sym_ms, pipe_ms, log)
 

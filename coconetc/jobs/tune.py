@@ -1,6 +1,6 @@
 """What every rank runs for `coconetc tune`: each candidate schedule of the (augmented) file
-timed on the same random inputs (one warm-up round, then --reps rounds of one call of each
-schedule; the median of each rank's calls, the slowest rank's median counted), then for each
+timed on the same random inputs (one warm-up round, for a CUDA module one more for each of
+auto's trial calls of its fused units, then --reps rounds of one call of each schedule; the median of each rank's calls, the slowest rank's median counted), then for each
 calling convention the fastest schedule checked once against the interpreter (the next
 fastest if it does not match). Rank 0 prints `PROGRESS i n label seconds` lines for the
 tuner's progress bar and writes the results as JSON to --out. A rank that fails stops the
@@ -77,14 +77,19 @@ def _time_all(fn, labels: list[str], base, inputs, comm, reps: int, gpu: bool) -
     rank = comm.Get_rank()
     mine = {x: adapt_inputs(inputs, base, _ir(fn, x))[rank] for x in labels}
     calls = {x: functools.partial(_prepare, fn, x, mine[x], gpu) for x in labels}
-    total, done = len(labels) * (max(1, reps) + 1), [0]
+    done = [0]
 
     def progress(label, k, seconds, out):
         done[0] += 1
         if rank == 0:
-            print(f"PROGRESS {done[0]} {total} {label} {seconds if k else 0.0!r}", flush=True)
+            print(f"PROGRESS {done[0]} {total} {label} {seconds if k >= warmup else 0.0!r}", flush=True)
 
-    times = timed_rounds(comm, calls, max(1, reps), warmup=1, seen=progress)
+    # a CUDA module's first calls at a size try both algorithms of its fused units (auto's
+    # trials: the module's fused_trial_calls): the warm-up rounds take every schedule past them
+    ext = getattr(getattr(fn, "fn", fn), "ext", None)
+    warmup = 1 + int(getattr(ext, "fused_trial_calls", 0))
+    total = len(labels) * (max(1, reps) + warmup)
+    times = timed_rounds(comm, calls, max(1, reps), warmup=warmup, seen=progress)
     return slowest_medians(comm, times)
 
 

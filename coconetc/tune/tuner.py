@@ -193,7 +193,8 @@ def _run_worker(ranks: int, argv: list[str], n: int, progress: bool, timeout: fl
                            show_pos=True, item_show_func=lambda s: s) as bar:
         for line in proc.stdout:
             if line.startswith("PROGRESS "):
-                _, _, _, label, secs = line.split()
+                _, _, total, label, secs = line.split()
+                bar.length = int(total)  # (the worker's count: a CUDA module warms up longer)
                 bar.update(1, f"{label}: {float(secs) * 1e3:.2f} ms" if progress else None)
             else:
                 sys.stdout.write(line)

@@ -119,14 +119,17 @@ inline FusedAlgo fused_algo() {
 
 // auto's measurement of one fused unit at one size on one communicator (choose_fused): its first
 // kTrialCalls calls alternate the algorithms (symmetric first), the first two untimed (they make
-// the window, the device communicator, the chunk buffers), the last two timed by events on the
-// call's stream; the next call takes, on every rank, the faster by the slowest rank's times.
-constexpr int kTrialCalls = 4;
+// the window, the device communicator, the chunk buffers), the other kTimedEach of each timed by
+// events on the call's stream; the next call takes, on every rank, the faster by the slowest
+// rank's medians. (One timed call of each decided by a single sample: on an H100 one algorithm's
+// step varied by up to 15% from run to run, as much as the two differ at 2^26 elements.)
+constexpr int kTimedEach = 3;
+constexpr int kTrialCalls = 2 + 2 * kTimedEach;
 struct Trial {
   int calls = 0;
-  cudaEvent_t start[2]{}, end[2]{};  // [0]: the symmetric kernel, [1]: the pipeline
+  cudaEvent_t start[2][kTimedEach]{}, end[2][kTimedEach]{};  // [0]: the symmetric kernel, [1]: the pipeline
   cudaEvent_t comm_done = nullptr;   // the comm stream's work joined before the end is recorded
-  float ms[2]{};                     // the slowest rank's times (after the decision)
+  float ms[2]{};                     // the slowest rank's medians (after the decision)
   int decided = -1;                  // 1: the symmetric kernel, 0: the pipeline
 };
 
@@ -285,16 +288,22 @@ inline bool fused_trace() {
 struct FusedChoice {
   bool symmetric = false;
   Trial* timed = nullptr;
-  int which = 0;
+  int which = 0;  // the algorithm timed ([0]: the symmetric kernel) and which of its timed calls
+  int sample = 0;
 };
 
 // auto's decision for trial t (collective: every rank decides at the same call): each
-// algorithm's time, the slowest rank's (ncclMax), the faster kept.
+// algorithm's median time here, the slowest rank's (ncclMax), the faster kept.
 inline void decide(Trial& t, const Ctx& c) {
   float ms[2];
   for (int i = 0; i < 2; ++i) {
-    COCONET_CUDA(cudaEventSynchronize(t.end[i]));  // (elapsed time is an error before both are reached)
-    COCONET_CUDA(cudaEventElapsedTime(&ms[i], t.start[i], t.end[i]));
+    float each[kTimedEach];
+    for (int j = 0; j < kTimedEach; ++j) {
+      COCONET_CUDA(cudaEventSynchronize(t.end[i][j]));  // (elapsed time is an error before both are reached)
+      COCONET_CUDA(cudaEventElapsedTime(&each[j], t.start[i][j], t.end[i][j]));
+    }
+    std::sort(each, each + kTimedEach);
+    ms[i] = each[kTimedEach / 2];
   }
   const float here[2] = {ms[0], ms[1]};
   agree(ms, 2, ncclFloat32, ncclMax, c);
@@ -333,15 +342,13 @@ inline FusedChoice choose_fused(const Ctx& c, const char* fn, const char* unit, 
       } else {
         const int k = t.calls++;
         ch.symmetric = k % 2 == 0;
-        if (k >= kTrialCalls - 2) {  // timed
-          const int i = ch.symmetric ? 0 : 1;
-          if (!t.start[i]) {
-            COCONET_CUDA(cudaEventCreate(&t.start[i]));
-            COCONET_CUDA(cudaEventCreate(&t.end[i]));
-          }
+        if (k >= 2) {  // timed
+          const int i = ch.symmetric ? 0 : 1, j = (k - 2) / 2;
+          COCONET_CUDA(cudaEventCreate(&t.start[i][j]));
+          COCONET_CUDA(cudaEventCreate(&t.end[i][j]));
           if (!t.comm_done) COCONET_CUDA(cudaEventCreateWithFlags(&t.comm_done, cudaEventDisableTiming));
-          COCONET_CUDA(cudaEventRecord(t.start[i], c.stream));
-          ch.timed = &t, ch.which = i;
+          COCONET_CUDA(cudaEventRecord(t.start[i][j], c.stream));
+          ch.timed = &t, ch.which = i, ch.sample = j;
         }
         std::snprintf(how, sizeof how, " (trial %d of %d%s)", k + 1, kTrialCalls, ch.timed ? ", timed" : "");
       }
@@ -359,7 +366,7 @@ inline void fused_done(const FusedChoice& ch, const Ctx& c) {
   if (!ch.timed) return;
   COCONET_CUDA(cudaEventRecord(ch.timed->comm_done, c.comm_stream));
   COCONET_CUDA(cudaStreamWaitEvent(c.stream, ch.timed->comm_done, 0));
-  COCONET_CUDA(cudaEventRecord(ch.timed->end[ch.which], c.stream));
+  COCONET_CUDA(cudaEventRecord(ch.timed->end[ch.which][ch.sample], c.stream));
 }
 
 // `bytes` rounded up to a whole number of NCCL_WIN_REQUIRED_ALIGNMENT (a window's size).
