@@ -112,14 +112,6 @@ def optimizer_step(src: Path, comm, g, w, hp: dict, shared_memory: bool | None =
     return step, p.detach().numpy()
 
 
-def fused_trials(ext: Any) -> int:
-    """How many first calls of a CUDA module's function at a size are auto's trials of its
-    fused units (the two algorithms alternated: runtime_cpp/coconet/cuda/symmetric.cuh,
-    kTrialCalls, which the module exports); 0 for another module. Warm up past them and the
-    call after them (which reads their times and decides) before timing the choice."""
-    return int(getattr(ext, "fused_trial_calls", 0))
-
-
 def device_timed(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     """Median over REPS calls of FN, in seconds, after WARMUP calls: on a GPU each call between
     two CUDA events (the GPU's time of the work the call queued, the Python call included when

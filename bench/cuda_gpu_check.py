@@ -136,7 +136,7 @@ def bench(n: int, archs: str, reps: int) -> list[dict]:
         def call(sched=sched, gg=gg, w=w, m=m, v=v):
             mod.adam(schedule=sched, comm=comm, g=gg, w=w, m=m, v=v, lr=1e-3, beta1=0.9, beta2=0.999,
                      eps=1e-8, step=1.0)
-        t = common.device_timed(call, reps, warmup=max(3, common.fused_trials(mod.ext) + 1))  # (+1: the deciding call)
+        t = common.device_timed(call, reps, warmup=max(3, runtime_cuda.fused_trial_calls(mod.ext) + 1))  # (+1: the deciding call)
         rows.append(dict(what=f"coconet adam [{sched}] (CUDA, NCCL R=1)", ms=t * 1e3, gbps=7 * 4 * n / t / 1e9))
     # one step of each from the same state: the generated fused step against torch's
     for sched in ("fused", "zero"):

@@ -185,6 +185,8 @@ def run_table(table: str, n: int, vs: list[Variant], ranks: int, reps: int, dev:
               copy_bw: dict[int, float]) -> list[dict]:
     """Every variant of TABLE at N elements, one after the other (each freed before the next)."""
     import torch
+
+    from coconetc.runtime.cuda import fused_trial_calls
     for nb in sorted({v.nbytes * n for v in vs} - set(copy_bw)):  # before anything else is allocated
         copy_bw[nb] = common.device_copy_bandwidth(nb)
         _free()
@@ -228,7 +230,7 @@ def run_table(table: str, n: int, vs: list[Variant], ranks: int, reps: int, dev:
                     row["max_abs_diff_master_vs_torch"] = float((mw.float() - ref["master"]).abs().max())
             del w, mw
             owner = getattr(step, "__self__", None)  # DistributedOptimizer.step: past its module's trials
-            trials = common.fused_trials(owner._fn.ext) if hasattr(owner, "_fn") else 0
+            trials = fused_trial_calls(owner._fn.ext) if hasattr(owner, "_fn") else 0
             t = common.device_timed(step, reps_n, max(warm, trials + 1 - CHECK_STEPS))  # (+1: the deciding call)
             row["seconds"] = t
             row["host_seconds"] = common.host_timed(step, reps_n)

@@ -1,8 +1,9 @@
 """What every rank runs for `coconetc tune`: each candidate schedule of the (augmented) file
 timed on the same random inputs (one warm-up round, for a CUDA module one more for each of
-auto's trial calls of its fused units, then --reps rounds of one call of each schedule; the median of each rank's calls, the slowest rank's median counted), then for each
-calling convention the fastest schedule checked once against the interpreter (the next
-fastest if it does not match). Rank 0 prints `PROGRESS i n label seconds` lines for the
+auto's trial calls of its fused units, then --reps rounds of one call of each schedule; the
+median of each rank's calls, the slowest rank's median counted), then for each calling
+convention the fastest schedule checked once against the interpreter (the next fastest if it
+does not match). Rank 0 prints `PROGRESS i n label seconds` lines for the
 tuner's progress bar and writes the results as JSON to --out. A rank that fails stops the
 whole job (MPI Abort). With --cuda the CUDA module runs on this node's GPUs: each call's inputs
 are copied to the GPU before it and the call is timed up to the GPU's end of it
@@ -25,6 +26,7 @@ from coconetc.jobs.timing import slowest_medians, timed_rounds
 from coconetc.jobs.verify import verify_call
 from coconetc.interp.interpreter import run
 from coconetc.oracle.inputs import adapt_inputs, random_inputs
+from coconetc.runtime.cuda import fused_trial_calls
 from coconetc.tune.space import convention
 
 
@@ -86,8 +88,7 @@ def _time_all(fn, labels: list[str], base, inputs, comm, reps: int, gpu: bool) -
 
     # a CUDA module's first calls at a size try both algorithms of its fused units (auto's
     # trials: the module's fused_trial_calls): the warm-up rounds take every schedule past them
-    ext = getattr(getattr(fn, "fn", fn), "ext", None)
-    warmup = 1 + int(getattr(ext, "fused_trial_calls", 0))
+    warmup = 1 + fused_trial_calls(getattr(getattr(fn, "fn", fn), "ext", None))
     total = len(labels) * (max(1, reps) + warmup)
     times = timed_rounds(comm, calls, max(1, reps), warmup=warmup, seen=progress)
     return slowest_medians(comm, times)

@@ -453,6 +453,14 @@ def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: 
 EMULATE = "COCONET_CUDA_EMULATE"
 
 
+def fused_trial_calls(ext: Any) -> int:
+    """How many first calls at a size of a function of the CUDA module EXT are auto's trials of
+    its fused units, alternating their two algorithms (symmetric.cuh: kTrialCalls, which the
+    module exports); 0 for another module. What is timed after them and the call after them
+    (which reads their times and decides) is the algorithm auto keeps."""
+    return int(getattr(ext, "fused_trial_calls", 0))
+
+
 def emulating() -> bool:
     """COCONET_CUDA_EMULATE=1 in the environment: the CUDA backend (coconetc.load(backend=
     "cuda"), DistributedOptimizer, coconetc.torch.function) builds its module for the host
@@ -690,8 +698,8 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
 
 
 def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict, extra: tuple,
-              label: ScheduleLabel, p: Program, local: dict, head: tuple, mine: tuple, ptr, timeout: float,
-              sizes: dict, segments: Any) -> _Repeat | None:
+              label: ScheduleLabel, what: str, p: Program, local: dict, head: tuple, mine: tuple, ptr,
+              timeout: float, sizes: dict, segments: Any) -> _Repeat | None:
     """After a call agreed on every rank: remember it for the next with the same buffers (its
     module function and arguments are added by _run)."""
     if schedule == "auto" or check_replicated() or batch.collecting():
@@ -708,7 +716,7 @@ def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
         return None
     grad = any(getattr(kwargs[t], "requires_grad", False) for t, _ in p.updates)
     rep = _Repeat(weakref.ref(comm), comm.windows, len(kwargs), agree.timeout_raw(), timeout, buffers,
-                  tuple(q for q in p.params if q.scalar), label, _call_name(fn, label), p, head, mine[1][2],
+                  tuple(q for q in p.params if q.scalar), label, what, p, head, mine[1][2],
                   mine[2], {n: ptr(local[n]) for n in tensors}, grad, sizes, segments)
     fn.recent.put(slot, rep)
     return rep
@@ -778,7 +786,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     if rep is not None:  # what this full agreement bound, for the next repeat
         rep.config, rep.in_place, rep.sizes, rep.segments = config, in_place, sizes, segments
         return label, p, local, sizes, len(everyone), segments, in_place, rep, True
-    rep = _remember(fn, schedule, comm, groups, kwargs, extra, label, p, local, head, mine, ptr, timeout,
+    rep = _remember(fn, schedule, comm, groups, kwargs, extra, label, what, p, local, head, mine, ptr, timeout,
                     sizes, segments)
     if rep is not None:
         rep.config, rep.in_place = config, in_place
