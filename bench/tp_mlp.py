@@ -18,7 +18,7 @@ torch.distributed's NCCL all-reduce (bench/cuda_gpu_session.sh runs it on one GP
 
 Run: python bench/tp_mlp.py [--backend cpu|cuda] [--dtype f32|bf16] [--b 8] [--s 512] [--h 1024,4096] [--ffn 4]
      [--schedules default,overlapped|all] [--grad-schedules default,overlapped|all]
-     [--ranks 2] [--reps 3] [--json PATH]"""
+     [--ranks 2] [--reps 3] [--json PATH] [--profile ROWS]"""
 
 from __future__ import annotations
 
@@ -148,9 +148,26 @@ def run_size(comm, a, h: int, path: Path, fwd: list[str], bwd: list[str]) -> dic
             if err > tol:
                 raise SystemExit(f"{key}: d_{name} differs from the first baseline's by {err:.2e} (relative)")
     t = common.timed_all(comm, fns, a.reps, warmup=1)
+    profile_kernels(fns, a.profile if gpu else 0)
     return {"baselines": {k: v for (kind, k), v in t.items() if kind == "b"},
             "coconet": {k: v for (kind, k), v in t.items() if kind == "c"}, "roofline": None,
             "shape": {"B": a.b, "S": a.s, "H": h, "F": f}}
+
+
+def profile_kernels(fns: dict, rows: int) -> None:
+    """Each variant's GPU kernels over 3 steps (torch.profiler: CUPTI sees the module's kernels
+    too), the ROWS that took the most device time, printed: where a variant's time goes."""
+    if rows <= 0:
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for (_, label), run in fns.items():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                run()
+        print(f"\n{label}: kernels over 3 steps")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70))
+    torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -168,6 +185,8 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                    help="on a GPU: print each variant's ROWS costliest kernels (torch.profiler)")
     a = ap.parse_args()
     path = ccn_file(a.dtype)
     if not common.in_mpi_job() and a.ranks > 1:  # one rank runs here (MPI's singleton): no mpiexec needed

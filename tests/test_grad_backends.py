@@ -186,3 +186,6 @@ def test_cuda_emulation_matches_interpreter(cache, tmp_path_factory):
     for ranks in (1, 3):
         _check(_launch(ranks, ["emulate", str(f), *_sizes()]), len(EMULATED))
     _check(_launch(3, ["emulate", str(f), *_sizes(**EMPTY)]), len(EMULATED))
+    # the column sums (a block a tile of 32 columns, 16 row lanes) over more than one tile and
+    # more rows than lanes (B * S = 54 rows, H = 37 and M = 35 columns), the row means over 37
+    _check(_launch(2, ["emulate", str(f), *_sizes(B=3, S=18, H=37, M=35)]), len(EMULATED))

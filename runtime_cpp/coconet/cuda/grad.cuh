@@ -4,8 +4,10 @@
 // Included at the end of runtime.cuh.
 //
 //   matmul_nt, matmul_tn   cuBLAS with a transposed operand (gemm_trans, runtime.cuh)
-//   sum_lead, sum_keep, mean_last, conv2d_dx, conv2d_dw
-//                          one thread per result element, accumulating in the compute type
+//   sum_lead, sum_keep     a block a tile of 32 columns, 16 row lanes (sum_mid)
+//   mean_last              a block a row
+//   conv2d_dx, conv2d_dw   one thread per result element
+//                          (all accumulating in the compute type)
 #pragma once
 
 namespace coconet {
@@ -23,39 +25,97 @@ void matmul_tn(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cu
   gemm_trans<T>(true, false, K, N, M, A, K, B, N, C, N, s);
 }
 
+// Sums over a middle dim: out[o, j] = sum over m of x[o, m, j] (x: outer x mid x inner). One block
+// of kColTile x kRowLanes threads a tile of kColTile adjacent columns of one o: lane (r, t) adds rows
+// r, r + kRowLanes, ... of column t (a warp reads kColTile adjacent elements of a row: coalesced),
+// then the block adds its kRowLanes partial sums per column in shared memory, in a fixed order
+// (deterministic). One thread a column walking every row (before) left a column sum of 4096 rows
+// a chain of 4096 dependent loads on few blocks: about a millisecond whatever the width.
+constexpr int kColTile = 32, kRowLanes = 16;
+
+template <class T>
+__global__ void sum_mid_kernel(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner) {
+  using A = compute_t<T>;
+  __shared__ A part[kRowLanes][kColTile + 1];
+  const int t = threadIdx.x % kColTile, r = threadIdx.x / kColTile;
+  const int64_t tiles = (inner + kColTile - 1) / kColTile;
+  for (int64_t b = blockIdx.x; b < outer * tiles; b += gridDim.x) {
+    const int64_t o = b / tiles, j = (b % tiles) * kColTile + t;
+    A acc = 0;
+    if (j < inner) {
+      const T* col = x + o * mid * inner + j;
+      for (int64_t m = r; m < mid; m += kRowLanes) acc += to_compute(col[m * inner]);
+    }
+    part[r][t] = acc;
+    __syncthreads();
+    if (r == 0 && j < inner) {
+      A s = part[0][t];
+      for (int k = 1; k < kRowLanes; ++k) s += part[k][t];
+      out[o * inner + j] = from_compute<T>(s);
+    }
+    __syncthreads();
+  }
+}
+
+template <class T>
+void sum_mid(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner, const Ctx& c) {
+  const int64_t work = outer * ((inner + kColTile - 1) / kColTile);
+  if (work <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
+  COCONET_ACCESS(COCONET_R(x, 0, outer * mid * inner), COCONET_W(out, 0, outer * inner));
+  const int64_t blocks = std::min<int64_t>(work, 65535);
+  void (*kernel)(const T*, T*, int64_t, int64_t, int64_t) = sum_mid_kernel<T>;
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kColTile * kRowLanes, 0, c.stream, x, out, outer, mid, inner);
+  COCONET_CUDA(cudaGetLastError());
+}
+
 // out[j] = sum over i of x[i, j] (x: outer x inner).
 template <class T>
 void sum_lead(const T* x, T* out, int64_t outer, int64_t inner, const Ctx& c) {
-  COCONET_ACCESS(COCONET_R(x, 0, outer * inner), COCONET_W(out, 0, inner));
-  launch(inner, c.stream, [=] __device__(int64_t j) {
-    compute_t<T> acc = 0;
-    for (int64_t i = 0; i < outer; ++i) acc += to_compute(x[i * inner + j]);
-    out[j] = from_compute<T>(acc);
-  });
+  sum_mid(x, out, 1, outer, inner, c);
 }
 
 // out[o, j] = sum over m of x[o, m, j] (x: outer x mid x inner; out: outer x 1 x inner).
 template <class T>
 void sum_keep(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner, const Ctx& c) {
-  COCONET_ACCESS(COCONET_R(x, 0, outer * mid * inner), COCONET_W(out, 0, outer * inner));
-  launch(outer * inner, c.stream, [=] __device__(int64_t i) {
-    const int64_t o = i / inner, j = i % inner;
-    compute_t<T> acc = 0;
-    for (int64_t m = 0; m < mid; ++m) acc += to_compute(x[(o * mid + m) * inner + j]);
-    out[i] = from_compute<T>(acc);
-  });
+  sum_mid(x, out, outer, mid, inner, c);
 }
 
-// out[r] = the mean of x[r, 0:h] (h = 0: NaN, as NumPy's mean of nothing).
+// out[r] = the mean of x[r, 0:h] (h = 0: NaN, as NumPy's mean of nothing): one block a row, its
+// threads striding the row (coalesced), their sums added in shared memory in a fixed order.
+constexpr int kRowThreads = 256;
+
+template <class T>
+__global__ void mean_last_kernel(const T* x, T* out, int64_t rows, int64_t h) {
+  using A = compute_t<T>;
+  __shared__ A part[kRowThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    A acc = 0;
+    for (int64_t j = threadIdx.x; j < h; j += kRowThreads) acc += to_compute(x[r * h + j]);
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = kRowThreads / 2; k > 0; k /= 2) {
+      if (int(threadIdx.x) < k) part[threadIdx.x] += part[threadIdx.x + k];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) out[r] = from_compute<T>(static_cast<A>(part[0] / static_cast<A>(h)));
+    __syncthreads();
+  }
+}
+
 template <class T>
 void mean_last(const T* x, T* out, int64_t rows, int64_t h, const Ctx& c) {
+  if (rows <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
   COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_W(out, 0, rows));
-  launch(rows, c.stream, [=] __device__(int64_t r) {
-    using A = compute_t<T>;
-    A acc = 0;
-    for (int64_t j = 0; j < h; ++j) acc += to_compute(x[r * h + j]);
-    out[r] = from_compute<T>(static_cast<A>(acc / static_cast<A>(h)));
-  });
+  const int64_t blocks = std::min<int64_t>(rows, 65535);
+  void (*kernel)(const T*, T*, int64_t, int64_t) = mean_last_kernel<T>;
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, c.stream, x, out, rows, h);
+  COCONET_CUDA(cudaGetLastError());
 }
 
 // dx[n, c, y, z] = sum over o, p, q of g[n, o, i, j] w[o, c, p, q] where y = i * stride + p - pad
