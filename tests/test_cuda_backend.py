@@ -111,7 +111,8 @@ def test_loops_use_the_shared_element_emitter(example):
 def test_pointwise_kernels_hoist_lets_and_vectorize(example):
     """Lets once per thread, before its elements; a vector path of 16 bytes of the widest type
     (f32: 4, f16: 8, f16 with f32: 4), taken when every operand pointer is aligned, a broadcast
-    operand read per lane through its coordinates; none where a value is stored at its gathered
+    operand read per lane through its coordinates (divided out once a vector, stepped by each
+    lane); none where a value is stored at its gathered
     place."""
     text = "\n".join(generate(example("adam.ccn"), "m").functions[("adam", "default")].body)
     head = text[text.index("launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_v, v_w, v_m1, v_v1, v_w1)"):]
@@ -125,7 +126,11 @@ def test_pointwise_kernels_hoist_lets_and_vectorize(example):
     mlp = generate(example("mlp_out.ccn"), "m", skip_unsupported=True).functions
     default = "\n".join(mlp[("mlp_out", "default")].body)  # f16 x and r as vectors, the broadcast bias per lane
     lanes = default[default.index("launch_threads<8>"):default.index("th.elements()")]
-    assert "aligned<8>(v_s, v_r, v_out)" in lanes and "int64_t rest = i;" in lanes and "v_b[c2 * int64_t(1)]" in lanes
+    assert "aligned<8>(v_s, v_r, v_out)" in lanes and "v_b[c2 * int64_t(1)]" in lanes
+    # the bias's coordinate divided out once a vector, then stepped lane by lane (no division in the lanes)
+    once, each = lanes.split("COCONET_UNROLL")
+    assert "cv2 = rest % L2;" in once and "%" not in each and "const int64_t c2 = cv2;" in each
+    assert "if (++cv2 == L2) cv2 = 0;" in each
     assert "launch_threads<1>(" in "\n".join(mlp[("mlp_out", "overlapped")].body)  # stored at its gathered place
     drop = "\n".join(generate(load_file(str(VECTOR_OPS)), "m").functions[("drop16", "default")].body)
     assert "launch_threads<8>" in drop and "static_cast<uint64_t>(i)" in drop.split("th.elements()")[0]  # lanes

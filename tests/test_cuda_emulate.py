@@ -104,6 +104,7 @@ def test_dropout_masks_identical_to_cpu_backend(built):
 
 
 VECTOR_OPS = REPO / "tests" / "programs" / "vector_ops.ccn"
+VECTOR_BCAST = REPO / "tests" / "programs" / "vector_bcast.ccn"
 
 
 def _counts(out: str, file: str, program: str, sched: str, off: int) -> dict[str, int]:
@@ -125,11 +126,14 @@ def test_vector_and_element_paths_match_interpreter(built, ranks):
     emulation counts the kernels launched on each path and the vector accesses made (a
     misaligned one would raise), so the vector path cannot silently be dead code. f32 (adam,
     fused at R = 1 reading its source directly), f16 with f32 (mixed_adam), pieces of scattered
-    tensors (lamb), f16 with dropout in the vector lanes (plain and fused), f64, and (at size
-    12: [12, 12, 12]) dropout with a bias read per lane through its coordinates."""
+    tensors (lamb), f16 with dropout in the vector lanes (plain and fused), f64, (at size
+    12: [12, 12, 12]) dropout with a bias read per lane through its coordinates, and operands read
+    through coordinates the lanes step (vector_bcast.ccn at [3, 3, 3] and [5, 5, 5]: a last dim
+    shorter than the vector, carries into every dim, a slice's offset)."""
     _emulated(VECTOR_OPS)
+    _emulated(VECTOR_BCAST)
     files = [str(EX / "adam.ccn"), str(EX / "mixed_adam.ccn"), str(EX / "lamb.ccn"), str(VECTOR_OPS),
-             str(EX / "residual_dropout.ccn") + "@12"]
+             str(EX / "residual_dropout.ccn") + "@12", str(VECTOR_BCAST) + "@3", str(VECTOR_BCAST) + "@5"]
     size = 40003
     for off in (0, 1):
         # the pipeline's kernels (at R > 1 `auto` would run adam's fused units as the symmetric kernel)
@@ -138,13 +142,15 @@ def test_vector_and_element_paths_match_interpreter(built, ranks):
         log = f"--- stdout\n{out}\n--- stderr\n{res.stderr[-4000:]}"
         assert res.returncode == 0, log
         lines = [ln for ln in out.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-        assert len(lines) >= 14 and all(ln.startswith("MATCH ") for ln in lines), log
+        assert len(lines) >= 20 and all(ln.startswith("MATCH ") for ln in lines), log
         for file, prog, sched in [("adam.ccn", "adam", "default"), ("adam.ccn", "adam", "fused"),
                                   ("mixed_adam.ccn", "mixed_adam", "default"), ("lamb.ccn", "lamb", "default"),
                                   ("vector_ops.ccn", "drop16", "default"), ("vector_ops.ccn", "drop16", "fused"),
-                                  ("vector_ops.ccn", "axpy64", "default"), ("residual_dropout.ccn", "f1", "default")]:
+                                  ("vector_ops.ccn", "axpy64", "default"), ("residual_dropout.ccn", "f1", "default"),
+                                  ("vector_bcast.ccn", "bcast16", "default"), ("vector_bcast.ccn", "rows32", "default"),
+                                  ("vector_bcast.ccn", "slice32", "default")]:
             c = _counts(out, file, prog, sched, off)  # rank 0: its slices start where the arrays do
-            least = 12 ** 3 // 4 * 3 // ranks if prog == "f1" else size // 8 // ranks
+            least = {"f1": 12 ** 3 // 4 * 3 // ranks, "bcast16": 3, "rows32": 6, "slice32": 3}.get(prog, size // 8 // ranks)
             if off == 0:
                 assert c["vector_kernels"] >= 1 and c["vector_accesses"] >= least, (file, sched, c)
             elif (file, sched) != ("lamb.ccn", "default"):  # lamb's norms are aligned scratch

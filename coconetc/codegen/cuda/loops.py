@@ -10,9 +10,10 @@ lanes unrolled; the host takes it at run time only when every operand pointer is
 of its elements (coconet::cuda::aligned), and the elements past the last whole group of V, or
 all of them otherwise, take the one-element path. Both paths use the element math of
 codegen/emit.py, the CPU loops' text, and the operand indexing of codegen/indexing.py; the
-vector lanes read an operand as in_<x>[u] where the element path reads v_<x>[index]. A kernel
-whose operands need coordinates (broadcasting) or that stores a gathered value at its global
-place has only the element path."""
+vector lanes read an operand as in_<x>[u] where the element path reads v_<x>[index]. An operand
+read through the element's coordinates (broadcasting) is read per lane, the coordinates divided
+out of the index once a vector and stepped lane by lane; a kernel that stores a gathered value at
+its global place has only the element path."""
 
 from __future__ import annotations
 
@@ -138,6 +139,27 @@ class CudaKernels:
         out += [f"(void)c{d};" for d in range(t.ndim) if not re.search(rf"\bc{d}\b", " ".join(body))]
         return out + (["(void)rest;"] if t.ndim == 0 else []) + body
 
+    @staticmethod
+    def _lane_coords(t: TType, body: list[str], defs: tuple[str, ...]) -> tuple[list[str], list[str]]:
+        """(lines before the lanes, each lane's body) for a vector whose lanes need coordinates:
+        the first lane's coordinates divided out of its index once (cv<k>), then each lane reads
+        them and steps them to the next element (the last dim's, carried into the dims before it
+        as far as the lowest one the body uses), where the element path divides per element.
+        The lanes' indices are consecutive (defs: the index i = the loop variable plus a base)."""
+        used = [d for d in range(t.ndim) if re.search(rf"\bc{d}\b", " ".join(body))]
+        if not used:
+            return [], body
+        low, last = used[0], t.ndim - 1
+        dims = range(last, low - 1, -1)
+        head = [f"int64_t {', '.join(f'cv{d} = 0' for d in dims)};  // the first lane's coordinates, stepped by "
+                "each lane", "{", *(f"  {line}" for line in defs), "  int64_t rest = i;"]
+        head += [f"  cv{d} = rest;" if d == 0 else f"  cv{d} = rest % L{d}; rest /= L{d};" for d in dims]
+        head += ["  (void)rest;", "}"]
+        step = f"++cv{low};" if low == 0 else f"if (++cv{low} == L{low}) cv{low} = 0;"
+        for d in range(low + 1, last + 1):
+            step = f"if (++cv{d} == L{d}) {{ cv{d} = 0; {step} }}"
+        return head, [*(f"const int64_t c{d} = cv{d};" for d in used), *body, step]
+
     def _vector_operands(self, t: TType, k: Kernel, items: Items,
                          outs: Outs) -> tuple[int, dict[str, str]] | None:
         """(V, pointer at var = 0 of each operand read or stored V elements at a time), or None
@@ -194,8 +216,6 @@ class CudaKernels:
             by_type.setdefault(CTYPE[self.w.types[s].dtype], []).append(f"out_{s}")
         for ct, names in by_type.items():
             self.w.emit(f"{ind}  coconet::cuda::Vec<{ct}, {V}> {', '.join(names)};")
-        self.w.emit(f"{ind}  COCONET_UNROLL")
-        self.w.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
         base = self.idx.loader(t)
 
         def load(r: Ref) -> str:
@@ -203,10 +223,24 @@ class CudaKernels:
                 return f"coconet::to_compute(in_{r.name}[u])"
             return base(r)
         first = {name: targets[:1] for name, targets in outs.items()}  # each lane's value once (stored to each target)
-        body = self.with_coords(t, coords, self.body(t, items, {}, load, first, lambda target, name: f"out_{name}[u]"))
+        body = self.body(t, items, {}, load, first, lambda target, name: f"out_{name}[u]")
+        if coords:
+            head, body = self._lane_coords(t, body, (f"const int64_t {k.var} = {v0};", *k.defs))
+            for line in head:
+                self.w.emit(f"{ind}  {line}")
+        self.w.emit(f"{ind}  COCONET_UNROLL")
+        self.w.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
         for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
             self.w.emit(f"{ind}    {line}")
         self.w.emit(f"{ind}  }}")
+        for line in self._vector_stores(k, outs, stored, V, ptrs, v0):
+            self.w.emit(f"{ind}  {line}")
+        self.w.emit(f"{ind}}}")
+
+    @staticmethod
+    def _vector_stores(k: Kernel, outs: Outs, stored: list[str], V: int, ptrs: dict[str, str], v0: str) -> list[str]:
+        """Each stored value's vector written to each of its targets."""
+        out = []
         for s in stored:
             for n in range(len(outs[s])):
                 ptr = ptrs[f"out {s}" + (f" {n}" if n else "")]
@@ -215,8 +249,8 @@ class CudaKernels:
                     # value is computed in place, the item's own store, which it need not repeat)
                     own = ptrs[f"out {s}"]
                     store = f"if (static_cast<const void*>({ptr}) != static_cast<const void*>({own})) {store}"
-                self.w.emit(f"{ind}  {store}")
-        self.w.emit(f"{ind}}}")
+                out.append(store)
+        return out
 
     def body(self, t: TType, items: Items, regs: dict[str, str], base, outs, target) -> list[str]:
         """The element math of every item over t (codegen/pointwise.py: values), stored where
