@@ -291,6 +291,22 @@ def test_run_emulate_command(built, tmp_path):
     assert "s [default]: skipped: an allgather of a sliced scattered tensor" in res.stdout, res.stdout
 
 
+
+@pytest.mark.slow
+def test_row_kernels_wider_than_a_block(built):
+    """The layernorm kernel (a block of 256 threads a row) and the derived program's row means
+    (mean_last, likewise) over rows of H = 300, so that threads take more than one element of a
+    row, against the interpreter: attn_out's schedules (layernorm unit, sliced, fused row phase)
+    and its derived program."""
+    sizes = ["--size", "B=2", "--size", "S=3", "--size", "H=300"]
+    res = _cli("run", str(EX / "layernorm.ccn"), "-p", "attn_out", "-s", "all", "--backend", "cuda", "--emulate",
+               "--ranks", "2", *sizes)
+    assert res.returncode == 0 and res.stdout.count("matches the interpreter on every rank") == 3, \
+        res.stdout + res.stderr
+    res = _cli("run", str(EX / "layernorm.ccn"), "-p", "attn_out", "--grad", "--backend", "cuda", "--emulate",
+               "--ranks", "2", *sizes)
+    assert res.returncode == 0 and "matches the interpreter on every rank" in res.stdout, res.stdout + res.stderr
+
 CALLS = r"""
 import sys
 import numpy as np

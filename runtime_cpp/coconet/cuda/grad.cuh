@@ -83,25 +83,17 @@ void sum_keep(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner, con
   sum_mid(x, out, outer, mid, inner, c);
 }
 
-// out[r] = the mean of x[r, 0:h] (h = 0: NaN, as NumPy's mean of nothing): one block a row, its
-// threads striding the row (coalesced), their sums added in shared memory in a fixed order.
-constexpr int kRowThreads = 256;
-
+// out[r] = the mean of x[r, 0:h] (h = 0: NaN, as NumPy's mean of nothing): a block a row, its
+// threads striding the row (coalesced), their sums added by block_sum (runtime.cuh).
 template <class T>
 __global__ void mean_last_kernel(const T* x, T* out, int64_t rows, int64_t h) {
   using A = compute_t<T>;
   __shared__ A part[kRowThreads];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     A acc = 0;
-    for (int64_t j = threadIdx.x; j < h; j += kRowThreads) acc += to_compute(x[r * h + j]);
-    part[threadIdx.x] = acc;
-    __syncthreads();
-    for (int k = kRowThreads / 2; k > 0; k /= 2) {
-      if (int(threadIdx.x) < k) part[threadIdx.x] += part[threadIdx.x + k];
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) out[r] = from_compute<T>(static_cast<A>(part[0] / static_cast<A>(h)));
-    __syncthreads();
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) acc += to_compute(x[r * h + j]);
+    const A total = block_sum(part, acc);
+    if (threadIdx.x == 0) out[r] = from_compute<T>(static_cast<A>(total / static_cast<A>(h)));
   }
 }
 

@@ -586,21 +586,69 @@ void reduce_extreme(const T* x, T* dst, int64_t n, bool cross_rank, const Ctx& c
   finish_extreme<T, MAX>(acc, dst, c);
 }
 
-// layernorm over the last dim: one thread per row.
-template <class T>
-__global__ void layernorm_kernel(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y) {
-  for (int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; r < rows; r += int64_t(gridDim.x) * blockDim.x)
-    layernorm_row(x + r * H, g, b, static_cast<compute_t<T>>(eps), H, y + r * H);
+// The sum of v over the block's threads (blockDim.x a power of two, at most kRowThreads), added
+// in shared memory in a fixed order (deterministic); every thread gets it.
+constexpr int kRowThreads = 256;
+template <class A>
+__device__ A block_sum(A* part, A v) {
+  part[threadIdx.x] = v;
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k /= 2) {
+    if (int(threadIdx.x) < k) part[threadIdx.x] += part[threadIdx.x + k];
+    __syncthreads();
+  }
+  const A total = part[0];
+  __syncthreads();  // every thread has read it before part is written again
+  return total;
 }
+
+// eps of a layernorm: a literal, or a computed 0-d value in device memory
+COCONET_HD inline double eps_value(double eps) { return eps; }
+template <class E>
+COCONET_HD inline double eps_value(const E* eps) { return double(to_compute(eps[0])); }
+
+// layernorm over the last dim: a block of kRowThreads threads a row, striding it (coalesced);
+// layernorm_row's two passes (pointwise.h: the mean, then the mean squared deviation, in the
+// compute type), each pass's partial sums added by block_sum. (One thread a row, before, read
+// its row alone: a chain of dependent, uncoalesced loads H long.)
+template <class T, class EPS>
+__global__ void layernorm_kernel(const T* x, const T* g, const T* b, EPS eps, int64_t rows, int64_t H, T* y) {
+  using C = compute_t<T>;
+  __shared__ C part[kRowThreads];
+  const C e = static_cast<C>(eps_value(eps));
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * H;
+    C s = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += to_compute(xr[j]);
+    const C mean = block_sum(part, s) / static_cast<C>(H);
+    C q = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      const C d = to_compute(xr[j]) - mean;
+      q += d * d;
+    }
+    const C inv = C(1) / std::sqrt(block_sum(part, q) / static_cast<C>(H) + e);
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
+      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+  }
+}
+
+// EPS: a double (a literal) or const E* (a computed 0-d value in device memory, read by each block)
+template <class T, class EPS>
+void layernorm_rows(const T* x, const T* g, const T* b, EPS eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
+  if (rows <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
+  const int64_t blocks = std::min<int64_t>(rows, 65535);
+  void (*kernel)(const T*, const T*, const T*, EPS, int64_t, int64_t, T*) = layernorm_kernel<T, EPS>;
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, c.stream, x, g, b, eps, rows, H, y);
+  COCONET_CUDA(cudaGetLastError());
+}
+
 template <class T>
 void layernorm(const T* x, const T* g, const T* b, double eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
-  if (rows <= 0) return;
-  int64_t blocks = (rows + 127) / 128;
-  if (blocks > 65536) blocks = 65536;
-  void (*kernel)(const T*, const T*, const T*, double, int64_t, int64_t, T*) = layernorm_kernel<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_W(y, 0, rows * H));
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), 128, 0, c.stream, x, g, b, eps, rows, H, y);
-  COCONET_CUDA(cudaGetLastError());
+  layernorm_rows(x, g, b, eps, rows, H, y, c);
 }
 
 // conv2d NCHW x OIHW, one thread per output element, accumulated in double.
@@ -1181,16 +1229,12 @@ void send_shift(const Segs<T>& x, T* y, int64_t n, bool next, const Ctx& c) {
 
 // ---- layernorm with a computed eps ---------------------------------------------------------------
 
-// layernorm over the last dim whose eps is a computed 0-d value in device memory (read by each
-// thread): one thread per row, in the compute type, as layernorm_kernel.
+// layernorm over the last dim whose eps is a computed 0-d value in device memory: layernorm_kernel.
 template <class T, class E>
 void layernorm(const T* x, const T* g, const T* b, const E* eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
-  using C = compute_t<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_R(eps, 0, 1),
                  COCONET_W(y, 0, rows * H));
-  launch(rows, c.stream, [=] __device__ (int64_t r) {
-    layernorm_row(x + r * H, g, b, static_cast<C>(double(to_compute(eps[0]))), H, y + r * H);
-  });
+  layernorm_rows(x, g, b, eps, rows, H, y, c);
 }
 
 // ---- communicators -----------------------------------------------------------------------------
