@@ -13,7 +13,7 @@ from coconetc.codegen.cuda.loops import CudaKernels, Kernel, Outs
 from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.emit import COMPUTE, CTYPE
 from coconetc.codegen.indexing import Indexing
-from coconetc.codegen.pointwise import layernorm_eps, layernorm_row, layernorm_value
+from coconetc.codegen.pointwise import layernorm_eps
 from coconetc.ir.nodes import Expr, Op, Ref, walk
 from coconetc.plan.units import Fused, Reduce, Unit
 
@@ -295,7 +295,7 @@ class CudaFused:
 
     def _chunk_kernel(self, u: Fused) -> None:
         """The chunk's phases in order: a pointwise phase is one kernel over the chunk's
-        elements, a row-wise phase (layernorm) one kernel of a thread per row of the chunk
+        elements, a row-wise phase (layernorm) one kernel of a block per row of the chunk
         (chunks hold whole rows); a value crossing phases is read from its buffer."""
         saved = dict(self.w.consts)
         t = u.type
@@ -343,18 +343,16 @@ class CudaFused:
         self.w.consts = saved
 
     def _chunk_rows(self, u: Fused, item, runs: str, gstore: bool) -> None:
-        """layernorm over the chunk's whole rows, one thread per row (as the layernorm kernel),
-        in the compute type; x is the reduced chunk or a value stored by an earlier phase."""
+        """layernorm over the chunk's whole rows, a block per row (coconet::cuda::launch_rows and
+        layernorm_row_block, as the layernorm unit's kernel), in the compute type; x is the
+        reduced chunk or a value stored by an earlier phase."""
         assert isinstance(item.expr, Op) and item.expr.op == "layernorm", item
         x, g, b, eps = item.expr.args
         assert isinstance(x, Ref) and isinstance(g, Ref) and isinstance(b, Ref)
         t = self.w.types[item.name]
         C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
         H = self.w.ldims(t)[-1]
-
-        def X(idx: str) -> str:
-            return (f"coconet::to_compute(red[{idx} - lo])" if x.name == u.collective
-                    else f"coconet::to_compute(v_{x.name}[{idx}])")
+        xr = "red + (row - lo)" if x.name == u.collective else f"v_{x.name} + row"
         spans = ["COCONET_R(red, 0, hi - lo)" if x.name == u.collective else f"COCONET_R(v_{x.name}, lo, hi)",
                  f"COCONET_RA(v_{g.name})", f"COCONET_RA(v_{b.name})"]
         if item.store:
@@ -364,21 +362,23 @@ class CudaFused:
             self.w.emit(f"    COCONET_ACCESS_RUNS({runs}, {', '.join(spans)});")
         else:
             self.w.emit(f"    COCONET_ACCESS({', '.join(spans)});")
-        self.w.emit(f"    coconet::cuda::launch((hi - lo) / ({H}), stream, [=] __device__ (int64_t q) {{"
-                  f"  // layernorm {item.name}, a thread per row")
-        self.w.emit(f"    const int64_t row = lo + q * ({H});")
-        for line in layernorm_row(C, H, X, "c", layernorm_eps(eps)):
-            self.w.emit(f"    {line}")
-        self.w.emit("      const int64_t i = row + c;")
-        self.w.emit(f"      const {C} x_{item.name} = {layernorm_value(T, X('i'), g.name, b.name, 'c')};")
+        self.w.emit(f"    coconet::cuda::launch_rows<{C}>((hi - lo) / ({H}), stream, [=] __device__ (int64_t q, {C}* part) {{"
+                  f"  // layernorm {item.name}, a block per row")
+        self.w.emit(f"      const int64_t row = lo + q * ({H});")
+        self.w.emit(f"      coconet::cuda::layernorm_row_block({xr}, v_{g.name}, v_{b.name}, "
+                  f"static_cast<{C}>({layernorm_eps(eps)}), {H}, part, [&](int64_t c, {C} v) {{")
+        self.w.emit("        const int64_t i = row + c;")
+        self.w.emit(f"        const {C} x_{item.name} = coconet::round_to<{T}>(v);")
         if item.store:
-            self.w.emit(f"      v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
+            self.w.emit(f"        v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
         if gathered:
             gg = self.w.gdims(self.w.types[u.gather])
             d = u.type.layout.dim
-            self.w.emit(f"      v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
+            self.w.emit(f"        v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
                       f"coconet::from_compute<{T}>(x_{item.name});")
-        self.w.emit("    }")
+        if not item.store and not gathered:
+            self.w.emit(f"        (void)i; (void)x_{item.name};")
+        self.w.emit("      });")
         self.w.emit("    });")
 
     def _gather_store(self, u: Fused):

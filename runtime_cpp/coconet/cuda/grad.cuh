@@ -83,31 +83,18 @@ void sum_keep(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner, con
   sum_mid(x, out, outer, mid, inner, c);
 }
 
-// out[r] = the mean of x[r, 0:h] (h = 0: NaN, as NumPy's mean of nothing): a block a row, its
-// threads striding the row (coalesced), their sums added by block_sum (runtime.cuh).
+// out[r] = the mean of x[r, 0:h] (h = 0: NaN, as NumPy's mean of nothing): a block a row
+// (launch_rows), its threads striding the row (coalesced), their sums added by block_sum.
 template <class T>
-__global__ void mean_last_kernel(const T* x, T* out, int64_t rows, int64_t h) {
+void mean_last(const T* x, T* out, int64_t rows, int64_t h, const Ctx& c) {
   using A = compute_t<T>;
-  __shared__ A part[kRowThreads];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+  COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_W(out, 0, rows));
+  launch_rows<A>(rows, c.stream, [=] __device__(int64_t r, A* part) {
     A acc = 0;
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) acc += to_compute(x[r * h + j]);
     const A total = block_sum(part, acc);
     if (threadIdx.x == 0) out[r] = from_compute<T>(static_cast<A>(total / static_cast<A>(h)));
-  }
-}
-
-template <class T>
-void mean_last(const T* x, T* out, int64_t rows, int64_t h, const Ctx& c) {
-  if (rows <= 0) {
-    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
-    return;
-  }
-  COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_W(out, 0, rows));
-  const int64_t blocks = std::min<int64_t>(rows, 65535);
-  void (*kernel)(const T*, T*, int64_t, int64_t) = mean_last_kernel<T>;
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, c.stream, x, out, rows, h);
-  COCONET_CUDA(cudaGetLastError());
+  });
 }
 
 // dx[n, c, y, z] = sum over o, p, q of g[n, o, i, j] w[o, c, p, q] where y = i * stride + p - pad

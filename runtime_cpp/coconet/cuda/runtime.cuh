@@ -607,42 +607,54 @@ COCONET_HD inline double eps_value(double eps) { return eps; }
 template <class E>
 COCONET_HD inline double eps_value(const E* eps) { return double(to_compute(eps[0])); }
 
-// layernorm over the last dim: a block of kRowThreads threads a row, striding it (coalesced);
-// layernorm_row's two passes (pointwise.h: the mean, then the mean squared deviation, in the
-// compute type), each pass's partial sums added by block_sum. (One thread a row, before, read
-// its row alone: a chain of dependent, uncoalesced loads H long.)
-template <class T, class EPS>
-__global__ void layernorm_kernel(const T* x, const T* g, const T* b, EPS eps, int64_t rows, int64_t H, T* y) {
-  using C = compute_t<T>;
-  __shared__ C part[kRowThreads];
-  const C e = static_cast<C>(eps_value(eps));
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * H;
-    C s = 0;
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += to_compute(xr[j]);
-    const C mean = block_sum(part, s) / static_cast<C>(H);
-    C q = 0;
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-      const C d = to_compute(xr[j]) - mean;
-      q += d * d;
-    }
-    const C inv = C(1) / std::sqrt(block_sum(part, q) / static_cast<C>(H) + e);
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
-      y[r * H + j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
-  }
+// f(row, part) for row in [0, rows): a block of kRowThreads threads a row (the grid striding the
+// rows), part the block's shared scratch for block_sum (in type A).
+template <class A, class F>
+__global__ void rows_kernel(int64_t rows, F f) {
+  __shared__ A part[kRowThreads];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) f(r, part);
 }
-
-// EPS: a double (a literal) or const E* (a computed 0-d value in device memory, read by each block)
-template <class T, class EPS>
-void layernorm_rows(const T* x, const T* g, const T* b, EPS eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
+template <class A, class F>
+void launch_rows(int64_t rows, cudaStream_t s, F f) {
   if (rows <= 0) {
     COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
     return;
   }
-  const int64_t blocks = std::min<int64_t>(rows, 65535);
-  void (*kernel)(const T*, const T*, const T*, EPS, int64_t, int64_t, T*) = layernorm_kernel<T, EPS>;
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, c.stream, x, g, b, eps, rows, H, y);
+  void (*kernel)(int64_t, F) = rows_kernel<A, F>;
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(std::min<int64_t>(rows, 65535)), kRowThreads, 0, s, rows, f);
   COCONET_CUDA(cudaGetLastError());
+}
+
+// One row of a layernorm over the last dim, by the block's threads striding it (coalesced):
+// layernorm_row's two passes (pointwise.h: the mean, then the mean squared deviation, in the
+// compute type C), each pass's partial sums added by block_sum; out(j, value) for each element j
+// of the row, its value in C. The layernorm kernel's row, and a fused collective's row-wise
+// phase's (codegen/cuda/fused.py). (One thread a row, before, read its row alone: a chain of
+// dependent, uncoalesced loads H long.)
+template <class T, class C, class Out>
+__device__ void layernorm_row_block(const T* xr, const T* g, const T* b, C eps, int64_t H, C* part, Out out) {
+  C s = 0;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += to_compute(xr[j]);
+  const C mean = block_sum(part, s) / static_cast<C>(H);
+  C q = 0;
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+    const C d = to_compute(xr[j]) - mean;
+    q += d * d;
+  }
+  const C inv = C(1) / std::sqrt(block_sum(part, q) / static_cast<C>(H) + eps);
+  for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
+    out(j, (to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+}
+
+// layernorm over the last dim, a block a row; EPS: a double (a literal) or const E* (a computed
+// 0-d value in device memory, read by each block).
+template <class T, class EPS>
+void layernorm_rows(const T* x, const T* g, const T* b, EPS eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
+  using C = compute_t<T>;
+  launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
+    layernorm_row_block(x + r * H, g, b, static_cast<C>(eps_value(eps)), H, part,
+                        [&](int64_t j, C v) { y[r * H + j] = from_compute<T>(v); });
+  });
 }
 
 template <class T>
