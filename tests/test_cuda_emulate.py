@@ -291,7 +291,6 @@ def test_run_emulate_command(built, tmp_path):
     assert "s [default]: skipped: an allgather of a sliced scattered tensor" in res.stdout, res.stdout
 
 
-
 @pytest.mark.slow
 def test_row_kernels_wider_than_a_block(built):
     """The layernorm kernel (a block of 256 threads a row) and the derived program's row means

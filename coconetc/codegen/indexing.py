@@ -122,7 +122,8 @@ class Indexing:
         return " + ".join(terms) or "0"
 
 
-def coord_lines(dims: range) -> list[str]:
-    """The coordinates c<k>, k in dims (highest first), divided out of `rest` (the L<k> in scope)."""
-    return ["const int64_t c0 = rest;" if k == 0 else f"const int64_t c{k} = rest % L{k}; rest /= L{k};"
+def coord_lines(dims: range, var: str = "c", decl: str = "const int64_t ") -> list[str]:
+    """The coordinates c<k> (var<k>, declared with decl), k in dims (highest first), divided out
+    of `rest` (the L<k> in scope)."""
+    return [f"{decl}{var}0 = rest;" if k == 0 else f"{decl}{var}{k} = rest % L{k}; rest /= L{k};"
             for k in reversed(dims)]

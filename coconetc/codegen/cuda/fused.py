@@ -376,8 +376,6 @@ class CudaFused:
             d = u.type.layout.dim
             self.w.emit(f"        v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
                       f"coconet::from_compute<{T}>(x_{item.name});")
-        if not item.store and not gathered:
-            self.w.emit(f"        (void)i; (void)x_{item.name};")
         self.w.emit("      });")
         self.w.emit("    });")
 

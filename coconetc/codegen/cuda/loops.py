@@ -150,11 +150,10 @@ class CudaKernels:
         if not used:
             return [], body
         low, last = used[0], t.ndim - 1
-        dims = range(last, low - 1, -1)
-        head = [f"int64_t {', '.join(f'cv{d} = 0' for d in dims)};  // the first lane's coordinates, stepped by "
-                "each lane", "{", *(f"  {line}" for line in defs), "  int64_t rest = i;"]
-        head += [f"  cv{d} = rest;" if d == 0 else f"  cv{d} = rest % L{d}; rest /= L{d};" for d in dims]
-        head += ["  (void)rest;", "}"]
+        dims = range(low, last + 1)
+        head = [f"int64_t {', '.join(f'cv{d} = 0' for d in reversed(dims))};  // the first lane's coordinates, "
+                "stepped by each lane", "{", *(f"  {line}" for line in defs), "  int64_t rest = i;",
+                *(f"  {line}" for line in coord_lines(dims, var="cv", decl="")), "  (void)rest;", "}"]
         step = f"++cv{low};" if low == 0 else f"if (++cv{low} == L{low}) cv{low} = 0;"
         for d in range(low + 1, last + 1):
             step = f"if (++cv{d} == L{d}) {{ cv{d} = 0; {step} }}"

@@ -1241,7 +1241,7 @@ void send_shift(const Segs<T>& x, T* y, int64_t n, bool next, const Ctx& c) {
 
 // ---- layernorm with a computed eps ---------------------------------------------------------------
 
-// layernorm over the last dim whose eps is a computed 0-d value in device memory: layernorm_kernel.
+// layernorm over the last dim whose eps is a computed 0-d value in device memory: layernorm_rows.
 template <class T, class E>
 void layernorm(const T* x, const T* g, const T* b, const E* eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
   COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_R(g, 0, H), COCONET_R(b, 0, H), COCONET_R(eps, 0, 1),
