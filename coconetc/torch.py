@@ -30,6 +30,10 @@ check do: the groups' calls run as one batch (coconetc/runtime/batch.py) that st
 reduction until every group has its partial result (on CUDA, on the one stream of the step). After each step `opt.outputs` holds the program's outputs
 per group; `skipped=` names one that, nonzero, means the step was skipped (it does not count),
 and `feedback=` sets scalars from outputs (a loss scale), as GradScaler does.
+Each `function`/`Module` call is a pair of torch.library custom operators (coconetc/torch_ops.py:
+the forward, and the derived program as its autograd formula; fake implementations from the
+program's types), so torch.compile and torch.export trace through it; DistributedOptimizer.step
+is torch.compiler.disable'd (call it outside the compiled region).
 See docs/pytorch.md. Needs PyTorch (`import coconetc` alone does not)."""
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ try:
 except ImportError as err:  # pragma: no cover - depends on the environment
     raise ImportError("coconetc.torch needs PyTorch (pip install torch)") from err
 
+from coconetc import torch_ops
 from coconetc.runtime import batch, layout
 
 __all__ = ["DistributedOptimizer", "Module", "function"]
@@ -372,6 +377,13 @@ def _nccl(ext: Any, comm: Any, process_group: Any) -> Any:
     return _NCCL[key][0]
 
 
+_NOT_TRACED = ("coconetc DistributedOptimizer.step() runs a compiled coconet program that updates "
+               "the flat parameter buffers in place and communicates (MPI/NCCL) outside PyTorch's "
+               "view; torch.compile does not trace it: call opt.step() outside the compiled "
+               "function (compile the model, or the forward and backward, and step after them; "
+               "docs/pytorch.md, 'torch.compile and torch.export')")
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose step is a compiled coconet program (see the module's doc)."""
 
@@ -545,6 +557,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         layout (under `slice(m, v)`, this rank's slice)."""
         return [dict(g.state) for g in self._groups]
 
+    @torch.compiler.disable(reason=_NOT_TRACED)
     def step(self, closure: Any = None) -> Any:
         loss = None
         if closure is not None:
@@ -846,10 +859,14 @@ class Differentiable:
             (grad_schedule == DEFAULT or grad_schedule in sf.schedules[bwd])
         self.fwd_program, self.bwd_program = (fwd, bwd) if cut else (program, gname)
         back = sf.programs[self.bwd_program]
+        self.back = back  # the backward's program (its operator's signature: coconetc/torch_ops.py)
         self.saved = tuple(q.name for q in back.params[len(p.params):len(back.params) - len(self.cotangents)])
         again = set(recomputed(g, p))  # the forward values among the backward's stages
         self.recomputed = tuple(s.name for s in back.stages if s.name in again)
         self._impl: dict[str, Any] = {}
+        # its calls' torch.library operators, one pair per backend it may run on (made here, not
+        # while torch.compile traces a call)
+        self._ops = {b: torch_ops.ops_for(self, b) for b in ((backend,) if backend else ("cpu", "cuda"))}
         self.__doc__ = f"{p.name}({', '.join(q.name for q in p.params)}) -> {', '.join(self.outputs)}"
 
     def _functions(self, backend: str) -> tuple[Any, Any, Any]:
@@ -890,8 +907,32 @@ class Differentiable:
         backend = self.backend or ("cuda" if any(kwargs[n].is_cuda for n in self.tensors) else "cpu")
         _check_devices(what, backend, {n: kwargs[n] for n in self.tensors})
         scalars = {n: kwargs[n].item() if isinstance(kwargs[n], torch.Tensor) else kwargs[n] for n in self.scalars}
-        out = _Apply.apply(self, backend, scalars, *[kwargs[n] for n in self.tensors])
-        return out[0] if len(out) == 1 else out
+        call: dict[str, Any] = {**{n: kwargs[n] for n in self.tensors}, **scalars}
+        fits = True
+        for q in self.program.params:  # scalars as the operator's float or int arguments
+            if q.scalar:
+                ok, call[q.name] = torch_ops.scalar_arg(q, call[q.name])
+                fits = fits and ok
+        if not fits:  # a scalar the runtime refuses: the call raises its error, on every rank
+            fwd, _, comm = self._functions(backend)
+            fwd(schedule=self.schedule, comm=comm, groups=self.groups, **call)
+        out = self._ops[backend].forward(*(call[q.name] for q in self.program.params))
+        outs = out if isinstance(out, tuple) else (out,)
+        outs = outs[:len(self.outputs)]  # (the saved values after them stay with autograd)
+        return outs[0] if len(outs) == 1 else outs
+
+    def operators(self, backend: str = "cpu") -> tuple[Any, Any]:
+        """The (forward, backward) `torch.library` custom operators (CustomOpDef) of this
+        function's calls on BACKEND (docs/pytorch.md, "torch.compile and torch.export")."""
+        return self._ops[backend].forward, self._ops[backend].backward
+
+    def _position(self) -> tuple[int, int]:
+        """(ranks per group, this rank's index in its group)."""
+        if self.comm is not None:
+            return layout.group_position(self.comm, None, None, self.groups)
+        import torch.distributed as dist
+        pg = self.process_group
+        return layout.group_position(None, dist.get_rank(pg), dist.get_world_size(pg), self.groups)
 
 
 def _bind(what: str, names: list[str], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -923,45 +964,6 @@ def _check_devices(what: str, backend: str, tensors: dict[str, torch.Tensor]) ->
                              f"(or set {EMULATE}=1 to run the CUDA module under the host emulation with CPU tensors)")
         why = f" ({EMULATE}=1: the host emulation takes CPU tensors)" if backend == "cuda" else ""
         raise ValueError(f"{what}: '{n}' is on {t.device}; the {backend} backend takes CPU tensors{why}")
-
-
-_INPUTS = 3  # _Apply.forward's arguments before the tensors: f, backend, scalars
-
-
-class _Apply(torch.autograd.Function):
-    """One call of a Differentiable: the forward module function (returning the saved values
-    after the outputs), and the backward one (reading them)."""
-
-    @staticmethod
-    def forward(ctx: Any, f: Differentiable, backend: str, scalars: dict[str, Any], *tensors: torch.Tensor) -> Any:
-        fwd, _, comm = f._functions(backend)
-        args = {**dict(zip(f.tensors, (t.detach() for t in tensors))), **scalars}
-        out = fwd(schedule=f.schedule, comm=comm, groups=f.groups, **args)
-        outs = out if isinstance(out, tuple) else (out,)
-        n = len(f.outputs)
-        outs, saved = outs[:n], outs[n:]
-        ctx.f, ctx.backend, ctx.scalars = f, backend, scalars
-        ctx.save_for_backward(*tensors, *saved)
-        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        f: Differentiable = ctx.f
-        _, bwd, comm = f._functions(ctx.backend)
-        n = len(f.tensors)
-        tensors, saved = ctx.saved_tensors[:n], ctx.saved_tensors[n:]
-        args: dict[str, Any] = {**dict(zip(f.tensors, (t.detach() for t in tensors))),
-                                **dict(zip(f.saved, saved)), **ctx.scalars}
-        for name, g in zip(f.cotangents, grads):
-            args[name] = g.contiguous()
-        d = bwd(schedule=f.grad_schedule, comm=comm, groups=f.groups, **args)
-        ds = d if isinstance(d, tuple) else (d,)
-        result: list[torch.Tensor | None] = [None] * _INPUTS
-        for k, name in enumerate(f.tensors):
-            i = f.wrt.get(name)
-            result.append(ds[i] if i is not None and ctx.needs_input_grad[_INPUTS + k] else None)
-        return tuple(result)
 
 
 class Module(torch.nn.Module):
@@ -1001,11 +1003,7 @@ class Module(torch.nn.Module):
 
     def _position(self) -> tuple[int, int]:
         """(ranks per group, this rank's index in its group)."""
-        if self.fn.comm is not None:
-            return layout.group_position(self.fn.comm, None, None, self.groups)
-        import torch.distributed as dist
-        pg = self.fn.process_group
-        return layout.group_position(None, dist.get_rank(pg), dist.get_world_size(pg), self.groups)
+        return self.fn._position()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         rest = [q.name for q in self.fn.program.params if q.name not in self._index]
