@@ -866,7 +866,7 @@ class Differentiable:
         self._impl: dict[str, Any] = {}
         # its calls' torch.library operators, one pair per backend it may run on (made here, not
         # while torch.compile traces a call)
-        self._ops = {b: torch_ops.ops_for(self, b) for b in ((backend,) if backend else ("cpu", "cuda"))}
+        self._ops = {b: torch_ops.ops_for(self, b).name for b in ((backend,) if backend else ("cpu", "cuda"))}
         self.__doc__ = f"{p.name}({', '.join(q.name for q in p.params)}) -> {', '.join(self.outputs)}"
 
     def _functions(self, backend: str) -> tuple[Any, Any, Any]:
@@ -916,7 +916,7 @@ class Differentiable:
         if not fits:  # a scalar the runtime refuses: the call raises its error, on every rank
             fwd, _, comm = self._functions(backend)
             fwd(schedule=self.schedule, comm=comm, groups=self.groups, **call)
-        out = self._ops[backend].forward(*(call[q.name] for q in self.program.params))
+        out = torch_ops.BY_NAME[self._ops[backend]].forward(*(call[q.name] for q in self.program.params))
         outs = out if isinstance(out, tuple) else (out,)
         outs = outs[:len(self.outputs)]  # (the saved values after them stay with autograd)
         return outs[0] if len(outs) == 1 else outs
@@ -924,7 +924,8 @@ class Differentiable:
     def operators(self, backend: str = "cpu") -> tuple[Any, Any]:
         """The (forward, backward) `torch.library` custom operators (CustomOpDef) of this
         function's calls on BACKEND (docs/pytorch.md, "torch.compile and torch.export")."""
-        return self._ops[backend].forward, self._ops[backend].backward
+        ops = torch_ops.BY_NAME[self._ops[backend]]
+        return ops.forward, ops.backward
 
     def _position(self) -> tuple[int, int]:
         """(ranks per group, this rank's index in its group)."""

@@ -53,12 +53,10 @@ class Ops:
     forward: Any  # torch.library CustomOpDef
     backward: Any
 
-    @property
-    def qualname(self) -> str:
-        return f"{NAMESPACE}::{self.name}"
-
 
 _OPS: dict[tuple, Ops] = {}  # key -> its operators
+BY_NAME: dict[str, Ops] = {}  # the forward op's name -> its operators (a Differentiable keeps the name:
+# it stays copyable, copy.deepcopy(model), and its copies call the same operators)
 _COMMS: list[Any] = []  # the communicators (and process groups) other than COMM_WORLD, by first use
 
 
@@ -92,7 +90,7 @@ def ops_for(f: Any, backend: str) -> Ops:
         name = "_".join(_word(s) for s in (f.name, f.schedule, f.grad_schedule, "emu" if emu else backend)) \
             + f"_{digest}"
         ops = _register(name, f, backend)
-        _OPS[key] = ops
+        _OPS[key] = BY_NAME[name] = ops
     return ops
 
 

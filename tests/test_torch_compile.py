@@ -177,6 +177,23 @@ def test_export(built):
             torch.testing.assert_close(ep.module()(t), _reference(net, t), **TOL)
 
 
+def test_a_copied_model_calls_the_same_operators(built):
+    """copy.deepcopy of a model with a coconet layer (an EMA or a frozen copy) works, its
+    layer keeps the operators' names, and the copy compiles and computes with its own weights."""
+    import copy
+    torch._dynamo.reset()
+    net = Net(_weights(12))
+    twin = copy.deepcopy(net)
+    assert twin.mlp.fn.operators() == net.mlp.fn.operators()
+    with torch.no_grad():
+        twin.mlp.b2.add_(1.0)
+    x = _x(13)
+    with torch.no_grad():
+        got = torch.compile(twin, backend="aot_eager", fullgraph=True)(x)
+        torch.testing.assert_close(got, _reference(twin, x), **TOL)
+        assert not torch.allclose(got, net(x))
+
+
 # --- DistributedOptimizer --------------------------------------------------------------------
 def _train(net: torch.nn.Module, step_model, opt, steps: int = 3) -> list[float]:
     losses = []
