@@ -162,6 +162,30 @@ def test_compiled_model_matches_eager_and_autograd(built, backend):
             torch.testing.assert_close(a, c, **TOL)
 
 
+def test_cuda_backend_under_the_emulation(built, monkeypatch):
+    """backend="cuda" under COCONET_CUDA_EMULATE=1 (the CUDA module on the host, CPU tensors;
+    the module tests/test_torch_function.py builds): its own operators ("emu"), compiled with
+    fullgraph=True, give the eager values and plain PyTorch's gradients."""
+    import coconetc.torch as ct
+    from coconetc.runtime.cuda import load_emulated
+    monkeypatch.setenv("COCONET_CUDA_EMULATE", "1")
+    load_emulated(TP_MLP, log=lambda msg: None, grad=("tp_mlp",))
+    torch._dynamo.reset()
+    f = ct.function(TP_MLP, "tp_mlp", backend="cuda")
+    assert f.operators("cuda")[0]._qualname.startswith("coconet::tp_mlp_default_default_emu_")
+    w = _weights(14)
+    compiled = torch.compile(lambda x, w1, b1, w2, b2: f(x, w1, b1, w2, b2), backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (compiled, f, lambda x, w1, b1, w2, b2: F.gelu(x @ w1 + b1) @ w2 + b2):
+        leaves = [t.clone().requires_grad_(True) for t in (_x(15), *w.values())]
+        y = fn(*leaves)
+        y.square().sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for got, eager, ref in zip(*results):
+        torch.testing.assert_close(got, eager, **TOL)
+        torch.testing.assert_close(got, ref, **TOL)
+
+
 def test_export(built):
     """torch.export.export: the forward graph holds the coconet operator (not its insides), and
     the exported program computes what the model does, on another input too."""
