@@ -43,10 +43,12 @@ execute_process(
 from pathlib import Path
 import pybind11, scipy_openblas32 as blas
 from coconetc.paths import runtime_dir
+from coconetc.codegen.cpu import CXX_FLAGS
 lib = Path(blas.get_lib_dir())
 libs = sorted(lib.glob("libscipy_openblas*.so*")) or sorted(lib.glob("*openblas*"))
 print(";".join([str(runtime_dir()), pybind11.get_cmake_dir(), blas.get_include_dir(),
-                str(libs[0]) if libs else "", str(Path(__import__("coconetc").__file__).parent)]))
+                str(libs[0]) if libs else "", str(Path(__import__("coconetc").__file__).parent),
+                " ".join(CXX_FLAGS)]))
 ]=]
   OUTPUT_VARIABLE _coconet_found OUTPUT_STRIP_TRAILING_WHITESPACE
   ERROR_VARIABLE _coconet_err RESULT_VARIABLE _coconet_rc)
@@ -60,6 +62,8 @@ list(GET _coconet_found 1 _coconet_pybind11_dir)
 list(GET _coconet_found 2 _coconet_blas_include)
 list(GET _coconet_found 3 _coconet_blas_lib)
 list(GET _coconet_found 4 _coconet_package)
+list(GET _coconet_found 5 _coconet_module_options)
+separate_arguments(_coconet_module_options UNIX_COMMAND "${_coconet_module_options}")
 set(COCONET_RUNTIME "${_coconet_runtime}" CACHE PATH "the coconet runtime headers (holds coconet/module.h)")
 set(COCONET_BLAS_INCLUDE "${_coconet_blas_include}" CACHE PATH "directory holding cblas.h (scipy-openblas32)")
 set(COCONET_BLAS_LIB "${_coconet_blas_lib}" CACHE FILEPATH "the OpenBLAS library (libscipy_openblas.so)")
@@ -116,9 +120,8 @@ if(NOT TARGET coconet_runtime)
   target_compile_features(coconet_runtime INTERFACE cxx_std_17)
 endif()
 
-# The options of coconetc's own module builds (codegen/cpu/templates/CMakeLists.txt.j2).
-set(COCONET_MODULE_OPTIONS -O3 -march=native -fno-math-errno -Wall -Wno-unused-variable
-    -Wno-unused-but-set-variable CACHE STRING "compile options of modules made by coconet_add_module")
+# The options of coconetc's own module builds (coconetc.codegen.cpu.CXX_FLAGS).
+set(COCONET_MODULE_OPTIONS ${_coconet_module_options} CACHE STRING "compile options of modules made by coconet_add_module")
 
 # What generation depends on besides the .ccn file: the compiler itself (a new coconetc
 # regenerates) and its runtime headers (a change rebuilds).
@@ -156,8 +159,11 @@ function(coconet_add_module name file)
     DEPENDS "${ccn}" ${COCONET_GENERATOR_FILES}
     COMMENT "coconetc: generating ${name} from ${file}"
     VERBATIM)
-  pybind11_add_module(${name} "${out}/module.cpp")
+  # the generated functions and their table, and the Python binding every module shares
+  pybind11_add_module(${name} "${out}/module.cpp" "${COCONET_RUNTIME}/coconet/bind.cpp")
   target_link_libraries(${name} PRIVATE coconet::runtime)
+  # the module's PyInit calls its own copy of the binding (coconet/entries.h)
+  target_link_options(${name} PRIVATE "LINKER:-Bsymbolic-functions")
   target_compile_options(${name} PRIVATE ${COCONET_MODULE_OPTIONS})
   set_target_properties(${name} PROPERTIES BUILD_RPATH "${COCONET_BLAS_LIBDIR}")
   set_property(TARGET ${name} PROPERTY COCONET_SOURCE "${ccn}")

@@ -44,3 +44,17 @@ def lay_out(templates: Path, source: str, mod: SourceFile, module_name: str, fun
                source=source, headers=headers, libs=libs, **extra)
     env = _env(templates)
     return env.get_template(f"{source}.j2").render(ctx), env.get_template("CMakeLists.txt.j2").render(ctx)
+
+
+def lay_out_units(templates: Path, source: str, mod: SourceFile, funcs: dict[tuple[str, str], Function],
+                  headers: list[str]) -> dict[str, str]:
+    """Function name -> its own translation unit, from the template `source`.j2 (one function
+    each, with the headers it includes)."""
+    template = _env(templates).get_template(f"{source}.j2")
+    file = Path(mod.file).name
+    return {f.name: template.render(version=__version__, file=file, f=f, headers=headers) for f in funcs.values()}
+
+
+def render_file(templates: Path, name: str, **ctx: object) -> str:
+    """The template NAME of the templates folder, filled in (with the compiler's version)."""
+    return _env(templates).get_template(name).render(version=__version__, **ctx)

@@ -29,6 +29,15 @@ STALE_S = 24 * 3600  # a temporary build folder this old was left by a build tha
 Run = Callable[[Path, Path, Any], None]  # (source folder, build folder, log): builds the module
 
 
+def content_key(parts: list[str]) -> str:
+    """A short hash of PARTS (a cache key: what a build's output depends on)."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """PATH's contents replaced at once (a temporary file beside it, then a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,3 +118,29 @@ def _build_fresh(module: str, out_dir: Path, run: Run, log) -> Path:
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_object(folder: Path, key: str, suffix: str, text: str, compile_: Callable[[Path, Path], None],
+                  product: str = ".o") -> Path:
+    """The object file compiled from TEXT (a translation unit; KEY: a hash of it and of everything
+    else its object depends on), kept in FOLDER as <key>.o (or <key><product>) beside its source
+    <key><suffix>: built once per content, under a lock so that processes asking at once compile
+    it once; written under a temporary name and renamed, so a partial object is never seen.
+    compile_(source, object) runs the compiler."""
+    obj = folder / f"{key}{product}"
+    if obj.exists():
+        return obj
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if obj.exists():  # compiled by whoever held the lock before us
+            return obj
+        src = folder / f"{key}{suffix}"
+        write_atomic(src, text)
+        tmp = folder / f".{key}.{os.getpid()}{product}"
+        try:
+            compile_(src, tmp)
+            os.replace(tmp, obj)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return obj

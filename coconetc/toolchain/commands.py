@@ -4,21 +4,29 @@ builds the sources in `src` into the build folder `build` (absolute paths both).
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from coconetc.codegen import cpu, cuda
+from coconetc.codegen.libs import Libs
 from coconetc.paths import runtime_dir
-from coconetc.toolchain.probes import ENV_BUILD_JOBS, ENV_VERBOSE, BuildError, cuda_toolchain, toolchain
+from coconetc.toolchain import artifacts
+from coconetc.toolchain.probes import (ENV_BUILD_JOBS, ENV_VERBOSE, BuildError, cache_dir, cuda_toolchain,
+                                       toolchain)
 
 Log = Callable[[str], None]
 
 
 def say(log: Log | None) -> Log:
-    return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    return log or (lambda msg: print(msg + "\n", end="", file=sys.stderr, flush=True))  # one write: builds run side by side
 
 
 def _steps(steps: list[tuple[str, list[str]]], source: Path, log: Log | None, quiet: bool = False) -> None:
@@ -32,7 +40,8 @@ def _steps(steps: list[tuple[str, list[str]]], source: Path, log: Log | None, qu
 
 
 def cmake_cpu(src: Path, build: Path, log: Log | None) -> None:
-    """A CPU module: module.cpp and CMakeLists.txt in src, built with CMake and mpicxx."""
+    """A CPU module as a build system compiles it: module.cpp and CMakeLists.txt in src, built
+    with CMake and mpicxx (the test of what `compile --emit-only` writes)."""
     tc = toolchain()
     configure = [tc.cmake, "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                  f"-Dpybind11_DIR={tc.pybind11_dir}", f"-DMPI_CXX_COMPILER={tc.mpicxx}",
@@ -41,6 +50,75 @@ def cmake_cpu(src: Path, build: Path, log: Log | None) -> None:
                  f"-DCOCONET_BLAS_LIBDIR={Path(tc.blas_lib).parent}"]
     compile_ = [tc.cmake, "--build", str(build), "-j", str(os.cpu_count() or 1)]
     _steps([("configuring", configure), ("compiling", compile_)], src / "module.cpp", log)
+
+
+def _cpu_flags(include_dirs: tuple[str, ...] = ()) -> list[str]:
+    """mpicxx's options for a CPU module's units and its binding (as CMakeLists.txt.j2's)."""
+    tc = toolchain()
+    return ["-std=c++17", *cpu.CXX_FLAGS, "-fPIC", "-fvisibility=hidden", "-fopenmp", "-pthread",
+            f"-I{runtime_dir()}", f"-I{tc.blas_include}", *(f"-I{d}" for d in include_dirs)]
+
+
+def _python_includes() -> list[str]:
+    import pybind11
+    return [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
+
+
+def _objects_dir() -> Path:
+    return cache_dir().absolute() / "objects"
+
+
+def _compiled(cmd: list[str], what: str, log: Log | None) -> Callable[[Path, Path], None]:
+    """compile_(source, object) for artifacts.cached_object: CMD then -c SOURCE -o OBJECT."""
+    def go(source: Path, obj: Path) -> None:
+        _steps([(what, [*cmd, "-c", str(source), "-o", str(obj)])], source, log, quiet=True)
+    return go
+
+
+def _in_parallel(jobs: Sequence[Callable[[], Path]]) -> list[Path]:
+    """Runs the compile jobs side by side, one per core; the first error raises."""
+    if len(jobs) <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def cpu_binding(key_parts: list[str], log: Log | None) -> Path:
+    """runtime_cpp/coconet/bind.cpp compiled once per machine (its key: the compiler, the
+    runtime headers, the tools, Python and pybind11): the object every CPU module links."""
+    tc = toolchain()
+    cmd = [tc.mpicxx, *_cpu_flags(), *_python_includes()]
+    text = (runtime_dir() / "coconet" / "bind.cpp").read_text()
+    key = artifacts.content_key([*key_parts, *cmd, text, "bind"])
+    return artifacts.cached_object(_objects_dir(), key, ".cpp", text,
+                                   _compiled(cmd, "compiling the Python binding (once per machine)", log))
+
+
+def cpu_units(name: str, table: str, units: dict[str, str], key_parts: list[str], libs: Libs,
+              libs_key: str) -> artifacts.Run:
+    """A CPU module NAME built from its units (function name -> translation unit), each compiled
+    on its own and cached by content (a new or changed schedule compiles one), and its table,
+    linked with the binding (cpu_binding) into NAME.so. key_parts: what every object depends on
+    besides its text (the compiler, the runtime headers, the tools); libs_key: the extern
+    libraries' (their headers, for the units)."""
+    def run(src: Path, build: Path, log: Log | None) -> None:
+        tc = toolchain()
+        cmd = [tc.mpicxx, *_cpu_flags(libs.include_dirs)]
+        binding = cpu_binding(key_parts, log)
+        jobs = [functools.partial(artifacts.cached_object, _objects_dir(),
+                                  artifacts.content_key([*key_parts, libs_key, *cmd, text]), ".cpp", text,
+                                  _compiled(cmd, f"compiling {fn}", log)) for fn, text in units.items()]
+        objects = _in_parallel(jobs)
+        build.mkdir(parents=True, exist_ok=True)
+        artifacts.write_atomic(build / "table.cpp", table)
+        blas_dir = str(Path(tc.blas_lib).parent)
+        link = [*cmd, "-shared", str(build / "table.cpp"), *map(str, objects), str(binding),
+                "-o", str(build / f"{name}.so"), f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}",
+                f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
+                *(f"-L{d}" for d in libs.library_dirs), *(f"-Wl,-rpath,{d}" for d in libs.library_dirs),
+                *(lib if Path(lib).is_file() else f"-l{lib}" for lib in libs.libraries)]
+        _steps([("linking", link)], src / "module.cpp", log, quiet=True)
+    return run
 
 
 def _blas_headers(include: str, build: Path) -> Path:
@@ -55,9 +133,9 @@ def _blas_headers(include: str, build: Path) -> Path:
     return inc
 
 
-def cmake_cuda(src: Path, build: Path, log: Log | None) -> None:
-    """A CUDA module: module.cu and CMakeLists.txt in src, built with CMake and nvcc against
-    NCCL, cuBLAS and the CUDA runtime of the wheels."""
+def _cmake_cuda(src: Path, build: Path, log: Log | None, *extra: str) -> None:
+    """Configures and builds the CUDA project in src (CMake and nvcc, against NCCL, cuBLAS and
+    the CUDA runtime of the wheels); extra: more -D options."""
     tc = cuda_toolchain()
     assert src.is_absolute() and build.is_absolute(), (src, build)  # CMake reads -D paths from its build dir
     configure = [tc.cmake, "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
@@ -65,23 +143,56 @@ def cmake_cuda(src: Path, build: Path, log: Log | None) -> None:
                  f"-DPython3_EXECUTABLE={sys.executable}", f"-DCOCONET_RUNTIME={runtime_dir()}",
                  f"-DCOCONET_NCCL_INCLUDE={tc.nccl_include}", f"-DCOCONET_NCCL_LIBDIR={tc.nccl_libdir}",
                  f"-DCOCONET_CUDA_INCLUDE={_blas_headers(tc.cuda_include, build)}",
-                 f"-DCOCONET_CUDA_LIBDIR={tc.cuda_libdir}"]
+                 f"-DCOCONET_CUDA_LIBDIR={tc.cuda_libdir}", *extra]
     jobs = os.environ.get(ENV_BUILD_JOBS, str(min(2, os.cpu_count() or 1)))
     compile_ = [tc.cmake, "--build", str(build), "-j", jobs]
-    _steps([("configuring", configure), ("compiling", compile_)], src / "module.cu", log)
+    _steps([("configuring", configure), ("compiling", compile_)], src / "CMakeLists.txt", log)
 
 
-def emulated(name: str, runtime: Path) -> Callable[[Path, Path, Log | None], None]:
-    """The host emulation of a CUDA module named NAME (module.cu compiled as C++ with
-    -DCOCONET_EMULATE against RUNTIME, a copy of runtime_cpp/)."""
+def cuda_binding(key_parts: list[str], archs: str, log: Log | None) -> Path:
+    """The CUDA modules' Python binding (runtime_cpp/coconet/cuda/bind.cu) built once per
+    machine and architectures: a static library (libcoconet_cuda_bind.a) every module links."""
+    text = cuda.binding_cmake(archs)
+
+    def build_(cmakelists: Path, lib: Path) -> None:
+        tmp = Path(tempfile.mkdtemp(dir=lib.parent, prefix=".bind-"))
+        try:
+            shutil.copy(cmakelists, tmp / "CMakeLists.txt")
+            say(log)("coconetc: compiling the CUDA Python binding (once per machine)")
+            _cmake_cuda(tmp, tmp / "build", log)
+            os.replace(tmp / "build" / "libcoconet_cuda_bind.a", lib)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    key = artifacts.content_key([*key_parts, text, "bind"])
+    return artifacts.cached_object(_objects_dir(), key, ".cmake", text, build_, product=".a")
+
+
+def cmake_cuda(key_parts: list[str], archs: str) -> artifacts.Run:
+    """A CUDA module: module.cu and CMakeLists.txt in src, built with CMake and nvcc, linked with
+    the binding built once (cuda_binding; key_parts: what it depends on)."""
     def run(src: Path, build: Path, log: Log | None) -> None:
-        import pybind11
+        binding = cuda_binding(key_parts, archs, log)
+        _cmake_cuda(src, build, log, f"-DCOCONET_BIND_LIBRARY={binding}")
+    return run
+
+
+def emulated(name: str, runtime: Path, key_parts: list[str]) -> artifacts.Run:
+    """The host emulation of a CUDA module named NAME: module.cu compiled as C++ with
+    -DCOCONET_EMULATE against RUNTIME (a copy of runtime_cpp/), linked with its binding
+    (runtime/coconet/cuda/bind.cu, compiled the same way once per runtime: its key is
+    key_parts, which hash RUNTIME's headers)."""
+    def run(src: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
         blas_dir = str(Path(tc.blas_lib).parent)
+        flags = [tc.mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", f"-I{runtime}"]
+        text = (runtime / "coconet" / "cuda" / "bind.cu").read_text()
+        bind_cmd = [*flags, *_python_includes(), "-x", "c++"]
+        binding = artifacts.cached_object(_objects_dir(), artifacts.content_key([*key_parts, *bind_cmd, text, "bind"]),
+                                          ".cu", text, _compiled(bind_cmd, "compiling the emulation's Python binding "
+                                                                 "(once per machine)", log))
         build.mkdir(parents=True, exist_ok=True)
-        cmd = [tc.mpicxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-pthread", "-DCOCONET_EMULATE", "-x", "c++",
-               str(src / "module.cu"), "-x", "none", f"-I{runtime}", f"-I{pybind11.get_include()}",
-               f"-I{sysconfig.get_paths()['include']}", f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}",
-               f"-Wl,-rpath,{blas_dir}", "-o", str(build / f"{name}.so")]
+        cmd = [*flags, "-shared", "-x", "c++", str(src / "module.cu"), "-x", "none", str(binding),
+               f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
+               "-o", str(build / f"{name}.so")]
         _steps([("compiling (host emulation)", cmd)], src / "module.cu", log, quiet=True)
     return run

@@ -11,7 +11,6 @@ once per content (artifacts.py: cached, verified, written atomically)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -97,12 +96,6 @@ def module_stem(file: str | Path) -> str:
     return identifier(Path(file).stem)
 
 
-def _key(parts: list[str]) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
 
 
 def _files(backend: str, src: Any) -> dict[str, str]:
@@ -115,8 +108,8 @@ def _files(backend: str, src: Any) -> dict[str, str]:
 
 def _named(src: Any, name: str) -> Any:
     """The sources under the module's name instead of the placeholder (no second generation)."""
-    text = {k: getattr(src, k).replace(PROBE, name) for k in ("cpp", "cu", "cmake") if hasattr(src, k)}
-    return replace(src, module=name, **text)
+    fields = [k for k in ("table", "cu", "cmake") if hasattr(src, k)]  # a CPU unit never names its module
+    return replace(src, module=name, **{k: getattr(src, k).replace(PROBE, name) for k in fields})
 
 
 def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = None) -> Artifact:  # noqa: A001
@@ -137,10 +130,15 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     if not o.build:
         return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
                         None if o.out_dir is None else Path(o.out_dir), None)
-    key = _key([*_compiler(backend, o), *_files(backend, src).values(), _libs_key(mod, backend, libs)])
+    key = artifacts.content_key([*_compiler(backend, o), *_files(backend, src).values(), _libs_key(mod, backend, libs)])
     name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
-    run = {"cpu": commands.cmake_cpu, "cuda": commands.cmake_cuda}.get(backend) or commands.emulated(name, runtime_dir())
-    return _build(mod, backend, _named(src, name), o, run)
+    src = _named(src, name)
+    if backend == "cpu":
+        run = commands.cpu_units(name, src.table, src.units, _compiler(backend, o), libs, _libs_key(mod, backend, libs))
+    else:
+        run = commands.cmake_cuda(_compiler(backend, o), o.archs or cuda.default_archs()) if backend == "cuda" \
+            else commands.emulated(name, runtime_dir(), _emulated_parts(runtime_dir()))
+    return _build(mod, backend, src, o, run)
 
 
 def _generate(mod: SourceFile, backend: str, o: Options, libs: Libs, name: str) -> Any:
@@ -164,7 +162,8 @@ def _compiler(backend: str, o: Options) -> list[str]:
 
 
 def _emulated_parts(runtime: Path) -> list[str]:
-    headers = [f.read_bytes().decode() for f in sorted([*runtime.rglob("*.h"), *runtime.rglob("*.cuh")])]
+    headers = [f.read_bytes().decode() for f in sorted([*runtime.rglob("*.h"), *runtime.rglob("*.cuh"),
+                                                        *(runtime / "coconet").rglob("*.cu")])]
     return [compiler_hash(), *headers, toolchain().key(), "emulate"]
 
 
@@ -189,7 +188,7 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
     rt = Path(runtime).absolute() if runtime else runtime_dir()
-    name = f"{PREFIX['cuda-emulated']}_{identifier(stem)}_{_key([*_emulated_parts(rt), cu])}"
+    name = f"{PREFIX['cuda-emulated']}_{identifier(stem)}_{artifacts.content_key([*_emulated_parts(rt), cu])}"
     where = Path(out_dir).absolute() if out_dir else cache_dir().absolute() / name
-    so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where, commands.emulated(name, rt), log)
+    so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where, commands.emulated(name, rt, _emulated_parts(rt)), log)
     return name, so

@@ -165,17 +165,18 @@ def _hash_files(h, files) -> None:
 @cache
 def compiler_hash() -> str:
     """The part of the compiler a build depends on besides the generated text (which the key
-    hashes itself): its version, its templates and the runtime headers the source includes."""
+    hashes itself): its version, its templates, the runtime headers the source includes and
+    the binding it links (coconet/bind.cpp)."""
     from coconetc.version import __version__
     h = hashlib.sha256(__version__.encode())
     pkg = Path(__file__).resolve().parent.parent
-    _hash_files(h, sorted([*pkg.rglob("*.j2"), *runtime_dir().rglob("*.h")]))
+    _hash_files(h, sorted([*pkg.rglob("*.j2"), *runtime_dir().rglob("*.h"), *(runtime_dir() / "coconet").rglob("*.cpp")]))
     return h.hexdigest()
 
 
 @cache
 def cuda_hash() -> str:
-    """compiler_hash and the CUDA runtime headers."""
+    """compiler_hash, the CUDA runtime headers and the CUDA binding (coconet/cuda/bind.cu)."""
     h = hashlib.sha256(compiler_hash().encode())
-    _hash_files(h, sorted(runtime_dir().rglob("*.cuh")))
+    _hash_files(h, sorted([*runtime_dir().rglob("*.cuh"), *(runtime_dir() / "coconet").rglob("*.cu")]))
     return h.hexdigest()

@@ -1,5 +1,9 @@
-"""The CPU backend: one C++ source (all programs x schedules of a file) and its CMakeLists,
-each function rendered by render.py, the module laid out by codegen/module.py."""
+"""The CPU backend: one C++ unit per (program, schedule) of a file, the module's table of them
+and its CMakeLists, each function rendered by render.py, the module laid out by
+codegen/module.py. coconetc's own builds compile each unit on its own and cache it by content
+(toolchain/units.py), so a new schedule compiles one unit; `module.cpp` is the units and the table
+in one file (the same text), for a build system to compile with the binding
+(runtime_cpp/coconet/bind.cpp)."""
 
 from __future__ import annotations
 
@@ -9,21 +13,34 @@ from pathlib import Path
 from coconetc.codegen.base import Function
 from coconetc.codegen.cpu.render import render
 from coconetc.codegen.libs import Libs
-from coconetc.codegen.module import functions, lay_out
+from coconetc.codegen.module import functions, lay_out, lay_out_units
 from coconetc.sourcefile import SourceFile
+
+# The compile options of a CPU module's units and of its binding (CMakeLists.txt.j2 renders them
+# for a CMake build; toolchain/commands.py passes them to mpicxx).
+CXX_FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fno-math-errno", "-Wall", "-Wno-unused-variable",
+             "-Wno-unused-but-set-variable")
+TEMPLATES = Path(__file__).parent / "templates"
 
 
 @dataclass(frozen=True)
 class Sources:
     module: str
-    cpp: str
+    table: str  # the module's table of its functions (coconet/entries.h) and its PyInit
+    units: dict[str, str]  # function name -> its translation unit
     cmake: str
     functions: dict[tuple[str, str], Function]  # (program, schedule) -> lowered function
+
+    @property
+    def cpp(self) -> str:
+        """module.cpp: every unit and the table, one translation unit (what a CMake build compiles)."""
+        return "".join([*self.units.values(), self.table])
 
 
 def generate(mod: SourceFile, module_name: str, libs: Libs | None = None) -> Sources:
     funcs = functions(mod, render)
     libs = libs or Libs.of(mod.file, bool(mod.externs))
-    cpp, cmake = lay_out(Path(__file__).parent / "templates", "module.cpp", mod, module_name, funcs,
-                         mod.extern_headers(), libs)
-    return Sources(module_name, cpp, cmake, funcs)
+    table, cmake = lay_out(TEMPLATES, "module.cpp", mod, module_name, funcs, mod.extern_headers(), libs,
+                           cxx_flags=" ".join(CXX_FLAGS))
+    units = lay_out_units(TEMPLATES, "unit.cpp", mod, funcs, mod.extern_headers())
+    return Sources(module_name, table, units, cmake, funcs)

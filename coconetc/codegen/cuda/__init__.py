@@ -12,12 +12,13 @@ from pathlib import Path
 from coconetc.codegen.base import Function
 from coconetc.codegen.cuda.render import render
 from coconetc.codegen.libs import Libs
-from coconetc.codegen.module import functions, lay_out
+from coconetc.codegen.module import functions, lay_out, render_file
 from coconetc.codegen.cuda.support import Unsupported, emulation_problems, problems, unsupported
 from coconetc.plan.units import Plan
 from coconetc.sourcefile import SourceFile
 
 DEFAULT_ARCHS = "80;90"
+TEMPLATES = Path(__file__).parent / "templates"
 ENV_ARCHS = "COCONET_CUDA_ARCHS"  # the architectures when a build names none (as TORCH_CUDA_ARCH_LIST)
 
 
@@ -26,7 +27,7 @@ def default_archs() -> str:
     return os.environ.get(ENV_ARCHS) or DEFAULT_ARCHS
 
 
-__all__ = ["CudaSources", "Unsupported", "generate", "problems", "unsupported", "emulation_problems",
+__all__ = ["binding_cmake", "CudaSources", "Unsupported", "generate", "problems", "unsupported", "emulation_problems",
            "DEFAULT_ARCHS", "default_archs"]
 
 
@@ -54,6 +55,13 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
         return False
     funcs = functions(mod, render, leave_out)
     libs = libs or Libs.of(mod.file, bool(mod.externs) and not emulate)
-    cu, cmake = lay_out(Path(__file__).parent / "templates", "module.cu", mod, module_name, funcs,
+    cu, cmake = lay_out(TEMPLATES, "module.cu", mod, module_name, funcs,
                         [] if emulate else mod.extern_headers("cuda"), libs, archs=archs)
     return CudaSources(module_name, cu, cmake, funcs)
+
+
+def binding_cmake(archs: str) -> str:
+    """The CMakeLists.txt of the CUDA modules' Python binding (runtime_cpp/coconet/cuda/bind.cu),
+    a static library the toolchain builds once per machine and architectures and links into
+    every CUDA module it builds (templates/binding.cmake.j2)."""
+    return render_file(TEMPLATES, "binding.cmake.j2", archs=archs)
