@@ -159,8 +159,10 @@ function(coconet_add_module name file)
     DEPENDS "${ccn}" ${COCONET_GENERATOR_FILES}
     COMMENT "coconetc: generating ${name} from ${file}"
     VERBATIM)
-  # the generated functions and their table, and the Python binding every module shares
-  pybind11_add_module(${name} "${out}/module.cpp" "${COCONET_RUNTIME}/coconet/bind.cpp")
+  # the generated functions and their table, and the compiled runtime every module shares (the
+  # Python binding, the runtime's instantiations)
+  pybind11_add_module(${name} "${out}/module.cpp" "${COCONET_RUNTIME}/coconet/bind.cpp"
+                      "${COCONET_RUNTIME}/coconet/runtime.cpp")
   target_link_libraries(${name} PRIVATE coconet::runtime)
   # the module's PyInit calls its own copy of the binding (coconet/entries.h)
   target_link_options(${name} PRIVATE "LINKER:-Bsymbolic-functions")

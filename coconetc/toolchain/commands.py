@@ -83,28 +83,32 @@ def _in_parallel(jobs: Sequence[Callable[[], Path]]) -> list[Path]:
         return list(pool.map(lambda job: job(), jobs))
 
 
-def cpu_binding(key_parts: list[str], log: Log | None) -> Path:
-    """runtime_cpp/coconet/bind.cpp compiled once per machine (its key: the compiler, the
-    runtime headers, the tools, Python and pybind11): the object every CPU module links."""
+def cpu_runtime(key_parts: list[str], log: Log | None) -> list[Path]:
+    """The compiled part of the CPU runtime, once per machine (its key: the compiler, the
+    runtime headers, the tools, Python and pybind11): the Python binding (coconet/bind.cpp) and
+    the runtime's instantiations (coconet/runtime.cpp), the objects every CPU module links."""
     tc = toolchain()
     cmd = [tc.mpicxx, *_cpu_flags(), *_python_includes()]
-    text = (runtime_dir() / "coconet" / "bind.cpp").read_text()
-    key = artifacts.content_key([*key_parts, *cmd, text, "bind"])
-    return artifacts.cached_object(_objects_dir(), key, ".cpp", text,
-                                   _compiled(cmd, "compiling the Python binding (once per machine)", log))
+    jobs = []
+    for name, what in (("bind.cpp", "the Python binding"), ("runtime.cpp", "the runtime")):
+        text = (runtime_dir() / "coconet" / name).read_text()
+        key = artifacts.content_key([*key_parts, *cmd, text, name])
+        jobs.append(functools.partial(artifacts.cached_object, _objects_dir(), key, ".cpp", text,
+                                      _compiled(cmd, f"compiling {what} (once per machine)", log)))
+    return _in_parallel(jobs)
 
 
 def cpu_units(name: str, table: str, units: dict[str, str], key_parts: list[str], libs: Libs,
               libs_key: str) -> artifacts.Run:
     """A CPU module NAME built from its units (function name -> translation unit), each compiled
     on its own and cached by content (a new or changed schedule compiles one), and its table,
-    linked with the binding (cpu_binding) into NAME.so. key_parts: what every object depends on
+    linked with the compiled runtime (cpu_runtime) into NAME.so. key_parts: what every object depends on
     besides its text (the compiler, the runtime headers, the tools); libs_key: the extern
     libraries' (their headers, for the units)."""
     def run(src: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
         cmd = [tc.mpicxx, *_cpu_flags(libs.include_dirs)]
-        binding = cpu_binding(key_parts, log)
+        runtime = cpu_runtime(key_parts, log)
         jobs = [functools.partial(artifacts.cached_object, _objects_dir(),
                                   artifacts.content_key([*key_parts, libs_key, *cmd, text]), ".cpp", text,
                                   _compiled(cmd, f"compiling {fn}", log)) for fn, text in units.items()]
@@ -112,7 +116,7 @@ def cpu_units(name: str, table: str, units: dict[str, str], key_parts: list[str]
         build.mkdir(parents=True, exist_ok=True)
         artifacts.write_atomic(build / "table.cpp", table)
         blas_dir = str(Path(tc.blas_lib).parent)
-        link = [*cmd, "-shared", str(build / "table.cpp"), *map(str, objects), str(binding),
+        link = [*cmd, "-shared", str(build / "table.cpp"), *map(str, objects), *map(str, runtime),
                 "-o", str(build / f"{name}.so"), f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}",
                 f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                 *(f"-L{d}" for d in libs.library_dirs), *(f"-Wl,-rpath,{d}" for d in libs.library_dirs),

@@ -192,3 +192,11 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
     where = Path(out_dir).absolute() if out_dir else cache_dir().absolute() / name
     so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where, commands.emulated(name, rt, _emulated_parts(rt)), log)
     return name, so
+
+
+def runtime(log=None) -> list[Path]:
+    """The compiled part of the CPU runtime (the Python binding, the runtime's instantiations),
+    compiled now if it is not yet (once per machine: every later module only links it). For a
+    test session or a benchmark that times module builds."""
+    require_cpu_extra()
+    return commands.cpu_runtime(_compiler("cpu", Options()), log)

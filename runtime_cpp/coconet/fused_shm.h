@@ -674,4 +674,21 @@ bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
   return true;
 }
 
+// The collectives through the window for every dtype a program has, instantiated once per
+// machine (runtime.cpp, linked into every module beside its binding) instead of in every unit
+// of every module: each instantiates the fused pieces above for its dtype, which took most of
+// a unit's compile time (a bf16 all-reduce several seconds). A generated unit defines
+// COCONET_LINKS_RUNTIME; code that uses the headers alone (runtime_cpp/tests) instantiates them
+// itself.
+#define COCONET_SHM_COLLECTIVES(T, EXTERN)                                                      \
+  EXTERN template bool allreduce_shm<T>(Op, const T*, T*, int64_t, Comm&);                    \
+  EXTERN template bool reduce_scatter_shm<T>(Op, const Segments<const T>&, T*, Shape3, Comm&); \
+  EXTERN template bool allgather_shm<T>(const T*, T*, Shape3, Comm&);
+#define COCONET_EACH_DTYPE(X) X(float) X(double) X(half) X(bfloat16) X(int32_t) X(int64_t)
+#ifdef COCONET_LINKS_RUNTIME
+#define COCONET_EXTERN_SHM_COLLECTIVES(T) COCONET_SHM_COLLECTIVES(T, extern)
+COCONET_EACH_DTYPE(COCONET_EXTERN_SHM_COLLECTIVES)
+#undef COCONET_EXTERN_SHM_COLLECTIVES
+#endif
+
 }  // namespace coconet

@@ -1,0 +1,109 @@
+"""Build times of generated modules (CPU backend), each in a fresh process as a user meets them:
+
+  * the compiled runtime (the Python binding, the collectives' instantiations), once per machine
+    (every module links it);
+  * each example built cold (`coconetc compile FILE`: its units not yet in the cache), then again
+    warm (everything cached), and a warm `coconetc.load` in a fresh process (the time of the
+    call, after `import coconetc`);
+  * tp_mlp.ccn after one schedule is changed (chunks=2 -> 3) and after one is added: one unit
+    compiles, the table and the link;
+  * tp_mlp.ccn with its derived programs (as coconetc.torch.function loads it) in f32 and bf16.
+
+Targets (issue 38, this 2-core machine): tp_mlp cold within 15 s, a changed schedule within 8 s,
+a warm load within 0.3 s, no module of the examples in any dtype over 60 s cold.
+
+Run: python bench/build_times.py [--examples adam.ccn,tp_mlp.ccn] [--json bench/results/build_times.json]
+A fresh cache (a temporary COCONET_CACHE) is used, so nothing built before counts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+COCONETC = str(Path(sys.executable).parent / "coconetc")
+LOAD = """
+import sys, time
+import coconetc
+t = time.perf_counter()
+coconetc.load(sys.argv[1], grad=tuple(sys.argv[2:]), log=lambda m: None)
+print(time.perf_counter() - t)
+"""
+RUNTIME = "from coconetc.toolchain import runtime; runtime(log=lambda m: None)"
+
+
+def wall(cmd: list[str], env: dict) -> float:
+    t = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+    return time.perf_counter() - t
+
+
+def load_time(path: Path, env: dict, grad: tuple[str, ...] = ()) -> float:
+    """Seconds of coconetc.load(path) in a fresh process (after import coconetc), and the wall."""
+    res = subprocess.run([sys.executable, "-c", LOAD, str(path), *grad], env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"load failed: {path}\n{res.stderr[-3000:]}")
+    return float(res.stdout.split()[-1])
+
+
+def variant(tmp: Path, name: str, text: str) -> Path:
+    path = tmp / name / "tp_mlp.ccn"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--examples", default="", help="comma-separated example files (default: all)")
+    ap.add_argument("--json", default="", help="write the figures here as JSON")
+    a = ap.parse_args()
+    names = a.examples.split(",") if a.examples else sorted(p.name for p in EXAMPLES.glob("*.ccn"))
+    tmp = Path(tempfile.mkdtemp(prefix="ccn-build-times-"))
+    env = {**os.environ, "COCONET_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    rows: list[tuple[str, float, float, float]] = []
+    out: dict = {"cpus": os.cpu_count(), "runtime_s": wall([sys.executable, "-c", RUNTIME], env)}
+    print(f"the compiled runtime (binding and instantiations), once per machine: {out['runtime_s']:.1f} s", flush=True)
+    for name in names:
+        path = EXAMPLES / name
+        cold = wall([COCONETC, "compile", str(path)], env)
+        warm = wall([COCONETC, "compile", str(path)], env)
+        rows.append((name, cold, warm, load_time(path, env)))
+        print(f"{name}: cold {cold:.1f} s, warm {warm:.2f} s, load {rows[-1][3]:.3f} s", flush=True)
+    out["examples"] = {n: {"cold_s": c, "warm_s": w, "load_s": ld} for n, c, w, ld in rows}
+    text = (EXAMPLES / "tp_mlp.ccn").read_text()
+    base = variant(tmp, "base", text)
+    wall([COCONETC, "compile", str(base)], env)
+    changed = variant(tmp, "changed", text.replace("overlap(p, s, chunks=2, dim=1)", "overlap(p, s, chunks=3, dim=1)", 1))
+    added = variant(tmp, "added", text + "\nschedule overlapped4 for tp_mlp {\n    overlap(p, s, chunks=4, dim=1)\n}\n")
+    out["tp_mlp_changed_schedule_s"] = wall([COCONETC, "compile", str(changed)], env)
+    out["tp_mlp_added_schedule_s"] = wall([COCONETC, "compile", str(added)], env)
+    grads = ("tp_mlp", "tp_block")
+    for dtype in ("f32", "bf16"):
+        path = variant(tmp, f"grad_{dtype}", text.replace("f32", dtype))
+        t = time.perf_counter()
+        load_time(path, env, grads)
+        out[f"tp_mlp_with_grads_{dtype}_cold_s"] = time.perf_counter() - t
+    print(f"tp_mlp.ccn, one schedule changed: {out['tp_mlp_changed_schedule_s']:.1f} s; one added: "
+          f"{out['tp_mlp_added_schedule_s']:.1f} s")
+    print(f"tp_mlp.ccn with the derived programs of tp_mlp and tp_block, cold: f32 "
+          f"{out['tp_mlp_with_grads_f32_cold_s']:.1f} s, bf16 {out['tp_mlp_with_grads_bf16_cold_s']:.1f} s")
+    print("\n| example | cold build | warm build | warm coconetc.load |\n| --- | --- | --- | --- |")
+    for n, c, w, ld in rows:
+        print(f"| {n} | {c:.1f} s | {w:.2f} s | {ld:.3f} s |")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
