@@ -7,6 +7,7 @@ bug of the planner or the backend, never an acceptable outcome."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -42,20 +43,27 @@ def _optimizer(rng: random.Random, i: int) -> str:
     op = rng.choice(["sum", "avg", "max"])
     lines = [f"    g1 = allreduce({op}, g)"]
     names, stages = ["g1", "w", "m"], []
+    gathered = {"g1"}  # the stages that read the all-reduced gradient (what a reorder may move)
+
+    def reads(text: str, stage: str) -> str:
+        if gathered & set(re.findall(r"\b\w+\b", text)):
+            gathered.add(stage)
+        return text
     for k in range(rng.randint(1, 3)):
-        lines.append(f"    c{k} = {_pointwise(rng, names)}")
+        lines.append(f"    c{k} = {reads(_pointwise(rng, names), f'c{k}')}")
         names.append(f"c{k}")
         stages.append(f"c{k}")
     scale = f" / (norm({rng.choice(names)}) + 1)" if rng.random() < 0.4 else ""
-    lines.append(f"    m1 = update(m, 0.5 * m + {rng.choice(names)})")
-    lines.append(f"    w1 = update(w, w - lr * {rng.choice(names[:1] + stages)}{scale} + 0.1 * m1)")
+    lines.append(f"    m1 = update(m, {reads('0.5 * m + ' + rng.choice(names), 'm1')})")
+    lines.append(f"    w1 = update(w, {reads(f'w - lr * {rng.choice(names[:1] + stages)}{scale} + 0.1 * m1', 'w1')})")
     if rng.random() < 0.3:
-        lines.append(f"    d = dropout({rng.choice(['g1', 'w1'] + stages)}, 0.25, seed)\n    return d")
+        lines.append(f"    d = dropout({reads(rng.choice(['g1', 'w1'] + stages), 'd')}, 0.25, seed)\n    return d")
         stages.append("d")
     stages += ["m1", "w1"]
     prog = (f"program q{i}(g: f32[N] local, w: f32[N] replicated, m: f32[N] replicated, lr: f32, "
             f"seed: i64) {{\n" + "\n".join(lines) + "\n}\n")
-    moved = [s for s in stages if s != "d" or rng.random() < 0.5]
+    # a reorder moves only stages that consume the all-gathered value (check refuses the others)
+    moved = [s for s in stages if s in gathered and (s != "d" or rng.random() < 0.5)] or stages
     outs = ", ".join(f"a{k}" for k in range(len(moved)))
     base = f"    rs, ag = split(g1)\n    {outs} = reorder(ag, {', '.join(moved)})\n"
     scheds = [f"schedule rcag for q{i} {{\n{base}}}\n"]
@@ -84,6 +92,7 @@ def _layer(rng: random.Random, i: int) -> str:
     return prog + "".join(scheds)
 
 
+@functools.cache
 def _generated(count: int) -> list[str]:
     """Programs with schedules from a seeded generator, kept when `check` accepts them whole
     (a rejected schedule must be a located error: that is the other accepted outcome)."""
