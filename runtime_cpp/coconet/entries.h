@@ -6,6 +6,8 @@
 // never parses pybind11: a new schedule recompiles its function and the table, nothing else.
 #pragma once
 
+#include <cstring>
+
 struct _object;  // PyObject
 
 namespace coconet {
@@ -25,6 +27,14 @@ struct Entries {
   const Entry<Args>* entries;
   int count;
 };
+
+// The function of the table named NAME (nullptr: none), for a batch of calls (_batch).
+template <class Args>
+void (*find_entry(const Entries<Args>& t, const char* name))(const Args&) {
+  for (int i = 0; i < t.count; ++i)
+    if (std::strcmp(t.entries[i].name, name) == 0) return t.entries[i].fn;
+  return nullptr;
+}
 
 }  // namespace coconet
 

@@ -8,7 +8,6 @@
 #include <pybind11/stl.h>
 
 #include <string>
-#include <unordered_map>
 
 #include "coconet/cuda/runtime.cuh"
 #include "coconet/entries.h"
@@ -32,15 +31,9 @@ void call(Fn f, const coconet::cuda::CallArgs& a) {
 
 // The module's functions by name, for _batch.
 Fn by_name(const std::string& name) {
-  static const std::unordered_map<std::string, Fn> fns = [] {
-    std::unordered_map<std::string, Fn> m;
-    const auto* t = coconet_module_entries();
-    for (int i = 0; i < t->count; ++i) m.emplace(t->entries[i].name, t->entries[i].fn);
-    return m;
-  }();
-  auto it = fns.find(name);
-  if (it == fns.end()) throw std::invalid_argument("no module function " + name);
-  return it->second;
+  Fn f = coconet::find_entry(*coconet_module_entries(), name.c_str());
+  if (f == nullptr) throw std::invalid_argument("no module function " + name);
+  return f;
 }
 
 // The calls run as one batch (coconet/cuda/batch.cuh), with the GIL released; an error in any
