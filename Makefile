@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy coconetc
 
 test: lint
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --durations=30 tests
 
 # while working: everything but the cases marked slow (installs, CMake builds, random programs)
 test-quick: lint
