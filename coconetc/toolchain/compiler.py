@@ -96,8 +96,6 @@ def module_stem(file: str | Path) -> str:
     return identifier(Path(file).stem)
 
 
-
-
 def _files(backend: str, src: Any) -> dict[str, str]:
     if backend == "cpu":
         return {"module.cpp": src.cpp, "CMakeLists.txt": src.cmake}
@@ -130,14 +128,16 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     if not o.build:
         return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
                         None if o.out_dir is None else Path(o.out_dir), None)
-    key = artifacts.content_key([*_compiler(backend, o), *_files(backend, src).values(), _libs_key(mod, backend, libs)])
+    parts, libs_key = _compiler(backend, o), _libs_key(mod, backend, libs)  # once: the emulation's reads every header
+    key = artifacts.content_key([*parts, *_files(backend, src).values(), libs_key])
     name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
     src = _named(src, name)
     if backend == "cpu":
-        run = commands.cpu_units(name, src.table, src.units, _compiler(backend, o), libs, _libs_key(mod, backend, libs))
+        run = commands.cpu_units(name, src.table, src.units, parts, libs, libs_key)
+    elif backend == "cuda":
+        run = commands.cmake_cuda(parts, o.archs or cuda.default_archs())
     else:
-        run = commands.cmake_cuda(_compiler(backend, o), o.archs or cuda.default_archs()) if backend == "cuda" \
-            else commands.emulated(name, runtime_dir(), _emulated_parts(runtime_dir()))
+        run = commands.emulated(name, runtime_dir(), parts)
     return _build(mod, backend, src, o, run)
 
 

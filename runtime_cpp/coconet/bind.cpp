@@ -26,13 +26,6 @@ void call(Fn f, const coconet::CallArgs& a) {
   f(a);
 }
 
-// The module's functions by name, for _batch.
-Fn by_name(const std::string& name) {
-  Fn f = coconet::find_entry(*coconet_module_entries(), name.c_str());
-  if (f == nullptr) throw std::invalid_argument("no module function " + name);
-  return f;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(coconet_bound, m) {
@@ -56,7 +49,7 @@ PYBIND11_MODULE(coconet_bound, m) {
   m.def("_hier_runs", [] { return coconet::hier_runs().load(); },
         "collectives run hierarchically (groups over several nodes) in this process");
   m.def("_batch", [](const std::string& name, const std::vector<coconet::CallArgs>& calls) {
-    Fn f = by_name(name);
+    Fn f = coconet::find_entry(*coconet_module_entries(), name);
     py::gil_scoped_release release;
     coconet::run_batch(f, calls);
   }, "calls of one function run as one step whose reductions span them (coconet/batch.h)");

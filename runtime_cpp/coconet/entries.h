@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 struct _object;  // PyObject
 
@@ -28,12 +30,13 @@ struct Entries {
   int count;
 };
 
-// The function of the table named NAME (nullptr: none), for a batch of calls (_batch).
+// The function of the table named NAME, for a batch of calls (_batch); std::invalid_argument
+// when the module has none.
 template <class Args>
-void (*find_entry(const Entries<Args>& t, const char* name))(const Args&) {
+void (*find_entry(const Entries<Args>& t, const std::string& name))(const Args&) {
   for (int i = 0; i < t.count; ++i)
-    if (std::strcmp(t.entries[i].name, name) == 0) return t.entries[i].fn;
-  return nullptr;
+    if (std::strcmp(t.entries[i].name, name.c_str()) == 0) return t.entries[i].fn;
+  throw std::invalid_argument("no module function " + name);
 }
 
 }  // namespace coconet

@@ -1,9 +1,9 @@
 """The CPU backend: one C++ unit per (program, schedule) of a file, the module's table of them
 and its CMakeLists, each function rendered by render.py, the module laid out by
 codegen/module.py. coconetc's own builds compile each unit on its own and cache it by content
-(toolchain/units.py), so a new schedule compiles one unit; `module.cpp` is the units and the table
-in one file (the same text), for a build system to compile with the binding
-(runtime_cpp/coconet/bind.cpp)."""
+(toolchain/commands.py: cpu_units), so a new schedule compiles one unit; `module.cpp` is the
+units and the table in one file (the same text), for a build system to compile with the compiled
+runtime (runtime_cpp/coconet/bind.cpp and runtime.cpp)."""
 
 from __future__ import annotations
 

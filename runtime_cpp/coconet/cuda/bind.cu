@@ -29,17 +29,10 @@ void call(Fn f, const coconet::cuda::CallArgs& a) {
 #endif
 }
 
-// The module's functions by name, for _batch.
-Fn by_name(const std::string& name) {
-  Fn f = coconet::find_entry(*coconet_module_entries(), name.c_str());
-  if (f == nullptr) throw std::invalid_argument("no module function " + name);
-  return f;
-}
-
 // The calls run as one batch (coconet/cuda/batch.cuh), with the GIL released; an error in any
 // of them raises here.
 void call_batch(const std::string& name, const std::vector<coconet::cuda::CallArgs>& calls) {
-  Fn f = by_name(name);
+  Fn f = coconet::find_entry(*coconet_module_entries(), name);
   py::gil_scoped_release release;
   coconet::cuda::run_batch(f, calls);
 #ifdef COCONET_EMULATE
