@@ -11,8 +11,8 @@ of a module whose stream waits were edited (the race tests).
                                 for 16-byte vectors) or one element past it (OFF 1), printing each
                                 call's counts of kernels on the vector path and vector accesses
                                 (FILE@N: that file at size N)
-    check FILE PROGRAM SCHED SO NAME SIZES  calls of a prebuilt module against the interpreter
-                                (SIZES: comma-separated, a call each)
+    check SIZES SPEC...         calls of prebuilt modules (SPEC: FILE|PROGRAM|SCHED|SO|NAME, in
+                                turn) against the interpreter (SIZES: comma-separated, a call each)
     inplace SIZE WHO FILE:PROGRAM:SCHED:PARAM...   PARAM in a window_empty buffer on the ranks WHO
                                 names ("all" or "0,2"), two calls each, against the interpreter
     wrong FILE      sgd.ccn's calls that are wrong on one rank only: every rank must raise
@@ -154,23 +154,25 @@ def race(file: str, prog: str, sched: str, so: str, name: str, size: int) -> int
     return 0
 
 
-def check(file: str, prog: str, sched: str, so: str, name: str, sizes: str) -> int:
-    """Calls of a prebuilt (edited) module, one a size (SIZES: comma-separated), compared with
-    the interpreter."""
+def check(sizes: str, specs: list[str]) -> int:
+    """Calls of prebuilt (edited) modules, each SPEC (FILE|PROGRAM|SCHED|SO|NAME) in turn, one
+    call a size (SIZES: comma-separated), compared with the interpreter."""
     from coconetc.codegen.cuda import generate
     from coconetc.sourcefile import load_file
     from coconetc.runtime.loader import import_extension
     from coconetc.runtime.cuda import EmulatedModule
-    mod = load_file(file)
-    emu = EmulatedModule(mod, generate(mod, name, skip_unsupported=True, emulate=True), import_extension(name, so))
-    base = mod.programs[prog]
-    ir = emu.programs[prog].schedules[sched]
-    for size in (int(x) for x in sizes.split(",")):
-        inputs = adapt_inputs(random_inputs(base, R, 1, sizes_of(base, size), seed=2), base, ir)
-        problems = verify_call(comm, emu.programs[prog], ir, inputs, schedule=sched).problems
-        if rank == 0:
-            print(f"{'MATCH' if not problems else 'MISMATCH'} {file} {prog} {sched} R={R} size={size} {problems[:3]}",
-                  flush=True)
+    for spec in specs:
+        file, prog, sched, so, name = spec.split("|")
+        mod = load_file(file)
+        emu = EmulatedModule(mod, generate(mod, name, skip_unsupported=True, emulate=True), import_extension(name, so))
+        base = mod.programs[prog]
+        ir = emu.programs[prog].schedules[sched]
+        for size in (int(x) for x in sizes.split(",")):
+            inputs = adapt_inputs(random_inputs(base, R, 1, sizes_of(base, size), seed=2), base, ir)
+            problems = verify_call(comm, emu.programs[prog], ir, inputs, schedule=sched).problems
+            if rank == 0:
+                print(f"{'MATCH' if not problems else 'MISMATCH'} {file} {prog} {sched} R={R} size={size} "
+                      f"{problems[:3]}", flush=True)
     return 0
 
 
@@ -330,7 +332,7 @@ def main(argv: list[str]) -> int:
     if mode == "inplace":
         return inplace(int(argv[1]), argv[2], argv[3:])
     if mode == "check":
-        return check(argv[1], argv[2], argv[3], argv[4], argv[5], argv[6])
+        return check(argv[1], argv[2:])
     assert mode == "race", mode
     return race(argv[1], argv[2], argv[3], argv[4], argv[5], int(argv[6]))
 

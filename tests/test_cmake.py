@@ -104,14 +104,24 @@ def test_emit_only_needs_output():
 @pytest.mark.slow
 def test_top_level_build_and_ctest(tmp_path: Path):
     """cmake -S . -B build && cmake --build build && ctest: with the venv's bin first on PATH
-    and nothing else given, the venv's Python, pybind11, MPI and OpenBLAS are found."""
+    and nothing else given, the venv's Python, pybind11, MPI and OpenBLAS are found. Every test
+    is registered in ctest; the sgd example and the small runtime checks run here, while the
+    runtime's big test program (runtime_np1..4, built and run on 1 to 4 ranks by
+    tests/test_runtime_cpp.py from the same sources) is not built a second time."""
     _need_toolchain()
     env, build = _env(venv_on_path=True), tmp_path / "build"
     _run([_tool("cmake"), "-S", REPO, "-B", build], env)
-    _run([_tool("cmake"), "--build", build, "-j2"], env)
-    out = _run([_tool("ctest"), "--test-dir", build, "--output-on-failure", "--timeout", "300"], env).stdout
-    assert "100% tests passed" in out and "out of 8" in out, out
-    for name in ("runtime_np1", "runtime_np4", "runtime_abort_fused", "example_sgd"):
+    listed = _run([_tool("ctest"), "--test-dir", build, "-N"], env).stdout
+    assert "Total Tests: 8" in listed, listed
+    for name in ("runtime_np1", "runtime_np2", "runtime_np3", "runtime_np4", "runtime_noblas_nompi", "runtime_abort",
+                 "runtime_abort_fused", "example_sgd"):
+        assert f": {name}\n" in listed, (name, listed)
+    _run([_tool("cmake"), "--build", build, "-j2", "--target", "ccn_sgd", "coconet_noblas_check",
+          "coconet_abort_check"], env)
+    out = _run([_tool("ctest"), "--test-dir", build, "--output-on-failure", "--timeout", "300",
+                "-E", "runtime_np"], env).stdout
+    assert "100% tests passed" in out and "out of 4" in out, out
+    for name in ("runtime_noblas_nompi", "runtime_abort", "runtime_abort_fused", "example_sgd"):
         assert name in out
     # the example module holds the program and the one schedule it asked for
     assert "sgd__rs_c_ag" not in (build / "coconet" / "ccn_sgd" / "module.cpp").read_text()

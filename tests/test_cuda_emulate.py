@@ -581,24 +581,46 @@ def _grids(stderr: str) -> dict[int, list[tuple[int, str]]]:
     return out
 
 
-def _sym_modules(tmp_path: Path, threads: int | None = None, cases: list[tuple[str | Path, str, str]] | None = None
-                 ) -> tuple[Path, dict[tuple[str | Path, str, str], tuple[str, Path]]]:
-    """The symmetric kernel's schedules (cases: (file, program, schedule), default SYM_CASES) built
-    against a copy of the runtime (threads: its blocks of that many threads instead of 512)."""
+def _sym_runtime(where: Path, threads: int | None) -> Path | None:
+    """A copy of the runtime whose symmetric kernel runs blocks of THREADS threads instead of 512
+    (None: the runtime itself)."""
     from coconetc.paths import runtime_dir
-    rt = tmp_path / "runtime"
-    shutil.copytree(runtime_dir(), rt)
-    if threads is not None:
-        sym = rt / "coconet" / "cuda" / "symmetric.cuh"
-        text = sym.read_text()
-        assert text.count("constexpr int kSymThreads = 512;") == 1
-        sym.write_text(text.replace("constexpr int kSymThreads = 512;", f"constexpr int kSymThreads = {threads};"))
-    built = {}
-    for file, prog, sched in cases or SYM_CASES:
-        built[(file, prog, sched)] = compiler.build_emulated(_source(file, prog, sched), f"sym_{prog}_{sched}",
-                                                           tmp_path / f"b_{prog}_{sched}", runtime=rt,
-                                                           log=lambda msg: None)
-    return rt, built
+    if threads is None:
+        return None
+    shutil.copytree(runtime_dir(), where)
+    sym = where / "coconet" / "cuda" / "symmetric.cuh"
+    text = sym.read_text()
+    assert text.count("constexpr int kSymThreads = 512;") == 1
+    sym.write_text(text.replace("constexpr int kSymThreads = 512;", f"constexpr int kSymThreads = {threads};"))
+    return where
+
+
+Case = tuple[str | Path, str, str]  # (example name or .ccn path, program, schedule)
+
+
+@pytest.fixture(scope="module")
+def sym_modules(tmp_path_factory):
+    """sym_modules(threads, cases) -> {case: (module name, .so)}: the symmetric kernel's schedules
+    (default SYM_CASES) built for the emulation against the runtime (threads: a copy with blocks
+    of that many threads), each built once for every test of this file that asks for it."""
+    from concurrent.futures import ThreadPoolExecutor
+    root = tmp_path_factory.mktemp("sym")
+    runtimes: dict[int | None, Path | None] = {}
+    done: dict[tuple[int | None, Case], tuple[str, Path]] = {}
+
+    def build(threads: int | None = None, cases: list[Case] | None = None) -> dict[Case, tuple[str, Path]]:
+        cases = cases or SYM_CASES
+        if threads not in runtimes:
+            runtimes[threads] = _sym_runtime(root / f"runtime{threads}", threads)
+        todo = [(c, root / f"b{threads}_{len(done) + i}") for i, c in enumerate(c for c in cases
+                                                                                 if (threads, c) not in done)]
+        with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+            mods = pool.map(lambda t: compiler.build_emulated(_source(*t[0]), f"sym_{t[0][1]}_{t[0][2]}", t[1],
+                                                              runtime=runtimes[threads], log=lambda msg: None), todo)
+            for (c, _), mod in zip(todo, mods):
+                done[(threads, c)] = mod
+        return {c: done[(threads, c)] for c in cases}
+    return build
 
 
 SYM_CASES: list[tuple[str | Path, str, str]] = [("adam", "adam", "fused"), ("clipped_sgd", "clipped_sgd", "fused"),
@@ -629,27 +651,30 @@ def _grid(slices: list[int], tile: int, threads: int, sm_threads: int) -> int:
     return max(1, min(-(-max(slices) // tile), min(SMS[:len(slices)]) * max(1, sm_threads // threads)))
 
 
-def _sym_check(ranks: int, case: tuple[str | Path, str, str], mod: tuple[str, Path], sizes: list[int],
-               extra: dict | None = None) -> dict[int, list[tuple[int, str]]]:
-    """Calls of a built symmetric-kernel module (COCONET_CUDA_FUSED=symmetric, every size symbol
-    at each size in turn) on ranks emulating SMS multiprocessors: every call matches the
-    interpreter and every rank launches the same grids. Each rank's (grid, path) per call."""
-    (file, prog, sched), (name, so) = case, mod
-    res = _launch(ranks, ["check", str(_ccn(file)), prog, sched, str(so), name, ",".join(map(str, sizes))],
+def _sym_check(ranks: int, mods: dict[Case, tuple[str, Path]], sizes: list[int], extra: dict | None = None
+               ) -> dict[Case, dict[int, list[tuple[int, str]]]]:
+    """Calls of built symmetric-kernel modules, in one job (COCONET_CUDA_FUSED=symmetric, each
+    module in turn, every size symbol at each size in turn) on ranks emulating SMS
+    multiprocessors: every call matches the interpreter and every rank launches the same grids.
+    Each module's (grid, path) per call, on each rank."""
+    specs = ["|".join([str(_ccn(file)), prog, sched, str(so), name]) for (file, prog, sched), (name, so) in mods.items()]
+    res = _launch(ranks, ["check", ",".join(map(str, sizes)), *specs],
                   env={"COCONET_CUDA_FUSED": "symmetric", "COCONET_CUDA_FUSED_TRACE": "1",
                        "COCONET_EMULATE_SMS": ",".join(map(str, SMS)), **(extra or {})}, timeout=300)
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-    assert len(lines) == len(sizes) and all(ln.startswith("MATCH ") for ln in lines), log
+    assert len(lines) == len(sizes) * len(mods) and all(ln.startswith("MATCH ") for ln in lines), log
     grids = _grids(res.stderr)
     assert sorted(grids) == list(range(ranks)), log
+    assert all(len(grids[r]) == len(sizes) * len(mods) for r in grids), log  # one kernel a call
     assert all([g for g, _ in grids[r]] == [g for g, _ in grids[0]] for r in grids), log
-    return grids
+    n = len(sizes)
+    return {case: {r: calls[k * n:(k + 1) * n] for r, calls in grids.items()} for k, case in enumerate(mods)}
 
 
 @pytest.mark.slow
-def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(tmp_path):
+def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules):
     """The grid is sized from the device and the same on every rank: one block per tile of the
     largest slice (a tile: the block's threads x V elements, in whole 16-element units), up to the
     smallest GPU's multiprocessors x resident blocks. The ranks emulate different multiprocessor
@@ -666,16 +691,13 @@ def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(tmp_path):
     runs = [(2, sizes, 2048, lambda grid, tiles: grid >= 100 and tiles <= grid),  # many blocks, one tile each
             (2, sizes, 16, lambda grid, tiles: tiles >= 10 * grid),  # few blocks, many tiles each
             (None, [100003], 2048, lambda grid, tiles: tiles >= 4 * grid)]
-    built: dict[int | None, dict] = {}
     for threads, run_sizes, sm_threads, most in runs:
-        if threads not in built:
-            built[threads] = _sym_modules(tmp_path / str(threads), threads)[1]
-        mods = built[threads]
+        mods = sym_modules(threads)
         paths, seen = set(), False
         for ranks in (1, 2, 3, 4):
-            for case, mod in mods.items():
+            checked = _sym_check(ranks, mods, run_sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
+            for case, grids in checked.items():
                 tile = _tile(*case, threads or 512)
-                grids = _sym_check(ranks, case, mod, run_sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
                 for k, n in enumerate(run_sizes):
                     sl = _slices(n, 1, ranks)
                     want = _grid(sl, tile, threads or 512, sm_threads)
@@ -690,7 +712,7 @@ TILES = REPO / "tests" / "programs" / "sym_tiles.ccn"  # 2-d: avg f32, max bf16,
 
 
 @pytest.mark.slow
-def test_symmetric_kernel_tiles_of_uneven_slices(tmp_path):
+def test_symmetric_kernel_tiles_of_uneven_slices(sym_modules):
     """Slices that are no whole number of tiles, on ranks with fewer tiles than the grid has
     blocks (blocks with no tile; the grid is one block per tile of the largest slice): fused
     reduce-scatters along dim 0 of [N, N] tensors (slices of whole rows, the last rank's short),
@@ -704,15 +726,12 @@ def test_symmetric_kernel_tiles_of_uneven_slices(tmp_path):
     cases = [(TILES, prog, "fused") for prog in ("avg2", "max2", "min2")]
     runs = [(2, (2, 3), [7, 41], 2048), (2, (2, 3), [7, 41], 16), (None, (2, 4), [91], 2048)]
     short: set[str] = set()
-    built: dict[int | None, dict] = {}
     for threads, ranks_list, sizes, sm_threads in runs:
-        if threads not in built:
-            built[threads] = _sym_modules(tmp_path / str(threads), threads, cases)[1]
-        mods = built[threads]
+        mods = sym_modules(threads, cases)
         for ranks in ranks_list:
-            for case, mod in mods.items():
+            checked = _sym_check(ranks, mods, sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
+            for case, grids in checked.items():
                 tile = _tile(*case, threads or 512)
-                grids = _sym_check(ranks, case, mod, sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
                 for k, n in enumerate(sizes):
                     sl = _slices(n, n, ranks)
                     grid = _grid(sl, tile, threads or 512, sm_threads)
@@ -787,17 +806,17 @@ SLOWEST = re.compile(r"rank (\d+) of \d+: measured here .*; slowest rank's symme
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_symmetric_choice_is_measured_and_agreed(tmp_path, ranks):
+def test_symmetric_choice_is_measured_and_agreed(sym_modules, ranks):
     """auto where both algorithms can run: a unit's first 8 calls at a size alternate the symmetric
     kernel and the pipeline (all but the first two timed by events, three of each), then every
     later call at that size runs the faster by the slowest rank's medians (an ncclMax over the
     ranks): every rank prints the same agreed times, takes the same decision, the one those times
     give, at each size on its own (10 and 1001 elements, 10 calls each), and every call matches
     the interpreter."""
-    (_, mods) = _sym_modules(tmp_path, cases=[("sgd", "sgd", "fused"), ("mixed_adam", "mixed_adam", "zero")])
+    mods = sym_modules(None, [("sgd", "sgd", "fused"), ("mixed_adam", "mixed_adam", "zero")])
     sizes = ",".join(["10"] * 10 + ["1001"] * 10)
     for (file, prog, sched), (name, so) in mods.items():
-        res = _launch(ranks, ["check", str(EX / f"{file}.ccn"), prog, sched, str(so), name, sizes],
+        res = _launch(ranks, ["check", sizes, "|".join([str(_ccn(file)), prog, sched, str(so), name])],
                       env={"COCONET_CUDA_FUSED": "auto", "COCONET_CUDA_FUSED_TRACE": "1"}, timeout=300)
         log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
         assert res.returncode == 0, log
@@ -834,7 +853,7 @@ def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
         if edited:
             sym.write_text(text.replace("for (int p = 1; p < R; ++p)", "for (int p = 1; p < 1; ++p)"))
         name, so = compiler.build_emulated(cu, "sym_sgd", tmp_path / f"b{edited}", runtime=rt, log=lambda msg: None)
-        res = _launch(2, ["check", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
+        res = _launch(2, ["check", "10", "|".join([str(EX / "sgd.ccn"), "sgd", "fused", str(so), name])],
                       env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
         assert res.returncode == 0 and verdict in res.stdout, res.stdout + res.stderr
 
@@ -854,7 +873,7 @@ def test_symmetric_kernel_with_nccl_2_28(tmp_path):
                                          log=lambda msg: None)
     for extra, want in [({"COCONET_CUDA_FUSED": "symmetric"}, SYMMETRIC),
                         ({"COCONET_CUDA_FUSED": "auto", "COCONET_EMULATE_NO_DEVICE_API": "1"}, "runs the pipeline")]:
-        res = _launch(2, ["check", str(EX / "sgd.ccn"), "sgd", "fused", str(so), name, "10"],
+        res = _launch(2, ["check", "10", "|".join([str(EX / "sgd.ccn"), "sgd", "fused", str(so), name])],
                       env={"COCONET_CUDA_FUSED_TRACE": "1", **extra}, timeout=300)
         out = res.stdout + res.stderr
         assert res.returncode == 0 and "MATCH " in res.stdout and "MISMATCH" not in res.stdout, out
