@@ -30,7 +30,7 @@ from coconetc.ir.expr import Const, Expr, Op, Ref, refs
 from coconetc.ir.nodes import Param, Program, Stage
 from coconetc.ir.types import FLOATS, LOCAL, REPLICATED, TType
 
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne", "causal")  # conditions: never a stage of their own
 
 # A rule's answer: for each operand, (operand, its contribution or None, per_rank); per_rank
 # None: the contribution is per rank when the operation's result is local.
@@ -340,6 +340,14 @@ def _layernorm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(x, dx, None), (gamma, o("mul", g, xhat), None), (beta, g, None), (eps, deps, None)]
 
 
+def _softmax(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """y = softmax(x) over the last dim: dx = y * (g - the row sum of g * y). A masked entry
+    (y = 0) and a fully masked row (all zeros) get 0."""
+    o = d.op
+    row = o("sum_keep", o("mul", g, y), dim=y.type.ndim - 1)
+    return [(e.args[0], o("mul", y, o("sub", g, row)), None)]
+
+
 def _is_root(d: _Deriver, e: Op) -> Expr:
     """A local condition, true on the group's rank `root` only: reduce(sum, 1.0, root) is the
     group's size R there and 1 elsewhere (and R = 1 alone is the root)."""
@@ -441,6 +449,7 @@ RULES: dict[str, Rule] = {
     "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
+    "softmax": _softmax,
     "dropout": _dropout,
     "conv2d": lambda d, e, y, g: [
         (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),

@@ -5,6 +5,7 @@ business, passed in as `load`. CPU loops and CUDA kernels use the same text."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from coconetc.ir import ops
@@ -24,6 +25,8 @@ def literal(value: float | int, dtype: str) -> str:
     ct = COMPUTE[dtype]
     if dtype in ("i32", "i64"):
         return f"{ct}({int(value)})"
+    if math.isinf(value):  # the language's inf (-inf: a masked score)
+        return f"{'-' if value < 0 else ''}std::numeric_limits<{ct}>::infinity()"
     if ct == "double":
         return repr(float(value))
     return f"{float(value)!r}f"

@@ -30,9 +30,9 @@ class Indexing:
         operand, other than those named in skip, read other than by i; dropout at a global
         index that is not i plus an offset)?"""
         refs = [r for e in exprs for r in walk(e) if isinstance(r, Ref) and r.name not in skip]
-        return any(self.access(r, t) is None for r in refs) or (
-            any(isinstance(x, Op) and x.op == "dropout" for e in exprs for x in walk(e))
-            and self.simple_global_index(t) is None)
+        ops = [x.op for e in exprs for x in walk(e) if isinstance(x, Op)]
+        return any(self.access(r, t) is None for r in refs) or "causal" in ops or (
+            "dropout" in ops and self.simple_global_index(t) is None)
 
     def extents(self, t: TType) -> list[str]:
         """The local extent L<k> of each dim of t (the coordinates' bounds)."""
@@ -98,10 +98,13 @@ class Indexing:
         return None
 
     def extra(self, t: TType, load=None):
-        """Renders dropout (it needs the element's global index); `load` as for emit()."""
+        """Renders dropout (it needs the element's global index) and causal (the element's
+        position); `load` as for emit()."""
         load = load or self.loader(t)
 
         def extra(op: Op) -> str:
+            if op.op == "causal":
+                return self.causal(op, t)
             assert op.op == "dropout", op.op
             x, p, seed = op.args
             gidx = self.simple_global_index(t) or self.global_index(t)
@@ -112,6 +115,18 @@ class Indexing:
             return (f"coconet::dropout<{COMPUTE[t.dtype]}>({xs}, {ps}, {seeds}, {key}u /* "
                     f"{op.attr('site')} */, static_cast<uint64_t>({gidx}))")
         return extra
+
+    def causal(self, op: Op, t: TType) -> str:
+        """causal(x, diagonal) at the element of t (the coordinates c<k> in scope): the global
+        positions of its last two dims (t's last two, broadcasting aligns them; a size-1 dim of
+        the condition's own shape is position 0) compared."""
+        n, own = t.ndim, op.type.shape
+        pos = []
+        for k, size in ((n - 2, own[-2]), (n - 1, own[-1])):
+            pos.append("int64_t(0)" if size == 1 else f"(c{k} + off)" if t.layout.sliced and t.layout.dim == k
+                       else f"c{k}")
+        diag = int(op.attr("diagonal", 0))
+        return f"({pos[1]} <= {pos[0]} + int64_t({diag}))"
 
     def global_index(self, t: TType) -> str:
         g = self.w.gdims(t)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from coconetc.codegen.base import Writer, prod
 from coconetc.plan.units import Library, Overlap
 
-OPS = ("matmul", "conv2d", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
+OPS = ("matmul", "conv2d", "softmax", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
 
 GEMM = ("matmul", "matmul_nt", "matmul_tn")
@@ -42,6 +42,9 @@ def call_args(w: Writer, u: Library) -> list[str]:
     if u.op == "sum_keep":  # [outer, mid, inner] -> [outer, 1, inner]
         d, lx = int(attrs["dim"]), dims[0]  # type: ignore[call-overload]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:d]), lx[d], prod(lx[d + 1:])]
+    if u.op == "softmax":  # [rows, h] -> [rows, h]
+        lx = dims[0]
+        return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
     if u.op == "mean_last":  # [rows, h] -> [rows, 1]
         lx = dims[0]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]

@@ -4,6 +4,7 @@ once, not again at each use)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from coconetc.ir.limits import too_big
@@ -217,8 +218,10 @@ def _expr(e: syntax.Expr, ctx: _Ctx) -> ir.Expr:
     if isinstance(e, syntax.Number):
         return ir.Const(e.value, scalar_type("f32" if e.is_float else "i64"), e.span)
     if isinstance(e, syntax.Name):
-        if ctx.env is not None:  # a defined operation's parameter (checked by defs.py)
+        if ctx.env is not None and e.id in ctx.env:  # a defined operation's parameter (checked by defs.py)
             return ctx.env[e.id]
+        if e.id == syntax.INF and (ctx.env is not None or (e.id not in ctx.params and e.id not in ctx.stages)):
+            return ir.Const(math.inf, scalar_type("f32"), e.span)
         return ir.Ref(e.id, ctx.type_of(e.id, e.span), e.span)
     if isinstance(e, syntax.Neg):
         x = _expr(e.operand, ctx)

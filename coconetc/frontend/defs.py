@@ -165,7 +165,7 @@ def _check_body(d: syntax.OpDecl, decls: dict[str, syntax.OpDecl], scope: Scope,
 
     def visit(e: syntax.Expr) -> None:
         if isinstance(e, syntax.Name):
-            if e.id not in params:
+            if e.id not in params and e.id != syntax.INF:
                 shown = ", ".join(p.id for p in d.params) or "none"
                 err(e.span, f"unknown name '{e.id}' in the body of '{d.name}' "
                     f"(an operation reads only its parameters: {shown})")

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from coconetc.errors import Span
 
 
+INF = "inf"  # the name of the literal infinity (-inf: a masked score), unless a parameter or stage has it
+
+
 @dataclass(frozen=True)
 class Number:
     text: str

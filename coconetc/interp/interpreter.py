@@ -125,6 +125,18 @@ class _Evaluator:
             res.append(np.where(keep, x[r] * scale, ct.type(0)).astype(ct))
         return res
 
+    def _causal(self, e: Op) -> Values:
+        """True where the element's global last index <= its second-last index + diagonal."""
+        n, diag = e.type.ndim, int(registry.attr(e, "diagonal"))
+        res = []
+        for r, x in enumerate(self.eval(e.args[0])):
+            offs = self.offsets(e, r)
+            rows = np.arange(x.shape[-2]) + offs[n - 2]
+            cols = np.arange(x.shape[-1]) + offs[n - 1]
+            mask = cols[None, :] <= rows[:, None] + diag
+            res.append(np.broadcast_to(mask, x.shape).copy())
+        return res
+
     # --- reductions ------------------------------------------------------------------
     def _cross(self, e: Op, partial: list[np.ndarray]) -> list[np.ndarray]:
         """Sum per-rank partial results over the group when the input was sliced (max(x),

@@ -34,7 +34,7 @@ class OpNames:
         return f"OpNames{ops.names(*self.kinds)}"
 
 
-POINTWISE = OpNames("pointwise", "random")  # what a loop can compute element by element
+POINTWISE = OpNames("pointwise", "random", "index")  # what a loop can compute element by element
 REDUCTIONS = OpNames("reduction")
 TENSOR_OPS = OpNames("tensor")
 COLLECTIVES = OpNames("collective")

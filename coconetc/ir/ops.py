@@ -24,7 +24,9 @@ from coconetc.ir.types import DTYPES, REDUCE_OPS, TType
 
 # --- what an entry holds ---------------------------------------------------------------
 
-KINDS = ("pointwise", "random", "reduction", "tensor", "collective")
+KINDS = ("pointwise", "random", "index", "reduction", "tensor", "collective")
+# index: element by element, a function of the element's position (causal), rendered by the
+# backends' indexing (codegen/indexing.py) and computed by the interpreter itself
 
 # How an operation commutes with slicing (what `reorder` needs to move it onto slices).
 FREE = "free"  # elementwise: runs on a slice; replicated operands are read at the slice
@@ -333,6 +335,11 @@ register(OpDef("cast", "pointwise", (Arg("x"), Arg("dtype", "word", DTYPES)), tr
 register(OpDef("dropout", "random", (Arg("x"), Arg("p"), Arg("seed")), tr.dropout,
                cost=Cost(20), doc="the mask comes from the counter-based RNG (interp/rng.py)"))
 
+register(OpDef("causal", "index", (Arg("x"), Arg("diagonal", "int", default=0, minimum=-(2**62))), tr.causal,
+               cost=Cost(1), fusable=False,
+               doc="true where the element's last index <= its second-last index + diagonal (torch.tril's "
+                   "keep); x gives only the shape and layout: no mask is stored"))
+
 register(OpDef("sum", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sum_partial))
 register(OpDef("norm", "reduction", X, tr.reduction, PARTIAL, numpy=ref.sumsq_partial,
                finish=np.sqrt, cost=Cost(2)))
@@ -348,6 +355,8 @@ register(OpDef("matmul", "tensor", AB, tr.matmul, NEVER, numpy=np.matmul, fusabl
                cost=Cost(2, inner=True)))
 register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg("eps", literal="f32")),
                tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1)))
+register(OpDef("softmax", "tensor", X, tr.rowwise, ROWS, numpy=ref.softmax, fusable=False, cost=Cost(4, 1),
+               doc="over the last dim, max subtracted; a fully masked (all -inf) row is zeros"))
 register(OpDef("conv2d", "tensor", (Arg("x"), Arg("w"), Arg("stride", "int", default=1, minimum=1),
                                     Arg("padding", "int", default=0)),
                tr.conv2d, NEVER, numpy=ref.conv2d, fusable=False, cost=Cost(2, inner=True)))

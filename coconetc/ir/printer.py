@@ -37,8 +37,8 @@ def expr(e: Expr, parent: int = -1, sites: Draws | None = None) -> str:
 def _number(v: float | int) -> str:
     if isinstance(v, int):
         return str(v)
-    if v in (float("inf"), float("-inf")):  # a literal too large for a double, e.g. 1e999
-        return "1e999" if v > 0 else "-1e999"
+    if v in (float("inf"), float("-inf")):  # the language's inf
+        return "inf" if v > 0 else "-inf"
     text = repr(float(v))
     return text if ("." in text or "e" in text or "n" in text) else text + ".0"
 

@@ -69,6 +69,18 @@ def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps) -> np.nda
     return ((x - mean) / np.sqrt(var + x.dtype.type(float(eps))) * gamma + beta).astype(x.dtype)
 
 
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Over the last dim, the row's max subtracted first (numerically stable). -inf entries
+    get 0; a row whose entries are all -inf (fully masked) is all zeros, as FlashAttention and
+    xformers define it (torch.softmax gives NaN there)."""
+    m = np.max(x, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(m == -np.inf, x.dtype.type(0), m)  # a fully masked row: exp(-inf) = 0 everywhere
+    e = np.exp(x - m)
+    s = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(s == 0, x.dtype.type(0), e / s).astype(x.dtype)  # NaN stays NaN
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, stride: int, padding: int) -> np.ndarray:
     """NCHW x OIHW -> NOHW, cross-correlation as in PyTorch."""
     n, c, h, wd = x.shape

@@ -177,6 +177,22 @@ def layernorm(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TTyp
     return TType(dt, t.shape, t.layout)
 
 
+def rowwise(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """softmax: over the last dim of a floating-point tensor; the result has x's type; the last
+    dim must be whole on each rank (any other dim may be sliced)."""
+    (x,) = args
+    _no_bool(args, span, f"an operand of {name}")
+    t = x.type
+    if t.ndim < 1:
+        raise TypeErr(x.span or span, f"{name} needs a tensor (it works over the last dim), not a scalar")
+    if t.dtype not in FLOATS:
+        raise TypeErr(x.span or span, f"{name} of an {t.dtype} tensor: cast(x, f32) first")
+    if t.layout == sliced(t.ndim - 1):
+        raise TypeErr(x.span or span, f"{name} works over the last dim, which this tensor has sliced "
+                      f"({t.layout}); gather it first or slice another dim")
+    return TType(t.dtype, t.shape, t.layout)
+
+
 def conv2d(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     x, w = args
     tx, tw = x.type, w.type
@@ -236,6 +252,16 @@ def where(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
 def compare(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     t = pointwise(args, span, "a comparison")
     return TType("bool", t.shape, t.layout)
+
+
+def causal(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """causal(x, diagonal=0): a condition of x's shape and layout (true where the element's
+    last index is at most its second-last index + diagonal); x's values are not read."""
+    (x,) = args
+    if x.type.ndim < 2:
+        raise TypeErr(x.span or span, f"causal needs a tensor of at least 2 dims (its last two are the "
+                      f"query and key positions), not a {x.type.ndim}-d one")
+    return TType("bool", x.type.shape, x.type.layout)
 
 
 def collective(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:

@@ -28,7 +28,7 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Lib
                                  Phase, Plan, Reduce, Require, Unit)
 
 
-LIBRARY = ("matmul", "layernorm", "conv2d",
+LIBRARY = ("matmul", "layernorm", "conv2d", "softmax",
            # the operations a derived program adds (coconetc/autodiff/ops.py)
            "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
 """The tensor operations that run as one Library unit each (a runtime function of every backend:

@@ -197,6 +197,13 @@ void layernorm(const T* x, const T* gamma, const T* beta, double eps, int64_t ro
     layernorm_row(x + r * h, gamma, beta, static_cast<compute_t<T>>(eps), h, out + r * h);
 }
 
+// softmax over the last dim (h) of rows x h, in the compute type, as the interpreter
+// (coconetc/ir/reference.py): the row's max subtracted; a fully masked row (all -inf) is zeros.
+template <class T>
+void softmax(const T* x, T* out, int64_t rows, int64_t h) {
+  for (int64_t r = 0; r < rows; ++r) softmax_row(x + r * h, h, out + r * h);
+}
+
 // conv2d NCHW x OIHW -> NOHW (cross-correlation, zero padding), accumulating in compute type.
 template <class T>
 void conv2d(const T* x, const T* w, T* out, int64_t N, int64_t C, int64_t H, int64_t W,

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "dtypes.h"
 #include "rng.h"
@@ -53,6 +54,32 @@ COCONET_HD inline void layernorm_row(const T* xr, const T* g, const T* b, comput
   C inv = C(1) / std::sqrt(var + eps);
   for (int64_t j = 0; j < H; ++j)
     yr[j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+}
+
+// The value a softmax row's max becomes before it is subtracted: a fully masked row's max (-inf)
+// is 0, so that every exp(-inf - 0) is 0 and the row sums to 0 (the row is then zeros).
+template <class C>
+COCONET_HD inline C softmax_shift(C m) { return m == -std::numeric_limits<C>::infinity() ? C(0) : m; }
+
+// An element of a softmax row: e / s, 0 where the row's sum is 0 (a fully masked row; a NaN
+// stays NaN).
+template <class C>
+COCONET_HD inline C softmax_value(C e, C s) { return s == C(0) ? C(0) : e / s; }
+
+// One row of softmax over the last dim (H elements at xr into yr), in the compute type, as the
+// interpreter: the max, the sum of exp(x - max), then each exp(x - max) / sum.
+template <class T>
+COCONET_HD inline void softmax_row(const T* xr, int64_t H, T* yr) {
+  using C = compute_t<T>;
+  C m = -std::numeric_limits<C>::infinity();
+  for (int64_t j = 0; j < H; ++j) {
+    const C v = to_compute(xr[j]);
+    m = (v > m || v != v) ? v : m;  // NaN propagates, as np.max
+  }
+  m = softmax_shift(m);
+  C s = 0;
+  for (int64_t j = 0; j < H; ++j) s += std::exp(to_compute(xr[j]) - m);
+  for (int64_t j = 0; j < H; ++j) yr[j] = from_compute<T>(softmax_value(std::exp(to_compute(xr[j]) - m), s));
 }
 
 }  // namespace coconet

@@ -663,6 +663,47 @@ void layernorm(const T* x, const T* g, const T* b, double eps, int64_t rows, int
   layernorm_rows(x, g, b, eps, rows, H, y, c);
 }
 
+// The largest of v over the block's threads, NaN propagating (as block_sum: a fixed order, every
+// thread gets it).
+template <class A>
+__device__ A block_max(A* part, A v) {
+  part[threadIdx.x] = v;
+  __syncthreads();
+  for (int k = blockDim.x / 2; k > 0; k /= 2) {
+    if (int(threadIdx.x) < k) {
+      const A o = part[threadIdx.x + k];
+      if (o > part[threadIdx.x] || o != o) part[threadIdx.x] = o;
+    }
+    __syncthreads();
+  }
+  const A total = part[0];
+  __syncthreads();
+  return total;
+}
+
+// softmax over the last dim, a block a row: the row's max (block_max), the sum of exp(x - max)
+// (block_sum), then each exp(x - max) / sum, in the compute type; a fully masked row (all -inf)
+// is zeros (pointwise.h: softmax_shift, softmax_value), as the CPU's softmax_row.
+template <class T>
+void softmax(const T* x, T* y, int64_t rows, int64_t H, const Ctx& c) {
+  using C = compute_t<T>;
+  COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_W(y, 0, rows * H));
+  launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
+    const T* xr = x + r * H;
+    C m = -std::numeric_limits<C>::infinity();
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
+      const C v = to_compute(xr[j]);
+      if (v > m || v != v) m = v;
+    }
+    m = softmax_shift(block_max(part, m));
+    C s = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += std::exp(to_compute(xr[j]) - m);
+    s = block_sum(part, s);
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
+      y[r * H + j] = from_compute<T>(softmax_value(std::exp(to_compute(xr[j]) - m), s));
+  });
+}
+
 // conv2d NCHW x OIHW, one thread per output element, accumulated in double.
 template <class T>
 void conv2d(const T* x, const T* w, T* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,

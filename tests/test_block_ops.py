@@ -1,0 +1,279 @@
+"""The operations of a transformer block (issue 39, point 1): softmax, the causal condition and
+the literal inf (transpose, reshape and batched matmul join as they land).
+
+- the interpreter against NumPy written here, independently (masked entries, fully masked
+  rows, slices over 2 and 3 ranks whose offsets the causal condition must count);
+- parsing and printing round trips; errors at their line and column;
+- the derivatives (derived programs run by the interpreter) against torch.autograd;
+- the forward and derived programs compiled for the CPU on 1 and 2 ranks, and as CUDA under the
+  host emulation, against the interpreter (tests/grad_backends_worker.py runs each program of
+  a file on random inputs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
+from coconetc.autodiff import vjp
+from coconetc.errors import CompileError
+from coconetc.interp.interpreter import run
+from coconetc.ir import printer
+from coconetc.ir.slices import slice_range
+from coconetc.launch import mpiexec
+from coconetc.sourcefile import load_file, load_source
+from coconetc.toolchain import probes
+
+WORKER = str(Path(__file__).with_name("grad_backends_worker.py"))
+
+# Programs compiled by both backends (with their derived programs): every operation once.
+BLOCK = """
+program attn_mask(s: f32[B, H, S, S] sliced(1), c: f32[B, 1, S, 1] replicated) {
+    m = where(causal(s), s, -inf)
+    p = softmax(where(c > 1.0, m, -inf))
+    q = p * 2.0 + softmax(where(causal(s, diagonal=-1), s * 0.5, -inf))
+    return q
+}
+
+program seq_softmax(x: f32[B, S, T] sliced(1), w: f32[T, T] replicated) {
+    y = softmax(where(causal(x), matmul(x, w), -inf))
+    return y
+}
+"""
+SIZES = {"B": 2, "H": 3, "S": 5, "T": 5}
+
+
+def _interp(src: str, name: str, inputs: dict[str, np.ndarray], ranks: int, sliced: dict[str, int]) -> list:
+    """Run program `name` on `ranks` simulated ranks, each parameter in `sliced` cut along its
+    dim (the rest given whole), and return rank by rank results."""
+    p = load_source(src).program(name)
+    per_rank = []
+    for r in range(ranks):
+        mine = {}
+        for k, v in inputs.items():
+            if k in sliced:
+                d = sliced[k]
+                lo, hi = slice_range(v.shape[d], ranks, r)
+                v = np.take(v, np.arange(lo, hi), axis=d)
+            mine[k] = v.copy() if isinstance(v, np.ndarray) else v
+        per_rank.append(mine)
+    return run(p, per_rank)
+
+
+def _joined(results: list, out: str, dim: int | None) -> np.ndarray:
+    parts = [r.outputs[out] for r in results]
+    return parts[0] if dim is None else np.concatenate(parts, axis=dim)
+
+
+# --- softmax ---------------------------------------------------------------------------------
+def _softmax_rows(x: np.ndarray) -> np.ndarray:
+    """Row by row in float64 over the entries that are not -inf; a fully masked row is zeros."""
+    out = np.zeros(x.shape, dtype=np.float64)
+    flat, res = x.reshape(-1, x.shape[-1]).astype(np.float64), out.reshape(-1, x.shape[-1])
+    for i, row in enumerate(flat):
+        keep = row != -np.inf
+        if keep.any():
+            e = np.exp(row[keep] - row[keep].max())
+            res[i, keep] = e / e.sum()
+    return out
+
+
+SOFTMAX = """program sm(x: f32[R, C] sliced(0)) {
+    y = softmax(x)
+    return y
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_softmax_matches_numpy_with_masked_entries_and_rows(ranks):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((7, 6)) * 30).astype(np.float32)  # large: exp without the max overflows
+    x[1, 2:] = -np.inf
+    x[4, :] = -np.inf  # a fully masked row: zeros
+    x[5, 0] = 80.0
+    y = _joined(_interp(SOFTMAX, "sm", {"x": x}, ranks, {"x": 0}), "y", 0)
+    want = _softmax_rows(x)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-7)
+    assert np.all(y[4] == 0) and np.all(y[1, 2:] == 0)
+    np.testing.assert_allclose(y[[0, 1, 2, 3, 5, 6]].sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_softmax_of_a_nan_row_is_nan_and_other_rows_are_untouched():
+    x = np.array([[1.0, np.nan, 2.0], [0.0, 1.0, 2.0]], dtype=np.float32)
+    y = _joined(_interp(SOFTMAX, "sm", {"x": x}, 1, {}), "y", None)
+    assert np.isnan(y[0]).all()
+    np.testing.assert_allclose(y[1], _softmax_rows(x[1:])[0], rtol=1e-6)
+
+
+# --- causal and inf --------------------------------------------------------------------------
+CAUSAL = """program cm(s: f32[B, S, T] sliced(1)) {
+    a = where(causal(s), s, -inf)
+    b = where(causal(s, diagonal=-2), s, 0.0)
+    c = where(causal(s, diagonal=1), 1.0, 2.0 * s)
+    return a, b, c
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_causal_counts_global_positions_of_a_sliced_sequence(ranks):
+    rng = np.random.default_rng(1)
+    s = rng.standard_normal((2, 7, 5)).astype(np.float32)
+    res = _interp(CAUSAL, "cm", {"s": s}, ranks, {"s": 1})
+    rows, cols = np.arange(7)[:, None], np.arange(5)[None, :]
+    np.testing.assert_array_equal(_joined(res, "a", 1), np.where(cols <= rows, s, -np.inf))
+    np.testing.assert_array_equal(_joined(res, "b", 1), np.where(cols <= rows - 2, s, 0.0))
+    np.testing.assert_array_equal(_joined(res, "c", 1), np.where(cols <= rows + 1, 1.0, 2.0 * s))
+
+
+def test_inf_prints_and_parses_back_and_a_parameter_named_inf_shadows_it():
+    p = load_source(CAUSAL).program("cm")
+    text = printer.program(p)
+    assert "where(causal(s, diagonal=0), s, -inf)" in text and "causal(s, diagonal=-2)" in text
+    assert printer.program(load_source(text).program("cm")) == text
+    shadow = load_source("program p(inf: f32[N] replicated) {\n    y = inf * 2.0\n    return y\n}\n").program("p")
+    got = run(shadow, [{"inf": np.array([1.0, 2.0], dtype=np.float32)}])[0].outputs["y"]
+    np.testing.assert_array_equal(got, [2.0, 4.0])
+
+
+# --- errors at their line and column --------------------------------------------------------
+@pytest.mark.parametrize("body, line, col, words", [
+    ("    y = softmax(x)\n", 2, 17, "last dim, which this tensor has sliced"),
+    ("    y = softmax(i)\n", 2, 17, "cast(x, f32) first"),
+    ("    y = softmax(k)\n", 2, 17, "not a scalar"),
+    ("    y = where(causal(v), v, 0.0)\n", 2, 22, "at least 2 dims"),
+    ("    y = softmax(x < 1.0)\n", 2, 17, "condition of where"),
+    ("    y = causal(u)\n", 2, 9, "condition of where"),
+])
+def test_errors_are_located(body, line, col, words):
+    src = ("program p(x: f32[B, S] sliced(1), i: i32[B, S] replicated, k: f32, v: f32[S] replicated, "
+           "u: f32[S, S] replicated) {\n" + body + "    return y\n}\n")
+    with pytest.raises(CompileError) as err:
+        load_source(src, "t.ccn")
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (line, col), str(err.value)
+    assert words in d.message, d.message
+
+
+# --- derivatives against torch.autograd ----------------------------------------------------
+def _grads(src: str, name: str, inputs: dict, ranks: int, sliced: dict[str, int]) -> dict[str, np.ndarray]:
+    """The derived program of `name` run by the interpreter; its gradients joined over the ranks."""
+    p = load_source(src).program(name)
+    g = vjp(p)
+    text = printer.program(g)
+    res = _interp(text, g.name, inputs, ranks, sliced)
+    return {pub: _joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
+
+
+def test_softmax_and_causal_derivatives_match_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(2)
+    B, H, S = 2, 3, 5
+    s = rng.standard_normal((B, H, S, S)).astype(np.float64)
+    c = rng.uniform(0.5, 1.5, (B, 1, S, 1)).astype(np.float64)
+    dq = rng.standard_normal((B, H, S, S)).astype(np.float64)
+    src = BLOCK.replace("f32", "f64")
+    got = _grads(src, "attn_mask", {"s": s, "c": c, "d_q": dq}, 2, {"s": 1, "d_q": 1})
+
+    ts = torch.tensor(s, requires_grad=True)
+    keep = torch.ones(S, S, dtype=torch.bool).tril()
+    m = torch.where(keep, ts, -torch.inf)
+    m2 = torch.where(torch.tensor(c) > 1.0, m, -torch.inf)
+    full = m2.isneginf().all(dim=-1, keepdim=True)  # rows torch would make NaN: ours are zeros
+    p = torch.where(full, 0.0, torch.softmax(torch.where(full, 0.0, m2), dim=-1))
+    second = torch.where(torch.ones(S, S, dtype=torch.bool).tril(-1), ts * 0.5, -torch.inf)
+    full2 = second.isneginf().all(dim=-1, keepdim=True)
+    p2 = torch.where(full2, 0.0, torch.softmax(torch.where(full2, 0.0, second), dim=-1))
+    q = p * 2.0 + p2
+    (q * torch.tensor(dq)).sum().backward()
+    assert full.any() and full2.any()  # both kinds of fully masked rows are exercised
+    np.testing.assert_allclose(got["d_s"], ts.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(got["d_c"], np.zeros_like(c))
+
+
+def test_softmax_derivative_of_a_sliced_batch_matches_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 6)) * 3
+    dy = rng.standard_normal((7, 6))
+    got = _grads(SOFTMAX.replace("f32", "f64"), "sm", {"x": x, "d_y": dy}, 3, {"x": 0, "d_y": 0})
+    tx = torch.tensor(x, requires_grad=True)
+    (torch.softmax(tx, dim=-1) * torch.tensor(dy)).sum().backward()
+    np.testing.assert_allclose(got["d_x"], tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# --- both backends against the interpreter ------------------------------------------------
+def _block_text(programs: str = BLOCK) -> str:
+    """The forward programs and their derived programs, one .ccn text."""
+    mod = load_source(programs)
+    texts = [printer.program(p) for p in mod.programs.values()]
+    texts += [printer.program(replace(vjp(p), name=f"{p.name}_grad")) for p in mod.programs.values()]
+    return "\n".join(texts)
+
+
+@pytest.fixture(scope="module")
+def cache(request):
+    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    yield
+    if old is None:
+        os.environ.pop(probes.ENV_CACHE, None)
+    else:
+        os.environ[probes.ENV_CACHE] = old
+
+
+def _launch(ranks: int, args: list[str]) -> None:
+    cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
+    res = subprocess.run(cmd, env=mpiexec.environment(ranks), capture_output=True, text=True, timeout=600)
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert lines and all(ln.startswith("MATCH ") for ln in lines), log
+    return None
+
+
+def _sizes(**more: int) -> list[str]:
+    return [f"{k}={v}" for k, v in {**SIZES, **more}.items()]
+
+
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_cpu_backend_matches_interpreter(cache, tmp_path):
+    from coconetc.runtime.loader import compile_cpu
+    f = tmp_path / "block_cpu.ccn"
+    f.write_text(_block_text())
+    compile_cpu(load_file(f), log=lambda msg: None)
+    for ranks in (1, 2):
+        _launch(ranks, ["cpu", str(f), *_sizes()])
+    _launch(2, ["cpu", str(f), *_sizes(H=1, S=1)])  # a rank with an empty slice of heads
+
+
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+def test_cuda_emulation_matches_interpreter(cache, tmp_path):
+    from coconetc import toolchain
+    f = tmp_path / "block_cuda.ccn"
+    f.write_text(_block_text())
+    mod = load_file(f)
+    assert all(not p.unsupported("cuda-emulation") for p in mod.plans.values())
+    toolchain.compile(mod, "cuda-emulated", toolchain.Options(log=lambda msg: None))
+    _launch(2, ["emulate", str(f), *_sizes(T=300, S=300, H=2, B=1)])  # rows longer than a block's threads
+
+
+@pytest.mark.slow
+def test_cuda_module_compiles_and_links_with_nvcc(tmp_path):
+    """The real CUDA module (not the emulation) of every program: nvcc compiles the kernels."""
+    from coconetc import toolchain
+    why = probes.cuda_missing()
+    if why:
+        pytest.skip(why)
+    f = tmp_path / "block_nvcc.ccn"
+    f.write_text(_block_text())
+    so = toolchain.compile(load_file(f), "cuda", toolchain.Options(archs="90", log=lambda m: None)).path
+    assert so is not None and so.exists()
