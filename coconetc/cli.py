@@ -12,6 +12,7 @@ import click
 import numpy as np
 
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
+from coconetc.plan.targets import Target
 from coconetc.sourcefile import SourceFile, load_file
 from coconetc.ir.limits import INT64_MAX, too_big
 from coconetc.errors import CompileError, Span
@@ -508,7 +509,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
 
 def _target(backend: str, emulate: bool) -> str:
     """The toolchain's target of --backend and --emulate: cpu, cuda or cuda-emulated."""
-    return "cpu" if backend != "cuda" else "cuda-emulated" if emulate else "cuda"
+    return Target.CPU if backend != "cuda" else Target.EMULATED if emulate else Target.CUDA
 
 
 def _checked_target(command: str, backend: str, emulate: bool, emulated: str) -> str:

@@ -22,6 +22,7 @@ import coconetc.autodiff  # noqa: F401  (registers the derived programs' operati
 from coconetc.autodiff import vjp
 from coconetc.ir import printer
 from coconetc.launch import mpiexec
+from coconetc.plan.targets import Target
 from coconetc.sourcefile import load_file, load_source
 from coconetc.toolchain import probes
 
@@ -181,8 +182,8 @@ def test_cuda_emulation_matches_interpreter(cache, tmp_path_factory):
     from coconetc import toolchain
     f = _write(tmp_path_factory.mktemp("grad"), "grads_cuda.ccn", grad_text("f32", EMULATED))
     mod = load_file(f)
-    assert not mod.plans or all(not p.unsupported("cuda-emulation") for p in mod.plans.values())
-    toolchain.compile(mod, "cuda-emulated", toolchain.Options(log=lambda msg: None))
+    assert not mod.plans or all(not p.unsupported(Target.EMULATED) for p in mod.plans.values())
+    toolchain.compile(mod, Target.EMULATED, toolchain.Options(log=lambda msg: None))
     for ranks in (1, 3):
         _check(_launch(ranks, ["emulate", str(f), *_sizes()]), len(EMULATED))
     _check(_launch(3, ["emulate", str(f), *_sizes(**EMPTY)]), len(EMULATED))

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from coconetc.launch import mpiexec
+from coconetc.plan.targets import Target
 from coconetc.runtime import call
 from coconetc.toolchain import probes
 
@@ -37,7 +38,7 @@ def built(request):
     from coconetc.sourcefile import load_file
     compile_cpu(load_file(FILES["cpu"]), log=lambda msg: None)
     if probes.emulation_missing() is None:
-        toolchain.compile(load_file(FILES["cuda"]), "cuda-emulated", toolchain.Options(log=lambda msg: None))
+        toolchain.compile(load_file(FILES["cuda"]), Target.EMULATED, toolchain.Options(log=lambda msg: None))
     yield True
     if old is None:
         os.environ.pop(probes.ENV_CACHE, None)

@@ -18,7 +18,7 @@ from coconetc.codegen.cuda import Unsupported, emulation_problems, generate
 from coconetc.codegen.cuda.render import render
 from coconetc.errors import CompileError
 from coconetc.plan import plan_program
-from coconetc.plan.targets import decide
+from coconetc.plan.targets import Target, decide
 from coconetc.plan.units import Fused, Overlap, Reduce
 from coconetc.sourcefile import SourceFile, load_file
 
@@ -147,7 +147,7 @@ def test_a_reduction_changing_dtype_is_a_cuda_gap(example) -> None:
 def test_the_emulation_leaves_out_extern_operations(example) -> None:
     mod = example("extern_ops.ccn")
     assert not any(p.unsupported("cuda") for p in mod.plans.values())
-    assert all(p.unsupported("cuda-emulation") for p in mod.plans.values())
+    assert all(p.unsupported(Target.EMULATED) for p in mod.plans.values())
 
 
 def _fused(mod: SourceFile, prog: str, sched: str) -> Fused:
@@ -176,7 +176,7 @@ def test_buffer_placement_is_a_plan_field(example) -> None:
     assert not any(b.shared for b in example("sgd.ccn").plans[("sgd", "default")].buffers)
     mod = load_file(REPO / "tests" / "programs" / "cuda_scattered_collectives.ccn")
     bc = mod.plans[("bc", "default")]
-    assert bc.buffer("t0_x").unallocated == ("cuda", "cuda-emulation")  # the broadcast reads the segments
+    assert bc.buffer("t0_x").unallocated == ("cuda", Target.EMULATED)  # the broadcast reads the segments
     assert all(not b.unallocated for b in bc.buffers if b.name != "t0_x")
     cu = generate(mod, "m", skip_unsupported=True).cu
     assert "// t0_x: not needed, the collective reads the segments piece by piece" in cu
@@ -230,4 +230,4 @@ def test_show_plan_names_what_a_target_does_not_implement(tmp_path: Path) -> Non
     assert res.exit_code == 0, res.output
     tail = res.output.split("targets:\n")[1]
     assert tail.startswith("  cpu             every unit\n  cuda            not:\n    L10   a computed 0-d operand")
-    assert "  cuda-emulation  not:\n" in tail and "an extern operation's own CUDA code is not run" in tail
+    assert "  cuda-emulated   not:\n" in tail and "an extern operation's own CUDA code is not run" in tail

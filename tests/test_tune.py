@@ -21,6 +21,7 @@ from coconetc.oracle.inputs import adapt_inputs, random_inputs
 from coconetc.interp.interpreter import run
 from coconetc.ir import printer
 from coconetc.launch.mpiexec import run_python
+from coconetc.plan.targets import Target
 from coconetc.schedule import apply_all
 from coconetc.runtime import tuned
 from coconetc.toolchain import probes
@@ -432,12 +433,12 @@ def test_tune_cuda_emulated_then_auto(tmp_path, tuning_file, monkeypatch, capfd)
                  "--reps", "1", "--json", out)
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
-    assert data["target"] == "cuda-emulated" and data["machine"].endswith("| CUDA host emulation")
+    assert data["target"] == Target.EMULATED and data["machine"].endswith("| CUDA host emulation")
     assert not any("@" in label for label in data["measured"])
     assert {"default", "zero", "fused"} <= set(data["measured"]) and data["choice"] in data["measured"]
     mod = load_file(ADAM)
     assert tuned.lookup(mod.source, "adam", {"N": 1000}, 2) is None  # the CPU backend's own records
-    assert tuned.lookup(mod.source, "adam", {"N": 1000}, 2, target="cuda-emulated")["choice"] == data["choice"]
+    assert tuned.lookup(mod.source, "adam", {"N": 1000}, 2, target=Target.EMULATED)["choice"] == data["choice"]
     # the call-time choices made schedules the tuner wrote, which the module must then carry
     store = json.loads(tuning_file.read_text())
     (key, rec), = store.items()
@@ -469,7 +470,7 @@ def test_tune_cuda_emulated_as_explain_advises_then_show_and_explain(tmp_path, m
     assert advice is not None, res.stderr
     res = invoke(*advice.group(1).split(), "--reps", "1")
     assert res.exit_code == 0, res.output
-    choice = tuned.lookup(load_file(ADAM).source, "adam", {"N": 1000}, 2, target="cuda-emulated")["choice"]
+    choice = tuned.lookup(load_file(ADAM).source, "adam", {"N": 1000}, 2, target=Target.EMULATED)["choice"]
     res = invoke("show", ADAM, "-s", "auto", *cuda)
     assert res.exit_code == 0, res.output
     assert res.stdout.splitlines()[0].endswith(f"ms): {choice}"), res.stdout
@@ -503,8 +504,8 @@ def test_run_auto_on_the_cuda_backend_runs_the_cuda_choice(example, tmp_path, mo
     mod = example("adam.ccn")
     _fake_record(mod, {"N": 65}, 2)  # the CPU's: zero
     rec = _fake_record(mod, {"N": 65}, 2)
-    rec["choice"], rec["machine"], rec["target"] = "auto_rs_c_ag_slice", tuned.machine("cuda-emulated"), "cuda-emulated"
-    tuned.store(tuned.key(mod.source, "adam", {"N": 65}, 2, target="cuda-emulated"), rec)
+    rec["choice"], rec["machine"], rec["target"] = "auto_rs_c_ag_slice", tuned.machine(Target.EMULATED), Target.EMULATED
+    tuned.store(tuned.key(mod.source, "adam", {"N": 65}, 2, target=Target.EMULATED), rec)
     capfd.readouterr()
     res = invoke("run", ADAM, "-s", "auto", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=65")
     ranks_out = capfd.readouterr().out
@@ -519,9 +520,9 @@ def _cuda_record(mod, sizes: dict, R: int) -> dict:
     (a schedule its tuner wrote), no point-to-point variants, no 'fused' measured."""
     rec = _fake_record(mod, sizes, R)  # the CPU's: zero at 2.000 ms
     rec["measured"] = {"default": 9e-3, "rs_c_ag": 8e-3, "zero": 7e-3, "auto_rs_c_ag_slice": 6e-3}
-    rec["choice"], rec["target"], rec["machine"] = "auto_rs_c_ag_slice", "cuda-emulated", tuned.machine("cuda-emulated")
+    rec["choice"], rec["target"], rec["machine"] = "auto_rs_c_ag_slice", Target.EMULATED, tuned.machine(Target.EMULATED)
     rec["by_convention"] = {"": "default", "m: sliced(0), v: sliced(0)": "auto_rs_c_ag_slice"}
-    tuned.store(tuned.key(mod.source, "adam", sizes, R, target="cuda-emulated"), rec)
+    tuned.store(tuned.key(mod.source, "adam", sizes, R, target=Target.EMULATED), rec)
     return rec
 
 

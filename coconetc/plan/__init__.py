@@ -2,7 +2,7 @@
 
 from coconetc.plan.chunking import PlanError
 from coconetc.plan.planner import execution_order, plan_program
-from coconetc.plan.targets import TARGETS
+from coconetc.plan.targets import TARGETS, Target
 from coconetc.plan.units import Gap, Plan
 
-__all__ = ["Gap", "Plan", "PlanError", "TARGETS", "execution_order", "plan_program"]
+__all__ = ["Gap", "Plan", "PlanError", "TARGETS", "Target", "execution_order", "plan_program"]

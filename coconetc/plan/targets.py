@@ -4,7 +4,8 @@ decides what runs, for every target) and before the verifier, so every per-targe
 field of the plan, printed by `coconetc show --format plan`; a renderer reads them and decides
 nothing.
 
-Targets: `cpu` (C++, MPI), `cuda` (CUDA, NCCL, cuBLAS) and `cuda-emulation` (the generated
+Targets (`Target`, the one spelling of each, used by every layer: the toolchain's backends, the
+tuner's records): `cpu` (C++, MPI), `cuda` (CUDA, NCCL, cuBLAS) and `cuda-emulated` (the generated
 CUDA code run on the host, `run --backend cuda --emulate`: what cuda implements, except an
 extern operation's own CUDA code, which is not emulated).
 
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from enum import Enum
 
 from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
@@ -58,8 +60,22 @@ from coconetc.ir.nodes import Op, Ref, walk
 from coconetc.plan.units import (Buffer, Chunking, Collective, Fused, Gap, Library, Overlap, Plan, Reduce,
                                  Strategy, Unit)
 
-TARGETS = ("cpu", "cuda", "cuda-emulation")
-EMULATION = "cuda-emulation"
+
+class Target(str, Enum):
+    """A target, as every layer spells it (a str: equal to its value, printed as it)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+    EMULATED = "cuda-emulated"  # the generated CUDA code run on the host (`--backend cuda --emulate`)
+
+    def __str__(self) -> str:  # (enum.StrEnum from Python 3.11)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+TARGETS = tuple(Target)
 
 Locate = Callable[[Unit], Span]
 
@@ -79,7 +95,7 @@ def _placed(b: Buffer, plan: Plan) -> Buffer:
         return b
     shared = {u.src for u in plan.units if isinstance(u, Fused) or (isinstance(u, Collective) and u.op == "allreduce")}
     packed = {c.packed for c in _every(plan.units) if isinstance(c, Collective) and c.packed}
-    return replace(b, shared=b.name in shared, unallocated=("cuda", EMULATION) if b.name in packed else ())
+    return replace(b, shared=b.name in shared, unallocated=(Target.CUDA, Target.EMULATED) if b.name in packed else ())
 
 
 def diagnostics(plan: Plan, target: str) -> list[Diagnostic]:
@@ -219,4 +235,4 @@ def _emulation_gaps(plan: Plan) -> list[tuple[Unit, str]]:
 
 
 GAPS: dict[str, Callable[[Plan], list[tuple[Unit, str]]]] = {
-    "cpu": _cpu_gaps, "cuda": _cuda_gaps, EMULATION: _emulation_gaps}
+    Target.CPU: _cpu_gaps, Target.CUDA: _cuda_gaps, Target.EMULATED: _emulation_gaps}

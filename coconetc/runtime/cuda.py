@@ -33,6 +33,7 @@ from coconetc.ir.arguments import from_torch, is_torch, overlapping
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
+from coconetc.plan.targets import Target
 from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
 from coconetc.runtime.events import Events
@@ -911,12 +912,12 @@ def load_emulated(path: str | Path, log=None, *, grad=()) -> EmulatedModule:
     # nobody has): mpi4py finalizes only what it initialized, so a script that never imported
     # mpi4py would otherwise end without MPI_Finalize, which mpiexec reports as a failed rank
     from mpi4py import MPI  # noqa: F401
-    return EmulatedModule.of(compile(with_tuned(with_grads(load_file(path), grad), "cuda-emulated"),
-                                     "cuda-emulated", Options(log=log)))
+    return EmulatedModule.of(compile(with_tuned(with_grads(load_file(path), grad), Target.EMULATED),
+                                     Target.EMULATED, Options(log=log)))
 
 
 class EmulatedModule(CudaModule):
-    target = "cuda-emulated"
+    target = Target.EMULATED
 
     def _function(self, name: str, schedules: dict[str, Program], ext: Any) -> CudaProgram:
         return EmulatedProgram(name, schedules, ext, self)

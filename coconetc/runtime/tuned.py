@@ -30,6 +30,7 @@ from typing import Any
 
 from coconetc.errors import CompileError
 from coconetc.plan.label import schedule_name
+from coconetc.plan.targets import Target
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.toolchain.probes import cache_dir
 
@@ -38,9 +39,9 @@ ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/t
 
 
 # per target: where its records were measured, and the `coconetc tune` options that measure there
-MEASURED_ON = {"cpu": " on this machine", "cuda": " on this machine's GPU",
-               "cuda-emulated": " under the CUDA host emulation on this machine"}
-TUNE_FLAGS = {"cpu": "", "cuda": " --backend cuda", "cuda-emulated": " --backend cuda --emulate"}
+MEASURED_ON: dict[str, str] = {Target.CPU: " on this machine", Target.CUDA: " on this machine's GPU",
+               Target.EMULATED: " under the CUDA host emulation on this machine"}
+TUNE_FLAGS: dict[str, str] = {Target.CPU: "", Target.CUDA: " --backend cuda", Target.EMULATED: " --backend cuda --emulate"}
 
 
 def tune_command(file: str, program: str, ranks: int | str, sizes: dict[str, Any], target: str = "cpu") -> str:
@@ -58,7 +59,7 @@ def path() -> Path:
 def machine(target: str = "cpu") -> str:
     """host name, CPU model and core count (and, for a CUDA target, the GPU's name or the host
     emulation): what a timing on TARGET depends on beyond the program."""
-    if target == "cuda-emulated":
+    if target == Target.EMULATED:
         return machine() + " | CUDA host emulation"
     if target == "cuda":
         import torch

@@ -6,7 +6,7 @@ CMake, nvcc or the C++ compiler.
     commands.py   the compiler commands (CMake + mpicxx, CMake + nvcc, the host emulation)
     probes.py     the tools and wheels found here, the compiler's own hash, BuildError"""
 
-from coconetc.toolchain.compiler import BACKENDS, Artifact, Options, compile, runtime, module_stem
+from coconetc.toolchain.compiler import Artifact, Options, compile, runtime, module_stem
 from coconetc.toolchain.probes import BuildError
 
-__all__ = ["BACKENDS", "Artifact", "BuildError", "Options", "compile", "module_stem", "runtime"]
+__all__ = ["Artifact", "BuildError", "Options", "compile", "module_stem", "runtime"]

@@ -20,15 +20,15 @@ from coconetc.codegen import cpu, cuda
 from coconetc.codegen.libs import Libs
 from coconetc.errors import CompileError, Span
 from coconetc.paths import runtime_dir
+from coconetc.plan.targets import TARGETS, Target
 from coconetc.sourcefile import SourceFile
 from coconetc.toolchain import artifacts, commands
 from coconetc.toolchain.probes import (BuildError, cache_dir, compiler_hash, cuda_hash, cuda_toolchain,
                                        emulation_missing, require_cpu_extra, toolchain)
 
-BACKENDS = ("cpu", "cuda", "cuda-emulated")
 PROBE = "ccn_module_name_placeholder"  # the module's name while its key is computed
-PREFIX = {"cpu": "ccn", "cuda": "ccn_cuda", "cuda-emulated": "ccn_emu"}
-SOURCE = {"cpu": "module.cpp", "cuda": "module.cu", "cuda-emulated": "module.cu"}
+PREFIX: dict[str, str] = {Target.CPU: "ccn", Target.CUDA: "ccn_cuda", Target.EMULATED: "ccn_emu"}
+SOURCE: dict[str, str] = {Target.CPU: "module.cpp", Target.CUDA: "module.cu", Target.EMULATED: "module.cu"}
 
 
 def _absolute(dirs) -> tuple[str, ...]:
@@ -115,8 +115,8 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     by content; a cached module is checked before it is used and built again if it is not
     whole). Raises CompileError for the file, BuildError for the build."""
     o = options or Options()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend not in TARGETS:
+        raise ValueError(f"backend must be one of {', '.join(TARGETS)}, got {backend!r}")
     if o.name is not None and o.build:
         raise ValueError("Options.name goes with build=False (a built module is named by its key)")
     if not mod.programs:
@@ -168,7 +168,7 @@ def _emulated_parts(runtime: Path) -> list[str]:
 
 
 def _libs_key(mod: SourceFile, backend: str, libs: Libs) -> str:
-    if libs == Libs() or backend == "cuda-emulated":
+    if libs == Libs() or backend == Target.EMULATED:
         return ""
     return libs.fingerprint(mod.extern_headers("cpp" if backend == "cpu" else "cuda"))
 
@@ -188,7 +188,7 @@ def build_emulated(cu: str, stem: str = "module", out_dir: str | Path | None = N
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
     rt = Path(runtime).absolute() if runtime else runtime_dir()
-    name = f"{PREFIX['cuda-emulated']}_{identifier(stem)}_{artifacts.content_key([*_emulated_parts(rt), cu])}"
+    name = f"{PREFIX[Target.EMULATED]}_{identifier(stem)}_{artifacts.content_key([*_emulated_parts(rt), cu])}"
     where = Path(out_dir).absolute() if out_dir else cache_dir().absolute() / name
     so = artifacts.build(name, {"module.cu": cu.replace(PROBE, name)}, where, commands.emulated(name, rt, _emulated_parts(rt)), log)
     return name, so

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from coconetc.plan.label import parse
+from coconetc.plan.targets import TARGETS, Target
 from coconetc.runtime import tuned
 from coconetc.runtime.nodes import simulated_nodes
 from coconetc.runtime.loader import compile_cpu
@@ -37,8 +38,8 @@ from coconetc.tune.cost import cost
 from coconetc.tune.space import DEFAULT, Candidate, algorithm_variants, candidates
 
 KEEP = 2.0
+WORKER_FLAGS: dict[str, list[str]] = {Target.CUDA: ["--cuda"], Target.EMULATED: ["--emulate-cuda"]}  # jobs/tune.py's
 MAX_GENERATED = 12
-TARGETS = ("cpu", "cuda", "cuda-emulated")
 
 
 class TuneError(Exception):
@@ -148,7 +149,7 @@ def _run_measured(mod: SourceFile, program: str, sizes: dict[str, int], ranks: i
     argv = ["-m", "coconetc.jobs.tune", str(src), "--program", program, f"--reps={reps}",
             f"--out={out}", f"--include-dir={Path(mod.file).resolve().parent}",
             *[f"--size={k}={v}" for k, v in sizes.items()],
-            *({"cuda": ["--cuda"], "cuda-emulated": ["--emulate-cuda"]}.get(target, [])),
+            *(WORKER_FLAGS.get(target, [])),
             *[f"--schedule={c.label}" for c in pr.measured]]
     rc = _run_worker(ranks, argv, len(pr.measured) * (reps + 1), progress, timeout)
     if not out.exists():  # (written, with no choice, when no winner matched the interpreter)
