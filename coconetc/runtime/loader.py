@@ -15,9 +15,10 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+from coconetc.runtime import warm
 from coconetc.runtime.module import CompiledModule, ProgramFunction
-from coconetc.runtime.tuned import with_tuned
-from coconetc.sourcefile import SourceFile, load_file, with_grads
+from coconetc.runtime.tuned import tuned_schedules, with_tuned
+from coconetc.sourcefile import SourceFile, load_source, with_grads
 from coconetc.toolchain import Artifact, Options, compile
 from coconetc.toolchain.probes import require_cpu_extra
 
@@ -36,9 +37,17 @@ def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), librar
     """Compile FILE (cached) and import it. include_dirs, library_dirs, libraries: where the
     headers and libraries of the file's extern operations are, and what to link (the file's
     own directory is searched for headers too). grad: programs whose derived programs
-    (`<p>_grad`, docs/autodiff.md) the module holds too."""
-    art = compile_cpu(with_grads(load_file(path), grad), log, include_dirs=include_dirs,
-                      library_dirs=library_dirs, libraries=libraries)
+    (`<p>_grad`, docs/autodiff.md) the module holds too. A file loaded before with the same
+    text and options is not parsed, planned or generated again (warm.py)."""
+    path = Path(path)
+    text = path.read_text()
+    options = (tuple(map(str, include_dirs)), tuple(map(str, library_dirs)), tuple(map(str, libraries)), tuple(grad))
+    key = warm.key(path, text, tuned_schedules(text), options)
+    art = warm.recall(key)
+    if art is None:
+        art = compile_cpu(with_grads(load_source(text, str(path)), grad), log, include_dirs=include_dirs,
+                          library_dirs=library_dirs, libraries=libraries)
+        warm.remember(key, art)
     return wrap(art)
 
 

@@ -1,0 +1,79 @@
+"""Warm loads (coconetc/runtime/warm.py): a file loaded before is neither parsed nor planned
+again; any change to what the load depends on, or a module that is no longer whole, loads it in
+full; a record that cannot be read is ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import coconetc
+from coconetc.runtime import loader, warm
+from rank_checks import build_cache
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sgd(tmp_path, request):
+    with build_cache(request):
+        path = tmp_path / "sgd.ccn"
+        path.write_text((REPO / "examples" / "sgd.ccn").read_text())
+        yield path
+
+
+def _parses(monkeypatch) -> list[str]:
+    """The files the loader parses from now on."""
+    seen: list[str] = []
+    real = loader.load_source
+
+    def counted(text, file="<string>"):
+        seen.append(file)
+        return real(text, file)
+    monkeypatch.setattr(loader, "load_source", counted)
+    return seen
+
+
+def _step(mod) -> np.ndarray:
+    g, w = np.arange(6, dtype=np.float32), np.ones(6, dtype=np.float32)
+    mod.sgd(g=g, w=w, lr=np.float32(0.5))
+    return w
+
+
+def test_second_load_reads_the_record(sgd, monkeypatch):
+    first = coconetc.load(sgd, log=lambda msg: None)
+    seen = _parses(monkeypatch)
+    again = coconetc.load(sgd, log=lambda msg: None)
+    assert seen == []  # neither parsed nor planned: the record
+    assert sorted(again.programs) == sorted(first.programs)
+    assert sorted(again.sgd.schedules) == sorted(first.sgd.schedules)
+    np.testing.assert_array_equal(_step(again), _step(first))
+    np.testing.assert_allclose(_step(again), 1 - 0.5 * np.arange(6, dtype=np.float32))
+
+
+def test_what_the_load_depends_on_changes(sgd, monkeypatch):
+    coconetc.load(sgd, log=lambda msg: None)
+    seen = _parses(monkeypatch)
+    sgd.write_text(sgd.read_text() + "\n")  # another text
+    coconetc.load(sgd, log=lambda msg: None)
+    assert seen == [str(sgd)]
+    coconetc.load(sgd, log=lambda msg: None, include_dirs=[str(sgd.parent)])  # other options
+    assert seen == [str(sgd)] * 2
+
+
+def test_a_module_no_longer_whole_or_a_bad_record_loads_in_full(sgd, monkeypatch):
+    first = coconetc.load(sgd, log=lambda msg: None)
+    so = Path(first.ext.__file__)
+    text = sgd.read_text()
+    record = next(p for p in (warm.cache_dir().absolute() / warm.FOLDER).iterdir()
+                  if p.stem == warm.key(sgd, text, loader.tuned_schedules(text), ((), (), (), ())))
+    seen = _parses(monkeypatch)
+    record.write_bytes(b"not a pickle")
+    coconetc.load(sgd, log=lambda msg: None)
+    assert seen == [str(sgd)]
+    (so.parent.parent / "manifest.json").unlink()  # not whole (a build that died before its manifest)
+    mod = coconetc.load(sgd, log=lambda msg: None)
+    assert seen == [str(sgd)] * 2
+    np.testing.assert_allclose(_step(mod), 1 - 0.5 * np.arange(6, dtype=np.float32))
