@@ -45,14 +45,26 @@ program seq_softmax(x: f32[B, S, T] sliced(1), w: f32[T, T] replicated) {
     y = softmax(where(causal(x), matmul(x, w), -inf))
     return y
 }
+
+program heads(x: f32[B, S, D] sliced(2), c: f32[B, S, D] sliced(2)) {
+    q = transpose(reshape(x, [B, S, 2, -1]), 1, 2)
+    k = transpose(q * 2.0, 2, 3)
+    z = transpose(transpose(k, 2, 3), 1, 2)
+    y = reshape(z, [B, S, D]) + c * x
+    m = reshape(transpose(reshape(c, [B, S, 2, -1]), 0, 1), [S, B, D])
+    return y, m
+}
 """
-SIZES = {"B": 2, "H": 3, "S": 5, "T": 5}
+SIZES = {"B": 2, "H": 3, "S": 5, "T": 5, "D": 6}
 
 
 def _interp(src: str, name: str, inputs: dict[str, np.ndarray], ranks: int, sliced: dict[str, int]) -> list:
     """Run program `name` on `ranks` simulated ranks, each parameter in `sliced` cut along its
     dim (the rest given whole), and return rank by rank results."""
-    p = load_source(src).program(name)
+    return _run_ir(load_source(src).program(name), inputs, ranks, sliced)
+
+
+def _run_ir(p, inputs: dict[str, np.ndarray], ranks: int, sliced: dict[str, int]) -> list:
     per_rank = []
     for r in range(ranks):
         mine = {}
@@ -143,6 +155,45 @@ def test_inf_prints_and_parses_back_and_a_parameter_named_inf_shadows_it():
     np.testing.assert_array_equal(got, [2.0, 4.0])
 
 
+# --- transpose and reshape ------------------------------------------------------------------
+HEADS = """program hd(x: f32[B, S, H] sliced(2), y: f32[B, S, 4, E] sliced(2)) {
+    q = transpose(reshape(x, [B, S, 4, -1]), 1, 2)
+    kt = transpose(q, 2, 3)
+    back = reshape(transpose(q, 1, 2), [B, S, H])
+    merged = reshape(y, [B, S, -1])
+    rows = reshape(transpose(x, 0, 1), [-1, H])
+    return q, kt, back, merged, rows
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_heads_split_and_merge_keep_the_slice_over_heads(ranks):
+    rng = np.random.default_rng(4)
+    B, S, H, E = 2, 3, 8, 5
+    x = rng.standard_normal((B, S, H)).astype(np.float32)
+    y = rng.standard_normal((B, S, 4, E)).astype(np.float32)
+    p = load_source(HEADS).program("hd")
+    assert [str(s.type.layout) for s in p.stages] == ["sliced(1)", "sliced(1)", "sliced(2)", "sliced(2)", "sliced(1)"]
+    res = _interp(HEADS, "hd", {"x": x, "y": y}, ranks, {"x": 2, "y": 2})
+    q = np.swapaxes(x.reshape(B, S, 4, H // 4), 1, 2)  # [B, heads, S, hd]
+    np.testing.assert_array_equal(_joined(res, "q", 1), q)
+    np.testing.assert_array_equal(_joined(res, "kt", 1), np.swapaxes(q, 2, 3))
+    np.testing.assert_array_equal(_joined(res, "back", 2), x)
+    np.testing.assert_array_equal(_joined(res, "merged", 2), y.reshape(B, S, 4 * E))
+    np.testing.assert_array_equal(_joined(res, "rows", 1), np.swapaxes(x, 0, 1).reshape(S * B, H))
+
+
+def test_heads_that_do_not_divide_among_the_ranks_raise_naming_the_line():
+    x = np.zeros((2, 3, 12), dtype=np.float32)  # 4 heads of 3 over 3 ranks: slices of 4 columns
+    y = np.zeros((2, 3, 4, 1), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"line 2, col 19: reshape of a dim of 12 sliced over 3 ranks into 4 x 3"):
+        _interp(HEADS, "hd", {"x": x, "y": y}, 3, {"x": 2, "y": 2})
+    bad = HEADS.replace("[B, S, H])", "[B, S, -1])").replace("[B, S, 4, -1]", "[B, S, 4, 2]")
+    with pytest.raises(ValueError, match="the sizes disagree"):  # H = 12 is not 4 x 2
+        _interp(bad, "hd", {"x": x, "y": y}, 1, {})
+
+
 # --- errors at their line and column --------------------------------------------------------
 @pytest.mark.parametrize("body, line, col, words", [
     ("    y = softmax(x)\n", 2, 17, "last dim, which this tensor has sliced"),
@@ -151,10 +202,19 @@ def test_inf_prints_and_parses_back_and_a_parameter_named_inf_shadows_it():
     ("    y = where(causal(v), v, 0.0)\n", 2, 22, "at least 2 dims"),
     ("    y = softmax(x < 1.0)\n", 2, 17, "condition of where"),
     ("    y = causal(u)\n", 2, 9, "condition of where"),
+    ("    y = reshape(x, [-1])\n", 2, 17, "only the outermost dim (0) of the dims it merges"),
+    ("    y = reshape(w, [4, 2, 2])\n", 2, 9, "3 = 3 elements cannot become 2 x 2 = 4"),
+    ("    y = reshape(w, [5, 3])\n", 2, 9, "4 = 4 elements cannot become 5 = 5"),
+    ("    y = reshape(u, [S, -1, -1])\n", 2, 9, "at most one dim may be -1"),
+    ("    y = reshape(u, [S, nh, 2])\n", 2, 24, "unknown size 'nh'"),
+    ("    y = reshape(u, S)\n", 2, 20, "shape must be written [d, ...]"),
+    ("    y = reshape(w, [3, 4])\n", 2, 9, "splits one dim into adjacent dims or merges"),
+    ("    y = transpose(u, 0, 2)\n", 2, 9, "transpose dim 2 is out of range"),
+    ("    y = softmax([S, 2])\n", 2, 17, "not a value"),
 ])
 def test_errors_are_located(body, line, col, words):
     src = ("program p(x: f32[B, S] sliced(1), i: i32[B, S] replicated, k: f32, v: f32[S] replicated, "
-           "u: f32[S, S] replicated) {\n" + body + "    return y\n}\n")
+           "u: f32[S, S] replicated, w: f32[4, 3] replicated) {\n" + body + "    return y\n}\n")
     with pytest.raises(CompileError) as err:
         load_source(src, "t.ccn")
     d = err.value.diagnostics[0]
@@ -165,10 +225,8 @@ def test_errors_are_located(body, line, col, words):
 # --- derivatives against torch.autograd ----------------------------------------------------
 def _grads(src: str, name: str, inputs: dict, ranks: int, sliced: dict[str, int]) -> dict[str, np.ndarray]:
     """The derived program of `name` run by the interpreter; its gradients joined over the ranks."""
-    p = load_source(src).program(name)
-    g = vjp(p)
-    text = printer.program(g)
-    res = _interp(text, g.name, inputs, ranks, sliced)
+    g = vjp(load_source(src).program(name))
+    res = _run_ir(g, inputs, ranks, sliced)
     return {pub: _joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
 
 
@@ -207,6 +265,23 @@ def test_softmax_derivative_of_a_sliced_batch_matches_torch():
     tx = torch.tensor(x, requires_grad=True)
     (torch.softmax(tx, dim=-1) * torch.tensor(dy)).sum().backward()
     np.testing.assert_allclose(got["d_x"], tx.grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_transpose_and_reshape_derivatives_match_torch():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    B, S, D = 2, 3, 8
+    x, c, dy, dm = (rng.standard_normal(s) for s in ((B, S, D), (B, S, D), (B, S, D), (S, B, D)))
+    got = _grads(BLOCK.replace("f32", "f64"), "heads", {"x": x, "c": c, "d_y": dy, "d_m": dm}, 2,
+                 {"x": 2, "c": 2, "d_y": 2, "d_m": 2})
+    tx, tc = torch.tensor(x, requires_grad=True), torch.tensor(c, requires_grad=True)
+    q = tx.reshape(B, S, 2, -1).transpose(1, 2)
+    k = (q * 2.0).transpose(2, 3)
+    y = k.transpose(2, 3).transpose(1, 2).reshape(B, S, D) + tc * tx
+    m = tc.reshape(B, S, 2, -1).transpose(0, 1).reshape(S, B, D)
+    ((y * torch.tensor(dy)).sum() + (m * torch.tensor(dm)).sum()).backward()
+    np.testing.assert_allclose(got["d_x"], tx.grad.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(got["d_c"], tc.grad.numpy(), rtol=1e-12)
 
 
 # --- both backends against the interpreter ------------------------------------------------
@@ -253,6 +328,40 @@ def test_cpu_backend_matches_interpreter(cache, tmp_path):
     for ranks in (1, 2):
         _launch(ranks, ["cpu", str(f), *_sizes()])
     _launch(2, ["cpu", str(f), *_sizes(H=1, S=1)])  # a rank with an empty slice of heads
+
+
+RAISES = """
+import sys
+import numpy as np
+from mpi4py import MPI
+from coconetc.jobs.modules import load_cpu
+from coconetc.oracle.inputs import random_inputs
+mod = load_cpu(sys.argv[1])
+comm = MPI.COMM_WORLD
+ir = mod.source_module.programs["heads"]
+inputs = random_inputs(ir, comm.Get_size(), 1, {"B": 2, "S": 3, "D": 6}, seed=0)
+try:
+    mod.programs["heads"](**inputs[comm.Get_rank()])
+    print(f"rank {comm.Get_rank()} ran", flush=True)
+except ValueError as err:
+    print(f"rank {comm.Get_rank()} raised {err}", flush=True)
+"""
+
+
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_compiled_heads_that_do_not_divide_raise_on_every_rank(cache, tmp_path):
+    """2 heads of a dim of 6 over 4 ranks: each rank's slice of 2 columns is not whole heads."""
+    from coconetc.runtime.loader import compile_cpu
+    f = tmp_path / "heads.ccn"
+    f.write_text(BLOCK)
+    compile_cpu(load_file(f), log=lambda msg: None)
+    script = tmp_path / "raises.py"
+    script.write_text(RAISES)
+    cmd = mpiexec.command(4, [sys.executable, str(script), str(f)])
+    res = subprocess.run(cmd, env=mpiexec.environment(4), capture_output=True, text=True, timeout=600)
+    lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("rank "))
+    want = "raised reshape (heads.ccn:15): a dim of 6 sliced over 4 ranks into 2 x 3"
+    assert len(lines) == 4 and all(want in ln for ln in lines), res.stdout + res.stderr[-3000:]
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")

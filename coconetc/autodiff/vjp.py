@@ -348,6 +348,16 @@ def _softmax(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(e.args[0], o("mul", y, o("sub", g, row)), None)]
 
 
+def _reshape(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """g reshaped back to x's shape (written with -1 for x's one computed dim, if any)."""
+    x = e.args[0]
+    back = tuple(s if isinstance(s, (int, str)) else -1 for s in x.type.shape)
+    if back.count(-1) > 1:
+        raise CompileError.at(e.span or d.p.span, f"reshape of a tensor with computed dims {x.type}: its derivative "
+                              "cannot write the shape back (at most one dim may be computed)")
+    return [(x, d.op("reshape", g, shape=back), None)]
+
+
 def _is_root(d: _Deriver, e: Op) -> Expr:
     """A local condition, true on the group's rank `root` only: reduce(sum, 1.0, root) is the
     group's size R there and 1 elsewhere (and R = 1 alone is the root)."""
@@ -450,6 +460,9 @@ RULES: dict[str, Rule] = {
                                   (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
     "softmax": _softmax,
+    "transpose": lambda d, e, y, g: [(e.args[0], d.op("transpose", g, dim0=ops.attr(e, "dim0"),
+                                                      dim1=ops.attr(e, "dim1")), None)],
+    "reshape": _reshape,
     "dropout": _dropout,
     "conv2d": lambda d, e, y, g: [
         (e.args[0], d.op("conv2d_dx", g, e.args[1], e.args[0], stride=ops.attr(e, "stride"), padding=ops.attr(e, "padding")), None),

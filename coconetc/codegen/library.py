@@ -11,10 +11,11 @@ agree, so the same formulas hold for every layout."""
 
 from __future__ import annotations
 
-from coconetc.codegen.base import Writer, prod
+from coconetc.codegen.base import Writer, cdim, prod
+from coconetc.ir.typerules import reshape_slices
 from coconetc.plan.units import Library, Overlap
 
-OPS = ("matmul", "conv2d", "softmax", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
+OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
 
 GEMM = ("matmul", "matmul_nt", "matmul_tn")
@@ -45,6 +46,18 @@ def call_args(w: Writer, u: Library) -> list[str]:
     if u.op == "softmax":  # [rows, h] -> [rows, h]
         lx = dims[0]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
+    if u.op == "transpose":  # [outer, a, mid, b, inner] -> [outer, b, mid, a, inner]
+        lx = dims[0]
+        d0, d1 = sorted((int(attrs["dim0"]), int(attrs["dim1"])))  # type: ignore[call-overload]
+        return [ptrs[0], f"v_{u.dst}", prod(lx[:d0]), lx[d0], prod(lx[d0 + 1:d1]), lx[d1], prod(lx[d1 + 1:])]
+    if u.op == "reshape":  # a copy, after the check of the sizes and slices (typerules.reshape_slices)
+        src, dst = w.types[u.args[0]], w.types[u.dst]
+        cut = reshape_slices(src, dst)
+        check = [cdim(d) for d in cut] if cut is not None else ["int64_t(0)"] * 3
+        line = int(attrs.get("line", 0)) or u.line  # type: ignore[call-overload]
+        what = f'"reshape ({w.file}:{line})"' if line else f'"reshape ({w.file})"'
+        return [ptrs[0], f"v_{u.dst}", prod(dims[0]), prod(w.gdims(src)), prod(w.gdims(dst)), *check,
+                "int64_t(comm.size)", what]
     if u.op == "mean_last":  # [rows, h] -> [rows, 1]
         lx = dims[0]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]

@@ -13,7 +13,7 @@ from coconetc.frontend import syntax
 from coconetc.frontend.defs import Scope, bind, bind_def, builtin_of, without_site
 from coconetc.ir import nodes as ir
 from coconetc.ir import ops
-from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, scalar_type, sliced
+from coconetc.ir.types import DTYPES, LOCAL, REPLICATED, TType, dim_symbols, scalar_type, sliced
 from coconetc.ir.ops import type_op
 from coconetc.ir.typerules import TypeErr
 
@@ -215,6 +215,8 @@ def _return(stmt: syntax.Return, ctx: _Ctx, outputs: list) -> None:
 
 
 def _expr(e: syntax.Expr, ctx: _Ctx) -> ir.Expr:
+    if isinstance(e, syntax.ShapeArg):
+        raise TypeErr(e.span, "a shape [...] is not a value (it is reshape's second argument)")
     if isinstance(e, syntax.Number):
         return ir.Const(e.value, scalar_type("f32" if e.is_float else "i64"), e.span)
     if isinstance(e, syntax.Name):
@@ -352,15 +354,7 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if d.kind == "random":  # site=NAME, draw=k: the RNG site it draws at (its stage's by default)
         call, written = without_site(call)
         site = _site(call, written, ctx)
-    pos, kws = _bind(call)
-    given = dict(zip((a.name for a in d.params if a.required), pos)) | kws
-    attrs: dict[str, object] = {}
-    args: list[ir.Expr] = []
-    for arg in d.params:
-        if arg.kind == "value":
-            args.append(_value(arg, _expr(given[arg.name], ctx)))  # type: ignore[arg-type]
-        else:
-            attrs[arg.name] = _word(arg, given[arg.name], call)
+    args, attrs = _arguments(call, d, ctx)
     _check_ints(call, d, attrs)
     if "dim" in attrs and not attrs["dim"] < args[0].type.ndim:  # type: ignore[operator]
         raise TypeErr(_arg_span(call, "dim"), f"{call.fn} dim={attrs['dim']} is out of range for a "
@@ -373,6 +367,37 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
     if call.fn == "segment_norm":
         _check_segmented(call, args[0], ctx)
     return _op(d.name, tuple(args), attrs, call.span)
+
+
+def _arguments(call: syntax.Call, d: ops.OpDef, ctx: _Ctx) -> tuple[list[ir.Expr], dict[str, object]]:
+    """The call's operands, typed, and its compile-time settings (words, integers, shapes)."""
+    pos, kws = _bind(call)
+    given = dict(zip((a.name for a in d.params if a.required), pos)) | kws
+    attrs: dict[str, object] = {}
+    args: list[ir.Expr] = []
+    for arg in d.params:
+        if arg.kind == "value":
+            args.append(_value(arg, _expr(given[arg.name], ctx)))  # type: ignore[arg-type]
+        elif arg.kind == "shape":
+            attrs[arg.name] = _shape(given[arg.name], call, ctx)
+        else:
+            attrs[arg.name] = _word(arg, given[arg.name], call)
+    return args, attrs
+
+
+def _shape(e: object, call: syntax.Call, ctx: _Ctx) -> tuple[int | str, ...]:
+    """A shape argument `[B, S, 16, -1]`: size symbols of the program's parameters, integers."""
+    if not isinstance(e, syntax.ShapeArg):
+        raise TypeErr(getattr(e, "span", call.span), f"{call.fn}()'s shape must be written [d, ...] (size "
+                      "symbols, integers, one -1)")
+    known = {s for q in ctx.params.values() if q is not None for d in q.type.shape for s in dim_symbols(d)}
+    out: list[int | str] = []
+    for d in e.dims:
+        if isinstance(d, syntax.DimName) and d.name not in known:
+            raise TypeErr(d.span, f"unknown size '{d.name}' (a size symbol of a parameter's shape, an integer "
+                          "or -1)")
+        out.append(d.name if isinstance(d, syntax.DimName) else d.value)
+    return tuple(out)
 
 
 def _site(call: syntax.Call, written: dict[str, syntax.Kwarg], ctx: _Ctx) -> str | None:

@@ -335,6 +335,12 @@ class _ToAst(Transformer):
     def dim_int(self, meta, ch):
         return syntax.DimInt(int(ch[0]), self._tspan(ch[0]))
 
+    def dim_neg(self, meta, ch):
+        return syntax.DimInt(-int(ch[0]), self._span(meta))
+
+    def shape_arg(self, meta, ch):
+        return syntax.ShapeArg(tuple(d for d in ch if d is not None), self._span(meta))
+
     def layout(self, meta, ch):
         kind, dim, extra = ch
         return syntax.LayoutDecl(str(kind), None if dim is None else int(dim),

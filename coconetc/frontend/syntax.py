@@ -80,6 +80,14 @@ class DimInt:
 
 
 @dataclass(frozen=True)
+class ShapeArg:
+    """A shape written as an argument, `[B, S, 16, -1]` (reshape's)."""
+
+    dims: tuple[DimName | DimInt, ...]
+    span: Span = field(compare=False)
+
+
+@dataclass(frozen=True)
 class LayoutDecl:
     kind: str  # as written: local, replicated, sliced (checked later)
     dim: int | None

@@ -15,6 +15,7 @@ from coconetc.interp import collectives
 from coconetc.interp.bind import Bound, bind
 from coconetc.interp.values import COMPUTE, STORAGE, global_index, slice_range
 from coconetc.ir import ops as registry
+from coconetc.ir import typerules
 from coconetc.ir.nodes import Const, Expr, Op, Program, Ref
 from coconetc.ir.types import eval_dim
 
@@ -179,6 +180,23 @@ class _Evaluator:
         ct = COMPUTE[e.type.dtype]
         settings = {a.name: registry.attr(e, a.name) for a in d.settings}
         return [fn(*(v[r].astype(ct) for v in vals), **settings) for r in range(self.b.ranks)]
+
+    def _reshape(self, e: Op) -> Values:
+        """Each rank's part reshaped to its part of the result (the sliced dim's extent is the
+        rank's slice); sizes that disagree raise, as the generated code does."""
+        src = e.args[0]
+        why = typerules.reshape_problem(src.type, e.type, self.b.sizes, self.gs)
+        if why is not None:
+            raise ValueError(f"line {e.span.line}, col {e.span.col}: {why}" if e.span.line else why)
+        shape, lay = list(self.gshape(e)), e.type.layout
+        res = []
+        for r, v in enumerate(self.eval(src)):
+            mine = list(shape)
+            if lay.sliced:
+                lo, hi = slice_range(shape[lay.dim], self.gs, r % self.gs)
+                mine[lay.dim] = hi - lo
+            res.append(v.reshape(mine))
+        return res
 
     # --- collectives (within each group) ---------------------------------------------
     def _reduced(self, e: Op, x: Values) -> Values:

@@ -55,7 +55,8 @@ REQUIRED: Any = _Required()
 @dataclass(frozen=True)
 class Arg:
     """One parameter. kind 'value': an expression operand; 'word': a compile-time word from
-    `choices` (a reduction op, a dtype, a direction); 'int': an integer literal >= `minimum`.
+    `choices` (a reduction op, a dtype, a direction); 'int': an integer literal >= `minimum`;
+    'shape': a shape `[d, ...]` of size symbols and integers (reshape's; -1: inferred).
     A parameter with a default may be given by keyword (and is printed as one). literal: the
     dtype a number written for this value takes (layernorm's eps is an f32 even when written 1)."""
 
@@ -357,6 +358,11 @@ register(OpDef("layernorm", "tensor", (Arg("x"), Arg("gamma"), Arg("beta"), Arg(
                tr.layernorm, ROWS, numpy=ref.layernorm, cost=Cost(8, 1)))
 register(OpDef("softmax", "tensor", X, tr.rowwise, ROWS, numpy=ref.softmax, fusable=False, cost=Cost(4, 1),
                doc="over the last dim, max subtracted; a fully masked (all -inf) row is zeros"))
+register(OpDef("transpose", "tensor", (Arg("x"), Arg("dim0", "int"), Arg("dim1", "int")), tr.transpose, NEVER,
+               numpy=ref.transpose, fusable=False, cost=Cost(0), doc="two dims swapped (a copy)"))
+register(OpDef("reshape", "tensor", (Arg("x"), Arg("shape", "shape")), tr.reshape, NEVER, fusable=False,
+               cost=Cost(0), doc="one dim split, or adjacent dims merged (a copy); the interpreter's own "
+                                 "(the local shape follows the slices)"))
 register(OpDef("conv2d", "tensor", (Arg("x"), Arg("w"), Arg("stride", "int", default=1, minimum=1),
                                     Arg("padding", "int", default=0)),
                tr.conv2d, NEVER, numpy=ref.conv2d, fusable=False, cost=Cost(2, inner=True)))

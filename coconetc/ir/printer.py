@@ -50,6 +50,8 @@ def _call(e: Op, d: ops.OpDef, sites: Draws | None = None) -> str:
     for a in d.params:
         if a.kind == "value":
             args.append(expr(next(values), -1, sites))
+        elif a.kind == "shape":
+            args.append("[" + ", ".join(map(str, e.attr(a.name))) + "]")
         elif a.required:
             args.append(str(e.attr(a.name)))
         else:

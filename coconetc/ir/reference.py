@@ -81,6 +81,10 @@ def softmax(x: np.ndarray) -> np.ndarray:
         return np.where(s == 0, x.dtype.type(0), e / s).astype(x.dtype)  # NaN stays NaN
 
 
+def transpose(x: np.ndarray, dim0: int, dim1: int) -> np.ndarray:
+    return np.ascontiguousarray(np.swapaxes(x, dim0, dim1))
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, stride: int, padding: int) -> np.ndarray:
     """NCHW x OIHW -> NOHW, cross-correlation as in PyTorch."""
     n, c, h, wd = x.shape

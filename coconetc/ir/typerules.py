@@ -8,12 +8,13 @@ its compile-time attributes, and where an error points."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from coconetc.errors import CompileError, Diagnostic, Span
 from coconetc.ir.expr import Const, Expr
-from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op,
+from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op, eval_dim,
                                sliced)
 
 Attrs = dict[str, Any]
@@ -191,6 +192,117 @@ def rowwise(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
         raise TypeErr(x.span or span, f"{name} works over the last dim, which this tensor has sliced "
                       f"({t.layout}); gather it first or slice another dim")
     return TType(t.dtype, t.shape, t.layout)
+
+
+def transpose(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """transpose(x, dim0, dim1): dims dim0 and dim1 swapped; a slice moves with its dim (a
+    rank's part transposed is its part of the result), so any layout is carried."""
+    (x,) = args
+    t, d0, d1 = x.type, attrs["dim0"], attrs["dim1"]
+    for d in (d0, d1):
+        if not 0 <= d < t.ndim:
+            raise TypeErr(span, f"transpose dim {d} is out of range for a {t.ndim}-d tensor")
+    shape = list(t.shape)
+    shape[d0], shape[d1] = shape[d1], shape[d0]
+    lay = t.layout
+    if lay.sliced and lay.dim in (d0, d1):
+        lay = sliced(d1 if lay.dim == d0 else d0)
+    return TType(t.dtype, tuple(shape), lay, t.weak)
+
+
+INFER = -1  # reshape: the one dim whose size follows from the others
+
+
+def reshape_group(old: Sequence[Dim], new: Sequence[Dim]) -> tuple[int, int, int]:
+    """How reshape maps `old` onto `new` (equal dims kept in front and behind): (p, n_old,
+    n_new), the changed group being old[p:p + n_old] -> new[p:p + n_new]. INFER matches no dim."""
+    p = 0
+    while p < min(len(old), len(new)) and old[p] == new[p]:
+        p += 1
+    q = 0
+    while q < min(len(old), len(new)) - p and old[-1 - q] == new[-1 - q]:
+        q += 1
+    return p, len(old) - p - q, len(new) - p - q
+
+
+def _prod_dims(dims: Sequence[Dim]) -> Dim:
+    out: Dim = 1
+    for d in dims:
+        out = dim_op("*", out, d)
+    return out
+
+
+def reshape(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
+    """reshape(x, [d, ...]): one dim split into adjacent dims ([B, S, H] -> [B, S, nh, hd]) or
+    adjacent dims merged into one, the dims in front and behind unchanged; one entry may be -1
+    (its size follows). A sliced dim outside the group stays sliced (moved with its position);
+    inside it, only the group's outermost dim may be sliced, and the slice goes to the result's
+    outermost dim of the group (a dim sliced over heads stays sliced over heads; that each
+    rank's part is whole heads is checked when the call runs: reshape_slices)."""
+    (x,) = args
+    t, want = x.type, tuple(attrs["shape"])
+    if list(want).count(INFER) > 1:
+        raise TypeErr(span, "reshape: at most one dim may be -1")
+    if any(isinstance(d, int) and d < INFER for d in want):
+        raise TypeErr(span, f"reshape: a negative size {min(d for d in want if isinstance(d, int))}")
+    p, n_old, n_new = reshape_group(t.shape, want)
+    group_old, group_new = t.shape[p:p + n_old], list(want[p:p + n_new])
+    if INFER in want and INFER not in group_new:
+        raise TypeErr(span, "reshape: -1 stands for a dim of the split or merged group")
+    if not (n_old == 1 or n_new == 1):
+        shown = ", ".join(map(str, t.shape))
+        raise TypeErr(span, f"reshape [{shown}] -> [{', '.join(map(str, want))}]: a reshape splits one dim "
+                      "into adjacent dims or merges adjacent dims into one (the other dims unchanged)")
+    if INFER in group_new:
+        known = _prod_dims([d for d in group_new if d != INFER])
+        group_new[group_new.index(INFER)] = dim_op("//", _prod_dims(group_old), known)
+    old_n, new_n = _prod_dims(group_old), _prod_dims(group_new)
+    if isinstance(old_n, int) and isinstance(new_n, int) and old_n != new_n:
+        raise TypeErr(span, f"reshape: {' x '.join(map(str, group_old)) or '1'} = {old_n} elements cannot "
+                      f"become {' x '.join(map(str, group_new)) or '1'} = {new_n}")
+    shape = t.shape[:p] + tuple(group_new) + t.shape[p + n_old:]
+    lay = t.layout
+    if lay.sliced and p + n_old <= lay.dim:
+        lay = sliced(lay.dim + n_new - n_old)
+    elif lay.sliced and lay.dim > p:
+        raise TypeErr(x.span or span, f"reshape of a tensor sliced along dim {lay.dim}: only the outermost "
+                      f"dim ({p}) of the dims it {'merges' if n_new == 1 else 'splits'} may be sliced")
+    return TType(t.dtype, shape, lay, t.weak)
+
+
+def reshape_slices(src: TType, dst: TType) -> tuple[Dim, Dim, Dim] | None:
+    """For a reshape whose group holds the sliced dim: (whole, part, rest), the sizes for which
+    every rank's slice of `whole` must be its slice of `part` times `rest` (the run-time
+    condition ceil(whole / R) == ceil(part / R) * rest, whole == part * rest); None otherwise."""
+    lay = src.layout
+    p, n_old, n_new = reshape_group(src.shape, dst.shape)
+    if not lay.sliced or lay.dim != p or n_old == 0:
+        return None
+    if n_old == 1:  # a split: the old dim whole, the first new dim the part
+        return src.shape[p], dst.shape[p], _prod_dims(dst.shape[p + 1:p + n_new])
+    return dst.shape[p], src.shape[p], _prod_dims(src.shape[p + 1:p + n_old])
+
+
+def reshape_problem(src: TType, dst: TType, sizes: dict[str, int], ranks: int) -> str | None:
+    """Why a reshape of src into dst cannot run with these sizes on a group of `ranks` (None:
+    it can): the element counts differ (a -1 that does not divide, sizes that disagree), or
+    a rank's slice of the sliced dim is not its slice of the result's (heads that do not divide
+    among the ranks). The same on every rank; runtime_cpp's reshape checks it alike."""
+    n_src = math.prod(eval_dim(d, sizes) for d in src.shape)
+    n_dst = math.prod(eval_dim(d, sizes) for d in dst.shape)
+    if n_src != n_dst:
+        shown = ", ".join(str(eval_dim(d, sizes)) for d in dst.shape)
+        return (f"reshape of [{', '.join(str(eval_dim(d, sizes)) for d in src.shape)}] ({n_src} elements) into "
+                f"[{shown}] ({n_dst}): the sizes disagree")
+    cut = reshape_slices(src, dst)
+    if cut is None:
+        return None
+    whole, part, rest = (eval_dim(d, sizes) for d in cut)
+    if -(-whole // ranks) != -(-part // ranks) * rest:
+        return (f"reshape of a dim of {whole} sliced over {ranks} ranks into {part} x {rest}: each rank's "
+                f"slice must hold whole groups of {rest} (ceil({whole}/{ranks}) != ceil({part}/{ranks}) * {rest}; "
+                f"make {part} divisible by {ranks})")
+    return None
 
 
 def conv2d(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:

@@ -34,6 +34,10 @@ def dim_op(op: str, a: Dim, b: Dim) -> Dim:
         return _FOLD[op](a, b)
     if (op in "+-" and b == 0) or (op in ("*", "//") and b == 1):
         return a
+    if op == "*" and a == 1:
+        return b
+    if op == "//" and isinstance(a, DimExpr) and a.op == "*" and b in (a.a, a.b):  # (x * y) // x: y
+        return a.b if b == a.a else a.a
     return DimExpr(op, a, b)
 
 

@@ -28,7 +28,7 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Lib
                                  Phase, Plan, Reduce, Require, Unit)
 
 
-LIBRARY = ("matmul", "layernorm", "conv2d", "softmax",
+LIBRARY = ("matmul", "layernorm", "conv2d", "softmax", "transpose", "reshape",
            # the operations a derived program adds (coconetc/autodiff/ops.py)
            "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
 """The tensor operations that run as one Library unit each (a runtime function of every backend:
@@ -344,6 +344,8 @@ class _Planner:
                                  if a.kind == "int")  # conv2d's stride and padding, sum_lead's n, ...
             if e.op == "layernorm" and isinstance(e.args[3], Const):
                 attrs = (("eps", e.args[3].value),)
+            if e.op == "reshape":  # the line its run-time check names (a temporary's unit has none)
+                attrs = (("line", _line(e.span)),)
             self.out.append(Library(dst, e.op, tuple(a for a in args if a is not None), attrs, line))
         else:
             self._collective(dst, e, x, line)

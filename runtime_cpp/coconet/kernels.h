@@ -204,6 +204,29 @@ void softmax(const T* x, T* out, int64_t rows, int64_t h) {
   for (int64_t r = 0; r < rows; ++r) softmax_row(x + r * h, h, out + r * h);
 }
 
+// transpose: y[o, j, m, i, k] = x[o, i, m, j, k], x seen as [outer, a, mid, b, inner] (the two
+// swapped dims a and b, the dims between them mid, those after them inner).
+template <class T>
+void transpose(const T* x, T* y, int64_t outer, int64_t a, int64_t mid, int64_t b, int64_t inner) {
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = 0; j < b; ++j)
+      for (int64_t m = 0; m < mid; ++m)
+        for (int64_t i = 0; i < a; ++i) {
+          const T* src = x + (((o * a + i) * mid + m) * b + j) * inner;
+          std::copy_n(src, inner, y + (((o * b + j) * mid + m) * a + i) * inner);
+        }
+}
+
+// reshape: this rank's n elements as they are (row-major order is kept), after the check that
+// the sizes agree and the slices line up (slices.h: reshape_problem; the same on every rank).
+template <class T>
+void reshape(const T* x, T* y, int64_t n, int64_t n_in, int64_t n_out, int64_t whole, int64_t part, int64_t rest,
+             int64_t ranks, const char* what) {
+  const std::string why = reshape_problem(n_in, n_out, whole, part, rest, ranks, what);
+  if (!why.empty()) throw std::invalid_argument(why);
+  std::copy_n(x, n, y);
+}
+
 // conv2d NCHW x OIHW -> NOHW (cross-correlation, zero padding), accumulating in compute type.
 template <class T>
 void conv2d(const T* x, const T* w, T* out, int64_t N, int64_t C, int64_t H, int64_t W,

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #ifndef COCONET_HD
@@ -67,6 +68,24 @@ inline Shape3 shape3(const std::vector<int64_t>& dims, size_t d) {
   for (size_t i = 0; i < d; ++i) s.outer *= dims[i];
   for (size_t i = d + 1; i < dims.size(); ++i) s.inner *= dims[i];
   return s;
+}
+
+// Why a reshape cannot run ("" when it can), as coconetc/ir/typerules.py's reshape_problem:
+// the global element counts differ (n_in != n_out), or, when the reshaped group holds the sliced
+// dim (whole > 0), a rank's slice of `whole` is not its slice of `part` times `rest` over a group
+// of `ranks` (ceil(whole / R) != ceil(part / R) * rest).  The same on every rank: the generated
+// code throws before anything of the call depends on it.
+inline std::string reshape_problem(int64_t n_in, int64_t n_out, int64_t whole, int64_t part, int64_t rest,
+                                   int64_t ranks, const char* what) {
+  if (n_in != n_out)
+    return std::string(what) + ": the sizes disagree (" + std::to_string(n_in) + " elements into " +
+           std::to_string(n_out) + ")";
+  if (whole > 0 && slice_chunk(whole, ranks) != slice_chunk(part, ranks) * rest)
+    return std::string(what) + ": a dim of " + std::to_string(whole) + " sliced over " + std::to_string(ranks) +
+           " ranks into " + std::to_string(part) + " x " + std::to_string(rest) +
+           ": each rank's slice must hold whole groups of " + std::to_string(rest) + " (make " +
+           std::to_string(part) + " divisible by " + std::to_string(ranks) + ")";
+  return "";
 }
 
 }  // namespace coconet

@@ -704,6 +704,19 @@ void softmax(const T* x, T* y, int64_t rows, int64_t H, const Ctx& c) {
   });
 }
 
+// transpose: y[o, j, m, i, k] = x[o, i, m, j, k], x seen as [outer, a, mid, b, inner], one thread per
+// element of y (the mirror of kernels.h's).
+template <class T>
+void transpose(const T* x, T* y, int64_t outer, int64_t a, int64_t mid, int64_t b, int64_t inner, const Ctx& c) {
+  const int64_t n = outer * a * mid * b * inner;
+  COCONET_ACCESS(COCONET_R(x, 0, n), COCONET_W(y, 0, n));
+  launch(n, c.stream, [=] __device__(int64_t e) {
+    const int64_t k = e % inner, i = (e / inner) % a, m = (e / (inner * a)) % mid, j = (e / (inner * a * mid)) % b,
+                  o = e / (inner * a * mid * b);
+    y[e] = x[(((o * a + i) * mid + m) * b + j) * inner + k];
+  });
+}
+
 // conv2d NCHW x OIHW, one thread per output element, accumulated in double.
 template <class T>
 void conv2d(const T* x, const T* w, T* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t O, int64_t KH,
@@ -887,6 +900,16 @@ template <class T>
 void copy(const T* src, T* dst, int64_t n, const Ctx& c) {
   if (n > 0 && src != dst)
     COCONET_CUDA(cudaMemcpyAsync(dst, src, size_t(n) * sizeof(T), cudaMemcpyDeviceToDevice, c.stream));
+}
+
+// reshape: this rank's n elements copied as they are, after the host-side check of the sizes and
+// slices (slices.h: reshape_problem), as kernels.h's.
+template <class T>
+void reshape(const T* x, T* y, int64_t n, int64_t n_in, int64_t n_out, int64_t whole, int64_t part, int64_t rest,
+             int64_t ranks, const char* what, const Ctx& c) {
+  const std::string why = reshape_problem(n_in, n_out, whole, part, rest, ranks, what);
+  require(why.empty(), why);
+  copy(x, y, n, c);
 }
 
 // ---- scattered tensors: copies, NCCL per piece, segment_norm ------------------------------------
