@@ -348,6 +348,19 @@ def _softmax(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(e.args[0], o("mul", y, o("sub", g, row)), None)]
 
 
+def _batched_matmul(d: _Deriver, e: Op, g: Ref) -> Parts:
+    """y = a @ b with b batched: dA = g @ b^T, dB = a^T @ g, each a batched matmul of the
+    operands with their last two dims transposed (a 2-d a's dA is summed over the batch when
+    it is added: unbroadcast)."""
+    a, b = e.args
+    return [(a, d.op("matmul", g, _swap_last(d, b)), None), (b, d.op("matmul", _swap_last(d, a), g), None)]
+
+
+def _swap_last(d: _Deriver, x: Expr) -> Expr:
+    """x with its last two dims transposed."""
+    return d.op("transpose", x, dim0=x.type.ndim - 2, dim1=x.type.ndim - 1)
+
+
 def _reshape(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     """g reshaped back to x's shape (written with -1 for x's one computed dim, if any)."""
     x = e.args[0]
@@ -456,8 +469,8 @@ RULES: dict[str, Rule] = {
     "amax": _extreme,
     "amin": _extreme,
     # matmul: dA = dC @ B^T, dB = A^T @ dC (the batch dims of A summed)
-    "matmul": lambda d, e, y, g: [(e.args[0], d.op("matmul_nt", g, e.args[1]), None),
-                                  (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
+    "matmul": lambda d, e, y, g: _batched_matmul(d, e, g) if e.args[1].type.ndim > 2 else [
+        (e.args[0], d.op("matmul_nt", g, e.args[1]), None), (e.args[1], d.op("matmul_tn", e.args[0], g), None)],
     "layernorm": _layernorm,
     "softmax": _softmax,
     "transpose": lambda d, e, y, g: [(e.args[0], d.op("transpose", g, dim0=ops.attr(e, "dim0"),

@@ -28,6 +28,10 @@ def call_args(w: Writer, u: Library) -> list[str]:
     out = w.ldims(w.types[u.dst])
     ptrs = [f"v_{a}" for a in u.args]
     attrs = dict(u.attrs)
+    if u.op == "matmul" and len(dims[1]) > 2:  # batched: A[batch or -, M, K] x B[batch, K, N], strided
+        la, lb = dims[0], dims[1]
+        stride_a = prod(la[-2:]) if len(la) > 2 else "int64_t(0)"  # a 2-d A: the same for every batch
+        return [*ptrs, f"v_{u.dst}", prod(out[:-2]), la[-2], la[-1], lb[-1], stride_a, prod(lb[-2:])]
     if u.op == "matmul":  # A[M, K] x B[K, N]
         la, lb = dims[0], dims[1]
         return [*ptrs, f"v_{u.dst}", prod(la[:-1]), la[-1], lb[1]]
@@ -43,21 +47,8 @@ def call_args(w: Writer, u: Library) -> list[str]:
     if u.op == "sum_keep":  # [outer, mid, inner] -> [outer, 1, inner]
         d, lx = int(attrs["dim"]), dims[0]  # type: ignore[call-overload]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:d]), lx[d], prod(lx[d + 1:])]
-    if u.op == "softmax":  # [rows, h] -> [rows, h]
-        lx = dims[0]
-        return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
-    if u.op == "transpose":  # [outer, a, mid, b, inner] -> [outer, b, mid, a, inner]
-        lx = dims[0]
-        d0, d1 = sorted((int(attrs["dim0"]), int(attrs["dim1"])))  # type: ignore[call-overload]
-        return [ptrs[0], f"v_{u.dst}", prod(lx[:d0]), lx[d0], prod(lx[d0 + 1:d1]), lx[d1], prod(lx[d1 + 1:])]
-    if u.op == "reshape":  # a copy, after the check of the sizes and slices (typerules.reshape_slices)
-        src, dst = w.types[u.args[0]], w.types[u.dst]
-        cut = reshape_slices(src, dst)
-        check = [cdim(d) for d in cut] if cut is not None else ["int64_t(0)"] * 3
-        line = int(attrs.get("line", 0)) or u.line  # type: ignore[call-overload]
-        what = f'"reshape ({w.file}:{line})"' if line else f'"reshape ({w.file})"'
-        return [ptrs[0], f"v_{u.dst}", prod(dims[0]), prod(w.gdims(src)), prod(w.gdims(dst)), *check,
-                "int64_t(comm.size)", what]
+    if u.op in BLOCK:
+        return _block_args(w, u, dims[0])
     if u.op == "mean_last":  # [rows, h] -> [rows, 1]
         lx = dims[0]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
@@ -71,6 +62,26 @@ def call_args(w: Writer, u: Library) -> list[str]:
     assert u.op == "conv2d_dw", u.op  # x[N, C, H, W], g[N, O, HO, WO] -> dw[O, C, KH, KW] (w: the shape only)
     lx, lg = dims[0], dims[1]
     return [ptrs[0], ptrs[1], f"v_{u.dst}", *lx, out[0], out[2], out[3], lg[2], lg[3], *conv]
+
+
+BLOCK = ("softmax", "transpose", "reshape")
+"""The operations of a transformer block that move or normalize one operand (block_args)."""
+
+
+def _block_args(w: Writer, u: Library, lx: list[str]) -> list[str]:
+    x, attrs = f"v_{u.args[0]}", dict(u.attrs)
+    if u.op == "softmax":  # [rows, h] -> [rows, h]
+        return [x, f"v_{u.dst}", prod(lx[:-1]), lx[-1]]
+    if u.op == "transpose":  # [outer, a, mid, b, inner] -> [outer, b, mid, a, inner]
+        d0, d1 = sorted((int(attrs["dim0"]), int(attrs["dim1"])))  # type: ignore[call-overload]
+        return [x, f"v_{u.dst}", prod(lx[:d0]), lx[d0], prod(lx[d0 + 1:d1]), lx[d1], prod(lx[d1 + 1:])]
+    assert u.op == "reshape", u.op  # a copy, after the check of the sizes and slices (typerules.reshape_slices)
+    src, dst = w.types[u.args[0]], w.types[u.dst]
+    cut = reshape_slices(src, dst)
+    check = [cdim(d) for d in cut] if cut is not None else ["int64_t(0)"] * 3
+    line = int(attrs.get("line", 0)) or u.line  # type: ignore[call-overload]
+    what = f'"reshape ({w.file}:{line})"' if line else f'"reshape ({w.file})"'
+    return [x, f"v_{u.dst}", prod(lx), prod(w.gdims(src)), prod(w.gdims(dst)), *check, "int64_t(comm.size)", what]
 
 
 def overlap_rows(w: Writer, u: Overlap, first: str, count: str, dst: str) -> tuple[str, list[str]]:

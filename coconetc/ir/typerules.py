@@ -136,6 +136,8 @@ def matmul(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:
     a, b = args
     _no_bool(args, span, "an operand of matmul")
     ta, tb = a.type, b.type
+    if tb.ndim > 2 and ta.ndim >= 2:
+        return batched_matmul(ta, tb, span)
     if tb.ndim != 2 or ta.ndim < 2:
         raise TypeErr(span, f"matmul needs [..., M, K] x [K, N]; got {ta.ndim}-d x {tb.ndim}-d")
     if ta.shape[-1] != tb.shape[0]:
@@ -157,6 +159,52 @@ def _matmul_layout(ta: TType, tb: TType, span: Span) -> Layout:
         return LOCAL
     raise TypeErr(span, f"matmul of {la} x {lb} has no tensor-parallel meaning (use sliced(last) x "
                   "sliced(0), replicated x sliced(1), or a replicated right operand)")
+
+
+def batched_matmul(ta: TType, tb: TType, span: Span) -> TType:
+    """matmul(a, b) with b batched, as torch.matmul: a [..., M, K] x b [..., K, N] with equal
+    batch dims, or a 2-d a [M, K] broadcast over b's batch. Layouts by the role of the sliced
+    dims (batch_roles): the same batch dim sliced in both -> sliced there (heads); a's M rows
+    sliced, b replicated -> sliced(M); a replicated, b's N columns sliced -> sliced(last); a 2-d
+    a replicated with b sliced along a batch dim -> that batch dim; K sliced in both -> local
+    partial sums."""
+    if ta.shape[-1] != tb.shape[-2]:
+        raise TypeErr(span, f"matmul inner dims differ: {ta.shape[-1]} vs {tb.shape[-2]}")
+    if ta.ndim != 2 and ta.shape[:-2] != tb.shape[:-2]:
+        shown = " x ".join("[" + ", ".join(map(str, t.shape)) + "]" for t in (ta, tb))
+        raise TypeErr(span, f"batched matmul needs equal batch dims, or a 2-d left operand broadcast over "
+                      f"the right one's: {shown}")
+    dt, _ = result_dtype([ta, tb], span)
+    shape = tb.shape[:-2] + (ta.shape[-2], tb.shape[-1])
+    return TType(dt, shape, _batched_layout(ta, tb, len(shape), span), False)
+
+
+def batch_roles(ta: TType, tb: TType, ndim: int) -> tuple[str, str]:
+    """The role of each operand's sliced dim in a batched matmul of result rank ndim: 'b<d>'
+    (batch dim d of the result), 'M', 'K', 'N', or its layout kind when not sliced."""
+    def role(t: TType, names: tuple[str, str]) -> str:
+        if not t.layout.sliced:
+            return t.layout.kind
+        d, nb = t.layout.dim, t.ndim - 2
+        return f"b{d + ndim - t.ndim}" if d < nb else names[d - nb]
+    return role(ta, ("M", "K")), role(tb, ("K", "N"))
+
+
+def _batched_layout(ta: TType, tb: TType, ndim: int, span: Span) -> Layout:
+    ra, rb = batch_roles(ta, tb, ndim)
+    if ra == rb == "K":
+        return LOCAL  # each rank's part of the contracted dim: partial sums
+    if ra == rb and ra.startswith("b"):
+        return sliced(int(ra[1:]))
+    if ra == "M" and rb == "replicated":
+        return sliced(ndim - 2)
+    if ra == "replicated" and (rb == "N" or (rb.startswith("b") and ta.ndim == 2)):
+        return sliced(ndim - 1 if rb == "N" else int(rb[1:]))
+    if not ta.layout.sliced and not tb.layout.sliced:
+        return REPLICATED if ra == rb == "replicated" else LOCAL
+    raise TypeErr(span, f"batched matmul of {ta.layout} x {tb.layout} has no tensor-parallel meaning (slice the "
+                  "same batch dim of both, a's rows with b replicated, b's columns with a replicated, or the "
+                  "contracted dim of both)")
 
 
 def layernorm(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TType:

@@ -351,6 +351,9 @@ def overlap(p: Program, d: OverlapD) -> Program:
     if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op in OVERLAP_GEMMS):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
                             "the producer must be a matmul stage (or a derived program's matmul_nt)")
+    if prod.expr.args[1].type.ndim > 2:
+        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
+                            "a batched matmul (a batched right operand) cannot be overlapped yet")
     coll = _consumer_collective(p, d)
     if not (isinstance(coll.top.args[0], Ref) and coll.top.args[0].name == d.producer):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,

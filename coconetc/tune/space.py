@@ -283,6 +283,6 @@ def _matmul_input(q: Program, a: str, consumer: str | None) -> str | None:
     if s is None or not isinstance(s.expr, Op) or not isinstance(s.expr.args[0], Ref):
         return None
     src = q.stage(s.expr.args[0].name)
-    if src is None or not isinstance(src.expr, Op) or src.expr.op != "matmul":
+    if src is None or not isinstance(src.expr, Op) or src.expr.op != "matmul" or src.expr.args[1].type.ndim > 2:
         return None
     return src.name

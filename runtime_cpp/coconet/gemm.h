@@ -199,6 +199,15 @@ void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N) {
   gemm(M, N, K, A, K, B, N, C, N);
 }
 
+// Batched: C[i] = A[i] x B[i] for i < batch, A[i] at A + i * stride_a (stride_a = 0: one A for
+// every batch, a 2-d operand broadcast), B[i] at B + i * stride_b, C dense [batch, M, N]: one
+// GEMM a batch (BLAS has no strided-batched call; cuBLAS's is cuda/runtime.cuh's).
+template <class T>
+void matmul(const T* A, const T* B, T* C, int64_t batch, int64_t M, int64_t K, int64_t N, int64_t stride_a,
+            int64_t stride_b) {
+  for (int64_t i = 0; i < batch; ++i) gemm(M, N, K, A + i * stride_a, K, B + i * stride_b, N, C + i * M * N, N);
+}
+
 // ---- GEMM with transposed operands (grad.h: matmul_nt, matmul_tn) ------------------------------
 
 // C[M, N] = op(A) x op(B), row-major: op(A) is A[M, K] (leading dim lda), or A[K, M]^T when ta;

@@ -1211,6 +1211,30 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
   return CUBLAS_STATUS_SUCCESS;
 }
 
+// Strided-batched: batch GEMMs as cublasGemmEx's, operand i at its pointer + i * its stride (a stride
+// of 0: the same matrix for every batch), each one of cublasGemmEx's operations on the handle's stream.
+inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                                                 int n, int k, const void* alpha, const void* A, cudaDataType_t at,
+                                                 int lda, long long sa, const void* B, cudaDataType_t bt, int ldb,
+                                                 long long sb, const void* beta, void* C, cudaDataType_t ctp, int ldc,
+                                                 long long sc, int batch, cublasComputeType_t ct, cublasGemmAlgo_t algo) {
+  size_t bytes = 0;
+  switch (at) {
+    case CUDA_R_32F: bytes = 4; break;
+    case CUDA_R_64F: bytes = 8; break;
+    case CUDA_R_16F: case CUDA_R_16BF: bytes = 2; break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  for (int i = 0; i < batch; ++i) {
+    const cublasStatus_t st = cublasGemmEx(
+        h, ta, tb, m, n, k, alpha, static_cast<const char*>(A) + size_t(i) * size_t(sa) * bytes, at, lda,
+        static_cast<const char*>(B) + size_t(i) * size_t(sb) * bytes, bt, ldb, beta,
+        static_cast<char*>(C) + size_t(i) * size_t(sc) * bytes, ctp, ldc, ct, algo);
+    if (st != CUBLAS_STATUS_SUCCESS) return st;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 // ---- what runtime.cuh and the generated code use -------------------------------------------------
 
 #define COCONET_LAUNCH(kernel, grid, block, smem, stream, ...) \

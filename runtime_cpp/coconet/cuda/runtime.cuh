@@ -799,6 +799,31 @@ void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaS
   gemm<T>(M, N, K, A, K, B, N, C, N, s);
 }
 
+// Batched: C[i] = A[i] x B[i] for i < batch (A[i] at A + i * stride_a, stride_a = 0: one A for every
+// batch; B[i] at B + i * stride_b; C dense [batch, M, N]), one cublasGemmStridedBatchedEx (row-major
+// as gemm_trans: C^T = B^T A^T), accumulating as gemm_trans does.
+template <class T>
+void matmul(const T* A, const T* B, T* C, int64_t batch, int64_t M, int64_t K, int64_t N, int64_t stride_a,
+            int64_t stride_b, cudaStream_t s) {
+  if (batch <= 0 || M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    COCONET_CUDA(cudaMemsetAsync(C, 0, size_t(batch * M * N) * sizeof(T), s));
+    return;
+  }
+  cublasHandle_t h = blas();
+  COCONET_CUDA(cublasSetStream(h, s));
+  const bool f64 = std::is_same<T, double>::value;
+  const double alpha64 = 1, beta64 = 0;
+  const float alpha32 = 1, beta32 = 0;
+  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
+  const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
+  COCONET_CUDA(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(N), int(M), int(K), alpha, B, BlasType<T>::t,
+                                          int(N), static_cast<long long>(stride_b), A, BlasType<T>::t, int(K),
+                                          static_cast<long long>(stride_a), beta, C, BlasType<T>::t, int(N),
+                                          static_cast<long long>(M * N), int(batch),
+                                          f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 // ---- NCCL ----------------------------------------------------------------------------------------
 
 template <class T> struct NcclType;
