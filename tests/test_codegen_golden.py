@@ -32,7 +32,7 @@ from coconetc.sourcefile import SourceFile, load_file, with_grads
 from coconetc.version import __version__
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.ccn"))
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.ccn") if not p.name.startswith("."))  # (not a tuner's temporary copy)
 GOLDEN = Path(__file__).resolve().parent / "golden" / "code"
 UPDATE = os.environ.get("COCONET_UPDATE_GOLDEN") == "1"
 IDS = [p.stem for p in EXAMPLES]
