@@ -1,6 +1,6 @@
 """coconet layers under torch.compile and torch.export (ARCHITECTURE.md, "PyTorch sees
 operators"): a call of coconetc.torch.function / Module is a torch.library custom operator
-(coconetc/torch_ops.py) with a fake implementation from the program's types and an autograd
+(coconetc/torch/ops.py) with a fake implementation from the program's types and an autograd
 formula that runs the derived program (its own operator). One rank, in this process; the
 modules are the ones tests/test_torch_function.py and tests/test_torch_optimizer.py build
 (tp_mlp.ccn with its derived programs, adam.ccn), in the same pytest cache.

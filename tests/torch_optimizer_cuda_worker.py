@@ -101,8 +101,8 @@ class Trio:
 
 def mode_adam() -> None:
     assert emulating()
-    from coconetc.torch import _function
-    schedules = sorted(_function(ADAM, None, backend="cuda").schedules)
+    from coconetc.torch.roles import function_of
+    schedules = sorted(function_of(ADAM, None, backend="cuda").schedules)
     if rank == 0:
         print(f"SCHEDULES {' '.join(schedules)}", flush=True)
     n = sum(p.numel() for p in W.make_model().parameters())
@@ -155,8 +155,8 @@ def mode_across() -> None:
     """AdamW clipped by the norm of every group's gradient (across_groups=True) on the CUDA
     backend, against PyTorch and the CPU backend doing the same; per group (False) against each
     group's own norm. maxnorm is small enough that every step clips."""
-    from coconetc.torch import _function
-    schedules = sorted(_function(ADAMW, None, backend="cuda").schedules)
+    from coconetc.torch.roles import function_of
+    schedules = sorted(function_of(ADAMW, None, backend="cuda").schedules)
     if rank == 0:
         print(f"SCHEDULES {' '.join(schedules)}", flush=True)
     hyper = dict(HYPER, wd=0.1, maxnorm=0.05)
@@ -195,8 +195,8 @@ def mode_across() -> None:
 
 
 def mode_scaled() -> None:
-    from coconetc.torch import _function
-    schedules = sorted(_function(EX / "scaled_adam.ccn", None, backend="cuda").schedules)
+    from coconetc.torch.roles import function_of
+    schedules = sorted(function_of(EX / "scaled_adam.ccn", None, backend="cuda").schedules)
     if rank == 0:
         print(f"SCHEDULES {' '.join(schedules)}", flush=True)
     W.mode_scaled(schedules, backend="cuda", tag="scaled_cuda")

@@ -19,7 +19,7 @@ The hash covers what makes two calls differ: the .ccn file's text, the program, 
 the backend (and the host emulation), the group count and the communicator (COMM_WORLD, or the
 n-th other communicator or process group this process used). A second Differentiable with the
 same key shares the first one's operators (and its loaded module functions). Nothing here
-imports coconetc.torch: the Differentiable is an argument (duck-typed: see `Call`)."""
+imports the rest of coconetc.torch: the Differentiable is an argument (duck-typed: see `Call`)."""
 
 from __future__ import annotations
 
