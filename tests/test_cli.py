@@ -371,7 +371,7 @@ def _with_wrong_schedule(path: Path, name: str) -> SourceFile:
 @pytest.mark.parametrize("which", ["fused", "all"])
 def test_run_mismatch_exits_nonzero(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
     path = REPO / "examples" / "sgd.ccn"
-    monkeypatch.setattr(cli, "load_file", lambda _: _with_wrong_schedule(path, "fused"))
+    monkeypatch.setattr(cli.files, "load_file", lambda _: _with_wrong_schedule(path, "fused"))  # (what run reads)
     res = invoke("run", path, "-s", which, "--interp")
     assert res.exit_code == 1, res.output
     assert "MISMATCH against the unscheduled program" in res.stderr

@@ -584,7 +584,7 @@ def test_tune_table_has_no_modelled_time_on_cuda(example) -> None:
 
 def test_show_and_explain_backend_options(monkeypatch) -> None:
     """--emulate only with --backend cuda; a GPU's records (keyed by its name) need a GPU here."""
-    monkeypatch.setattr(cli, "_gpu_here", lambda: False)
+    monkeypatch.setattr(cli.options, "gpu_here", lambda: False)
     for cmd in (("show", ADAM, "-s", "auto"), ("explain", ADAM, "--size", "N=64")):
         res = invoke(*cmd, "--emulate")
         assert res.exit_code == 1 and "--emulate goes with --backend cuda" in res.stderr, res.output

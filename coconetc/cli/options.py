@@ -1,0 +1,75 @@
+"""Options more than one command takes, and what they mean: --backend and --emulate as a
+target (and whether a GPU is here), the tuning records' --backend and --emulate, extern
+operations' -I, -L and -l; and ranks started under mpiexec."""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+import click
+
+from coconetc.cli.files import fail
+from coconetc.plan.targets import Target
+
+
+def records_options(what: str):
+    """--backend and --emulate of show and explain: the target whose tuning records they read."""
+    def wrap(f):
+        f = click.option("--emulate", is_flag=True,
+                         help="With --backend cuda: the records `coconetc tune --backend cuda --emulate` "
+                              "measured under the host emulation.")(f)
+        return click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+                            help=f"The backend whose tuning records to read: {what}.")(f)
+    return wrap
+
+
+def lib_options(f):
+    """-I, -L, -l: what the file's extern operations need to build (docs/language.md)."""
+    f = click.option("-l", "libraries", multiple=True, metavar="LIB",
+                     help="Link this library (extern operations; repeatable).")(f)
+    f = click.option("-L", "library_dirs", multiple=True, metavar="DIR",
+                     help="Search DIR for libraries (extern operations; repeatable).")(f)
+    return click.option("-I", "include_dirs", multiple=True, metavar="DIR",
+                        help="Search DIR for extern operations' headers (repeatable; the .ccn "
+                        "file's directory is searched too).")(f)
+
+
+def lib_kwargs(include_dirs, library_dirs, libraries) -> dict:
+    return dict(include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
+
+
+def target_of(backend: str, emulate: bool) -> str:
+    """The toolchain's target of --backend and --emulate: cpu, cuda or cuda-emulated."""
+    return Target.CPU if backend != "cuda" else Target.EMULATED if emulate else Target.CUDA
+
+
+def checked_target(command: str, backend: str, emulate: bool, emulated: str) -> str:
+    """target_of, after the checks every command taking --backend/--emulate makes: --emulate only
+    with --backend cuda, and --backend cuda alone only where PyTorch sees a GPU (a GPU's
+    records are keyed by its name); EMULATED says what --emulate would do instead."""
+    if emulate and backend != "cuda":
+        fail("coconetc: --emulate goes with --backend cuda")
+    if backend == "cuda" and not emulate and not gpu_here():
+        fail(f"coconetc: {command} --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
+              f"add --emulate to {emulated}")
+    return target_of(backend, emulate)
+
+
+def gpu_here() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def launch_ranks(ranks: int, argv: list[str], **hosts) -> NoReturn:
+    """Runs `python ARGV` on R ranks (launch.mpiexec.run_python) and exits with its code; an
+    mpiexec that cannot be started is an error message, not a traceback."""
+    from coconetc.launch.mpiexec import run_python
+    try:
+        code = run_python(ranks, argv, **hosts)
+    except (RuntimeError, OSError) as err:
+        fail(f"coconetc: could not start {ranks} ranks: {err}")
+    sys.exit(code)
