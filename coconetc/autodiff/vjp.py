@@ -343,8 +343,8 @@ def _layernorm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
 def _softmax(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     """y = softmax(x) over the last dim: dx = y * (g - the row sum of g * y). A masked entry
     (y = 0) and a fully masked row (all zeros) get 0."""
-    o = d.op
-    row = o("sum_keep", o("mul", g, y), dim=y.type.ndim - 1)
+    o = d.op  # the row sums a stage of their own: stored in the dtype by every backend alike
+    row = d.emit("g_rows", o("sum_keep", o("mul", g, y), dim=y.type.ndim - 1))
     return [(e.args[0], o("mul", y, o("sub", g, row)), None)]
 
 
