@@ -18,7 +18,7 @@ Their layout rules are the transposes of matmul's tensor-parallel rules (typerul
 result that sums over a sliced dim is `local` (per-rank partial sums) and the derivation adds
 the cross-rank reduction. The interpreter runs them through the NumPy references below; the
 planner makes each a Library unit (plan/planner.py: LIBRARY, its integer settings in attrs) that
-both backends run (runtime_cpp/coconet/grad.h and cuda/grad.cuh, called as codegen/library.py
+both backends run (runtime_cpp/coconet/grad.h and cuda/grad.cuh, called as codegen/library_calls.py
 lays out)."""
 
 from __future__ import annotations

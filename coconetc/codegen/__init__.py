@@ -14,6 +14,8 @@ codegen/ holds what both backends share, as objects and functions each backend c
   pointwise.py  the values of one element (every loop's, fused chunk's and kernel's body), the
                 Lets computed before a loop, the layernorm of one row
   extern.py     an extern operation's call
+  library_calls.py  a Library unit's runtime call (its function and arguments), one for both
+                backends
   naming.py     the names both backends give (module functions)
   libs.py       what extern operations need from a build (headers, libraries)
   module.py     laying out a module: the templates' environment, one function per variant

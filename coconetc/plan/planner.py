@@ -20,7 +20,7 @@ from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
-from coconetc.plan.chunking import (REDUCE_UNIT, FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
+from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
                                     same_elements, stage_of)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen import dispatch, library
+from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
@@ -52,7 +52,7 @@ class CpuOverlap:
                       f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
                       "[&] { ov.progress(); });")
         else:  # the chunk's rows in one GEMM (grad.h), then the communication in flight progressed
-            fn, args = library.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
+            fn, args = library_calls.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
                                             f"v_{y} + r.begin * {_prod(ly[1:])}")
             self.w.emit(f"  coconet::{fn}<{ct}>({', '.join(args)});")
             self.w.emit("  ov.progress();")
@@ -115,11 +115,11 @@ class CpuOverlap:
         self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
         self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
         if d == nd - 1:  # a block of b (its columns; matmul_nt: its rows): P[M, |r|]
-            fn, args = library.overlap_cols(self.w, u, "P")
+            fn, args = library_calls.overlap_cols(self.w, u, "P")
             self.w.emit(f"  coconet::{fn}<{ct}>({', '.join(args)});")
         else:  # for each outer index, |r| * (rows per index of dim d) contiguous rows of a
             rows_per = _prod(ly[d + 1:-1])
-            fn, args = library.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}",
+            fn, args = library_calls.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}",
                                             f"P + o * r.size() * {inner}")
             self.w.emit(f"  for (int64_t o = 0; o < {outer}; ++o)")
             self.w.emit(f"    coconet::{fn}<{ct}>({', '.join(args)});")

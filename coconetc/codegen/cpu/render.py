@@ -13,7 +13,7 @@ Conventions of the generated function (see templates/module.cpp.j2):
 
 from __future__ import annotations
 
-from coconetc.codegen import dispatch, library
+from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Function, Writer, prod as _prod
 from coconetc.codegen.cpu.collectives import collective
 from coconetc.codegen.cpu.fused import CpuFused
@@ -113,8 +113,8 @@ class CpuRenderer:
             self.w.emit(extern_call(self.w, u, entry.extern.cpp.function) + ";")
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
-        if u.op in library.OPS:  # gemm.h, kernels.h, grad.h
-            self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library.call_args(self.w, u))});")
+        if u.op in library_calls.OPS:  # gemm.h, kernels.h, grad.h
+            self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))});")
             return
         assert u.op == "layernorm", u.op
         x = u.args[0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from coconetc.codegen import dispatch, library
+from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.fused import CudaFused
@@ -45,7 +45,7 @@ class CudaOverlap:
             self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
             self.w.emit(f"    const coconet::Range r = coconet::slice_range({rows}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
-            self._gemm(ct, library.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
+            self._gemm(ct, library_calls.overlap_rows(self.w, u, f"r.begin * {per_row}", f"r.size() * {per_row}",
                                                 f"v_{y} + r.begin * {_prod(ly[1:])}"), "    ")
             self.w.emit(f"    coconet::cuda::join(ctx.stream, ctx.comm_stream, {ev});")
             src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{c} + r.begin * {_prod(lc[1:])}"
@@ -78,7 +78,7 @@ class CudaOverlap:
         self.w.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
         self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
         self.w.emit("    if (rb.empty()) continue;")
-        self._gemm(ct, library.overlap_rows(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
+        self._gemm(ct, library_calls.overlap_rows(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
                                             f"v_{y} + rb.begin * {_prod(ly[1:])}"), "    ")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
         self.w.emit("    {")
@@ -108,11 +108,11 @@ class CudaOverlap:
         self.w.emit(f"    {ct}* const P = P_all + {outer} * r.begin * {inner};")
         self.w.emit(f"    {ct}* const Q = Q_all + {oc} * r.begin * {ic};")
         if d == nd - 1:  # a block of b (its columns; matmul_nt: its rows): P[M, |r|]
-            self._gemm(ct, library.overlap_cols(self.w, u, "P"), "    ")
+            self._gemm(ct, library_calls.overlap_cols(self.w, u, "P"), "    ")
         else:
             rows_per = _prod(ly[d + 1:-1])
             self.w.emit(f"    for (int64_t o = 0; o < {outer}; ++o)")
-            self._gemm(ct, library.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}",
+            self._gemm(ct, library_calls.overlap_rows(self.w, u, f"(o * {n} + r.begin) * {rows_per}",
                                                 f"r.size() * {rows_per}", f"P + o * r.size() * {inner}"), "      ")
         if u.keep_producer:
             self.w.emit(f"    coconet::cuda::unpack<{ct}>(P, v_{y}, {outer}, {n}, {inner}, r, stream);")

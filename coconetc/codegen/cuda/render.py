@@ -15,7 +15,7 @@ body is the element math of codegen/emit.py, the text the CPU loops use."""
 
 from __future__ import annotations
 
-from coconetc.codegen import dispatch, library
+from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Function, Writer, prod as _prod
 from coconetc.codegen.cuda.collectives import collective
 from coconetc.codegen.cuda.fused import CudaFused
@@ -134,9 +134,9 @@ class CudaRenderer:
             self.w.emit(extern_call(self.w, u, entry.extern.cuda.function, ("stream",)) + ";")
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
-        if u.op in library.OPS:  # runtime.cuh, grad.cuh
-            last = "stream" if u.op in library.GEMM else "ctx"
-            self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join(library.call_args(self.w, u))}, {last});")
+        if u.op in library_calls.OPS:  # runtime.cuh, grad.cuh
+            last = "stream" if u.op in library_calls.GEMM else "ctx"
+            self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))}, {last});")
             return
         assert u.op == "layernorm", u.op
         x = u.args[0]
