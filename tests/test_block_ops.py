@@ -1,13 +1,17 @@
-"""The operations of a transformer block (issue 39, point 1): softmax, the causal condition and
-the literal inf (transpose, reshape and batched matmul join as they land).
+"""The operations of a transformer block (issue 39, point 1): softmax, the causal condition, the
+literal inf, transpose, reshape and batched matmul.
 
 - the interpreter against NumPy written here, independently (masked entries, fully masked
-  rows, slices over 2 and 3 ranks whose offsets the causal condition must count);
-- parsing and printing round trips; errors at their line and column;
-- the derivatives (derived programs run by the interpreter) against torch.autograd;
-- the forward and derived programs compiled for the CPU on 1 and 2 ranks, and as CUDA under the
-  host emulation, against the interpreter (tests/grad_backends_worker.py runs each program of
-  a file on random inputs)."""
+  rows, slices over 2, 3 and 4 ranks whose offsets the causal condition must count, heads kept
+  sliced through reshapes, batched matmuls in every layout);
+- parsing and printing round trips; errors at their line and column; sizes that disagree and
+  heads that do not divide among the ranks raising on every rank (interpreter and compiled);
+- the derivatives (derived programs run by the interpreter) against torch.autograd, and a
+  head-parallel causal attention against scaled_dot_product_attention;
+- the forward and derived programs compiled for the CPU on 1 and 2 ranks (f16 and bf16 too), as
+  CUDA under the host emulation and by nvcc, against the interpreter
+  (tests/grad_backends_worker.py runs each program of a file on random inputs); the attention
+  as a coconetc.torch.function on 2 ranks against one process of PyTorch."""
 
 from __future__ import annotations
 
@@ -494,6 +498,63 @@ def test_compiled_heads_that_do_not_divide_raise_on_every_rank(cache, tmp_path):
     assert len(lines) == 4 and all(want in ln for ln in lines), res.stdout + res.stderr[-3000:]
 
 
+TORCH = """
+import sys
+import torch
+from mpi4py import MPI
+import coconetc.torch as ct
+from coconetc.ir.slices import slice_range
+comm = MPI.COMM_WORLD
+r, R = comm.Get_rank(), comm.Get_size()
+B, S, D = 2, 5, 6
+g = torch.Generator().manual_seed(0)
+x = torch.randn(B, S, D, generator=g, dtype=torch.float64)
+w = {k: torch.randn(D, D, generator=g, dtype=torch.float64) for k in ("wq", "wk", "wv", "wo")}
+dy = torch.randn(B, S, D, generator=g, dtype=torch.float64)
+f = ct.function(sys.argv[1], "attention", backend=sys.argv[2])
+
+
+def part(t, d):
+    lo, hi = slice_range(t.shape[d], R, r)
+    return t.narrow(d, lo, hi - lo).clone()
+
+
+dims = {"wq": 1, "wk": 1, "wv": 1, "wo": 0}
+mine = {k: part(v, dims[k]).requires_grad_() for k, v in w.items()}
+xx = x.clone().requires_grad_()
+y = f(x=xx, **mine)
+(y * dy).sum().backward()
+tx, tw = x.clone().requires_grad_(), {k: v.clone().requires_grad_() for k, v in w.items()}
+q, k, v = ((tx @ tw[n]).reshape(B, S, 2, -1).transpose(1, 2) for n in ("wq", "wk", "wv"))
+o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.05)
+ty = o.transpose(1, 2).reshape(B, S, D) @ tw["wo"]
+(ty * dy).sum().backward()
+errs = [(y - ty).abs().max(), (xx.grad - tx.grad).abs().max()]
+errs += [(mine[n].grad - part(tw[n].grad, dims[n])).abs().max() for n in w]
+print(f"rank {r} max error {max(float(e) for e in errs):.3g}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_torch_function_of_the_attention_matches_torch_on_two_ranks(cache, tmp_path, backend):
+    """coconetc.torch.function over the head-parallel attention (the forward saving its values,
+    the derived backward): outputs and every gradient in its layout against one process of
+    torch's scaled_dot_product_attention and autograd (cuda: the CUDA module under the host
+    emulation, CPU tensors standing for CUDA tensors)."""
+    why = probes.missing_cpu_extra() if backend == "cpu" else probes.emulation_missing()
+    if why:
+        pytest.skip(why)
+    f = tmp_path / "attention.ccn"
+    f.write_text(BLOCK.replace("f32", "f64"))
+    script = tmp_path / "attention_torch.py"
+    script.write_text(TORCH)
+    env = mpiexec.environment(2) | ({"COCONET_CUDA_EMULATE": "1"} if backend == "cuda" else {})
+    cmd = mpiexec.command(2, [sys.executable, str(script), str(f), backend])
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 2 and all(float(ln[-1]) < 1e-10 for ln in lines), res.stdout + res.stderr[-3000:]
+
+
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(cache, tmp_path):
     from coconetc import toolchain
@@ -503,6 +564,7 @@ def test_cuda_emulation_matches_interpreter(cache, tmp_path):
     assert all(not p.unsupported("cuda-emulation") for p in mod.plans.values())
     toolchain.compile(mod, "cuda-emulated", toolchain.Options(log=lambda msg: None))
     _launch(2, ["emulate", str(f), *_sizes(T=300, S=300, H=2, B=1)])  # rows longer than a block's threads
+    _launch(2, ["emulate", str(f), *_sizes(H=1, S=1)])  # a rank with an empty slice of heads
 
 
 @pytest.mark.slow
