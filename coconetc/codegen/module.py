@@ -53,8 +53,3 @@ def lay_out_units(templates: Path, source: str, mod: SourceFile, funcs: dict[tup
     template = _env(templates).get_template(f"{source}.j2")
     file = Path(mod.file).name
     return {f.name: template.render(version=__version__, file=file, f=f, headers=headers) for f in funcs.values()}
-
-
-def render_file(templates: Path, name: str, **ctx: object) -> str:
-    """The template NAME of the templates folder, filled in (with the compiler's version)."""
-    return _env(templates).get_template(name).render(version=__version__, **ctx)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
+import shlex
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,19 +36,6 @@ def _steps(steps: list[tuple[str, list[str]]], source: Path, log: Log | None, qu
         if res.returncode != 0:
             output = ((res.stdout or "") + (res.stderr or ""))[-6000:]
             raise BuildError(f"coconetc: {what} failed for {source}\n{output}")
-
-
-def cmake_cpu(src: Path, build: Path, log: Log | None) -> None:
-    """A CPU module as a build system compiles it: module.cpp and CMakeLists.txt in src, built
-    with CMake and mpicxx (the test of what `compile --emit-only` writes)."""
-    tc = toolchain()
-    configure = [tc.cmake, "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                 f"-Dpybind11_DIR={tc.pybind11_dir}", f"-DMPI_CXX_COMPILER={tc.mpicxx}",
-                 f"-DPython3_EXECUTABLE={sys.executable}", f"-DCOCONET_RUNTIME={runtime_dir()}",
-                 f"-DCOCONET_BLAS_INCLUDE={tc.blas_include}", f"-DCOCONET_BLAS_LIB={tc.blas_lib}",
-                 f"-DCOCONET_BLAS_LIBDIR={Path(tc.blas_lib).parent}"]
-    compile_ = [tc.cmake, "--build", str(build), "-j", str(os.cpu_count() or 1)]
-    _steps([("configuring", configure), ("compiling", compile_)], src / "module.cpp", log)
 
 
 def _cpu_flags(include_dirs: tuple[str, ...] = ()) -> list[str]:
@@ -148,15 +134,17 @@ def _blas_headers(include: str, build: Path) -> Path:
     inc = build / "cublas_include"
     inc.mkdir(parents=True, exist_ok=True)
     for f in Path(include).glob("cublas*.h"):
-        link = inc / f.name
-        if not link.exists():
-            link.symlink_to(f)
+        try:
+            (inc / f.name).symlink_to(f)
+        except FileExistsError:  # made before (or by another process just now)
+            pass
     return inc
 
 
-def _cmake_cuda(src: Path, build: Path, log: Log | None, *extra: str) -> None:
+def cmake_cuda(src: Path, build: Path, log: Log | None, *extra: str) -> None:
     """Configures and builds the CUDA project in src (CMake and nvcc, against NCCL, cuBLAS and
-    the CUDA runtime of the wheels); extra: more -D options."""
+    the CUDA runtime of the wheels); extra: more -D options (the test of what
+    `compile --backend cuda --emit-only` writes)."""
     tc = cuda_toolchain()
     assert src.is_absolute() and build.is_absolute(), (src, build)  # CMake reads -D paths from its build dir
     configure = [tc.cmake, "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
@@ -170,30 +158,58 @@ def _cmake_cuda(src: Path, build: Path, log: Log | None, *extra: str) -> None:
     _steps([("configuring", configure), ("compiling", compile_)], src / "CMakeLists.txt", log)
 
 
+def _gencode(archs: str) -> list[str]:
+    """nvcc's options for ARCHS, a CMake CUDA_ARCHITECTURES list ("80;90", "90-real",
+    "90-virtual", "native", "all", "all-major")."""
+    out = []
+    for a in filter(None, archs.split(";")):
+        if a in ("native", "all", "all-major"):
+            out.append(f"-arch={a}")
+        elif a.endswith("-real"):
+            out.append(f"--generate-code=arch=compute_{a[:-5]},code=[sm_{a[:-5]}]")
+        elif a.endswith("-virtual"):
+            out.append(f"--generate-code=arch=compute_{a[:-8]},code=[compute_{a[:-8]}]")
+        else:
+            out.append(f"--generate-code=arch=compute_{a},code=[compute_{a},sm_{a}]")
+    return out
+
+
+def cuda_flags(archs: str, include_dirs: tuple[str, ...] = ()) -> list[str]:
+    """nvcc's command for a CUDA module's and its binding's sources (what CMakeLists.txt.j2's
+    Release build runs, with CUDAFLAGS from the environment as CMake reads it)."""
+    tc = cuda_toolchain()
+    return [tc.nvcc, "-O3", "-DNDEBUG", "-std=c++17", *_gencode(archs), "-Xcompiler=-fPIC",
+            "-Xcompiler=-fvisibility=hidden", *cuda.NVCC_OPTIONS, *shlex.split(os.environ.get("CUDAFLAGS", "")),
+            f"-I{runtime_dir()}", f"-I{tc.nccl_include}", f"-I{_blas_headers(tc.cuda_include, _objects_dir())}",
+            *(f"-I{d}" for d in include_dirs)]
+
+
 def cuda_binding(key_parts: list[str], archs: str, log: Log | None) -> Path:
-    """The CUDA modules' Python binding (runtime_cpp/coconet/cuda/bind.cu) built once per
-    machine and architectures: a static library (libcoconet_cuda_bind.a) every module links."""
-    text = cuda.binding_cmake(archs)
-
-    def build_(cmakelists: Path, lib: Path) -> None:
-        tmp = Path(tempfile.mkdtemp(dir=lib.parent, prefix=".bind-"))
-        try:
-            shutil.copy(cmakelists, tmp / "CMakeLists.txt")
-            say(log)("coconetc: compiling the CUDA Python binding (once per machine)")
-            _cmake_cuda(tmp, tmp / "build", log)
-            os.replace(tmp / "build" / "libcoconet_cuda_bind.a", lib)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    key = artifacts.content_key([*key_parts, text, "bind"])
-    return artifacts.cached_object(_objects_dir(), key, ".cmake", text, build_, product=".a")
+    """The CUDA modules' Python binding (runtime_cpp/coconet/cuda/bind.cu) compiled once per
+    machine and architectures: an object every module links."""
+    text = (runtime_dir() / "coconet" / "cuda" / "bind.cu").read_text()
+    cmd = [*cuda_flags(archs), *(x for d in _python_includes() for x in ("-isystem", d[2:])), "-x", "cu"]
+    return artifacts.cached_object(_objects_dir(), artifacts.content_key([*key_parts, *cmd, text, "bind"]), ".cu", text,
+                                   _compiled(cmd, "compiling the CUDA Python binding (once per machine)", log))
 
 
-def cmake_cuda(key_parts: list[str], archs: str) -> artifacts.Run:
-    """A CUDA module: module.cu and CMakeLists.txt in src, built with CMake and nvcc, linked with
-    the binding built once (cuda_binding; key_parts: what it depends on)."""
+def cuda_module(name: str, key_parts: list[str], archs: str, libs: Libs) -> artifacts.Run:
+    """A CUDA module named NAME: module.cu compiled by nvcc (against NCCL, cuBLAS and the CUDA
+    runtime of the wheels) and linked with the binding compiled once (cuda_binding; key_parts:
+    what it depends on) into NAME.so."""
     def run(src: Path, build: Path, log: Log | None) -> None:
+        tc = cuda_toolchain()
         binding = cuda_binding(key_parts, archs, log)
-        _cmake_cuda(src, build, log, f"-DCOCONET_BIND_LIBRARY={binding}")
+        build.mkdir(parents=True, exist_ok=True)
+        obj = build / "module.o"
+        cmd = [*cuda_flags(archs, libs.include_dirs), "-c", str(src / "module.cu"), "-o", str(obj)]
+        libdirs = [tc.nccl_libdir, tc.cuda_libdir, *libs.library_dirs]
+        link = [tc.nvcc, "-shared", "--cudart=none", *_gencode(archs), str(obj), str(binding), "-o",
+                str(build / f"{name}.so"), "-Xlinker=-Bsymbolic-functions", *(f"-L{d}" for d in libdirs),
+                *(f"-Xlinker=-rpath,{d}" for d in libdirs), "-l:libnccl.so.2", "-l:libcublas.so.13",
+                "-l:libcublasLt.so.13", "-l:libcudart.so.13",
+                *(lib if Path(lib).is_file() else f"-l{lib}" for lib in libs.libraries)]
+        _steps([("compiling", cmd), ("linking", link)], src / "module.cu", log)
     return run
 
 

@@ -11,6 +11,7 @@ once per content (artifacts.py: cached, verified, written atomically)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -135,7 +136,7 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     if backend == "cpu":
         run = commands.cpu_units(name, src.table, src.units, parts, libs, libs_key)
     elif backend == "cuda":
-        run = commands.cmake_cuda(parts, o.archs or cuda.default_archs())
+        run = commands.cuda_module(name, parts, o.archs or cuda.default_archs(), libs)
     else:
         run = commands.emulated(name, runtime_dir(), parts)
     return _build(mod, backend, src, o, run)
@@ -154,7 +155,8 @@ def _compiler(backend: str, o: Options) -> list[str]:
     if backend == "cpu":
         return [compiler_hash(), "cpu", toolchain().key()]
     if backend == "cuda":
-        return [cuda_hash(), f"cuda|{o.archs or cuda.default_archs()}", cuda_toolchain().key()]
+        return [cuda_hash(), f"cuda|{o.archs or cuda.default_archs()}|{os.environ.get('CUDAFLAGS', '')}",
+                cuda_toolchain().key()]
     why = emulation_missing()
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")

@@ -12,13 +12,16 @@ from pathlib import Path
 from coconetc.codegen.base import Function
 from coconetc.codegen.cuda.render import render
 from coconetc.codegen.libs import Libs
-from coconetc.codegen.module import functions, lay_out, render_file
+from coconetc.codegen.module import functions, lay_out
 from coconetc.codegen.cuda.support import Unsupported, emulation_problems, problems, unsupported
 from coconetc.plan.units import Plan
 from coconetc.sourcefile import SourceFile
 
 DEFAULT_ARCHS = "80;90"
 TEMPLATES = Path(__file__).parent / "templates"
+# nvcc's options for every module and its binding (the CMakeLists templates read them, and the
+# toolchain's nvcc command lines): besides the architectures, CMake's Release options and -fPIC
+NVCC_OPTIONS = ("--extended-lambda", "--expt-relaxed-constexpr", "-O3")
 ENV_ARCHS = "COCONET_CUDA_ARCHS"  # the architectures when a build names none (as TORCH_CUDA_ARCH_LIST)
 
 
@@ -27,8 +30,8 @@ def default_archs() -> str:
     return os.environ.get(ENV_ARCHS) or DEFAULT_ARCHS
 
 
-__all__ = ["binding_cmake", "CudaSources", "Unsupported", "generate", "problems", "unsupported", "emulation_problems",
-           "DEFAULT_ARCHS", "default_archs"]
+__all__ = ["CudaSources", "Unsupported", "generate", "problems", "unsupported", "emulation_problems",
+           "DEFAULT_ARCHS", "NVCC_OPTIONS", "default_archs"]
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,6 @@ def generate(mod: SourceFile, module_name: str, archs: str = DEFAULT_ARCHS,
     funcs = functions(mod, render, leave_out)
     libs = libs or Libs.of(mod.file, bool(mod.externs) and not emulate)
     cu, cmake = lay_out(TEMPLATES, "module.cu", mod, module_name, funcs,
-                        [] if emulate else mod.extern_headers("cuda"), libs, archs=archs)
+                        [] if emulate else mod.extern_headers("cuda"), libs, archs=archs,
+                        nvcc_options=" ".join(NVCC_OPTIONS))
     return CudaSources(module_name, cu, cmake, funcs)
-
-
-def binding_cmake(archs: str) -> str:
-    """The CMakeLists.txt of the CUDA modules' Python binding (runtime_cpp/coconet/cuda/bind.cu),
-    a static library the toolchain builds once per machine and architectures and links into
-    every CUDA module it builds (templates/binding.cmake.j2)."""
-    return render_file(TEMPLATES, "binding.cmake.j2", archs=archs)
