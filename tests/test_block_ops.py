@@ -243,6 +243,25 @@ def test_heads_split_and_merge_keep_the_slice_over_heads(ranks):
     np.testing.assert_array_equal(_joined(res, "rows", 1), np.swapaxes(x, 0, 1).reshape(S * B, H))
 
 
+PERMUTE = """program pm(x: f32[A, B, C, D] sliced(1)) {
+    y = permute(x, [2, 0, 3, 1])
+    z = permute(x, [0, 1, 2, 3])
+    return y, z
+}
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_permute_is_its_transposes_and_carries_the_slice(ranks):
+    x = np.random.default_rng(9).standard_normal((2, 5, 4, 3)).astype(np.float32)
+    p = load_source(PERMUTE).program("pm")
+    assert str(p.stages[0].type) == "f32[C, A, D, B] sliced(3)"
+    assert printer.expr(p.stages[0].expr) == "transpose(transpose(transpose(x, 0, 2), 1, 2), 2, 3)"
+    res = _interp(PERMUTE, "pm", {"x": x}, ranks, {"x": 1})
+    np.testing.assert_array_equal(_joined(res, "y", 3), np.transpose(x, (2, 0, 3, 1)))
+    np.testing.assert_array_equal(_joined(res, "z", 1), x)
+
+
 def test_heads_that_do_not_divide_among_the_ranks_raise_naming_the_line():
     x = np.zeros((2, 3, 12), dtype=np.float32)  # 4 heads of 3 over 3 ranks: slices of 4 columns
     y = np.zeros((2, 3, 4, 1), dtype=np.float32)
@@ -331,6 +350,9 @@ schedule bad for batched {
     ("    y = reshape(w, [3, 4])\n", 2, 9, "splits one dim into adjacent dims or merges"),
     ("    y = transpose(u, 0, 2)\n", 2, 9, "transpose dim 2 is out of range"),
     ("    y = softmax([S, 2])\n", 2, 17, "not a value"),
+    ("    y = permute(b3, [0, 2, 2])\n", 2, 21, "needs an order of the dims 0..2, each once; got [0, 2, 2]"),
+    ("    y = permute(b3, [0, S, 1])\n", 2, 21, "dims must be written [d0, d1, ...] (integers)"),
+    ("    y = permute(b3)\n", 2, 9, "permute() takes 2 arguments"),
     ("    y = matmul(b3, c3)\n", 2, 9, "needs equal batch dims, or a 2-d left operand broadcast"),
     ("    y = matmul(b3, b3)\n", 2, 9, "inner dims differ: 3 vs 4"),
     ("    y = matmul(d3, b3)\n", 2, 9, "batched matmul of sliced(0) x replicated has no tensor-parallel meaning"),

@@ -346,6 +346,8 @@ def _call(call: syntax.Call, ctx: _Ctx, top: bool) -> ir.Expr:
         raise _Skip  # a definition with errors, reported at the definition
     if call.fn in ctx.scope.defs:
         return _expand(call, ctx)
+    if call.fn == PERMUTE and call.fn not in ops.REGISTRY:
+        return _permute(call, ctx)
     d = _signature(call, ctx)
     if d.kind == "collective" and not top:
         raise TypeErr(call.span, f"{call.fn}() must be the whole right-hand side of a statement "
@@ -383,6 +385,30 @@ def _arguments(call: syntax.Call, d: ops.OpDef, ctx: _Ctx) -> tuple[list[ir.Expr
         else:
             attrs[arg.name] = _word(arg, given[arg.name], call)
     return args, attrs
+
+
+PERMUTE = "permute"  # permute(x, [2, 0, 1]): written as the transposes it is (no operation of its own)
+
+
+def _permute(call: syntax.Call, ctx: _Ctx) -> ir.Expr:
+    """permute(x, [p0, p1, ...]): result dim i is x's dim p_i, as torch.permute; checked, then
+    typed as the transposes (swaps in order) that make it, each carrying the layout."""
+    if len(call.args) != 2 or call.kwargs:
+        raise TypeErr(call.span, "permute() takes 2 arguments (permute(x, [d0, d1, ...]))")
+    x, order = _expr(call.args[0], ctx), call.args[1]
+    if not isinstance(order, syntax.ShapeArg) or not all(isinstance(d, syntax.DimInt) for d in order.dims):
+        raise TypeErr(order.span, "permute()'s dims must be written [d0, d1, ...] (integers)")
+    perm = [d.value for d in order.dims if isinstance(d, syntax.DimInt)]
+    if sorted(perm) != list(range(x.type.ndim)):
+        raise TypeErr(order.span, f"permute of a {x.type.ndim}-d tensor needs an order of the dims 0..{x.type.ndim - 1}, "
+                      f"each once; got [{', '.join(map(str, perm))}]")
+    cur = list(range(x.type.ndim))
+    for i, want in enumerate(perm):
+        j = cur.index(want)
+        if j != i:
+            x = _op("transpose", (x,), {"dim0": i, "dim1": j}, call.span)
+            cur[i], cur[j] = cur[j], cur[i]
+    return x
 
 
 def _shape(e: object, call: syntax.Call, ctx: _Ctx) -> tuple[int | str, ...]:
