@@ -291,12 +291,12 @@ def mode_pg() -> None:
 def device_group() -> None:
     """A group whose object collectives run on the device (an NCCL group under torchrun; a new
     gloo group said to be one here): the calls agree over a gloo group of its ranks made once
-    (runtime/cuda.py, _host_group), never over the group itself, which would synchronize the
+    (runtime/nccl.py, _host_group), never over the group itself, which would synchronize the
     host with the GPU on every step; every step's record round goes over it too, and repeated
     steps need no full exchange (all_gather_object); the steps are still torch's."""
     import torch.distributed as dist
 
-    import coconetc.runtime.cuda as rc
+    import coconetc.runtime.nccl as rc
     group = dist.new_group(list(range(R)), backend="gloo")  # (the optimizers above made their NCCL
     # communicator from WORLD: one per module and group)
     real_device, real_gather, real_all_gather = rc._object_device, dist.all_gather_object, dist.all_gather
@@ -459,7 +459,7 @@ def mode_hang() -> None:
     every rank ("RAISED <rank> <step> <seconds>s <message>"), and the communicator refuses the
     next one ("AGAIN <rank> <message>"). "EVENTS <rank> <made>": the events the watchdog made
     (recycled: one per call outstanding at once, not one per call)."""
-    from coconetc.runtime.cuda import _WATCHDOGS
+    from coconetc.runtime.watchdog import WATCHDOGS
     model = W.make_model()
     # (shared_memory=False: no gradient window, whose making is NCCL calls of its own, so the step's
     # calls are the ones the injection counts)
@@ -476,7 +476,7 @@ def mode_hang() -> None:
             break
     else:
         print(f"NOT RAISED {rank}", flush=True)
-    dog = _WATCHDOGS[id(opt._comm)]
+    dog = WATCHDOGS[id(opt._comm)]
     dog.thread.join(10.0)  # it ends after the abort, destroying its events
     print(f"EVENTS {rank} {dog.events.made} {len(dog.events.free) + len(dog.events.outstanding)}", flush=True)
     _refused_again(opt)

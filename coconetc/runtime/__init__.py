@@ -3,7 +3,11 @@ emulation). Imports nothing from coconetc.interp or coconetc.tune.
 
     loader.py    coconetc.load: read the file once, compile (toolchain), import, wrap
     module.py    CompiledModule, ProgramFunction: the module API and a CPU call
-    cuda.py      CudaModule, EmulatedModule, NCCL communicators: a CUDA call
+    cuda.py      CudaModule, EmulatedModule: a CUDA call's entry and checks
+    nccl.py      NCCL communicators (nccl_comm), what every rank of one says (exchange)
+    abort_notices.py, watchdog.py  the NCCL abort path: notices, the watchdog, guarded calls
+    symmetric_windows.py  window_empty: tensors a symmetric kernel reads in place
+    emulation.py the CUDA host emulation's switch (COCONET_CUDA_EMULATE)
     call.py      a call's entry: this rank's checks, its description, the agreement
     agree.py     the exchange across ranks under the watchdog, the 64-byte repeat round
     fastpath.py  the remembered calls and the hot path

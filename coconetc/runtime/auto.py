@@ -3,7 +3,7 @@
 whose calling convention matches the arrays given; for a size set (`overall`,
 `fn.resolve_schedule("auto", ...)`): the tuner's overall choice. FN is a program of a module
 built for fn.target ("cpu" unless it says otherwise): it reads the records measured there;
-COMM an mpi4py communicator or the CUDA module's NCCL one (runtime/cuda.py: NcclComm)."""
+COMM an mpi4py communicator or the CUDA module's NCCL one (runtime/nccl.py: NcclComm)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,6 @@
 module and wrap it: each program is a Python function taking PyTorch CUDA tensors by keyword
 (named as in the program), updating parameters in place and returning new output tensors.
 
-Communicators: `nccl_comm(module, mpi_comm)` makes an NCCL communicator from an MPI one
-(ncclGetUniqueId on rank 0, broadcast over MPI, ncclCommInitRank); without MPI (or with
-`mpi_comm=None` and no mpi4py) it makes a one-rank communicator from a locally made id.
-
 A call checks on this rank, before anything runs: presence, dtype, device (the current CUDA
 device), rank, contiguity; then the shapes of all ranks are exchanged over MPI (when there is an
 MPI communicator) and bound to the program (ir/arguments.py), so sizes bound across ranks are
@@ -13,14 +9,17 @@ checked identically everywhere. A call with the same tensors as a recent one (a 
 step) checks only its scalars on this rank, and the ranks exchange 64-byte records, not their
 descriptions, while every rank repeats an agreed call (_Repeat). With a process group, the
 exchange goes over the group, or over a gloo group of its ranks where the group's object
-collectives would go through the GPU (_host_group). Kernels and collectives run on the given
-CUDA stream (default: PyTorch's current stream); the call returns without synchronizing."""
+collectives would go through the GPU (nccl.py: _host_group). Kernels and collectives run on the
+given CUDA stream (default: PyTorch's current stream); the call returns without synchronizing.
+
+Beside this file, each a job of the CUDA runtime: nccl.py (the NCCL communicators,
+`nccl_comm`, and what every rank of one says), abort_notices.py and watchdog.py (the abort
+path), symmetric_windows.py (`window_empty`), emulation.py (COCONET_CUDA_EMULATE). This file
+holds the call's entry and checks, the module, and the emulated module; `nccl_comm`,
+`NcclComm`, `window_empty`, `EMULATE` and `emulating` are importable from here as before."""
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,422 +35,19 @@ from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.plan.targets import Target
 from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
-from coconetc.runtime.events import Events
+from coconetc.runtime.emulation import EMULATE, emulating
 from coconetc.runtime.fastpath import Recent, held, same
-from coconetc.runtime.layout import TORCH_DTYPES, checked_shape
+from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
+from coconetc.runtime.nccl import NcclComm, agree_record, exchange, nccl_comm
+from coconetc.runtime.symmetric_windows import window_empty
 from coconetc.runtime.tuned import with_tuned
+from coconetc.runtime.watchdog import guarded, refuse_aborted
 from coconetc.sourcefile import load_file, with_grads
 from coconetc.toolchain import Artifact, Options, compile
 
-
-@dataclass
-class NcclComm:
-    """An NCCL communicator (handle) with the MPI communicator or torch.distributed process
-    group it was made from (neither: a one-rank job)."""
-
-    handle: int
-    size: int
-    rank: int
-    mpi: Any = None
-    group: Any = None  # a torch.distributed ProcessGroup (None: mpi, or one rank)
-    notices: Any = None  # where the abort path's notices go (_MpiNotices, _StoreNotices; _guarded)
-    aborted: str | None = None  # why the communicator was aborted (then unusable)
-    windows: int = 0  # window_empty buffers made on it (none: no call asks where its tensors are)
-    host_group: Any = None  # the group calls agree over (_host_group): `group`, or a gloo group of its ranks
-
-
-def nccl_comm(ext: Any, mpi_comm: Any = None, *, process_group: Any = None) -> NcclComm:
-    """An NCCL communicator over the ranks of mpi_comm (default: MPI.COMM_WORLD when mpi4py
-    works, else one rank), or over the ranks of an initialized torch.distributed process group
-    (`process_group=`, e.g. `torch.distributed.group.WORLD` under torchrun): rank 0 makes the
-    NCCL id, the group broadcasts it. Every rank of the group must call this together."""
-    if process_group is not None:
-        import uuid
-        import torch.distributed as dist
-        size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        if size > 1 and emulating():
-            _emulated_group_check(size)
-        box: list[Any] = [(ext.nccl_unique_id(), uuid.uuid4().hex) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
-        uid, token = box[0]
-        notices = _StoreNotices(dist.distributed_c10d._get_default_store(), token, rank) if size > 1 else None
-        host = _host_group(process_group, size)
-        return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, None, process_group, notices,
-                        host_group=host)
-    if mpi_comm is None:
-        try:
-            from mpi4py import MPI
-            mpi_comm = MPI.COMM_WORLD
-        except Exception:  # no usable MPI: a one-rank communicator
-            mpi_comm = None
-    if mpi_comm is None or mpi_comm.Get_size() == 1:
-        uid = ext.nccl_unique_id()
-        return NcclComm(ext.nccl_comm_init(uid, 1, 0), 1, 0, mpi_comm)
-    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    uid = mpi_comm.bcast(ext.nccl_unique_id() if rank == 0 else None, root=0)
-    return NcclComm(ext.nccl_comm_init(uid, size, rank), size, rank, mpi_comm,
-                    notices=_MpiNotices(mpi_comm.Dup(), rank, size))
-
-
-def _object_device(process_group: Any) -> str:
-    """Where torch.distributed's object collectives on the group move their bytes: "cpu" for
-    gloo (or a group with a CPU backend beside its NCCL one), else the group's device."""
-    import torch.distributed as dist
-    try:
-        return str(dist.distributed_c10d._get_object_coll_device(process_group))
-    except (AttributeError, ValueError):  # a torch without the helper
-        return "cpu" if dist.get_backend(process_group) == "gloo" else "cuda"
-
-
-def _host_group(process_group: Any, size: int) -> Any:
-    """The group every call's agreement is exchanged over (_exchange): the process group itself
-    where its object collectives run on the host, else (an NCCL group, as torchrun's default
-    `init_process_group("nccl")`) a gloo group of the same ranks, made here, once: an object
-    collective over an NCCL group goes through the device and waits for it (all_gather_object
-    reads the gathered sizes back with .item()), which would synchronize the host with the GPU
-    on every step. Made by the group's ranks alone (use_local_synchronization), as they call
-    nccl_comm together; its timeout is COCONET_TIMEOUT's, so a rank that stops calling ends
-    the others' exchanges within the watchdog's time."""
-    import datetime
-
-    import torch.distributed as dist
-    if size == 1 or _object_device(process_group) == "cpu":
-        return process_group
-    limit = agree.timeout_s()  # 0: no limit of coconet's (torch's default then)
-    return dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo",
-                          timeout=datetime.timedelta(seconds=limit) if limit else None,
-                          use_local_synchronization=True)
-
-
-def _emulated_group_check(size: int) -> None:
-    """Under the host emulation the NCCL communicator of a process group of `size` ranks is
-    MPI_COMM_WORLD (emulate.h, ncclCommInitRank): the processes must be one MPI job of that size.
-    Under torchrun each process is an MPI job of its own (a singleton), which emulate.h refused
-    only as 'an NCCL communicator is MPI_COMM_WORLD or one rank'; say what to run instead. The
-    same on every rank of the group (each sees its own world's size), so all raise together."""
-    from mpi4py import MPI
-    world = MPI.COMM_WORLD.Get_size()
-    if world != size:
-        why = " (under torchrun each process is an MPI job of its own)" if world == 1 else ""
-        raise ValueError(
-            f"{EMULATE}=1: the emulated NCCL runs on MPI, so a process group's ranks must be all the "
-            f"ranks of the MPI job; this group has {size} and MPI_COMM_WORLD {world}{why}: launch the "
-            f"script under mpiexec, `{EMULATE}=1 coconetc launch -n {size} python SCRIPT`, and there "
-            f"leave out process_group= (the communicator is made from MPI_COMM_WORLD) or pass a "
-            f"group of every rank (docs/pytorch.md, 'Without a GPU: the host emulation')")
-
-
-ABORT_TAG = 31_003
-_SENT: list = []  # the abort notices' requests (kept until the job ends)
-
-
-class _MpiNotices:
-    """The abort path's notices over a duplicate of the MPI communicator (tag ABORT_TAG)."""
-
-    def __init__(self, mpi: Any, rank: int, size: int):
-        self.mpi, self.rank, self.size = mpi, rank, size
-
-    def send(self, notice: tuple[int, str]) -> None:
-        """To every other rank (non-blocking; their watchdogs receive it)."""
-        for r in range(self.size):
-            if r != self.rank:
-                _SENT.append(self.mpi.isend(notice, dest=r, tag=ABORT_TAG))
-
-    def poll(self) -> tuple[int, str] | None:
-        from mpi4py import MPI
-        st = MPI.Status()
-        if self.mpi.Iprobe(source=MPI.ANY_SOURCE, tag=ABORT_TAG, status=st):
-            return self.mpi.recv(source=st.Get_source(), tag=ABORT_TAG)
-        return None
-
-
-class _StoreNotices:
-    """The abort path's notices for a communicator made from a torch.distributed process group
-    (no MPI): a key of the group's store (TCPStore under torchrun), named by a token rank 0 drew
-    for this communicator, which the failing rank sets and the others' watchdogs check."""
-
-    def __init__(self, store: Any, token: str, rank: int):
-        self.store, self.key, self.rank = store, f"coconet/nccl_abort/{token}", rank
-
-    def send(self, notice: tuple[int, str]) -> None:
-        self.store.set(self.key, f"{notice[0]}\n{notice[1]}")
-
-    def poll(self) -> tuple[int, str] | None:
-        if not self.store.check([self.key]):
-            return None
-        r, why = self.store.get(self.key).decode().split("\n", 1)
-        return int(r), why
-
-
-def _abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
-    """ncclCommAbort on this rank's communicator (the module's coconet_nccl_comm_abort, through
-    ctypes, so it runs while another thread is blocked in the module), once."""
-    if comm.aborted is not None:
-        return
-    comm.aborted = why
-    import ctypes
-    lib = ctypes.CDLL(ext.__file__)
-    lib.coconet_nccl_comm_abort.argtypes = [ctypes.c_uint64]
-    lib.coconet_nccl_comm_abort(comm.handle)
-
-
-class _Watchdog:
-    """One per communicator of several ranks, from its first call until it is aborted: a daemon
-    thread that polls for the peers' abort notices and for this rank's asynchronous NCCL error
-    (ncclCommGetAsyncError, the module's coconet_nccl_async_error: on a GPU a call returns
-    before its collectives run, so their errors surface after it), every 2 ms (MPI notices) or
-    20 ms (a store's) while a call runs and every 50 ms between calls, for a call still
-    running on the host after COCONET_TIMEOUT seconds, and for a call whose work on the GPU
-    (kernels and collectives, queued when it returned) has not completed COCONET_TIMEOUT
-    seconds after it (an event recorded on the call's stream, runtime/events.py: a collective
-    that a peer never joins). What it hears aborts the communicator (and, if it is this rank's
-    own, is sent to the peers first); the call running raises, or the next one."""
-
-    def __init__(self, ext: Any, comm: NcclComm):
-        import ctypes
-        self.ext, self.comm = ext, comm
-        self.heard: list[tuple[int, str]] = []
-        self.call: tuple[str, float] | None = None  # the call running: (what, deadline or 0)
-        self.limit = 0.0  # the call's COCONET_TIMEOUT (0: none)
-        self.last = ""  # the last call begun, named in an error heard between calls
-        self.lock = threading.Lock()
-        self.wake = threading.Event()
-        fn = ctypes.CDLL(ext.__file__).coconet_nccl_async_error
-        fn.argtypes, fn.restype = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int], ctypes.c_int
-        self._async_error, self._buf = fn, ctypes.create_string_buffer(512)
-        self.events = Events(ext)
-        self.stopped = False
-        if not _WATCHDOGS:  # stopped before MPI is finalized at exit (atexit runs in reverse)
-            import atexit
-            atexit.register(_stop_watchdogs)
-        self.thread = threading.Thread(target=self._run, name="coconet NCCL watchdog", daemon=True)
-        self.thread.start()
-
-    def begin(self, what: str, limit: float) -> None:
-        """A call starts. The thread is not woken for it: a step on the GPU returns once its
-        work is queued, and waking the thread at every call made it poll (MPI, NCCL, the
-        events) during every step, holding the GIL and the lock against the caller; a call
-        that blocks is polled every 2 ms once the thread's current wait (at most 50 ms) ends."""
-        import time
-        with self.lock:
-            self.call, self.last = (what, time.monotonic() + limit if limit else 0.0), what
-            self.limit = limit
-
-    def enqueued(self, stream: int) -> None:
-        """The call's work is queued on `stream` (its cudaStream_t): an event recorded after it
-        times it from now on (not waited for); what remains of the call on the host (the
-        emulation's synchronization) has no deadline of its own."""
-        import time
-        with self.lock:
-            if self.call is None or not self.limit or self.comm.aborted is not None:
-                return
-            what = self.call[0]
-            self.events.record(stream, what, time.monotonic() + self.limit, self.limit)
-            self.call = (what, 0.0)
-
-    def end(self) -> None:
-        with self.lock:
-            self.call = None
-
-    def own_error(self, what: str, err: BaseException) -> None:
-        """This rank's call raised: the peers are told and the communicator aborted (unless a
-        notice came first)."""
-        with self.lock:
-            if self.heard:
-                return
-            self.heard.append((self.comm.rank, str(err)))
-            self.comm.notices.send(self.heard[0])
-            _abort_nccl(self.ext, self.comm, f"rank {self.comm.rank} failed in {what}")
-
-    def _poll(self) -> tuple[int, str] | None:
-        import time
-        notice = self.comm.notices.poll()
-        if notice is not None:
-            return notice
-        code = self._async_error(self.comm.handle, self._buf, len(self._buf))
-        call = self.call
-        if code:
-            when = f"in {call[0]}" if call else f"after {self.last}"
-            mine = (self.comm.rank, f"an asynchronous NCCL error {when}: {self._buf.value.decode(errors='replace')} "
-                                    f"(ncclCommGetAsyncError: {code})")
-        elif call and call[1] and time.monotonic() > call[1]:
-            mine = (self.comm.rank, f"the call did not finish in {agree.timeout_s():g} s ({agree.ENV_TIMEOUT})")
-        elif (late := self.events.late(time.monotonic())) is not None:
-            mine = (self.comm.rank, late)
-        else:
-            return None
-        self.comm.notices.send(mine)
-        return mine
-
-    def _run(self) -> None:
-        while self.comm.aborted is None and not self.stopped:
-            busy = self.call is not None
-            self.wake.wait(0.05 if not busy else 0.002 if self.comm.mpi is not None else 0.02)
-            self.wake.clear()
-            with self.lock:
-                if self.stopped:
-                    return
-                if self.heard or self.comm.aborted is not None:
-                    break
-                try:
-                    notice = self._poll()
-                except Exception:  # noqa: BLE001 - MPI or the store gone (the job is ending)
-                    return
-                if notice is None:
-                    continue
-                self.heard.append(notice)
-                _abort_nccl(self.ext, self.comm, f"rank {notice[0]} failed in {self.call[0]}" if self.call
-                            else f"rank {notice[0]} failed after {self.last}: {notice[1]}")
-                break
-        with self.lock:  # aborted: the events go (not at exit, where the process frees them)
-            if not self.stopped:
-                self.events.close()
-
-
-_WATCHDOGS: dict[int, _Watchdog] = {}
-
-
-def _stop_watchdogs() -> None:
-    for dog in list(_WATCHDOGS.values()):
-        dog.stopped = True
-        dog.wake.set()
-    for dog in list(_WATCHDOGS.values()):
-        dog.thread.join(1.0)
-
-
-def _refuse_aborted(comm: NcclComm, what: str) -> None:
-    """An aborted communicator refuses every call at once, before any exchange with the peers
-    (which may have stopped calling)."""
-    if comm.aborted is not None:
-        raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
-
-
-def _guarded(ext: Any, comm: NcclComm, what: str, body, stream: int = 0, sync: Any = None) -> Any:
-    """body() (a call of the module on comm, queuing its work on `stream`, a cudaStream_t), then
-    sync() if given (the emulation's synchronization), with the abort path: a CUDA or NCCL error on one
-    rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
-    the failing rank and the call. The failing rank tells the others (a notice over a duplicate
-    of the MPI communicator, or in the process group's store) and aborts its communicator; on
-    every other rank the communicator's watchdog (_Watchdog), polling for notices, aborts this
-    rank's communicator, which ends the calls blocked on it (the emulation polls its NCCL waits;
-    NCCL's own abort does that on a GPU); a call still running after COCONET_TIMEOUT seconds
-    aborts the same way, naming this rank. An error NCCL reports asynchronously, after a call
-    returned (a GPU call returns before its collectives run), is found by the same watchdog
-    between calls and ends the job the same way: the next call raises, on every rank; so does
-    work queued by body() that has not completed COCONET_TIMEOUT seconds after it returned (an
-    event recorded on `stream` after body(), queried by the watchdog: a collective that some
-    rank never joins, which NCCL's abort ends). An aborted communicator is unusable: later
-    calls on it raise at once. One-rank communicators run body() (and sync()) as they are."""
-    _refuse_aborted(comm, what)
-    if comm.notices is None or comm.size == 1:
-        result = body()
-        if sync is not None:
-            sync()
-        return result
-    dog = _WATCHDOGS.get(id(comm))
-    if dog is None or dog.comm is not comm:
-        dog = _WATCHDOGS[id(comm)] = _Watchdog(ext, comm)
-    dog.begin(what, agree.timeout_s())
-    failed: BaseException | None = None
-    try:
-        result = body()
-        dog.enqueued(stream)
-        if sync is not None:
-            sync()
-    except (RuntimeError, ValueError) as err:
-        failed = err
-    finally:
-        dog.end()
-    if failed is not None:
-        dog.own_error(what, failed)
-    if dog.heard:
-        r, why = dog.heard[0]
-        raise RuntimeError(f"{what}: rank {r} failed: {why}; the NCCL communicator was aborted "
-                           f"(ncclCommAbort) on every rank (this is rank {comm.rank})") from failed
-    return result
-
-
-def _exchange(comm: NcclComm, mine: Any, what: str, timeout: float, *, counted: bool = False) -> list[Any]:
-    """Every rank's `mine`: over MPI under the watchdog (runtime/agree.py; counted: the call
-    was counted by its record round), or over the torch.distributed group's host group
-    (_host_group; its own timeout applies)."""
-    if comm.size == 1:
-        return [mine]
-    if comm.mpi is not None:
-        return agree.exchange(comm.mpi, mine, what, timeout, counted=counted)
-    import torch.distributed as dist
-    everyone: list[Any] = [None] * comm.size
-    dist.all_gather_object(everyone, mine, group=comm.host_group or comm.group)
-    return everyone
-
-
-def _agree_record(comm: NcclComm, config: bytes | None, scalars: bytes, groups: int, what: str,
-                  timeout: float) -> bool:
-    """A call's record round (agree.Channel.agreed: True on every rank when every rank repeats
-    a call agreed with the same configuration digest, with the same scalar bits per group;
-    else False on every rank, and the full exchange follows): over MPI under the watchdog, or
-    as one all_gather of 64 bytes a rank over the process group's host group (where the full
-    exchange is an all_gather_object: two all_gathers and pickling)."""
-    if comm.mpi is not None:
-        return agree.channel(comm.mpi).agreed(config, scalars, groups, what, timeout, time.monotonic())
-    import torch
-    import torch.distributed as dist
-
-    def allgather(send: bytearray) -> bytes:
-        parts = [torch.empty(len(send), dtype=torch.uint8) for _ in range(comm.size)]
-        dist.all_gather(parts, torch.frombuffer(send, dtype=torch.uint8), group=comm.host_group or comm.group)
-        return b"".join(t.numpy().tobytes() for t in parts)
-    return agree.agreed_over(allgather, config, scalars, comm.size, groups)
-
-
-def window_empty(ext: Any, comm: NcclComm, shape: int | tuple[int, ...], dtype: str = "f32", *,
-                 stream: Any = None) -> Any:
-    """An uninitialised torch tensor of SHAPE and language DTYPE that a fused collective's
-    symmetric kernel (symmetric.cuh) reads in place, where it would stage a copy of any other
-    input: NCCL memory registered as a window of COMM (ncclMemAlloc, ncclCommWindowRegister)
-    where the communicator can run that kernel (every rank on one node, NCCL's device API),
-    else ordinary device memory. On the current CUDA device (under the host emulation: a CPU
-    tensor in shared memory). Collective over COMM: every rank calls it together, with the
-    same shape and dtype (checked on every rank, under the watchdog). Only a module's first 64
-    windows on a communicator are read in place (symmetric.cuh: kSymUserWindows). The memory
-    lives until the process ends, as coconetc.empty's windows do."""
-    import ctypes
-    import math
-
-    import torch
-    shape = checked_shape(shape, dtype, "window_empty")
-    what = f"window_empty({shape}, {dtype!r})"
-    mine = ("window_empty", shape, dtype)
-    everyone = _exchange(comm, mine, what, agree.timeout_s())
-    bad = [r for r, x in enumerate(everyone) if x != mine]
-    if bad:
-        raise ValueError(f"{what}: rank {bad[0]} asks for {everyone[bad[0]][1]} {everyone[bad[0]][2]!r}; "
-                         f"every rank must ask for the same shape and dtype")
-    nbytes = math.prod(shape) * STORAGE[dtype].itemsize
-    tdt = getattr(torch, TORCH_DTYPES[dtype])
-    emulated = bool(getattr(ext, "emulated", False))
-    if emulated:
-        handle = 0
-    else:
-        st: Any = stream if stream is not None else torch.cuda.current_stream()
-        handle = int(getattr(st, "cuda_stream", st))
-    ptr = _guarded(ext, comm, what, lambda: ext.window_empty(comm.handle, handle, nbytes), handle)
-    comm.windows += 1
-    if emulated:
-        raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)) if nbytes else \
-            np.empty(0, np.uint8)
-        return torch.from_numpy(raw).view(tdt).reshape(shape)
-
-    class _Device:  # the bytes as a CUDA array (torch reads __cuda_array_interface__, no copy)
-        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                    "version": 3, "strides": None, "stream": None}
-    if not nbytes:
-        return torch.empty(shape, dtype=tdt, device=torch.device("cuda", torch.cuda.current_device()))
-    return torch.as_tensor(_Device(), device="cuda").view(tdt).reshape(shape)
-
-
-EMULATE = "COCONET_CUDA_EMULATE"
+__all__ = ["EMULATE", "CudaModule", "CudaProgram", "EmulatedModule", "EmulatedProgram", "NcclComm", "emulating",
+           "fused_trial_calls", "load", "load_emulated", "nccl_comm", "window_empty"]
 
 
 def fused_trial_calls(ext: Any) -> int:
@@ -460,14 +56,6 @@ def fused_trial_calls(ext: Any) -> int:
     module exports); 0 for another module. What is timed after them and the call after them
     (which reads their times and decides) is the algorithm auto keeps."""
     return int(getattr(ext, "fused_trial_calls", 0))
-
-
-def emulating() -> bool:
-    """COCONET_CUDA_EMULATE=1 in the environment: the CUDA backend (coconetc.load(backend=
-    "cuda"), DistributedOptimizer, coconetc.torch.function) builds its module for the host
-    emulation and takes CPU tensors in place of CUDA tensors. An explicit switch: without it,
-    a CPU tensor given to the CUDA backend is an error naming it."""
-    return os.environ.get(EMULATE, "").strip() not in ("", "0")
 
 
 def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(), library_dirs=(),
@@ -581,7 +169,7 @@ class CudaProgram:
         what = rep.what if rep is not None else _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed: no host sync
-            _guarded(self.ext, comm, what, go, handle)
+            guarded(self.ext, comm, what, go, handle)
         return marshal.returned(_run(self, label, p, local, sizes, segments, comm, groups, ranks,
                                      marshal.device_ptr, make, handle, around, in_place, rep, repeated))
 
@@ -755,7 +343,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
             local = {q.name: _scalar(q, kwargs[q.name]) for q in rep.scalars}
             what = rep.what
             if comm.size == 1:  # nothing to agree: what the remembered call's agreement bound
-                _refuse_aborted(comm, what)
+                refuse_aborted(comm, what)
                 return label, p, local, rep.sizes, 1, rep.segments, frozenset(), rep, True
             mine: tuple = ("ok", description(head, p, local, rep.shapes), rep.windowed)
         else:
@@ -772,14 +360,14 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
                     _windowed(fn.ext, comm, groups, p, local, ptr))
     except (TypeError, ValueError, RuntimeError) as err:
         mine = ("error", type(err).__name__, str(err))
-    _refuse_aborted(comm, what)
+    refuse_aborted(comm, what)
     if comm.size > 1:  # first the round of 64-byte records: enough when every rank repeats an agreed call
         config = rep.config if rep is not None and mine[0] == "ok" else None
         scal = agree.scalar_record(b"".join(b for _, _, b in mine[1][1])) if config else b""
-        if _agree_record(comm, config, scal, groups, what, timeout):
+        if agree_record(comm, config, scal, groups, what, timeout):
             assert rep is not None and p is not None and label is not None
             return label, p, local, rep.sizes, comm.size, rep.segments, rep.in_place, rep, True
-    everyone = _exchange(comm, mine, what, timeout, counted=True)
+    everyone = exchange(comm, mine, what, timeout, counted=True)
     sizes, segments = agreed(everyone, comm.rank, p, mine, fn._bound)
     assert p is not None and label is not None  # else agreed() raised this rank's error
     in_place = frozenset(mine[2]).intersection(*(item[2] for item in everyone))
@@ -899,8 +487,6 @@ def _scalar(q: Param, v: Any) -> Any:
     return v
 
 
-
-
 # ---- host emulation ----------------------------------------------------------------------------------
 
 def load_emulated(path: str | Path, log=None, *, grad=()) -> EmulatedModule:
@@ -936,7 +522,7 @@ class EmulatedProgram(CudaProgram):
         what = rep.what if rep is not None else _call_name(self, label)
 
         def around(go) -> None:  # the call (or a batch of calls, batch.py) guarded, its work timed, synchronized
-            _guarded(self.ext, comm, what, go, 0, self.ext.synchronize)
+            guarded(self.ext, comm, what, go, 0, self.ext.synchronize)
         outs = _run(self, label, p, local, sizes, segments, comm, groups, ranks, marshal.host_ptr,
                     _numpy_zeros, 0, around, in_place, rep, repeated)
         if outs and any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))

@@ -1,4 +1,4 @@
-"""A CUDA module's calls timed on the GPU, for the NCCL watchdog (runtime/cuda.py: _Watchdog).
+"""A CUDA module's calls timed on the GPU, for the NCCL watchdog (runtime/watchdog.py: Watchdog).
 
 On a GPU a call returns once its kernels and collectives are queued on its stream; a collective
 that a peer never joins (a rank stuck, gone, or making other calls) then never completes, and

@@ -110,7 +110,8 @@ class Differentiable:
                 mod = load(self.source, (self.name,), "coconetc.torch.function")
                 comm = self.comm
             else:
-                from coconetc.runtime.cuda import emulating, nccl_comm
+                from coconetc.runtime.emulation import emulating
+                from coconetc.runtime.nccl import nccl_comm
                 mod = load(self.source, (self.name,), "coconetc.torch.function", backend="cuda")
                 comm = (mod.comm(self.comm) if emulating() else
                         nccl_comm(mod.ext, self.comm, process_group=self.process_group))

@@ -79,7 +79,7 @@ def _word(s: str) -> str:
 
 def ops_for(f: Any, backend: str) -> Ops:
     """The operators of Differentiable F's calls on BACKEND, registered on first use."""
-    from coconetc.runtime.cuda import emulating
+    from coconetc.runtime.emulation import emulating
     emu = backend == "cuda" and emulating()
     text = Path(f.source).read_bytes()
     key = (hashlib.sha256(text).hexdigest(), f.name, f.schedule, f.grad_schedule, backend, emu,

@@ -79,7 +79,7 @@ class _Group:
             if opt._backend == "cpu":
                 self.gflat = _shared_copy(self.gflat, roles.grad_dtype, opt._comm)
             else:  # in a window of the NCCL communicator: the symmetric kernel's peers read it in place
-                from coconetc.runtime.cuda import window_empty
+                from coconetc.runtime.symmetric_windows import window_empty
                 nccl: Any = opt._comm
                 self.gflat = window_empty(opt._fn.ext, nccl, (self.n,), roles.grad_dtype).zero_()
         self.gviews = self._views(self.gflat)
@@ -150,10 +150,11 @@ _NCCL: dict[tuple, Any] = {}
 
 
 def _nccl(ext: Any, comm: Any, process_group: Any) -> Any:
-    """The NCCL communicator (runtime/cuda.py: nccl_comm) over `comm` (mpi4py) or over a
+    """The NCCL communicator (runtime/nccl.py: nccl_comm) over `comm` (mpi4py) or over a
     torch.distributed `process_group`, made once per module and communicator in this process
     (collective the first time: every rank constructs its optimizer together)."""
-    from coconetc.runtime.cuda import emulating, nccl_comm
+    from coconetc.runtime.emulation import emulating
+    from coconetc.runtime.nccl import nccl_comm
     if emulating():  # the emulated NCCL runs on MPI (initialized before the module's first call)
         from mpi4py import MPI  # noqa: F401
     key = (id(ext), id(process_group) if process_group is not None else id(comm))
@@ -258,7 +259,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _connect(self, params: list, source: str | Path, program: str | None, comm: Any,
                  process_group: Any) -> None:
         """The backend's module function, communicator and device; the parameters on that device."""
-        from coconetc.runtime.cuda import NcclComm, emulating
+        from coconetc.runtime.emulation import emulating
+        from coconetc.runtime.nccl import NcclComm
         backend = self._backend
         if comm is not None and not isinstance(comm, NcclComm):
             from mpi4py import MPI
@@ -502,9 +504,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._backend == "cpu":
             everyone = agree.exchange(self._comm, mine, label, agree.timeout_s())
         else:  # over the NCCL communicator's MPI communicator or torch.distributed group
-            from coconetc.runtime.cuda import _exchange
+            from coconetc.runtime.nccl import exchange
             nccl: Any = self._comm
-            everyone = _exchange(nccl, mine, label, agree.timeout_s())
+            everyone = exchange(nccl, mine, label, agree.timeout_s())
         bad = [r for r, x in enumerate(everyone) if x != mine]
         if bad:
             raise RuntimeError(f"{label}: rank {bad[0]} is not doing the same (it is at "

@@ -21,7 +21,7 @@ def load(source: str | Path, grad: tuple[str, ...] = (), what: str = "Distribute
     path = Path(source).resolve()
     if not path.exists():
         raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
-    from coconetc.runtime.cuda import emulating
+    from coconetc.runtime.emulation import emulating
     key = (str(path), path.stat().st_mtime, grad, backend, backend == "cuda" and emulating())
     if key not in _LOADED:
         import coconetc
@@ -128,7 +128,7 @@ FLOATS = ("f16", "bf16", "f32", "f64")
 def check_devices(what: str, backend: str, tensors: dict[str, torch.Tensor]) -> None:
     """Every tensor on the backend's device, before anything is built or communicated:
     CUDA tensors for "cuda" (CPU tensors under COCONET_CUDA_EMULATE=1), CPU tensors for "cpu"."""
-    from coconetc.runtime.cuda import EMULATE, emulating
+    from coconetc.runtime.emulation import EMULATE, emulating
     want = "cpu" if backend == "cpu" or emulating() else "cuda"
     for n, t in tensors.items():
         if t.device.type == want:

@@ -1,0 +1,201 @@
+"""The NCCL communicators' watchdog and the abort path (`guarded`): a CUDA or NCCL error on one
+rank, an asynchronous NCCL error, a call or its queued work past COCONET_TIMEOUT aborts the
+communicator on every rank (ncclCommAbort) and raises on each, naming the failing rank and the
+call. (runtime/agree.py's watchdog guards the MPI exchanges.)"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from coconetc.runtime import agree
+from coconetc.runtime.events import Events
+from coconetc.runtime.nccl import NcclComm
+
+
+def abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
+    """ncclCommAbort on this rank's communicator (the module's coconet_nccl_comm_abort, through
+    ctypes, so it runs while another thread is blocked in the module), once."""
+    if comm.aborted is not None:
+        return
+    comm.aborted = why
+    import ctypes
+    lib = ctypes.CDLL(ext.__file__)
+    lib.coconet_nccl_comm_abort.argtypes = [ctypes.c_uint64]
+    lib.coconet_nccl_comm_abort(comm.handle)
+
+
+class Watchdog:
+    """One per communicator of several ranks, from its first call until it is aborted: a daemon
+    thread that polls for the peers' abort notices and for this rank's asynchronous NCCL error
+    (ncclCommGetAsyncError, the module's coconet_nccl_async_error: on a GPU a call returns
+    before its collectives run, so their errors surface after it), every 2 ms (MPI notices) or
+    20 ms (a store's) while a call runs and every 50 ms between calls, for a call still
+    running on the host after COCONET_TIMEOUT seconds, and for a call whose work on the GPU
+    (kernels and collectives, queued when it returned) has not completed COCONET_TIMEOUT
+    seconds after it (an event recorded on the call's stream, runtime/events.py: a collective
+    that a peer never joins). What it hears aborts the communicator (and, if it is this rank's
+    own, is sent to the peers first); the call running raises, or the next one."""
+
+    def __init__(self, ext: Any, comm: NcclComm):
+        import ctypes
+        self.ext, self.comm = ext, comm
+        self.heard: list[tuple[int, str]] = []
+        self.call: tuple[str, float] | None = None  # the call running: (what, deadline or 0)
+        self.limit = 0.0  # the call's COCONET_TIMEOUT (0: none)
+        self.last = ""  # the last call begun, named in an error heard between calls
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        fn = ctypes.CDLL(ext.__file__).coconet_nccl_async_error
+        fn.argtypes, fn.restype = [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_int], ctypes.c_int
+        self._async_error, self._buf = fn, ctypes.create_string_buffer(512)
+        self.events = Events(ext)
+        self.stopped = False
+        if not WATCHDOGS:  # stopped before MPI is finalized at exit (atexit runs in reverse)
+            import atexit
+            atexit.register(stop_watchdogs)
+        self.thread = threading.Thread(target=self._run, name="coconet NCCL watchdog", daemon=True)
+        self.thread.start()
+
+    def begin(self, what: str, limit: float) -> None:
+        """A call starts. The thread is not woken for it: a step on the GPU returns once its
+        work is queued, and waking the thread at every call made it poll (MPI, NCCL, the
+        events) during every step, holding the GIL and the lock against the caller; a call
+        that blocks is polled every 2 ms once the thread's current wait (at most 50 ms) ends."""
+        import time
+        with self.lock:
+            self.call, self.last = (what, time.monotonic() + limit if limit else 0.0), what
+            self.limit = limit
+
+    def enqueued(self, stream: int) -> None:
+        """The call's work is queued on `stream` (its cudaStream_t): an event recorded after it
+        times it from now on (not waited for); what remains of the call on the host (the
+        emulation's synchronization) has no deadline of its own."""
+        import time
+        with self.lock:
+            if self.call is None or not self.limit or self.comm.aborted is not None:
+                return
+            what = self.call[0]
+            self.events.record(stream, what, time.monotonic() + self.limit, self.limit)
+            self.call = (what, 0.0)
+
+    def end(self) -> None:
+        with self.lock:
+            self.call = None
+
+    def own_error(self, what: str, err: BaseException) -> None:
+        """This rank's call raised: the peers are told and the communicator aborted (unless a
+        notice came first)."""
+        with self.lock:
+            if self.heard:
+                return
+            self.heard.append((self.comm.rank, str(err)))
+            self.comm.notices.send(self.heard[0])
+            abort_nccl(self.ext, self.comm, f"rank {self.comm.rank} failed in {what}")
+
+    def _poll(self) -> tuple[int, str] | None:
+        import time
+        notice = self.comm.notices.poll()
+        if notice is not None:
+            return notice
+        code = self._async_error(self.comm.handle, self._buf, len(self._buf))
+        call = self.call
+        if code:
+            when = f"in {call[0]}" if call else f"after {self.last}"
+            mine = (self.comm.rank, f"an asynchronous NCCL error {when}: {self._buf.value.decode(errors='replace')} "
+                                    f"(ncclCommGetAsyncError: {code})")
+        elif call and call[1] and time.monotonic() > call[1]:
+            mine = (self.comm.rank, f"the call did not finish in {agree.timeout_s():g} s ({agree.ENV_TIMEOUT})")
+        elif (late := self.events.late(time.monotonic())) is not None:
+            mine = (self.comm.rank, late)
+        else:
+            return None
+        self.comm.notices.send(mine)
+        return mine
+
+    def _run(self) -> None:
+        while self.comm.aborted is None and not self.stopped:
+            busy = self.call is not None
+            self.wake.wait(0.05 if not busy else 0.002 if self.comm.mpi is not None else 0.02)
+            self.wake.clear()
+            with self.lock:
+                if self.stopped:
+                    return
+                if self.heard or self.comm.aborted is not None:
+                    break
+                try:
+                    notice = self._poll()
+                except Exception:  # noqa: BLE001 - MPI or the store gone (the job is ending)
+                    return
+                if notice is None:
+                    continue
+                self.heard.append(notice)
+                abort_nccl(self.ext, self.comm, f"rank {notice[0]} failed in {self.call[0]}" if self.call
+                            else f"rank {notice[0]} failed after {self.last}: {notice[1]}")
+                break
+        with self.lock:  # aborted: the events go (not at exit, where the process frees them)
+            if not self.stopped:
+                self.events.close()
+
+
+WATCHDOGS: dict[int, Watchdog] = {}
+
+
+def stop_watchdogs() -> None:
+    for dog in list(WATCHDOGS.values()):
+        dog.stopped = True
+        dog.wake.set()
+    for dog in list(WATCHDOGS.values()):
+        dog.thread.join(1.0)
+
+
+def refuse_aborted(comm: NcclComm, what: str) -> None:
+    """An aborted communicator refuses every call at once, before any exchange with the peers
+    (which may have stopped calling)."""
+    if comm.aborted is not None:
+        raise RuntimeError(f"{what}: the NCCL communicator was aborted ({comm.aborted}); make a new one")
+
+
+def guarded(ext: Any, comm: NcclComm, what: str, body, stream: int = 0, sync: Any = None) -> Any:
+    """body() (a call of the module on comm, queuing its work on `stream`, a cudaStream_t), then
+    sync() if given (the emulation's synchronization), with the abort path: a CUDA or NCCL error on one
+    rank aborts the NCCL communicator (ncclCommAbort) on every rank and raises on each, naming
+    the failing rank and the call. The failing rank tells the others (a notice over a duplicate
+    of the MPI communicator, or in the process group's store) and aborts its communicator; on
+    every other rank the communicator's watchdog (Watchdog), polling for notices, aborts this
+    rank's communicator, which ends the calls blocked on it (the emulation polls its NCCL waits;
+    NCCL's own abort does that on a GPU); a call still running after COCONET_TIMEOUT seconds
+    aborts the same way, naming this rank. An error NCCL reports asynchronously, after a call
+    returned (a GPU call returns before its collectives run), is found by the same watchdog
+    between calls and ends the job the same way: the next call raises, on every rank; so does
+    work queued by body() that has not completed COCONET_TIMEOUT seconds after it returned (an
+    event recorded on `stream` after body(), queried by the watchdog: a collective that some
+    rank never joins, which NCCL's abort ends). An aborted communicator is unusable: later
+    calls on it raise at once. One-rank communicators run body() (and sync()) as they are."""
+    refuse_aborted(comm, what)
+    if comm.notices is None or comm.size == 1:
+        result = body()
+        if sync is not None:
+            sync()
+        return result
+    dog = WATCHDOGS.get(id(comm))
+    if dog is None or dog.comm is not comm:
+        dog = WATCHDOGS[id(comm)] = Watchdog(ext, comm)
+    dog.begin(what, agree.timeout_s())
+    failed: BaseException | None = None
+    try:
+        result = body()
+        dog.enqueued(stream)
+        if sync is not None:
+            sync()
+    except (RuntimeError, ValueError) as err:
+        failed = err
+    finally:
+        dog.end()
+    if failed is not None:
+        dog.own_error(what, failed)
+    if dog.heard:
+        r, why = dog.heard[0]
+        raise RuntimeError(f"{what}: rank {r} failed: {why}; the NCCL communicator was aborted "
+                           f"(ncclCommAbort) on every rank (this is rank {comm.rank})") from failed
+    return result
