@@ -583,7 +583,7 @@ def test_cuda_emulation_matches_interpreter(cache, tmp_path):
     f = tmp_path / "block_cuda.ccn"
     f.write_text(_block_text())
     mod = load_file(f)
-    assert all(not p.unsupported("cuda-emulation") for p in mod.plans.values())
+    assert all(not p.unsupported("cuda-emulated") for p in mod.plans.values())
     toolchain.compile(mod, "cuda-emulated", toolchain.Options(log=lambda msg: None))
     _launch(2, ["emulate", str(f), *_sizes(T=300, S=300, H=2, B=1)])  # rows longer than a block's threads
     _launch(2, ["emulate", str(f), *_sizes(H=1, S=1)])  # a rank with an empty slice of heads
