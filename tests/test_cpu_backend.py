@@ -30,6 +30,7 @@ from coconetc.interp.values import TOLERANCE
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.ccn"))
 CALLS_WORKER = Path(__file__).with_name("cpu_calls_worker.py")
+RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
 LAUNCH_TIMEOUT = 240  # s; generous: a rank rebuilds if the compiler changed since the fixture ran
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -62,6 +63,7 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "tp_mlp_grad": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),  # the derived program's schedules
     "tp_block": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
     "tp_block_grad": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
+    "gpt_block": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),  # H = 4 heads of 1: whole heads on 1-4 ranks
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4
@@ -167,40 +169,57 @@ def test_matrix_covers_every_program():
     assert programs <= set(SIZES), f"add sizes for {sorted(programs - set(SIZES))}"
 
 
-@pytest.mark.parametrize("file, program, schedules, ranks, groups, sizes", MATRIX)
-def test_schedules_match_interpreter(modules, capfd, file, program, schedules, ranks, groups, sizes):
-    _check_worker(modules, capfd, file, program, schedules, ranks, groups, sizes)
+def _launches(params, per: int = 12) -> list:
+    """The jobs of PARAMS grouped into launches of at most PER jobs on the same number of ranks
+    (one mpiexec start, import and load for many programs), with readable ids."""
+    by_ranks: dict[int, list] = {}
+    for p in params:
+        by_ranks.setdefault(p.values[3], []).append(p.values)
+    out = []
+    for ranks, jobs in sorted(by_ranks.items()):
+        for k in range(0, len(jobs), per):
+            part = jobs[k:k + per]
+            out.append(pytest.param(ranks, part, id=f"R{ranks}-{part[0][1]}..{part[-1][1]}"))
+    return out
 
 
-@pytest.mark.parametrize("file, program, schedules, ranks, groups, sizes", CHUNKED)
-def test_fused_schedules_in_small_chunks(modules, capfd, monkeypatch, file, program, schedules,
-                                         ranks, groups, sizes):
+@pytest.mark.parametrize("ranks, jobs", _launches(MATRIX))
+def test_schedules_match_interpreter(modules, capfd, ranks, jobs):
+    _check_jobs(modules, capfd, ranks, jobs)
+
+
+@pytest.mark.parametrize("ranks, jobs", _launches(CHUNKED))
+def test_fused_schedules_in_small_chunks(modules, capfd, monkeypatch, ranks, jobs):
     monkeypatch.setenv("COCONET_CHUNK", "2")
-    _check_worker(modules, capfd, file, program, schedules, ranks, groups, sizes)
+    _check_jobs(modules, capfd, ranks, jobs)
 
 
 def test_chunked_matrix_is_not_empty():
     assert {p.values[1] for p in CHUNKED} >= {"adam", "sgd", "lamb", "mlp_out"}
 
 
-def _check_worker(modules, capfd, file, program, schedules, ranks, groups, sizes):
-    """One mpiexec launch of the worker for all the schedules; each must match."""
-    _module(modules, file.name)
-    argv = ["-m", "coconetc.jobs.run", str(file), "--program", program, "--reps", "1",
-            "--groups", str(groups)]
-    for s in schedules:
-        argv += ["--schedule", s]
-    for k, v in sizes.items():
-        argv += ["--size", f"{k}={v}"]
-    rc = run_python(ranks, argv, timeout=LAUNCH_TIMEOUT)
+def _check_jobs(modules, capfd, ranks, jobs):
+    """One mpiexec launch for JOBS ((file, program, schedules, ranks, groups, sizes) each, in
+    turn: tests/run_jobs_worker.py); every schedule of every job must match the interpreter."""
+    argv: list[str] = [str(RUN_JOBS)]
+    for file, program, schedules, _, groups, sizes in jobs:
+        _module(modules, file.name)
+        argv += [str(file), "--program", program, "--reps", "1", "--groups", str(groups)]
+        for s in schedules:
+            argv += ["--schedule", s]
+        for k, v in sizes.items():
+            argv += ["--size", f"{k}={v}"]
+        argv.append("--")
+    rc = run_python(ranks, argv, timeout=LAUNCH_TIMEOUT + 10 * len(jobs))
     out, err = capfd.readouterr()
     log = f"--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
     assert rc == 0, f"worker exited with {rc}\n{log}"
-    for s in schedules:
-        lines = [ln for ln in out.splitlines() if ln.startswith(f"{program} [{s}]:")]
-        assert len(lines) == 1, f"no (or several) result lines for schedule {s}\n{log}"
-        assert f": {ranks} ranks:" in lines[0], lines[0]
-        assert lines[0].endswith("matches the interpreter on every rank"), f"{lines[0]}\n{log}"
+    results = [ln for ln in out.splitlines() if re.match(r"\S+ \[[^\]]+\]: \d+ ranks:", ln)]
+    want = [f"{program} [{s}]: {ranks} ranks:" for _, program, schedules, *_ in jobs for s in schedules]
+    assert len(results) == len(want), f"{len(results)} result lines for {len(want)} schedules\n{log}"
+    for line, head in zip(results, want):  # in the order the jobs ran
+        assert line.startswith(head), f"{head} expected, got {line}\n{log}"
+        assert line.endswith("matches the interpreter on every rank"), f"{line}\n{log}"
 
 
 # --- the calling convention, in this process (one rank) ------------------------------------------
