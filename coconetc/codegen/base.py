@@ -9,6 +9,8 @@ writes through it (self.w.emit, self.w.ldims, self.w.consts, ...)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from coconetc.ir.types import Dim, DimExpr, TType, dim_symbols
@@ -80,6 +82,16 @@ class Writer:
         """The comment before a unit: the schedule, what the unit is, its .ccn line."""
         where = f"{self.file}:{line}" if line else self.file
         self.emit(f"// [{self.plan.schedule}] {what} ({where})")
+
+    @contextmanager
+    def saved_consts(self) -> Iterator[None]:
+        """A scope of Lets: those declared inside (a callback's, a kernel's locals) are forgotten
+        at its end, so code after it declares them again where it needs them."""
+        saved = dict(self.consts)
+        try:
+            yield
+        finally:
+            self.consts = saved
 
     def site(self) -> int:
         """A new call site's number."""

@@ -172,27 +172,26 @@ class CpuFused:
 
     def chunk(self, u: Fused, o: str) -> None:
         """The callback's body: the Lets, where [gb, ge) lies, the phases' loops."""
-        saved = dict(self.w.consts)
-        self.loops.render_lets(u.lets)  # locals of the callback (in registers; not captured)
-        t = u.type
-        d = t.layout.dim if t.layout.sliced else 0
-        g = self.w.gdims(t)
-        row, inner_d = _prod(g[d:]), _prod(g[d + 1:])
-        mine = self.w.ldims(t)[d] if t.layout.sliced else g[d]
-        off = self.w.offset(t) if t.layout.sliced else "int64_t(0)"
-        self.w.emit(f"  const int64_t row_ = gb / ({row});")
-        self.w.emit(f"  const int64_t lo = row_ * {mine} * {inner_d} + (gb - row_ * ({row})) - {o}, "
-                  "hi = lo + (ge - gb);")
-        self.w.emit(f"  const int64_t off = {off};")
-        self.w.emit("  (void)off; (void)hi;")
-        for ph in u.phases:
-            if ph.kind == "rows":
-                self._chunk_rows(u, ph.items[0], d)
-            else:
-                self._chunk_pointwise(u, ph, d)
-        for r in u.accumulated("cpu"):  # the chunk's part of each reduction (Fused.partials)
-            self._accumulate(u, r)
-        self.w.consts = saved
+        with self.w.saved_consts():
+            self.loops.render_lets(u.lets)  # locals of the callback (in registers; not captured)
+            t = u.type
+            d = t.layout.dim if t.layout.sliced else 0
+            g = self.w.gdims(t)
+            row, inner_d = _prod(g[d:]), _prod(g[d + 1:])
+            mine = self.w.ldims(t)[d] if t.layout.sliced else g[d]
+            off = self.w.offset(t) if t.layout.sliced else "int64_t(0)"
+            self.w.emit(f"  const int64_t row_ = gb / ({row});")
+            self.w.emit(f"  const int64_t lo = row_ * {mine} * {inner_d} + (gb - row_ * ({row})) - {o}, "
+                      "hi = lo + (ge - gb);")
+            self.w.emit(f"  const int64_t off = {off};")
+            self.w.emit("  (void)off; (void)hi;")
+            for ph in u.phases:
+                if ph.kind == "rows":
+                    self._chunk_rows(u, ph.items[0], d)
+                else:
+                    self._chunk_pointwise(u, ph, d)
+            for r in u.accumulated("cpu"):  # the chunk's part of each reduction (Fused.partials)
+                self._accumulate(u, r)
 
     def _chunk_rows(self, u: Fused, item: Item, d0: int) -> None:
         assert isinstance(item.expr, Op)

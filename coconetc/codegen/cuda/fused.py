@@ -235,42 +235,41 @@ class CudaFused:
         as red_v; th.vreduce(i0) per vector) instead of the chunk buffer, and the gathered value
         is stored in this rank's window too (th.out). The reductions the chunks would accumulate
         are accumulated after the kernel, over the slice it kept, as one chunk."""
-        saved = dict(self.w.consts)
-        t = u.type
-        items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
-        inside = {u.collective} | {name for name, _, _ in items}
-        coords = self.idx.needs_coords(t, [e for _, e, _ in items], inside)
-        assert any(isinstance(r, Ref) and r.name == u.collective for _, e, _ in items for r in walk(e)), u.name
-        self.w.emit(f'const coconet::cuda::FusedChoice choice_{u.name} = coconet::cuda::choose_fused(ctx, '
-                    f'"{self.w.fn}", "{u.name}", {n0} * {inner});  // auto: the faster, measured on the first calls')
-        self.w.emit(f"if (choice_{u.name}.symmetric) {{  // one kernel over symmetric memory")
-        self.w.emit(f"  const int64_t off = {self.w.offset(t)};")
-        self.w.emit("  (void)off;")
-        if coords:
-            for line in self.idx.extents(t):
-                self.w.emit(f"  {line}")
-        self.notes.access(t, items, u.lets, "0", mine, {}, "  ")
-        g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
-        gt = CTYPE[self.w.types[u.gather].dtype] if u.gather else ct
-        keep = f"v_{u.collective}" if u.store_reduced else f"static_cast<{ct}*>(nullptr)"  # scratch (the plan)
-        outs: Outs = {}
-        if u.gather:  # the gathered value: in the caller's tensor (the item's store) and this rank's window
-            assert any(name == u.gathered and stored for name, _, stored in items), u.name
-            outs = {u.gathered: [("th.out[i]", "th.out")]}
-        k = Kernel(mine, "i", regs={u.collective: ("coconet::to_compute(red_v)", "")}, outs=outs,
-                   elem_defs=(f"const {ct} red_v = th.reduce(i);",), vloads={u.collective: "th.vreduce"},
-                   own=("th.out",))
+        with self.w.saved_consts():
+            t = u.type
+            items = [(i.name, i.expr, i.store) for p in u.phases for i in p.items]
+            inside = {u.collective} | {name for name, _, _ in items}
+            coords = self.idx.needs_coords(t, [e for _, e, _ in items], inside)
+            assert any(isinstance(r, Ref) and r.name == u.collective for _, e, _ in items for r in walk(e)), u.name
+            self.w.emit(f'const coconet::cuda::FusedChoice choice_{u.name} = coconet::cuda::choose_fused(ctx, '
+                        f'"{self.w.fn}", "{u.name}", {n0} * {inner});  // auto: the faster, measured on the first calls')
+            self.w.emit(f"if (choice_{u.name}.symmetric) {{  // one kernel over symmetric memory")
+            self.w.emit(f"  const int64_t off = {self.w.offset(t)};")
+            self.w.emit("  (void)off;")
+            if coords:
+                for line in self.idx.extents(t):
+                    self.w.emit(f"  {line}")
+            self.notes.access(t, items, u.lets, "0", mine, {}, "  ")
+            g = f"v_{u.gather}" if u.gather else f"static_cast<{ct}*>(nullptr)"
+            gt = CTYPE[self.w.types[u.gather].dtype] if u.gather else ct
+            keep = f"v_{u.collective}" if u.store_reduced else f"static_cast<{ct}*>(nullptr)"  # scratch (the plan)
+            outs: Outs = {}
+            if u.gather:  # the gathered value: in the caller's tensor (the item's store) and this rank's window
+                assert any(name == u.gathered and stored for name, _, stored in items), u.name
+                outs = {u.gathered: [("th.out[i]", "th.out")]}
+            k = Kernel(mine, "i", regs={u.collective: ("coconet::to_compute(red_v)", "")}, outs=outs,
+                       elem_defs=(f"const {ct} red_v = th.reduce(i);",), vloads={u.collective: "th.vreduce"},
+                       own=("th.out",))
 
-        def launch(V: int, ok: str) -> str:
-            return (f"coconet::cuda::fused_symmetric<{ct}, {gt}, {V}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, "
-                    f"ctx, {ok}, [=] __device__ (const coconet::cuda::SymThread<{ct}, {gt}, {V}>& th) {{")
-        self.kernels.kernel(t, k, u.lets, items, coords, "  ", launch)
-        if layout:  # the whole slice as one chunk (the reduced value is kept: the Reduce reads it)
-            assert u.store_reduced or all(r.src != u.collective for r in u.accumulated("cuda")), u.name
-            self.w.emit(f"  const int64_t lo = 0, hi = {mine};")
-            self._accumulate(u, layout, f"v_{u.collective}", "  ")
-        self.w.emit("} else  // the chunked pipeline on the host API")
-        self.w.consts = saved
+            def launch(V: int, ok: str) -> str:
+                return (f"coconet::cuda::fused_symmetric<{ct}, {gt}, {V}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, "
+                        f"ctx, {ok}, [=] __device__ (const coconet::cuda::SymThread<{ct}, {gt}, {V}>& th) {{")
+            self.kernels.kernel(t, k, u.lets, items, coords, "  ", launch)
+            if layout:  # the whole slice as one chunk (the reduced value is kept: the Reduce reads it)
+                assert u.store_reduced or all(r.src != u.collective for r in u.accumulated("cuda")), u.name
+                self.w.emit(f"  const int64_t lo = 0, hi = {mine};")
+                self._accumulate(u, layout, f"v_{u.collective}", "  ")
+            self.w.emit("} else  // the chunked pipeline on the host API")
 
     def _reduce_to(self, u: Fused, ct: str, op: str, d: int, outer: str, n0: str, inner: str, rows_arg: str) -> None:
         """The pipeline's reduce_to(k, red): chunk k's reduction on the comm stream."""
@@ -297,50 +296,48 @@ class CudaFused:
         """The chunk's phases in order: a pointwise phase is one kernel over the chunk's
         elements, a row-wise phase (layernorm) one kernel of a block per row of the chunk
         (chunks hold whole rows); a value crossing phases is read from its buffer."""
-        saved = dict(self.w.consts)
-        t = u.type
-        inside = {u.collective} | {i.name for p in u.phases for i in p.items}
-        pointwise = [(i.name, i.expr, i.store) for p in u.phases if p.kind == "pointwise" for i in p.items]
-        coords = self.idx.needs_coords(t, [e for _, e, _ in pointwise], inside)
-        self.w.emit(f"    const int64_t off = {self.w.offset(t)};")
-        self.w.emit("    (void)off;")
-        if coords:
-            for line in self.idx.extents(t):
-                self.w.emit(f"    {line}")
-        runs, store = self._gather_store(u)
-        for ph in u.phases:
-            items = [(i.name, i.expr, i.store) for i in ph.items]
-            if ph.kind == "rows":
-                self._chunk_rows(u, ph.items[0], runs, bool(store))
-            else:
-                self._chunk_pointwise(u, items, inside, coords, runs, store)
-        self.w.consts = saved
+        with self.w.saved_consts():
+            t = u.type
+            inside = {u.collective} | {i.name for p in u.phases for i in p.items}
+            pointwise = [(i.name, i.expr, i.store) for p in u.phases if p.kind == "pointwise" for i in p.items]
+            coords = self.idx.needs_coords(t, [e for _, e, _ in pointwise], inside)
+            self.w.emit(f"    const int64_t off = {self.w.offset(t)};")
+            self.w.emit("    (void)off;")
+            if coords:
+                for line in self.idx.extents(t):
+                    self.w.emit(f"    {line}")
+            runs, store = self._gather_store(u)
+            for ph in u.phases:
+                items = [(i.name, i.expr, i.store) for i in ph.items]
+                if ph.kind == "rows":
+                    self._chunk_rows(u, ph.items[0], runs, bool(store))
+                else:
+                    self._chunk_pointwise(u, items, inside, coords, runs, store)
 
     def _chunk_pointwise(self, u: Fused, items: list[tuple[str, Expr, bool]], inside: set[str], coords: bool,
                          runs: str, store: Outs) -> None:
         t = u.type
-        saved = dict(self.w.consts)
-        segs = sorted({r.name for _, e, _ in items for r in walk(e)
-                       if isinstance(r, Ref) and r.name in self.w.scattered and r.name not in inside})
-        if not any(name == u.gathered for name, _, _ in items):
-            runs = ""
-        if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
-            self.w.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
-            self.w.emit("    const int64_t b0 = pc.offset;")
-            for x in segs:
-                self.w.emit(f"    {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
-            self.notes.access(t, items, u.lets, "lo + b0", "lo + b0 + pc.size", {}, "    ",
-                              ("COCONET_R(red, b0, b0 + pc.size)",))
-            k = Kernel("pc.size", "q", ("const int64_t j = b0 + q;", "const int64_t i = lo + j;"), "lo + b0",
-                       {u.collective: ("coconet::to_compute(red[j])", "red + b0")}, store)
-        else:
-            self.notes.access(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ", (), runs)
-            k = Kernel("hi - lo", "j", ("const int64_t i = lo + j;",), "lo",
-                       {u.collective: ("coconet::to_compute(red[j])", "red")}, store)
-        self.kernels.kernel(t, k, u.lets, items, coords, "    ")
-        if segs:
-            self.w.emit("    }")
-        self.w.consts = saved
+        with self.w.saved_consts():
+            segs = sorted({r.name for _, e, _ in items for r in walk(e)
+                           if isinstance(r, Ref) and r.name in self.w.scattered and r.name not in inside})
+            if not any(name == u.gathered for name, _, _ in items):
+                runs = ""
+            if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
+                self.w.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
+                self.w.emit("    const int64_t b0 = pc.offset;")
+                for x in segs:
+                    self.w.emit(f"    {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+                self.notes.access(t, items, u.lets, "lo + b0", "lo + b0 + pc.size", {}, "    ",
+                                  ("COCONET_R(red, b0, b0 + pc.size)",))
+                k = Kernel("pc.size", "q", ("const int64_t j = b0 + q;", "const int64_t i = lo + j;"), "lo + b0",
+                           {u.collective: ("coconet::to_compute(red[j])", "red + b0")}, store)
+            else:
+                self.notes.access(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ", (), runs)
+                k = Kernel("hi - lo", "j", ("const int64_t i = lo + j;",), "lo",
+                           {u.collective: ("coconet::to_compute(red[j])", "red")}, store)
+            self.kernels.kernel(t, k, u.lets, items, coords, "    ")
+            if segs:
+                self.w.emit("    }")
 
     def _chunk_rows(self, u: Fused, item, runs: str, gstore: bool) -> None:
         """layernorm over the chunk's whole rows, a block per row (coconet::cuda::launch_rows and

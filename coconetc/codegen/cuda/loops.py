@@ -268,14 +268,13 @@ class CudaKernels:
         if segs:
             self._seg_loop(t, lets, items, seg_dst, segs)
             return
-        saved = dict(self.w.consts)
-        n = _prod(self.w.ldims(t))
-        coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
-        self._loop_head(t, coords)
-        self.notes.access(t, items, lets, "0", n, {}, "  ")
-        self.kernel(t, Kernel(n), lets, items, coords, "  ")
-        self.w.emit("}")
-        self.w.consts = saved
+        with self.w.saved_consts():
+            n = _prod(self.w.ldims(t))
+            coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+            self._loop_head(t, coords)
+            self.notes.access(t, items, lets, "0", n, {}, "  ")
+            self.kernel(t, Kernel(n), lets, items, coords, "  ")
+            self.w.emit("}")
 
     def _loop_head(self, t: TType, coords: bool) -> None:
         """A loop's block opens as the CPU loop's (codegen/indexing.py: loop_head)."""
@@ -288,22 +287,21 @@ class CudaKernels:
         """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
         this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
         operand read through its piece's pointer sp_<x>[q]; element i = pc.offset + q."""
-        saved = dict(self.w.consts)
-        n = _prod(self.w.ldims(t))
-        coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
-        if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
-            assert len(items) == 1, items
-            items = [(items[0][0], items[0][1], False)]
-        self._loop_head(t, coords)
-        self.w.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
-        self.w.emit("  const int64_t b0 = pc.offset;")
-        for x in segs:
-            self.w.emit(f"  {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
-        self.notes.access(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
-                          (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
-        outs: Outs = {items[0][0]: [(f"sp_{seg_dst}[q]", f"sp_{seg_dst}")]} if seg_dst else {}
-        self.kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords,
-                    "  ")
-        self.w.emit("  }")
-        self.w.emit("}")
-        self.w.consts = saved
+        with self.w.saved_consts():
+            n = _prod(self.w.ldims(t))
+            coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+            if seg_dst:  # the single item is stored into seg_dst's segments, not into a buffer of its own
+                assert len(items) == 1, items
+                items = [(items[0][0], items[0][1], False)]
+            self._loop_head(t, coords)
+            self.w.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
+            self.w.emit("  const int64_t b0 = pc.offset;")
+            for x in segs:
+                self.w.emit(f"  {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")
+            self.notes.access(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
+                              (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
+            outs: Outs = {items[0][0]: [(f"sp_{seg_dst}[q]", f"sp_{seg_dst}")]} if seg_dst else {}
+            self.kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords,
+                        "  ")
+            self.w.emit("  }")
+            self.w.emit("}")
