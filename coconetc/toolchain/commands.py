@@ -213,23 +213,29 @@ def cuda_module(name: str, key_parts: list[str], archs: str, libs: Libs) -> arti
     return run
 
 
-def emulated(name: str, runtime: Path, key_parts: list[str]) -> artifacts.Run:
+def emulated(name: str, runtime: Path, key_parts: list[str],
+             binding: tuple[Path, list[str]] | None = None) -> artifacts.Run:
     """The host emulation of a CUDA module named NAME: module.cu compiled as C++ with
     -DCOCONET_EMULATE against RUNTIME (a copy of runtime_cpp/), linked with its binding
     (runtime/coconet/cuda/bind.cu, compiled the same way once per runtime: its key is
-    key_parts, which hash RUNTIME's headers)."""
+    key_parts, which hash RUNTIME's headers). binding: (runtime, key_parts) to compile the
+    binding against instead (a copy edited only where the module's own code reads it)."""
     def run(src: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
         blas_dir = str(Path(tc.blas_lib).parent)
-        flags = [tc.mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", f"-I{runtime}"]
-        text = (runtime / "coconet" / "cuda" / "bind.cu").read_text()
-        bind_cmd = [*flags, *_python_includes(), "-x", "c++"]
-        binding = artifacts.cached_object(_objects_dir(), artifacts.content_key([*key_parts, *bind_cmd, text, "bind"]),
-                                          ".cu", text, _compiled(bind_cmd, "compiling the emulation's Python binding "
-                                                                 "(once per machine)", log))
+        bind_rt, bind_parts = binding or (runtime, key_parts)
+        text = (bind_rt / "coconet" / "cuda" / "bind.cu").read_text()
+        bind_cmd = [*_emulated_flags(bind_rt), *_python_includes(), "-x", "c++"]
+        bound = artifacts.cached_object(_objects_dir(), artifacts.content_key([*bind_parts, *bind_cmd, text, "bind"]),
+                                        ".cu", text, _compiled(bind_cmd, "compiling the emulation's Python binding "
+                                                               "(once per machine)", log))
         build.mkdir(parents=True, exist_ok=True)
-        cmd = [*flags, "-shared", "-x", "c++", str(src / "module.cu"), "-x", "none", str(binding),
+        cmd = [*_emulated_flags(runtime), "-shared", "-x", "c++", str(src / "module.cu"), "-x", "none", str(bound),
                f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}", f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                "-o", str(build / f"{name}.so")]
         _steps([("compiling (host emulation)", cmd)], src / "module.cu", log, quiet=True)
     return run
+
+
+def _emulated_flags(runtime: Path) -> list[str]:
+    return [toolchain().mpicxx, "-std=c++17", "-O1", "-fPIC", "-pthread", "-DCOCONET_EMULATE", f"-I{runtime}"]
