@@ -841,20 +841,21 @@ def test_symmetric_choice_is_measured_and_agreed(sym_modules, ranks):
 
 
 @pytest.mark.slow
-def test_symmetric_kernel_wrong_reduction_is_found(tmp_path):
+def test_symmetric_kernel_wrong_reduction_is_found(tmp_path, sym_modules):
     """The comparison can fail: unchanged, sgd fused matches on 2 ranks; with the kernel's
-    reduction over peers cut to this rank's own input (an edit of symmetric.cuh) it mismatches."""
+    reduction over peers cut to this rank's own input (an edit of symmetric.cuh, in code only the
+    module's kernel runs: the installed runtime's binding serves) it mismatches."""
     from coconetc.paths import runtime_dir
     rt = tmp_path / "runtime"
     shutil.copytree(runtime_dir(), rt)
     sym = rt / "coconet" / "cuda" / "symmetric.cuh"
     text = sym.read_text()
     assert text.count("for (int p = 1; p < R; ++p)") == 2  # SymThread::reduce and vreduce
-    cu = _source("sgd", "sgd", "fused")
-    for edited, verdict in [(False, "MATCH "), (True, "MISMATCH ")]:
-        if edited:
-            sym.write_text(text.replace("for (int p = 1; p < R; ++p)", "for (int p = 1; p < 1; ++p)"))
-        name, so = compiler.build_emulated(cu, "sym_sgd", tmp_path / f"b{edited}", runtime=rt, log=lambda msg: None)
+    sym.write_text(text.replace("for (int p = 1; p < R; ++p)", "for (int p = 1; p < 1; ++p)"))
+    case = ("sgd", "sgd", "fused")
+    edited = compiler.build_emulated(_source(*case), "sym_sgd", tmp_path / "b", runtime=rt, log=lambda msg: None,
+                                     installed_binding=True)
+    for (name, so), verdict in [(sym_modules(None, [case])[case], "MATCH "), (edited, "MISMATCH ")]:
         res = _launch(2, ["check", "10", "|".join([str(EX / "sgd.ccn"), "sgd", "fused", str(so), name])],
                       env={"COCONET_CUDA_FUSED": "symmetric"}, timeout=300)
         assert res.returncode == 0 and verdict in res.stdout, res.stdout + res.stderr
