@@ -13,6 +13,8 @@ codegen/ holds what both backends share, as objects and functions each backend c
                 needs coordinates, dropout at the element's global index
   pointwise.py  the values of one element (every loop's, fused chunk's and kernel's body), the
                 Lets computed before a loop, the layernorm of one row
+  reductions.py the reduction table (sum, norm, segment_norm, max, min): each one's initial
+                partial, partial of a run, combine and finish as the C++ both backends write
   extern.py     an extern operation's call
   library_calls.py  a Library unit's runtime call (its function and arguments), one for both
                 backends

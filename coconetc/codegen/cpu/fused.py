@@ -13,6 +13,7 @@ from coconetc.codegen.cpu.loops import CpuLoops
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row, layernorm_value
+from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Op, Ref, walk
 from coconetc.plan.units import Collective, Fused, Item, Loop, Phase, Reduce, Unit
 
@@ -42,9 +43,9 @@ class CpuFused:
         """The accumulators (pa_<name>) of the reductions that the chunks accumulate, before the
         first chunk (an overlap's: before its first block)."""
         for r in u.accumulated("cpu"):
-            n = "seg_starts.size() - 1" if r.op == "segment_norm" else "1"
-            init = {"max": "-HUGE_VAL", "min": "HUGE_VAL"}.get(r.op, "0.0")  # max, min: no element yet
-            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, {init});")
+            red = reduction(r.op)
+            n = "seg_starts.size() - 1" if red.per_segment else "1"
+            self.w.emit(f"std::vector<double> pa_{r.dst}({n}, {red.identity});")
 
     def after_chunks(self, u: Fused) -> None:
         """What waits for every chunk (an overlap's: of every block): the partial results
@@ -95,28 +96,24 @@ class CpuFused:
         # the chunk's first element: in the reduced chunk, in a value over the slice, or at its
         # global index in a replicated parameter
         first = "red" if r.src == u.collective else f"v_{r.src} + lo" if t.layout.sliced else f"v_{r.src} + gb"
-        fn = {"sum": "sum_of", "norm": "sumsq_of", "segment_norm": "sumsq_of", "max": "max_of",
-              "min": "min_of"}[r.op]  # the runtime's reductions (kernels.h)
+        red = reduction(r.op)
         self.w.emit(f"  {{  // {r.dst}: partial {r.op}({r.src}) of the chunk")
         scattered = r.src in self.w.scattered and r.src != u.collective  # a parameter still in its segments
-        if scattered or r.op == "segment_norm":  # piece by piece of the segments
+        if scattered or red.per_segment:  # piece by piece of the segments
             self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, gb, ge))")
             at = f"p_{r.src}.ptrs[pc.segment] + pc.at" if scattered else f"{first} + pc.offset"
-            part, ind = f"coconet::{fn}({at}, pc.size)", "      "
+            part, ind = f"coconet::{red.partial}({at}, pc.size)", "      "
         else:
-            part, ind = f"coconet::{fn}({first}, hi - lo)", "    "
-        if r.op in ("max", "min"):  # the chunk's largest (smallest), NaN propagating
-            self.w.emit(f"{ind}pa_{r.dst}[0] = coconet::extreme_step<{'true' if r.op == 'max' else 'false'}>("
-                        f"pa_{r.dst}[0], {part});")
-        else:
-            self.w.emit(f"{ind}pa_{r.dst}[{'pc.segment' if r.op == 'segment_norm' else '0'}] += {part};")
+            part, ind = f"coconet::{red.partial}({first}, hi - lo)", "    "
+        acc = f"pa_{r.dst}[{'pc.segment' if red.per_segment else '0'}]"
+        self.w.emit(f"{ind}{red.accumulate(acc, part)};")
         self.w.emit("  }")
 
     def _combine(self, u: Fused, partials: list[Reduce]) -> None:
         """One small all-reduce of every partial result, then each reduction finished. The
         partial results of max(x), min(x) are combined apart, in one more all-reduce (max of
         the maxima and of the negated minima, NaN propagating: coconet::reduce_extremes, across a batch's calls too)."""
-        extremes = [r for r in partials if r.op in ("max", "min")]
+        extremes = [r for r in partials if reduction(r.op).extreme]
         partials = [r for r in partials if r not in extremes]
         if extremes:
             self._combine_extremes(u, extremes)
@@ -125,8 +122,8 @@ class CpuFused:
         self.w.emit(f"{{  // {u.name}: the partial results of {', '.join(r.dst for r in partials)}, summed across ranks")
         # the whole-slice reductions first: they are summed across the calls of a batch too
         # (batch.h), each segment's norm only across ranks
-        partials = sorted(partials, key=lambda r: r.op == "segment_norm")
-        whole = [r for r in partials if r.op != "segment_norm"]
+        partials = sorted(partials, key=lambda r: reduction(r.op).per_segment)
+        whole = [r for r in partials if not reduction(r.op).per_segment]
         self.w.emit("  std::vector<double> parts;")
         for r in partials:
             self.w.emit(f"  parts.insert(parts.end(), pa_{r.dst}.begin(), pa_{r.dst}.end());")
@@ -139,13 +136,13 @@ class CpuFused:
         for r in partials:
             t = self.w.types[r.dst]
             T, C = CTYPE[t.dtype], COMPUTE[t.dtype]
-            if r.op == "segment_norm":
+            if reduction(r.op).per_segment:
                 n = _prod(self.w.ldims(t))
                 self.w.emit(f"  coconet::segment_norm_finish(parts.data() + at, v_{r.dst}, {n}, {self.w.offset(t)}, "
                             "seg_starts);")
             else:
-                value = "parts[at]" if r.op == "sum" else "std::sqrt(parts[at])"
-                self.w.emit(f"  v_{r.dst}[0] = coconet::from_compute<{T}>(static_cast<{C}>({value}));")
+                self.w.emit(f"  v_{r.dst}[0] = coconet::from_compute<{T}>(static_cast<{C}>("
+                            f"{reduction(r.op).finished('parts[at]')}));")
             self.w.emit(f"  at += pa_{r.dst}.size();")
         self.w.emit("  (void)at;")
         self.w.emit("}")
@@ -153,7 +150,7 @@ class CpuFused:
     def _combine_extremes(self, u: Fused, extremes: list[Reduce]) -> None:
         """The max/min partial results across ranks (a min as the max of its negation), each
         written to its 0-d result."""
-        sign = {r.dst: "-" if r.op == "min" else "" for r in extremes}
+        sign = {r.dst: reduction(r.op).sign for r in extremes}
         self.w.emit(f"{{  // {u.name}: the partial results of {', '.join(r.dst for r in extremes)}, "
                     "their largest/smallest across ranks")
         self.w.emit(f"  double ext[{len(extremes)}] = {{{', '.join(f'{sign[r.dst]}pa_{r.dst}[0]' for r in extremes)}}};")
@@ -161,7 +158,7 @@ class CpuFused:
         for i, r in enumerate(extremes):
             t = self.w.types[r.dst]
             self.w.emit(f"  v_{r.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
-                        f"static_cast<{COMPUTE[t.dtype]}>({sign[r.dst]}ext[{i}]));")
+                        f"static_cast<{COMPUTE[t.dtype]}>({reduction(r.op).finished(f'{sign[r.dst]}ext[{i}]')}));")
         self.w.emit("}")
 
     def fused_offset(self, u: Fused) -> str:

@@ -22,6 +22,7 @@ from coconetc.codegen.cpu.overlap import CpuOverlap
 from coconetc.codegen.emit import COMPUTE, CTYPE, literal
 from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
+from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
@@ -88,23 +89,21 @@ class CpuRenderer:
         xt, t = self.w.types[u.src], self.w.types[u.dst]
         src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"
         n = _prod(self.w.ldims(xt))
-        if u.op == "segment_norm":
+        r = reduction(u.op)
+        if r.per_segment:
             self.w.emit(f"coconet::segment_norm({src}, v_{u.dst}, {n}, {self.w.offset(xt)}, "
                       f"seg_starts, {'true' if u.cross_rank else 'false'}, comm);")
             return
-        fn = {"sum": "sum_of", "norm": "sumsq_of", "max": "max_of", "min": "min_of"}[u.op]
-        self.w.emit(f"{{ double acc = coconet::{fn}({src}, {n});")
+        self.w.emit(f"{{ double acc = coconet::{r.partial}({src}, {n});")
         # across ranks when over slices, and across the calls of a batch (batch.h); a max, and a
         # min as the max of its negation, NaN propagating
         cross = "true" if u.cross_rank else "false"
-        if u.op in ("max", "min"):
-            neg = "-" if u.op == "min" else ""
-            self.w.emit(f"  acc = {neg}coconet::reduce_extreme({neg}acc, {cross}, comm);")
+        if r.extreme:
+            self.w.emit(f"  acc = {r.sign}coconet::reduce_extreme({r.sign}acc, {cross}, comm);")
         else:
             self.w.emit(f"  acc = coconet::reduce_partial(acc, {cross}, comm);")
-        value = "std::sqrt(acc)" if u.op == "norm" else "acc"
         self.w.emit(f"  v_{u.dst}[0] = coconet::from_compute<{CTYPE[t.dtype]}>("
-                  f"static_cast<{COMPUTE[t.dtype]}>({value})); }}")
+                  f"static_cast<{COMPUTE[t.dtype]}>({r.finished('acc')})); }}")
 
     def library(self, u: Library) -> None:
         entry = ops.get(u.op)

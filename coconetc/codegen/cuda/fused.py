@@ -14,6 +14,7 @@ from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.emit import COMPUTE, CTYPE
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps
+from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Expr, Op, Ref, walk
 from coconetc.plan.units import Fused, Reduce, Unit
 
@@ -122,14 +123,14 @@ class CudaFused:
         extremes = 0
         # the whole-slice sums and norms first: in a batch they are combined across its calls too
         # (runtime.cuh: combine), each segment's norm only across ranks
-        whole = sum(r.op in ("sum", "norm") for r in partials)
-        for r in sorted(partials, key=lambda r: r.op == "segment_norm"):
-            if r.op in ("max", "min"):
+        whole = sum(not reduction(r.op).extreme and not reduction(r.op).per_segment for r in partials)
+        for r in sorted(partials, key=lambda r: reduction(r.op).per_segment):
+            if reduction(r.op).extreme:
                 layout[r.dst] = f"pa_{u.name}.extreme({extremes})"
                 extremes += 1
             else:
                 layout[r.dst] = f"pa_{u.name}.sum({' + '.join(sums) or '0'})"
-                sums.append("int64_t(seg_starts.size() - 1)" if r.op == "segment_norm" else "1")
+                sums.append("int64_t(seg_starts.size() - 1)" if reduction(r.op).per_segment else "1")
         self.w.emit(f"// {u.name}: {', '.join(f'{r.op}({r.src})' for r in partials)} accumulated chunk by chunk")
         self.w.emit(f"const coconet::cuda::Partials pa_{u.name} = coconet::cuda::partials({self.w.site()}, "
                     f"{whole}, {' + '.join(sums[whole:]) or '0'}, {extremes}, \"{u.name}\", ctx);")
@@ -144,12 +145,12 @@ class CudaFused:
             x = (red if r.src == u.collective else f"p_{r.src}" if r.src in self.w.scattered
                  else f"v_{r.src} + lo" if self.w.types[r.src].layout.sliced
                  else f"v_{r.src} + off + lo")  # a replicated parameter: at the chunk's global index
-            if r.op == "segment_norm":  # per segment (x: from logical element off + lo, or the segments)
+            rd = reduction(r.op)
+            if rd.per_segment:  # per segment (x: from logical element off + lo, or the segments)
                 self.w.emit(f"{ind}coconet::cuda::segment_partial<{T}>({x}, hi - lo, off + lo, seg_starts, {acc}, ctx);")
                 continue
-            fn = (f"partial_extreme<{T}, {'true' if r.op == 'max' else 'false'}>" if r.op in ("max", "min")
-                  else f"partial_sum<{T}, {'true' if r.op == 'norm' else 'false'}>")
-            parts = f", pa_{u.name}.parts()" if r.op in ("max", "min") else ""
+            fn = rd.cuda("partial", T)
+            parts = f", pa_{u.name}.parts()" if rd.extreme else ""
             if r.src in self.w.scattered and r.src != u.collective:  # a block reduction per piece
                 self.w.emit(f"{ind}for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, "
                             f"off + hi)) coconet::cuda::{fn}(p_{r.src}.at(pc), pc.size, {acc}, ctx{parts});")
@@ -166,16 +167,12 @@ class CudaFused:
         for r in (a for a in u.after if isinstance(a, Reduce) and a.dst in layout):
             xt, acc = self.w.types[r.src], layout[r.dst]
             T = CTYPE[xt.dtype]
-            if r.op == "segment_norm":  # its segment's norm at each element of the result
+            if reduction(r.op).per_segment:  # its segment's norm at each element of the result
                 dt = self.w.types[r.dst]
                 self.w.emit(f"coconet::cuda::segment_norm_fill<{T}>({acc}, v_{r.dst}, {_prod(self.w.ldims(dt))}, "
                             f"{self.w.offset(dt)}, seg_starts, ctx);")
-            elif r.op in ("max", "min"):
-                self.w.emit(f"coconet::cuda::finish_extreme<{T}, {'true' if r.op == 'max' else 'false'}>({acc}, "
-                            f"v_{r.dst}, ctx);")
             else:
-                self.w.emit(f"coconet::cuda::finish_sum<{T}, {'true' if r.op == 'norm' else 'false'}>({acc}, "
-                            f"v_{r.dst}, ctx);")
+                self.w.emit(f"coconet::cuda::{reduction(r.op).cuda('finish', T)}({acc}, v_{r.dst}, ctx);")
 
     def _fused_extent(self, u: Fused, block: tuple[str, str] | None, outer: str, n0: str, inner: str,
                       mine: str) -> str:

@@ -25,6 +25,7 @@ from coconetc.codegen.cuda.overlap import CudaOverlap
 from coconetc.codegen.emit import CTYPE, literal
 from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
+from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.units import Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan, Reduce, Require, Unit
 
@@ -112,19 +113,15 @@ class CudaRenderer:
     def reduce(self, u: Reduce) -> None:
         xt, t = self.w.types[u.src], self.w.types[u.dst]
         assert xt.dtype == t.dtype, u  # else a gap of the plan on cuda (plan/targets.py)
-        if u.op == "segment_norm":
+        r = reduction(u.op)
+        if r.per_segment:
             src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"
             self.w.emit(f"coconet::cuda::segment_norm<{CTYPE[xt.dtype]}>({src}, v_{u.dst}, {_prod(self.w.ldims(xt))}, "
                       f"{self.w.offset(xt)}, seg_starts, {'true' if u.cross_rank else 'false'}, ctx, {self.w.site()});")
             return
-        src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"  # scattered: a kernel per piece
-        if u.op in ("max", "min"):  # NaN propagating, the ranks' parts combined by one ncclMax
-            self.w.emit(f"coconet::cuda::reduce_extreme<{CTYPE[xt.dtype]}, {'true' if u.op == 'max' else 'false'}>("
-                        f"{src}, v_{u.dst}, {_prod(self.w.ldims(xt))}, {'true' if u.cross_rank else 'false'}, "
-                        f"ctx, {self.w.site()});")
-            return
-        norm = "true" if u.op == "norm" else "false"
-        self.w.emit(f"coconet::cuda::reduce_sum<{CTYPE[xt.dtype]}, {norm}>({src}, v_{u.dst}, "
+        # scattered: a kernel per piece; a max or min NaN propagating, the ranks' parts combined by one ncclMax
+        src = f"p_{u.src}" if u.src in self.w.scattered else f"v_{u.src}"
+        self.w.emit(f"coconet::cuda::{r.cuda('reduce', CTYPE[xt.dtype])}({src}, v_{u.dst}, "
                   f"{_prod(self.w.ldims(xt))}, {'true' if u.cross_rank else 'false'}, ctx, {self.w.site()});")
 
     def library(self, u: Library) -> None:
