@@ -20,7 +20,7 @@ import pytest
 from coconetc.sourcefile import load_source
 from coconetc.errors import CompileError
 
-pytestmark = pytest.mark.slow  # one module of 14 programs, then 28 launches: a few minutes
+pytestmark = pytest.mark.slow  # one module of 14 programs, then a launch on 2 and one on 3 ranks
 
 COUNT = 14  # programs, each with its schedules
 SIZES = ["--size=N=11", "--size=B=2", "--size=S=5", "--size=K=7", "--size=H=4"]
@@ -132,17 +132,30 @@ def test_accepted_programs_build(accepted_file) -> None:
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_accepted_programs_run_and_match(accepted_file, ranks: int) -> None:
+def test_accepted_programs_run_and_match(accepted_file, capfd, ranks: int) -> None:
+    """Every program under every schedule (what `coconetc run -s all` does one program at a
+    time), all in one MPI job (tests/run_jobs_worker.py), against the interpreter."""
+    import coconetc
+    from coconetc.launch.mpiexec import run_python
     path, names = accepted_file
-    bad = []
+    schedules = coconetc.load(path, log=lambda msg: None).source_module.schedules  # built once; the ranks import it
+    argv, want = [str(RUN_JOBS)], []
     for name in names:
-        sizes = [s for s in SIZES if f"{s.split('=')[1]}" in _symbols(path, name)]
-        res = _coconetc("run", str(path), "-p", name, "-s", "all", "--ranks", str(ranks), *sizes)
-        if res.returncode != 0 or "matches the interpreter" not in res.stdout:
-            bad.append(f"{name}: rc={res.returncode}\n{res.stdout[-1500:]}\n{res.stderr[-1500:]}")
-    assert not bad, "\n\n".join(bad)
+        scheds = ["default", *(s for s, x in schedules.get(name, {}).items() if not x.auto)]
+        argv += [str(path), "--program", name, "--reps", "1", *(f"--schedule={s}" for s in scheds),
+                 *(s for s in SIZES if f"{s.split('=')[1]}" in _symbols(path, name)), "--"]
+        want += [f"{name} [{s}]: {ranks} ranks:" for s in scheds]
+    rc = run_python(ranks, argv, timeout=900)
+    out, err = capfd.readouterr()
+    log = f"{path.read_text()}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
+    assert rc == 0, log
+    lines = [ln for ln in out.splitlines() if re.match(r"\S+ \[[^\]]+\]: \d+ ranks:", ln)]
+    assert len(lines) == len(want), log
+    for line, head in zip(lines, want):
+        assert line.startswith(head) and line.endswith("matches the interpreter on every rank"), f"{line}\n{log}"
 
 
+RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
 CASES = Path(__file__).with_name("programs") / "plan_cases.ccn"
 CASE_SIZES = {"ln": "B=2 S=5 K=6 H=4", "arf": "N=13", "lam": "N=13", "d2": "B=3 H=5"}
 
