@@ -1,7 +1,8 @@
 """Pointwise text both backends write beyond one element's math (emit.py): the values of one
 element (a loop's, a fused chunk's or a kernel's items, in registers and stored), the Lets
-computed once before a loop's elements, and the layernorm of one row (a fused collective's
-row-wise phase: the CPU chunk's loop over rows, a CUDA thread per row)."""
+computed once before a loop's elements, and a layernorm's epsilon and the call laying out one
+row of it in a CPU fused collective's row-wise phase (the row's math is pointwise.h's
+layernorm_of, which the CPU library call and the CUDA block per row share)."""
 
 from __future__ import annotations
 
@@ -56,21 +57,10 @@ def layernorm_eps(eps: Expr) -> str:
     return f"double(coconet::to_compute(v_{eps.name}[0]))" if isinstance(eps, Ref) else ""
 
 
-def layernorm_row(C: str, H: str, x: Callable[[str], str], j: str, eps: str) -> list[str]:
-    """The mean and inverse deviation (in compute type C) of the row starting at `row` (H
-    elements, element `row + j` read as x(index)), then the head of the loop over its elements,
-    left open (j its index); layernorm_value is the element's value there."""
-    return [f"{C} mean = 0, var = 0;",
-            f"for (int64_t {j} = 0; {j} < {H}; ++{j}) mean += {x(f'row + {j}')};",
-            f"mean /= static_cast<{C}>({H});",
-            f"for (int64_t {j} = 0; {j} < {H}; ++{j}) {{ const {C} d = {x(f'row + {j}')} - mean; var += d * d; }}",
-            f"var /= static_cast<{C}>({H});",
-            f"const {C} inv = {C}(1) / std::sqrt(var + static_cast<{C}>({eps}));",
-            f"for (int64_t {j} = 0; {j} < {H}; ++{j}) {{"]
-
-
-def layernorm_value(T: str, xj: str, gamma: str, beta: str, j: str) -> str:
-    """Element j of the row (read as xj) normalized, scaled by gamma[j], shifted by beta[j] and
-    rounded to the storage type T."""
-    return (f"coconet::round_to<{T}>(({xj} - mean) * inv * coconet::to_compute(v_{gamma}[{j}]) + "
-            f"coconet::to_compute(v_{beta}[{j}]))")
+def layernorm_row(C: str, H: str, xj: str, gamma: str, beta: str, eps: str) -> str:
+    """The head of the call that lays out the layernorm of the row starting at `row` (H elements,
+    element `row + j` read as xj) in compute type C (pointwise.h: layernorm_row_by, the row's math
+    in one home), left open in its callback over the row's elements (j, and v: the element's value
+    in C)."""
+    return (f"coconet::layernorm_row_by([&](int64_t j) {{ return {xj}; }}, v_{gamma}, v_{beta}, "
+            f"static_cast<{C}>({eps}), {H}, [&](int64_t j, {C} v) {{")

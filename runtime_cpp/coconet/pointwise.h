@@ -38,22 +38,45 @@ COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t
   return p < 1.0 ? x * static_cast<C>(1.0 / (1.0 - p)) : C(0);
 }
 
-// One row of layernorm over the last dim (H elements at xr into yr), in the compute type, as the
-// interpreter: the CPU runtime's layernorm (kernels.h) and the CUDA kernels (cuda/runtime.cuh).
+// The layernorm of one row over the last dim (H elements), in the compute type C, as the
+// interpreter: the mean, then the mean squared deviation (two passes), then each element
+// normalized, scaled by g and shifted by b. The one home of the row's math: x(j) reads element j
+// in C; sum(f) is f summed over the row (a loop, or a CUDA block's threads striding the row and
+// block_sum: runtime.cuh layernorm_row_block); each(f) calls f(j) for the row's elements (the
+// loop, or the block's threads); out(j, v) takes element j's value v in C.
+template <class C, class X, class G, class B, class Sum, class Each, class Out>
+COCONET_HD inline void layernorm_of(X x, const G* g, const B* b, C eps, int64_t H, Sum sum, Each each, Out out) {
+  const C mean = sum([&](int64_t j) { return C(x(j)); }) / static_cast<C>(H);
+  const C var = sum([&](int64_t j) {
+    const C d = x(j) - mean;
+    return d * d;
+  }) / static_cast<C>(H);
+  const C inv = C(1) / std::sqrt(var + eps);
+  each([&](int64_t j) { out(j, (x(j) - mean) * inv * to_compute(g[j]) + to_compute(b[j])); });
+}
+
+// layernorm_of by one thread, element after element: the CPU runtime's layernorm (kernels.h)
+// and a CPU fused collective's row-wise phase (codegen/cpu/fused.py).
+template <class C, class X, class G, class B, class Out>
+COCONET_HD inline void layernorm_row_by(X x, const G* g, const B* b, C eps, int64_t H, Out out) {
+  const auto sum = [&](auto f) {
+    C s = 0;
+    for (int64_t j = 0; j < H; ++j) s += f(j);
+    return s;
+  };
+  const auto each = [&](auto f) {
+    for (int64_t j = 0; j < H; ++j) f(j);
+  };
+  layernorm_of(x, g, b, eps, H, sum, each, out);
+}
+
+// One row of layernorm over the last dim (H elements at xr into yr): the CPU runtime's layernorm.
 template <class T>
 COCONET_HD inline void layernorm_row(const T* xr, const T* g, const T* b, compute_t<T> eps, int64_t H, T* yr) {
   using C = compute_t<T>;
-  C mean = 0, var = 0;
-  for (int64_t j = 0; j < H; ++j) mean += to_compute(xr[j]);
-  mean /= static_cast<C>(H);
-  for (int64_t j = 0; j < H; ++j) {
-    C d = to_compute(xr[j]) - mean;
-    var += d * d;
-  }
-  var /= static_cast<C>(H);
-  C inv = C(1) / std::sqrt(var + eps);
-  for (int64_t j = 0; j < H; ++j)
-    yr[j] = from_compute<T>((to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+  layernorm_row_by(
+      [&](int64_t j) { return to_compute(xr[j]); }, g, b, eps, H,
+      [&](int64_t j, C v) { yr[j] = from_compute<T>(v); });
 }
 
 // The value a softmax row's max becomes before it is subtracted: a fully masked row's max (-inf)

@@ -12,7 +12,7 @@ from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.loops import CpuLoops
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
 from coconetc.codegen.indexing import Indexing
-from coconetc.codegen.pointwise import layernorm_eps, layernorm_row, layernorm_value
+from coconetc.codegen.pointwise import layernorm_eps, layernorm_row
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Op, Ref, walk
 from coconetc.plan.units import Collective, Fused, Item, Loop, Phase, Reduce, Unit
@@ -201,14 +201,13 @@ class CpuFused:
         def X(idx: str) -> str:
             return f"red[{idx} - lo]" if x.name == u.collective else f"coconet::to_compute(v_{x.name}[{idx}])"
         self.w.emit(f"  for (int64_t row = lo; row < hi; row += {H}) {{  // layernorm {item.name}, row by row")
-        for line in layernorm_row(C, H, X, "j", layernorm_eps(eps)):
-            self.w.emit(f"    {line}")
-        self.w.emit(f"      const {C} y = {layernorm_value(T, X('row + j'), g.name, b.name, 'j')};")
+        self.w.emit(f"    {layernorm_row(C, H, X('row + j'), g.name, b.name, layernorm_eps(eps))}")
+        self.w.emit(f"      const {C} y = coconet::round_to<{T}>(v);")
         if item.store:
             self.w.emit(f"      v_{item.name}[row + j] = coconet::from_compute<{T}>(y);")
         if u.gathered == item.name and d0 != 0:
             self.w.emit(f"      v_{u.gather}[gb + (row + j - lo)] = coconet::from_compute<{T}>(y);")
-        self.w.emit("    }")
+        self.w.emit("    });")
         self.w.emit("  }")
 
     def _chunk_pointwise(self, u: Fused, ph: Phase, d0: int) -> None:

@@ -626,24 +626,22 @@ void launch_rows(int64_t rows, cudaStream_t s, F f) {
 }
 
 // One row of a layernorm over the last dim, by the block's threads striding it (coalesced):
-// layernorm_row's two passes (pointwise.h: the mean, then the mean squared deviation, in the
-// compute type C), each pass's partial sums added by block_sum; out(j, value) for each element j
-// of the row, its value in C. The layernorm kernel's row, and a fused collective's row-wise
-// phase's (codegen/cuda/fused.py). (One thread a row, before, read its row alone: a chain of
-// dependent, uncoalesced loads H long.)
+// pointwise.h's layernorm_of (the mean, then the mean squared deviation, in the compute type C),
+// each pass's partial sums added by block_sum; out(j, value) for each element j of the row, its
+// value in C. The layernorm kernel's row, and a fused collective's row-wise phase's
+// (codegen/cuda/fused.py). (One thread a row, before, read its row alone: a chain of dependent,
+// uncoalesced loads H long.)
 template <class T, class C, class Out>
 __device__ void layernorm_row_block(const T* xr, const T* g, const T* b, C eps, int64_t H, C* part, Out out) {
-  C s = 0;
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += to_compute(xr[j]);
-  const C mean = block_sum(part, s) / static_cast<C>(H);
-  C q = 0;
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-    const C d = to_compute(xr[j]) - mean;
-    q += d * d;
-  }
-  const C inv = C(1) / std::sqrt(block_sum(part, q) / static_cast<C>(H) + eps);
-  for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
-    out(j, (to_compute(xr[j]) - mean) * inv * to_compute(g[j]) + to_compute(b[j]));
+  const auto sum = [&](auto f) {
+    C s = 0;
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += f(j);
+    return block_sum(part, s);
+  };
+  const auto each = [&](auto f) {
+    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) f(j);
+  };
+  layernorm_of([&](int64_t j) { return to_compute(xr[j]); }, g, b, eps, H, sum, each, out);
 }
 
 // layernorm over the last dim, a block a row; EPS: a double (a literal) or const E* (a computed

@@ -48,16 +48,10 @@ void attn_out__fused(const coconet::CallArgs& a) {
       }
     }
     for (int64_t row = lo; row < hi; row += S_H) {  // layernorm out, row by row
-      float mean = 0, var = 0;
-      for (int64_t j = 0; j < S_H; ++j) mean += coconet::to_compute(v_h[row + j]);
-      mean /= static_cast<float>(S_H);
-      for (int64_t j = 0; j < S_H; ++j) { const float d = coconet::to_compute(v_h[row + j]) - mean; var += d * d; }
-      var /= static_cast<float>(S_H);
-      const float inv = float(1) / std::sqrt(var + static_cast<float>(1e-05));
-      for (int64_t j = 0; j < S_H; ++j) {
-        const float y = coconet::round_to<float>((coconet::to_compute(v_h[row + j]) - mean) * inv * coconet::to_compute(v_gamma[j]) + coconet::to_compute(v_beta[j]));
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_h[row + j]); }, v_gamma, v_beta, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+        const float y = coconet::round_to<float>(v);
         v_ago[gb + (row + j - lo)] = coconet::from_compute<float>(y);
-      }
+      });
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_y, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::round_up(coconet::fused_chunk_elems(), S_H), compute_fused0, {coconet::gather_target(v_ago, S_B * S_S * S_H)}, coconet::round_up(coconet::kProgressElems, S_H));
