@@ -276,11 +276,16 @@ def _retype_moved(p: Program, ag: Stage, src: str, moved: list[str], d: Reorder)
         _movable(s, dim, d)
     stages = tuple(replace(s, expr=rename(s.expr, {ag.name: src})) if s.name in moved else s
                    for s in p.stages)
+    # type up to the last moved stage only: the stages after it will read the gathered values
+    # (reorder inserts the allgathers next), not the slices (a matmul reading a layernorm of a
+    # moved residual would not type on the slice, and need not)
+    last = max(i for i, s in enumerate(stages) if s.name in moved) + 1
     try:
-        q = retype_program(replace(p, stages=stages))
+        head = retype_program(replace(p, stages=stages[:last]))
     except TypeErr as err:
         bad = getattr(err, "stage", "")
         raise ScheduleError(span_of(d, bad), "reorder", bad, err.diagnostics[0].message) from None
+    q = replace(p, stages=head.stages + stages[last:])
     for m in moved:
         t = q.type_of(m)
         if t.layout != sliced(dim) and not (t.ndim == 0 and t.layout == REPLICATED):
