@@ -89,20 +89,43 @@ COCONET_HD inline C softmax_shift(C m) { return m == -std::numeric_limits<C>::in
 template <class C>
 COCONET_HD inline C softmax_value(C e, C s) { return s == C(0) ? C(0) : e / s; }
 
-// One row of softmax over the last dim (H elements at xr into yr), in the compute type, as the
-// interpreter: the max, the sum of exp(x - max), then each exp(x - max) / sum.
+// The larger of a row's running max m and v, NaN propagating (as np.max).
+template <class C>
+COCONET_HD inline C max_step(C m, C v) { return (v > m || v != v) ? v : m; }
+
+// The softmax of one row over the last dim, in the compute type C, as the interpreter: the max
+// (softmax_shift), the sum of exp(x - max), then each exp(x - max) / sum (softmax_value). The one
+// home of the row's math: x(j) reads element j in C; largest(f) and total(f) are f's largest (max_step
+// from -inf) and sum over the row (a loop, or a CUDA block's threads striding the row and
+// block_max/block_sum: runtime.cuh softmax); each(f) calls f(j) for the row's elements; out(j, v)
+// takes element j's value v in C.
+template <class C, class X, class Largest, class Total, class Each, class Out>
+COCONET_HD inline void softmax_of(X x, Largest largest, Total total, Each each, Out out) {
+  const C m = softmax_shift(largest([&](int64_t j) { return C(x(j)); }));
+  const C s = total([&](int64_t j) { return C(std::exp(x(j) - m)); });
+  each([&](int64_t j) { out(j, softmax_value(C(std::exp(x(j) - m)), s)); });
+}
+
+// One row of softmax over the last dim (H elements at xr into yr), by one thread, element after
+// element: the CPU runtime's softmax (kernels.h).
 template <class T>
 COCONET_HD inline void softmax_row(const T* xr, int64_t H, T* yr) {
   using C = compute_t<T>;
-  C m = -std::numeric_limits<C>::infinity();
-  for (int64_t j = 0; j < H; ++j) {
-    const C v = to_compute(xr[j]);
-    m = (v > m || v != v) ? v : m;  // NaN propagates, as np.max
-  }
-  m = softmax_shift(m);
-  C s = 0;
-  for (int64_t j = 0; j < H; ++j) s += std::exp(to_compute(xr[j]) - m);
-  for (int64_t j = 0; j < H; ++j) yr[j] = from_compute<T>(softmax_value(std::exp(to_compute(xr[j]) - m), s));
+  const auto largest = [&](auto f) {
+    C m = -std::numeric_limits<C>::infinity();
+    for (int64_t j = 0; j < H; ++j) m = max_step(m, f(j));
+    return m;
+  };
+  const auto total = [&](auto f) {
+    C s = 0;
+    for (int64_t j = 0; j < H; ++j) s += f(j);
+    return s;
+  };
+  const auto each = [&](auto f) {
+    for (int64_t j = 0; j < H; ++j) f(j);
+  };
+  softmax_of<C>([&](int64_t j) { return to_compute(xr[j]); }, largest, total, each,
+                [&](int64_t j, C v) { yr[j] = from_compute<T>(v); });
 }
 
 }  // namespace coconet

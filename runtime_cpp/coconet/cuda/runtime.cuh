@@ -679,26 +679,31 @@ __device__ A block_max(A* part, A v) {
   return total;
 }
 
-// softmax over the last dim, a block a row: the row's max (block_max), the sum of exp(x - max)
-// (block_sum), then each exp(x - max) / sum, in the compute type; a fully masked row (all -inf)
-// is zeros (pointwise.h: softmax_shift, softmax_value), as the CPU's softmax_row.
+// softmax over the last dim, a block a row: pointwise.h's softmax_of (the row's max, the sum of
+// exp(x - max), then each exp(x - max) / sum, in the compute type; a fully masked row (all -inf)
+// is zeros), by the block's threads striding the row, their parts combined by block_max and
+// block_sum, as the CPU's softmax_row.
 template <class T>
 void softmax(const T* x, T* y, int64_t rows, int64_t H, const Ctx& c) {
   using C = compute_t<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_W(y, 0, rows * H));
   launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
     const T* xr = x + r * H;
-    C m = -std::numeric_limits<C>::infinity();
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) {
-      const C v = to_compute(xr[j]);
-      if (v > m || v != v) m = v;
-    }
-    m = softmax_shift(block_max(part, m));
-    C s = 0;
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += std::exp(to_compute(xr[j]) - m);
-    s = block_sum(part, s);
-    for (int64_t j = threadIdx.x; j < H; j += blockDim.x)
-      y[r * H + j] = from_compute<T>(softmax_value(std::exp(to_compute(xr[j]) - m), s));
+    const auto largest = [&](auto f) {
+      C m = -std::numeric_limits<C>::infinity();
+      for (int64_t j = threadIdx.x; j < H; j += blockDim.x) m = max_step(m, f(j));
+      return block_max(part, m);
+    };
+    const auto total = [&](auto f) {
+      C s = 0;
+      for (int64_t j = threadIdx.x; j < H; j += blockDim.x) s += f(j);
+      return block_sum(part, s);
+    };
+    const auto each = [&](auto f) {
+      for (int64_t j = threadIdx.x; j < H; j += blockDim.x) f(j);
+    };
+    softmax_of<C>([&](int64_t j) { return to_compute(xr[j]); }, largest, total, each,
+                  [&](int64_t j, C v) { y[r * H + j] = from_compute<T>(v); });
   });
 }
 
