@@ -39,6 +39,7 @@ def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), librar
     own directory is searched for headers too). grad: programs whose derived programs
     (`<p>_grad`, docs/autodiff.md) the module holds too. A file loaded before with the same
     text and options is not parsed, planned or generated again (warm.py)."""
+    require_cpu_extra()  # (a remembered load needs it as much as a build)
     path = Path(path)
     text = path.read_text()
     options = (tuple(map(str, include_dirs)), tuple(map(str, library_dirs)), tuple(map(str, libraries)), tuple(grad))
