@@ -357,3 +357,15 @@ def test_show_grad_prints_the_derived_program():
         "at", "g_n2", "g_n1", "g_n12", "g_n14"]
     assert ("    return d_x, d_ln1_w, d_ln1_b, d_wq, d_bq, d_wk, d_wv, d_bv, d_wo, d_bo, d_ln2_w, d_ln2_b, "
             "d_w_fc, d_b_fc, d_w_proj, d_b_proj") in lines
+
+
+def test_heads_that_do_not_split_evenly_raise_naming_the_reshape():
+    """4 heads of 2 on 3 ranks: a rank's 2 heads (4 columns) are not its slice of the 8 merged
+    columns (3). (With heads of 1 they run, 2, 2 and 0 a rank: tests/test_cpu_backend.py.)"""
+    blk = _block()
+    x = np.random.default_rng(0).standard_normal((B, S, H))
+    p = load_source(_f64()).program("gpt_block")
+    line = EXAMPLE.read_text().splitlines().index(
+        "    q = transpose(reshape(matmul(n1, reshape(wq, [H, -1])) + reshape(bq, [-1]),") + 1
+    with pytest.raises(ValueError, match=rf"line {line}, col 19: reshape of a dim of 8 sliced over 3 ranks into 4 x 2"):
+        _run(p, _inputs(blk, x), 3)
