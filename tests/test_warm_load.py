@@ -18,10 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def sgd(tmp_path, request):
+    """examples/sgd.ccn with its program named after the test (its own module, which the test may
+    break without touching the module other tests, on other workers, load at the same time)."""
     with build_cache(request):
         path = tmp_path / "sgd.ccn"
-        path.write_text((REPO / "examples" / "sgd.ccn").read_text())
+        path.write_text((REPO / "examples" / "sgd.ccn").read_text().replace("sgd", PROGRAM[request.node.name]))
         yield path
+
+
+PROGRAM = {"test_second_load_reads_the_record": "sgd_warm", "test_what_the_load_depends_on_changes": "sgd_changed",
+           "test_a_module_no_longer_whole_or_a_bad_record_loads_in_full": "sgd_broken"}
 
 
 def _parses(monkeypatch) -> list[str]:
@@ -38,7 +44,8 @@ def _parses(monkeypatch) -> list[str]:
 
 def _step(mod) -> np.ndarray:
     g, w = np.arange(6, dtype=np.float32), np.ones(6, dtype=np.float32)
-    mod.sgd(g=g, w=w, lr=np.float32(0.5))
+    (fn,) = mod.programs.values()
+    fn(g=g, w=w, lr=np.float32(0.5))
     return w
 
 
@@ -48,7 +55,7 @@ def test_second_load_reads_the_record(sgd, monkeypatch):
     again = coconetc.load(sgd, log=lambda msg: None)
     assert seen == []  # neither parsed nor planned: the record
     assert sorted(again.programs) == sorted(first.programs)
-    assert sorted(again.sgd.schedules) == sorted(first.sgd.schedules)
+    assert sorted(again.sgd_warm.schedules) == sorted(first.sgd_warm.schedules) == ["default", "fused", "rs_c_ag"]
     np.testing.assert_array_equal(_step(again), _step(first))
     np.testing.assert_allclose(_step(again), 1 - 0.5 * np.arange(6, dtype=np.float32))
 
