@@ -45,6 +45,11 @@ def _cpu_flags(include_dirs: tuple[str, ...] = ()) -> list[str]:
             f"-I{runtime_dir()}", f"-I{tc.blas_include}", *(f"-I{d}" for d in include_dirs)]
 
 
+def _libraries(libs: Libs) -> list[str]:
+    """The extern operations' libraries on a link line: a file as it is, a name as -lNAME."""
+    return [lib if Path(lib).is_file() else f"-l{lib}" for lib in libs.libraries]
+
+
 def _python_includes() -> list[str]:
     import pybind11
     return [f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
@@ -123,7 +128,7 @@ def cpu_units(name: str, table: str, units: dict[str, str], key_parts: list[str]
                 "-o", str(build / f"{name}.so"), f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}",
                 f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
                 *(f"-L{d}" for d in libs.library_dirs), *(f"-Wl,-rpath,{d}" for d in libs.library_dirs),
-                *(lib if Path(lib).is_file() else f"-l{lib}" for lib in libs.libraries)]
+                *_libraries(libs)]
         _steps([("linking", link)], src / "module.cpp", log, quiet=True)
     return run
 
@@ -208,7 +213,7 @@ def cuda_module(name: str, key_parts: list[str], archs: str, libs: Libs) -> arti
                 str(build / f"{name}.so"), "-Xlinker=-Bsymbolic-functions", *(f"-L{d}" for d in libdirs),
                 *(f"-Xlinker=-rpath,{d}" for d in libdirs), "-l:libnccl.so.2", "-l:libcublas.so.13",
                 "-l:libcublasLt.so.13", "-l:libcudart.so.13",
-                *(lib if Path(lib).is_file() else f"-l{lib}" for lib in libs.libraries)]
+                *_libraries(libs)]
         _steps([("compiling", cmd), ("linking", link)], src / "module.cu", log)
     return run
 
