@@ -371,6 +371,20 @@ def _reshape(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     return [(x, d.op("reshape", g, shape=back), None)]
 
 
+def _gathered(d: _Deriver, e: Op, g: Ref) -> Expr:
+    """An allgather's transpose: this rank's slice of its cotangent (a scatter). When the
+    cotangent is an allreduce(sum) of partial sums that only this reads (the input gradient of
+    a row-parallel matmul: Megatron's sequence-parallel backward), the allreduce and the
+    scatter are one reducescatter: half the traffic."""
+    dim = e.args[0].type.layout.dim
+    s = next((x for x in d.stages if x.name == g.name), None)
+    if (s is not None and isinstance(s.expr, Op) and s.expr.op == "allreduce" and ops.attr(s.expr, "op") == "sum"
+            and not any(g.name in refs(x.expr) for x in d.stages)):
+        return d.op("reducescatter", s.expr.args[0], op="sum", dim=dim, base=f"g_{e.args[0].name}"
+                    if isinstance(e.args[0], Ref) else None)
+    return d.op("scatter", g, dim=dim)
+
+
 def _is_root(d: _Deriver, e: Op) -> Expr:
     """A local condition, true on the group's rank `root` only: reduce(sum, 1.0, root) is the
     group's size R there and 1 elsewhere (and R = 1 alone is the root)."""
@@ -486,6 +500,6 @@ RULES: dict[str, Rule] = {
     "broadcast": _broadcast,
     "reduce": _reduce,
     "send": lambda d, e, y, g: [(e.args[0], d.op("send", g, direction="prev" if ops.attr(e, "direction") == "next" else "next"), False)],
-    "allgather": lambda d, e, y, g: [(e.args[0], d.op("scatter", g, dim=e.args[0].type.layout.dim), False)],
+    "allgather": lambda d, e, y, g: [(e.args[0], _gathered(d, e, g), False)],
     "scatter": lambda d, e, y, g: [(e.args[0], d.op("allgather", g), False)],
 }

@@ -12,7 +12,8 @@ from typing import Protocol
 
 from coconetc.codegen.base import Function, Writer, prod
 from coconetc.codegen.emit import CTYPE
-from coconetc.plan.units import Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Reduce, Require, Unit
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Reduce, Require,
+                                 Unit)
 
 
 def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None]) -> Function:
@@ -59,6 +60,7 @@ class Renderer(Protocol):
     def require(self, u: Require) -> None: ...
     def fused(self, u: Fused) -> None: ...
     def overlap(self, u: Overlap) -> None: ...
+    def gather_matmul(self, u: GatherMatmul) -> None: ...
 
 
 def unit(w: Writer, r: Renderer, u: Unit) -> None:
@@ -82,6 +84,9 @@ def unit(w: Writer, r: Renderer, u: Unit) -> None:
     elif isinstance(u, Fused):
         w.comment(u.line, f"fused collective {u.name}: {', '.join(u.members)}")
         r.fused(u)
+    elif isinstance(u, GatherMatmul):
+        w.comment(u.line, f"overlap {u.gather.op} {u.a} -> {u.consumer}: {u.chunks} chunks along dim {u.dim} ({u.how})")
+        r.gather_matmul(u)
     else:
         assert isinstance(u, Overlap)
         w.comment(u.line, f"overlap {u.producer} -> {u.collective}: {u.chunks} chunks along dim {u.dim}")

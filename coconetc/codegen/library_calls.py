@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from coconetc.codegen.base import Writer, cdim, prod
 from coconetc.ir.typerules import reshape_slices
-from coconetc.plan.units import Library, Overlap
+from coconetc.plan.units import GatherMatmul, Library, Overlap
 
 OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
@@ -84,7 +84,7 @@ def _block_args(w: Writer, u: Library, lx: list[str]) -> list[str]:
     return [x, f"v_{u.dst}", prod(lx), prod(w.gdims(src)), prod(w.gdims(dst)), *check, "int64_t(comm.size)", what]
 
 
-def overlap_rows(w: Writer, u: Overlap, first: str, count: str, dst: str) -> tuple[str, list[str]]:
+def overlap_rows(w: Writer, u: Overlap | GatherMatmul, first: str, count: str, dst: str) -> tuple[str, list[str]]:
     """An overlap's GEMM (u.gemm: matmul or matmul_nt) on `count` rows of a from row `first`
     (a seen as [rows, inner]), into `dst`: the function and its arguments, as call_args lays
     them out (matmul: A[M, K] x B[K, N]; matmul_nt: A[M, N] x B[K, N]^T)."""

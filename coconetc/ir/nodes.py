@@ -86,8 +86,11 @@ class Fusion:
 
 @dataclass(frozen=True)
 class Overlap:
+    """A matmul `producer` and the collective (or fusion) `consumer` that reads it; or the
+    other way, an allgather or broadcast `producer` and the matmul `consumer` that reads it."""
+
     producer: str
-    consumer: str  # a collective stage or a fusion
+    consumer: str  # a collective stage or a fusion; or a matmul
     chunks: int
     dim: int  # the dim of the producer's result that is cut into chunks
     span: Span = field(default=NOWHERE, compare=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coconetc.errors import CompileError, Span
+from coconetc.errors import NOWHERE, CompileError, Span
 from coconetc.ir.nodes import POINTWISE, Const, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, TType
 
@@ -48,6 +48,19 @@ class OverlapSpec:
     direct: bool  # chunks along dim 0: contiguous rows of every buffer
     fused: FusedSpec | None
     span: Span | None = None
+
+
+@dataclass
+class GatherSpec:
+    """overlap() the other way: the collective (an allgather or a broadcast) in chunks along
+    `dim` of its result, and the matmul that reads it multiplied chunk by chunk."""
+
+    collective: Stage
+    consumer: Stage  # a matmul or a matmul_nt whose left operand is the collective's result
+    chunks: int
+    dim: int
+    how: str  # plan/units.py GatherMatmul.how
+    span: Span = NOWHERE
 
 
 def same_elements(rt: TType, t: TType) -> bool:
@@ -275,3 +288,18 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
         raise PlanError.at(o.span, f"overlap: chunks of a matmul go to an allreduce, a "
                            f"reducescatter or an allgather; '{coll.name}' is {op}")
     return OverlapSpec(y, coll, o.chunks, o.dim, direct, fused, o.span)
+
+
+def gather_spec(p: Program, o: Overlap, scattered: set[str]) -> GatherSpec:
+    """overlap(g, y): chunks of g along dim 0 are contiguous rows of the collective's source, of
+    g and of y ('rows'), unless dim 0 is the dim an allgather gathers: then chunk i is piece i
+    of every rank's slice ('pieces'); along another dim each chunk is packed for its
+    collective and unpacked into place ('packed')."""
+    g, y = stage_of(p, o.producer), stage_of(p, o.consumer)
+    x = op_of(g).args[0]
+    if isinstance(x, Ref) and x.name in scattered:
+        raise PlanError.at(o.span, f"overlap: the {op_of(g).op} '{g.name}' reads the scattered "
+                           f"parameter '{x.name}', which is not gathered in chunks: remove this overlap")
+    gathered = x.type.layout.dim if op_of(g).op == "allgather" else None
+    how = "pieces" if o.dim == gathered else "rows" if o.dim == 0 else "packed"
+    return GatherSpec(g, y, o.chunks, o.dim, how, o.span)

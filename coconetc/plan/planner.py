@@ -20,11 +20,11 @@ from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
-from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, OverlapSpec, PlanError, fused_spec, op_of, overlap_spec,
-                                    same_elements, stage_of)
+from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fused_spec,
+                                           gather_spec, op_of, overlap_spec, same_elements, stage_of)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
-from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Let, Library, Loop, Overlap,
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap,
                                  Phase, Plan, Reduce, Require, Unit)
 
 
@@ -53,6 +53,8 @@ def _locate(p: Program, u: Unit) -> Span:
         return next((f.span for f in p.fusions if f.name == u.name), NOWHERE)
     if isinstance(u, Overlap):
         return next((o.span for o in p.overlaps if o.producer == u.producer), NOWHERE)
+    if isinstance(u, GatherMatmul):
+        return next((o.span for o in p.overlaps if o.producer == u.gather.dst), NOWHERE)
     name = getattr(u, "dst", "")
     s = p.stage(name) or p.stage(_temp_owner(name))
     return s.span if s is not None else NOWHERE
@@ -136,9 +138,30 @@ class _Planner:
         p = self.p
         groups: list = []
         done: set[str] = set()
-        overlaps = {o.producer: o for o in p.overlaps}
+        into = {o.producer: o for o in p.overlaps if op_of(stage_of(p, o.producer)).op in ("allgather", "broadcast")}
+        overlaps = {o.producer: o for o in p.overlaps if o.producer not in into}
+        waiting: dict[str, GatherSpec] = {}  # a gather whose matmul still waits for an operand
         for s in self.order:
+            late = next((w for w in waiting.values() if w.collective.name in reads(s.expr)), None)
+            if late is not None:
+                if s.name != late.consumer.name:
+                    raise PlanError.at(late.span, f"overlap: '{s.name}' reads '{late.collective.name}' before "
+                                       f"'{late.consumer.name}' can start (it waits for operands computed after "
+                                       f"'{late.collective.name}'): compute them before '{late.collective.name}'")
+                groups.append(waiting.pop(late.collective.name))
+                done.add(s.name)
+                continue
             if s.name in done:
+                continue
+            if s.name in into:
+                spec = gather_spec(p, into[s.name], self.scattered)
+                needs = {n for n in reads(spec.consumer.expr) if p.stage(n) is not None} - {s.name}
+                if needs <= done:
+                    groups.append(spec)
+                    done.update((s.name, spec.consumer.name))
+                else:  # at the matmul's place, once its other operands are computed
+                    waiting[s.name] = spec
+                    done.add(s.name)
                 continue
             if s.name in overlaps:
                 ov = overlap_spec(p, overlaps[s.name], self.scattered)
@@ -276,6 +299,8 @@ class _Planner:
     def _group(self, g) -> None:
         if isinstance(g, OverlapSpec):
             self._overlap(g)
+        elif isinstance(g, GatherSpec):
+            self._gather_matmul(g)
         elif isinstance(g, FusedSpec):
             self.out.append(self._fused(g))
         elif len(g) > 1 or (self.p.fusion_of(g[0].name) is not None):
@@ -577,6 +602,16 @@ class _Planner:
             fused = self._fused(ov.fused, overlapped=True)
         self.out.append(Overlap(y.name, a, b, c.name, op_of(c).op, op_of(c).attr("op") or "", ov.chunks,
                                 ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(y).op))
+
+    def _gather_matmul(self, gs: GatherSpec) -> None:
+        g, y = gs.collective, gs.consumer
+        x = self._materialize(op_of(g).args[0], g.name)
+        b = self._materialize(op_of(y).args[1], y.name)
+        self._place(g)
+        self._place(y)
+        e = op_of(g)
+        gather = Collective(g.name, e.op, x, "", int(e.attr("root") or 0), line=_line(g.span))
+        self.out.append(GatherMatmul(gather, y.name, b, gs.chunks, gs.dim, gs.how, op_of(y).op, _line(gs.span)))
 
     # --- the end of the function ----------------------------------------------------------
     def _epilogue(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from coconetc.ir import printer
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.units import (Buffer, Chunking, Collective, Copy, Fused, Item, Let, Library, Loop,
-                                 Overlap, Plan, Reduce, Require, Strategy, Unit)
+                                 GatherMatmul, Overlap, Plan, Reduce, Require, Strategy, Unit)
 
 
 def show(plan: Plan) -> str:
@@ -64,6 +64,11 @@ def _unit(u: Unit, ind: str) -> list[str]:
         return [f"{ind}      require root {u.root} of {u.op} < group size"]
     if isinstance(u, Fused):
         return _fused(u, ind)
+    if isinstance(u, GatherMatmul):
+        how = {"rows": "rows in place", "pieces": "piece i of every rank's slice, in place",
+               "packed": "each chunk packed"}[u.how]
+        return [f"{ind}{_at(u.line)} overlap {u.a} = {_coll(u.gather)} in {u.chunks} chunks along dim {u.dim} "
+                f"({how}) -> {u.consumer} = {u.gemm}({u.a}, {u.b}) per chunk, as it arrives"]
     assert isinstance(u, Overlap)
     how = "rows in place" if u.direct else "each chunk packed"
     head = (f"{ind}{_at(u.line)} overlap {u.producer} = {u.gemm}({u.a}, {u.b}) in {u.chunks} chunks along "

@@ -251,7 +251,36 @@ class Overlap:
     gemm: str = "matmul"  # the producer's operation: matmul or matmul_nt
 
 
-Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap
+@dataclass(frozen=True)
+class GatherMatmul:
+    """overlap() the other way (async-TP's all-gather-matmul): the collective `gather` (an
+    allgather or a broadcast of gather.src into gather.dst) runs in `chunks` chunks along `dim`
+    of its result, and the consumer = gemm(gather.dst, b) (`gemm` "matmul"; "matmul_nt": a x
+    b^T) multiplies each chunk's rows as soon as the chunk has arrived, while the next chunk
+    is in flight. The gathered value is stored whole (other stages may read it). how:
+      rows    dim 0, not the gathered dim: chunk i is rows r_i of the source, of the gathered
+              value and of the consumer, each contiguous (no copy)
+      pieces  dim 0 is the dim an allgather gathers: chunk i is piece i of every rank's slice
+              (rows of the slice), gathered straight into place; one GEMM per rank's piece
+      packed  another leading dim: each chunk packed for its collective and unpacked into place
+    """
+
+    gather: Collective
+    consumer: str
+    b: str
+    chunks: int
+    dim: int
+    how: str
+    gemm: str = "matmul"
+    line: int = 0
+
+    @property
+    def a(self) -> str:
+        """The GEMM's left operand: the gathered value."""
+        return self.gather.dst
+
+
+Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap | GatherMatmul
 
 
 @dataclass(frozen=True)
@@ -345,4 +374,6 @@ def _touches(u: Unit, names: set[str]) -> bool:
     if isinstance(u, Overlap):
         return bool({u.producer, u.a, u.b, u.collective} & names) or \
             (u.fused is not None and _touches(u.fused, names))
+    if isinstance(u, GatherMatmul):
+        return bool({u.gather.src, u.gather.dst, u.consumer, u.b} & names)
     return False

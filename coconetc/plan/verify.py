@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
-from coconetc.plan.units import (Collective, Copy, Fused, Item, Let, Library, Loop, Overlap, Plan,
+from coconetc.plan.units import (Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 
 
@@ -78,6 +78,12 @@ class _Verifier:
             self.fused(u)
         elif isinstance(u, Overlap):
             self.overlap(u)
+        elif isinstance(u, GatherMatmul):
+            self.unit(u.gather)
+            self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
+            if self.type(u.a).layout.sliced or u.dim >= self.type(u.a).ndim - 1:
+                self.fail(f"overlap {u.a} -> {u.consumer}: chunks along dim {u.dim} of {self.type(u.a)}")
+            self.write([u.consumer])
         else:
             assert isinstance(u, Require)
 

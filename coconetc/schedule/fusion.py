@@ -348,9 +348,12 @@ def overlap(p: Program, d: OverlapD) -> Program:
     blocks of b.
     """
     prod = p.stage(d.producer)
+    if prod is not None and isinstance(prod.expr, Op) and prod.expr.op in GATHERS:
+        return _overlap_into(p, d, prod)
     if prod is None or not (isinstance(prod.expr, Op) and prod.expr.op in OVERLAP_GEMMS):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
-                            "the producer must be a matmul stage (or a derived program's matmul_nt)")
+                            "the producer must be a matmul stage (or a derived program's matmul_nt), "
+                            "or an allgather or a broadcast whose result a matmul reads")
     if prod.expr.args[1].type.ndim > 2:
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
                             "a batched matmul (a batched right operand) cannot be overlapped yet")
@@ -358,7 +361,7 @@ def overlap(p: Program, d: OverlapD) -> Program:
     if not (isinstance(coll.top.args[0], Ref) and coll.top.args[0].name == d.producer):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
                             f"its collective '{coll.name}' does not read '{d.producer}' directly")
-    if any(o.producer == d.producer for o in p.overlaps):
+    if any(d.producer in (o.producer, o.consumer) for o in p.overlaps):
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer, "the producer is already overlapped")
     dims = _chunkable(prod, coll)
     dim = dims[0] if d.dim is None and dims else d.dim
@@ -366,6 +369,56 @@ def overlap(p: Program, d: OverlapD) -> Program:
         at = span_of(d, "dim=" if d.dim is not None else d.consumer)
         raise ScheduleError(at, "overlap", d.consumer, f"cannot chunk along dim {dim}; "
                             f"chunkable dims: {', '.join(map(str, dims)) or 'none'}")
+    return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
+
+
+GATHERS = ("allgather", "broadcast")
+"""The collectives whose result a matmul can consume chunk by chunk (plan/units.py GatherMatmul)."""
+
+
+def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
+    """overlap(g, y, chunks=4): the other way (async-TP's all-gather-matmul)
+
+    before:  g = allgather(x)    y = matmul(g, w)                 (all of g, then y)
+    after:   g is gathered in 4 chunks along one dim of its result; each chunk's rows of y are
+             multiplied as soon as the chunk has arrived, while the next chunk is in flight.
+
+    The consumer is a matmul (or a derived program's matmul_nt) whose left operand is g; the
+    chunks are blocks along a dim of g before its last (the contracted one): a leading dim
+    other than the one an allgather gathers, or, when that is dim 0, pieces of every rank's
+    slice of dim 0 (chunk i: piece i of each rank's rows)."""
+    if p.fusion_of(coll.name) is not None:
+        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
+                            "a fused collective cannot feed an overlapped matmul yet")
+    cons = p.stage(d.consumer)
+    if cons is None or not (isinstance(cons.expr, Op) and cons.expr.op in OVERLAP_GEMMS):
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
+                            f"the consumer of the {coll.top.op} '{coll.name}' must be a matmul stage "
+                            f"(or a derived program's matmul_nt) that reads it: give the matmul a stage of "
+                            f"its own (m = matmul({coll.name}, w)) and overlap({coll.name}, m, ...)")
+    a, b = cons.expr.args[0], cons.expr.args[1]
+    if not (isinstance(a, Ref) and a.name == coll.name):
+        what = ("reads it as its right operand (a weight gather is not overlapped yet)"
+                if isinstance(b, Ref) and b.name == coll.name else "does not read it as its left operand")
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, f"'{d.consumer}' {what}")
+    if b.type.ndim > 2:
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
+                            "a batched matmul (a batched right operand) cannot be overlapped yet")
+    if p.fusion_of(cons.name) is not None:
+        raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer, "the matmul is fused")
+    for o in p.overlaps:
+        if d.consumer in (o.producer, o.consumer) or d.producer in (o.producer, o.consumer):
+            name = d.consumer if d.consumer in (o.producer, o.consumer) else d.producer
+            raise ScheduleError(span_of(d, name), "overlap", name, f"'{name}' is already overlapped")
+    gathered = coll.top.args[0].type.layout.dim if coll.top.op == "allgather" else None
+    dims = [i for i in range(coll.type.ndim - 1) if i != gathered or i == 0]
+    dim = dims[0] if d.dim is None and dims else d.dim
+    if dim not in dims:
+        at = span_of(d, "dim=" if d.dim is not None else d.producer)
+        why = "the contracted dim, " if dim == coll.type.ndim - 1 else ""
+        why += "the gathered dim (other than 0), " if dim == gathered else ""
+        raise ScheduleError(at, "overlap", d.producer, f"cannot chunk '{d.producer}' along dim {dim} "
+                            f"({why or 'no such dim, '}chunkable dims: {', '.join(map(str, dims)) or 'none'})")
     return replace(p, overlaps=p.overlaps + (Overlap(d.producer, d.consumer, d.chunks, dim, d.span),))
 
 

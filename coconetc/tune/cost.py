@@ -67,7 +67,7 @@ from coconetc.ir.slices import slice_range
 from coconetc.ir import ops
 from coconetc.ir.nodes import Ref, walk
 from coconetc.ir.types import BITS, TType, eval_dim
-from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Item, Library, Loop, Overlap,
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Library, Loop, Overlap,
                                  Plan, Reduce, Require, Unit)
 
 _NO_MEMORY = ("register", "scalar")
@@ -198,6 +198,8 @@ class _Counter:
             return self.fused(u)
         if isinstance(u, Overlap):
             return self.overlap(u)
+        if isinstance(u, GatherMatmul):
+            return self.gather_matmul(u)
         if isinstance(u, Copy):
             b = self.buffer(u.src)
             n = self.nbytes(b.type) if b is not None else 0.0
@@ -325,6 +327,16 @@ class _Counter:
         for a in u.after:
             c.add(self.unit(a))
         return c
+
+    def gather_matmul(self, u: GatherMatmul) -> Cost:
+        """The gather's chunks flat (point to point, as an overlap's), each hidden behind the
+        previous chunk's GEMM."""
+        gemm = self.library(Library(u.consumer, u.gemm, (u.a, u.b)))
+        comm = self.collective(u.gather.op, u.gather.src, u.gather.dst, flat=True)
+        return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, net=comm.net, flops=gemm.flops,
+                    passes=gemm.passes + comm.passes,
+                    launches=u.chunks * (gemm.launches + comm.launches),
+                    pipelines=[(gemm, comm, u.chunks)])
 
     def overlap(self, u: Overlap) -> Cost:
         gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))

@@ -151,6 +151,41 @@ std::unique_ptr<Task> start_allgather(const T* in_slice, T* out, int64_t outer, 
   return t;
 }
 
+// Non-blocking broadcast: out on every rank = root's in (count elements; in == out allowed).
+template <class T>
+std::unique_ptr<Task> start_broadcast(const T* in, T* out, int64_t count, int root, Comm& comm,
+                                      int channel) {
+  if (comm.rank == root && in != out)
+    std::memcpy(out, in, static_cast<size_t>(count) * sizeof(T));
+  auto t = std::make_unique<RequestTask>();
+  t->reqs.emplace_back();
+  COCONET_MPI(MPI_Ibcast(out, mpi_count(count, "broadcast"), mpi_type<T>(), root,
+                         comm.channel(channel), &t->reqs.back()));
+  return t;
+}
+
+// Non-blocking allgather of piece i of k of every rank's slice of dim 0 of [n, inner] (rows of
+// this rank's slice in_slice) straight into their places in out (slices.h piece_range).
+template <class T>
+std::unique_ptr<Task> start_allgather_pieces(const T* in_slice, T* out, int64_t n, int64_t inner,
+                                             int k, int i, Comm& comm, int channel) {
+  auto t = std::make_unique<RequestTask>();
+  std::vector<int64_t> c64(static_cast<size_t>(comm.size)), d64(c64.size());
+  for (int q = 0; q < comm.size; ++q) {
+    const Range p = piece_range(n, comm.size, q, k, i);
+    c64[static_cast<size_t>(q)] = p.size() * inner;
+    d64[static_cast<size_t>(q)] = p.begin * inner;
+  }
+  int* counts = t->array(int_counts(c64, "allgather"));
+  int* displs = t->array(int_counts(d64, "allgather"));
+  const Range mine = slice_range(slice_range(n, comm.size, comm.rank).size(), k, i);
+  t->reqs.emplace_back();
+  COCONET_MPI(MPI_Iallgatherv(in_slice + mine.begin * inner, counts[comm.rank], mpi_type<T>(), out,
+                              counts, displs, mpi_type<T>(), comm.channel(channel),
+                              &t->reqs.back()));
+  return t;
+}
+
 // A fused reduce-scatter + compute + all-gather (fused.h) as a task.
 template <class T, class Compute>
 std::unique_ptr<Task> start_fused_rs_compute_ag(Op op, const Segments<const T>& in, Shape3 shape,
@@ -267,6 +302,11 @@ class Overlap {
     }
   }
 
+  // Finishes the tasks up to and including task i, oldest first.
+  void wait_through(size_t i) {
+    for (; first_ <= i && first_ < tasks_.size(); ++first_) tasks_[first_]->wait();
+  }
+
   // Finishes every task, oldest first.
   void wait_all() {
     for (; first_ < tasks_.size(); ++first_) tasks_[first_]->wait();
@@ -297,6 +337,23 @@ void overlap(int chunks, Produce produce, Start start) {
     });
     ov.add(start(i, i + 1));
     ov.progress();
+  }
+  ov.wait_all();
+}
+
+// overlap(g, y) the other way (a collective's result consumed chunk by chunk: all-gather-matmul):
+// start(i, channel) returns chunk i's communication as a Task; chunk i+1's is started before
+// chunk i is waited for, and consume(i, ov) (chunk i's GEMM) runs as soon as chunk i has
+// arrived, testing the next chunk's task between its row blocks (ov.progress()), so chunk i+1
+// arrives while chunk i is multiplied.
+template <class Start, class Consume>
+void overlap_into(int chunks, Start start, Consume consume) {
+  Overlap ov;
+  if (chunks > 0) ov.add(start(0, 1));
+  for (int i = 0; i < chunks; ++i) {
+    if (i + 1 < chunks) ov.add(start(i + 1, i + 2));
+    ov.wait_through(static_cast<size_t>(i));
+    abort_on_exception("overlap consumer", [&] { consume(i, ov); });
   }
   ov.wait_all();
 }

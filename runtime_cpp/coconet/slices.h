@@ -38,6 +38,13 @@ COCONET_HD inline Range slice_range(int64_t n, int64_t R, int64_t i) {
   return Range{b, b + c < n ? b + c : n};
 }
 
+// Piece i of k of rank q's slice of a dim of size n, as indices of the whole dim (an overlap
+// of an allgather along the dim it gathers: chunk i is piece i of every rank's slice).
+COCONET_HD inline Range piece_range(int64_t n, int64_t R, int64_t q, int64_t k, int64_t i) {
+  const Range s = slice_range(n, R, q), p = slice_range(s.size(), k, i);
+  return Range{s.begin + p.begin, s.begin + p.end};
+}
+
 // Slice sizes of all R ranks.
 inline std::vector<int64_t> slice_counts(int64_t n, int64_t R) {
   std::vector<int64_t> counts(static_cast<size_t>(R));

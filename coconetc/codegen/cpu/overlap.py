@@ -10,7 +10,7 @@ from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
-from coconetc.plan.units import Overlap, Unit
+from coconetc.plan.units import GatherMatmul, Overlap, Unit
 
 
 class CpuOverlap:
@@ -139,3 +139,72 @@ class CpuOverlap:
         self.w.emit(f"  return coconet::then_unpack({start}, Q, v_{c}, {_prod(lc[:d])}, {lc[d]}, "
                   f"{_prod(lc[d + 1:])}, r);")
         self.w.emit("});")
+
+    def render_gather_matmul(self, u: GatherMatmul) -> None:
+        """The other way (overlap.h overlap_into): chunk i's allgather or broadcast started
+        (non-blocking) before chunk i-1 is multiplied; chunk i's rows of the consumer multiplied
+        as soon as it has arrived, the next chunk's communication tested between row blocks."""
+        c, y = u.gather, u.consumer
+        ct = CTYPE[self.w.types[c.dst].dtype]
+        G, X, Y = (self.w.ldims(self.w.types[n]) for n in (c.dst, c.src, y))
+        d, nd = u.dim, len(G)
+        n = G[d]
+        ld = self.w.types[c.src].layout.dim if c.op == "allgather" else -1
+        if u.gemm == "matmul":  # b prepared once (f16/bf16 widened once, not once per chunk)
+            K, N = self.w.ldims(self.w.types[u.b])
+            self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
+            self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
+        if u.how == "packed":
+            self.w.emit(f"coconet::PackedChunks<{ct}> pk_{c.dst}({u.chunks}, {_prod(X[:d])}, {n}, {_prod(X[d + 1:])});")
+        self.w.emit(f"coconet::overlap_into({u.chunks}, [&](int i, int channel) {{")
+        if u.how == "pieces":
+            self.w.emit(f"  return coconet::start_allgather_pieces(v_{c.src}, v_{c.dst}, {n}, {_prod(G[1:])}, "
+                        f"{u.chunks}, i, comm, channel);")
+        else:
+            self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+            if u.how == "rows":
+                src, dst = f"v_{c.src} + r.begin * {_prod(X[1:])}", f"v_{c.dst} + r.begin * {_prod(G[1:])}"
+                gp = ["r.size()", *G[1:]]
+            else:
+                self.w.emit(f"  {ct}* const P = pk_{c.dst}.in(i);")
+                self.w.emit(f"  coconet::pack_block(v_{c.src}, P, {_prod(X[:d])}, {n}, {_prod(X[d + 1:])}, r);")
+                gp = [x if k != d else "r.size()" for k, x in enumerate(G)]
+                self.w.emit(f"  {ct}* const Q = pk_{c.dst}.out(i, {_prod(gp)});")
+                src, dst = "P", "Q"
+            if c.op == "allgather":
+                start = f"coconet::start_allgather({src}, {dst}, {_prod(gp[:ld])}, {gp[ld]}, {_prod(gp[ld + 1:])}, comm, channel)"
+            else:
+                start = f"coconet::start_broadcast({src}, {dst}, {_prod(gp)}, {c.root}, comm, channel)"
+            if u.how == "packed":
+                start = f"coconet::then_unpack({start}, Q, v_{c.dst}, {_prod(G[:d])}, {n}, {_prod(G[d + 1:])}, r)"
+            self.w.emit(f"  return {start};")
+        self.w.emit("}, [&](int i, coconet::Overlap& ov) {")
+        rows_per = _prod(G[d + 1:-1])
+        if u.how == "pieces":
+            self.w.emit("  for (int q = 0; q < comm.size; ++q) {")
+            self.w.emit(f"    const coconet::Range r = coconet::piece_range({n}, comm.size, q, {u.chunks}, i);")
+            self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
+            self.w.emit("  }")
+        elif u.how == "rows":
+            self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+            self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "  ")
+        else:
+            self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+            self.w.emit(f"  for (int64_t o = 0; o < {_prod(G[:d])}; ++o) {{")
+            self._gemm_rows(u, ct, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
+            self.w.emit("  }")
+        self.w.emit("});")
+        assert nd >= 2
+
+    def _gemm_rows(self, u: GatherMatmul, ct: str, first: str, count: str, cols: str, ind: str) -> None:
+        """`count` rows of the consumer from row `first`, the next chunk's communication tested
+        between row blocks (a matmul: gemm_steps) or after (a matmul_nt)."""
+        dst = f"v_{u.consumer} + ({first}) * {cols}"
+        if u.gemm == "matmul":
+            K, N = self.w.ldims(self.w.types[u.b])
+            self.w.emit(f"{ind}coconet::gemm_steps<{ct}>({count}, {N}, {K}, v_{u.a} + ({first}) * {K}, {K}, "
+                        f"bp_{u.consumer}, bld_{u.consumer}, {dst}, {N}, coconet::kOverlapSteps, [&] {{ ov.progress(); }});")
+            return
+        fn, args = library_calls.overlap_rows(self.w, u, f"({first})", count, dst)
+        self.w.emit(f"{ind}coconet::{fn}<{ct}>({', '.join(args)});")
+        self.w.emit(f"{ind}ov.progress();")

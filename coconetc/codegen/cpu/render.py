@@ -24,7 +24,7 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
-from coconetc.plan.units import (Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan,
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 
 
@@ -61,6 +61,9 @@ class CpuRenderer:
 
     def overlap(self, u: Overlap) -> None:
         self.overlaps.render_overlap(u)
+
+    def gather_matmul(self, u: GatherMatmul) -> None:
+        self.overlaps.render_gather_matmul(u)
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:

@@ -27,7 +27,8 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
-from coconetc.plan.units import Buffer, Collective, Copy, Fused, Library, Loop, Overlap, Plan, Reduce, Require, Unit
+from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan, Reduce,
+                                 Require, Unit)
 
 
 class CudaRenderer:
@@ -75,6 +76,9 @@ class CudaRenderer:
 
     def overlap(self, u: Overlap) -> None:
         self.overlaps.render_overlap(u)
+
+    def gather_matmul(self, u: GatherMatmul) -> None:
+        self.overlaps.render_gather_matmul(u)
 
     # --- buffers --------------------------------------------------------------------------
     def _declare(self, b: Buffer) -> None:

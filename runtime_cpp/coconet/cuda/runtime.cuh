@@ -887,6 +887,21 @@ void allgather(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const 
   }
 }
 
+// Piece i of k of every rank's slice of dim 0 of [n, inner] (x: this rank's slice) straight into
+// its place in y (slices.h piece_range): an overlap of an allgather along the dim it gathers.
+template <class T>
+void allgather_pieces(const T* x, T* y, int64_t n, int64_t inner, int k, int i, const Ctx& c) {
+  const int R = c.group.size;
+  const Range mine = slice_range(slice_range(n, R, c.group.rank).size(), k, i);
+  Group_ g;
+  for (int q = 0; q < R; ++q) {
+    const Range p = piece_range(n, R, q, k, i);
+    if (p.empty()) continue;
+    COCONET_CUDA(ncclBroadcast(x + mine.begin * inner, y + p.begin * inner, size_t(p.size() * inner),
+                               NcclType<T>::t, q, c.comm, c.stream));
+  }
+}
+
 // This rank's slice of a replicated x: no communication.
 template <class T>
 void scatter_copy(const T* x, T* y, int64_t outer, int64_t n, int64_t inner, const Ctx& c) {
@@ -1028,6 +1043,15 @@ void segment_norm(const X& x, T* out, int64_t n, int64_t off, const std::vector<
   if (cross_rank && nseg > 0)
     COCONET_CUDA(ncclAllReduce(sq, sq, nseg, ncclFloat64, ncclSum, c.comm, c.stream));
   segment_norm_fill(sq, out, n, off, starts, c);
+}
+
+// Block r of dim n of src [outer, n, inner], packed as [outer, |r|, inner] into P.
+template <class T>
+void pack(const T* src, T* P, int64_t outer, int64_t n, int64_t inner, Range r, cudaStream_t s) {
+  if (r.empty() || outer == 0 || inner == 0) return;
+  const size_t w = size_t(r.size() * inner) * sizeof(T);
+  COCONET_CUDA(cudaMemcpy2DAsync(P, w, src + r.begin * inner, size_t(n * inner) * sizeof(T), w, size_t(outer),
+                                 cudaMemcpyDeviceToDevice, s));
 }
 
 // Chunk r of dim n, packed as [outer, |r|, inner] in P, into its block of dst [outer, n, inner].

@@ -1,0 +1,206 @@
+"""overlap(collective, matmul) the other way (issue 39, point 2: async-TP's all-gather-matmul,
+the sequence-parallel column-parallel layer): an allgather or a broadcast whose result a matmul
+reads, each chunk multiplied as soon as it has arrived while the next is in flight.
+
+- the plan prints each way of cutting it (rows in place, pieces of every rank's slice, packed);
+- bad schedules are located errors whose advice leads somewhere;
+- the derived program of a sequence-parallel MLP reduce-scatters the input gradient of its
+  all-gathered input (Megatron's backward) and matches torch.autograd, on 1 to 3 ranks;
+- every program of tests/programs/gather_matmul.ccn under every schedule (the derived one's
+  too), compiled for the CPU on 2 and 3 ranks (uneven slices; tiny sizes with empty chunks and a
+  rank holding nothing) and as CUDA under the host emulation, against the interpreter; the CUDA
+  module compiled and linked by nvcc."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rank_checks import build_cache
+
+import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
+from coconetc import toolchain
+from coconetc.autodiff import vjp
+from coconetc.errors import CompileError
+from coconetc.interp.interpreter import run
+from coconetc.ir.slices import slice_range
+from coconetc.sourcefile import load_file, load_source
+from coconetc.toolchain import probes
+
+FILE = Path(__file__).resolve().parent / "programs" / "gather_matmul.ccn"
+RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
+COCONETC = str(Path(sys.executable).parent / "coconetc")
+PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["default", "packed"],
+            "bc": ["default", "rows"], "spmlp": ["default", "both"], "spmlp_grad": ["default", "both"],
+            "defer": ["default", "ov"]}
+SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
+    2: dict(B=3, S=5, H=4, F=6, T=7, C=5),
+    3: dict(B=1, S=2, H=3, F=4, T=2, C=2),
+}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([COCONETC, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_the_plan_shows_how_each_gather_is_cut():
+    want = {("sp", "rows"): "overlap g = allgather(x) in 2 chunks along dim 0 (rows in place) -> y = matmul(g, w) "
+                            "per chunk, as it arrives",
+            ("tok", "pieces"): "in 3 chunks along dim 0 (piece i of every rank's slice, in place)",
+            ("four", "packed"): "in 2 chunks along dim 2 (each chunk packed)",
+            ("bc", "rows"): "overlap g = broadcast(x, root=1) in 3 chunks along dim 0 (rows in place)",
+            ("spmlp_grad", "both"): "overlap g_allgather2 = allgather(d_y) in 2 chunks along dim 0 (rows in place) -> "
+                                    "g_h = matmul_nt(g_allgather2, w2) per chunk"}
+    for (prog, sched), text in want.items():
+        res = _cli("show", str(FILE), "-p", prog, "-s", sched, "--format", "plan")
+        assert res.returncode == 0 and text in res.stdout, res.stdout + res.stderr
+
+
+BAD = """
+program q(x: f32[B, S, H] sliced(1), w: f32[H, F] sliced(1), v: f32[F, H] sliced(0), u: f32[H, F] local) {
+    g = allgather(x)
+    y = matmul(g, w)
+    h = gelu(matmul(g, w))
+    z = matmul(y, v)
+    r = allreduce(sum, u)
+    return y, h, z, r
+}
+"""
+
+
+@pytest.mark.parametrize("directive, where, message", [
+    ("overlap(g, h, chunks=2)", "h", "must be a matmul stage (or a derived program's matmul_nt) that reads it: give "
+     "the matmul a stage of its own (m = matmul(g, w)) and overlap(g, m, ...)"),
+    ("overlap(g, z, chunks=2)", "z", "'z' does not read it as its left operand"),
+    ("overlap(g, y, chunks=2, dim=2)", "2)", "cannot chunk 'g' along dim 2 (the contracted dim, chunkable dims: 0)"),
+    ("overlap(g, y, chunks=2, dim=1)", "1)", "cannot chunk 'g' along dim 1 (the gathered dim (other than 0), "
+     "chunkable dims: 0)"),
+    ("overlap(r, y, chunks=2)", "r", "the producer must be a matmul stage (or a derived program's matmul_nt), or an "
+     "allgather or a broadcast whose result a matmul reads"),
+])
+def test_bad_overlaps_are_located_errors(directive, where, message):
+    src = BAD + f"schedule s for q {{\n    {directive}\n}}\n"
+    with pytest.raises(CompileError) as err:
+        load_source(src, "t.ccn")
+    d = err.value.diagnostics[0]
+    assert message in d.message, d.message
+    line = src.splitlines()[d.span.line - 1]
+    assert line[d.span.col - 1:].startswith(where), (line, d.span)
+
+
+def test_a_gather_or_matmul_overlapped_twice_is_refused():
+    src = BAD + "schedule s for q {\n    overlap(g, y, chunks=2)\n    overlap(g, y, chunks=3)\n}\n"
+    with pytest.raises(CompileError) as err:
+        load_source(src, "t.ccn")
+    d = err.value.diagnostics[0]
+    assert "'y' is already overlapped" in d.message and d.span.line == src.count("\n", 0, src.index("chunks=3")) + 1
+
+
+def test_a_reader_between_the_gather_and_its_late_matmul_is_a_located_plan_error(tmp_path):
+    f = tmp_path / "late.ccn"
+    f.write_text("""program late(x: f32[T, H] sliced(0), u: f32[H, F] local) {
+    g = allgather(x)
+    w = allreduce(sum, u)
+    k = g * 2
+    y = matmul(g, w)
+    return y, k
+}
+schedule ov for late {
+    overlap(g, y, chunks=2)
+}
+""")
+    res = _cli("check", str(f))
+    assert res.returncode != 0
+    assert f"{f}:9:5: error: overlap: 'k' reads 'g' before 'y' can start" in res.stderr, res.stderr
+    assert "compute them before 'g'" in res.stderr
+
+
+# --- the derived program: an all-gather's transpose is a reduce-scatter ---------------------------
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_derived_sequence_parallel_mlp_reduce_scatters_and_matches_autograd(ranks):
+    torch = pytest.importorskip("torch")
+    src = FILE.read_text().replace("f32", "f64")
+    mod = load_source(src, "g.ccn")
+    grad = vjp(mod.programs["spmlp"])
+    ops = [s.expr.op for s in grad.stages if hasattr(s.expr, "op")]
+    assert ops.count("reducescatter") == 1 and "scatter" not in ops and "allreduce" not in ops, ops
+    B, S, H, F = 2, 7, 4, 6
+    rng = np.random.default_rng(ranks)
+    full = {"x": rng.standard_normal((B, S, H)), "w1": rng.standard_normal((H, F)),
+            "w2": rng.standard_normal((F, H)), "d_y": rng.standard_normal((B, S, H))}
+    dims = {"x": 1, "w1": 1, "w2": 0, "d_y": 1}
+    per_rank = []
+    for r in range(ranks):
+        per_rank.append({k: np.take(v, np.arange(*slice_range(v.shape[dims[k]], ranks, r)), axis=dims[k]).copy()
+                         for k, v in full.items()})
+    res = run(grad, per_rank)
+    t = {k: torch.tensor(v, requires_grad=k != "d_y") for k, v in full.items()}
+    y = torch.nn.functional.gelu(t["x"] @ t["w1"]) @ t["w2"]
+    (y * t["d_y"]).sum().backward()
+    for k, out in (("x", "d_x"), ("w1", "d_w1"), ("w2", "d_w2")):
+        got = np.concatenate([r.outputs[out] for r in res], axis=dims[k])
+        np.testing.assert_allclose(got, t[k].grad.numpy(), rtol=1e-10, atol=1e-12)
+
+
+# --- compiled, against the interpreter -----------------------------------------------------------
+def _jobs(ranks: int, *extra: str) -> tuple[list[str], list[str]]:
+    sizes = [f"--size={k}={v}" for k, v in SIZES[ranks].items()]
+    argv, want = [str(RUN_JOBS)], []
+    for prog, scheds in PROGRAMS.items():
+        grad = ["--grad-of", prog.removesuffix("_grad")] if prog.endswith("_grad") else []
+        mine = [s for s in sizes if s.split("=")[1] in _symbols(prog)]
+        argv += [str(FILE), "--program", prog, "--reps", "1", *grad, *extra, *(f"--schedule={s}" for s in scheds),
+                 *mine, "--"]
+        want += [f"{prog} [{s}]" for s in scheds]
+    return argv, want
+
+
+def _symbols(prog: str) -> set[str]:
+    """The size symbols of a program's signature (a derived program: its program's)."""
+    m = re.search(rf"^program {prog.removesuffix('_grad')}\((.*?)\)\s*\{{", FILE.read_text(), re.M | re.S)
+    assert m, prog
+    return set(re.findall(r"\b([A-Z])\b", m.group(1)))
+
+
+def _check(capfd, ranks: int, argv: list[str], want: list[str]) -> None:
+    from coconetc.launch.mpiexec import run_python
+    rc = run_python(ranks, argv, timeout=900)
+    out, err = capfd.readouterr()
+    log = f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}"
+    assert rc == 0, log
+    lines = [ln for ln in out.splitlines() if "ranks: " in ln and " [" in ln]
+    assert len(lines) == len(want), log
+    for line, head in zip(lines, want):
+        assert line.startswith(head) and line.endswith("matches the interpreter on every rank"), f"{line}\n{log}"
+
+
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_cpu_matches_interpreter(request, capfd):
+    import coconetc
+    with build_cache(request):
+        coconetc.load(FILE, log=lambda msg: None)  # built once; the ranks import it
+        for ranks in (2, 3):
+            _check(capfd, ranks, *_jobs(ranks))
+
+
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+def test_cuda_emulation_matches_interpreter(request, capfd):
+    from coconetc.runtime.cuda import load_emulated
+    with build_cache(request):
+        load_emulated(FILE, log=lambda msg: None)
+        for ranks in (2, 3):
+            argv, want = _jobs(ranks, "--emulate-cuda")
+            _check(capfd, ranks, argv, [w + " (CUDA, host emulation)" for w in want])
+
+
+@pytest.mark.slow
+def test_compiles_and_links_with_nvcc():
+    why = probes.cuda_missing()
+    if why:
+        pytest.skip(why)
+    so = toolchain.compile(load_file(FILE), "cuda", toolchain.Options(archs="90", log=lambda m: None)).path
+    assert so is not None and so.exists()
