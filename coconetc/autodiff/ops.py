@@ -17,7 +17,7 @@ give matmul's operand gradients, and the sum over leading dims that undoes broad
 Their layout rules are the transposes of matmul's tensor-parallel rules (typerules.matmul); a
 result that sums over a sliced dim is `local` (per-rank partial sums) and the derivation adds
 the cross-rank reduction. The interpreter runs them through the NumPy references below; the
-planner makes each a Library unit (plan/planner.py: LIBRARY, its integer settings in attrs) that
+planner makes each a Library unit (kind "tensor", ir/ops.py KINDS; its integer settings in attrs) that
 both backends run (runtime_cpp/coconet/grad.h and cuda/grad.cuh, called as codegen/library_calls.py
 lays out)."""
 

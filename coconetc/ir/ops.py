@@ -25,6 +25,9 @@ from coconetc.ir.types import DTYPES, REDUCE_OPS, TType
 # --- what an entry holds ---------------------------------------------------------------
 
 KINDS = ("pointwise", "random", "index", "reduction", "tensor", "collective")
+# tensor: runs as one library call (a plan Library unit: a runtime function of every backend,
+# runtime_cpp/coconet/kernels.h, gemm.h, grad.h and their cuda/ mirrors; an extern one: its
+# declared C++ function), its integer parameters in the unit's attrs
 # index: element by element, a function of the element's position (causal), rendered by the
 # backends' indexing (codegen/indexing.py) and computed by the interpreter itself
 

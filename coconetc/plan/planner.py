@@ -28,14 +28,6 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, 
                                  Phase, Plan, Reduce, Require, Unit)
 
 
-LIBRARY = ("matmul", "layernorm", "conv2d", "softmax", "transpose", "reshape",
-           # the operations a derived program adds (coconetc/autodiff/ops.py)
-           "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
-"""The tensor operations that run as one Library unit each (a runtime function of every backend:
-runtime_cpp/coconet/kernels.h, gemm.h, grad.h and their cuda/ mirrors), their integer
-parameters in Library.attrs."""
-
-
 def plan_program(p: Program, schedule: str = "default", target: str | None = None) -> Plan:
     """The execution plan of a (scheduled) program, with every target's decisions. target:
     also require that this target implements all of it (else a PlanError at each directive
@@ -364,7 +356,7 @@ class _Planner:
             consts = tuple((i, a.value) for i, a in enumerate(e.args) if isinstance(a, Const))
             self.out.append(Library(dst, e.op, tuple(a for a in args if a is not None),
                                     (("consts", consts),), line))
-        elif e.op in LIBRARY:
+        elif registry.get(e.op).kind == "tensor":  # a runtime function of every backend (ops.py KINDS)
             attrs: tuple = tuple((a.name, e.attr(a.name, a.default)) for a in registry.get(e.op).settings
                                  if a.kind == "int")  # conv2d's stride and padding, sum_lead's n, ...
             if e.op == "layernorm" and isinstance(e.args[3], Const):

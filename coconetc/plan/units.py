@@ -91,7 +91,7 @@ class Reduce:
 
 @dataclass(frozen=True)
 class Library:
-    """A library operation (planner.LIBRARY): matmul (GEMM), layernorm, conv2d, and a derived
+    """A library operation (an operation of kind "tensor", ir/ops.py KINDS): matmul (GEMM), layernorm, conv2d, and a derived
     program's matmul_nt, matmul_tn, sum_lead, sum_keep, mean_last, conv2d_dx, conv2d_dw; or an
     extern operation. args: value names, or a Let name for a scalar operand; attrs: the
     operation's settings (integer parameters: stride, padding, n, dim; layernorm's literal eps)."""
