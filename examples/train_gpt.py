@@ -1,0 +1,456 @@
+"""Train a small GPT whose transformer blocks are examples/gpt_block.ccn (forward and derived
+backward compiled by coconet) on R MPI ranks, and check it against the same model in one process
+of plain PyTorch:
+
+    python examples/train_gpt.py --mode tp --ranks 2           # relaunches itself under mpiexec
+    python examples/train_gpt.py --mode tp_dp --ranks 4        # 2 groups of 2: tensor x data parallel
+    coconetc launch -n 2 examples/train_gpt.py --mode all      # every mode the rank count allows
+
+The model is nanoGPT's (docs/train_gpt.md): token and position embeddings, --layers blocks, a
+final layernorm and a head tied to the token embedding. Each block is a
+`coconetc.torch.Module` of gpt_block.ccn holding this rank's part of its weights (its heads'
+columns of q, k, v, the matching rows of the attention's output projection, its columns of c_fc
+and rows of the MLP's c_proj; layernorms and the output biases whole); the embeddings, the final
+layernorm and the head are ordinary torch parameters, the same on every rank. Modes:
+
+  tp     tensor parallelism over all R ranks (program gpt_block): every rank sees the whole
+         batch; torch.optim.AdamW steps this rank's parameters.
+  sp     sequence parallelism (program gpt_block_sp, when gpt_block.ccn has it): each rank's
+         blocks see its slice of the sequence; the embeddings' output is cut to this rank's
+         slice before the first block and the last block's output gathered after it, with
+         Megatron's conjugate functions (here: split forward / all-gather backward, and
+         all-gather forward / split backward, over mpi4py).
+  tp_dp  tensor parallelism inside --dp-groups groups of consecutive ranks (`groups=` of the
+         module) and data parallelism across them: each group trains on its rows of the batch,
+         and coconetc.torch.DistributedOptimizer over examples/adamw.ccn, on the communicator of
+         the ranks that hold the same part in every group, sums the gradients across the groups
+         (each group's loss is scaled by its share of the batch, so the sum is the batch's mean).
+
+Every mode checks itself against one process of the same model (plain PyTorch, full weights, the
+same initial values, the same batches, torch.optim.AdamW): the first step's gradients (each
+rank's part of every parameter against the matching part of the one-process gradient; under
+tp_dp the sum across the groups) within --grad-tol relative (the largest element difference
+over the largest element), then the losses of every step within --loss-tol relative. Rank 0
+prints a table; a mismatch exits non-zero. Dropout is 0 by default: coconet's dropout masks
+(counter-based, docs/language.md) are not torch's, so --dropout > 0 trains without the check."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+GPT_BLOCK = HERE / "gpt_block.ccn"
+ADAMW = HERE / "adamw.ccn"
+PROGRAMS = {"tp": "gpt_block", "sp": "gpt_block_sp", "tp_dp": "gpt_block"}
+SCALARS = ("scale", "pdrop", "seed")
+BLOCK_WEIGHTS = ("ln1_w", "ln1_b", "wq", "bq", "wk", "wv", "bv", "wo", "bo",
+                 "ln2_w", "ln2_b", "w_fc", "b_fc", "w_proj", "b_proj")
+
+
+def in_mpi_job() -> bool:
+    return "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+
+
+def available_programs() -> set[str]:
+    from coconetc.sourcefile import load_file
+    return set(load_file(GPT_BLOCK).programs)
+
+
+def modes_of(arg: str, ranks: int, dp_groups: int, programs: set[str]) -> tuple[list[str], list[str]]:
+    """(the modes to run, notes on the modes left out) for --mode ARG."""
+    notes = []
+    if arg == "all":
+        modes = []
+        for m in PROGRAMS:
+            if PROGRAMS[m] not in programs:
+                notes.append(f"{m}: {GPT_BLOCK.name} has no program {PROGRAMS[m]} (yet): not run")
+            elif m == "tp_dp" and (ranks % dp_groups or ranks // dp_groups < 2):
+                notes.append(f"tp_dp: needs --dp-groups {dp_groups} groups of at least 2 ranks "
+                             f"(--ranks a multiple of {dp_groups}, above it): not run on {ranks}")
+            else:
+                modes.append(m)
+        return modes, notes
+    modes = arg.split(",")
+    for m in modes:
+        if m not in PROGRAMS:
+            raise SystemExit(f"--mode: unknown mode {m!r} (tp, sp, tp_dp, or all)")
+        if PROGRAMS[m] not in programs:
+            raise SystemExit(f"--mode {m}: {GPT_BLOCK} has no program {PROGRAMS[m]} (its programs: "
+                             f"{', '.join(sorted(programs))})")
+        if m == "tp_dp" and (ranks % dp_groups or ranks // dp_groups < 2):
+            raise SystemExit(f"--mode tp_dp: {ranks} ranks do not form {dp_groups} groups of 2 or more "
+                             "(--dp-groups)")
+    return modes, notes
+
+
+def check_sizes(mode: str, a: argparse.Namespace, ranks: int) -> None:
+    """The sizes MODE can run with on RANKS ranks (before the ranks start, and in each)."""
+    groups = a.dp_groups if mode == "tp_dp" else 1
+    gs = ranks // groups
+    if a.hidden % a.heads:
+        raise SystemExit(f"--hidden {a.hidden} is not a multiple of --heads {a.heads}")
+    if a.heads % gs and a.hidden // a.heads != 1:
+        raise SystemExit(f"--heads {a.heads}: each of the {gs} ranks of a tensor-parallel group must hold "
+                         "whole heads (a multiple of the ranks, or heads of 1; docs/gpt_block.md)")
+    if a.batch % groups:
+        raise SystemExit(f"--batch {a.batch}: not split evenly over {groups} data-parallel groups")
+
+
+# --- the model's weights, data and the one-process reference ------------------------------------
+def init(a: argparse.Namespace) -> dict[str, Any]:
+    """Full initial weights (the same on every rank): nanoGPT's normal(0, 0.02), the residual
+    projections' std scaled by 1/sqrt(2 layers); layernorm weights and biases, and the biases,
+    drawn near 1 and 0 (not exactly: so that each one's value and gradient matter)."""
+    import torch
+    g = torch.Generator().manual_seed(a.seed)
+    H, NH, F, V, S = a.hidden, a.heads, a.ffn * a.hidden, a.vocab, a.seq
+    HD = H // NH
+
+    def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    proj = 0.02 / math.sqrt(2 * a.layers)
+    blocks = []
+    for _ in range(a.layers):
+        blocks.append({
+            "ln1_w": 1 + normal(H, std=0.1), "ln1_b": normal(H, std=0.1),
+            "wq": normal(H, NH, HD), "bq": normal(NH, HD), "wk": normal(H, NH, HD),
+            "wv": normal(H, NH, HD), "bv": normal(NH, HD),
+            "wo": normal(NH, HD, H, std=proj), "bo": normal(H),
+            "ln2_w": 1 + normal(H, std=0.1), "ln2_b": normal(H, std=0.1),
+            "w_fc": normal(H, F), "b_fc": normal(F), "w_proj": normal(F, H, std=proj), "b_proj": normal(H)})
+    return {"wte": normal(V, H), "wpe": normal(S, H), "ln_f_w": 1 + normal(H, std=0.1),
+            "ln_f_b": normal(H, std=0.1), "blocks": blocks}
+
+
+def batches(a: argparse.Namespace) -> list[tuple[Any, Any]]:
+    """One batch of (tokens, next tokens) per step, the same on every rank: sequences of a noisy
+    affine recurrence t[i+1] = (5 t[i] + 3) mod V (a token replaced by a random one with
+    probability 0.1), so the loss falls as the model learns it."""
+    import torch
+    g = torch.Generator().manual_seed(a.seed + 1)
+    out = []
+    for _ in range(a.steps):
+        t = torch.empty(a.batch, a.seq + 1, dtype=torch.long)
+        t[:, 0] = torch.randint(a.vocab, (a.batch,), generator=g)
+        for i in range(a.seq):
+            nxt = (5 * t[:, i] + 3) % a.vocab
+            noise = torch.rand(a.batch, generator=g) < 0.1
+            t[:, i + 1] = torch.where(noise, torch.randint(a.vocab, (a.batch,), generator=g), nxt)
+        out.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+    return out
+
+
+def reference_model(full: dict[str, Any], a: argparse.Namespace) -> Any:
+    """The model in one process, plain PyTorch (nanoGPT's block in gpt_block.ccn's parameters:
+    weights [in, out], heads' columns [NH, HD], no key bias)."""
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    H, NH = a.hidden, a.heads
+    HD = H // NH
+
+    class Block(nn.Module):
+        def __init__(self, w: dict[str, torch.Tensor]):
+            super().__init__()
+            for name in BLOCK_WEIGHTS:
+                self.register_parameter(name, nn.Parameter(w[name].clone()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            B, S, _ = x.shape
+
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t.view(B, S, NH, HD).transpose(1, 2)
+            n1 = F.layer_norm(x, (H,), self.ln1_w, self.ln1_b, 1e-5)
+            q = heads(n1 @ self.wq.reshape(H, -1) + self.bq.reshape(-1))
+            k = heads(n1 @ self.wk.reshape(H, -1))
+            v = heads(n1 @ self.wv.reshape(H, -1) + self.bv.reshape(-1))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(HD))
+            mask = torch.ones(S, S, dtype=torch.bool).tril()
+            att = torch.softmax(att.masked_fill(~mask, float("-inf")), dim=-1)
+            o = (att @ v).transpose(1, 2).reshape(B, S, NH * HD)
+            x = x + o @ self.wo.reshape(-1, H) + self.bo
+            n2 = F.layer_norm(x, (H,), self.ln2_w, self.ln2_b, 1e-5)
+            return x + F.gelu(n2 @ self.w_fc + self.b_fc) @ self.w_proj + self.b_proj
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name in ("wte", "wpe", "ln_f_w", "ln_f_b"):
+                self.register_parameter(name, nn.Parameter(full[name].clone()))
+            self.blocks = nn.ModuleList(Block(w) for w in full["blocks"])
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            x = self.wte[idx] + self.wpe[:idx.shape[1]]
+            for b in self.blocks:
+                x = b(x)
+            x = F.layer_norm(x, (H,), self.ln_f_w, self.ln_f_b, 1e-5)
+            return x @ self.wte.T  # the head tied to the token embedding, as nanoGPT's
+    return GPT()
+
+
+# --- the model with coconet's blocks ------------------------------------------------------------
+def sequence_functions(comm: Any) -> tuple[Any, Any]:
+    """Megatron's conjugates at the sequence-parallel region's edges, over the ranks of COMM
+    (a tensor-parallel group): scatter (forward: this rank's slice of dim 1; backward: the
+    slices' gradients all-gathered) and gather (forward: the slices all-gathered; backward: this
+    rank's slice of the gradient, the same on every rank since every rank computes the same loss
+    from the gathered tensor). Slices as the language cuts them (ceil(S/R) rows a rank)."""
+    import torch
+    from coconetc.ir.slices import slice_range
+    R, r = comm.Get_size(), comm.Get_rank()
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        lo, hi = slice_range(t.shape[1], R, r)
+        return t[:, lo:hi].contiguous()
+
+    def gathered(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.from_numpy(p) for p in comm.allgather(t.detach().contiguous().numpy())], dim=1)
+
+    class Scatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return mine(x)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return gathered(g)
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return gathered(x)
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return mine(g)
+    return Scatter.apply, Gather.apply
+
+
+def coconet_model(full: dict[str, Any], a: argparse.Namespace, program: str, groups: int, tp_comm: Any) -> Any:
+    """The model with every block a coconetc.torch.Module of PROGRAM (this rank's parts of its
+    weights), on COMM_WORLD in GROUPS groups; the block's input x sliced along the sequence
+    when the program says so (sp), with the conjugates over TP_COMM."""
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    import coconetc.torch as ct
+    from coconetc.sourcefile import load_file
+    prog = load_file(GPT_BLOCK).program(program)
+    params = {q.name: q for q in prog.params}
+    x = params.get("x")
+    if x is None or x.scalar:
+        raise SystemExit(f"{program}: expected a tensor parameter x (the block's input)")
+    unknown = [n for n, q in params.items() if n != "x" and n not in BLOCK_WEIGHTS and n not in SCALARS]
+    if unknown:
+        raise SystemExit(f"{program}: parameter {unknown[0]!r} is not one this script knows "
+                         f"(x, {', '.join(BLOCK_WEIGHTS)}, {', '.join(SCALARS)})")
+    if x.type.layout.sliced and x.type.layout.dim != 1:
+        raise SystemExit(f"{program}: x is {x.type}: only a slice along the sequence (dim 1) is known here")
+    seq_sliced = x.type.layout.sliced
+    scatter, gather = sequence_functions(tp_comm) if seq_sliced else (None, None)
+    weights = [n for n in params if n in BLOCK_WEIGHTS]
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for name in ("wte", "wpe", "ln_f_w", "ln_f_b"):
+                self.register_parameter(name, nn.Parameter(full[name].clone()))
+            self.blocks = nn.ModuleList(
+                ct.Module(GPT_BLOCK, program, parameters={n: w[n] for n in weights}, schedule=a.schedule,
+                          grad_schedule=a.grad_schedule, groups=groups)
+                for w in full["blocks"])
+
+        def forward(self, idx: torch.Tensor, step: int) -> torch.Tensor:
+            x = self.wte[idx] + self.wpe[:idx.shape[1]]
+            if scatter is not None:
+                x = scatter(x)
+            for i, b in enumerate(self.blocks):
+                x = b(x=x.contiguous(), scale=1.0 / math.sqrt(a.hidden // a.heads), pdrop=a.dropout,
+                      seed=1000 * step + i)
+            if gather is not None:
+                x = gather(x)
+            x = F.layer_norm(x, (a.hidden,), self.ln_f_w, self.ln_f_b, 1e-5)
+            return x @ self.wte.T
+    model = GPT()
+    model.layouts = {f"blocks.{i}.{n}": params[n] for i in range(a.layers) for n in weights}
+    return model
+
+
+# --- one mode: train both, compare ----------------------------------------------------------------
+def run_mode(mode: str, a: argparse.Namespace, comm: Any) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    from coconetc.runtime import layout
+    from coconetc.torch import DistributedOptimizer
+    rank, ranks = comm.Get_rank(), comm.Get_size()
+    groups = a.dp_groups if mode == "tp_dp" else 1
+    gs = ranks // groups
+    group, r = rank // gs, rank % gs
+    tp_comm = comm.Split(group, r) if groups > 1 else comm
+    dp_comm = comm.Split(r, group) if groups > 1 else None
+    check_sizes(mode, a, ranks)
+    full = init(a)
+    data = batches(a)
+    ref = reference_model(full, a)
+    model = coconet_model(full, a, PROGRAMS[mode], groups, tp_comm)
+    hp = dict(lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=a.wd)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    if dp_comm is not None:
+        # adamw.ccn sums the gradients over dp_comm (allreduce(sum, g)); its global-norm
+        # clipping would take the norm of this rank's parts only, so it is off (maxnorm huge)
+        opt = DistributedOptimizer(model.parameters(), ADAMW, schedule=a.dp_schedule, comm=dp_comm, lr=a.lr,
+                                   beta1=0.9, beta2=0.95, eps=1e-8, wd=a.wd, maxnorm=1e30)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **hp)
+    rows = slice(group * a.batch // groups, (group + 1) * a.batch // groups)
+    share = 1.0 / groups  # this group's rows' share of the batch (even split)
+
+    refs = dict(ref.named_parameters())
+    mine: dict[str, torch.Tensor] = {}
+    grad_err: dict[str, float] = {}
+    losses, ref_losses = [], []
+    t_coconet = t_ref = 0.0
+    for step, (idx, tgt) in enumerate(data):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(idx[rows], step).reshape(-1, a.vocab), tgt[rows].reshape(-1)) * share
+        loss.backward()
+        if step == 0:
+            for name, p in model.named_parameters():
+                mine[name] = p.grad.detach().clone()
+                if dp_comm is not None:  # what the optimizer's all-reduce makes of it: the batch's gradient
+                    dp_comm.Allreduce(MPI.IN_PLACE, mine[name].numpy(), op=MPI.SUM)
+        opt.step()
+        losses.append(loss.item() if dp_comm is None else dp_comm.allreduce(loss.item()))
+        t1 = time.perf_counter()
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(ref(idx).reshape(-1, a.vocab), tgt.reshape(-1))
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        if step == 0:  # this rank's part of each one-process gradient
+            for name, g in mine.items():
+                want = refs[name].grad.detach()
+                if name in model.layouts:
+                    want = want[layout.local_index(model.layouts[name], list(want.shape), gs, r)]
+                err = float((g - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+                grad_err[name] = comm.allreduce(err, op=MPI.MAX)
+        ref_opt.step()
+        t_coconet += t1 - t0
+        t_ref += time.perf_counter() - t1
+    loss_err = [abs(x - y) / abs(y) for x, y in zip(losses, ref_losses)]
+    held = sum(p.numel() for p in model.parameters())
+    return {"mode": mode, "groups": groups, "group_size": gs, "grad_err": grad_err, "losses": losses,
+            "ref_losses": ref_losses, "loss_err": loss_err, "held": held,
+            "total": sum(p.numel() for p in ref.parameters()),
+            "seconds": comm.allreduce(t_coconet, op=MPI.MAX), "ref_seconds": t_ref}
+
+
+def report(res: dict[str, Any], a: argparse.Namespace, ranks: int) -> bool:
+    """Rank 0's tables for one mode; True when it passes."""
+    mode, gs, groups = res["mode"], res["group_size"], res["groups"]
+    how = {"tp": f"tensor parallel over {gs} ranks", "sp": f"sequence parallel over {gs} ranks",
+           "tp_dp": f"tensor parallel over {gs} ranks x data parallel over {groups} groups "
+                    f"(DistributedOptimizer adamw.ccn, schedule {a.dp_schedule})"}[mode]
+    print(f"\n== {mode}: {PROGRAMS[mode]} on {ranks} ranks, {how}; schedule {a.schedule}, grad schedule "
+          f"{a.grad_schedule}; {res['held']} of {res['total']} parameters on each rank")
+    checked = a.dropout == 0
+    worst: dict[str, float] = {}
+    for name, err in res["grad_err"].items():  # blocks.<i>.<w>: the worst over the blocks
+        key = "blocks.*." + name.split(".", 2)[2] if name.startswith("blocks.") else name
+        worst[key] = max(worst.get(key, 0.0), err)
+    print(f"first step's gradients, relative (largest difference / largest element), tolerance {a.grad_tol:g}:")
+    width = max(len(k) for k in worst)
+    for k, e in worst.items():
+        print(f"  {k:{width}s}  {e:9.2e}  {'ok' if e <= a.grad_tol else 'MISMATCH' if checked else ''}")
+    print(f"{'step':>6s}  {'coconet loss':>13s}  {'one process':>13s}  {'relative':>9s}")
+    for i, (x, y, e) in enumerate(zip(res["losses"], res["ref_losses"], res["loss_err"])):
+        if i < 3 or i % 5 == 4 or i == len(res["losses"]) - 1:
+            print(f"{i:6d}  {x:13.7f}  {y:13.7f}  {e:9.2e}")
+    g, lo = max(worst.values()), max(res["loss_err"])
+    ok = g <= a.grad_tol and lo <= a.loss_tol
+    print(f"{mode}: {a.steps} steps in {res['seconds']:.2f} s (one process: {res['ref_seconds']:.2f} s); "
+          f"largest gradient difference {g:.2e}, largest loss difference {lo:.2e}: "
+          + ("ok" if ok else "MISMATCH" if checked else f"not checked (dropout {a.dropout}: the masks differ)"))
+    return ok or not checked
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", default="tp", help="tp, sp, tp_dp, a comma-separated list, or all (default tp)")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks to start (when not already under mpiexec)")
+    ap.add_argument("--dp-groups", type=int, default=2, help="tp_dp: data-parallel groups (default 2)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=4, help="the MLP's width in multiples of --hidden")
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=4, help="the global batch (split over the groups under tp_dp)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--wd", type=float, default=0.1, help="AdamW's weight decay")
+    ap.add_argument("--dropout", type=float, default=0.0, help="> 0: trained without the comparison")
+    ap.add_argument("--schedule", default="overlapped", help="the blocks' forward schedule in gpt_block.ccn")
+    ap.add_argument("--grad-schedule", default="default", help="the backward's (a `schedule s for grad(...)`)")
+    ap.add_argument("--dp-schedule", default="zero", help="tp_dp: adamw.ccn's schedule (default, zero, ...)")
+    ap.add_argument("--grad-tol", type=float, default=1e-5)
+    ap.add_argument("--loss-tol", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    programs = available_programs()
+    if not in_mpi_job() and a.ranks > 1:  # build once here, then start the ranks
+        modes, _ = modes_of(a.mode, a.ranks, a.dp_groups, programs)
+        for m in modes:
+            check_sizes(m, a, a.ranks)
+        import coconetc
+        for prog in dict.fromkeys(PROGRAMS[m] for m in modes):
+            coconetc.load(GPT_BLOCK, log=lambda msg: None, grad=(prog,))
+        if "tp_dp" in modes:
+            coconetc.load(ADAMW, log=lambda msg: None)
+        from coconetc.launch.mpiexec import run_python
+        return run_python(a.ranks, [__file__, *sys.argv[1:]])
+    os.environ.setdefault("COCONET_THREADS", "1")
+    import torch
+    from mpi4py import MPI
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank, ranks = comm.Get_rank(), comm.Get_size()
+    modes, notes = modes_of(a.mode, ranks, a.dp_groups, programs)
+    if rank == 0:
+        print(f"GPT: {a.layers} blocks of H={a.hidden}, {a.heads} heads, F={a.ffn * a.hidden}; vocabulary "
+              f"{a.vocab}, sequence {a.seq}, batch {a.batch}; AdamW lr {a.lr} wd {a.wd}; {a.steps} steps; "
+              f"dropout {a.dropout}")
+        for n in notes:
+            print(n)
+    summary = []
+    for m in modes:
+        res = run_mode(m, a, comm)
+        ok = report(res, a, ranks) if rank == 0 else True
+        summary.append((m, max(res["grad_err"].values()), max(res["loss_err"]), ok))
+    ok = comm.bcast(all(s[3] for s in summary), root=0)
+    if rank == 0:
+        print(f"\n{'mode':6s} {'ranks':>5s} {'gradients':>10s} {'losses':>10s}  result")
+        for m, g, lo, good in summary:
+            print(f"{m:6s} {ranks:5d} {g:10.2e} {lo:10.2e}  "
+                  f"{('ok' if good else 'MISMATCH') if a.dropout == 0 else 'not checked'}")
+    if not ok:
+        if rank == 0:
+            print(f"MISMATCH: a gradient part by more than --grad-tol {a.grad_tol:g} or a loss by more than "
+                  f"--loss-tol {a.loss_tol:g}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
