@@ -204,3 +204,13 @@ def test_compiles_and_links_with_nvcc():
         pytest.skip(why)
     so = toolchain.compile(load_file(FILE), "cuda", toolchain.Options(archs="90", log=lambda m: None)).path
     assert so is not None and so.exists()
+
+
+def test_the_autotuner_writes_gather_overlaps():
+    """The tuner's space (tune/space.py) holds overlap(<gather>, <matmul>, chunks=k) for k in
+    2, 4, 8, each planned before it is kept."""
+    from coconetc.schedule.directives import OverlapD
+    from coconetc.tune.space import generate
+    got = dict(generate(load_file(FILE).programs["spmlp"]))
+    for k in (2, 4, 8):
+        assert OverlapD("g", "m", k, None, None) in got[f"auto_overlap{k}"], got  # (spans do not compare)

@@ -10,7 +10,9 @@ it) the generated schedules are, with their labels:
     auto_fused            split, reorder, fuse(rs, <moved stages>, <one gather>)
     auto_fused_slice      split, reorder, slice, fuse
     ..._overlapK          + overlap(<the matmul producing s's input>, <s, rs or the fusion>,
-                          chunks=K) for K in 2, 4, 8 (also on the unsplit allreduce: auto_overlapK)
+                          chunks=K) for K in 2, 4, 8 (also on the unsplit allreduce: auto_overlapK),
+                          and overlap(<g>, <the matmul that reads g>, chunks=K) for each
+                          allgather or broadcast g a matmul reads as its left operand
     ..._dD                split along dim D (every dim of s is tried; D = 0 is not named)
 
 "The computations that follow s": every stage that reads s's value directly or through other
@@ -138,6 +140,7 @@ def generate(p: Program) -> list[tuple[str, tuple[Directive, ...]]]:
     out: list[tuple[str, tuple[Directive, ...]]] = []
     for k in CHUNKS:
         ds = _overlaps(p, ars, {}, k)
+        ds += _gather_overlaps(p, ds, k)
         if ds:
             out.append((f"auto_overlap{k}", ds))
     dims = range(max((p.type_of(a).ndim for a in ars), default=0))
@@ -151,6 +154,7 @@ def generate(p: Program) -> list[tuple[str, tuple[Directive, ...]]]:
             ds, consumers = _named_fusions(p, ds, consumers)  # `f = fuse(...)`, as the examples
             for k in CHUNKS:
                 more = _overlaps(apply_all(p, ds), ars, consumers, k)
+                more += _gather_overlaps(apply_all(p, ds), more, k)
                 if more:
                     out.append((f"{label}_overlap{k}", ds + more))
     return out
@@ -267,6 +271,26 @@ def _overlaps(q: Program, ars: list[str], consumers: dict[str, str], k: int) -> 
         d = OverlapD(producer, consumer, k, None, NOWHERE)
         try:
             plan_program(apply_all(q, (*out, d)))
+        except (ScheduleError, CompileError, PlanError):
+            continue
+        out.append(d)
+    return tuple(out)
+
+
+def _gather_overlaps(q: Program, before: tuple[Directive, ...], k: int) -> tuple[Directive, ...]:
+    """overlap(<gather>, <matmul>, chunks=k) for each allgather or broadcast (not fused) that a
+    matmul stage reads as its left operand (the other way: all-gather-matmul)."""
+    out: list[Directive] = []
+    for g in q.stages:
+        if g.kind != "collective" or g.top.op not in ("allgather", "broadcast") or q.fusion_of(g.name):
+            continue
+        y = next((s for s in q.users(g.name) if isinstance(s.expr, Op) and s.expr.op == "matmul"
+                  and isinstance(s.expr.args[0], Ref) and s.expr.args[0].name == g.name), None)
+        if y is None:
+            continue
+        d = OverlapD(g.name, y.name, k, None, NOWHERE)
+        try:
+            plan_program(apply_all(q, (*before, *out, d)))
         except (ScheduleError, CompileError, PlanError):
             continue
         out.append(d)
