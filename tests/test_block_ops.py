@@ -315,22 +315,27 @@ def test_attention_over_heads_matches_numpy_and_its_derivative_matches_torch():
         np.testing.assert_allclose(got[f"d_{n}"], tw[n].grad.numpy(), rtol=1e-9, atol=1e-11)
 
 
-def test_a_batched_matmul_is_not_overlapped_yet():
+def test_a_batched_matmul_overlaps_in_whole_batches():
+    """A batched matmul as an overlap's producer: chunks along its batch dims only (each a
+    strided-batched GEMM; tests/test_gather_matmul.py runs them compiled), never along M or N."""
+    from coconetc.plan import plan_program
+    from coconetc.plan.units import Overlap
     src = BLOCK + """
-schedule ov for attention {
-    overlap(part, y, chunks=2)
+schedule ov for batched {
+    overlap(zp, z, chunks=2)
 }
 
 schedule bad for batched {
-    overlap(zp, z, chunks=2)
+    overlap(zp, z, chunks=2, dim=1)
 }
 """
     with pytest.raises(CompileError) as err:
         load_source(src, "t.ccn")
-    assert len(err.value.diagnostics) == 1, str(err.value)
     d = err.value.diagnostics[0]
-    assert "batched matmul (a batched right operand) cannot be overlapped yet" in d.message
-    assert (d.span.line, d.span.col) == (src.splitlines().index("    overlap(zp, z, chunks=2)") + 1, 13)
+    assert "cannot chunk along dim 1; chunkable dims: 0" in d.message, d.message
+    mod = load_source(src.split("schedule bad")[0], "t.ccn")
+    units = plan_program(mod.schedules["batched"]["ov"].ir, "ov").units
+    assert [(u.producer, u.collective, u.dim) for u in units if isinstance(u, Overlap)] == [("zp", "z", 0)]
 
 
 # --- errors at their line and column --------------------------------------------------------

@@ -9,7 +9,8 @@ reads, each chunk multiplied as soon as it has arrived while the next is in flig
 - every program of tests/programs/gather_matmul.ccn under every schedule (the derived one's
   too), compiled for the CPU on 2 and 3 ranks (uneven slices; tiny sizes with empty chunks and a
   rank holding nothing) and as CUDA under the host emulation, against the interpreter; the CUDA
-  module compiled and linked by nvcc."""
+  module compiled and linked by nvcc;
+- a batched matmul as the producer of an overlap (the usual way): chunks of whole batches."""
 
 from __future__ import annotations
 
@@ -36,10 +37,10 @@ RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
 COCONETC = str(Path(sys.executable).parent / "coconetc")
 PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["default", "packed"],
             "bc": ["default", "rows"], "spmlp": ["default", "both"], "spmlp_grad": ["default", "both"],
-            "defer": ["default", "ov"]}
+            "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
-    2: dict(B=3, S=5, H=4, F=6, T=7, C=5),
-    3: dict(B=1, S=2, H=3, F=4, T=2, C=2),
+    2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
+    3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
 }
 
 

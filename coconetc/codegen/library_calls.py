@@ -87,8 +87,15 @@ def _block_args(w: Writer, u: Library, lx: list[str]) -> list[str]:
 def overlap_rows(w: Writer, u: Overlap | GatherMatmul, first: str, count: str, dst: str) -> tuple[str, list[str]]:
     """An overlap's GEMM (u.gemm: matmul or matmul_nt) on `count` rows of a from row `first`
     (a seen as [rows, inner]), into `dst`: the function and its arguments, as call_args lays
-    them out (matmul: A[M, K] x B[K, N]; matmul_nt: A[M, N] x B[K, N]^T)."""
+    them out (matmul: A[M, K] x B[K, N]; matmul_nt: A[M, N] x B[K, N]^T; a batched matmul:
+    the rows are whole batches of M)."""
     la, lb = w.ldims(w.types[u.a]), w.ldims(w.types[u.b])
+    if len(lb) > 2:  # batched (matmul): whole batches of M rows, a strided-batched GEMM (call_args)
+        M, K, N = la[-2], la[-1], lb[-1]
+        stride_a = prod(la[-2:]) if len(la) > 2 else "int64_t(0)"
+        a = f"v_{u.a} + ({first}) / {M} * {stride_a}" if len(la) > 2 else f"v_{u.a}"
+        return u.gemm, [a, f"v_{u.b} + ({first}) / {M} * {prod(lb[-2:])}", dst, f"({count}) / {M}", M, K, N, stride_a,
+                        prod(lb[-2:])]
     inner, cols = la[-1], (lb[1] if u.gemm == "matmul" else lb[0])
     return u.gemm, [f"v_{u.a} + {first} * {inner}", f"v_{u.b}", dst, count, inner, cols]
 

@@ -354,9 +354,9 @@ def overlap(p: Program, d: OverlapD) -> Program:
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
                             "the producer must be a matmul stage (or a derived program's matmul_nt), "
                             "or an allgather or a broadcast whose result a matmul reads")
-    if prod.expr.args[1].type.ndim > 2:
+    if prod.expr.args[1].type.ndim > 2 and prod.expr.op != "matmul":
         raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
-                            "a batched matmul (a batched right operand) cannot be overlapped yet")
+                            f"a batched {prod.expr.op} cannot be overlapped yet")
     coll = _consumer_collective(p, d)
     if not (isinstance(coll.top.args[0], Ref) and coll.top.args[0].name == d.producer):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,
@@ -437,9 +437,12 @@ def _consumer_collective(p: Program, d: OverlapD) -> Stage:
 
 def _chunkable(prod: Stage, coll: Stage) -> list[int]:
     """Dims of the producer's result that both sides can cut: not the producer's own sliced
-    dim, not the dim the collective scatters or gathers."""
+    dim, not the dim the collective scatters or gathers; of a batched matmul (a batched right
+    operand), only its batch dims (each chunk a strided-batched GEMM of whole batches)."""
     t = prod.type
     banned = {t.layout.dim} if t.layout.sliced else set()
+    if prod.top.args[1].type.ndim > 2:
+        banned |= {t.ndim - 2, t.ndim - 1}
     op = coll.top
     if op.op in ("reducescatter", "scatter"):
         banned.add(ops.attr(op, "dim"))

@@ -39,15 +39,16 @@ class CpuOverlap:
         ly, la, lb = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b))
         rows, per_row = ly[0], _prod(ly[1:-1])
         chunk = f"coconet::chunk_range({rows}, {u.chunks}, i)"
-        K, N = la[-1], lb[1]
-        if u.gemm == "matmul":
+        K, N = la[-1], lb[-1]
+        steps = u.gemm == "matmul" and len(lb) == 2  # (a batched matmul: its strided-batched call)
+        if steps:
             # b prepared once (f16/bf16 widened to f32 once, not once per chunk); each chunk's GEMM
             # in row blocks with the communication in flight progressed between them (gemm_steps)
             self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
             self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
         self.w.emit(f"coconet::overlap({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
         self.w.emit(f"  const coconet::Range r = {chunk};")
-        if u.gemm == "matmul":
+        if steps:
             self.w.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
                       f"{K}, bp_{y}, bld_{y}, v_{y} + r.begin * {_prod(ly[1:])}, {N}, coconet::kOverlapSteps, "
                       "[&] { ov.progress(); });")
