@@ -26,6 +26,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "require.h"
+
 namespace coconet {
 
 // Rank in MPI_COMM_WORLD, or -1 when MPI is not running (before MPI_Init, after MPI_Finalize).
@@ -47,11 +49,6 @@ inline int world_rank_or_none() {
   std::fflush(stderr);
   if (rank >= 0) MPI_Abort(MPI_COMM_WORLD, code);
   std::abort();
-}
-
-// Argument check before any communication: throws std::invalid_argument(msg) if !ok.
-inline void require(bool ok, const std::string& msg) {
-  if (!ok) throw std::invalid_argument(msg);
 }
 
 // Turns a failed MPI call into abort_all() with MPI's error string.

@@ -23,20 +23,6 @@
 
 namespace coconet {
 
-// One piece of a logical range [begin, end) inside one segment: segment index, offset inside
-// the segment, offset inside the range, length.  A list, so loops over it need no lambda.
-struct Piece {
-  size_t segment;
-  int64_t at, offset, size;
-};
-inline std::vector<Piece> pieces(const std::vector<int64_t>& starts, int64_t begin, int64_t end) {
-  std::vector<Piece> out;
-  for_each_piece(starts, begin, end, [&](size_t s, int64_t a, int64_t b, int64_t len) {
-    out.push_back(Piece{s, a, b, len});
-  });
-  return out;
-}
-
 // dst[0, n) = src (a reduced chunk, in the compute type) rounded to T: the reduced value a fused
 // collective keeps for its phase B. f32 goes with non-temporal stores where the target has them:
 // the chunk is written once and read again only after every chunk, so its lines are not read in

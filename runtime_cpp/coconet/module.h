@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "batch.h"
+#include "call_args.h"
 #include "collectives.h"
 #include "comm.h"
 #include "dtypes.h"
@@ -111,29 +112,15 @@ T* shared_scratch(Comm& comm, int64_t n) {
 // n rounded up to a multiple of m (m > 0): chunks that hold whole rows.
 inline int64_t round_up(int64_t n, int64_t m) { return m > 0 ? (n + m - 1) / m * m : n; }
 
-struct CallArgs {
-  std::vector<uintptr_t> tensors;                    // data pointers, one per tensor parameter
-  std::vector<std::vector<uintptr_t>> seg_ptrs;      // per tensor parameter: its segments (scattered)
-  std::vector<int64_t> seg_sizes;                    // segment sizes (all scattered params share them)
-  std::vector<uintptr_t> outputs;                    // data pointers of the output arrays
-  std::vector<int64_t> sizes;                        // size symbols, sorted by name
-  std::vector<double> scalars;                       // scalar parameters (float ones)
-  std::vector<int64_t> iscalars;                     // scalar parameters (integer ones)
-  uintptr_t comm = 0;                                // MPI_Comm handle (mpi4py's _handleof)
-  int groups = 1;
+// What Python passes (call_args.h), with the MPI communicator and the fused collectives' algorithm.
+struct CallArgs : CallArgsBase {
+  uintptr_t comm = 0;  // MPI_Comm handle (mpi4py's _handleof)
   // The fused collectives' algorithm for this call (a schedule label "S@p2p" / "S@shm", the
   // autotuner's choice): 0 as COCONET_FUSED says, 1 point-to-point, 2 the shared window when
   // every rank of the group is on this node.
   int fused = 0;
   std::vector<uint64_t> windows;  // coconetc.empty's shared windows: (id, address, bytes, MPI_Win) each
 
-  template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
-  template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }
-  template <class T> Segments<T> segments(size_t k) const {
-    std::vector<T*> ptrs;
-    for (uintptr_t p : seg_ptrs.at(k)) ptrs.push_back(reinterpret_cast<T*>(p));
-    return Segments<T>(ptrs, seg_sizes);
-  }
   MPI_Comm mpi_comm() const {
     MPI_Comm c;
     static_assert(sizeof(MPI_Comm) <= sizeof(uintptr_t), "MPI_Comm handle does not fit");

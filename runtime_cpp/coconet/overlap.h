@@ -1,7 +1,7 @@
 // coconet runtime: `overlap(producer, consumer, chunks=k)` in a schedule.
 //
 // The producer (e.g. a matmul) is computed chunk by chunk (chunk i of k along some dim, split
-// with the language's partition rule: chunk_range); right after chunk i is produced, the
+// with the language's partition rule: slices.h slice_range); right after chunk i is produced, the
 // consumer's communication for that chunk starts as a non-blocking Task (MPI_Iallreduce,
 // MPI_Ireduce_scatter, MPI_Iallgatherv, or a fused collective of fused.h), and every
 // outstanding task is tested (MPI_Testall, which drives MPI's progress engine) before the next
@@ -35,9 +35,6 @@
 #include "slices.h"
 
 namespace coconet {
-
-// Chunk i of k of a dim of size n (the partition rule of slices.h).
-inline Range chunk_range(int64_t n, int k, int i) { return slice_range(n, k, i); }
 
 // Communication in flight: test() progresses it without blocking (true when done), wait()
 // finishes it.
@@ -231,7 +228,7 @@ class PackedChunks {
       : chunks_(chunks), outer_(outer), n_(n), inner_(inner), in_(chunks), out_(chunks) {}
   T* in(int i) {
     auto& b = in_[static_cast<size_t>(i)];
-    b.resize(static_cast<size_t>(outer_ * chunk_range(n_, chunks_, i).size() * inner_));
+    b.resize(static_cast<size_t>(outer_ * slice_range(n_, chunks_, i).size() * inner_));
     return b.data();
   }
   T* out(int i, int64_t count) {

@@ -33,9 +33,9 @@ void overlap_collectives(Comm& c, int64_t M, int64_t N, int chunks) {
   Range cols = slice_range(N, c.size, c.rank);
   int64_t sN = cols.size();
   std::vector<float> y(size_t(M * N)), ar(y.size()), rs(size_t(M * sN)), ag(y.size());
-  overlap(chunks, [&](int i) { produce_rows(p, y, chunk_range(M, chunks, i)); },
+  overlap(chunks, [&](int i) { produce_rows(p, y, slice_range(M, chunks, i)); },
           [&](int i, int channel) {
-            Range r = chunk_range(M, chunks, i);
+            Range r = slice_range(M, chunks, i);
             return start_allreduce(Op::sum, y.data() + r.begin * N, ar.data() + r.begin * N, r.size() * N, c, channel);
           });
   std::vector<float> want(y.size());
@@ -44,9 +44,9 @@ void overlap_collectives(Comm& c, int64_t M, int64_t N, int chunks) {
   same(ar, want, 1e-5, "overlap allreduce " + what);
   // reduce-scatter along the columns, then gather the slices back.
   std::vector<float> y2(y.size());
-  overlap(chunks, [&](int i) { produce_rows(p, y2, chunk_range(M, chunks, i)); },
+  overlap(chunks, [&](int i) { produce_rows(p, y2, slice_range(M, chunks, i)); },
           [&](int i, int channel) {
-            Range r = chunk_range(M, chunks, i);
+            Range r = slice_range(M, chunks, i);
             return start_reduce_scatter(Op::avg, y2.data() + r.begin * N, rs.data() + r.begin * sN, r.size(), N, 1, c, channel);
           });
   std::vector<float> rs_want(rs.size());
@@ -54,7 +54,7 @@ void overlap_collectives(Comm& c, int64_t M, int64_t N, int chunks) {
   same(rs, rs_want, 1e-5, "overlap reduce_scatter " + what);
   Overlap ov;
   for (int i = 0; i < chunks; ++i) {
-    Range r = chunk_range(M, chunks, i);
+    Range r = slice_range(M, chunks, i);
     ov.add(start_allgather(rs.data() + r.begin * sN, ag.data() + r.begin * N, r.size(), N, 1, c, i + 1));
     ov.progress();
   }
@@ -70,11 +70,11 @@ void overlap_fused(Comm& c, int64_t B, int64_t S, int64_t H, int chunks, int64_t
   Problem p = make_problem(c.rank, B * S, 3, H);
   std::vector<float> y(p.y.size()), out(y.size(), 0.f), bias = real_data<float>(3, 0, H);
   overlap(chunks, [&](int i) {
-            Range b = chunk_range(B, chunks, i);
+            Range b = slice_range(B, chunks, i);
             produce_rows(p, y, Range{b.begin * S, b.end * S});
           },
           [&](int i, int channel) {
-            Range b = chunk_range(B, chunks, i);
+            Range b = slice_range(B, chunks, i);
             int64_t base = b.begin * S * H, total = b.size() * S * H;
             auto compute = [&out, &bias, base, H](int64_t lo, int64_t hi, const float* red) {
               for (int64_t j = lo; j < hi; ++j) out[size_t(base + j)] = red[j - lo] + bias[size_t(j % H)];
@@ -90,11 +90,11 @@ void overlap_fused(Comm& c, int64_t B, int64_t S, int64_t H, int chunks, int64_t
   // The same with fused allreduce + compute tasks.
   std::vector<float> out2(y.size(), 0.f);
   overlap(chunks, [&](int i) {
-            Range b = chunk_range(B, chunks, i);
+            Range b = slice_range(B, chunks, i);
             produce_rows(p, y, Range{b.begin * S, b.end * S});
           },
           [&](int i, int channel) {
-            Range b = chunk_range(B, chunks, i);
+            Range b = slice_range(B, chunks, i);
             int64_t base = b.begin * S * H;
             auto compute = [&out2, &bias, base, H](int64_t lo, int64_t hi, const float* red) {
               for (int64_t j = lo; j < hi; ++j) out2[size_t(base + j)] = red[j - lo] + bias[size_t((base + j) % H)];

@@ -38,7 +38,7 @@ class CpuOverlap:
         ct = CTYPE[self.w.types[y].dtype]
         ly, la, lb = (self.w.ldims(self.w.types[n]) for n in (y, u.a, u.b))
         rows, per_row = ly[0], _prod(ly[1:-1])
-        chunk = f"coconet::chunk_range({rows}, {u.chunks}, i)"
+        chunk = f"coconet::slice_range({rows}, {u.chunks}, i)"
         K, N = la[-1], lb[-1]
         steps = u.gemm == "matmul" and len(lb) == 2  # (a batched matmul: its strided-batched call)
         if steps:
@@ -113,7 +113,7 @@ class CpuOverlap:
         outer, n, inner = _prod(ly[:d]), ly[d], _prod(ly[d + 1:])
         self.w.emit(f"coconet::PackedChunks<{ct}> pk_{y}({u.chunks}, {outer}, {n}, {inner});")
         self.w.emit(f"coconet::overlap({u.chunks}, [&](int i) {{")
-        self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+        self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
         self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
         if d == nd - 1:  # a block of b (its columns; matmul_nt: its rows): P[M, |r|]
             fn, args = library_calls.overlap_cols(self.w, u, "P")
@@ -127,7 +127,7 @@ class CpuOverlap:
         if u.keep_producer:
             self.w.emit(f"  coconet::unpack_block(P, v_{y}, {outer}, {n}, {inner}, r);")
         self.w.emit("}, [&](int i, int channel) {")
-        self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+        self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
         self.w.emit(f"  {ct}* const P = pk_{y}.in(i);")
         op = REDUCE_OP.get(u.reduce, "")
         lcd = [x if k != d else "r.size()" for k, x in enumerate(lc)]
@@ -162,7 +162,7 @@ class CpuOverlap:
             self.w.emit(f"  return coconet::start_allgather_pieces(v_{c.src}, v_{c.dst}, {n}, {_prod(G[1:])}, "
                         f"{u.chunks}, i, comm, channel);")
         else:
-            self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
             if u.how == "rows":
                 src, dst = f"v_{c.src} + r.begin * {_prod(X[1:])}", f"v_{c.dst} + r.begin * {_prod(G[1:])}"
                 gp = ["r.size()", *G[1:]]
@@ -187,10 +187,10 @@ class CpuOverlap:
             self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
             self.w.emit("  }")
         elif u.how == "rows":
-            self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
             self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "  ")
         else:
-            self.w.emit(f"  const coconet::Range r = coconet::chunk_range({n}, {u.chunks}, i);")
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
             self.w.emit(f"  for (int64_t o = 0; o < {_prod(G[:d])}; ++o) {{")
             self._gemm_rows(u, ct, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
             self.w.emit("  }")

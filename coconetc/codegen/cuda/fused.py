@@ -152,7 +152,7 @@ class CudaFused:
             fn = rd.cuda("partial", T)
             parts = f", pa_{u.name}.parts()" if rd.extreme else ""
             if r.src in self.w.scattered and r.src != u.collective:  # a block reduction per piece
-                self.w.emit(f"{ind}for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, "
+                self.w.emit(f"{ind}for (const coconet::Piece& pc : coconet::pieces(seg_starts, off + lo, "
                             f"off + hi)) coconet::cuda::{fn}(p_{r.src}.at(pc), pc.size, {acc}, ctx{parts});")
             else:
                 self.w.emit(f"{ind}coconet::cuda::{fn}({x}, hi - lo, {acc}, ctx{parts});")
@@ -320,7 +320,7 @@ class CudaFused:
             if not any(name == u.gathered for name, _, _ in items):
                 runs = ""
             if segs:  # a kernel per piece of the chunk inside one segment (element j = pc.offset + q)
-                self.w.emit("    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {")
+                self.w.emit("    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off + lo, off + hi)) {")
                 self.w.emit("    const int64_t b0 = pc.offset;")
                 for x in segs:
                     self.w.emit(f"    {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")

@@ -294,7 +294,7 @@ class CudaKernels:
                 assert len(items) == 1, items
                 items = [(items[0][0], items[0][1], False)]
             self._loop_head(t, coords)
-            self.w.emit(f"  for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + {n})) {{")
+            self.w.emit(f"  for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + {n})) {{")
             self.w.emit("  const int64_t b0 = pc.offset;")
             for x in segs:
                 self.w.emit(f"  {CTYPE[self.w.types[x].dtype]}* const sp_{x} = p_{x}.at(pc);")

@@ -95,11 +95,11 @@ class CudaRenderer:
         elif b.kind == "segments":
             k = self.w.tensor_arg(b.name)
             if not self.seg_declared:
-                self.w.emit("const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);")
+                self.w.emit("const std::vector<int64_t> seg_starts = coconet::segment_starts(a.seg_sizes);")
                 self.seg_declared = True
-            self.w.emit(f"const coconet::cuda::Segs<{ct}> p_{b.name} = a.segments<{ct}>({k});")
+            self.w.emit(f"const coconet::Segments<{ct}> p_{b.name} = a.segments<{ct}>({k});")
             self.w.emit(f"for (size_t s = 0; s < p_{b.name}.ptrs.size(); ++s)")
-            self.w.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.size(s)) * sizeof({ct}), "{b.name}", '
+            self.w.emit(f'  COCONET_PARAM(p_{b.name}.ptrs[s], size_t(p_{b.name}.sizes[s]) * sizeof({ct}), "{b.name}", '
                         "stream);")
         elif b.kind == "into" or "cuda" in b.unallocated:  # no memory of its own (the plan)
             self.w.emit(f"// {b.name}: straight into {b.of}'s segments" if b.kind == "into" else

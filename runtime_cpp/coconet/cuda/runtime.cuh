@@ -40,6 +40,7 @@
 #include <utility>
 #include <vector>
 
+#include "../call_args.h"
 #include "../dtypes.h"
 #include "../pointwise.h"
 #include "../slices.h"
@@ -81,59 +82,15 @@ struct Scalar {
 // one logical 1-D tensor, never copied into one buffer. The host walks the pieces of a logical
 // range (as the CPU runtime's segments.h) and issues one kernel, copy or NCCL call per piece.
 
-// One piece of a logical range [begin, end) inside one segment: segment, offset inside the
-// segment, offset inside the range, length.
-struct Piece {
-  size_t seg;
-  int64_t at, offset, size;
-};
-// starts[i] = first logical index of segment i; back() = total.
-inline std::vector<int64_t> segment_starts(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> starts(sizes.size() + 1, 0);
-  for (size_t i = 0; i < sizes.size(); ++i) starts[i + 1] = starts[i] + sizes[i];
-  return starts;
-}
-inline std::vector<Piece> pieces(const std::vector<int64_t>& starts, int64_t begin, int64_t end) {
-  std::vector<Piece> out;
-  for (size_t s = 0; s + 1 < starts.size() && begin < end; ++s) {
-    const int64_t lo = std::max(begin, starts[s]), hi = std::min(end, starts[s + 1]);
-    if (hi > lo) out.push_back(Piece{s, lo - starts[s], lo - begin, hi - lo});
-  }
-  return out;
-}
-// A scattered tensor: its segments' device pointers and the segments' logical starts.
-template <class T>
-struct Segs {
-  std::vector<T*> ptrs;
-  std::vector<int64_t> starts{0};
-  T* at(const Piece& pc) const { return ptrs[pc.seg] + pc.at; }
-  int64_t size(size_t s) const { return starts[s + 1] - starts[s]; }
-};
-
-// What Python passes: device pointers, sizes, scalars, the stream and the NCCL communicator.
-struct CallArgs {
-  std::vector<std::vector<uintptr_t>> seg_ptrs;  // per tensor parameter: its segments (scattered)
-  std::vector<int64_t> seg_sizes;                // segment sizes (all scattered params share them)
-  template <class T> Segs<T> segments(size_t k) const {
-    Segs<T> s;
-    for (uintptr_t p : seg_ptrs.at(k)) s.ptrs.push_back(reinterpret_cast<T*>(p));
-    s.starts = segment_starts(seg_sizes);
-    return s;
-  }
-  std::vector<uintptr_t> tensors;
-  std::vector<uintptr_t> outputs;
-  std::vector<int64_t> sizes;
-  std::vector<double> scalars;
-  std::vector<int64_t> iscalars;
+// What Python passes (../call_args.h), with the stream, the NCCL communicator and the tensors
+// every rank's call has in a window of comm. A scattered tensor is coconet::Segments (../pieces.h).
+struct CallArgs : CallArgsBase {
   uintptr_t stream = 0;  // cudaStream_t (0: the legacy default stream)
   uintptr_t comm = 0;    // ncclComm_t of all ranks
-  int groups = 1;
   // the tensors that every rank's call has in a window of comm (window_index, symmetric.cuh;
   // agreed by the call's exchange): the symmetric kernel reads them in place on every rank, so
   // its own window needs no room to stage them
   std::vector<uintptr_t> in_place;
-  template <class T> T* tensor(size_t k) const { return reinterpret_cast<T*>(tensors.at(k)); }
-  template <class T> T* output(size_t k) const { return reinterpret_cast<T*>(outputs.at(k)); }
 };
 
 // The call's context: the group's communicator (split from the world one when groups > 1),
@@ -959,7 +916,7 @@ void reshape(const T* x, T* y, int64_t n, int64_t n_in, int64_t n_out, int64_t w
 
 // Contiguous src[0, n) into the logical range [0, n) of dst's segments.
 template <class T>
-void copy_in(const T* src, const Segs<T>& dst, int64_t n, const Ctx& c) {
+void copy_in(const T* src, const Segments<T>& dst, int64_t n, const Ctx& c) {
   for (const Piece& pc : pieces(dst.starts, 0, n))
     COCONET_CUDA(cudaMemcpyAsync(dst.at(pc), src + pc.offset, size_t(pc.size) * sizeof(T), cudaMemcpyDeviceToDevice,
                                  c.stream));
@@ -967,17 +924,17 @@ void copy_in(const T* src, const Segs<T>& dst, int64_t n, const Ctx& c) {
 
 // y[0, N) = the reduction over ranks of every segment of x: one grouped ncclAllReduce per segment.
 template <class T>
-void allreduce(ncclRedOp_t op, const Segs<T>& x, T* y, const Ctx& c) {
+void allreduce(ncclRedOp_t op, const Segments<T>& x, T* y, const Ctx& c) {
   Group_ g;
   for (size_t s = 0; s < x.ptrs.size(); ++s)
-    if (x.size(s) > 0)
-      COCONET_CUDA(ncclAllReduce(x.ptrs[s], y + x.starts[s], size_t(x.size(s)), NcclType<T>::t, op, c.comm, c.stream));
+    if (x.sizes[s] > 0)
+      COCONET_CUDA(ncclAllReduce(x.ptrs[s], y + x.starts[s], size_t(x.sizes[s]), NcclType<T>::t, op, c.comm, c.stream));
 }
 
 // y: this rank's slice of the logical [0, n) reduced over ranks; one grouped ncclReduce per piece of
 // every rank's slice, to that rank (a non-root's receive buffer is its own piece: NCCL ignores it).
 template <class T>
-void reduce_scatter(ncclRedOp_t op, const Segs<T>& x, T* y, int64_t n, const Ctx& c) {
+void reduce_scatter(ncclRedOp_t op, const Segments<T>& x, T* y, int64_t n, const Ctx& c) {
   const int R = c.group.size;
   Group_ g;
   for (int r = 0; r < R; ++r) {
@@ -991,7 +948,7 @@ void reduce_scatter(ncclRedOp_t op, const Segs<T>& x, T* y, int64_t n, const Ctx
 // Every rank's slice x of the logical [0, n) straight into the segments of y: one grouped
 // ncclBroadcast per piece, in place on the receivers.
 template <class T>
-void allgather(const T* x, const Segs<T>& y, int64_t n, const Ctx& c) {
+void allgather(const T* x, const Segments<T>& y, int64_t n, const Ctx& c) {
   const int R = c.group.size;
   Group_ g;
   for (int r = 0; r < R; ++r) {
@@ -1007,12 +964,12 @@ void allgather(const T* x, const Segs<T>& y, int64_t n, const Ctx& c) {
 template <class T>
 void segment_partial(const T* x, int64_t n, int64_t off, const std::vector<int64_t>& starts, double* sq,
                      const Ctx& c) {
-  for (const Piece& pc : pieces(starts, off, off + n)) partial_sum<T, true>(x + pc.offset, pc.size, sq + pc.seg, c);
+  for (const Piece& pc : pieces(starts, off, off + n)) partial_sum<T, true>(x + pc.offset, pc.size, sq + pc.segment, c);
 }
 template <class T>
-void segment_partial(const Segs<T>& x, int64_t n, int64_t off, const std::vector<int64_t>& starts, double* sq,
+void segment_partial(const Segments<T>& x, int64_t n, int64_t off, const std::vector<int64_t>& starts, double* sq,
                      const Ctx& c) {
-  for (const Piece& pc : pieces(starts, off, off + n)) partial_sum<T, true>(x.at(pc), pc.size, sq + pc.seg, c);
+  for (const Piece& pc : pieces(starts, off, off + n)) partial_sum<T, true>(x.at(pc), pc.size, sq + pc.segment, c);
 }
 
 // out[i] = sqrt(sq[the segment holding logical element off + i]), i in [0, n): a fill kernel per piece.
@@ -1021,7 +978,7 @@ void segment_norm_fill(const double* sq, T* out, int64_t n, int64_t off, const s
                        const Ctx& c) {
   for (const Piece& pc : pieces(starts, off, off + n)) {
     T* o = out + pc.offset;
-    const double* q = sq + pc.seg;
+    const double* q = sq + pc.segment;
     COCONET_ACCESS(COCONET_R(q, 0, 1), COCONET_W(o, 0, pc.size));
     launch(pc.size, c.stream, [=] __device__ (int64_t j) {
       o[j] = from_compute<T>(static_cast<compute_t<T>>(sqrt(q[0])));
@@ -1031,7 +988,7 @@ void segment_norm_fill(const double* sq, T* out, int64_t n, int64_t off, const s
 
 // out[i] = the L2 norm of the segment holding logical element off + i, i in [0, n): a block
 // reduction per piece into a double per segment, the ranks' sums added when x is sliced
-// (cross_rank), then a fill kernel per piece. X: const T* or Segs<T>.
+// (cross_rank), then a fill kernel per piece. X: const T* or Segments<T>.
 template <class T, class X>
 void segment_norm(const X& x, T* out, int64_t n, int64_t off, const std::vector<int64_t>& starts, bool cross_rank,
                   const Ctx& c, int site) {
@@ -1179,7 +1136,7 @@ void reduce_chunk(ncclRedOp_t op, const T* x, T* red, int64_t n, int64_t inner, 
 // The same over a scattered x (logical [0, n), 1-D): each rank's chunk is reduced piece by piece
 // (one ncclReduce per piece inside one segment), grouped.
 template <class T>
-void reduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
+void reduce_chunk(ncclRedOp_t op, const Segments<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
   const int R = c.group.size;
   Group_ g;
   for (int r = 0; r < R; ++r) {
@@ -1278,7 +1235,7 @@ inline std::vector<emu::Span> with_spans(std::vector<emu::Span> a, const std::ve
 // Chunk k of the logical [0, n) of a scattered x, all-reduced into red: one grouped ncclAllReduce
 // per piece of the chunk inside one segment, on the comm stream (a fused all-reduce's reduce_to).
 template <class T>
-void allreduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
+void allreduce_chunk(ncclRedOp_t op, const Segments<T>& x, T* red, int64_t n, int64_t k, int64_t ch, const Ctx& c) {
   const int64_t lo = k * ch, hi = std::min(n, lo + ch);
   Group_ g;
   for (const Piece& pc : pieces(x.starts, lo, hi))
@@ -1288,7 +1245,7 @@ void allreduce_chunk(ncclRedOp_t op, const Segs<T>& x, T* red, int64_t n, int64_
 // dst[0] = sum (or L2 norm) of the logical [0, n) of a scattered x: a block reduction per piece
 // into one double, the ranks' partial sums added when x is sliced (cross_rank), as reduce_sum.
 template <class T, bool NORM>
-void reduce_sum(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+void reduce_sum(const Segments<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
   double* acc = scratch<double>(site, 1);
   COCONET_CUDA(cudaMemsetAsync(acc, 0, sizeof(double), c.stream));
   for (const Piece& pc : pieces(x.starts, 0, n)) partial_sum<T, NORM>(x.at(pc), pc.size, acc, c);
@@ -1298,7 +1255,7 @@ void reduce_sum(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx&
 
 // max (MAX) or min of the logical [0, n) of a scattered x, a block reduction per piece, as reduce_extreme.
 template <class T, bool MAX>
-void reduce_extreme(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
+void reduce_extreme(const Segments<T>& x, T* dst, int64_t n, bool cross_rank, const Ctx& c, int site) {
   double* acc = extreme_acc(site, c);
   for (const Piece& pc : pieces(x.starts, 0, n)) partial_extreme<T, MAX>(x.at(pc), pc.size, acc, c);
   reduce_across(acc, 2, cross_rank, true, c);
@@ -1307,7 +1264,7 @@ void reduce_extreme(const Segs<T>& x, T* dst, int64_t n, bool cross_rank, const 
 
 // Root's scattered x into every rank's contiguous y[0, n): one grouped ncclBroadcast per piece.
 template <class T>
-void broadcast(const Segs<T>& x, T* y, int64_t n, int root, const Ctx& c) {
+void broadcast(const Segments<T>& x, T* y, int64_t n, int root, const Ctx& c) {
   Group_ g;
   for (const Piece& pc : pieces(x.starts, 0, n))
     COCONET_CUDA(ncclBroadcast(x.at(pc), y + pc.offset, size_t(pc.size), NcclType<T>::t, root, c.comm, c.stream));
@@ -1316,7 +1273,7 @@ void broadcast(const Segs<T>& x, T* y, int64_t n, int root, const Ctx& c) {
 // The reduction of a scattered x on root into y[0, n), one grouped ncclReduce per piece; the other
 // ranks keep x (copied piece by piece).
 template <class T>
-void reduce(ncclRedOp_t op, const Segs<T>& x, T* y, int64_t n, int root, const Ctx& c) {
+void reduce(ncclRedOp_t op, const Segments<T>& x, T* y, int64_t n, int root, const Ctx& c) {
   const std::vector<Piece> ps = pieces(x.starts, 0, n);
   if (c.group.rank != root)
     for (const Piece& pc : ps)
@@ -1329,7 +1286,7 @@ void reduce(ncclRedOp_t op, const Segs<T>& x, T* y, int64_t n, int root, const C
 
 // This rank's slice of a replicated scattered x (logical [0, n)) into y: a copy per piece.
 template <class T>
-void scatter_copy(const Segs<T>& x, T* y, int64_t n, const Ctx& c) {
+void scatter_copy(const Segments<T>& x, T* y, int64_t n, const Ctx& c) {
   const Range sl = slice_range(n, c.group.size, c.group.rank);
   for (const Piece& pc : pieces(x.starts, sl.begin, sl.end))
     COCONET_CUDA(cudaMemcpyAsync(y + pc.offset, x.at(pc), size_t(pc.size) * sizeof(T), cudaMemcpyDeviceToDevice,
@@ -1339,7 +1296,7 @@ void scatter_copy(const Segs<T>& x, T* y, int64_t n, const Ctx& c) {
 // send(x, next|prev) of a scattered x, as send_shift: a grouped ncclSend per piece, received into
 // the matching piece of y (every rank's segments have the same sizes).
 template <class T>
-void send_shift(const Segs<T>& x, T* y, int64_t n, bool next, const Ctx& c) {
+void send_shift(const Segments<T>& x, T* y, int64_t n, bool next, const Ctx& c) {
   const int gs = c.wsize / c.groups, g = c.wrank / gs;
   const int to = next ? g + 1 : g - 1, from = next ? g - 1 : g + 1;
   const bool has_to = to >= 0 && to < c.groups, has_from = from >= 0 && from < c.groups;

@@ -27,11 +27,11 @@ void mp_layer__rows_overlapped(const coconet::CallArgs& a) {
   // [rows_overlapped] overlap y -> rs: 2 chunks along dim 1 (extern_ops.ccn:50)
   coconet::PackedChunks<float> pk_y(2, S_B, S_H, int64_t(1));
   coconet::overlap(2, [&](int i) {
-    const coconet::Range r = coconet::chunk_range(S_H, 2, i);
+    const coconet::Range r = coconet::slice_range(S_H, 2, i);
     float* const P = pk_y.in(i);
     coconet::gemm<float>(S_B, r.size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w + r.begin, S_H, P, r.size());
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_H, 2, i);
+    const coconet::Range r = coconet::slice_range(S_H, 2, i);
     float* const P = pk_y.in(i);
     float* const Q = pk_y.out(i, coconet::slice_range(S_B, comm.size, comm.rank).size() * r.size());
     return coconet::then_unpack(coconet::start_reduce_scatter(coconet::Op::sum, P, Q, int64_t(1), S_B, r.size(), comm, channel), Q, v_rs, coconet::slice_range(S_B, comm.size, comm.rank).size(), S_H, int64_t(1), r);

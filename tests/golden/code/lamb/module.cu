@@ -15,19 +15,19 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
   const cudaStream_t stream = ctx.stream;
   (void)comm; (void)stream;
   const int64_t S_N = a.sizes[0];
-  const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);
-  const coconet::cuda::Segs<float> p_g = a.segments<float>(0);
+  const std::vector<int64_t> seg_starts = coconet::segment_starts(a.seg_sizes);
+  const coconet::Segments<float> p_g = a.segments<float>(0);
   for (size_t s = 0; s < p_g.ptrs.size(); ++s)
-    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.size(s)) * sizeof(float), "g", stream);
-  const coconet::cuda::Segs<float> p_w = a.segments<float>(1);
+    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.sizes[s]) * sizeof(float), "g", stream);
+  const coconet::Segments<float> p_w = a.segments<float>(1);
   for (size_t s = 0; s < p_w.ptrs.size(); ++s)
-    COCONET_PARAM(p_w.ptrs[s], size_t(p_w.size(s)) * sizeof(float), "w", stream);
-  const coconet::cuda::Segs<float> p_m = a.segments<float>(2);
+    COCONET_PARAM(p_w.ptrs[s], size_t(p_w.sizes[s]) * sizeof(float), "w", stream);
+  const coconet::Segments<float> p_m = a.segments<float>(2);
   for (size_t s = 0; s < p_m.ptrs.size(); ++s)
-    COCONET_PARAM(p_m.ptrs[s], size_t(p_m.size(s)) * sizeof(float), "m", stream);
-  const coconet::cuda::Segs<float> p_v = a.segments<float>(3);
+    COCONET_PARAM(p_m.ptrs[s], size_t(p_m.sizes[s]) * sizeof(float), "m", stream);
+  const coconet::Segments<float> p_v = a.segments<float>(3);
   for (size_t s = 0; s < p_v.ptrs.size(); ++s)
-    COCONET_PARAM(p_v.ptrs[s], size_t(p_v.size(s)) * sizeof(float), "v", stream);
+    COCONET_PARAM(p_v.ptrs[s], size_t(p_v.sizes[s]) * sizeof(float), "v", stream);
   const coconet::cuda::Scalar<float> v_lr{float(a.scalars[0])};
   const coconet::cuda::Scalar<float> v_beta1{float(a.scalars[1])};
   const coconet::cuda::Scalar<float> v_beta2{float(a.scalars[2])};
@@ -53,7 +53,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + S_N)) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + S_N)) {
     const int64_t b0 = pc.offset;
     float* const sp_m = p_m.at(pc);
     COCONET_ACCESS(COCONET_R(sp_m, 0, pc.size), COCONET_R(v_g1, b0, b0 + pc.size), COCONET_W(v_m1, b0, b0 + pc.size));
@@ -86,7 +86,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + S_N)) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + S_N)) {
     const int64_t b0 = pc.offset;
     float* const sp_v = p_v.at(pc);
     COCONET_ACCESS(COCONET_R(sp_v, 0, pc.size), COCONET_R(v_g1, b0, b0 + pc.size), COCONET_W(v_v1, b0, b0 + pc.size));
@@ -119,7 +119,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + S_N)) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + S_N)) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(v_m1, b0, b0 + pc.size), COCONET_R(v_v1, b0, b0 + pc.size), COCONET_R(sp_w, 0, pc.size), COCONET_W(v_r, b0, b0 + pc.size));
@@ -159,7 +159,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + S_N)) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + S_N)) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(sp_w, 0, pc.size), COCONET_R(v_t0_w1, b0, b0 + pc.size), COCONET_R(v_t1_w1, b0, b0 + pc.size), COCONET_R(v_r, b0, b0 + pc.size), COCONET_W(sp_w, 0, pc.size));
@@ -200,19 +200,19 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
   const cudaStream_t stream = ctx.stream;
   (void)comm; (void)stream;
   const int64_t S_N = a.sizes[0];
-  const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);
-  const coconet::cuda::Segs<float> p_g = a.segments<float>(0);
+  const std::vector<int64_t> seg_starts = coconet::segment_starts(a.seg_sizes);
+  const coconet::Segments<float> p_g = a.segments<float>(0);
   for (size_t s = 0; s < p_g.ptrs.size(); ++s)
-    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.size(s)) * sizeof(float), "g", stream);
-  const coconet::cuda::Segs<float> p_w = a.segments<float>(1);
+    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.sizes[s]) * sizeof(float), "g", stream);
+  const coconet::Segments<float> p_w = a.segments<float>(1);
   for (size_t s = 0; s < p_w.ptrs.size(); ++s)
-    COCONET_PARAM(p_w.ptrs[s], size_t(p_w.size(s)) * sizeof(float), "w", stream);
-  const coconet::cuda::Segs<float> p_m = a.segments<float>(2);
+    COCONET_PARAM(p_w.ptrs[s], size_t(p_w.sizes[s]) * sizeof(float), "w", stream);
+  const coconet::Segments<float> p_m = a.segments<float>(2);
   for (size_t s = 0; s < p_m.ptrs.size(); ++s)
-    COCONET_PARAM(p_m.ptrs[s], size_t(p_m.size(s)) * sizeof(float), "m", stream);
-  const coconet::cuda::Segs<float> p_v = a.segments<float>(3);
+    COCONET_PARAM(p_m.ptrs[s], size_t(p_m.sizes[s]) * sizeof(float), "m", stream);
+  const coconet::Segments<float> p_v = a.segments<float>(3);
   for (size_t s = 0; s < p_v.ptrs.size(); ++s)
-    COCONET_PARAM(p_v.ptrs[s], size_t(p_v.size(s)) * sizeof(float), "v", stream);
+    COCONET_PARAM(p_v.ptrs[s], size_t(p_v.sizes[s]) * sizeof(float), "v", stream);
   const coconet::cuda::Scalar<float> v_lr{float(a.scalars[0])};
   const coconet::cuda::Scalar<float> v_beta1{float(a.scalars[1])};
   const coconet::cuda::Scalar<float> v_beta2{float(a.scalars[2])};
@@ -242,7 +242,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
     const int64_t b0 = pc.offset;
     float* const sp_m = p_m.at(pc);
     COCONET_ACCESS(COCONET_R(sp_m, 0, pc.size), COCONET_R(v_rs, b0, b0 + pc.size), COCONET_W(v_m1, b0, b0 + pc.size));
@@ -275,7 +275,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
     const int64_t b0 = pc.offset;
     float* const sp_v = p_v.at(pc);
     COCONET_ACCESS(COCONET_R(sp_v, 0, pc.size), COCONET_R(v_rs, b0, b0 + pc.size), COCONET_W(v_v1, b0, b0 + pc.size));
@@ -308,7 +308,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(v_m1, b0, b0 + pc.size), COCONET_R(v_v1, b0, b0 + pc.size), COCONET_R(sp_w, 0, pc.size), COCONET_W(v_r, b0, b0 + pc.size));
@@ -348,7 +348,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(sp_w, 0, pc.size), COCONET_R(v_t0_w1, off * int64_t(1) + b0, off * int64_t(1) + b0 + pc.size), COCONET_R(v_t1_w1, b0, b0 + pc.size), COCONET_R(v_r, b0, b0 + pc.size), COCONET_W(v_w1, b0, b0 + pc.size));
@@ -393,13 +393,13 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
   const cudaStream_t stream = ctx.stream;
   (void)comm; (void)stream;
   const int64_t S_N = a.sizes[0];
-  const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);
-  const coconet::cuda::Segs<float> p_g = a.segments<float>(0);
+  const std::vector<int64_t> seg_starts = coconet::segment_starts(a.seg_sizes);
+  const coconet::Segments<float> p_g = a.segments<float>(0);
   for (size_t s = 0; s < p_g.ptrs.size(); ++s)
-    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.size(s)) * sizeof(float), "g", stream);
-  const coconet::cuda::Segs<float> p_w = a.segments<float>(1);
+    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.sizes[s]) * sizeof(float), "g", stream);
+  const coconet::Segments<float> p_w = a.segments<float>(1);
   for (size_t s = 0; s < p_w.ptrs.size(); ++s)
-    COCONET_PARAM(p_w.ptrs[s], size_t(p_w.size(s)) * sizeof(float), "w", stream);
+    COCONET_PARAM(p_w.ptrs[s], size_t(p_w.sizes[s]) * sizeof(float), "w", stream);
   float* const v_m = a.tensor<float>(2);
   COCONET_PARAM(v_m, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_m), "m", stream);
   float* const v_v = a.tensor<float>(3);
@@ -441,7 +441,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
       if (hi <= lo) return;
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
-      for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off + lo, off + hi)) {
+      for (const coconet::Piece& pc : coconet::pieces(seg_starts, off + lo, off + hi)) {
       const int64_t b0 = pc.offset;
       float* const sp_w = p_w.at(pc);
       COCONET_ACCESS(COCONET_R(v_m, lo + b0, lo + b0 + pc.size), COCONET_R(v_v, lo + b0, lo + b0 + pc.size), COCONET_R(sp_w, 0, pc.size), COCONET_W(v_m1, lo + b0, lo + b0 + pc.size), COCONET_W(v_v1, lo + b0, lo + b0 + pc.size), COCONET_W(v_r, lo + b0, lo + b0 + pc.size), COCONET_R(red, b0, b0 + pc.size));
@@ -502,7 +502,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    for (const coconet::cuda::Piece& pc : coconet::cuda::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
+    for (const coconet::Piece& pc : coconet::pieces(seg_starts, off, off + coconet::slice_range(S_N, comm.size, comm.rank).size())) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(sp_w, 0, pc.size), COCONET_R(v_t0_w1, b0, b0 + pc.size), COCONET_R(v_t1_w1, b0, b0 + pc.size), COCONET_R(v_r, b0, b0 + pc.size), COCONET_W(v_w1, b0, b0 + pc.size));
@@ -543,10 +543,10 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
   const cudaStream_t stream = ctx.stream;
   (void)comm; (void)stream;
   const int64_t S_N = a.sizes[0];
-  const std::vector<int64_t> seg_starts = coconet::cuda::segment_starts(a.seg_sizes);
-  const coconet::cuda::Segs<float> p_g = a.segments<float>(0);
+  const std::vector<int64_t> seg_starts = coconet::segment_starts(a.seg_sizes);
+  const coconet::Segments<float> p_g = a.segments<float>(0);
   for (size_t s = 0; s < p_g.ptrs.size(); ++s)
-    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.size(s)) * sizeof(float), "g", stream);
+    COCONET_PARAM(p_g.ptrs[s], size_t(p_g.sizes[s]) * sizeof(float), "g", stream);
   float* const v_w = a.tensor<float>(1);
   COCONET_PARAM(v_w, size_t(coconet::slice_range(S_N, comm.size, comm.rank).size()) * sizeof(*v_w), "w", stream);
   float* const v_m = a.tensor<float>(2);

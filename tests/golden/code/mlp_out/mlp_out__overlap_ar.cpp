@@ -28,10 +28,10 @@ void mlp_out__overlap_ar(const coconet::CallArgs& a) {
   const auto* const bp_y = coconet::gemm_prepare_b<coconet::half>(v_w, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_y = coconet::gemm_b_ld<coconet::half>(S_H, S_H);
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<coconet::half>(r.size() * S_S, S_H, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x + r.begin * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), bp_y, bld_y, v_y + r.begin * S_S * S_H, S_H, coconet::kOverlapSteps, [&] { ov.progress(); });
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allreduce(coconet::Op::sum, v_y + r.begin * S_S * S_H, v_s + r.begin * S_S * S_H, r.size() * S_S * S_H, comm, channel);
   });
   // [overlap_ar] loop: out (mlp_out.ccn:6)

@@ -28,10 +28,10 @@ void mlp_out__overlapped(const coconet::CallArgs& a) {
   const auto* const bp_y = coconet::gemm_prepare_b<coconet::half>(v_w, coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_y = coconet::gemm_b_ld<coconet::half>(S_H, S_H);
   coconet::overlap(4, [&](int i, coconet::Overlap& ov) {
-    const coconet::Range r = coconet::chunk_range(S_B, 4, i);
+    const coconet::Range r = coconet::slice_range(S_B, 4, i);
     coconet::gemm_steps<coconet::half>(r.size() * S_S, S_H, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x + r.begin * S_S * coconet::slice_range(S_K, comm.size, comm.rank).size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), bp_y, bld_y, v_y + r.begin * S_S * S_H, S_H, coconet::kOverlapSteps, [&] { ov.progress(); });
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_B, 4, i);
+    const coconet::Range r = coconet::slice_range(S_B, 4, i);
     const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
     auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
       const int64_t gb = gb0 + base, ge = ge0 + base;

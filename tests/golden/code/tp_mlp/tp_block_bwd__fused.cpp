@@ -100,11 +100,11 @@ void tp_block_bwd__fused(const coconet::CallArgs& a) {
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   const int64_t off_f = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
     ov.progress();
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
     auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
       const int64_t gb = gb0 + base, ge = ge0 + base;

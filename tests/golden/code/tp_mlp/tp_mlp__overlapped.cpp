@@ -66,12 +66,12 @@ void tp_mlp__overlapped(const coconet::CallArgs& a) {
   // [overlapped] overlap p -> s: 2 chunks along dim 1 (tp_mlp.ccn:27)
   coconet::PackedChunks<float> pk_p(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
-    const coconet::Range r = coconet::chunk_range(S_S, 2, i);
+    const coconet::Range r = coconet::slice_range(S_S, 2, i);
     float* const P = pk_p.in(i);
     for (int64_t o = 0; o < S_B; ++o)
       coconet::matmul<float>(v_h + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w2, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_S, 2, i);
+    const coconet::Range r = coconet::slice_range(S_S, 2, i);
     float* const P = pk_p.in(i);
     float* const Q = pk_p.out(i, S_B * r.size() * S_H);
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * r.size() * S_H, comm, channel), Q, v_s, S_B, S_S, S_H, r);

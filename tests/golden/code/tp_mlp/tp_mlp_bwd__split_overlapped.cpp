@@ -100,11 +100,11 @@ void tp_mlp_bwd__split_overlapped(const coconet::CallArgs& a) {
   coconet::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1, v_g_x_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
     ov.progress();
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_reduce_scatter(coconet::Op::sum, v_g_x_part + r.begin * S_S * S_H, v_rs + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
   });
   // [split_overlapped] matmul_tn d_w1 (tp_mlp.ccn)

@@ -107,11 +107,11 @@ void tp_mlp_grad__overlapped_h(const coconet::CallArgs& a) {
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   coconet::PackedChunks<float> pk_g_x_part(2, S_B * S_S, S_H, int64_t(1));
   coconet::overlap(2, [&](int i) {
-    const coconet::Range r = coconet::chunk_range(S_H, 2, i);
+    const coconet::Range r = coconet::slice_range(S_H, 2, i);
     float* const P = pk_g_x_part.in(i);
     coconet::gemm_trans<float>(false, true, S_B * S_S, r.size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_g_h_add, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w1 + r.begin * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), P, r.size());
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_H, 2, i);
+    const coconet::Range r = coconet::slice_range(S_H, 2, i);
     float* const P = pk_g_x_part.in(i);
     float* const Q = pk_g_x_part.out(i, S_B * S_S * r.size());
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * S_S * r.size(), comm, channel), Q, v_d_x, S_B * S_S, S_H, int64_t(1), r);

@@ -21,12 +21,12 @@ void col_parallel__gather_rows(const coconet::CallArgs& a) {
   // [gather_rows] overlap y -> s: 2 chunks along dim 0 (tp_overlap.ccn:33)
   coconet::PackedChunks<float> pk_y(2, int64_t(1), S_M, coconet::slice_range(S_H, comm.size, comm.rank).size());
   coconet::overlap(2, [&](int i) {
-    const coconet::Range r = coconet::chunk_range(S_M, 2, i);
+    const coconet::Range r = coconet::slice_range(S_M, 2, i);
     float* const P = pk_y.in(i);
     for (int64_t o = 0; o < int64_t(1); ++o)
       coconet::matmul<float>(v_x + (o * S_M + r.begin) * int64_t(1) * S_K, v_w, P + o * r.size() * coconet::slice_range(S_H, comm.size, comm.rank).size(), r.size() * int64_t(1), S_K, coconet::slice_range(S_H, comm.size, comm.rank).size());
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_M, 2, i);
+    const coconet::Range r = coconet::slice_range(S_M, 2, i);
     float* const P = pk_y.in(i);
     float* const Q = pk_y.out(i, r.size() * S_H);
     return coconet::then_unpack(coconet::start_allgather(P, Q, r.size(), S_H, int64_t(1), comm, channel), Q, v_s, int64_t(1), S_M, S_H, r);

@@ -22,11 +22,11 @@ void row_parallel__col_chunks(const coconet::CallArgs& a) {
   // [col_chunks] overlap y -> s: 3 chunks along dim 2 (tp_overlap.ccn:16)
   coconet::PackedChunks<float> pk_y(3, S_B * S_S, S_H, int64_t(1));
   coconet::overlap(3, [&](int i) {
-    const coconet::Range r = coconet::chunk_range(S_H, 3, i);
+    const coconet::Range r = coconet::slice_range(S_H, 3, i);
     float* const P = pk_y.in(i);
     coconet::gemm<float>(S_B * S_S, r.size(), coconet::slice_range(S_K, comm.size, comm.rank).size(), v_x, coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w + r.begin, S_H, P, r.size());
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_H, 3, i);
+    const coconet::Range r = coconet::slice_range(S_H, 3, i);
     float* const P = pk_y.in(i);
     float* const Q = pk_y.out(i, S_B * S_S * r.size());
     return coconet::then_unpack(coconet::start_allreduce(coconet::Op::sum, P, Q, S_B * S_S * r.size(), comm, channel), Q, v_s, S_B * S_S, S_H, int64_t(1), r);

@@ -23,12 +23,12 @@ void row_parallel__rs_seq(const coconet::CallArgs& a) {
   // [rs_seq] overlap y -> rs: 2 chunks along dim 1 (tp_overlap.ccn:22)
   coconet::PackedChunks<float> pk_y(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
-    const coconet::Range r = coconet::chunk_range(S_S, 2, i);
+    const coconet::Range r = coconet::slice_range(S_S, 2, i);
     float* const P = pk_y.in(i);
     for (int64_t o = 0; o < S_B; ++o)
       coconet::matmul<float>(v_x + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_K, comm.size, comm.rank).size(), v_w, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_K, comm.size, comm.rank).size(), S_H);
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_S, 2, i);
+    const coconet::Range r = coconet::slice_range(S_S, 2, i);
     float* const P = pk_y.in(i);
     float* const Q = pk_y.out(i, S_B * r.size() * coconet::slice_range(S_H, comm.size, comm.rank).size());
     return coconet::then_unpack(coconet::start_reduce_scatter(coconet::Op::sum, P, Q, S_B * r.size(), S_H, int64_t(1), comm, channel), Q, v_rs, S_B, S_S, coconet::slice_range(S_H, comm.size, comm.rank).size(), r);
