@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../turns.h"
+#include "core.cuh"
 
 namespace coconet {
 namespace cuda {

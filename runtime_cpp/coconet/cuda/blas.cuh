@@ -1,0 +1,93 @@
+// coconet CUDA runtime: cuBLAS: matmul (cublasGemmEx, strided-batched) and the GEMMs of derived programs (runtime.cuh includes every part, in order).
+#pragma once
+
+#include "reductions.cuh"
+
+namespace coconet {
+namespace cuda {
+
+// ---- cuBLAS --------------------------------------------------------------------------------------
+
+inline cublasHandle_t blas() {
+  static std::mutex mu;
+  static std::map<int, cublasHandle_t> hs;
+  std::lock_guard<std::mutex> lock(mu);
+  return per_device(hs, [](int) {
+    cublasHandle_t h;
+    COCONET_CUDA(cublasCreate(&h));
+    return h;
+  });
+}
+
+template <class T> struct BlasType;
+template <> struct BlasType<float> { static constexpr cudaDataType_t t = CUDA_R_32F; };
+template <> struct BlasType<double> { static constexpr cudaDataType_t t = CUDA_R_64F; };
+template <> struct BlasType<half> { static constexpr cudaDataType_t t = CUDA_R_16F; };
+template <> struct BlasType<bfloat16> { static constexpr cudaDataType_t t = CUDA_R_16BF; };
+
+// Row-major C[M, N] = op(A) x op(B), ldc: op(A) is A[M, K] (lda), or A[K, M]^T when ta; op(B) is
+// B[K, N] (ldb), or B[N, K]^T when tb (grad.cuh: matmul_nt, matmul_tn). cuBLAS is column-major,
+// so it computes C^T = op(B)^T op(A)^T: the same pointers with the same transpose flags, swapped.
+// f16/bf16 accumulate in f32, f64 in f64, f32 in f32 (no TF32).
+template <class T>
+void gemm_trans(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                T* C, int64_t ldc, cudaStream_t s) {
+  if (M <= 0 || N <= 0) return;
+  cublasHandle_t h = blas();
+  COCONET_CUDA(cublasSetStream(h, s));
+  if (K <= 0) {
+    COCONET_CUDA(cudaMemset2DAsync(C, ldc * sizeof(T), 0, N * sizeof(T), M, s));
+    return;
+  }
+  const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (std::is_same<T, double>::value) {
+    const double alpha = 1, beta = 0;
+    COCONET_CUDA(cublasGemmEx(h, opb, opa, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
+                              BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_64F,
+                              CUBLAS_GEMM_DEFAULT));
+  } else {
+    const float alpha = 1, beta = 0;
+    COCONET_CUDA(cublasGemmEx(h, opb, opa, int(N), int(M), int(K), &alpha, B, BlasType<T>::t, int(ldb), A,
+                              BlasType<T>::t, int(lda), &beta, C, BlasType<T>::t, int(ldc), CUBLAS_COMPUTE_32F,
+                              CUBLAS_GEMM_DEFAULT));
+  }
+}
+
+// Row-major C[M, N] = A[M, K] (lda) x B[K, N] (ldb), ldc.
+template <class T>
+void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+          cudaStream_t s) {
+  gemm_trans<T>(false, false, M, N, K, A, lda, B, ldb, C, ldc, s);
+}
+template <class T>
+void matmul(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cudaStream_t s) {
+  gemm<T>(M, N, K, A, K, B, N, C, N, s);
+}
+
+// Batched: C[i] = A[i] x B[i] for i < batch (A[i] at A + i * stride_a, stride_a = 0: one A for every
+// batch; B[i] at B + i * stride_b; C dense [batch, M, N]), one cublasGemmStridedBatchedEx (row-major
+// as gemm_trans: C^T = B^T A^T), accumulating as gemm_trans does.
+template <class T>
+void matmul(const T* A, const T* B, T* C, int64_t batch, int64_t M, int64_t K, int64_t N, int64_t stride_a,
+            int64_t stride_b, cudaStream_t s) {
+  if (batch <= 0 || M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    COCONET_CUDA(cudaMemsetAsync(C, 0, size_t(batch * M * N) * sizeof(T), s));
+    return;
+  }
+  cublasHandle_t h = blas();
+  COCONET_CUDA(cublasSetStream(h, s));
+  const bool f64 = std::is_same<T, double>::value;
+  const double alpha64 = 1, beta64 = 0;
+  const float alpha32 = 1, beta32 = 0;
+  const void* alpha = f64 ? static_cast<const void*>(&alpha64) : static_cast<const void*>(&alpha32);
+  const void* beta = f64 ? static_cast<const void*>(&beta64) : static_cast<const void*>(&beta32);
+  COCONET_CUDA(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, int(N), int(M), int(K), alpha, B, BlasType<T>::t,
+                                          int(N), static_cast<long long>(stride_b), A, BlasType<T>::t, int(K),
+                                          static_cast<long long>(stride_a), beta, C, BlasType<T>::t, int(N),
+                                          static_cast<long long>(M * N), int(batch),
+                                          f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace cuda
+}  // namespace coconet
