@@ -160,7 +160,7 @@ def test_matmul_is_cublas_and_collectives_are_nccl(example):
     text = "\n".join(src.functions[("mlp_out", "default")].body)
     assert "coconet::cuda::matmul<coconet::half>" in text
     assert "coconet::cuda::allreduce<coconet::half>(ncclSum" in text
-    assert "cublasGemmEx" in (Path(runtime_dir()) / "coconet" / "cuda" / "runtime.cuh").read_text()
+    assert "cublasGemmEx" in (Path(runtime_dir()) / "coconet" / "cuda" / "blas.cuh").read_text()
 
 
 # What the CUDA renderer does not do yet (every example is in it now): an allgather of a sliced

@@ -220,34 +220,36 @@ RACE_CASES = [  # (file, program, schedule, size): a fused and an overlap schedu
 @pytest.mark.parametrize("file, program, sched, size", RACE_CASES)
 def test_race_every_stream_wait_removed_is_reported(tmp_path, file, program, sched, size):
     """Unchanged, the run passes; with any one stream wait of its pipeline removed (a
-    cudaStreamWaitEvent of coconet::cuda::pipeline or join in runtime.cuh, or a join call in the
-    generated function), every run fails naming the buffer and both streams."""
+    cudaStreamWaitEvent of coconet::cuda::pipeline (cuda/fused.cuh) or join (cuda/core.cuh), or
+    a join call in the generated function), every run fails naming the buffer and both streams."""
     from coconetc.codegen.naming import function_name
     from coconetc.paths import runtime_dir
     cu = _source(file, program, sched)
     fn = function_name(program, sched)
     rt = tmp_path / "runtime"
     shutil.copytree(runtime_dir(), rt)
-    cuh = (rt / "coconet" / "cuda" / "runtime.cuh").read_text()
-    variants: list[tuple[str, str, str]] = []  # (what, module.cu, runtime.cuh)
+    headers = {h: (rt / "coconet" / "cuda" / h).read_text() for h in ("fused.cuh", "core.cuh")}
+    variants: list[tuple[str, str, str, str]] = []  # (what, module.cu, the header edited, its text)
     if "coconet::cuda::pipeline<" in cu:
-        for at in _waits_in(cuh, "void pipeline("):
-            variants.append((cuh[at:cuh.index(";", at)], cu, _statement_removed(cuh, at)))
+        h = headers["fused.cuh"]
+        for at in _waits_in(h, "void pipeline("):
+            variants.append((h[at:h.index(";", at)], cu, "fused.cuh", _statement_removed(h, at)))
     joins = _joins_in(cu, fn)
     if joins:
-        for at in _waits_in(cuh, "inline void join("):
-            variants.append(("join(): " + cuh[at:cuh.index(";", at)], cu, _statement_removed(cuh, at)))
+        h = headers["core.cuh"]
+        for at in _waits_in(h, "inline void join("):
+            variants.append(("join(): " + h[at:h.index(";", at)], cu, "core.cuh", _statement_removed(h, at)))
         for at in joins:
-            variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), cuh))
+            variants.append((f"{fn}: " + cu[at:cu.index(";", at)], _statement_removed(cu, at), "", ""))
     assert len(variants) >= 3, variants
 
     out = _run_variant(tmp_path, file, program, sched, cu, rt, size)
     assert out.count(": ok") == 2 and "race on buffer" not in out, out
-    for what, vcu, vcuh in variants:
-        vrt = tmp_path / f"rt{abs(hash(vcuh))}"
+    for what, vcu, header, text in variants:
+        vrt = tmp_path / f"rt{abs(hash((header, text)))}" if header else rt
         if not vrt.exists():
             shutil.copytree(rt, vrt)
-            (vrt / "coconet" / "cuda" / "runtime.cuh").write_text(vcuh)
+            (vrt / "coconet" / "cuda" / header).write_text(text)
         out = _run_variant(tmp_path, file, program, sched, vcu, vrt, size)
         assert "coconet emulate: race on buffer '" in out, f"removed {what}: not reported\n{out[-3000:]}"
         line = next(ln for ln in out.splitlines() if "race on buffer" in ln)
