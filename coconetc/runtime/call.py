@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.ir.arguments import bind_sizes, check_param, describe, is_torch, overlapping
+from coconetc.ir.arguments import bind_sizes, describe, is_torch
 from coconetc.ir.nodes import Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel
 from coconetc.runtime import agree
+from coconetc.runtime.checks import checked_arguments, cpu_buffer, host_span
 
 ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
 HEAD = ("module", "function", "schedule", "groups", "communicator size")
@@ -65,14 +66,8 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
         timeout = agree.timeout_s()
         p = fn.program_of(label)
         check_groups(fn.name, groups)
-        check_names(p, kwargs)
         updated = {t for t, _ in p.updates}
-        values = checked_values(p, kwargs)
-        both = overlapping(p, values)
-        if both:
-            raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory (the same "
-                             "buffer, or views of one); pass separate arrays: the parameters of "
-                             "a coconet program may not alias")
+        values = checked_arguments(p, kwargs, cpu_buffer, host_span, "arrays")
         torch_out = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
                         for v in kwargs.values())
         torch_updated = torch_updates(p, kwargs, updated) if torch_out else []
@@ -81,24 +76,6 @@ def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) 
         return Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
     except (TypeError, ValueError, RuntimeError) as err:
         return failed(err, timeout)
-
-
-def checked_values(p: Program, kwargs: dict, *, tensors_only: bool = False) -> dict[str, Any]:
-    """Each argument (or each tensor argument) checked as the compiled code takes it
-    (ir/arguments.py: check_param): a NumPy array, or a view of a CPU tensor."""
-    updated = {t for t, _ in p.updates}
-    return {q.name: check_param(q, kwargs[q.name], updated=q.name in updated, contiguous=True)
-            for q in p.params if not (tensors_only and q.scalar)}
-
-
-def check_names(p: Program, kwargs: dict) -> None:
-    """The call names every parameter and nothing else (every backend: a TypeError as Python's)."""
-    extra = sorted(set(kwargs) - {q.name for q in p.params})
-    if extra:
-        raise TypeError(f"{p.name}() got an unexpected keyword argument '{extra[0]}'")
-    for q in p.params:
-        if q.name not in kwargs:
-            raise TypeError(f"{p.name}() missing argument '{q.name}'")
 
 
 def tensor_shapes(p: Program, values: dict) -> dict[str, Any]:

@@ -28,13 +28,14 @@ from typing import Any
 import numpy as np
 
 from coconetc.codegen.naming import function_name
-from coconetc.ir.arguments import from_torch, is_torch, overlapping
+from coconetc.ir.arguments import check_param, from_torch, is_torch
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.plan.targets import Target
 from coconetc.runtime import agree, auto, batch, marshal
-from coconetc.runtime.call import agreed, check_groups, check_names, check_replicated, description, tensor_shapes
+from coconetc.runtime.call import agreed, check_groups, check_replicated, description, tensor_shapes
+from coconetc.runtime.checks import checked_arguments, device_span, host_span, per_part
 from coconetc.runtime.emulation import EMULATE, emulating
 from coconetc.runtime.fastpath import Recent, held, same
 from coconetc.runtime.layout import TORCH_DTYPES
@@ -340,7 +341,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
         rep = _repeated(fn, schedule, comm, groups, kwargs, extra)
         if rep is not None:  # local: the scalars only (the tensors' addresses are rep's)
             label, p, head, timeout = rep.label, rep.p, rep.head, rep.timeout
-            local = {q.name: _scalar(q, kwargs[q.name]) for q in rep.scalars}
+            local = {q.name: check_param(q, kwargs[q.name]) for q in rep.scalars}
             what = rep.what
             if comm.size == 1:  # nothing to agree: what the remembered call's agreement bound
                 refuse_aborted(comm, what)
@@ -423,8 +424,6 @@ def _check_tensor(q: Param, v: Any, updated: bool) -> Any:
         raise TypeError(f"'{q.name}' must have dtype {q.type.dtype}, got {v.dtype}")
     if not v.is_contiguous():
         raise ValueError(f"'{q.name}' is not contiguous; pass .contiguous()")
-    if v.dim() != q.type.ndim:
-        raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {tuple(v.shape)}")
     if updated and v.requires_grad and torch.is_grad_enabled():
         kind = "a leaf Variable" if v.is_leaf else "a tensor"
         raise RuntimeError(f"'{q.name}': {kind} that requires grad is being used in an in-place "
@@ -444,47 +443,9 @@ def _check_stream(stream: Any) -> None:
         raise ValueError(f"stream is on {stream.device}; this module runs on cuda:{torch.cuda.current_device()}")
 
 
-def _arguments(p: Program, kwargs: dict, tensor) -> dict:
-    """Names and scalars checked; each tensor, or each segment of a scattered one (a list of
-    1-D arrays, or one array: one segment), through `tensor(param, value, updated)`."""
-    check_names(p, kwargs)
-    updated = {t for t, _ in p.updates}
-    out: dict[str, Any] = {}
-    for q in p.params:
-        v = kwargs[q.name]
-        if q.scalar:
-            out[q.name] = _scalar(q, v)
-        elif q.scattered:
-            out[q.name] = [tensor(q, x, q.name in updated) for x in (v if isinstance(v, (list, tuple)) else [v])]
-        else:
-            out[q.name] = tensor(q, v, q.name in updated)
-    return out
-
-
 def _check_local(p: Program, kwargs: dict, stream: Any = None) -> dict:
     _check_stream(stream)
-    out = _arguments(p, kwargs, _check_tensor)
-    _no_aliases(p, out)
-    return out
-
-
-def _no_aliases(p: Program, values: dict) -> None:
-    """Two tensor parameters whose device memory overlaps (the same tensor, or views of one)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), q.name)
-                   for q in p.params if not q.scalar
-                   for t in (values[q.name] if isinstance(values[q.name], list) else [values[q.name]]) if t.numel())
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"{p.name}(): '{a}' and '{b}' overlap in memory (the same buffer, or "
-                             "views of one); pass separate tensors")
-
-
-def _scalar(q: Param, v: Any) -> Any:
-    if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
-        raise TypeError(f"'{q.name}' must be a number ({q.type.dtype}), got {type(v).__name__}")
-    return v
+    return checked_arguments(p, kwargs, _CUDA_PARAM, device_span, "tensors")
 
 
 # ---- host emulation ----------------------------------------------------------------------------------
@@ -548,14 +509,11 @@ def _checked_array(q: Param, v: Any, updated: bool) -> Any:
         raise TypeError(f"'{q.name}' must have dtype {q.type.dtype}, got {v.dtype}")
     if not v.flags.c_contiguous or not v.flags.writeable:
         raise ValueError(f"'{q.name}' must be a C-contiguous writeable array")
-    if v.ndim != q.type.ndim:
-        raise ValueError(f"'{q.name}' must be {q.type.ndim}-d ({q.type}), got shape {v.shape}")
     return v
 
 
 def _check_local_numpy(p: Program, kwargs: dict) -> dict:
-    out = _arguments(p, kwargs, _checked_array)
-    both = overlapping(p, out)
-    if both:
-        raise ValueError(f"{p.name}(): {both[0]} and {both[1]} overlap in memory; pass separate arrays")
-    return out
+    return checked_arguments(p, kwargs, _EMULATED_PARAM, host_span, "arrays")
+
+
+_CUDA_PARAM, _EMULATED_PARAM = per_part(_check_tensor), per_part(_checked_array)

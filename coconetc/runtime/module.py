@@ -16,7 +16,8 @@ from coconetc.codegen.naming import function_name
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, layout, marshal, shm
-from coconetc.runtime.call import Local, agreed, check_local, check_replicated, checked_values, failed
+from coconetc.runtime.call import Local, agreed, check_local, check_replicated, failed
+from coconetc.runtime.checks import checked_arguments, cpu_buffer, host_span
 from coconetc.runtime.fastpath import Fast, Recent, hot_check, remember, repeat, run_hot
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.sourcefile import SourceFile
@@ -205,7 +206,7 @@ class ProgramFunction:
             return self._run_again(p, arrays, fast, sizes, comm, groups)
         if len(arrays) < len(p.params):  # a repeated call (fastpath.repeat) bound anew: its buffers
             assert kwargs is not None  # (the remembered call keeps none), checked as they were
-            arrays = {**checked_values(p, kwargs, tensors_only=True), **arrays}
+            arrays = {**checked_arguments(p, kwargs, cpu_buffer, host_span, "arrays", tensors_only=True), **arrays}
         args = self.ext.CallArgs()
         marshal.tensors(args, p, arrays, segments, marshal.host_ptr)
         gs = comm.Get_size() // groups
