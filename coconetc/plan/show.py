@@ -91,7 +91,8 @@ def _coll(u: Collective) -> str:
 
 def _fused(u: Fused, ind: str) -> list[str]:
     rows = f", chunks of whole rows of {u.rows}" if u.rows is not None else ""
-    out = [f"{ind}{_at(u.line)} fused {u.name}: {u.collective} = {u.op}({u.reduce}, {u.src}) chunk by "
+    along = f" along dim {u.dim}" if u.op == "reducescatter" else ""
+    out = [f"{ind}{_at(u.line)} fused {u.name}: {u.collective} = {u.op}({u.reduce}, {u.src}){along} chunk by "
            f"chunk{rows}{' (reduced value kept)' if u.store_reduced else ''}{_lets(u.lets)}"]
     out += [f"{ind}        on {s.target}: {_strategy(s)}" for s in u.strategies]
     for ph in u.phases:

@@ -214,6 +214,12 @@ class Fused:
     partials: tuple[str, ...] = ()  # the Reduce units of `after` accumulated chunk by chunk
     gather_after: str = ""  # the allgather closing `after` that goes piece by piece with its loop
 
+    @property
+    def dim(self) -> int:
+        """The dim its chunks cut: the one the reduce-scatter's result is sliced along (an
+        all-reduce: 0, its value taken as one run of elements)."""
+        return self.type.layout.dim if self.op == "reducescatter" else 0
+
     def on(self, target: str) -> Strategy:
         """This fused collective's algorithms and chunking on one target."""
         return next(s for s in self.strategies if s.target == target)

@@ -163,7 +163,7 @@ class CpuFused:
 
     def fused_offset(self, u: Fused) -> str:
         t = u.type
-        d0 = t.layout.dim if t.layout.sliced else 0
+        d0 = u.dim
         off = self.w.offset(t) if t.layout.sliced else "int64_t(0)"
         return f"{off} * {_prod(self.w.gdims(t)[d0 + 1:])}"
 
@@ -172,7 +172,7 @@ class CpuFused:
         with self.w.saved_consts():
             self.loops.render_lets(u.lets)  # locals of the callback (in registers; not captured)
             t = u.type
-            d = t.layout.dim if t.layout.sliced else 0
+            d = u.dim
             g = self.w.gdims(t)
             row, inner_d = _prod(g[d:]), _prod(g[d + 1:])
             mine = self.w.ldims(t)[d] if t.layout.sliced else g[d]
@@ -289,7 +289,7 @@ class CpuFused:
         targets = (f"{{coconet::gather_target(v_{u.gather}, {_prod(self.w.gdims(self.w.types[u.gather]))})}}"
                    if u.gather else "{}")
         self.w.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
-                  f"coconet::Shape3{{{self.w.shape3(xt, u.type.layout.dim)}}}, comm, "
+                  f"coconet::Shape3{{{self.w.shape3(xt, u.dim)}}}, comm, "
                   f"{chunk}, {fn}, {targets}{progress});")
 
 

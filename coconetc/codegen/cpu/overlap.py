@@ -80,7 +80,7 @@ class CpuOverlap:
         f = u.fused
         assert f is not None
         y = u.producer
-        ct, d0 = CTYPE[f.type.dtype], f.type.layout.dim if f.type.layout.sliced else 0
+        ct, d0 = CTYPE[f.type.dtype], f.dim
         g = self.w.gdims(self.w.types[y])
         self.w.emit(f"  const int64_t base = r.begin * {_prod(ly[1:])}, count = r.size() * {_prod(ly[1:])};")
         self.w.emit(f"  auto compute = [&, base](int64_t gb0, int64_t ge0, const {COMPUTE[f.type.dtype]}* red) {{")

@@ -39,7 +39,7 @@ class CudaFused:
         ct = CTYPE[t.dtype]
         op = NCCL_OP[u.reduce]
         g = self.w.gdims(xt)
-        d = t.layout.dim if u.op == "reducescatter" else 0
+        d = u.dim
         outer = _prod(g[:d])
         if u.op == "reducescatter":
             n0, inner = g[d], _prod(g[d + 1:])
@@ -196,7 +196,7 @@ class CudaFused:
         # rows of dim 0 as outer indices of the collective's [outer, n0, inner] (a reduce-scatter
         # along d > 1: each row of dim 0 is prod(dims 1..d-1) outer indices)
         g = self.w.gdims(u.type)
-        d = u.type.layout.dim if u.op == "reducescatter" else 0
+        d = u.dim
         b0, b1 = (block if d <= 1 else (f"{block[0]} * {_prod(g[1:d])}", f"{block[1]} * {_prod(g[1:d])}"))
         if u.op == "reducescatter":
             self.w.emit(f"  const int64_t most_{nm} = ({b1} - {b0}) * coconet::slice_chunk({n0}, "
@@ -367,7 +367,7 @@ class CudaFused:
             self.w.emit(f"        v_{item.name}[i] = coconet::from_compute<{T}>(x_{item.name});")
         if gathered:
             gg = self.w.gdims(self.w.types[u.gather])
-            d = u.type.layout.dim
+            d = u.dim
             self.w.emit(f"        v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_] = "
                       f"coconet::from_compute<{T}>(x_{item.name});")
         self.w.emit("      });")
@@ -379,7 +379,7 @@ class CudaFused:
         for the race detection), which the chunk's gather then broadcasts in place.
         Returns (the runs' spans, the store: {name: [(target, None)]}), or ("", {})."""
         t = u.type
-        d = t.layout.dim if u.op == "reducescatter" else 0
+        d = u.dim
         if not u.gather or d == 0:
             return "", {}
         gg = self.w.gdims(self.w.types[u.gather])
