@@ -465,7 +465,7 @@ class _Planner:
         return Fused(f.fusion.name, f.members, coll.name, op_of(coll).op, op_of(coll).attr("op"), x,
                      coll.type, tuple(phases), tuple(lets), f.gather.name if f.gather else "",
                      gathered, f.rows, store_reduced, after, _line(f.fusion.span), partials=partials,
-                     gather_after=gather_after)
+                     gather_after=gather_after, piece_loops=_piece_loops(after, partials, coll.type) if gather_after else 0)
 
     def _gathered_in_place(self, after: tuple[Unit, ...]) -> None:
         """Phase B's last loop computes the value its closing allgather gathers (Fused.gather_after):
@@ -663,6 +663,19 @@ def _gather_after(after: tuple[Unit, ...], t: TType, buffers: dict[str, Buffer])
           and t.layout.dim == 0 and loop.type.shape == t.shape and loop.type.layout == t.layout
           and src.shape == t.shape and src.layout == t.layout)
     return coll.dst if ok else ""
+
+
+def _piece_loops(after: tuple[Unit, ...], partials: tuple[str, ...], t: TType) -> int:
+    """How many loops of phase B (the reductions accumulated chunk by chunk left out) run piece
+    by piece with its closing allgather (Fused.piece_loops): the run of loops over the elements
+    of the fused collective's slice just before it."""
+    rest = [a for a in after if not (isinstance(a, Reduce) and a.dst in partials)]
+    n = 0
+    for a in reversed(rest[:-1]):
+        if not (isinstance(a, Loop) and not a.seg_dst and a.type.shape == t.shape and a.type.layout == t.layout):
+            break
+        n += 1
+    return n
 
 
 def _whole_of_slices(rt: TType, t: TType) -> bool:

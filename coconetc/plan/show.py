@@ -117,7 +117,8 @@ def _fused(u: Fused, ind: str) -> list[str]:
         for a in rest:
             out += _unit(a, ind + "    ")
             if isinstance(a, Collective) and a.dst == u.gather_after:
-                out[-1] += " (piece by piece as the loop above computes it, where the target says so)"
+                loops = "the loop above computes" if u.piece_loops == 1 else f"the {u.piece_loops} loops above compute"
+                out[-1] += f" (piece by piece as {loops} it, where the target says so)"
     return out
 
 

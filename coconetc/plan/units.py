@@ -213,6 +213,7 @@ class Fused:
     strategies: tuple[Strategy, ...] = ()  # one per target (plan/targets.py)
     partials: tuple[str, ...] = ()  # the Reduce units of `after` accumulated chunk by chunk
     gather_after: str = ""  # the allgather closing `after` that goes piece by piece with its loop
+    piece_loops: int = 0  # how many loops of phase B just before gather_after run piece by piece with it
 
     @property
     def dim(self) -> int:

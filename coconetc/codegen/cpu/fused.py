@@ -56,7 +56,7 @@ class CpuFused:
             self._combine(u, partials)
         rest = [a for a in u.after if a not in partials]  # phase B
         pieces = u.on("cpu").gather_after == "per piece"
-        loops = _piece_loops(u, rest) if pieces else []
+        loops = [a for a in rest[len(rest) - 1 - u.piece_loops:-1] if isinstance(a, Loop)] if pieces else []
         for a in rest[:len(rest) - len(loops) - 1] if pieces else rest:
             self.unit(a)
         if pieces:
@@ -291,15 +291,3 @@ class CpuFused:
         self.w.emit(f"coconet::fused_rs_compute_ag<{ct}>({op}, {src}, "
                   f"coconet::Shape3{{{self.w.shape3(xt, u.dim)}}}, comm, "
                   f"{chunk}, {fn}, {targets}{progress});")
-
-
-def _piece_loops(u: Fused, rest: list[Unit]) -> list[Loop]:
-    """The loops that run piece by piece with phase B's closing allgather (Fused.gather_after):
-    the run of loops over the elements of the fused collective's slice just before it."""
-    out: list[Loop] = []
-    for a in reversed(rest[:-1]):
-        if not (isinstance(a, Loop) and not a.seg_dst and a.type.shape == u.type.shape
-                and a.type.layout == u.type.layout):
-            break
-        out.insert(0, a)
-    return out
