@@ -1,21 +1,29 @@
-"""examples/gpt_block.ccn, a GPT-2 block tensor-parallel over heads and MLP columns (issue 39,
-point 3; docs/gpt_block.md), against an independent PyTorch block written as nanoGPT writes it
-(model.py's LayerNorm, CausalSelfAttention, MLP and Block; one process, float64):
+"""examples/gpt_block.ccn, a GPT-2 block tensor-parallel over heads and MLP columns (gpt_block)
+and the same with Megatron's sequence parallelism (gpt_block_sp: x and y sliced along the
+sequence) (issue 39, points 3 and 6; docs/gpt_block.md), against an independent PyTorch block
+written as nanoGPT writes it (model.py's LayerNorm, CausalSelfAttention, MLP and Block; one
+process, float64):
 
-- the interpreter's forward on 1, 2 and 4 ranks (4, 2 and 1 heads a rank) and its derived
-  program's gradients (every parameter, in its layout) against torch and torch.autograd;
+- the interpreter's forward of both programs on 1, 2 and 4 ranks (4, 2 and 1 heads a rank; the
+  sequence of 5 in slices of 5, 3 + 2 and 2 + 2 + 1 + 0) and their derived programs' gradients
+  (every parameter, in its layout; the replicated layernorm weights' gradients of gpt_block_sp,
+  made from sequence slices, summed over the ranks) against torch and torch.autograd;
 - every schedule against the program with dropout on (the masks the same on every number of
-  ranks), and dropout actually dropping;
-- the forward and derived programs under every schedule (GRAD_SCHEDULE's for the derived one),
-  compiled for the CPU on 1 and 2 ranks and as CUDA under the host emulation, against the
-  interpreter (`coconetc run -s all`, whose random inputs draw pdrop in [0.05, 0.95]);
-- the block as a coconetc.torch.function on 2 ranks against one process of the nanoGPT block
-  (outputs and every gradient)."""
+  ranks, and gpt_block_sp's the same as gpt_block's), and dropout actually dropping;
+- the forward and derived programs of both under every schedule (GRAD_SCHEDULE's for the derived
+  ones), compiled for the CPU on 1 and 2 ranks and as CUDA under the host emulation, against the
+  interpreter (one MPI job a rank count; random inputs with pdrop in [0.05, 0.95]);
+- both blocks as coconetc.torch.functions on 2 ranks against one process of the nanoGPT block
+  (outputs and every gradient), and a sequence slice of the wrong length raising naming 'x' on
+  every rank;
+- bad input: heads that do not divide among the ranks, a sequence slice that does not match the
+  group, a causal mask of the wrong shape, a reshape whose sizes disagree."""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +33,7 @@ import pytest
 
 import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
 from coconetc.autodiff import vjp
+from coconetc.errors import CompileError
 from coconetc.interp.interpreter import run
 from coconetc.ir.slices import slice_range
 from coconetc.launch import mpiexec
@@ -38,6 +47,10 @@ B, S, H, NH = 2, 5, 8, 4  # 4 heads of HD = 2
 HD, F = H // NH, 4 * H
 # the dim each tensor parameter is sliced along (the others are replicated)
 SLICED = {"wq": 1, "wk": 1, "wv": 1, "w_fc": 1, "bq": 0, "bv": 0, "b_fc": 0, "wo": 0, "w_proj": 0}
+# gpt_block_sp: the same, and the block's input, output and their gradients sliced along S
+SLICED_SP = {**SLICED, "x": 1, "y": 1, "d_y": 1}
+LAYOUTS = {"gpt_block": SLICED, "gpt_block_sp": SLICED_SP}
+PROGRAMS = list(LAYOUTS)
 
 
 # --- nanoGPT's block (model.py), written here independently -------------------------------------
@@ -144,12 +157,21 @@ def _grad_of(blk: Block, name: str) -> np.ndarray:
 
 
 # --- the interpreter on R simulated ranks ----------------------------------------------------
-# A schedule of the derived program: its four backward collectives are the all-reduces of the
-# column-parallel matmuls' input gradients (Megatron's f in the backward), g_n2 (c_fc's) and g_n1,
-# g_n12, g_n14 (v's, k's, q's); each matmul_nt that makes the partial sums runs in 2 chunks along
-# S, each chunk all-reduced while the next multiplies. (Not in the example: in f32 the derived
-# program's attention gradients, through three dropouts of p up to 0.95, differ from the
-# interpreter's by more than the example-wide tests' f32 tolerance; docs/gpt_block.md.)
+# Schedules of the derived programs. gpt_block_grad: its four backward collectives are the
+# all-reduces of the column-parallel matmuls' input gradients (Megatron's f in the backward),
+# g_n2 (c_fc's) and g_n1, g_n12, g_n14 (v's, k's, q's); each matmul_nt that makes the partial sums
+# runs in 2 chunks along S, each chunk all-reduced while the next multiplies.
+# gpt_block_sp_grad: in the forward, n1's all-gather overlapping q's projection and the fused
+# reduce-scatter (x1, ln_2, the all-gather of n2) overlapped with attention's c_proj, as in
+# gpt_block_sp's `overlapped`; in the backward, the all-gather of d_y's dropout (the reduce-
+# scatter's transpose) overlapping the MLP c_proj's input-gradient matmul_nt, the reduce-scatter
+# of c_fc's input gradient (g_n2s, the all-gather's transpose) fused with ln_2's backward, the
+# residual, the dropout and the all-gather that attention's c_proj backward reads (the mirror of
+# the forward's fusion) and overlapped with the matmul_nt that makes it; attention's three
+# input-gradient all-reduces overlapped as in gpt_block_grad.
+# (Not in the example: in f32 the derived programs' attention gradients, through three dropouts
+# of p up to 0.95, differ from the interpreter's by more than the example-wide tests' f32
+# tolerance; docs/gpt_block.md.)
 GRAD_SCHEDULE = """
 schedule overlapped for grad(gpt_block) {
     overlap(g_n2_part, g_n2, chunks=2, dim=1)
@@ -157,26 +179,49 @@ schedule overlapped for grad(gpt_block) {
     overlap(g_n1_part2, g_n12, chunks=2, dim=1)
     overlap(g_n1_part3, g_n14, chunks=2, dim=1)
 }
+
+schedule overlapped for grad(gpt_block_sp) {
+    overlap(n1, qm, chunks=2)
+    f1 = fuse(at, x1_add, x1_dropout, x1, n2s, n2)
+    overlap(ap, f1, chunks=2)
+    overlap(g_allgather2, g_h, chunks=2)
+    f3 = fuse(g_n2s, g_xc, g_rstd, g_xhat, g_dxhat, g_x1, g_x1_add, g_allgather4)
+    overlap(g_n2_part, f3, chunks=2)
+    overlap(g_n1_part, g_n1, chunks=2, dim=1)
+    overlap(g_n1_part2, g_n12, chunks=2, dim=1)
+    overlap(g_n1_part3, g_n14, chunks=2, dim=1)
+}
 """
 
 
+# every schedule of each program and its derived program (compiled: each job's)
+JOBS = {"gpt_block": ["default", "fused", "overlapped"], "gpt_block_grad": ["default", "overlapped"],
+        "gpt_block_sp": ["default", "fused", "overlapped", "overlapped_both"],
+        "gpt_block_sp_grad": ["default", "overlapped"]}
+
+
 def _f64() -> str:
-    """The example in f64, with the derived program's schedule."""
+    """The example in f64, with the derived programs' schedules."""
     return EXAMPLE.read_text().replace("f32", "f64") + GRAD_SCHEDULE
 
 
-def _run(p, inputs: dict, ranks: int) -> list:
+def _parts(inputs: dict, ranks: int, sliced: dict[str, int]) -> list[dict]:
+    """Each rank's arguments: the slices of the sliced parameters, the rest whole."""
     per_rank = []
     for r in range(ranks):
         mine = {}
         for k, v in inputs.items():
-            if k in SLICED:
-                dim = SLICED[k]
+            if k in sliced:
+                dim = sliced[k]
                 lo, hi = slice_range(v.shape[dim], ranks, r)
                 v = np.take(v, np.arange(lo, hi), axis=dim)
             mine[k] = v.copy() if isinstance(v, np.ndarray) else v
         per_rank.append(mine)
-    return run(p, per_rank)
+    return per_rank
+
+
+def _run(p, inputs: dict, ranks: int, sliced: dict[str, int] = SLICED) -> list:
+    return run(p, _parts(inputs, ranks, sliced))
 
 
 def _joined(results: list, out: str, dim: int | None) -> np.ndarray:
@@ -192,56 +237,110 @@ def _inputs(blk: Block, x: np.ndarray, pdrop: float = 0.0) -> dict:
     return {"x": x, **_weights(blk), "scale": 1.0 / math.sqrt(HD), "pdrop": pdrop, "seed": 1234}
 
 
+@pytest.mark.parametrize("program", PROGRAMS)
 @pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_forward_matches_nanogpt(ranks):
-    """(nanoGPT's key bias, random here, is not in the block: the same result without it)"""
+def test_forward_matches_nanogpt(program, ranks):
+    """(nanoGPT's key bias, random here, is not in the block: the same result without it.)
+    gpt_block_sp on 2 and 4 ranks: S = 5 in uneven slices (3 + 2; 2 + 2 + 1 + 0)."""
     blk = _block()
     x = np.random.default_rng(0).standard_normal((B, S, H))
     want = blk(torch.tensor(x)).detach().numpy()
     assert np.abs(blk.attn.c_attn.bias[H:2 * H].detach().numpy()).min() > 1e-3
-    res = _run(load_source(_f64()).program("gpt_block"), _inputs(blk, x), ranks)
-    np.testing.assert_allclose(_joined(res, "y", None), want, rtol=1e-12, atol=1e-12)
+    res = _run(load_source(_f64()).program(program), _inputs(blk, x), ranks, LAYOUTS[program])
+    if program == "gpt_block_sp":  # each rank's rows of y only
+        assert [r.outputs["y"].shape[1] for r in res] == [slice_range(S, ranks, i)[1] - slice_range(S, ranks, i)[0]
+                                                          for i in range(ranks)]
+    np.testing.assert_allclose(_joined(res, "y", LAYOUTS[program].get("y")), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("program", PROGRAMS)
 @pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_gradients_match_autograd(ranks):
+def test_gradients_match_autograd(program, ranks):
+    """Every gradient in its parameter's layout; the replicated ones (the layernorms' weights,
+    the c_proj biases) the same on every rank (_joined checks it), which for gpt_block_sp, whose
+    ranks see only their rows of the sequence, is the derived program's sum over the ranks."""
     blk = _block(1)
     rng = np.random.default_rng(1)
     x, dy = rng.standard_normal((B, S, H)), rng.standard_normal((B, S, H))
     tx = torch.tensor(x, requires_grad=True)
     (blk(tx) * torch.tensor(dy)).sum().backward()
-    mod = load_source(_f64())
-    g = vjp(mod.program("gpt_block"))
-    res = _run(g, {**_inputs(blk, x), "d_y": dy}, ranks)
-    got = {pub: _joined(res, pub, SLICED.get(pub[2:])) for pub, _ in g.outputs}
-    sched = _run(mod.schedule("gpt_block_grad", "overlapped").ir, {**_inputs(blk, x), "d_y": dy}, ranks)
+    mod, sliced = load_source(_f64()), LAYOUTS[program]
+    g = vjp(mod.program(program))
+    res = _run(g, {**_inputs(blk, x), "d_y": dy}, ranks, sliced)
+    got = {pub: _joined(res, pub, sliced.get(pub[2:])) for pub, _ in g.outputs}
+    sched = _run(mod.schedule(f"{program}_grad", "overlapped").ir, {**_inputs(blk, x), "d_y": dy}, ranks, sliced)
     for pub, _ in g.outputs:  # the derived program's schedule: the same gradients
-        np.testing.assert_allclose(_joined(sched, pub, SLICED.get(pub[2:])), got[pub], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(_joined(sched, pub, sliced.get(pub[2:])), got[pub], rtol=1e-12, atol=1e-14)
     assert set(got) == {"d_x", *(f"d_{k}" for k in PARAMS)}
     np.testing.assert_allclose(got["d_x"], tx.grad.numpy(), rtol=1e-9, atol=1e-12)
     for k in PARAMS:
         np.testing.assert_allclose(got[f"d_{k}"], _grad_of(blk, k), rtol=1e-9, atol=1e-12, err_msg=k)
     # the key bias the block leaves out: torch's gradient of it is 0 but for rounding
     assert np.abs(blk.attn.c_attn.bias.grad[H:2 * H].numpy()).max() < 1e-12
+    if program == "gpt_block_sp" and ranks > 1:  # one rank's rows alone give another gradient
+        part = np.zeros_like(dy)
+        part[:, :slice_range(S, ranks, 0)[1]] = dy[:, :slice_range(S, ranks, 0)[1]]
+        blk.zero_grad()
+        (blk(torch.tensor(x)) * torch.tensor(part)).sum().backward()
+        assert np.abs(_grad_of(blk, "ln2_w") - got["d_ln2_w"]).max() > 1e-3
 
 
 def test_schedules_match_the_program_with_dropout():
-    """pdrop = 0.3 (attention, and both residual branches): every schedule on 2 and 4 ranks
-    gives the program's result on 1 rank (the masks depend on global indices only), and the
-    dropout drops (the result differs from pdrop = 0)."""
+    """pdrop = 0.3 (attention, and both residual branches): every schedule of both programs on
+    1, 2 and 4 ranks gives gpt_block's result on 1 rank (the masks depend on the stage and the
+    global indices only, and gpt_block_sp's stages of dropout are gpt_block's), and the dropout
+    drops (the result differs from pdrop = 0)."""
     mod = load_source(_f64())
     blk = _block(2)
     x = np.random.default_rng(2).standard_normal((B, S, H))
     one = _run(mod.program("gpt_block"), _inputs(blk, x, 0.3), 1)[0].outputs["y"]
     undropped = blk(torch.tensor(x)).detach().numpy()
     assert np.abs(one - undropped).max() > 0.1
-    assert set(mod.schedules["gpt_block"]) >= {"fused", "overlapped"}
-    for ranks in (2, 4):
-        np.testing.assert_allclose(_joined(_run(mod.program("gpt_block"), _inputs(blk, x, 0.3), ranks), "y", None),
-                                   one, rtol=1e-12, atol=1e-12)
-        for name, sched in mod.schedules["gpt_block"].items():
-            got = _run(sched.ir, _inputs(blk, x, 0.3), ranks)
-            np.testing.assert_allclose(_joined(got, "y", None), one, rtol=1e-12, atol=1e-12, err_msg=name)
+    for program, sliced in LAYOUTS.items():
+        assert set(mod.schedules[program]) == set(JOBS[program][1:])
+        for ranks in (1, 2, 4):
+            for name, ir in (("program", mod.program(program)),
+                             *((n, sc.ir) for n, sc in mod.schedules[program].items())):
+                got = _joined(_run(ir, _inputs(blk, x, 0.3), ranks, sliced), "y", sliced.get("y"))
+                np.testing.assert_allclose(got, one, rtol=1e-12, atol=1e-12, err_msg=f"{program} {name} R={ranks}")
+
+
+def test_sp_schedules_fuse_the_layernorm_and_its_allgather_into_the_reduce_scatter():
+    """gpt_block_sp's schedules as the plan runs them: attention's reduce-scatter, x1, ln_2 and
+    the all-gather of n2 one fused collective (under `overlapped`, inside the overlap of the
+    matmul that feeds it), the MLP's reduce-scatter fused with y."""
+    mod = load_source(EXAMPLE.read_text())
+    from coconetc.plan.show import show as show_plan
+    fused = show_plan(mod.plans[("gpt_block_sp", "fused")])
+    assert re.search(r"fused f1: at = reducescatter\(sum, ap\)( along dim 1)? chunk by chunk", fused)
+    assert "per chunk (rows): n2s (register) = layernorm(x1, ln2_w, ln2_b, 1e-05)" in fused
+    assert "per chunk: n2 = allgather(n2s) as each piece is computed" in fused
+    assert "per chunk (pointwise): y = x1 + dropout(mt + b_proj" in fused
+    over = show_plan(mod.plans[("gpt_block_sp", "overlapped")])
+    assert "overlap ap = matmul(o, t18_ap) in 2 chunks along dim 0 (rows in place) -> fused f1 per chunk" in over
+    assert "overlap mp = matmul(h, w_proj) in 2 chunks along dim 0 (rows in place) -> fused f2 per chunk" in over
+    # inside the overlap, the row-wise layernorm and the all-gather run after the last block
+    after = over[over.index("fused f1"):over.index("library hm = matmul(n2, w_fc)")]
+    assert "after all chunks:" in after and "collective n2 = allgather(n2s)" in after
+    both = show_plan(mod.plans[("gpt_block_sp", "overlapped_both")])
+    for line in ("overlap n1 = allgather(n1s) in 2 chunks along dim 0 (rows in place) -> qm = matmul(n1, t0_qm) "
+                 "per chunk, as it arrives",
+                 "overlap n2 = allgather(n2s) in 2 chunks along dim 0 (rows in place) -> hm = matmul(n2, w_fc) "
+                 "per chunk, as it arrives",
+                 "overlap ap = matmul(o, t18_ap) in 2 chunks along dim 0 (rows in place) -> fused f1 per chunk",
+                 "overlap mp = matmul(h, w_proj) in 2 chunks along dim 0 (rows in place) -> fused f2 per chunk"):
+        assert line in both, line
+
+
+def test_a_fused_collective_cannot_feed_an_overlapped_matmul_yet():
+    """The limit overlapped_both works around (its all-gather of n2 is not fused into attention's
+    reduce-scatter): refused at the overlap, located."""
+    src = EXAMPLE.read_text() + "schedule both for gpt_block_sp {\n    f1 = fuse(at, x1, n2s, n2)\n    overlap(n2, hm, chunks=2)\n}\n"
+    with pytest.raises(CompileError) as err:
+        load_source(src, "gpt_block.ccn")
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (len(src.splitlines()) - 1, 13), str(err.value)
+    assert d.message == "overlap on 'n2': a fused collective cannot feed an overlapped matmul yet", d.message
 
 
 # --- compiled, against the interpreter ----------------------------------------------------------
@@ -257,94 +356,135 @@ def cache(request):
         os.environ[probes.ENV_CACHE] = old
 
 
-def _run_all(f: Path, ranks: int, *extra: str) -> None:
-    """`coconetc run F -s all` of the forward and of the derived program (`--grad`): every
-    schedule, compiled, against the interpreter on every rank."""
-    exe = str(Path(sys.executable).parent / "coconetc")
-    sizes = [a for k, v in dict(B=B, S=S, H=H, NH=NH, HD=HD, F=F).items() for a in ("--size", f"{k}={v}")]
-    for grad, schedules in (([], ["default", "fused", "overlapped"]), (["--grad"], ["default", "overlapped"])):
-        res = subprocess.run([exe, "run", str(f), "-p", "gpt_block", *grad, "-s", "all", "--ranks", str(ranks),
-                              *sizes, *extra], capture_output=True, text=True, timeout=600)
-        ok = [ln.split(" [")[1].split("]")[0] for ln in res.stdout.splitlines()
-              if ln.endswith("matches the interpreter on every rank")]
-        assert res.returncode == 0 and ok == schedules, res.stdout + res.stderr[-3000:]
+@pytest.fixture(scope="module")
+def f64_file(request, cache) -> Path:
+    """The f64 example with GRAD_SCHEDULE at one path for every compiled test here (a module is
+    named and cached by its file): the CPU jobs, the CUDA emulation and coconetc.torch.function
+    load the same modules, one for each program with its derived programs."""
+    folder = request.config.cache.mkdir("gpt-block-f64")
+    f, text = folder / "gpt_block.ccn", _f64()
+    if not f.exists() or f.read_text() != text:  # (another worker may be writing the same text)
+        tmp = folder / f"gpt_block.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, f)
+    return f
+
+
+def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:
+    """Every program of JOBS under its schedules, compiled, against the interpreter on every
+    rank, in one MPI job (tests/run_jobs_worker.py: coconetc.jobs.run's jobs in turn, each on
+    random inputs whose pdrop is drawn in [0.05, 0.95]). Each job loads the module of its
+    program with its derived programs (--grad-of), the one coconetc.torch.function loads."""
+    sizes = [f"--size={k}={v}" for k, v in dict(B=B, S=S, H=H, NH=NH, HD=HD, F=F).items()]
+    argv, want = [str(Path(__file__).with_name("run_jobs_worker.py"))], []
+    for program, schedules in JOBS.items():
+        argv += [str(f), "--program", program, "--grad-of", program.removesuffix("_grad"), "--reps", "1", *extra,
+                 *sizes, *(f"--schedule={s}" for s in schedules), "--"]
+        want += [f"{program} [{s}]" for s in schedules]
+    rc = mpiexec.run_python(ranks, argv, timeout=900)
+    out, err = capfd.readouterr()
+    log = f"--- stdout\n{out}\n--- stderr\n{err[-3000:]}"
+    lines = [ln for ln in out.splitlines() if re.match(r"\S+ \[\w+\]( \(CUDA, host emulation\))?: \d+ ranks:", ln)]
+    assert rc == 0 and len(lines) == len(want), log
+    for line, head in zip(lines, want):
+        assert line.startswith(head) and line.endswith("matches the interpreter on every rank"), f"{line}\n{log}"
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_cpu_backend_matches_interpreter(cache, tmp_path):
+def test_cpu_backend_matches_interpreter(f64_file, capfd):
     """f64: the random inputs draw pdrop up to 0.95, and three dropouts scaling by up to 20
-    each take the f32 derived program past the f32 tolerance (tests/test_cpu_backend.py runs
-    the f32 forward and its schedules)."""
-    f = tmp_path / "gpt_block_cpu.ccn"
-    f.write_text(_f64())
+    each take the f32 derived programs past the f32 tolerance (tests/test_cpu_backend.py runs
+    the f32 forwards and their schedules). gpt_block_sp on 2 ranks: S = 5 as 3 + 2 rows."""
+    import coconetc
+    for program in PROGRAMS:  # built here, so that the ranks only import
+        coconetc.load(f64_file, log=lambda msg: None, grad=(program,))
     for ranks in (1, 2):
-        _run_all(f, ranks)
+        _run_jobs(f64_file, ranks, capfd)
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_matches_interpreter(cache, tmp_path):
-    f = tmp_path / "gpt_block_cuda.ccn"
-    f.write_text(_f64())
-    _run_all(f, 2, "--backend", "cuda", "--emulate")
+def test_cuda_emulation_matches_interpreter(f64_file, capfd):
+    from coconetc.runtime.cuda import load_emulated
+    for program in PROGRAMS:
+        load_emulated(f64_file, log=lambda msg: None, grad=(program,))
+    _run_jobs(f64_file, 2, capfd, "--emulate-cuda")
 
 
 # --- through coconetc.torch.function on 2 ranks -------------------------------------------------
 TORCH = """
 import math, sys
-import numpy as np
 import torch
 from mpi4py import MPI
 import coconetc.torch as ct
 from coconetc.ir.slices import slice_range
-sys.path.insert(0, sys.argv[3])
-from test_gpt_block import B, S, H, HD, PARAMS, SLICED, _block, _grad_of
+sys.path.insert(0, sys.argv[2])
+from test_gpt_block import B, S, H, HD, LAYOUTS, PARAMS, _block, _grad_of
 comm = MPI.COMM_WORLD
 r, R = comm.Get_rank(), comm.Get_size()
 blk = _block(3)
 g = torch.Generator().manual_seed(0)
 x = torch.randn(B, S, H, generator=g, dtype=torch.float64)
 dy = torch.randn(B, S, H, generator=g, dtype=torch.float64)
-f = ct.function(sys.argv[1], "gpt_block", schedule=sys.argv[2], grad_schedule=sys.argv[2])
-
-
-def part(t, k):
-    if k in SLICED:
-        lo, hi = slice_range(t.shape[SLICED[k]], R, r)
-        t = t.narrow(SLICED[k], lo, hi - lo)
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-mine = {k: part(v(blk).detach(), k).requires_grad_() for k, v in PARAMS.items()}
-xx = x.clone().requires_grad_()
-y = f(x=xx, **mine, scale=1.0 / math.sqrt(HD), pdrop=0.0, seed=7)
-(y * dy).sum().backward()
 tx = x.clone().requires_grad_()
 ty = blk(tx)
 (ty * dy).sum().backward()
-errs = [float((y - ty).abs().max()), float((xx.grad - tx.grad).abs().max())]
-errs += [float((mine[k].grad - part(torch.tensor(_grad_of(blk, k)), k)).abs().max()) for k in PARAMS]
-print(f"rank {r} max error {max(errs):.3g}", flush=True)
+
+
+def part(t, k, sliced):
+    if k in sliced:
+        lo, hi = slice_range(t.shape[sliced[k]], R, r)
+        t = t.narrow(sliced[k], lo, hi - lo)
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+for program, sliced in LAYOUTS.items():
+    f = ct.function(sys.argv[1], program, schedule="overlapped", grad_schedule="overlapped")
+    mine = {k: part(v(blk).detach(), k, sliced).requires_grad_() for k, v in PARAMS.items()}
+    xx = part(x, "x", sliced).requires_grad_()
+    y = f(x=xx, **mine, scale=1.0 / math.sqrt(HD), pdrop=0.0, seed=7)
+    (y * part(dy, "y", sliced)).sum().backward()  # gpt_block_sp: each rank's rows of the loss
+    errs = [float((y.detach() - part(ty.detach(), "y", sliced)).abs().max()), float((xx.grad - part(tx.grad, "x", sliced)).abs().max())]
+    errs += [float((mine[k].grad - part(torch.tensor(_grad_of(blk, k)), k, sliced)).abs().max()) for k in PARAMS]
+    print(f"{program} rank {r} max error {max(errs):.3g}", flush=True)
+
+# a sequence slice that does not match the group: rank 0 passes 2 rows of x and rank 1 its 3
+# (the group's slices of S = 5 rows are 3 and 2); every rank raises, naming x
+bad = x.narrow(1, 0, 2) if r == 0 else x.narrow(1, 2, 3)
+with torch.no_grad():
+    try:
+        f(x=bad.contiguous(), **mine, scale=1.0 / math.sqrt(HD), pdrop=0.0, seed=7)
+        print(f"bad rank {r} ran", flush=True)
+    except ValueError as err:
+        print(f"bad rank {r} raised {err}", flush=True)
 """
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_torch_function_matches_nanogpt_on_two_ranks(cache, tmp_path):
-    """The block (f64) as a coconetc.torch.function, the compiled forward under `overlapped` and
-    the compiled derived backward under GRAD_SCHEDULE's `overlapped`: outputs and every gradient in its layout against one process
-    of the nanoGPT block and autograd."""
-    f = tmp_path / "gpt_block.ccn"
-    f.write_text(_f64())
+def test_torch_function_matches_nanogpt_on_two_ranks(f64_file, tmp_path):
+    """Both blocks (f64) as coconetc.torch.functions, the compiled forward under `overlapped`
+    and the compiled derived backward under GRAD_SCHEDULE's `overlapped`: outputs and every
+    gradient in its layout against one process of the nanoGPT block and autograd (gpt_block_sp:
+    x, y and their gradients this rank's rows of the sequence; the replicated weights' gradients
+    whole on every rank). Then gpt_block_sp called with a sequence slice of the wrong length."""
+    import coconetc
+    for program in PROGRAMS:  # built here (or already, by the CPU test), so that the ranks only import
+        coconetc.load(f64_file, log=lambda msg: None, grad=(program,))
     script = tmp_path / "gpt_block_torch.py"
     script.write_text(TORCH)
-    cmd = mpiexec.command(2, [sys.executable, str(script), str(f), "overlapped", str(Path(__file__).parent)])
+    cmd = mpiexec.command(2, [sys.executable, str(script), str(f64_file), str(Path(__file__).parent)])
     res = subprocess.run(cmd, env=mpiexec.environment(2), capture_output=True, text=True, timeout=900)
-    lines = [ln.split() for ln in res.stdout.splitlines() if ln.startswith("rank ")]
-    assert len(lines) == 2 and all(float(ln[-1]) < 1e-10 for ln in lines), res.stdout + res.stderr[-3000:]
+    log = res.stdout + res.stderr[-3000:]
+    lines = [ln.split() for ln in res.stdout.splitlines() if " rank " in ln and " max error " in ln]
+    assert sorted(ln[0] for ln in lines) == sorted(PROGRAMS * 2), log
+    assert all(float(ln[-1]) < 1e-10 for ln in lines), log
+    bad = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("bad rank "))
+    assert len(bad) == 2 and all(" raised 'x' on rank 0: dim 1 must be 3 (f64[B, S, H] sliced(1)" in ln
+                                 for ln in bad), log
 
 
 def test_show_grad_prints_the_derived_program():
-    res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "show", "--grad", str(EXAMPLE)],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "show", "--grad", "-p", "gpt_block",
+                          str(EXAMPLE)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == ("# saved by the forward (gpt_block_fwd returns them): n1, q, k, v, s, a, o, x1, n2, h; "
@@ -359,13 +499,99 @@ def test_show_grad_prints_the_derived_program():
             "d_w_fc, d_b_fc, d_w_proj, d_b_proj") in lines
 
 
-def test_heads_that_do_not_split_evenly_raise_naming_the_reshape():
+def test_show_grad_prints_the_sequence_parallel_derived_program():
+    """gpt_block_sp's derived program: Megatron's conjugates (the backward of each reduce-scatter an
+    all-gather, of the MLP's all-gather a reduce-scatter), and the replicated parameters'
+    gradients, each made from this rank's rows, summed over the ranks."""
+    exe = str(Path(sys.executable).parent / "coconetc")
+    res = subprocess.run([exe, "show", "--grad", "-p", "gpt_block_sp", str(EXAMPLE)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == ("# saved by the forward (gpt_block_sp_fwd returns them): n1, q, k, v, s, a, o, x1, n2, hm, "
+                        "h; recomputed by the backward (gpt_block_sp_bwd): qm_reshape, k_reshape, v_reshape, "
+                        "s_transpose, a_where, a_softmax, ap_reshape, h_add, g_xc, g_rstd, g_xhat, g_xc2, g_rstd2, "
+                        "g_xhat2")
+    collectives = [ln.strip() for ln in lines if re.search(r" = (allreduce|reducescatter|allgather|scatter)\(", ln)]
+    assert collectives == [
+        "n1 = allgather(n1s)", "at = reducescatter(sum, ap, dim=1)", "n2 = allgather(n2s)",
+        "d_b_proj = allreduce(sum, g_b_proj_part)", "g_allgather2 = allgather(g_y_add)",
+        "g_n2s = reducescatter(sum, g_n2_part, dim=1)",
+        "d_ln2_w = allreduce(sum, g_ln2_w_part)", "d_ln2_b = allreduce(sum, g_ln2_b_part)",
+        "d_bo = allreduce(sum, g_bo_part)", "g_allgather4 = allgather(g_x1_add)",
+        # attention's input gradient: three all-reduces and this rank's rows of their sum
+        "g_n1 = allreduce(sum, g_n1_part)", "g_n12 = allreduce(sum, g_n1_part2)",
+        "g_n14 = allreduce(sum, g_n1_part3)", "g_scatter = scatter(g_n15, dim=1)",
+        "d_ln1_w = allreduce(sum, g_ln1_w_part)", "d_ln1_b = allreduce(sum, g_ln1_b_part)"]
+    assert "    d_y: f32[B, S, H] sliced(1)," in lines
+    # without -p, the file's two programs: the same message as `show` (choose one)
+    res = subprocess.run([exe, "show", "--grad", str(EXAMPLE)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "holds 2 programs (gpt_block, gpt_block_sp); choose one with --program" in res.stderr
+
+
+# --- bad input (issue 39 point 6) ---------------------------------------------------------------
+def _line(text: str) -> int:
+    """The line of gpt_block_sp's that starts with TEXT (1-based)."""
+    lines = EXAMPLE.read_text().splitlines()
+    return lines.index(text, lines.index(next(ln for ln in lines if ln.startswith("program gpt_block_sp(")))) + 1
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_heads_that_do_not_split_evenly_raise_naming_the_reshape(program):
     """4 heads of 2 on 3 ranks: a rank's 2 heads (4 columns) are not its slice of the 8 merged
     columns (3). (With heads of 1 they run, 2, 2 and 0 a rank: tests/test_cpu_backend.py.)"""
     blk = _block()
     x = np.random.default_rng(0).standard_normal((B, S, H))
-    p = load_source(_f64()).program("gpt_block")
-    line = EXAMPLE.read_text().splitlines().index(
-        "    q = transpose(reshape(matmul(n1, reshape(wq, [H, -1])) + reshape(bq, [-1]),") + 1
-    with pytest.raises(ValueError, match=rf"line {line}, col 19: reshape of a dim of 8 sliced over 3 ranks into 4 x 2"):
-        _run(p, _inputs(blk, x), 3)
+    p = load_source(_f64()).program(program)
+    if program == "gpt_block_sp":  # the first reshape that runs: wq's heads merged, in qm's stage
+        line, col = _line("    qm = matmul(n1, reshape(wq, [H, -1]))                     # column-parallel: a stage of its own,"), 21
+    else:  # the split of the heads' columns, in q's
+        line, col = EXAMPLE.read_text().splitlines().index(
+            "    q = transpose(reshape(matmul(n1, reshape(wq, [H, -1])) + reshape(bq, [-1]),") + 1, 19
+    with pytest.raises(ValueError, match=rf"line {line}, col {col}: reshape of a dim of 8 sliced over 3 ranks into 4 x 2"):
+        _run(p, _inputs(blk, x), 3, LAYOUTS[program])
+
+
+def test_a_sequence_slice_that_does_not_match_the_group_names_x():
+    """gpt_block_sp on 2 ranks whose x slices hold 2 and 3 rows: the group's slices of S = 5 are
+    3 and 2 (the compiled module on 2 ranks: test_torch_function_matches_nanogpt_on_two_ranks)."""
+    blk = _block()
+    x = np.random.default_rng(0).standard_normal((B, S, H))
+    parts = _parts(_inputs(blk, x), 2, SLICED_SP)
+    parts[0]["x"], parts[1]["x"] = x[:, :2].copy(), x[:, 2:].copy()
+    p = load_source(_f64()).program("gpt_block_sp")
+    with pytest.raises(ValueError, match=r"'x' on rank 0: dim 1 must be 3 \(f64\[B, S, H\] sliced\(1\), 2 ranks"):
+        run(p, parts)
+
+
+@pytest.mark.parametrize("mask, col", [("causal(q)", 25), ("causal(x)", 25), ("causal(transpose(s, 1, 2))", 25)])
+def test_a_causal_mask_of_the_wrong_shape_is_located(mask, col):
+    """The mask written on the wrong operand (q: [B, NH, S, HD]; the block's input [B, S, H];
+    the scores with heads and rows swapped): an error at the where, naming both shapes."""
+    src = EXAMPLE.read_text()
+    head, sp = src.split("program gpt_block_sp(", 1)
+    bad = head + "program gpt_block_sp(" + sp.replace("where(causal(s), s, -inf)", f"where({mask}, s, -inf)", 1)
+    with pytest.raises(CompileError) as err:
+        load_source(bad, "gpt_block.ccn")
+    d = err.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (_line("    a = dropout(softmax(where(causal(s), s, -inf)), pdrop, seed)"), col)
+    assert "shapes do not broadcast" in d.message and "vs [B, NH, S, S]" in d.message, d.message
+
+
+def test_a_reshape_whose_sizes_disagree_names_its_line():
+    """nanoGPT's `.view(b, t, c)` written as reshape(..., [B, S, H]) (and c_proj's rows as
+    [H, H]): the heads merged into H columns, which NH * HD (4 heads of 1 here) is not: a
+    ValueError naming the line, on every number of ranks, before anything is computed from it."""
+    src = _f64()
+    head, sp = src.split("program gpt_block_sp(", 1)
+    old = "    o = reshape(transpose(matmul(a, v), 1, 2), [B, S, -1])"
+    sp = sp.replace(old, old.replace("-1]", "H]"), 1).replace("reshape(wo, [-1, H])", "reshape(wo, [H, H])", 1)
+    bad = head + "program gpt_block_sp(" + sp
+    blk = _block()
+    inputs = _inputs(blk, np.random.default_rng(0).standard_normal((B, S, H)))
+    for k in ("wq", "wk", "wv", "bq", "bv", "wo"):  # one column of each head: HD = 1
+        inputs[k] = np.ascontiguousarray(inputs[k][..., :1, :] if k == "wo" else inputs[k][..., :1])
+    p = load_source(bad, "gpt_block.ccn").program("gpt_block_sp")
+    for ranks in (1, 2):
+        with pytest.raises(ValueError, match=rf"line {_line(old)}, col 9: reshape of \[2, 5, 4, 1\] \(40 elements\) into \[2, 5, 8\] \(80\): the sizes disagree"):
+            _run(p, inputs, ranks, SLICED_SP)

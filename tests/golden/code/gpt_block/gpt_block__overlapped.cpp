@@ -293,10 +293,10 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_t19_ap, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_ap = coconet::gemm_b_ld<float>(S_H, S_H);
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_o + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), bp_ap, bld_ap, v_ap + r.begin * S_S * S_H, S_H, coconet::kOverlapSteps, [&] { ov.progress(); });
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
     auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
       const int64_t gb = gb0 + base, ge = ge0 + base;
@@ -371,10 +371,10 @@ void gpt_block__overlapped(const coconet::CallArgs& a) {
   const auto* const bp_mp = coconet::gemm_prepare_b<float>(v_w_proj, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_mp = coconet::gemm_b_ld<float>(S_H, S_H);
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_h + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), bp_mp, bld_mp, v_mp + r.begin * S_S * S_H, S_H, coconet::kOverlapSteps, [&] { ov.progress(); });
   }, [&](int i, int channel) {
-    const coconet::Range r = coconet::chunk_range(S_B, 2, i);
+    const coconet::Range r = coconet::slice_range(S_B, 2, i);
     const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
     auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
       const int64_t gb = gb0 + base, ge = ge0 + base;

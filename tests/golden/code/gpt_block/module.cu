@@ -1548,6 +1548,2296 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   }
 }
 
+// program gpt_block_sp, schedule default (gpt_block.ccn)
+void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_n1s = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n1s), "n1s");
+  float* const v_n1 = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1");
+  float* const v_t0_qm = coconet::cuda::scratch<float>(3, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t0_qm, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t0_qm), "t0_qm");
+  float* const v_qm = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm), "qm");
+  float* const v_t1_q = coconet::cuda::scratch<float>(5, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t1_q, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t1_q), "t1_q");
+  float* const v_t2_q = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t2_q, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t2_q), "t2_q");
+  float* const v_t3_q = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t3_q, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t3_q), "t3_q");
+  float* const v_q = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q");
+  float* const v_t4_k = coconet::cuda::scratch<float>(9, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t4_k, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t4_k), "t4_k");
+  float* const v_t5_k = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t5_k, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t5_k), "t5_k");
+  float* const v_t6_k = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t6_k, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t6_k), "t6_k");
+  float* const v_k = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k");
+  float* const v_t7_v = coconet::cuda::scratch<float>(13, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t7_v, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t7_v), "t7_v");
+  float* const v_t8_v = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t8_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t8_v), "t8_v");
+  float* const v_t9_v = coconet::cuda::scratch<float>(15, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t9_v, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t9_v), "t9_v");
+  float* const v_t10_v = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t10_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t10_v), "t10_v");
+  float* const v_t11_v = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t11_v, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t11_v), "t11_v");
+  float* const v_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v");
+  float* const v_t12_s = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
+  float* const v_t13_s = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
+  float* const v_s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
+  float* const v_t15_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_a = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o");
+  float* const v_t18_ap = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t18_ap, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_ap), "t18_ap");
+  float* const v_ap = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
+  float* const v_at = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_at, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_at), "at");
+  float* const v_x1 = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_n2s = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
+  float* const v_n2 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
+  float* const v_hm = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
+  float* const v_h = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
+  float* const v_mp = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
+  COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
+  float* const v_mt = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // [default] layernorm n1s (gpt_block.ccn:113)
+  coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:114)
+  coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  // [default] reshape t0_qm (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:115)", ctx);
+  // [default] matmul qm (gpt_block.ccn:115)
+  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] reshape t1_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [default] kernel: t2_q (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+        coconet::cuda::Vec<float, 4> out_t2_q;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+      }
+    });
+  }
+  // [default] reshape t3_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [default] transpose q (gpt_block.ccn:116)
+  coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [default] reshape t4_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [default] matmul t5_k (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] reshape t6_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [default] transpose k (gpt_block.ccn:117)
+  coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [default] reshape t7_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [default] matmul t8_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [default] reshape t9_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [default] kernel: t10_v (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+        coconet::cuda::Vec<float, 4> out_t10_v;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+      }
+    });
+  }
+  // [default] reshape t11_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [default] transpose v (gpt_block.ccn:118)
+  coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [default] transpose t12_s (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] matmul t13_s (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] kernel: s (gpt_block.ccn:120)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k0_s = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
+        coconet::cuda::Vec<float, 4> out_s;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
+          out_s[u] = coconet::from_compute<float>(x_s);
+        }
+        coconet::cuda::store<4>(v_s + i0, out_s);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
+        v_s[i] = coconet::from_compute<float>(x_s);
+      }
+    });
+  }
+  // [default] kernel: t14_a (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_t14_a;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+      }
+    });
+  }
+  // [default] softmax t15_a (gpt_block.ccn)
+  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:121)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k1_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k2_a = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
+  // [default] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape o (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] matmul ap (gpt_block.ccn:123)
+  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:124)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
+  // [default] kernel: x1 (gpt_block.ccn:125)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k3_x1 = coconet::to_compute(v_pdrop[0]);
+      const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_x = coconet::cuda::load<4>(v_x + i0);
+        const auto in_at = coconet::cuda::load<4>(v_at + i0);
+        coconet::cuda::Vec<float, 4> out_x1;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          out_x1[u] = coconet::from_compute<float>(x_x1);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_x1 + i0, out_x1);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_x1[i] = coconet::from_compute<float>(x_x1);
+      }
+    });
+  }
+  // [default] layernorm n2s (gpt_block.ccn:126)
+  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:127)
+  coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  // [default] matmul hm (gpt_block.ccn:128)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:129)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          out_h[u] = coconet::from_compute<float>(x_h);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h + i0, out_h);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(x_h);
+      }
+    });
+  }
+  // [default] matmul mp (gpt_block.ccn:130)
+  coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:131)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
+  // [default] kernel: y (gpt_block.ccn:132)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_mt, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k5_y = coconet::to_compute(v_pdrop[0]);
+      const int64_t k6_y = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
+        const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
+        coconet::cuda::Vec<float, 4> out_y;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          out_y[u] = coconet::from_compute<float>(x_y);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_y + i0, out_y);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_y[i] = coconet::from_compute<float>(x_y);
+      }
+    });
+  }
+}
+
+// program gpt_block_sp, schedule fused (gpt_block.ccn)
+void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_n1s = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n1s), "n1s");
+  float* const v_n1 = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1");
+  float* const v_t0_qm = coconet::cuda::scratch<float>(3, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t0_qm, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t0_qm), "t0_qm");
+  float* const v_qm = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm), "qm");
+  float* const v_t1_q = coconet::cuda::scratch<float>(5, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t1_q, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t1_q), "t1_q");
+  float* const v_t2_q = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t2_q, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t2_q), "t2_q");
+  float* const v_t3_q = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t3_q, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t3_q), "t3_q");
+  float* const v_q = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q");
+  float* const v_t4_k = coconet::cuda::scratch<float>(9, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t4_k, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t4_k), "t4_k");
+  float* const v_t5_k = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t5_k, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t5_k), "t5_k");
+  float* const v_t6_k = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t6_k, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t6_k), "t6_k");
+  float* const v_k = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k");
+  float* const v_t7_v = coconet::cuda::scratch<float>(13, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t7_v, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t7_v), "t7_v");
+  float* const v_t8_v = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t8_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t8_v), "t8_v");
+  float* const v_t9_v = coconet::cuda::scratch<float>(15, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t9_v, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t9_v), "t9_v");
+  float* const v_t10_v = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t10_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t10_v), "t10_v");
+  float* const v_t11_v = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t11_v, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t11_v), "t11_v");
+  float* const v_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v");
+  float* const v_t12_s = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
+  float* const v_t13_s = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
+  float* const v_s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
+  float* const v_t15_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_a = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o");
+  float* const v_t18_ap = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t18_ap, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_ap), "t18_ap");
+  float* const v_ap = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
+  float* const v_n2 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
+  float* const v_x1 = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_hm = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
+  float* const v_h = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
+  float* const v_mp = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // [fused] layernorm n1s (gpt_block.ccn:113)
+  coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:114)
+  coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  // [fused] reshape t0_qm (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:115)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:115)
+  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [fused] reshape t1_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [fused] kernel: t2_q (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+        coconet::cuda::Vec<float, 4> out_t2_q;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+      }
+    });
+  }
+  // [fused] reshape t3_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [fused] transpose q (gpt_block.ccn:116)
+  coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [fused] reshape t4_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [fused] matmul t5_k (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [fused] reshape t6_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [fused] transpose k (gpt_block.ccn:117)
+  coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [fused] reshape t7_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [fused] matmul t8_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [fused] reshape t9_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [fused] kernel: t10_v (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+        coconet::cuda::Vec<float, 4> out_t10_v;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+      }
+    });
+  }
+  // [fused] reshape t11_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [fused] transpose v (gpt_block.ccn:118)
+  coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [fused] transpose t12_s (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [fused] matmul t13_s (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [fused] kernel: s (gpt_block.ccn:120)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k0_s = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
+        coconet::cuda::Vec<float, 4> out_s;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
+          out_s[u] = coconet::from_compute<float>(x_s);
+        }
+        coconet::cuda::store<4>(v_s + i0, out_s);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
+        v_s[i] = coconet::from_compute<float>(x_s);
+      }
+    });
+  }
+  // [fused] kernel: t14_a (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_t14_a;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+      }
+    });
+  }
+  // [fused] softmax t15_a (gpt_block.ccn)
+  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [fused] kernel: a (gpt_block.ccn:121)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k1_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k2_a = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
+  // [fused] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [fused] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [fused] reshape o (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:123)
+  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:141)
+  {
+    const int64_t base_f1 = 0;
+    const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    (void)base_f1;
+    const int64_t most_f1 = S_B * coconet::slice_chunk(S_S, comm.size) * S_H;
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
+    const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
+    const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
+    float* const red0_f1 = coconet::cuda::scratch<float>(35, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(36, nred_f1);
+  COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
+  COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f1 + k * ch_f1, hi = std::min(lo + ch_f1, mine_f1);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
+      COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        const float k3_x1 = coconet::to_compute(v_pdrop[0]);
+        const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
+          const auto in_at = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_x1;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            out_x1[u] = coconet::from_compute<float>(x_x1);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_x1[i] = coconet::from_compute<float>(x_x1);
+        }
+      });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
+        });
+      });
+    };
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx); };
+    auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 296, reduce_to, compute, gather, source);
+  }
+  // [fused] matmul hm (gpt_block.ccn:128)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:129)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          out_h[u] = coconet::from_compute<float>(x_h);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h + i0, out_h);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(x_h);
+      }
+    });
+  }
+  // [fused] matmul mp (gpt_block.ccn:130)
+  coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:142)
+  {
+    const int64_t base_f2 = 0;
+    const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    (void)base_f2;
+    const int64_t most_f2 = S_B * coconet::slice_chunk(S_S, comm.size) * S_H;
+    const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
+    const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
+    const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
+    float* const red0_f2 = coconet::cuda::scratch<float>(38, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(39, nred_f2);
+  COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
+  COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f2 + k * ch_f2, hi = std::min(lo + ch_f2, mine_f2);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        const float k5_y = coconet::to_compute(v_pdrop[0]);
+        const int64_t k6_y = coconet::to_compute(v_seed[0]);
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
+          const auto in_mt = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_y;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            out_y[u] = coconet::from_compute<float>(x_y);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_y + lo + j0, out_y);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_y[i] = coconet::from_compute<float>(x_y);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 320, reduce_to, compute, gather, source);
+  }
+}
+
+// program gpt_block_sp, schedule overlapped (gpt_block.ccn)
+void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_n1s = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n1s), "n1s");
+  float* const v_n1 = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1");
+  float* const v_t0_qm = coconet::cuda::scratch<float>(3, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t0_qm, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t0_qm), "t0_qm");
+  float* const v_qm = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm), "qm");
+  float* const v_t1_q = coconet::cuda::scratch<float>(5, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t1_q, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t1_q), "t1_q");
+  float* const v_t2_q = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t2_q, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t2_q), "t2_q");
+  float* const v_t3_q = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t3_q, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t3_q), "t3_q");
+  float* const v_q = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q");
+  float* const v_t4_k = coconet::cuda::scratch<float>(9, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t4_k, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t4_k), "t4_k");
+  float* const v_t5_k = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t5_k, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t5_k), "t5_k");
+  float* const v_t6_k = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t6_k, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t6_k), "t6_k");
+  float* const v_k = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k");
+  float* const v_t7_v = coconet::cuda::scratch<float>(13, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t7_v, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t7_v), "t7_v");
+  float* const v_t8_v = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t8_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t8_v), "t8_v");
+  float* const v_t9_v = coconet::cuda::scratch<float>(15, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t9_v, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t9_v), "t9_v");
+  float* const v_t10_v = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t10_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t10_v), "t10_v");
+  float* const v_t11_v = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t11_v, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t11_v), "t11_v");
+  float* const v_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v");
+  float* const v_t12_s = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
+  float* const v_t13_s = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
+  float* const v_s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
+  float* const v_t15_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_a = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o");
+  float* const v_t18_ap = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t18_ap, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_ap), "t18_ap");
+  float* const v_ap = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
+  float* const v_x1 = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_n2s = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
+  float* const v_n2 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
+  float* const v_hm = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
+  float* const v_h = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
+  float* const v_mp = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // [overlapped] layernorm n1s (gpt_block.ccn:113)
+  coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:114)
+  coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  // [overlapped] reshape t0_qm (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:115)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:115)
+  coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped] reshape t1_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [overlapped] kernel: t2_q (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+        coconet::cuda::Vec<float, 4> out_t2_q;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+      }
+    });
+  }
+  // [overlapped] reshape t3_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:116)
+  coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped] reshape t4_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [overlapped] matmul t5_k (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped] reshape t6_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:117)
+  coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped] reshape t7_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [overlapped] matmul t8_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped] reshape t9_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [overlapped] kernel: t10_v (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+        coconet::cuda::Vec<float, 4> out_t10_v;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+      }
+    });
+  }
+  // [overlapped] reshape t11_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:118)
+  coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped] transpose t12_s (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] matmul t13_s (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped] kernel: s (gpt_block.ccn:120)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k0_s = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
+        coconet::cuda::Vec<float, 4> out_s;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
+          out_s[u] = coconet::from_compute<float>(x_s);
+        }
+        coconet::cuda::store<4>(v_s + i0, out_s);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
+        v_s[i] = coconet::from_compute<float>(x_s);
+      }
+    });
+  }
+  // [overlapped] kernel: t14_a (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_t14_a;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+      }
+    });
+  }
+  // [overlapped] softmax t15_a (gpt_block.ccn)
+  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:121)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k1_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k2_a = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
+  // [overlapped] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape o (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:149)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 36);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:148)
+  {
+    const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f1;
+    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
+    const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
+    float* const red0_f1 = coconet::cuda::scratch<float>(38, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(39, nred_f1);
+  COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
+  COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f1 + k * ch_f1, hi = std::min(lo + ch_f1, mine_f1);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        const float k3_x1 = coconet::to_compute(v_pdrop[0]);
+        const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
+          const auto in_at = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_x1;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            out_x1[u] = coconet::from_compute<float>(x_x1);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_x1[i] = coconet::from_compute<float>(x_x1);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 320, reduce_to, compute, gather, source);
+  }
+      }
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 37);
+  // [overlapped] layernorm n2s (gpt_block.ccn:126)
+  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:127)
+  coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  }
+  // [overlapped] matmul hm (gpt_block.ccn:128)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:129)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          out_h[u] = coconet::from_compute<float>(x_h);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h + i0, out_h);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(x_h);
+      }
+    });
+  }
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:151)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 41);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:150)
+  {
+    const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f2 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f2;
+    const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
+    const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
+    const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
+    float* const red0_f2 = coconet::cuda::scratch<float>(43, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(44, nred_f2);
+  COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
+  COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f2 + k * ch_f2, hi = std::min(lo + ch_f2, mine_f2);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        const float k5_y = coconet::to_compute(v_pdrop[0]);
+        const int64_t k6_y = coconet::to_compute(v_seed[0]);
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
+          const auto in_mt = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_y;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            out_y[u] = coconet::from_compute<float>(x_y);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_y + lo + j0, out_y);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_y[i] = coconet::from_compute<float>(x_y);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 360, reduce_to, compute, gather, source);
+  }
+      }
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 42);
+  }
+}
+
+// program gpt_block_sp, schedule overlapped_both (gpt_block.ccn)
+void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_n1s = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n1s), "n1s");
+  float* const v_t0_qm = coconet::cuda::scratch<float>(2, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t0_qm, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t0_qm), "t0_qm");
+  float* const v_n1 = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1");
+  float* const v_qm = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm), "qm");
+  float* const v_t1_q = coconet::cuda::scratch<float>(5, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t1_q, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t1_q), "t1_q");
+  float* const v_t2_q = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t2_q, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t2_q), "t2_q");
+  float* const v_t3_q = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t3_q, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t3_q), "t3_q");
+  float* const v_q = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q");
+  float* const v_t4_k = coconet::cuda::scratch<float>(9, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t4_k, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t4_k), "t4_k");
+  float* const v_t5_k = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t5_k, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t5_k), "t5_k");
+  float* const v_t6_k = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t6_k, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t6_k), "t6_k");
+  float* const v_k = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k");
+  float* const v_t7_v = coconet::cuda::scratch<float>(13, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t7_v, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t7_v), "t7_v");
+  float* const v_t8_v = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t8_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t8_v), "t8_v");
+  float* const v_t9_v = coconet::cuda::scratch<float>(15, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t9_v, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t9_v), "t9_v");
+  float* const v_t10_v = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t10_v, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_t10_v), "t10_v");
+  float* const v_t11_v = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t11_v, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t11_v), "t11_v");
+  float* const v_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v");
+  float* const v_t12_s = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
+  float* const v_t13_s = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
+  float* const v_s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
+  float* const v_t15_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_a = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_t16_o = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o");
+  float* const v_t18_ap = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t18_ap, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_ap), "t18_ap");
+  float* const v_ap = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
+  float* const v_x1 = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_n2s = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
+  float* const v_n2 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
+  float* const v_hm = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
+  float* const v_h = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
+  float* const v_mp = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
+  float* const v_y = a.output<float>(0);
+  COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:113)
+  coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  // [overlapped_both] reshape t0_qm (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:115)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:161)
+  {
+    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
+    cctx.stream = ctx.comm_stream;
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 37);  // its source is computed
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);  // chunk i has arrived
+      coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    }
+  }
+  // [overlapped_both] reshape t1_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [overlapped_both] kernel: t2_q (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+        coconet::cuda::Vec<float, 4> out_t2_q;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+          out_t2_q[u] = coconet::from_compute<float>(x_t2_q);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t2_q = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
+        v_t2_q[i] = coconet::from_compute<float>(x_t2_q);
+      }
+    });
+  }
+  // [overlapped_both] reshape t3_q (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:116)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:116)
+  coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] reshape t4_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [overlapped_both] matmul t5_k (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape t6_k (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:117)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:117)
+  coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] reshape t7_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [overlapped_both] matmul t8_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape t9_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [overlapped_both] kernel: t10_v (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
+        coconet::cuda::Vec<float, 4> out_t10_v;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+          out_t10_v[u] = coconet::from_compute<float>(x_t10_v);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t10_v = coconet::round_to<float>(coconet::to_compute(v_t8_v[i]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
+        v_t10_v[i] = coconet::from_compute<float>(x_t10_v);
+      }
+    });
+  }
+  // [overlapped_both] reshape t11_v (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:118)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:118)
+  coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] transpose t12_s (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped_both] matmul t13_s (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped_both] kernel: s (gpt_block.ccn:120)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k0_s = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
+        coconet::cuda::Vec<float, 4> out_s;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
+          out_s[u] = coconet::from_compute<float>(x_s);
+        }
+        coconet::cuda::store<4>(v_s + i0, out_s);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
+        v_s[i] = coconet::from_compute<float>(x_s);
+      }
+    });
+  }
+  // [overlapped_both] kernel: t14_a (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_t14_a;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+      }
+    });
+  }
+  // [overlapped_both] softmax t15_a (gpt_block.ccn)
+  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped_both] kernel: a (gpt_block.ccn:121)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k1_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k2_a = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
+  // [overlapped_both] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped_both] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:163)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 38);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:162)
+  {
+    const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f1;
+    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
+    const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
+    float* const red0_f1 = coconet::cuda::scratch<float>(40, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(41, nred_f1);
+  COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
+  COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f1 + k * ch_f1, hi = std::min(lo + ch_f1, mine_f1);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        const float k3_x1 = coconet::to_compute(v_pdrop[0]);
+        const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
+          const auto in_at = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_x1;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            out_x1[u] = coconet::from_compute<float>(x_x1);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_x1[i] = coconet::from_compute<float>(x_x1);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 336, reduce_to, compute, gather, source);
+  }
+      }
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 39);
+  // [overlapped_both] layernorm n2s (gpt_block.ccn:126)
+  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  }
+  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:164)
+  {
+    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
+    cctx.stream = ctx.comm_stream;
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 44);  // its source is computed
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::allgather<float>(v_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 43);  // chunk i has arrived
+      coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+    }
+  }
+  // [overlapped_both] kernel: h (gpt_block.ccn:129)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          out_h[u] = coconet::from_compute<float>(x_h);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h + i0, out_h);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(x_h);
+      }
+    });
+  }
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:166)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 45);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:165)
+  {
+    const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f2 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f2;
+    const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
+    const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
+    const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
+    float* const red0_f2 = coconet::cuda::scratch<float>(47, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(48, nred_f2);
+  COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
+  COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f2 + k * ch_f2, hi = std::min(lo + ch_f2, mine_f2);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        const float k5_y = coconet::to_compute(v_pdrop[0]);
+        const int64_t k6_y = coconet::to_compute(v_seed[0]);
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
+          const auto in_mt = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_y;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            out_y[u] = coconet::from_compute<float>(x_y);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_y + lo + j0, out_y);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_y[i] = coconet::from_compute<float>(x_y);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 392, reduce_to, compute, gather, source);
+  }
+      }
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 46);
+  }
+}
+
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::cuda::CallArgs>* coconet_module_entries() {
@@ -1555,8 +3845,12 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block__default", &coconet_gen::gpt_block__default},
       {"gpt_block__fused", &coconet_gen::gpt_block__fused},
       {"gpt_block__overlapped", &coconet_gen::gpt_block__overlapped},
+      {"gpt_block_sp__default", &coconet_gen::gpt_block_sp__default},
+      {"gpt_block_sp__fused", &coconet_gen::gpt_block_sp__fused},
+      {"gpt_block_sp__overlapped", &coconet_gen::gpt_block_sp__overlapped},
+      {"gpt_block_sp__overlapped_both", &coconet_gen::gpt_block_sp__overlapped_both},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"gpt_block.ccn", table, 3};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"gpt_block.ccn", table, 7};
   return &entries;
 }
 

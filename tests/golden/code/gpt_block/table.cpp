@@ -11,6 +11,10 @@ namespace coconet_gen {
 void gpt_block__default(const coconet::CallArgs& a);
 void gpt_block__fused(const coconet::CallArgs& a);
 void gpt_block__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp__default(const coconet::CallArgs& a);
+void gpt_block_sp__fused(const coconet::CallArgs& a);
+void gpt_block_sp__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp__overlapped_both(const coconet::CallArgs& a);
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::CallArgs>* coconet_module_entries() {
@@ -18,8 +22,12 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block__default", &coconet_gen::gpt_block__default},
       {"gpt_block__fused", &coconet_gen::gpt_block__fused},
       {"gpt_block__overlapped", &coconet_gen::gpt_block__overlapped},
+      {"gpt_block_sp__default", &coconet_gen::gpt_block_sp__default},
+      {"gpt_block_sp__fused", &coconet_gen::gpt_block_sp__fused},
+      {"gpt_block_sp__overlapped", &coconet_gen::gpt_block_sp__overlapped},
+      {"gpt_block_sp__overlapped_both", &coconet_gen::gpt_block_sp__overlapped_both},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 3};
+  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 7};
   return &entries;
 }
 
