@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from coconetc.errors import NOWHERE, CompileError, Span
 from coconetc.ir.nodes import POINTWISE, Const, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, TType
+from coconetc.plan.units import GatherChunks
 
 
 class PlanError(CompileError):
@@ -59,7 +60,7 @@ class GatherSpec:
     consumer: Stage  # a matmul or a matmul_nt whose left operand is the collective's result
     chunks: int
     dim: int
-    how: str  # plan/units.py GatherMatmul.how
+    how: GatherChunks
     span: Span = NOWHERE
 
 
@@ -301,5 +302,5 @@ def gather_spec(p: Program, o: Overlap, scattered: set[str]) -> GatherSpec:
         raise PlanError.at(o.span, f"overlap: the {op_of(g).op} '{g.name}' reads the scattered "
                            f"parameter '{x.name}', which is not gathered in chunks: remove this overlap")
     gathered = x.type.layout.dim if op_of(g).op == "allgather" else None
-    how = "pieces" if o.dim == gathered else "rows" if o.dim == 0 else "packed"
+    how = GatherChunks.PIECES if o.dim == gathered else GatherChunks.ROWS if o.dim == 0 else GatherChunks.PACKED
     return GatherSpec(g, y, o.chunks, o.dim, how, o.span)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from coconetc.ir import printer
 from coconetc.plan.targets import TARGETS
-from coconetc.plan.units import (Buffer, Chunking, Collective, Copy, Fused, Item, Let, Library, Loop,
-                                 GatherMatmul, Overlap, Plan, Reduce, Require, Strategy, Unit)
+from coconetc.plan.units import (Algorithm, Buffer, Chunking, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
+                                 GatherMatmul, Overlap, Partials, Plan, Reduce, Require, Strategy, Unit)
 
 
 def show(plan: Plan) -> str:
@@ -65,8 +65,8 @@ def _unit(u: Unit, ind: str) -> list[str]:
     if isinstance(u, Fused):
         return _fused(u, ind)
     if isinstance(u, GatherMatmul):
-        how = {"rows": "rows in place", "pieces": "piece i of every rank's slice, in place",
-               "packed": "each chunk packed"}[u.how]
+        how = {GatherChunks.ROWS: "rows in place", GatherChunks.PIECES: "piece i of every rank's slice, in place",
+               GatherChunks.PACKED: "each chunk packed"}[u.how]
         return [f"{ind}{_at(u.line)} overlap {u.a} = {_coll(u.gather)} in {u.chunks} chunks along dim {u.dim} "
                 f"({how}) -> {u.consumer} = {u.gemm}({u.a}, {u.b}) per chunk, as it arrives"]
     assert isinstance(u, Overlap)
@@ -130,7 +130,7 @@ def _finish(r: Reduce) -> str:
 
 def _strategy(s: Strategy) -> str:
     partials = f"; reductions {s.partials}" if s.partials else ""
-    if s.partials == "per chunk" and "symmetric" in s.algorithms:  # one kernel, no chunks (targets.py)
+    if s.partials == Partials.PER_CHUNK and Algorithm.SYMMETRIC in s.algorithms:  # one kernel, no chunks (targets.py)
         partials += " (after the symmetric kernel: over the slice it kept)"
     partials += f"; the closing allgather {s.gather_after}" if s.gather_after else ""
     return (f"{' | '.join(s.algorithms)}{' (chosen per call)' if len(s.algorithms) > 1 else ''}; "

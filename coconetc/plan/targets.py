@@ -52,27 +52,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from enum import Enum
 
 from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
 from coconetc.ir.nodes import Op, Ref, walk
-from coconetc.plan.units import (Buffer, Chunking, Collective, Fused, Gap, Library, Overlap, Plan, Reduce,
-                                 Strategy, Unit)
+from coconetc.plan.units import (Algorithm, Buffer, Choice, ChunkElems, Chunking, Collective, Fused, Gap, GatherAfter,
+                                 Library, Overlap, Partials, Plan, Reduce, Strategy, Unit)
 
 
-class Target(str, Enum):
+class Target(Choice):
     """A target, as every layer spells it (a str: equal to its value, printed as it)."""
 
     CPU = "cpu"
     CUDA = "cuda"
     EMULATED = "cuda-emulated"  # the generated CUDA code run on the host (`--backend cuda --emulate`)
-
-    def __str__(self) -> str:  # (enum.StrEnum from Python 3.11)
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 TARGETS = tuple(Target)
@@ -127,16 +120,19 @@ def _fused(u: Fused, kinds: dict[str, str], overlapped: bool) -> Fused:
 
 def _cpu(u: Fused, overlapped: bool) -> Strategy:
     shm = u.op == "reducescatter" and not overlapped
-    chunking = Chunking("task" if overlapped else "default", u.rows, u.rows is not None and not overlapped)
-    return Strategy("cpu", ("p2p", "shm") if shm else ("p2p",), chunking, "per chunk" if u.partials else "",
-                    "per piece" if u.gather_after else "")
+    chunking = Chunking(ChunkElems.TASK if overlapped else ChunkElems.DEFAULT, u.rows,
+                        u.rows is not None and not overlapped)
+    return Strategy("cpu", (Algorithm.P2P, Algorithm.SHM) if shm else (Algorithm.P2P,), chunking,
+                    Partials.PER_CHUNK if u.partials else Partials.NONE,
+                    GatherAfter.PER_PIECE if u.gather_after else GatherAfter.NONE)
 
 
 def _cuda(u: Fused, kinds: dict[str, str], overlapped: bool) -> Strategy:
     symmetric = not overlapped and _symmetric_ok(u, kinds)
-    chunking = Chunking("default", u.rows, whole_alone=kinds[u.src] != "segments")
-    return Strategy("cuda", ("pipeline", "symmetric") if symmetric else ("pipeline",), chunking,
-                    "per chunk" if u.partials else "", "after the loop" if u.gather_after else "")
+    chunking = Chunking(ChunkElems.DEFAULT, u.rows, whole_alone=kinds[u.src] != "segments")
+    return Strategy("cuda", (Algorithm.PIPELINE, Algorithm.SYMMETRIC) if symmetric else (Algorithm.PIPELINE,), chunking,
+                    Partials.PER_CHUNK if u.partials else Partials.NONE,
+                    GatherAfter.AFTER_LOOP if u.gather_after else GatherAfter.NONE)
 
 
 def _symmetric_ok(u: Fused, kinds: dict[str, str]) -> bool:

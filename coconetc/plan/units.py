@@ -30,6 +30,7 @@ plan's `gaps` (what a target does not implement).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from coconetc.errors import NOWHERE, Span
 from coconetc.ir.nodes import Expr
@@ -147,6 +148,57 @@ class Phase:
     items: tuple[Item, ...]
 
 
+class Choice(str, Enum):
+    """One of a decision's values: equal to its text, printed as it (plan/show.py, the tuner's
+    labels), so the plan's decisions are named values rather than bare strings."""
+
+    def __str__(self) -> str:  # (enum.StrEnum from Python 3.11)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Algorithm(Choice):
+    """A fused collective's algorithm on one target (Strategy.algorithms)."""
+
+    P2P = "p2p"  # cpu: point-to-point messages between the ranks of the group
+    SHM = "shm"  # cpu: the group's shared-memory window, every rank on one node
+    PIPELINE = "pipeline"  # cuda: NCCL calls and chunk kernels on two streams
+    SYMMETRIC = "symmetric"  # cuda: one kernel over symmetric memory (symmetric.cuh)
+
+
+class ChunkElems(Choice):
+    """Where a fused collective's chunk size comes from (Chunking.elems)."""
+
+    DEFAULT = "default"  # the target's default chunk (its environment knob sets it)
+    TASK = "task"  # an overlap task's share of its rows
+
+
+class Partials(Choice):
+    """When a fused collective's reductions over values of the chunk are accumulated."""
+
+    NONE = ""
+    PER_CHUNK = "per chunk"
+    AFTER_CHUNKS = "after the chunks"
+
+
+class GatherAfter(Choice):
+    """How phase B's closing allgather runs with the loops before it (Fused.gather_after)."""
+
+    NONE = ""
+    PER_PIECE = "per piece"  # each piece sent as soon as the loops compute it
+    AFTER_LOOP = "after the loop"
+
+
+class GatherChunks(Choice):
+    """How an overlap the other way cuts its gather (GatherMatmul.how)."""
+
+    ROWS = "rows"
+    PIECES = "pieces"
+    PACKED = "packed"
+
+
 @dataclass(frozen=True)
 class Chunking:
     """How one target cuts a fused collective into chunks: chunks of `elems` elements (the
@@ -156,7 +208,7 @@ class Chunking:
     the whole part is one chunk (CUDA: each chunk kernel reads the source itself, nothing to
     overlap)."""
 
-    elems: str = "default"  # default | task
+    elems: ChunkElems = ChunkElems.DEFAULT
     rows: Dim | None = None
     progress_rows: bool = False
     whole_alone: bool = False
@@ -169,10 +221,10 @@ class Strategy:
     it (cpu: p2p | shm; cuda: pipeline | symmetric); `chunking` its chunks."""
 
     target: str
-    algorithms: tuple[str, ...]
+    algorithms: tuple[Algorithm, ...]
     chunking: Chunking
-    partials: str = ""  # Fused.partials: "per chunk" (both targets now) | "after the chunks" ("": none)
-    gather_after: str = ""  # Fused.gather_after: "per piece" | "after the loop" ("": none)
+    partials: Partials = Partials.NONE  # Fused.partials: per chunk (both targets now) | after the chunks
+    gather_after: GatherAfter = GatherAfter.NONE  # Fused.gather_after
 
 
 @dataclass(frozen=True)
@@ -277,7 +329,7 @@ class GatherMatmul:
     b: str
     chunks: int
     dim: int
-    how: str
+    how: GatherChunks
     gemm: str = "matmul"
     line: int = 0
 

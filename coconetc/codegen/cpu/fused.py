@@ -15,7 +15,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Op, Ref, walk
-from coconetc.plan.units import Collective, Fused, Item, Loop, Phase, Reduce, Unit
+from coconetc.plan.units import Collective, Fused, GatherAfter, Item, Loop, Phase, Reduce, Unit
 
 
 class CpuFused:
@@ -55,7 +55,7 @@ class CpuFused:
         if partials:
             self._combine(u, partials)
         rest = [a for a in u.after if a not in partials]  # phase B
-        pieces = u.on("cpu").gather_after == "per piece"
+        pieces = u.on("cpu").gather_after == GatherAfter.PER_PIECE
         loops = [a for a in rest[len(rest) - 1 - u.piece_loops:-1] if isinstance(a, Loop)] if pieces else []
         for a in rest[:len(rest) - len(loops) - 1] if pieces else rest:
             self.unit(a)

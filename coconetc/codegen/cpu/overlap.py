@@ -10,7 +10,7 @@ from coconetc.codegen import dispatch, library_calls
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.emit import COMPUTE, CTYPE, REDUCE_OP
-from coconetc.plan.units import GatherMatmul, Overlap, Unit
+from coconetc.plan.units import GatherChunks, GatherMatmul, Overlap, Unit
 
 
 class CpuOverlap:
@@ -155,15 +155,15 @@ class CpuOverlap:
             K, N = self.w.ldims(self.w.types[u.b])
             self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
             self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
-        if u.how == "packed":
+        if u.how == GatherChunks.PACKED:
             self.w.emit(f"coconet::PackedChunks<{ct}> pk_{c.dst}({u.chunks}, {_prod(X[:d])}, {n}, {_prod(X[d + 1:])});")
         self.w.emit(f"coconet::overlap_into({u.chunks}, [&](int i, int channel) {{")
-        if u.how == "pieces":
+        if u.how == GatherChunks.PIECES:
             self.w.emit(f"  return coconet::start_allgather_pieces(v_{c.src}, v_{c.dst}, {n}, {_prod(G[1:])}, "
                         f"{u.chunks}, i, comm, channel);")
         else:
             self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
-            if u.how == "rows":
+            if u.how == GatherChunks.ROWS:
                 src, dst = f"v_{c.src} + r.begin * {_prod(X[1:])}", f"v_{c.dst} + r.begin * {_prod(G[1:])}"
                 gp = ["r.size()", *G[1:]]
             else:
@@ -176,17 +176,17 @@ class CpuOverlap:
                 start = f"coconet::start_allgather({src}, {dst}, {_prod(gp[:ld])}, {gp[ld]}, {_prod(gp[ld + 1:])}, comm, channel)"
             else:
                 start = f"coconet::start_broadcast({src}, {dst}, {_prod(gp)}, {c.root}, comm, channel)"
-            if u.how == "packed":
+            if u.how == GatherChunks.PACKED:
                 start = f"coconet::then_unpack({start}, Q, v_{c.dst}, {_prod(G[:d])}, {n}, {_prod(G[d + 1:])}, r)"
             self.w.emit(f"  return {start};")
         self.w.emit("}, [&](int i, coconet::Overlap& ov) {")
         rows_per = _prod(G[d + 1:-1])
-        if u.how == "pieces":
+        if u.how == GatherChunks.PIECES:
             self.w.emit("  for (int q = 0; q < comm.size; ++q) {")
             self.w.emit(f"    const coconet::Range r = coconet::piece_range({n}, comm.size, q, {u.chunks}, i);")
             self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
             self.w.emit("  }")
-        elif u.how == "rows":
+        elif u.how == GatherChunks.ROWS:
             self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
             self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "  ")
         else:

@@ -16,7 +16,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Expr, Op, Ref, walk
-from coconetc.plan.units import Fused, Reduce, Unit
+from coconetc.plan.units import Algorithm, Fused, Reduce, Unit
 
 
 class CudaFused:
@@ -220,7 +220,7 @@ class CudaFused:
     def _symmetric_ok(self, u: Fused) -> bool:
         """Does the plan let this fused unit also run as one kernel over symmetric memory
         (symmetric.cuh), chosen at run time?"""
-        return "symmetric" in u.on("cuda").algorithms
+        return Algorithm.SYMMETRIC in u.on("cuda").algorithms
 
     def _fused_symmetric(self, u: Fused, ct: str, op: str, n0: str, inner: str, mine: str,
                          layout: dict[str, str]) -> None:

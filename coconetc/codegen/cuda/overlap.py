@@ -12,7 +12,7 @@ from coconetc.codegen.cuda.collectives import NCCL_OP
 from coconetc.codegen.cuda.fused import CudaFused
 from coconetc.codegen.cuda.notes import Notes
 from coconetc.codegen.emit import CTYPE
-from coconetc.plan.units import Fused, GatherMatmul, Overlap, Unit
+from coconetc.plan.units import Fused, GatherChunks, GatherMatmul, Overlap, Unit
 
 
 class CudaOverlap:
@@ -140,14 +140,14 @@ class CudaOverlap:
         self.w.emit("  coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream")
         self.w.emit("  cctx.stream = ctx.comm_stream;")
         self.w.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {go});  // its source is computed")
-        if u.how == "packed":
+        if u.how == GatherChunks.PACKED:
             self.w.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(X)});")
             self.w.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(G)});")
             self.notes.name("P_all", _prod(X), f"packed chunks of {c.src}")
             self.notes.name("Q_all", _prod(G), f"packed chunks of {c.dst}")
         self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
         rows_per = _prod(G[d + 1:-1])
-        if u.how == "pieces":
+        if u.how == GatherChunks.PIECES:
             self.w.emit(f"    coconet::cuda::allgather_pieces<{ct}>(v_{c.src}, v_{c.dst}, {n}, {_prod(G[1:])}, "
                         f"{u.chunks}, i, cctx);")
             self.w.emit(f"    coconet::cuda::join(ctx.comm_stream, ctx.stream, {ev});  // chunk i has arrived")
@@ -159,7 +159,7 @@ class CudaOverlap:
         else:
             self.w.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
-            if u.how == "rows":
+            if u.how == GatherChunks.ROWS:
                 src, dst = f"v_{c.src} + r.begin * {_prod(X[1:])}", f"v_{c.dst} + r.begin * {_prod(G[1:])}"
                 gp = ["r.size()", *G[1:]]
             else:
@@ -174,11 +174,11 @@ class CudaOverlap:
                             f"{_prod(gp[ld + 1:])}, cctx);")
             else:
                 self.w.emit(f"    coconet::cuda::broadcast<{ct}>({src}, {dst}, {_prod(gp)}, {c.root}, cctx);")
-            if u.how == "packed":
+            if u.how == GatherChunks.PACKED:
                 self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c.dst}, {_prod(G[:d])}, {n}, {_prod(G[d + 1:])}, r, "
                             "ctx.comm_stream);")
             self.w.emit(f"    coconet::cuda::join(ctx.comm_stream, ctx.stream, {ev});  // chunk i has arrived")
-            if u.how == "rows":
+            if u.how == GatherChunks.ROWS:
                 self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
             else:
                 self.w.emit(f"    for (int64_t o = 0; o < {_prod(G[:d])}; ++o)")
