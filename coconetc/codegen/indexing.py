@@ -8,6 +8,8 @@ and L<k> the element's coordinates and the local extents (in scope where needs_c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from coconetc.codegen.base import Writer, prod
 from coconetc.codegen.emit import COMPUTE, emit, literal
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
@@ -15,6 +17,26 @@ from coconetc.ir.rng_keys import site_key
 from coconetc.ir.types import TType
 
 _prod = prod
+
+
+@dataclass(frozen=True)
+class Access:
+    """How a loop over the elements of a result reads an operand without coordinates: `kind`
+    is "scalar" (element 0: a constant or a 0-d value), "segments" (a scattered operand, read
+    piece by piece) or "linear" (element i, plus `offset`: a replicated operand of a slice read
+    at the slice's start)."""
+
+    kind: str
+    offset: str = ""
+
+    @property
+    def index(self) -> str:
+        """The element's index expression (scalar and linear accesses)."""
+        assert self.kind != "segments", self
+        return "0" if self.kind == "scalar" else f"i + {self.offset}" if self.offset else "i"
+
+
+SCALAR, SEGMENTS, LINEAR = Access("scalar"), Access("segments"), Access("linear")
 
 
 class Indexing:
@@ -44,21 +66,20 @@ class Indexing:
         return [f"const int64_t off = {self.w.offset(t)};  // this rank's slice offset", "(void)off;",
                 *(self.extents(t) if coords else [])]
 
-    def access(self, r: Ref, t: TType) -> str | None:
-        """Index expression for an operand when no coordinates are needed, else None."""
+    def access(self, r: Ref, t: TType) -> Access | None:
+        """How an operand is read when no coordinates are needed, else None."""
         rt = r.type
         if r.name in self.w.consts:
-            return "0"
+            return SCALAR
         if r.name in self.w.scattered:
-            return "SEG"
+            return SEGMENTS
         if rt.ndim == 0:
-            return "0"
+            return SCALAR
         same = rt.shape == t.shape
         if same and (rt.layout == t.layout or (not rt.layout.sliced and not t.layout.sliced)):
-            return "i"
+            return LINEAR
         if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
-            inner = _prod(self.w.gdims(t)[1:])
-            return f"i + off * {inner}"
+            return Access("linear", f"off * {_prod(self.w.gdims(t)[1:])}")
         return None
 
     def loader(self, t: TType):
@@ -66,11 +87,10 @@ class Indexing:
         def load(r: Ref) -> str:
             if r.name in self.w.consts:
                 return self.w.consts[r.name]
-            idx = self.access(r, t)
-            if idx == "SEG":
+            acc = self.access(r, t)
+            if acc is SEGMENTS:
                 return f"coconet::to_compute({self.segment.format(x=r.name)})"
-            if idx is None:
-                idx = self.generic_index(r.type, t)
+            idx = self.generic_index(r.type, t) if acc is None else acc.index
             return f"coconet::to_compute(v_{r.name}[{idx}])"
         return load
 

@@ -175,15 +175,13 @@ class CudaKernels:
             elif r.name in k.regs:
                 ptr = k.regs[r.name][1]
             else:
-                idx = self.idx.access(r, t)
-                if idx == "0":
+                acc = self.idx.access(r, t)
+                if acc is None or acc.kind == "scalar":  # (None: through the coordinates, per element)
                     continue
-                if idx == "SEG":
+                if acc.kind == "segments":
                     ptr = f"sp_{r.name}"
-                elif idx == "i" or (idx is not None and idx.startswith("i + ")):
-                    ptr = _plus(f"v_{r.name}" + idx[1:], k.i_base)
-                else:  # through the coordinates, per element
-                    continue
+                else:
+                    ptr = _plus(f"v_{r.name}" + (f" + {acc.offset}" if acc.offset else ""), k.i_base)
             ptrs[r.name] = ptr
             sizes.append(BYTES[self.w.types[r.name].dtype])
         for name, targets in outs.items():

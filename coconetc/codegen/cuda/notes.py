@@ -6,7 +6,7 @@ so it has no such file."""
 from __future__ import annotations
 
 from coconetc.codegen.base import Writer
-from coconetc.codegen.indexing import Indexing
+from coconetc.codegen.indexing import SCALAR, Indexing
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import Let
@@ -40,18 +40,17 @@ class Notes:
             kind = next((b.kind for b in self.w.plan.buffers if b.name == r.name), None)
             if kind in (None, "scalar", "register"):  # a Let, a scalar on the host, a value in registers
                 continue
-            idx = self.idx.access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else "0"
-            if idx == "SEG":  # this piece of a segment (a kernel per piece)
-                spans[r.name] = f"COCONET_R(sp_{r.name}, 0, pc.size)"
-            elif idx == "0":
-                spans[r.name] = f"COCONET_R(v_{r.name}, 0, 1)"
-            elif idx == "i":
-                spans[r.name] = f"COCONET_R(v_{r.name}, {lo}, {hi})"
-            elif idx is not None and idx.startswith("i + "):
-                o = idx[4:]
-                spans[r.name] = f"COCONET_R(v_{r.name}, {o} + {lo}, {o} + {hi})"
-            else:
+            acc = self.idx.access(r, t) if any(r is x for _, e, _ in items for x in walk(e)) else SCALAR
+            if acc is None:
                 spans[r.name] = f"COCONET_RA(v_{r.name})"
+            elif acc.kind == "segments":  # this piece of a segment (a kernel per piece)
+                spans[r.name] = f"COCONET_R(sp_{r.name}, 0, pc.size)"
+            elif acc.kind == "scalar":
+                spans[r.name] = f"COCONET_R(v_{r.name}, 0, 1)"
+            elif acc.offset:
+                spans[r.name] = f"COCONET_R(v_{r.name}, {acc.offset} + {lo}, {acc.offset} + {hi})"
+            else:
+                spans[r.name] = f"COCONET_R(v_{r.name}, {lo}, {hi})"
         out = list(spans.values())
         out += [f"COCONET_R({ptr.split('[')[0].split('(')[-1]}, 0, {hi} - ({lo}))" for ptr in regs.values()]
         out += [f"COCONET_W(v_{name}, {lo}, {hi})" for name, _, stored in items if stored]
