@@ -191,3 +191,20 @@ def test_cuda_compile_with_a_relative_output_folder(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     assert "built " in res.stdout and list((tmp_path / "out" / "build").glob("ccn_cuda_sgd_*.so"))
     assert artifacts.verified(tmp_path / "out", next((tmp_path / "out" / "build").glob("*.so")).name.split(".")[0])
+
+
+def test_cxxflags_reach_the_compile_line_and_every_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """CXXFLAGS (as CMake reads it) goes last on the CPU compile line, so its -O wins, and into
+    the module's key and the warm-load record's key, so no module built with other flags is
+    reused."""
+    from coconetc.runtime import warm
+    from coconetc.toolchain import commands, compiler
+    if probes.missing_cpu_extra():
+        pytest.skip("needs the 'cpu' extra")
+    monkeypatch.setenv("CXXFLAGS", "-O1 -g0")
+    assert commands._cpu_flags()[-2:] == ["-O1", "-g0"]
+    keys = [compiler._compiler("cpu", toolchain.Options()), warm.key(tmp_path / "a.ccn", "t", "", ())]
+    monkeypatch.setenv("CXXFLAGS", "-O2")
+    assert commands._cpu_flags()[-1] == "-O2"
+    assert compiler._compiler("cpu", toolchain.Options()) != keys[0]
+    assert warm.key(tmp_path / "a.ccn", "t", "", ()) != keys[1]

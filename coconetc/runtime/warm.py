@@ -5,7 +5,7 @@ generating it once more (torch.compile's FX graph cache and JAX's persistent com
 do the same for their graphs).
 
 A record's key is everything the load depends on: coconetc's version and Python sources, the
-runtime headers and templates (compiler_hash), the toolchain, the file's path and text, the
+runtime headers and templates (compiler_hash), the toolchain and CXXFLAGS, the file's path and text, the
 load's options and the schedules the autotuner chose for the file on this machine. A file with
 extern operations is not remembered (its headers live outside the key). A record is used only
 while its module is whole (the manifest's checksum); otherwise the load runs in full and writes
@@ -14,6 +14,7 @@ the record again. A record that cannot be read is ignored the same way."""
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from functools import cache
 from pathlib import Path
@@ -41,8 +42,8 @@ def _python_hash() -> str:
 def key(path: Path, text: str, tuned: str, options: tuple[Any, ...]) -> str:
     """The record's name for FILE (read as TEXT) with TUNED (the autotuner's schedules for it)
     loaded with OPTIONS."""
-    return artifacts.content_key([_python_hash(), compiler_hash(), toolchain().key(), str(path), str(path.absolute()), text,
-                                  tuned, repr(options)])
+    return artifacts.content_key([_python_hash(), compiler_hash(), toolchain().key(), os.environ.get("CXXFLAGS", ""),
+                                  str(path), str(path.absolute()), text, tuned, repr(options)])
 
 
 def _record(k: str) -> Path:

@@ -153,7 +153,7 @@ def _generate(mod: SourceFile, backend: str, o: Options, libs: Libs, name: str) 
 def _compiler(backend: str, o: Options) -> list[str]:
     """What the key holds besides the sources: the compiler, the tools, the options."""
     if backend == "cpu":
-        return [compiler_hash(), "cpu", toolchain().key()]
+        return [compiler_hash(), f"cpu|{os.environ.get('CXXFLAGS', '')}", toolchain().key()]
     if backend == "cuda":
         return [cuda_hash(), f"cuda|{o.archs or cuda.default_archs()}|{os.environ.get('CUDAFLAGS', '')}",
                 cuda_toolchain().key()]
