@@ -161,3 +161,40 @@ def chunk_collective(w: Writer, u: Overlap, calls: Mapping[str, Callable[[str], 
         return calls[u.op](f"r.size() * {prod(g[1:d])}, {g[d]}, {prod(g[d + 1:])}")
     gp = [x if k != u.dim else "r.size()" for k, x in enumerate(g)]
     return calls[u.op](f"{prod(gp[:d])}, {gp[d]}, {prod(gp[d + 1:])}")
+
+
+@dataclass(frozen=True)
+class GatherChunk:
+    """Chunk r of an overlap the other way (GatherMatmul), as every backend lays it out: the
+    chunked dim's extent `n`; the source and the gathered value seen as [outer, n, inner]
+    around it (`x_outer`, `x_inner`, `g_outer`, `g_inner`); the chunk's rows in place (how ==
+    rows: `rows_src`, `rows_dst`); the chunk's collective (`call`: an allgather's [outer, n,
+    inner] around the gathered dim, a broadcast's element count; `packed_elems`: a packed
+    chunk's gathered elements); a GEMM's rows per index of the chunked dim (`rows_per`) and the
+    consumer's columns (`cols`)."""
+
+    n: str
+    x_outer: str
+    x_inner: str
+    g_outer: str
+    g_inner: str
+    rows_src: str
+    rows_dst: str
+    call: str
+    packed_elems: str
+    rows_per: str
+    cols: str
+
+
+def gather_chunk(w: Writer, u: GatherMatmul) -> GatherChunk:
+    c, d = u.gather, u.dim
+    G, X, Y = (w.ldims(w.types[n]) for n in (c.dst, c.src, u.consumer))
+    gp = [x if k != d else "r.size()" for k, x in enumerate(G)]
+    if c.op == "allgather":
+        ld = w.types[c.src].layout.dim
+        call = f"{prod(gp[:ld])}, {gp[ld]}, {prod(gp[ld + 1:])}"
+    else:
+        call = prod(gp)
+    return GatherChunk(G[d], prod(X[:d]), prod(X[d + 1:]), prod(G[:d]), prod(G[d + 1:]),
+                       f"v_{c.src} + r.begin * {prod(X[1:])}", f"v_{c.dst} + r.begin * {prod(G[1:])}", call,
+                       prod(gp), prod(G[d + 1:-1]), Y[-1])

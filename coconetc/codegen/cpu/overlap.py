@@ -145,57 +145,46 @@ class CpuOverlap:
         """The other way (overlap.h overlap_into): chunk i's allgather or broadcast started
         (non-blocking) before chunk i-1 is multiplied; chunk i's rows of the consumer multiplied
         as soon as it has arrived, the next chunk's communication tested between row blocks."""
-        c, y = u.gather, u.consumer
+        c, y, g = u.gather, u.consumer, dispatch.gather_chunk(self.w, u)
         ct = CTYPE[self.w.types[c.dst].dtype]
-        G, X, Y = (self.w.ldims(self.w.types[n]) for n in (c.dst, c.src, y))
-        d, nd = u.dim, len(G)
-        n = G[d]
-        ld = self.w.types[c.src].layout.dim if c.op == "allgather" else -1
         if u.gemm == "matmul":  # b prepared once (f16/bf16 widened once, not once per chunk)
             K, N = self.w.ldims(self.w.types[u.b])
             self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
             self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
         if u.how == GatherChunks.PACKED:
-            self.w.emit(f"coconet::PackedChunks<{ct}> pk_{c.dst}({u.chunks}, {_prod(X[:d])}, {n}, {_prod(X[d + 1:])});")
+            self.w.emit(f"coconet::PackedChunks<{ct}> pk_{c.dst}({u.chunks}, {g.x_outer}, {g.n}, {g.x_inner});")
         self.w.emit(f"coconet::overlap_into({u.chunks}, [&](int i, int channel) {{")
         if u.how == GatherChunks.PIECES:
-            self.w.emit(f"  return coconet::start_allgather_pieces(v_{c.src}, v_{c.dst}, {n}, {_prod(G[1:])}, "
+            self.w.emit(f"  return coconet::start_allgather_pieces(v_{c.src}, v_{c.dst}, {g.n}, {g.g_inner}, "
                         f"{u.chunks}, i, comm, channel);")
         else:
-            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
-            if u.how == GatherChunks.ROWS:
-                src, dst = f"v_{c.src} + r.begin * {_prod(X[1:])}", f"v_{c.dst} + r.begin * {_prod(G[1:])}"
-                gp = ["r.size()", *G[1:]]
-            else:
-                self.w.emit(f"  {ct}* const P = pk_{c.dst}.in(i);")
-                self.w.emit(f"  coconet::pack_block(v_{c.src}, P, {_prod(X[:d])}, {n}, {_prod(X[d + 1:])}, r);")
-                gp = [x if k != d else "r.size()" for k, x in enumerate(G)]
-                self.w.emit(f"  {ct}* const Q = pk_{c.dst}.out(i, {_prod(gp)});")
-                src, dst = "P", "Q"
-            if c.op == "allgather":
-                start = f"coconet::start_allgather({src}, {dst}, {_prod(gp[:ld])}, {gp[ld]}, {_prod(gp[ld + 1:])}, comm, channel)"
-            else:
-                start = f"coconet::start_broadcast({src}, {dst}, {_prod(gp)}, {c.root}, comm, channel)"
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({g.n}, {u.chunks}, i);")
+            src, dst = g.rows_src, g.rows_dst
             if u.how == GatherChunks.PACKED:
-                start = f"coconet::then_unpack({start}, Q, v_{c.dst}, {_prod(G[:d])}, {n}, {_prod(G[d + 1:])}, r)"
+                self.w.emit(f"  {ct}* const P = pk_{c.dst}.in(i);")
+                self.w.emit(f"  coconet::pack_block(v_{c.src}, P, {g.x_outer}, {g.n}, {g.x_inner}, r);")
+                self.w.emit(f"  {ct}* const Q = pk_{c.dst}.out(i, {g.packed_elems});")
+                src, dst = "P", "Q"
+            start = (f"coconet::start_allgather({src}, {dst}, {g.call}, comm, channel)" if c.op == "allgather" else
+                     f"coconet::start_broadcast({src}, {dst}, {g.call}, {c.root}, comm, channel)")
+            if u.how == GatherChunks.PACKED:
+                start = f"coconet::then_unpack({start}, Q, v_{c.dst}, {g.g_outer}, {g.n}, {g.g_inner}, r)"
             self.w.emit(f"  return {start};")
         self.w.emit("}, [&](int i, coconet::Overlap& ov) {")
-        rows_per = _prod(G[d + 1:-1])
         if u.how == GatherChunks.PIECES:
             self.w.emit("  for (int q = 0; q < comm.size; ++q) {")
-            self.w.emit(f"    const coconet::Range r = coconet::piece_range({n}, comm.size, q, {u.chunks}, i);")
-            self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
+            self.w.emit(f"    const coconet::Range r = coconet::piece_range({g.n}, comm.size, q, {u.chunks}, i);")
+            self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
             self.w.emit("  }")
         elif u.how == GatherChunks.ROWS:
-            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
-            self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "  ")
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({g.n}, {u.chunks}, i);")
+            self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "  ")
         else:
-            self.w.emit(f"  const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
-            self.w.emit(f"  for (int64_t o = 0; o < {_prod(G[:d])}; ++o) {{")
-            self._gemm_rows(u, ct, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
+            self.w.emit(f"  const coconet::Range r = coconet::slice_range({g.n}, {u.chunks}, i);")
+            self.w.emit(f"  for (int64_t o = 0; o < {g.g_outer}; ++o) {{")
+            self._gemm_rows(u, ct, f"(o * {g.n} + r.begin) * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
             self.w.emit("  }")
         self.w.emit("});")
-        assert nd >= 2
 
     def _gemm_rows(self, u: GatherMatmul, ct: str, first: str, count: str, cols: str, ind: str) -> None:
         """`count` rows of the consumer from row `first`, the next chunk's communication tested

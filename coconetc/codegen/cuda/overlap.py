@@ -129,60 +129,54 @@ class CudaOverlap:
         event the call's stream waits for before chunk i's rows of the consumer (cuBLAS), so
         chunk i+1 is in flight while chunk i is multiplied. The comm stream first waits for the
         source to be computed."""
-        c, y = u.gather, u.consumer
+        c, g = u.gather, dispatch.gather_chunk(self.w, u)
         ct = CTYPE[self.w.types[c.dst].dtype]
-        G, X, Y = (self.w.ldims(self.w.types[n]) for n in (c.dst, c.src, y))
-        d = u.dim
-        n = G[d]
-        ld = self.w.types[c.src].layout.dim if c.op == "allgather" else -1
         ev, go = self.w.site(), self.w.site()
         self.w.emit("{")
         self.w.emit("  coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream")
         self.w.emit("  cctx.stream = ctx.comm_stream;")
         self.w.emit(f"  coconet::cuda::join(ctx.stream, ctx.comm_stream, {go});  // its source is computed")
         if u.how == GatherChunks.PACKED:
+            X, G = (self.w.ldims(self.w.types[n]) for n in (c.src, c.dst))
             self.w.emit(f"  {ct}* const P_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(X)});")
             self.w.emit(f"  {ct}* const Q_all = coconet::cuda::scratch<{ct}>({self.w.site()}, {_prod(G)});")
             self.notes.name("P_all", _prod(X), f"packed chunks of {c.src}")
             self.notes.name("Q_all", _prod(G), f"packed chunks of {c.dst}")
         self.w.emit(f"  for (int i = 0; i < {u.chunks}; ++i) {{")
-        rows_per = _prod(G[d + 1:-1])
+        arrived = f"    coconet::cuda::join(ctx.comm_stream, ctx.stream, {ev});  // chunk i has arrived"
         if u.how == GatherChunks.PIECES:
-            self.w.emit(f"    coconet::cuda::allgather_pieces<{ct}>(v_{c.src}, v_{c.dst}, {n}, {_prod(G[1:])}, "
+            self.w.emit(f"    coconet::cuda::allgather_pieces<{ct}>(v_{c.src}, v_{c.dst}, {g.n}, {g.g_inner}, "
                         f"{u.chunks}, i, cctx);")
-            self.w.emit(f"    coconet::cuda::join(ctx.comm_stream, ctx.stream, {ev});  // chunk i has arrived")
+            self.w.emit(arrived)
             self.w.emit("    for (int q = 0; q < comm.size; ++q) {")
-            self.w.emit(f"      const coconet::Range r = coconet::piece_range({n}, comm.size, q, {u.chunks}, i);")
+            self.w.emit(f"      const coconet::Range r = coconet::piece_range({g.n}, comm.size, q, {u.chunks}, i);")
             self.w.emit("      if (r.empty()) continue;")
-            self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "      ")
+            self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "      ")
             self.w.emit("    }")
         else:
-            self.w.emit(f"    const coconet::Range r = coconet::slice_range({n}, {u.chunks}, i);")
+            self.w.emit(f"    const coconet::Range r = coconet::slice_range({g.n}, {u.chunks}, i);")
             self.w.emit("    if (r.empty()) continue;")
-            if u.how == GatherChunks.ROWS:
-                src, dst = f"v_{c.src} + r.begin * {_prod(X[1:])}", f"v_{c.dst} + r.begin * {_prod(G[1:])}"
-                gp = ["r.size()", *G[1:]]
-            else:
-                self.w.emit(f"    {ct}* const P = P_all + {_prod(X[:d])} * r.begin * {_prod(X[d + 1:])};")
-                self.w.emit(f"    {ct}* const Q = Q_all + {_prod(G[:d])} * r.begin * {_prod(G[d + 1:])};")
-                self.w.emit(f"    coconet::cuda::pack<{ct}>(v_{c.src}, P, {_prod(X[:d])}, {n}, {_prod(X[d + 1:])}, r, "
+            src, dst = g.rows_src, g.rows_dst
+            if u.how == GatherChunks.PACKED:
+                self.w.emit(f"    {ct}* const P = P_all + {g.x_outer} * r.begin * {g.x_inner};")
+                self.w.emit(f"    {ct}* const Q = Q_all + {g.g_outer} * r.begin * {g.g_inner};")
+                self.w.emit(f"    coconet::cuda::pack<{ct}>(v_{c.src}, P, {g.x_outer}, {g.n}, {g.x_inner}, r, "
                             "ctx.comm_stream);")
                 src, dst = "P", "Q"
-                gp = [x if k != d else "r.size()" for k, x in enumerate(G)]
             if c.op == "allgather":
-                self.w.emit(f"    coconet::cuda::allgather<{ct}>({src}, {dst}, {_prod(gp[:ld])}, {gp[ld]}, "
-                            f"{_prod(gp[ld + 1:])}, cctx);")
+                self.w.emit(f"    coconet::cuda::allgather<{ct}>({src}, {dst}, {g.call}, cctx);")
             else:
-                self.w.emit(f"    coconet::cuda::broadcast<{ct}>({src}, {dst}, {_prod(gp)}, {c.root}, cctx);")
+                self.w.emit(f"    coconet::cuda::broadcast<{ct}>({src}, {dst}, {g.call}, {c.root}, cctx);")
             if u.how == GatherChunks.PACKED:
-                self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c.dst}, {_prod(G[:d])}, {n}, {_prod(G[d + 1:])}, r, "
+                self.w.emit(f"    coconet::cuda::unpack<{ct}>(Q, v_{c.dst}, {g.g_outer}, {g.n}, {g.g_inner}, r, "
                             "ctx.comm_stream);")
-            self.w.emit(f"    coconet::cuda::join(ctx.comm_stream, ctx.stream, {ev});  // chunk i has arrived")
+            self.w.emit(arrived)
             if u.how == GatherChunks.ROWS:
-                self._gemm_rows(u, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", Y[-1], "    ")
+                self._gemm_rows(u, ct, f"r.begin * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
             else:
-                self.w.emit(f"    for (int64_t o = 0; o < {_prod(G[:d])}; ++o)")
-                self._gemm_rows(u, ct, f"(o * {n} + r.begin) * {rows_per}", f"r.size() * {rows_per}", Y[-1], "      ")
+                self.w.emit(f"    for (int64_t o = 0; o < {g.g_outer}; ++o)")
+                self._gemm_rows(u, ct, f"(o * {g.n} + r.begin) * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols,
+                                "      ")
         self.w.emit("  }")
         self.w.emit("}")
 
