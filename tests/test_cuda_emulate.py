@@ -415,7 +415,7 @@ print("memory ok")
 @pytest.mark.slow
 def test_a_repeated_call_checks_what_changed(built):
     """A call with the same buffers as the last (a training loop's step) reuses the module's
-    arguments and checks only its scalars (runtime/cuda.py, _Repeat), and is still right: new
+    arguments and checks only its scalars (fastpath.RecentCall), and is still right: new
     scalars each call; a COCONET_TIMEOUT set since is read again (and refused); an array whose
     dtype or shape changed in place, a scalar of the wrong type, raise naming it; a tensor given new storage (set_) is updated there, not in the old;
     and a remembered call does not keep its tensors alive."""

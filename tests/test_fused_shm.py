@@ -144,7 +144,7 @@ def test_generated_code_puts_collective_sources_in_the_window():
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 def test_remembered_calls_keep_no_buffer_alive(framework: str):
-    """The loader remembers recent calls' buffers for the fast path (fastpath.Fast, Hot) by weak
+    """The loader remembers recent calls' buffers for the fast path (fastpath.RecentCall, Hot) by weak
     references: arrays passed once and dropped are freed (a loop that passes new activations
     each call kept the last 64 calls' alive), and the buffers still remembered still take the
     hot path, exactly, or are checked again where the module's arguments must be laid out anew."""

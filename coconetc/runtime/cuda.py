@@ -7,7 +7,7 @@ device), rank, contiguity; then the shapes of all ranks are exchanged over MPI (
 MPI communicator) and bound to the program (ir/arguments.py), so sizes bound across ranks are
 checked identically everywhere. A call with the same tensors as a recent one (a training loop's
 step) checks only its scalars on this rank, and the ranks exchange 64-byte records, not their
-descriptions, while every rank repeats an agreed call (_Repeat). With a process group, the
+descriptions, while every rank repeats an agreed call (RecentCall). With a process group, the
 exchange goes over the group, or over a gloo group of its ranks where the group's object
 collectives would go through the GPU (nccl.py: _host_group). Kernels and collectives run on the
 given CUDA stream (default: PyTorch's current stream); the call returns without synchronizing.
@@ -21,7 +21,6 @@ holds the call's entry and checks, the module, and the emulated module; `nccl_co
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from coconetc.runtime import agree, auto, batch, marshal
 from coconetc.runtime.call import agreed, check_groups, check_replicated, description, tensor_shapes
 from coconetc.runtime.checks import checked_arguments, device_span, host_span, per_part
 from coconetc.runtime.emulation import EMULATE, emulating
-from coconetc.runtime.fastpath import Recent, held, same
+from coconetc.runtime.fastpath import Recent, RecentCall, held, same
 from coconetc.runtime.layout import TORCH_DTYPES
 from coconetc.runtime.loader import import_extension
 from coconetc.runtime.nccl import NcclComm, agree_record, exchange, nccl_comm
@@ -124,7 +123,7 @@ class CudaProgram:
         self.source, self.file, self.target = "", "FILE", "cuda"
         self.tuned: list | None = None
         self.auto_memo: dict[tuple, str] = {}
-        # the recent agreed calls (_Repeat), by their buffers (fastpath.Recent)
+        # the recent agreed calls (RecentCall), by their buffers (fastpath.Recent)
         self.recent = Recent(tuple(q.name for q in next(iter(schedules.values())).params if not q.scalar))
 
     def resolve_schedule(self, schedule: str | None, *, comm: Any = None, groups: int = 1,
@@ -191,11 +190,11 @@ def _stream_handle(stream: Any, current: int | None) -> int:
 
 def _run(fn: CudaProgram, label: ScheduleLabel, p: Program, local: dict, sizes: dict, segments,
          comm: NcclComm, groups: int, ranks: int, ptr, make, stream: int, around: Any = None,
-         in_place: frozenset = frozenset(), rep: _Repeat | None = None, repeated: bool = False) -> list:
+         in_place: frozenset = frozenset(), rep: RecentCall | None = None, repeated: bool = False) -> list:
     """The module function with the call's arguments (marshal.py, as the CPU runtime lays them
     out) on STREAM, now or, inside batch.together(), with the batch's other calls at its end
     (around: how it runs, batch.invoke); returns the outputs made by `make`. in_place: the
-    tensor parameters every rank has in a window (_enter). rep, repeated: the _Repeat that
+    tensor parameters every rank has in a window (_enter). rep, repeated: the RecentCall that
     _enter took (repeated: this call reuses its module arguments) or made (this call's are kept
     in it for the next)."""
     gs = ranks // groups
@@ -223,42 +222,6 @@ def _call_name(fn: CudaProgram, label: ScheduleLabel) -> str:
     return f"{fn.ext.__name__}.{fn.name}(schedule={str(label)!r})"
 
 
-@dataclass
-class _Repeat:
-    """A call whose checks passed on every rank, remembered (CudaProgram.recent, by its slot)
-    for the next call with the same buffers (a training loop's step): that call checks its
-    scalars and that its buffers are these, unchanged (fastpath.same: the same objects, shapes,
-    strides, dtypes, data pointers, requires_grad, device), not each tensor again, and reuses
-    the module's arguments (_run). The ranks then agree as the CPU runtime's repeated calls do
-    (agree.py): one round of 64-byte records (this configuration's digest, the scalars' bits);
-    when every rank repeats the same agreed configuration with the same scalars, what its last
-    full agreement bound is reused, else every rank goes on to the full exchange (which says
-    what differs). At one rank there is no round. It holds its buffers weakly: remembering a
-    call keeps no memory alive."""
-
-    comm: Any  # a weak reference to the communicator
-    windows: int  # the communicator's window count then (a new window may hold a buffer)
-    nkw: int  # how many keyword arguments
-    timeout_raw: Any  # COCONET_TIMEOUT as set then (agree.timeout_raw), and as read:
-    timeout: float
-    buffers: tuple  # fastpath.held: (name, weak reference, ident) of each tensor parameter
-    scalars: tuple  # the scalar parameters, in parameter order
-    label: ScheduleLabel
-    what: str  # how errors name the call (_call_name)
-    p: Program
-    head: tuple
-    shapes: dict
-    windowed: tuple
-    ptrs: dict  # each tensor parameter's address (for the windows read in place)
-    grad_check: bool  # a tensor the call updates requires grad: repeated only under torch.no_grad()
-    sizes: dict  # what the last full agreement of these buffers bound (the size symbols, the segments,
-    segments: Any  # the tensors in a window on every rank) and its configuration digest (_enter's
-    in_place: frozenset = frozenset()  # record round compares it): reused while every rank repeats
-    config: bytes | None = None
-    run: Any = None  # the module function and its CallArgs, set by the call remembered (outside a batch)
-    args: Any = None
-
-
 def _slot(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
           extra: tuple) -> tuple:
     """Where CudaProgram.recent keeps a call: beside the thread, schedule and buffers, the
@@ -267,7 +230,7 @@ def _slot(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kw
 
 
 def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict,
-              extra: tuple) -> _Repeat | None:
+              extra: tuple) -> RecentCall | None:
     """The remembered call these arguments repeat, if any (never for "auto", which the full
     checks resolve, under COCONET_CHECK_REPLICATED, whose digests are of each call's values,
     nor inside a batch, which holds each call's own arguments until it ends)."""
@@ -278,7 +241,7 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     except TypeError:  # an unhashable stream= (the checks refuse it, on every rank)
         return None
     if rep is None or rep.args is None or rep.comm() is not comm or comm.windows != rep.windows \
-            or len(kwargs) != rep.nkw or agree.timeout_raw() != rep.timeout_raw or not same(rep.buffers, kwargs):
+            or rep.key != (len(kwargs),) or agree.timeout_raw() != rep.timeout_raw or not same(rep.buffers, kwargs):
         return None
     if rep.grad_check:
         import torch
@@ -289,7 +252,7 @@ def _repeated(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
 
 def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, kwargs: dict, extra: tuple,
               label: ScheduleLabel, what: str, p: Program, local: dict, head: tuple, mine: tuple, ptr,
-              timeout: float, sizes: dict, segments: Any) -> _Repeat | None:
+              timeout: float, sizes: dict, segments: Any) -> RecentCall | None:
     """After a call agreed on every rank: remember it for the next with the same buffers (its
     module function and arguments are added by _run)."""
     if schedule == "auto" or check_replicated() or batch.collecting():
@@ -305,9 +268,10 @@ def _remember(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int
     if buffers is None:
         return None
     grad = any(getattr(kwargs[t], "requires_grad", False) for t, _ in p.updates)
-    rep = _Repeat(weakref.ref(comm), comm.windows, len(kwargs), agree.timeout_raw(), timeout, buffers,
-                  tuple(q for q in p.params if q.scalar), label, what, p, head, mine[1][2],
-                  mine[2], {n: ptr(local[n]) for n in tensors}, grad, sizes, segments)
+    rep = RecentCall((len(kwargs),), buffers, p, label, what, head, mine[1][2],
+                     tuple(q for q in p.params if q.scalar), agree.timeout_raw(), timeout, grad_check=grad,
+                     comm=weakref.ref(comm), windows=comm.windows, windowed=mine[2],
+                     ptrs={n: ptr(local[n]) for n in tensors}, sizes=sizes, segments=segments)
     fn.recent.put(slot, rep)
     return rep
 
@@ -318,7 +282,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     these arrays (auto.for_call), the label parsed, this rank's arguments
     checked (`check(program)`), then (at more than one rank) the round of 64-byte records,
     which ends the agreement when every rank repeats an agreed call with the same scalars
-    (_Repeat), else one exchange with every rank of the communicator under the watchdog
+    (RecentCall), else one exchange with every rank of the communicator under the watchdog
     (agree.py), so a wrong argument on any rank, or ranks that disagree on the schedule,
     groups, a scalar's bits or a shape (or, under COCONET_CHECK_REPLICATED, a replicated
     tensor's value: call.value_digest, which copies a CUDA tensor to the host after
@@ -327,7 +291,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     lie in a window of the communicator (window_empty) on this rank (ptr: a tensor's
     address). Returns (label, program, this rank's checked values, size symbols, ranks, the
     segment sizes of scattered parameters, the tensor parameters in a window on every rank,
-    the _Repeat this call took or made (or None), and whether it took it: a call with the same
+    the RecentCall this call took or made (or None), and whether it took it: a call with the same
     buffers as a recent one (extra: what else it must share with it, the device and stream)
     checks only its scalars here, and its `local` holds only them)."""
     what = f"{fn.ext.__name__}.{fn.name}(schedule={schedule!r})"
@@ -340,7 +304,7 @@ def _enter(fn: CudaProgram, schedule: str | None, comm: NcclComm, groups: int, c
     try:
         rep = _repeated(fn, schedule, comm, groups, kwargs, extra)
         if rep is not None:  # local: the scalars only (the tensors' addresses are rep's)
-            label, p, head, timeout = rep.label, rep.p, rep.head, rep.timeout
+            label, p, head, timeout = rep.label, rep.program, rep.head, rep.timeout
             local = {q.name: check_param(q, kwargs[q.name]) for q in rep.scalars}
             what = rep.what
             if comm.size == 1:  # nothing to agree: what the remembered call's agreement bound

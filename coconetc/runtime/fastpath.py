@@ -14,40 +14,62 @@ from __future__ import annotations
 import struct
 import threading
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from coconetc.ir.arguments import check_param, is_torch
+from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
+from coconetc.plan.label import ScheduleLabel
 from coconetc.runtime import agree, batch, shm
 from coconetc.runtime.call import PACK, Local, check_replicated, description, torch_updates
 from coconetc.runtime.marshal import as_torch, local_shape
 
 
 @dataclass
-class Fast:
-    """A recent call of a function on this thread (ProgramFunction.recent), remembered so that a
-    call with the same buffers (a training loop) skips the per-array checks and reuses the
-    module's CallArgs: the key (schedule, groups, communicator, the keyword arguments' names in
-    order), the buffers as `held` keeps them (weak references and idents: remembering a call
-    keeps no buffer alive), what the checks returned (its scalars only), and the arguments
-    built for the module."""
+class RecentCall:
+    """A call whose checks passed on every rank, remembered (a function's `recent`, by its
+    slot) for the next call with the same buffers (a training loop's step), on every backend:
+    that call checks its scalars and that its buffers are these, unchanged (`same`: the same
+    objects, shapes, strides, dtypes, data pointers, requires_grad, device), not each tensor
+    again, and reuses the module's arguments. The ranks then agree by one round of 64-byte
+    records (agree.py: this configuration's digest, the scalars' bits); when every rank repeats
+    the same agreed configuration with the same scalars, what its last full agreement bound is
+    reused, else every rank goes on to the full exchange (which says what differs). It holds
+    its buffers weakly: remembering a call keeps no memory alive."""
 
-    key: tuple
-    buffers: tuple  # held(): (name, weak reference(s), ident) of each tensor argument
-    local: Local
-    shapes: dict
-    scalars: list  # (name, is integer) of the scalar parameters, in order
-    args: Any = None
+    key: tuple  # what else a repeat must share with it (compared with ==)
+    buffers: tuple  # held(): (name, weak reference(s), ident) of each tensor parameter
+    program: Program
+    label: ScheduleLabel
+    what: str  # how errors name the call
+    head: tuple  # the description's head (module, function, schedule, groups, ranks)
+    shapes: dict  # the tensors' shapes, as described
+    scalars: tuple[Param, ...]  # the scalar parameters, in parameter order
+    timeout_raw: Any  # COCONET_TIMEOUT as set then (agree.timeout_raw), and as read:
+    timeout: float
+    torch_out: bool = False  # outputs are returned as torch tensors (CPU tensors given)
+    grad_check: bool = False  # a tensor the call updates requires grad: repeated only under torch.no_grad()
+    comm: Any = None  # a weak reference to the communicator (the CUDA module's NcclComm)
+    windows: int = 0  # the windows counted when the arguments were built (shm.WINDOWS; the NcclComm's)
+    windowed: tuple = ()  # the tensor parameters in a window of the communicator on this rank
+    ptrs: dict = field(default_factory=dict)  # each tensor parameter's address (the windows read in place)
+    # what the last full agreement of these buffers bound (the size symbols, the segment sizes,
+    # the tensors in a window on every rank) and its configuration digest (the record round
+    # compares it; None until the remembered call ran): reused while every rank repeats
     sizes: Any = None
-    run: Any = None
-    windows: int = 0
-    # the agreed configuration: digest of every rank's description at the last full exchange
-    # that this call's buffers took part in (set once that call ran); None until then
+    segments: Any = None
+    in_place: frozenset = frozenset()
     config: bytes | None = None
-    hot: Hot | None = None  # the hot path's precomputed checks (NumPy arrays and scalars only)
+    run: Any = None  # the module function and its CallArgs, set by the call remembered (outside a batch)
+    args: Any = None
+    hot: Hot | None = None  # the CPU module's hot path's precomputed checks (NumPy arrays and scalars only)
+    kinds: tuple = field(init=False)  # (name, is integer) of each scalar
+
+    def __post_init__(self) -> None:
+        self.kinds = tuple((q.name, q.type.dtype.startswith("i")) for q in self.scalars)
 
 
 @dataclass
@@ -128,7 +150,7 @@ RECENT = 64  # calls (sets of buffers) remembered per function
 
 
 class Recent:
-    """A function's recent agreed calls (Fast on the CPU, cuda._Repeat), by slot: this thread,
+    """A function's recent agreed calls (RecentCall), by slot: this thread,
     the schedule, what else the backend says a repeat must share (groups, communicator,
     device, stream) and the tensor arguments' identities. A training step calls a function for
     several parameter groups in turn; at most RECENT are kept, the oldest dropped first."""
@@ -161,27 +183,23 @@ def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
     """This rank's checked arguments without checking each buffer again, when the call passes
     the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
     otherwise (the full checks run)."""
-    fast = fn.recent.get(fn.recent.slot(schedule, kwargs))
-    if fast is None or fast.local.program is None or check_replicated():
+    rec = fn.recent.get(fn.recent.slot(schedule, kwargs))
+    if rec is None or check_replicated():
         return None  # (under COCONET_CHECK_REPLICATED the description digests the buffers: checked in full)
-    p = fast.local.program
-    if fast.key != (schedule, groups, comm.py2f(), tuple(kwargs)) or not same(fast.buffers, kwargs):
+    p = rec.program
+    if rec.key != (schedule, groups, comm.py2f(), tuple(kwargs)) or not same(rec.buffers, kwargs):
         return None
-    values = dict(fast.local.values)  # (the scalars: the tensors are the module's CallArgs')
-    try:
-        for q in p.params:
-            if q.scalar:
-                values[q.name] = check_param(q, kwargs[q.name])
-        torch_updated = torch_updates(p, kwargs, {t for t, _ in p.updates}) if fast.local.torch_out else []
+    try:  # (the scalars: the tensors are the module's CallArgs')
+        values = {q.name: check_param(q, kwargs[q.name]) for q in rec.scalars}
+        torch_updated = torch_updates(p, kwargs, {t for t, _ in p.updates}) if rec.torch_out else []
     except (TypeError, ValueError, RuntimeError):
         return None  # the full checks report it
-    desc = description(fast.local.shared[1][0], p, values, fast.shapes)
-    return replace(fast.local, values=values, torch_updated=torch_updated, shared=("ok", desc),
-                   timeout=agree.timeout_s(), fast=fast)
+    desc = description(rec.head, p, values, rec.shapes)
+    return Local(p, values, torch_updated, rec.torch_out, ("ok", desc), agree.timeout_s(), rec)
 
 
-def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
-              what: str) -> None:
+def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local, label: ScheduleLabel,
+             what: str) -> None:
     """After a call whose checks passed everywhere: remember its buffers for repeat (and,
     when every tensor is a NumPy array, for the hot path)."""
     p = local.program
@@ -189,10 +207,11 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
     buffers = held(kwargs, fn.recent.names)
     if buffers is None:
         return
-    scalars = [(q.name, q.type.dtype.startswith("i")) for q in p.params if q.scalar]
-    kept = replace(local, values={n: local.values[n] for n, _ in scalars}, torch_updated=[])
-    local.fast = Fast((schedule, groups, comm.py2f(), tuple(kwargs)), buffers, kept, local.shared[1][2], scalars)
-    fn.recent.put(fn.recent.slot(schedule, kwargs), local.fast)
+    rec = local.fast = RecentCall(
+        (schedule, groups, comm.py2f(), tuple(kwargs)), buffers, p, label, what, local.shared[1][0],
+        local.shared[1][2], tuple(q for q in p.params if q.scalar), agree.timeout_raw(), local.timeout,
+        torch_out=local.torch_out)
+    fn.recent.put(fn.recent.slot(schedule, kwargs), rec)
     tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
     arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
     torches = [(k, v) for k, v in tensors if type(v) is not np.ndarray and is_torch(v)
@@ -203,7 +222,7 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
         gs = comm.Get_size() // groups
         outs = tuple((p.type_of(s), STORAGE[p.type_of(s).dtype]) for _, s in p.outputs)
         updated = {t for t, _ in p.updates}
-        local.fast.hot = Hot(
+        rec.hot = Hot(
             comm=comm, world=MPI.COMM_WORLD, handle=comm.py2f(), groups=groups, nkw=len(kwargs),
             arrays=tuple((k, weakref.ref(v), v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),
             torch=tuple((k, weakref.ref(v), tuple(v.shape), v.stride(), v.dtype, v.data_ptr(), v.requires_grad)
@@ -211,9 +230,9 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local,
             torch_updated=tuple(k for k, _ in torches if k in updated),
             grad_check=any(v.requires_grad for k, v in torches if k in updated),
             torch_out=local.torch_out,
-            scalars=tuple(scalars),
+            scalars=rec.kinds,
             pack=struct.Struct("<" + "".join(PACK[q.type.dtype][1:] for q in p.params if q.scalar)),
-            floats_only=not any(i for _, i in scalars), what=what,
+            floats_only=not any(i for _, i in rec.kinds), what=what,
             timeout_raw=agree.timeout_raw(), limit=local.timeout, channel=agree.channel(comm),
             outputs=(gs, comm.Get_rank() % gs, outs) if outs else ())
 
@@ -268,7 +287,7 @@ def hot_torch(hot: Hot, kwargs: dict) -> bool:
     return True
 
 
-def run_hot(ext: Any, fast: Fast, hot: Hot, vals: list, kwargs: dict):
+def run_hot(ext: Any, fast: RecentCall, hot: Hot, vals: list, kwargs: dict):
     """Runs the module function of an agreed repeated call (the hot path of __call__)."""
     args = fast.args
     if hot.floats_only:
@@ -279,7 +298,7 @@ def run_hot(ext: Any, fast: Fast, hot: Hot, vals: list, kwargs: dict):
     outs = None
     if hot.outputs:
         gs, rank, types = hot.outputs
-        sizes = fast.sizes[0]
+        sizes = fast.sizes
         outs = [np.empty(local_shape(t, sizes, gs, rank), dtype=dt) for t, dt in types]
         args.outputs = [o.ctypes.data for o in outs]
     if fast.windows != len(shm.WINDOWS):

@@ -18,7 +18,7 @@ from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import agree, auto, batch, layout, marshal, shm
 from coconetc.runtime.call import Local, agreed, check_local, check_replicated, failed
 from coconetc.runtime.checks import checked_arguments, cpu_buffer, host_span
-from coconetc.runtime.fastpath import Fast, Recent, hot_check, remember, repeat, run_hot
+from coconetc.runtime.fastpath import Recent, RecentCall, hot_check, remember, repeat, run_hot
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.sourcefile import SourceFile
 from coconetc.toolchain.probes import require_cpu_extra
@@ -49,7 +49,7 @@ class ProgramFunction:
         self.tuned: list | None = None  # the tuning records of this program (schedule="auto")
         self.auto_memo: dict[tuple, str] = {}
         self._bound: list = []  # the last call's shapes and their sizes (see call.agreed)
-        # the recent agreed calls (fastpath.Fast), by their buffers (fastpath.repeat)
+        # the recent agreed calls (fastpath.RecentCall), by their buffers (fastpath.repeat)
         self.recent = Recent(tuple(q.name for q in schedules[DEFAULT].params if not q.scalar))
         self._extra_checked = False
         base = schedules[DEFAULT]
@@ -168,7 +168,7 @@ class ProgramFunction:
         sizes, segments, config = self._agree_call(comm, groups, local, what, counted)
         assert local.program is not None and label is not None  # else agreed() raised this rank's error
         if local.fast is None:
-            remember(self, schedule, groups, comm, kwargs, local, what)
+            remember(self, schedule, groups, comm, kwargs, local, label, what)
         out = self._run(local.program, local.values, sizes, segments, comm, groups, label, local, kwargs)
         if local.fast is not None:  # the next call with these buffers may take the hot path
             local.fast.config = config
@@ -192,7 +192,7 @@ class ProgramFunction:
             scal = agree.scalar_record(b"".join(b for _, _, b in local.shared[1][1])) if config else b""
             if agree.channel(comm).agreed(config, scal, groups, what, local.timeout, time.monotonic()):
                 assert fast is not None
-                return (*fast.sizes, config)
+                return fast.sizes, fast.segments, config
         everyone = agree.exchange(comm, local.shared, what, local.timeout,
                                   counted=comm.Get_size() > 1)
         sizes, segments = agreed(everyone, comm.Get_rank(), local.program, local.shared, self._bound)
@@ -202,7 +202,7 @@ class ProgramFunction:
              label: ScheduleLabel, local: Local | None = None, kwargs: dict | None = None):
         from mpi4py import MPI
         fast = local.fast if local is not None else None
-        if fast is not None and fast.args is not None and fast.sizes == (sizes, segments):
+        if fast is not None and fast.args is not None and fast.sizes == sizes and fast.segments == segments:
             return self._run_again(p, arrays, fast, sizes, comm, groups)
         if len(arrays) < len(p.params):  # a repeated call (fastpath.repeat) bound anew: its buffers
             assert kwargs is not None  # (the remembered call keeps none), checked as they were
@@ -219,20 +219,20 @@ class ProgramFunction:
         args.fused = label.code
         run = getattr(self.ext, function_name(self.name, label.name))
         if fast is not None:  # the next call with the same buffers reuses these arguments
-            fast.args, fast.sizes, fast.run, fast.windows = args, (sizes, segments), run, len(shm.WINDOWS)
+            fast.args, fast.sizes, fast.segments, fast.run, fast.windows = args, sizes, segments, run, len(shm.WINDOWS)
         batch.invoke(self.ext, run, args)
         return outs
 
-    def _run_again(self, p: Program, arrays: dict, fast: Fast, sizes: dict, comm, groups: int):
+    def _run_again(self, p: Program, arrays: dict, fast: RecentCall, sizes: dict, comm, groups: int):
         """_run for the same buffers as the call that made `fast`: only scalars and outputs."""
         args = fast.args
         gs = comm.Get_size() // groups
         outs = marshal.outputs(p, sizes, gs, comm.Get_rank() % gs, marshal.numpy_empty)
         if outs:
             args.outputs = [o.ctypes.data for o in outs]
-        args.scalars = [float(arrays[n]) if not i else 0.0 for n, i in fast.scalars]
-        if any(i for _, i in fast.scalars):
-            args.iscalars = [int(arrays[n]) if i else 0 for n, i in fast.scalars]
+        args.scalars = [float(arrays[n]) if not i else 0.0 for n, i in fast.kinds]
+        if any(i for _, i in fast.kinds):
+            args.iscalars = [int(arrays[n]) if i else 0 for n, i in fast.kinds]
         if fast.windows != len(shm.WINDOWS):
             args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
         batch.invoke(self.ext, fast.run, args)
