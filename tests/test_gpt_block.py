@@ -524,9 +524,14 @@ def test_show_grad_prints_the_sequence_parallel_derived_program():
         "g_n14 = allreduce(sum, g_n1_part3)", "g_scatter = scatter(g_n15, dim=1)",
         "d_ln1_w = allreduce(sum, g_ln1_w_part)", "d_ln1_b = allreduce(sum, g_ln1_b_part)"]
     assert "    d_y: f32[B, S, H] sliced(1)," in lines
-    # without -p, the file's two programs: the same message as `show` (choose one)
+    # without -p: each program's derived program in turn, the text of a file that checks
     res = subprocess.run([exe, "show", "--grad", str(EXAMPLE)], capture_output=True, text=True, timeout=120)
-    assert res.returncode != 0 and "holds 2 programs (gpt_block, gpt_block_sp); choose one with --program" in res.stderr
+    assert res.returncode == 0, res.stderr
+    both = res.stdout.splitlines()
+    assert [ln for ln in both if ln.startswith("program ")] == ["program gpt_block_grad(", "program gpt_block_sp_grad("]
+    assert both[both.index("program gpt_block_sp_grad(") - 1:] == lines
+    mod = load_source(res.stdout, "derived.ccn")
+    assert set(mod.programs) == {"gpt_block_grad", "gpt_block_sp_grad"}
 
 
 # --- bad input (issue 39 point 6) ---------------------------------------------------------------

@@ -17,7 +17,8 @@ from coconetc.sourcefile import SourceFile
 @click.option("--program", "-p", help="The program (default: the file's only program).")
 @click.option("--schedule", "-s", help="Show the program after this schedule.")
 @click.option("--format", "fmt", type=click.Choice(["text", "dot", "plan"]), default="text")
-@click.option("--grad", is_flag=True, help="Show the program's derived vector-Jacobian program (docs/autodiff.md).")
+@click.option("--grad", is_flag=True, help="Show the program's derived vector-Jacobian program (docs/autodiff.md); "
+              "of a file of several programs without --program, each one's in turn.")
 @click.option("--wrt", help="With --grad: the inputs to differentiate, comma-separated (default: every "
               "floating tensor parameter).")
 @records_options("-s auto shows the choice of the records measured on that backend (the plan "
@@ -30,6 +31,13 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
     target = checked_target("show", backend, emulate, "read the records measured under the host emulation")
     mod = load_ccn(file)
     if grad or wrt is not None:
+        own = [n for n in mod.programs if n not in mod.derived]
+        if grad and program is None and schedule is None and wrt is None and fmt == "text" and len(own) > 1:
+            for i, name in enumerate(own):  # every program's derived program, in the file's order
+                if i:
+                    click.echo()
+                _show_grad(mod, name, None, fmt, None)
+            return
         _show_grad(mod, pick_program(mod, program, None), schedule, fmt, wrt)
         return
     name = pick_program(mod, program, schedule)
