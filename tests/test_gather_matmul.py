@@ -215,3 +215,35 @@ def test_the_autotuner_writes_gather_overlaps():
     got = dict(generate(load_file(FILE).programs["spmlp"]))
     for k in (2, 4, 8):
         assert OverlapD("g", "m", k, None, None) in got[f"auto_overlap{k}"], got  # (spans do not compare)
+
+
+RSAG = """
+program rsag(x: f32[B, S, H] sliced(1), u: f32[B, S, H] local, w: f32[H, F] sliced(1), v: f32[F, H] sliced(0)) {
+    r = reducescatter(sum, u, dim=1)
+    z = r + x
+    g = allgather(z)
+    m = matmul(g, w)
+    p = matmul(m, v)
+    t = reducescatter(sum, p, dim=1)
+    q = t * 2
+    return q
+}
+"""
+
+
+def test_a_fuse_of_an_overlapped_stage_is_refused_with_advice_that_is_accepted():
+    """A fuse written after an overlap that names one of its members: the other way, the
+    gather is left out of the fusion (a fused collective cannot feed an overlapped matmul yet);
+    the usual way, the overlap is written on the fusion. Following the advice is accepted."""
+    cases = [("overlap(g, m, chunks=2)\n    f = fuse(r, z, g)", "'g' is overlapped with its matmul",
+              "leave 'g' out", "overlap(g, m, chunks=2)\n    f = fuse(r, z)"),
+             ("overlap(p, t, chunks=2)\n    f = fuse(t, q)", "'t' is already overlapped",
+              "f = fuse(t, q) and then overlap(p, f, chunks=2)", "f = fuse(t, q)\n    overlap(p, f, chunks=2)")]
+    for bad, why, advice, good in cases:
+        src = RSAG + f"schedule s for rsag {{\n    {bad}\n}}\n"
+        with pytest.raises(CompileError) as err:
+            load_source(src, "t.ccn")
+        d = err.value.diagnostics[0]
+        assert why in d.message and advice in d.message, d.message
+        assert d.span.line == src.count("\n", 0, src.index("fuse(")) + 1
+        load_source(RSAG + f"schedule s for rsag {{\n    {good}\n}}\n", "t.ccn")

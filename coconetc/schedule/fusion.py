@@ -141,6 +141,20 @@ def _check_members(p: Program, stages: list[Stage], d: Fuse) -> None:
             raise ScheduleError(span_of(d, s.name), "fuse", s.name, f"{bad} cannot be fused into a loop "
                                 "(overlap it with its collective instead: overlap() after the fuse); "
                                 + _without(p, d, {s.name}, f"leave '{s.name}' out"))
+    for s in stages:
+        o = next((o for o in p.overlaps if s.name in (o.producer, o.consumer)), None)
+        if o is None:
+            continue
+        text = f"overlap({o.producer}, {o.consumer}, chunks={o.chunks})"
+        if o.producer == s.name and s.kind == "collective":  # the other way: a gather feeding a matmul
+            raise ScheduleError(span_of(d, s.name), "fuse", s.name,
+                                f"'{s.name}' is overlapped with its matmul ({text}), and a fused collective "
+                                "cannot feed an overlapped matmul yet; " + _without(p, d, {s.name}, f"leave '{s.name}' out"))
+        name = d.name or "f"
+        raise ScheduleError(span_of(d, s.name), "fuse", s.name,
+                            f"'{s.name}' is already overlapped ({text}): fuse first, then overlap the fusion: "
+                            f"{name} = fuse({', '.join(dict.fromkeys(d.stages))}) and then "
+                            f"overlap({o.producer}, {name}, chunks={o.chunks}) in place of {text}")
     if len(colls) == 2:
         rs = next(s for s in colls if s.top.op == "reducescatter")
         ag = next(s for s in colls if s.top.op == "allgather")
