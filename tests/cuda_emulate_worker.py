@@ -258,14 +258,14 @@ def repeats(mod, g, w, **comm_kw) -> None:
     64-byte records, without the full exchange, and stay right; a scalar that differs on
     rank 1 still raises on every rank, leaving w as it was; a rank that passes new buffers
     sends every rank through the full exchange."""
-    from coconetc.runtime import cuda
+    from coconetc.runtime import nccl
     full = []
-    exchange = cuda.exchange  # (what a call's entry, cuda._enter, exchanges with)
+    exchange = nccl.exchange  # (what a call's entry, entry.enter, exchanges with: backends.CudaBackend)
 
     def counted(*a, **k):
         full.append(1)
         return exchange(*a, **k)
-    cuda.exchange = counted
+    nccl.exchange = counted
     try:
         want = w.copy()
         for lr in (0.5, 0.25, 0.125):
@@ -285,7 +285,7 @@ def repeats(mod, g, w, **comm_kw) -> None:
         assert np.allclose(w, before - np.float32(0.5) * np.float32(sum(range(1, R + 1)))), w
         assert len(full) == n + 2, full
     finally:
-        cuda.exchange = exchange
+        nccl.exchange = exchange
     print(f"RANK {rank}: repeats ok", flush=True)
 
 

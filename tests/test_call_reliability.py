@@ -297,10 +297,10 @@ def test_loading_and_calling_imports_no_interpreter(built):
 def test_a_call_parses_its_label_once(built, monkeypatch):
     """The label ("zero@p2p": the schedule zero, point-to-point collectives) is parsed once
     per call (plan/label.py), and not at all on the hot path of a repeated call."""
-    from coconetc.runtime import module
+    from coconetc.runtime import entry
     seen: list = []
-    real = module.parse
-    monkeypatch.setattr(module, "parse", lambda label: seen.append(label) or real(label))
+    real = entry.parse
+    monkeypatch.setattr(entry, "parse", lambda label: seen.append(label) or real(label))
     a = {k: np.ones(5, np.float32) for k in "gwmv"}
     scalars = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, step=1.0)
     built.adam(schedule="zero@p2p", **a, **scalars)

@@ -1,8 +1,8 @@
-"""A call's entry on this rank and its agreement with the others, for every backend: this
-rank's arguments checked (coconetc/ir/arguments.py), described (the function, the schedule,
-groups, every scalar's bits, every shape), and, once every rank's description has been
-exchanged (agree.py), checked to agree and bound to the size symbols. Any error raises the
-same exception on every rank before a buffer is touched.
+"""What a call tells the other ranks and how they check it, for every backend (the call's one
+entry is entry.py): this rank's call described (the function, the schedule, groups, every
+scalar's bits, every shape) and, once every rank's description has been exchanged (agree.py),
+checked to agree and bound to the size symbols (`agreed`). Any error raises the same exception
+on every rank before a buffer is touched.
 
 COCONET_CHECK_REPLICATED=1 (a debug mode, off by default, as TORCH_DISTRIBUTED_DEBUG=DETAIL):
 each description also carries a digest of every `replicated` tensor argument's bytes, and
@@ -15,7 +15,6 @@ import functools
 import hashlib
 import os
 import struct
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,9 +22,7 @@ import numpy as np
 from coconetc.ir.arguments import bind_sizes, describe, is_torch
 from coconetc.ir.nodes import Program
 from coconetc.ir.storage import STORAGE
-from coconetc.plan.label import ScheduleLabel
 from coconetc.runtime import agree
-from coconetc.runtime.checks import checked_arguments, cpu_buffer, host_span
 
 ERRORS = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
 HEAD = ("module", "function", "schedule", "groups", "communicator size")
@@ -34,48 +31,9 @@ ENV_CHECK_REPLICATED = "COCONET_CHECK_REPLICATED"  # 1: compare replicated tenso
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-@dataclass
-class Local:
-    """One call on this rank: its checked arguments, the PyTorch tensors it updates, and what
-    the other ranks are told (the call's description, or this rank's error)."""
-
-    program: Program | None
-    values: dict[str, Any]
-    torch_updated: list[Any]
-    torch_out: bool
-    shared: tuple
-    timeout: float = agree.DEFAULT_TIMEOUT
-    fast: Any = None  # a fastpath.Fast: set when this call repeats a recent call's buffers
-
-
-def failed(err: Exception, timeout: float = agree.DEFAULT_TIMEOUT) -> Local:
-    """This rank's error, told to the others at the exchange (then raised everywhere)."""
-    return Local(None, {}, [], False, ("error", type(err).__name__, str(err)), timeout)
-
-
 def check_groups(name: str, groups: Any) -> None:
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"{name}(): groups must be a positive integer, got {groups!r}")
-
-
-def check_local(fn: Any, label: ScheduleLabel, groups, size: int, kwargs: dict) -> Local:
-    """This rank's arguments to FN (a ProgramFunction) checked; `shared` is ("ok",
-    description) or ("error", kind, text)."""
-    timeout = agree.DEFAULT_TIMEOUT
-    try:
-        timeout = agree.timeout_s()
-        p = fn.program_of(label)
-        check_groups(fn.name, groups)
-        updated = {t for t, _ in p.updates}
-        values = checked_arguments(p, kwargs, cpu_buffer, host_span, "arrays")
-        torch_out = any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))
-                        for v in kwargs.values())
-        torch_updated = torch_updates(p, kwargs, updated) if torch_out else []
-        head = (fn.ext.__name__, fn.name, str(label), groups, size)
-        desc = description(head, p, values, tensor_shapes(p, values))
-        return Local(p, values, torch_updated, torch_out, ("ok", desc), timeout)
-    except (TypeError, ValueError, RuntimeError) as err:
-        return failed(err, timeout)
 
 
 def tensor_shapes(p: Program, values: dict) -> dict[str, Any]:

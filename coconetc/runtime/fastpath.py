@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from coconetc.ir.arguments import check_param, is_torch
+from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel
 from coconetc.runtime import agree, batch, shm
-from coconetc.runtime.call import PACK, Local, check_replicated, description, torch_updates
+from coconetc.runtime.call import PACK, check_replicated
 from coconetc.runtime.marshal import as_torch, local_shape
 
 
@@ -179,38 +179,27 @@ class Recent:
         return bool(self.calls)
 
 
-def repeat(fn: Any, schedule, groups, comm, kwargs: dict) -> Local | None:
-    """This rank's checked arguments without checking each buffer again, when the call passes
-    the same buffers as one of this thread's recent calls of FN (only the scalars are checked); None
-    otherwise (the full checks run)."""
+def recall(fn: Any, schedule, groups, comm, kwargs: dict) -> RecentCall | None:
+    """The recent call of FN on this thread that a CPU call with these arguments repeats: the
+    same buffers, unchanged, the same schedule, groups, communicator, keywords and
+    COCONET_TIMEOUT; None otherwise (the full checks run). Under COCONET_CHECK_REPLICATED none:
+    the description digests the buffers, so every call is checked in full."""
     rec = fn.recent.get(fn.recent.slot(schedule, kwargs))
-    if rec is None or check_replicated():
-        return None  # (under COCONET_CHECK_REPLICATED the description digests the buffers: checked in full)
-    p = rec.program
-    if rec.key != (schedule, groups, comm.py2f(), tuple(kwargs)) or not same(rec.buffers, kwargs):
+    if rec is None or check_replicated() or rec.key != (schedule, groups, comm.py2f(), tuple(kwargs)) \
+            or agree.timeout_raw() != rec.timeout_raw or not same(rec.buffers, kwargs):
         return None
-    try:  # (the scalars: the tensors are the module's CallArgs')
-        values = {q.name: check_param(q, kwargs[q.name]) for q in rec.scalars}
-        torch_updated = torch_updates(p, kwargs, {t for t, _ in p.updates}) if rec.torch_out else []
-    except (TypeError, ValueError, RuntimeError):
-        return None  # the full checks report it
-    desc = description(rec.head, p, values, rec.shapes)
-    return Local(p, values, torch_updated, rec.torch_out, ("ok", desc), agree.timeout_s(), rec)
+    return rec
 
 
-def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local, label: ScheduleLabel,
-             what: str) -> None:
-    """After a call whose checks passed everywhere: remember its buffers for repeat (and,
-    when every tensor is a NumPy array, for the hot path)."""
-    p = local.program
-    assert p is not None
+def remember(fn: Any, schedule, groups, comm, kwargs: dict, p: Program, label: ScheduleLabel, what: str,
+             head: tuple, shapes: dict, timeout: float, torch_out: bool) -> RecentCall | None:
+    """After a CPU call whose checks passed everywhere: remember its buffers for recall (and,
+    when every tensor is a NumPy array or a CPU tensor, for the hot path)."""
     buffers = held(kwargs, fn.recent.names)
     if buffers is None:
-        return
-    rec = local.fast = RecentCall(
-        (schedule, groups, comm.py2f(), tuple(kwargs)), buffers, p, label, what, local.shared[1][0],
-        local.shared[1][2], tuple(q for q in p.params if q.scalar), agree.timeout_raw(), local.timeout,
-        torch_out=local.torch_out)
+        return None
+    rec = RecentCall((schedule, groups, comm.py2f(), tuple(kwargs)), buffers, p, label, what, head, shapes,
+                     tuple(q for q in p.params if q.scalar), agree.timeout_raw(), timeout, torch_out=torch_out)
     fn.recent.put(fn.recent.slot(schedule, kwargs), rec)
     tensors = [(q.name, kwargs[q.name]) for q in p.params if not q.scalar]
     arrays = [(k, v) for k, v in tensors if type(v) is np.ndarray]
@@ -229,12 +218,13 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, local: Local, label:
                         for k, v in torches),
             torch_updated=tuple(k for k, _ in torches if k in updated),
             grad_check=any(v.requires_grad for k, v in torches if k in updated),
-            torch_out=local.torch_out,
+            torch_out=torch_out,
             scalars=rec.kinds,
             pack=struct.Struct("<" + "".join(PACK[q.type.dtype][1:] for q in p.params if q.scalar)),
             floats_only=not any(i for _, i in rec.kinds), what=what,
-            timeout_raw=agree.timeout_raw(), limit=local.timeout, channel=agree.channel(comm),
+            timeout_raw=rec.timeout_raw, limit=timeout, channel=agree.channel(comm),
             outputs=(gs, comm.Get_rank() % gs, outs) if outs else ())
+    return rec
 
 
 def hot_check(hot: Hot, comm, groups, kwargs: dict) -> tuple[list, bytes] | None:

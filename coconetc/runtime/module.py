@@ -1,6 +1,6 @@
 """A loaded module and its functions: `CompiledModule` holds one `ProgramFunction` per program,
 a Python function taking keyword arguments named as in the program (CPU backend: NumPy arrays
-or CPU tensors). A call runs its entry (call.py: check this rank's arguments, agree across
+or CPU tensors). A call runs its entry (entry.py: check this rank's arguments, agree across
 ranks under the watchdog), then the module function with its arguments laid out (marshal.py);
 a call that repeats a recent call's buffers takes the hot path (fastpath.py). The layout
 helpers (local_shape, local_index, empty, zeros) come from layout.py; schedule="auto" from
@@ -15,16 +15,21 @@ from typing import Any
 from coconetc.codegen.naming import function_name
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
-from coconetc.runtime import agree, auto, batch, layout, marshal, shm
-from coconetc.runtime.call import Local, agreed, check_local, check_replicated, failed
-from coconetc.runtime.checks import checked_arguments, cpu_buffer, host_span
-from coconetc.runtime.fastpath import Recent, RecentCall, hot_check, remember, repeat, run_hot
+from coconetc.runtime import auto, batch, layout, marshal, shm
+from coconetc.runtime.backends import BACKENDS
+from coconetc.runtime.entry import Call, enter
+from coconetc.runtime.fastpath import Recent, RecentCall, hot_check, run_hot
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.sourcefile import SourceFile
 from coconetc.toolchain.probes import require_cpu_extra
 
 
+CPU = BACKENDS["cpu"]
+
+
 class CompiledModule:
+    backend = CPU  # what differs between the backends (runtime/backends.py)
+
     def __init__(self, mod: SourceFile, src: Any, ext: Any):
         self.source_module, self.sources, self.ext = mod, src, ext
         self.programs: dict[str, ProgramFunction] = {}
@@ -42,6 +47,8 @@ class CompiledModule:
 
 
 class ProgramFunction:
+    backend = CPU
+
     def __init__(self, name: str, schedules: dict[str, Program], ext: Any, source: str = ""):
         self.name, self.schedules, self.ext = name, schedules, ext
         self.source = source  # the .ccn text (the tuning cache's key)
@@ -137,14 +144,13 @@ class ProgramFunction:
                 hot, start = fast.hot, time.monotonic()
                 if hot.channel.agreed(fast.config, got[1], groups, hot.what, hot.limit, start):
                     return run_hot(self.ext, fast, hot, got[0], kwargs)
-                return self._call(schedule, comm, groups, kwargs, start)
-        return self._call(schedule, comm, groups, kwargs, None)
+                return self._call(schedule, comm, groups, kwargs, True)
+        return self._call(schedule, comm, groups, kwargs, False)
 
-    def _call(self, schedule: str | None, comm: Any, groups: Any, kwargs: dict,
-              counted: float | None):
-        """A call (counted: the monotonic time of its entry when the hot path's round already
+    def _call(self, schedule: str | None, comm: Any, groups: Any, kwargs: dict, counted: bool):
+        """A call through the one entry (entry.py; counted: the hot path's record round already
         ran and disagreed, so the full exchange follows at once). The label is parsed once,
-        here; any error is raised on every rank after the exchange, as any other."""
+        there; any error is raised on every rank after the exchange, as any other."""
         if not self._extra_checked:  # once: the module was imported, so the extra stays there
             require_cpu_extra()
             self._extra_checked = True
@@ -153,73 +159,36 @@ class ProgramFunction:
         if not isinstance(comm, MPI.Comm) or comm.Is_inter():
             raise TypeError(f"{self.name}(): comm must be an mpi4py intra-communicator, "
                             f"got {type(comm).__name__}")
-        local = label = None
-        try:
-            if schedule == "auto":
-                schedule = auto.for_call(self, comm, groups, kwargs)
-            label = parse(schedule)
-        except (TypeError, ValueError) as err:
-            local = failed(err)
-        if label is not None:
-            local = repeat(self, schedule, groups, comm, kwargs) or \
-                check_local(self, label, groups, comm.Get_size(), kwargs)
-        assert local is not None
-        what = f"{self.ext.__name__}.{self.name}(schedule={schedule or DEFAULT!r})"
-        sizes, segments, config = self._agree_call(comm, groups, local, what, counted)
-        assert local.program is not None and label is not None  # else agreed() raised this rank's error
-        if local.fast is None:
-            remember(self, schedule, groups, comm, kwargs, local, label, what)
-        out = self._run(local.program, local.values, sizes, segments, comm, groups, label, local, kwargs)
-        if local.fast is not None:  # the next call with these buffers may take the hot path
-            local.fast.config = config
-        if local.torch_updated:
+        call = enter(self, CPU, schedule, comm, groups, kwargs, counted=counted)
+        out = self._run(call, comm, groups)
+        if call.recent is not None and call.config is not None:  # the next call with these
+            call.recent.config = call.config  # buffers may take the hot path
+        if call.torch_updated:
             import torch
-            torch.autograd.graph.increment_version(local.torch_updated)
-        if local.torch_out:
+            torch.autograd.graph.increment_version(list(call.torch_updated))
+        if call.torch_out:
             out = [as_torch(o) for o in out]
         return returned(out)
 
-    def _agree_call(self, comm, groups, local: Local, what: str, counted: float | None):
-        """The ranks agree on the call (or all raise): first the record round of repeated calls
-        (agree.Channel.agreed), unless the hot path ran it (counted), then, unless every rank
-        repeats the same agreed call, the full exchange. Returns (sizes, segments, the digest
-        of the agreed configuration). Under COCONET_CHECK_REPLICATED this rank asks for the full
-        exchange (the record round has no room for the digests)."""
-        if counted is None and comm.Get_size() > 1:
-            fast = local.fast
-            config = fast.config if fast is not None and local.shared[0] == "ok" \
-                and not check_replicated() else None
-            scal = agree.scalar_record(b"".join(b for _, _, b in local.shared[1][1])) if config else b""
-            if agree.channel(comm).agreed(config, scal, groups, what, local.timeout, time.monotonic()):
-                assert fast is not None
-                return fast.sizes, fast.segments, config
-        everyone = agree.exchange(comm, local.shared, what, local.timeout,
-                                  counted=comm.Get_size() > 1)
-        sizes, segments = agreed(everyone, comm.Get_rank(), local.program, local.shared, self._bound)
-        return sizes, segments, agree.digest([(item[1][0], item[1][2]) for item in everyone])
-
-    def _run(self, p: Program, arrays: dict, sizes: dict, segments, comm, groups: int,
-             label: ScheduleLabel, local: Local | None = None, kwargs: dict | None = None):
+    def _run(self, call: Call, comm, groups: int):
         from mpi4py import MPI
-        fast = local.fast if local is not None else None
-        if fast is not None and fast.args is not None and fast.sizes == sizes and fast.segments == segments:
-            return self._run_again(p, arrays, fast, sizes, comm, groups)
-        if len(arrays) < len(p.params):  # a repeated call (fastpath.repeat) bound anew: its buffers
-            assert kwargs is not None  # (the remembered call keeps none), checked as they were
-            arrays = {**checked_arguments(p, kwargs, cpu_buffer, host_span, "arrays", tensors_only=True), **arrays}
+        rec, p = call.recent, call.program
+        if call.repeated:
+            assert rec is not None
+            return self._run_again(p, call.values, rec, call.sizes, comm, groups)
         args = self.ext.CallArgs()
-        marshal.tensors(args, p, arrays, segments, marshal.host_ptr)
+        marshal.tensors(args, p, call.values, call.segments, marshal.host_ptr)
         gs = comm.Get_size() // groups
-        outs = marshal.outputs(p, sizes, gs, comm.Get_rank() % gs, marshal.numpy_empty)
+        outs = marshal.outputs(p, call.sizes, gs, comm.Get_rank() % gs, marshal.numpy_empty)
         args.outputs = [o.ctypes.data for o in outs]
-        marshal.scalars(args, p, arrays, sizes)
+        marshal.scalars(args, p, call.values, call.sizes)
         args.comm, args.groups = MPI._handleof(comm), groups
         if shm.WINDOWS:  # buffers of coconetc.empty: the runtime may read them in place
             args.windows = shm.WINDOWS
-        args.fused = label.code
-        run = getattr(self.ext, function_name(self.name, label.name))
-        if fast is not None:  # the next call with the same buffers reuses these arguments
-            fast.args, fast.sizes, fast.segments, fast.run, fast.windows = args, sizes, segments, run, len(shm.WINDOWS)
+        args.fused = call.label.code
+        run = getattr(self.ext, function_name(self.name, call.label.name))
+        if rec is not None:  # the next call with the same buffers reuses these arguments
+            rec.args, rec.run, rec.windows = args, run, len(shm.WINDOWS)
         batch.invoke(self.ext, run, args)
         return outs
 
