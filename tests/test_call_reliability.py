@@ -253,7 +253,7 @@ def test_bad_timeout_setting_raises(built, monkeypatch, value):
 
 
 def test_watchdog_message_names_ranks():
-    from coconetc.runtime.agree import watchdog_message
+    from coconetc.runtime.watchdog import watchdog_message
     msg = watchdog_message(0, 4, 7, "m.adam(schedule='zero')", 10.0,
                            {0: (7, "m.adam(schedule='zero')"), 2: (7, "m.adam(schedule='zero')"),
                             3: (6, "m.adam(schedule='zero')")})

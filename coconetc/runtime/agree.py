@@ -8,10 +8,10 @@ Exchanged: this rank's error, or the call's description: the function, the sched
 the communicator's size, every scalar's bits (in the parameter's dtype) and every shape. Any
 difference raises the same exception on every rank, naming the parameter and the ranks.
 
-Watchdog: the exchange is polled against a deadline of COCONET_TIMEOUT seconds (default 600; 0
-waits for ever). Past it, the rank asks every other rank whether it is waiting in the same call
-(point-to-point, answered from the others' polling loops), prints which ranks did not arrive
-and aborts the job (MPI_Abort), as NCCL's and PyTorch's watchdogs do.
+Watchdog (watchdog.py; COCONET_TIMEOUT: timeout.py): the exchange is
+polled against a deadline of COCONET_TIMEOUT seconds (default 600; 0 waits for ever). Past it,
+the rank asks every other rank whether it is waiting in the same call, prints which ranks did
+not arrive and aborts the job (MPI_Abort), as NCCL's and PyTorch's watchdogs do.
 
 A call that repeats an agreed one (the same buffers; coconetc/runtime/fastpath.py) exchanges
 less: a fixed 64-byte record (`Channel.agreed`: the digest of the description every rank gave
@@ -22,46 +22,21 @@ differs."""
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
-import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-ENV_TIMEOUT = "COCONET_TIMEOUT"
-DEFAULT_TIMEOUT = 600.0
-_TAG_WHO, _TAG_HERE = 31_001, 31_002  # only ever sent by a rank about to abort the job
-_GRACE = 1.0  # seconds the timed-out rank waits for the others to say where they are
+from coconetc.runtime.timeout import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from coconetc.runtime.timeout import ENV_TIMEOUT as ENV_TIMEOUT
+from coconetc.runtime.timeout import timeout_raw as timeout_raw
+from coconetc.runtime.timeout import timeout_s as timeout_s
+from coconetc.runtime.watchdog import Watch, wait
+from coconetc.runtime.watchdog import ranks_text as ranks_text
+
 _BLOCK = 1024  # bytes per rank in the exchange's first (usually only) round
-
-
-_ENVIRON = getattr(os.environ, "_data", None)  # os.environ's own dict (POSIX: bytes keys)
-_ENV_KEY = os.environ.encodekey(ENV_TIMEOUT) if hasattr(os.environ, "encodekey") else ENV_TIMEOUT
-
-
-def timeout_raw() -> Any:
-    """COCONET_TIMEOUT as set now, unparsed (cheap: a repeated call compares it with what it
-    read when its checks ran, and runs the checks again when it changed)."""
-    if _ENVIRON is not None:
-        return _ENVIRON.get(_ENV_KEY)
-    return os.environ.get(ENV_TIMEOUT)
-
-
-def timeout_s() -> float:
-    raw = os.environ.get(ENV_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_TIMEOUT
-    try:
-        t = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r}: expected seconds (0: no limit)") from None
-    if t < 0 or t != t:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r}: expected seconds >= 0 (0: no limit)")
-    return t
 
 
 RECORD = 64  # bytes per rank of a repeated call's round: kind, configuration digest, scalars
@@ -213,7 +188,7 @@ def exchange(comm, mine: Any, what: str, limit: float, *, counted: bool = False)
     calls = channel(comm)
     if not counted:
         calls.n += 1
-    w = _Watch(comm, calls.n, what, limit)
+    w = Watch(comm, calls.n, what, limit)
     data = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
     # one round in the usual case: fixed blocks of [length, the description if it fits]
     R = comm.Get_size()
@@ -230,91 +205,6 @@ def exchange(comm, mine: Any, what: str, limit: float, *, counted: bool = False)
     displs = [sum(sizes[:r]) for r in range(len(sizes))]
     w.wait(comm.Iallgatherv(np.frombuffer(data, np.uint8), [out, sizes, displs, MPI.BYTE]))
     return [pickle.loads(out[d:d + c].tobytes()) for d, c in zip(displs, sizes)]
-
-
-def wait(req, comm, call: int, what: str, limit: float, start: float) -> None:
-    """Waits for REQ under the watchdog, the deadline `limit` seconds after `start` (a
-    time.monotonic() taken at the call's entry)."""
-    w = _Watch.__new__(_Watch)
-    w.comm, w.call, w.what, w.limit = comm, call, what, limit
-    w.deadline = start + limit if limit > 0 else None
-    w.wait(req)
-
-
-class _Watch:
-    """Polls requests against one deadline; answers the others' "who is here?" meanwhile."""
-
-    def __init__(self, comm, call: int, what: str, limit: float):
-        self.comm, self.call, self.what, self.limit = comm, call, what, limit
-        self.deadline = time.monotonic() + limit if limit > 0 else None
-
-    def wait(self, req) -> None:
-        if req.Test():
-            return
-        if self.deadline is None:
-            req.Wait()
-            return
-        spins = 0
-        while not req.Test():
-            spins += 1
-            if spins < 1000:  # the others are usually microseconds away: spin on Test
-                continue
-            self._answer()
-            if time.monotonic() > self.deadline:
-                self._expire()
-            time.sleep(0 if spins < 1200 else 1e-4 if spins < 3000 else 1e-3)
-
-    def _answer(self) -> None:
-        from mpi4py import MPI
-        st = MPI.Status()
-        while self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_WHO, st):
-            self.comm.recv(source=st.Get_source(), tag=_TAG_WHO)
-            self.comm.isend((self.call, self.what), dest=st.Get_source(), tag=_TAG_HERE)
-
-    def _expire(self) -> None:
-        from mpi4py import MPI
-        me, size = self.comm.Get_rank(), self.comm.Get_size()
-        for r in range(size):
-            if r != me:
-                self.comm.isend(self.call, dest=r, tag=_TAG_WHO)
-        where: dict[int, tuple[int, str]] = {me: (self.call, self.what)}
-        st, end = MPI.Status(), time.monotonic() + _GRACE
-        while time.monotonic() < end and len(where) < size:
-            self._answer()
-            if self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_HERE, st):
-                where[st.Get_source()] = self.comm.recv(source=st.Get_source(), tag=_TAG_HERE)
-            else:
-                time.sleep(1e-3)
-        _abort(watchdog_message(me, size, self.call, self.what, self.limit, where))
-
-
-def watchdog_message(me: int, size: int, call: int, what: str, limit: float,
-                     where: dict[int, tuple[int, str]]) -> str:
-    missing = [r for r in range(size) if r not in where]
-    elsewhere = [f"rank {r} is in call #{c} ({w})" for r, (c, w) in sorted(where.items())
-                 if (c, w) != (call, what)]
-    here = sorted(r for r, cw in where.items() if cw == (call, what))
-    text = (f"coconet watchdog: {what}, call #{call} on this communicator, rank {me}: "
-            f"waited {limit:g} s ({ENV_TIMEOUT}) for every rank to enter the call; ")
-    if missing:
-        text += f"{ranks_text(missing)} did not arrive"
-    else:  # every rank answered from a call: not all from this one (different calls, or out of step)
-        text += "every rank is in a call of this communicator, but not all in this one"
-    if elsewhere:
-        text += "; " + "; ".join(elsewhere)
-    return text + f" ({ranks_text(here)} {'did' if missing else 'in this one'}). Aborting the job."
-
-
-def ranks_text(rs: list[int]) -> str:
-    """'rank 1' or 'ranks 1, 3'."""
-    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
-
-
-def _abort(message: str, code: int = 1) -> None:
-    from mpi4py import MPI
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(code)
 
 
 # --- the comparison, identical on every rank -----------------------------------------------

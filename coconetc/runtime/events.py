@@ -17,7 +17,7 @@ import ctypes
 from collections import deque
 from typing import Any, NamedTuple
 
-from coconetc.runtime.agree import ENV_TIMEOUT
+from coconetc.runtime.timeout import ENV_TIMEOUT
 
 _NOT_READY = 1  # coconet_event_query: cudaErrorNotReady
 

@@ -1,18 +1,118 @@
-"""The NCCL communicators' watchdog and the abort path (`guarded`): a CUDA or NCCL error on one
-rank, an asynchronous NCCL error, a call or its queued work past COCONET_TIMEOUT aborts the
-communicator on every rank (ncclCommAbort) and raises on each, naming the failing rank and the
-call. (runtime/agree.py's watchdog guards the MPI exchanges.)"""
+"""coconet's watchdogs, for every backend: a call whose ranks do not all arrive, or whose work
+does not finish, within COCONET_TIMEOUT seconds (timeout.py: default 600; 0: no limit) ends the job or its communicator on every rank, naming the ranks and the call,
+as NCCL's and PyTorch's watchdogs do. Two things are watched, each where it waits:
+
+- the MPI exchanges of a call's entry (agree.py; every backend over MPI): `Watch` polls the
+  requests against the call's deadline and answers the others' "who is here?" meanwhile; past
+  it, the rank asks every other rank where it is (point to point, answered from the others'
+  polling loops), prints which ranks did not arrive and aborts the job (MPI_Abort);
+- an NCCL communicator's calls (the CUDA module): `guarded` runs a call with the abort path,
+  and `Watchdog`, a thread per communicator, polls for the peers' abort notices, asynchronous
+  NCCL errors, a call past its deadline and work queued on the GPU that has not completed in
+  time (events.py); a CUDA or NCCL error on one rank aborts the communicator on every rank
+  (ncclCommAbort) and raises on each, naming the failing rank and the call."""
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 from typing import Any
 
-from coconetc.runtime import agree
 from coconetc.runtime.events import Events
-from coconetc.runtime.nccl import NcclComm
+from coconetc.runtime.timeout import ENV_TIMEOUT, deadline, timeout_s
+
+NcclComm = Any  # runtime/nccl.py's (which imports this file's users: named, not imported)
+_TAG_WHO, _TAG_HERE = 31_001, 31_002  # only ever sent by a rank about to abort the job
+_GRACE = 1.0  # seconds the timed-out rank waits for the others to say where they are
 
 
+# --- the MPI exchanges ------------------------------------------------------------------------
+def wait(req, comm, call: int, what: str, limit: float, start: float) -> None:
+    """Waits for REQ under the watchdog, the deadline `limit` seconds after `start` (a
+    time.monotonic() taken at the call's entry)."""
+    Watch(comm, call, what, limit, start).wait(req)
+
+
+class Watch:
+    """The MPI exchanges' watchdog: polls requests against one deadline (`limit` seconds after
+    `start`, default now; none for 0), answering the others' "who is here?" meanwhile; past
+    it, asks every other rank where it is, says so and aborts the job."""
+
+    def __init__(self, comm, call: int, what: str, limit: float, start: float | None = None):
+        self.comm, self.call, self.what, self.limit = comm, call, what, limit
+        self.deadline = deadline(limit, time.monotonic() if start is None else start)
+
+    def wait(self, req) -> None:
+        if req.Test():
+            return
+        if self.deadline is None:
+            req.Wait()
+            return
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins < 1000:  # the others are usually microseconds away: spin on Test
+                continue
+            self._answer()
+            if time.monotonic() > self.deadline:
+                self._expire()
+            time.sleep(0 if spins < 1200 else 1e-4 if spins < 3000 else 1e-3)
+
+    def _answer(self) -> None:
+        from mpi4py import MPI
+        st = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_WHO, st):
+            self.comm.recv(source=st.Get_source(), tag=_TAG_WHO)
+            self.comm.isend((self.call, self.what), dest=st.Get_source(), tag=_TAG_HERE)
+
+    def _expire(self) -> None:
+        from mpi4py import MPI
+        me, size = self.comm.Get_rank(), self.comm.Get_size()
+        for r in range(size):
+            if r != me:
+                self.comm.isend(self.call, dest=r, tag=_TAG_WHO)
+        where: dict[int, tuple[int, str]] = {me: (self.call, self.what)}
+        st, end = MPI.Status(), time.monotonic() + _GRACE
+        while time.monotonic() < end and len(where) < size:
+            self._answer()
+            if self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_HERE, st):
+                where[st.Get_source()] = self.comm.recv(source=st.Get_source(), tag=_TAG_HERE)
+            else:
+                time.sleep(1e-3)
+        _abort(watchdog_message(me, size, self.call, self.what, self.limit, where))
+
+
+def watchdog_message(me: int, size: int, call: int, what: str, limit: float,
+                     where: dict[int, tuple[int, str]]) -> str:
+    missing = [r for r in range(size) if r not in where]
+    elsewhere = [f"rank {r} is in call #{c} ({w})" for r, (c, w) in sorted(where.items())
+                 if (c, w) != (call, what)]
+    here = sorted(r for r, cw in where.items() if cw == (call, what))
+    text = (f"coconet watchdog: {what}, call #{call} on this communicator, rank {me}: "
+            f"waited {limit:g} s ({ENV_TIMEOUT}) for every rank to enter the call; ")
+    if missing:
+        text += f"{ranks_text(missing)} did not arrive"
+    else:  # every rank answered from a call: not all from this one (different calls, or out of step)
+        text += "every rank is in a call of this communicator, but not all in this one"
+    if elsewhere:
+        text += "; " + "; ".join(elsewhere)
+    return text + f" ({ranks_text(here)} {'did' if missing else 'in this one'}). Aborting the job."
+
+
+def ranks_text(rs: list[int]) -> str:
+    """'rank 1' or 'ranks 1, 3'."""
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _abort(message: str, code: int = 1) -> None:
+    from mpi4py import MPI
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
+# --- an NCCL communicator's calls -------------------------------------------------------------
 def abort_nccl(ext: Any, comm: NcclComm, why: str) -> None:
     """ncclCommAbort on this rank's communicator (the module's coconet_nccl_comm_abort, through
     ctypes, so it runs while another thread is blocked in the module), once."""
@@ -62,16 +162,14 @@ class Watchdog:
         work is queued, and waking the thread at every call made it poll (MPI, NCCL, the
         events) during every step, holding the GIL and the lock against the caller; a call
         that blocks is polled every 2 ms once the thread's current wait (at most 50 ms) ends."""
-        import time
         with self.lock:
-            self.call, self.last = (what, time.monotonic() + limit if limit else 0.0), what
+            self.call, self.last = (what, deadline(limit, time.monotonic()) or 0.0), what
             self.limit = limit
 
     def enqueued(self, stream: int) -> None:
         """The call's work is queued on `stream` (its cudaStream_t): an event recorded after it
         times it from now on (not waited for); what remains of the call on the host (the
         emulation's synchronization) has no deadline of its own."""
-        import time
         with self.lock:
             if self.call is None or not self.limit or self.comm.aborted is not None:
                 return
@@ -94,7 +192,6 @@ class Watchdog:
             abort_nccl(self.ext, self.comm, f"rank {self.comm.rank} failed in {what}")
 
     def _poll(self) -> tuple[int, str] | None:
-        import time
         notice = self.comm.notices.poll()
         if notice is not None:
             return notice
@@ -105,7 +202,7 @@ class Watchdog:
             mine = (self.comm.rank, f"an asynchronous NCCL error {when}: {self._buf.value.decode(errors='replace')} "
                                     f"(ncclCommGetAsyncError: {code})")
         elif call and call[1] and time.monotonic() > call[1]:
-            mine = (self.comm.rank, f"the call did not finish in {agree.timeout_s():g} s ({agree.ENV_TIMEOUT})")
+            mine = (self.comm.rank, f"the call did not finish in {timeout_s():g} s ({ENV_TIMEOUT})")
         elif (late := self.events.late(time.monotonic())) is not None:
             mine = (self.comm.rank, late)
         else:
@@ -181,7 +278,7 @@ def guarded(ext: Any, comm: NcclComm, what: str, body, stream: int = 0, sync: An
     dog = WATCHDOGS.get(id(comm))
     if dog is None or dog.comm is not comm:
         dog = WATCHDOGS[id(comm)] = Watchdog(ext, comm)
-    dog.begin(what, agree.timeout_s())
+    dog.begin(what, timeout_s())
     failed: BaseException | None = None
     try:
         result = body()
