@@ -30,16 +30,19 @@ def compile(file: str, output: str | None, backend: str, arch: str | None, emit_
 
     --emit-only: only write the sources of a module named --name (with the chosen schedules) to
     --output, for a build system to compile (CMake's coconet_add_module)."""
-    from coconetc.runtime.tuned import with_tuned
-    from coconetc.toolchain import BuildError, Options
-    from coconetc.toolchain import compile as compile_file
     mod = load_ccn(file)
     if not mod.programs:
         fail(no_program(mod))
-    libs = lib_kwargs(include_dirs, library_dirs, libraries)
-    if backend == "cuda":
-        _compile_cuda(file, mod, output, arch, emit_only, libs)
-        return
+    _COMPILES[backend](file, mod, output, arch, emit_only, name, schedules,
+                       lib_kwargs(include_dirs, library_dirs, libraries))
+
+
+def _compile_cpu(file: str, mod: SourceFile, output: str | None, arch: str | None, emit_only: bool,
+                 name: str | None, schedules: tuple[str, ...], libs: dict) -> None:
+    """compile (--backend cpu): the module coconetc.load builds, or with --emit-only its sources."""
+    from coconetc.runtime.tuned import with_tuned
+    from coconetc.toolchain import BuildError, Options
+    from coconetc.toolchain import compile as compile_file
     if emit_only or name or schedules:
         _emit(mod, file, output, emit_only, name, schedules, libs)
         return
@@ -57,7 +60,7 @@ def _built(file: str, art) -> None:
 
 
 def _compile_cuda(file: str, mod: SourceFile, output: str | None, arch: str | None, emit_only: bool,
-                  libs: dict) -> None:
+                  name: str | None, schedules: tuple[str, ...], libs: dict) -> None:
     """compile --backend cuda: module.cu + CMakeLists.txt (nvcc, NCCL/cuBLAS from the wheels),
     built unless --emit-only. What the CUDA renderer does not implement yet is left out and
     named (coconetc check --backend cuda says where)."""
@@ -107,3 +110,6 @@ def _emit(mod: SourceFile, file: str, output, emit_only: bool, name, schedules, 
     click.echo(f"{file}: wrote {written[0]} (module {name})")
     for (prog, sched), fn in art.sources.functions.items():
         click.echo(f"  {prog}(schedule={sched!r}): {fn.name}")
+
+
+_COMPILES = {"cpu": _compile_cpu, "cuda": _compile_cuda}  # by --backend

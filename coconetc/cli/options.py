@@ -48,12 +48,14 @@ def checked_target(command: str, backend: str, emulate: bool, emulated: str) -> 
     """target_of, after the checks every command taking --backend/--emulate makes: --emulate only
     with --backend cuda, and --backend cuda alone only where PyTorch sees a GPU (a GPU's
     records are keyed by its name); EMULATED says what --emulate would do instead."""
+    from coconetc.runtime.backends import backend as backend_of
     if emulate and backend != "cuda":
         fail("coconetc: --emulate goes with --backend cuda")
-    if backend == "cuda" and not emulate and not gpu_here():
+    target = target_of(backend, emulate)
+    if backend_of(target).gpu and not gpu_here():
         fail(f"coconetc: {command} --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               f"add --emulate to {emulated}")
-    return target_of(backend, emulate)
+    return target
 
 
 def gpu_here() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+from typing import Any
 
 import click
 import numpy as np
@@ -14,6 +15,7 @@ from coconetc.cli.files import (DEBUG, base_name, check_sizes, fail, load_ccn, p
 from coconetc.cli.options import gpu_here, launch_ranks, lib_kwargs, lib_options, target_of
 from coconetc.errors import CompileError
 from coconetc.plan.label import DEFAULT
+from coconetc.plan.targets import Target
 from coconetc.sourcefile import SourceFile
 
 
@@ -93,15 +95,13 @@ def run(file, ranks, program, schedule, sizes, groups, seed, save, interp, backe
     if schedule == "auto" or any(_auto(mod, name, s) for s in names):
         mod, names = _resolve_auto(mod, name, names, ranks, groups, sz, explicit=schedule == "auto",
                                    target=target)
-    if interp or backend == "cuda":  # a CPU algorithm choice ("zero@p2p") means nothing there
+    from coconetc.runtime.backends import backend as backend_of
+    if interp or not backend_of(target).algorithms:  # a CPU algorithm choice ("zero@p2p") means nothing there
         names = list(dict.fromkeys(base_name(s) for s in names))
-    if backend == "cuda" and not interp:
-        _run_cuda(parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz, seed,
-                  save, emulate, grad_of)
-    if not interp:
+    if not interp:  # (each exits)
         libs = lib_kwargs(include_dirs, library_dirs, libraries)
-        _run_compiled(parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz,
-                      seed, save, libs, grad_of)
+        _RUNS[target](parsed, mod, name, ([None] if schedule == "all" else []) + names, ranks, groups, sz,
+                      seed, save, target, libs, grad_of)
     bad = False
     for s in names:
         path = _save_path(save, s, len(names) > 1) if save else None
@@ -145,17 +145,18 @@ def _auto(mod: SourceFile, name: str, label: str | None) -> bool:
 
 
 def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
-              emulate: bool, grad_of: list[str]) -> None:
+              target: str, libs: dict, grad_of: list[str]) -> None:
     """run --backend cuda [--emulate]: build the CUDA module (for the host emulation, or with
     nvcc for the GPUs) here, from the file as read (PARSED, what the ranks load), then the
     worker on R ranks; what the CUDA backend does not implement is named and left out."""
     from coconetc.codegen.cuda import emulation_problems, problems
+    from coconetc.runtime.backends import backend as backend_of
     from coconetc.toolchain import BuildError, compile
-    if not emulate and not gpu_here():
+    emulate = backend_of(target).emulated
+    if backend_of(target).gpu and not gpu_here():
         fail("coconetc: run --backend cuda: no CUDA device here (PyTorch with CUDA sees none); "
               "add --emulate to run the generated CUDA code on the CPU")
     from coconetc.runtime.tuned import with_tuned
-    target = target_of("cuda", emulate)
     try:  # what the ranks load (runtime/cuda.py): the file with the schedules tuned for this target
         compile(with_tuned(parsed, target), target)
     except (BuildError, CompileError) as err:
@@ -182,7 +183,7 @@ def _run_cuda(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, s
 
 
 def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, groups, sizes, seed, save,
-                  libs: dict, grad_of: list[str]) -> None:
+                  target: str, libs: dict, grad_of: list[str]) -> None:
     """Build in this process (progress on stderr) the module the ranks load (the file as read,
     PARSED, with its tuned schedules), then run the worker on R ranks."""
     from coconetc.runtime.loader import compile_cpu
@@ -200,6 +201,9 @@ def _run_compiled(parsed: SourceFile, mod: SourceFile, name, names, ranks, group
     if save:
         argv += ["--save", save]
     launch_ranks(ranks, argv)
+
+
+_RUNS: dict[str, Any] = {Target.CPU: _run_compiled, Target.CUDA: _run_cuda, Target.EMULATED: _run_cuda}  # by target
 
 
 def _run_one(mod, name, schedule, ranks, groups, sizes, seed, save) -> bool:

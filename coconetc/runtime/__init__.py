@@ -3,14 +3,21 @@ emulation). Imports nothing from coconetc.interp or coconetc.tune.
 
     loader.py    coconetc.load: read the file once, compile (toolchain), import, wrap
     module.py    CompiledModule, ProgramFunction: the module API and a CPU call
-    cuda.py      CudaModule, EmulatedModule: a CUDA call's entry and checks
+    cuda.py      CudaModule, EmulatedModule: the CUDA modules
+    backends.py  the backend objects (cpu, cuda, cuda-emulated): what differs between them
+                 (tensor checks, addresses, outputs, transports, devices), asked by the
+                 entry, coconetc.torch and the CLI instead of branching on a name
+    entry.py     a call's one entry: checked, agreed, remembered; returns a Call
+    checks.py    the one argument checker (names, scalars, each buffer, overlaps)
+    call.py      a call's description and the checks that every rank's agrees
+    agree.py     the exchange across ranks, the 64-byte repeat round
+    fastpath.py  the record of recent calls (RecentCall) and the CPU hot path
+    timeout.py   COCONET_TIMEOUT
+    watchdog.py  the watchdogs: the MPI exchanges', an NCCL communicator's, the abort path
     nccl.py      NCCL communicators (nccl_comm), what every rank of one says (exchange)
-    abort_notices.py, watchdog.py  the NCCL abort path: notices, the watchdog, guarded calls
+    abort_notices.py, events.py  the abort path's notices, a CUDA call's work timed on the GPU
     symmetric_windows.py  window_empty: tensors a symmetric kernel reads in place
     emulation.py the CUDA host emulation's switch (COCONET_CUDA_EMULATE)
-    call.py      a call's entry: this rank's checks, its description, the agreement
-    agree.py     the exchange across ranks under the watchdog, the 64-byte repeat round
-    fastpath.py  the remembered calls and the hot path
     marshal.py   CallArgs: tensors, outputs, sizes, scalars (every backend)
     layout.py    where a parameter lives on a rank (local_shape, local_index, empty, zeros)
     auto.py      schedule="auto", from the tuning records

@@ -44,6 +44,31 @@ class Backend:
     emulated = False  # the CUDA module built for the host
     torch_tensors = True  # CPU torch tensors given: updated ones' versions bumped, outputs as tensors
     noun = "arrays"  # what to pass instead, in errors
+    tag = "cpu"  # its part of a name (coconetc.torch's operators)
+    gpu = False  # it needs a CUDA device here
+    algorithms = True  # a schedule label's "@algorithm" (a CPU fused collective's) means something
+
+    # --- for the code above the runtime (coconetc.torch, the CLI) -------------------------------
+    def torch_device(self) -> Any:
+        """The torch.device its tensors live on."""
+        import torch
+        return torch.device("cpu")
+
+    def device_words(self) -> str:
+        """Where its tensors live, in words."""
+        return "the CPU"
+
+    def device_error(self, what: str, name: str, device: Any) -> str:
+        """Why a tensor NAME on DEVICE is refused (it is not on self.device)."""
+        return f"{what}: '{name}' is on {device}; the {self.name} backend takes CPU tensors"
+
+    def before_communicator(self) -> None:
+        """What runs before a communicator of this backend is made."""
+
+    def communicator(self, mod: Any, comm: Any, process_group: Any = None) -> Any:
+        """The communicator a module of this backend calls on, over COMM (mpi4py; the CUDA
+        backends': or the torch.distributed PROCESS_GROUP)."""
+        return comm
 
     # --- a call's arguments ------------------------------------------------------------------
     def check(self, p: Program, kwargs: dict, extra: tuple = (), *, tensors_only: bool = False) -> dict:
@@ -101,6 +126,23 @@ class CudaBackend(Backend):
     device = "cuda"
     torch_tensors = False  # CUDA tensors: the checks refuse in-place updates of ones that require grad
     noun = "tensors"
+    tag = "cuda"
+    gpu = True
+    algorithms = False  # the CUDA module's collectives are chosen when it is compiled
+
+    def torch_device(self) -> Any:
+        import torch
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def device_words(self) -> str:
+        return str(self.torch_device())
+
+    def device_error(self, what: str, name: str, device: Any) -> str:
+        return (f"{what}: '{name}' is on {device}; the CUDA backend takes CUDA tensors "
+                f"(or set {EMULATE}=1 to run the CUDA module under the host emulation with CPU tensors)")
+
+    def communicator(self, mod: Any, comm: Any, process_group: Any = None) -> Any:
+        return nccl.nccl_comm(mod.ext, comm, process_group=process_group)
 
     def check(self, p: Program, kwargs: dict, extra: tuple = (), *, tensors_only: bool = False) -> dict:
         if not tensors_only:
@@ -186,6 +228,26 @@ class EmulatedBackend(CudaBackend):
     device = "cpu"
     emulated = True
     noun = "arrays"
+    tag = "emu"
+    gpu = False
+
+    def torch_device(self) -> Any:
+        import torch
+        return torch.device("cpu")
+
+    def device_words(self) -> str:
+        return "the CPU (the CUDA module under the host emulation)"
+
+    def device_error(self, what: str, name: str, device: Any) -> str:
+        return (f"{what}: '{name}' is on {device}; the cuda backend takes CPU tensors "
+                f"({EMULATE}=1: the host emulation takes CPU tensors)")
+
+    def before_communicator(self) -> None:
+        """The emulated NCCL runs on MPI: initialized by mpi4py before the module's first call."""
+        from mpi4py import MPI  # noqa: F401
+
+    def communicator(self, mod: Any, comm: Any, process_group: Any = None) -> Any:
+        return mod.comm(comm)
 
     def check(self, p: Program, kwargs: dict, extra: tuple = (), *, tensors_only: bool = False) -> dict:
         return checked_arguments(p, kwargs, _EMULATED_PARAM, host_span, self.noun, tensors_only=tensors_only)

@@ -30,7 +30,7 @@ from coconetc.ir.nodes import Program
 from coconetc.plan.label import ScheduleLabel, parse
 from coconetc.plan.targets import Target
 from coconetc.runtime import auto, batch, marshal
-from coconetc.runtime.backends import BACKENDS
+from coconetc.runtime.backends import BACKENDS, backend_for
 from coconetc.runtime.emulation import EMULATE, emulating
 from coconetc.runtime.entry import Call, enter
 from coconetc.runtime.fastpath import Recent
@@ -59,10 +59,10 @@ def load(path: str | Path, archs: str | None = None, log=None, *, include_dirs=(
          libraries=(), grad=()) -> CudaModule:
     """include_dirs, library_dirs, libraries: for the file's extern operations; grad: programs
     whose derived programs the module holds too (as coconetc.load). Under COCONET_CUDA_EMULATE=1
-    the module is built for the host emulation (emulating()). The schedules `coconetc tune
+    the module is built for the host emulation (backends.backend_for). The schedules `coconetc tune
     --backend cuda` wrote and chose for the file on this GPU are built in (runtime/tuned.py),
     so that schedule="auto" can run them."""
-    if emulating():
+    if backend_for("cuda").emulated:
         if include_dirs or library_dirs or libraries:
             raise ValueError(f"{EMULATE}=1: the host emulation builds no extern operations' libraries; "
                              "unset it to build them for the GPU")

@@ -59,11 +59,9 @@ def path() -> Path:
 def machine(target: str = "cpu") -> str:
     """host name, CPU model and core count (and, for a CUDA target, the GPU's name or the host
     emulation): what a timing on TARGET depends on beyond the program."""
-    if target == Target.EMULATED:
-        return machine() + " | CUDA host emulation"
-    if target == "cuda":
-        import torch
-        return machine() + " | " + torch.cuda.get_device_name()
+    device = _DEVICE.get(target)
+    if device is not None:
+        return machine() + " | " + device()
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -73,6 +71,14 @@ def machine(target: str = "cpu") -> str:
     except OSError:
         pass
     return f"{socket.gethostname()} | {model} | {os.cpu_count()} cores"
+
+
+def _gpu_name() -> str:
+    import torch
+    return torch.cuda.get_device_name()
+
+
+_DEVICE: dict[str, Any] = {Target.EMULATED: lambda: "CUDA host emulation", Target.CUDA: _gpu_name}  # a CUDA target's device
 
 
 def source_hash(source: str) -> str:

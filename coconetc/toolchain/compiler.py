@@ -98,11 +98,7 @@ def module_stem(file: str | Path) -> str:
 
 
 def _files(backend: str, src: Any) -> dict[str, str]:
-    if backend == "cpu":
-        return {"module.cpp": src.cpp, "CMakeLists.txt": src.cmake}
-    if backend == "cuda":
-        return {"module.cu": src.cu, "CMakeLists.txt": src.cmake}
-    return {"module.cu": src.cu}
+    return WAYS[backend].files(src)
 
 
 def _named(src: Any, name: str) -> Any:
@@ -122,10 +118,11 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
         raise ValueError("Options.name goes with build=False (a built module is named by its key)")
     if not mod.programs:
         raise CompileError.at(Span(mod.file, 1, 1, 1, 1, mod.source), "no program in this file: nothing to compile")
-    if backend == "cpu" and o.build:
+    way = WAYS[backend]
+    if way.cpu_extra and o.build:
         require_cpu_extra()
     libs = Libs.of(mod.file, bool(mod.externs), o.include_dirs, o.library_dirs, o.libraries)
-    src = _generate(mod, backend, o, libs, o.name or PROBE)
+    src = way.generate(mod, o, libs, o.name or PROBE)
     if not o.build:
         return Artifact(mod, backend, _named(src, o.name or f"{PREFIX[backend]}_{module_stem(mod.file)}"),
                         None if o.out_dir is None else Path(o.out_dir), None)
@@ -133,34 +130,60 @@ def compile(mod: SourceFile, backend: str = "cpu", options: Options | None = Non
     key = artifacts.content_key([*parts, *_files(backend, src).values(), libs_key])
     name = f"{PREFIX[backend]}_{module_stem(mod.file)}_{key}"
     src = _named(src, name)
-    if backend == "cpu":
-        run = commands.cpu_units(name, src.table, src.units, parts, libs, libs_key)
-    elif backend == "cuda":
-        run = commands.cuda_module(name, parts, o.archs or cuda.default_archs(), libs)
-    else:
-        run = commands.emulated(name, runtime_dir(), parts)
-    return _build(mod, backend, src, o, run)
-
-
-def _generate(mod: SourceFile, backend: str, o: Options, libs: Libs, name: str) -> Any:
-    if backend == "cpu":
-        return cpu.generate(mod, name, libs)
-    if backend == "cuda":
-        return cuda.generate(mod, name, o.archs or cuda.default_archs(), True, libs)
-    return cuda.generate(mod, name, skip_unsupported=True, emulate=True)
+    return _build(mod, backend, src, o, way.command(name, src, parts, o, libs, libs_key))
 
 
 def _compiler(backend: str, o: Options) -> list[str]:
     """What the key holds besides the sources: the compiler, the tools, the options."""
-    if backend == "cpu":
-        return [compiler_hash(), f"cpu|{os.environ.get('CXXFLAGS', '')}", toolchain().key()]
-    if backend == "cuda":
-        return [cuda_hash(), f"cuda|{o.archs or cuda.default_archs()}|{os.environ.get('CUDAFLAGS', '')}",
-                cuda_toolchain().key()]
+    return WAYS[backend].key(o)
+
+
+def _emulated_key(o: Options) -> list[str]:
     why = emulation_missing()
     if why:
         raise BuildError(f"coconetc: cannot build the emulated CUDA module: {why}")
     return _emulated_parts(runtime_dir())
+
+
+@dataclass(frozen=True)
+class Way:
+    """How the toolchain builds one target's module: its sources generated, the files written,
+    what its cache key holds besides them (the compiler, the tools, the options), the build's
+    commands, and the language of the extern operations' headers (None: none are built)."""
+
+    generate: Callable[[SourceFile, Options, Libs, str], Any]
+    files: Callable[[Any], dict[str, str]]
+    key: Callable[[Options], list[str]]
+    command: Callable[[str, Any, list[str], Options, Libs, str], artifacts.Run]
+    externs: str | None
+    cpu_extra: bool = False  # it links the CPU runtime's Python extra (mpi4py, ...)
+
+
+def _archs(o: Options) -> str:
+    return o.archs or cuda.default_archs()
+
+
+WAYS: dict[str, Way] = {
+    Target.CPU: Way(
+        generate=lambda mod, o, libs, name: cpu.generate(mod, name, libs),
+        files=lambda src: {"module.cpp": src.cpp, "CMakeLists.txt": src.cmake},
+        key=lambda o: [compiler_hash(), f"cpu|{os.environ.get('CXXFLAGS', '')}", toolchain().key()],
+        command=lambda name, src, parts, o, libs, libs_key: commands.cpu_units(name, src.table, src.units, parts,
+                                                                                libs, libs_key),
+        externs="cpp", cpu_extra=True),
+    Target.CUDA: Way(
+        generate=lambda mod, o, libs, name: cuda.generate(mod, name, _archs(o), True, libs),
+        files=lambda src: {"module.cu": src.cu, "CMakeLists.txt": src.cmake},
+        key=lambda o: [cuda_hash(), f"cuda|{_archs(o)}|{os.environ.get('CUDAFLAGS', '')}", cuda_toolchain().key()],
+        command=lambda name, src, parts, o, libs, libs_key: commands.cuda_module(name, parts, _archs(o), libs),
+        externs="cuda"),
+    Target.EMULATED: Way(
+        generate=lambda mod, o, libs, name: cuda.generate(mod, name, skip_unsupported=True, emulate=True),
+        files=lambda src: {"module.cu": src.cu},
+        key=_emulated_key,
+        command=lambda name, src, parts, o, libs, libs_key: commands.emulated(name, runtime_dir(), parts),
+        externs=None),
+}
 
 
 def _emulated_parts(runtime: Path) -> list[str]:
@@ -170,9 +193,10 @@ def _emulated_parts(runtime: Path) -> list[str]:
 
 
 def _libs_key(mod: SourceFile, backend: str, libs: Libs) -> str:
-    if libs == Libs() or backend == Target.EMULATED:
+    lang = WAYS[backend].externs
+    if libs == Libs() or lang is None:
         return ""
-    return libs.fingerprint(mod.extern_headers("cpp" if backend == "cpu" else "cuda"))
+    return libs.fingerprint(mod.extern_headers(lang))
 
 
 def _build(mod: SourceFile, backend: str, src: Any, o: Options, run: artifacts.Run) -> Artifact:

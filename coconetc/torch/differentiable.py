@@ -110,11 +110,8 @@ class Differentiable:
                 mod = load(self.source, (self.name,), "coconetc.torch.function")
                 comm = self.comm
             else:
-                from coconetc.runtime.emulation import emulating
-                from coconetc.runtime.nccl import nccl_comm
                 mod = load(self.source, (self.name,), "coconetc.torch.function", backend="cuda")
-                comm = (mod.comm(self.comm) if emulating() else
-                        nccl_comm(mod.ext, self.comm, process_group=self.process_group))
+                comm = mod.backend.communicator(mod, self.comm, self.process_group)
             fwd, bwd = mod.programs[self.fwd_program], mod.programs[self.bwd_program]
             for fn, s in ((fwd, self.schedule), (bwd, self.grad_schedule)):
                 if s not in fn.schedules:

@@ -79,16 +79,14 @@ def _word(s: str) -> str:
 
 def ops_for(f: Any, backend: str) -> Ops:
     """The operators of Differentiable F's calls on BACKEND, registered on first use."""
-    from coconetc.runtime.emulation import emulating
-    emu = backend == "cuda" and emulating()
+    from coconetc.runtime.backends import backend_for
+    b = backend_for(backend)  # (under COCONET_CUDA_EMULATE=1, "cuda" is the emulated one)
     text = Path(f.source).read_bytes()
-    key = (hashlib.sha256(text).hexdigest(), f.name, f.schedule, f.grad_schedule, backend, emu,
-           f.groups, _comm_tag(f))
+    key = (hashlib.sha256(text).hexdigest(), f.name, f.schedule, f.grad_schedule, b.name, f.groups, _comm_tag(f))
     ops = _OPS.get(key)
     if ops is None:
         digest = hashlib.sha256(repr(key).encode()).hexdigest()[:10]
-        name = "_".join(_word(s) for s in (f.name, f.schedule, f.grad_schedule, "emu" if emu else backend)) \
-            + f"_{digest}"
+        name = "_".join(_word(s) for s in (f.name, f.schedule, f.grad_schedule, b.tag)) + f"_{digest}"
         ops = _register(name, f, backend)
         _OPS[key] = BY_NAME[name] = ops
     return ops

@@ -153,10 +153,9 @@ def _nccl(ext: Any, comm: Any, process_group: Any) -> Any:
     """The NCCL communicator (runtime/nccl.py: nccl_comm) over `comm` (mpi4py) or over a
     torch.distributed `process_group`, made once per module and communicator in this process
     (collective the first time: every rank constructs its optimizer together)."""
-    from coconetc.runtime.emulation import emulating
+    from coconetc.runtime.backends import backend_for
     from coconetc.runtime.nccl import nccl_comm
-    if emulating():  # the emulated NCCL runs on MPI (initialized before the module's first call)
-        from mpi4py import MPI  # noqa: F401
+    backend_for("cuda").before_communicator()  # (the emulated NCCL runs on MPI: initialized first)
     key = (id(ext), id(process_group) if process_group is not None else id(comm))
     if key not in _NCCL:
         _NCCL[key] = (nccl_comm(ext, comm, process_group=process_group), comm, process_group)
@@ -188,10 +187,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 schedule = self._fn.resolve_schedule("auto", comm=self._comm,
                                                      **{self._fn_size(weights): numel(params)})
             program_of(self._fn, schedule)  # an unknown schedule raises, naming the known ones
-        except ValueError as err:
-            if backend == "cuda":
-                raise ValueError(f"DistributedOptimizer({self._fn.name}): {err}") from None
-            raise
+        except ValueError as err:  # (named: the CUDA module's messages name only the program)
+            raise ValueError(f"DistributedOptimizer({self._fn.name}): {err}") from None
         self._schedule = schedule
         self._roles = Roles(self._fn, schedule, weights, grads, step, scalars, master)
         self._skipped, self._feedback = self._roles.returned(skipped, feedback)
@@ -259,7 +256,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _connect(self, params: list, source: str | Path, program: str | None, comm: Any,
                  process_group: Any) -> None:
         """The backend's module function, communicator and device; the parameters on that device."""
-        from coconetc.runtime.emulation import emulating
         from coconetc.runtime.nccl import NcclComm
         backend = self._backend
         if comm is not None and not isinstance(comm, NcclComm):
@@ -287,12 +283,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 self._comm = _nccl(self._fn.ext, comm, process_group)
             self._rank, self._size = self._comm.rank, self._comm.size
-            if emulating():
-                self._device, self._device_words = torch.device("cpu"), \
-                    "the CPU (the CUDA module under the host emulation)"
-            else:
-                self._device = torch.device("cuda", torch.cuda.current_device())
-                self._device_words = str(self._device)
+            self._device, self._device_words = self._fn.backend.torch_device(), self._fn.backend.device_words()
 
     def _one_node(self) -> bool:
         """Whether every rank of the communicator shares this node's memory (collective: an

@@ -21,8 +21,8 @@ def load(source: str | Path, grad: tuple[str, ...] = (), what: str = "Distribute
     path = Path(source).resolve()
     if not path.exists():
         raise FileNotFoundError(f"{what}: no such .ccn file: {source}")
-    from coconetc.runtime.emulation import emulating
-    key = (str(path), path.stat().st_mtime, grad, backend, backend == "cuda" and emulating())
+    from coconetc.runtime.backends import backend_for
+    key = (str(path), path.stat().st_mtime, grad, backend_for(backend).name)
     if key not in _LOADED:
         import coconetc
         _LOADED[key] = coconetc.load(path, log=lambda msg: None, grad=grad, backend=backend)
@@ -128,13 +128,8 @@ FLOATS = ("f16", "bf16", "f32", "f64")
 def check_devices(what: str, backend: str, tensors: dict[str, torch.Tensor]) -> None:
     """Every tensor on the backend's device, before anything is built or communicated:
     CUDA tensors for "cuda" (CPU tensors under COCONET_CUDA_EMULATE=1), CPU tensors for "cpu"."""
-    from coconetc.runtime.emulation import EMULATE, emulating
-    want = "cpu" if backend == "cpu" or emulating() else "cuda"
+    from coconetc.runtime.backends import backend_for
+    b = backend_for(backend)
     for n, t in tensors.items():
-        if t.device.type == want:
-            continue
-        if want == "cuda":
-            raise ValueError(f"{what}: '{n}' is on {t.device}; the CUDA backend takes CUDA tensors "
-                             f"(or set {EMULATE}=1 to run the CUDA module under the host emulation with CPU tensors)")
-        why = f" ({EMULATE}=1: the host emulation takes CPU tensors)" if backend == "cuda" else ""
-        raise ValueError(f"{what}: '{n}' is on {t.device}; the {backend} backend takes CPU tensors{why}")
+        if t.device.type != b.device:
+            raise ValueError(b.device_error(what, n, t.device))
