@@ -29,7 +29,7 @@ from coconetc.autodiff.vjp import recomputed
 from coconetc.autodiff.text import check_text, unfaithful_sites
 from coconetc.interp.interpreter import run
 from coconetc.interp.rng import dropout_keep, site_key
-from coconetc.ir import printer
+from coconetc.ir import ops, printer
 from coconetc.ir.nodes import Program
 from coconetc.ir.slices import take_slice
 from coconetc.sourcefile import load_source
@@ -692,15 +692,17 @@ def test_tp_mlp_derived_text_is_megatrons() -> None:
 
 
 def test_sp_block_backward_conjugates() -> None:
-    """The sequence-parallel block's backward: allgather's backward is this rank's part of the
-    cotangent (no communication: the cotangent of the replicated xg is already whole) and
-    reducescatter's is an allgather."""
+    """The sequence-parallel block's backward (Megatron's): reducescatter's is an allgather, and
+    allgather's is a reducescatter of the partial input gradients of the column-parallel matmul
+    that reads the gathered value (not an allreduce of them and this rank's part: half the
+    traffic)."""
     p = load_source(_tp_mlp_src()).program("sp_block")
     g = vjp(p)
     forward = set(recomputed(g, p))
     back = [s for s in g.stages if s.name not in forward]
-    colls = [e.op for s in back for e in [s.expr] if hasattr(e, "op") and e.op in ("allgather", "scatter", "allreduce")]
-    assert "allgather" in colls and "scatter" in colls
+    colls = [e.op for s in back for e in [s.expr] if hasattr(e, "op") and ops.get(e.op).kind == "collective"]
+    assert "allgather" in colls and "reducescatter" in colls and "scatter" not in colls, colls
+    assert colls.count("allreduce") == 3, colls  # the replicated parameters' gradients (gamma, beta, b2)
 
 
 # --- training: SGD steps under the interpreter, against the same steps in PyTorch ---------------

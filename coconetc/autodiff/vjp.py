@@ -88,6 +88,10 @@ class _Deriver:
     name: str
     stages: list[Stage] = field(default_factory=list)
     ct: dict[str, Ref] = field(default_factory=dict)  # a value's cotangent so far
+    # a replicated value's per-rank partial contributions not yet summed across ranks: added up
+    # here and all-reduced once, when the cotangent is read (cotangent)
+    # (partial sum, the last stage when it was added: its allreduce goes after the last such stage)
+    partial: dict[str, list[tuple[Ref, str]]] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
     active: set[str] = field(default_factory=set)  # values that depend on wrt
     types: dict[str, TType] = field(default_factory=dict)
@@ -149,9 +153,11 @@ class _Deriver:
                 self.add(sname, Ref(dname, t), per_rank=False, span=p.stage_named(sname).span)
         forward = len(self.stages)
         for s in reversed(self.stages[:forward]):
-            g = self.ct.get(s.name)
+            g = self.cotangent(s.name)
             if g is not None:
                 self.back(s, g)
+        for x in self.wrt:
+            self.cotangent(x)
         outputs = [(out, self.gradient(x, out, forward)) for x, out in zip(self.wrt, names)]
         return Program(self.name, tuple(params), tuple(live(self.stages, outputs)), tuple(outputs), span=p.span)
 
@@ -237,16 +243,52 @@ class _Deriver:
 
     def add(self, name: str, c: Expr, per_rank: bool, span: Span) -> None:
         """Accumulate contribution c into the cotangent of `name`. per_rank: c was computed on
-        each rank for its own use of the value (a local result, a collective's input)."""
+        each rank for its own use of the value (a local result, a collective's input). A
+        replicated value's per-rank partial sums (the input gradients of the column-parallel
+        matmuls that read it: q, k and v's) are added up first and all-reduced once, when the
+        cotangent is read (Megatron's one all-reduce for its fused qkv)."""
         t = self.types[name]
         c = self.unbroadcast(c, t, span)
         if t.layout == REPLICATED and (per_rank or c.type.layout != REPLICATED):
-            c = (self.op("allgather", c, base=f"g_{name}") if c.type.layout.sliced else
-                 self.op("allreduce", c, op="sum", base=f"g_{name}"))
+            if c.type.layout.sliced:
+                c = self.op("allgather", c, base=f"g_{name}")
+            else:
+                part = self.emit(f"g_{name}_part", c)
+                self.partial.setdefault(name, []).append((part, self.stages[-1].name if self.stages else ""))
+                return
+        self.contribute(name, c)
+
+    def contribute(self, name: str, c: Expr) -> None:
+        t = self.types[name]
         if c.type.dtype != t.dtype:
             c = self.op("cast", c, dtype=t.dtype)
         old = self.ct.get(name)
         self.ct[name] = self.emit(f"g_{name}", c if old is None else self.op("add", old, c))
+
+    def cotangent(self, name: str) -> Ref | None:
+        """The cotangent of `name`, its per-rank partial sums all-reduced (once) first: the sum
+        and its allreduce placed right after the last partial sum (where one partial sum's
+        allreduce always was)."""
+        parts = self.partial.pop(name, [])
+        if parts:
+            n = len(self.stages)
+            total: Expr = parts[0][0]
+            for q, _ in parts[1:]:
+                total = self.op("add", total, q)
+            summed = self.op("allreduce", total, op="sum", base=f"g_{name}")
+            self._move_up(n, [m for _, m in parts])  # (they read only the partial sums)
+            old, n = self.ct.get(name), len(self.stages)
+            self.contribute(name, summed)
+            self._move_up(n, [summed.name if isinstance(summed, Ref) else "", old.name if old is not None else ""])
+        return self.ct.get(name)
+
+    def _move_up(self, n: int, after: list[str]) -> None:
+        """Moves the stages from index n on to just after the last of the stages named in
+        `after` ("" or a parameter: none), where they would have been emitted."""
+        index = {x.name: i for i, x in enumerate(self.stages[:n])}
+        made, at = self.stages[n:], max((index[m] + 1 for m in after if m in index), default=0)
+        self.stages[n:] = []
+        self.stages[at:at] = made
 
     def unbroadcast(self, c: Expr, t: TType, span: Span) -> Expr:
         """c summed down to shape t.shape (NumPy broadcasting undone)."""
@@ -373,15 +415,15 @@ def _reshape(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
 
 def _gathered(d: _Deriver, e: Op, g: Ref) -> Expr:
     """An allgather's transpose: this rank's slice of its cotangent (a scatter). When the
-    cotangent is an allreduce(sum) of partial sums that only this reads (the input gradient of
-    a row-parallel matmul: Megatron's sequence-parallel backward), the allreduce and the
-    scatter are one reducescatter: half the traffic."""
+    cotangent is an allreduce(sum) of partial sums that only this reads (the input gradients of
+    the row-parallel matmuls that read the gathered value: Megatron's sequence-parallel
+    backward), the allreduce and the scatter are one reducescatter: half the traffic."""
     dim = e.args[0].type.layout.dim
     s = next((x for x in d.stages if x.name == g.name), None)
     if (s is not None and isinstance(s.expr, Op) and s.expr.op == "allreduce" and ops.attr(s.expr, "op") == "sum"
             and not any(g.name in refs(x.expr) for x in d.stages)):
-        return d.op("reducescatter", s.expr.args[0], op="sum", dim=dim, base=f"g_{e.args[0].name}"
-                    if isinstance(e.args[0], Ref) else None)
+        return d.op("reducescatter", s.expr.args[0], op="sum", dim=dim,
+                    base=f"g_{e.args[0].name}" if isinstance(e.args[0], Ref) else None)
     return d.op("scatter", g, dim=dim)
 
 
