@@ -368,12 +368,12 @@ def f64_file(request, cache) -> Path:
 def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:
     """Every program of JOBS under its schedules, compiled, against the interpreter on every
     rank, in one MPI job (tests/run_jobs_worker.py: coconetc.jobs.run's jobs in turn, each on
-    random inputs whose pdrop is drawn in [0.05, 0.95]). Each job loads the module of its
-    program with its derived programs (--grad-of), the one coconetc.torch.function loads."""
+    random inputs whose pdrop is drawn in [0.05, 0.95]). Every job loads the one module of the
+    file with both programs' derived programs (--grad-of each), built once."""
     sizes = [f"--size={k}={v}" for k, v in dict(B=B, S=S, H=H, NH=NH, HD=HD, F=F).items()]
     argv, want = [str(Path(__file__).with_name("run_jobs_worker.py"))], []
     for program, schedules in JOBS.items():
-        argv += [str(f), "--program", program, "--grad-of", program.removesuffix("_grad"), "--reps", "1", *extra,
+        argv += [str(f), "--program", program, *(a for p in PROGRAMS for a in ("--grad-of", p)), "--reps", "1", *extra,
                  *sizes, *(f"--schedule={s}" for s in schedules), "--"]
         want += [f"{program} [{s}]" for s in schedules]
     rc = mpiexec.run_python(ranks, argv, timeout=900)
@@ -391,8 +391,7 @@ def test_cpu_backend_matches_interpreter(f64_file, capfd):
     each take the f32 derived programs past the f32 tolerance (tests/test_cpu_backend.py runs
     the f32 forwards and their schedules). gpt_block_sp on 2 ranks: S = 5 as 3 + 2 rows."""
     import coconetc
-    for program in PROGRAMS:  # built here, so that the ranks only import
-        coconetc.load(f64_file, log=lambda msg: None, grad=(program,))
+    coconetc.load(f64_file, log=lambda msg: None, grad=PROGRAMS)  # built here, so that the ranks only import
     for ranks in (1, 2):
         _run_jobs(f64_file, ranks, capfd)
 
@@ -400,8 +399,7 @@ def test_cpu_backend_matches_interpreter(f64_file, capfd):
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(f64_file, capfd):
     from coconetc.runtime.cuda import load_emulated
-    for program in PROGRAMS:
-        load_emulated(f64_file, log=lambda msg: None, grad=(program,))
+    load_emulated(f64_file, log=lambda msg: None, grad=PROGRAMS)
     _run_jobs(f64_file, 2, capfd, "--emulate-cuda")
 
 
