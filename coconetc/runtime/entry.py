@@ -43,6 +43,22 @@ class Call:
     torch_out: bool = False  # its outputs are returned as torch tensors
 
 
+_new = object.__new__
+
+
+def _made(label: ScheduleLabel, program: Program, values: dict[str, Any], sizes: dict[str, int], segments: Any,
+          ranks: int, what: str, config: bytes | None, in_place: frozenset, recent: RecentCall | None,
+          repeated: bool, torch_updated: tuple, torch_out: bool) -> Call:
+    """Call(...) made in one step (a call's entry makes one per call and its host time counts:
+    the frozen dataclass's __init__ sets each of its 13 fields through object.__setattr__, about
+    1 us here; the instance is the same)."""
+    c = _new(Call)
+    c.__dict__.update(label=label, program=program, values=values, sizes=sizes, segments=segments, ranks=ranks,
+                      what=what, config=config, in_place=in_place, recent=recent, repeated=repeated,
+                      torch_updated=torch_updated, torch_out=torch_out)
+    return c
+
+
 def call_name(fn: Any, schedule: str) -> str:
     """How errors name a call: module.function(schedule='label')."""
     return f"{fn.ext.__name__}.{fn.name}(schedule={schedule!r})"
@@ -72,7 +88,7 @@ def enter(fn: Any, backend: Any, schedule: str | None, comm: Any, groups: Any, k
                 torch_updated = torch_updates(p, kwargs, {t for t, _ in p.updates})
             if size == 1 and rec.config is not None:  # nothing to agree: what its agreement bound
                 backend.refuse(comm, what)
-                return Call(label, p, values, rec.sizes, rec.segments, 1, what, None, rec.in_place, rec,
+                return _made(label, p, values, rec.sizes, rec.segments, 1, what, None, rec.in_place, rec,
                             rec.args is not None, tuple(torch_updated), torch_out)
             mine: tuple = ("ok", description(rec.head, p, values, rec.shapes), rec.windowed)
         else:
@@ -99,7 +115,7 @@ def enter(fn: Any, backend: Any, schedule: str | None, comm: Any, groups: Any, k
         scal = agree.scalar_record(b"".join(b for _, _, b in mine[1][1])) if config else b""
         if backend.record_round(comm, config, scal, groups, what, timeout):
             assert rec is not None and p is not None and label is not None
-            return Call(label, p, values, rec.sizes, rec.segments, size, what, None, rec.in_place, rec,
+            return _made(label, p, values, rec.sizes, rec.segments, size, what, None, rec.in_place, rec,
                         rec.args is not None, tuple(torch_updated), torch_out)
     everyone = backend.exchange(comm, mine, what, timeout)
     sizes, segments = agreed(everyone, backend.rank(comm), p, mine, fn._bound)
@@ -111,11 +127,11 @@ def enter(fn: Any, backend: Any, schedule: str | None, comm: Any, groups: Any, k
         if not again:  # its buffers bound anew: checked as they were when it was remembered
             values = {**backend.check(p, kwargs, extra, tensors_only=True), **values}
         rec.sizes, rec.segments, rec.in_place = sizes, segments, in_place
-        return Call(label, p, values, sizes, segments, len(everyone), what, config, in_place, rec, again,
+        return _made(label, p, values, sizes, segments, len(everyone), what, config, in_place, rec, again,
                     tuple(torch_updated), torch_out)
     rec = backend.remember(fn, schedule, comm, groups, kwargs, extra, label, what, p, values, mine, timeout,
                            torch_out)
     if rec is not None:
         rec.sizes, rec.segments, rec.in_place = sizes, segments, in_place
-    return Call(label, p, values, sizes, segments, len(everyone), what, config, in_place, rec, False,
+    return _made(label, p, values, sizes, segments, len(everyone), what, config, in_place, rec, False,
                 tuple(torch_updated), torch_out)
