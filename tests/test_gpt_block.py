@@ -385,6 +385,7 @@ def _run_jobs(f: Path, ranks: int, capfd, *extra: str) -> None:
         assert line.startswith(head) and line.endswith("matches the interpreter on every rank"), f"{line}\n{log}"
 
 
+@pytest.mark.slow  # (the f32 forwards are in test_cpu_backend's quick matrix)
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_cpu_backend_matches_interpreter(f64_file, capfd):
     """f64: the random inputs draw pdrop up to 0.95, and three dropouts scaling by up to 20
@@ -396,6 +397,7 @@ def test_cpu_backend_matches_interpreter(f64_file, capfd):
         _run_jobs(f64_file, ranks, capfd)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(f64_file, capfd):
     from coconetc.runtime.cuda import load_emulated

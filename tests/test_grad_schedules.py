@@ -152,6 +152,7 @@ def test_cpu_backend_matches_interpreter(ccn, cache, ranks):
         _check(_run(ccn, prog, ranks, [], cache), prog)
 
 
+@pytest.mark.slow  # (the CPU backend's check of the same schedules stays quick)
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_cuda_emulation_matches_interpreter(ccn, cache, ranks):

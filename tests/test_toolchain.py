@@ -155,6 +155,7 @@ def cache_env(tmp_path: Path) -> dict:
     return {**os.environ, probes.ENV_CACHE: str(tmp_path / "cache")}
 
 
+@pytest.mark.slow
 def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> None:
     """A truncated cached module (a build or copy cut short) is detected and built again,
     instead of `ImportError ... cannot read file data` on every load from then on."""
@@ -166,6 +167,7 @@ def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> 
     assert _done(_load(path, 1.0, cache_env)) == "CACHED"
 
 
+@pytest.mark.slow
 def test_two_processes_building_at_once(tmp_path: Path, cache_env: dict) -> None:
     """Two processes (two ranks) load the same new module at once: one builds, the other
     waits and loads the whole module it built."""

@@ -92,6 +92,7 @@ def _check(res: subprocess.CompletedProcess, modes: list[str], ranks: int) -> di
     return sections
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_tensor_and_sequence_parallel_gpt_trains_like_one_process(cache, tmp_path):
     modes = ["tp"] + (["sp"] if "gpt_block_sp" in load_file(SCRIPT.with_name("gpt_block.ccn")).programs else [])
