@@ -88,9 +88,9 @@ class _Deriver:
     name: str
     stages: list[Stage] = field(default_factory=list)
     ct: dict[str, Ref] = field(default_factory=dict)  # a value's cotangent so far
-    # a replicated value's per-rank partial contributions not yet summed across ranks: added up
-    # here and all-reduced once, when the cotangent is read (cotangent)
-    # (partial sum, the last stage when it was added: its allreduce goes after the last such stage)
+    # a replicated value's per-rank partial sums not yet summed across ranks, each with the last
+    # stage when it was added: added up and all-reduced once when the cotangent is read
+    # (cotangent), after the last of those stages
     partial: dict[str, list[tuple[Ref, str]]] = field(default_factory=dict)
     taken: set[str] = field(default_factory=set)
     active: set[str] = field(default_factory=set)  # values that depend on wrt
@@ -279,7 +279,8 @@ class _Deriver:
             self._move_up(n, [m for _, m in parts])  # (they read only the partial sums)
             old, n = self.ct.get(name), len(self.stages)
             self.contribute(name, summed)
-            self._move_up(n, [summed.name if isinstance(summed, Ref) else "", old.name if old is not None else ""])
+            assert isinstance(summed, Ref)  # (a collective is a stage of its own: _Deriver.op)
+            self._move_up(n, [summed.name, old.name if old is not None else ""])
         return self.ct.get(name)
 
     def _move_up(self, n: int, after: list[str]) -> None:

@@ -130,7 +130,8 @@ class _Planner:
         p = self.p
         groups: list = []
         done: set[str] = set()
-        into = {o.producer: o for o in p.overlaps if op_of(stage_of(p, o.producer)).op in ("allgather", "broadcast")}
+        # the other way: a collective (an allgather or a broadcast, schedule/fusion.py) feeding a matmul
+        into = {o.producer: o for o in p.overlaps if stage_of(p, o.producer).kind == "collective"}
         overlaps = {o.producer: o for o in p.overlaps if o.producer not in into}
         waiting: dict[str, GatherSpec] = {}  # a gather whose matmul still waits for an operand
         for s in self.order:

@@ -332,17 +332,18 @@ class _Counter:
         """The gather's chunks flat (point to point, as an overlap's), each hidden behind the
         previous chunk's GEMM."""
         gemm = self.library(Library(u.consumer, u.gemm, (u.a, u.b)))
-        comm = self.collective(u.gather.op, u.gather.src, u.gather.dst, flat=True)
-        return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, net=comm.net, flops=gemm.flops,
-                    passes=gemm.passes + comm.passes,
-                    launches=u.chunks * (gemm.launches + comm.launches),
-                    pipelines=[(gemm, comm, u.chunks)])
+        return _pipelined(gemm, self.collective(u.gather.op, u.gather.src, u.gather.dst, flat=True), u.chunks)
 
     def overlap(self, u: Overlap) -> Cost:
         gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))
         comm = (self.fused(u.fused, flat=True) if u.fused is not None
                 else self.collective(u.op, u.producer, u.collective, flat=True))
-        return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, net=comm.net, flops=gemm.flops,
-                    passes=gemm.passes + comm.passes,
-                    launches=u.chunks * (gemm.launches + comm.launches),
-                    pipelines=[(gemm, comm, u.chunks)])
+        return _pipelined(gemm, comm, u.chunks)
+
+
+def _pipelined(gemm: Cost, comm: Cost, chunks: int) -> Cost:
+    """An overlap (either way): its GEMM and its communication, each chunk's launches, and the
+    pipeline whose hidden part seconds() takes off."""
+    return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, net=comm.net, flops=gemm.flops,
+                passes=gemm.passes + comm.passes, launches=chunks * (gemm.launches + comm.launches),
+                pipelines=[(gemm, comm, chunks)])

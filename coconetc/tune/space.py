@@ -39,6 +39,7 @@ from coconetc.plan.label import parse
 from coconetc.plan.units import Fused, Overlap
 from coconetc.schedule import apply_all
 from coconetc.schedule.directives import Directive, Fuse, OverlapD, Reorder, Slice, Split, schedule_text
+from coconetc.schedule.fusion import GATHERS
 from coconetc.schedule.primitives import reorder_gathers
 
 CHUNKS = (2, 4, 8)
@@ -152,9 +153,10 @@ def generate(p: Program) -> list[tuple[str, tuple[Directive, ...]]]:
             label = f"auto_{level}" + (f"_d{dim}" if dim else "")
             out.append((label, ds))
             ds, consumers = _named_fusions(p, ds, consumers)  # `f = fuse(...)`, as the examples
+            q = apply_all(p, ds)
             for k in CHUNKS:
-                more = _overlaps(apply_all(p, ds), ars, consumers, k)
-                more += _gather_overlaps(apply_all(p, ds), more, k)
+                more = _overlaps(q, ars, consumers, k)
+                more += _gather_overlaps(q, more, k)
                 if more:
                     out.append((f"{label}_overlap{k}", ds + more))
     return out
@@ -282,7 +284,7 @@ def _gather_overlaps(q: Program, before: tuple[Directive, ...], k: int) -> tuple
     matmul stage reads as its left operand (the other way: all-gather-matmul)."""
     out: list[Directive] = []
     for g in q.stages:
-        if g.kind != "collective" or g.top.op not in ("allgather", "broadcast") or q.fusion_of(g.name):
+        if g.kind != "collective" or g.top.op not in GATHERS or q.fusion_of(g.name):
             continue
         y = next((s for s in q.users(g.name) if isinstance(s.expr, Op) and s.expr.op == "matmul"
                   and isinstance(s.expr.args[0], Ref) and s.expr.args[0].name == g.name), None)
