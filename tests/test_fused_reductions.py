@@ -70,12 +70,12 @@ def test_adamw_plan_phases():
     squares; one all-reduce; phase B (c, then the update on the slice); the gather of w."""
     text = show(_file("adamw.ccn").plans[("adamw", "zero")])
     lines = [ln.strip() for ln in text.splitlines()]
-    at = lines.index("per chunk (pointwise): rs = rs")
+    at = lines.index("per chunk (pointwise): rs = rs (on cuda: vectors of 4 elements)")
     assert lines[at + 1] == "per chunk (accumulated): t0_c += partial norm(rs)"
     assert lines[at + 2].startswith("after all chunks: one allreduce(sum) of the partial results of t0_c")
     assert lines[at + 3] == "after the reductions (on this rank's slice):"
     assert "c = k0_c with k0_c = min(maxnorm / (t0_c + 1e-06), 1.0)" in lines[at + 4]
-    assert "collective agw = allgather(w1)" in lines[at + 6]
+    assert "collective agw = allgather(w1)" in lines[at + 8]  # (each loop's line and its vector width)
 
 
 def test_nonfinite_test_joins_the_chunk_loop():

@@ -167,3 +167,37 @@ def test_sliced_operand_broadcast_along_a_size_1_dim_plans():
     from coconetc.errors import CompileError
     with pytest.raises(CompileError):
         load_source(bad)  # sliced along another dim: the checker refuses it
+
+
+VECTOR_SRC = """
+program vec(a: f32[N] replicated, b: bf16[N] replicated, c: bf16[N] replicated, d: f64[N] replicated,
+            r: f32[M, N] replicated, s: f32[N] replicated, k: f32) {
+    x = a * k
+    y = b + c
+    z = d * 2.0
+    u = r + s
+    v = b * k
+    return x, y, z, u, v
+}
+"""
+
+
+def test_the_plan_decides_each_cuda_kernels_vector_width():
+    """The CUDA vector width is the plan's (plan/vectors.py), printed by show and obeyed by the
+    CUDA generator: 16 bytes over the widest operand read or stored at the element's index (a
+    broadcast operand or a scalar is read per element and does not count)."""
+    from coconetc.codegen import cuda
+    from coconetc.plan.vectors import loop_width
+    mod = load_source(VECTOR_SRC, "vec.ccn")
+    plan = mod.plans[("vec", "default")]
+    loops = {u.items[0].name: u for u in plan.units if isinstance(u, Loop)}
+    # the widest element size of each loop's operands and result, by hand: f32 4, bf16 2, f64 8
+    want = {"x": 16 // 4, "y": 16 // 2, "z": 16 // 8, "u": 16 // 4, "v": 16 // 2}
+    assert {name: loop_width(plan, u) for name, u in loops.items()} == want
+    text = show(plan)
+    for name, width in want.items():
+        at = text.splitlines().index(next(ln for ln in text.splitlines() if f": {name} = " in ln))
+        assert text.splitlines()[at + 1].strip() == f"on cuda: vectors of {width} elements"
+    cu = cuda.generate(mod, "vec", skip_unsupported=True, emulate=True).cu
+    launched = sorted(int(x.split(">")[0]) for x in cu.split("launch_threads<")[1:])
+    assert launched == sorted(want.values())

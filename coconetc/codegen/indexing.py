@@ -15,6 +15,7 @@ from coconetc.codegen.emit import COMPUTE, emit, literal
 from coconetc.ir.nodes import Const, Expr, Op, Ref, walk
 from coconetc.ir.rng_keys import site_key
 from coconetc.ir.types import TType
+from coconetc.plan.vectors import read_kind
 
 _prod = prod
 
@@ -68,19 +69,14 @@ class Indexing:
 
     def access(self, r: Ref, t: TType) -> Access | None:
         """How an operand is read when no coordinates are needed, else None."""
-        rt = r.type
         if r.name in self.w.consts:
             return SCALAR
         if r.name in self.w.scattered:
             return SEGMENTS
-        if rt.ndim == 0:
-            return SCALAR
-        same = rt.shape == t.shape
-        if same and (rt.layout == t.layout or (not rt.layout.sliced and not t.layout.sliced)):
-            return LINEAR
-        if same and not rt.layout.sliced and t.layout.sliced and t.layout.dim == 0:
+        kind = read_kind(r.type, t)
+        if kind == "offset":
             return Access("linear", f"off * {_prod(self.w.gdims(t)[1:])}")
-        return None
+        return None if kind is None else SCALAR if kind == "scalar" else LINEAR
 
     def loader(self, t: TType):
         """load(ref) for emit(): the operand's element, in its compute type."""

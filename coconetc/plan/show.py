@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from coconetc.ir import printer
 from coconetc.plan.targets import TARGETS
+from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
 from coconetc.plan.units import (Algorithm, Buffer, Chunking, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
                                  GatherMatmul, Overlap, Partials, Plan, Reduce, Require, Strategy, Unit)
 
@@ -16,7 +17,7 @@ def show(plan: Plan) -> str:
     lines += [f"  {_buffer(b)}" for b in plan.buffers]
     lines.append("units:")
     for u in plan.units:
-        lines += _unit(u, "  ")
+        lines += _unit(plan, u, "  ")
     lines.append("targets:")
     for t in TARGETS:
         gaps = plan.unsupported(t)
@@ -46,10 +47,16 @@ def _lets(lets: tuple[Let, ...]) -> str:
     return f" with {', '.join(f'{k.name} = {printer.expr(k.expr)}' for k in lets)}" if lets else ""
 
 
-def _unit(u: Unit, ind: str) -> list[str]:
+def _vectors(width: int) -> str:
+    """A CUDA kernel's vector width (plan/vectors.py)."""
+    return f"vectors of {width} elements" if width else "one element at a time"
+
+
+def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, Loop):
         dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
-        return [f"{ind}{_at(u.line)} loop over {u.type}{dst}: {_items(u.items)}{_lets(u.lets)}"]
+        return [f"{ind}{_at(u.line)} loop over {u.type}{dst}: {_items(u.items)}{_lets(u.lets)}",
+                f"{ind}        on cuda: {_vectors(loop_width(plan, u))}"]
     if isinstance(u, Reduce):
         cross = f" + {'sum' if u.op in ('sum', 'norm', 'segment_norm') else u.op} across ranks" if u.cross_rank else ""
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
@@ -63,7 +70,7 @@ def _unit(u: Unit, ind: str) -> list[str]:
     if isinstance(u, Require):
         return [f"{ind}      require root {u.root} of {u.op} < group size"]
     if isinstance(u, Fused):
-        return _fused(u, ind)
+        return _fused(plan, u, ind)
     if isinstance(u, GatherMatmul):
         how = {GatherChunks.ROWS: "rows in place", GatherChunks.PIECES: "piece i of every rank's slice, in place",
                GatherChunks.PACKED: "each chunk packed"}[u.how]
@@ -75,7 +82,7 @@ def _unit(u: Unit, ind: str) -> list[str]:
             f"dim {u.dim} ({how}){'' if u.keep_producer else ' (not kept)'} -> ")
     if u.fused is None:
         return [head + f"{u.collective} = {u.op}({u.reduce + ', ' if u.reduce else ''}{u.producer}) per chunk"]
-    return [head + f"fused {u.fused.name} per chunk"] + _fused(u.fused, ind + "  ")
+    return [head + f"fused {u.fused.name} per chunk"] + _fused(plan, u.fused, ind + "  ")
 
 
 def _coll(u: Collective) -> str:
@@ -89,14 +96,17 @@ def _coll(u: Collective) -> str:
     return f"{u.op}({', '.join(args)}){extra}"
 
 
-def _fused(u: Fused, ind: str) -> list[str]:
+def _fused(plan: Plan, u: Fused, ind: str) -> list[str]:
     rows = f", chunks of whole rows of {u.rows}" if u.rows is not None else ""
     along = f" along dim {u.dim}" if u.op == "reducescatter" else ""
     out = [f"{ind}{_at(u.line)} fused {u.name}: {u.collective} = {u.op}({u.reduce}, {u.src}){along} chunk by "
            f"chunk{rows}{' (reduced value kept)' if u.store_reduced else ''}{_lets(u.lets)}"]
     out += [f"{ind}        on {s.target}: {_strategy(s)}" for s in u.strategies]
+    if any(Algorithm.SYMMETRIC in s.algorithms for s in u.strategies):
+        out.append(f"{ind}        on cuda, the symmetric kernel: {_vectors(symmetric_width(plan, u))}")
     for ph in u.phases:
-        out.append(f"{ind}        per chunk ({ph.kind}): {_items(ph.items)}")
+        vec = f" (on cuda: {_vectors(phase_width(plan, u, ph))})" if ph.kind == "pointwise" else ""
+        out.append(f"{ind}        per chunk ({ph.kind}): {_items(ph.items)}{vec}")
     if u.gather:
         out.append(f"{ind}        per chunk: {u.gather} = allgather({u.gathered}) as each piece is computed")
     partial = [a for a in u.after if isinstance(a, Reduce) and a.dst in u.partials]
@@ -115,7 +125,7 @@ def _fused(u: Fused, ind: str) -> list[str]:
     if rest:
         out.append(f"{ind}        after {'the reductions (on this rank' + chr(39) + 's slice)' if partial else 'all chunks'}:")
         for a in rest:
-            out += _unit(a, ind + "    ")
+            out += _unit(plan, a, ind + "    ")
             if isinstance(a, Collective) and a.dst == u.gather_after:
                 loops = "the loop above computes" if u.piece_loops == 1 else f"the {u.piece_loops} loops above compute"
                 out[-1] += f" (piece by piece as {loops} it, where the target says so)"

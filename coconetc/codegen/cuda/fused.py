@@ -17,6 +17,7 @@ from coconetc.codegen.pointwise import layernorm_eps
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Expr, Op, Ref, walk
 from coconetc.plan.units import Algorithm, Fused, Reduce, Unit
+from coconetc.plan.vectors import phase_width, symmetric_width
 
 
 class CudaFused:
@@ -261,7 +262,7 @@ class CudaFused:
             def launch(V: int, ok: str) -> str:
                 return (f"coconet::cuda::fused_symmetric<{ct}, {gt}, {V}>({op}, v_{u.src}, {n0}, {inner}, {g}, {keep}, "
                         f"ctx, {ok}, [=] __device__ (const coconet::cuda::SymThread<{ct}, {gt}, {V}>& th) {{")
-            self.kernels.kernel(t, k, u.lets, items, coords, "  ", launch)
+            self.kernels.kernel(t, k, u.lets, items, coords, symmetric_width(self.w.plan, u), "  ", launch)
             if layout:  # the whole slice as one chunk (the reduced value is kept: the Reduce reads it)
                 assert u.store_reduced or all(r.src != u.collective for r in u.accumulated("cuda")), u.name
                 self.w.emit(f"  const int64_t lo = 0, hi = {mine};")
@@ -309,10 +310,10 @@ class CudaFused:
                 if ph.kind == "rows":
                     self._chunk_rows(u, ph.items[0], runs, bool(store))
                 else:
-                    self._chunk_pointwise(u, items, inside, coords, runs, store)
+                    self._chunk_pointwise(u, items, inside, coords, phase_width(self.w.plan, u, ph), runs, store)
 
     def _chunk_pointwise(self, u: Fused, items: list[tuple[str, Expr, bool]], inside: set[str], coords: bool,
-                         runs: str, store: Outs) -> None:
+                         width: int, runs: str, store: Outs) -> None:
         t = u.type
         with self.w.saved_consts():
             segs = sorted({r.name for _, e, _ in items for r in walk(e)
@@ -332,7 +333,7 @@ class CudaFused:
                 self.notes.access(t, items, u.lets, "lo", "hi", {u.collective: "red"}, "    ", (), runs)
                 k = Kernel("hi - lo", "j", ("const int64_t i = lo + j;",), "lo",
                            {u.collective: ("coconet::to_compute(red[j])", "red")}, store)
-            self.kernels.kernel(t, k, u.lets, items, coords, "    ")
+            self.kernels.kernel(t, k, u.lets, items, coords, width, "    ")
             if segs:
                 self.w.emit("    }")
 

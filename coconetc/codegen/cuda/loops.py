@@ -29,9 +29,7 @@ from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
 from coconetc.plan.units import Let, Loop
-
-BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8, "i32": 4, "i64": 8, "bool": 1}
-VECTOR_BYTES = 16
+from coconetc.plan.vectors import loop_width
 
 Items = pointwise.Items
 Outs = dict[str, list[tuple[str, str | None]]]  # value -> [(element path's target, vector pointer or None)]
@@ -81,18 +79,19 @@ class CudaKernels:
         self.w = w
         self.idx, self.notes = idx, notes
 
-    def kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, ind: str,
+    def kernel(self, t: TType, k: Kernel, lets: tuple[Let, ...], items: Items, coords: bool, width: int, ind: str,
                launch: Callable[[int, str], str] | None = None) -> None:
-        """The launch of one pointwise kernel (the caller has declared its accesses). launch(V,
-        whether every operand is aligned): the text that opens the per-thread lambda (default: a
-        launch_threads<V> over k.n; the symmetric kernel's is fused_symmetric<..., V>)."""
+        """The launch of one pointwise kernel (the caller has declared its accesses), with a
+        vector path of `width` elements where the plan gives it one (plan/vectors.py; 0: none).
+        launch(V, whether every operand is aligned): the text that opens the per-thread lambda
+        (default: a launch_threads<V> over k.n; the symmetric kernel's is fused_symmetric<..., V>)."""
         let_lines = pointwise.lets(self.w, lets)
         outs: Outs = {name: [(f"v_{name}[i]", _plus(f"v_{name}", k.i_base))] if stored else []
                       for name, _, stored in items}
         for name, targets in k.outs.items():
             if name in outs:
                 outs[name] = outs[name] + targets
-        vec = self._vector_operands(t, k, items, outs)
+        vec = self._vector_operands(t, k, items, outs, width)
         if launch is None:
             def launch(V: int, ok: str) -> str:
                 return (f"coconet::cuda::launch_threads<{V}>({k.n}, {ok}, stream, "
@@ -159,14 +158,16 @@ class CudaKernels:
             step = f"if (++cv{d} == L{d}) {{ cv{d} = 0; {step} }}"
         return head, [*(f"const int64_t c{d} = cv{d};" for d in used), *body, step]
 
-    def _vector_operands(self, t: TType, k: Kernel, items: Items,
-                         outs: Outs) -> tuple[int, dict[str, str]] | None:
-        """(V, pointer at var = 0 of each operand read or stored V elements at a time), or None
-        when a stored value is not contiguous in the loop variable. A 0-d operand, and one read
-        through the element's coordinates (broadcast), are read per element in both paths."""
+    def _vector_operands(self, t: TType, k: Kernel, items: Items, outs: Outs,
+                         width: int) -> tuple[int, dict[str, str]] | None:
+        """(width, pointer at var = 0 of each operand read or stored `width` elements at a
+        time), or None when the plan gives the kernel no vector path (width 0). The operands
+        are those plan/vectors.py counts: a 0-d operand, and one read through the element's
+        coordinates (broadcast), are read per element in both paths."""
+        if not width:
+            return None
         inside = {name for name, _, _ in items}
         ptrs: dict[str, str] = {}
-        sizes: list[int] = []
         for r in (r for _, e, _ in items for r in walk(e) if isinstance(r, Ref)):
             if r.name in self.w.consts or r.name in ptrs or (r.name in inside and r.name not in k.regs):
                 continue  # (a value in regs may be read before an item of its name: the kept reduced value)
@@ -183,17 +184,12 @@ class CudaKernels:
                 else:
                     ptr = _plus(f"v_{r.name}" + (f" + {acc.offset}" if acc.offset else ""), k.i_base)
             ptrs[r.name] = ptr
-            sizes.append(BYTES[self.w.types[r.name].dtype])
         for name, targets in outs.items():
-            if any(p is None for _, p in targets):
-                return None
             for n, (_, p) in enumerate(targets):
-                assert p is not None
+                assert p is not None, f"the plan gives a kernel storing {name} out of place a vector path"
                 ptrs[f"out {name}" + (f" {n}" if n else "")] = p
-                sizes.append(BYTES[self.w.types[name].dtype])
-        if not sizes:
-            return None
-        return VECTOR_BYTES // max(sizes), ptrs
+        assert ptrs, "the plan gives a kernel with no operand at the element's index a vector path"
+        return width, ptrs
 
     def _vector_loop(self, t: TType, k: Kernel, items: Items, outs: Outs, coords: bool,
                      V: int, ptrs: dict[str, str], ind: str) -> None:
@@ -257,21 +253,23 @@ class CudaKernels:
 
     def render_loop(self, u: Loop) -> None:
         """A Loop unit: one kernel, or one per piece of the scattered tensors it reads or stores."""
-        self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst)
+        self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], loop_width(self.w.plan, u),
+                   u.seg_dst)
 
-    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str = "") -> None:
+    def _loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], width: int,
+              seg_dst: str = "") -> None:
         regs = {name for name, _, _ in items}
         segs = sorted({r.name for _, e, _ in items for r in walk(e)
                        if isinstance(r, Ref) and r.name in self.w.scattered and r.name not in regs} | ({seg_dst} - {""}))
         if segs:
-            self._seg_loop(t, lets, items, seg_dst, segs)
+            self._seg_loop(t, lets, items, width, seg_dst, segs)
             return
         with self.w.saved_consts():
             n = _prod(self.w.ldims(t))
             coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
             self._loop_head(t, coords)
             self.notes.access(t, items, lets, "0", n, {}, "  ")
-            self.kernel(t, Kernel(n), lets, items, coords, "  ")
+            self.kernel(t, Kernel(n), lets, items, coords, width, "  ")
             self.w.emit("}")
 
     def _loop_head(self, t: TType, coords: bool) -> None:
@@ -280,8 +278,8 @@ class CudaKernels:
         for line in self.idx.loop_head(t, coords):
             self.w.emit(f"  {line}")
 
-    def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], seg_dst: str,
-                  segs: list[str]) -> None:
+    def _seg_loop(self, t: TType, lets: tuple[Let, ...], items: list[tuple[str, Expr, bool]], width: int,
+                  seg_dst: str, segs: list[str]) -> None:
         """A loop reading (or, seg_dst, storing into) scattered tensors: one kernel per piece of
         this rank's logical range inside one segment (as the CPU loop's pieces), each scattered
         operand read through its piece's pointer sp_<x>[q]; element i = pc.offset + q."""
@@ -299,7 +297,7 @@ class CudaKernels:
             self.notes.access(t, items, lets, "b0", "b0 + pc.size", {}, "  ",
                               (f"COCONET_W(sp_{seg_dst}, 0, pc.size)",) if seg_dst else ())
             outs: Outs = {items[0][0]: [(f"sp_{seg_dst}[q]", f"sp_{seg_dst}")]} if seg_dst else {}
-            self.kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords,
+            self.kernel(t, Kernel("pc.size", "q", ("const int64_t i = b0 + q;",), "b0", outs=outs), lets, items, coords, width,
                         "  ")
             self.w.emit("  }")
             self.w.emit("}")
