@@ -274,7 +274,7 @@ def test_run_schedule_auto_runs_the_tuners_choice(example, capfd) -> None:
     assert f"the tuner's choice for N=65 on 2 ranks: {gen}" in res.stdout
     assert f"adam [{gen}]: 2 ranks" in ranks_out and "matches the interpreter on every rank" in ranks_out
     res = invoke("run", ADAM, "-s", "auto", "--ranks", "3", "--size", "N=65", "--interp")
-    assert res.exit_code == 1 and "no tuning record for N=65 on 3 ranks" in res.stderr
+    assert res.exit_code == 1 and "the tuning cache has no choice for N=65 on 3 ranks" in res.stderr
 
 
 def test_algorithm_choice_in_show_explain_and_run(example) -> None:
@@ -491,7 +491,7 @@ def test_run_auto_on_the_cuda_backend_reads_the_cuda_records(example) -> None:
     tuned.store(tuned.key(example("adam.ccn").source, "adam", {"N": 65}, 2), rec)
     res = invoke("run", ADAM, "-s", "auto", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=65")
     assert res.exit_code == 1, res.output
-    assert ("no tuning record for N=65 on 2 ranks under the CUDA host emulation on this machine; run `coconetc "
+    assert ("the tuning cache has no choice for N=65 on 2 ranks under the CUDA host emulation on this machine; run `coconetc "
             f"tune {ADAM} --program adam --backend cuda --emulate --ranks 2 --size N=65` first") in res.stderr
     res = invoke("run", ADAM, "-s", "auto", "--ranks", "2", "--size", "N=65", "--interp")  # the CPU's, as before
     assert res.exit_code == 0 and "the tuner's choice for N=65 on 2 ranks: auto_rs_c_ag_slice" in res.stdout

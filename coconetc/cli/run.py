@@ -117,25 +117,22 @@ def _resolve_auto(mod: SourceFile, name: str, names: list, ranks: int, groups: i
     it is skipped (-s auto: an error) naming the tune command to run."""
     from coconetc.sourcefile import add_schedules
     from coconetc.oracle.inputs import DEFAULT_SIZE, size_symbols
-    from coconetc.runtime import tuned as cache
+    from coconetc.runtime.auto import choice
     full = {k: sizes.get(k, DEFAULT_SIZE) for k in size_symbols(mod.programs[name])}
-    rec = cache.lookup(mod.source, name, full, ranks, groups, target)
-    shown = ", ".join(f"{k}={v}" for k, v in full.items())
     keep = [] if explicit else [s for s in names if not _auto(mod, name, s)]
-    if rec is None:
-        what = (f"no tuning record for {shown} on {ranks} ranks"
-                + (f" in {groups} groups" if groups > 1 else "") + f"{cache.MEASURED_ON[target]}; run "
-                f"`{cache.tune_command(mod.file, name, ranks, full, target)}` first")
+    try:
+        chosen = choice(mod.source, mod.file, name, full, ranks, groups, target)
+    except ValueError as err:
         if explicit:
-            fail(f"coconetc: {name} [auto]: {what}")
-        click.echo(f"{name} [auto]: skipped: {what}")
+            fail(f"coconetc: {name} [auto]: {err}")
+        click.echo(f"{name} [auto]: skipped: {err}")
         return mod, keep
-    label, text = rec["choice"], rec["schedules"].get(rec["choice"], "")
-    if label in rec.get("generated", []) and text:  # "auto_x@p2p": the schedule auto_x
-        mod = add_schedules(mod, text)
-    click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {label}")
-    chosen = None if label == DEFAULT else label
-    return mod, keep if chosen in keep else keep + [chosen]
+    if chosen.text:  # "auto_x@p2p": the schedule auto_x, which the tuner wrote
+        mod = add_schedules(mod, chosen.text)
+    shown = ", ".join(f"{k}={v}" for k, v in full.items())
+    click.echo(f"{name} [auto]: the tuner's choice for {shown} on {ranks} ranks: {chosen.label}")
+    label = None if chosen.label == DEFAULT else chosen.label
+    return mod, keep if label in keep else keep + [label]
 
 
 def _auto(mod: SourceFile, name: str, label: str | None) -> bool:

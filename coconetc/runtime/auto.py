@@ -7,6 +7,7 @@ COMM an mpi4py communicator or the CUDA module's NCCL one (runtime/nccl.py: Nccl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,18 +18,43 @@ from coconetc.runtime import layout, tuned
 from coconetc.runtime.marshal import local_shape
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """The tuner's overall choice for a program at some sizes, ranks and groups on a target:
+    its label ("zero", "auto_x@p2p"), and the .ccn text of the schedule when the tuner wrote
+    it (it must be added to the file to run)."""
+
+    label: str
+    text: str = ""
+
+
+def choice(source: str, file: str, program: str, sizes: dict[str, int], ranks: int, groups: int = 1,
+           target: str = "cpu") -> Chosen:
+    """The tuner's overall choice (tuned.py's records, never the tuner itself): the one home of
+    `auto` for a size set, which fn.resolve_schedule (through `overall`) and `coconetc run -s
+    auto` both ask. None recorded: a ValueError naming the `coconetc tune` command that makes
+    one."""
+    rec = tuned.lookup(source, program, dict(sizes), ranks, groups, target)
+    if rec is None:
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"the tuning cache has no choice for {shown} on {ranks} ranks"
+                         + (f" in {groups} groups" if groups > 1 else "") + f"{tuned.MEASURED_ON[target]}; run "
+                         f"`{tuned.tune_command(file, program, ranks, dict(sizes), target)}` first")
+    label = rec["choice"]
+    text = rec["schedules"].get(label, "") if label in rec.get("generated", []) else ""
+    return Chosen(label, text)
+
+
 def overall(fn: Any, comm: Any, groups: int, sizes: dict) -> str:
     """The tuner's overall choice for FN at these sizes on the communicator's ranks; without
     one a ValueError says how to make one."""
     size, rank = _position(comm)
     ranks = layout.group_position(None, rank, size, groups)[0] * groups
-    choice = tuned.cached_choice(fn, dict(sizes), ranks, groups)
-    if choice is None:
-        shown = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        raise ValueError(f"{fn.name}(schedule='auto'): the tuning cache has no choice for "
-                         f"{shown} on {ranks} ranks{_on(fn)}; run `{_command(fn, ranks, dict(sizes))}` "
-                         f"first, or name a schedule ({', '.join(fn.schedules)})")
-    return choice
+    try:
+        return choice(getattr(fn, "source", ""), fn.file, fn.name, dict(sizes), ranks, groups,
+                      getattr(fn, "target", "cpu")).label
+    except ValueError as err:
+        raise ValueError(f"{fn.name}(schedule='auto'): {err}, or name a schedule ({', '.join(fn.schedules)})") from None
 
 
 def _position(comm: Any) -> tuple[int, int]:
