@@ -14,7 +14,7 @@ from coconetc.plan.units import (Algorithm, Buffer, Chunking, Collective, Copy, 
 
 def show(plan: Plan) -> str:
     lines = [f"plan {plan.program} [{plan.schedule}]", "buffers:"]
-    lines += [f"  {_buffer(b)}" for b in plan.buffers]
+    lines += [f"  {_buffer(plan, b)}" for b in plan.buffers]
     lines.append("units:")
     for u in plan.units:
         lines += _unit(plan, u, "  ")
@@ -26,12 +26,14 @@ def show(plan: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _buffer(b: Buffer) -> str:
+def _buffer(plan: Plan, b: Buffer) -> str:
     where = {"output": f"output '{b.of}'", "alias": f"in place in {b.of}",
              "view": f"inside {b.of} (this rank's part)", "into": f"into {b.of}'s segments"}
     if b.shared:
         where["scratch"] = "scratch in the group's shared window"
     none = f" (no memory on {', '.join(b.unallocated)}: the collective reads the segments)" if b.unallocated else ""
+    if b.kind == "param" and b.type.ndim and plan.own_part_only(b.name):  # (DistributedOptimizer's shared_weights)
+        none += " (each rank writes only its own part: the ranks of a node may hold one copy)"
     return f"{b.name:<12} {str(b.type):<28} {where.get(b.kind, b.kind)}{none}"
 
 
