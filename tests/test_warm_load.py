@@ -1,15 +1,21 @@
 """Warm loads (coconetc/runtime/warm.py): a file loaded before is neither parsed nor planned
-again; any change to what the load depends on, or a module that is no longer whole, loads it in
-full; a record that cannot be read is ignored."""
+again, and in a fresh process neither the front end (lark) nor the code generators (jinja2)
+are imported; any change to what the load depends on, an operation registered at run time, or a
+module that is no longer whole, loads it in full; a record that cannot be read is ignored."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import coconetc
+from coconetc import sourcefile
+from coconetc.ir import ops
 from coconetc.runtime import loader, warm
 from rank_checks import build_cache
 
@@ -26,19 +32,20 @@ def sgd(tmp_path, request):
         yield path
 
 
-PROGRAM = {"test_second_load_reads_the_record": "sgd_warm", "test_what_the_load_depends_on_changes": "sgd_changed",
+PROGRAM = {"test_second_load_reads_the_record": "sgd_warm",
+           "test_warm_load_in_a_fresh_process_imports_no_front_end_or_generator": "sgd_warm", "test_what_the_load_depends_on_changes": "sgd_changed",
            "test_a_module_no_longer_whole_or_a_bad_record_loads_in_full": "sgd_broken"}
 
 
 def _parses(monkeypatch) -> list[str]:
     """The files the loader parses from now on."""
     seen: list[str] = []
-    real = loader.load_source
+    real = sourcefile.load_source
 
     def counted(text, file="<string>"):
         seen.append(file)
         return real(text, file)
-    monkeypatch.setattr(loader, "load_source", counted)
+    monkeypatch.setattr(sourcefile, "load_source", counted)
     return seen
 
 
@@ -58,6 +65,38 @@ def test_second_load_reads_the_record(sgd, monkeypatch):
     assert sorted(again.sgd_warm.schedules) == sorted(first.sgd_warm.schedules) == ["default", "fused", "rs_c_ag"]
     np.testing.assert_array_equal(_step(again), _step(first))
     np.testing.assert_allclose(_step(again), 1 - 0.5 * np.arange(6, dtype=np.float32))
+    # what a warm load read gives the whole file and sources back when asked for
+    assert again.source_module.programs == first.source_module.programs
+    assert again.sources.cpp == first.sources.cpp and again.sources.module == first.ext.__name__
+
+
+FRESH = """
+import json, sys
+import numpy as np
+import coconetc
+mod = coconetc.load(sys.argv[1], log=print)  # a build would log
+w = np.ones(6, dtype=np.float32)
+mod.sgd_warm(g=np.arange(6, dtype=np.float32), w=w, lr=np.float32(0.5))
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("lark", "jinja2") or m.startswith((
+    "coconetc.codegen", "coconetc.frontend", "coconetc.sourcefile", "coconetc.schedule", "coconetc.autodiff",
+    "coconetc.toolchain.compiler", "coconetc.interp", "coconetc.tune")))
+print(json.dumps({"heavy": heavy, "w": w.tolist(), "schedules": sorted(mod.sgd_warm.schedules)}))
+"""
+
+
+def test_warm_load_in_a_fresh_process_imports_no_front_end_or_generator(sgd):
+    """A warm load, and a call, in a fresh process import neither the parser (lark) nor the code
+    generators (jinja2, coconetc.codegen) nor the rest of the front half: the record holds what
+    the calls read."""
+    coconetc.load(sgd, log=lambda msg: None)
+    res = subprocess.run([sys.executable, "-c", FRESH, str(sgd)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert len(lines) == 1, res.stdout  # nothing logged: nothing built
+    got = json.loads(lines[0])
+    assert got["heavy"] == []
+    assert got["schedules"] == ["default", "fused", "rs_c_ag"]
+    np.testing.assert_allclose(got["w"], 1 - 0.5 * np.arange(6, dtype=np.float32))
 
 
 def test_what_the_load_depends_on_changes(sgd, monkeypatch):
@@ -68,6 +107,12 @@ def test_what_the_load_depends_on_changes(sgd, monkeypatch):
     assert seen == [str(sgd)]
     coconetc.load(sgd, log=lambda msg: None, include_dirs=[str(sgd.parent)])  # other options
     assert seen == [str(sgd)] * 2
+    twice = ops.OpDef("twice_here", "pointwise", (ops.Arg("x"),), numpy=lambda x: 2 * x, cpp=ops.Cpp("2 * {0}"))
+    with ops.registered(twice):  # an operation of this process's own: the registry is not in the key
+        coconetc.load(sgd, log=lambda msg: None)
+    assert seen == [str(sgd)] * 3
+    coconetc.load(sgd, log=lambda msg: None)
+    assert seen == [str(sgd)] * 3
 
 
 def test_a_module_no_longer_whole_or_a_bad_record_loads_in_full(sgd, monkeypatch):

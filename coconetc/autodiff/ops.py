@@ -209,4 +209,4 @@ DEFS = (
 
 for _d in DEFS:
     if _d.name not in ops.REGISTRY:
-        ops.register(_d)
+        ops.register_built_in(_d)

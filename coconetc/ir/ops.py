@@ -378,3 +378,18 @@ for _name, _params, _comm in (
         ("send", (Arg("x"), Arg("direction", "word", ("next", "prev"))), 1.0)):
     register(OpDef(_name, "collective", _params, tr.collective, FREE if _name == "send" else NEVER,
                    cost=Cost(0, comm=_comm)))
+
+# coconetc's own operations (autodiff/ops.py adds the derivatives' with register_built_in): what a
+# warm load's record may take as given, unlike an operation registered at run time (runtime/warm.py)
+BUILT_IN: dict[str, OpDef] = dict(REGISTRY)
+
+
+def register_built_in(d: OpDef) -> OpDef:
+    BUILT_IN[d.name] = register(d)
+    return d
+
+
+def added() -> list[str]:
+    """The operations registered at run time: neither coconetc's own nor a file's `extern op`
+    (which only the file that declares it may call)."""
+    return sorted(n for n, d in REGISTRY.items() if d.extern is None and BUILT_IN.get(n) is not d)

@@ -30,11 +30,15 @@ def load_emulated(file: str, grad=()) -> Any:
 def load_extension(so: str, file: str) -> Any:
     """The extension module built at SO from FILE (not coconetc's cached build), its programs
     called as coconetc's (keyword arguments, argument checks, every schedule of FILE listed)."""
+    from coconetc.codegen.naming import function_name
     from coconetc.runtime.loader import CompiledModule, import_extension
     from coconetc.sourcefile import load_file
     ext = import_extension(Path(so).name.split(".")[0], Path(so))
-    sources: Any = SimpleNamespace(module=ext.__name__)  # (no generated sources here: only the name)
-    return CompiledModule(load_file(file), sources, ext)
+    mod = load_file(file)
+    # (no generated sources here: the module's name, and its functions as the generator names them)
+    sources: Any = SimpleNamespace(module=ext.__name__, functions={
+        k: SimpleNamespace(name=function_name(*k)) for k in mod.variants()})
+    return CompiledModule(mod, sources, ext)
 
 
 class GpuFunction:

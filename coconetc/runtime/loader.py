@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coconetc.runtime import warm
 from coconetc.runtime.module import CompiledModule, ProgramFunction
 from coconetc.runtime.tuned import tuned_schedules, with_tuned
-from coconetc.sourcefile import SourceFile, load_source, with_grads
-from coconetc.toolchain import Artifact, Options, compile
 from coconetc.toolchain.probes import require_cpu_extra
+
+if TYPE_CHECKING:  # the front half and the compiler: imported on the cold path only (warm.py)
+    from coconetc.sourcefile import SourceFile
+    from coconetc.toolchain.compiler import Artifact
 
 __all__ = ["CompiledModule", "ProgramFunction", "compile_cpu", "import_extension", "load"]
 
@@ -29,6 +31,7 @@ def compile_cpu(mod: SourceFile, log=None, **libs: Any) -> Artifact:
     """MOD with its tuned schedules, compiled for the CPU backend: the module coconetc.load
     imports (what `coconetc run` builds before it starts the ranks, so that they find it
     built). libs: include_dirs, library_dirs, libraries for extern operations."""
+    from coconetc.toolchain.compiler import Options, compile
     require_cpu_extra()
     return compile(with_tuned(mod), "cpu", Options(log=log, **libs))
 
@@ -38,17 +41,20 @@ def load(path: str | Path, log=None, *, include_dirs=(), library_dirs=(), librar
     headers and libraries of the file's extern operations are, and what to link (the file's
     own directory is searched for headers too). grad: programs whose derived programs
     (`<p>_grad`, docs/autodiff.md) the module holds too. A file loaded before with the same
-    text and options is not parsed, planned or generated again (warm.py)."""
+    text and options is not parsed, planned or generated again, and the front half and the
+    code generators are not imported (warm.py)."""
     require_cpu_extra()  # (a remembered load needs it as much as a build)
     path = Path(path)
     text = path.read_text()
     options = (tuple(map(str, include_dirs)), tuple(map(str, library_dirs)), tuple(map(str, libraries)), tuple(grad))
     key = warm.key(path, text, tuned_schedules(text), options)
-    art = warm.recall(key)
-    if art is None:
-        art = compile_cpu(with_grads(load_source(text, str(path)), grad), log, include_dirs=include_dirs,
-                          library_dirs=library_dirs, libraries=libraries)
-        warm.remember(key, art)
+    rec = warm.recall(key)
+    if rec is not None:
+        return CompiledModule.remembered(rec.exports, rec.module, import_extension(rec.module, rec.path), rec.whole)
+    from coconetc import sourcefile
+    art = compile_cpu(sourcefile.with_grads(sourcefile.load_source(text, str(path)), grad), log,
+                      include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries)
+    warm.remember(key, art)
     return wrap(art)
 
 

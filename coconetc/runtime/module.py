@@ -9,10 +9,10 @@ auto.py. Nothing here imports the interpreter or the tuner."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-
-from coconetc.codegen.naming import function_name
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import auto, batch, layout, marshal, shm
@@ -20,37 +20,87 @@ from coconetc.runtime.backends import BACKENDS
 from coconetc.runtime.entry import Call, enter
 from coconetc.runtime.fastpath import Recent, RecentCall, hot_check, run_hot
 from coconetc.runtime.marshal import as_torch, returned
-from coconetc.sourcefile import SourceFile
 from coconetc.toolchain.probes import require_cpu_extra
 
+if TYPE_CHECKING:  # (the front half is not imported to call a module: runtime/warm.py)
+    from coconetc.sourcefile import SourceFile
 
 CPU = BACKENDS["cpu"]
+
+
+@dataclass(frozen=True)
+class Exports:
+    """What a module's calls read of its file and its generated sources, and nothing else (a
+    warm load's record holds this, runtime/warm.py): the file's path and text, the IR each
+    (program, schedule) runs, and the name of its function in the module."""
+
+    file: str
+    source: str
+    variants: dict[tuple[str, str], Program]
+    functions: dict[tuple[str, str], str]
+
+    @classmethod
+    def of(cls, mod: SourceFile, src: Any) -> Exports:
+        """MOD's exports, as SRC (the generated sources) named its functions."""
+        return cls(mod.file, mod.source, mod.variants(), {k: f.name for k, f in src.functions.items()})
 
 
 class CompiledModule:
     backend = CPU  # what differs between the backends (runtime/backends.py)
 
     def __init__(self, mod: SourceFile, src: Any, ext: Any):
-        self.source_module, self.sources, self.ext = mod, src, ext
+        """MOD built as EXT from SRC (the generated sources: `module`, `functions`)."""
+        self._init(Exports.of(mod, src), src.module, ext, lambda: (mod, src))
+
+    @classmethod
+    def remembered(cls, exports: Exports, name: str, ext: Any,
+                   whole: Callable[[], tuple[SourceFile, Any]]) -> CompiledModule:
+        """Module NAME (EXT) made from what a warm load read; `whole()` gives its SourceFile
+        and generated sources when `source_module` or `sources` is first asked for."""
+        self = cls.__new__(cls)
+        self._init(exports, name, ext, whole)
+        return self
+
+    def _init(self, exports: Exports, name: str, ext: Any, whole: Callable[[], tuple[SourceFile, Any]]) -> None:
+        self._name, self.ext, self._whole = name, ext, whole
+        self._made: tuple[SourceFile, Any] | None = None
         self.programs: dict[str, ProgramFunction] = {}
         by_program: dict[str, dict[str, Program]] = {}
-        for (prog, sched), ir in mod.variants().items():
+        for (prog, sched), ir in exports.variants.items():
             by_program.setdefault(prog, {})[sched] = ir
         for prog, scheds in by_program.items():
-            fn = ProgramFunction(prog, scheds, ext, mod.source)
-            fn.file = mod.file
+            fn = ProgramFunction(prog, scheds, ext, {s: exports.functions[(prog, s)] for s in scheds},
+                                 exports.source)
+            fn.file = exports.file
             self.programs[prog] = fn
             setattr(self, prog, fn)
 
+    def _parts(self) -> tuple[SourceFile, Any]:
+        if self._made is None:
+            self._made = self._whole()
+        return self._made
+
+    @property
+    def source_module(self) -> SourceFile:
+        """The checked, scheduled and planned file."""
+        return self._parts()[0]
+
+    @property
+    def sources(self) -> Any:
+        """The generated sources (codegen.cpu.Sources)."""
+        return self._parts()[1]
+
     def __repr__(self) -> str:
-        return f"<coconet module {self.sources.module}: {', '.join(self.programs)}>"
+        return f"<coconet module {self._name}: {', '.join(self.programs)}>"
 
 
 class ProgramFunction:
     backend = CPU
 
-    def __init__(self, name: str, schedules: dict[str, Program], ext: Any, source: str = ""):
+    def __init__(self, name: str, schedules: dict[str, Program], ext: Any, functions: dict[str, str],
+                 source: str = ""):
         self.name, self.schedules, self.ext = name, schedules, ext
+        self.functions = functions  # schedule -> its function in the module (as the generator named it)
         self.source = source  # the .ccn text (the tuning cache's key)
         self.file = "FILE"  # its path, for messages
         self.tuned: list | None = None  # the tuning records of this program (schedule="auto")
@@ -186,7 +236,7 @@ class ProgramFunction:
         if shm.WINDOWS:  # buffers of coconetc.empty: the runtime may read them in place
             args.windows = shm.WINDOWS
         args.fused = call.label.code
-        run = getattr(self.ext, function_name(self.name, call.label.name))
+        run = getattr(self.ext, self.functions[call.label.name])
         if rec is not None:  # the next call with the same buffers reuses these arguments
             rec.args, rec.run, rec.windows = args, run, len(shm.WINDOWS)
         batch.invoke(self.ext, run, args)

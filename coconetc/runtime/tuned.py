@@ -26,13 +26,15 @@ import socket
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coconetc.errors import CompileError
 from coconetc.plan.label import schedule_name
 from coconetc.plan.targets import Target
-from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.toolchain.probes import cache_dir
+
+if TYPE_CHECKING:  # (the front half: imported by with_tuned, on a load's cold path only)
+    from coconetc.sourcefile import SourceFile
 
 FILE = "tuning.json"
 ENV_TUNING = "COCONET_TUNING"  # the tuning cache file (default: COCONET_CACHE/tuning.json)
@@ -160,6 +162,7 @@ def with_tuned(mod: SourceFile, target: str = "cpu") -> SourceFile:
     text = tuned_schedules(mod.source, target)
     if not text:
         return mod
+    from coconetc.sourcefile import add_schedules
     try:
         return add_schedules(mod, text)
     except CompileError:

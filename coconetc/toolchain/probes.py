@@ -92,6 +92,22 @@ def toolchain() -> Toolchain:
 
 
 @cache
+def toolchain_fingerprint() -> str:
+    """What toolchain() would find, found without importing the wheels (a warm load's key,
+    runtime/warm.py, where importing them costs more than the rest of the key): the tools'
+    paths, where each wheel of the cpu extra is and when its __init__ was written (the
+    Toolchain's CMake folder, headers and library lie in these wheels' folders, which an
+    install rewrites), and the platform. It changes whenever toolchain().key() does, and also
+    when a wheel is reinstalled in place."""
+    require_cpu_extra()
+    parts = [_bin("cmake"), _bin("mpicxx"), *_platform()]
+    for name in CPU_EXTRA:
+        origin = importlib.util.find_spec(name).origin  # type: ignore[union-attr]
+        parts += [str(origin), str(os.stat(origin).st_mtime_ns) if origin else ""]
+    return "|".join(parts)
+
+
+@cache
 def missing_cpu_extra() -> tuple[str, ...]:
     return tuple(m for m in CPU_EXTRA if importlib.util.find_spec(m) is None)
 
