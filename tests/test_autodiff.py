@@ -554,3 +554,23 @@ def test_schedule_for_a_word_other_than_grad_is_located() -> None:
         load_source(src)
     d = err.value.diagnostics[0]
     assert (d.span.line, d.span.col) == (src.count("\n", 0, src.index("gradgrad")) + 1, 16)
+
+
+def test_pairing_cuts_only_where_both_schedules_apply() -> None:
+    """autodiff/saved.py pairing: a training step runs <p>_fwd and <p>_bwd where both schedules
+    apply to the cut programs; a schedule that does not exists only for p or grad(p), and the
+    step then runs p and the whole derived program, which saves nothing and recomputes every
+    forward value it reads."""
+    from coconetc.autodiff.saved import pairing
+    from coconetc.sourcefile import grad_name, with_grads
+    full = with_grads(load_source(MLP), ["mlp"])
+    g = grad_name("mlp")
+    both = pairing(full.programs, full.schedules, "mlp", g, "default", "default", "default")
+    assert (both.forward, both.backward, both.cut) == ("mlp_fwd", "mlp_bwd", True)
+    assert both.saved == tuple(q.name for q in full.programs["mlp_bwd"].params
+                               if q.name not in {x.name for x in full.programs[g].params})
+    assert "h" in both.saved and "h" not in both.recomputed
+    alone = {**full.schedules, g: {**full.schedules.get(g, {}), "only_grad": None}}
+    whole = pairing(full.programs, alone, "mlp", g, "default", "only_grad", "default")
+    assert (whole.forward, whole.backward, whole.saved, whole.cut) == ("mlp", g, (), False)
+    assert set(whole.recomputed) == {"h", *both.recomputed}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from coconetc.autodiff.vjp import cotangent_params, live
+from coconetc.autodiff.vjp import cotangent_params, live, recomputed
 from coconetc.ir.expr import refs
 from coconetc.ir.nodes import Param, Program
 
@@ -76,3 +76,36 @@ def split(p: Program, g: Program) -> Split:
     params = (*g.params[:n], *(Param(v, g.stage_named(v).type) for v in order), *g.params[n:])
     bwd = replace(g, name=bwd_name(p.name), params=params, stages=tuple(live(kept, g.outputs)))
     return Split(fwd, bwd, tuple(order), tuple(s.name for s in bwd.stages if s.name in again))
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """The two programs a training step runs for program p under a forward `schedule` and a
+    backward `grad_schedule`: p's saving forward `<p>_fwd` and the backward `<p>_bwd` that
+    reads what it saved, where both schedules apply to the programs cut there (the default, or
+    a schedule the file has for each); otherwise p itself and the whole derived program, which
+    computes the forward values it reads again. saved: the values the forward keeps (the
+    backward's parameters between p's and the cotangents); recomputed: the forward values the
+    backward computes."""
+
+    forward: str
+    backward: str
+    saved: tuple[str, ...]
+    recomputed: tuple[str, ...]
+    cut: bool
+
+
+def pairing(programs: dict[str, Program], schedules: dict[str, dict], program: str, grad: str,
+            schedule: str, grad_schedule: str, default: str) -> Pairing:
+    """The Pairing of PROGRAM (its derived program GRAD) in a file whose programs (the
+    derived and cut ones included: sourcefile.with_grads) and schedules by program are given;
+    DEFAULT: the unscheduled program's label."""
+    fwd, bwd = fwd_name(program), bwd_name(program)
+    cut = (schedule == default or schedule in schedules.get(fwd, {})) and \
+        (grad_schedule == default or grad_schedule in schedules.get(bwd, {}))
+    p, g = programs[program], programs[grad]
+    back = programs[bwd if cut else grad]
+    saved = tuple(q.name for q in back.params[len(p.params):len(back.params) - len(cotangent_params(g, p))])
+    again = set(recomputed(g, p))
+    return Pairing(fwd if cut else program, bwd if cut else grad, saved,
+                   tuple(s.name for s in back.stages if s.name in again), cut)

@@ -65,7 +65,7 @@ def show(file: str, program: str | None, schedule: str | None, fmt: str, grad: b
 def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: str | None) -> None:
     """show --grad: the derived program of the program (text, dot or plan), under one of the
     file's `schedule s for grad(p)` with -s; what the forward saves as a comment."""
-    from coconetc.autodiff.saved import split
+    from coconetc.autodiff.saved import pairing
     from coconetc.autodiff.text import unfaithful_sites
     from coconetc.autodiff.vjp import recomputed
     from coconetc.ir import printer
@@ -85,10 +85,14 @@ def _show_grad(mod: SourceFile, name: str, schedule: str | None, fmt: str, wrt: 
     if fmt == "dot":
         click.echo(printer.dot(ir), nl=False)
         return
-    if full is not None:
-        cut = split(mod.programs[name], full.programs[grad_name(name)])  # the cut of the unscheduled one
-        click.echo(f"# saved by the forward ({name}_fwd returns them): {', '.join(cut.saved) or 'none'}; "
-                   f"recomputed by the backward ({name}_bwd): {', '.join(cut.recomputed) or 'none'}")
+    if full is not None:  # what a training step runs under this grad schedule (coconetc.torch.function's pair)
+        pair = pairing(full.programs, full.schedules, name, grad_name(name), DEFAULT, schedule or DEFAULT, DEFAULT)
+        if pair.cut:
+            click.echo(f"# saved by the forward ({pair.forward} returns them): {', '.join(pair.saved) or 'none'}; "
+                       f"recomputed by the backward ({pair.backward}): {', '.join(pair.recomputed) or 'none'}")
+        else:
+            click.echo(f"# schedule {schedule} does not apply to {name}'s cut backward: a training step runs {name}, "
+                       f"then the whole {pair.backward}, which recomputes {', '.join(pair.recomputed) or 'nothing'}")
     else:
         click.echo(f"# the forward values the backward reads: {', '.join(recomputed(ir, mod.programs[name])) or 'none'}")
     click.echo(printer.program(ir), nl=False)

@@ -46,8 +46,8 @@ class Differentiable:
 
     def __init__(self, source: str | Path, program: str | None, schedule: str, grad_schedule: str,
                  comm: Any, groups: int = 1, backend: str | None = None, process_group: Any = None):
-        from coconetc.autodiff.saved import bwd_name, fwd_name
-        from coconetc.autodiff.vjp import cotangent_params, recomputed
+        from coconetc.autodiff.saved import pairing
+        from coconetc.autodiff.vjp import cotangent_params
         from coconetc.plan.label import DEFAULT
         from coconetc.sourcefile import grad_name, load_file, with_grads
         what = "coconetc.torch.function"
@@ -84,16 +84,11 @@ class Differentiable:
         wrt = [q.name for q in p.params if not q.scalar and q.type.dtype in FLOATS]
         self.wrt = {x: i for i, x in enumerate(wrt)}
         # the forward keeps the saved values where both schedules apply to the programs cut
-        # there; otherwise the backward is the whole derived program
-        fwd, bwd = fwd_name(program), bwd_name(program)
-        cut = (schedule == DEFAULT or schedule in sf.schedules[fwd]) and \
-            (grad_schedule == DEFAULT or grad_schedule in sf.schedules[bwd])
-        self.fwd_program, self.bwd_program = (fwd, bwd) if cut else (program, gname)
-        back = sf.programs[self.bwd_program]
-        self.back = back  # the backward's program (its operator's signature: coconetc/torch_ops.py)
-        self.saved = tuple(q.name for q in back.params[len(p.params):len(back.params) - len(self.cotangents)])
-        again = set(recomputed(g, p))  # the forward values among the backward's stages
-        self.recomputed = tuple(s.name for s in back.stages if s.name in again)
+        # there; otherwise the backward is the whole derived program (autodiff/saved.py)
+        pair = pairing(sf.programs, sf.schedules, program, gname, schedule, grad_schedule, DEFAULT)
+        self.fwd_program, self.bwd_program = pair.forward, pair.backward
+        self.back = sf.programs[pair.backward]  # the backward's program (its operator's signature: ops.py)
+        self.saved, self.recomputed = pair.saved, pair.recomputed
         self._impl: dict[str, Any] = {}
         # its calls' torch.library operators, one pair per backend it may run on (made here, not
         # while torch.compile traces a call)
