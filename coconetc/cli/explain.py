@@ -19,14 +19,46 @@ from coconetc.cli.options import checked_target, records_options
               help="The ranks on this many nodes (equal shares): the model's bytes across the network "
                    "(docs/cluster.md); measured times are shown for one node only.")
 @records_options("the measured times, the tuner's choice and its schedules are those measured there "
-                  "(on cuda the CPU cost model's times do not apply and are not shown)")
-def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate) -> None:
+                  "(on cuda the CPU cost model's times do not apply and are not shown); with -s, on "
+                  "cuda: the schedule's kernels against their bounds (needs no GPU)")
+@click.option("--bandwidth", type=click.FloatRange(min=0, min_open=True), metavar="GB/s",
+              help="The kernel listing's copy bandwidth (default: the --machine JSON's, else an H100 SXM's "
+                   "3350; an H200's is 4800).")
+@click.option("--peak", type=click.FloatRange(min=0, min_open=True), metavar="TFLOP/s",
+              help="The kernel listing's peak for every dtype (default: the --machine JSON's, else an "
+                   "H100/H200's dense peak by dtype: f32 and f64 67, bf16 and f16 989).")
+@click.option("--machine", type=click.Path(dir_okay=False), metavar="JSON",
+              help="The rates measured on a GPU (bench/cuda_gpu_check.py --kernels writes machine.json: "
+                   "bandwidth_gbps, peak_tflops by dtype).")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="json: the kernel listing as JSON (with --backend cuda -s S).")
+def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, bandwidth, peak, machine, fmt) -> None:
     """The cost model's view of each schedule: bytes moved through memory, bytes sent per rank,
     passes over memory, kernel launches and plan units, the modelled time (the CPU backend's:
     left out for --backend cuda), and the measured time where the tuning cache has one for
-    these sizes and ranks on the backend."""
+    these sizes and ranks on the backend.
+
+    \b
+    With --backend cuda and -s SCHEDULE (a GPU is not needed; with --emulate alike), the
+    schedule's kernel listing: each plan unit in launch order with the kernels the generated
+    code launches for it, named as a profiler shows them
+    (coconet_gen::FUNC(...)::{lambda(SIG)#K}), or the library it calls (cublas, nccl, memcpy,
+    runtime), the bytes it reads and writes and its flops (the cost model's, per rank), and its
+    bound: max(bytes / bandwidth, flops / peak). bench/cuda_gpu_check.py --kernels measures each
+    on a GPU against it (docs/cuda.md, "Every kernel against its bound")."""
     from coconetc.tune import explain as ex
-    target = checked_target("explain", backend, emulate, "read the records measured under the host emulation")
+    listing = backend == "cuda" and schedule is not None and schedule != "auto"
+    if fmt == "json" and not listing:
+        fail("coconetc: explain --format json is the kernel listing: give --backend cuda -s SCHEDULE")
+    if (bandwidth or peak or machine) and not listing:
+        fail("coconetc: --bandwidth, --peak and --machine are the kernel listing's: give --backend cuda -s SCHEDULE")
+    if listing and not emulate:
+        from coconetc.cli.options import gpu_here, target_of
+        target = target_of(backend, emulate)
+        records = gpu_here()
+    else:
+        target = checked_target("explain", backend, emulate, "read the records measured under the host emulation")
+        records = True
     mod = load_ccn(file)
     if not mod.programs:
         fail(no_program(mod))
@@ -34,10 +66,20 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate) -> N
         else list(mod.programs)
     every = sorted({k for n in names for k in ex.symbols(mod, n)})
     given = parse_sizes(sizes, every)  # each program takes the sizes of its own symbols
+    docs = []
     for i, name in enumerate(names):
         try:
             mine = {k: v for k, v in given.items() if k in ex.symbols(mod, name)}
-            text = ex.explain(mod, name, schedule, ranks, mine, nodes, target)
-            click.echo(("\n" if i else "") + text, nl=False)
+            if listing:
+                doc = ex.kernel_listing(mod, name, schedule, ranks, mine, target, bandwidth, peak, machine, records)
+                docs.append(doc)
+                text = ex.kernel_table(doc) if fmt == "text" else ""
+            else:
+                text = ex.explain(mod, name, schedule, ranks, mine, nodes, target)
+            if text:
+                click.echo(("\n" if i else "") + text, nl=False)
         except ex.ExplainError as err:
             fail(f"coconetc: {err}")
+    if fmt == "json":
+        import json
+        click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))

@@ -11,6 +11,10 @@ are one pass, what a fused collective computes per chunk) and counts, per rank:
             input is sliced (the partial results are all-reduced); a fused collective: 1 plus
             what runs after its chunks; an overlap: chunks x (GEMM + its collective))
     flops   arithmetic of the library operations (2*M*N*K for a matmul)
+    written the part of `moved` that is written (a loop's stored items, a library operation's
+            result, a copy's or a collective's output, a reduction's result); the rest is read.
+            `coconetc explain --backend cuda -s S` lists each unit's read and written bytes
+            and flops beside its bound (tune/explain.py kernels())
 
 With n = the bytes of a collective's input on this rank, N its full (gathered) size and the
 ring / pairwise factor f = (R-1)/R (ops.Cost.comm holds the factor in front of f):
@@ -103,6 +107,7 @@ class Cost:
     passes: int = 0
     launches: int = 0
     flops: float = 0.0
+    written: float = 0.0  # the part of `moved` written (the module doc)
     units: int = 0
     parts: list[tuple[Unit, Cost]] = field(default_factory=list)  # per top-level unit
     # overlaps: (the GEMM's cost, its communication's cost, chunks); see seconds()
@@ -116,6 +121,7 @@ class Cost:
         self.passes += other.passes
         self.launches += other.launches
         self.flops += other.flops
+        self.written += other.written
         self.pipelines += other.pipelines
 
     def seconds(self, m: Machine | None = None) -> float:
@@ -203,7 +209,7 @@ class _Counter:
         if isinstance(u, Copy):
             b = self.buffer(u.src)
             n = self.nbytes(b.type) if b is not None else 0.0
-            return Cost(moved=2 * n, passes=1, launches=1)
+            return Cost(moved=2 * n, written=n, passes=1, launches=1)
         assert isinstance(u, Require)
         return Cost()
 
@@ -219,6 +225,7 @@ class _Counter:
             computed.add(it.name)
             if it.store:
                 c.moved += n * BITS[it.expr.type.dtype] / 8
+                c.written += n * BITS[it.expr.type.dtype] / 8
         for name in sorted(read):
             b = self.buffer(name)
             if b is not None and b.kind not in _NO_MEMORY:
@@ -231,6 +238,7 @@ class _Counter:
         c.moved = (self.nbytes(src.type) if src is not None else 0.0)
         out = self.nbytes(dst.type) if dst is not None else 8.0
         c.moved += out
+        c.written += out
         if u.cross_rank:
             c.sent = 2 * self.f * out
             c.net = self.off_node * c.sent
@@ -243,6 +251,8 @@ class _Counter:
             if b is not None and b.kind not in _NO_MEMORY:
                 c.moved += self.nbytes(b.type)
         dst = self.buffer(u.dst)
+        if dst is not None and dst.kind not in _NO_MEMORY:
+            c.written = self.nbytes(dst.type)
         d = ops.get(u.op).cost
         out = self.elements(dst.type) if dst is not None else 0
         inner = 1
@@ -289,16 +299,16 @@ class _Counter:
         else:
             sent = factor * self.f * n_in
         if op == "scatter":
-            return Cost(moved=n_out, passes=1, launches=1)
+            return Cost(moved=n_out, written=n_out, passes=1, launches=1)
         net = sent if op == "send" and self.M > 1 else self.off_node * sent
         if algo == "hierarchical":  # fused_shm.h
             sent, net = (self.hierarchical(0.0, n_out) if op == "allgather"
                          else self.hierarchical(n_in, n_in if op == "allreduce" else 0.0))
         slow = sent - net if op == "reducescatter" and algo == "mpi" else 0.0
-        moved = n_in + n_out + sent
+        moved, written = n_in + n_out + sent, n_out
         if op == "allgather" and sb is not None and sb.kind == "view" and sb.of == dst:
-            moved = n_out - n_in + sent  # in place: this rank's part is computed where it lies
-        return Cost(moved=moved, sent=sent, net=net, slow=slow,
+            moved, written = n_out - n_in + sent, n_out - n_in  # in place: this rank's part is computed where it lies
+        return Cost(moved=moved, sent=sent, net=net, slow=slow, written=written,
                     passes=2 if op == "allreduce" else 1, launches=1, algorithm=algo)
 
     def fused(self, u: Fused, flat: bool = False) -> Cost:
@@ -317,6 +327,7 @@ class _Counter:
         c = Cost(moved=n_in + sent, sent=sent, net=net, passes=1, launches=1, algorithm=algo)
         if u.store_reduced:
             c.moved += self.nbytes(u.type)
+            c.written += self.nbytes(u.type)
         for ph in u.phases:
             self.loop(u.type, ph.items, c)
         if u.gather:
@@ -324,6 +335,7 @@ class _Counter:
             c.sent += gs
             c.net += gn
             c.moved += gs
+            c.written += gs
         for a in u.after:
             c.add(self.unit(a))
         return c
@@ -345,5 +357,6 @@ def _pipelined(gemm: Cost, comm: Cost, chunks: int) -> Cost:
     """An overlap (either way): its GEMM and its communication, each chunk's launches, and the
     pipeline whose hidden part seconds() takes off."""
     return Cost(moved=gemm.moved + comm.moved, sent=comm.sent, net=comm.net, flops=gemm.flops,
+                written=gemm.written + comm.written,
                 passes=gemm.passes + comm.passes, launches=chunks * (gemm.launches + comm.launches),
                 pipelines=[(gemm, comm, chunks)])

@@ -9,6 +9,11 @@ the CPU backend runs it, and the per-unit algorithm, the CPU runtime's, is not s
 
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
 from coconetc.plan.label import DEFAULT, parse
 from coconetc.sourcefile import SourceFile, add_schedules
 from coconetc.oracle.inputs import size_symbols
@@ -132,3 +137,365 @@ def _units(c, algorithms: bool = True) -> list[str]:
         out.append(f"{label:<26} {_human(part.moved):>11} {_human(part.sent):>11} {part.passes:>6} "
                    f"{part.launches:>8}{algo}")
     return out
+
+
+# --- the kernel listing (--backend cuda -s S): each unit's kernels against its bound ----------
+
+# Defaults of the bound, an H100 / H200 SXM's data sheet (NVIDIA): HBM bandwidth in GB/s (H100
+# 3350, H200 4800; `--bandwidth`, or the copy bandwidth the GPU script measured, `--machine`) and
+# the dense peak in TFLOP/s by the dtype of a library operation's result (the same SMs in both:
+# f32 and f64 without tensor cores, as cuBLAS runs f32 by default, bf16/f16 on tensor cores).
+GPU_BANDWIDTH_GBPS = {"h100": 3350.0, "h200": 4800.0}
+PEAK_TFLOPS = {"f64": 67.0, "f32": 67.0, "bf16": 989.0, "f16": 989.0}
+DEFAULT_BANDWIDTH_GBPS = GPU_BANDWIDTH_GBPS["h100"]
+
+# what a profiler's kernel names look like, by the library a unit calls (matched case-blind)
+LIBRARY_PATTERNS = {
+    "cublas": r"gemm|cutlass|xmma|cublas|splitkreduce",
+    "nccl": r"nccl",
+    "memcpy": r"^memcpy|^memset",
+    "runtime": r"coconet::cuda::(?!.*coconet_gen::)",  # the runtime's own kernels (reductions, layernorm, ...)
+}
+
+
+@dataclass
+class KernelRow:
+    """One plan unit in launch order: the kernels the generated code launches for it (extended
+    lambdas, named as CUPTI demangles them: FUNC(...)::{lambda(SIG)#K}, K counting FUNC's lambdas
+    of that signature in the code's order) and the libraries it calls, its bytes and flops (the
+    cost model's, tune/cost.py) and its bound at a bandwidth and peak."""
+
+    unit: int
+    what: str
+    line: int
+    kernels: list[str]
+    libraries: list[str]
+    read: float
+    written: float
+    flops: float
+    dtype: str
+    epilogue: str
+    bound_s: float = 0.0
+    limit: str = ""
+
+    def as_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("unit", "what", "line", "kernels", "libraries", "read", "written",
+                                               "flops", "dtype", "epilogue", "bound_s", "limit")}
+
+
+def machine_rates(bandwidth: float | None = None, peak: float | None = None,
+                  machine: str | None = None) -> tuple[float, dict[str, float], str]:
+    """(bytes/s, flop/s per dtype, where they come from): --bandwidth GB/s and --peak TFLOP/s
+    first, then a measured JSON (MACHINE: {"bandwidth_gbps": .., "peak_tflops": {dtype: ..}}, the
+    GPU script writes one), then the defaults (an H100's)."""
+    bw, peaks, said = DEFAULT_BANDWIDTH_GBPS, dict(PEAK_TFLOPS), "H100 SXM data sheet"
+    if machine:
+        try:
+            doc = json.loads(Path(machine).read_text())
+            bw = float(doc.get("bandwidth_gbps", bw))
+            peaks.update({k: float(v) for k, v in (doc.get("peak_tflops") or {}).items()})
+        except (OSError, ValueError, TypeError, AttributeError) as err:
+            raise ExplainError(f"--machine {machine}: not a machine JSON ({err})") from None
+        said = f"{machine}{' (' + doc['device'] + ')' if doc.get('device') else ''}"
+    if bandwidth is not None:
+        bw, said = bandwidth, "given"
+    if peak is not None:
+        peaks = {k: peak for k in peaks}
+        said = "given"
+    if bw <= 0 or any(v <= 0 for v in peaks.values()):
+        raise ExplainError("--bandwidth and --peak must be positive")
+    return bw * 1e9, {k: v * 1e12 for k, v in peaks.items()}, said
+
+
+def bound(read: float, written: float, flops: float, bw: float, peak: float) -> tuple[float, str]:
+    """The least time a unit can take: its bytes at the copy bandwidth or its flops at the peak,
+    whichever is longer (a roofline)."""
+    mem, compute = (read + written) / bw, flops / peak
+    return max(mem, compute), ("compute" if compute > mem else "memory")
+
+
+_LAMBDA = re.compile(r"\[[=&][^\]\n]*\]\s*(?:__device__\s*|__host__\s*|mutable\s*)*\(([^)]*)\)")
+
+
+def _signature(params: str) -> str:
+    """A lambda's parameter list from the source (`const T& th, int64_t q`) as a demangled name
+    writes it (`T const&, long`)."""
+    out = []
+    for p in _split_top(params):
+        p = p.strip()
+        if not p:
+            continue
+        if re.search(r"[\w>*&]\s+[A-Za-z_]\w*$", p):  # the parameter's name
+            p = re.sub(r"\s*\b[A-Za-z_]\w*$", "", p)
+        ref = p.endswith("&")
+        p = p.rstrip("&").strip()
+        if p.startswith("const "):
+            p = p[len("const "):] + " const"
+        out.append(p.replace("int64_t", "long") + ("&" if ref else ""))
+    return ", ".join(out)
+
+
+def _norm(sig: str) -> str:
+    """A signature compared alike however it is spelled (spaces, const, &, int64_t)."""
+    return re.sub(r"\bconst\b|&|\s", "", sig).replace("int64_t", "long")
+
+
+def _split_top(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*parts, cur]
+
+
+def lambda_key(name: str) -> tuple[str, str, int] | None:
+    """(function, signature, K) of a generated kernel's demangled name
+    (`...coconet_gen::FUNC(...)::{lambda(SIG)#K}...`), None for any other kernel."""
+    m = re.search(r"coconet_gen::(\w+)\(.*?\)::\{lambda\((.*?)\)#(\d+)\}", name)
+    return (m.group(1), _norm(m.group(2)), int(m.group(3))) if m else None
+
+
+def _unit_sections(plan, fn: str, file: str, outputs: list[str]) -> list[list[str]]:
+    """The generated CUDA text of each top-level unit of PLAN (the renderer's own output)."""
+    from coconetc.codegen.cuda.render import CudaRenderer
+
+    class Sections(CudaRenderer):
+        depth = 0
+        marks: list[int] = []
+
+        def unit(self, u):
+            top = self.depth == 0
+            if top:
+                self.marks.append(len(self.w.lines))
+            self.depth += 1
+            try:
+                super().unit(u)
+            finally:
+                self.depth -= 1
+
+    r = Sections(plan, fn, file, outputs)
+    r.marks = []
+    lines = r.render().body
+    ends = [*r.marks[1:], len(lines)]
+    return [lines[a:b] for a, b in zip(r.marks, ends)]
+
+
+def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ranks: int,
+            bw: float, peaks: dict[str, float]) -> tuple[str, list[KernelRow]]:
+    """(the generated function's name, one row per unit of LABEL's plan in launch order): what
+    it launches and calls, its bytes and flops (cost.py), its bound at BW bytes/s and PEAKS
+    flop/s by dtype."""
+    from coconetc.codegen.naming import function_name
+    from coconetc.codegen.library_calls import GEMM
+    from coconetc.plan.units import Collective, Copy, Fused, GatherMatmul, Library, Overlap, Reduce, Require
+    name = parse(label).name
+    plan = mod.plans[(program, name)]
+    fn = function_name(program, name)
+    c = cost(plan, sizes, ranks, window=parse(label).algorithm != "p2p")
+    outputs = [pub for pub, _ in mod.variants()[(program, name)].outputs]
+    sections = _unit_sections(plan, fn, Path(mod.file).name, outputs)
+    seen: dict[str, int] = {}
+    rows = []
+    for i, ((u, part), text) in enumerate(zip(c.parts, sections)):
+        names = []
+        for m in _LAMBDA.finditer("\n".join(text)):
+            sig = _signature(m.group(1))
+            k = seen[_norm(sig)] = seen.get(_norm(sig), 0) + 1
+            names.append(f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)::{{lambda({sig})#{k}}}")
+        libs: list[str] = []
+        if isinstance(u, (Overlap, GatherMatmul)) or (isinstance(u, Library) and u.op in GEMM):
+            libs.append("cublas")
+        elif isinstance(u, Library) or isinstance(u, Reduce):
+            libs.append("runtime")
+        if isinstance(u, (Collective, Fused, Overlap, GatherMatmul)) or (isinstance(u, Reduce) and u.cross_rank):
+            libs.append("nccl")
+        if isinstance(u, (Collective, Copy)):
+            libs.append("memcpy")  # a copy; NCCL on one rank copies
+        if isinstance(u, Fused):
+            libs.append("runtime")  # its symmetric kernel
+        what = _what(text, u)
+        dtype = _dtype(plan, u)
+        read, written = part.moved - part.written, part.written
+        b, limit = bound(read, written, part.flops, bw, peaks.get(dtype, peaks["f32"]))
+        if isinstance(u, Require):
+            b, limit = 0.0, "none"
+        epi = getattr(u, "epilogue", None)
+        rows.append(KernelRow(i, what, getattr(u, "line", 0), names, libs, read, written, part.flops, dtype,
+                              str(epi) if epi else "", b, limit))
+    return fn, rows
+
+
+def _what(text: list[str], u) -> str:
+    for line in text:
+        m = re.match(r"\s*// \[[^\]]*\] (.*?)(?: \(\S+:\d+\))?$", line)
+        if m:
+            return m.group(1)
+    return type(u).__name__.lower() + (f" {u.dst}" if getattr(u, "dst", "") else "")
+
+
+def _dtype(plan, u) -> str:
+    for attr in ("dst", "producer", "consumer", "src"):
+        n = getattr(u, attr, "")
+        if n:
+            try:
+                return plan.buffer(n).type.dtype
+            except KeyError:
+                pass
+    t = getattr(u, "type", None)
+    return t.dtype if t is not None else "f32"
+
+
+def kernel_listing(mod: SourceFile, program: str, label: str, ranks: int, given: dict[str, int],
+                   target: str, bandwidth: float | None = None, peak: float | None = None,
+                   machine: str | None = None, records: bool = True) -> dict:
+    """The listing of one schedule as JSON (what `--format json` prints, and the GPU script
+    reads); RECORDS False: the sizes are not taken from the tuning cache (no GPU here to name
+    its records), so all must be given."""
+    if label == "auto" or label is None:
+        raise ExplainError("the kernel listing is of one schedule: give -s SCHEDULE")
+    _labels(mod, program, label, None)  # a schedule of this program, else the error naming them
+    missing = [k for k in symbols(mod, program) if k not in given]
+    if missing and not records:
+        raise ExplainError(f"explain {program}: give the sizes ({' '.join(f'--size {k}=INT' for k in missing)}); "
+                           f"without a GPU here no tuning record is read to take them from")
+    sizes = _sizes(mod, program, ranks, given, target)
+    bw, peaks, said = machine_rates(bandwidth, peak, machine)
+    fn, rows = kernels(mod, program, label, sizes, ranks, bw, peaks)
+    return {"program": program, "schedule": label, "function": fn, "sizes": sizes, "ranks": ranks,
+            "bandwidth_gbps": bw / 1e9, "peak_tflops": {k: v / 1e12 for k, v in peaks.items()},
+            "rates_from": said, "kernels": [r.as_json() for r in rows],
+            "bound_s": sum(r["bound_s"] for r in (x.as_json() for x in rows))}
+
+
+def kernel_table(doc: dict) -> str:
+    """The listing as text: one row per unit, its kernels (or library calls) under it."""
+    peaks = ", ".join(f"{k} {v:g}" for k, v in doc["peak_tflops"].items())
+    shown = ", ".join(f"{k}={v}" for k, v in doc["sizes"].items())
+    lines = [f"{doc['program']} [{doc['schedule']}] at {shown} on {doc['ranks']} ranks: function "
+             f"coconet_gen::{doc['function']}; bound = max(bytes / {doc['bandwidth_gbps']:g} GB/s, flops / peak "
+             f"TFLOP/s ({peaks})) ({doc['rates_from']})",
+             f"{'#':>2} {'line':>5} {'unit':<34} {'read':>11} {'written':>11} {'GFLOP':>8} {'bound':>11} {'limit':<7}"]
+    for r in doc["kernels"]:
+        what = r["what"] + (f" + epilogue {r['epilogue']}" if r["epilogue"] else "")
+        lines.append(f"{r['unit']:>2} {'L' + str(r['line']) if r['line'] else '-':>5} {what[:34]:<34} "
+                     f"{_human(r['read']):>11} {_human(r['written']):>11} {r['flops'] / 1e9:>8.3f} "
+                     f"{r['bound_s'] * 1e6:>8.2f} us {r['limit']:<7}")
+        for k in r["kernels"]:
+            lines.append(f"{'':>9}kernel {k}")
+        if r["libraries"]:
+            lines.append(f"{'':>9}calls {', '.join(r['libraries'])}")
+    lines.append(f"{'':>9}total bound {doc['bound_s'] * 1e6:.2f} us")
+    return "\n".join(lines) + "\n"
+
+
+# --- a profiler's kernels matched to the listing (the GPU script, bench/cuda_gpu_check.py --kernels) --
+
+def trace_kernels(trace: dict | list) -> list[dict]:
+    """The device activity of a Chrome trace (torch.profiler's export_chrome_trace: events of
+    category kernel, gpu_memcpy, gpu_memset) as {name, ts, dur} (microseconds), in start order."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    out = []
+    for e in events:
+        if isinstance(e, dict) and e.get("ph", "X") == "X" and str(e.get("cat", "")).lower() in (
+                "kernel", "gpu_memcpy", "gpu_memset") and "name" in e:
+            out.append({"name": str(e["name"]), "ts": float(e.get("ts", 0.0)), "dur": float(e.get("dur", 0.0)),
+                        "stream": (e.get("args") or {}).get("stream", e.get("tid"))})
+    return sorted(out, key=lambda e: e["ts"])
+
+
+def library_of(name: str) -> str | None:
+    """Which library call a kernel that is not a generated one belongs to (LIBRARY_PATTERNS)."""
+    for lib, pattern in LIBRARY_PATTERNS.items():
+        if re.search(pattern, name, re.IGNORECASE):
+            return lib
+    return None
+
+
+def match_kernels(listing: dict, events: list[dict], calls: int = 1) -> dict:
+    """EVENTS (trace_kernels: the device activity of CALLS calls of the listing's schedule, in
+    start order) matched to the listing's units: a generated kernel by its name (its function
+    and lambda), a library's kernel (cuBLAS, NCCL, a copy, the runtime's) to the first unit at
+    or after the last one matched that calls that library. Per unit: the kernels matched, their
+    device time per call, and measured / bound. A unit nothing matched is reported (measured
+    None), and so is every kernel no unit takes (unlisted): neither is an error."""
+    rows = listing["kernels"]
+    want: dict[tuple[str, str, int], int] = {}
+    for i, r in enumerate(rows):
+        for k in r["kernels"]:
+            key = lambda_key(k)
+            if key is not None:
+                want.setdefault(key, i)
+    got: list[list[dict]] = [[] for _ in rows]
+    unlisted: list[dict] = []
+    cur = 0
+    for e in events:
+        key = lambda_key(e["name"])
+        target = None
+        if key is not None:
+            target = want.get(key)
+        else:
+            lib = library_of(e["name"])
+            if lib is not None:
+                # the units are in launch order: the first at or after the last one matched, and after
+                # the listing's end (the next call) from the start
+                order = [*range(cur, len(rows)), *range(0, cur)]
+                target = next((j for j in order if lib in rows[j]["libraries"]), None)
+        if target is None:
+            unlisted.append(e)
+            continue
+        got[target].append(e)
+        cur = target
+    out = []
+    for r, evs in zip(rows, got):
+        measured = sum(e["dur"] for e in evs) * 1e-6 / calls if evs else None
+        names = sorted({e["name"] for e in evs})
+        out.append({"unit": r["unit"], "what": r["what"], "line": r["line"], "bound_s": r["bound_s"],
+                    "limit": r["limit"], "measured_s": measured, "launches": len(evs) / calls,
+                    "ratio": measured / r["bound_s"] if measured is not None and r["bound_s"] > 0 else None,
+                    "matched": names, "expected": [*r["kernels"], *r["libraries"]]})
+    total_measured = sum(e["dur"] for e in events) * 1e-6 / calls
+    total_bound = sum(r["bound_s"] for r in rows)
+    return {"program": listing["program"], "schedule": listing["schedule"], "function": listing["function"],
+            "sizes": listing["sizes"], "bandwidth_gbps": listing["bandwidth_gbps"], "units": out,
+            "unlisted": [{"name": e["name"], "dur_s": e["dur"] * 1e-6} for e in unlisted],
+            "measured_s": total_measured, "bound_s": total_bound,
+            "ratio": total_measured / total_bound if total_bound > 0 else None,
+            "unmatched_units": [u["unit"] for u in out if u["measured_s"] is None and u["limit"] != "none"]}
+
+
+def measured_table(m: dict) -> list[str]:
+    """One schedule's units measured against their bounds (markdown rows)."""
+    shown = ", ".join(f"{k}={v}" for k, v in m["sizes"].items())
+    lines = [f"\n### {m['program']} [{m['schedule']}] at {shown}: {_us(m['measured_s'])} of kernels against a "
+             f"bound of {_us(m['bound_s'])} ({_ratio(m['ratio'])})\n",
+             "| # | line | unit | bound | limit | measured | measured / bound | launches | kernels |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for u in m["units"]:
+        kern = "; ".join(_short(n) for n in u["matched"]) if u["matched"] else \
+            "NO MATCH (expected: " + "; ".join(_short(n) for n in u["expected"]) + ")"
+        lines.append(f"| {u['unit']} | {u['line'] or ''} | {u['what']} | {_us(u['bound_s'])} | {u['limit']} | "
+                     f"{_us(u['measured_s'])} | {_ratio(u['ratio'])} | {u['launches']:g} | {kern.replace('|', '/')} |")
+    for e in m["unlisted"]:
+        lines.append(f"| - | | unlisted kernel | | | {_us(e['dur_s'])} | | | {_short(e['name']).replace('|', '/')} |")
+    return lines
+
+
+def _us(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e6:.1f} us"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _short(name: str) -> str:
+    """A kernel's name, shortened for a table: a generated kernel as FUNC lambda(SIG)#K."""
+    key = lambda_key(name)
+    if key is not None:
+        return f"{key[0]} lambda({key[1]})#{key[2]}"
+    return name if len(name) <= 80 else name[:77] + "..."
