@@ -13,7 +13,7 @@ import sys
 import numpy as np
 
 import coconetc
-from coconetc.runtime.nodes import node_comm
+from coconetc.runtime.node_ranks import node_comm
 from mpi4py import MPI
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)

@@ -388,7 +388,7 @@ def test_an_expansion_that_grows_too_large_is_an_error_at_the_call():
 
 
 def test_build_inputs_reach_cmake_and_the_cache_key(tmp_path):
-    from coconetc.codegen.libs import Libs
+    from coconetc.codegen.extern_libs import Libs
     from coconetc.codegen.cpu import generate
     f = _extern_file(tmp_path)
     (tmp_path / "scale_rows.h").write_text(HEADER)

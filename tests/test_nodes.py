@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coconetc.runtime import nodes
+from coconetc.runtime import node_ranks as nodes
 from tests.rank_checks import check, launch
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ codegen/ holds what both backends share, as objects and functions each backend c
   library_calls.py  a Library unit's runtime call (its function and arguments), one for both
                 backends
   naming.py     the names both backends give (module functions)
-  libs.py       what extern operations need from a build (headers, libraries)
+  extern_libs.py  what extern operations need from a build (headers, libraries)
   module.py     laying out a module: the templates' environment, one function per variant
 
 cpu/ (C++, MPI) and cuda/ (CUDA, NCCL, cuBLAS) have the same files for the same jobs:

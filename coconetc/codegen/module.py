@@ -11,7 +11,7 @@ from pathlib import Path
 import jinja2
 
 from coconetc.codegen.base import Function
-from coconetc.codegen.libs import Libs
+from coconetc.codegen.extern_libs import Libs
 from coconetc.codegen.naming import function_name
 from coconetc.plan.units import Plan
 from coconetc.sourcefile import SourceFile

@@ -97,7 +97,7 @@ def load_on_gpu(file: str, comm: Any, grad=()) -> Any:
     import torch
 
     import coconetc
-    from coconetc.runtime.nodes import node_comm
+    from coconetc.runtime.node_ranks import node_comm
     if not torch.cuda.is_available():
         raise SystemExit("coconetc run --backend cuda: no CUDA device here (use --emulate)")
     node = node_comm(comm)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.ir.storage import STORAGE
-from coconetc.runtime.nodes import node_comm
+from coconetc.runtime.node_ranks import node_comm
 from coconetc.runtime.layout import FRAMEWORKS, TORCH_DTYPES, checked_shape
 
 _KEEP: list[Any] = []  # the windows and their node communicators, alive until the process ends
@@ -44,7 +44,7 @@ def one_node(comm: Any) -> bool:
 def empty(shape: int | tuple[int, ...], dtype: str = "f32", *, comm: Any = None,
           framework: str = "numpy") -> Any:
     """An uninitialised array of SHAPE and language DTYPE ("f32", "bf16", ...) in a shared
-    window over the ranks of COMM (default COMM_WORLD) on this node (coconetc.runtime.nodes): a NumPy array
+    window over the ranks of COMM (default COMM_WORLD) on this node (coconetc.runtime.node_ranks): a NumPy array
     (framework="numpy") or a torch tensor ("torch"). Collective over COMM."""
     return _allocate(shape, dtype, comm, framework, "coconetc.empty()", one=False)
 

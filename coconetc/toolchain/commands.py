@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from coconetc.codegen import cpu, cuda
-from coconetc.codegen.libs import Libs
+from coconetc.codegen.extern_libs import Libs
 from coconetc.paths import runtime_dir
 from coconetc.toolchain import artifacts
 from coconetc.toolchain.probes import (ENV_BUILD_JOBS, ENV_VERBOSE, BuildError, cache_dir, cuda_toolchain,

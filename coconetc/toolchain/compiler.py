@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coconetc.codegen import cpu, cuda
-from coconetc.codegen.libs import Libs
+from coconetc.codegen.extern_libs import Libs
 from coconetc.errors import CompileError, Span
 from coconetc.paths import runtime_dir
 from coconetc.plan.targets import TARGETS, Target

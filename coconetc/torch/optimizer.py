@@ -29,7 +29,7 @@ def _shared_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
 def _node_copy(t: torch.Tensor, dtype: str, comm: Any) -> torch.Tensor:
     """The 1-d tensor t in one window for the ranks of comm on this node (shm.empty_node;
     collective), holding the values of the node's first rank (as DDP broadcasts rank 0's)."""
-    from coconetc.runtime.nodes import node_comm
+    from coconetc.runtime.node_ranks import node_comm
     from coconetc.runtime.shm import empty_node
     out = empty_node((t.numel(),), dtype, comm=comm, framework="torch")
     node = node_comm(comm)

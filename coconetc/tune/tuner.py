@@ -30,7 +30,7 @@ from typing import Any
 from coconetc.plan.label import parse
 from coconetc.plan.targets import TARGETS, Target
 from coconetc.runtime import tuned
-from coconetc.runtime.nodes import simulated_nodes
+from coconetc.runtime.node_ranks import simulated_nodes
 from coconetc.runtime.loader import compile_cpu
 from coconetc.sourcefile import SourceFile, load_file
 from coconetc.toolchain import Artifact, Options, compile, module_stem

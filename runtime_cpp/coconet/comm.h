@@ -44,7 +44,7 @@ inline void (*&on_threads_set())(int) {
 // tests on one machine, COCONET_SIMULATE_NODES=K splits the ranks of the caller's communicator
 // into K simulated nodes of consecutive ranks (rank / (size / K)) that never share memory, so
 // the paths for groups that span several nodes run on one machine.  Every place that asks
-// "which ranks are on my node" goes through node_comm() (Python: coconetc/runtime/nodes.py).
+// "which ranks are on my node" goes through node_comm() (Python: coconetc/runtime/node_ranks.py).
 
 constexpr const char* kEnvSimulateNodes = "COCONET_SIMULATE_NODES";
 

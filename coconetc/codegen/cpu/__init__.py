@@ -12,7 +12,7 @@ from pathlib import Path
 
 from coconetc.codegen.base import Function
 from coconetc.codegen.cpu.render import render
-from coconetc.codegen.libs import Libs
+from coconetc.codegen.extern_libs import Libs
 from coconetc.codegen.module import functions, lay_out, lay_out_units
 from coconetc.sourcefile import SourceFile
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from coconetc.codegen.base import Function
 from coconetc.codegen.cuda.render import render
-from coconetc.codegen.libs import Libs
+from coconetc.codegen.extern_libs import Libs
 from coconetc.codegen.module import functions, lay_out
 from coconetc.codegen.cuda.support import Unsupported, emulation_problems, problems, unsupported
 from coconetc.plan.units import Plan
