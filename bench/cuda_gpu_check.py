@@ -6,7 +6,17 @@ N = 2^26) against torch.optim.Adam(fused=True), and the device copy bandwidth, i
 Run: python bench/cuda_gpu_check.py [--n 67108864] [--archs 90] [--out DIR]
 Prints two tables (markdown) and writes DIR/cuda_gpu_check.json. torch's allocations are
 aligned, so the pointwise kernels take their vector path; --skip-bench --misalign runs the
-examples again with every tensor one element off (their element path)."""
+examples again with every tensor one element off (their element path).
+
+--kernels (every kernel against its bound, docs/cuda.md): the device's copy bandwidth (a
+1 GiB device-to-device copy) into DIR/machine.json, then for every schedule of KERNEL_RUNS one
+call profiled (torch.profiler, CUDA activity) after its warm-up, its kernels matched to
+`coconetc explain --backend cuda -s S --format json` (coconetc/tune/explain.py: kernel_listing
+at the measured bandwidth, match_kernels) and measured / bound printed per unit; the JSON gets
+"kernels". A unit no kernel matched, and a kernel no unit takes, are reported, never fatal.
+--kernels-dry TRACES does the same without a GPU from a JSON of recorded (or fabricated)
+traces: {"device", "bandwidth_gbps", "runs": [{"file", "program", "schedule", "sizes",
+"trace": a Chrome trace}]} (tests/test_gpu_script.py)."""
 
 from __future__ import annotations
 
@@ -155,6 +165,147 @@ def bench(n: int, archs: str, reps: int) -> list[dict]:
     return rows
 
 
+# what --kernels profiles: (example, program, sizes), every schedule of the program (about a minute)
+TP = {"B": 8, "S": 512, "H": 1024, "F": 4096}
+KERNEL_RUNS = [("adam.ccn", "adam", {"N": 1 << 24}), ("adamw.ccn", "adamw", {"N": 1 << 24}),
+               ("mixed_adam_bf16.ccn", "mixed_adam_bf16", {"N": 1 << 24}), ("lamb.ccn", "lamb", {"N": 1 << 24}),
+               ("clipped_sgd.ccn", "clipped_sgd", {"N": 1 << 24}), ("tp_mlp.ccn", "tp_mlp", TP),
+               ("tp_mlp.ccn", "tp_mlp_grad", TP), ("layernorm.ccn", "attn_out", {"B": 8, "S": 512, "H": 1024})]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """The device's copy bandwidth in bytes/s: a device-to-device copy of NBYTES (read + written)."""
+    import torch
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    t = common.device_timed(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / t
+
+
+def measured_runs(runs: list[dict], machine: str, device: str) -> dict:
+    """Each run ({file, program, schedule, sizes, trace, call_s}) matched to its kernel listing
+    at the rates of MACHINE (a machine JSON); a run that cannot be listed is kept with its error."""
+    from coconetc.sourcefile import load_file
+    from coconetc.tune import explain as ex
+    mods: dict = {}
+    out = []
+    for r in runs:
+        try:
+            mod = mods.get(r["file"]) or mods.setdefault(r["file"], load_file(ROOT / "examples" / r["file"]))
+            listing = ex.kernel_listing(mod, r["program"], r["schedule"], 1, r["sizes"], "cuda", machine=machine,
+                                        records=False)
+            m = ex.match_kernels(listing, ex.trace_kernels(r["trace"]))
+            m.update(file=r["file"], call_s=r.get("call_s"))
+        except Exception as err:  # noqa: BLE001 - one run's failure is reported, the others go on
+            m = dict(file=r.get("file"), program=r.get("program"), schedule=r.get("schedule"),
+                     error=f"{type(err).__name__}: {err}"[-600:])
+        out.append(m)
+    doc = json.loads(Path(machine).read_text())
+    return {"device": device, "bandwidth_gbps": doc.get("bandwidth_gbps"), "peak_tflops": doc.get("peak_tflops"),
+            "runs": out}
+
+
+def profile_runs(archs: str, tmp: Path, only: str = "") -> list[dict]:
+    """One profiled call of every schedule of KERNEL_RUNS (after its warm-up: auto's trial
+    calls of a fused collective and the deciding one), its Chrome trace and the call's time
+    (CUDA events, median of 5)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from coconetc.oracle.inputs import adapt_inputs, random_inputs
+    from coconetc.runtime import cuda as runtime_cuda
+    runs = []
+    for file, prog, sizes in KERNEL_RUNS:
+        if only and only not in (file, prog):
+            continue
+        try:
+            mod = runtime_cuda.load(ROOT / "examples" / file, archs=archs, log=lambda m: None)
+            fn, base = mod.programs[prog], mod.source_module.programs[prog]
+        except Exception as err:  # noqa: BLE001
+            runs.append(dict(file=file, program=prog, schedule="*", sizes=sizes, error=f"{type(err).__name__}: {err}"[-600:]))
+            continue
+        comm = mod.comm()
+        for sched, ir in fn.schedules.items():
+            t0 = time.time()
+            try:
+                inputs = adapt_inputs(random_inputs(base, 1, 1, sizes, seed=3), base, ir)
+                args = {q.name: _torch(inputs[0][q.name]) for q in ir.params}
+                for q in ir.params:
+                    if not q.scalar and q.type.dtype == "bf16":
+                        v = args[q.name]
+                        args[q.name] = [x.view(torch.bfloat16) for x in v] if isinstance(v, list) else v.view(torch.bfloat16)
+
+                def call(sched=sched, args=args, fn=fn, comm=comm):
+                    fn(schedule=sched, comm=comm, **args)
+                call_s = common.device_timed(call, 5, warmup=runtime_cuda.fused_trial_calls(mod.ext) + 2)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    call()
+                    torch.cuda.synchronize()
+                path = tmp / f"trace_{prog}_{sched}.json"
+                prof.export_chrome_trace(str(path))
+                trace = json.loads(path.read_text())
+                path.unlink()
+                runs.append(dict(file=file, program=prog, schedule=sched, sizes=sizes, call_s=call_s,
+                                 trace={"traceEvents": [e for e in trace.get("traceEvents", [])
+                                                        if str(e.get("cat", "")).lower() in ("kernel", "gpu_memcpy", "gpu_memset")]}))
+            except Exception as err:  # noqa: BLE001
+                runs.append(dict(file=file, program=prog, schedule=sched, sizes=sizes,
+                                 error=f"{type(err).__name__}: {err}"[-600:]))
+            print(f"profiled {prog} [{sched}] in {time.time() - t0:.1f} s", flush=True)
+            args = {}
+            torch.cuda.empty_cache()
+    return runs
+
+
+def kernels_report(doc: dict) -> str:
+    """The markdown of --kernels: per schedule, each unit's measured / bound."""
+    from coconetc.tune import explain as ex
+    bw = doc.get("bandwidth_gbps")
+    lines = [f"## Every kernel against its bound ({doc.get('device', '')}; copy bandwidth "
+             f"{bw:.0f} GB/s measured, peak by dtype {doc.get('peak_tflops')} TFLOP/s)" if bw else
+             "## Every kernel against its bound", "",
+             "| program | schedule | call (events) | kernels (sum) | bound | kernels / bound | units not matched | kernels not listed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in doc["runs"]:
+        if "error" in m:
+            lines.append(f"| {m.get('program')} | {m.get('schedule')} | ERROR: {str(m['error']).replace('|', '/')[:200]} | | | | | |")
+            continue
+        call = f"{m['call_s'] * 1e6:.1f} us" if m.get("call_s") else "-"
+        lines.append(f"| {m['program']} | {m['schedule']} | {call} | {m['measured_s'] * 1e6:.1f} us | "
+                     f"{m['bound_s'] * 1e6:.1f} us | {m['ratio']:.2f}x | {len(m['unmatched_units'])} | {len(m['unlisted'])} |"
+                     if m["ratio"] is not None else f"| {m['program']} | {m['schedule']} | {call} | | | | | |")
+    for m in doc["runs"]:
+        if "error" not in m:
+            lines += ex.measured_table(m)
+    return "\n".join(lines) + "\n"
+
+
+def kernels(a, out: Path) -> dict:
+    """--kernels (on the GPU) or --kernels-dry TRACES: the measured runs, printed and returned."""
+    import tempfile
+    tmp = Path(tempfile.mkdtemp())
+    machine = out / "machine.json"
+    if a.kernels_dry:
+        from coconetc.tune.explain import PEAK_TFLOPS
+        given = json.loads(Path(a.kernels_dry).read_text())
+        device, runs = given.get("device", "recorded"), given["runs"]
+        machine.write_text(json.dumps({"device": device, "bandwidth_gbps": given["bandwidth_gbps"],
+                                       "peak_tflops": {**PEAK_TFLOPS, **(given.get("peak_tflops") or {})}}))
+    else:
+        import torch
+        from coconetc.tune.explain import PEAK_TFLOPS
+        device = torch.cuda.get_device_name()
+        bw = copy_bandwidth()
+        torch.cuda.empty_cache()
+        print(f"copy bandwidth: {bw / 1e9:.0f} GB/s (1 GiB device to device)", flush=True)
+        machine.write_text(json.dumps({"device": device, "bandwidth_gbps": bw / 1e9, "peak_tflops": PEAK_TFLOPS}))
+        runs = profile_runs(a.archs, tmp, a.kernels_only)
+    doc = measured_runs([r for r in runs if "error" not in r], str(machine), device)
+    doc["runs"] += [r for r in runs if "error" in r]
+    print(kernels_report(doc), flush=True)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=1 << 26)
@@ -166,9 +317,19 @@ def main() -> None:
     ap.add_argument("--odd", type=int, default=11, help="the second size of every size symbol")
     ap.add_argument("--misalign", action="store_true",
                     help="every tensor one element past its allocation's start (the kernels' element path)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="only: every kernel of KERNEL_RUNS' schedules against its bound (torch.profiler)")
+    ap.add_argument("--kernels-only", default="", metavar="NAME", help="with --kernels: one example file or program")
+    ap.add_argument("--kernels-dry", metavar="TRACES", help="--kernels from recorded traces, without a GPU")
     a = ap.parse_args()
     global ODD, MISALIGN
     ODD, MISALIGN = a.odd, a.misalign
+    if a.kernels or a.kernels_dry:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = kernels(a, out)
+        (out / "cuda_gpu_check.json").write_text(json.dumps({"kernels": doc}, indent=1))
+        return
     import torch
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     res: dict = {}

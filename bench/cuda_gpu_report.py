@@ -11,6 +11,9 @@ What each JSON is, is read from its contents:
     chunks per fused collective): matches per way, and every row that is not a match listed;
   * bench/cuda_optimizer_check.py's ("checks"): each check's value against its tolerance;
   * bench/cuda_optimizer.py's ("rows" with "table"): its tables (cuda_optimizer.markdown);
+  * bench/cuda_gpu_check.py --kernels' ("kernels": runs): every kernel against its bound, per
+    schedule the call's time, its kernels' time and their bound, then per unit measured / bound
+    (cuda_gpu_check.kernels_report);
   * the timing tables of bench/tp_mlp.py and bench/adam_step.py --backend cuda ("sizes", each
     with "baselines" and "coconet", in seconds): per size, every variant's ms and its time over
     the best baseline (and over the memory roofline where the JSON has one).
@@ -30,13 +33,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_optimizer  # noqa: E402  (its tables: one home)
+import cuda_gpu_check  # noqa: E402  (the kernels' table: one home)
 
 WAYS = {"examples": "as allocated (vector path)", "misalign": "every tensor one element off (element path)",
         "symmetric": "COCONET_CUDA_FUSED=symmetric (device-API kernel)",
         "chunks": "size 37 in 5-element chunks (COCONET_CUDA_CHUNK=5)"}
 
 # without steps.tsv: the session script's order of its steps
-FALLBACK_ORDER = ["examples", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "symmetric",
+FALLBACK_ORDER = ["examples", "kernels", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "symmetric",
                   "misalign", "chunks", "adam_step", "adam_step_pipeline", "adam_step_symmetric"]
 
 
@@ -152,6 +156,22 @@ def checks_section(name: str, doc: dict) -> list[str]:
     return lines
 
 
+def _is_kernels(doc: Any) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("kernels"), dict) and isinstance(doc["kernels"].get("runs"), list)
+
+
+def kernels_section(results: dict[str, Any], unread: dict[str, str]) -> list[str]:
+    """bench/cuda_gpu_check.py --kernels' JSONs: every kernel against its bound."""
+    lines: list[str] = []
+    for name, doc in results.items():
+        if _is_kernels(doc):
+            try:
+                lines += ["", cuda_gpu_check.kernels_report(doc["kernels"])]
+            except Exception as err:  # noqa: BLE001 - a table that does not read is named, not fatal
+                unread[name] = f"{type(err).__name__}: {err}"
+    return lines
+
+
 def _is_timing(doc: Any) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("sizes"), dict) and all(
         isinstance(r, dict) and "coconet" in r for r in doc["sizes"].values())
@@ -169,12 +189,13 @@ def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -
     for name, doc in results.items():
         if name not in summary and _is_checks(doc):
             lines += checks_section(name, doc)
+    lines += kernels_section(results, unread)
     for name, doc in results.items():
         if name not in summary and _is_optimizer(doc):
             lines += [f"\n## {name} (bench/cuda_optimizer.py; communicator: {doc.get('communicator', '')})",
                       cuda_optimizer.markdown(doc)]
     for name, doc in results.items():
-        if name in summary or _is_optimizer(doc) or _is_checks(doc):
+        if name in summary or _is_optimizer(doc) or _is_checks(doc) or _is_kernels(doc):
             continue
         if not _is_timing(doc):
             unread.setdefault(name, "not a table this report knows")

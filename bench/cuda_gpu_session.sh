@@ -3,6 +3,11 @@
 #   bash bench/cuda_gpu_session.sh OUTDIR
 # Steps (each one's JSON in a temp directory, named after the step):
 #   examples        every example, program and schedule against the interpreter (vector path)
+#   kernels         every kernel against its bound: the copy bandwidth measured (1 GiB device to
+#                   device), then one profiled call of each schedule of bench/cuda_gpu_check.py's
+#                   KERNEL_RUNS (adam, adamw, mixed_adam_bf16, lamb, clipped_sgd, tp_mlp,
+#                   tp_mlp_grad, attn_out), each unit's kernels matched to `coconetc explain
+#                   --backend cuda -s S` and measured / bound printed (docs/cuda.md)
 #   optimizer_check coconetc.torch.DistributedOptimizer on a small model against torch: every
 #                   schedule, clipping, process_group and MPI, checkpoints to the CPU backend and
 #                   back, bf16/f16 with f32 master weights (bench/cuda_optimizer_check.py)
@@ -29,9 +34,11 @@
 #   gpu_session.json every step's JSON whole, the steps' exit codes and seconds, matches per way
 #   gpu_session.md   one markdown report (printed at the end too)
 # A step that fails does not stop the others; each runs under `timeout` (seconds below, times
-# COCONET_SESSION_TIMEOUT_SCALE, default 1), so a hang costs that step only; with
-# COCONET_SESSION_BUDGET=S the whole session keeps within S seconds (a device lease's limit):
-# each step gets at most what is left, and the steps that no longer fit are skipped, named.
+# COCONET_SESSION_TIMEOUT_SCALE, default 1), so a hang costs that step only; the whole session
+# keeps within COCONET_SESSION_BUDGET seconds (default 450: one device call of at most 8 minutes
+# with time to bring the files back; 0: no limit): each step gets at most what is left, and the
+# steps that no longer fit are skipped, named. On an H200 (2026-11-28) the steps took about 400 s,
+# the kernels step adds about a minute; tune_cuda, the last, gets what is left.
 set -u
 OUT=${1:-out/gpu}
 mkdir -p "$OUT"
@@ -43,7 +50,7 @@ LOG="$OUT/session.log"
 : >"$LOG"
 tmp=$(mktemp -d)
 SCALE=${COCONET_SESSION_TIMEOUT_SCALE:-1}
-BUDGET=${COCONET_SESSION_BUDGET:-0}  # seconds for the whole session (0: no limit): later steps get what is left
+BUDGET=${COCONET_SESSION_BUDGET:-450}  # seconds for the whole session (0: no limit): later steps get what is left
 step() {
     local name=$1 limit=$(($2 * SCALE))
     shift 2
@@ -82,6 +89,8 @@ for d in ("f32", "bf16"): coconetc.load(tp_mlp.ccn_file(d), grad="tp_mlp", backe
     >>"$LOG" 2>&1 &
 check examples 420 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
 wait
+step kernels 120 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --kernels --out "$tmp/kernels_out"
+mv "$tmp/kernels_out/cuda_gpu_check.json" "$tmp/kernels.json" 2>/dev/null || echo "no kernels.json" | tee -a "$LOG"
 step optimizer_check 180 python3 bench/cuda_optimizer_check.py --json "$tmp/optimizer_check.json"
 step optimizer_f32 300 python3 bench/cuda_optimizer.py --tables adam_f32,adamw_f32 --sizes 20,22,24,26,28 \
     --json "$tmp/optimizer_f32.json"

@@ -379,17 +379,17 @@ def kernel_table(doc: dict) -> str:
     lines = [f"{doc['program']} [{doc['schedule']}] at {shown} on {doc['ranks']} ranks: function "
              f"coconet_gen::{doc['function']}; bound = max(bytes / {doc['bandwidth_gbps']:g} GB/s, flops / peak "
              f"TFLOP/s ({peaks})) ({doc['rates_from']})",
-             f"{'#':>2} {'line':>5} {'unit':<34} {'read':>11} {'written':>11} {'GFLOP':>8} {'bound':>11} {'limit':<7}"]
+             f"{'#':>2} {'line':>5} {'unit':<40} {'read':>11} {'written':>11} {'flops':>10} {'bound':>10} limit"]
     for r in doc["kernels"]:
         what = r["what"] + (f" + epilogue {r['epilogue']}" if r["epilogue"] else "")
-        lines.append(f"{r['unit']:>2} {'L' + str(r['line']) if r['line'] else '-':>5} {what[:34]:<34} "
-                     f"{_human(r['read']):>11} {_human(r['written']):>11} {r['flops'] / 1e9:>8.3f} "
-                     f"{r['bound_s'] * 1e6:>8.2f} us {r['limit']:<7}")
+        lines.append(f"{r['unit']:>2} {'L' + str(r['line']) if r['line'] else '-':>5} {what[:40]:<40} "
+                     f"{_human(r['read']):>11} {_human(r['written']):>11} {_flops(r['flops']):>10} "
+                     f"{_time(r['bound_s']):>10} {r['limit']}")
         for k in r["kernels"]:
             lines.append(f"{'':>9}kernel {k}")
         if r["libraries"]:
             lines.append(f"{'':>9}calls {', '.join(r['libraries'])}")
-    lines.append(f"{'':>9}total bound {doc['bound_s'] * 1e6:.2f} us")
+    lines.append(f"{'':>9}total bound {_time(doc['bound_s'])}")
     return "\n".join(lines) + "\n"
 
 
@@ -483,6 +483,20 @@ def measured_table(m: dict) -> list[str]:
     for e in m["unlisted"]:
         lines.append(f"| - | | unlisted kernel | | | {_us(e['dur_s'])} | | | {_short(e['name']).replace('|', '/')} |")
     return lines
+
+
+def _time(s: float) -> str:
+    for unit, scale in (("ns", 1e-9), ("us", 1e-6), ("ms", 1e-3)):
+        if s < 1000 * scale or unit == "ms":
+            return f"{s / scale:.2f} {unit}"
+    return f"{s * 1e3:.2f} ms"
+
+
+def _flops(f: float) -> str:
+    for unit, scale in (("", 1.0), ("k", 1e3), ("M", 1e6), ("G", 1e9)):
+        if f < 1000 * scale:
+            return f"{f / scale:.3g}{' ' + unit if unit else ''}"
+    return f"{f / 1e12:.3g} T"
 
 
 def _us(s: float | None) -> str:
