@@ -171,3 +171,15 @@ def test_gpu_script_dry_run_and_report(tmp_path):
     md = (steps / "gpu_session.md").read_text()
     assert "Every kernel against its bound" in md and "not in the report" not in md
     assert f"{40e-6 / h_bound:.2f}x" in md
+
+
+def test_derived_gemm_flops():
+    """matmul_tn contracts a's leading dims (the weight gradients), matmul_nt a's last dim."""
+    B, S, H, F, R = 2, 4, 8, 32, 2
+    doc = listing("tp_mlp.ccn", "tp_mlp_grad", "default", R, dict(B=B, S=S, H=H, F=F))
+    units = {u["what"]: u for u in doc["kernels"]}
+    f = F // R
+    assert units["matmul_tn d_w1"]["flops"] == 2 * H * f * (B * S)  # x^T [H, B*S] @ g_h_add [B*S, F/R]
+    assert units["matmul_tn d_w2"]["flops"] == 2 * f * H * (B * S)  # h^T @ d_y
+    assert units["matmul_nt g_h"]["flops"] == 2 * (B * S) * f * H  # d_y [B*S, H] @ w2^T [H, F/R]
+    assert units["matmul_tn d_w1"]["written"] == H * f * F32

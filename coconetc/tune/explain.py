@@ -151,8 +151,8 @@ DEFAULT_BANDWIDTH_GBPS = GPU_BANDWIDTH_GBPS["h100"]
 
 # what a profiler's kernel names look like, by the library a unit calls (matched case-blind)
 LIBRARY_PATTERNS = {
-    "cublas": r"gemm|cutlass|xmma|cublas|splitkreduce",
     "nccl": r"nccl",
+    "cublas": r"gemm|gemv|cutlass|xmma|cublas|splitkreduce",
     "memcpy": r"^memcpy|^memset",
     "runtime": r"coconet::cuda::(?!.*coconet_gen::)",  # the runtime's own kernels (reductions, layernorm, ...)
 }
@@ -314,10 +314,10 @@ def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ra
             libs.append("runtime")
         if isinstance(u, (Collective, Fused, Overlap, GatherMatmul)) or (isinstance(u, Reduce) and u.cross_rank):
             libs.append("nccl")
-        if isinstance(u, (Collective, Copy)):
-            libs.append("memcpy")  # a copy; NCCL on one rank copies
         if isinstance(u, Fused):
             libs.append("runtime")  # its symmetric kernel
+        if isinstance(u, (Copy, Reduce)) or "nccl" in libs:
+            libs.append("memcpy")  # a copy; NCCL on one rank copies; a reduction's accumulator set
         what = _what(text, u)
         dtype = _dtype(plan, u)
         read, written = part.moved - part.written, part.written
@@ -332,7 +332,7 @@ def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ra
 
 def _what(text: list[str], u) -> str:
     for line in text:
-        m = re.match(r"\s*// \[[^\]]*\] (.*?)(?: \(\S+:\d+\))?$", line)
+        m = re.match(r"\s*// \[[^\]]*\] (.*?)(?: \([^()\s]+\.ccn(?::\d+)?\))?$", line)
         if m:
             return m.group(1)
     return type(u).__name__.lower() + (f" {u.dst}" if getattr(u, "dst", "") else "")
