@@ -214,17 +214,19 @@ def test_cache_key_and_tuned_schedules(example) -> None:
     assert tuned.tuned_schedules(mod.source) == ""  # the choices are hand-written
 
 
-def test_cached_choice_is_the_overall_choice(example) -> None:
-    """DistributedOptimizer's hook (it allocates the state in the choice's layouts)."""
+def test_the_overall_choice_or_how_to_make_one(example) -> None:
+    """runtime/auto.choice, what fn.resolve_schedule("auto") and `coconetc run -s auto` ask
+    (DistributedOptimizer allocates the state in the choice's layouts): the record's choice for
+    these sizes and ranks, or an error naming the tune command."""
+    from coconetc.runtime import auto
     mod = example("adam.ccn")
-
-    class Fn:
-        name, source = "adam", mod.source
-
-    assert tuned.cached_choice(Fn(), {"N": 64}, 2) is None
+    with pytest.raises(ValueError, match=r"no choice for N=64 on 2 ranks on this machine; run "
+                                         r"`coconetc tune F --program adam --ranks 2 --size N=64` first"):
+        auto.choice(mod.source, "F", "adam", {"N": 64}, 2)
     _fake_record(mod, {"N": 64}, 2)
-    assert tuned.cached_choice(Fn(), {"N": 64}, 2) == "zero"
-    assert tuned.cached_choice(Fn(), {"N": 65}, 2) is None
+    assert auto.choice(mod.source, "F", "adam", {"N": 64}, 2) == auto.Chosen("zero")
+    with pytest.raises(ValueError, match="no choice for N=65 on 2 ranks"):
+        auto.choice(mod.source, "F", "adam", {"N": 65}, 2)
 
 
 @pytest.mark.parametrize("label", ["default", "fused@p2p"])

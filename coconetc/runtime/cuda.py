@@ -27,9 +27,9 @@ from typing import Any
 from coconetc.codegen.naming import function_name
 from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Program
-from coconetc.plan.label import ScheduleLabel, parse
+from coconetc.plan.label import ScheduleLabel
 from coconetc.plan.targets import Target
-from coconetc.runtime import auto, batch, marshal
+from coconetc.runtime import batch, marshal, programs
 from coconetc.runtime.backends import BACKENDS, backend_for
 from coconetc.runtime.emulation import EMULATE, emulating
 from coconetc.runtime.entry import Call, enter
@@ -86,15 +86,13 @@ class CudaModule:
     def __init__(self, mod: Any, src: Any, ext: Any):
         self.source_module, self.sources, self.ext = mod, src, ext
         self.programs: dict[str, CudaProgram] = {}
-        by_program: dict[str, dict[str, Program]] = {}
-        for (prog, sched), ir in mod.variants().items():
-            if (prog, sched) in src.functions:  # what the CUDA renderer implements
-                by_program.setdefault(prog, {})[sched] = ir
-        for prog, scheds in by_program.items():
+
+        def make(prog: str, scheds: dict[str, Program]) -> CudaProgram:
             fn = self._function(prog, scheds, ext)
             fn.source, fn.file, fn.target = mod.source, mod.file, self.target
-            self.programs[prog] = fn
-            setattr(self, prog, fn)
+            return fn
+        # what the CUDA renderer implements
+        programs.bind(self, {k: ir for k, ir in mod.variants().items() if k in src.functions}, make)
         self._comm: NcclComm | None = None
 
     def _function(self, name: str, schedules: dict[str, Program], ext: Any) -> CudaProgram:
@@ -130,13 +128,8 @@ class CudaProgram:
                          **sizes: int) -> str:
         """The schedule a call with SCHEDULE runs: a named one is itself; "auto" the choice of
         `coconetc tune --backend cuda` for these sizes on the ranks of COMM (an NcclComm) on
-        this GPU (as the CPU module's resolve_schedule)."""
-        if schedule != "auto":
-            self.program_of(parse(schedule))
-            return schedule or "default"
-        choice = auto.overall(self, comm, groups, sizes)
-        self.program_of(parse(choice))
-        return choice
+        this GPU (runtime/programs.py: resolve, as the CPU module's)."""
+        return programs.resolve(self, schedule, comm, groups, sizes)
 
     def program_of(self, label: ScheduleLabel) -> Program:
         """The program a schedule label runs. A fused-collective algorithm ("zero@p2p") is a

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
-from coconetc.runtime import auto, batch, layout, marshal, shm
+from coconetc.runtime import batch, layout, marshal, programs, shm
 from coconetc.runtime.backends import BACKENDS
 from coconetc.runtime.entry import Call, enter
 from coconetc.runtime.fastpath import Recent, RecentCall, hot_check, run_hot
@@ -65,15 +65,13 @@ class CompiledModule:
         self._name, self.ext, self._whole = name, ext, whole
         self._made: tuple[SourceFile, Any] | None = None
         self.programs: dict[str, ProgramFunction] = {}
-        by_program: dict[str, dict[str, Program]] = {}
-        for (prog, sched), ir in exports.variants.items():
-            by_program.setdefault(prog, {})[sched] = ir
-        for prog, scheds in by_program.items():
+
+        def make(prog: str, scheds: dict[str, Program]) -> ProgramFunction:
             fn = ProgramFunction(prog, scheds, ext, {s: exports.functions[(prog, s)] for s in scheds},
                                  exports.source)
             fn.file = exports.file
-            self.programs[prog] = fn
-            setattr(self, prog, fn)
+            return fn
+        programs.bind(self, exports.variants, make)
 
     def _parts(self) -> tuple[SourceFile, Any]:
         if self._made is None:
@@ -123,15 +121,10 @@ class ProgramFunction:
                          **sizes: int) -> str:
         """The schedule a call with SCHEDULE runs. A named one is itself; "auto" is the
         autotuner's overall choice for these sizes and ranks, read from the tuning records
-        (runtime/tuned.py: cached_choice; it may take other parameter layouts than the
-        program's: DistributedOptimizer allocates its state in the choice's layouts); without
-        an entry this raises and says how to make one."""
-        if schedule != "auto":
-            self._program(schedule)
-            return schedule or DEFAULT
-        choice = auto.overall(self, comm, groups, sizes)
-        self._program(choice)
-        return choice
+        (runtime/auto.py; it may take other parameter layouts than the program's:
+        DistributedOptimizer allocates its state in the choice's layouts); without an entry
+        this raises and says how to make one (runtime/programs.py: resolve)."""
+        return programs.resolve(self, schedule, comm, groups, sizes)
 
     # --- layout helpers (coconetc/runtime/layout.py) ---------------------------------------
     def local_shape(self, name: str, *, schedule: str | None = None, comm: Any = None,

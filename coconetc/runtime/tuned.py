@@ -147,14 +147,6 @@ def generated_texts(record: dict[str, Any]) -> str:
     return "".join(texts[k] for k in sorted(texts))
 
 
-def cached_choice(fn: Any, sizes: dict[str, int], ranks: int, groups: int = 1) -> str | None:
-    """The tuner's overall choice for program function FN (of a module built for fn.target) at
-    these sizes (the loader's and DistributedOptimizer's hook: the optimizer allocates state
-    in the choice's layout)."""
-    r = lookup(getattr(fn, "source", ""), fn.name, dict(sizes), ranks, groups, getattr(fn, "target", "cpu"))
-    return None if r is None else r.get("choice")
-
-
 def with_tuned(mod: SourceFile, target: str = "cpu") -> SourceFile:
     """The file with the schedules the autotuner wrote and chose for it on TARGET, so that
     schedule="auto" can run them (what coconetc.load compiles); a stale record that no longer

@@ -1,0 +1,39 @@
+"""A built module's functions, one per program: what both backends' modules (module.py's
+CompiledModule, cuda.py's CudaModule) make of their variants, and how each program's
+function resolves a schedule label, in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from coconetc.ir.nodes import Program
+from coconetc.plan.label import DEFAULT, parse
+from coconetc.runtime import auto
+
+
+def bind(module: Any, variants: Mapping[tuple[str, str], Program],
+         make: Callable[[str, dict[str, Program]], Any]) -> None:
+    """MODULE.programs (and an attribute per program): make(program, {schedule: its IR}) for
+    each program among the (program, schedule) variants, in their order."""
+    by_program: dict[str, dict[str, Program]] = {}
+    for (prog, sched), ir in variants.items():
+        by_program.setdefault(prog, {})[sched] = ir
+    module.programs = {}
+    for prog, scheds in by_program.items():
+        fn = make(prog, scheds)
+        module.programs[prog] = fn
+        setattr(module, prog, fn)
+
+
+def resolve(fn: Any, schedule: str | None, comm: Any, groups: int, sizes: dict[str, int]) -> str:
+    """The schedule a call of FN (a program's function of either backend) with SCHEDULE runs:
+    a named one is itself (an unknown one raises, fn.program_of's error); "auto" the tuner's
+    overall choice for these sizes on the ranks of COMM (runtime/auto.py), read from the
+    records of fn's target; without one this raises and says how to make one."""
+    if schedule != "auto":
+        fn.program_of(parse(schedule))
+        return schedule or DEFAULT
+    choice = auto.overall(fn, comm, groups, sizes)
+    fn.program_of(parse(choice))
+    return choice
