@@ -47,6 +47,7 @@ class Backend:
     tag = "cpu"  # its part of a name (coconetc.torch's operators)
     gpu = False  # it needs a CUDA device here
     algorithms = True  # a schedule label's "@algorithm" (a CPU fused collective's) means something
+    schedules_left_out = ""  # where its module may lack a schedule of the file, why (in errors)
 
     # --- for the code above the runtime (coconetc.torch, the CLI) -------------------------------
     def torch_device(self) -> Any:
@@ -129,6 +130,7 @@ class CudaBackend(Backend):
     tag = "cuda"
     gpu = True
     algorithms = False  # the CUDA module's collectives are chosen when it is compiled
+    schedules_left_out = "; the CUDA module leaves out what the CUDA backend does not implement: `coconetc check --backend cuda` says why"
 
     def torch_device(self) -> Any:
         import torch

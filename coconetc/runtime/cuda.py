@@ -132,16 +132,7 @@ class CudaProgram:
         return programs.resolve(self, schedule, comm, groups, sizes)
 
     def program_of(self, label: ScheduleLabel) -> Program:
-        """The program a schedule label runs. A fused-collective algorithm ("zero@p2p") is a
-        choice of the CPU runtime: the CUDA module's collectives are chosen when it is compiled."""
-        if label.algorithm:
-            raise ValueError(f"{self.name}: schedule {str(label)!r}: the fused-collective algorithm "
-                             f"'@{label.algorithm}' is a choice of the CPU backend; call the CUDA "
-                             f"module with schedule={label.name!r}")
-        if label.name not in self.schedules:
-            raise ValueError(f"{self.name}: no schedule '{label.name}' in the CUDA module (have "
-                             f"{sorted(self.schedules)}; `coconetc check --backend cuda` says why)")
-        return self.schedules[label.name]
+        return programs.program_of(self, label)
 
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):

@@ -172,11 +172,7 @@ class ProgramFunction:
         return self.program_of(parse(schedule))
 
     def program_of(self, label: ScheduleLabel) -> Program:
-        p = self.schedules.get(label.name)
-        if p is None:
-            raise ValueError(f"{self.name}(): unknown schedule {str(label)!r} "
-                             f"(one of {', '.join(self.schedules)})")
-        return p
+        return programs.program_of(self, label)
 
     def __call__(self, *, schedule: str | None = None, comm: Any = None, groups: int = 1, **kwargs):
         fast = self.recent.get(self.recent.slot(schedule, kwargs))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from coconetc.ir.nodes import Program
-from coconetc.plan.label import DEFAULT, parse
+from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
 from coconetc.runtime import auto
 
 
@@ -37,3 +37,17 @@ def resolve(fn: Any, schedule: str | None, comm: Any, groups: int, sizes: dict[s
     choice = auto.overall(fn, comm, groups, sizes)
     fn.program_of(parse(choice))
     return choice
+
+
+def program_of(fn: Any, label: ScheduleLabel) -> Program:
+    """The program a schedule label runs on FN's backend (an unknown one raises, naming the
+    known ones). A fused-collective algorithm ("zero@p2p") is a choice of the backends that
+    choose per call (the CPU's); the CUDA module's collectives are chosen when it is compiled."""
+    if label.algorithm and not fn.backend.algorithms:
+        raise ValueError(f"{fn.name}(): schedule {str(label)!r}: the fused-collective algorithm "
+                         f"'@{label.algorithm}' is a choice of the CPU backend; call it with schedule={label.name!r}")
+    p = fn.schedules.get(label.name)
+    if p is None:
+        raise ValueError(f"{fn.name}(): unknown schedule {str(label)!r} (one of {', '.join(fn.schedules)})"
+                         f"{fn.backend.schedules_left_out}")
+    return p
