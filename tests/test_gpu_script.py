@@ -183,3 +183,37 @@ def test_derived_gemm_flops():
     assert units["matmul_tn d_w2"]["flops"] == 2 * f * H * (B * S)  # h^T @ d_y
     assert units["matmul_nt g_h"]["flops"] == 2 * (B * S) * f * H  # d_y [B*S, H] @ w2^T [H, F/R]
     assert units["matmul_tn d_w1"]["written"] == H * f * F32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adam.ccn", "tp_mlp.ccn"])
+def test_listing_names_are_the_modules_kernels(name):
+    """The listing's kernel names are the device kernels nvcc makes of the module (its symbols,
+    demangled as a profiler shows them), both ways: every name listed is a kernel of the module,
+    and every generated kernel of the module is listed (the module as test_cuda_backend's nvcc
+    test builds it: one build, cached)."""
+    import shutil
+
+    from coconetc import toolchain
+    from coconetc.sourcefile import load_file
+    from coconetc.toolchain import probes
+    from coconetc.tune import explain as ex
+    from test_cuda_backend import ARCHS
+    why = probes.cuda_missing() or ("no c++filt" if shutil.which("c++filt") is None else "")
+    if why:
+        pytest.skip(why)
+    mod = load_file(ROOT / "examples" / name)
+    so = toolchain.compile(mod, "cuda", toolchain.Options(archs=ARCHS, log=lambda m: None)).path
+    mangled = sorted({m.decode() for m in re.findall(rb"_ZN7coconet4cuda\w+", so.read_bytes())})
+    demangled = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True).stdout
+    kernels = {ex.lambda_key(line) for line in demangled.splitlines()
+               if line.startswith("void coconet::cuda::") and "__nv_dl" not in line and "device_stub" not in line}
+    kernels.discard(None)
+    assert len(kernels) >= 4, demangled[-2000:]  # adam: 6, tp_mlp: dozens
+    listed = set()
+    sizes = {k: 64 for k in ("B", "S", "H", "F", "N")}
+    for (program, schedule) in mod.variants():
+        doc = ex.kernel_listing(mod, program, schedule, 1, {k: sizes[k] for k in ex.symbols(mod, program)}, "cuda",
+                                records=False)
+        listed |= {ex.lambda_key(k) for u in doc["kernels"] for k in u["kernels"]}
+    assert listed == kernels, (sorted(listed - kernels, key=str), sorted(kernels - listed, key=str))

@@ -253,15 +253,50 @@ def _split_top(text: str) -> list[str]:
     return [*parts, cur]
 
 
-def lambda_key(name: str) -> tuple[str, str, int] | None:
-    """(function, signature, K) of a generated kernel's demangled name
-    (`...coconet_gen::FUNC(...)::{lambda(SIG)#K}...`), None for any other kernel."""
-    m = re.search(r"coconet_gen::(\w+)\(.*?\)::\{lambda\((.*?)\)#(\d+)\}", name)
-    return (m.group(1), _norm(m.group(2)), int(m.group(3))) if m else None
+_CHAIN = re.compile(r"coconet_gen::(\w+)\([^)]*\)((?:::\{lambda\([^)]*\)#\d+\}(?:::operator\(\)\([^)]*\)(?: const)?)?)+)")
 
 
-def _unit_sections(plan, fn: str, file: str, outputs: list[str]) -> list[list[str]]:
-    """The generated CUDA text of each top-level unit of PLAN (the renderer's own output)."""
+def lambda_key(name: str) -> tuple[str, tuple[tuple[str, int], ...]] | None:
+    """(function, ((signature, K), ...) from the outermost lambda in) of a generated kernel's
+    demangled name (`...coconet_gen::FUNC(...)::{lambda(SIG)#K}...`, a lambda inside another
+    `...{lambda(S1)#K1}::operator()(S1) const::{lambda(S2)#K2}`), None for any other kernel."""
+    m = _CHAIN.search(name)
+    if not m:
+        return None
+    return m.group(1), tuple((_norm(sig), int(k)) for sig, k in re.findall(r"\{lambda\(([^)]*)\)#(\d+)\}", m.group(2)))
+
+
+def _lambdas(text: str, fn: str) -> list[tuple[int, str]]:
+    """Every __device__ lambda of a generated function's TEXT, the template argument of the
+    kernel that runs it: (its offset, its name as CUPTI demangles it). Lambdas are numbered per signature in their scope (the function, or the lambda whose
+    body holds them: the Itanium ABI's numbering, which nvcc keeps for the device symbol)."""
+    found = []  # (start, body start, body end, params)
+    for m in _LAMBDA.finditer(text):
+        open_at = text.find("{", m.end())
+        depth, end = 0, len(text)
+        for j in range(open_at, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                end = j
+                break
+        found.append((m.start(), open_at, end, _signature(m.group(1)), "__device__" in m.group(0)))
+    out = []
+    counts: dict[tuple[int, str], int] = {}  # (the scope's index, -1 the function) -> lambdas so far
+    prefix: dict[int, str] = {}
+    for i, (start, _, _, sig, device) in enumerate(found):
+        scope = max((j for j in range(i) if found[j][1] < start < found[j][2]), default=-1)
+        k = counts[(scope, _norm(sig))] = counts.get((scope, _norm(sig)), 0) + 1
+        head = f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)" if scope < 0 else \
+            f"{prefix[scope]}::operator()({found[scope][3]}) const"
+        prefix[i] = f"{head}::{{lambda({sig})#{k}}}"
+        if device:  # a kernel's (a host lambda is counted and named, and launches none itself)
+            out.append((start, prefix[i]))
+    return out
+
+
+def _unit_sections(plan, fn: str, file: str, outputs: list[str]) -> tuple[list[str], list[int]]:
+    """The generated CUDA function of PLAN (the renderer's own output, its lines) and the line
+    at which each top-level unit starts."""
     from coconetc.codegen.cuda.render import CudaRenderer
 
     class Sections(CudaRenderer):
@@ -281,8 +316,7 @@ def _unit_sections(plan, fn: str, file: str, outputs: list[str]) -> list[list[st
     r = Sections(plan, fn, file, outputs)
     r.marks = []
     lines = r.render().body
-    ends = [*r.marks[1:], len(lines)]
-    return [lines[a:b] for a, b in zip(r.marks, ends)]
+    return lines, r.marks
 
 
 def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ranks: int,
@@ -298,15 +332,13 @@ def kernels(mod: SourceFile, program: str, label: str, sizes: dict[str, int], ra
     fn = function_name(program, name)
     c = cost(plan, sizes, ranks, window=parse(label).algorithm != "p2p")
     outputs = [pub for pub, _ in mod.variants()[(program, name)].outputs]
-    sections = _unit_sections(plan, fn, Path(mod.file).name, outputs)
-    seen: dict[str, int] = {}
+    lines, marks = _unit_sections(plan, fn, Path(mod.file).name, outputs)
+    at = [sum(len(x) + 1 for x in lines[:m]) for m in [*marks, len(lines)]]  # each unit's offset in the text
+    lambdas = _lambdas("\n".join(lines), fn)
     rows = []
-    for i, ((u, part), text) in enumerate(zip(c.parts, sections)):
-        names = []
-        for m in _LAMBDA.finditer("\n".join(text)):
-            sig = _signature(m.group(1))
-            k = seen[_norm(sig)] = seen.get(_norm(sig), 0) + 1
-            names.append(f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)::{{lambda({sig})#{k}}}")
+    for i, (u, part) in enumerate(c.parts):
+        text = lines[marks[i]:marks[i + 1] if i + 1 < len(marks) else len(lines)]
+        names = [n for start, n in lambdas if at[i] <= start < at[i + 1]]
         libs: list[str] = []
         if isinstance(u, (Overlap, GatherMatmul)) or (isinstance(u, Library) and u.op in GEMM):
             libs.append("cublas")
@@ -424,7 +456,7 @@ def match_kernels(listing: dict, events: list[dict], calls: int = 1) -> dict:
     device time per call, and measured / bound. A unit nothing matched is reported (measured
     None), and so is every kernel no unit takes (unlisted): neither is an error."""
     rows = listing["kernels"]
-    want: dict[tuple[str, str, int], int] = {}
+    want: dict[tuple, int] = {}
     for i, r in enumerate(rows):
         for k in r["kernels"]:
             key = lambda_key(k)
@@ -511,5 +543,5 @@ def _short(name: str) -> str:
     """A kernel's name, shortened for a table: a generated kernel as FUNC lambda(SIG)#K."""
     key = lambda_key(name)
     if key is not None:
-        return f"{key[0]} lambda({key[1]})#{key[2]}"
+        return key[0] + "".join(f" lambda({sig})#{k}" for sig, k in key[1])
     return name if len(name) <= 80 else name[:77] + "..."
