@@ -3,8 +3,10 @@
   * the compiled runtime (the Python binding, the collectives' instantiations), once per machine
     (every module links it);
   * each example built cold (`coconetc compile FILE`: its units not yet in the cache), then again
-    warm (everything cached), and a warm `coconetc.load` in a fresh process (the time of the
-    call, after `import coconetc`);
+    warm (everything cached); then `coconetc.load` in fresh processes (the time of the call,
+    after `import coconetc`): the first load (the module built, the file parsed, planned and
+    generated, its record written) and a warm load (the record read: runtime/warm.py), the
+    median of 5 processes, and the median time of `import coconetc`;
   * tp_mlp.ccn after one schedule is changed (chunks=2 -> 3) and after one is added: one unit
     compiles, the table and the link;
   * tp_mlp.ccn with its derived programs (as coconetc.torch.function loads it) in f32 and bf16.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,11 +34,13 @@ EXAMPLES = REPO / "examples"
 COCONETC = str(Path(sys.executable).parent / "coconetc")
 LOAD = """
 import sys, time
-import coconetc
 t = time.perf_counter()
+import coconetc
+t1 = time.perf_counter()
 coconetc.load(sys.argv[1], grad=tuple(sys.argv[2:]), log=lambda m: None)
-print(time.perf_counter() - t)
+print(t1 - t, time.perf_counter() - t1)
 """
+WARM_LOADS = 5  # fresh processes per warm-load figure (the median)
 RUNTIME = "from coconetc.toolchain import runtime; runtime(log=lambda m: None)"
 
 
@@ -47,12 +52,21 @@ def wall(cmd: list[str], env: dict) -> float:
     return time.perf_counter() - t
 
 
-def load_time(path: Path, env: dict, grad: tuple[str, ...] = ()) -> float:
-    """Seconds of coconetc.load(path) in a fresh process (after import coconetc), and the wall."""
+def load_time(path: Path, env: dict, grad: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Seconds of `import coconetc` and of coconetc.load(path) after it, in a fresh process."""
     res = subprocess.run([sys.executable, "-c", LOAD, str(path), *grad], env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"load failed: {path}\n{res.stderr[-3000:]}")
-    return float(res.stdout.split()[-1])
+    imp, load = res.stdout.split()[-2:]
+    return float(imp), float(load)
+
+
+def warm_loads(path: Path, env: dict) -> tuple[float, float, float]:
+    """The first coconetc.load of PATH (its module built already), then the medians of
+    WARM_LOADS warm loads and of their `import coconetc`, each in a fresh process."""
+    first = load_time(path, env)[1]
+    runs = [load_time(path, env) for _ in range(WARM_LOADS)]
+    return first, statistics.median(r[1] for r in runs), statistics.median(r[0] for r in runs)
 
 
 def variant(tmp: Path, name: str, text: str) -> Path:
@@ -70,16 +84,18 @@ def main() -> None:
     names = a.examples.split(",") if a.examples else sorted(p.name for p in EXAMPLES.glob("*.ccn"))
     tmp = Path(tempfile.mkdtemp(prefix="ccn-build-times-"))
     env = {**os.environ, "COCONET_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    rows: list[tuple[str, float, float, float]] = []
+    rows: list[tuple[str, float, float, float, float, float]] = []
     out: dict = {"cpus": os.cpu_count(), "runtime_s": wall([sys.executable, "-c", RUNTIME], env)}
     print(f"the compiled runtime (binding and instantiations), once per machine: {out['runtime_s']:.1f} s", flush=True)
     for name in names:
         path = EXAMPLES / name
         cold = wall([COCONETC, "compile", str(path)], env)
         warm = wall([COCONETC, "compile", str(path)], env)
-        rows.append((name, cold, warm, load_time(path, env)))
-        print(f"{name}: cold {cold:.1f} s, warm {warm:.2f} s, load {rows[-1][3]:.3f} s", flush=True)
-    out["examples"] = {n: {"cold_s": c, "warm_s": w, "load_s": ld} for n, c, w, ld in rows}
+        rows.append((name, cold, warm, *warm_loads(path, env)))
+        print(f"{name}: cold {cold:.1f} s, warm {warm:.2f} s, first load {rows[-1][3]:.3f} s, warm load "
+              f"{rows[-1][4]:.3f} s (import coconetc {rows[-1][5]:.3f} s)", flush=True)
+    out["examples"] = {n: {"cold_s": c, "warm_s": w, "first_load_s": f, "warm_load_s": ld, "import_s": i}
+                       for n, c, w, f, ld, i in rows}
     text = (EXAMPLES / "tp_mlp.ccn").read_text()
     base = variant(tmp, "base", text)
     wall([COCONETC, "compile", str(base)], env)
@@ -97,9 +113,10 @@ def main() -> None:
           f"{out['tp_mlp_added_schedule_s']:.1f} s")
     print(f"tp_mlp.ccn with the derived programs of tp_mlp and tp_block, cold: f32 "
           f"{out['tp_mlp_with_grads_f32_cold_s']:.1f} s, bf16 {out['tp_mlp_with_grads_bf16_cold_s']:.1f} s")
-    print("\n| example | cold build | warm build | warm coconetc.load |\n| --- | --- | --- | --- |")
-    for n, c, w, ld in rows:
-        print(f"| {n} | {c:.1f} s | {w:.2f} s | {ld:.3f} s |")
+    print("\n| example | cold build | warm build | first coconetc.load | warm coconetc.load | import coconetc |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    for n, c, w, f, ld, i in rows:
+        print(f"| {n} | {c:.1f} s | {w:.2f} s | {f:.3f} s | {ld:.3f} s | {i:.3f} s |")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1))
