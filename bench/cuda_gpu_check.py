@@ -205,29 +205,57 @@ def measured_runs(runs: list[dict], machine: str, device: str) -> dict:
             "runs": out}
 
 
-def profile_runs(archs: str, tmp: Path, only: str = "") -> list[dict]:
+class _Stop(BaseException):  # not caught by a run's `except Exception`
+    """SIGTERM (the session's `timeout`): stop profiling, report what was measured."""
+
+
+def _stop(signum, frame):
+    raise _Stop()
+
+
+def profile_runs(archs: str, tmp: Path, only: str = "", budget: float = 0.0) -> list[dict]:
     """One profiled call of every schedule of KERNEL_RUNS (after its warm-up: auto's trial
     calls of a fused collective and the deciding one), its Chrome trace and the call's time
-    (CUDA events, median of 5)."""
+    (CUDA events, median of 5). Past BUDGET seconds (0: none), or on SIGTERM, the runs not
+    made are named and the ones made returned."""
+    import signal
+    before = signal.signal(signal.SIGTERM, _stop)
+    runs: list[dict] = []
+    t_start = time.time()
+    try:
+        _profile_runs(archs, tmp, only, budget, t_start, runs)
+    except _Stop:
+        runs.append(dict(file="*", program="*", schedule="*", sizes={},
+                         error=f"stopped by SIGTERM after {time.time() - t_start:.0f} s (the step's time limit)"))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    return runs
+
+
+def _profile_runs(archs: str, tmp: Path, only: str, budget: float, t_start: float, runs: list[dict]) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
     from coconetc.oracle.inputs import adapt_inputs, random_inputs
     from coconetc.runtime import cuda as runtime_cuda
-    runs = []
     for file, prog, sizes in KERNEL_RUNS:
         if only and only not in (file, prog):
+            continue
+        if budget and time.time() - t_start > budget:
+            runs.append(dict(file=file, program=prog, schedule="*", sizes=sizes,
+                             error=f"skipped: the budget of {budget:.0f} s (--kernels-budget) is spent"))
             continue
         try:
             mod = runtime_cuda.load(ROOT / "examples" / file, archs=archs, log=lambda m: None)
             fn, base = mod.programs[prog], mod.source_module.programs[prog]
+            drawn = random_inputs(base, 1, 1, sizes, seed=3)  # once per program (seconds at 2^24)
+            comm = mod.comm()
         except Exception as err:  # noqa: BLE001
             runs.append(dict(file=file, program=prog, schedule="*", sizes=sizes, error=f"{type(err).__name__}: {err}"[-600:]))
             continue
-        comm = mod.comm()
         for sched, ir in fn.schedules.items():
             t0 = time.time()
             try:
-                inputs = adapt_inputs(random_inputs(base, 1, 1, sizes, seed=3), base, ir)
+                inputs = adapt_inputs(drawn, base, ir)
                 args = {q.name: _torch(inputs[0][q.name]) for q in ir.params}
                 for q in ir.params:
                     if not q.scalar and q.type.dtype == "bf16":
@@ -254,7 +282,6 @@ def profile_runs(archs: str, tmp: Path, only: str = "") -> list[dict]:
             print(f"profiled {prog} [{sched}] in {time.time() - t0:.1f} s", flush=True)
             args = {}
             torch.cuda.empty_cache()
-    return runs
 
 
 def kernels_report(doc: dict) -> str:
@@ -299,7 +326,7 @@ def kernels(a, out: Path) -> dict:
         torch.cuda.empty_cache()
         print(f"copy bandwidth: {bw / 1e9:.0f} GB/s (1 GiB device to device)", flush=True)
         machine.write_text(json.dumps({"device": device, "bandwidth_gbps": bw / 1e9, "peak_tflops": PEAK_TFLOPS}))
-        runs = profile_runs(a.archs, tmp, a.kernels_only)
+        runs = profile_runs(a.archs, tmp, a.kernels_only, a.kernels_budget)
     doc = measured_runs([r for r in runs if "error" not in r], str(machine), device)
     doc["runs"] += [r for r in runs if "error" in r]
     print(kernels_report(doc), flush=True)
@@ -321,6 +348,8 @@ def main() -> None:
                     help="only: every kernel of KERNEL_RUNS' schedules against its bound (torch.profiler)")
     ap.add_argument("--kernels-only", default="", metavar="NAME", help="with --kernels: one example file or program")
     ap.add_argument("--kernels-dry", metavar="TRACES", help="--kernels from recorded traces, without a GPU")
+    ap.add_argument("--kernels-budget", type=float, default=90.0, metavar="S",
+                    help="with --kernels: profile no new program past S seconds (0: no limit)")
     a = ap.parse_args()
     global ODD, MISALIGN
     ODD, MISALIGN = a.odd, a.misalign

@@ -217,3 +217,68 @@ def test_listing_names_are_the_modules_kernels(name):
                                 records=False)
         listed |= {ex.lambda_key(k) for u in doc["kernels"] for k in u["kernels"]}
     assert listed == kernels, (sorted(listed - kernels, key=str), sorted(kernels - listed, key=str))
+
+
+def test_gpu_script_profiles_every_schedule(monkeypatch, tmp_path):
+    """profile_runs' glue without a GPU: the module, the profiler and the device timing faked;
+    every schedule of the program called with its own inputs and profiled once, the trace kept
+    to its device events, and the runs matched to their listings."""
+    import torch
+
+    from coconetc.runtime import cuda as runtime_cuda
+    from coconetc.sourcefile import load_file
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import cuda_gpu_check as gc
+    src = load_file(ROOT / "examples" / "adam.ccn")
+    called: list[tuple[str, tuple]] = []
+
+    class Fn:
+        schedules = {s: src.variants()[("adam", s)] for p, s in src.variants() if p == "adam"}
+
+        def __call__(self, schedule, comm, **args):
+            called.append((schedule, tuple(sorted(args))))
+
+    class Module:
+        programs = {"adam": Fn()}
+        source_module = src
+        ext = object()
+
+        def comm(self):
+            return None
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, path):
+            events = [{"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 0, "dur": 5},
+                      {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", "ts": 1,
+                       "dur": 7}]
+            Path(path).write_text(json.dumps({"traceEvents": events}))
+
+    monkeypatch.setattr(gc, "KERNEL_RUNS", [("adam.ccn", "adam", {"N": 64})])
+    monkeypatch.setattr(runtime_cuda, "load", lambda *a, **k: Module())
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(gc, "_torch", lambda v: v)
+    monkeypatch.setattr(gc.common, "device_timed", lambda fn, reps, warmup=3: (fn(), 2e-3)[1])
+    runs = gc.profile_runs("90", tmp_path)
+    scheds = list(Fn.schedules)
+    assert [r["schedule"] for r in runs] == scheds and all("error" not in r for r in runs), runs
+    assert {s for s, _ in called} == set(scheds) and len(called) == 2 * len(scheds)  # timed once, profiled once
+    assert all(args == ("beta1", "beta2", "eps", "g", "lr", "m", "step", "v", "w") for _, args in called)
+    assert all([e["cat"] for e in r["trace"]["traceEvents"]] == ["kernel"] for r in runs)
+    (tmp_path / "machine.json").write_text(json.dumps({"bandwidth_gbps": 1000.0}))
+    doc = gc.measured_runs(runs, str(tmp_path / "machine.json"), "fake")
+    by = {m["schedule"]: m for m in doc["runs"]}
+    assert by["default"]["units"][0]["measured_s"] == pytest.approx(7e-6)  # the all-reduce's NCCL kernel
+    assert by["default"]["unmatched_units"] == [1] and by["default"]["call_s"] == 2e-3
+    # past its budget no new program is profiled: named, not run
+    assert gc.profile_runs("90", tmp_path, budget=1e-9)[0]["error"].startswith("skipped")
