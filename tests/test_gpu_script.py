@@ -282,3 +282,24 @@ def test_gpu_script_profiles_every_schedule(monkeypatch, tmp_path):
     assert by["default"]["unmatched_units"] == [1] and by["default"]["call_s"] == 2e-3
     # past its budget no new program is profiled: named, not run
     assert gc.profile_runs("90", tmp_path, budget=1e-9)[0]["error"].startswith("skipped")
+
+
+def test_listing_shows_the_recorded_call_time(tmp_path, monkeypatch):
+    """With a tuning record of the backend at these sizes, the listing gives the call's
+    measured time beside the bound (a hand-written record, in a tuning file of the test's own)."""
+    from coconetc.plan.targets import Target
+    from coconetc.runtime import tuned
+    from coconetc.sourcefile import load_file
+    monkeypatch.setenv(tuned.ENV_TUNING, str(tmp_path / "tuning.json"))
+    mod = load_file(ROOT / "examples" / "adam.ccn")
+    rec = {"file": str(ROOT / "examples/adam.ccn"), "program": "adam", "sizes": {"N": 64}, "ranks": 2, "groups": 1,
+           "machine": tuned.machine(Target.EMULATED), "target": Target.EMULATED, "time": 1.0,
+           "measured": {"default": 9e-3, "zero": 7e-3}, "choice": "zero", "by_convention": {"": "zero"},
+           "conventions": {}, "generated": [], "schedules": {}, "modelled": {}}
+    tuned.store(tuned.key(mod.source, "adam", {"N": 64}, 2, target=Target.EMULATED), rec)
+    doc = listing("adam.ccn", "adam", "zero", 2, {"N": 64}, "--emulate")
+    assert doc["measured_s"] == 7e-3
+    res = CliRunner().invoke(main, ["explain", str(ROOT / "examples/adam.ccn"), "--backend", "cuda", "--emulate",
+                                    "-s", "zero", "-n", "2", "--size", "N=64"])
+    assert res.exit_code == 0 and res.output.splitlines()[-1].endswith("the call measured 7.00 ms (tuning cache)")
+    assert listing("adam.ccn", "adam", "zero", 2, {"N": 128}, "--emulate")["measured_s"] is None

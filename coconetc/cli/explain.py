@@ -39,13 +39,15 @@ def explain(file, program, schedule, ranks, sizes, nodes, backend, emulate, band
     these sizes and ranks on the backend.
 
     \b
-    With --backend cuda and -s SCHEDULE (a GPU is not needed; with --emulate alike), the
-    schedule's kernel listing: each plan unit in launch order with the kernels the generated
-    code launches for it, named as a profiler shows them
-    (coconet_gen::FUNC(...)::{lambda(SIG)#K}), or the library it calls (cublas, nccl, memcpy,
-    runtime), the bytes it reads and writes and its flops (the cost model's, per rank), and its
-    bound: max(bytes / bandwidth, flops / peak). bench/cuda_gpu_check.py --kernels measures each
-    on a GPU against it (docs/cuda.md, "Every kernel against its bound")."""
+    With --backend cuda and -s SCHEDULE (not auto; no GPU needed, --emulate
+    alike): the schedule's kernel listing. Each plan unit in launch order:
+    the kernels its generated code launches, named as a profiler shows them
+    (coconet_gen::FUNC(...)::{lambda(SIG)#K}), or the library it calls
+    (cublas, nccl, memcpy, runtime); the bytes it reads and writes and its
+    flops (the cost model's, per rank); its bound, max(bytes / bandwidth,
+    flops / peak). --format json prints it for bench/cuda_gpu_check.py
+    --kernels, which measures each unit on a GPU against its bound
+    (docs/cuda.md, "Every kernel against its bound")."""
     from coconetc.tune import explain as ex
     listing = backend == "cuda" and schedule is not None and schedule != "auto"
     if fmt == "json" and not listing:

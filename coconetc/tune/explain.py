@@ -397,11 +397,14 @@ def kernel_listing(mod: SourceFile, program: str, label: str, ranks: int, given:
                            f"without a GPU here no tuning record is read to take them from")
     sizes = _sizes(mod, program, ranks, given, target)
     bw, peaks, said = machine_rates(bandwidth, peak, machine)
+    rec = cache.lookup(mod.source, program, sizes, ranks, target=target) if records else None
     fn, rows = kernels(mod, program, label, sizes, ranks, bw, peaks)
     return {"program": program, "schedule": label, "function": fn, "sizes": sizes, "ranks": ranks,
             "bandwidth_gbps": bw / 1e9, "peak_tflops": {k: v / 1e12 for k, v in peaks.items()},
             "rates_from": said, "kernels": [r.as_json() for r in rows],
-            "bound_s": sum(r["bound_s"] for r in (x.as_json() for x in rows))}
+            "bound_s": sum(r.bound_s for r in rows),
+            # the call's time the tuning cache measured at these sizes and ranks on TARGET, if any
+            "measured_s": (rec or {}).get("measured", {}).get(label)}
 
 
 def kernel_table(doc: dict) -> str:
@@ -421,7 +424,8 @@ def kernel_table(doc: dict) -> str:
             lines.append(f"{'':>9}kernel {k}")
         if r["libraries"]:
             lines.append(f"{'':>9}calls {', '.join(r['libraries'])}")
-    lines.append(f"{'':>9}total bound {_time(doc['bound_s'])}")
+    lines.append(f"{'':>9}total bound {_time(doc['bound_s'])}" + (
+        f"; the call measured {_time(doc['measured_s'])} (tuning cache)" if doc.get("measured_s") else ""))
     return "\n".join(lines) + "\n"
 
 
