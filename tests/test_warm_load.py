@@ -79,7 +79,7 @@ w = np.ones(6, dtype=np.float32)
 mod.sgd_warm(g=np.arange(6, dtype=np.float32), w=w, lr=np.float32(0.5))
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("lark", "jinja2") or m.startswith((
     "coconetc.codegen", "coconetc.frontend", "coconetc.sourcefile", "coconetc.schedule", "coconetc.autodiff",
-    "coconetc.toolchain.compiler", "coconetc.interp", "coconetc.tune")))
+    "coconetc.plan.planner", "coconetc.toolchain.compiler", "coconetc.interp", "coconetc.tune")))
 print(json.dumps({"heavy": heavy, "w": w.tolist(), "schedules": sorted(mod.sgd_warm.schedules)}))
 """
 
@@ -88,6 +88,8 @@ def test_warm_load_in_a_fresh_process_imports_no_front_end_or_generator(sgd):
     """A warm load, and a call, in a fresh process import neither the parser (lark) nor the code
     generators (jinja2, coconetc.codegen) nor the rest of the front half: the record holds what
     the calls read."""
+    warm._python_hash.cache_clear()  # the record under the sources as they are now, as the
+    warm.compiler_hash.cache_clear()  # fresh process will hash them (they may have been edited since)
     coconetc.load(sgd, log=lambda msg: None)
     res = subprocess.run([sys.executable, "-c", FRESH, str(sgd)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
