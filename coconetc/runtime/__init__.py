@@ -2,6 +2,8 @@
 emulation). Imports nothing from coconetc.interp or coconetc.tune.
 
     loader.py    coconetc.load: read the file once, compile (toolchain), import, wrap
+    warm.py      what a load made of a file, remembered: a warm load reads it and imports none
+                 of the front half, the planner or the code generators
     module.py    CompiledModule, ProgramFunction: the module API and a CPU call
     cuda.py      CudaModule, EmulatedModule: the CUDA modules
     backends.py  the backend objects (cpu, cuda, cuda-emulated): what differs between them
