@@ -97,8 +97,9 @@ def toolchain_fingerprint() -> str:
     runtime/warm.py, where importing them costs more than the rest of the key): the tools'
     paths, where each wheel of the cpu extra is and when its __init__ was written (the
     Toolchain's CMake folder, headers and library lie in these wheels' folders, which an
-    install rewrites), and the platform. It changes whenever toolchain().key() does, and also
-    when a wheel is reinstalled in place."""
+    install rewrites), and the platform. It changes when a tool is found elsewhere or a wheel is
+    installed again or elsewhere, which is when toolchain().key() changes (short of a library
+    copied by hand into a wheel's folder)."""
     require_cpu_extra()
     parts = [_bin("cmake"), _bin("mpicxx"), *_platform()]
     for name in CPU_EXTRA:
