@@ -22,8 +22,6 @@ import hashlib
 import json
 import os
 import platform
-import socket
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +62,7 @@ def machine(target: str = "cpu") -> str:
     device = _DEVICE.get(target)
     if device is not None:
         return machine() + " | " + device()
+    import socket  # (here, not with the module: a load asks only when the file has tuning records)
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -107,6 +106,7 @@ def store(k: str, record: dict[str, Any]) -> None:
     data[k] = record
     p = path()
     p.parent.mkdir(parents=True, exist_ok=True)
+    import tempfile  # (here: only the tuner writes)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tuning.")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
