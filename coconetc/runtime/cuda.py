@@ -29,7 +29,7 @@ from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import ScheduleLabel
 from coconetc.plan.targets import Target
-from coconetc.runtime import batch, marshal, programs
+from coconetc.runtime import marshal, programs
 from coconetc.runtime.backends import BACKENDS, backend_for
 from coconetc.runtime.emulation import EMULATE, emulating
 from coconetc.runtime.entry import Call, enter
@@ -134,6 +134,10 @@ class CudaProgram:
     def program_of(self, label: ScheduleLabel) -> Program:
         return programs.program_of(self, label)
 
+    def function_name(self, schedule: str) -> str:
+        """The module function of SCHEDULE (as the generator names it)."""
+        return function_name(self.name, schedule)
+
     def __call__(self, *, schedule: str | None = None, comm: NcclComm | None = None, groups: int = 1,
                  stream: Any = None, **kwargs):
         import torch
@@ -170,29 +174,22 @@ def _stream_handle(stream: Any, current: int | None) -> int:
 
 
 def _run(fn: CudaProgram, call: Call, comm: NcclComm, groups: int, make, stream: int, around: Any) -> list:
-    """The module function with the call's arguments (marshal.py, as the CPU runtime lays them
-    out) on STREAM, now or, inside batch.together(), with the batch's other calls at its end
-    (around: how it runs, batch.invoke); returns the outputs made by `make`. A call that
-    repeats a remembered one (call.repeated) reuses its module arguments; a call remembered
-    keeps its own in its record for the next."""
+    """The module function with the call's arguments (runtime/programs.py: run, as the CPU
+    module's) on STREAM, now or, inside batch.together(), with the batch's other calls at its
+    end (around: how it runs, batch.invoke); returns the outputs made by `make`. Tensors the
+    module reads in place (call.in_place) are given by address, a repeat's from its record."""
+    rec = call.recent
+
+    def extra(args: Any, fresh: bool) -> None:
+        if fresh:
+            args.in_place = [fn.backend.ptr(call.values[name]) for name in sorted(call.in_place)]
+        else:
+            assert rec is not None
+            args.in_place = [rec.ptrs[name] for name in sorted(call.in_place)]
+        args.stream = stream
+        args.comm, args.groups = comm.handle, groups
     gs = call.ranks // groups
-    p, rec, backend = call.program, call.recent, fn.backend
-    if call.repeated:
-        assert rec is not None and rec.args is not None
-        args, run = rec.args, rec.run
-        args.in_place = [rec.ptrs[name] for name in sorted(call.in_place)]
-    else:
-        args, run = fn.ext.CallArgs(), getattr(fn.ext, function_name(fn.name, call.label.name))
-        marshal.tensors(args, p, call.values, call.segments, backend.ptr)
-        args.in_place = [backend.ptr(call.values[name]) for name in sorted(call.in_place)]
-        if rec is not None:
-            rec.args, rec.run = args, run
-    outs = marshal.outputs(p, call.sizes, gs, comm.rank % gs, make) if p.outputs else []
-    args.outputs = [backend.ptr(o) for o in outs]
-    marshal.scalars(args, p, call.values, call.sizes)
-    args.stream = stream
-    args.comm, args.groups = comm.handle, groups
-    batch.invoke(fn.ext, run, args, around)
+    outs = programs.run(fn, call, gs, comm.rank % gs, make, extra, around)
     if rec is not None and call.config is not None:  # the next call with these buffers repeats it
         rec.config = call.config
     return outs

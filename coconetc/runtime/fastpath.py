@@ -21,10 +21,10 @@ import numpy as np
 
 from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Param, Program
-from coconetc.ir.storage import STORAGE
 from coconetc.plan.label import ScheduleLabel
 from coconetc.runtime import agree, batch, shm
 from coconetc.runtime.call import PACK, check_replicated
+from coconetc.runtime import marshal
 from coconetc.runtime.marshal import as_torch, local_shape
 
 
@@ -191,20 +191,6 @@ def recall(fn: Any, schedule, groups, comm, kwargs: dict) -> RecentCall | None:
     return rec
 
 
-_IO: dict[int, tuple[weakref.ref, tuple, frozenset]] = {}  # id(program) -> (it, its outputs' types, updated)
-
-
-def _io(p: Program) -> tuple[tuple, frozenset]:
-    """The types and storage dtypes of P's outputs and the names of the parameters it updates,
-    once per program (a program's type_of scans its stages: a derived program's hundred
-    stages for each output, every call that a training step makes with new buffers)."""
-    hit = _IO.get(id(p))
-    if hit is None or hit[0]() is not p:
-        outs = tuple((t, STORAGE[t.dtype]) for t in (p.type_of(s) for _, s in p.outputs))
-        hit = _IO[id(p)] = (weakref.ref(p), outs, frozenset(t for t, _ in p.updates))
-    return hit[1], hit[2]
-
-
 def remember(fn: Any, schedule, groups, comm, kwargs: dict, p: Program, label: ScheduleLabel, what: str,
              head: tuple, shapes: dict, timeout: float, torch_out: bool) -> RecentCall | None:
     """After a CPU call whose checks passed everywhere: remember its buffers for recall (and,
@@ -223,7 +209,7 @@ def remember(fn: Any, schedule, groups, comm, kwargs: dict, p: Program, label: S
             all(q.type.dtype in PACK for q in p.params if q.scalar):
         from mpi4py import MPI
         gs = comm.Get_size() // groups
-        outs, updated = _io(p)
+        outs, updated = marshal.output_types(p), marshal.updated(p)
         rec.hot = Hot(
             comm=comm, world=MPI.COMM_WORLD, handle=comm.py2f(), groups=groups, nkw=len(kwargs),
             arrays=tuple((k, weakref.ref(v), v.shape, v.strides, v.dtype, v.flags.writeable) for k, v in arrays),

@@ -7,6 +7,7 @@ memory; they differ only in how an address is read (`ptr`) and an output made (`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,12 +58,38 @@ def tensors(args: Any, p: Program, values: dict, segments, ptr: Callable[[Any], 
 
 def outputs(p: Program, sizes: dict, gs: int, rank: int, make: Callable[[tuple[int, ...], str], Any]) -> list:
     """The program's outputs, each made by `make(local shape, dtype)`."""
-    return [make(local_shape(p.type_of(s), sizes, gs, rank), p.type_of(s).dtype) for _, s in p.outputs]
+    return [make(local_shape(t, sizes, gs, rank), t.dtype) for t, _ in output_types(p)]
 
 
-def scalars(args: Any, p: Program, values: dict, sizes: dict) -> None:
-    """The size symbols (sorted by name) and the scalars (floats and integers apart)."""
-    args.sizes = [sizes[s] for s in sorted(sizes)]
+_IO: dict[int, tuple[weakref.ref, tuple, frozenset]] = {}  # id(program) -> (it, its outputs' types, updated)
+
+
+def _io(p: Program) -> tuple[tuple, frozenset]:
+    """P's outputs' types and the names of the parameters it updates, once per program: a
+    program's type_of scans its stages, a derived program's hundred for each output, and every
+    call with new buffers (each step of a training loop) asks (a weakref-checked cache by id)."""
+    hit = _IO.get(id(p))
+    if hit is None or hit[0]() is not p:
+        outs = tuple((t, STORAGE[t.dtype]) for t in (p.type_of(s) for _, s in p.outputs))
+        hit = _IO[id(p)] = (weakref.ref(p), outs, frozenset(t for t, _ in p.updates))
+    return hit[1], hit[2]
+
+
+def output_types(p: Program) -> tuple:
+    """(type, NumPy storage dtype) of each of P's outputs, in order."""
+    return _io(p)[0]
+
+
+def updated(p: Program) -> frozenset:
+    """The names of the parameters P updates in place."""
+    return _io(p)[1]
+
+
+def scalars(args: Any, p: Program, values: dict, sizes: dict | None) -> None:
+    """The size symbols (sorted by name; None: a repeat's, already set) and the scalars (floats
+    and integers apart)."""
+    if sizes is not None:
+        args.sizes = [sizes[s] for s in sorted(sizes)]
     floats: list[float] = []
     ints: list[int] = []
     for q in p.params:  # (one pass: a training step's host time counts)

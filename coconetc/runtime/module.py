@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
-from coconetc.runtime import batch, layout, marshal, programs, shm
+from coconetc.runtime import layout, marshal, programs, shm
 from coconetc.runtime.backends import BACKENDS
 from coconetc.runtime.entry import Call, enter
-from coconetc.runtime.fastpath import Recent, RecentCall, hot_check, run_hot
+from coconetc.runtime.fastpath import Recent, hot_check, run_hot
 from coconetc.runtime.marshal import as_torch, returned
 from coconetc.toolchain.probes import require_cpu_extra
 
@@ -209,39 +209,21 @@ class ProgramFunction:
             out = [as_torch(o) for o in out]
         return returned(out)
 
+    def function_name(self, schedule: str) -> str:
+        """The module function of SCHEDULE (as the generator named it)."""
+        return self.functions[schedule]
+
     def _run(self, call: Call, comm, groups: int):
         from mpi4py import MPI
-        rec, p = call.recent, call.program
-        if call.repeated:
-            assert rec is not None
-            return self._run_again(p, call.values, rec, call.sizes, comm, groups)
-        args = self.ext.CallArgs()
-        marshal.tensors(args, p, call.values, call.segments, marshal.host_ptr)
-        gs = comm.Get_size() // groups
-        outs = marshal.outputs(p, call.sizes, gs, comm.Get_rank() % gs, marshal.numpy_empty)
-        args.outputs = [o.ctypes.data for o in outs]
-        marshal.scalars(args, p, call.values, call.sizes)
-        args.comm, args.groups = MPI._handleof(comm), groups
-        if shm.WINDOWS:  # buffers of coconetc.empty: the runtime may read them in place
-            args.windows = shm.WINDOWS
-        args.fused = call.label.code
-        run = getattr(self.ext, self.functions[call.label.name])
-        if rec is not None:  # the next call with the same buffers reuses these arguments
-            rec.args, rec.run, rec.windows = args, run, len(shm.WINDOWS)
-        batch.invoke(self.ext, run, args)
-        return outs
+        rec = call.recent
 
-    def _run_again(self, p: Program, arrays: dict, fast: RecentCall, sizes: dict, comm, groups: int):
-        """_run for the same buffers as the call that made `fast`: only scalars and outputs."""
-        args = fast.args
+        def extra(args: Any, fresh: bool) -> None:
+            n = len(shm.WINDOWS)  # buffers of coconetc.empty: the runtime may read them in place
+            if (fresh and n) or (not fresh and rec is not None and rec.windows != n):
+                args.windows = shm.WINDOWS
+            if rec is not None:
+                rec.windows = n
+            if fresh:
+                args.comm, args.groups, args.fused = MPI._handleof(comm), groups, call.label.code
         gs = comm.Get_size() // groups
-        outs = marshal.outputs(p, sizes, gs, comm.Get_rank() % gs, marshal.numpy_empty)
-        if outs:
-            args.outputs = [o.ctypes.data for o in outs]
-        args.scalars = [float(arrays[n]) if not i else 0.0 for n, i in fast.kinds]
-        if any(i for _, i in fast.kinds):
-            args.iscalars = [int(arrays[n]) if i else 0 for n, i in fast.kinds]
-        if fast.windows != len(shm.WINDOWS):
-            args.windows, fast.windows = shm.WINDOWS, len(shm.WINDOWS)
-        batch.invoke(self.ext, fast.run, args)
-        return outs
+        return programs.run(self, call, gs, comm.Get_rank() % gs, marshal.numpy_empty, extra)

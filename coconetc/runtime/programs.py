@@ -9,7 +9,8 @@ from typing import Any
 
 from coconetc.ir.nodes import Program
 from coconetc.plan.label import DEFAULT, ScheduleLabel, parse
-from coconetc.runtime import auto
+from coconetc.runtime import auto, batch, marshal
+from coconetc.runtime.entry import Call
 
 
 def bind(module: Any, variants: Mapping[tuple[str, str], Program],
@@ -51,3 +52,29 @@ def program_of(fn: Any, label: ScheduleLabel) -> Program:
         raise ValueError(f"{fn.name}(): unknown schedule {str(label)!r} (one of {', '.join(fn.schedules)})"
                          f"{fn.backend.schedules_left_out}")
     return p
+
+
+def run(fn: Any, call: Call, gs: int, rank: int, make: Callable[[tuple[int, ...], str], Any],
+        extra: Callable[[Any, bool], None], around: Any = None) -> list:
+    """FN's module function with CALL's arguments, laid out as both backends' modules take them
+    (marshal.py): a call that repeats a remembered one (call.repeated) reuses the arguments its
+    record keeps (only the outputs and scalars set again); another marshals its tensors (the
+    backend object's pointers) and, remembered, keeps them in its record for the next. The
+    outputs are made by make(local shape, dtype) (GS ranks a group, this rank's index RANK);
+    extra(args, fresh) sets what the backend adds (its communicator, windows, stream); around:
+    how batch.invoke runs it. Returns the outputs."""
+    p, rec, ptr = call.program, call.recent, fn.backend.ptr
+    if call.repeated:
+        assert rec is not None and rec.args is not None
+        args, go = rec.args, rec.run
+    else:
+        args, go = fn.ext.CallArgs(), getattr(fn.ext, fn.function_name(call.label.name))
+        marshal.tensors(args, p, call.values, call.segments, ptr)
+        if rec is not None:  # the next call with the same buffers reuses these arguments
+            rec.args, rec.run = args, go
+    outs = marshal.outputs(p, call.sizes, gs, rank, make) if p.outputs else []
+    args.outputs = [ptr(o) for o in outs]
+    marshal.scalars(args, p, call.values, call.sizes)
+    extra(args, not call.repeated)
+    batch.invoke(fn.ext, go, args, around)
+    return outs
