@@ -24,7 +24,6 @@ from coconetc.launch.mpiexec import run_python
 from coconetc.plan.targets import Target
 from coconetc.schedule import apply_all
 from coconetc.runtime import tuned
-from coconetc.toolchain import probes
 from coconetc.tune.cost import Machine, cost
 from coconetc.tune.space import candidates, state_params
 from coconetc.tune import tuner
@@ -429,7 +428,6 @@ def test_tune_cuda_emulated_then_auto(tmp_path, tuning_file, monkeypatch, capfd)
     only; the emulated CUDA module's schedule="auto", and DistributedOptimizer(backend="cuda",
     schedule="auto"), then run its choices, the tuner's own schedules built in."""
     from coconetc.runtime.cuda import EMULATE
-    monkeypatch.setenv(probes.ENV_CACHE, str(tmp_path.parent / "cuda-auto-cache"))
     out = tmp_path / "tune.json"
     res = invoke("tune", ADAM, "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "N=1000",
                  "--reps", "1", "--json", out)
@@ -464,7 +462,6 @@ def test_tune_cuda_emulated_as_explain_advises_then_show_and_explain(tmp_path, m
     """With no CUDA-emulated record, `explain -s auto --backend cuda --emulate` names the tune
     command; running it as named makes the record `show -s auto` and `explain` then read for
     that target (and the CPU's stay apart: none)."""
-    monkeypatch.setenv(probes.ENV_CACHE, str(tmp_path.parent / "cuda-auto-cache"))
     cuda = ("--backend", "cuda", "--emulate")
     res = invoke("explain", ADAM, "-s", "auto", *cuda, "--ranks", "2", "--size", "N=1000")
     assert res.exit_code == 1, res.output
@@ -502,7 +499,6 @@ def test_run_auto_on_the_cuda_backend_reads_the_cuda_records(example) -> None:
 def test_run_auto_on_the_cuda_backend_runs_the_cuda_choice(example, tmp_path, monkeypatch, capfd) -> None:
     """With a record for each target, `run -s auto --backend cuda --emulate` runs the CUDA
     record's choice (a schedule its tuner wrote, built into the module before the ranks start)."""
-    monkeypatch.setenv(probes.ENV_CACHE, str(tmp_path.parent / "cuda-auto-cache"))
     mod = example("adam.ccn")
     _fake_record(mod, {"N": 65}, 2)  # the CPU's: zero
     rec = _fake_record(mod, {"N": 65}, 2)
