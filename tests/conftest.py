@@ -19,6 +19,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 os.environ.setdefault("CXXFLAGS", "-O1")
 
 
+def pytest_configure(config):
+    """Every test, and every rank or process it starts, builds into one cache, the session's
+    .pytest_cache/d/coconet-build (never the user's COCONET_CACHE): a module one test built,
+    and the runtime compiled once per machine, are there for the others."""
+    from coconetc.toolchain import probes
+    os.environ[probes.ENV_CACHE] = str(config.cache.mkdir("coconet-build"))
+
+
 @cache
 def _load(name: str) -> SourceFile:
     return load_file(EXAMPLES / name)
