@@ -454,6 +454,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.slow  # (make test runs it; test-quick's attention through coconetc.torch.function: test_block_ops)
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_torch_function_matches_nanogpt_on_two_ranks(f64_file, tmp_path):
     """Both blocks (f64) as coconetc.torch.functions, the compiled forward under `overlapped`
