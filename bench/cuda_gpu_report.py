@@ -40,7 +40,8 @@ WAYS = {"examples": "as allocated (vector path)", "misalign": "every tensor one 
         "chunks": "size 37 in 5-element chunks (COCONET_CUDA_CHUNK=5)"}
 
 # without steps.tsv: the session script's order of its steps
-FALLBACK_ORDER = ["examples", "kernels", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "symmetric",
+FALLBACK_ORDER = ["examples", "kernels", "optimizer_check", "optimizer_f32", "optimizer_bf16", "tp_mlp_f32", "tp_mlp_bf16", "gpt_block_f32",
+                  "gpt_block_bf16", "symmetric",
                   "misalign", "chunks", "adam_step", "adam_step_pipeline", "adam_step_symmetric"]
 
 
@@ -177,6 +178,36 @@ def _is_timing(doc: Any) -> bool:
         isinstance(r, dict) and "coconet" in r for r in doc["sizes"].values())
 
 
+def _is_block(doc: Any) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("ratios"), dict) and "vs_torch_sdpa" in next(
+        iter(doc["ratios"].values()), {})
+
+
+def block_section(name: str, doc: dict) -> list[str]:
+    """bench/gpt_block_gpu.py's table: each variant's time and its ratio to torch eager with SDPA."""
+    sh = doc.get("shape", {})
+    lines = [f"\n## {name} (bench/gpt_block_gpu.py: gpt_block forward + backward at one rank, {doc.get('dtype')}, "
+             f"{doc.get('device', '')}, " + " ".join(f"{k}={v}" for k, v in sh.items()) + ")",
+             "\n| variant | ms | torch SDPA / this | GEMMs alone / this |", "| --- | --- | --- | --- |"]
+    for k, t in doc["times"].items():
+        r = doc["ratios"][k]
+        lines.append(f"| {k} | {t * 1e3:.3f} | {r['vs_torch_sdpa']:.2f} | {r['gemm_fraction']:.2f} |")
+    return lines
+
+
+def _table(name: str, doc: Any, unread: dict[str, str]) -> list[str]:
+    """A step's table (the GPT block's, or a timing table), or nothing and why in UNREAD."""
+    try:
+        if _is_block(doc):
+            return block_section(name, doc)
+        if _is_timing(doc):
+            return timing_section(name, doc)
+        unread.setdefault(name, "not a table this report knows")
+    except Exception as err:  # noqa: BLE001 - a table that does not read is named, not fatal
+        unread[name] = f"{type(err).__name__}: {err}"
+    return []
+
+
 def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -> tuple[str, dict]:
     """The markdown (steps, examples, optimizer, the other tables, what was not read) and the
     summary of matches per way."""
@@ -197,13 +228,7 @@ def render(steps: list[dict], results: dict[str, Any], unread: dict[str, str]) -
     for name, doc in results.items():
         if name in summary or _is_optimizer(doc) or _is_checks(doc) or _is_kernels(doc):
             continue
-        if not _is_timing(doc):
-            unread.setdefault(name, "not a table this report knows")
-            continue
-        try:
-            lines += timing_section(name, doc)
-        except Exception as err:  # noqa: BLE001 - a table that does not read is named, not fatal
-            unread[name] = f"{type(err).__name__}: {err}"
+        lines += _table(name, doc, unread)
     missing = [s["step"] for s in steps if s["step"] not in results and s["step"] != "report"]
     if missing:
         lines.append(f"\nSteps without a JSON: {', '.join(missing)} (see session.log).")

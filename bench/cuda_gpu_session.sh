@@ -24,6 +24,9 @@
 #   symmetric       the examples with COCONET_CUDA_FUSED=symmetric (the device-API kernel, peer = itself)
 #   tp_mlp_f32, tp_mlp_bf16  the tensor-parallel MLP's forward + backward
 #                   (coconetc.torch.function) against the same layer in PyTorch
+#   gpt_block_f32, gpt_block_bf16  the GPT-2 block (examples/gpt_block.ccn) forward + backward at
+#                   one rank against torch eager with SDPA and with the block's own attention, and
+#                   its GEMMs alone (bench/gpt_block_gpu.py)
 #   chunks          the examples at size 37 in 5-element chunks (every fused pipeline runs many chunks)
 #   misalign        the examples with every tensor one element off (the element path)
 #   tune_cuda       `coconetc tune --backend cuda` on adam.ccn at 2^26: the tuner on the GPU (its
@@ -85,7 +88,9 @@ check() {  # bench/cuda_gpu_check.py --skip-bench ARGS, its JSON as $tmp/NAME.js
 } >>"$LOG" 2>&1
 # the tensor-parallel layer's modules (with their derived backward) build beside the examples
 python3 -c 'import sys; sys.path.insert(0, "bench"); import coconetc, tp_mlp
-for d in ("f32", "bf16"): coconetc.load(tp_mlp.ccn_file(d), grad="tp_mlp", backend="cuda", log=lambda m: None)' \
+for d in ("f32", "bf16"): coconetc.load(tp_mlp.ccn_file(d), grad="tp_mlp", backend="cuda", log=lambda m: None)
+import common
+for d in ("f32", "bf16"): coconetc.load(common.example_in_dtype("gpt_block.ccn", d, "f32"), grad="gpt_block", backend="cuda", log=lambda m: None)' \
     >>"$LOG" 2>&1 &
 check examples 420 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS"
 wait
@@ -105,6 +110,8 @@ check symmetric 300 env COCONET_CUDA_FUSED=symmetric COCONET_CUDA_FUSED_TRACE=1 
 step tp_mlp_f32 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --h 1024,4096 --json "$tmp/tp_mlp_f32.json"
 step tp_mlp_bf16 240 python3 bench/tp_mlp.py --backend cuda --ranks 1 --dtype bf16 --h 1024,4096 \
     --json "$tmp/tp_mlp_bf16.json"
+step gpt_block_f32 150 python3 bench/gpt_block_gpu.py --dtype f32 --json "$tmp/gpt_block_f32.json"
+step gpt_block_bf16 120 python3 bench/gpt_block_gpu.py --dtype bf16 --json "$tmp/gpt_block_bf16.json"
 check chunks 300 env COCONET_CUDA_CHUNK=5 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --odd 37
 check misalign 240 python3 bench/cuda_gpu_check.py --archs "$COCONET_CUDA_ARCHS" --misalign
 step tune_cuda 240 python3 -c "from coconetc.cli import main; main()" tune examples/adam.ccn --backend cuda --ranks 1 --size N=67108864 --reps 5 \

@@ -283,14 +283,18 @@ def gemms_alone(full_local: dict[str, Any], a: argparse.Namespace, R: int):
     B, S, H, NH = a.b, a.s, a.h, a.heads
     HD, nh = H // NH, NH // R
     g = torch.Generator().manual_seed(1)
-    n = torch.randn(B * S, H, generator=g)
+    like = full_local["w_fc"]  # (the weights' device and dtype: bench/gpt_block_gpu.py's too)
+
+    def randn(*shape: int):
+        return torch.randn(*shape, generator=g).to(like)
+    n = randn(B * S, H)
     D = nh * HD
     qkv = [full_local[k].reshape(H, -1) for k in ("wq", "wk", "wv")]
     wo, w_fc, w_proj = full_local["wo"].reshape(D, H), full_local["w_fc"], full_local["w_proj"]
-    q = torch.randn(B * nh, S, HD, generator=g)
-    a_ = torch.randn(B * nh, S, S, generator=g)
-    o = torch.randn(B * S, D, generator=g)
-    h = torch.randn(B * S, w_fc.shape[1], generator=g)
+    q = randn(B * nh, S, HD)
+    a_ = randn(B * nh, S, S)
+    o = randn(B * S, D)
+    h = randn(B * S, w_fc.shape[1])
     pairs = [(n, w) for w in qkv] + [(q, q.transpose(1, 2)), (a_, q), (o, wo), (n, w_fc), (h, w_proj)]
 
     def run():

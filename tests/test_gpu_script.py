@@ -303,3 +303,22 @@ def test_listing_shows_the_recorded_call_time(tmp_path, monkeypatch):
                                     "-s", "zero", "-n", "2", "--size", "N=64"])
     assert res.exit_code == 0 and res.output.splitlines()[-1].endswith("the call measured 7.00 ms (tuning cache)")
     assert listing("adam.ccn", "adam", "zero", 2, {"N": 128}, "--emulate")["measured_s"] is None
+
+
+def test_report_reads_the_gpt_block_table(tmp_path):
+    """bench/cuda_gpu_report.py renders bench/gpt_block_gpu.py's JSON (the keys it writes: each
+    variant's median time and its ratios to torch with SDPA and to the GEMMs alone)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpt_block_gpu as gbg
+    times = {"torch eager, SDPA": 0.004, "torch eager": 0.005, "coconet gpt_block default": 0.0032,
+             "GEMMs alone": 0.002}
+    a = type("A", (), {"json": str(tmp_path / "steps" / "gpt_block_bf16.json"), "dtype": "bf16", "reps": 3})()
+    (tmp_path / "steps").mkdir()
+    gbg.report({"times": times, "device": "fabricated", "shape": {"B": 8, "S": 512}}, a)
+    (tmp_path / "steps" / "steps.tsv").write_text("gpt_block_bf16\t0\t40\n")
+    r = subprocess.run([sys.executable, str(ROOT / "bench/cuda_gpu_report.py"), str(tmp_path / "steps")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "steps" / "gpu_session.md").read_text()
+    assert "gpt_block forward + backward at one rank, bf16" in md and "not in the report" not in md
+    assert f"| coconet gpt_block default | 3.200 | {0.004 / 0.0032:.2f} | {0.002 / 0.0032:.2f} |" in md
