@@ -628,3 +628,21 @@ def test_tune_a_file_with_extern_operations(tmp_path) -> None:
     assert data["choice"] in data["measured"] and "rows" in data["measured"]
     # the copy is gone (only this file's: a test beside this one may be tuning another example)
     assert not list((REPO / "examples").glob(".extern_ops.tune_*.ccn"))
+
+
+def test_two_tuners_of_one_file_share_its_augmented_copy(tmp_path) -> None:
+    """The augmented file a tuner writes beside the user's (one name per content, so its module
+    is built once) is shared by tuners of the same file at once: the first to finish leaves it
+    to the other, the last removes it (two `coconetc tune` runs, or two test workers, used to
+    delete it under each other's ranks)."""
+    f = tmp_path / "m.ccn"
+    f.write_text(ADAM.read_text())
+    mod = load_file(f)
+    with tuner._beside(mod, "first text", tmp_path / "work") as one:
+        with tuner._beside(mod, "first text", tmp_path / "work") as two:
+            assert one == two and one.parent == tmp_path and one.read_text() == "first text"
+        assert one.exists(), "the first to finish removed the file the other still runs"
+    assert not one.exists() and not list(tmp_path.glob(".m.tune_*")), "the last one out leaves files"
+    with tuner._beside(mod, "another text", tmp_path / "work") as three:
+        assert three != one and three.read_text() == "another text"
+    assert not three.exists()

@@ -15,14 +15,17 @@ where the CUDA module's schedule="auto" reads it."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,28 +112,55 @@ def _measure(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, r
              timeout: float | None, target: str) -> dict[str, Any]:
     """Builds the file with the generated candidates appended and times them on R ranks."""
     gen = [c for c in pr.measured if c.generated and c.label == c.schedule]  # each text once
-    src = _beside(mod, augmented_source(mod, gen), work)
-    try:
+    with _beside(mod, augmented_source(mod, gen), work) as src:
         return _run_measured(mod, program, sizes, ranks, reps, pr, work, src, echo, progress, timeout, target)
-    finally:
-        if src.parent != work:
-            src.unlink(missing_ok=True)
 
 
-def _beside(mod: SourceFile, text: str, work: Path) -> Path:
-    """The augmented file, written beside the user's file (a hidden name, one per content), so
-    that what the file finds beside itself (an extern operation's reference module, its
-    headers) it finds there too; in WORK when that directory cannot be written."""
+@contextlib.contextmanager
+def _beside(mod: SourceFile, text: str, work: Path) -> Iterator[Path]:
+    """The augmented file, written beside the user's file (a hidden name, one per content, so
+    that its module is built once for every run that measures the same schedules), so that
+    what the file finds beside itself (an extern operation's reference module, its headers) it
+    finds there too; in WORK when that directory cannot be written. Two tuners of the same file
+    at once share it: each holds a shared lock on its .lock while it runs, the file is written
+    whole (a rename) and removed by the last one to finish."""
     digest = hashlib.sha256(text.encode()).hexdigest()[:10]
     name = f".{module_stem(mod.file)}.tune_{digest}.ccn"
     try:
-        src = Path(mod.file).resolve().parent / name
-        src.write_text(text)
-        return src
+        folder = Path(mod.file).resolve().parent
+        lock = _shared_lock(folder / f"{name}.lock")
     except OSError:
-        src = work / name
-        src.write_text(text)
-        return src
+        folder, lock = work, None
+    src = folder / name
+    try:
+        if not (src.exists() and src.read_text() == text):
+            part = folder / f"{name}.{os.getpid()}.part"
+            part.write_text(text)
+            os.replace(part, src)
+        yield src
+    finally:
+        if lock is not None:
+            try:  # the last one out (no other tuner holds the lock) removes the file
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                src.unlink(missing_ok=True)
+                Path(lock.name).unlink(missing_ok=True)
+            except BlockingIOError:
+                pass
+            lock.close()
+
+
+def _shared_lock(path: Path) -> Any:
+    """PATH opened and share-locked, the lock taken on the file that is at PATH (one the last
+    tuner removed meanwhile is opened again)."""
+    while True:
+        f = open(path, "a")
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
 
 
 def _run_measured(mod: SourceFile, program: str, sizes: dict[str, int], ranks: int, reps: int,
