@@ -605,13 +605,14 @@ def test_the_tuned_copy_sits_beside_the_file(tmp_path) -> None:
     f = tmp_path / "src" / "adam.ccn"
     f.write_text(ADAM.read_text())
     mod = load_file(f)
-    got = _beside(mod, mod.source + "\n# more\n", tmp_path / "work")
-    assert got.parent == tmp_path / "src" and got.name.startswith(".adam.tune_") and got.suffix == ".ccn"
-    assert got.read_text().endswith("# more\n")
+    with _beside(mod, mod.source + "\n# more\n", tmp_path / "work") as got:
+        assert got.parent == tmp_path / "src" and got.name.startswith(".adam.tune_") and got.suffix == ".ccn"
+        assert got.read_text().endswith("# more\n")
     (tmp_path / "src").chmod(0o500)
     try:
         if not os.access(tmp_path / "src", os.W_OK):  # (root writes anywhere)
-            assert _beside(mod, mod.source, tmp_path / "work").parent == tmp_path / "work"
+            with _beside(mod, mod.source, tmp_path / "work") as other:
+                assert other.parent == tmp_path / "work"
     finally:
         (tmp_path / "src").chmod(0o700)
 
