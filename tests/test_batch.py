@@ -72,7 +72,8 @@ def test_a_batch_of_two_parts_computes_one_call_on_both(built, capfd, ranks):
     assert rc == 0, log
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (make test runs it; test-quick's batches: the CPU modules' above)
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_a_batch_of_cuda_calls_computes_one_call_on_both(built, built_cuda, capfd, ranks):
     """The CUDA modules (emulated), every schedule they have: sums and norms (whole, and in a
     fused collective's partial results), max with an inf and with a NaN (the NaN flag combined
