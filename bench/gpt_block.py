@@ -493,21 +493,31 @@ def report(res: dict[str, Any], a: argparse.Namespace, R: int) -> None:
     print(f"\nwrote {out}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def shape_arguments(ap: argparse.ArgumentParser) -> None:
+    """The block's shape options (the issue's B=8, S=512, H=1024, 16 heads, F=4H by default),
+    here and in bench/gpt_block_gpu.py."""
     ap.add_argument("--b", type=int, default=8)
     ap.add_argument("--s", type=int, default=512)
     ap.add_argument("--h", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--ffn", type=int, default=4, help="F = ffn x h")
+
+
+def checked_shape(a: argparse.Namespace) -> None:
+    if a.h % a.heads:
+        raise SystemExit(f"--h {a.h} is not a multiple of --heads {a.heads}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shape_arguments(ap)
     ap.add_argument("--schedules", default="all", help="coconet schedules to time (comma-separated), or all")
     ap.add_argument("--sdpa", action="store_true", help="also the Megatron variants over gloo with torch's SDPA")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if a.h % a.heads:
-        raise SystemExit(f"--h {a.h} is not a multiple of --heads {a.heads}")
+    checked_shape(a)
     if not common.in_mpi_job() and a.ranks > 1:  # built once here, before the ranks start
         import coconetc
         for prog in programs():

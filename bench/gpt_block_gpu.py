@@ -166,17 +166,12 @@ def report(res: dict[str, Any], a: argparse.Namespace) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
-    ap.add_argument("--b", type=int, default=8)
-    ap.add_argument("--s", type=int, default=512)
-    ap.add_argument("--h", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--ffn", type=int, default=4, help="F = ffn x h")
+    cpu_bench.shape_arguments(ap)
     ap.add_argument("--schedules", default="default", help="gpt_block's forward schedules to time, comma-separated")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if a.h % a.heads:
-        raise SystemExit(f"--h {a.h} is not a multiple of --heads {a.heads}")
+    cpu_bench.checked_shape(a)
     common.setup_rank()
     report(run(a), a)
     return 0

@@ -85,14 +85,13 @@ class CudaModule:
 
     def __init__(self, mod: Any, src: Any, ext: Any):
         self.source_module, self.sources, self.ext = mod, src, ext
-        self.programs: dict[str, CudaProgram] = {}
 
         def make(prog: str, scheds: dict[str, Program]) -> CudaProgram:
             fn = self._function(prog, scheds, ext)
             fn.source, fn.file, fn.target = mod.source, mod.file, self.target
             return fn
-        # what the CUDA renderer implements
-        programs.bind(self, {k: ir for k, ir in mod.variants().items() if k in src.functions}, make)
+        implemented = {k: ir for k, ir in mod.variants().items() if k in src.functions}  # by the CUDA renderer
+        self.programs: dict[str, CudaProgram] = programs.bind(self, implemented, make)
         self._comm: NcclComm | None = None
 
     def _function(self, name: str, schedules: dict[str, Program], ext: Any) -> CudaProgram:

@@ -22,9 +22,8 @@ import numpy as np
 from coconetc.ir.arguments import is_torch
 from coconetc.ir.nodes import Param, Program
 from coconetc.plan.label import ScheduleLabel
-from coconetc.runtime import agree, batch, shm
+from coconetc.runtime import agree, batch, marshal, shm
 from coconetc.runtime.call import PACK, check_replicated
-from coconetc.runtime import marshal
 from coconetc.runtime.marshal import as_torch, local_shape
 
 

@@ -68,10 +68,12 @@ def _io(p: Program) -> tuple[tuple, frozenset]:
     """P's outputs' types and the names of the parameters it updates, once per program: a
     program's type_of scans its stages, a derived program's hundred for each output, and every
     call with new buffers (each step of a training loop) asks (a weakref-checked cache by id)."""
-    hit = _IO.get(id(p))
+    key = id(p)
+    hit = _IO.get(key)
     if hit is None or hit[0]() is not p:
         outs = tuple((t, STORAGE[t.dtype]) for t in (p.type_of(s) for _, s in p.outputs))
-        hit = _IO[id(p)] = (weakref.ref(p), outs, frozenset(t for t, _ in p.updates))
+        gone = weakref.ref(p, lambda _: _IO.pop(key, None))  # (a dead program's entry leaves with it)
+        hit = _IO[key] = (gone, outs, frozenset(t for t, _ in p.updates))
     return hit[1], hit[2]
 
 

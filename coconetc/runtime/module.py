@@ -64,14 +64,13 @@ class CompiledModule:
     def _init(self, exports: Exports, name: str, ext: Any, whole: Callable[[], tuple[SourceFile, Any]]) -> None:
         self._name, self.ext, self._whole = name, ext, whole
         self._made: tuple[SourceFile, Any] | None = None
-        self.programs: dict[str, ProgramFunction] = {}
 
         def make(prog: str, scheds: dict[str, Program]) -> ProgramFunction:
             fn = ProgramFunction(prog, scheds, ext, {s: exports.functions[(prog, s)] for s in scheds},
                                  exports.source)
             fn.file = exports.file
             return fn
-        programs.bind(self, exports.variants, make)
+        self.programs: dict[str, ProgramFunction] = programs.bind(self, exports.variants, make)
 
     def _parts(self) -> tuple[SourceFile, Any]:
         if self._made is None:

@@ -14,17 +14,16 @@ from coconetc.runtime.entry import Call
 
 
 def bind(module: Any, variants: Mapping[tuple[str, str], Program],
-         make: Callable[[str, dict[str, Program]], Any]) -> None:
-    """MODULE.programs (and an attribute per program): make(program, {schedule: its IR}) for
-    each program among the (program, schedule) variants, in their order."""
+         make: Callable[[str, dict[str, Program]], Any]) -> dict[str, Any]:
+    """The module's functions by program, each also an attribute of MODULE: make(program,
+    {schedule: its IR}) for each program among the (program, schedule) variants, in their order."""
     by_program: dict[str, dict[str, Program]] = {}
     for (prog, sched), ir in variants.items():
         by_program.setdefault(prog, {})[sched] = ir
-    module.programs = {}
-    for prog, scheds in by_program.items():
-        fn = make(prog, scheds)
-        module.programs[prog] = fn
+    functions = {prog: make(prog, scheds) for prog, scheds in by_program.items()}
+    for prog, fn in functions.items():
         setattr(module, prog, fn)
+    return functions
 
 
 def resolve(fn: Any, schedule: str | None, comm: Any, groups: int, sizes: dict[str, int]) -> str:
@@ -72,7 +71,7 @@ def run(fn: Any, call: Call, gs: int, rank: int, make: Callable[[tuple[int, ...]
         marshal.tensors(args, p, call.values, call.segments, ptr)
         if rec is not None:  # the next call with the same buffers reuses these arguments
             rec.args, rec.run = args, go
-    outs = marshal.outputs(p, call.sizes, gs, rank, make) if p.outputs else []
+    outs = marshal.outputs(p, call.sizes, gs, rank, make)
     args.outputs = [ptr(o) for o in outs]
     marshal.scalars(args, p, call.values, call.sizes)
     extra(args, not call.repeated)
