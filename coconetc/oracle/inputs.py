@@ -1,5 +1,11 @@
 """Random inputs for a program (one argument mapping per rank) and the same inputs in a
-schedule's calling convention: what every check against the interpreter feeds both runs."""
+schedule's calling convention: what every check against the interpreter feeds both runs.
+
+Each floating-point tensor is drawn by what it reaches: in [0.5, 1.5] (positive, away from 0) if
+an operation defined only for positive values needs it (`positive_params`), else in [-1, 1], so
+that products and sums cancel as they do on real data. Positive everywhere, as before, made every
+matmul's terms add up: a transformer block's attention scores reached hundreds, softmax saturated
+and its derived program's gradients reached 1e5, beyond an f32 comparison's tolerance."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from coconetc.interp.values import STORAGE, take_slice
+from coconetc.ir.expr import Const, Expr, Op, Ref, walk
 from coconetc.ir.nodes import Param, Program
 from coconetc.ir.types import dim_symbols, eval_dim
 
@@ -28,18 +35,145 @@ def default_segments(n: int) -> tuple[int, ...]:
     return (a, b, n - a - b) if n - a - b > 0 else (a, n - a)
 
 
-def _values(q: Param, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+def _values(q: Param, shape: tuple[int, ...], rng: np.random.Generator, positive: bool) -> np.ndarray:
     dt = STORAGE[q.type.dtype]
     if q.type.dtype.startswith("i"):
         return rng.integers(-50, 50, size=shape).astype(dt)
-    # positive and away from zero: safe under sqrt, log, rsqrt and division
-    return rng.uniform(0.5, 1.5, size=shape).astype(dt)
+    return rng.uniform(0.5, 1.5, size=shape).astype(dt) if positive else rng.uniform(-1.0, 1.0, size=shape).astype(dt)
 
 
-def _scalar(q: Param, rng: np.random.Generator) -> Any:
+# --- which inputs must be positive -----------------------------------------------------------
+# The arguments an operation needs positive (its domain): sqrt, rsqrt, log, a divisor, a power's
+# base (unless the exponent is an integer literal).
+_DOMAIN = {"sqrt": (0,), "rsqrt": (0,), "log": (0,), "div": (1,), "pow": (0,)}
+# Results >= 0 whatever their arguments (booleans included).
+_NONNEG = {"sqrt", "rsqrt", "exp", "abs", "softmax", "sigmoid", "relu", "norm", "segment_norm", "causal",
+           "lt", "le", "gt", "ge", "eq", "ne"}
+# Results > 0 (>= 0) when the arguments listed are (None: every argument).
+_FOLLOWS: dict[str, tuple[int, ...] | None] = {
+    **{o: None for o in ("add", "mul", "div", "min", "sum", "amax", "amin", "mean_last", "sum_lead",
+                         "sum_keep", "matmul", "matmul_nt", "matmul_tn", "conv2d", "tanh")},
+    **{o: (0,) for o in ("cast", "dropout", "transpose", "reshape", "pow", "allreduce", "reducescatter",
+                         "allgather", "broadcast", "reduce", "scatter", "send")},
+    "where": (1, 2)}
+_UNKNOWN = None  # a value whose sign no positive input settles (a difference, a negation, gelu ...)
+
+
+_SAFE = {"sub", "neg", "gelu", "layernorm", "conv2d_dx", "conv2d_dw"}  # defined for every value
+
+
+def positive_params(p: Program) -> set[str]:
+    """The floating-point tensor parameters of p drawn positive: those an operation of _DOMAIN
+    needs positive. A domain argument whose sign the inputs settle (`var + eps` of squares, a sum
+    of square roots) needs only the inputs it names; one they do not settle (`x - y`), every input
+    it reads, as does any argument of an operation not known here (one registered by a user)."""
+    signs = _Signs(p)
+    positive: set[str] = set()
+    for s in p.stages:
+        for n in walk(s.expr):
+            if isinstance(n, Op):
+                for a, settled in _restricted(n):
+                    need = signs.needs(a) if settled else _UNKNOWN
+                    positive |= signs.reads(a) if need is None else need
+    return positive
+
+
+def _restricted(n: Op) -> list[tuple[Expr, bool]]:
+    """The arguments of n that must be positive, each with whether its sign can be settled
+    (False: an operation not known here, whose every argument is drawn positive, as before)."""
+    if n.op in _DOMAIN:
+        return [(n.args[i], True) for i in _DOMAIN[n.op]
+                if not (n.op == "pow" and _integral(n.args[1])) and not (n.op == "div" and _guarded(n.args[1]))]
+    if n.op in _NONNEG or n.op in _FOLLOWS or n.op == "max" or n.op in _SAFE:
+        return []
+    return [(a, False) for a in n.args]
+
+
+class _Signs:
+    """Which inputs settle the sign of an expression of one program."""
+
+    def __init__(self, p: Program):
+        self.p = p
+        self.stages = {s.name: s.expr for s in p.stages}
+        self.memo: dict[str, frozenset[str] | None] = {}
+
+    def reads(self, e: Expr, seen: set[str] | None = None) -> set[str]:
+        """The floating-point tensor parameters e reads, through the stages it reads."""
+        seen = set() if seen is None else seen
+        out: set[str] = set()
+        for n in walk(e):
+            if isinstance(n, Ref) and n.name not in seen:
+                seen.add(n.name)
+                q = self.p.param(n.name)
+                if q is not None and not q.scalar and not q.type.dtype.startswith("i"):
+                    out.add(n.name)
+                elif n.name in self.stages:
+                    out |= self.reads(self.stages[n.name], seen)
+        return out
+
+    def needs(self, e: Expr) -> frozenset[str] | None:
+        """The inputs that, drawn positive, make e >= 0 (_UNKNOWN: none do)."""
+        if isinstance(e, Const):
+            return frozenset() if e.value >= 0 else _UNKNOWN
+        if isinstance(e, Ref):
+            return self._ref(e.name)
+        assert isinstance(e, Op)
+        if e.op in _NONNEG or (e.op == "mul" and e.args[0] == e.args[1]) or (e.op == "pow" and _even(e.args[1])):
+            return frozenset()
+        if e.op == "max":  # max(a, b) >= 0 when either is
+            known = [n for n in map(self.needs, e.args) if n is not None]
+            return min(known, key=len) if known else _UNKNOWN
+        if e.op not in _FOLLOWS:
+            return _UNKNOWN
+        which = _FOLLOWS[e.op]
+        out: frozenset[str] = frozenset()
+        for i in range(len(e.args)) if which is None else which:
+            n = self.needs(e.args[i])
+            if n is None:
+                return _UNKNOWN
+            out |= n
+        return out
+
+    def _ref(self, name: str) -> frozenset[str] | None:
+        q = self.p.param(name)
+        if q is None:  # a stage, computed once
+            if name not in self.memo:
+                self.memo[name] = self.needs(self.stages[name])
+            return self.memo[name]
+        if q.scalar:  # scalars are drawn in [0.05, 0.95], integers >= 0
+            return frozenset()
+        return _UNKNOWN if q.type.dtype.startswith("i") else frozenset((name,))
+
+
+def _guarded(e: Expr) -> bool:
+    """A divisor never 0 by construction: where(v == 0, c, v) with a literal c != 0 (gelu's
+    derivative divides by its input so)."""
+    if not (isinstance(e, Op) and e.op == "where" and isinstance(e.args[0], Op) and e.args[0].op == "eq"):
+        return False
+    (v, zero), c = e.args[0].args, e.args[1]
+    return (isinstance(zero, Const) and zero.value == 0 and isinstance(c, Const) and c.value != 0
+            and e.args[2] == v)
+
+
+def _integral(e: Expr) -> bool:
+    return isinstance(e, Const) and float(e.value).is_integer()
+
+
+def _even(e: Expr) -> bool:
+    return _integral(e) and int(e.value) % 2 == 0  # type: ignore[union-attr]
+
+
+def _scalar(q: Param, rng: np.random.Generator, probability: bool) -> Any:
     if q.type.dtype.startswith("i"):  # within the dtype (an i32 step count, an i64 seed)
         return int(rng.integers(0, 2**40 if q.type.dtype == "i64" else 2**31))
-    return float(np.asarray(rng.uniform(0.05, 0.95), dtype=STORAGE[q.type.dtype]))
+    # a dropout's probability at most 0.5 (its 1/(1-p) scale at most 2, as in training)
+    return float(np.asarray(rng.uniform(0.05, 0.5 if probability else 0.95), dtype=STORAGE[q.type.dtype]))
+
+
+def dropout_probabilities(p: Program) -> set[str]:
+    """The scalar parameters p passes as a dropout's probability."""
+    return {n.args[1].name for s in p.stages for n in walk(s.expr)
+            if isinstance(n, Op) and n.op == "dropout" and isinstance(n.args[1], Ref)}
 
 
 def random_inputs(p: Program, ranks: int, groups: int = 1, sizes: Mapping[str, int] | None = None,
@@ -49,19 +183,20 @@ def random_inputs(p: Program, ranks: int, groups: int = 1, sizes: Mapping[str, i
     rng = np.random.default_rng(seed)
     sz = {s: (sizes or {}).get(s, DEFAULT_SIZE) for s in size_symbols(p)}
     gs = ranks // groups
+    positive, probabilities = positive_params(p), dropout_probabilities(p)
     out: list[dict[str, Any]] = [{} for _ in range(ranks)]
     for q in p.params:
         if q.scalar:
-            v = _scalar(q, rng)
+            v = _scalar(q, rng, q.name in probabilities)
             for r in range(ranks):
                 out[r][q.name] = v
             continue
         shape = tuple(eval_dim(d, sz) for d in q.type.shape)
         segs = tuple(segments) if segments is not None else default_segments(shape[0]) if shape else ()
         for g in range(groups):
-            shared = _values(q, shape, rng)
+            shared = _values(q, shape, rng, q.name in positive)
             for j in range(gs):
-                full = _values(q, shape, rng) if q.type.layout.kind == "local" else shared
+                full = _values(q, shape, rng, q.name in positive) if q.type.layout.kind == "local" else shared
                 out[g * gs + j][q.name] = _cut(q, full, gs, j, segs)
     return out
 

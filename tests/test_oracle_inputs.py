@@ -1,0 +1,73 @@
+"""The random inputs every check against the interpreter feeds (coconetc/oracle/inputs.py): each
+tensor drawn positive only where an operation's domain needs it, a dropout's probability at
+most 0.5; and the comparison's allowance for elements that are sums of cancelling terms
+(coconetc/oracle/compare.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+import coconetc.autodiff  # noqa: F401  (registers the derived programs' operations)
+from coconetc.autodiff import vjp
+from coconetc.autodiff.vjp import default_wrt
+from coconetc.interp.interpreter import Result
+from coconetc.oracle.compare import compare
+from coconetc.oracle.inputs import dropout_probabilities, positive_params, random_inputs
+from coconetc.sourcefile import load_file, load_source
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+DOMAINS = """
+program domains(a: f32[N], b: f32[N], c: f32[N], d: f32[N], e: f32[N], f: f32[N], p: f32, seed: i64) {
+    s = sqrt(a * a + 1e-6)         # a square and a positive literal: any a
+    l = log(b + 1.0)               # b must be positive (b + 1 settles with b)
+    q = c / (d - e)                # a difference: no input settles it, so d and e, not c
+    g = dropout(f, p, seed) ** 3   # an odd power is any sign: f free
+    y = s + l + q + g
+    return y
+}
+"""
+
+
+def test_positive_only_where_a_domain_needs_it():
+    p = load_source(DOMAINS).program("domains")
+    assert positive_params(p) == {"b", "d", "e"}
+    assert dropout_probabilities(p) == {"p"}
+    adam = load_file(EXAMPLES / "adam.ccn").program("adam")
+    assert positive_params(adam) == {"g", "v"}  # v under sqrt; g squared into it past a (1 - beta2)
+    gpt = load_file(EXAMPLES / "gpt_block.ccn").program("gpt_block")
+    assert positive_params(gpt) == set()  # layernorm, softmax: defined for every value
+    # the derived program: layernorm's rsqrt(mean(xc * xc) + eps), gelu's guarded x / x
+    assert positive_params(vjp(gpt, default_wrt(gpt))) == set()
+
+
+def test_inputs_are_drawn_by_what_they_reach():
+    p = load_source(DOMAINS).program("domains")
+    args = random_inputs(p, 1, sizes={"N": 400}, seed=3)[0]
+    for name in ("b", "d", "e"):
+        assert 0.5 <= args[name].min() and args[name].max() <= 1.5, name
+    for name in ("a", "c", "f"):
+        assert -1.0 <= args[name].min() < -0.5 and 0.5 < args[name].max() <= 1.0, name
+    ps = [random_inputs(p, 1, sizes={"N": 2}, seed=s)[0]["p"] for s in range(40)]
+    assert 0.05 <= min(ps) and max(ps) <= 0.5 and max(ps) > 0.3
+
+
+def _results(v: np.ndarray) -> list[Result]:
+    return [Result({"y": v}, {}, {})]
+
+
+def test_compare_allows_a_few_ulps_of_the_largest_element():
+    """An element that is a small sum of large cancelling terms carries their rounding: a few
+    ulps of the tensor's largest element pass on every element; more does not."""
+    p = load_source("program id(x: f32[N]) {\n    y = x + 0.0\n    return y\n}\n").program("id")
+    want = np.array([1000.0, 1e-3, -2.0], np.float32)
+    ulp = float(np.finfo(np.float32).eps) * 1000.0
+    near = want.copy()
+    near[1] += np.float32(8 * ulp)  # 8 ulps of 1000 on an element of 1e-3: a relative 1.0
+    assert compare(_results(want), _results(near), p, p) == []
+    far = want.copy()
+    far[1] += np.float32(40 * ulp)
+    problems = compare(_results(want), _results(far), p, p)
+    assert len(problems) == 1 and "'y'" in problems[0]
