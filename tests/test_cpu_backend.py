@@ -65,6 +65,8 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "tp_block_grad": ({"B": 2, "S": 5, "H": 4, "F": 7}, ("F", "S")),
     "gpt_block": ({"B": 2, "S": 5, "H": 6, "NH": 4, "HD": 1, "F": 7}, ("NH", "F", "S")),  # HD = 1: any heads on any ranks
     "gpt_block_sp": ({"B": 2, "S": 5, "H": 6, "NH": 4, "HD": 1, "F": 7}, ("NH", "F", "S")),  # S: x and y sliced
+    "gpt_block_grad": ({"B": 2, "S": 5, "H": 6, "NH": 4, "HD": 1, "F": 7}, ("NH", "F", "S")),
+    "gpt_block_sp_grad": ({"B": 2, "S": 5, "H": 6, "NH": 4, "HD": 1, "F": 7}, ("NH", "F", "S")),
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4

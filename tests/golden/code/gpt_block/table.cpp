@@ -15,6 +15,20 @@ void gpt_block_sp__default(const coconet::CallArgs& a);
 void gpt_block_sp__fused(const coconet::CallArgs& a);
 void gpt_block_sp__overlapped(const coconet::CallArgs& a);
 void gpt_block_sp__overlapped_both(const coconet::CallArgs& a);
+void gpt_block_grad__default(const coconet::CallArgs& a);
+void gpt_block_grad__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp_grad__default(const coconet::CallArgs& a);
+void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a);
+void gpt_block_fwd__default(const coconet::CallArgs& a);
+void gpt_block_fwd__fused(const coconet::CallArgs& a);
+void gpt_block_fwd__overlapped(const coconet::CallArgs& a);
+void gpt_block_bwd__default(const coconet::CallArgs& a);
+void gpt_block_bwd__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp_fwd__default(const coconet::CallArgs& a);
+void gpt_block_sp_fwd__fused(const coconet::CallArgs& a);
+void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a);
+void gpt_block_sp_bwd__default(const coconet::CallArgs& a);
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::CallArgs>* coconet_module_entries() {
@@ -26,8 +40,22 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_sp__fused", &coconet_gen::gpt_block_sp__fused},
       {"gpt_block_sp__overlapped", &coconet_gen::gpt_block_sp__overlapped},
       {"gpt_block_sp__overlapped_both", &coconet_gen::gpt_block_sp__overlapped_both},
+      {"gpt_block_grad__default", &coconet_gen::gpt_block_grad__default},
+      {"gpt_block_grad__overlapped", &coconet_gen::gpt_block_grad__overlapped},
+      {"gpt_block_sp_grad__default", &coconet_gen::gpt_block_sp_grad__default},
+      {"gpt_block_sp_grad__overlapped", &coconet_gen::gpt_block_sp_grad__overlapped},
+      {"gpt_block_fwd__default", &coconet_gen::gpt_block_fwd__default},
+      {"gpt_block_fwd__fused", &coconet_gen::gpt_block_fwd__fused},
+      {"gpt_block_fwd__overlapped", &coconet_gen::gpt_block_fwd__overlapped},
+      {"gpt_block_bwd__default", &coconet_gen::gpt_block_bwd__default},
+      {"gpt_block_bwd__overlapped", &coconet_gen::gpt_block_bwd__overlapped},
+      {"gpt_block_sp_fwd__default", &coconet_gen::gpt_block_sp_fwd__default},
+      {"gpt_block_sp_fwd__fused", &coconet_gen::gpt_block_sp_fwd__fused},
+      {"gpt_block_sp_fwd__overlapped", &coconet_gen::gpt_block_sp_fwd__overlapped},
+      {"gpt_block_sp_fwd__overlapped_both", &coconet_gen::gpt_block_sp_fwd__overlapped_both},
+      {"gpt_block_sp_bwd__default", &coconet_gen::gpt_block_sp_bwd__default},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 7};
+  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 21};
   return &entries;
 }
 
