@@ -122,7 +122,7 @@ class _Deriver:
         if collective and args and isinstance(args[0], Op):
             args = (self.emit(f"{base or 'g_' + name}_part", args[0]), *args[1:])
         t = ops.type_op(name, args, attrs, NOWHERE)
-        e = Op(name, tuple(args), t, tuple(attrs.items()))
+        e = Op(name, tuple(args), t, tuple(sorted(attrs.items())))  # the checker's order: equal to the parsed
         return self.emit(base or f"g_{name}", e) if collective else e
 
     def const(self, v: float, like: Expr) -> Const:
