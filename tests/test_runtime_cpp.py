@@ -85,7 +85,9 @@ def _run_suite(build_dir: Path, ranks: int, **env: str) -> None:
     assert failed == 0 and passed > 1000, log
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+# 4 ranks on 2 cores took 30 s of test-quick; make test runs it, and test-quick runs 4 ranks in
+# test_runtime_over_simulated_nodes below
+@pytest.mark.parametrize("ranks", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_runtime_under_mpi(build_dir: Path, ranks: int):
     _run_suite(build_dir, ranks)
 
