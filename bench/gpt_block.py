@@ -11,7 +11,9 @@ ranks, f32, side by side in one run:
   * PyTorch TP (parallelize_module)  torch.distributed.tensor.parallel: ColwiseParallel q/k/v and
                                    c_fc, RowwiseParallel c_projs, on a CPU gloo DeviceMesh
   * coconet gpt_block <schedule>   coconetc.torch.function: the compiled forward under each
-                                   schedule of the file, the compiled derived backward
+                                   schedule of the file, the compiled derived backward; and
+    <schedule>, grad <g>           each `schedule g for grad(gpt_block)` of the file, with the
+                                   forward schedule of its name
   sequence parallelism (x and y sliced along the sequence)
   * Megatron SP, torch + gloo / mpi4py  layernorm, dropout and residual on this rank's rows;
                                    all-gather forward / reduce-scatter backward before the
@@ -42,7 +44,7 @@ first TP variant's (this rank's rows under SP; relative 1e-3). Times are medians
 repetitions of the slowest rank (common.timed_all: every variant once per round, interleaved).
 
 Run: python bench/gpt_block.py [--b 8] [--s 512] [--h 1024] [--heads 16] [--ffn 4] [--ranks 2]
-     [--reps 5] [--schedules all|default,fused,...] [--sdpa] [--json PATH]
+     [--reps 5] [--schedules all|default,fused,...] [--sdpa] [--no-grad-schedules] [--json PATH]
 It relaunches itself under mpiexec; rank 0 prints the table and writes
 bench/results/gpt_block_f32.json."""
 
@@ -68,6 +70,14 @@ def programs() -> dict[str, list[str]]:
     mod = load_file(GPT_BLOCK)
     return {p: ["default", *[s for s, v in mod.schedules.get(p, {}).items() if not v.auto]]
             for p in (TP, SP) if p in mod.programs}
+
+
+def grad_schedules() -> dict[str, list[str]]:
+    """Each block program's `schedule s for grad(p)`s in the file (none: the derived program's
+    default only)."""
+    from coconetc.sourcefile import load_file
+    mod = load_file(GPT_BLOCK)
+    return {p: [s for s, v in mod.schedules.get(f"{p}_grad", {}).items() if not v.auto] for p in (TP, SP)}
 
 
 def weights(a: argparse.Namespace) -> dict[str, Any]:
@@ -401,16 +411,22 @@ class Variants:
                 return mod(x)
             self.add(par, label, forward, x, dy, None, after=finish)
 
-    def coconet(self, progs: dict[str, list[str]]) -> None:
+    def coconet(self, progs: dict[str, list[str]], grads: dict[str, list[str]]) -> None:
+        """Each forward schedule with the derived program's default; and each `grad(p)` schedule
+        with the forward schedule of its name (else the default)."""
         import coconetc.torch as ct
         scalars = {"scale": 1.0 / math.sqrt(self.hd), "pdrop": 0.0, "seed": 1}
         for prog, scheds in progs.items():
             par = "sp" if prog == SP else "tp"
             x0, dy = self.sp if prog == SP else self.tp
-            for s in scheds if self.a.schedules == "all" else [s for s in self.a.schedules.split(",") if s in scheds]:
-                fn = ct.function(GPT_BLOCK, prog, schedule=s, comm=self.comm)
+            chosen = scheds if self.a.schedules == "all" else [s for s in self.a.schedules.split(",") if s in scheds]
+            pairs = [(s, "default") for s in chosen]
+            pairs += [(g if g in scheds else "default", g) for g in grads.get(prog, []) if self.a.grad_schedules]
+            for s, g in pairs:
+                fn = ct.function(GPT_BLOCK, prog, schedule=s, grad_schedule=g, comm=self.comm)
                 x, ws = self.leaves(x0)
-                self.add(par, f"coconet {prog} {s}", lambda fn=fn, x=x, ws=ws: fn(x=x, **ws, **scalars), x, dy, ws)
+                label = f"coconet {prog} {s}" + (f", grad {g}" if g != "default" else "")
+                self.add(par, label, lambda fn=fn, x=x, ws=ws: fn(x=x, **ws, **scalars), x, dy, ws)
         if SP not in progs:
             self.notes.append(f"coconet {SP}: {GPT_BLOCK.name} has no such program (yet)")
 
@@ -443,7 +459,7 @@ def run(comm, a: argparse.Namespace) -> dict[str, Any]:
     if a.sdpa:
         v.megatron(True)
     v.pytorch()
-    v.coconet(programs())
+    v.coconet(programs(), grad_schedules())
     v.check()
     fns = {**v.steps, ("bound", "GEMMs alone"): gemms_alone(v.local, a, R)}
     times = timed_rounds(comm, {k: (lambda fn=fn: fn) for k, fn in fns.items()}, a.reps, 1, barrier_after=True)
@@ -513,6 +529,8 @@ def main() -> int:
     shape_arguments(ap)
     ap.add_argument("--schedules", default="all", help="coconet schedules to time (comma-separated), or all")
     ap.add_argument("--sdpa", action="store_true", help="also the Megatron variants over gloo with torch's SDPA")
+    ap.add_argument("--no-grad-schedules", dest="grad_schedules", action="store_false",
+                    help="leave out the file's `schedule s for grad(p)`s (each timed with the forward schedule of its name)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
