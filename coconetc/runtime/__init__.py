@@ -18,7 +18,8 @@ emulation). Imports nothing from coconetc.interp or coconetc.tune.
     agree.py     the exchange across ranks, the 64-byte repeat round
     fastpath.py  the record of recent calls (RecentCall) and the CPU hot path
     timeout.py   COCONET_TIMEOUT
-    watchdog.py  the watchdogs: the MPI exchanges', an NCCL communicator's, the abort path
+    watchdog.py  the watchdog (one class, Watchdog): a call on a communicator, watched where it
+                 waits (an MPI request; an NCCL communicator's thread), the abort path
     nccl.py      NCCL communicators (nccl_comm), what every rank of one says (exchange)
     abort_notices.py, events.py  the abort path's notices, a CUDA call's work timed on the GPU
     symmetric_windows.py  window_empty: tensors a symmetric kernel reads in place

@@ -8,7 +8,7 @@ Exchanged: this rank's error, or the call's description: the function, the sched
 the communicator's size, every scalar's bits (in the parameter's dtype) and every shape. Any
 difference raises the same exception on every rank, naming the parameter and the ranks.
 
-Watchdog (watchdog.py; COCONET_TIMEOUT: timeout.py): the exchange is
+The watchdog (watchdog.py: Watchdog; COCONET_TIMEOUT: timeout.py): the exchange is
 polled against a deadline of COCONET_TIMEOUT seconds (default 600; 0 waits for ever). Past it,
 the rank asks every other rank whether it is waiting in the same call, prints which ranks did
 not arrive and aborts the job (MPI_Abort), as NCCL's and PyTorch's watchdogs do.
@@ -33,7 +33,7 @@ from coconetc.runtime.timeout import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from coconetc.runtime.timeout import ENV_TIMEOUT as ENV_TIMEOUT
 from coconetc.runtime.timeout import timeout_raw as timeout_raw
 from coconetc.runtime.timeout import timeout_s as timeout_s
-from coconetc.runtime.watchdog import Watch, wait
+from coconetc.runtime.watchdog import Watchdog, wait
 from coconetc.runtime.watchdog import ranks_text as ranks_text
 
 _BLOCK = 1024  # bytes per rank in the exchange's first (usually only) round
@@ -188,7 +188,7 @@ def exchange(comm, mine: Any, what: str, limit: float, *, counted: bool = False)
     calls = channel(comm)
     if not counted:
         calls.n += 1
-    w = Watch(comm, calls.n, what, limit)
+    w = Watchdog(comm, what, limit, call=calls.n)
     data = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
     # one round in the usual case: fixed blocks of [length, the description if it fits]
     R = comm.Get_size()
