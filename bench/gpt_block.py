@@ -13,7 +13,7 @@ ranks, f32, side by side in one run:
   * coconet gpt_block <schedule>   coconetc.torch.function: the compiled forward under each
                                    schedule of the file, the compiled derived backward; and
     <schedule>, grad <g>           each `schedule g for grad(gpt_block)` of the file, with the
-                                   forward schedule of its name
+                                   forward schedule of its name (else with each one timed)
   sequence parallelism (x and y sliced along the sequence)
   * Megatron SP, torch + gloo / mpi4py  layernorm, dropout and residual on this rank's rows;
                                    all-gather forward / reduce-scatter backward before the
@@ -413,7 +413,7 @@ class Variants:
 
     def coconet(self, progs: dict[str, list[str]], grads: dict[str, list[str]]) -> None:
         """Each forward schedule with the derived program's default; and each `grad(p)` schedule
-        with the forward schedule of its name (else the default)."""
+        with the forward schedule of its name, else with each forward schedule timed."""
         import coconetc.torch as ct
         scalars = {"scale": 1.0 / math.sqrt(self.hd), "pdrop": 0.0, "seed": 1}
         for prog, scheds in progs.items():
@@ -421,7 +421,8 @@ class Variants:
             x0, dy = self.sp if prog == SP else self.tp
             chosen = scheds if self.a.schedules == "all" else [s for s in self.a.schedules.split(",") if s in scheds]
             pairs = [(s, "default") for s in chosen]
-            pairs += [(g if g in scheds else "default", g) for g in grads.get(prog, []) if self.a.grad_schedules]
+            for g in grads.get(prog, []) if self.a.grad_schedules else []:
+                pairs += [(g, g)] if g in scheds else [(s, g) for s in chosen]
             for s, g in pairs:
                 fn = ct.function(GPT_BLOCK, prog, schedule=s, grad_schedule=g, comm=self.comm)
                 x, ws = self.leaves(x0)
@@ -530,7 +531,8 @@ def main() -> int:
     ap.add_argument("--schedules", default="all", help="coconet schedules to time (comma-separated), or all")
     ap.add_argument("--sdpa", action="store_true", help="also the Megatron variants over gloo with torch's SDPA")
     ap.add_argument("--no-grad-schedules", dest="grad_schedules", action="store_false",
-                    help="leave out the file's `schedule s for grad(p)`s (each timed with the forward schedule of its name)")
+                    help="leave out the file's `schedule s for grad(p)`s (each timed with the forward schedule of its name, "
+                         "else with each forward schedule timed)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)

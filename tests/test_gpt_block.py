@@ -161,7 +161,7 @@ def _grad_of(blk: Block, name: str) -> np.ndarray:
 # every schedule of each program and its derived program (compiled: each job's)
 JOBS = {"gpt_block": ["default", "fused", "overlapped"], "gpt_block_grad": ["default", "overlapped"],
         "gpt_block_sp": ["default", "fused", "overlapped", "overlapped_both"],
-        "gpt_block_sp_grad": ["default", "overlapped"]}
+        "gpt_block_sp_grad": ["default", "overlapped", "backward"]}
 
 
 def _f64() -> str:
@@ -393,7 +393,10 @@ def part(t, k, sliced):
 
 
 for program, sliced in LAYOUTS.items():
-    f = ct.function(sys.argv[1], program, schedule="overlapped", grad_schedule="overlapped")
+    # gpt_block_sp: `backward`, which applies to the cut backward (gpt_block_sp_bwd after
+    # gpt_block_sp_fwd); gpt_block's `overlapped` applies to its gpt_block_bwd
+    grad = {"gpt_block": "overlapped", "gpt_block_sp": "backward"}[program]
+    f = ct.function(sys.argv[1], program, schedule="overlapped", grad_schedule=grad)
     mine = {k: part(v(blk).detach(), k, sliced).requires_grad_() for k, v in PARAMS.items()}
     xx = part(x, "x", sliced).requires_grad_()
     y = f(x=xx, **mine, scale=1.0 / math.sqrt(HD), pdrop=0.0, seed=7)
@@ -418,7 +421,8 @@ with torch.no_grad():
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_torch_function_matches_nanogpt_on_two_ranks(f64_file, tmp_path):
     """Both blocks (f64) as coconetc.torch.functions, the compiled forward under `overlapped`
-    and the compiled derived backward under the example's `overlapped`: outputs and every
+    and the compiled backward under the example's grad schedules (gpt_block's `overlapped`,
+    gpt_block_sp's `backward`, each on the cut backward the forward's saved values feed): outputs and every
     gradient in its layout against one process of the nanoGPT block and autograd (gpt_block_sp:
     x, y and their gradients this rank's rows of the sequence; the replicated weights' gradients
     whole on every rank). Then gpt_block_sp called with a sequence slice of the wrong length."""

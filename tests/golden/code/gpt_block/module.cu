@@ -10035,6 +10035,1603 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
 }
 
+// program gpt_block_sp_grad, schedule backward (gpt_block.ccn)
+void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_d_y = a.tensor<float>(16);
+  COCONET_PARAM(v_d_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_n1s = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n1s), "n1s");
+  float* const v_qm_reshape = coconet::cuda::scratch<float>(2, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm_reshape), "qm_reshape");
+  float* const v_n1 = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1");
+  float* const v_qm = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm), "qm");
+  float* const v_q_reshape = coconet::cuda::scratch<float>(5, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_q_reshape), "q_reshape");
+  float* const v_q_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_q_add), "q_add");
+  float* const v_q_reshape2 = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_q_reshape2), "q_reshape2");
+  float* const v_q = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q");
+  float* const v_k_reshape = coconet::cuda::scratch<float>(9, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_k_reshape), "k_reshape");
+  float* const v_k_matmul = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_k_matmul), "k_matmul");
+  float* const v_k_reshape2 = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_k_reshape2), "k_reshape2");
+  float* const v_k = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k");
+  float* const v_v_reshape = coconet::cuda::scratch<float>(13, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_reshape), "v_reshape");
+  float* const v_v_matmul = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_matmul), "v_matmul");
+  float* const v_v_reshape2 = coconet::cuda::scratch<float>(15, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_reshape2), "v_reshape2");
+  float* const v_v_add = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_add), "v_add");
+  float* const v_v_reshape3 = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_v_reshape3), "v_reshape3");
+  float* const v_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v");
+  float* const v_s_transpose = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
+  float* const v_s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_a_where = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
+  float* const v_a_softmax = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
+  float* const v_a = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_o_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
+  float* const v_o_transpose = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
+  float* const v_o = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o");
+  float* const v_ap_reshape = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_ap_reshape), "ap_reshape");
+  float* const v_ap = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
+  float* const v_at = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_at, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_at), "at");
+  float* const v_x1 = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_n2s = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
+  float* const v_n2 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
+  float* const v_hm = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
+  float* const v_h_add = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
+  float* const v_h = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
+  float* const v_g_y_add = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(38, S_H);
+  COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
+  float* const v_g_h = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
+  float* const v_d_w_proj = a.output<float>(14);
+  COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
+  float* const v_g_h_add = coconet::cuda::scratch<float>(41, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
+  float* const v_d_b_fc = a.output<float>(13);
+  COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
+  float* const v_g_xc = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
+  float* const v_g_dxhat = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
+  float* const v_g_n2s = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
+  float* const v_t0_g_xc = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
+  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
+  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
+  float* const v_g_rstd = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
+  float* const v_g_xhat = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
+  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
+  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
+  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_d_w_fc = a.output<float>(12);
+  COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
+  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(58, S_H);
+  COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(59, S_H);
+  COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(60, S_H);
+  COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
+  float* const v_g_o = coconet::cuda::scratch<float>(61, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(62, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
+  float* const v_d_wo = a.output<float>(8);
+  COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
+  float* const v_t7_g_a = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
+  float* const v_t8_g_v = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
+  float* const v_t9_g_rows = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
+  float* const v_t10_g_q = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
+  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
+  float* const v_g_k = coconet::cuda::scratch<float>(77, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
+  float* const v_g_v_add = coconet::cuda::scratch<float>(79, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(80, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
+  float* const v_d_bv = a.output<float>(7);
+  COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(81, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(82, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
+  float* const v_d_wv = a.output<float>(6);
+  COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(83, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(84, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(85, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(86, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
+  float* const v_d_wk = a.output<float>(5);
+  COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(87, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
+  float* const v_g_q_add = coconet::cuda::scratch<float>(88, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(89, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
+  float* const v_d_bq = a.output<float>(4);
+  COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(90, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(91, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(92, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
+  float* const v_d_wq = a.output<float>(3);
+  COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
+  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(93, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
+  float* const v_g_xc2 = coconet::cuda::scratch<float>(94, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
+  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(95, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
+  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(96, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
+  float* const v_g_rstd2 = coconet::cuda::scratch<float>(97, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
+  float* const v_g_xhat2 = coconet::cuda::scratch<float>(98, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
+  float* const v_g_n1s = coconet::cuda::scratch<float>(99, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
+  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(100, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
+  float* const v_t15_d_x = coconet::cuda::scratch<float>(101, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
+  float* const v_t16_d_x = coconet::cuda::scratch<float>(102, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
+  float* const v_t17_d_x = coconet::cuda::scratch<float>(103, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(104, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(105, S_H);
+  COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(106, S_H);
+  COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
+  float* const v_d_b_proj = a.output<float>(15);
+  COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
+  float* const v_d_ln2_w = a.output<float>(10);
+  COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
+  float* const v_d_ln2_b = a.output<float>(11);
+  COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
+  float* const v_d_bo = a.output<float>(9);
+  COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
+  float* const v_d_ln1_w = a.output<float>(1);
+  COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
+  float* const v_d_ln1_b = a.output<float>(2);
+  COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // [backward] layernorm n1s (gpt_block.ccn:118)
+  coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  // [backward] reshape qm_reshape (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
+  // [backward] allgather n1 (NCCL) (gpt_block.ccn:119)
+  coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
+  // [backward] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape q_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [backward] kernel: q_add (gpt_block.ccn:121)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+        coconet::cuda::Vec<float, 4> out_q_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+          out_q_add[u] = coconet::from_compute<float>(x_q_add);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_q_add + i0, out_q_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+        v_q_add[i] = coconet::from_compute<float>(x_q_add);
+      }
+    });
+  }
+  // [backward] reshape q_reshape2 (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [backward] transpose q (gpt_block.ccn:121)
+  coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [backward] reshape k_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] matmul k_matmul (gpt_block.ccn:122)
+  coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape k_reshape2 (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] transpose k (gpt_block.ccn:122)
+  coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [backward] reshape v_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] matmul v_matmul (gpt_block.ccn:123)
+  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape v_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] kernel: v_add (gpt_block.ccn:123)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+        coconet::cuda::Vec<float, 4> out_v_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          out_v_add[u] = coconet::from_compute<float>(x_v_add);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+        v_v_add[i] = coconet::from_compute<float>(x_v_add);
+      }
+    });
+  }
+  // [backward] reshape v_reshape3 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] transpose v (gpt_block.ccn:123)
+  coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [backward] transpose s_transpose (gpt_block.ccn:125)
+  coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] matmul s_matmul (gpt_block.ccn:125)
+  coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] kernel: s, a_where (gpt_block.ccn:125)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k0_s = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
+        coconet::cuda::Vec<float, 4> out_s, out_a_where;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
+          out_s[u] = coconet::from_compute<float>(x_s);
+          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_s + i0, out_s);
+        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
+        v_s[i] = coconet::from_compute<float>(x_s);
+        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+      }
+    });
+  }
+  // [backward] softmax a_softmax (gpt_block.ccn:126)
+  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [backward] kernel: a (gpt_block.ccn:126)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k1_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k2_a = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_a_softmax[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
+  // [backward] matmul o_matmul (gpt_block.ccn:127)
+  coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose o_transpose (gpt_block.ccn:127)
+  coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape o (gpt_block.ccn:127)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
+  // [backward] reshape ap_reshape (gpt_block.ccn:128)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
+  // [backward] matmul ap (gpt_block.ccn:128)
+  coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] reducescatter at (NCCL) (gpt_block.ccn:129)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
+  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:130)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
+      const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_at = coconet::cuda::load<4>(v_at + i0);
+        const auto in_x = coconet::cuda::load<4>(v_x + i0);
+        coconet::cuda::Vec<float, 4> out_x1;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_x1_add = coconet::round_to<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
+          const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + x_x1_dropout);
+          out_x1[u] = coconet::from_compute<float>(x_x1);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_x1 + i0, out_x1);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
+        const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + x_x1_dropout);
+        v_x1[i] = coconet::from_compute<float>(x_x1);
+      }
+    });
+  }
+  // [backward] layernorm n2s (gpt_block.ccn:131)
+  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
+  // [backward] allgather n2 (NCCL) (gpt_block.ccn:132)
+  coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+  // [backward] matmul hm (gpt_block.ccn:133)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [backward] kernel: h_add, h (gpt_block.ccn:134)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add, out_h;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
+          out_h[u] = coconet::from_compute<float>(x_h);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+        coconet::cuda::store<4>(v_h + i0, out_h);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
+        v_h[i] = coconet::from_compute<float>(x_h);
+      }
+    });
+  }
+  // [backward] kernel: g_y_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
+        coconet::cuda::Vec<float, 4> out_g_y_add;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      }
+    });
+  }
+  // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:198)
+  {
+    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
+    cctx.stream = ctx.comm_stream;
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 108);  // its source is computed
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 107);  // chunk i has arrived
+      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+    }
+  }
+  // [backward] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [backward] kernel: g_h_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
+        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
+        const auto in_h = coconet::cuda::load<4>(v_h + i0);
+        coconet::cuda::Vec<float, 4> out_g_h_add;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
+        }
+        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      }
+    });
+  }
+  // [backward] sum_lead d_b_fc (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // [backward] mean_last t0_g_xc (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 109);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [backward] fused collective f3: g_n2s, g_xc, g_dxhat (rows rb of dim 0) (gpt_block.ccn:199)
+  {
+    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f3;
+    const int64_t ch_f3 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0);
+    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
+    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
+    float* const red0_f3 = coconet::cuda::scratch<float>(111, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(112, nred_f3);
+  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
+  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_t0_g_xc), COCONET_RA(v_ln2_w), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi), COCONET_W(v_g_xc, lo, hi), COCONET_W(v_g_dxhat, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x1 + lo, v_g_n2s + lo, v_g_xc + lo, v_g_dxhat + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
+          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
+          coconet::cuda::Vec<float, 4> out_g_n2s, out_g_xc, out_g_dxhat;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
+            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
+            const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+            out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
+            const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
+            out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
+          coconet::cuda::store<4>(v_g_xc + lo + j0, out_g_xc);
+          coconet::cuda::store<4>(v_g_dxhat + lo + j0, out_g_dxhat);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
+          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
+          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
+          const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
+          v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
+    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
+    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 904, reduce_to, compute_keep, gather, source);
+  }
+      }
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 110);
+  // [backward] kernel: t1_g_rstd (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
+        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
+          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
+        }
+        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
+        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
+      }
+    });
+  }
+  // [backward] mean_last t2_g_rstd (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_rstd (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
+        coconet::cuda::Vec<float, 4> out_g_rstd;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
+          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
+        }
+        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
+        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
+      }
+    });
+  }
+  // [backward] kernel: g_xhat (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
+        coconet::cuda::Vec<float, 4> out_g_xhat;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
+      }
+    });
+  }
+  // [backward] mean_last t3_g_x1 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: t4_g_x1 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
+        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        coconet::cuda::Vec<float, 4> out_t4_g_x1;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
+          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
+        }
+        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
+        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
+      }
+    });
+  }
+  // [backward] mean_last t5_g_x1 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_x1 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
+        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
+        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        coconet::cuda::Vec<float, 4> out_g_x1;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+      }
+    });
+  }
+  // [backward] kernel: g_x1_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
+        coconet::cuda::Vec<float, 4> out_g_x1_add;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      }
+    });
+  }
+  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  }
+  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [backward] kernel: t6_g_ln2_w_part (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
+        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
+          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
+        }
+        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
+        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
+      }
+    });
+  }
+  // [backward] sum_lead g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_bo_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] matmul_nt g_o (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [backward] transpose t7_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t8_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] kernel: g_a_softmax (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
+        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+      }
+    });
+  }
+  // [backward] kernel: t9_g_rows (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
+        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+        }
+        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+      }
+    });
+  }
+  // [backward] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  // [backward] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_g_s_matmul;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
+          out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
+        v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
+      }
+    });
+  }
+  // [backward] transpose t10_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t11_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [backward] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [backward] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_nt g_n1_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_nt g_n1_part2 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] sum_lead g_q_reshape (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [backward] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_nt g_n1_part3 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] kernel: g_n1_part4 (gpt_block.ccn)
+  {
+    const int64_t off = int64_t(0);  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
+        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
+        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
+        coconet::cuda::Vec<float, 4> out_g_n1_part4;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
+          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
+        }
+        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
+        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
+      }
+    });
+  }
+  // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] mean_last t12_g_xc2 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_xc2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_x = coconet::cuda::load<4>(v_x + i0);
+        coconet::cuda::Vec<float, 4> out_g_xc2;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
+      }
+    });
+  }
+  // [backward] kernel: t13_g_rstd2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
+        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
+          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
+        }
+        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
+        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
+      }
+    });
+  }
+  // [backward] mean_last t14_g_rstd2 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_rstd2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
+        coconet::cuda::Vec<float, 4> out_g_rstd2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
+          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
+        }
+        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
+        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
+      }
+    });
+  }
+  // [backward] kernel: g_xhat2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
+        coconet::cuda::Vec<float, 4> out_g_xhat2;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
+      }
+    });
+  }
+  // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
+  // [backward] kernel: g_dxhat2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
+        coconet::cuda::Vec<float, 4> out_g_dxhat2;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
+          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
+        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
+      }
+    });
+  }
+  // [backward] mean_last t15_d_x (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: t16_d_x (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
+        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        coconet::cuda::Vec<float, 4> out_t16_d_x;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
+          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
+        }
+        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
+        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
+      }
+    });
+  }
+  // [backward] mean_last t17_d_x (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: d_x (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
+        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
+        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        coconet::cuda::Vec<float, 4> out_d_x;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          out_d_x[u] = coconet::from_compute<float>(x_d_x);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        v_d_x[i] = coconet::from_compute<float>(x_d_x);
+      }
+    });
+  }
+  // [backward] kernel: t18_g_ln1_w_part (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
+        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
+          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
+        }
+        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
+        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
+      }
+    });
+  }
+  // [backward] sum_lead g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+}
+
 // program gpt_block_fwd, schedule default (gpt_block.ccn)
 void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
@@ -17628,6 +19225,1329 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
 }
 
+// program gpt_block_sp_bwd, schedule backward (gpt_block.ccn)
+void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_n1 = a.tensor<float>(16);
+  COCONET_PARAM(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1", stream);
+  float* const v_q = a.tensor<float>(17);
+  COCONET_PARAM(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q", stream);
+  float* const v_k = a.tensor<float>(18);
+  COCONET_PARAM(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k", stream);
+  float* const v_v = a.tensor<float>(19);
+  COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
+  float* const v_s = a.tensor<float>(20);
+  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
+  float* const v_a = a.tensor<float>(21);
+  COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
+  float* const v_o = a.tensor<float>(22);
+  COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_x1 = a.tensor<float>(23);
+  COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
+  float* const v_n2 = a.tensor<float>(24);
+  COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
+  float* const v_hm = a.tensor<float>(25);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.tensor<float>(26);
+  COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
+  float* const v_d_y = a.tensor<float>(27);
+  COCONET_PARAM(v_d_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_qm_reshape = coconet::cuda::scratch<float>(1, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm_reshape), "qm_reshape");
+  float* const v_k_reshape = coconet::cuda::scratch<float>(2, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_k_reshape), "k_reshape");
+  float* const v_v_reshape = coconet::cuda::scratch<float>(3, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_reshape), "v_reshape");
+  float* const v_s_transpose = coconet::cuda::scratch<float>(4, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_a_where = coconet::cuda::scratch<float>(5, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
+  float* const v_a_softmax = coconet::cuda::scratch<float>(6, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
+  float* const v_ap_reshape = coconet::cuda::scratch<float>(7, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_ap_reshape), "ap_reshape");
+  float* const v_h_add = coconet::cuda::scratch<float>(8, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
+  float* const v_g_y_add = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(10, S_H);
+  COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
+  float* const v_g_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
+  float* const v_d_w_proj = a.output<float>(14);
+  COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
+  float* const v_g_h_add = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
+  float* const v_d_b_fc = a.output<float>(13);
+  COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
+  float* const v_g_xc = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
+  float* const v_g_dxhat = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
+  float* const v_g_n2s = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
+  float* const v_t0_g_xc = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
+  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
+  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
+  float* const v_g_rstd = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
+  float* const v_g_xhat = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
+  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
+  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
+  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_d_w_fc = a.output<float>(12);
+  COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
+  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(30, S_H);
+  COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(31, S_H);
+  COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(32, S_H);
+  COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
+  float* const v_g_o = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
+  float* const v_d_wo = a.output<float>(8);
+  COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
+  float* const v_t7_g_a = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
+  float* const v_t8_g_v = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
+  float* const v_t9_g_rows = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
+  float* const v_t10_g_q = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
+  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
+  float* const v_g_k = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
+  float* const v_g_v_add = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(52, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
+  float* const v_d_bv = a.output<float>(7);
+  COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
+  float* const v_d_wv = a.output<float>(6);
+  COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
+  float* const v_d_wk = a.output<float>(5);
+  COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
+  float* const v_g_q_add = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(61, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
+  float* const v_d_bq = a.output<float>(4);
+  COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(63, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(64, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
+  float* const v_d_wq = a.output<float>(3);
+  COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
+  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
+  float* const v_g_xc2 = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
+  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
+  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
+  float* const v_g_rstd2 = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
+  float* const v_g_xhat2 = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
+  float* const v_g_n1s = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
+  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
+  float* const v_t15_d_x = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
+  float* const v_t16_d_x = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
+  float* const v_t17_d_x = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(77, S_H);
+  COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(78, S_H);
+  COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
+  float* const v_d_b_proj = a.output<float>(15);
+  COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
+  float* const v_d_ln2_w = a.output<float>(10);
+  COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
+  float* const v_d_ln2_b = a.output<float>(11);
+  COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
+  float* const v_d_bo = a.output<float>(9);
+  COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
+  float* const v_d_ln1_w = a.output<float>(1);
+  COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
+  float* const v_d_ln1_b = a.output<float>(2);
+  COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // [backward] reshape qm_reshape (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
+  // [backward] reshape k_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] reshape v_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] transpose s_transpose (gpt_block.ccn:125)
+  coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] kernel: a_where (gpt_block.ccn:126)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_a_where;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+      }
+    });
+  }
+  // [backward] softmax a_softmax (gpt_block.ccn:126)
+  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [backward] reshape ap_reshape (gpt_block.ccn:128)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
+  // [backward] kernel: h_add (gpt_block.ccn:134)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+      }
+    });
+  }
+  // [backward] kernel: g_y_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
+        coconet::cuda::Vec<float, 4> out_g_y_add;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      }
+    });
+  }
+  // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:198)
+  {
+    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
+    cctx.stream = ctx.comm_stream;
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 80);  // its source is computed
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 79);  // chunk i has arrived
+      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+    }
+  }
+  // [backward] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [backward] kernel: g_h_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
+        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
+        const auto in_h = coconet::cuda::load<4>(v_h + i0);
+        coconet::cuda::Vec<float, 4> out_g_h_add;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
+          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
+        }
+        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      }
+    });
+  }
+  // [backward] sum_lead d_b_fc (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // [backward] mean_last t0_g_xc (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 81);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [backward] fused collective f3: g_n2s, g_xc, g_dxhat (rows rb of dim 0) (gpt_block.ccn:199)
+  {
+    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f3;
+    const int64_t ch_f3 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0);
+    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
+    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
+    float* const red0_f3 = coconet::cuda::scratch<float>(83, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(84, nred_f3);
+  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
+  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_t0_g_xc), COCONET_RA(v_ln2_w), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi), COCONET_W(v_g_xc, lo, hi), COCONET_W(v_g_dxhat, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x1 + lo, v_g_n2s + lo, v_g_xc + lo, v_g_dxhat + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
+          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
+          coconet::cuda::Vec<float, 4> out_g_n2s, out_g_xc, out_g_dxhat;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
+            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
+            const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+            out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
+            const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
+            out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
+          coconet::cuda::store<4>(v_g_xc + lo + j0, out_g_xc);
+          coconet::cuda::store<4>(v_g_dxhat + lo + j0, out_g_dxhat);
+        }
+        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
+          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
+          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
+          const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
+          v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
+        }
+      });
+    };
+    auto gather = [&](int64_t) {};
+    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
+    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
+    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 680, reduce_to, compute_keep, gather, source);
+  }
+      }
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 82);
+  // [backward] kernel: t1_g_rstd (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
+        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
+          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
+        }
+        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
+        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
+      }
+    });
+  }
+  // [backward] mean_last t2_g_rstd (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_rstd (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
+        coconet::cuda::Vec<float, 4> out_g_rstd;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
+          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
+        }
+        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
+        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
+      }
+    });
+  }
+  // [backward] kernel: g_xhat (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
+        coconet::cuda::Vec<float, 4> out_g_xhat;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
+      }
+    });
+  }
+  // [backward] mean_last t3_g_x1 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: t4_g_x1 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
+        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        coconet::cuda::Vec<float, 4> out_t4_g_x1;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
+          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
+        }
+        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
+        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
+      }
+    });
+  }
+  // [backward] mean_last t5_g_x1 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_x1 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
+        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
+        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        coconet::cuda::Vec<float, 4> out_g_x1;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+      }
+    });
+  }
+  // [backward] kernel: g_x1_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
+        coconet::cuda::Vec<float, 4> out_g_x1_add;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      }
+    });
+  }
+  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  }
+  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [backward] kernel: t6_g_ln2_w_part (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
+        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
+          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
+        }
+        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
+        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
+      }
+    });
+  }
+  // [backward] sum_lead g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_bo_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] matmul_nt g_o (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [backward] transpose t7_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t8_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] kernel: g_a_softmax (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
+        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+      }
+    });
+  }
+  // [backward] kernel: t9_g_rows (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
+        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+        }
+        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+      }
+    });
+  }
+  // [backward] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  // [backward] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
+        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        coconet::cuda::Vec<float, 4> out_g_s_matmul;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+          out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c3 = rest % L3; rest /= L3;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
+        v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
+      }
+    });
+  }
+  // [backward] transpose t10_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t11_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [backward] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [backward] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_nt g_n1_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_nt g_n1_part2 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] transpose g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [backward] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] sum_lead g_q_reshape (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [backward] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] matmul_nt g_n1_part3 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [backward] kernel: g_n1_part4 (gpt_block.ccn)
+  {
+    const int64_t off = int64_t(0);  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
+        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
+        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
+        coconet::cuda::Vec<float, 4> out_g_n1_part4;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
+          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
+        }
+        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
+        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
+      }
+    });
+  }
+  // [backward] matmul_tn g_qm_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [backward] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [backward] mean_last t12_g_xc2 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_xc2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_x = coconet::cuda::load<4>(v_x + i0);
+        coconet::cuda::Vec<float, 4> out_g_xc2;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
+      }
+    });
+  }
+  // [backward] kernel: t13_g_rstd2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
+        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
+          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
+        }
+        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
+        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
+      }
+    });
+  }
+  // [backward] mean_last t14_g_rstd2 (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: g_rstd2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
+        coconet::cuda::Vec<float, 4> out_g_rstd2;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
+          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
+        }
+        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
+        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
+      }
+    });
+  }
+  // [backward] kernel: g_xhat2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
+        coconet::cuda::Vec<float, 4> out_g_xhat2;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
+        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
+      }
+    });
+  }
+  // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
+  // [backward] kernel: g_dxhat2 (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
+        coconet::cuda::Vec<float, 4> out_g_dxhat2;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
+          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
+        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
+      }
+    });
+  }
+  // [backward] mean_last t15_d_x (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: t16_d_x (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
+        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        coconet::cuda::Vec<float, 4> out_t16_d_x;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
+          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
+        }
+        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
+        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
+      }
+    });
+  }
+  // [backward] mean_last t17_d_x (gpt_block.ccn)
+  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] kernel: d_x (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
+        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
+        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        coconet::cuda::Vec<float, 4> out_d_x;
+        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          out_d_x[u] = coconet::from_compute<float>(x_d_x);
+          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+        }
+        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        int64_t rest = i;
+        const int64_t c2 = rest % L2; rest /= L2;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)c2;
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        v_d_x[i] = coconet::from_compute<float>(x_d_x);
+      }
+    });
+  }
+  // [backward] kernel: t18_g_ln1_w_part (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
+        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = i0 + u;
+          (void)i;
+          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
+          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
+        }
+        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
+      }
+      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
+        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
+      }
+    });
+  }
+  // [backward] sum_lead g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  // [backward] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  // [backward] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  // [backward] allreduce d_bo (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  // [backward] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  // [backward] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+}
+
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::cuda::CallArgs>* coconet_module_entries() {
@@ -17643,6 +20563,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_grad__overlapped", &coconet_gen::gpt_block_grad__overlapped},
       {"gpt_block_sp_grad__default", &coconet_gen::gpt_block_sp_grad__default},
       {"gpt_block_sp_grad__overlapped", &coconet_gen::gpt_block_sp_grad__overlapped},
+      {"gpt_block_sp_grad__backward", &coconet_gen::gpt_block_sp_grad__backward},
       {"gpt_block_fwd__default", &coconet_gen::gpt_block_fwd__default},
       {"gpt_block_fwd__fused", &coconet_gen::gpt_block_fwd__fused},
       {"gpt_block_fwd__overlapped", &coconet_gen::gpt_block_fwd__overlapped},
@@ -17653,8 +20574,9 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_sp_fwd__overlapped", &coconet_gen::gpt_block_sp_fwd__overlapped},
       {"gpt_block_sp_fwd__overlapped_both", &coconet_gen::gpt_block_sp_fwd__overlapped_both},
       {"gpt_block_sp_bwd__default", &coconet_gen::gpt_block_sp_bwd__default},
+      {"gpt_block_sp_bwd__backward", &coconet_gen::gpt_block_sp_bwd__backward},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"gpt_block.ccn", table, 21};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"gpt_block.ccn", table, 23};
   return &entries;
 }
 

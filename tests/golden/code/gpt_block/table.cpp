@@ -19,6 +19,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a);
 void gpt_block_grad__overlapped(const coconet::CallArgs& a);
 void gpt_block_sp_grad__default(const coconet::CallArgs& a);
 void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp_grad__backward(const coconet::CallArgs& a);
 void gpt_block_fwd__default(const coconet::CallArgs& a);
 void gpt_block_fwd__fused(const coconet::CallArgs& a);
 void gpt_block_fwd__overlapped(const coconet::CallArgs& a);
@@ -29,6 +30,7 @@ void gpt_block_sp_fwd__fused(const coconet::CallArgs& a);
 void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a);
 void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a);
 void gpt_block_sp_bwd__default(const coconet::CallArgs& a);
+void gpt_block_sp_bwd__backward(const coconet::CallArgs& a);
 }  // namespace coconet_gen
 
 extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet::CallArgs>* coconet_module_entries() {
@@ -44,6 +46,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_grad__overlapped", &coconet_gen::gpt_block_grad__overlapped},
       {"gpt_block_sp_grad__default", &coconet_gen::gpt_block_sp_grad__default},
       {"gpt_block_sp_grad__overlapped", &coconet_gen::gpt_block_sp_grad__overlapped},
+      {"gpt_block_sp_grad__backward", &coconet_gen::gpt_block_sp_grad__backward},
       {"gpt_block_fwd__default", &coconet_gen::gpt_block_fwd__default},
       {"gpt_block_fwd__fused", &coconet_gen::gpt_block_fwd__fused},
       {"gpt_block_fwd__overlapped", &coconet_gen::gpt_block_fwd__overlapped},
@@ -54,8 +57,9 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_sp_fwd__overlapped", &coconet_gen::gpt_block_sp_fwd__overlapped},
       {"gpt_block_sp_fwd__overlapped_both", &coconet_gen::gpt_block_sp_fwd__overlapped_both},
       {"gpt_block_sp_bwd__default", &coconet_gen::gpt_block_sp_bwd__default},
+      {"gpt_block_sp_bwd__backward", &coconet_gen::gpt_block_sp_bwd__backward},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 21};
+  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 23};
   return &entries;
 }
 
