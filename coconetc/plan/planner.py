@@ -20,6 +20,7 @@ from coconetc.ir import ops as registry
 from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, Stage, walk
 from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
+from coconetc.plan.epilogue import with_epilogues
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fused_spec,
                                            gather_spec, op_of, overlap_spec, same_elements, stage_of)
 from coconetc.plan.targets import decide, diagnostics
@@ -121,6 +122,7 @@ class _Planner:
         for g in groups:
             self._group(g)
         self._epilogue()
+        self.out = with_epilogues(self.out, self.buffers)
         params = tuple(q.name for q in p.params if not q.scalar) + tuple(q.name for q in p.params if q.scalar)
         return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out))
 

@@ -64,7 +64,8 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
-        return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})"]
+        epi = [f"{ind}        epilogue {u.epilogue} (decided; the backends still run the loop)"] if u.epilogue else []
+        return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]
     if isinstance(u, Copy):

@@ -95,13 +95,15 @@ class Library:
     """A library operation (an operation of kind "tensor", ir/ops.py KINDS): matmul (GEMM), layernorm, conv2d, and a derived
     program's matmul_nt, matmul_tn, sum_lead, sum_keep, mean_last, conv2d_dx, conv2d_dw; or an
     extern operation. args: value names, or a Let name for a scalar operand; attrs: the
-    operation's settings (integer parameters: stride, padding, n, dim; layernorm's literal eps)."""
+    operation's settings (integer parameters: stride, padding, n, dim; layernorm's literal eps).
+    epilogue: a matmul's fused consumer, "KIND(OPERAND) -> VALUE" (plan/epilogue.py), or ""."""
 
     dst: str
     op: str
     args: tuple[str, ...]
     attrs: tuple[tuple[str, object], ...] = ()
     line: int = 0
+    epilogue: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""GEMM epilogues (issue 40 point 1): when a matmul's one consumer is the pointwise loop right
+after it computing bias, gelu(+ bias), residual or scale of the matmul's result, the plan
+marks the matmul's Library unit with that epilogue (Library.epilogue), so that a backend can
+have the GEMM write the finished value.
+
+The rule, in one place (epilogue_of):
+- the unit is a Library matmul, matmul_nt or matmul_tn writing a scratch buffer (not a
+  parameter, an output or an update's source);
+- the next unit is a Loop over exactly the matmul's result type (shape and layout) with one
+  stored item, and no other unit of the plan reads or writes the matmul's result;
+- the item's expression is one of, with R the matmul's result read exactly once:
+    R + b, b + R           b a vector of R's last dim, held like R's last dim  -> bias(b)
+    gelu(R + b), gelu(b + R)                                                   -> gelu_bias(b)
+    R + r, r + R           r of R's type                                       -> residual(r)
+    R * s, s * R           s a scalar (a parameter, a let or a literal)        -> scale(s)
+The epilogue reads "KIND(OPERAND) -> ITEM", ITEM the loop's value.
+The backends do not yet fuse it: they still run the loop (the decision only, for now)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from coconetc.ir.nodes import Const, Expr, Op, Ref
+from coconetc.ir.printer import expr as printed
+from coconetc.ir.types import TType
+from coconetc.plan.units import Buffer, Library, Loop, Unit, _touches
+
+GEMMS = ("matmul", "matmul_nt", "matmul_tn")
+
+
+def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str, Buffer]) -> tuple[str, str]:
+    """The epilogue units[i] carries ("" when none) and, when none, why not."""
+    u = units[i]
+    if not (isinstance(u, Library) and u.op in GEMMS):
+        return "", "not a matmul"
+    r = u.dst
+    if buffers[r].kind != "scratch":
+        return "", f"'{r}' is not a scratch value but a {buffers[r].kind}"
+    if i + 1 >= len(units) or not isinstance(units[i + 1], Loop):
+        return "", f"the unit after '{r}' is not a pointwise loop"
+    loop = units[i + 1]
+    assert isinstance(loop, Loop)
+    t = buffers[r].type
+    if loop.type != t:
+        return "", f"the loop after '{r}' runs over {loop.type}, not over {t}"
+    if len(loop.items) != 1 or not loop.items[0].store:
+        return "", f"the loop after '{r}' computes {len(loop.items)} values"
+    if any(_touches(v, {r}) for j, v in enumerate(units) if j not in (i, i + 1)):
+        return "", f"'{r}' is read elsewhere"
+    item = loop.items[0]
+    kind = _match(item.expr, r, t, buffers)
+    for let in loop.lets:  # a scalar operand the loop reads as a let: name what it holds
+        kind = kind.replace(f"({let.name})", f"({printed(let.expr)})")
+    if not kind:
+        return "", f"the loop computes {item.name} from '{r}' as none of bias, gelu_bias, residual, scale"
+    return f"{kind} -> {item.name}", ""
+
+
+def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
+    """UNITS with each matmul's epilogue set (the top-level units; inside an overlap or a fused
+    collective, none)."""
+    out = list(units)
+    for i, u in enumerate(units):
+        if isinstance(u, Library) and u.op in GEMMS:
+            epi, _ = epilogue_of(units, i, buffers)
+            if epi:
+                out[i] = replace(u, epilogue=epi)
+    return out
+
+
+def _operand(e: Expr, r: str) -> Expr | None:
+    """For a binary op reading Ref r as one side: the other side."""
+    if not isinstance(e, Op) or len(e.args) != 2:
+        return None
+    a, b = e.args
+    if isinstance(a, Ref) and a.name == r and not _reads(b, r):
+        return b
+    if isinstance(b, Ref) and b.name == r and not _reads(a, r):
+        return a
+    return None
+
+
+def _reads(e: Expr, r: str) -> bool:
+    from coconetc.ir.expr import refs
+    return r in refs(e)
+
+
+def _bias(o: Expr | None, t: TType, buffers: dict[str, Buffer]) -> str:
+    if not isinstance(o, Ref) or o.name not in buffers:
+        return ""
+    bt = buffers[o.name].type
+    if bt.ndim != 1 or t.ndim < 1 or bt.shape[0] != t.shape[-1] or bt.dtype != t.dtype:
+        return ""
+    last_sliced = t.layout.sliced and t.layout.dim == t.ndim - 1
+    if last_sliced != bt.layout.sliced:
+        return ""  # the bias must be held as R's columns are
+    return o.name
+
+
+def _match(e: Expr, r: str, t: TType, buffers: dict[str, Buffer]) -> str:
+    if isinstance(e, Op) and e.op == "gelu" and len(e.args) == 1 and isinstance(e.args[0], Op) \
+            and e.args[0].op == "add":
+        b = _bias(_operand(e.args[0], r), t, buffers)
+        return f"gelu_bias({b})" if b else ""
+    if not isinstance(e, Op):
+        return ""
+    o = _operand(e, r)
+    if o is None:
+        return ""
+    if e.op == "add":
+        b = _bias(o, t, buffers)
+        if b:
+            return f"bias({b})"
+        if isinstance(o, Ref) and o.name in buffers and buffers[o.name].type == t:
+            return f"residual({o.name})"
+        return ""
+    if e.op == "mul":
+        if isinstance(o, Const):
+            return f"scale({o.value})"
+        if isinstance(o, Ref) and o.type.ndim == 0:
+            return f"scale({o.name})"
+    return ""

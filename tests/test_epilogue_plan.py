@@ -1,0 +1,77 @@
+"""GEMM epilogues in the plan (issue 40 point 1, plan/epilogue.py): which matmuls carry which
+epilogue, and which do not and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coconetc.plan import plan_program
+from coconetc.plan.epilogue import epilogue_of
+from coconetc.plan.show import show
+from coconetc.plan.units import Library
+from coconetc.sourcefile import load_source
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _plan(src: str, prog: str = "p", sched: str = "default"):
+    mod = load_source(src, "p.ccn")
+    ir = mod.programs[prog] if sched == "default" else mod.schedule(prog, sched).ir
+    return plan_program(ir, sched)
+
+
+def _epilogues(plan) -> dict[str, str]:
+    return {u.dst: u.epilogue for u in plan.units if isinstance(u, Library) and u.op.startswith("matmul")}
+
+
+def _why(plan, dst: str) -> str:
+    units = plan.units
+    i = next(i for i, u in enumerate(units) if isinstance(u, Library) and u.dst == dst)
+    epi, why = epilogue_of(units, i, {b.name: b for b in plan.buffers})
+    assert epi == ""
+    return why
+
+
+def test_tp_mlp_first_matmul_carries_gelu_bias_and_the_second_none():
+    mod = load_source((REPO / "examples" / "tp_mlp.ccn").read_text(), "examples/tp_mlp.ccn")
+    plan = plan_program(mod.programs["tp_mlp"], "default")
+    assert _epilogues(plan) == {"a": "gelu_bias(b1) -> h", "p": ""}
+    # p's consumer is the allreduce, not a loop
+    assert _why(plan, "p") == "the unit after 'p' is not a pointwise loop"
+    assert "epilogue gelu_bias(b1) -> h" in show(plan)
+
+
+HEAD = "program p(x: f32[M, K] replicated, w: f32[K, N] replicated, b: f32[N] replicated, " \
+       "r: f32[M, N] replicated, c: f32[M] replicated, k: f32) {\n    a = matmul(x, w)\n"
+
+
+def test_each_kind_of_epilogue():
+    for body, want in (("y = a + b", "bias(b) -> y"), ("y = b + a", "bias(b) -> y"),
+                       ("y = gelu(a + b)", "gelu_bias(b) -> y"), ("y = a + r", "residual(r) -> y"),
+                       ("y = a * k", "scale(k) -> y"), ("y = 2.0 * a", "scale(2.0) -> y")):
+        plan = _plan(HEAD + f"    {body}\n    return y\n}}\n")
+        assert _epilogues(plan) == {"a": want}, body
+
+
+def test_no_epilogue_and_why():
+    none_of = "the loop computes y from 'a' as none of bias, gelu_bias, residual, scale"
+    cases = (
+        ("y = a - b\n    return y", none_of),
+        ("y = gelu(a)\n    return y", none_of),
+        ("y = a * a\n    return y", none_of),
+        ("y = a + b\n    z = a * k\n    return y, z", "the loop after 'a' computes 2 values"),
+        ("y = a + b\n    return y, a", "'a' is not a scratch value but a output"),
+        ("y = a + b\n    z = matmul(a, w2)\n    return y, z", "'a' is read elsewhere"),
+    )
+    for body, why in cases:
+        src = HEAD.replace("k: f32)", "w2: f32[N, K] replicated, k: f32)") + f"    {body}\n}}\n"
+        plan = _plan(src)
+        assert _epilogues(plan)["a"] == "", body
+        assert _why(plan, "a") == why, body
+
+
+def test_a_bias_held_unlike_the_columns_is_no_epilogue():
+    src = ("program p(x: f32[M, K] replicated, w: f32[K, N] sliced(1), b: f32[N] replicated) {\n"
+           "    a = matmul(x, w)\n    y = a + b\n    return y\n}\n")
+    plan = _plan(src)
+    assert _epilogues(plan) == {"a": ""}
