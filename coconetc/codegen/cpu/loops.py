@@ -32,6 +32,45 @@ class CpuLoops:
         self.render_lets(u.lets)
         self._loop_items(u.type, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst or None)
 
+    def blocked_by_rows(self, u: Loop) -> bool:
+        """Whether render_epilogue can run loop U block by block (one plain stored item)."""
+        regs = {i.name for i in u.items}
+        refs = [r for i in u.items for r in walk(i.expr) if isinstance(r, Ref) and r.name not in regs]
+        return (len(u.items) == 1 and u.items[0].store and not u.seg_dst and u.type.ndim >= 2
+                and not any(r.name in self.w.scattered for r in refs))
+
+    def render_epilogue(self, u: Loop, gemm: str, rows: str, cols: str) -> None:
+        """A GEMM's epilogue (plan/epilogue.py): the GEMM over blocks of rows sized to stay in
+        cache (256 KiB of output, at least 32 rows), loop U applied to each block's elements
+        right after that block's GEMM. GEMM: the call, with r0 (first row) and rn (rows) in
+        scope."""
+        t = u.type
+        ct = CTYPE[t.dtype]
+        name, e, _ = u.items[0].name, u.items[0].expr, True
+        self.render_lets(u.lets)
+        needs_coords = self.idx.needs_coords(t, [e], {name})
+        base = self.idx.loader(t)
+        store = f"v_{name}[i] = coconet::from_compute<{ct}>({emit(e, base, self.idx.extra(t))});"
+        self.w.emit("{")
+        for line in self.idx.loop_head(t, needs_coords):
+            self.w.emit(f"  {line}")
+        self.w.emit(f"  const int64_t rows = {rows}, cols = {cols};")
+        self.w.emit(f"  const int64_t rb = std::max<int64_t>(32, (int64_t(1) << 18) / std::max<int64_t>(1, cols * "
+                    f"int64_t(sizeof({ct}))));")
+        self.w.emit("  for (int64_t r0 = 0; r0 < rows; r0 += rb) {")
+        self.w.emit("    const int64_t rn = std::min<int64_t>(rb, rows - r0);")
+        self.w.emit(f"    {gemm}")
+        self.w.emit("    const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;")
+        if needs_coords:
+            self.row_runs(t, "lo", "hi", [store])
+        else:
+            self.w.emit("  COCONET_IVDEP")
+            self.w.emit("  for (int64_t i = lo; i < hi; ++i) {")
+            self.w.emit(f"    {store}")
+            self.w.emit("  }")
+        self.w.emit("  }")
+        self.w.emit("}")
+
     def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]], seg_dst: str | None = None) -> None:
         ct, n = CTYPE[t.dtype], _prod(self.w.ldims(t))
         regs = {name for name, _, _ in items}

@@ -39,11 +39,16 @@ class CpuRenderer:
         self.loops = CpuLoops(self.w, self.idx)
         self.fusion = CpuFused(self.w, self.idx, self.loops, self.unit)
         self.overlaps = CpuOverlap(self.w, self.fusion, self.unit)
+        self.fused_loop: Loop | None = None
 
     def render(self) -> Function:
         return dispatch.function(self.w, self._declare, self.unit)
 
     def unit(self, u: Unit) -> None:
+        if u is self.fused_loop:  # rendered by its matmul (epilogue)
+            self.fused_loop = None
+            self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the matmul above")
+            return
         dispatch.unit(self.w, self, u)
 
     def loop(self, u: Loop) -> None:
@@ -115,6 +120,8 @@ class CpuRenderer:
             self.w.emit(extern_call(self.w, u, entry.extern.cpp.function) + ";")
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
+        if self._epilogue(u, ct):
+            return
         if u.op in library_calls.OPS:  # gemm.h, kernels.h, grad.h
             self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))});")
             return
@@ -125,6 +132,25 @@ class CpuRenderer:
                else f"double(coconet::to_compute(v_{u.args[3]}[0]))")
         self.w.emit(f"coconet::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                   f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
+
+    def _epilogue(self, u: Library, ct: str) -> bool:
+        """A 2-d matmul carrying an epilogue (plan/epilogue.py) and the loop after it, as one
+        blocked pass (CpuLoops.render_epilogue); False when it is rendered as two units."""
+        units = self.w.plan.units
+        i = next((k for k, v in enumerate(units) if v is u), -1)
+        if not u.epilogue or u.op != "matmul" or i < 0 or i + 1 >= len(units):
+            return False
+        loop = units[i + 1]
+        if not isinstance(loop, Loop) or len(self.w.ldims(self.w.types[u.args[1]])) != 2 \
+                or not self.loops.blocked_by_rows(loop):
+            return False
+        args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
+        k, n = args[4], args[5]
+        gemm = (f"coconet::matmul<{ct}>({args[0]} + r0 * ({k}), {args[1]}, {args[2]} + r0 * ({n}), "
+                f"rn, {k}, {n});")
+        self.loops.render_epilogue(loop, gemm, args[3], n)
+        self.fused_loop = loop
+        return True
 
     def copy(self, u: Copy) -> None:
         n = _prod(self.w.ldims(self.w.types[u.src]))
