@@ -14,7 +14,8 @@ The rule, in one place (epilogue_of):
     R + r, r + R           r of R's type                                       -> residual(r)
     R * s, s * R           s a scalar (a parameter, a let or a literal)        -> scale(s)
 The epilogue reads "KIND(OPERAND) -> ITEM", ITEM the loop's value.
-The backends do not yet fuse it: they still run the loop (the decision only, for now)."""
+The CPU renders a 2-d matmul's epilogue as one blocked pass (codegen/cpu/loops.py
+render_epilogue); elsewhere (CUDA, batched matmuls, matmul_nt/tn) the loop still runs after the GEMM."""
 
 from __future__ import annotations
 

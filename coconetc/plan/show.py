@@ -64,7 +64,7 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
-        epi = [f"{ind}        epilogue {u.epilogue} (decided; the backends still run the loop)"] if u.epilogue else []
+        epi = [f"{ind}        epilogue {u.epilogue} (cpu: fused when a 2-d matmul; cuda: the loop runs after the GEMM)"] if u.epilogue else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]

@@ -41,7 +41,8 @@ class CpuLoops:
 
     def render_epilogue(self, u: Loop, gemm: str, rows: str, cols: str) -> None:
         """A GEMM's epilogue (plan/epilogue.py): the GEMM over blocks of rows sized to stay in
-        cache (256 KiB of output, at least 32 rows), loop U applied to each block's elements
+        cache (2 MiB of output, at least 128 rows: 256 KiB blocks of 32 rows
+        made tp_mlp slower, the GEMM called too often), loop U applied to each block's elements
         right after that block's GEMM. GEMM: the call, with r0 (first row) and rn (rows) in
         scope."""
         t = u.type
@@ -55,7 +56,7 @@ class CpuLoops:
         for line in self.idx.loop_head(t, needs_coords):
             self.w.emit(f"  {line}")
         self.w.emit(f"  const int64_t rows = {rows}, cols = {cols};")
-        self.w.emit(f"  const int64_t rb = std::max<int64_t>(32, (int64_t(1) << 18) / std::max<int64_t>(1, cols * "
+        self.w.emit(f"  const int64_t rb = std::max<int64_t>(128, (int64_t(1) << 21) / std::max<int64_t>(1, cols * "
                     f"int64_t(sizeof({ct}))));")
         self.w.emit("  for (int64_t r0 = 0; r0 < rows; r0 += rb) {")
         self.w.emit("    const int64_t rn = std::min<int64_t>(rb, rows - r0);")
