@@ -188,7 +188,7 @@ def exchange(comm, mine: Any, what: str, limit: float, *, counted: bool = False)
     calls = channel(comm)
     if not counted:
         calls.n += 1
-    w = Watchdog(comm, what, limit, call=calls.n)
+    w = Watchdog(comm, what, limit, None, calls.n)
     data = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
     # one round in the usual case: fixed blocks of [length, the description if it fits]
     R = comm.Get_size()
