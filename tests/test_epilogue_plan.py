@@ -91,9 +91,9 @@ BLOCKED = """program q(x: f32[M, K] replicated, w: f32[K, N] sliced(1), b: f32[N
 def test_cpu_epilogue_over_blocks_of_rows_matches_the_interpreter(tmp_path):
     """The CPU renders a's gelu_bias as the GEMM over blocks of rows with the epilogue after
     each block (p, local partial sums, and r, replicated, are of different types: no residual
-    epilogue, and the loop runs on its own): N = 4100 columns of f32 make
-    128-row blocks (2 MiB), M = 300 rows three blocks, the last one partial; compiled against the
-    interpreter (coconetc run, 1 rank)."""
+    epilogue, and the loop runs on its own): N = 2100 columns of f32 make
+    1024-row blocks (the least: 8 MiB would be 998 rows), M = 2500 rows three blocks, the last
+    one partial; compiled against the interpreter (coconetc run, 1 rank)."""
     plan = _plan(BLOCKED, "q")
     assert _epilogues(plan) == {"a": "gelu_bias(b) -> h", "p": ""}
     f = tmp_path / "q.ccn"
@@ -101,7 +101,7 @@ def test_cpu_epilogue_over_blocks_of_rows_matches_the_interpreter(tmp_path):
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", "from coconetc.cli import main; main()", "run", str(f), "--ranks", "1",
-                          "--size", "M=300", "--size", "K=5", "--size", "N=4100"],
+                          "--size", "M=2500", "--size", "K=5", "--size", "N=2100"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "matches the interpreter on every rank" in out.stdout, out.stdout + out.stderr

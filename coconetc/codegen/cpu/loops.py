@@ -40,11 +40,13 @@ class CpuLoops:
                 and not any(r.name in self.w.scattered for r in refs))
 
     def render_epilogue(self, u: Loop, gemm: str, rows: str, cols: str) -> None:
-        """A GEMM's epilogue (plan/epilogue.py): the GEMM over blocks of rows sized to stay in
-        cache (2 MiB of output, at least 128 rows: 256 KiB blocks of 32 rows
-        made tp_mlp slower, the GEMM called too often), loop U applied to each block's elements
-        right after that block's GEMM. GEMM: the call, with r0 (first row) and rn (rows) in
-        scope."""
+        """A GEMM's epilogue (plan/epilogue.py): the GEMM over blocks of rows, loop U applied to
+        each block's elements right after that block's GEMM. GEMM: the call, with r0 (first row)
+        and rn (rows) in scope. Blocks of 8 MiB of output and at least 1024 rows: OpenBLAS packs
+        the whole right operand at every call, so smaller blocks cost more than the second pass
+        they save (one thread, [4096, 1024] x [1024, 2048] f32 + bias + relu, medians of 5:
+        one GEMM 185 ms, then the pass over its output 184 ms in all; blocks of 128 rows 217 ms,
+        256 rows 191, 512 rows 187, 1024 rows 186; docs/performance.md)."""
         t = u.type
         ct = CTYPE[t.dtype]
         name, e, _ = u.items[0].name, u.items[0].expr, True
@@ -56,7 +58,7 @@ class CpuLoops:
         for line in self.idx.loop_head(t, needs_coords):
             self.w.emit(f"  {line}")
         self.w.emit(f"  const int64_t rows = {rows}, cols = {cols};")
-        self.w.emit(f"  const int64_t rb = std::max<int64_t>(128, (int64_t(1) << 21) / std::max<int64_t>(1, cols * "
+        self.w.emit(f"  const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * "
                     f"int64_t(sizeof({ct}))));")
         self.w.emit("  for (int64_t r0 = 0; r0 < rows; r0 += rb) {")
         self.w.emit("    const int64_t rn = std::min<int64_t>(rb, rows - r0);")

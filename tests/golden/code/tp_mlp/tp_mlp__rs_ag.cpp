@@ -35,7 +35,7 @@ void tp_mlp__rs_ag(const coconet::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     const int64_t rows = S_B * S_S, cols = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    const int64_t rb = std::max<int64_t>(128, (int64_t(1) << 21) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
+    const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
     for (int64_t r0 = 0; r0 < rows; r0 += rb) {
       const int64_t rn = std::min<int64_t>(rb, rows - r0);
       coconet::matmul<float>(v_x + r0 * (S_H), v_w1, v_a + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
