@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coconetc.ir.nodes import Const, Expr, Op, Ref
+from coconetc.ir.nodes import Const, Expr, Op, Ref, refs
 from coconetc.ir.printer import expr as printed
 from coconetc.ir.types import TType
 from coconetc.plan.units import Buffer, Library, Loop, Unit, _touches
@@ -82,7 +82,6 @@ def _operand(e: Expr, r: str) -> Expr | None:
 
 
 def _reads(e: Expr, r: str) -> bool:
-    from coconetc.ir.expr import refs
     return r in refs(e)
 
 

@@ -34,10 +34,13 @@ class CpuLoops:
 
     def blocked_by_rows(self, u: Loop) -> bool:
         """Whether render_epilogue can run loop U block by block (one plain stored item)."""
-        regs = {i.name for i in u.items}
-        refs = [r for i in u.items for r in walk(i.expr) if isinstance(r, Ref) and r.name not in regs]
         return (len(u.items) == 1 and u.items[0].store and not u.seg_dst and u.type.ndim >= 2
-                and not any(r.name in self.w.scattered for r in refs))
+                and not self._reads_scattered([i.expr for i in u.items], {i.name for i in u.items}))
+
+    def _reads_scattered(self, exprs: list[Expr], regs: set[str]) -> bool:
+        """Whether EXPRS read a scattered parameter (not one of the loop's own values REGS)."""
+        return any(isinstance(r, Ref) and r.name not in regs and r.name in self.w.scattered
+                   for e in exprs for r in walk(e))
 
     def render_epilogue(self, u: Loop, gemm: str, rows: str, cols: str) -> None:
         """A GEMM's epilogue (plan/epilogue.py): the GEMM over blocks of rows, loop U applied to
@@ -49,11 +52,10 @@ class CpuLoops:
         256 rows 191, 512 rows 187, 1024 rows 186; docs/performance.md)."""
         t = u.type
         ct = CTYPE[t.dtype]
-        name, e, _ = u.items[0].name, u.items[0].expr, True
+        name, e = u.items[0].name, u.items[0].expr
         self.render_lets(u.lets)
         needs_coords = self.idx.needs_coords(t, [e], {name})
-        base = self.idx.loader(t)
-        store = f"v_{name}[i] = coconet::from_compute<{ct}>({emit(e, base, self.idx.extra(t))});"
+        store = self._store(t, e, f"v_{name}[i]")
         self.w.emit("{")
         for line in self.idx.loop_head(t, needs_coords):
             self.w.emit(f"  {line}")
@@ -68,23 +70,19 @@ class CpuLoops:
             self.row_runs(t, "lo", "hi", [store])
         else:
             self.w.emit("  COCONET_IVDEP")
-            self.w.emit("  for (int64_t i = lo; i < hi; ++i) {")
-            self.w.emit(f"    {store}")
-            self.w.emit("  }")
+            self._for(t, store, False, "lo", "hi")
         self.w.emit("  }")
         self.w.emit("}")
 
     def _loop_items(self, t: TType, items: list[tuple[str, Expr, bool]], seg_dst: str | None = None) -> None:
-        ct, n = CTYPE[t.dtype], _prod(self.w.ldims(t))
+        n = _prod(self.w.ldims(t))
         regs = {name for name, _, _ in items}
-        refs = [r for _, e, _ in items for r in walk(e) if isinstance(r, Ref) and r.name not in regs]
-        segmented = seg_dst is not None or any(r.name in self.w.scattered for r in refs)
+        segmented = seg_dst is not None or self._reads_scattered([e for _, e, _ in items], regs)
         needs_coords = self.idx.needs_coords(t, [e for _, e, _ in items], regs)
         base = self.idx.loader(t)
         if len(items) == 1:
             name, e, _ = items[0]
-            target = f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]"
-            store = f"{target} = coconet::from_compute<{ct}>({emit(e, base, self.idx.extra(t))});"
+            store = self._store(t, e, f"p_{seg_dst}.ptrs[s][a0 + j]" if seg_dst else f"v_{name}[i]")
         else:
             stored = {name for name, _, st in items if st}
             lines = pointwise.values(self.idx, items, {}, lambda name: (t, base),
@@ -122,8 +120,12 @@ class CpuLoops:
             self.w.emit("  }")
         self.w.emit("}")
 
-    def _for(self, t: TType, store: str, needs_coords: bool) -> None:
-        self.w.emit("  for (int64_t i = 0; i < n; ++i) {")
+    def _store(self, t: TType, e: Expr, target: str) -> str:
+        """One item's line: TARGET = e at element i of a loop over t."""
+        return f"{target} = coconet::from_compute<{CTYPE[t.dtype]}>({emit(e, self.idx.loader(t), self.idx.extra(t))});"
+
+    def _for(self, t: TType, store: str, needs_coords: bool, lo: str = "0", hi: str = "n") -> None:
+        self.w.emit(f"  for (int64_t i = {lo}; i < {hi}; ++i) {{")
         if needs_coords:
             self.coords(t)
         self.w.emit(f"    {store}")
