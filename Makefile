@@ -27,7 +27,8 @@ test: lint
 	$(PY) -m pytest -n 2 --durations=30 tests
 
 # while working: everything but the cases marked slow (installs, CMake and nvcc builds, random
-# programs, and compiled end-to-end checks whose feature a quick case already compiles)
+# programs, the C++ runtime's own test program, and compiled end-to-end checks whose feature a
+# quick case already compiles)
 test-quick: lint
 	$(PY) -m pytest -n 2 -m "not slow" tests
 

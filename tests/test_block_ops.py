@@ -562,7 +562,7 @@ print(f"rank {r} max error {max(float(e) for e in errs):.3g}", flush=True)
 """
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
 def test_torch_function_of_the_attention_matches_torch_on_two_ranks(cache, tmp_path, backend):
     """coconetc.torch.function over the head-parallel attention (the forward saving its values,
     the derived backward): outputs and every gradient in its layout against one process of

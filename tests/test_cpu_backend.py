@@ -69,6 +69,9 @@ SIZES: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "gpt_block_sp_grad": ({"B": 2, "S": 5, "H": 6, "NH": 4, "HD": 1, "F": 7}, ("NH", "F", "S")),
 }
 GROUPS = {"pipeline.ccn": 2}  # files whose programs run in groups
+# Files whose compiled programs run in `make test` only: gpt_block.ccn's 12 functions are a third
+# of the examples' build; the quick set compiles the block's operations in tests/test_block_ops.py.
+SLOW_FILES = {"gpt_block.ccn"}
 RANKS = {"pipeline.ccn": (2, 4)}  # default: 1, 2, 3, 4
 
 
@@ -120,9 +123,10 @@ CHUNKED = list(_chunked_matrix())
 @pytest.fixture(scope="session")
 def modules(request):
     """COCONET_CACHE -> .pytest_cache/d/coconet-build for the whole session (and the ranks it
-    starts), and every example built once and imported here, so that the ranks only import.
-    The map holds each file's loaded module or the exception building or importing it raised
-    (reported by the tests that use that file)."""
+    starts), and every example the session's tests of this file run built once and imported
+    here, so that the ranks only import (any other on first use). The map holds each file's
+    loaded module or the exception building or importing it raised (reported by the tests that
+    use that file)."""
     import coconetc
     from coconetc.runtime.loader import compile_cpu
     cache_root = request.config.cache.mkdir("coconet-build")
@@ -144,13 +148,32 @@ def modules(request):
         except Exception as err:  # noqa: BLE001
             return err
 
+    class Modules(dict):
+        def __missing__(self, name: str):
+            f = next(f for f in EXAMPLES if f.name == name)
+            self[name] = load(f, build(f))
+            return self[name]
+
+    wanted = _files_run(request.session.items) | {"adam.ccn", "sgd.ccn", "lamb.ccn", "layernorm.ccn"}
+    todo = [f for f in EXAMPLES if f.name in wanted]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        builds = list(pool.map(build, EXAMPLES))
-    yield {f.name: load(f, b) for f, b in zip(EXAMPLES, builds)}
+        builds = list(pool.map(build, todo))
+    yield Modules({f.name: load(f, b) for f, b in zip(todo, builds)})
     if old is None:
         os.environ.pop(probes.ENV_CACHE, None)
     else:
         os.environ[probes.ENV_CACHE] = old
+
+
+def _files_run(items) -> set[str]:
+    """The examples the selected tests of this file call (their `jobs` or `file` parameter)."""
+    out = set()
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module.__name__ == __name__:
+            out |= {job[0].name for job in params.get("jobs", ())}
+            out |= {params["file"].name} if "file" in params else set()
+    return out
 
 
 def _module(modules, name: str):
@@ -175,14 +198,15 @@ def test_matrix_covers_every_program():
 def _launches(params, per: int = 12) -> list:
     """The jobs of PARAMS grouped into launches of at most PER jobs on the same number of ranks
     (one mpiexec start, import and load for many programs), with readable ids."""
-    by_ranks: dict[int, list] = {}
+    by_ranks: dict[tuple[bool, int], list] = {}
     for p in params:
-        by_ranks.setdefault(p.values[3], []).append(p.values)
+        by_ranks.setdefault((p.values[0].name in SLOW_FILES, p.values[3]), []).append(p.values)
     out = []
-    for ranks, jobs in sorted(by_ranks.items()):
+    for (slow, ranks), jobs in sorted(by_ranks.items()):
         for k in range(0, len(jobs), per):
             part = jobs[k:k + per]
-            out.append(pytest.param(ranks, part, id=f"R{ranks}-{part[0][1]}..{part[-1][1]}"))
+            out.append(pytest.param(ranks, part, id=f"R{ranks}-{part[0][1]}..{part[-1][1]}",
+                                    marks=[pytest.mark.slow] if slow else []))
     return out
 
 
@@ -438,7 +462,7 @@ def _repeat_sizes(big: dict[str, int]) -> list[dict[str, int]]:
     return [big, {k: max(1, v // 3) for k, v in big.items()}, {k: v + 3 for k, v in big.items()}]
 
 
-REPEATS = [pytest.param(f, prog, id=f"{f.name}-{prog}")
+REPEATS = [pytest.param(f, prog, id=f"{f.name}-{prog}", marks=[pytest.mark.slow] if f.name in SLOW_FILES else [])
            for f in EXAMPLES for prog in load_file(f).programs]
 
 

@@ -683,22 +683,22 @@ def test_symmetric_kernel_many_blocks_same_grid_on_every_rank(sym_modules):
     largest slice (a tile: the block's threads x V elements, in whole 16-element units), up to the
     smallest GPU's multiprocessors x resident blocks. The ranks emulate different multiprocessor
     counts (COCONET_EMULATE_SMS=3,1,2,5). With blocks of 2 threads (an edited copy of
-    symmetric.cuh; tiles of 16 elements) at sizes 10 .. 8209 on R = 1..4 (uneven and empty
-    slices): many blocks (up to 514; a multiprocessor holds 1024 blocks of 2), then, with
+    symmetric.cuh; tiles of 16 elements) at sizes 10 .. 8209 on R = 1, 3 and 4 (uneven
+    slices; R = 2 adds nothing R = 3 does not: the same smallest GPU, uneven slices too): many blocks (up to 514; a multiprocessor holds 1024 blocks of 2), then, with
     multiprocessors of 16 threads (COCONET_EMULATE_SM_THREADS), grids of 8 blocks (24 at R = 1)
     that take many tiles each (up to 22), the last one partial; with the unedited kernel (blocks
     of 512: 4 a multiprocessor) at 100003 elements the smallest GPU's 4 blocks bound the grid of
-    every rank (12 on rank 0 alone, at R = 1), 3 to 7 tiles a block. Every call matches the
+    every rank (12 on rank 0 alone, at R = 1; R = 1 and 4), 3 to 7 tiles a block. Every call matches the
     interpreter, every rank launches the grid expected for it, and both the vector and the
     element path run (slices that start off a vector boundary take the element path)."""
     sizes = [10, 100, 1001, 4099, 8209]
-    runs = [(2, sizes, 2048, lambda grid, tiles: grid >= 100 and tiles <= grid),  # many blocks, one tile each
-            (2, sizes, 16, lambda grid, tiles: tiles >= 10 * grid),  # few blocks, many tiles each
-            (None, [100003], 2048, lambda grid, tiles: tiles >= 4 * grid)]
-    for threads, run_sizes, sm_threads, most in runs:
+    runs = [(2, sizes, 2048, (1, 3, 4), lambda grid, tiles: grid >= 100 and tiles <= grid),  # many blocks, one tile each
+            (2, sizes, 16, (1, 3, 4), lambda grid, tiles: tiles >= 10 * grid),  # few blocks, many tiles each
+            (None, [100003], 2048, (1, 4), lambda grid, tiles: tiles >= 4 * grid)]
+    for threads, run_sizes, sm_threads, ranks_list, most in runs:
         mods = sym_modules(threads)
         paths, seen = set(), False
-        for ranks in (1, 2, 3, 4):
+        for ranks in ranks_list:
             checked = _sym_check(ranks, mods, run_sizes, {"COCONET_EMULATE_SM_THREADS": str(sm_threads)})
             for case, grids in checked.items():
                 tile = _tile(*case, threads or 512)

@@ -104,7 +104,7 @@ def test_interpreted_schedules_equal_the_program(file, prog, scheds):
         assert out.count("matches the unscheduled program on every rank") == len(scheds)
 
 
-@pytest.mark.parametrize("algo", ["shm", "p2p"])
+@pytest.mark.parametrize("algo", ["shm", pytest.param("p2p", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("file,prog,scheds", CASES, ids=[c[0] for c in CASES])
 def test_compiled_schedules_equal_the_interpreter(file, prog, scheds, algo):
     """Several chunks (chunks of 256 elements), slices that 2 and 3 do not divide."""
@@ -211,7 +211,7 @@ def test_reductions_of_a_replicated_parameter_are_accumulated_over_the_slices():
     assert not [a for a in f.after if isinstance(a, Reduce) and a.dst not in f.partials]
 
 
-@pytest.mark.parametrize("algo", ["shm", "p2p"])
+@pytest.mark.parametrize("algo", ["shm", pytest.param("p2p", marks=pytest.mark.slow)])
 def test_reductions_of_a_replicated_parameter_equal_the_interpreter(algo, tmp_path):
     """Chunks of 256 elements, N = 2003 (uneven slices), 1 to 3 ranks, both CPU algorithms."""
     path = tmp_path / "trust.ccn"

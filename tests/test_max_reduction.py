@@ -218,7 +218,7 @@ def mm_file(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("algo", ["shm", "p2p"])
+@pytest.mark.parametrize("algo", ["shm", pytest.param("p2p", marks=pytest.mark.slow)])
 def test_compiled_schedules_equal_the_interpreter(mm_file, algo):
     """Several chunks (of 256 elements), N that 2 and 3 do not divide."""
     env = {"COCONET_CHUNK": "256", **({"COCONET_FUSED": "p2p"} if algo == "p2p" else {})}

@@ -23,6 +23,9 @@ MPIEXEC = BIN / "mpiexec"
 MPICXX = BIN / "mpicxx"
 RUN_TIMEOUT = 300  # 4 oversubscribed ranks next to another pytest worker on 2 cores
 BUILD_TIMEOUT = 300
+# `make test` only: the build is the cost (45 s on 2 cores), and every quick CPU case runs the same
+# runtime inside a module
+pytestmark = pytest.mark.slow
 
 
 def _cmake() -> str:
@@ -87,7 +90,7 @@ def _run_suite(build_dir: Path, ranks: int, **env: str) -> None:
 
 # 4 ranks on 2 cores took 30 s of test-quick; make test runs it, and test-quick runs 4 ranks in
 # test_runtime_over_simulated_nodes below
-@pytest.mark.parametrize("ranks", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_runtime_under_mpi(build_dir: Path, ranks: int):
     _run_suite(build_dir, ranks)
 

@@ -67,6 +67,8 @@ def _check(lines: list[str], log: str, labels: list[str]) -> None:
 
 
 RANKS = [2, pytest.param(3, marks=pytest.mark.slow)]
+# cases whose CPU twin in tests/test_torch_optimizer.py runs in the quick set: `make test` only
+SLOW_RANKS = [pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(3, marks=pytest.mark.slow),
@@ -135,7 +137,7 @@ def test_mixed_precision_f16_and_bf16(built, capfd, monkeypatch, ranks):
     assert rc == 0, log
 
 
-@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("ranks", SLOW_RANKS)
 def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
     """adamw.ccn with two parameter groups (their own lr and weight decay), every schedule of the
     CUDA module: across_groups=True clips by the norm of both (clip_grad_norm_(model.parameters()))
@@ -149,7 +151,7 @@ def test_clipping_by_the_norm_of_every_group(built, capfd, ranks):
     assert rc == 0, log
 
 
-@pytest.mark.parametrize("ranks", RANKS)
+@pytest.mark.parametrize("ranks", SLOW_RANKS)
 def test_loss_scaled_step_across_groups(built, capfd, ranks):
     """scaled_adam.ccn (f16 parameters, f32 master weights, dynamic loss scale), two groups,
     across_groups=True on the CUDA backend, every schedule: an inf and a NaN in one group's
@@ -194,7 +196,8 @@ def test_a_batch_runs_on_one_stream(built):
         batch.run_all([(ext, ext.adamw__default, a, None) for a in calls])
 
 
-@pytest.mark.parametrize("made_from", ["mpi", "pg", "window"])
+@pytest.mark.parametrize("made_from", ["mpi", pytest.param("pg", marks=pytest.mark.slow),
+                                       pytest.param("window", marks=pytest.mark.slow)])
 def test_an_nccl_error_on_one_rank_aborts_the_communicator_on_every_rank(built, capfd, monkeypatch, made_from):
     """Rank 1's NCCL calls fail (COCONET_EMULATE_NCCL_FAIL_RANK, the emulation's injection) while
     rank 0 waits in the all-reduce for it: rank 1 notifies rank 0 and aborts its communicator,
