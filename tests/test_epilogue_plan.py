@@ -77,6 +77,35 @@ def test_a_bias_held_unlike_the_columns_is_no_epilogue():
     assert _epilogues(plan) == {"a": ""}
 
 
+def _matmul(plan, dst: str = "a") -> Library:
+    return next(u for u in plan.units if isinstance(u, Library) and u.dst == dst)
+
+
+def test_where_each_epilogue_is_fused_is_the_plans():
+    """Library.fused: the CPU fuses every epilogue of a matmul of a 2-d right operand; CUDA (one
+    cublasLtMatmul) bias, residual and scale by a literal or a scalar parameter in f32/f16/bf16,
+    not gelu_bias (cuBLASLt's GELU is the tanh approximation, the language's the exact one), not
+    f64; `show` prints the decision."""
+    both = ("cpu", "cuda")
+    cases = (("y = a + b", both), ("y = gelu(a + b)", ("cpu",)), ("y = a + r", both), ("y = a * k", both),
+             ("y = 2.0 * a", both))
+    for dtype in ("f32", "bf16", "f64"):
+        for body, want in cases:
+            plan = _plan(HEAD.replace("f32", dtype) + f"    {body}\n    return y\n}}\n")
+            u = _matmul(plan)
+            assert u.fused == (want if dtype != "f64" else ("cpu",)), (dtype, body)
+            cuda = "fused in the GEMM" if "cuda" in u.fused else "the loop runs after the GEMM"
+            assert f"epilogue {u.epilogue} (cpu: fused in the GEMM; cuda: {cuda})" in show(plan), (dtype, body)
+
+
+def test_a_batched_matmul_carries_its_epilogue_fused_nowhere():
+    src = ("program p(x: f32[B, M, K] replicated, w: f32[B, K, N] replicated, b: f32[N] replicated) {\n"
+           "    a = matmul(x, w)\n    y = a + b\n    return y\n}\n")
+    u = _matmul(_plan(src))
+    assert (u.epilogue, u.fused) == ("bias(b) -> y", ())
+    assert "(cpu: the loop runs after the GEMM; cuda: the loop runs after the GEMM)" in show(_plan(src))
+
+
 BLOCKED = """program q(x: f32[M, K] replicated, w: f32[K, N] sliced(1), b: f32[N] sliced(0),
           w2: f32[N, K] sliced(0), r: f32[M, K] replicated) {
     a = matmul(x, w)

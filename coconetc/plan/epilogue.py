@@ -14,8 +14,17 @@ The rule, in one place (epilogue_of):
     R + r, r + R           r of R's type                                       -> residual(r)
     R * s, s * R           s a scalar (a parameter, a let or a literal)        -> scale(s)
 The epilogue reads "KIND(OPERAND) -> ITEM", ITEM the loop's value.
-The CPU renders a 2-d matmul's epilogue as one blocked pass (codegen/cpu/loops.py
-render_epilogue); elsewhere (CUDA, batched matmuls, matmul_nt/tn) the loop still runs after the GEMM."""
+Where the epilogue is fused is decided here too (fused_on, Library.fused), and the renderers
+only read it:
+- cpu: a matmul whose right operand is 2-d (one GEMM over the rows of every leading dim of
+  the left), the loop of at least 2 dims, writing no scattered parameter's segments and reading
+  none: one blocked pass (codegen/cpu/loops.py render_epilogue);
+- cuda: the same matmuls in f32, f16 or bf16, with the epilogue bias, residual or scale by a
+  literal or a scalar parameter (its value on the host): one cublasLtMatmul (cuda/blas.cuh
+  matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale).
+  gelu_bias is not fused on CUDA: cuBLASLt's GELU is the tanh approximation, the language's
+  gelu is the exact x * Phi(x) (runtime_cpp/coconet/pointwise.h), so the loop runs after the GEMM;
+elsewhere (batched matmuls, matmul_nt/tn) the loop runs after the GEMM."""
 
 from __future__ import annotations
 
@@ -27,6 +36,8 @@ from coconetc.ir.types import TType
 from coconetc.plan.units import Buffer, Library, Loop, Unit, _touches
 
 GEMMS = ("matmul", "matmul_nt", "matmul_tn")
+BACKENDS = ("cpu", "cuda")
+CUDA_DTYPES = ("f32", "f16", "bf16")  # the cuBLAS path's types with a 32-bit float compute
 
 
 def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str, Buffer]) -> tuple[str, str]:
@@ -65,8 +76,34 @@ def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
         if isinstance(u, Library) and u.op in GEMMS:
             epi, _ = epilogue_of(units, i, buffers)
             if epi:
-                out[i] = replace(u, epilogue=epi)
+                loop = units[i + 1]
+                assert isinstance(loop, Loop)
+                out[i] = replace(u, epilogue=epi, fused=fused_on(u, epi, loop, buffers))
     return out
+
+
+def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:
+    """The backends (BACKENDS) that apply EPILOGUE, the epilogue of matmul U, in its GEMM (the
+    rule in the module's docstring); LOOP: the loop after U."""
+    if u.op != "matmul" or buffers[u.args[1]].type.ndim != 2 or loop.seg_dst or loop.type.ndim < 2:
+        return ()
+    item = loop.items[0]
+    if any(buffers[n].kind == "segments" for n in refs(item.expr) if n != item.name and n in buffers):
+        return ()
+    kind, operand = epilogue.split(" -> ")[0].rstrip(")").split("(", 1)
+    on = ["cpu"]
+    if loop.type.dtype in CUDA_DTYPES and (kind in ("bias", "residual") or kind == "scale" and (
+            _number(operand) or operand in buffers and buffers[operand].kind == "scalar")):
+        on.append("cuda")
+    return tuple(on)
+
+
+def _number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
 
 
 def _operand(e: Expr, r: str) -> Expr | None:

@@ -6,6 +6,7 @@ Deterministic: the same plan prints the same text."""
 from __future__ import annotations
 
 from coconetc.ir import printer
+from coconetc.plan.epilogue import BACKENDS
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
 from coconetc.plan.units import (Algorithm, Buffer, Chunking, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
@@ -54,6 +55,11 @@ def _vectors(width: int) -> str:
     return f"vectors of {width} elements" if width else "one element at a time"
 
 
+def _fused_on(fused: tuple[str, ...]) -> str:
+    """Where a matmul's epilogue is fused (Library.fused, plan/epilogue.py)."""
+    return "; ".join(f"{b}: {'fused in the GEMM' if b in fused else 'the loop runs after the GEMM'}" for b in BACKENDS)
+
+
 def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, Loop):
         dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
@@ -64,7 +70,7 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
-        epi = [f"{ind}        epilogue {u.epilogue} (cpu: fused when a 2-d matmul; cuda: the loop runs after the GEMM)"] if u.epilogue else []
+        epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(u.fused)})"] if u.epilogue else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]

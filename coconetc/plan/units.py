@@ -96,7 +96,9 @@ class Library:
     program's matmul_nt, matmul_tn, sum_lead, sum_keep, mean_last, conv2d_dx, conv2d_dw; or an
     extern operation. args: value names, or a Let name for a scalar operand; attrs: the
     operation's settings (integer parameters: stride, padding, n, dim; layernorm's literal eps).
-    epilogue: a matmul's fused consumer, "KIND(OPERAND) -> VALUE" (plan/epilogue.py), or ""."""
+    epilogue: a matmul's fused consumer, "KIND(OPERAND) -> VALUE" (plan/epilogue.py), or "";
+    fused: the backends ("cpu", "cuda") whose code applies that epilogue in the GEMM (the loop
+    after it then renders as nothing); on the others the loop runs after the GEMM."""
 
     dst: str
     op: str
@@ -104,6 +106,7 @@ class Library:
     attrs: tuple[tuple[str, object], ...] = ()
     line: int = 0
     epilogue: str = ""
+    fused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,6 @@ class CpuLoops:
         self.render_lets(u.lets)
         self._loop_items(u.type, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst or None)
 
-    def blocked_by_rows(self, u: Loop) -> bool:
-        """Whether render_epilogue can run loop U block by block (one plain stored item)."""
-        return (len(u.items) == 1 and u.items[0].store and not u.seg_dst and u.type.ndim >= 2
-                and not self._reads_scattered([i.expr for i in u.items], {i.name for i in u.items}))
-
     def _reads_scattered(self, exprs: list[Expr], regs: set[str]) -> bool:
         """Whether EXPRS read a scattered parameter (not one of the loop's own values REGS)."""
         return any(isinstance(r, Ref) and r.name not in regs and r.name in self.w.scattered

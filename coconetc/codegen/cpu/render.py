@@ -134,16 +134,17 @@ class CpuRenderer:
                   f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst});")
 
     def _epilogue(self, u: Library, ct: str) -> bool:
-        """A 2-d matmul carrying an epilogue (plan/epilogue.py) and the loop after it, as one
-        blocked pass (CpuLoops.render_epilogue); False when it is rendered as two units."""
+        """A matmul whose plan fuses its epilogue on the CPU (Library.fused, plan/epilogue.py) and
+        the loop after it, as one blocked pass (CpuLoops.render_epilogue); False when it is
+        rendered as two units."""
+        if "cpu" not in u.fused:
+            return False
         units = self.w.plan.units
         i = next((k for k, v in enumerate(units) if v is u), -1)
-        if not u.epilogue or u.op != "matmul" or i < 0 or i + 1 >= len(units):
+        if i < 0:  # inside an overlap or a fused collective: with_epilogues sets none there
             return False
         loop = units[i + 1]
-        if not isinstance(loop, Loop) or len(self.w.ldims(self.w.types[u.args[1]])) != 2 \
-                or not self.loops.blocked_by_rows(loop):
-            return False
+        assert isinstance(loop, Loop), loop
         args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
         k, n = args[4], args[5]
         gemm = (f"coconet::matmul<{ct}>({args[0]} + r0 * ({k}), {args[1]}, {args[2]} + r0 * ({n}), "
