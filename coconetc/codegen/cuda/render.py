@@ -44,12 +44,17 @@ class CudaRenderer:
         self.fusion = CudaFused(self.w, self.idx, self.kernels, self.notes, self.unit)
         self.overlaps = CudaOverlap(self.w, self.fusion, self.notes, self.unit)
         self.seg_declared = False
+        self.fused_loop: Loop | None = None
 
     def render(self) -> Function:
         assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
         return dispatch.function(self.w, self._declare, self.unit)
 
     def unit(self, u: Unit) -> None:
+        if u is self.fused_loop:  # rendered by its matmul (epilogue)
+            self.fused_loop = None
+            self.w.emit(f"// kernel {', '.join(i.name for i in u.items)}: the epilogue of the cublasLtMatmul above")
+            return
         dispatch.unit(self.w, self, u)
 
     def loop(self, u: Loop) -> None:
@@ -135,6 +140,8 @@ class CudaRenderer:
             self.w.emit(extern_call(self.w, u, entry.extern.cuda.function, ("stream",)) + ";")
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
+        if self._epilogue(u, ct):
+            return
         if u.op in library_calls.OPS:  # runtime.cuh, grad.cuh
             last = "stream" if u.op in library_calls.GEMM else "ctx"
             self.w.emit(f"coconet::cuda::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))}, {last});")
@@ -150,6 +157,35 @@ class CudaRenderer:
             eps = f"v_{u.args[3]}"
         self.w.emit(f"coconet::cuda::layernorm<{ct}>(v_{x}, v_{u.args[1]}, v_{u.args[2]}, {eps}, "
                   f"{_prod(lx[:-1])}, {lx[-1]}, v_{u.dst}, ctx);")
+
+
+    def _epilogue(self, u: Library, ct: str) -> bool:
+        """A matmul whose plan fuses its epilogue on CUDA (Library.fused, plan/epilogue.py) and the
+        loop after it, as one cublasLtMatmul (blas.cuh matmul_epilogue) writing the loop's value;
+        False when they are rendered as two units."""
+        if "cuda" not in u.fused:
+            return False
+        units = self.w.plan.units
+        i = next((k for k, v in enumerate(units) if v is u), -1)
+        if i < 0:  # inside an overlap or a fused collective: with_epilogues sets none there
+            return False
+        loop = units[i + 1]
+        assert isinstance(loop, Loop), loop
+        kind, operand = u.epilogue.split(" -> ")[0].rstrip(")").split("(", 1)
+        bias, c, alpha = "nullptr", "nullptr", "1.0f"
+        if kind == "bias":
+            bias = f"v_{operand}"
+        elif kind == "residual":
+            c = f"v_{operand}"
+        else:
+            assert kind == "scale", u.epilogue
+            alpha = (f"float(coconet::to_compute(v_{operand}[0]))" if operand in self.w.types
+                     else f"float({operand})")  # a scalar parameter (on the host), or a literal
+        a, b, _, m, k, n = library_calls.call_args(self.w, u)
+        self.w.emit(f"coconet::cuda::matmul_epilogue<{ct}>({a}, {b}, v_{loop.items[0].name}, {m}, {k}, {n}, "
+                    f"{bias}, {c}, {alpha}, stream);  // {u.dst} = matmul, then {u.epilogue}")
+        self.fused_loop = loop
+        return True
 
 
 def render(plan: Plan, fn: str, file: str, outputs: list[str]) -> Function:

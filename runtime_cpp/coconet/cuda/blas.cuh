@@ -89,5 +89,62 @@ void matmul(const T* A, const T* B, T* C, int64_t batch, int64_t M, int64_t K, i
                                           f64 ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+// ---- cuBLASLt: a GEMM with its epilogue (plan/epilogue.py: Library.fused) ----------------------------
+
+inline cublasLtHandle_t blas_lt() {
+  static std::mutex mu;
+  static std::map<int, cublasLtHandle_t> hs;
+  std::lock_guard<std::mutex> lock(mu);
+  return per_device(hs, [](int) {
+    cublasLtHandle_t h;
+    COCONET_CUDA(cublasLtCreate(&h));
+    return h;
+  });
+}
+
+// This device's cuBLASLt workspace (32 MiB, made on first use; one stream at a time uses it as
+// every GEMM of a call is on the call's stream).
+constexpr size_t kLtWorkspace = size_t(32) << 20;
+inline void* lt_workspace() {
+  static std::mutex mu;
+  static std::map<int, void*> ws;
+  std::lock_guard<std::mutex> lock(mu);
+  return per_device(ws, [](int) {
+    void* p = nullptr;
+    COCONET_CUDA(cudaMalloc(&p, kLtWorkspace));
+    return p;
+  });
+}
+
+// Row-major D[M, N] = alpha * A[M, K] x B[K, N] (+ C[M, N] when C) (+ bias[N] on every row when
+// bias), one cublasLtMatmul: column-major it is D^T (N x M) = B^T (N x K) A^T (K x M), so cuBLASLt's
+// m is N, its A is B and its B is A, and the bias (CUBLASLT_EPILOGUE_BIAS: one value per row of
+// cuBLASLt's D, m of them) is along N as the row-major bias is; the residual is C with beta = 1
+// (C may be D). f16/bf16 accumulate in f32, f32 in f32 (no TF32), alpha and beta f32. k = 0 is
+// passed on (D = C + bias, as cuBLASLt defines a GEMM of no k).
+template <class T>
+void matmul_epilogue(const T* A, const T* B, T* D, int64_t M, int64_t K, int64_t N, const T* bias, const T* C,
+                     float alpha, cudaStream_t s) {
+  static_assert(!std::is_same<T, double>::value, "matmul_epilogue: f32, f16 or bf16 (plan/epilogue.py)");
+  if (M <= 0 || N <= 0) return;
+  const cudaDataType_t t = BlasType<T>::t;
+  cublasLtMatmulDesc_t op;
+  COCONET_CUDA(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasLtEpilogue_t e = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+  if (bias) COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  cublasLtMatrixLayout_t la, lb, ld;  // cuBLASLt's A = B^T (N x K), B = A^T (K x M), C = D = D^T (N x M)
+  COCONET_CUDA(cublasLtMatrixLayoutCreate(&la, t, uint64_t(N), uint64_t(K), int64_t(N)));
+  COCONET_CUDA(cublasLtMatrixLayoutCreate(&lb, t, uint64_t(K), uint64_t(M), int64_t(K)));
+  COCONET_CUDA(cublasLtMatrixLayoutCreate(&ld, t, uint64_t(N), uint64_t(M), int64_t(N)));
+  const float beta = C ? 1.0f : 0.0f;
+  COCONET_CUDA(cublasLtMatmul(blas_lt(), op, &alpha, B, la, A, lb, &beta, C ? C : D, ld, D, ld, nullptr,
+                              lt_workspace(), kLtWorkspace, s));
+  COCONET_CUDA(cublasLtMatrixLayoutDestroy(ld));
+  COCONET_CUDA(cublasLtMatrixLayoutDestroy(lb));
+  COCONET_CUDA(cublasLtMatrixLayoutDestroy(la));
+  COCONET_CUDA(cublasLtMatmulDescDestroy(op));
+}
+
 }  // namespace cuda
 }  // namespace coconet

@@ -15,6 +15,7 @@
 // Host emulation (g++ -DCOCONET_EMULATE): the CUDA runtime, NCCL and cuBLAS on the CPU and MPI.
 #include "emulate.h"
 #else
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <nccl.h>

@@ -1,4 +1,4 @@
-// coconet host emulation: cuBLAS: the CPU backend's GEMM (emulate.h includes every part, in order).
+// coconet host emulation: cuBLAS and cuBLASLt: the CPU backend's GEMM (emulate.h includes every part, in order).
 #pragma once
 
 #include "emulate_nccl.h"
@@ -73,6 +73,116 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
         static_cast<const char*>(B) + size_t(i) * size_t(sb) * bytes, bt, ldb, beta,
         static_cast<char*>(C) + size_t(i) * size_t(sc) * bytes, ctp, ldc, ct, algo);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// ---- cuBLASLt: the CPU backend's GEMM, then the epilogue (blas.cuh matmul_epilogue) ----------------
+// What blas.cuh uses: a descriptor with CUBLAS_COMPUTE_32F and f32 scales, no transposes, the
+// DEFAULT or BIAS epilogue; A, B, C and D of one type (f32, f16, bf16), C's layout D's.
+// D = alpha * A B + beta * C (+ bias[i] on row i of the column-major D), computed as the CPU GEMM
+// into D, then each element once in f32: f16/bf16 round the GEMM's result to their type before the
+// epilogue (cuBLASLt keeps it in f32), so there they may differ from a GPU in the last bit.
+inline cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) { *h = new coconet::cuda::emu::Lt(); return CUBLAS_STATUS_SUCCESS; }
+inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t ct, cudaDataType_t st) {
+  *d = new coconet::cuda::emu::LtDesc();
+  (*d)->compute = ct;
+  (*d)->scale = st;
+  return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) { delete d; return CUBLAS_STATUS_SUCCESS; }
+inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t a,
+                                                     const void* v, size_t n) {
+  switch (a) {
+    case CUBLASLT_MATMUL_DESC_TRANSA:
+      if (n != sizeof(cublasOperation_t)) return CUBLAS_STATUS_NOT_SUPPORTED;
+      std::memcpy(&d->ta, v, n);
+      break;
+    case CUBLASLT_MATMUL_DESC_TRANSB:
+      if (n != sizeof(cublasOperation_t)) return CUBLAS_STATUS_NOT_SUPPORTED;
+      std::memcpy(&d->tb, v, n);
+      break;
+    case CUBLASLT_MATMUL_DESC_EPILOGUE:
+      if (n != sizeof(cublasLtEpilogue_t)) return CUBLAS_STATUS_NOT_SUPPORTED;
+      std::memcpy(&d->epilogue, v, n);
+      break;
+    case CUBLASLT_MATMUL_DESC_BIAS_POINTER:
+      if (n != sizeof(void*)) return CUBLAS_STATUS_NOT_SUPPORTED;
+      std::memcpy(&d->bias, v, n);
+      break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType_t t, uint64_t rows,
+                                                 uint64_t cols, int64_t ld) {
+  if (ld < int64_t(rows) || ld < 1) return CUBLAS_STATUS_NOT_SUPPORTED;
+  *l = new coconet::cuda::emu::LtLayout{t, rows, cols, ld};
+  return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { delete l; return CUBLAS_STATUS_SUCCESS; }
+
+namespace coconet {
+namespace cuda {
+namespace emu {
+// Column-major D (m x n, ldd) = alpha * A (m x k, lda) B (k x n, ldb) + beta * C (ldc) + bias[row].
+template <class T>
+void lt_matmul(cudaStream_t s, int m, int n, int k, float alpha, const void* A, int lda, const void* B, int ldb,
+               float beta, const void* C, int ldc, void* D, int ldd, const void* bias) {
+  std::vector<Span> spans;
+  strided(spans, B, n, k, ldb, sizeof(T), false);
+  strided(spans, A, k, m, lda, sizeof(T), false);
+  if (beta != 0 && C != D) strided(spans, C, n, m, ldc, sizeof(T), false);
+  if (bias) spans.push_back(bytes(bias, size_t(m) * sizeof(T), false));
+  strided(spans, D, n, m, ldd, sizeof(T), true);
+  op(s, std::move(spans), "cublasLtMatmul", [=] {
+    const T* c = static_cast<const T*>(C);
+    const T* b = static_cast<const T*>(bias);
+    T* d = static_cast<T*>(D);
+    std::vector<float> keep;  // C before the GEMM writes D (C may be D)
+    if (beta != 0) {
+      keep.resize(size_t(n) * size_t(m));
+      for (int j = 0; j < n; ++j)
+        for (int i = 0; i < m; ++i) keep[size_t(j) * m + i] = float(to_compute(c[int64_t(j) * ldc + i]));
+    }
+    if (k > 0)
+      coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda, d, ldd);
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        T& x = d[int64_t(j) * ldd + i];
+        float v = k > 0 ? alpha * float(to_compute(x)) : 0.0f;
+        if (beta != 0) v += beta * keep[size_t(j) * m + i];
+        if (b) v += float(to_compute(b[i]));
+        x = from_compute<T>(v);
+      }
+  });
+}
+}  // namespace emu
+}  // namespace cuda
+}  // namespace coconet
+
+inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, const void* alpha, const void* A,
+                                     cublasLtMatrixLayout_t la, const void* B, cublasLtMatrixLayout_t lb,
+                                     const void* beta, const void* C, cublasLtMatrixLayout_t lc, void* D,
+                                     cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t*, void*, size_t,
+                                     cudaStream_t s) {
+  namespace emu = coconet::cuda::emu;
+  if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F || d->ta != CUBLAS_OP_N || d->tb != CUBLAS_OP_N)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const uint64_t m = la->rows, k = la->cols, n = lb->cols;
+  if (lb->rows != k || lc->rows != m || lc->cols != n || ld->rows != m || ld->cols != n || lc->ld != ld->ld ||
+      la->type != lb->type || la->type != lc->type || la->type != ld->type)
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  const void* bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS ? d->bias : nullptr;
+  if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
+  const int M = int(m), N = int(n), K = int(k);
+  switch (la->type) {
+    case CUDA_R_32F: emu::lt_matmul<float>(s, M, N, K, a, A, int(la->ld), B, int(lb->ld), b, C, int(lc->ld), D, int(ld->ld), bias); break;
+    case CUDA_R_16F: emu::lt_matmul<coconet::half>(s, M, N, K, a, A, int(la->ld), B, int(lb->ld), b, C, int(lc->ld), D, int(ld->ld), bias); break;
+    case CUDA_R_16BF: emu::lt_matmul<coconet::bfloat16>(s, M, N, K, a, A, int(la->ld), B, int(lb->ld), b, C, int(lc->ld), D, int(ld->ld), bias); break;
+    default: return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -81,3 +81,32 @@ enum cublasComputeType_t { CUBLAS_COMPUTE_32F = 68, CUBLAS_COMPUTE_64F = 70 };
 enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1 };
 namespace coconet { namespace cuda { namespace emu { struct Blas { cudaStream_t stream = nullptr; }; } } }
 typedef coconet::cuda::emu::Blas* cublasHandle_t;
+
+// cuBLASLt: a matmul descriptor (compute and scale type, epilogue, bias) and matrix layouts.
+enum cublasLtEpilogue_t { CUBLASLT_EPILOGUE_DEFAULT = 1, CUBLASLT_EPILOGUE_BIAS = 4 };
+enum cublasLtMatmulDescAttributes_t { CUBLASLT_MATMUL_DESC_TRANSA = 3, CUBLASLT_MATMUL_DESC_TRANSB = 4,
+                                      CUBLASLT_MATMUL_DESC_EPILOGUE = 7, CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8 };
+namespace coconet {
+namespace cuda {
+namespace emu {
+struct Lt {};
+struct LtDesc {
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  cudaDataType_t scale = CUDA_R_32F;
+  cublasOperation_t ta = CUBLAS_OP_N, tb = CUBLAS_OP_N;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+};
+struct LtLayout {
+  cudaDataType_t type = CUDA_R_32F;
+  uint64_t rows = 0, cols = 0;
+  int64_t ld = 0;
+};
+struct LtAlgo {};
+}  // namespace emu
+}  // namespace cuda
+}  // namespace coconet
+typedef coconet::cuda::emu::Lt* cublasLtHandle_t;
+typedef coconet::cuda::emu::LtDesc* cublasLtMatmulDesc_t;
+typedef coconet::cuda::emu::LtLayout* cublasLtMatrixLayout_t;
+typedef coconet::cuda::emu::LtAlgo cublasLtMatmulAlgo_t;

@@ -1,0 +1,87 @@
+"""GEMM epilogues on CUDA (issue 40 point 1, plan/epilogue.py Library.fused): a matmul whose plan
+fuses its epilogue on CUDA is one cublasLtMatmul (runtime_cpp/coconet/cuda/blas.cuh
+matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, the residual as C with beta = 1, the scale as alpha),
+gelu_bias the GEMM then its kernel (cuBLASLt's GELU is the tanh approximation, the language's the
+exact one). Checked here without a GPU: the generated code, the programs of
+tests/programs/epilogues.ccn under the host emulation (cuBLASLt on the CPU GEMM,
+emulate_blas.h) against the interpreter at 2 ranks, and the module built by nvcc for sm_80 and
+sm_90 where nvcc is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coconetc import toolchain
+from coconetc.launch import mpiexec
+from coconetc.sourcefile import load_file
+from coconetc.toolchain import compiler, probes
+
+REPO = Path(__file__).resolve().parents[1]
+EPILOGUES = REPO / "tests" / "programs" / "epilogues.ccn"
+WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
+FUSED = {"bias": "v_b, nullptr, 1.0f", "bias_rows": "v_b, nullptr, 1.0f", "residual": "nullptr, v_r, 1.0f",
+         "scale": "nullptr, nullptr, float(coconet::to_compute(v_k[0]))", "scale_literal": "nullptr, nullptr, float(0.5)"}
+
+
+def _function(cu: str, program: str) -> str:
+    lo = cu.index(f"// program {program}, schedule default")
+    hi = cu.find("// program ", lo + 1)
+    return cu[lo:hi if hi > 0 else len(cu)]
+
+
+def test_the_cuda_code_is_one_cublaslt_matmul_where_the_plan_fuses():
+    from coconetc.codegen.cuda import generate
+    cu = generate(load_file(EPILOGUES), compiler.PROBE, skip_unsupported=True, emulate=True).cu
+    for program, args in FUSED.items():
+        f = _function(cu, program)
+        # y written by the GEMM: no kernel for y, no plain GEMM into the scratch a
+        assert "matmul_epilogue<float>(v_x, v_w, v_y, " in f and f"{args}, stream);" in f, f
+        assert "coconet::cuda::matmul<float>(" not in f and "kernel: y" not in f, f
+    assert "S_B * S_M, int64_t(5), int64_t(7), v_b" in _function(cu, "bias_rows")  # [B, M, 5] x [5, 7]: B*M rows
+    b16 = _function(cu, "bias_bf16")  # bf16: the bias and the residual
+    assert "matmul_epilogue<coconet::bfloat16>(v_x, v_w, v_y, S_M, int64_t(5), int64_t(7), v_b, nullptr, 1.0f" in b16, b16
+    assert "matmul_epilogue<coconet::bfloat16>(v_x, v_w, v_z, S_M, int64_t(5), int64_t(7), nullptr, v_r, 1.0f" in b16, b16
+    g = _function(cu, "gelu_bias")
+    assert "matmul_epilogue" not in g and "coconet::cuda::matmul<float>(v_x, v_w, v_a," in g and "kernel: y" in g
+
+
+def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
+    """Every program of epilogues.ccn, emulated, against the interpreter at 2 ranks (bias: w's
+    columns and the bias sliced over the ranks, so each rank's bias is its slice), M = 9; f32,
+    and bf16 (bias, residual) at the interpreter's bf16 tolerance."""
+    why = probes.emulation_missing()
+    if why:
+        pytest.skip(why)
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    try:
+        toolchain.compile(load_file(EPILOGUES), "cuda-emulated", toolchain.Options(log=lambda msg: None))
+        env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+                   OMPI_MCA_mpi_yield_when_idle="1")
+        res = subprocess.run(mpiexec.command(2, [sys.executable, WORKER, "match", "9", "0", str(EPILOGUES)]),
+                             env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        if old is None:
+            os.environ.pop(probes.ENV_CACHE, None)
+        else:
+            os.environ[probes.ENV_CACHE] = old
+    log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+    assert res.returncode == 0, log
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert len(lines) == 7 and all(ln.startswith("MATCH ") for ln in lines), log
+
+
+@pytest.mark.slow
+def test_the_epilogues_build_with_nvcc_for_sm80_and_sm90():
+    why = probes.cuda_missing()
+    if why:
+        pytest.skip(why)
+    so = toolchain.compile(load_file(EPILOGUES), "cuda", toolchain.Options(archs="80;90", log=lambda m: None)).path
+    assert so is not None and so.exists()
+    ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+    assert "libcublasLt.so" in ldd and "not found" not in ldd, ldd
