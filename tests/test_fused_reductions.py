@@ -175,11 +175,12 @@ EMU_CASES = [*CASES, ("amax_scale.ccn", "amax_scale", ("rs_a_ag", "zero")), ("cl
 def test_cuda_per_chunk_equals_the_interpreter(file, prog, scheds, algo):
     """The CUDA module under the host emulation, chunks of 5 elements (N = 23: several chunks,
     uneven slices at 2 and 3 ranks, a last chunk shorter than the others): every schedule
-    matches the interpreter on 1, 2 and 3 ranks (clipped_sgd: the reduced slice kept, no
+    matches the interpreter on 1 and 3 ranks (clipped_sgd: the reduced slice kept, no
     gather); `pipeline` forces the chunk pipeline, `auto` runs the symmetric kernel where it
-    may (its first call, the first of auto's measured trials)."""
+    may (its first call, the first of auto's measured trials). Not on 2 ranks: 3 has uneven
+    slices too, and the CPU cases run on 2."""
     env = {"COCONET_CUDA_CHUNK": "5", "COCONET_CUDA_FUSED": algo}
-    for ranks in (1, 2, 3):
+    for ranks in (1, 3):
         out = _run(["run", str(EX / file), "-s", "all", "--backend", "cuda", "--emulate", "--ranks", str(ranks),
                     "--size", "N=23"], env)
         for s in ("default", *scheds):
@@ -337,7 +338,7 @@ def test_cuda_per_chunk_after_a_row_wise_phase(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("algo", ["pipeline", "auto"])
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [1, 3])  # 3: uneven and empty slices; the CPU's cases run on 2
 def test_cuda_per_chunk_nonfinite_skip_and_nan_max(ranks, algo, capfd, monkeypatch, tmp_path):
     """Under the host emulation, in chunks of 64 elements: scaled_adam's step is skipped on an
     inf or a NaN in one rank's gradient under every schedule (the non-finite count accumulated
