@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -149,19 +150,27 @@ def _done(proc: subprocess.Popen) -> str:
 
 
 @pytest.fixture
-def cache_env(tmp_path: Path) -> dict:
+def cache_env() -> dict:
+    """The session's build cache (tests/conftest.py), whose once-per-machine runtime is built
+    already: the programs below are new to it by their names (_fresh), not by a new cache."""
     if probes.missing_cpu_extra():
         pytest.skip("no cpu extra")
-    return {**os.environ, probes.ENV_CACHE: str(tmp_path / "cache")}
+    return dict(os.environ)
+
+
+def _fresh(name: str) -> str:
+    """NAME made unique to this run, so that its module is not in the session's cache yet."""
+    return f"{name}_{uuid.uuid4().hex[:12]}"
 
 
 @pytest.mark.slow
 def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> None:
     """A truncated cached module (a build or copy cut short) is detected and built again,
     instead of `ImportError ... cannot read file data` on every load from then on."""
-    path = _program(tmp_path, "trunc", 1.0)
+    name = _fresh("trunc")
+    path = _program(tmp_path, name, 1.0)
     assert _done(_load(path, 1.0, cache_env)) == "BUILT"
-    [so] = Path(cache_env[probes.ENV_CACHE]).glob("ccn_trunc_*/build/*.so")
+    [so] = Path(cache_env[probes.ENV_CACHE]).glob(f"ccn_{name}_*/build/*.so")
     so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
     assert _done(_load(path, 1.0, cache_env)) == "BUILT"
     assert _done(_load(path, 1.0, cache_env)) == "CACHED"
@@ -171,7 +180,7 @@ def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> 
 def test_two_processes_building_at_once(tmp_path: Path, cache_env: dict) -> None:
     """Two processes (two ranks) load the same new module at once: one builds, the other
     waits and loads the whole module it built."""
-    path = _program(tmp_path, "both", 3.0)
+    path = _program(tmp_path, _fresh("both"), 3.0)
     procs = [_load(path, 3.0, cache_env) for _ in range(2)]
     assert sorted(_done(p) for p in procs) == ["BUILT", "CACHED"]
 
