@@ -24,7 +24,7 @@ from coconetc.toolchain import compiler, probes
 REPO = Path(__file__).resolve().parents[1]
 EPILOGUES = REPO / "tests" / "programs" / "epilogues.ccn"
 WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
-FUSED = {"bias": "v_b, nullptr, 1.0f", "bias_rows": "v_b, nullptr, 1.0f", "residual": "nullptr, v_r, 1.0f",
+FUSED = {"bias": "v_b, nullptr, 1.0f", "bias_k": "v_b, nullptr, 1.0f", "bias_rows": "v_b, nullptr, 1.0f", "residual": "nullptr, v_r, 1.0f",
          "scale": "nullptr, nullptr, float(coconet::to_compute(v_k[0]))", "scale_literal": "nullptr, nullptr, float(0.5)"}
 
 
@@ -53,7 +53,8 @@ def test_the_cuda_code_is_one_cublaslt_matmul_where_the_plan_fuses():
 def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     """Every program of epilogues.ccn, emulated, against the interpreter at 2 ranks (bias: w's
     columns and the bias sliced over the ranks, so each rank's bias is its slice), M = 9; f32,
-    and bf16 (bias, residual) at the interpreter's bf16 tolerance."""
+    and bf16 (bias, residual) at the interpreter's bf16 tolerance; then bias_k at K = 0 (one
+    rank, the module built already: matmul_epilogue's GEMM over zeros)."""
     why = probes.emulation_missing()
     if why:
         pytest.skip(why)
@@ -65,6 +66,9 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
                    OMPI_MCA_mpi_yield_when_idle="1")
         res = subprocess.run(mpiexec.command(2, [sys.executable, WORKER, "match", "9", "0", str(EPILOGUES)]),
                              env=env, capture_output=True, text=True, timeout=600)
+        k0 = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "bias_k",
+                             "--backend", "cuda", "--emulate", "--ranks", "1", "--size", "M=3", "--size", "K=0"],
+                            env=env, capture_output=True, text=True, timeout=600)
     finally:
         if old is None:
             os.environ.pop(probes.ENV_CACHE, None)
@@ -73,7 +77,9 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-    assert len(lines) == 7 and all(ln.startswith("MATCH ") for ln in lines), log
+    assert len(lines) == 8 and all(ln.startswith("MATCH ") for ln in lines), log
+    assert k0.returncode == 0 and "matches the interpreter on every rank" in k0.stdout, k0.stdout + k0.stderr[-4000:]
+    assert "compiling" not in k0.stderr, k0.stderr  # the module of the match run
 
 
 @pytest.mark.slow

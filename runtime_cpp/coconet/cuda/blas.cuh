@@ -116,12 +116,33 @@ inline void* lt_workspace() {
   });
 }
 
+// At least n zero bytes on this device, for matmul_epilogue's K = 0: made (and zeroed, the host
+// waiting) on first use and grown by doubling; a smaller one is kept, as queued work may read it.
+inline const void* lt_zeros(size_t n, cudaStream_t s) {
+  static std::mutex mu;
+  static std::map<int, std::pair<void*, size_t>> zs;
+  std::lock_guard<std::mutex> lock(mu);
+  int dev = 0;
+  COCONET_CUDA(cudaGetDevice(&dev));
+  std::pair<void*, size_t>& z = zs[dev];
+  if (z.second < n) {
+    const size_t bytes = std::max(n, 2 * z.second);
+    void* p = nullptr;
+    COCONET_CUDA(cudaMalloc(&p, bytes));
+    COCONET_CUDA(cudaMemsetAsync(p, 0, bytes, s));
+    COCONET_CUDA(cudaStreamSynchronize(s));
+    z = {p, bytes};
+  }
+  return z.first;
+}
+
 // Row-major D[M, N] = alpha * A[M, K] x B[K, N] (+ C[M, N] when C) (+ bias[N] on every row when
 // bias), one cublasLtMatmul: column-major it is D^T (N x M) = B^T (N x K) A^T (K x M), so cuBLASLt's
 // m is N, its A is B and its B is A, and the bias (CUBLASLT_EPILOGUE_BIAS: one value per row of
 // cuBLASLt's D, m of them) is along N as the row-major bias is; the residual is C with beta = 1
-// (C may be D). f16/bf16 accumulate in f32, f32 in f32 (no TF32), alpha and beta f32. k = 0 is
-// passed on (D = C + bias, as cuBLASLt defines a GEMM of no k).
+// (C may be D). f16/bf16 accumulate in f32, f32 in f32 (no TF32), alpha and beta f32. K = 0 (a
+// layout of no columns is not one cuBLASLt takes): the same call with k = 1 over zeros (lt_zeros),
+// so that D = C + bias still.
 template <class T>
 void matmul_epilogue(const T* A, const T* B, T* D, int64_t M, int64_t K, int64_t N, const T* bias, const T* C,
                      float alpha, cudaStream_t s) {
@@ -133,6 +154,10 @@ void matmul_epilogue(const T* A, const T* B, T* D, int64_t M, int64_t K, int64_t
   const cublasLtEpilogue_t e = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
   if (bias) COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (K <= 0) {  // zeros: N of them as cuBLASLt's A (N x 1), M as its B (1 x M)
+    A = B = static_cast<const T*>(lt_zeros(size_t(std::max(M, N)) * sizeof(T), s));
+    K = 1;
+  }
   cublasLtMatrixLayout_t la, lb, ld;  // cuBLASLt's A = B^T (N x K), B = A^T (K x M), C = D = D^T (N x M)
   COCONET_CUDA(cublasLtMatrixLayoutCreate(&la, t, uint64_t(N), uint64_t(K), int64_t(N)));
   COCONET_CUDA(cublasLtMatrixLayoutCreate(&lb, t, uint64_t(K), uint64_t(M), int64_t(K)));
