@@ -24,7 +24,7 @@ from coconetc.toolchain import compiler, probes
 REPO = Path(__file__).resolve().parents[1]
 EPILOGUES = REPO / "tests" / "programs" / "epilogues.ccn"
 WORKER = str(Path(__file__).with_name("cuda_emulate_worker.py"))
-FUSED = {"bias": "v_b, nullptr, 1.0f", "bias_k": "v_b, nullptr, 1.0f", "bias_rows": "v_b, nullptr, 1.0f", "residual": "nullptr, v_r, 1.0f",
+FUSED = {"bias": "v_b, nullptr, 1.0f", "bias_k": "v_b, nullptr, 1.0f", "linear": "v_b, nullptr, 1.0f", "bias_rows": "v_b, nullptr, 1.0f", "residual": "nullptr, v_r, 1.0f",
          "scale": "nullptr, nullptr, float(coconet::to_compute(v_k[0]))", "scale_literal": "nullptr, nullptr, float(0.5)"}
 
 
@@ -77,9 +77,30 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
-    assert len(lines) == 8 and all(ln.startswith("MATCH ") for ln in lines), log
+    assert len(lines) == 9 and all(ln.startswith("MATCH ") for ln in lines), log
     assert k0.returncode == 0 and "matches the interpreter on every rank" in k0.stdout, k0.stdout + k0.stderr[-4000:]
     assert "compiling" not in k0.stderr, k0.stderr  # the module of the match run
+
+
+def test_the_bias_gradient_is_the_weight_gradients_epilogue_under_the_emulation(request):
+    """linear's derived program on CUDA: d_b = sum_lead(d_y) computed by the cublasLtMatmul of
+    d_w = matmul_tn(x, d_y) (CUBLASLT_EPILOGUE_BGRADA; the plan's bgrad epilogue), emulated at 2
+    ranks (w's columns and b sliced) against the interpreter; the CPU keeps the sum_lead."""
+    from coconetc.codegen.cuda import generate
+    from coconetc.sourcefile import with_grads
+    mod = with_grads(load_file(EPILOGUES), ["linear"])
+    f = _function(generate(mod, compiler.PROBE, skip_unsupported=True, emulate=True).cu, "linear_grad")
+    assert "matmul_tn_bgrad<float>(v_x, v_d_y, v_d_w, S_B * S_M, int64_t(5), " in f and ", v_d_b, ctx);" in f, f
+    assert "coconet::cuda::sum_lead" not in f and "d_b: the bias-gradient epilogue" in f, f
+    why = probes.emulation_missing()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               OMPI_MCA_mpi_yield_when_idle="1", **{probes.ENV_CACHE: str(request.config.cache.mkdir("coconet-build"))})
+    res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "linear", "--grad",
+                          "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "M=3", "--size", "B=2"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "matches the interpreter on every rank" in res.stdout, res.stdout + res.stderr[-4000:]
 
 
 @pytest.mark.slow
@@ -87,7 +108,9 @@ def test_the_epilogues_build_with_nvcc_for_sm80_and_sm90():
     why = probes.cuda_missing()
     if why:
         pytest.skip(why)
-    so = toolchain.compile(load_file(EPILOGUES), "cuda", toolchain.Options(archs="80;90", log=lambda m: None)).path
+    from coconetc.sourcefile import with_grads
+    mod = with_grads(load_file(EPILOGUES), ["linear"])  # matmul_tn_bgrad too
+    so = toolchain.compile(mod, "cuda", toolchain.Options(archs="80;90", log=lambda m: None)).path
     assert so is not None and so.exists()
     ldd = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
     assert "libcublasLt.so" in ldd and "not found" not in ldd, ldd

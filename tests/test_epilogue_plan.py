@@ -3,10 +3,11 @@ epilogue, and which do not and why."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from coconetc.plan import plan_program
-from coconetc.plan.epilogue import epilogue_of
+from coconetc.plan.epilogue import bgrad_of, epilogue_of
 from coconetc.plan.show import show
 from coconetc.plan.units import Library
 from coconetc.sourcefile import load_source
@@ -104,6 +105,25 @@ def test_a_batched_matmul_carries_its_epilogue_fused_nowhere():
     u = _matmul(_plan(src))
     assert (u.epilogue, u.fused) == ("bias(b) -> y", ())
     assert "(cpu: the loop runs after the GEMM; cuda: the loop runs after the GEMM)" in show(_plan(src))
+
+
+def test_the_bias_gradient_is_the_weight_gradients_epilogue_on_cuda():
+    """In tp_mlp's derived program each sum_lead (a bias gradient) is the bgrad epilogue of the
+    later matmul_tn over the same gradient (the weight gradient), fused on CUDA only; a sum that
+    a unit between them reads is not."""
+    from coconetc.sourcefile import with_grads
+    mod = with_grads(load_source((REPO / "examples" / "tp_mlp.ccn").read_text(), "examples/tp_mlp.ccn"), ["tp_mlp"])
+    plan = plan_program(mod.programs["tp_mlp_grad"], "default")
+    tn = {u.dst: (u.epilogue, u.fused) for u in plan.units if isinstance(u, Library) and u.op == "matmul_tn"}
+    assert tn == {"d_w2": ("bgrad(d_y) -> d_b2", ("cuda",)), "d_w1": ("bgrad(g_h_add) -> d_b1", ("cuda",))}
+    assert "epilogue bgrad(d_y) -> d_b2 (cpu: the sum_lead runs on its own; cuda: fused in the GEMM)" in show(plan)
+    units = [replace(u, epilogue="", fused=()) if isinstance(u, Library) else u for u in plan.units]  # as planned
+    buffers = {b.name: b for b in plan.buffers}
+    i = next(k for k, u in enumerate(units) if isinstance(u, Library) and u.dst == "d_b1")
+    j = bgrad_of(units, i, buffers)
+    assert isinstance(units[j], Library) and units[j].dst == "d_w1", units[j]
+    units.insert(i + 1, Library("z", "mean_last", ("d_b1",)))  # reads the sum before the matmul_tn
+    assert bgrad_of(units, i, buffers) == -1
 
 
 BLOCKED = """program q(x: f32[M, K] replicated, w: f32[K, N] sliced(1), b: f32[N] sliced(0),

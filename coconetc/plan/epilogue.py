@@ -24,7 +24,13 @@ only read it:
   matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale).
   gelu_bias is not fused on CUDA: cuBLASLt's GELU is the tanh approximation, the language's
   gelu is the exact x * Phi(x) (runtime_cpp/coconet/pointwise.h), so the loop runs after the GEMM;
-elsewhere (batched matmuls, matmul_nt/tn) the loop runs after the GEMM."""
+elsewhere (batched matmuls, matmul_nt/tn) the loop runs after the GEMM.
+
+In a derived program, the bias gradient (bgrad, bgrad_of): a sum_lead(G) over every leading dim
+of G, and a later matmul_tn(X, G) (the weight gradient, its GEMM summing over the same rows),
+with no unit between them writing G or touching the sum: the matmul_tn carries
+"bgrad(G) -> DB", fused on cuda only (one cublasLtMatmul with CUBLASLT_EPILOGUE_BGRADA, grad.cuh
+matmul_tn_bgrad; the sum_lead then renders as nothing); f32/f16/bf16. The CPU keeps the two."""
 
 from __future__ import annotations
 
@@ -79,7 +85,41 @@ def with_epilogues(units: list[Unit], buffers: dict[str, Buffer]) -> list[Unit]:
                 loop = units[i + 1]
                 assert isinstance(loop, Loop)
                 out[i] = replace(u, epilogue=epi, fused=fused_on(u, epi, loop, buffers))
+    for i, u in enumerate(out):
+        j = bgrad_of(out, i, buffers)
+        if j >= 0:
+            m = out[j]
+            assert isinstance(m, Library) and isinstance(u, Library)
+            out[j] = replace(m, epilogue=f"bgrad({u.args[0]}) -> {u.dst}", fused=("cuda",))
     return out
+
+
+def bgrad_of(units: list[Unit], i: int, buffers: dict[str, Buffer]) -> int:
+    """For units[i] a sum_lead(G) over every leading dim of G: the index of the later
+    matmul_tn(X, G) that can produce that sum as its bias-gradient epilogue, or -1."""
+    u = units[i]
+    if not (isinstance(u, Library) and u.op == "sum_lead"):
+        return -1
+    g, db = u.args[0], u.dst
+    gt = buffers[g].type
+    if gt.dtype not in CUDA_DTYPES or dict(u.attrs).get("n") != gt.ndim - 1 or buffers[db].type.ndim != 1 \
+            or buffers[g].kind == "segments" or buffers[db].kind not in ("scratch", "output"):
+        return -1
+    for j in range(i + 1, len(units)):
+        v = units[j]
+        if isinstance(v, Library) and v.op == "matmul_tn" and v.args[1] == g and not v.epilogue \
+                and buffers[v.args[0]].kind != "segments" and buffers[v.dst].type.dtype == gt.dtype:
+            return j
+        if _touches(v, {db}) or _writes(v, g):
+            return -1
+    return -1
+
+
+def _writes(u: Unit, name: str) -> bool:
+    """Whether unit U may write NAME (a unit that touches it and is not a Library reading it)."""
+    if isinstance(u, Library):
+        return u.dst == name
+    return _touches(u, {name})
 
 
 def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) -> tuple[str, ...]:

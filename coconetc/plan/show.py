@@ -55,9 +55,10 @@ def _vectors(width: int) -> str:
     return f"vectors of {width} elements" if width else "one element at a time"
 
 
-def _fused_on(fused: tuple[str, ...]) -> str:
+def _fused_on(u: Library) -> str:
     """Where a matmul's epilogue is fused (Library.fused, plan/epilogue.py)."""
-    return "; ".join(f"{b}: {'fused in the GEMM' if b in fused else 'the loop runs after the GEMM'}" for b in BACKENDS)
+    apart = "the sum_lead runs on its own" if u.epilogue.startswith("bgrad(") else "the loop runs after the GEMM"
+    return "; ".join(f"{b}: {'fused in the GEMM' if b in u.fused else apart}" for b in BACKENDS)
 
 
 def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
@@ -70,7 +71,7 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
-        epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(u.fused)})"] if u.epilogue else []
+        epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(u)})"] if u.epilogue else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]

@@ -45,6 +45,9 @@ class CudaRenderer:
         self.overlaps = CudaOverlap(self.w, self.fusion, self.notes, self.unit)
         self.seg_declared = False
         self.fused_loop: Loop | None = None
+        # the sum_leads a later matmul_tn computes as its bias-gradient epilogue (plan/epilogue.py)
+        self.bgrad_sums = {u.epilogue.split(" -> ")[1] for u in plan.units if isinstance(u, Library)
+                           and u.epilogue.startswith("bgrad(") and "cuda" in u.fused}
 
     def render(self) -> Function:
         assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
@@ -162,9 +165,19 @@ class CudaRenderer:
     def _epilogue(self, u: Library, ct: str) -> bool:
         """A matmul whose plan fuses its epilogue on CUDA (Library.fused, plan/epilogue.py) and the
         loop after it, as one cublasLtMatmul (blas.cuh matmul_epilogue) writing the loop's value;
-        False when they are rendered as two units."""
+        a matmul_tn with a bias-gradient epilogue as one (grad.cuh matmul_tn_bgrad), its
+        sum_lead as nothing; False when they are rendered as two units."""
+        if u.op == "sum_lead" and u.dst in self.bgrad_sums:
+            self.w.emit(f"// {u.dst}: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below")
+            return True
         if "cuda" not in u.fused:
             return False
+        if u.epilogue.startswith("bgrad("):  # C = A^T B, and the column sums of B into the sum_lead's value
+            args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
+            db = u.epilogue.split(" -> ")[1]
+            self.w.emit(f"coconet::cuda::matmul_tn_bgrad<{ct}>({', '.join(args)}, v_{db}, ctx);  "
+                        f"// {u.dst} = matmul_tn, then {u.epilogue}")
+            return True
         units = self.w.plan.units
         i = next((k for k, v in enumerate(units) if v is u), -1)
         if i < 0:  # inside an overlap or a fused collective: with_epilogues sets none there

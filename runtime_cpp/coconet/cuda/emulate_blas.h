@@ -77,12 +77,13 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
   return CUBLAS_STATUS_SUCCESS;
 }
 
-// ---- cuBLASLt: the CPU backend's GEMM, then the epilogue (blas.cuh matmul_epilogue) ----------------
-// What blas.cuh uses: a descriptor with CUBLAS_COMPUTE_32F and f32 scales, no transposes, the
-// DEFAULT or BIAS epilogue; A, B, C and D of one type (f32, f16, bf16), C's layout D's.
-// D = alpha * A B + beta * C (+ bias[i] on row i of the column-major D), computed as the CPU GEMM
-// into D, then each element once in f32: f16/bf16 round the GEMM's result to their type before the
-// epilogue (cuBLASLt keeps it in f32), so there they may differ from a GPU in the last bit.
+// ---- cuBLASLt: the CPU backend's GEMM, then the epilogue (blas.cuh matmul_epilogue, grad.cuh) -------
+// What coconet uses: a descriptor with CUBLAS_COMPUTE_32F and f32 scales, either operand transposed,
+// the DEFAULT, BIAS or BGRADA epilogue; A, B, C and D of one type (f32, f16, bf16), C's layout D's.
+// D = alpha * op(A) op(B) + beta * C (+ bias[i] on row i of the column-major D; BGRADA: bias[i] =
+// the sum of row i of op(A) over k, D not biased), computed as the CPU GEMM into D, then each
+// element once in f32: f16/bf16 round the GEMM's result to their type before the epilogue
+// (cuBLASLt keeps it in f32), so there they may differ from a GPU in the last bit.
 inline cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) { *h = new coconet::cuda::emu::Lt(); return CUBLAS_STATUS_SUCCESS; }
 inline cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t ct, cudaDataType_t st) {
   *d = new coconet::cuda::emu::LtDesc();
@@ -125,34 +126,44 @@ inline cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) { de
 namespace coconet {
 namespace cuda {
 namespace emu {
-// Column-major D (m x n, ldd) = alpha * A (m x k, lda) B (k x n, ldb) + beta * C (ldc) + bias[row].
+// Column-major D (m x n, ldd) = alpha * op(A) (m x k, lda) op(B) (k x n, ldb) + beta * C (ldc) + bias[row];
+// bgrad: bias[i] = the sum over k of op(A)[i, :] instead.
 template <class T>
-void lt_matmul(cudaStream_t s, int m, int n, int k, float alpha, const void* A, int lda, const void* B, int ldb,
-               float beta, const void* C, int ldc, void* D, int ldd, const void* bias) {
+void lt_matmul(cudaStream_t s, bool ta, bool tb, int m, int n, int k, float alpha, const void* A, int lda,
+               const void* B, int ldb, float beta, const void* C, int ldc, void* D, int ldd, void* bias, bool bgrad) {
   std::vector<Span> spans;
-  strided(spans, B, n, k, ldb, sizeof(T), false);
-  strided(spans, A, k, m, lda, sizeof(T), false);
+  strided(spans, B, tb ? k : n, tb ? n : k, ldb, sizeof(T), false);
+  strided(spans, A, ta ? m : k, ta ? k : m, lda, sizeof(T), false);
   if (beta != 0 && C != D) strided(spans, C, n, m, ldc, sizeof(T), false);
-  if (bias) spans.push_back(bytes(bias, size_t(m) * sizeof(T), false));
+  if (bias) spans.push_back(bytes(bias, size_t(m) * sizeof(T), bgrad));
   strided(spans, D, n, m, ldd, sizeof(T), true);
   op(s, std::move(spans), "cublasLtMatmul", [=] {
+    const T* a = static_cast<const T*>(A);
     const T* c = static_cast<const T*>(C);
-    const T* b = static_cast<const T*>(bias);
+    T* b = static_cast<T*>(bias);
     T* d = static_cast<T*>(D);
+    if (bgrad)
+      for (int i = 0; i < m; ++i) {
+        float acc = 0.0f;
+        for (int kk = 0; kk < k; ++kk) acc += float(to_compute(ta ? a[int64_t(i) * lda + kk] : a[int64_t(kk) * lda + i]));
+        b[i] = from_compute<T>(acc);
+      }
     std::vector<float> keep;  // C before the GEMM writes D (C may be D)
     if (beta != 0) {
       keep.resize(size_t(n) * size_t(m));
       for (int j = 0; j < n; ++j)
         for (int i = 0; i < m; ++i) keep[size_t(j) * m + i] = float(to_compute(c[int64_t(j) * ldc + i]));
     }
-    if (k > 0)
-      coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, static_cast<const T*>(A), lda, d, ldd);
+    if (k > 0 && !ta && !tb)
+      coconet::gemm<T>(n, m, k, static_cast<const T*>(B), ldb, a, lda, d, ldd);
+    else if (k > 0)
+      coconet::gemm_trans<T>(tb, ta, n, m, k, static_cast<const T*>(B), ldb, a, lda, d, ldd);
     for (int j = 0; j < n; ++j)
       for (int i = 0; i < m; ++i) {
         T& x = d[int64_t(j) * ldd + i];
         float v = k > 0 ? alpha * float(to_compute(x)) : 0.0f;
         if (beta != 0) v += beta * keep[size_t(j) * m + i];
-        if (b) v += float(to_compute(b[i]));
+        if (b && !bgrad) v += float(to_compute(b[i]));
         x = from_compute<T>(v);
       }
   });
@@ -167,21 +178,24 @@ inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, c
                                      cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t*, void*, size_t,
                                      cudaStream_t s) {
   namespace emu = coconet::cuda::emu;
-  if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F || d->ta != CUBLAS_OP_N || d->tb != CUBLAS_OP_N)
+  if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const cublasLtEpilogue_t e = d->epilogue;
+  if (e != CUBLASLT_EPILOGUE_DEFAULT && e != CUBLASLT_EPILOGUE_BIAS && e != CUBLASLT_EPILOGUE_BGRADA)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (d->epilogue != CUBLASLT_EPILOGUE_DEFAULT && d->epilogue != CUBLASLT_EPILOGUE_BIAS) return CUBLAS_STATUS_NOT_SUPPORTED;
-  const uint64_t m = la->rows, k = la->cols, n = lb->cols;
-  if (lb->rows != k || lc->rows != m || lc->cols != n || ld->rows != m || ld->cols != n || lc->ld != ld->ld ||
-      la->type != lb->type || la->type != lc->type || la->type != ld->type)
+  const bool ta = d->ta == CUBLAS_OP_T, tb = d->tb == CUBLAS_OP_T;
+  const uint64_t m = ta ? la->cols : la->rows, k = ta ? la->rows : la->cols, n = tb ? lb->rows : lb->cols;
+  if ((tb ? lb->cols : lb->rows) != k || lc->rows != m || lc->cols != n || ld->rows != m || ld->cols != n ||
+      lc->ld != ld->ld || la->type != lb->type || la->type != lc->type || la->type != ld->type)
     return CUBLAS_STATUS_NOT_SUPPORTED;
-  const void* bias = d->epilogue == CUBLASLT_EPILOGUE_BIAS ? d->bias : nullptr;
-  if (d->epilogue == CUBLASLT_EPILOGUE_BIAS && !bias) return CUBLAS_STATUS_NOT_SUPPORTED;
+  void* bias = e == CUBLASLT_EPILOGUE_DEFAULT ? nullptr : const_cast<void*>(d->bias);
+  if (e != CUBLASLT_EPILOGUE_DEFAULT && !bias) return CUBLAS_STATUS_NOT_SUPPORTED;
+  const bool bgrad = e == CUBLASLT_EPILOGUE_BGRADA;
   const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
-  const int M = int(m), N = int(n), K = int(k);
+  const int M = int(m), N = int(n), K = int(k), lda = int(la->ld), ldb = int(lb->ld), ldc = int(lc->ld), ldd = int(ld->ld);
   switch (la->type) {
-    case CUDA_R_32F: emu::lt_matmul<float>(s, M, N, K, a, A, int(la->ld), B, int(lb->ld), b, C, int(lc->ld), D, int(ld->ld), bias); break;
-    case CUDA_R_16F: emu::lt_matmul<coconet::half>(s, M, N, K, a, A, int(la->ld), B, int(lb->ld), b, C, int(lc->ld), D, int(ld->ld), bias); break;
-    case CUDA_R_16BF: emu::lt_matmul<coconet::bfloat16>(s, M, N, K, a, A, int(la->ld), B, int(lb->ld), b, C, int(lc->ld), D, int(ld->ld), bias); break;
+    case CUDA_R_32F: emu::lt_matmul<float>(s, ta, tb, M, N, K, a, A, lda, B, ldb, b, C, ldc, D, ldd, bias, bgrad); break;
+    case CUDA_R_16F: emu::lt_matmul<coconet::half>(s, ta, tb, M, N, K, a, A, lda, B, ldb, b, C, ldc, D, ldd, bias, bgrad); break;
+    case CUDA_R_16BF: emu::lt_matmul<coconet::bfloat16>(s, ta, tb, M, N, K, a, A, lda, B, ldb, b, C, ldc, D, ldd, bias, bgrad); break;
     default: return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   return CUBLAS_STATUS_SUCCESS;

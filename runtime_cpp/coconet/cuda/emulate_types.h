@@ -83,7 +83,7 @@ namespace coconet { namespace cuda { namespace emu { struct Blas { cudaStream_t 
 typedef coconet::cuda::emu::Blas* cublasHandle_t;
 
 // cuBLASLt: a matmul descriptor (compute and scale type, epilogue, bias) and matrix layouts.
-enum cublasLtEpilogue_t { CUBLASLT_EPILOGUE_DEFAULT = 1, CUBLASLT_EPILOGUE_BIAS = 4 };
+enum cublasLtEpilogue_t { CUBLASLT_EPILOGUE_DEFAULT = 1, CUBLASLT_EPILOGUE_BIAS = 4, CUBLASLT_EPILOGUE_BGRADA = 256 };
 enum cublasLtMatmulDescAttributes_t { CUBLASLT_MATMUL_DESC_TRANSA = 3, CUBLASLT_MATMUL_DESC_TRANSB = 4,
                                       CUBLASLT_MATMUL_DESC_EPILOGUE = 7, CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8 };
 namespace coconet {

@@ -145,5 +145,43 @@ void conv2d_dw(const T* x, const T* g, T* dw, int64_t N, int64_t C, int64_t H, i
   });
 }
 
+// C[K, N] = A[M, K]^T x B[M, N] as matmul_tn, and db[N] = the sum of B's M rows as sum_lead, in one
+// cublasLtMatmul (plan/epilogue.py: a bgrad epilogue, the bias gradient of a derived program):
+// column-major it is C^T (N x K) = B^T (N x M) A (M x K), so cuBLASLt's A is B (op N), its B is A
+// (op T), its k is M, and CUBLASLT_EPILOGUE_BGRADA sums its A over k: one value per row of its D,
+// N of them, the column sums of the row-major B. Where cuBLASLt has no such GEMM (a status other
+// than success: the BGRAD epilogues are not offered for every type and transpose), or a size is 0,
+// matmul_tn then sum_lead, the unfused pair.
+template <class T>
+void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, T* db, const Ctx& c) {
+  static_assert(!std::is_same<T, double>::value, "matmul_tn_bgrad: f32, f16 or bf16 (plan/epilogue.py)");
+  cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
+  if (M > 0 && K > 0 && N > 0) {
+    const cudaDataType_t t = BlasType<T>::t;
+    cublasLtMatmulDesc_t op;
+    COCONET_CUDA(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t tb = CUBLAS_OP_T;
+    COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    const cublasLtEpilogue_t e = CUBLASLT_EPILOGUE_BGRADA;
+    COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &e, sizeof(e)));
+    COCONET_CUDA(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &db, sizeof(db)));
+    cublasLtMatrixLayout_t la, lb, ld;  // cuBLASLt's A = B^T (N x M), B = A stored K x M (op T), D = C^T (N x K)
+    COCONET_CUDA(cublasLtMatrixLayoutCreate(&la, t, uint64_t(N), uint64_t(M), int64_t(N)));
+    COCONET_CUDA(cublasLtMatrixLayoutCreate(&lb, t, uint64_t(K), uint64_t(M), int64_t(K)));
+    COCONET_CUDA(cublasLtMatrixLayoutCreate(&ld, t, uint64_t(N), uint64_t(K), int64_t(N)));
+    const float alpha = 1.0f, beta = 0.0f;
+    st = cublasLtMatmul(blas_lt(), op, &alpha, B, la, A, lb, &beta, C, ld, C, ld, nullptr, lt_workspace(), kLtWorkspace,
+                        c.stream);
+    COCONET_CUDA(cublasLtMatrixLayoutDestroy(ld));
+    COCONET_CUDA(cublasLtMatrixLayoutDestroy(lb));
+    COCONET_CUDA(cublasLtMatrixLayoutDestroy(la));
+    COCONET_CUDA(cublasLtMatmulDescDestroy(op));
+  }
+  if (st != CUBLAS_STATUS_SUCCESS) {
+    sum_lead<T>(B, db, M, N, c);
+    matmul_tn<T>(A, B, C, M, K, N, c.stream);
+  }
+}
+
 }  // namespace cuda
 }  // namespace coconet

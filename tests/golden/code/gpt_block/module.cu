@@ -4470,11 +4470,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b_proj (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_d_b_proj, S_B * S_S, S_H, ctx);
+  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
   // [default] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4502,11 +4502,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
   // [default] mean_last t0_g_xc (gpt_block.ccn)
   coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * S_S, S_H, ctx);
   // [default] kernel: g_xc (gpt_block.ccn)
@@ -4821,11 +4821,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_bo (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_d_bo, S_B * S_S, S_H, ctx);
+  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [default] reshape g_o_transpose (gpt_block.ccn)
@@ -5967,11 +5967,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_d_b_proj, S_B * S_S, S_H, ctx);
+  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
   // [overlapped] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6299,11 +6299,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_d_bo, S_B * S_S, S_H, ctx);
+  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
@@ -7528,11 +7528,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
   // [default] mean_last t0_g_xc (gpt_block.ccn)
   coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: g_xc (gpt_block.ccn)
@@ -13502,11 +13502,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b_proj (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_d_b_proj, S_B * S_S, S_H, ctx);
+  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
   // [default] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13534,11 +13534,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
   // [default] mean_last t0_g_xc (gpt_block.ccn)
   coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * S_S, S_H, ctx);
   // [default] kernel: g_xc (gpt_block.ccn)
@@ -13853,11 +13853,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_bo (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_d_bo, S_B * S_S, S_H, ctx);
+  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
   // [default] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [default] reshape g_o_transpose (gpt_block.ccn)
@@ -14697,11 +14697,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] sum_lead d_b_proj (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_d_b_proj, S_B * S_S, S_H, ctx);
+  // d_b_proj: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped] matmul_nt g_h (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn d_w_proj (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b_proj, ctx);  // d_w_proj = matmul_tn, then bgrad(g_y_add) -> d_b_proj
   // [overlapped] kernel: g_h_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15029,11 +15029,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] sum_lead d_bo (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_d_bo, S_B * S_S, S_H, ctx);
+  // d_bo: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_o, v_g_x1_add, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_d_bo, ctx);  // g_ap_reshape = matmul_tn, then bgrad(g_x1_add) -> d_bo
   // [overlapped] reshape d_wo (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] reshape g_o_transpose (gpt_block.ccn)
@@ -18274,11 +18274,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
   // [default] mean_last t0_g_xc (gpt_block.ccn)
   coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: g_xc (gpt_block.ccn)

@@ -889,11 +889,11 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -921,11 +921,11 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
 }
@@ -1023,11 +1023,11 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1174,11 +1174,11 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [overlapped_h] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1327,11 +1327,11 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [split_overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1475,11 +1475,11 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1507,7 +1507,7 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
@@ -1538,7 +1538,7 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
 }
 
 // program tp_block_grad, schedule fused (tp_mlp.ccn)
@@ -1635,11 +1635,11 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [fused] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [fused] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [fused] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2079,11 +2079,11 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2111,7 +2111,7 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] allreduce g_x (NCCL) (tp_mlp.ccn)
@@ -2142,7 +2142,7 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
 }
 
 // program tp_block_bwd, schedule fused (tp_mlp.ccn)
@@ -2232,11 +2232,11 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [fused] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [fused] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [fused] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2798,11 +2798,11 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [default] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [default] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2830,11 +2830,11 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [default] matmul_nt g_x_part (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w1, v_g_x_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w1 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_x, v_g_h_add, v_d_w1, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, ctx);  // d_w1 = matmul_tn, then bgrad(g_h_add) -> d_b1
   // [default] allreduce d_x (NCCL) (tp_mlp.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_x_part, v_d_x, S_B * S_S * S_H, ctx);
 }
@@ -2925,11 +2925,11 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3069,11 +3069,11 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_h] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [overlapped_h] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped_h] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [overlapped_h] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3215,11 +3215,11 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [split_overlapped] sum_lead d_b2 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_d_y, v_d_b2, S_B * S_S, S_H, ctx);
+  // d_b2: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below
   // [split_overlapped] matmul_nt g_h (tp_mlp.ccn)
   coconet::cuda::matmul_nt<float>(v_d_y, v_w2, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [split_overlapped] matmul_tn d_w2 (tp_mlp.ccn)
-  coconet::cuda::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  coconet::cuda::matmul_tn_bgrad<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_d_b2, ctx);  // d_w2 = matmul_tn, then bgrad(d_y) -> d_b2
   // [split_overlapped] kernel: g_h_add (tp_mlp.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
