@@ -85,7 +85,8 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
 def test_the_bias_gradient_is_the_weight_gradients_epilogue_under_the_emulation(request):
     """linear's derived program on CUDA: d_b = sum_lead(d_y) computed by the cublasLtMatmul of
     d_w = matmul_tn(x, d_y) (CUBLASLT_EPILOGUE_BGRADA; the plan's bgrad epilogue), emulated at 2
-    ranks (w's columns and b sliced) against the interpreter; the CPU keeps the sum_lead."""
+    ranks (w's columns and b sliced) against the interpreter, and at M = 0 (the unfused pair); the
+    CPU keeps the sum_lead."""
     from coconetc.codegen.cuda import generate
     from coconetc.sourcefile import with_grads
     mod = with_grads(load_file(EPILOGUES), ["linear"])
@@ -97,10 +98,12 @@ def test_the_bias_gradient_is_the_weight_gradients_epilogue_under_the_emulation(
         pytest.skip(why)
     env = dict(os.environ, OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
                OMPI_MCA_mpi_yield_when_idle="1", **{probes.ENV_CACHE: str(request.config.cache.mkdir("coconet-build"))})
-    res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "linear", "--grad",
-                          "--backend", "cuda", "--emulate", "--ranks", "2", "--size", "M=3", "--size", "B=2"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "matches the interpreter on every rank" in res.stdout, res.stdout + res.stderr[-4000:]
+    for m in ("3", "0"):  # M = 0: no rows, matmul_tn_bgrad's unfused pair (zeros)
+        res = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "linear",
+                              "--grad", "--backend", "cuda", "--emulate", "--ranks", "2", "--size", f"M={m}", "--size", "B=2"],
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0 and "matches the interpreter on every rank" in res.stdout, \
+            m + res.stdout + res.stderr[-4000:]
 
 
 @pytest.mark.slow
