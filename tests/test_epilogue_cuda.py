@@ -39,9 +39,11 @@ def test_the_cuda_code_is_one_cublaslt_matmul_where_the_plan_fuses():
     cu = generate(load_file(EPILOGUES), compiler.PROBE, skip_unsupported=True, emulate=True).cu
     for program, args in FUSED.items():
         f = _function(cu, program)
-        # y written by the GEMM: no kernel for y, no plain GEMM into the scratch a
-        assert "matmul_epilogue<float>(v_x, v_w, v_y, " in f and f"{args}, stream);" in f, f
-        assert "coconet::cuda::matmul<float>(" not in f and "kernel: y" not in f, f
+        # y written by the GEMM; where cuBLASLt refuses it (false), the GEMM into the scratch a, then y's kernel
+        assert "if (!coconet::cuda::matmul_epilogue<float>(v_x, v_w, v_y, " in f and f"{args}, stream)) {{" in f, f
+        fallback = f[f.index("if (!coconet::cuda::matmul_epilogue"):f.index("// kernel y: the epilogue")]
+        assert "coconet::cuda::matmul<float>(v_x, v_w, v_a, " in fallback and "launch_threads" in fallback, f
+        assert "kernel: y (" not in f, f
     assert "S_B * S_M, int64_t(5), int64_t(7), v_b" in _function(cu, "bias_rows")  # [B, M, 5] x [5, 7]: B*M rows
     b16 = _function(cu, "bias_bf16")  # bf16: the bias and the residual
     assert "matmul_epilogue<coconet::bfloat16>(v_x, v_w, v_y, S_M, int64_t(5), int64_t(7), v_b, nullptr, 1.0f" in b16, b16
@@ -53,8 +55,9 @@ def test_the_cuda_code_is_one_cublaslt_matmul_where_the_plan_fuses():
 def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     """Every program of epilogues.ccn, emulated, against the interpreter at 2 ranks (bias: w's
     columns and the bias sliced over the ranks, so each rank's bias is its slice), M = 9; f32,
-    and bf16 (bias, residual) at the interpreter's bf16 tolerance; then bias_k at K = 0 (one
-    rank, the module built already: matmul_epilogue's GEMM over zeros)."""
+    and bf16 (bias, residual) at the interpreter's bf16 tolerance; again with every
+    cublasLtMatmul refused (COCONET_EMULATE_NO_CUBLASLT: the GEMM, then the loop); then bias_k at
+    K = 0 (one rank, the module built already: matmul_epilogue's GEMM over zeros)."""
     why = probes.emulation_missing()
     if why:
         pytest.skip(why)
@@ -66,6 +69,9 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
                    OMPI_MCA_mpi_yield_when_idle="1")
         res = subprocess.run(mpiexec.command(2, [sys.executable, WORKER, "match", "9", "0", str(EPILOGUES)]),
                              env=env, capture_output=True, text=True, timeout=600)
+        refused = subprocess.run(mpiexec.command(2, [sys.executable, WORKER, "match", "9", "0", str(EPILOGUES)]),
+                                 env=dict(env, COCONET_EMULATE_NO_CUBLASLT="1"), capture_output=True, text=True,
+                                 timeout=600)
         k0 = subprocess.run([str(Path(sys.executable).parent / "coconetc"), "run", str(EPILOGUES), "-p", "bias_k",
                              "--backend", "cuda", "--emulate", "--ranks", "1", "--size", "M=3", "--size", "K=0"],
                             env=env, capture_output=True, text=True, timeout=600)
@@ -78,6 +84,10 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     assert res.returncode == 0, log
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
     assert len(lines) == 9 and all(ln.startswith("MATCH ") for ln in lines), log
+    # every cublasLtMatmul refused (as a GPU's cuBLASLt refuses a GEMM it has no algorithm for): the unfused paths
+    log = f"--- stdout\n{refused.stdout}\n--- stderr\n{refused.stderr[-4000:]}"
+    lines = [ln for ln in refused.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+    assert refused.returncode == 0 and len(lines) == 9 and all(ln.startswith("MATCH ") for ln in lines), log
     assert k0.returncode == 0 and "matches the interpreter on every rank" in k0.stdout, k0.stdout + k0.stderr[-4000:]
     assert "compiling" not in k0.stderr, k0.stderr  # the module of the match run
 

@@ -56,7 +56,8 @@ class CudaRenderer:
     def unit(self, u: Unit) -> None:
         if u is self.fused_loop:  # rendered by its matmul (epilogue)
             self.fused_loop = None
-            self.w.emit(f"// kernel {', '.join(i.name for i in u.items)}: the epilogue of the cublasLtMatmul above")
+            self.w.emit(f"// kernel {', '.join(i.name for i in u.items)}: the epilogue of the cublasLtMatmul above "
+                        "(or, where cuBLASLt refuses it, run there after the GEMM)")
             return
         dispatch.unit(self.w, self, u)
 
@@ -194,9 +195,17 @@ class CudaRenderer:
             assert kind == "scale", u.epilogue
             alpha = (f"float(coconet::to_compute(v_{operand}[0]))" if operand in self.w.types
                      else f"float({operand})")  # a scalar parameter (on the host), or a literal
-        a, b, _, m, k, n = library_calls.call_args(self.w, u)
-        self.w.emit(f"coconet::cuda::matmul_epilogue<{ct}>({a}, {b}, v_{loop.items[0].name}, {m}, {k}, {n}, "
-                    f"{bias}, {c}, {alpha}, stream);  // {u.dst} = matmul, then {u.epilogue}")
+        args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
+        a, b, _, m, k, n = args
+        self.w.emit(f"if (!coconet::cuda::matmul_epilogue<{ct}>({a}, {b}, v_{loop.items[0].name}, {m}, {k}, {n}, "
+                    f"{bias}, {c}, {alpha}, stream)) {{  // {u.dst} = matmul, then {u.epilogue}")
+        # where cuBLASLt has no such GEMM: the GEMM, then the loop (its lets declared in here only)
+        self.w.emit(f"  coconet::cuda::matmul<{ct}>({', '.join(args)}, stream);")
+        consts, at = dict(self.w.consts), len(self.w.lines)
+        self.kernels.render_loop(loop)
+        self.w.consts = consts
+        self.w.lines[at:] = [f"  {line}" for line in self.w.lines[at:]]
+        self.w.emit("}")
         self.fused_loop = loop
         return True
 

@@ -142,12 +142,13 @@ inline const void* lt_zeros(size_t n, cudaStream_t s) {
 // cuBLASLt's D, m of them) is along N as the row-major bias is; the residual is C with beta = 1
 // (C may be D). f16/bf16 accumulate in f32, f32 in f32 (no TF32), alpha and beta f32. K = 0 (a
 // layout of no columns is not one cuBLASLt takes): the same call with k = 1 over zeros (lt_zeros),
-// so that D = C + bias still.
+// so that D = C + bias still. False (nothing done) where cuBLASLt has no such GEMM (a status other
+// than success): the generated code then runs the GEMM and the loop, unfused.
 template <class T>
-void matmul_epilogue(const T* A, const T* B, T* D, int64_t M, int64_t K, int64_t N, const T* bias, const T* C,
+bool matmul_epilogue(const T* A, const T* B, T* D, int64_t M, int64_t K, int64_t N, const T* bias, const T* C,
                      float alpha, cudaStream_t s) {
   static_assert(!std::is_same<T, double>::value, "matmul_epilogue: f32, f16 or bf16 (plan/epilogue.py)");
-  if (M <= 0 || N <= 0) return;
+  if (M <= 0 || N <= 0) return true;
   const cudaDataType_t t = BlasType<T>::t;
   cublasLtMatmulDesc_t op;
   COCONET_CUDA(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -163,12 +164,13 @@ void matmul_epilogue(const T* A, const T* B, T* D, int64_t M, int64_t K, int64_t
   COCONET_CUDA(cublasLtMatrixLayoutCreate(&lb, t, uint64_t(K), uint64_t(M), int64_t(K)));
   COCONET_CUDA(cublasLtMatrixLayoutCreate(&ld, t, uint64_t(N), uint64_t(M), int64_t(N)));
   const float beta = C ? 1.0f : 0.0f;
-  COCONET_CUDA(cublasLtMatmul(blas_lt(), op, &alpha, B, la, A, lb, &beta, C ? C : D, ld, D, ld, nullptr,
-                              lt_workspace(), kLtWorkspace, s));
+  const cublasStatus_t st = cublasLtMatmul(blas_lt(), op, &alpha, B, la, A, lb, &beta, C ? C : D, ld, D, ld, nullptr,
+                                           lt_workspace(), kLtWorkspace, s);
   COCONET_CUDA(cublasLtMatrixLayoutDestroy(ld));
   COCONET_CUDA(cublasLtMatrixLayoutDestroy(lb));
   COCONET_CUDA(cublasLtMatrixLayoutDestroy(la));
   COCONET_CUDA(cublasLtMatmulDescDestroy(op));
+  return st == CUBLAS_STATUS_SUCCESS;
 }
 
 }  // namespace cuda

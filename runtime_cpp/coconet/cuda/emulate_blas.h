@@ -178,6 +178,10 @@ inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t d, c
                                      cublasLtMatrixLayout_t ld, const cublasLtMatmulAlgo_t*, void*, size_t,
                                      cudaStream_t s) {
   namespace emu = coconet::cuda::emu;
+  // COCONET_EMULATE_NO_CUBLASLT=1: every GEMM refused, as a GPU's cuBLASLt refuses one it has no
+  // algorithm for (so that the callers' unfused paths run under the emulation too)
+  const char* no = std::getenv("COCONET_EMULATE_NO_CUBLASLT");
+  if (no && *no && std::strcmp(no, "0") != 0) return CUBLAS_STATUS_NOT_SUPPORTED;
   if (d->compute != CUBLAS_COMPUTE_32F || d->scale != CUDA_R_32F) return CUBLAS_STATUS_NOT_SUPPORTED;
   const cublasLtEpilogue_t e = d->epilogue;
   if (e != CUBLASLT_EPILOGUE_DEFAULT && e != CUBLASLT_EPILOGUE_BIAS && e != CUBLASLT_EPILOGUE_BGRADA)

@@ -13474,8 +13474,51 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] reshape ap_reshape (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
   // [default] matmul h_matmul (gpt_block.ccn:50)
-  coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream);  // h_matmul = matmul, then bias(b_fc) -> h_add
-  // kernel h_add: the epilogue of the cublasLtMatmul above
+  if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
+    coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_h_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+            out_h_add[u] = coconet::from_compute<float>(x_h_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+        }
+        for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        }
+      });
+    }
+  }
+  // kernel h_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -14669,8 +14712,51 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] reshape ap_reshape (gpt_block.ccn:46)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
   // [overlapped] matmul h_matmul (gpt_block.ccn:50)
-  coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream);  // h_matmul = matmul, then bias(b_fc) -> h_add
-  // kernel h_add: the epilogue of the cublasLtMatmul above
+  if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
+    coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+    {
+      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = S_S;
+      const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+      COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+        for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
+          coconet::cuda::Vec<float, 4> out_h_add;
+          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t i = i0;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const int64_t i = i0 + u;
+            (void)i;
+            const int64_t c2 = cv2;
+            const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+            out_h_add[u] = coconet::from_compute<float>(x_h_add);
+            if (++cv2 == L2) cv2 = 0;
+          }
+          coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+        }
+        for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+          int64_t rest = i;
+          const int64_t c2 = rest % L2; rest /= L2;
+          const int64_t c1 = rest % L1; rest /= L1;
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        }
+      });
+    }
+  }
+  // kernel h_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
