@@ -21,7 +21,8 @@ only read it:
   none: one blocked pass (codegen/cpu/loops.py render_epilogue);
 - cuda: the same matmuls in f32, f16 or bf16, with the epilogue bias, residual or scale by a
   literal or a scalar parameter (its value on the host): one cublasLtMatmul (cuda/blas.cuh
-  matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale).
+  matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale; where
+  cuBLASLt refuses it at run time, the GEMM and then the loop, as unfused).
   gelu_bias is not fused on CUDA: cuBLASLt's GELU is the tanh approximation, the language's
   gelu is the exact x * Phi(x) (runtime_cpp/coconet/pointwise.h), so the loop runs after the GEMM;
 elsewhere (batched matmuls, matmul_nt/tn) the loop runs after the GEMM.
