@@ -52,6 +52,7 @@ def test_the_cuda_code_is_one_cublaslt_matmul_where_the_plan_fuses():
     assert "matmul_epilogue" not in g and "coconet::cuda::matmul<float>(v_x, v_w, v_a," in g and "kernel: y" in g
 
 
+@pytest.mark.slow  # the quick set checks the generated calls (above) and the plan (test_epilogue_plan)
 def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     """Every program of epilogues.ccn, emulated, against the interpreter at 2 ranks (bias: w's
     columns and the bias sliced over the ranks, so each rank's bias is its slice), M = 9; f32,
@@ -92,6 +93,7 @@ def test_the_epilogues_match_the_interpreter_under_the_emulation(request):
     assert "compiling" not in k0.stderr, k0.stderr  # the module of the match run
 
 
+@pytest.mark.slow  # the quick set checks the generated calls (above) and the plan (test_epilogue_plan)
 def test_the_bias_gradient_is_the_weight_gradients_epilogue_under_the_emulation(request):
     """linear's derived program on CUDA: d_b = sum_lead(d_y) computed by the cublasLtMatmul of
     d_w = matmul_tn(x, d_y) (CUBLASLT_EPILOGUE_BGRADA; the plan's bgrad epilogue), emulated at 2

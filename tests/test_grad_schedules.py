@@ -146,7 +146,7 @@ def cache(request) -> Path:
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow), 3])  # quick: 1 and 3 (uneven)
 def test_cpu_backend_matches_interpreter(ccn, cache, ranks):
     for prog in ("tp", "col", "nt"):
         _check(_run(ccn, prog, ranks, [], cache), prog)
