@@ -47,6 +47,24 @@ BACKENDS = ("cpu", "cuda")
 CUDA_DTYPES = ("f32", "f16", "bf16")  # the cuBLAS path's types with a 32-bit float compute
 
 
+def parts(epilogue: str) -> tuple[str, str, str]:
+    """(KIND, OPERAND, VALUE) of an epilogue "KIND(OPERAND) -> VALUE"."""
+    head, value = epilogue.split(" -> ")
+    kind, operand = head.rstrip(")").split("(", 1)
+    return kind, operand, value
+
+
+def fused_loop(units: tuple[Unit, ...] | list[Unit], u: Library) -> Loop | None:
+    """The loop whose epilogue matmul U applies (the unit after it), or None where U is not one
+    of UNITS (inside an overlap or a fused collective, where with_epilogues sets none)."""
+    i = next((k for k, v in enumerate(units) if v is u), -1)
+    if i < 0:
+        return None
+    loop = units[i + 1]
+    assert isinstance(loop, Loop), loop
+    return loop
+
+
 def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str, Buffer]) -> tuple[str, str]:
     """The epilogue units[i] carries ("" when none) and, when none, why not."""
     u = units[i]
@@ -131,7 +149,7 @@ def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) 
     item = loop.items[0]
     if any(buffers[n].kind == "segments" for n in refs(item.expr) if n != item.name and n in buffers):
         return ()
-    kind, operand = epilogue.split(" -> ")[0].rstrip(")").split("(", 1)
+    kind, operand, _ = parts(epilogue)
     on = ["cpu"]
     if loop.type.dtype in CUDA_DTYPES and (kind in ("bias", "residual") or kind == "scale" and (
             _number(operand) or operand in buffers and buffers[operand].kind == "scalar")):

@@ -24,6 +24,7 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
+from coconetc.plan.epilogue import fused_loop
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 
@@ -139,12 +140,9 @@ class CpuRenderer:
         rendered as two units."""
         if "cpu" not in u.fused:
             return False
-        units = self.w.plan.units
-        i = next((k for k, v in enumerate(units) if v is u), -1)
-        if i < 0:  # inside an overlap or a fused collective: with_epilogues sets none there
+        loop = fused_loop(self.w.plan.units, u)
+        if loop is None:
             return False
-        loop = units[i + 1]
-        assert isinstance(loop, Loop), loop
         args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
         k, n = args[4], args[5]
         gemm = (f"coconet::matmul<{ct}>({args[0]} + r0 * ({k}), {args[1]}, {args[2]} + r0 * ({n}), "

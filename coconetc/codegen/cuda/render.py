@@ -27,6 +27,7 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
+from coconetc.plan.epilogue import fused_loop, parts
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan, Reduce,
                                  Require, Unit)
 
@@ -46,7 +47,7 @@ class CudaRenderer:
         self.seg_declared = False
         self.fused_loop: Loop | None = None
         # the sum_leads a later matmul_tn computes as its bias-gradient epilogue (plan/epilogue.py)
-        self.bgrad_sums = {u.epilogue.split(" -> ")[1] for u in plan.units if isinstance(u, Library)
+        self.bgrad_sums = {parts(u.epilogue)[2] for u in plan.units if isinstance(u, Library)
                            and u.epilogue.startswith("bgrad(") and "cuda" in u.fused}
 
     def render(self) -> Function:
@@ -175,17 +176,14 @@ class CudaRenderer:
             return False
         if u.epilogue.startswith("bgrad("):  # C = A^T B, and the column sums of B into the sum_lead's value
             args = library_calls.call_args(self.w, u)  # A, B, C, M, K, N
-            db = u.epilogue.split(" -> ")[1]
+            db = parts(u.epilogue)[2]
             self.w.emit(f"coconet::cuda::matmul_tn_bgrad<{ct}>({', '.join(args)}, v_{db}, ctx);  "
                         f"// {u.dst} = matmul_tn, then {u.epilogue}")
             return True
-        units = self.w.plan.units
-        i = next((k for k, v in enumerate(units) if v is u), -1)
-        if i < 0:  # inside an overlap or a fused collective: with_epilogues sets none there
+        loop = fused_loop(self.w.plan.units, u)
+        if loop is None:
             return False
-        loop = units[i + 1]
-        assert isinstance(loop, Loop), loop
-        kind, operand = u.epilogue.split(" -> ")[0].rstrip(")").split("(", 1)
+        kind, operand, _ = parts(u.epilogue)
         bias, c, alpha = "nullptr", "nullptr", "1.0f"
         if kind == "bias":
             bias = f"v_{operand}"
