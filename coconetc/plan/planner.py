@@ -121,7 +121,7 @@ class _Planner:
         self.in_place = self._in_place_updates()
         for g in groups:
             self._group(g)
-        self._epilogue()
+        self._write_back()
         self.out = with_epilogues(self.out, self.buffers)
         params = tuple(q.name for q in p.params if not q.scalar) + tuple(q.name for q in p.params if q.scalar)
         return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out))
@@ -609,7 +609,7 @@ class _Planner:
         self.out.append(GatherMatmul(gather, y.name, b, gs.chunks, gs.dim, gs.how, op_of(y).op, _line(gs.span)))
 
     # --- the end of the function ----------------------------------------------------------
-    def _epilogue(self) -> None:
+    def _write_back(self) -> None:
         for t, src in self.p.updates:
             if self.in_place.get(src) == t or self.seg_inplace.get(src) == t:
                 continue
