@@ -18,6 +18,7 @@
 #include "comm.h"
 #include "dtypes.h"
 #include "errors.h"
+#include "attention.h"
 #include "fused.h"
 #include "gemm.h"
 #include "grad.h"

@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   run("fused", t::test_fused);
   run("overlap", t::test_overlap);
   run("gemm", t::test_gemm);
+  run("attention", t::test_attention);
   long mine[2] = {t::counters().passed, t::counters().failed}, all[2] = {0, 0};
   MPI_Reduce(mine, all, 2, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
   int rank, size;

@@ -174,5 +174,6 @@ void test_scattered();
 void test_fused();
 void test_overlap();
 void test_gemm();
+void test_attention();
 
 }  // namespace t

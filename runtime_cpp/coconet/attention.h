@@ -1,0 +1,296 @@
+// coconet runtime: fused causal attention on the CPU (forward and backward), what the planner
+// calls in place of the pieces matmul(q, transpose(k)) * scale, where(causal(s), s, -inf),
+// softmax, dropout, matmul(a, v) and their derivatives.
+//
+// Rows of the scores are whole here, so no online softmax is needed: per matrix and per block of
+// kAttentionRows rows, one GEMM gives the block's scores in a per-thread tile (only the columns
+// the block's causal mask keeps, unless the caller wants s whole), the tile is scaled, masked,
+// softmaxed and dropped out in place, and one GEMM multiplies it by v.  The backward recomputes
+// (or reads) the block's P, forms dS in the tile, and accumulates dk and dv with C += GEMMs.
+// The masked columns of a block are not touched by any GEMM: about half of the work of the
+// pieces.  Dropout's Philox runs once per kept element per call.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "gemm.h"
+#include "pointwise.h"
+#include "rng.h"
+
+namespace coconet {
+
+// Where the scores' elements sit in the global tensor, for dropout's counter (the global flat
+// index of element (b, i, j) of the [.., M, N] scores): the local batch index b (over the
+// leading dims, row-major, this rank's part) is seen as [outer, mid, inner], mid the one leading
+// dim that may be sliced across ranks: this rank holds mid_local of its mid_global entries, from
+// mid_offset. global batch = (o * mid_global + mid_offset + m) * inner + r  where
+// b = (o * mid_local + m) * inner + r;  gidx = (global batch * M + i) * N + j.
+// Unsliced: mid_local = mid_global = 1, mid_offset = 0, inner = 1 (gidx = (b * M + i) * N + j).
+struct AttentionIndex {
+  int64_t mid_local, mid_global, mid_offset, inner;
+};
+
+// Rows of the scores per block: the tile [rows, N] stays in L2 (64 x 512 floats: 128 KiB).
+constexpr int64_t kAttentionRows = 64;
+
+namespace detail {
+
+// The checks common to both directions; the message names the parameter.
+inline void attention_check(const char* fn, int64_t batch, int64_t M, int64_t N, int64_t D, int64_t E,
+                            double drop_p, const AttentionIndex& at) {
+  const auto bad = [&](const std::string& what) {
+    throw std::invalid_argument(std::string(fn) + ": " + what);
+  };
+  if (batch < 0) bad("batch must be >= 0, got " + std::to_string(batch));
+  if (M < 0) bad("M must be >= 0, got " + std::to_string(M));
+  if (N < 0) bad("N must be >= 0, got " + std::to_string(N));
+  if (D < 0) bad("D must be >= 0, got " + std::to_string(D));
+  if (E < 0) bad("E must be >= 0, got " + std::to_string(E));
+  if (drop_p != drop_p) bad("drop_p is NaN");
+  if (at.mid_local < 1) bad("at.mid_local must be >= 1, got " + std::to_string(at.mid_local));
+  if (at.inner < 1) bad("at.inner must be >= 1, got " + std::to_string(at.inner));
+  if (at.mid_offset < 0 || at.mid_offset + at.mid_local > at.mid_global)
+    bad("at.mid_offset + at.mid_local must lie within at.mid_global (offset " + std::to_string(at.mid_offset) +
+        ", local " + std::to_string(at.mid_local) + ", global " + std::to_string(at.mid_global) + ")");
+  if (batch % (at.mid_local * at.inner) != 0)
+    bad("batch (" + std::to_string(batch) + ") is not a multiple of at.mid_local * at.inner (" +
+        std::to_string(at.mid_local * at.inner) + ")");
+}
+
+// The global flat index of element (b, 0, 0) of the scores (see AttentionIndex).
+inline uint64_t attention_base(int64_t b, int64_t M, int64_t N, const AttentionIndex& at) {
+  const int64_t r = b % at.inner, m = (b / at.inner) % at.mid_local, o = b / (at.inner * at.mid_local);
+  const int64_t gb = (o * at.mid_global + at.mid_offset + m) * at.inner + r;
+  return static_cast<uint64_t>(gb) * static_cast<uint64_t>(M) * static_cast<uint64_t>(N);
+}
+
+// Kept columns of row i: j <= i + diagonal, j < N.
+inline int64_t attention_kept(int64_t i, int64_t N, int64_t diagonal) {
+  return std::max<int64_t>(0, std::min<int64_t>(N, i + diagonal + 1));
+}
+
+// A per-thread buffer of at least n elements of T, kept across calls (Site: which buffer).
+template <class T, int Site>
+T* attention_scratch(int64_t n) {
+  static thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(static_cast<size_t>(n));
+  return buf.data();
+}
+
+// The softmax of w[0:kc) in place (the row's max subtracted; kc = 0: nothing), as softmax_of.
+template <class T>
+void attention_softmax(T* w, int64_t kc) {
+  T mx = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < kc; ++j) mx = max_step(mx, w[j]);
+  mx = softmax_shift(mx);
+  T sum = 0;
+  for (int64_t j = 0; j < kc; ++j) {
+    const T e = std::exp(w[j] - mx);
+    w[j] = e;
+    sum += e;
+  }
+  if (sum == T(0)) {
+    for (int64_t j = 0; j < kc; ++j) w[j] = T(0);
+    return;
+  }
+  const T inv = T(1) / sum;
+  for (int64_t j = 0; j < kc; ++j) w[j] *= inv;
+}
+
+// dropout's keep decisions of kc elements from gidx0 into keep[0:kc) (1 kept, 0 dropped).
+inline void attention_keep(uint64_t seed, uint32_t site, uint64_t gidx0, uint32_t threshold, int64_t kc,
+                           unsigned char* keep) {
+  for (int64_t j = 0; j < kc; ++j)
+    keep[j] = dropout_keep(seed, site, gidx0 + static_cast<uint64_t>(j), threshold) ? 1 : 0;
+}
+
+}  // namespace detail
+
+// C[M, N] += op(A) x op(B) (gemm_trans's operands; C must not overlap A or B): sgemm / dgemm
+// with beta = 1 for f32 / f64, a loop in the compute type otherwise.  K = 0 adds nothing.
+template <class T>
+void gemm_trans_acc(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
+                    int64_t ldb, T* C, int64_t ldc) {
+  if (M <= 0 || N <= 0 || K <= 0) return;
+#ifndef COCONET_NO_BLAS
+  if constexpr (std::is_same<T, float>::value) {
+    require_blas_dims(M, N, K, lda, ldb, ldc);
+    COCONET_CBLAS(sgemm)(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(M), int(N), int(K), 1.0f,
+                         A, int(lda), B, int(ldb), 1.0f, C, int(ldc));
+    return;
+  } else if constexpr (std::is_same<T, double>::value) {
+    require_blas_dims(M, N, K, lda, ldb, ldc);
+    COCONET_CBLAS(dgemm)(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, int(M), int(N), int(K), 1.0,
+                         A, int(lda), B, int(ldb), 1.0, C, int(ldc));
+    return;
+  }
+#endif
+  using Acc = compute_t<T>;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      Acc acc = to_compute(C[i * ldc + j]);
+      for (int64_t k = 0; k < K; ++k)
+        acc += to_compute(ta ? A[k * lda + i] : A[i * lda + k]) * to_compute(tb ? B[j * ldb + k] : B[k * ldb + j]);
+      C[i * ldc + j] = from_compute<T>(acc);
+    }
+}
+
+// Forward. q [batch, M, D], k [batch, N, D], v [batch, N, E] -> o [batch, M, E], all dense
+// row-major, T = float or double (computed in T).  Per matrix b and element (i, j):
+//   s = scale * sum_d q[i,d] k[j,d]
+//   w = (j <= i + diagonal) ? s : -inf                      (torch.tril's keep, `diagonal` any int)
+//   p = softmax over j of w's row, the row max subtracted; a row with no kept entry is all zeros
+//   a = dropout(p) = coconet::dropout<T>(p, drop_p, seed, site, gidx)   (drop_p <= 0: a = p exactly)
+//   o[i, :] = sum_j a[i,j] v[j, :]
+// s_out, w_out, p_out, a_out: each may be nullptr; when given, written whole ([batch, M, N], the
+// masked elements too: s its real value, w -inf, p 0, a 0).  Only s_out makes the masked part of
+// q k^T computed.
+template <class T>
+void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out, T* p_out, T* a_out,
+                   int64_t batch, int64_t M, int64_t N, int64_t D, int64_t E, int64_t diagonal, double scale,
+                   double drop_p, int64_t seed, uint32_t site, AttentionIndex at) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "attention_fwd: T must be float or double");
+  detail::attention_check("attention_fwd", batch, M, N, D, E, drop_p, at);
+  if (batch == 0 || M == 0) return;
+  const T sc = static_cast<T>(scale);
+  const T inf = std::numeric_limits<T>::infinity();
+  const bool drop = drop_p > 0.0;
+  const uint32_t threshold = dropout_threshold(drop_p);
+  const T keep_scale = drop_p < 1.0 ? static_cast<T>(1.0 / (1.0 - drop_p)) : T(0);
+  const int64_t rows_max = std::min(M, kAttentionRows);
+  T* tile = detail::attention_scratch<T, 0>(rows_max * std::max<int64_t>(N, 1));
+  unsigned char* keep = detail::attention_scratch<unsigned char, 1>(std::max<int64_t>(N, 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    const T* qb = q + b * M * D;
+    const T* kb = k + b * N * D;
+    const T* vb = v + b * N * E;
+    T* ob = o + b * M * E;
+    const uint64_t base = drop ? detail::attention_base(b, M, N, at) : 0;
+    for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
+      const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
+      const int64_t need = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));  // columns the block keeps
+      const int64_t c = s_out ? N : need;  // columns computed; the tile's leading dim
+      if (c > 0) gemm_trans(false, true, rows, c, D, qb + i0 * D, D, kb, D, tile, c);
+      for (int64_t i = i0; i < i1; ++i) {
+        T* t = tile + (i - i0) * c;
+        const int64_t kc = detail::attention_kept(i, N, diagonal);
+        const int64_t row = (b * M + i) * N;
+        for (int64_t j = 0; j < c; ++j) t[j] *= sc;
+        if (s_out) std::copy(t, t + N, s_out + row);
+        if (w_out) {
+          std::copy(t, t + kc, w_out + row);
+          std::fill(w_out + row + kc, w_out + row + N, -inf);
+        }
+        detail::attention_softmax(t, kc);
+        for (int64_t j = kc; j < c; ++j) t[j] = T(0);  // the masked columns the GEMM with v reads
+        if (p_out) {
+          std::copy(t, t + kc, p_out + row);
+          std::fill(p_out + row + kc, p_out + row + N, T(0));
+        }
+        if (drop) {
+          detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kc, keep);
+          for (int64_t j = 0; j < kc; ++j) t[j] = keep[j] ? t[j] * keep_scale : T(0);
+        }
+        if (a_out) {
+          std::copy(t, t + kc, a_out + row);
+          std::fill(a_out + row + kc, a_out + row + N, T(0));
+        }
+      }
+      if (need > 0)
+        gemm(rows, E, need, tile, c, vb, E, ob + i0 * E, E);
+      else
+        std::fill(ob + i0 * E, ob + i1 * E, T(0));
+    }
+  }
+}
+
+// Backward (what the derived program computes from the pieces). g = dL/do [batch, M, E].
+//   P: p as above: p_in when given, else recomputed from s_in (the forward's s, [batch, M, N],
+//      only its kept entries read; required then).  A: a_in when given, else P with the mask.
+//   dA  = g v^T                 [M, N]
+//   dP  = dropout(dA) with the forward's mask (same site/seed/gidx; drop_p <= 0: dP = dA)
+//   r_i = sum_j dP[i,j] P[i,j]
+//   dS  = (j <= i + diagonal) ? P * (dP - r) : 0,   then times scale
+//   dq  = dS k   [M, D]     dk = dS^T q   [N, D]     dv = A^T g   [N, E]
+// dq, dk, dv written whole (dk, dv: rows no kept entry reaches are 0).
+template <class T>
+void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p_in, const T* a_in, const T* g,
+                   T* dq, T* dk, T* dv, int64_t batch, int64_t M, int64_t N, int64_t D, int64_t E,
+                   int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site, AttentionIndex at) {
+  static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
+                "attention_bwd: T must be float or double");
+  detail::attention_check("attention_bwd", batch, M, N, D, E, drop_p, at);
+  if (!s_in && !p_in && batch > 0 && M > 0 && N > 0)
+    throw std::invalid_argument("attention_bwd: s_in is required when p_in is nullptr");
+  std::fill(dk, dk + batch * N * D, T(0));
+  std::fill(dv, dv + batch * N * E, T(0));
+  if (batch == 0 || M == 0) return;
+  const T sc = static_cast<T>(scale);
+  const bool drop = drop_p > 0.0;
+  const uint32_t threshold = dropout_threshold(drop_p);
+  const T keep_scale = drop_p < 1.0 ? static_cast<T>(1.0 / (1.0 - drop_p)) : T(0);
+  const int64_t rows_max = std::min(M, kAttentionRows);
+  T* pt = detail::attention_scratch<T, 2>(rows_max * std::max<int64_t>(N, 1));  // P, then A
+  T* dt = detail::attention_scratch<T, 3>(rows_max * std::max<int64_t>(N, 1));  // dA, then dS
+  unsigned char* keep = detail::attention_scratch<unsigned char, 1>(std::max<int64_t>(N, 1));
+  for (int64_t b = 0; b < batch; ++b) {
+    const T* qb = q + b * M * D;
+    const T* kb = k + b * N * D;
+    const T* vb = v + b * N * E;
+    const T* gb = g + b * M * E;
+    T* dqb = dq + b * M * D;
+    T* dkb = dk + b * N * D;
+    T* dvb = dv + b * N * E;
+    const uint64_t base = drop ? detail::attention_base(b, M, N, at) : 0;
+    for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
+      const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
+      const int64_t c = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));
+      if (c == 0) {  // no kept entry: dq's rows are 0, nothing reaches dk or dv
+        std::fill(dqb + i0 * D, dqb + i1 * D, T(0));
+        continue;
+      }
+      gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
+      for (int64_t i = i0; i < i1; ++i) {
+        T* p = pt + (i - i0) * c;
+        T* d = dt + (i - i0) * c;
+        const int64_t kc = detail::attention_kept(i, N, diagonal);
+        const int64_t row = (b * M + i) * N;
+        if (p_in) {
+          std::copy(p_in + row, p_in + row + kc, p);
+        } else {
+          std::copy(s_in + row, s_in + row + kc, p);
+          detail::attention_softmax(p, kc);
+        }
+        T r = 0;
+        if (drop) {
+          detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kc, keep);
+          for (int64_t j = 0; j < kc; ++j) {
+            d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
+            r += d[j] * p[j];
+          }
+        } else {
+          for (int64_t j = 0; j < kc; ++j) r += d[j] * p[j];
+        }
+        for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
+        std::fill(d + kc, d + c, T(0));
+        if (a_in)
+          std::copy(a_in + row, a_in + row + kc, p);
+        else if (drop)
+          for (int64_t j = 0; j < kc; ++j) p[j] = keep[j] ? p[j] * keep_scale : T(0);
+        std::fill(p + kc, p + c, T(0));
+      }
+      gemm(rows, D, c, dt, c, kb, D, dqb + i0 * D, D);                            // dq = dS k
+      gemm_trans_acc(true, false, c, D, rows, dt, c, qb + i0 * D, D, dkb, D);     // dk += dS^T q
+      gemm_trans_acc(true, false, c, E, rows, pt, c, gb + i0 * E, E, dvb, E);     // dv += A^T g
+    }
+  }
+}
+
+}  // namespace coconet
