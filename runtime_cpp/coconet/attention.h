@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gemm.h"
@@ -36,8 +38,10 @@ struct AttentionIndex {
   int64_t mid_local, mid_global, mid_offset, inner;
 };
 
-// Rows of the scores per block: the tile [rows, N] stays in L2 (64 x 512 floats: 128 KiB).
-constexpr int64_t kAttentionRows = 64;
+// Rows of the scores per block: the tile [rows, N] stays in L2 (32 x 512 floats: 64 KiB). 32
+// measured fastest (bench/attention_cpu.cpp: 16, 48, 64 and 128 were 4 to 15 % slower): the
+// smaller the block, the fewer masked columns its GEMMs compute.
+constexpr int64_t kAttentionRows = 32;
 
 namespace detail {
 
@@ -83,18 +87,76 @@ T* attention_scratch(int64_t n) {
   return buf.data();
 }
 
-// The softmax of w[0:kc) in place (the row's max subtracted; kc = 0: nothing), as softmax_of.
+// exp(x) for float in a form the compiler vectorizes (no call): Cephes' expf (range reduction
+// by ln 2 in two parts, a degree-6 polynomial, the power of two put into the exponent bits),
+// within about 1 ulp of std::exp over the softmax's inputs (x <= 0); x below -87.3 gives 0
+// (std::exp: a denormal or 0), NaN stays NaN.  Other types: std::exp.
+template <class T>
+inline T attention_exp(T x) {
+  if constexpr (std::is_same<T, float>::value) {
+    const float xc = std::min(std::max(x, -87.33654f), 88.0f);
+    const float fn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+    const float r = (xc - fn * 0.693359375f) - fn * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    const float e = y * two_n;
+    return x != x ? x : (x < -87.33654f ? 0.0f : e);
+  } else {
+    return std::exp(x);
+  }
+}
+
+// Lanes of the row reductions below: partial maxima and sums the compiler keeps in vector
+// registers (the sums' order differs from a left-to-right loop by rounding only).
+constexpr int kAttentionLanes = 16;
+
+// The largest of w[0:n), -inf when n = 0.  A NaN may be skipped in the lanes: the softmax's
+// row is all NaN either way (the NaN's exp(NaN - max) makes the row's sum NaN).
+template <class T>
+inline T attention_row_max(const T* w, int64_t n) {
+  T lane[kAttentionLanes];
+  for (int l = 0; l < kAttentionLanes; ++l) lane[l] = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  for (; j + kAttentionLanes <= n; j += kAttentionLanes)
+    for (int l = 0; l < kAttentionLanes; ++l) lane[l] = w[j + l] > lane[l] ? w[j + l] : lane[l];
+  T m = -std::numeric_limits<T>::infinity();
+  for (int l = 0; l < kAttentionLanes; ++l) m = max_step(m, lane[l]);
+  for (; j < n; ++j) m = max_step(m, w[j]);
+  return m;
+}
+
+// sum of a[j] * b[j] over [0, n) (b = nullptr: of a[j]).
+template <class T>
+inline T attention_row_dot(const T* a, const T* b, int64_t n) {
+  T lane[kAttentionLanes] = {};
+  int64_t j = 0;
+  if (b)
+    for (; j + kAttentionLanes <= n; j += kAttentionLanes)
+      for (int l = 0; l < kAttentionLanes; ++l) lane[l] += a[j + l] * b[j + l];
+  else
+    for (; j + kAttentionLanes <= n; j += kAttentionLanes)
+      for (int l = 0; l < kAttentionLanes; ++l) lane[l] += a[j + l];
+  T s = 0;
+  for (int l = 0; l < kAttentionLanes; ++l) s += lane[l];
+  for (; j < n; ++j) s += b ? a[j] * b[j] : a[j];
+  return s;
+}
+
+// The softmax of w[0:kc) in place (the row's max subtracted, softmax_shift; kc = 0: nothing),
+// a row whose exponentials sum to 0 all zeros (softmax_value).
 template <class T>
 void attention_softmax(T* w, int64_t kc) {
-  T mx = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < kc; ++j) mx = max_step(mx, w[j]);
-  mx = softmax_shift(mx);
-  T sum = 0;
-  for (int64_t j = 0; j < kc; ++j) {
-    const T e = std::exp(w[j] - mx);
-    w[j] = e;
-    sum += e;
-  }
+  const T mx = softmax_shift(attention_row_max(w, kc));
+  for (int64_t j = 0; j < kc; ++j) w[j] = attention_exp(w[j] - mx);
+  const T sum = attention_row_dot<T>(w, nullptr, kc);
   if (sum == T(0)) {
     for (int64_t j = 0; j < kc; ++j) w[j] = T(0);
     return;
@@ -268,16 +330,11 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
           std::copy(s_in + row, s_in + row + kc, p);
           detail::attention_softmax(p, kc);
         }
-        T r = 0;
         if (drop) {
           detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kc, keep);
-          for (int64_t j = 0; j < kc; ++j) {
-            d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
-            r += d[j] * p[j];
-          }
-        } else {
-          for (int64_t j = 0; j < kc; ++j) r += d[j] * p[j];
+          for (int64_t j = 0; j < kc; ++j) d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
         }
+        const T r = detail::attention_row_dot<T>(d, p, kc);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
         std::fill(d + kc, d + c, T(0));
         if (a_in)
