@@ -9,7 +9,7 @@ from coconetc.ir import printer
 from coconetc.plan.epilogue import BACKENDS
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
-from coconetc.plan.units import (Algorithm, Buffer, Chunking, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
+from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
                                  GatherMatmul, Overlap, Partials, Plan, Reduce, Require, Strategy, Unit)
 
 
@@ -19,12 +19,38 @@ def show(plan: Plan) -> str:
     lines.append("units:")
     for u in plan.units:
         lines += _unit(plan, u, "  ")
+    if plan.attention:
+        lines.append("attention:")
+        lines += [f"  {_attention(plan, a)}" for a in plan.attention]
     lines.append("targets:")
     for t in TARGETS:
         gaps = plan.unsupported(t)
         lines.append(f"  {t:<15} {'every unit' if not gaps else 'not:'}")
         lines += [f"    {_at(g.line)} {g.what}" for g in gaps]
     return "\n".join(lines) + "\n"
+
+
+def _attention(plan: Plan, a: Attention) -> str:
+    """A causal attention core run as one call (Plan.attention, plan/attention.py)."""
+    names = []
+    for i in a.members:
+        u = plan.units[i]
+        names += [it.name for it in u.items] if isinstance(u, Loop) else [u.dst] if isinstance(u, Library) else []
+    how = [f"scale {a.scale}" if a.scale else "", f"causal diagonal {a.diagonal}",
+           f"dropout({a.drop_p}, {a.seed}, site {a.site})" if a.drop_p else ""]
+    if a.kind == "forward":
+        head = f"forward {a.o} = attention({a.q}, {a.k}, {a.v}; {', '.join(h for h in how if h)})"
+        also = [n for n in (a.s, a.w, a.p, a.a) if n]
+    else:
+        src = f"scores {a.s_in}" if a.s_in else f"softmax {a.p_in}"
+        head = (f"backward {a.dq}, {a.dk}, {a.dv} = attention_grad({a.q}, {a.k}, {a.v}, {a.g}; {src}, dropout result "
+                f"{a.a_in}; {', '.join(h for h in how if h)})")
+        also = []
+    others = [t for t in BACKENDS if t not in a.fused]
+    where = (f"({', '.join(a.fused)}: one call at the last unit, the masked half of the scores skipped"
+             f"{'; ' + ', '.join(others) + ': the units one by one' if others else ''})")
+    writes = f"; also writes {', '.join(also)}" if also else ""
+    return f"{head}{writes}\n    replaces {', '.join(names)} {where}"
 
 
 def _buffer(plan: Plan, b: Buffer) -> str:

@@ -348,6 +348,45 @@ Unit = Loop | Reduce | Library | Collective | Copy | Require | Fused | Overlap |
 
 
 @dataclass(frozen=True)
+class Attention:
+    """A causal attention core written from pieces (plan/attention.py has the rule): the
+    units at `members` (indexes into Plan.units) computed by one call on the backends in
+    `fused` (the CPU: runtime_cpp/coconet/attention.h), at the place of the last member; the
+    other backends run the members as they are. kind: forward (o = dropout(softmax(mask(scale *
+    q k^T))) v) or backward (dq, dk, dv from the cotangent g). scores: a [.., M, N] value of the
+    chain (its type gives the sizes and the layout); diagonal: causal's; scale, drop_p, seed: a
+    number, a scalar buffer, or "" (none); site: the dropout's. The forward writes o, and s, w,
+    p, a (the scaled scores, masked scores, softmax and dropout) where others read them ("":
+    not written); the backward reads g, s_in (the stored scores, "" where it reads p_in, the
+    softmax) and a_in (the dropout's result), and writes dq, dk, dv."""
+
+    kind: str
+    members: tuple[int, ...]
+    q: str
+    k: str
+    v: str
+    scores: str
+    diagonal: int
+    scale: str
+    drop_p: str
+    seed: str
+    site: str
+    o: str = ""
+    s: str = ""
+    w: str = ""
+    p: str = ""
+    a: str = ""
+    g: str = ""
+    s_in: str = ""
+    p_in: str = ""
+    a_in: str = ""
+    dq: str = ""
+    dk: str = ""
+    dv: str = ""
+    fused: tuple[str, ...] = ("cpu",)
+
+
+@dataclass(frozen=True)
 class Gap:
     """A unit that `target` does not implement: `what`, at .ccn `line` (`span`: the directive
     that asked for it, or the stage)."""
@@ -366,6 +405,7 @@ class Plan:
     buffers: tuple[Buffer, ...]
     units: tuple[Unit, ...]
     gaps: tuple[Gap, ...] = ()  # per target, what it does not implement (plan/targets.py)
+    attention: tuple[Attention, ...] = ()  # causal attention cores run as one call (plan/attention.py)
 
     def unsupported(self, target: str) -> tuple[Gap, ...]:
         """What of this plan `target` does not implement (empty: it runs all of it)."""

@@ -25,7 +25,8 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
 from coconetc.plan.epilogue import fused_loop
-from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
+from coconetc.ir.rng_keys import site_key
+from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
                                  Reduce, Require, Unit)
 
 
@@ -41,6 +42,8 @@ class CpuRenderer:
         self.fusion = CpuFused(self.w, self.idx, self.loops, self.unit)
         self.overlaps = CpuOverlap(self.w, self.fusion, self.unit)
         self.fused_loop: Loop | None = None
+        self.attention = {id(plan.units[i]): (a, i == a.members[-1])
+                          for a in plan.attention if "cpu" in a.fused for i in a.members}
 
     def render(self) -> Function:
         return dispatch.function(self.w, self._declare, self.unit)
@@ -50,7 +53,44 @@ class CpuRenderer:
             self.fused_loop = None
             self.w.emit(f"// loop {', '.join(i.name for i in u.items)}: the epilogue of the matmul above")
             return
+        if id(u) in self.attention:
+            a, last = self.attention[id(u)]
+            what = ", ".join(i.name for i in u.items) if isinstance(u, Loop) else getattr(u, "dst", "")
+            self.w.emit(f"// {what}: part of the {a.kind} attention call (plan: attention)")
+            if last:
+                self._attention(a)
+            return
         dispatch.unit(self.w, self, u)
+
+    def _attention(self, a: Attention) -> None:
+        """A causal attention core as one call (Plan.attention; runtime_cpp/coconet/attention.h)."""
+        w = self.w
+        ts = w.types[a.scores]
+        ct = CTYPE[ts.dtype]
+        ld, gd = w.ldims(ts), w.gdims(ts)
+        if ts.layout.sliced:  # a leading dim sliced across the ranks (heads): dropout's global index
+            dd = ts.layout.dim
+            index = f"{ld[dd]}, {gd[dd]}, {w.offset(ts)}, {_prod(ld[dd + 1:-2])}"
+        else:
+            index = "1, 1, 0, 1"
+
+        def number(x: str, default: str) -> str:
+            if not x:
+                return default
+            return f"double(coconet::to_compute(v_{x}[0]))" if x in w.types else literal(float(x), "f64")
+
+        def ptr(x: str) -> str:
+            return f"v_{x}" if x else f"static_cast<{ct}*>(nullptr)"
+        seed = f"int64_t(v_{a.seed}[0])" if a.seed in w.types else f"int64_t({a.seed or 0})"
+        sizes = f"{_prod(ld[:-2])}, {ld[-2]}, {ld[-1]}, {w.ldims(w.types[a.q])[-1]}, {w.ldims(w.types[a.v])[-1]}"
+        tail = (f"{sizes}, int64_t({a.diagonal}), {number(a.scale, '1.0')}, {number(a.drop_p, '0.0')}, {seed}, "
+                f"{site_key(a.site) if a.drop_p else 0}u /* {a.site} */, coconet::AttentionIndex{{{index}}}")
+        if a.kind == "forward":
+            w.emit(f"coconet::attention_fwd<{ct}>(v_{a.q}, v_{a.k}, v_{a.v}, v_{a.o}, {ptr(a.s)}, {ptr(a.w)}, "
+                   f"{ptr(a.p)}, {ptr(a.a)}, {tail});")
+        else:
+            w.emit(f"coconet::attention_bwd<{ct}>(v_{a.q}, v_{a.k}, v_{a.v}, {ptr(a.s_in)}, {ptr(a.p_in)}, "
+                   f"{ptr(a.a_in)}, v_{a.g}, v_{a.dq}, v_{a.dk}, v_{a.dv}, {tail});")
 
     def loop(self, u: Loop) -> None:
         self.loops.render_loop(u)

@@ -173,115 +173,14 @@ void gpt_block__fused(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_t11_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
   // [fused] transpose v (gpt_block.ccn:41)
   coconet::transpose<float>(v_t12_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [fused] transpose t13_s (gpt_block.ccn)
-  coconet::transpose<float>(v_k, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
-  // [fused] matmul t14_s (gpt_block.ccn)
-  coconet::matmul<float>(v_q, v_t13_s, v_t14_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S);
-  // [fused] loop: s (gpt_block.ccn:43)
-  const float k0_s = coconet::to_compute(v_scale[0]);
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_s[i] = coconet::from_compute<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_s[i] = coconet::from_compute<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
-    }
-    }
-  }
-  // [fused] loop: t15_a (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_t15_a[i] = coconet::from_compute<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        v_t15_a[i] = coconet::from_compute<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-      }
-    }
-    }
-  }
-  // [fused] softmax t16_a (gpt_block.ccn)
-  coconet::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S);
-  // [fused] loop: a (gpt_block.ccn:44)
-  const float k1_a = coconet::to_compute(v_pdrop[0]);
-  const int64_t k2_a = coconet::to_compute(v_seed[0]);
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_a[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        v_a[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-      }
-    }
-    }
-  }
-  // [fused] matmul t17_o (gpt_block.ccn)
-  coconet::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD);
+  // t13_s: part of the forward attention call (plan: attention)
+  // t14_s: part of the forward attention call (plan: attention)
+  // s: part of the forward attention call (plan: attention)
+  // t15_a: part of the forward attention call (plan: attention)
+  // t16_a: part of the forward attention call (plan: attention)
+  // a: part of the forward attention call (plan: attention)
+  // t17_o: part of the forward attention call (plan: attention)
+  coconet::attention_fwd<float>(v_q, v_k, v_v, v_t17_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   // [fused] transpose t18_o (gpt_block.ccn)
   coconet::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [fused] reshape o (gpt_block.ccn:45)

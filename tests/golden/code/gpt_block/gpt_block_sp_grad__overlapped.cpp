@@ -271,99 +271,12 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
   // [overlapped] transpose s_transpose (gpt_block.ccn:125)
   coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
-  // [overlapped] matmul s_matmul (gpt_block.ccn:125)
-  coconet::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S);
-  // [overlapped] loop: s, a_where (gpt_block.ccn:125)
-  const float k0_s = coconet::to_compute(v_scale[0]);
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-      v_s[i] = coconet::from_compute<float>(x_s);
-      const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-      v_a_where[i] = coconet::from_compute<float>(x_a_where);
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-      v_s[i] = coconet::from_compute<float>(x_s);
-      const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-      v_a_where[i] = coconet::from_compute<float>(x_a_where);
-      }
-    }
-    }
-  }
-  // [overlapped] softmax a_softmax (gpt_block.ccn:126)
-  coconet::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S);
-  // [overlapped] loop: a (gpt_block.ccn:126)
-  const float k1_a = coconet::to_compute(v_pdrop[0]);
-  const int64_t k2_a = coconet::to_compute(v_seed[0]);
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_a[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        v_a[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-      }
-    }
-    }
-  }
-  // [overlapped] matmul o_matmul (gpt_block.ccn:127)
-  coconet::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD);
+  // s_matmul: part of the forward attention call (plan: attention)
+  // s, a_where: part of the forward attention call (plan: attention)
+  // a_softmax: part of the forward attention call (plan: attention)
+  // a: part of the forward attention call (plan: attention)
+  // o_matmul: part of the forward attention call (plan: attention)
+  coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, v_s, static_cast<float*>(nullptr), v_a_softmax, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   // [overlapped] transpose o_transpose (gpt_block.ccn:127)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [overlapped] reshape o (gpt_block.ccn:127)
@@ -788,133 +701,20 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped] transpose t7_g_a (gpt_block.ccn)
-  coconet::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
-  // [overlapped] matmul g_a (gpt_block.ccn)
-  coconet::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S);
-  // [overlapped] transpose t8_g_v (gpt_block.ccn)
-  coconet::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1));
-  // [overlapped] matmul g_v (gpt_block.ccn)
-  coconet::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD);
-  // [overlapped] loop: g_a_softmax (gpt_block.ccn)
-  const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-  const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_a_softmax[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        v_g_a_softmax[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-      }
-    }
-    }
-  }
-  // [overlapped] loop: t9_g_rows (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t9_g_rows[i] = coconet::from_compute<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t9_g_rows[i] = coconet::from_compute<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-    }
-    }
-  }
-  // [overlapped] sum_keep g_rows (gpt_block.ccn)
-  coconet::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1));
-  // [overlapped] loop: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
-  const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    const int64_t n = S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c3 = rest % L3; rest /= L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-      const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
-      const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
-      v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L3;
-      const int64_t j0 = i0 - rest * L3;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L3 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c3 = j0 + (i - i0);
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-      const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
-      const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
-      v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
-      }
-    }
-    }
-  }
-  // [overlapped] transpose t10_g_q (gpt_block.ccn)
-  coconet::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1));
-  // [overlapped] matmul g_q (gpt_block.ccn)
-  coconet::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD);
-  // [overlapped] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
-  // [overlapped] matmul g_s_transpose (gpt_block.ccn)
-  coconet::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S);
-  // [overlapped] transpose g_k (gpt_block.ccn)
-  coconet::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1));
+  // t7_g_a: part of the backward attention call (plan: attention)
+  // g_a: part of the backward attention call (plan: attention)
+  // t8_g_v: part of the backward attention call (plan: attention)
+  // g_v: part of the backward attention call (plan: attention)
+  // g_a_softmax: part of the backward attention call (plan: attention)
+  // t9_g_rows: part of the backward attention call (plan: attention)
+  // g_rows: part of the backward attention call (plan: attention)
+  // g_a_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  // t10_g_q: part of the backward attention call (plan: attention)
+  // g_q: part of the backward attention call (plan: attention)
+  // t11_g_s_transpose: part of the backward attention call (plan: attention)
+  // g_s_transpose: part of the backward attention call (plan: attention)
+  // g_k: part of the backward attention call (plan: attention)
+  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_a_softmax, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [overlapped] reshape g_v_add (gpt_block.ccn)

@@ -1,0 +1,115 @@
+"""Causal attention as one call (plan/attention.py): which chains of pieces the plan runs as one
+CPU call (forward and backward), what the call writes, and the chains it leaves as they are.
+The compiled results against the interpreter: tests/test_block_ops.py (the attention programs
+and their derived programs on 1 and 2 ranks), tests/test_gpt_block.py and the CPU matrix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coconetc.plan import plan_program
+from coconetc.plan.show import show
+from coconetc.plan.units import Library, Loop
+from coconetc.sourcefile import load_source, with_grads
+
+REPO = Path(__file__).resolve().parents[1]
+
+HEAD = ("program p(q: f32[B, H, M, D] sliced(1), k: f32[B, H, N, D] sliced(1), v: f32[B, H, N, E] sliced(1), "
+        "c: f32, pdrop: f32, seed: i64) {\n")
+CORE = """    s = matmul(q, transpose(k, 2, 3)) * c
+    a = dropout(softmax(where(causal(s, diagonal=1), s, -inf)), pdrop, seed)
+    o = matmul(a, v)
+"""
+
+
+def _plans(src: str):
+    mod = with_grads(load_source(src, "p.ccn"), ["p"])
+    return {n: mod.plans[(n, "default")] for n in ("p", "p_grad", "p_fwd", "p_bwd")}
+
+
+def _names(plan, a) -> list[str]:
+    out = []
+    for i in a.members:
+        u = plan.units[i]
+        out += [it.name for it in u.items] if isinstance(u, Loop) else [u.dst] if isinstance(u, Library) else []
+    return out
+
+
+def test_the_forward_and_the_backward_are_one_call_each():
+    plans = _plans(HEAD + CORE + "    return o\n}\n")
+    (f,) = plans["p"].attention
+    assert (f.kind, f.q, f.k, f.v, f.o, f.diagonal, f.scale, f.drop_p, f.seed) == \
+        ("forward", "q", "k", "v", "o", 1, "c", "pdrop", "seed")
+    assert (f.s, f.w, f.p, f.a) == ("", "", "", "")  # nothing else reads them: not written
+    assert f.fused == ("cpu",) and f.members[-1] == max(f.members)
+    # the saving forward writes what it saves whole; the backward computes P again from S
+    (ff,) = plans["p_fwd"].attention
+    assert (ff.s, ff.a) == ("s", "a")
+    (b,) = plans["p_bwd"].attention
+    assert (b.kind, b.q, b.k, b.v, b.s_in, b.p_in, b.a_in, b.diagonal, b.scale, b.drop_p) == \
+        ("backward", "q", "k", "v", "s", "", "a", 1, "c", "pdrop")
+    assert (b.dq, b.dk, b.dv) == ("d_q", "d_k", "d_v")
+    assert {"a_where", "a_softmax", "g_a", "g_rows", "g_s_matmul"} <= set(_names(plans["p_bwd"], b))
+    # the whole derived program (which does not compute o): the backward reads the softmax its
+    # forward values computed, as they are
+    (bg,) = plans["p_grad"].attention
+    assert (bg.kind, bg.p_in, bg.s_in) == ("backward", "a_softmax", "")
+    text = show(plans["p_bwd"])
+    assert "attention:\n  backward d_q, d_k, d_v = attention_grad(q, k, v, d_o; scores s" in text
+    assert "(cpu: one call at the last unit, the masked half of the scores skipped; cuda: the units one by one)" in text
+
+
+def test_the_example_blocks_forward_and_backward():
+    mod = with_grads(load_source((REPO / "examples" / "gpt_block.ccn").read_text(), "gpt_block.ccn"),
+                     ["gpt_block", "gpt_block_sp"])
+    for prog in ("gpt_block", "gpt_block_sp"):
+        for sched in ("default", "fused", "overlapped"):
+            (f,) = mod.plans[(prog, sched)].attention
+            assert f.kind == "forward" and f.drop_p == "pdrop", (prog, sched)
+        kinds = [a.kind for a in mod.plans[(f"{prog}_bwd", "default")].attention]
+        assert kinds == ["backward"], prog
+        kinds = [a.kind for a in mod.plans[(f"{prog}_grad", "default")].attention]
+        assert kinds == ["forward", "backward"], prog
+
+
+def test_without_scale_dropout_or_the_same_lengths():
+    src = HEAD + """    s = matmul(q, transpose(k, 2, 3))
+    o = matmul(softmax(where(causal(s), s, -inf)), v)
+    return o
+}
+"""
+    plans = _plans(src)
+    (f,) = plans["p"].attention
+    assert (f.scale, f.drop_p, f.diagonal) == ("", "", 0)
+    assert [a.kind for a in plans["p_bwd"].attention] == ["backward"]
+
+
+READS_S0 = """    s0 = matmul(q, transpose(k, 2, 3))
+    s = s0 * c
+    t = s0 * 2.0
+    a = dropout(softmax(where(causal(s, diagonal=1), s, -inf)), pdrop, seed)
+    o = matmul(a, v)
+    return o, t
+}
+"""
+
+
+def test_chains_left_as_they_are():
+    cases = {
+        "another reads the unscaled scores, which the call does not write": READS_S0,
+        "masked with 0, not -inf": CORE.replace("-inf", "0.0") + "    return o\n}\n",
+        "a condition that is not causal": CORE.replace("causal(s, diagonal=1)", "s > 0.0") + "    return o\n}\n",
+    }
+    for what, body in cases.items():
+        plan = plan_program(load_source(HEAD + body, "p.ccn").programs["p"])
+        assert plan.attention == (), what
+
+
+def test_rows_sliced_across_the_ranks_or_f16_are_left_as_they_are():
+    sliced_rows = HEAD.replace("q: f32[B, H, M, D] sliced(1)", "q: f32[B, H, M, D] sliced(2)") \
+        .replace("sliced(1), v", "replicated, v").replace("v: f32[B, H, N, E] sliced(1)", "v: f32[B, H, N, E] replicated")
+    plan = plan_program(load_source(sliced_rows + CORE + "    return o\n}\n", "p.ccn").programs["p"])
+    assert plan.attention == ()
+    half = (HEAD + CORE + "    return o\n}\n").replace("f32[", "f16[")
+    plan = plan_program(load_source(half, "p.ccn").programs["p"])
+    assert plan.attention == ()
