@@ -162,17 +162,19 @@ void attention_case(const Shape& sh, int64_t diagonal, double drop_p) {
   close(p3, ref.p, rtol, what + " fwd p (p, a)");
   close(a3, ref.a, rtol, what + " fwd a (p, a)");
 
-  // backward: s_in with its masked entries NaN (only the kept ones may be read), or p_in; a_in or not
-  std::vector<T> s_kept = s;
+  // backward: s_in or p_in, a_in or not, each with its masked entries NaN (only the kept ones may
+  // be read)
+  std::vector<T> s_kept = s, p_kept = p, a_kept = a;  // the masked entries NaN
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < N; ++j)
-        if (j - i > diagonal) s_kept[size_t((b * M + i) * N + j)] = nan;
+        if (j - i > diagonal) s_kept[size_t((b * M + i) * N + j)] = p_kept[size_t((b * M + i) * N + j)] =
+                                  a_kept[size_t((b * M + i) * N + j)] = nan;
   for (int variant = 0; variant < 4; ++variant) {
     const bool from_p = variant & 1, with_a = variant & 2;
     std::vector<T> dq(size_t(batch * M * D), nan), dk(size_t(batch * N * D), nan), dv(size_t(batch * N * E), nan);
-    attention_bwd<T>(qt.data(), kt.data(), vt.data(), from_p ? nullptr : s_kept.data(), from_p ? p.data() : nullptr,
-                     with_a ? a.data() : nullptr, gt.data(), dq.data(), dk.data(), dv.data(), batch, M, N, D, E,
+    attention_bwd<T>(qt.data(), kt.data(), vt.data(), from_p ? nullptr : s_kept.data(), from_p ? p_kept.data() : nullptr,
+                     with_a ? a_kept.data() : nullptr, gt.data(), dq.data(), dk.data(), dv.data(), batch, M, N, D, E,
                      diagonal, scale, drop_p, seed, site, at);
     const std::string how = what + (from_p ? " bwd from p_in" : " bwd from s_in") + (with_a ? " a_in" : "");
     close(dq, ref.dq, rtol, how + " dq");
