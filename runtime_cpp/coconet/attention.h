@@ -74,6 +74,12 @@ inline uint64_t attention_base(int64_t b, int64_t M, int64_t N, const AttentionI
   return static_cast<uint64_t>(gb) * static_cast<uint64_t>(M) * static_cast<uint64_t>(N);
 }
 
+// diagonal clamped to [-M, N]: the same kept entries (every row of M rows keeps none at -M,
+// all N at N), and i + diagonal + 1 cannot overflow.
+inline int64_t attention_diagonal(int64_t diagonal, int64_t M, int64_t N) {
+  return std::min<int64_t>(N, std::max<int64_t>(-M, diagonal));
+}
+
 // Kept columns of row i: j <= i + diagonal, j < N.
 inline int64_t attention_kept(int64_t i, int64_t N, int64_t diagonal) {
   return std::max<int64_t>(0, std::min<int64_t>(N, i + diagonal + 1));
@@ -220,6 +226,7 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
                 "attention_fwd: T must be float or double");
   detail::attention_check("attention_fwd", batch, M, N, D, E, drop_p, at);
+  diagonal = detail::attention_diagonal(diagonal, M, N);
   if (batch == 0 || M == 0) return;
   const T sc = static_cast<T>(scale);
   const T inf = std::numeric_limits<T>::infinity();
@@ -291,6 +298,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
                 "attention_bwd: T must be float or double");
   detail::attention_check("attention_bwd", batch, M, N, D, E, drop_p, at);
+  diagonal = detail::attention_diagonal(diagonal, M, N);
   if (!s_in && !p_in && batch > 0 && M > 0 && N > 0)
     throw std::invalid_argument("attention_bwd: s_in is required when p_in is nullptr");
   std::fill(dk, dk + batch * N * D, T(0));

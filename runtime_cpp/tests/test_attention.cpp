@@ -256,6 +256,8 @@ void test_attention() {
   for (const Shape& sh : empty) both(sh, 0, 0.3);
   both(Shape{1, 1, 1, 0, 1, 6, 6, 3, 3}, -10, 0.3);  // no kept entry at all
   both(Shape{1, 1, 1, 0, 1, 6, 4, 3, 3}, 10, 0.3);   // nothing masked
+  if (mine()) attention_case<float>(Shape{1, 1, 1, 0, 1, 3, 3, 2, 2}, std::numeric_limits<int64_t>::max(), 0.0);
+  if (mine()) attention_case<float>(Shape{1, 1, 1, 0, 1, 3, 3, 2, 2}, std::numeric_limits<int64_t>::min(), 0.0);
   if (mine()) attention_errors();
   if (mine()) attention_exp_check();
 }
