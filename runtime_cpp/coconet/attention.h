@@ -283,8 +283,8 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
 // Backward (what the derived program computes from the pieces). g = dL/do [batch, M, E].
 //   P: p as above: p_in when given, else recomputed from s_in (the forward's s, [batch, M, N];
 //      required then).  A: a_in when given, else P with the mask.  Of s_in, p_in and a_in only
-//      the kept entries are read.  With a_in, dropout's mask is read from it (a != 0; where p is
-//      0 the mask does not matter) instead of recomputed: no Philox in the backward.
+//      the kept entries are read.  The mask is always Philox's (not read from a_in), so a_in
+//      that is not the forward's a (a backward program's input) is read as the pieces read it.
 //   dA  = g v^T                 [M, N]
 //   dP  = dropout(dA) with the forward's mask (same site/seed/gidx; drop_p <= 0: dP = dA)
 //   r_i = sum_j dP[i,j] P[i,j]
@@ -340,10 +340,7 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
           std::copy(s_in + row, s_in + row + kc, p);
           detail::attention_softmax(p, kc);
         }
-        if (drop && a_in) {  // the mask read from a (a != 0: kept; where p is 0, dP does not matter)
-          const T* a = a_in + row;
-          for (int64_t j = 0; j < kc; ++j) d[j] = a[j] != T(0) ? d[j] * keep_scale : T(0);  // dP
-        } else if (drop) {
+        if (drop) {
           detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kc, keep);
           for (int64_t j = 0; j < kc; ++j) d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
         }
