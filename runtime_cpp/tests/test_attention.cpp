@@ -181,6 +181,23 @@ void attention_case(const Shape& sh, int64_t diagonal, double drop_p) {
     close(dk, ref.dk, rtol, how + " dk");
     close(dv, ref.dv, rtol, how + " dv");
   }
+  // a_in that is not the forward's a (a backward program's input): dq and dk still take the
+  // mask from Philox, dv = a_in^T g over the kept entries
+  std::vector<T> a_rand(ns, nan);
+  std::vector<double> dv_want(size_t(batch * N * E), 0.0);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N && j - i <= diagonal; ++j) {
+        const T x = T(uniform(15, 0, (b * M + i) * N + j));
+        a_rand[size_t((b * M + i) * N + j)] = x;
+        for (int64_t e = 0; e < E; ++e) dv_want[size_t((b * N + j) * E + e)] += double(x) * g[size_t((b * M + i) * E + e)];
+      }
+  std::vector<T> dq(size_t(batch * M * D), nan), dk(size_t(batch * N * D), nan), dv(size_t(batch * N * E), nan);
+  attention_bwd<T>(qt.data(), kt.data(), vt.data(), nullptr, p_kept.data(), a_rand.data(), gt.data(), dq.data(),
+                   dk.data(), dv.data(), batch, M, N, D, E, diagonal, scale, drop_p, seed, site, at);
+  close(dq, ref.dq, rtol, what + " bwd other a_in dq");
+  close(dk, ref.dk, rtol, what + " bwd other a_in dk");
+  close(dv, dv_want, rtol, what + " bwd other a_in dv");
 }
 
 // The float exp of the softmax (attention_exp) against std::exp in double: within 3 ulp over
