@@ -57,14 +57,17 @@ inline void attention_check(const char* fn, int64_t batch, int64_t M, int64_t N,
   if (D < 0) bad("D must be >= 0, got " + std::to_string(D));
   if (E < 0) bad("E must be >= 0, got " + std::to_string(E));
   if (drop_p != drop_p) bad("drop_p is NaN");
-  if (at.mid_local < 1) bad("at.mid_local must be >= 1, got " + std::to_string(at.mid_local));
-  if (at.inner < 1) bad("at.inner must be >= 1, got " + std::to_string(at.inner));
+  // mid_local or inner 0: a rank holding none of the sliced dim (more ranks than heads), or an
+  // empty leading dim; the batch is then empty
+  if (at.mid_local < 0) bad("at.mid_local must be >= 0, got " + std::to_string(at.mid_local));
+  if (at.inner < 0) bad("at.inner must be >= 0, got " + std::to_string(at.inner));
   if (at.mid_offset < 0 || at.mid_offset + at.mid_local > at.mid_global)
     bad("at.mid_offset + at.mid_local must lie within at.mid_global (offset " + std::to_string(at.mid_offset) +
         ", local " + std::to_string(at.mid_local) + ", global " + std::to_string(at.mid_global) + ")");
-  if (batch % (at.mid_local * at.inner) != 0)
+  const int64_t per = at.mid_local * at.inner;
+  if (per == 0 ? batch != 0 : batch % per != 0)
     bad("batch (" + std::to_string(batch) + ") is not a multiple of at.mid_local * at.inner (" +
-        std::to_string(at.mid_local * at.inner) + ")");
+        std::to_string(per) + ")");
 }
 
 // The global flat index of element (b, 0, 0) of the scores (see AttentionIndex).

@@ -256,8 +256,8 @@ void test_attention() {
   const Shape shapes[] = {{2, 1, 1, 0, 1, 70, 70, 8, 5}, {1, 1, 1, 0, 1, 20, 33, 6, 7}, {2, 1, 1, 0, 1, 75, 40, 4, 3}};
   // sliced: 2 (outer) x 2 of 4 mids from 2 x inner 1; and inner 3 with 1 of 2 mids from 1
   const Shape sliced[] = {{2, 2, 4, 2, 1, 9, 9, 4, 3}, {1, 1, 2, 1, 3, 5, 7, 3, 2}};
-  // empty: batch 0, M 0, N 0, D 0, E 0
-  const Shape empty[] = {{0, 1, 1, 0, 1, 4, 4, 2, 2}, {1, 1, 1, 0, 1, 0, 4, 2, 2}, {1, 1, 1, 0, 1, 4, 0, 2, 2},
+  // empty: batch 0 (also by mid_local 0), M 0, N 0, D 0, E 0
+  const Shape empty[] = {{0, 1, 1, 0, 1, 4, 4, 2, 2}, {2, 0, 3, 3, 1, 4, 4, 2, 2} /* a rank with no head */, {1, 1, 1, 0, 1, 0, 4, 2, 2}, {1, 1, 1, 0, 1, 4, 0, 2, 2},
                          {1, 1, 1, 0, 1, 5, 5, 0, 2}, {1, 1, 1, 0, 1, 5, 5, 2, 0}};
   int64_t n = 0;
   const auto mine = [&] { return n++ % size == rank; };
