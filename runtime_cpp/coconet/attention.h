@@ -8,7 +8,15 @@
 // softmaxed and dropped out in place, and one GEMM multiplies it by v.  The backward recomputes
 // (or reads) the block's P, forms dS in the tile, and accumulates dk and dv with C += GEMMs.
 // The masked columns of a block are not touched by any GEMM: about half of the work of the
-// pieces.  Dropout's Philox runs once per kept element per call.
+// pieces.  Dropout's Philox runs once per kept element per call.  The float softmax's exp is a
+// vectorizable polynomial (attention_exp, within 3 ulp of std::exp).
+//
+// Measured (bench/attention_cpu.py, one thread, batch 64, S = 512, head dim 64, f32): forward +
+// backward 100 ms with p saved, 134 ms with s and a saved as gpt_block's code does (170 ms with
+// dropout 0.1); torch's pieces 467 ms, torch SDPA is_causal 201 ms.
+//
+// Not done: threads.  A call runs in the calling thread, its tile GEMMs in BLAS's thread pool;
+// with COCONET_THREADS > 1 those small GEMMs would do better one thread per matrix.
 #pragma once
 
 #include <algorithm>
