@@ -5,14 +5,22 @@ and their derived programs on 1 and 2 ranks), tests/test_gpt_block.py and the CP
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
+from coconetc.launch import mpiexec
 from coconetc.plan import plan_program
 from coconetc.plan.show import show
 from coconetc.plan.units import Library, Loop
-from coconetc.sourcefile import load_source, with_grads
+from coconetc.sourcefile import load_file, load_source, with_grads
+from coconetc.toolchain import probes
 
 REPO = Path(__file__).resolve().parents[1]
+WORKER = str(Path(__file__).with_name("grad_backends_worker.py"))
 
 HEAD = ("program p(q: f32[B, H, M, D] sliced(1), k: f32[B, H, N, D] sliced(1), v: f32[B, H, N, E] sliced(1), "
         "c: f32, pdrop: f32, seed: i64) {\n")
@@ -49,13 +57,14 @@ def test_the_forward_and_the_backward_are_one_call_each():
     assert (b.kind, b.q, b.k, b.v, b.s_in, b.p_in, b.a_in, b.diagonal, b.scale, b.drop_p) == \
         ("backward", "q", "k", "v", "s", "", "a", 1, "c", "pdrop")
     assert (b.dq, b.dk, b.dv) == ("d_q", "d_k", "d_v")
+    assert b.a_whole  # the saved a is an input: its masked entries are read as the pieces read them
     assert {"a_where", "a_softmax", "g_a", "g_rows", "g_s_matmul"} <= set(_names(plans["p_bwd"], b))
     # the whole derived program (which does not compute o): the backward reads the softmax its
     # forward values computed, as they are
     (bg,) = plans["p_grad"].attention
-    assert (bg.kind, bg.p_in, bg.s_in) == ("backward", "a_softmax", "")
+    assert (bg.kind, bg.p_in, bg.s_in, bg.a_in, bg.a_whole) == ("backward", "a_softmax", "", "a", False)
     text = show(plans["p_bwd"])
-    assert "attention:\n  backward d_q, d_k, d_v = attention_grad(q, k, v, d_o; scores s" in text
+    assert "attention:\n  backward d_q, d_k, d_v = attention_grad(q, k, v, d_o; scores s, dropout result a (every entry)" in text
     assert "(cpu: one call at the last unit, the masked half of the scores skipped; cuda: the units one by one)" in text
 
 
@@ -81,7 +90,8 @@ def test_without_scale_dropout_or_the_same_lengths():
     plans = _plans(src)
     (f,) = plans["p"].attention
     assert (f.scale, f.drop_p, f.diagonal) == ("", "", 0)
-    assert [a.kind for a in plans["p_bwd"].attention] == ["backward"]
+    (b,) = plans["p_bwd"].attention
+    assert (b.a_in, b.a_whole) == ("", False)  # a is P itself, which the call computes again
 
 
 READS_S0 = """    s0 = matmul(q, transpose(k, 2, 3))
@@ -113,3 +123,62 @@ def test_rows_sliced_across_the_ranks_or_f16_are_left_as_they_are():
     half = (HEAD + CORE + "    return o\n}\n").replace("f32[", "f16[")
     plan = plan_program(load_source(half, "p.ccn").programs["p"])
     assert plan.attention == ()
+
+
+# --- compiled for the CPU against the interpreter ------------------------------------------------
+VARIANTS = HEAD + CORE + "    return o\n}\n" + """
+program whole(q: f64[B, H, M, D] replicated, k: f64[B, H, N, D] replicated, v: f64[B, H, N, E] replicated) {
+    s = matmul(q, transpose(k, 2, 3))
+    o = matmul(softmax(where(causal(s, diagonal=-1), s, -inf)), v)
+    return o
+}
+"""
+
+
+def _variants_text() -> str:
+    """The programs above, their derived programs and those cut at the saved values (the
+    saving forward and the backward that reads s and a)."""
+    from dataclasses import replace
+
+    from coconetc.autodiff import vjp
+    from coconetc.autodiff.saved import split
+    from coconetc.ir import printer
+    mod = load_source(VARIANTS, "variants.ccn")
+    texts = []
+    for p in mod.programs.values():
+        g = replace(vjp(p), name=f"{p.name}_grad")
+        cut = split(p, g)
+        texts += [printer.program(x) for x in (p, g, cut.forward, cut.backward)]
+    return "\n".join(texts)
+
+
+@pytest.fixture(scope="module")
+def cache(request):
+    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
+    old = os.environ.get(probes.ENV_CACHE)
+    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
+    yield
+    if old is None:
+        os.environ.pop(probes.ENV_CACHE, None)
+    else:
+        os.environ[probes.ENV_CACHE] = old
+
+
+@pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
+def test_compiled_attention_matches_the_interpreter(cache, tmp_path):
+    """Scale by a scalar, dropout, diagonal 1, M != N and D != E on heads sliced over 2 ranks
+    (uneven: 3 heads); f64 without scale or dropout at diagonal -1 (a first row all masked);
+    each with its derived, saving-forward and backward programs (the backward on random saved
+    values: the call must read them as the pieces do)."""
+    from coconetc.runtime.loader import compile_cpu
+    f = tmp_path / "attention_cpu.ccn"
+    f.write_text(_variants_text())
+    plans = [a for (n, _), pl in load_file(f).plans.items() for a in pl.attention]
+    assert len(plans) >= 6  # every program's call is there (the derived ones' backward too)
+    compile_cpu(load_file(f), log=lambda msg: None)
+    for ranks in (1, 2):
+        cmd = mpiexec.command(ranks, [sys.executable, WORKER, "cpu", str(f), "B=2", "H=3", "M=5", "N=7", "D=3", "E=2"])
+        res = subprocess.run(cmd, env=mpiexec.environment(ranks), capture_output=True, text=True, timeout=600)
+        log = f"--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-4000:]}"
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("MATCH", "MISMATCH"))]
+        assert res.returncode == 0 and len(lines) == 8 and all(ln.startswith("MATCH ") for ln in lines), log

@@ -368,18 +368,24 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, p: str, v: str,
     for t in (tv, f["tq"], f["ta"], f["tk"]):  # the transposed copies only the chain reads
         if ch.only_read_by_chain(t, d.lib[t]):
             ch.add(t)
-    s_in, p_in = "", p
     w = d.units[d.lib[p]].args[0]  # type: ignore[union-attr]
     wm = _masked(d.item[w][1], float("-inf")) if w in d.item else None
-    if ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) and wm is not None \
-            and isinstance(wm[1], Ref) and wm[2] == how[1] and d.buffers[wm[1].name].kind in MEMORY:
+    if wm is None or wm[2] != how[1] or _masked(d.value(w), float("-inf")) is None \
+            or wm[0].type.shape != d.buffers[p].type.shape:
+        return None  # P is not the softmax of the scores masked alike: its masked entries may not be 0
+    s_in, p_in = "", p
+    if ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) \
+            and isinstance(wm[1], Ref) and d.buffers[wm[1].name].kind in MEMORY:
         s_in, p_in = wm[1].name, ""  # P computed again from the stored scores
         ch.add(w, p)
     if ch.written() is None:
         return None
+    a = f["a"]
+    made = a == p or a in d.item and _ref((_dropped(d.value(a), d.buffers) or (Ref(a, d.buffers[a].type),))[0]) == p
     scale, diagonal, (drop_p, seed, site) = how
     return Attention("backward", tuple(sorted(ch.members)), f["q"], f["k"], v, p, diagonal, scale, drop_p, seed,
-                     site, g=g, s_in=s_in, p_in=p_in, a_in=f["a"], dq=f["gq"], dk=f["gk"], dv=f["gv"])
+                     site, g=g, s_in=s_in, p_in=p_in, a_in="" if a == p else a, a_whole=not made,
+                     dq=f["gq"], dk=f["gk"], dv=f["gv"])
 
 
 def find(units: tuple[Unit, ...] | list[Unit], buffers: dict[str, Buffer]) -> tuple[Attention, ...]:

@@ -358,7 +358,10 @@ class Attention:
     number, a scalar buffer, or "" (none); site: the dropout's. The forward writes o, and s, w,
     p, a (the scaled scores, masked scores, softmax and dropout) where others read them ("":
     not written); the backward reads g, s_in (the stored scores, "" where it reads p_in, the
-    softmax) and a_in (the dropout's result), and writes dq, dk, dv."""
+    softmax) and a_in (the dropout's result; "" where it is P itself: the call uses P), and writes
+    dq, dk, dv; a_whole: a_in is not computed in the same program from P (a backward program's
+    saved a, an input), so its masked entries may be nonzero and dv reads every one (the pieces'
+    transpose(a) x g does)."""
 
     kind: str
     members: tuple[int, ...]
@@ -380,6 +383,7 @@ class Attention:
     s_in: str = ""
     p_in: str = ""
     a_in: str = ""
+    a_whole: bool = False
     dq: str = ""
     dk: str = ""
     dv: str = ""

@@ -301,11 +301,15 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
 //   r_i = sum_j dP[i,j] P[i,j]
 //   dS  = (j <= i + diagonal) ? P * (dP - r) : 0,   then times scale
 //   dq  = dS k   [M, D]     dk = dS^T q   [N, D]     dv = A^T g   [N, E]
+// a_whole: dv reads every entry of a_in (a backward program's saved a is an input like any other:
+// its masked entries are 0 only when the forward wrote it, and the pieces read them all), its
+// GEMM over all N columns; otherwise only the kept entries (a_in computed in the same program).
 // dq, dk, dv written whole (dk, dv: rows no kept entry reaches are 0).
 template <class T>
 void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p_in, const T* a_in, const T* g,
                    T* dq, T* dk, T* dv, int64_t batch, int64_t M, int64_t N, int64_t D, int64_t E,
-                   int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site, AttentionIndex at) {
+                   int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site, AttentionIndex at,
+                   bool a_whole = false) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
                 "attention_bwd: T must be float or double");
   detail::attention_check("attention_bwd", batch, M, N, D, E, drop_p, at);
@@ -335,8 +339,10 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
     for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
       const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
       const int64_t c = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));
-      if (c == 0) {  // no kept entry: dq's rows are 0, nothing reaches dk or dv
+      if (c == 0) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a whole a_in)
         std::fill(dqb + i0 * D, dqb + i1 * D, T(0));
+        if (a_in && a_whole)
+          gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
         continue;
       }
       gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
@@ -358,6 +364,8 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
         const T r = detail::attention_row_dot<T>(d, p, kc);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
         std::fill(d + kc, d + c, T(0));
+        if (a_in && a_whole)
+          continue;  // dv from every entry of a_in's rows, below
         if (a_in)
           std::copy(a_in + row, a_in + row + kc, p);
         else if (drop)
@@ -366,7 +374,10 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
       }
       gemm(rows, D, c, dt, c, kb, D, dqb + i0 * D, D);                            // dq = dS k
       gemm_trans_acc(true, false, c, D, rows, dt, c, qb + i0 * D, D, dkb, D);     // dk += dS^T q
-      gemm_trans_acc(true, false, c, E, rows, pt, c, gb + i0 * E, E, dvb, E);     // dv += A^T g
+      if (a_in && a_whole)  // dv += a^T g over every column: a_in's masked entries may be nonzero
+        gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
+      else
+        gemm_trans_acc(true, false, c, E, rows, pt, c, gb + i0 * E, E, dvb, E);   // dv += A^T g
     }
   }
 }

@@ -198,6 +198,22 @@ void attention_case(const Shape& sh, int64_t diagonal, double drop_p) {
   close(dq, ref.dq, rtol, what + " bwd other a_in dq");
   close(dk, ref.dk, rtol, what + " bwd other a_in dk");
   close(dv, dv_want, rtol, what + " bwd other a_in dv");
+  // a_whole: a_in's masked entries nonzero too (random), and dv reads every one of them, as the
+  // pieces' a^T g does
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        if (j - i <= diagonal) continue;
+        const T x = T(uniform(16, 0, (b * M + i) * N + j));
+        a_rand[size_t((b * M + i) * N + j)] = x;
+        for (int64_t e = 0; e < E; ++e) dv_want[size_t((b * N + j) * E + e)] += double(x) * g[size_t((b * M + i) * E + e)];
+      }
+  std::vector<T> dq2(dq.size(), nan), dk2(dk.size(), nan), dv2(dv.size(), nan);
+  attention_bwd<T>(qt.data(), kt.data(), vt.data(), s_kept.data(), nullptr, a_rand.data(), gt.data(), dq2.data(),
+                   dk2.data(), dv2.data(), batch, M, N, D, E, diagonal, scale, drop_p, seed, site, at, true);
+  close(dq2, ref.dq, rtol, what + " bwd whole a_in dq");
+  close(dk2, ref.dk, rtol, what + " bwd whole a_in dk");
+  close(dv2, dv_want, rtol, what + " bwd whole a_in dv");
 }
 
 // The float exp of the softmax (attention_exp) against std::exp in double: within 3 ulp over

@@ -90,7 +90,7 @@ class CpuRenderer:
                    f"{ptr(a.p)}, {ptr(a.a)}, {tail});")
         else:
             w.emit(f"coconet::attention_bwd<{ct}>(v_{a.q}, v_{a.k}, v_{a.v}, {ptr(a.s_in)}, {ptr(a.p_in)}, "
-                   f"{ptr(a.a_in)}, v_{a.g}, v_{a.dq}, v_{a.dk}, v_{a.dv}, {tail});")
+                   f"{ptr(a.a_in)}, v_{a.g}, v_{a.dq}, v_{a.dk}, v_{a.dv}, {tail}, {'true' if a.a_whole else 'false'});")
 
     def loop(self, u: Loop) -> None:
         self.loops.render_loop(u)
