@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) bench/tp_mlp.py --dtype f32
 	$(PY) bench/tp_mlp.py --dtype bf16
 	$(PY) bench/gpt_block.py --sdpa
+	$(PY) bench/attention_cpu.py
 	$(PY) bench/call_overhead.py
 	$(PY) bench/collectives.py
 	$(PY) bench/train_step.py --size 3M
