@@ -344,6 +344,17 @@ def test_layernorm(layout: str, ranks: int) -> None:
     check(src, {"B": 2, "S": 3, "H": 4}, ranks, wrt=["x", "gamma", "beta", "e"])
 
 
+@pytest.mark.parametrize("layout", ["local", "sliced(1)"])
+def test_layernorm_scalar_eps_not_differentiated(layout: str) -> None:
+    """eps a scalar parameter outside wrt: layernorm_dx and layernorm_dgamma read it (the rows
+    sliced: dgamma's partial sums all-reduced)."""
+    src = f"""program p(x: f64[B, S, H] {layout}, gamma: f64[H] replicated, beta: f64[H] replicated, e: f64) {{
+    z = layernorm(x, gamma, beta, e)
+    return z
+}}"""
+    check(src, {"B": 2, "S": 3, "H": 4}, 2, wrt=["x", "gamma"])
+
+
 # --- the example programs that derive, in f64 ---------------------------------------------------
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -12,7 +12,12 @@ give matmul's operand gradients, and the sum over leading dims that undoes broad
   operand gradients (the transposed convolution and the weight's correlation); the third
   operand gives only the result's shape.
 - `mean_last(x)`: the mean over the last dim, kept as a dim of size 1 ([..., H] -> [..., 1]):
-  layernorm's statistics.
+  layernorm's statistics (where eps itself is differentiated).
+- `layernorm_dx(x, gamma, g, eps)`: layernorm's input gradient, rstd * (dxhat - mean(dxhat) -
+  xhat * mean(dxhat * xhat)) with dxhat = g * gamma, per row over the last dim (the row's
+  statistics as the forward computes them); rows whole, as layernorm's own (ROWS).
+- `layernorm_dgamma(x, g, eps)`: layernorm's gamma gradient, g * xhat summed over every leading
+  dim ([H]); laid out as `sum_lead(g * xhat, n=ndim-1)` would be.
 
 Their layout rules are the transposes of matmul's tensor-parallel rules (typerules.matmul); a
 result that sums over a sliced dim is `local` (per-rank partial sums) and the derivation adds
@@ -81,10 +86,15 @@ def _sum_lead(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> T
     n, t = attrs["n"], x.type
     if not 1 <= n <= t.ndim:
         raise tr.TypeErr(span, f"sum_lead n={n} is out of range for a {t.ndim}-d tensor")
-    lay = t.layout
+    return TType(t.dtype, t.shape[n:], _lead_layout(t.layout, n))
+
+
+def _lead_layout(lay: Layout, n: int) -> Layout:
+    """The layout of a sum over the first n dims: a slice of a summed dim leaves per-rank partial
+    sums (local)."""
     if lay.sliced:
-        lay = sliced(lay.dim - n) if lay.dim >= n else LOCAL
-    return TType(t.dtype, t.shape[n:], lay)
+        return sliced(lay.dim - n) if lay.dim >= n else LOCAL
+    return lay
 
 
 def _mean_last(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
@@ -93,6 +103,37 @@ def _mean_last(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> 
     if t.ndim < 1 or t.layout == sliced(t.ndim - 1):
         raise tr.TypeErr(span, f"mean_last needs a tensor whose last dim is whole; got {t}")
     return TType(t.dtype, t.shape[:-1] + (1,), t.layout)
+
+
+def _ln_rows(name: str, x: Expr, g: Expr, eps: Expr, span: Span) -> Layout:
+    """The checks layernorm_dx and layernorm_dgamma share: x and its result's cotangent g of one
+    shape, a scalar eps, rows whole; the layout of g * xhat."""
+    t = x.type
+    if t.ndim < 1 or g.type.shape != t.shape:
+        raise tr.TypeErr(span, f"{name} needs x and g of one shape [..., H]; got {t} and {g.type}")
+    if eps.type.shape != ():
+        raise tr.TypeErr(eps.span or span, f"{name}'s eps must be a scalar")
+    lay = tr.combine_layouts([t, g.type], t.ndim, span)
+    if lay == sliced(t.ndim - 1):
+        raise tr.TypeErr(span, f"{name} normalizes the last dim, which is sliced")
+    return lay
+
+
+def _ln_dx(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    x, gamma, g, eps = args
+    lay = _ln_rows(name, x, g, eps, span)
+    if gamma.type.shape != x.type.shape[-1:] or gamma.type.layout != REPLICATED:
+        raise tr.TypeErr(gamma.span or span, f"{name}'s gamma must be replicated, of shape [{x.type.shape[-1]}]")
+    dt, _ = tr.result_dtype([x.type, gamma.type, g.type], span)
+    return TType(dt, x.type.shape, lay)
+
+
+def _ln_dgamma(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
+    x, g, eps = args
+    lay = _ln_rows(name, x, g, eps, span)
+    dt, _ = tr.result_dtype([x.type, g.type], span)
+    n = x.type.ndim - 1
+    return TType(dt, x.type.shape[n:], _lead_layout(lay, n))
 
 
 def _sum_keep(name: str, args: Sequence[Expr], attrs: tr.Attrs, span: Span) -> TType:
@@ -188,6 +229,27 @@ def _np_mean_last(x: np.ndarray) -> np.ndarray:
     return np.asarray(x.mean(axis=-1, keepdims=True, dtype=x.dtype))
 
 
+def _np_xhat(x: np.ndarray, eps: object) -> tuple[np.ndarray, np.ndarray]:
+    """xhat and rstd of each row of x (over the last dim), as the forward computes them (two passes)."""
+    mean = x.mean(axis=-1, keepdims=True, dtype=x.dtype)
+    xc = x - mean
+    rstd = 1 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True, dtype=x.dtype) + x.dtype.type(float(eps)))  # type: ignore[arg-type]
+    return xc * rstd, rstd
+
+
+def _np_ln_dx(x: np.ndarray, gamma: np.ndarray, g: np.ndarray, eps: object) -> np.ndarray:
+    xhat, rstd = _np_xhat(x, eps)
+    dxhat = g * gamma
+    mean = dxhat.mean(axis=-1, keepdims=True, dtype=x.dtype)
+    proj = (dxhat * xhat).mean(axis=-1, keepdims=True, dtype=x.dtype)
+    return np.asarray(rstd * (dxhat - mean - xhat * proj), dtype=x.dtype)
+
+
+def _np_ln_dgamma(x: np.ndarray, g: np.ndarray, eps: object) -> np.ndarray:
+    xhat, _ = _np_xhat(x, eps)
+    return np.asarray((g * xhat).reshape(-1, x.shape[-1]).sum(axis=0, dtype=x.dtype), dtype=x.dtype)
+
+
 _CONV = (ops.Arg("stride", "int", default=1, minimum=1), ops.Arg("padding", "int", default=0))
 
 DEFS = (
@@ -205,6 +267,12 @@ DEFS = (
               numpy=_np_conv_dw, fusable=False, cost=ops.Cost(2, inner=True), doc="conv2d's weight gradient"),
     ops.OpDef("mean_last", "tensor", ops.X, _mean_last, ops.ROWS, numpy=_np_mean_last,
               doc="the mean over the last dim, kept as a dim of size 1"),
+    ops.OpDef("layernorm_dx", "tensor", (ops.Arg("x"), ops.Arg("gamma"), ops.Arg("g"), ops.Arg("eps", literal="f32")),
+              _ln_dx, ops.ROWS, numpy=_np_ln_dx, fusable=False, cost=ops.Cost(14, 1),
+              doc="layernorm's input gradient (g: the result's cotangent), per row over the last dim"),
+    ops.OpDef("layernorm_dgamma", "tensor", (ops.Arg("x"), ops.Arg("g"), ops.Arg("eps", literal="f32")),
+              _ln_dgamma, ops.NEVER, numpy=_np_ln_dgamma, fusable=False, cost=ops.Cost(10, inner=True),
+              doc="layernorm's gamma gradient: g * xhat summed over every leading dim"),
 )
 
 for _d in DEFS:

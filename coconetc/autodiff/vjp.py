@@ -129,6 +129,10 @@ class _Deriver:
         """A weak float constant in like's dtype."""
         return Const(float(v), TType(like.type.dtype if like.type.dtype in FLOATS else "f64", (), REPLICATED, True))
 
+    def scalars(self) -> set[str]:
+        """The program's scalar parameters."""
+        return {q.name for q in self.p.params if q.scalar}
+
     def is_active(self, e: Expr) -> bool:
         return any(n in self.active for n in refs(e))
 
@@ -368,9 +372,14 @@ def _reduced(d: _Deriver, e: Op, y: Expr, g: Expr) -> Expr:
 def _layernorm(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
     """y = xhat * gamma + beta with xhat = (x - mean) * rsqrt(var + eps) over the last dim:
     dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = g * gamma;
-    dgamma = g * xhat and dbeta = g summed over the leading dims."""
+    dgamma = g * xhat and dbeta = g summed over the leading dims. dx and dgamma are one operation
+    each (layernorm_dx, layernorm_dgamma: a pass for the row's statistics, one for the result);
+    where eps is differentiated, or is neither a literal nor a scalar parameter, the pieces."""
     x, gamma, beta, eps = e.args
     o = d.op
+    if not d.is_active(eps) and (isinstance(eps, Const) or (isinstance(eps, Ref) and eps.name in d.scalars())):
+        return [(x, o("layernorm_dx", x, gamma, g, eps), None), (gamma, o("layernorm_dgamma", x, g, eps), None),
+                (beta, g, None)]
     xc = d.emit("g_xc", o("sub", x, o("mean_last", x)))
     rstd = d.emit("g_rstd", o("rsqrt", o("add", o("mean_last", o("mul", xc, xc)), eps)))
     xhat = d.emit("g_xhat", o("mul", xc, rstd))

@@ -3,7 +3,9 @@
 calls `coconet::<function><T>(args)` (runtime_cpp/coconet: gemm.h, kernels.h, grad.h), the CUDA
 renderer `coconet::cuda::<function><T>(args, stream or ctx)` (coconet/cuda: runtime.cuh,
 grad.cuh), so the two backends cannot disagree on what they pass. layernorm is not here: its
-eps is read differently by each backend.
+eps is read differently by each backend (a computed 0-d eps stays on the device for CUDA);
+layernorm_dx's and layernorm_dgamma's eps is a literal or a scalar parameter (autodiff/vjp.py
+derives them only then), read on the host by both.
 
 Sizes are this rank's (Writer.ldims): every operand is the rank's local part, and the layouts the
 typing rules allow (coconetc/autodiff/ops.py) make the local sizes of the operands and the result
@@ -12,10 +14,12 @@ agree, so the same formulas hold for every layout."""
 from __future__ import annotations
 
 from coconetc.codegen.base import Writer, cdim, prod
+from coconetc.codegen.emit import literal
 from coconetc.ir.typerules import reshape_slices
 from coconetc.plan.units import GatherMatmul, Library, Overlap
 
-OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw")
+OPS = ("matmul", "conv2d", "softmax", "transpose", "reshape", "matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last",
+       "layernorm_dx", "layernorm_dgamma", "conv2d_dx", "conv2d_dw")
 """The Library operations whose call this module lays out."""
 
 GEMM = ("matmul", "matmul_nt", "matmul_tn")
@@ -49,6 +53,12 @@ def call_args(w: Writer, u: Library) -> list[str]:
         return [ptrs[0], f"v_{u.dst}", prod(lx[:d]), lx[d], prod(lx[d + 1:])]
     if u.op in BLOCK:
         return _block_args(w, u, dims[0])
+    if u.op in ("layernorm_dx", "layernorm_dgamma"):  # x[rows, h] (gamma[h]) g[rows, h] -> dx[rows, h] or dgamma[h]
+        lx = dims[0]
+        eps = (literal(float(attrs["eps"]), "f64") if "eps" in attrs  # type: ignore[arg-type]
+               else f"double(coconet::to_compute(v_{u.args[-1]}[0]))")  # a scalar parameter
+        vals = ptrs[:-1] if "eps" not in attrs else ptrs
+        return [*vals, f"v_{u.dst}", eps, prod(lx[:-1]), lx[-1]]
     if u.op == "mean_last":  # [rows, h] -> [rows, 1]
         lx = dims[0]
         return [ptrs[0], f"v_{u.dst}", prod(lx[:-1]), lx[-1]]

@@ -59,7 +59,7 @@ _FOLLOWS: dict[str, tuple[int, ...] | None] = {
 _UNKNOWN = None  # a value whose sign no positive input settles (a difference, a negation, gelu ...)
 
 
-_SAFE = {"sub", "neg", "gelu", "layernorm", "conv2d_dx", "conv2d_dw"}  # defined for every value
+_SAFE = {"sub", "neg", "gelu", "layernorm", "layernorm_dx", "layernorm_dgamma", "conv2d_dx", "conv2d_dw"}  # defined for every value
 
 
 def positive_params(p: Program) -> set[str]:

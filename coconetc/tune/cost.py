@@ -259,8 +259,9 @@ class _Counter:
         first = self.buffer(u.args[0]) if u.args else None
         if d.inner and first is not None and first.type.shape:
             rows = self._rows(first.type)
-            # contracted: a's last dim (matmul, matmul_nt); matmul_tn sums over a's leading dims
-            inner = rows if u.op == "matmul_tn" else self.elements(first.type) // max(1, rows)
+            # contracted: a's last dim (matmul, matmul_nt); matmul_tn and layernorm_dgamma sum over
+            # a's leading dims
+            inner = rows if u.op in ("matmul_tn", "layernorm_dgamma") else self.elements(first.type) // max(1, rows)
         c.flops = d.flops * out * inner
         return c
 

@@ -7,6 +7,8 @@
 //   sum_lead   out[inner] = the sum of x[outer, inner] over outer
 //   sum_keep   out[outer, 1, inner] = the sum of x[outer, mid, inner] over mid
 //   mean_last  out[rows, 1] = the mean of x[rows, h] over h
+//   layernorm_dx      dx[rows, h] from x, gamma[h] and the cotangent g[rows, h]  (a row at a time)
+//   layernorm_dgamma  dgamma[h] = the sum over rows of g * xhat                  (a row at a time)
 //   conv2d_dx  dx[N, C, H, W] from g[N, O, HO, WO] and w[O, C, KH, KW] (the transposed conv2d)
 //   conv2d_dw  dw[O, C, KH, KW] from x[N, C, H, W] and g[N, O, HO, WO]
 //
@@ -18,6 +20,7 @@
 
 #include "dtypes.h"
 #include "gemm.h"
+#include "pointwise.h"
 
 namespace coconet {
 
@@ -66,6 +69,57 @@ void mean_last(const T* x, T* out, int64_t rows, int64_t h) {
     for (int64_t j = 0; j < h; ++j) acc += to_compute(x[r * h + j]);
     out[r] = from_compute<T>(static_cast<A>(acc / static_cast<A>(h)));
   }
+}
+
+// The sum of f(j) over j in [0, h) (in C) and f(j) for each j: one thread's row (layernorm_dx_of).
+template <class C>
+struct RowLoop {
+  int64_t h;
+  template <class F>
+  C sum(F f) const {
+    C s = 0;
+    for (int64_t j = 0; j < h; ++j) s += f(j);
+    return s;
+  }
+  template <class F>
+  void each(F f) const {
+    for (int64_t j = 0; j < h; ++j) f(j);
+  }
+};
+
+// dx[r, :] = layernorm's input gradient of row r (pointwise.h layernorm_dx_of: the row's statistics
+// as the forward's, then dx in one more pass) from x[rows, h], gamma[h] and g[rows, h].
+template <class T>
+void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h) {
+  using C = compute_t<T>;
+  const RowLoop<C> row{h};
+  const auto sum = [&](auto f) { return row.sum(f); };
+  const auto each = [&](auto f) { row.each(f); };
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *xr = x + r * h, *gr = g + r * h;
+    T* dr = dx + r * h;
+    layernorm_dx_of(
+        [&](int64_t j) { return C(to_compute(xr[j])); }, gamma, [&](int64_t j) { return C(to_compute(gr[j])); },
+        static_cast<C>(eps), h, sum, each, [&](int64_t j, C v) { dr[j] = from_compute<T>(v); });
+  }
+}
+
+// dgamma[j] = the sum over rows r of g[r, j] * xhat[r, j], xhat the row's normalized x (the row's
+// statistics as the forward's, layernorm_stats), accumulated in the compute type.
+template <class T>
+void layernorm_dgamma(const T* x, const T* g, T* dgamma, double eps, int64_t rows, int64_t h) {
+  using C = compute_t<T>;
+  std::vector<C> acc(static_cast<size_t>(h > 0 ? h : 0), C(0));
+  const RowLoop<C> row{h};
+  const auto sum = [&](auto f) { return row.sum(f); };
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *xr = x + r * h, *gr = g + r * h;
+    const auto xj = [&](int64_t j) { return C(to_compute(xr[j])); };
+    C mean, rstd;
+    layernorm_stats(xj, static_cast<C>(eps), h, sum, mean, rstd);
+    for (int64_t j = 0; j < h; ++j) acc[static_cast<size_t>(j)] += C(to_compute(gr[j])) * ((xj(j) - mean) * rstd);
+  }
+  for (int64_t j = 0; j < h; ++j) dgamma[j] = from_compute<T>(acc[static_cast<size_t>(j)]);
 }
 
 // dx[n, c, y, z] = sum over o, p, q of g[n, o, i, j] w[o, c, p, q] where y = i * stride + p - pad

@@ -43,16 +43,42 @@ COCONET_HD inline C dropout(C x, double p, int64_t seed, uint32_t site, uint64_t
 // normalized, scaled by g and shifted by b. The one home of the row's math: x(j) reads element j
 // in C; sum(f) is f summed over the row (a loop, or a CUDA block's threads striding the row and
 // block_sum: runtime.cuh layernorm_row_block); each(f) calls f(j) for the row's elements (the
-// loop, or the block's threads); out(j, v) takes element j's value v in C.
-template <class C, class X, class G, class B, class Sum, class Each, class Out>
-COCONET_HD inline void layernorm_of(X x, const G* g, const B* b, C eps, int64_t H, Sum sum, Each each, Out out) {
-  const C mean = sum([&](int64_t j) { return C(x(j)); }) / static_cast<C>(H);
+// loop, or the block's threads); out(j, v) takes element j's value v in C. layernorm_stats: the
+// row's mean and 1 / sqrt(var + eps), which the backward (layernorm_dx_of, grad.h) shares.
+template <class C, class X, class Sum>
+COCONET_HD inline void layernorm_stats(X x, C eps, int64_t H, Sum sum, C& mean, C& inv) {
+  mean = sum([&](int64_t j) { return C(x(j)); }) / static_cast<C>(H);
   const C var = sum([&](int64_t j) {
     const C d = x(j) - mean;
     return d * d;
   }) / static_cast<C>(H);
-  const C inv = C(1) / std::sqrt(var + eps);
+  inv = C(1) / std::sqrt(var + eps);
+}
+
+template <class C, class X, class G, class B, class Sum, class Each, class Out>
+COCONET_HD inline void layernorm_of(X x, const G* g, const B* b, C eps, int64_t H, Sum sum, Each each, Out out) {
+  C mean, inv;
+  layernorm_stats(x, eps, H, sum, mean, inv);
   each([&](int64_t j) { out(j, (x(j) - mean) * inv * to_compute(g[j]) + to_compute(b[j])); });
+}
+
+// layernorm's input gradient of one row (grad.h layernorm_dx, cuda/grad.cuh): with the row's
+// statistics as layernorm_of computes them (layernorm_stats), xhat = (x - mean) * rstd and
+// dxhat = dy * gamma, dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), as
+// coconetc/autodiff/ops.py's reference. dy(j) reads the cotangent's element j in C; sum, each
+// and out as layernorm_of's.
+template <class C, class X, class G, class D, class Sum, class Each, class Out>
+COCONET_HD inline void layernorm_dx_of(X x, const G* gamma, D dy, C eps, int64_t H, Sum sum, Each each, Out out) {
+  C mean, rstd;
+  layernorm_stats(x, eps, H, sum, mean, rstd);
+  const C md = sum([&](int64_t j) { return C(dy(j) * C(to_compute(gamma[j]))); }) / static_cast<C>(H);
+  const C mp = sum([&](int64_t j) {
+    return C(dy(j) * C(to_compute(gamma[j])) * ((x(j) - mean) * rstd));
+  }) / static_cast<C>(H);
+  each([&](int64_t j) {
+    const C dxhat = dy(j) * C(to_compute(gamma[j]));
+    out(j, rstd * (dxhat - md - (x(j) - mean) * rstd * mp));
+  });
 }
 
 // layernorm_of by one thread, element after element: the CPU runtime's layernorm (kernels.h)

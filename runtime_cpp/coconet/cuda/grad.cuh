@@ -6,6 +6,9 @@
 //   matmul_nt, matmul_tn   cuBLAS with a transposed operand (gemm_trans, runtime.cuh)
 //   sum_lead, sum_keep     a block a tile of 32 columns, 16 row lanes (sum_mid)
 //   mean_last              a block a row
+//   layernorm_dx           a block a row (pointwise.h layernorm_dx_of, as layernorm_row_block)
+//   layernorm_dgamma       a block a strided set of rows, its per-column partial sums in scratch,
+//                          then a thread a column adds the blocks' partials (deterministic)
 //   conv2d_dx, conv2d_dw   one thread per result element
 //                          (all accumulating in the compute type)
 #pragma once
@@ -94,6 +97,76 @@ void mean_last(const T* x, T* out, int64_t rows, int64_t h, const Ctx& c) {
     for (int64_t j = threadIdx.x; j < h; j += blockDim.x) acc += to_compute(x[r * h + j]);
     const A total = block_sum(part, acc);
     if (threadIdx.x == 0) out[r] = from_compute<T>(static_cast<A>(total / static_cast<A>(h)));
+  });
+}
+
+// dx[r, :] = layernorm's input gradient of row r from x[rows, h], gamma[h] and g[rows, h]: a block a
+// row (launch_rows), pointwise.h's layernorm_dx_of with the block's threads striding the row and
+// block_sum adding their parts, as layernorm_row_block.
+template <class T>
+void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h, const Ctx& c) {
+  using C = compute_t<T>;
+  COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_R(gamma, 0, h), COCONET_R(g, 0, rows * h),
+                 COCONET_W(dx, 0, rows * h));
+  launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
+    const auto sum = [&](auto f) {
+      C s = 0;
+      for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += f(j);
+      return block_sum(part, s);
+    };
+    const auto each = [&](auto f) {
+      for (int64_t j = threadIdx.x; j < h; j += blockDim.x) f(j);
+    };
+    layernorm_dx_of([&](int64_t j) { return C(to_compute(x[r * h + j])); }, gamma,
+                    [&](int64_t j) { return C(to_compute(g[r * h + j])); }, static_cast<C>(eps), h, sum, each,
+                    [&](int64_t j, C v) { dx[r * h + j] = from_compute<T>(v); });
+  });
+}
+
+// layernorm_dgamma's blocks: block b adds g * xhat of rows b, b + kDgammaBlocks, ... into its own
+// partial row part[b, 0:h] (each thread its columns), in the compute type.
+constexpr int kDgammaBlocks = 128;
+constexpr int kDgammaSite = -2;  // the scratch() site of the partials (runtime sites are >= 0)
+
+template <class T>
+__global__ void layernorm_dgamma_kernel(const T* x, const T* g, compute_t<T>* part, double eps, int64_t rows,
+                                        int64_t h) {
+  using C = compute_t<T>;
+  __shared__ C red[kRowThreads];
+  C* mine = part + blockIdx.x * h;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) mine[j] = C(0);
+  const auto sum = [&](auto f) {
+    C s = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += f(j);
+    return block_sum(red, s);
+  };
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const auto xj = [&](int64_t j) { return C(to_compute(x[r * h + j])); };
+    C mean, rstd;
+    layernorm_stats(xj, static_cast<C>(eps), h, sum, mean, rstd);
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) mine[j] += C(to_compute(g[r * h + j])) * ((xj(j) - mean) * rstd);
+  }
+}
+
+// dgamma[j] = the sum over rows of g[r, j] * xhat[r, j] (the rows' statistics as the forward's):
+// kDgammaBlocks blocks' partial sums (layernorm_dgamma_kernel), then a thread a column adds them in
+// block order (deterministic, no atomics).
+template <class T>
+void layernorm_dgamma(const T* x, const T* g, T* dgamma, double eps, int64_t rows, int64_t h, const Ctx& c) {
+  using C = compute_t<T>;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, kDgammaBlocks));
+  C* part = scratch<C>(kDgammaSite, blocks * h);
+  if (h > 0) {
+    COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_R(g, 0, rows * h), COCONET_W(part, 0, blocks * h));
+    void (*kernel)(const T*, const T*, C*, double, int64_t, int64_t) = layernorm_dgamma_kernel<T>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, c.stream, x, g, part, eps, rows, h);
+    COCONET_CUDA(cudaGetLastError());
+  }
+  COCONET_ACCESS(COCONET_R(part, 0, blocks * h), COCONET_W(dgamma, 0, h));
+  launch(h, c.stream, [=] __device__(int64_t j) {
+    C s = 0;
+    for (int64_t b = 0; b < blocks; ++b) s += part[b * h + j];
+    dgamma[j] = from_compute<T>(s);
   });
 }
 

@@ -83,77 +83,57 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   float* const v_d_b_fc = a.output<float>(13);
   float* const v_g_n2_part = coconet::scratch<float, 42>(S_B * S_S * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_t0_g_xc = coconet::scratch<float, 43>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_xc = coconet::scratch<float, 44>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t1_g_rstd = coconet::scratch<float, 45>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t2_g_rstd = coconet::scratch<float, 46>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_rstd = coconet::scratch<float, 47>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_xhat = coconet::scratch<float, 48>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_n2s = coconet::scratch<float, 49>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_dxhat = coconet::scratch<float, 50>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t3_g_x1 = coconet::scratch<float, 51>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_t4_g_x1 = coconet::scratch<float, 52>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t5_g_x1 = coconet::scratch<float, 53>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_x1 = coconet::scratch<float, 54>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t6_g_ln2_w_part = coconet::scratch<float, 55>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 56>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 57>(comm, S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 58>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_bo_part = coconet::shared_scratch<float, 59>(comm, S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 60>(S_B * S_S * S_H);
-  float* const v_g_o = coconet::scratch<float, 61>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_ap_reshape = coconet::scratch<float, 62>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::scratch<float, 43>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::scratch<float, 44>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 45>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 46>(comm, S_H);
+  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 47>(comm, S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 48>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_bo_part = coconet::shared_scratch<float, 49>(comm, S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 50>(S_B * S_S * S_H);
+  float* const v_g_o = coconet::scratch<float, 51>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_ap_reshape = coconet::scratch<float, 52>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   float* const v_d_wo = a.output<float>(8);
-  float* const v_g_o_transpose = coconet::scratch<float, 63>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  float* const v_g_o_matmul = coconet::scratch<float, 64>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t7_g_a = coconet::scratch<float, 65>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 66>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t8_g_v = coconet::scratch<float, 67>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 68>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_a_softmax = coconet::scratch<float, 69>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t9_g_rows = coconet::scratch<float, 70>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 71>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 72>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t10_g_q = coconet::scratch<float, 73>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 74>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t11_g_s_transpose = coconet::scratch<float, 75>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 76>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 77>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 78>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  float* const v_g_v_add = coconet::scratch<float, 79>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_v_reshape2 = coconet::scratch<float, 80>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o_transpose = coconet::scratch<float, 53>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 54>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 55>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 56>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 57>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 58>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_a_softmax = coconet::scratch<float, 59>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 60>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 61>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 62>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 63>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 64>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 65>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 66>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 67>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 68>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_add = coconet::scratch<float, 69>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::scratch<float, 70>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bv = a.output<float>(7);
-  float* const v_g_n1_part = coconet::scratch<float, 81>(S_B * S_S * S_H);
-  float* const v_g_v_reshape = coconet::scratch<float, 82>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part = coconet::scratch<float, 71>(S_B * S_S * S_H);
+  float* const v_g_v_reshape = coconet::scratch<float, 72>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wv = a.output<float>(6);
-  float* const v_g_k_reshape2 = coconet::scratch<float, 83>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  float* const v_g_k_matmul = coconet::scratch<float, 84>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_n1_part2 = coconet::scratch<float, 85>(S_B * S_S * S_H);
-  float* const v_g_k_reshape = coconet::scratch<float, 86>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape2 = coconet::scratch<float, 73>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_matmul = coconet::scratch<float, 74>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part2 = coconet::scratch<float, 75>(S_B * S_S * S_H);
+  float* const v_g_k_reshape = coconet::scratch<float, 76>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wk = a.output<float>(5);
-  float* const v_g_q_reshape2 = coconet::scratch<float, 87>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  float* const v_g_q_add = coconet::scratch<float, 88>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_q_reshape = coconet::scratch<float, 89>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::scratch<float, 77>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_add = coconet::scratch<float, 78>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::scratch<float, 79>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bq = a.output<float>(4);
-  float* const v_g_n1_part3 = coconet::scratch<float, 90>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 91>(S_B * S_S * S_H);
-  float* const v_g_qm_reshape = coconet::scratch<float, 92>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part3 = coconet::scratch<float, 80>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 81>(S_B * S_S * S_H);
+  float* const v_g_qm_reshape = coconet::scratch<float, 82>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wq = a.output<float>(3);
-  float* const v_t12_g_xc2 = coconet::scratch<float, 93>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_xc2 = coconet::scratch<float, 94>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t13_g_rstd2 = coconet::scratch<float, 95>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t14_g_rstd2 = coconet::scratch<float, 96>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_rstd2 = coconet::scratch<float, 97>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_g_xhat2 = coconet::scratch<float, 98>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_n1s = coconet::scratch<float, 99>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_dxhat2 = coconet::scratch<float, 100>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t15_d_x = coconet::scratch<float, 101>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  float* const v_t16_d_x = coconet::scratch<float, 102>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t17_d_x = coconet::scratch<float, 103>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
+  float* const v_g_n1s = coconet::scratch<float, 83>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 84>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_t18_g_ln1_w_part = coconet::scratch<float, 104>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 105>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 106>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 85>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 86>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
@@ -446,242 +426,32 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   coconet::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [default] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_xc[i] = coconet::from_compute<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_xc[i] = coconet::from_compute<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-      }
-    }
-    }
-  }
-  // [default] loop: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t1_g_rstd[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t1_g_rstd[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-    }
-    }
-  }
-  // [default] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1);
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_rstd[i] = coconet::from_compute<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_rstd[i] = coconet::from_compute<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-    }
-    }
-  }
-  // [default] loop: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_xhat[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_xhat[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-      }
-    }
-    }
-  }
   // [default] reducescatter g_n2s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, comm);
-  // [default] loop: g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_dxhat[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_dxhat[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-      }
-    }
-    }
-  }
-  // [default] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t4_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t4_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-    }
-    }
-  }
-  // [default] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] loop: g_x1 (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
     const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
     for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
-      }
-    }
-    }
-  }
-  // [default] loop: t6_g_ln2_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
+      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
     }
     } else
   #endif
     {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
-      v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
+      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
     }
     }
   }
-  // [default] sum_lead g_ln2_w_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] loop: g_x1_add (gpt_block.ccn)
@@ -736,17 +506,17 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // t7_g_a: part of the backward attention call (plan: attention)
+  // t1_g_a: part of the backward attention call (plan: attention)
   // g_a: part of the backward attention call (plan: attention)
-  // t8_g_v: part of the backward attention call (plan: attention)
+  // t2_g_v: part of the backward attention call (plan: attention)
   // g_v: part of the backward attention call (plan: attention)
   // g_a_softmax: part of the backward attention call (plan: attention)
-  // t9_g_rows: part of the backward attention call (plan: attention)
+  // t3_g_rows: part of the backward attention call (plan: attention)
   // g_rows: part of the backward attention call (plan: attention)
   // g_a_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
-  // t10_g_q: part of the backward attention call (plan: attention)
+  // t4_g_q: part of the backward attention call (plan: attention)
   // g_q: part of the backward attention call (plan: attention)
-  // t11_g_s_transpose: part of the backward attention call (plan: attention)
+  // t5_g_s_transpose: part of the backward attention call (plan: attention)
   // g_s_transpose: part of the backward attention call (plan: attention)
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_a_softmax, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false);
@@ -808,242 +578,32 @@ void gpt_block_sp_grad__default(const coconet::CallArgs& a) {
   coconet::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
-  // [default] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_xc2[i] = coconet::from_compute<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_xc2[i] = coconet::from_compute<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-      }
-    }
-    }
-  }
-  // [default] loop: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t13_g_rstd2[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t13_g_rstd2[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-    }
-    }
-  }
-  // [default] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1);
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_rstd2[i] = coconet::from_compute<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_rstd2[i] = coconet::from_compute<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-    }
-    }
-  }
-  // [default] loop: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_xhat2[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_xhat2[i] = coconet::from_compute<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-      }
-    }
-    }
-  }
   // [default] reducescatter g_n1s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, comm);
-  // [default] loop: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_dxhat2[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_dxhat2[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-      }
-    }
-    }
-  }
-  // [default] mean_last t15_d_x (gpt_block.ccn)
-  coconet::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t16_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_t16_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-    }
-    }
-  }
-  // [default] mean_last t17_d_x (gpt_block.ccn)
-  coconet::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] loop: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
     const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
     for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
-    }
-    } else
-  #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
-      COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
-      }
-    }
-    }
-  }
-  // [default] loop: t18_g_ln1_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
+      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
     }
     } else
   #endif
     {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
-      v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
+      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
     }
     }
   }
-  // [default] sum_lead g_ln1_w_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] allreduce d_b_proj (gpt_block.ccn)

@@ -3971,142 +3971,102 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(39, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_g_xc = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * S_S * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(42, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(43, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(44, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_g_n2 = coconet::cuda::scratch<float>(45, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(46, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(47, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(48, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(49, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_t6_d_ln2_w = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t6_d_ln2_w, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_ln2_w), "t6_d_ln2_w");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(43, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(54, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(44, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(45, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(70, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(71, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(61, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(72, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(62, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(73, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(63, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(74, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(64, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(75, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(65, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(76, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(66, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(77, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(67, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(78, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(68, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(79, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(69, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(80, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(70, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(81, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(71, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(82, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(72, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(83, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(73, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(84, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(74, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(85, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(86, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(87, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * S_S * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(88, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(89, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(90, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1 = coconet::cuda::scratch<float>(91, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(75, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(92, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(93, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(94, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(95, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(76, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_d_ln1_w = coconet::cuda::scratch<float>(96, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t18_d_ln1_w, size_t(S_B * S_S * S_H) * sizeof(*v_t18_d_ln1_w), "t18_d_ln1_w");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -4507,292 +4467,37 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
-  // [default] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_RA(v_t0_g_xc), COCONET_W(v_g_xc, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_g_xc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc + i0, out_g_xc);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-      }
-    });
-  }
-  // [default] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
-  }
-  // [default] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [default] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
-  // [default] kernel: g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_RA(v_ln2_w), COCONET_W(v_g_dxhat, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n2, v_g_dxhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat + i0, out_g_dxhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-        v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-      }
-    });
-  }
-  // [default] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * S_S, S_H, ctx);
-  // [default] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t4_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [default] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
   // [default] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
-  // [default] kernel: t6_d_ln2_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t6_d_ln2_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n2, v_g_xhat, v_t6_d_ln2_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_d_ln2_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_d_ln2_w[u] = coconet::from_compute<float>(x_t6_d_ln2_w);
-        }
-        coconet::cuda::store<4>(v_t6_d_ln2_w + i0, out_t6_d_ln2_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_d_ln2_w[i] = coconet::from_compute<float>(x_t6_d_ln2_w);
-      }
-    });
-  }
-  // [default] sum_lead d_ln2_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_d_ln2_w, v_d_ln2_w, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
   // [default] kernel: g_x1_add (gpt_block.ccn)
@@ -4832,14 +4537,14 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4890,33 +4595,33 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t9_g_rows (gpt_block.ccn)
+  // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -4972,14 +4677,14 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
@@ -5046,292 +4751,37 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [default] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [default] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [default] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [default] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
-  // [default] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [default] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * S_S, S_H, ctx);
-  // [default] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t16_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [default] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
   // [default] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [default] kernel: t18_d_ln1_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t18_d_ln1_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_xhat2, v_t18_d_ln1_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_d_ln1_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_d_ln1_w[u] = coconet::from_compute<float>(x_t18_d_ln1_w);
-        }
-        coconet::cuda::store<4>(v_t18_d_ln1_w + i0, out_t18_d_ln1_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_d_ln1_w[i] = coconet::from_compute<float>(x_t18_d_ln1_w);
-      }
-    });
-  }
-  // [default] sum_lead d_ln1_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_d_ln1_w, v_d_ln1_w, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
 }
@@ -5470,140 +4920,100 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(39, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_g_xc = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * S_S * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(42, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(43, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(44, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(45, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(46, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(48, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_t6_d_ln2_w = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t6_d_ln2_w, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_ln2_w), "t6_d_ln2_w");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(42, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(53, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(43, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(44, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(69, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(70, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(71, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(61, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(72, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(73, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(63, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(74, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(64, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(75, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(65, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(76, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(77, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(67, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(68, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(79, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(69, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(80, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(70, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(81, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(71, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(82, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(72, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(83, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(73, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(84, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(85, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(86, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * S_S * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(87, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(88, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(89, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1 = coconet::cuda::scratch<float>(90, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(74, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(91, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(92, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(93, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(94, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(75, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_d_ln1_w = coconet::cuda::scratch<float>(95, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t18_d_ln1_w, size_t(S_B * S_S * S_H) * sizeof(*v_t18_d_ln1_w), "t18_d_ln1_w");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -6004,8 +5414,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(98, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(99, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(78, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(79, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -6015,262 +5425,43 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 96);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 76);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 97);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 77);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_RA(v_t0_g_xc), COCONET_W(v_g_xc, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_g_xc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc + i0, out_g_xc);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-      }
-    });
-  }
-  // [overlapped] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
-  }
-  // [overlapped] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [overlapped] kernel: g_xhat, g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_RA(v_ln2_w), COCONET_W(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_g_dxhat, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_n2, v_g_xhat, v_g_dxhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat, out_g_dxhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-        coconet::cuda::store<4>(v_g_dxhat + i0, out_g_dxhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-        const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-        v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-      }
-    });
-  }
-  // [overlapped] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t4_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [overlapped] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
-  // [overlapped] kernel: t6_d_ln2_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t6_d_ln2_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n2, v_g_xhat, v_t6_d_ln2_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_d_ln2_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_d_ln2_w[u] = coconet::from_compute<float>(x_t6_d_ln2_w);
-        }
-        coconet::cuda::store<4>(v_t6_d_ln2_w + i0, out_t6_d_ln2_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_d_ln2_w[i] = coconet::from_compute<float>(x_t6_d_ln2_w);
-      }
-    });
-  }
-  // [overlapped] sum_lead d_ln2_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_d_ln2_w, v_d_ln2_w, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
@@ -6310,14 +5501,14 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6368,33 +5559,33 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t9_g_rows (gpt_block.ccn)
+  // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [overlapped] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -6450,14 +5641,14 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
@@ -6524,292 +5715,37 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [overlapped] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [overlapped] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [overlapped] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
-  // [overlapped] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [overlapped] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t16_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [overlapped] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [overlapped] kernel: t18_d_ln1_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t18_d_ln1_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_xhat2, v_t18_d_ln1_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_d_ln1_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_d_ln1_w[u] = coconet::from_compute<float>(x_t18_d_ln1_w);
-        }
-        coconet::cuda::store<4>(v_t18_d_ln1_w + i0, out_t18_d_ln1_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_d_ln1_w[i] = coconet::from_compute<float>(x_t18_d_ln1_w);
-      }
-    });
-  }
-  // [overlapped] sum_lead d_ln1_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_d_ln1_w, v_d_ln1_w, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
 }
@@ -6953,147 +5889,107 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_g_xc = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(56, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(46, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(57, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(47, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(49, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(61, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(62, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(52, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(77, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(68, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(79, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(69, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(80, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(70, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(81, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(71, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(82, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(72, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(83, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(73, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(84, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(74, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(85, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(75, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(86, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(76, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(87, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(77, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(88, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(89, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(79, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(90, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(80, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(91, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(81, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(92, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(82, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(93, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(94, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(95, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(96, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(97, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(98, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(99, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(83, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(100, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(101, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(102, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(103, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(84, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(104, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(105, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(85, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(106, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(86, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -7533,292 +6429,37 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
-  // [default] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t0_g_xc), COCONET_W(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_g_xc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc + i0, out_g_xc);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-      }
-    });
-  }
-  // [default] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
-  }
-  // [default] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [default] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
-  // [default] kernel: g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln2_w), COCONET_W(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_dxhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat + i0, out_g_dxhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-        v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-      }
-    });
-  }
-  // [default] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [default] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
-  // [default] kernel: t6_g_ln2_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-        }
-        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-      }
-    });
-  }
-  // [default] sum_lead g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: g_x1_add (gpt_block.ccn)
@@ -7881,14 +6522,14 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7939,33 +6580,33 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t9_g_rows (gpt_block.ccn)
+  // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8021,14 +6662,14 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
@@ -8095,292 +6736,37 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [default] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [default] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [default] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [default] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [default] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [default] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [default] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [default] kernel: t18_g_ln1_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-        }
-        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-      }
-    });
-  }
-  // [default] sum_lead g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
@@ -8532,149 +6918,109 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   float* const v_g_n2_part = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_xc = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(57, S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(45, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(58, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(46, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(48, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_o = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_o = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(61, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(51, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(62, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(77, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(67, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(68, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(79, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(69, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(80, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(70, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(81, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(71, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(82, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(72, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(83, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(73, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(84, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(74, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(85, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(75, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(86, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(76, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(87, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(77, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(88, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(78, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(89, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(79, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(90, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(80, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(91, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(81, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(92, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(93, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(94, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(95, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(96, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(97, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(98, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(82, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(99, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(100, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(101, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(102, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(83, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(103, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(104, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(84, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(105, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(85, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -8696,12 +7042,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 107);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 87);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 106);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 86);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
@@ -8937,7 +7283,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 108);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 88);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -8950,8 +7296,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(110, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(111, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(90, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(91, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -9012,11 +7358,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 896, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 736, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 109);
+    coconet::cuda::join(sctx.stream, ctx.stream, 89);
   // [overlapped] layernorm n2s (gpt_block.ccn:131)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:132)
@@ -9123,12 +7469,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 114);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 94);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 113);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 93);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -9162,271 +7508,52 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [overlapped] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:188)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:187)
   {
-    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
-    sctx.stream = coconet::cuda::side_stream();
-    for (int ob = 0; ob < 2; ++ob) {
-      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
-      if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 115);  // this block's rows are computed
-      {
-      const coconet::cuda::Ctx& ctx = sctx;
-      const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f3: g_n2s, g_xc, g_dxhat (rows rb of dim 0) (gpt_block.ccn:187)
-  {
-    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
-    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
-    (void)base_f3;
-    const int64_t ch_f3 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0);
-    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
-    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(117, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(118, nred_f3);
-  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
-  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
-    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
-    auto compute = [&](int64_t k, float* red) {
-      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
-      if (hi <= lo) return;
-      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-      const int64_t L2 = S_H;
-      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_t0_g_xc), COCONET_RA(v_ln2_w), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi), COCONET_W(v_g_xc, lo, hi), COCONET_W(v_g_dxhat, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x1 + lo, v_g_n2s + lo, v_g_xc + lo, v_g_dxhat + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
-          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
-          coconet::cuda::Vec<float, 4> out_g_n2s, out_g_xc, out_g_dxhat;
-          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t j = j0;
-            const int64_t i = lo + j;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            cv1 = rest % L1; rest /= L1;
-            cv0 = rest;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
-            const int64_t i = lo + j;
-            (void)i;
-            const int64_t c0 = cv0;
-            const int64_t c1 = cv1;
-            const int64_t c2 = cv2;
-            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
-            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
-            const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-            out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-            const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-            out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-          }
-          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
-          coconet::cuda::store<4>(v_g_xc + lo + j0, out_g_xc);
-          coconet::cuda::store<4>(v_g_dxhat + lo + j0, out_g_dxhat);
-        }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
-          const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
-          const int64_t c0 = rest;
-          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
-          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-          const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-        }
-      });
-    };
-    auto gather = [&](int64_t) {};
-    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
-    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
-    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 952, reduce_to, compute_keep, gather, source);
-  }
-      }
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 95);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 116);
-  // [overlapped] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 96);
   }
-  // [overlapped] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [overlapped] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
-  // [overlapped] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [overlapped] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
+  // [overlapped] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9473,42 +7600,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
-  }
-  // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: t6_g_ln2_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-        }
-        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-      }
-    });
-  }
-  // [overlapped] sum_lead g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped] allgather g_allgather4 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -9519,14 +7614,14 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9577,33 +7672,33 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t9_g_rows (gpt_block.ccn)
+  // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [overlapped] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -9659,14 +7754,14 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
@@ -9733,292 +7828,37 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [overlapped] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [overlapped] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [overlapped] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [overlapped] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [overlapped] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [overlapped] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [overlapped] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [overlapped] kernel: t18_g_ln1_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-        }
-        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-      }
-    });
-  }
-  // [overlapped] sum_lead g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] allreduce d_b_proj (NCCL) (gpt_block.ccn)
@@ -10172,149 +8012,109 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   float* const v_g_n2_part = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_xc = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(58, S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(46, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(59, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(47, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(60, S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(49, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_o = coconet::cuda::scratch<float>(61, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_o = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(62, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(52, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(57, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(58, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(64, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(77, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(68, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(79, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(69, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(80, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(70, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(81, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(71, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(82, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(72, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(83, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(73, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(84, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(74, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(85, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(75, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(86, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(76, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(87, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(77, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(88, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(78, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(89, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(79, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(90, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(80, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(91, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(81, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(92, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(82, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(93, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(94, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(95, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(96, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(97, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(98, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(99, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(83, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(100, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(101, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(102, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(103, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(84, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(104, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(105, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(85, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(106, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(86, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -10716,16 +8516,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:198)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 108);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 88);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 107);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 87);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -10759,271 +8559,52 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [backward] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
   {
-    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
-    sctx.stream = coconet::cuda::side_stream();
-    for (int ob = 0; ob < 2; ++ob) {
-      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
-      if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 109);  // this block's rows are computed
-      {
-      const coconet::cuda::Ctx& ctx = sctx;
-      const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_xc, g_dxhat (rows rb of dim 0) (gpt_block.ccn:199)
-  {
-    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
-    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
-    (void)base_f3;
-    const int64_t ch_f3 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0);
-    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
-    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(111, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(112, nred_f3);
-  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
-  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
-    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
-    auto compute = [&](int64_t k, float* red) {
-      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
-      if (hi <= lo) return;
-      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-      const int64_t L2 = S_H;
-      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_t0_g_xc), COCONET_RA(v_ln2_w), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi), COCONET_W(v_g_xc, lo, hi), COCONET_W(v_g_dxhat, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x1 + lo, v_g_n2s + lo, v_g_xc + lo, v_g_dxhat + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
-          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
-          coconet::cuda::Vec<float, 4> out_g_n2s, out_g_xc, out_g_dxhat;
-          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t j = j0;
-            const int64_t i = lo + j;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            cv1 = rest % L1; rest /= L1;
-            cv0 = rest;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
-            const int64_t i = lo + j;
-            (void)i;
-            const int64_t c0 = cv0;
-            const int64_t c1 = cv1;
-            const int64_t c2 = cv2;
-            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
-            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
-            const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-            out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-            const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-            out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-          }
-          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
-          coconet::cuda::store<4>(v_g_xc + lo + j0, out_g_xc);
-          coconet::cuda::store<4>(v_g_dxhat + lo + j0, out_g_dxhat);
-        }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
-          const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
-          const int64_t c0 = rest;
-          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
-          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-          const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-        }
-      });
-    };
-    auto gather = [&](int64_t) {};
-    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
-    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
-    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 904, reduce_to, compute_keep, gather, source);
-  }
-      }
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 89);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 110);
-  // [backward] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 90);
   }
-  // [backward] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [backward] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
-  // [backward] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [backward] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [backward] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
+  // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11070,42 +8651,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
-  }
-  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] kernel: t6_g_ln2_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-        }
-        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-      }
-    });
-  }
-  // [backward] sum_lead g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -11116,14 +8665,14 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [backward] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11174,33 +8723,33 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] kernel: t9_g_rows (gpt_block.ccn)
+  // [backward] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [backward] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [backward] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11256,14 +8805,14 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
@@ -11330,292 +8879,37 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [backward] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [backward] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [backward] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [backward] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [backward] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [backward] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [backward] kernel: t18_g_ln1_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-        }
-        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-      }
-    });
-  }
-  // [backward] sum_lead g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
@@ -13275,142 +10569,102 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(14, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_g_xc = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * S_S * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(17, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(18, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_g_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(22, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(24, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_t6_d_ln2_w = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t6_d_ln2_w, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_ln2_w), "t6_d_ln2_w");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(17, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(29, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(19, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(20, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(45, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(46, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(47, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(37, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(48, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(49, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(41, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(53, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(43, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(44, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(45, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(46, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(48, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(49, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(60, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * S_S * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(63, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(64, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(67, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(68, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(69, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(70, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_d_ln1_w = coconet::cuda::scratch<float>(71, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t18_d_ln1_w, size_t(S_B * S_S * S_H) * sizeof(*v_t18_d_ln1_w), "t18_d_ln1_w");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -13582,292 +10836,37 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
-  // [default] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_RA(v_t0_g_xc), COCONET_W(v_g_xc, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_g_xc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc + i0, out_g_xc);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-      }
-    });
-  }
-  // [default] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
-  }
-  // [default] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [default] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
-  // [default] kernel: g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_RA(v_ln2_w), COCONET_W(v_g_dxhat, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n2, v_g_dxhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat + i0, out_g_dxhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-        v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-      }
-    });
-  }
-  // [default] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * S_S, S_H, ctx);
-  // [default] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t4_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [default] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
   // [default] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
-  // [default] kernel: t6_d_ln2_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t6_d_ln2_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n2, v_g_xhat, v_t6_d_ln2_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_d_ln2_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_d_ln2_w[u] = coconet::from_compute<float>(x_t6_d_ln2_w);
-        }
-        coconet::cuda::store<4>(v_t6_d_ln2_w + i0, out_t6_d_ln2_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_d_ln2_w[i] = coconet::from_compute<float>(x_t6_d_ln2_w);
-      }
-    });
-  }
-  // [default] sum_lead d_ln2_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_d_ln2_w, v_d_ln2_w, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
   // [default] kernel: g_x1_add (gpt_block.ccn)
@@ -13907,14 +10906,14 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13965,33 +10964,33 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t9_g_rows (gpt_block.ccn)
+  // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14047,14 +11046,14 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
@@ -14121,292 +11120,37 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [default] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [default] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [default] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [default] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
-  // [default] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [default] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * S_S, S_H, ctx);
-  // [default] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t16_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [default] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
   // [default] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [default] kernel: t18_d_ln1_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t18_d_ln1_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_xhat2, v_t18_d_ln1_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_d_ln1_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_d_ln1_w[u] = coconet::from_compute<float>(x_t18_d_ln1_w);
-        }
-        coconet::cuda::store<4>(v_t18_d_ln1_w + i0, out_t18_d_ln1_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_d_ln1_w[i] = coconet::from_compute<float>(x_t18_d_ln1_w);
-      }
-    });
-  }
-  // [default] sum_lead d_ln1_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_d_ln1_w, v_d_ln1_w, S_B * S_S, S_H, ctx);
+  // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
 }
@@ -14515,140 +11259,100 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(14, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_g_xc = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * S_S * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(17, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(18, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(21, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(23, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_t6_d_ln2_w = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t6_d_ln2_w, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_ln2_w), "t6_d_ln2_w");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(18, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(19, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(44, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(45, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(46, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(36, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(48, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(38, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(49, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(52, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(42, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(43, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(44, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(55, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(45, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(46, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(48, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(59, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * S_S * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(62, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(63, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(64, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * S_S * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(67, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(68, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(69, S_B * S_S * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * S_S * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_d_ln1_w = coconet::cuda::scratch<float>(70, S_B * S_S * S_H);
-  COCONET_BUFFER(v_t18_d_ln1_w, size_t(S_B * S_S * S_H) * sizeof(*v_t18_d_ln1_w), "t18_d_ln1_w");
   float* const v_d_ln1_w = a.output<float>(1);
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
@@ -14820,8 +11524,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(73, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(74, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -14831,262 +11535,43 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 71);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 51);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 72);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 52);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_RA(v_t0_g_xc), COCONET_W(v_g_xc, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_g_xc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc + i0, out_g_xc);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-      }
-    });
-  }
-  // [overlapped] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
-  }
-  // [overlapped] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [overlapped] kernel: g_xhat, g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_RA(v_ln2_w), COCONET_W(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_g_dxhat, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_n2, v_g_xhat, v_g_dxhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat, out_g_dxhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-        coconet::cuda::store<4>(v_g_dxhat + i0, out_g_dxhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-        const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-        v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-      }
-    });
-  }
-  // [overlapped] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t4_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [overlapped] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * S_S * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
-  // [overlapped] kernel: t6_d_ln2_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat, 0, S_B * S_S * S_H), COCONET_W(v_t6_d_ln2_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n2, v_g_xhat, v_t6_d_ln2_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2 = coconet::cuda::load<4>(v_g_n2 + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_d_ln2_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(in_g_n2[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_d_ln2_w[u] = coconet::from_compute<float>(x_t6_d_ln2_w);
-        }
-        coconet::cuda::store<4>(v_t6_d_ln2_w + i0, out_t6_d_ln2_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_d_ln2_w = coconet::round_to<float>(coconet::to_compute(v_g_n2[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_d_ln2_w[i] = coconet::from_compute<float>(x_t6_d_ln2_w);
-      }
-    });
-  }
-  // [overlapped] sum_lead d_ln2_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_d_ln2_w, v_d_ln2_w, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2, v_d_ln2_b, S_B * S_S, S_H, ctx);
   // [overlapped] kernel: g_x1_add (gpt_block.ccn)
@@ -15126,14 +11611,14 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15184,33 +11669,33 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t9_g_rows (gpt_block.ccn)
+  // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [overlapped] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -15266,14 +11751,14 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
@@ -15340,292 +11825,37 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_q_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_q_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [overlapped] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [overlapped] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [overlapped] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * S_S * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * S_S * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * S_S * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [overlapped] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
-  // [overlapped] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [overlapped] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t16_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [overlapped] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = S_S;
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * S_S * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [overlapped] kernel: t18_d_ln1_w (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1, 0, S_B * S_S * S_H), COCONET_R(v_g_xhat2, 0, S_B * S_S * S_H), COCONET_W(v_t18_d_ln1_w, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1, v_g_xhat2, v_t18_d_ln1_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1 = coconet::cuda::load<4>(v_g_n1 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_d_ln1_w;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(in_g_n1[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_d_ln1_w[u] = coconet::from_compute<float>(x_t18_d_ln1_w);
-        }
-        coconet::cuda::store<4>(v_t18_d_ln1_w + i0, out_t18_d_ln1_w);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_d_ln1_w = coconet::round_to<float>(coconet::to_compute(v_g_n1[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_d_ln1_w[i] = coconet::from_compute<float>(x_t18_d_ln1_w);
-      }
-    });
-  }
-  // [overlapped] sum_lead d_ln1_w (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_d_ln1_w, v_d_ln1_w, S_B * S_S, S_H, ctx);
+  // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1, v_d_ln1_b, S_B * S_S, S_H, ctx);
 }
@@ -18025,147 +14255,107 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_g_xc = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(28, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(18, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(29, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(19, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(31, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(21, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(24, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(41, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(52, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(42, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(44, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(45, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(46, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(48, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(49, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(61, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(51, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(63, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(64, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(77, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(57, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(78, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(58, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -18365,292 +14555,37 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn_bgrad<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, ctx);  // d_w_fc = matmul_tn, then bgrad(g_h_add) -> d_b_fc
-  // [default] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_xc (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t0_g_xc), COCONET_W(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_g_xc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc + i0, out_g_xc);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-      }
-    });
-  }
-  // [default] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
-  }
-  // [default] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [default] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
-  // [default] kernel: g_dxhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln2_w), COCONET_W(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_dxhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat + i0, out_g_dxhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-        v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-      }
-    });
-  }
-  // [default] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [default] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
-  // [default] kernel: t6_g_ln2_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-        }
-        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-      }
-    });
-  }
-  // [default] sum_lead g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: g_x1_add (gpt_block.ccn)
@@ -18713,14 +14648,14 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [default] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [default] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [default] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18771,33 +14706,33 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t9_g_rows (gpt_block.ccn)
+  // [default] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -18853,14 +14788,14 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [default] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [default] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [default] transpose g_v_reshape3 (gpt_block.ccn)
@@ -18927,292 +14862,37 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [default] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [default] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [default] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [default] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [default] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [default] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [default] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [default] kernel: t18_g_ln1_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-        }
-        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-      }
-    });
-  }
-  // [default] sum_lead g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] allreduce d_b_proj (NCCL) (gpt_block.ccn)
@@ -19332,149 +15012,109 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   float* const v_g_n2_part = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_xc = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc), "g_xc");
-  float* const v_g_dxhat = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat), "g_dxhat");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_xc = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t0_g_xc, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t0_g_xc), "t0_g_xc");
-  float* const v_t1_g_rstd = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t1_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t1_g_rstd), "t1_g_rstd");
-  float* const v_t2_g_rstd = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t2_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t2_g_rstd), "t2_g_rstd");
-  float* const v_g_rstd = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd), "g_rstd");
-  float* const v_g_xhat = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat), "g_xhat");
-  float* const v_t3_g_x1 = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t3_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t3_g_x1), "t3_g_x1");
-  float* const v_t4_g_x1 = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t4_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t4_g_x1), "t4_g_x1");
-  float* const v_t5_g_x1 = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t5_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t5_g_x1), "t5_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t6_g_ln2_w_part = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_g_ln2_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_g_ln2_w_part), "t6_g_ln2_w_part");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(30, S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(18, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(31, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(19, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(32, S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(21, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_o = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_o = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(24, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
-  float* const v_g_o_transpose = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_transpose = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_o_transpose), "g_o_transpose");
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t7_g_a = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t7_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t7_g_a), "t7_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t8_g_v = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t8_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t8_g_v), "t8_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a_softmax = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t9_g_rows = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t9_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t9_g_rows), "t9_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t10_g_q = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t10_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t10_g_q), "t10_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t11_g_s_transpose = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t11_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t11_g_s_transpose), "t11_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
-  float* const v_g_v_add = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_add = coconet::cuda::scratch<float>(41, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_add), "g_v_add");
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(52, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(42, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(44, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(45, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
-  float* const v_g_k_matmul = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_matmul = coconet::cuda::scratch<float>(46, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_matmul), "g_k_matmul");
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(48, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(49, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
-  float* const v_g_q_add = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_add = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_add), "g_q_add");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(61, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(51, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(63, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(64, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_t12_g_xc2 = coconet::cuda::scratch<float>(65, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t12_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t12_g_xc2), "t12_g_xc2");
-  float* const v_g_xc2 = coconet::cuda::scratch<float>(66, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xc2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xc2), "g_xc2");
-  float* const v_t13_g_rstd2 = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t13_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t13_g_rstd2), "t13_g_rstd2");
-  float* const v_t14_g_rstd2 = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t14_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t14_g_rstd2), "t14_g_rstd2");
-  float* const v_g_rstd2 = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_g_rstd2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_g_rstd2), "g_rstd2");
-  float* const v_g_xhat2 = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_xhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_xhat2), "g_xhat2");
-  float* const v_g_n1s = coconet::cuda::scratch<float>(71, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_g_dxhat2 = coconet::cuda::scratch<float>(72, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_dxhat2, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_dxhat2), "g_dxhat2");
-  float* const v_t15_d_x = coconet::cuda::scratch<float>(73, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t15_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t15_d_x), "t15_d_x");
-  float* const v_t16_d_x = coconet::cuda::scratch<float>(74, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t16_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t16_d_x), "t16_d_x");
-  float* const v_t17_d_x = coconet::cuda::scratch<float>(75, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1));
-  COCONET_BUFFER(v_t17_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)) * sizeof(*v_t17_d_x), "t17_d_x");
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_t18_g_ln1_w_part = coconet::cuda::scratch<float>(76, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t18_g_ln1_w_part, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t18_g_ln1_w_part), "t18_g_ln1_w_part");
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(77, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(57, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(78, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(58, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -19636,16 +15276,16 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:198)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 80);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 60);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 79);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 59);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -19679,271 +15319,52 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [backward] mean_last t0_g_xc (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x1, v_t0_g_xc, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
   {
-    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
-    sctx.stream = coconet::cuda::side_stream();
-    for (int ob = 0; ob < 2; ++ob) {
-      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
-      if (rb.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 81);  // this block's rows are computed
-      {
-      const coconet::cuda::Ctx& ctx = sctx;
-      const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_xc, g_dxhat (rows rb of dim 0) (gpt_block.ccn:199)
-  {
-    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
-    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
-    (void)base_f3;
-    const int64_t ch_f3 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0);
-    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
-    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
-    float* const red0_f3 = coconet::cuda::scratch<float>(83, nred_f3);
-    float* const red1_f3 = coconet::cuda::scratch<float>(84, nred_f3);
-  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
-  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
-    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
-    auto compute = [&](int64_t k, float* red) {
-      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
-      if (hi <= lo) return;
-      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-      const int64_t L2 = S_H;
-      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_t0_g_xc), COCONET_RA(v_ln2_w), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi), COCONET_W(v_g_xc, lo, hi), COCONET_W(v_g_dxhat, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x1 + lo, v_g_n2s + lo, v_g_xc + lo, v_g_dxhat + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
-          const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
-          coconet::cuda::Vec<float, 4> out_g_n2s, out_g_xc, out_g_dxhat;
-          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t j = j0;
-            const int64_t i = lo + j;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            cv1 = rest % L1; rest /= L1;
-            cv0 = rest;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
-            const int64_t i = lo + j;
-            (void)i;
-            const int64_t c0 = cv0;
-            const int64_t c1 = cv1;
-            const int64_t c2 = cv2;
-            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
-            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
-            const float x_g_xc = coconet::round_to<float>(coconet::to_compute(in_x1[u]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-            out_g_xc[u] = coconet::from_compute<float>(x_g_xc);
-            const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-            out_g_dxhat[u] = coconet::from_compute<float>(x_g_dxhat);
-            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-          }
-          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
-          coconet::cuda::store<4>(v_g_xc + lo + j0, out_g_xc);
-          coconet::cuda::store<4>(v_g_dxhat + lo + j0, out_g_dxhat);
-        }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
-          const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
-          const int64_t c0 = rest;
-          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
-          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
-          const float x_g_xc = coconet::round_to<float>(coconet::to_compute(v_x1[i]) - coconet::to_compute(v_t0_g_xc[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          v_g_xc[i] = coconet::from_compute<float>(x_g_xc);
-          const float x_g_dxhat = coconet::round_to<float>(x_g_n2s * coconet::to_compute(v_ln2_w[c2 * int64_t(1)]));
-          v_g_dxhat[i] = coconet::from_compute<float>(x_g_dxhat);
-        }
-      });
-    };
-    auto gather = [&](int64_t) {};
-    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
-    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
-    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 680, reduce_to, compute_keep, gather, source);
-  }
-      }
+    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
+    cctx.stream = ctx.comm_stream;
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 61);
+      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 82);
-  // [backward] kernel: t1_g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t1_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_t1_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_t1_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(in_g_xc[u]));
-          out_t1_g_rstd[u] = coconet::from_compute<float>(x_t1_g_rstd);
-        }
-        coconet::cuda::store<4>(v_t1_g_rstd + i0, out_t1_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t1_g_rstd = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_xc[i]));
-        v_t1_g_rstd[i] = coconet::from_compute<float>(x_t1_g_rstd);
-      }
-    });
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 62);
   }
-  // [backward] mean_last t2_g_rstd (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t1_g_rstd, v_t2_g_rstd, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_rstd (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t2_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t2_g_rstd, v_g_rstd), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t2_g_rstd = coconet::cuda::load<4>(v_t2_g_rstd + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t2_g_rstd[u]) + 1e-05f));
-          out_g_rstd[u] = coconet::from_compute<float>(x_g_rstd);
-        }
-        coconet::cuda::store<4>(v_g_rstd + i0, out_g_rstd);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t2_g_rstd[i]) + 1e-05f));
-        v_g_rstd[i] = coconet::from_compute<float>(x_g_rstd);
-      }
-    });
-  }
-  // [backward] kernel: g_xhat (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_W(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc, v_g_xhat), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc = coconet::cuda::load<4>(v_g_xc + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(in_g_xc[u]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat[u] = coconet::from_compute<float>(x_g_xhat);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat + i0, out_g_xhat);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat = coconet::round_to<float>(coconet::to_compute(v_g_xc[i]) * coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat[i] = coconet::from_compute<float>(x_g_xhat);
-      }
-    });
-  }
-  // [backward] mean_last t3_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat, v_t3_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: t4_g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t4_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat, v_g_xhat, v_t4_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t4_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(in_g_dxhat[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t4_g_x1[u] = coconet::from_compute<float>(x_t4_g_x1);
-        }
-        coconet::cuda::store<4>(v_t4_g_x1 + i0, out_t4_g_x1);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t4_g_x1 = coconet::round_to<float>(coconet::to_compute(v_g_dxhat[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t4_g_x1[i] = coconet::from_compute<float>(x_t4_g_x1);
-      }
-    });
-  }
-  // [backward] mean_last t5_g_x1 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t4_g_x1, v_t5_g_x1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [backward] layernorm_dx t0_g_x1 (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: g_x1 (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd), COCONET_R(v_g_dxhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t3_g_x1), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t5_g_x1), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_dxhat, v_g_xhat, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_g_dxhat = coconet::cuda::load<4>(v_g_dxhat + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
+        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat[u]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat[u]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_rstd[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat[i]) - coconet::to_compute(v_t3_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat[i]) * coconet::to_compute(v_t5_g_x1[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
     });
   }
+  // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: g_x1_add (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -19990,42 +15411,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
-  }
-  // [backward] matmul_tn d_w_fc (gpt_block.ccn)
-  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] kernel: t6_g_ln2_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n2s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t6_g_ln2_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n2s, v_g_xhat, v_t6_g_ln2_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n2s = coconet::cuda::load<4>(v_g_n2s + i0);
-        const auto in_g_xhat = coconet::cuda::load<4>(v_g_xhat + i0);
-        coconet::cuda::Vec<float, 4> out_t6_g_ln2_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]) * coconet::to_compute(in_g_xhat[u]));
-          out_t6_g_ln2_w_part[u] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-        }
-        coconet::cuda::store<4>(v_t6_g_ln2_w_part + i0, out_t6_g_ln2_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t6_g_ln2_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n2s[i]) * coconet::to_compute(v_g_xhat[i]));
-        v_t6_g_ln2_w_part[i] = coconet::from_compute<float>(x_t6_g_ln2_w_part);
-      }
-    });
-  }
-  // [backward] sum_lead g_ln2_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t6_g_ln2_w_part, v_g_ln2_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
+  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -20036,14 +15425,14 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose t7_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t7_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] transpose t1_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t7_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] transpose t8_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t8_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t2_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t8_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [backward] kernel: g_a_softmax (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -20094,33 +15483,33 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] kernel: t9_g_rows (gpt_block.ccn)
+  // [backward] kernel: t3_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t9_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t9_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        coconet::cuda::Vec<float, 4> out_t9_g_rows;
+        coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
-          out_t9_g_rows[u] = coconet::from_compute<float>(x_t9_g_rows);
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
-        coconet::cuda::store<4>(v_t9_g_rows + i0, out_t9_g_rows);
+        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t9_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
-        v_t9_g_rows[i] = coconet::from_compute<float>(x_t9_g_rows);
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [backward] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t9_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [backward] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -20176,14 +15565,14 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] transpose t10_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t10_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] transpose t4_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t10_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose t11_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t11_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t5_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t11_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
@@ -20250,292 +15639,37 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] reshape d_wq (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
-  // [backward] mean_last t12_g_xc2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_x, v_t12_g_xc2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_xc2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t12_g_xc2), COCONET_W(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_g_xc2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_x = coconet::cuda::load<4>(v_x + i0);
-        coconet::cuda::Vec<float, 4> out_g_xc2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(in_x[u]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xc2[u] = coconet::from_compute<float>(x_g_xc2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xc2 + i0, out_g_xc2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xc2 = coconet::round_to<float>(coconet::to_compute(v_x[i]) - coconet::to_compute(v_t12_g_xc2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xc2[i] = coconet::from_compute<float>(x_g_xc2);
-      }
-    });
-  }
-  // [backward] kernel: t13_g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t13_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_t13_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_t13_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(in_g_xc2[u]));
-          out_t13_g_rstd2[u] = coconet::from_compute<float>(x_t13_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_t13_g_rstd2 + i0, out_t13_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t13_g_rstd2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_xc2[i]));
-        v_t13_g_rstd2[i] = coconet::from_compute<float>(x_t13_g_rstd2);
-      }
-    });
-  }
-  // [backward] mean_last t14_g_rstd2 (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t13_g_rstd2, v_t14_g_rstd2, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_rstd2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_t14_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)), COCONET_W(v_g_rstd2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1), coconet::cuda::aligned<4>(v_t14_g_rstd2, v_g_rstd2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t14_g_rstd2 = coconet::cuda::load<4>(v_t14_g_rstd2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_rstd2;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(in_t14_g_rstd2[u]) + 1e-05f));
-          out_g_rstd2[u] = coconet::from_compute<float>(x_g_rstd2);
-        }
-        coconet::cuda::store<4>(v_g_rstd2 + i0, out_g_rstd2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_rstd2 = coconet::round_to<float>(coconet::rsqrt(coconet::to_compute(v_t14_g_rstd2[i]) + 1e-05f));
-        v_g_rstd2[i] = coconet::from_compute<float>(x_g_rstd2);
-      }
-    });
-  }
-  // [backward] kernel: g_xhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_xc2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_W(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_xc2, v_g_xhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_xc2 = coconet::cuda::load<4>(v_g_xc2 + i0);
-        coconet::cuda::Vec<float, 4> out_g_xhat2;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(in_g_xc2[u]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-          out_g_xhat2[u] = coconet::from_compute<float>(x_g_xhat2);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_xhat2 + i0, out_g_xhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_g_xhat2 = coconet::round_to<float>(coconet::to_compute(v_g_xc2[i]) * coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]));
-        v_g_xhat2[i] = coconet::from_compute<float>(x_g_xhat2);
-      }
-    });
-  }
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [backward] kernel: g_dxhat2 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_ln1_w), COCONET_W(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_dxhat2), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        coconet::cuda::Vec<float, 4> out_g_dxhat2;
-        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-          out_g_dxhat2[u] = coconet::from_compute<float>(x_g_dxhat2);
-          if (++cv2 == L2) cv2 = 0;
-        }
-        coconet::cuda::store<4>(v_g_dxhat2 + i0, out_g_dxhat2);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_g_dxhat2 = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_ln1_w[c2 * int64_t(1)]));
-        v_g_dxhat2[i] = coconet::from_compute<float>(x_g_dxhat2);
-      }
-    });
-  }
-  // [backward] mean_last t15_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_g_dxhat2, v_t15_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: t16_d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t16_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_dxhat2, v_g_xhat2, v_t16_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t16_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(in_g_dxhat2[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t16_d_x[u] = coconet::from_compute<float>(x_t16_d_x);
-        }
-        coconet::cuda::store<4>(v_t16_d_x + i0, out_t16_d_x);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t16_d_x = coconet::round_to<float>(coconet::to_compute(v_g_dxhat2[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t16_d_x[i] = coconet::from_compute<float>(x_t16_d_x);
-      }
-    });
-  }
-  // [backward] mean_last t17_d_x (gpt_block.ccn)
-  coconet::cuda::mean_last<float>(v_t16_d_x, v_t17_d_x, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dx t6_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_g_rstd2), COCONET_R(v_g_dxhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t15_d_x), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_t17_d_x), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_dxhat2, v_g_xhat2, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_g_dxhat2 = coconet::cuda::load<4>(v_g_dxhat2 + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
+        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(in_g_dxhat2[u]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(in_g_xhat2[u]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c2;
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_g_rstd2[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) * (coconet::to_compute(v_g_dxhat2[i]) - coconet::to_compute(v_t15_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)]) - coconet::to_compute(v_g_xhat2[i]) * coconet::to_compute(v_t17_d_x[c0 * coconet::slice_range(S_S, comm.size, comm.rank).size() * int64_t(1) + c1 * int64_t(1)])));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
   }
-  // [backward] kernel: t18_g_ln1_w_part (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_n1s, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_g_xhat2, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_t18_g_ln1_w_part, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_n1s, v_g_xhat2, v_t18_g_ln1_w_part), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_n1s = coconet::cuda::load<4>(v_g_n1s + i0);
-        const auto in_g_xhat2 = coconet::cuda::load<4>(v_g_xhat2 + i0);
-        coconet::cuda::Vec<float, 4> out_t18_g_ln1_w_part;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(in_g_n1s[u]) * coconet::to_compute(in_g_xhat2[u]));
-          out_t18_g_ln1_w_part[u] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-        }
-        coconet::cuda::store<4>(v_t18_g_ln1_w_part + i0, out_t18_g_ln1_w_part);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t18_g_ln1_w_part = coconet::round_to<float>(coconet::to_compute(v_g_n1s[i]) * coconet::to_compute(v_g_xhat2[i]));
-        v_t18_g_ln1_w_part[i] = coconet::from_compute<float>(x_t18_g_ln1_w_part);
-      }
-    });
-  }
-  // [backward] sum_lead g_ln1_w_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_t18_g_ln1_w_part, v_g_ln1_w_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] allreduce d_b_proj (NCCL) (gpt_block.ccn)
