@@ -20,7 +20,8 @@ from coconetc.errors import CompileError
 from coconetc.plan import plan_program
 from coconetc.plan.targets import Target, decide
 from coconetc.plan.units import Fused, Overlap, Reduce
-from coconetc.sourcefile import SourceFile, load_file
+from coconetc.plan.show import show
+from coconetc.sourcefile import SourceFile, load_file, load_source
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = sorted([*(REPO / "examples").glob("*.ccn"), *(REPO / "tests" / "programs").glob("*.ccn")])
@@ -231,3 +232,30 @@ def test_show_plan_names_what_a_target_does_not_implement(tmp_path: Path) -> Non
     tail = res.output.split("targets:\n")[1]
     assert tail.startswith("  cpu             every unit\n  cuda            not:\n    L10   a computed 0-d operand")
     assert "  cuda-emulated   not:\n" in tail and "an extern operation's own CUDA code is not run" in tail
+
+
+
+def test_a_reshape_is_held_in_its_sources_memory_where_nothing_else_can_write_it() -> None:
+    """Buffer.same_as (targets._reshape_views): a reshape of a scratch value or of a parameter
+    nothing updates is its source's memory; one whose result a collective reads (it may need
+    the group's window), one of a parameter updated in place, and an output are copies."""
+    text = """program p(x: f32[M, K] replicated, w: f32[K, N] replicated, u: f32[N] replicated, lr: f32) {
+    m = matmul(x, w)
+    t = reshape(m, [-1])
+    a = t * 2.0
+    cm = reshape(m, [-1])
+    c = allreduce(sum, cm)
+    wv = reshape(w, [-1])
+    b = wv * 3.0
+    uv = reshape(u, [1, N])
+    g = uv * 2.0
+    u1 = update(u, u - lr * reshape(g, [N]))
+    o = reshape(a, [M, N])
+    return o, c, b
+}
+"""
+    plan = plan_program(load_source(text, "p.ccn").programs["p"])
+    same = {b.name: b.same_as for b in plan.buffers if b.same_as}
+    assert same.get("t") == "m" and same.get("wv") == "w", same
+    assert not {"cm", "uv", "o"} & set(same), same
+    assert "(the memory of m: a reshape, no copy)" in show(plan)

@@ -31,9 +31,12 @@ def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit]
 
 def declare(w: Writer, b: Buffer) -> bool:
     """The declarations every backend writes the same way (a buffer that is a place in another:
-    an output, an in-place update, a view inside a gathered result); False for the others."""
+    an output, an in-place update, a view inside a gathered result, a reshape of its source held
+    in the source's memory); False for the others."""
     ct = CTYPE[b.type.dtype]
-    if b.kind == "output":
+    if b.same_as:
+        w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // a reshape of {b.same_as}: its memory, no copy")
+    elif b.kind == "output":
         w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({w.sig.outputs.index(b.of)});")
     elif b.kind == "alias":
         w.emit(f"{ct}* const v_{b.name} = v_{b.of};  // updates {b.of} in place")

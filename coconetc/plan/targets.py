@@ -57,7 +57,7 @@ from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
 from coconetc.ir.nodes import Op, Ref, walk
 from coconetc.plan.units import (Algorithm, Buffer, Choice, ChunkElems, Chunking, Collective, Fused, Gap, GatherAfter,
-                                 Library, Overlap, Partials, Plan, Reduce, Strategy, Unit)
+                                 GatherMatmul, Library, Overlap, Partials, Plan, Reduce, Strategy, Unit)
 
 
 class Target(Choice):
@@ -76,10 +76,45 @@ Locate = Callable[[Unit], Span]
 def decide(plan: Plan, locate: Locate = lambda u: NOWHERE) -> Plan:
     """The plan with every per-target decision taken (locate: a unit's span, for the gaps)."""
     plan = replace(plan, buffers=tuple(_placed(b, plan) for b in plan.buffers))
+    views = _reshape_views(plan)
+    plan = replace(plan, buffers=tuple(replace(b, same_as=views[b.name]) if b.name in views else b
+                                       for b in plan.buffers))
     kinds = {b.name: b.kind for b in plan.buffers}
     plan = replace(plan, units=tuple(_with_strategies(u, kinds) for u in plan.units))
     gaps = [_gap(t, u, what, locate) for t in TARGETS for u, what in GAPS[t](plan)]
     return replace(plan, gaps=tuple(gaps))
+
+
+def _reshape_views(plan: Plan) -> dict[str, str]:
+    """The reshapes whose result needs no copy (Buffer.same_as): row-major order is kept, so
+    the result is its source's memory, read as another shape. Where: a top-level reshape whose
+    result is private scratch (not in a shared window, read by no collective) and whose source
+    is a scratch value or a parameter that nothing updates in place; every backend."""
+    kinds = {b.name: b for b in plan.buffers}
+    updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
+    sent = {n for u in _every(plan.units) for n in _collective_reads(u)}
+    views: dict[str, str] = {}
+    for u in plan.units:
+        if not (isinstance(u, Library) and u.op == "reshape"):
+            continue
+        dst, src = kinds[u.dst], kinds[u.args[0]]
+        if dst.kind == "scratch" and not dst.shared and not dst.unallocated and dst.name not in sent \
+                and src.kind in ("scratch", "param") and src.name not in updated and src.type.dtype == dst.type.dtype:
+            views[dst.name] = src.name
+    return views
+
+
+def _collective_reads(u: Unit) -> tuple[str, ...]:
+    """The values a collective unit (or a fused collective, or an overlap's) reads."""
+    if isinstance(u, Collective):
+        return (u.src,)
+    if isinstance(u, Fused):
+        return (u.src,)
+    if isinstance(u, Overlap):
+        return (u.producer,)
+    if isinstance(u, GatherMatmul):
+        return (u.gather.src,)
+    return ()
 
 
 def _placed(b: Buffer, plan: Plan) -> Buffer:

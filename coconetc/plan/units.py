@@ -46,6 +46,7 @@ class Buffer:
     line: int = 0  # the .ccn line of the stage (0: parameters and temporaries)
     shared: bool = False  # scratch: in the group's shared window, not private to the rank
     unallocated: tuple[str, ...] = ()  # the targets that give it no memory (plan/targets.py)
+    same_as: str = ""  # scratch: a reshape's result held in its source's memory, no copy (plan/targets.py)
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ void reshape(const T* x, T* y, int64_t n, int64_t n_in, int64_t n_out, int64_t w
              int64_t ranks, const char* what) {
   const std::string why = reshape_problem(n_in, n_out, whole, part, rest, ranks, what);
   if (!why.empty()) throw std::invalid_argument(why);
-  std::copy_n(x, n, y);
+  if (x != y) std::copy_n(x, n, y);  // y == x: the plan holds the result in x's memory (Buffer.same_as)
 }
 
 // conv2d NCHW x OIHW -> NOHW (cross-correlation, zero padding), accumulating in compute type.

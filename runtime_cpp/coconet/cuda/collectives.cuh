@@ -131,7 +131,7 @@ void reshape(const T* x, T* y, int64_t n, int64_t n_in, int64_t n_out, int64_t w
              int64_t ranks, const char* what, const Ctx& c) {
   const std::string why = reshape_problem(n_in, n_out, whole, part, rest, ranks, what);
   require(why.empty(), why);
-  copy(x, y, n, c);
+  if (x != y) copy(x, y, n, c);  // y == x: the plan holds the result in x's memory (Buffer.same_as)
 }
 
 // ---- scattered tensors: copies, NCCL per piece, segment_norm ------------------------------------
