@@ -4,7 +4,7 @@ broadcast bias (sum_lead), [.., 1]-shaped broadcasts (sum_keep) and convolutions
 examples/conv2d.ccn (literal sizes), in f32 and f64 (some in f16 and bf16 too), derived by coconetc.autodiff.vjp, printed as
 .ccn text, loaded back through coconetc.sourcefile (which plans them), compiled for the CPU
 backend and run on 1, 2 and 3 ranks against the interpreter; one module of them (matmul_nt,
-matmul_tn, sum_lead, sum_keep, mean_last, conv2d_dx, conv2d_dw) as the CUDA backend under the host
+matmul_tn, sum_lead, sum_keep, mean_last, layernorm_dx, layernorm_dgamma, conv2d_dx, conv2d_dw) as the CUDA backend under the host
 emulation. The programs of each backend share one file, so one build."""
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ program scale(x: f32[M, H] replicated, s: f32[M, 1] replicated, c: f32[1, H] rep
     return y
 }
 
+program ln_eps(x: f32[M, H] sliced(0), gamma: f32[H] replicated, beta: f32[H] replicated, c: f32[1] replicated) {
+    e = sum(c * c) + 0.001
+    y = layernorm(x, gamma, beta, e)
+    return y
+}
+
 program conv_dp(x: f32[5, 2, 5, 4] sliced(0), k: f32[3, 2, 3, 3] replicated, bias: f32[3, 1, 1] replicated) {
     y = conv2d(x, k, stride=1, padding=1)
     a = gelu(y + bias)
@@ -72,8 +78,10 @@ program conv_tp(x: f32[2, 5, 5, 4] sliced(1), k: f32[7, 5, 3, 3] sliced(1)) {
 }
 """
 EXAMPLES = [("tp_overlap.ccn", ("row_parallel", "col_parallel")), ("layernorm.ccn", ("attn_out",))]
-OPS = {"matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "conv2d_dx", "conv2d_dw"}
-EMULATED = ("mlp", "bias_seq", "scale_rows", "scale", "attn_out", "conv_tp")  # every operation above, once
+OPS = {"matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "layernorm_dx", "layernorm_dgamma", "conv2d_dx",
+       "conv2d_dw"}
+# every operation above, once (ln_eps: a differentiated eps keeps layernorm's backward in pieces, mean_last)
+EMULATED = ("mlp", "bias_seq", "scale_rows", "scale", "attn_out", "ln_eps", "conv_tp")
 # also in f16 and bf16 (built with the f32 ones): the widened GEMM path, 16-bit sums. Not
 # attn_out: the interpreter keeps a nested mean_last(h) in f32 inside its stage where the backends
 # store it (a hoisted temporary) in f16/bf16, and the layernorm backward's cancellation (h - mean)
@@ -105,7 +113,7 @@ def grad_text(dtype: str, only: tuple[str, ...] | None = None) -> str:
 def test_derived_text_plans_with_every_added_operation():
     """The derived text loads through sourcefile.load_source (which plans every program) with a
     Library unit for each added operation and no gap on any target; together the programs use
-    all seven operations."""
+    all nine operations."""
     from coconetc.plan.units import Library
     mod = load_source(grad_text("f32"), "<grad>")
     seen = set()
