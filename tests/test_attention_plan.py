@@ -5,7 +5,6 @@ and their derived programs on 1 and 2 ranks), tests/test_gpt_block.py and the CP
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -152,20 +151,9 @@ def _variants_text() -> str:
     return "\n".join(texts)
 
 
-@pytest.fixture(scope="module")
-def cache(request):
-    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    yield
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
-
-
+@pytest.mark.slow  # (test-quick compiles the attention of tests/test_block_ops.py, forward and derived)
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_compiled_attention_matches_the_interpreter(cache, tmp_path):
+def test_compiled_attention_matches_the_interpreter(tmp_path):
     """Scale by a scalar, dropout, diagonal 1, M != N and D != E on heads sliced over 2 ranks
     (uneven: 3 heads); f64 without scale or dropout at diagonal -1 (a first row all masked);
     each with its derived, saving-forward and backward programs (the backward on random saved
