@@ -127,7 +127,7 @@ def test_rows_sliced_across_the_ranks_or_f16_are_left_as_they_are():
 # --- compiled for the CPU against the interpreter ------------------------------------------------
 VARIANTS = HEAD + CORE + "    return o\n}\n" + """
 program whole(q: f64[B, H, M, D] replicated, k: f64[B, H, N, D] replicated, v: f64[B, H, N, E] replicated) {
-    s = matmul(q, transpose(k, 2, 3))
+    s = matmul(q, transpose(k, 2, 3)) / 4.0
     o = matmul(softmax(where(causal(s, diagonal=-1), s, -inf)), v)
     return o
 }
@@ -155,14 +155,16 @@ def _variants_text() -> str:
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_compiled_attention_matches_the_interpreter(tmp_path):
     """Scale by a scalar, dropout, diagonal 1, M != N and D != E on heads sliced over 2 ranks
-    (uneven: 3 heads); f64 without scale or dropout at diagonal -1 (a first row all masked);
+    (uneven: 3 heads); f64 divided by a number, without dropout, at diagonal -1 (a first row all masked);
     each with its derived, saving-forward and backward programs (the backward on random saved
     values: the call must read them as the pieces do)."""
     from coconetc.runtime.loader import compile_cpu
     f = tmp_path / "attention_cpu.ccn"
     f.write_text(_variants_text())
-    plans = [a for (n, _), pl in load_file(f).plans.items() for a in pl.attention]
-    assert len(plans) >= 6  # every program's call is there (the derived ones' backward too)
+    mod = load_file(f)
+    calls = {n: pl.attention for (n, _), pl in mod.plans.items()}
+    assert all(calls[n] for n in ("p", "p_grad", "p_fwd", "p_bwd", "whole", "whole_grad", "whole_fwd", "whole_bwd"))
+    assert {a.scale for a in calls["whole"] + calls["whole_bwd"]} == {"1/4.0"}  # a division by the scale
     compile_cpu(load_file(f), log=lambda msg: None)
     for ranks in (1, 2):
         cmd = mpiexec.command(ranks, [sys.executable, WORKER, "cpu", str(f), "B=2", "H=3", "M=5", "N=7", "D=3", "E=2"])

@@ -7,7 +7,7 @@ others run the units one by one, as the plan lists them.
 The forward (attention_fwd), anchored at a softmax:
 
     T  = transpose(K, -2, -1)           S0 = matmul(Q, T)            Q [.., M, D], K [.., N, D]
-    S  = S0 * c  (or c * S0, or none)   c a number or a scalar
+    S  = S0 * c  (or c * S0, S0 / c, or none)   c a number or a scalar
     W  = where(causal(S, d), S, -inf)   P  = softmax(W)
     A  = dropout(P, p, seed)  (or none) O  = matmul(A, V)            V [.., N, E], O [.., M, E]
 
@@ -116,13 +116,14 @@ def _ref(e: Expr) -> str:
 
 
 def _scaled(e: Expr, buffers: dict[str, Buffer]) -> tuple[Expr, str]:
-    """(X, scale) for X * c or c * X with c a number or a scalar; (e, "") otherwise."""
-    if isinstance(e, Op) and e.op == "mul" and len(e.args) == 2:
+    """(X, scale) for X * c, c * X or X / c with c a number or a scalar (the scale "1/c" for a
+    division); (e, "") otherwise."""
+    if isinstance(e, Op) and e.op in ("mul", "div") and len(e.args) == 2:
         a, b = e.args
-        for x, c in ((a, b), (b, a)):
+        for x, c in ((a, b), (b, a)) if e.op == "mul" else ((a, b),):
             s = _scalar(c, buffers)
             if s and c.type.ndim == 0 and x.type.ndim > 0:
-                return x, s
+                return x, s if e.op == "mul" else f"1/{s}"
     return e, ""
 
 
@@ -376,8 +377,10 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, p: str, v: str,
     s_in, p_in = "", p
     if ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) \
             and isinstance(wm[1], Ref) and d.buffers[wm[1].name].kind in MEMORY:
-        s_in, p_in = wm[1].name, ""  # P computed again from the stored scores
-        ch.add(w, p)
+        again = _Chain(d, set(ch.results), set(ch.allowed), set(ch.members), set(ch.values))
+        again.add(w, p)
+        if again.written() is not None:  # (W's loop may compute other values too: then P is read)
+            s_in, p_in, ch = wm[1].name, "", again  # P computed again from the stored scores
     if ch.written() is None:
         return None
     a = f["a"]

@@ -356,7 +356,8 @@ class Attention:
     other backends run the members as they are. kind: forward (o = dropout(softmax(mask(scale *
     q k^T))) v) or backward (dq, dk, dv from the cotangent g). scores: a [.., M, N] value of the
     chain (its type gives the sizes and the layout); diagonal: causal's; scale, drop_p, seed: a
-    number, a scalar buffer, or "" (none); site: the dropout's. The forward writes o, and s, w,
+    number, a scalar buffer, or "" (none), the scale also "1/X" (a division by X); site: the
+    dropout's. The forward writes o, and s, w,
     p, a (the scaled scores, masked scores, softmax and dropout) where others read them ("":
     not written); the backward reads g, s_in (the stored scores, "" where it reads p_in, the
     softmax) and a_in (the dropout's result; "" where it is P itself: the call uses P), and writes

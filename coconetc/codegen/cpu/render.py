@@ -77,6 +77,8 @@ class CpuRenderer:
         def number(x: str, default: str) -> str:
             if not x:
                 return default
+            if x.startswith("1/"):  # a division by the scale (plan/attention.py _scaled)
+                return f"1.0 / {number(x[2:], default)}"
             return f"double(coconet::to_compute(v_{x}[0]))" if x in w.types else literal(float(x), "f64")
 
         def ptr(x: str) -> str:
