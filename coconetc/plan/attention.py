@@ -34,10 +34,9 @@ pieces' for every A the forward wrote."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from coconetc.ir.expr import Const, Expr, Op, Ref
+from coconetc.ir.expr import Const, Expr, Op, Ref, refs
 from coconetc.plan.units import Attention, Buffer, Library, Loop, Unit, _touches
 
 DTYPES = ("f32", "f64")
@@ -309,14 +308,7 @@ def _backward(d: _Defs, ir: int) -> Attention | None:
 
 
 def _names(e: Expr) -> set[str]:
-    return {x.name for x in _walk(e) if isinstance(x, Ref)}
-
-
-def _walk(e: Expr) -> Iterator[Expr]:
-    yield e
-    if isinstance(e, Op):
-        for a in e.args:
-            yield from _walk(a)
+    return set(refs(e))
 
 
 def _same(a: Expr, b: Expr) -> bool:
