@@ -296,19 +296,15 @@ def _backward(d: _Defs, ir: int) -> Attention | None:
         ge = d.value(gsm, gseen)
         inner, scale = _scaled(ge, d.buffers)
         m = _masked(inner, 0.0)
-        if r not in _names(ge) or m is None or m[0].type.shape != inner.type.shape:
+        if r not in refs(ge) or m is None or m[0].type.shape != inner.type.shape:
             continue
         _, kept, diagonal = m
         want = Op("mul", (pe, Op("sub", (gase, Ref(r, d.buffers[r].type)), kept.type)), kept.type)
         if _same(kept, want):
             ch = _Chain(d, set(), set())
             ch.add(ga, r, gsm, *gseen)
-            return _backward_tail(d, ch, gsm, p, v, (scale, diagonal, drop))
+            return _backward_tail(d, ch, gsm, ga, p, v, (scale, diagonal, drop))
     return None
-
-
-def _names(e: Expr) -> set[str]:
-    return set(refs(e))
 
 
 def _same(a: Expr, b: Expr) -> bool:
@@ -343,9 +339,8 @@ def _grad_matmuls(d: _Defs, gsm: str, g: str, ga: str) -> dict[str, str]:
     return f
 
 
-def _backward_tail(d: _Defs, ch: _Chain, gsm: str, p: str, v: str,
+def _backward_tail(d: _Defs, ch: _Chain, gsm: str, ga: str, p: str, v: str,
                    how: tuple[str, int, tuple[str, str, str]]) -> Attention | None:
-    ga = next(n for n in ch.values if d.library(n, "matmul") is not None)
     gau = d.library(ga, "matmul")
     assert gau is not None
     g, tv = gau.args
@@ -363,8 +358,7 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, p: str, v: str,
             ch.add(t)
     w = d.units[d.lib[p]].args[0]  # type: ignore[union-attr]
     wm = _masked(d.item[w][1], float("-inf")) if w in d.item else None
-    if wm is None or wm[2] != how[1] or _masked(d.value(w), float("-inf")) is None \
-            or wm[0].type.shape != d.buffers[p].type.shape:
+    if wm is None or wm[2] != how[1] or wm[0].type.shape != d.buffers[p].type.shape:
         return None  # P is not the softmax of the scores masked alike: its masked entries may not be 0
     s_in, p_in = "", p
     if ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) \

@@ -106,9 +106,7 @@ def _reshape_views(plan: Plan) -> dict[str, str]:
 
 def _collective_reads(u: Unit) -> tuple[str, ...]:
     """The values a collective unit (or a fused collective, or an overlap's) reads."""
-    if isinstance(u, Collective):
-        return (u.src,)
-    if isinstance(u, Fused):
+    if isinstance(u, (Collective, Fused)):
         return (u.src,)
     if isinstance(u, Overlap):
         return (u.producer,)
