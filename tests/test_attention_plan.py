@@ -128,7 +128,8 @@ def test_rows_sliced_across_the_ranks_or_f16_are_left_as_they_are():
 VARIANTS = HEAD + CORE + "    return o\n}\n" + """
 program whole(q: f64[B, H, M, D] replicated, k: f64[B, H, N, D] replicated, v: f64[B, H, N, E] replicated) {
     s = matmul(q, transpose(k, 2, 3)) / 4.0
-    o = matmul(softmax(where(causal(s, diagonal=-1), s, -inf)), v)
+    pr = softmax(where(causal(s, diagonal=-1), s, -inf))
+    o = matmul(pr, v)
     return o
 }
 """
@@ -155,7 +156,8 @@ def _variants_text() -> str:
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
 def test_compiled_attention_matches_the_interpreter(tmp_path):
     """Scale by a scalar, dropout, diagonal 1, M != N and D != E on heads sliced over 2 ranks
-    (uneven: 3 heads); f64 divided by a number, without dropout, at diagonal -1 (a first row all masked);
+    (uneven: 3 heads); f64 divided by a number, without dropout, at diagonal -1 (a first row all
+    masked), its softmax a stage (saved by the forward in place of the scores);
     each with its derived, saving-forward and backward programs (the backward on random saved
     values: the call must read them as the pieces do)."""
     from coconetc.runtime.loader import compile_cpu
@@ -165,6 +167,9 @@ def test_compiled_attention_matches_the_interpreter(tmp_path):
     calls = {n: pl.attention for (n, _), pl in mod.plans.items()}
     assert all(calls[n] for n in ("p", "p_grad", "p_fwd", "p_bwd", "whole", "whole_grad", "whole_fwd", "whole_bwd"))
     assert {a.scale for a in calls["whole"] + calls["whole_bwd"]} == {"1/4.0"}  # a division by the scale
+    # the softmax a stage: its saving forward keeps it, not s, and the backward reads it whole
+    (wb,) = calls["whole_bwd"]
+    assert (wb.s_in, wb.p_in, wb.a_in, wb.p_whole, wb.a_whole) == ("", "pr", "pr", True, True)
     compile_cpu(load_file(f), log=lambda msg: None)
     for ranks in (1, 2):
         cmd = mpiexec.command(ranks, [sys.executable, WORKER, "cpu", str(f), "B=2", "H=3", "M=5", "N=7", "D=3", "E=2"])

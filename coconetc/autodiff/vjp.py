@@ -345,7 +345,14 @@ def _select(keep: str) -> Rule:
 
 
 def _where(d: _Deriver, e: Op, y: Ref, g: Ref) -> Parts:
+    """A causal condition reads only its operand's shape and layout: where the cotangent has
+    both, the backward's condition reads the cotangent instead, so the forward need not keep the
+    operand for it (attention's scores, when its softmax is kept: plan/attention.py)."""
     cond, a, b = e.args
+    if isinstance(cond, Op) and cond.op == "causal":
+        x = cond.args[0]
+        if (x.type.shape, x.type.layout) == (g.type.shape, g.type.layout):
+            cond = replace(cond, args=(g, *cond.args[1:]))
     z = d.const(0.0, g)
     return [(cond, None, None), (a, d.op("where", cond, g, z), None), (b, d.op("where", cond, z, g), None)]
 

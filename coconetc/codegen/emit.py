@@ -21,6 +21,11 @@ Load = Callable[[Ref], str]
 Extra = Callable[[Op], str]
 
 
+def cbool(b: bool) -> str:
+    """A C++ bool literal."""
+    return "true" if b else "false"
+
+
 def literal(value: float | int, dtype: str) -> str:
     ct = COMPUTE[dtype]
     if dtype in ("i32", "i64"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coconetc.codegen.emit import cbool
+
 
 @dataclass(frozen=True)
 class Reduction:
@@ -44,16 +46,12 @@ class Reduction:
         partial: a chunk added to an accumulator, finish: the accumulator to the 0-d result)
         for this reduction over elements of type T."""
         if self.extreme:
-            return f"{what}_extreme<{T}, {_bool(self.op == 'max')}>"
-        return f"{what}_sum<{T}, {_bool(self.squares)}>"
-
-
-def _bool(b: bool) -> str:
-    return "true" if b else "false"
+            return f"{what}_extreme<{T}, {cbool(self.op == 'max')}>"
+        return f"{what}_sum<{T}, {cbool(self.squares)}>"
 
 
 def _extreme(op: str, first: str, of: str) -> Reduction:
-    step = f"{{a}} = coconet::extreme_step<{_bool(op == 'max')}>({{a}}, {{b}})"
+    step = f"{{a}} = coconet::extreme_step<{cbool(op == 'max')}>({{a}}, {{b}})"
     return Reduction(op, first, of, step, "{p}")
 
 

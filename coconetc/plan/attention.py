@@ -17,7 +17,8 @@ autodiff/vjp.py derives the forward (G the cotangent of O):
     GA = matmul(G, transpose(V))        GAS = dropout(GA, p, seed, site=A's)  (or GA)
     R  = sum_keep(GAS * P, last dim)    GSM = where(causal(S, d), P * (GAS - R), 0) * c  (or no c)
     GQ = matmul(GSM, transpose(T))      GK = transpose(matmul(transpose(Q), GSM))
-    GV = matmul(transpose(A), G)        P recomputed from the stored S where only the chain reads it
+    GV = matmul(transpose(A), G)        P recomputed from the stored S where only the chain reads it,
+                                        or a parameter (a backward program's saved softmax)
 
 The rule, in one place (find): the units are top-level and the values held in memory (a
 parameter, scratch or an output; never a view, an alias or segments); Q, K, V (and G) share
@@ -28,9 +29,12 @@ but those the call writes whole: the forward's S, W, P, A (a masked element as t
 it) and O; the backward's GQ, GK, GV. The call runs at the place of the chain's last unit, and no
 other unit between the chain's first and last touches a chain value.
 
-The backward reads the stored A and S only where the mask keeps an element: the forward leaves
-A's masked elements 0, and the pieces read S only through the mask, so the result is the
-pieces' for every A the forward wrote."""
+The backward reads the stored S only where the mask keeps an element (the pieces read S only
+through the mask). A stored A or P that is a parameter may have nonzero masked elements (the
+forward leaves them 0, but a backward program's inputs are anyone's): dv then reads all of A
+(a_whole), and a block of rows whose masked elements of P are not all 0 gets the row sums over
+its whole rows (p_whole), as the pieces read them. A P the forward wrote costs one read of its
+masked elements."""
 
 from __future__ import annotations
 
@@ -261,12 +265,14 @@ def _forward(d: _Defs, ip: int) -> Attention | None:
 
 
 def _softmax_grad(d: _Defs, x: str, seen: set[str]) -> tuple[Expr, str, Expr, str, str, tuple[str, str, str]] | None:
-    """For X = GAS * P (or P * GAS), P a softmax, GAS = dropout(GA) (or GA), GA = matmul(G,
-    transpose(V)): (P's reference, P, GAS's expression, GA, V, the dropout)."""
+    """For X = GAS * P (or P * GAS), P a softmax or a parameter (a backward program's saved
+    softmax), GAS = dropout(GA) (or GA), GA = matmul(G, transpose(V)): (P's reference, P, GAS's
+    expression, GA, V, the dropout)."""
     xe = d.value(x, seen)
     if not (isinstance(xe, Op) and xe.op == "mul"):
         return None
-    sides = [(pe, ge) for pe, ge in (xe.args, xe.args[::-1]) if _ref(pe) and d.library(_ref(pe), "softmax")]
+    sides = [(pe, ge) for pe, ge in (xe.args, xe.args[::-1])
+             if _ref(pe) and (d.library(_ref(pe), "softmax") or d.buffers[_ref(pe)].kind == "param")]
     if not sides:
         return None
     pe, gase = sides[0]
@@ -356,12 +362,12 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, ga: str, p: str, v: str,
     for t in (tv, f["tq"], f["ta"], f["tk"]):  # the transposed copies only the chain reads
         if ch.only_read_by_chain(t, d.lib[t]):
             ch.add(t)
-    w = d.units[d.lib[p]].args[0]  # type: ignore[union-attr]
+    s_in, p_in, p_whole = "", p, d.buffers[p].kind == "param"  # a saved P: masked entries not known to be 0
+    w = "" if p_whole else d.units[d.lib[p]].args[0]  # type: ignore[union-attr]
     wm = _masked(d.item[w][1], float("-inf")) if w in d.item else None
-    if wm is None or wm[2] != how[1] or wm[0].type.shape != d.buffers[p].type.shape:
+    if not p_whole and (wm is None or wm[2] != how[1] or wm[0].type.shape != d.buffers[p].type.shape):
         return None  # P is not the softmax of the scores masked alike: its masked entries may not be 0
-    s_in, p_in = "", p
-    if ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) \
+    if wm is not None and ch.only_read_by_chain(p, d.lib[p]) and ch.only_read_by_chain(w, d.item[w][0], d.lib[p]) \
             and isinstance(wm[1], Ref) and d.buffers[wm[1].name].kind in MEMORY:
         again = _Chain(d, set(ch.results), set(ch.allowed), set(ch.members), set(ch.values))
         again.add(w, p)
@@ -372,8 +378,9 @@ def _backward_tail(d: _Defs, ch: _Chain, gsm: str, ga: str, p: str, v: str,
     a = f["a"]
     made = a == p or a in d.item and _ref((_dropped(d.value(a), d.buffers) or (Ref(a, d.buffers[a].type),))[0]) == p
     scale, diagonal, (drop_p, seed, site) = how
+    a_in = "" if a == p and not p_whole else a  # (a saved P is its own A: dv reads it whole)
     return Attention("backward", tuple(sorted(ch.members)), f["q"], f["k"], v, p, diagonal, scale, drop_p, seed,
-                     site, g=g, s_in=s_in, p_in=p_in, a_in="" if a == p else a, a_whole=not made,
+                     site, g=g, s_in=s_in, p_in=p_in, a_in=a_in, a_whole=not made or p_whole, p_whole=p_whole,
                      dq=f["gq"], dk=f["gk"], dv=f["gv"])
 
 

@@ -42,7 +42,7 @@ def _attention(plan: Plan, a: Attention) -> str:
         head = f"forward {a.o} = attention({a.q}, {a.k}, {a.v}; {', '.join(h for h in how if h)})"
         also = [n for n in (a.s, a.w, a.p, a.a) if n]
     else:
-        src = f"scores {a.s_in}" if a.s_in else f"softmax {a.p_in}"
+        src = f"scores {a.s_in}" if a.s_in else f"softmax {a.p_in}{' (every entry)' if a.p_whole else ''}"
         aa = f"dropout result {a.a_in}{' (every entry)' if a.a_whole else ''}" if a.a_in else "no dropout result"
         head = f"backward {a.dq}, {a.dk}, {a.dv} = attention_grad({a.q}, {a.k}, {a.v}, {a.g}; {src}, {aa}; {', '.join(h for h in how if h)})"
         also = []

@@ -363,7 +363,9 @@ class Attention:
     softmax) and a_in (the dropout's result; "" where it is P itself: the call uses P), and writes
     dq, dk, dv; a_whole: a_in is not computed in the same program from P (a backward program's
     saved a, an input), so its masked entries may be nonzero and dv reads every one (the pieces'
-    transpose(a) x g does)."""
+    transpose(a) x g does); p_whole: p_in is such an input too (a backward program's saved
+    softmax), so the row sums of dP * P read every entry of its rows where a masked one is
+    not 0 (the pieces' sum_keep does)."""
 
     kind: str
     members: tuple[int, ...]
@@ -386,6 +388,7 @@ class Attention:
     p_in: str = ""
     a_in: str = ""
     a_whole: bool = False
+    p_whole: bool = False
     dq: str = ""
     dk: str = ""
     dv: str = ""

@@ -96,6 +96,17 @@ inline int64_t attention_kept(int64_t i, int64_t N, int64_t diagonal) {
   return std::max<int64_t>(0, std::min<int64_t>(N, i + diagonal + 1));
 }
 
+// Whether any masked entry of rows [i0, i1) of a [.., N] matrix (x: its row i0) is other than 0.
+template <class T>
+bool attention_masked_nonzero(const T* x, int64_t i0, int64_t i1, int64_t N, int64_t diagonal) {
+  bool any = false;
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* row = x + (i - i0) * N;
+    for (int64_t j = attention_kept(i, N, diagonal); j < N; ++j) any |= !(row[j] == T(0));
+  }
+  return any;
+}
+
 // A per-thread buffer of at least n elements of T, kept across calls (Site: which buffer).
 template <class T, int Site>
 T* attention_scratch(int64_t n) {
@@ -304,12 +315,16 @@ void attention_fwd(const T* q, const T* k, const T* v, T* o, T* s_out, T* w_out,
 // a_whole: dv reads every entry of a_in (a backward program's saved a is an input like any other:
 // its masked entries are 0 only when the forward wrote it, and the pieces read them all), its
 // GEMM over all N columns; otherwise only the kept entries (a_in computed in the same program).
+// p_whole: r reads every entry of p_in's rows, as the pieces' sum_keep(dP * P) does (a backward
+// program's saved p, whose masked entries are 0 only when the forward wrote it): a block of rows
+// whose masked entries of p_in are all 0 (the forward's) is computed as above, one with any
+// other (a NaN included) gets dA over all N columns and r over whole rows.
 // dq, dk, dv written whole (dk, dv: rows no kept entry reaches are 0).
 template <class T>
 void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p_in, const T* a_in, const T* g,
                    T* dq, T* dk, T* dv, int64_t batch, int64_t M, int64_t N, int64_t D, int64_t E,
                    int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site, AttentionIndex at,
-                   bool a_whole = false) {
+                   bool a_whole = false, bool p_whole = false) {
   static_assert(std::is_same<T, float>::value || std::is_same<T, double>::value,
                 "attention_bwd: T must be float or double");
   detail::attention_check("attention_bwd", batch, M, N, D, E, drop_p, at);
@@ -338,30 +353,33 @@ void attention_bwd(const T* q, const T* k, const T* v, const T* s_in, const T* p
     const uint64_t base = drop ? detail::attention_base(b, M, N, at) : 0;
     for (int64_t i0 = 0; i0 < M; i0 += kAttentionRows) {
       const int64_t i1 = std::min(M, i0 + kAttentionRows), rows = i1 - i0;
-      const int64_t c = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));
-      if (c == 0) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a whole a_in)
+      const int64_t kept = std::max<int64_t>(0, std::min<int64_t>(N, i1 + diagonal));
+      if (kept == 0) {  // no kept entry: dq's rows are 0, nothing reaches dk (nor dv, but from a whole a_in)
         std::fill(dqb + i0 * D, dqb + i1 * D, T(0));
         if (a_in && a_whole)
           gemm_trans_acc(true, false, N, E, rows, a_in + (b * M + i0) * N, N, gb + i0 * E, E, dvb, E);
         continue;
       }
+      const bool whole = p_in && p_whole && detail::attention_masked_nonzero(p_in + (b * M + i0) * N, i0, i1, N, diagonal);
+      const int64_t c = whole ? N : kept;  // columns of dA computed; the tiles' leading dim
       gemm_trans(false, true, rows, c, E, gb + i0 * E, E, vb, E, dt, c);  // dA
       for (int64_t i = i0; i < i1; ++i) {
         T* p = pt + (i - i0) * c;
         T* d = dt + (i - i0) * c;
         const int64_t kc = detail::attention_kept(i, N, diagonal);
+        const int64_t kr = whole ? N : kc;  // the entries r reads
         const int64_t row = (b * M + i) * N;
         if (p_in) {
-          std::copy(p_in + row, p_in + row + kc, p);
+          std::copy(p_in + row, p_in + row + kr, p);
         } else {
           std::copy(s_in + row, s_in + row + kc, p);
           detail::attention_softmax(p, kc);
         }
         if (drop) {
-          detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kc, keep);
-          for (int64_t j = 0; j < kc; ++j) d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
+          detail::attention_keep(seed, site, base + static_cast<uint64_t>(i) * N, threshold, kr, keep);
+          for (int64_t j = 0; j < kr; ++j) d[j] = keep[j] ? d[j] * keep_scale : T(0);  // dP
         }
-        const T r = detail::attention_row_dot<T>(d, p, kc);
+        const T r = detail::attention_row_dot<T>(d, p, kr);
         for (int64_t j = 0; j < kc; ++j) d[j] = p[j] * (d[j] - r) * sc;  // dS
         std::fill(d + kc, d + c, T(0));
         if (a_in && a_whole)

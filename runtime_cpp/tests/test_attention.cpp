@@ -1,8 +1,9 @@
 // attention.h: the fused causal attention (forward and backward) against a naive reference in
 // double written here with plain loops: M = N and M != N, diagonals -1 / 0 / 2, dropout off and
 // at 0.3, every optional output given or not, the backward from s_in or p_in with a_in given or
-// not, a sliced batch index, empty sizes, float and double.  The cases are shared out over the
-// ranks (each rank checks its own), so more ranks do not cost more time.
+// not, p_in read whole (p_whole) from the forward or not, a sliced batch index, empty sizes, float
+// and double.  The cases are shared out over the ranks (each rank checks its own), so more ranks
+// do not cost more time.
 #include <limits>
 #include <stdexcept>
 
@@ -88,6 +89,51 @@ Ref reference(const Shape& sh, const std::vector<double>& q, const std::vector<d
             }
             for (int64_t e = 0; e < E; ++e)
               r.dv[size_t((b * N + j) * E + e)] += r.a[row + size_t(j)] * g[size_t((b * M + i) * E + e)];
+          }
+        }
+      }
+  return r;
+}
+
+// The pieces' backward from a given P (every entry read, as sum_keep(dP * P) reads them) with
+// A = dropout(P) masked: dq, dk, dv.
+Ref pieces_backward(const Shape& sh, const std::vector<double>& P, const std::vector<double>& q,
+                    const std::vector<double>& k, const std::vector<double>& v, const std::vector<double>& g,
+                    int64_t diagonal, double scale, double drop_p, int64_t seed, uint32_t site) {
+  const int64_t M = sh.M, N = sh.N, D = sh.D, E = sh.E;
+  const int64_t batch = sh.outer * sh.mid_local * sh.inner;
+  Ref r;
+  r.dq.assign(size_t(batch * M * D), 0.0);
+  r.dk.assign(size_t(batch * N * D), 0.0);
+  r.dv.assign(size_t(batch * N * E), 0.0);
+  const uint32_t threshold = dropout_threshold(drop_p);
+  for (int64_t o = 0; o < sh.outer; ++o)
+    for (int64_t m = 0; m < sh.mid_local; ++m)
+      for (int64_t ri = 0; ri < sh.inner; ++ri) {
+        const int64_t b = (o * sh.mid_local + m) * sh.inner + ri;
+        const int64_t global_b = (o * sh.mid_global + sh.mid_offset + m) * sh.inner + ri;
+        for (int64_t i = 0; i < M; ++i) {
+          const size_t row = size_t((b * M + i) * N);
+          std::vector<double> dP(static_cast<size_t>(N)), keepf(static_cast<size_t>(N), 1.0);
+          double rr = 0;
+          for (int64_t j = 0; j < N; ++j) {
+            if (drop_p > 0)
+              keepf[size_t(j)] = dropout_keep(uint64_t(seed), site, uint64_t((global_b * M + i) * N + j), threshold)
+                                     ? 1.0 / (1.0 - drop_p) : 0.0;
+            double dA = 0;
+            for (int64_t e = 0; e < E; ++e) dA += g[size_t((b * M + i) * E + e)] * v[size_t((b * N + j) * E + e)];
+            dP[size_t(j)] = dA * keepf[size_t(j)];
+            rr += dP[size_t(j)] * P[row + size_t(j)];
+          }
+          for (int64_t j = 0; j < N; ++j) {
+            const bool kept = j - i <= diagonal;
+            const double dS = kept ? P[row + size_t(j)] * (dP[size_t(j)] - rr) * scale : 0.0;
+            const double A = kept ? P[row + size_t(j)] * keepf[size_t(j)] : 0.0;
+            for (int64_t d = 0; d < D; ++d) {
+              r.dq[size_t((b * M + i) * D + d)] += dS * k[size_t((b * N + j) * D + d)];
+              r.dk[size_t((b * N + j) * D + d)] += dS * q[size_t((b * M + i) * D + d)];
+            }
+            for (int64_t e = 0; e < E; ++e) r.dv[size_t((b * N + j) * E + e)] += A * g[size_t((b * M + i) * E + e)];
           }
         }
       }
@@ -214,6 +260,26 @@ void attention_case(const Shape& sh, int64_t diagonal, double drop_p) {
   close(dq2, ref.dq, rtol, what + " bwd whole a_in dq");
   close(dk2, ref.dk, rtol, what + " bwd whole a_in dk");
   close(dv2, dv_want, rtol, what + " bwd whole a_in dv");
+  // p_whole: the forward's p (masked entries 0) gives the forward's gradients; a p_in whose masked
+  // entries are nonzero in some rows (every third row's, random) is read whole, as the pieces'
+  // sum_keep(dP * P) reads it
+  for (int round = 0; round < 2; ++round) {
+    std::vector<double> P(ref.p);
+    if (round == 1)
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < M; i += 3)
+          for (int64_t j = 0; j < N; ++j)
+            if (j - i > diagonal) P[size_t((b * M + i) * N + j)] = double(T(uniform(17, 0, (b * M + i) * N + j)));
+    const Ref want = pieces_backward(sh, P, q, k, v, g, diagonal, scale, drop_p, seed, site);
+    const std::vector<T> pt = to_t<T>(P);
+    std::vector<T> dq3(dq.size(), nan), dk3(dk.size(), nan), dv3(dv.size(), nan);
+    attention_bwd<T>(qt.data(), kt.data(), vt.data(), nullptr, pt.data(), nullptr, gt.data(), dq3.data(), dk3.data(),
+                     dv3.data(), batch, M, N, D, E, diagonal, scale, drop_p, seed, site, at, false, true);
+    const std::string how = what + (round ? " bwd whole foreign p_in" : " bwd whole forward's p_in");
+    close(dq3, want.dq, rtol, how + " dq");
+    close(dk3, want.dk, rtol, how + " dk");
+    close(dv3, want.dv, rtol, how + " dv");
+  }
 }
 
 // The float exp of the softmax (attention_exp) against std::exp in double: within 3 ulp over

@@ -19,7 +19,7 @@ from coconetc.codegen.cpu.collectives import collective
 from coconetc.codegen.cpu.fused import CpuFused
 from coconetc.codegen.cpu.loops import CpuLoops
 from coconetc.codegen.cpu.overlap import CpuOverlap
-from coconetc.codegen.emit import COMPUTE, CTYPE, literal
+from coconetc.codegen.emit import COMPUTE, CTYPE, cbool, literal
 from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
@@ -92,7 +92,7 @@ class CpuRenderer:
                    f"{ptr(a.p)}, {ptr(a.a)}, {tail});")
         else:
             w.emit(f"coconet::attention_bwd<{ct}>(v_{a.q}, v_{a.k}, v_{a.v}, {ptr(a.s_in)}, {ptr(a.p_in)}, "
-                   f"{ptr(a.a_in)}, v_{a.g}, v_{a.dq}, v_{a.dk}, v_{a.dv}, {tail}, {'true' if a.a_whole else 'false'});")
+                   f"{ptr(a.a_in)}, v_{a.g}, v_{a.dq}, v_{a.dk}, v_{a.dv}, {tail}, {cbool(a.a_whole)}, {cbool(a.p_whole)});")
 
     def loop(self, u: Loop) -> None:
         self.loops.render_loop(u)

@@ -56,18 +56,18 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
   float* const v_v = a.output<float>(4);
   float* const v_t13_s = coconet::scratch<float, 6>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   float* const v_t14_s = coconet::scratch<float, 7>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_s = a.output<float>(5);
-  float* const v_t15_a = coconet::scratch<float, 8>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t16_a = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_s = coconet::scratch<float, 8>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t15_p = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p = a.output<float>(5);
   float* const v_a = a.output<float>(6);
-  float* const v_t17_o = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t18_o = coconet::scratch<float, 11>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_t16_o = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t17_o = coconet::scratch<float, 11>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_o = a.output<float>(7);
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::shared_scratch<float, 12>(comm, S_B * S_S * S_H);
   float* const v_ag_x1 = a.output<float>(8);
   float* const v_n2 = a.output<float>(9);
-  float* const v_t20_h = coconet::scratch<float, 13>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_t19_h = coconet::scratch<float, 13>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = a.output<float>(10);
   float* const v_mp = coconet::shared_scratch<float, 14>(comm, S_B * S_S * S_H);
   float* const v_ag_y = a.output<float>(0);
@@ -176,20 +176,20 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
   // t13_s: part of the forward attention call (plan: attention)
   // t14_s: part of the forward attention call (plan: attention)
   // s: part of the forward attention call (plan: attention)
-  // t15_a: part of the forward attention call (plan: attention)
-  // t16_a: part of the forward attention call (plan: attention)
+  // t15_p: part of the forward attention call (plan: attention)
+  // p: part of the forward attention call (plan: attention)
   // a: part of the forward attention call (plan: attention)
-  // t17_o: part of the forward attention call (plan: attention)
-  coconet::attention_fwd<float>(v_q, v_k, v_v, v_t17_o, v_s, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
-  // [fused] transpose t18_o (gpt_block.ccn)
-  coconet::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  // [fused] reshape o (gpt_block.ccn:45)
-  coconet::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)");
-  // [fused] reshape t19_ap (gpt_block.ccn)
-  coconet::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)");
-  // [fused] matmul ap (gpt_block.ccn:46)
-  coconet::matmul<float>(v_o, v_t19_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:63)
+  // t16_o: part of the forward attention call (plan: attention)
+  coconet::attention_fwd<float>(v_q, v_k, v_v, v_t16_o, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  // [fused] transpose t17_o (gpt_block.ccn)
+  coconet::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
+  // [fused] reshape o (gpt_block.ccn:46)
+  coconet::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)");
+  // [fused] reshape t18_ap (gpt_block.ccn)
+  coconet::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");
+  // [fused] matmul ap (gpt_block.ccn:47)
+  coconet::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H);
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f1 = [&](int64_t gb, int64_t ge, const float* red) {
   const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -217,9 +217,9 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
     }
   };
   coconet::fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap, S_B * S_S * S_H), coconet::Shape3{S_B, S_S, S_H}, comm, coconet::fused_chunk_elems(), compute_f1, {coconet::gather_target(v_ag_x1, S_B * S_S * S_H)});
-  // [fused] layernorm n2 (gpt_block.ccn:49)
+  // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [fused] matmul t20_h (gpt_block.ccn)
+  // [fused] matmul t19_h (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -230,7 +230,7 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
     const int64_t rb = std::max<int64_t>(1024, (int64_t(1) << 23) / std::max<int64_t>(1, cols * int64_t(sizeof(float))));
     for (int64_t r0 = 0; r0 < rows; r0 += rb) {
       const int64_t rn = std::min<int64_t>(rb, rows - r0);
-      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_t20_h + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+      coconet::matmul<float>(v_n2 + r0 * (S_H), v_w_fc, v_t19_h + r0 * (coconet::slice_range(S_F, comm.size, comm.rank).size()), rn, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
       const int64_t lo = r0 * cols, hi = (r0 + rn) * cols;
     for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
       int64_t rest = i0 / L2;
@@ -242,15 +242,15 @@ void gpt_block_fwd__fused(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        v_h[i] = coconet::from_compute<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
       }
     }
     }
   }
   // loop h: the epilogue of the matmul above
-  // [fused] matmul mp (gpt_block.ccn:51)
+  // [fused] matmul mp (gpt_block.ccn:52)
   coconet::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:66)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
   const int64_t off_f2 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   auto compute_f2 = [&](int64_t gb, int64_t ge, const float* red) {
   const float k5_y = coconet::to_compute(v_pdrop[0]);

@@ -41,7 +41,7 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   float* const v_q = a.tensor<float>(17);
   float* const v_k = a.tensor<float>(18);
   float* const v_v = a.tensor<float>(19);
-  float* const v_s = a.tensor<float>(20);
+  float* const v_p = a.tensor<float>(20);
   float* const v_a = a.tensor<float>(21);
   float* const v_o = a.tensor<float>(22);
   float* const v_x1 = a.tensor<float>(23);
@@ -53,89 +53,85 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::scratch<float, 1>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_a_where = coconet::scratch<float, 2>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_a_softmax = coconet::scratch<float, 3>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::scratch<float, 4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_g_y_add = coconet::scratch<float, 5>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_b_proj_part = coconet::shared_scratch<float, 6>(comm, S_H);
-  float* const v_g_allgather2 = coconet::scratch<float, 7>(S_B * S_S * S_H);
-  float* const v_g_h = coconet::scratch<float, 8>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::scratch<float, 2>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_y_add = coconet::scratch<float, 3>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_b_proj_part = coconet::shared_scratch<float, 4>(comm, S_H);
+  float* const v_g_allgather2 = coconet::scratch<float, 5>(S_B * S_S * S_H);
+  float* const v_g_h = coconet::scratch<float, 6>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 9>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 7>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2_part = coconet::scratch<float, 10>(S_B * S_S * S_H);
-  float* const v_g_n2s = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2_part = coconet::scratch<float, 8>(S_B * S_S * S_H);
+  float* const v_g_n2s = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_t0_g_x1 = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 14>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 15>(comm, S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_bo_part = coconet::shared_scratch<float, 17>(comm, S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 18>(S_B * S_S * S_H);
-  float* const v_g_o = coconet::scratch<float, 19>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_ap_reshape = coconet::scratch<float, 20>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 12>(comm, S_H);
+  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 13>(comm, S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_bo_part = coconet::shared_scratch<float, 15>(comm, S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 16>(S_B * S_S * S_H);
+  float* const v_g_o = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_ap_reshape = coconet::scratch<float, 18>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_a_softmax = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 32>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 33>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 34>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 35>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 32>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 33>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::scratch<float, 36>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::scratch<float, 34>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bv = a.output<float>(7);
-  float* const v_g_n1_part = coconet::scratch<float, 37>(S_B * S_S * S_H);
-  float* const v_g_v_reshape = coconet::scratch<float, 38>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part = coconet::scratch<float, 35>(S_B * S_S * S_H);
+  float* const v_g_v_reshape = coconet::scratch<float, 36>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wv = a.output<float>(6);
-  float* const v_g_k_reshape2 = coconet::scratch<float, 39>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 37>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 40>(S_B * S_S * S_H);
-  float* const v_g_k_reshape = coconet::scratch<float, 41>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part2 = coconet::scratch<float, 38>(S_B * S_S * S_H);
+  float* const v_g_k_reshape = coconet::scratch<float, 39>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wk = a.output<float>(5);
-  float* const v_g_q_reshape2 = coconet::scratch<float, 42>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 40>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::scratch<float, 43>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::scratch<float, 41>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bq = a.output<float>(4);
-  float* const v_g_n1_part3 = coconet::scratch<float, 44>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 45>(S_B * S_S * S_H);
-  float* const v_g_qm_reshape = coconet::scratch<float, 46>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part3 = coconet::scratch<float, 42>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 43>(S_B * S_S * S_H);
+  float* const v_g_qm_reshape = coconet::scratch<float, 44>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wq = a.output<float>(3);
-  float* const v_g_n1s = coconet::scratch<float, 47>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 48>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 45>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 46>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 49>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 50>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 47>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 48>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
   float* const v_d_bo = a.output<float>(9);
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
-  // [backward] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)");
-  // [backward] reshape k_reshape (gpt_block.ccn:122)
-  coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [backward] reshape v_reshape (gpt_block.ccn:123)
-  coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [backward] transpose s_transpose (gpt_block.ccn:125)
+  // [backward] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");
+  // [backward] reshape k_reshape (gpt_block.ccn:123)
+  coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
+  // [backward] reshape v_reshape (gpt_block.ccn:124)
+  coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [backward] transpose s_transpose (gpt_block.ccn:126)
   coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
-  // a_where: part of the backward attention call (plan: attention)
-  // a_softmax: part of the backward attention call (plan: attention)
-  // [backward] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)");
-  // [backward] loop: h_add (gpt_block.ccn:134)
+  // [backward] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");
+  // [backward] loop: h_add (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -211,7 +207,7 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allgather(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, comm, channel);
@@ -244,7 +240,7 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
@@ -337,16 +333,16 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   // g_a: part of the backward attention call (plan: attention)
   // t2_g_v: part of the backward attention call (plan: attention)
   // g_v: part of the backward attention call (plan: attention)
-  // g_a_softmax: part of the backward attention call (plan: attention)
+  // g_p: part of the backward attention call (plan: attention)
   // t3_g_rows: part of the backward attention call (plan: attention)
   // g_rows: part of the backward attention call (plan: attention)
-  // g_a_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
   // t4_g_q: part of the backward attention call (plan: attention)
   // g_q: part of the backward attention call (plan: attention)
   // t5_g_s_transpose: part of the backward attention call (plan: attention)
   // g_s_transpose: part of the backward attention call (plan: attention)
   // g_k: part of the backward attention call (plan: attention)
-  coconet::attention_bwd<float>(v_q, v_k, v_v, v_s, static_cast<float*>(nullptr), v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true);
+  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true, true);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [backward] reshape g_v_add (gpt_block.ccn)

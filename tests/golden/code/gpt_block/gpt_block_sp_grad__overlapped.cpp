@@ -58,92 +58,91 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
   float* const v_v = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   float* const v_s_transpose = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   float* const v_s_matmul = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_s = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_a_where = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_a_softmax = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_a = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_o_matmul = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_o_transpose = coconet::scratch<float, 18>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_p_where = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_a = coconet::scratch<float, 15>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_o_matmul = coconet::scratch<float, 16>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o_transpose = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::scratch<float, 19>(S_B * S_S * S_H);
-  float* const v_x1 = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_n2s = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_n2 = coconet::scratch<float, 22>(S_B * S_S * S_H);
-  float* const v_hm = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_h_add = coconet::scratch<float, 24>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_h = coconet::scratch<float, 25>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  float* const v_g_y_add = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_b_proj_part = coconet::shared_scratch<float, 27>(comm, S_H);
-  float* const v_g_allgather2 = coconet::scratch<float, 28>(S_B * S_S * S_H);
-  float* const v_g_h = coconet::scratch<float, 29>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_ap = coconet::scratch<float, 18>(S_B * S_S * S_H);
+  float* const v_x1 = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2 = coconet::scratch<float, 21>(S_B * S_S * S_H);
+  float* const v_hm = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::scratch<float, 24>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_y_add = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_b_proj_part = coconet::shared_scratch<float, 26>(comm, S_H);
+  float* const v_g_allgather2 = coconet::scratch<float, 27>(S_B * S_S * S_H);
+  float* const v_g_h = coconet::scratch<float, 28>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_w_proj = a.output<float>(14);
-  float* const v_g_h_add = coconet::scratch<float, 30>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::scratch<float, 29>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
-  float* const v_g_n2_part = coconet::scratch<float, 31>(S_B * S_S * S_H);
-  float* const v_g_n2s = coconet::scratch<float, 32>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2_part = coconet::scratch<float, 30>(S_B * S_S * S_H);
+  float* const v_g_n2s = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_t0_g_x1 = coconet::scratch<float, 33>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 34>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 35>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 36>(comm, S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 37>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_bo_part = coconet::shared_scratch<float, 38>(comm, S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 39>(S_B * S_S * S_H);
-  float* const v_g_o = coconet::scratch<float, 40>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_ap_reshape = coconet::scratch<float, 41>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::scratch<float, 32>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 33>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 34>(comm, S_H);
+  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 35>(comm, S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 36>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_bo_part = coconet::shared_scratch<float, 37>(comm, S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 38>(S_B * S_S * S_H);
+  float* const v_g_o = coconet::scratch<float, 39>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_ap_reshape = coconet::scratch<float, 40>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 42>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 43>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 44>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 45>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 46>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_a_softmax = coconet::scratch<float, 47>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 48>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 49>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 50>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 51>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 52>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 53>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 54>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 55>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 56>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 41>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 42>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 43>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 44>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 45>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 46>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 47>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 48>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 49>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 50>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 51>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 52>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 53>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 54>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 55>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::scratch<float, 57>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::scratch<float, 56>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bv = a.output<float>(7);
-  float* const v_g_n1_part = coconet::scratch<float, 58>(S_B * S_S * S_H);
-  float* const v_g_v_reshape = coconet::scratch<float, 59>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part = coconet::scratch<float, 57>(S_B * S_S * S_H);
+  float* const v_g_v_reshape = coconet::scratch<float, 58>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wv = a.output<float>(6);
-  float* const v_g_k_reshape2 = coconet::scratch<float, 60>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 59>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 61>(S_B * S_S * S_H);
-  float* const v_g_k_reshape = coconet::scratch<float, 62>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part2 = coconet::scratch<float, 60>(S_B * S_S * S_H);
+  float* const v_g_k_reshape = coconet::scratch<float, 61>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wk = a.output<float>(5);
-  float* const v_g_q_reshape2 = coconet::scratch<float, 63>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 62>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::scratch<float, 64>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::scratch<float, 63>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bq = a.output<float>(4);
-  float* const v_g_n1_part3 = coconet::scratch<float, 65>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 66>(S_B * S_S * S_H);
-  float* const v_g_qm_reshape = coconet::scratch<float, 67>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part3 = coconet::scratch<float, 64>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 65>(S_B * S_S * S_H);
+  float* const v_g_qm_reshape = coconet::scratch<float, 66>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wq = a.output<float>(3);
-  float* const v_g_n1s = coconet::scratch<float, 68>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 69>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 67>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 68>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 70>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 71>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 69>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 70>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
   float* const v_d_bo = a.output<float>(9);
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
-  // [overlapped] layernorm n1s (gpt_block.ccn:118)
+  // [overlapped] layernorm n1s (gpt_block.ccn:119)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s);
-  // [overlapped] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)");
-  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:183)
+  // [overlapped] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");
+  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:185)
   const auto* const bp_qm = coconet::gemm_prepare_b<float>(v_qm_reshape, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   const int64_t bld_qm = coconet::gemm_b_ld<float>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   coconet::overlap_into(2, [&](int i, int channel) {
@@ -153,9 +152,9 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, v_n1 + (r.begin * S_S) * S_H, S_H, bp_qm, bld_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });
   });
-  // [overlapped] reshape q_reshape (gpt_block.ccn:121)
-  coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");
-  // [overlapped] loop: q_add (gpt_block.ccn:121)
+  // [overlapped] reshape q_reshape (gpt_block.ccn:122)
+  coconet::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
+  // [overlapped] loop: q_add (gpt_block.ccn:122)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -191,25 +190,25 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
-  // [overlapped] reshape q_reshape2 (gpt_block.ccn:121)
-  coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");
-  // [overlapped] transpose q (gpt_block.ccn:121)
+  // [overlapped] reshape q_reshape2 (gpt_block.ccn:122)
+  coconet::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
+  // [overlapped] transpose q (gpt_block.ccn:122)
   coconet::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped] reshape k_reshape (gpt_block.ccn:122)
-  coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [overlapped] matmul k_matmul (gpt_block.ccn:122)
+  // [overlapped] reshape k_reshape (gpt_block.ccn:123)
+  coconet::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
+  // [overlapped] matmul k_matmul (gpt_block.ccn:123)
   coconet::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  // [overlapped] reshape k_reshape2 (gpt_block.ccn:122)
-  coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)");
-  // [overlapped] transpose k (gpt_block.ccn:122)
+  // [overlapped] reshape k_reshape2 (gpt_block.ccn:123)
+  coconet::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
+  // [overlapped] transpose k (gpt_block.ccn:123)
   coconet::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped] reshape v_reshape (gpt_block.ccn:123)
-  coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [overlapped] matmul v_matmul (gpt_block.ccn:123)
+  // [overlapped] reshape v_reshape (gpt_block.ccn:124)
+  coconet::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [overlapped] matmul v_matmul (gpt_block.ccn:124)
   coconet::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  // [overlapped] reshape v_reshape2 (gpt_block.ccn:123)
-  coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [overlapped] loop: v_add (gpt_block.ccn:123)
+  // [overlapped] reshape v_reshape2 (gpt_block.ccn:124)
+  coconet::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [overlapped] loop: v_add (gpt_block.ccn:124)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -245,25 +244,25 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     }
     }
   }
-  // [overlapped] reshape v_reshape3 (gpt_block.ccn:123)
-  coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");
-  // [overlapped] transpose v (gpt_block.ccn:123)
+  // [overlapped] reshape v_reshape3 (gpt_block.ccn:124)
+  coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");
+  // [overlapped] transpose v (gpt_block.ccn:124)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [overlapped] transpose s_transpose (gpt_block.ccn:125)
+  // [overlapped] transpose s_transpose (gpt_block.ccn:126)
   coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
   // s_matmul: part of the forward attention call (plan: attention)
-  // s, a_where: part of the forward attention call (plan: attention)
-  // a_softmax: part of the forward attention call (plan: attention)
+  // s, p_where: part of the forward attention call (plan: attention)
+  // p: part of the forward attention call (plan: attention)
   // a: part of the forward attention call (plan: attention)
   // o_matmul: part of the forward attention call (plan: attention)
-  coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, v_s, static_cast<float*>(nullptr), v_a_softmax, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
-  // [overlapped] transpose o_transpose (gpt_block.ccn:127)
+  coconet::attention_fwd<float>(v_q, v_k, v_v, v_o_matmul, static_cast<float*>(nullptr), static_cast<float*>(nullptr), v_p, v_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)});
+  // [overlapped] transpose o_transpose (gpt_block.ccn:129)
   coconet::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
-  // [overlapped] reshape o (gpt_block.ccn:127)
-  coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)");
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)");
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:185)
+  // [overlapped] reshape o (gpt_block.ccn:129)
+  coconet::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)");
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:187)
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_ap_reshape, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_ap = coconet::gemm_b_ld<float>(S_H, S_H);
@@ -303,13 +302,13 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
     };
     return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute, {});
   });
-  // [overlapped] layernorm n2s (gpt_block.ccn:131)
+  // [overlapped] layernorm n2s (gpt_block.ccn:133)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s);
-  // [overlapped] allgather n2 (gpt_block.ccn:132)
+  // [overlapped] allgather n2 (gpt_block.ccn:134)
   coconet::allgather(v_n2s, v_n2, S_B, S_S, S_H, comm);
-  // [overlapped] matmul hm (gpt_block.ccn:133)
+  // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [overlapped] loop: h_add, h (gpt_block.ccn:134)
+  // [overlapped] loop: h_add, h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -391,7 +390,7 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:186)
+  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allgather(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, comm, channel);
@@ -424,7 +423,7 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:187)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:189)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
@@ -517,16 +516,16 @@ void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a) {
   // g_a: part of the backward attention call (plan: attention)
   // t2_g_v: part of the backward attention call (plan: attention)
   // g_v: part of the backward attention call (plan: attention)
-  // g_a_softmax: part of the backward attention call (plan: attention)
+  // g_p: part of the backward attention call (plan: attention)
   // t3_g_rows: part of the backward attention call (plan: attention)
   // g_rows: part of the backward attention call (plan: attention)
-  // g_a_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
+  // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
   // t4_g_q: part of the backward attention call (plan: attention)
   // g_q: part of the backward attention call (plan: attention)
   // t5_g_s_transpose: part of the backward attention call (plan: attention)
   // g_s_transpose: part of the backward attention call (plan: attention)
   // g_k: part of the backward attention call (plan: attention)
-  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_a_softmax, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false);
+  coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, false, false);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
   coconet::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD);
   // [overlapped] reshape g_v_add (gpt_block.ccn)

@@ -87,18 +87,18 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_s), "t14_s");
   float* const v_s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t15_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
-  float* const v_t16_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t16_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t16_a), "t16_a");
+  float* const v_t15_p = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t17_o = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_t18_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t18_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t18_o), "t18_o");
-  float* const v_o = v_t18_o;  // a reshape of t18_o: its memory, no copy
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t16_o = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_at = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
@@ -107,8 +107,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t20_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t20_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t20_h), "t20_h");
+  float* const v_t19_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
@@ -260,7 +260,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t15_a (gpt_block.ccn)
+  // [default] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -268,11 +268,11 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t15_a;
+        coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -287,11 +287,11 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t15_a[u] = coconet::from_compute<float>(x_t15_a);
+          const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t15_p[u] = coconet::from_compute<float>(x_t15_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
+        coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -301,14 +301,14 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t15_a[i] = coconet::from_compute<float>(x_t15_a);
+        const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t15_p[i] = coconet::from_compute<float>(x_t15_p);
       }
     });
   }
-  // [default] softmax t16_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:44)
+  // [default] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -316,12 +316,12 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -341,7 +341,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t16_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -353,24 +353,24 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [default] matmul t17_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t18_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [default] reshape t19_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [default] matmul ap (gpt_block.ccn:46)
-  coconet::cuda::matmul<float>(v_o, v_t19_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce at (NCCL) (gpt_block.ccn:47)
+  // [default] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [default] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [default] matmul ap (gpt_block.ccn:47)
+  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:48)
+  // [default] kernel: x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -414,21 +414,21 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2 (gpt_block.ccn:49)
+  // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul t20_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t20_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:50)
+  // [default] matmul t19_h (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
+        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -442,7 +442,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
           const int64_t i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -455,16 +455,16 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:51)
+  // [default] matmul mp (gpt_block.ccn:52)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce mt (NCCL) (gpt_block.ccn:52)
+  // [default] allreduce mt (NCCL) (gpt_block.ccn:53)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:53)
+  // [default] kernel: y (gpt_block.ccn:54)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -589,26 +589,26 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_s), "t14_s");
   float* const v_s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t15_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
-  float* const v_t16_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t16_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t16_a), "t16_a");
+  float* const v_t15_p = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t17_o = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_t18_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t18_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t18_o), "t18_o");
-  float* const v_o = v_t18_o;  // a reshape of t18_o: its memory, no copy
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t16_o = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_ag_x1 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t20_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t20_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t20_h), "t20_h");
+  float* const v_t19_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
@@ -758,7 +758,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] kernel: t15_a (gpt_block.ccn)
+  // [fused] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -766,11 +766,11 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t15_a;
+        coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -785,11 +785,11 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t15_a[u] = coconet::from_compute<float>(x_t15_a);
+          const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t15_p[u] = coconet::from_compute<float>(x_t15_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
+        coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -799,14 +799,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t15_a[i] = coconet::from_compute<float>(x_t15_a);
+        const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t15_p[i] = coconet::from_compute<float>(x_t15_p);
       }
     });
   }
-  // [fused] softmax t16_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:44)
+  // [fused] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [fused] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -814,12 +814,12 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -839,7 +839,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t16_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -851,22 +851,22 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [fused] matmul t17_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [fused] transpose t18_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [fused] reshape t19_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:46)
-  coconet::cuda::matmul<float>(v_o, v_t19_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:63)
+  // [fused] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [fused] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [fused] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [fused] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:47)
+  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -908,21 +908,21 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 208, reduce_to, compute, gather, source);
   }
-  // [fused] layernorm n2 (gpt_block.ccn:49)
+  // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [fused] matmul t20_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t20_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:50)
+  // [fused] matmul t19_h (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
+        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -936,7 +936,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
           const int64_t i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -949,14 +949,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:51)
+  // [fused] matmul mp (gpt_block.ccn:52)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:66)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1079,26 +1079,26 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t14_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_s), "t14_s");
   float* const v_s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t15_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
-  float* const v_t16_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t16_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t16_a), "t16_a");
+  float* const v_t15_p = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t17_o = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_t18_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t18_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t18_o), "t18_o");
-  float* const v_o = v_t18_o;  // a reshape of t18_o: its memory, no copy
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t16_o = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_ag_x1 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t20_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t20_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t20_h), "t20_h");
+  float* const v_t19_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
@@ -1248,7 +1248,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t15_a (gpt_block.ccn)
+  // [overlapped] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1256,11 +1256,11 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t15_a;
+        coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -1275,11 +1275,11 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t15_a[u] = coconet::from_compute<float>(x_t15_a);
+          const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t15_p[u] = coconet::from_compute<float>(x_t15_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
+        coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -1289,14 +1289,14 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t15_a[i] = coconet::from_compute<float>(x_t15_a);
+        const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t15_p[i] = coconet::from_compute<float>(x_t15_p);
       }
     });
   }
-  // [overlapped] softmax t16_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:44)
+  // [overlapped] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1304,12 +1304,12 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -1329,7 +1329,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t16_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -1341,32 +1341,32 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped] matmul t17_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t18_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [overlapped] reshape t19_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:75)
+  // [overlapped] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [overlapped] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t19_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       coconet::cuda::join(ctx.stream, sctx.stream, 24);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:74)
+  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:75)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1412,21 +1412,21 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 25);
   }
-  // [overlapped] layernorm n2 (gpt_block.ccn:49)
+  // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul t20_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t20_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:50)
+  // [overlapped] matmul t19_h (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
+        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -1440,7 +1440,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -1453,12 +1453,12 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:79)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -1470,7 +1470,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:78)
+  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:79)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1599,18 +1599,18 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t14_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_t14_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t16_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t15_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_o = v_t16_o;  // a reshape of t16_o: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_at = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
@@ -1631,16 +1631,16 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [default] layernorm n1s (gpt_block.ccn:118)
+  // [default] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [default] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [default] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1684,23 +1684,23 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1744,14 +1744,14 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:125)
+  // [default] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1776,7 +1776,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t14_a (gpt_block.ccn)
+  // [default] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1784,11 +1784,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -1803,11 +1803,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -1817,14 +1817,14 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [default] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:126)
+  // [default] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1832,12 +1832,12 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -1857,7 +1857,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -1869,24 +1869,24 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [default] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [default] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [default] matmul ap (gpt_block.ccn:128)
-  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:129)
+  // [default] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:130)
+  // [default] kernel: x1 (gpt_block.ccn:132)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1933,13 +1933,13 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:131)
+  // [default] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:133)
+  // [default] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:134)
+  // [default] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1981,11 +1981,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:135)
+  // [default] matmul mp (gpt_block.ccn:137)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:136)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:138)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:137)
+  // [default] kernel: y (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2115,18 +2115,18 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t14_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_t14_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t16_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t15_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_o = v_t16_o;  // a reshape of t16_o: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
@@ -2141,16 +2141,16 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [fused] layernorm n1s (gpt_block.ccn:118)
+  // [fused] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2194,23 +2194,23 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [fused] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2254,14 +2254,14 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:125)
+  // [fused] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2286,7 +2286,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] kernel: t14_a (gpt_block.ccn)
+  // [fused] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2294,11 +2294,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -2313,11 +2313,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -2327,14 +2327,14 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [fused] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:126)
+  // [fused] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [fused] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2342,12 +2342,12 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -2367,7 +2367,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -2379,22 +2379,22 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [fused] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [fused] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [fused] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:128)
-  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:146)
+  // [fused] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [fused] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [fused] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [fused] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:148)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2473,9 +2473,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 216, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:133)
+  // [fused] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:134)
+  // [fused] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2517,9 +2517,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:135)
+  // [fused] matmul mp (gpt_block.ccn:137)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:147)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:149)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2671,18 +2671,18 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t14_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_t14_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t16_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t15_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_o = v_t16_o;  // a reshape of t16_o: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
@@ -2699,16 +2699,16 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped] layernorm n1s (gpt_block.ccn:118)
+  // [overlapped] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2752,23 +2752,23 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2812,14 +2812,14 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:125)
+  // [overlapped] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2844,7 +2844,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t14_a (gpt_block.ccn)
+  // [overlapped] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2852,11 +2852,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -2871,11 +2871,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -2885,14 +2885,14 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [overlapped] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:126)
+  // [overlapped] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2900,12 +2900,12 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -2925,7 +2925,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -2937,32 +2937,32 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [overlapped] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:154)
+  // [overlapped] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:156)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       coconet::cuda::join(ctx.stream, sctx.stream, 26);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:153)
+  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:155)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3034,14 +3034,14 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 27);
-  // [overlapped] layernorm n2s (gpt_block.ccn:131)
+  // [overlapped] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:133)
+  // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:134)
+  // [overlapped] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3083,7 +3083,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:156)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:158)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3095,7 +3095,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:157)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3251,18 +3251,18 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_t14_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_t14_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
   float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_t16_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_o = v_t17_o;  // a reshape of t17_o: its memory, no copy
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t15_o = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_o = v_t16_o;  // a reshape of t16_o: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
@@ -3279,11 +3279,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:118)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:166)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:168)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -3297,7 +3297,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3341,23 +3341,23 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3401,14 +3401,14 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:125)
+  // [overlapped_both] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3433,7 +3433,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] kernel: t14_a (gpt_block.ccn)
+  // [overlapped_both] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3441,11 +3441,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -3460,11 +3460,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -3474,14 +3474,14 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [overlapped_both] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:126)
+  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped_both] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3489,12 +3489,12 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -3514,7 +3514,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -3526,32 +3526,32 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped_both] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped_both] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [overlapped_both] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:168)
+  // [overlapped_both] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped_both] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:170)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       coconet::cuda::join(ctx.stream, sctx.stream, 28);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:167)
+  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:169)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3623,10 +3623,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 29);
-  // [overlapped_both] layernorm n2s (gpt_block.ccn:131)
+  // [overlapped_both] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   }
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
+  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -3639,7 +3639,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:134)
+  // [overlapped_both] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3681,7 +3681,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:171)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:173)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3693,7 +3693,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:170)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:172)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3847,139 +3847,137 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_s_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
-  float* const v_s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_a_where = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
-  float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p_where = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p_where), "p_where");
+  float* const v_p = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
+  float* const v_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o_matmul = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
-  float* const v_o_transpose = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_o_transpose = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(17, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
-  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
+  float* const v_x1 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_h_matmul = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_matmul = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(33, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(49, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(48, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(50, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(49, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(52, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(51, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(53, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(55, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(57, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(60, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -4105,7 +4103,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul s_matmul (gpt_block.ccn:43)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s, a_where (gpt_block.ccn:43)
+  // [default] kernel: s, p_where (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -4113,12 +4111,12 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_s, out_a_where;
+        coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -4134,13 +4132,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
-          out_s[u] = coconet::from_compute<float>(x_s);
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_p_where[u] = coconet::from_compute<float>(x_p_where);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_s + i0, out_s);
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+        coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -4151,15 +4147,14 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-        v_s[i] = coconet::from_compute<float>(x_s);
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+        const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_p_where[i] = coconet::from_compute<float>(x_p_where);
       }
     });
   }
-  // [default] softmax a_softmax (gpt_block.ccn:44)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:44)
+  // [default] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -4167,12 +4162,12 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -4192,7 +4187,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_a_softmax[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -4204,24 +4199,24 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [default] matmul o_matmul (gpt_block.ccn:45)
+  // [default] matmul o_matmul (gpt_block.ccn:46)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose o_transpose (gpt_block.ccn:45)
+  // [default] transpose o_transpose (gpt_block.ccn:46)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:46)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [default] matmul ap (gpt_block.ccn:46)
+  // [default] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [default] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [default] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce at (NCCL) (gpt_block.ccn:47)
+  // [default] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
-  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:48)
+  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -4269,11 +4264,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2 (gpt_block.ccn:49)
+  // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul h_matmul (gpt_block.ccn:50)
+  // [default] matmul h_matmul (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:50)
+  // [default] kernel: h_add, h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -4461,7 +4456,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] kernel: g_a_softmax (gpt_block.ccn)
+  // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -4469,13 +4464,13 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k9_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -4494,11 +4489,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -4506,8 +4501,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -4515,30 +4510,30 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -4546,13 +4541,12 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -4572,8 +4566,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -4586,8 +4580,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -4781,138 +4775,136 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_s_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
-  float* const v_s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_a_where = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
-  float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p_where = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p_where), "p_where");
+  float* const v_p = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
+  float* const v_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o_matmul = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
-  float* const v_o_transpose = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_o_transpose = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(17, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
-  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
+  float* const v_x1 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_h_matmul = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_matmul = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   // g_n2_part: only as packed chunks of its overlap
-  float* const v_g_n2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(33, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(32, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(48, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(47, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(49, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(48, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(51, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(50, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(53, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(55, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -5038,7 +5030,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul s_matmul (gpt_block.ccn:43)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s, a_where (gpt_block.ccn:43)
+  // [overlapped] kernel: s, p_where (gpt_block.ccn:43)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5046,12 +5038,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_s, out_a_where;
+        coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -5067,13 +5059,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
-          out_s[u] = coconet::from_compute<float>(x_s);
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_p_where[u] = coconet::from_compute<float>(x_p_where);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_s + i0, out_s);
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+        coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -5084,15 +5074,14 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-        v_s[i] = coconet::from_compute<float>(x_s);
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+        const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_p_where[i] = coconet::from_compute<float>(x_p_where);
       }
     });
   }
-  // [overlapped] softmax a_softmax (gpt_block.ccn:44)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:44)
+  // [overlapped] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5100,12 +5089,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -5125,7 +5114,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_a_softmax[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -5137,24 +5126,24 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped] matmul o_matmul (gpt_block.ccn:45)
+  // [overlapped] matmul o_matmul (gpt_block.ccn:46)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose o_transpose (gpt_block.ccn:45)
+  // [overlapped] transpose o_transpose (gpt_block.ccn:46)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:46)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [overlapped] matmul ap (gpt_block.ccn:46)
+  // [overlapped] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [overlapped] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [overlapped] allreduce at (NCCL) (gpt_block.ccn:47)
+  // [overlapped] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
-  // [overlapped] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:48)
+  // [overlapped] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -5202,11 +5191,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] layernorm n2 (gpt_block.ccn:49)
+  // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:50)
+  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:50)
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5312,12 +5301,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:89)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(64, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(63, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(64, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -5327,11 +5316,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 62);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 61);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 63);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 62);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -5411,7 +5400,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] kernel: g_a_softmax (gpt_block.ccn)
+  // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5419,13 +5408,13 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k9_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -5444,11 +5433,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -5456,8 +5445,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -5465,30 +5454,30 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [overlapped] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5496,13 +5485,12 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -5522,8 +5510,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -5536,8 +5524,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -5733,151 +5721,149 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_s_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
-  float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_a_where = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
-  float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p_where = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p_where), "p_where");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
+  float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
-  float* const v_o_transpose = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_o_transpose = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_at), "at");
-  float* const v_x1 = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2s = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h_add = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_h = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(28, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(27, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2s = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(35, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(36, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(39, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(38, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(41, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(42, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(57, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(58, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(57, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(60, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(61, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(63, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(62, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(64, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(65, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(64, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(67, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(68, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(67, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(71, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(70, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(72, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(71, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -5891,17 +5877,17 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  // [default] layernorm n1s (gpt_block.ccn:118)
+  // [default] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [default] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [default] matmul qm (gpt_block.ccn:120)
+  // [default] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape q_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] kernel: q_add (gpt_block.ccn:121)
+  // [default] reshape q_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] kernel: q_add (gpt_block.ccn:122)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5943,25 +5929,25 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape q_reshape2 (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] transpose q (gpt_block.ccn:121)
+  // [default] reshape q_reshape2 (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] matmul k_matmul (gpt_block.ccn:122)
+  // [default] reshape k_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] matmul k_matmul (gpt_block.ccn:123)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape k_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose k (gpt_block.ccn:122)
+  // [default] reshape k_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] matmul v_matmul (gpt_block.ccn:123)
+  // [default] reshape v_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] matmul v_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape v_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] kernel: v_add (gpt_block.ccn:123)
+  // [default] reshape v_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] kernel: v_add (gpt_block.ccn:124)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6003,15 +5989,15 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape v_reshape3 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose v (gpt_block.ccn:123)
+  // [default] reshape v_reshape3 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:125)
+  // [default] transpose s_transpose (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] matmul s_matmul (gpt_block.ccn:125)
+  // [default] matmul s_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s, a_where (gpt_block.ccn:125)
+  // [default] kernel: s, p_where (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6019,12 +6005,12 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_s, out_a_where;
+        coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -6040,13 +6026,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
-          out_s[u] = coconet::from_compute<float>(x_s);
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_p_where[u] = coconet::from_compute<float>(x_p_where);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_s + i0, out_s);
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+        coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -6057,15 +6041,14 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-        v_s[i] = coconet::from_compute<float>(x_s);
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+        const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_p_where[i] = coconet::from_compute<float>(x_p_where);
       }
     });
   }
-  // [default] softmax a_softmax (gpt_block.ccn:126)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:126)
+  // [default] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6073,12 +6056,12 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -6098,7 +6081,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_a_softmax[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -6110,24 +6093,24 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [default] matmul o_matmul (gpt_block.ccn:127)
+  // [default] matmul o_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose o_transpose (gpt_block.ccn:127)
+  // [default] transpose o_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [default] matmul ap (gpt_block.ccn:128)
+  // [default] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] matmul ap (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:129)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:130)
+  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:132)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6178,13 +6161,13 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:131)
+  // [default] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:133)
+  // [default] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:134)
+  // [default] kernel: h_add, h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6418,7 +6401,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] kernel: g_a_softmax (gpt_block.ccn)
+  // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6426,13 +6409,13 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k9_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -6451,11 +6434,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -6463,8 +6446,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -6472,30 +6455,30 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6503,13 +6486,12 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -6529,8 +6511,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -6543,8 +6525,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -6752,149 +6734,147 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_s_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
-  float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_a_where = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
-  float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p_where = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p_where), "p_where");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
+  float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
-  float* const v_o_transpose = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_o_transpose = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_x1 = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h_add = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_h = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(27, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(26, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(35, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(34, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(35, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(38, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(37, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(40, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(57, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(56, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(62, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(61, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(62, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(64, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(63, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(64, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(67, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(66, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(70, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(69, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(71, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(70, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -6908,26 +6888,26 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  // [overlapped] layernorm n1s (gpt_block.ccn:118)
+  // [overlapped] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:183)
+  // [overlapped] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:185)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 73);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 72);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 72);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 71);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped] reshape q_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] kernel: q_add (gpt_block.ccn:121)
+  // [overlapped] reshape q_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] kernel: q_add (gpt_block.ccn:122)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6969,25 +6949,25 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape q_reshape2 (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:121)
+  // [overlapped] reshape q_reshape2 (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape k_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] matmul k_matmul (gpt_block.ccn:122)
+  // [overlapped] reshape k_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] matmul k_matmul (gpt_block.ccn:123)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape k_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:122)
+  // [overlapped] reshape k_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape v_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] matmul v_matmul (gpt_block.ccn:123)
+  // [overlapped] reshape v_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] matmul v_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape v_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] kernel: v_add (gpt_block.ccn:123)
+  // [overlapped] reshape v_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] kernel: v_add (gpt_block.ccn:124)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7029,15 +7009,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape v_reshape3 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:123)
+  // [overlapped] reshape v_reshape3 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose s_transpose (gpt_block.ccn:125)
+  // [overlapped] transpose s_transpose (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped] matmul s_matmul (gpt_block.ccn:125)
+  // [overlapped] matmul s_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s, a_where (gpt_block.ccn:125)
+  // [overlapped] kernel: s, p_where (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7045,12 +7025,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_s, out_a_where;
+        coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -7066,13 +7046,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
-          out_s[u] = coconet::from_compute<float>(x_s);
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_p_where[u] = coconet::from_compute<float>(x_p_where);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_s + i0, out_s);
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+        coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -7083,15 +7061,14 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-        v_s[i] = coconet::from_compute<float>(x_s);
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+        const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_p_where[i] = coconet::from_compute<float>(x_p_where);
       }
     });
   }
-  // [overlapped] softmax a_softmax (gpt_block.ccn:126)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:126)
+  // [overlapped] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7099,12 +7076,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -7124,7 +7101,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_a_softmax[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -7136,20 +7113,20 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped] matmul o_matmul (gpt_block.ccn:127)
+  // [overlapped] matmul o_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose o_transpose (gpt_block.ccn:127)
+  // [overlapped] transpose o_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:185)
+  // [overlapped] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:187)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7157,11 +7134,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 74);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 73);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1 (rows rb of dim 0) (gpt_block.ccn:184)
+  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1 (rows rb of dim 0) (gpt_block.ccn:186)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7170,8 +7147,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(76, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(77, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(75, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(76, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -7232,19 +7209,19 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 624, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 616, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 75);
-  // [overlapped] layernorm n2s (gpt_block.ccn:131)
+    coconet::cuda::join(sctx.stream, ctx.stream, 74);
+  // [overlapped] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:133)
+  // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:134)
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7339,16 +7316,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:186)
+  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 80);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 79);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 79);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 78);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -7382,7 +7359,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:187)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:189)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -7390,10 +7367,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 81);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 80);
       coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 82);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 81);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -7496,7 +7473,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] kernel: g_a_softmax (gpt_block.ccn)
+  // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7504,13 +7481,13 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k9_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -7529,11 +7506,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -7541,8 +7518,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -7550,30 +7527,30 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [overlapped] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7581,13 +7558,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -7607,8 +7583,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -7621,8 +7597,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -7830,151 +7806,149 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_s_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
-  float* const v_s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
-  float* const v_a_where = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
-  float* const v_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_p_where = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p_where), "p_where");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
+  float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
-  float* const v_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
-  float* const v_o_transpose = coconet::cuda::scratch<float>(18, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_o_transpose = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
   float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_at), "at");
-  float* const v_x1 = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2s = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h_add = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_h = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(28, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(27, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(35, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(36, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(39, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(38, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(41, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(42, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(56, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(57, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(58, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(57, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(60, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(61, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(62, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(63, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(62, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(64, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(65, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(64, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(67, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(68, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(67, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(70, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(71, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(70, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(72, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(71, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -7988,17 +7962,17 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  // [backward] layernorm n1s (gpt_block.ccn:118)
+  // [backward] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [backward] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [backward] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [backward] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [backward] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [backward] matmul qm (gpt_block.ccn:120)
+  // [backward] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape q_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [backward] kernel: q_add (gpt_block.ccn:121)
+  // [backward] reshape q_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] kernel: q_add (gpt_block.ccn:122)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8040,25 +8014,25 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape q_reshape2 (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [backward] transpose q (gpt_block.ccn:121)
+  // [backward] reshape q_reshape2 (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] matmul k_matmul (gpt_block.ccn:122)
+  // [backward] reshape k_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] matmul k_matmul (gpt_block.ccn:123)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape k_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] transpose k (gpt_block.ccn:122)
+  // [backward] reshape k_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] matmul v_matmul (gpt_block.ccn:123)
+  // [backward] reshape v_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] matmul v_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape v_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] kernel: v_add (gpt_block.ccn:123)
+  // [backward] reshape v_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] kernel: v_add (gpt_block.ccn:124)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8100,15 +8074,15 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape v_reshape3 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] transpose v (gpt_block.ccn:123)
+  // [backward] reshape v_reshape3 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:125)
+  // [backward] transpose s_transpose (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] matmul s_matmul (gpt_block.ccn:125)
+  // [backward] matmul s_matmul (gpt_block.ccn:126)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] kernel: s, a_where (gpt_block.ccn:125)
+  // [backward] kernel: s, p_where (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8116,12 +8090,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
-        coconet::cuda::Vec<float, 4> out_s, out_a_where;
+        coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -8137,13 +8111,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
-          out_s[u] = coconet::from_compute<float>(x_s);
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
+          const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_p_where[u] = coconet::from_compute<float>(x_p_where);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_s + i0, out_s);
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
+        coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -8154,15 +8126,14 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         (void)c0;
         (void)c1;
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
-        v_s[i] = coconet::from_compute<float>(x_s);
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
+        const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_p_where[i] = coconet::from_compute<float>(x_p_where);
       }
     });
   }
-  // [backward] softmax a_softmax (gpt_block.ccn:126)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [backward] kernel: a (gpt_block.ccn:126)
+  // [backward] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [backward] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8170,12 +8141,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -8195,7 +8166,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_a_softmax[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -8207,24 +8178,24 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [backward] matmul o_matmul (gpt_block.ccn:127)
+  // [backward] matmul o_matmul (gpt_block.ccn:129)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose o_transpose (gpt_block.ccn:127)
+  // [backward] transpose o_transpose (gpt_block.ccn:129)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [backward] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [backward] matmul ap (gpt_block.ccn:128)
+  // [backward] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [backward] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [backward] matmul ap (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [backward] reducescatter at (NCCL) (gpt_block.ccn:129)
+  // [backward] reducescatter at (NCCL) (gpt_block.ccn:131)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:130)
+  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:132)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8275,13 +8246,13 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] layernorm n2s (gpt_block.ccn:131)
+  // [backward] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [backward] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [backward] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [backward] matmul hm (gpt_block.ccn:133)
+  // [backward] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] kernel: h_add, h (gpt_block.ccn:134)
+  // [backward] kernel: h_add, h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8376,16 +8347,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 73);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 73);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 72);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -8419,7 +8390,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -8427,10 +8398,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 75);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);
       coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 76);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 75);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -8533,7 +8504,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] kernel: g_a_softmax (gpt_block.ccn)
+  // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8541,13 +8512,13 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k9_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -8566,11 +8537,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -8578,8 +8549,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -8587,30 +8558,30 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [backward] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [backward] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8618,13 +8589,12 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -8644,8 +8614,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -8658,8 +8628,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -8863,21 +8833,21 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_t14_s = coconet::cuda::scratch<float>(7, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t14_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_s), "t14_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t15_a = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
-  float* const v_t16_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t16_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t16_a), "t16_a");
+  float* const v_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t15_p = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t17_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_t18_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t18_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t18_o), "t18_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_at = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
@@ -8886,8 +8856,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t20_h = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t20_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t20_h), "t20_h");
+  float* const v_t19_h = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_mp = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
@@ -9039,7 +9009,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t15_a (gpt_block.ccn)
+  // [default] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9047,11 +9017,11 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t15_a;
+        coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -9066,11 +9036,11 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t15_a[u] = coconet::from_compute<float>(x_t15_a);
+          const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t15_p[u] = coconet::from_compute<float>(x_t15_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
+        coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -9080,14 +9050,14 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t15_a[i] = coconet::from_compute<float>(x_t15_a);
+        const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t15_p[i] = coconet::from_compute<float>(x_t15_p);
       }
     });
   }
-  // [default] softmax t16_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:44)
+  // [default] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9095,12 +9065,12 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -9120,7 +9090,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t16_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -9132,24 +9102,24 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [default] matmul t17_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t18_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [default] reshape t19_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [default] matmul ap (gpt_block.ccn:46)
-  coconet::cuda::matmul<float>(v_o, v_t19_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce at (NCCL) (gpt_block.ccn:47)
+  // [default] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [default] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [default] matmul ap (gpt_block.ccn:47)
+  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] allreduce at (NCCL) (gpt_block.ccn:48)
   coconet::cuda::allreduce<float>(ncclSum, v_ap, v_at, S_B * S_S * S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:48)
+  // [default] kernel: x1 (gpt_block.ccn:49)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -9193,21 +9163,21 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2 (gpt_block.ccn:49)
+  // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul t20_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t20_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:50)
+  // [default] matmul t19_h (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
+        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -9221,7 +9191,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -9234,16 +9204,16 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:51)
+  // [default] matmul mp (gpt_block.ccn:52)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce mt (NCCL) (gpt_block.ccn:52)
+  // [default] allreduce mt (NCCL) (gpt_block.ccn:53)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:53)
+  // [default] kernel: y (gpt_block.ccn:54)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -9366,29 +9336,29 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_t14_s = coconet::cuda::scratch<float>(7, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t14_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_s), "t14_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t15_a = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
-  float* const v_t16_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t16_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t16_a), "t16_a");
+  float* const v_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t15_p = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t17_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_t18_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t18_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t18_o), "t18_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_ag_x1 = a.output<float>(8);
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t20_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t20_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t20_h), "t20_h");
+  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
@@ -9538,7 +9508,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] kernel: t15_a (gpt_block.ccn)
+  // [fused] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9546,11 +9516,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t15_a;
+        coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -9565,11 +9535,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t15_a[u] = coconet::from_compute<float>(x_t15_a);
+          const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t15_p[u] = coconet::from_compute<float>(x_t15_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
+        coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -9579,14 +9549,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t15_a[i] = coconet::from_compute<float>(x_t15_a);
+        const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t15_p[i] = coconet::from_compute<float>(x_t15_p);
       }
     });
   }
-  // [fused] softmax t16_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:44)
+  // [fused] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [fused] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -9594,12 +9564,12 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -9619,7 +9589,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t16_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -9631,22 +9601,22 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [fused] matmul t17_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [fused] transpose t18_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [fused] reshape t19_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:46)
-  coconet::cuda::matmul<float>(v_o, v_t19_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:63)
+  // [fused] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [fused] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [fused] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [fused] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:47)
+  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -9688,21 +9658,21 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
   }
-  // [fused] layernorm n2 (gpt_block.ccn:49)
+  // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [fused] matmul t20_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t20_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:50)
+  // [fused] matmul t19_h (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
+        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -9716,7 +9686,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
           const int64_t i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -9729,14 +9699,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:51)
+  // [fused] matmul mp (gpt_block.ccn:52)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:66)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -9857,29 +9827,29 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t13_s), "t13_s");
   float* const v_t14_s = coconet::cuda::scratch<float>(7, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t14_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_s), "t14_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t15_a = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
-  float* const v_t16_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t16_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t16_a), "t16_a");
+  float* const v_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t15_p = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t15_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_p), "t15_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t17_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t17_o), "t17_o");
-  float* const v_t18_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t18_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t18_o), "t18_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
+  float* const v_t17_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t19_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_ag_x1 = a.output<float>(8);
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t20_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t20_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t20_h), "t20_h");
+  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
   float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
@@ -10029,7 +9999,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t15_a (gpt_block.ccn)
+  // [overlapped] kernel: t15_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -10037,11 +10007,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t15_a;
+        coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -10056,11 +10026,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t15_a[u] = coconet::from_compute<float>(x_t15_a);
+          const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t15_p[u] = coconet::from_compute<float>(x_t15_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
+        coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -10070,14 +10040,14 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t15_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t15_a[i] = coconet::from_compute<float>(x_t15_a);
+        const float x_t15_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t15_p[i] = coconet::from_compute<float>(x_t15_p);
       }
     });
   }
-  // [overlapped] softmax t16_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t15_a, v_t16_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:44)
+  // [overlapped] softmax p (gpt_block.ccn:44)
+  coconet::cuda::softmax<float>(v_t15_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:45)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -10085,12 +10055,12 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -10110,7 +10080,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t16_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -10122,32 +10092,32 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped] matmul t17_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t17_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t18_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t17_o, v_t18_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:45)
-  coconet::cuda::reshape<float>(v_t18_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:45)", ctx);
-  // [overlapped] reshape t19_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t19_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:75)
+  // [overlapped] matmul t16_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t17_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape o (gpt_block.ccn:46)
+  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
+  // [overlapped] reshape t18_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t19_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       coconet::cuda::join(ctx.stream, sctx.stream, 15);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:74)
+  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:75)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -10193,21 +10163,21 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 16);
   }
-  // [overlapped] layernorm n2 (gpt_block.ccn:49)
+  // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul t20_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t20_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:50)
+  // [overlapped] matmul t19_h (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:51)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
+        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -10221,7 +10191,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -10234,12 +10204,12 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t20_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:79)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -10251,7 +10221,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:78)
+  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:79)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -10354,8 +10324,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k", stream);
   float* const v_v = a.tensor<float>(19);
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
-  float* const v_s = a.tensor<float>(20);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
+  float* const v_p = a.tensor<float>(20);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.tensor<float>(21);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_o = a.tensor<float>(22);
@@ -10373,120 +10343,116 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
-  float* const v_a_where = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_matmul = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(8, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(15, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(13, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(31, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(29, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(33, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(31, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(36, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(34, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(37, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(38, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(36, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(41, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -10502,57 +10468,9 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   // [default] transpose s_transpose (gpt_block.ccn:43)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] kernel: a_where (gpt_block.ccn:44)
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_a_where;
-        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv3 = rest % L3; rest /= L3;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const int64_t c3 = cv3;
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
-          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
-        }
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
-      }
-    });
-  }
-  // [default] softmax a_softmax (gpt_block.ccn:44)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:46)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [default] matmul h_matmul (gpt_block.ccn:50)
+  // [default] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [default] matmul h_matmul (gpt_block.ccn:51)
   if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
     coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     {
@@ -10739,7 +10657,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] kernel: g_a_softmax (gpt_block.ccn)
+  // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -10747,13 +10665,13 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -10772,11 +10690,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -10784,8 +10702,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -10793,30 +10711,30 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -10824,13 +10742,12 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -10850,8 +10767,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -10864,8 +10781,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -11035,8 +10952,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k", stream);
   float* const v_v = a.tensor<float>(19);
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
-  float* const v_s = a.tensor<float>(20);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
+  float* const v_p = a.tensor<float>(20);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.tensor<float>(21);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_o = a.tensor<float>(22);
@@ -11054,119 +10971,115 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
-  float* const v_a_where = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_matmul = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(8, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   // g_n2_part: only as packed chunks of its overlap
-  float* const v_g_n2 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(14, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(12, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(30, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(32, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(30, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(35, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(33, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(37, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(40, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(38, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -11182,57 +11095,9 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);
   // [overlapped] transpose s_transpose (gpt_block.ccn:43)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped] kernel: a_where (gpt_block.ccn:44)
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_a_where;
-        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv3 = rest % L3; rest /= L3;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const int64_t c3 = cv3;
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
-          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
-        }
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
-      }
-    });
-  }
-  // [overlapped] softmax a_softmax (gpt_block.ccn:44)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:46)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:50)
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
+  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
   if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
     coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     {
@@ -11337,12 +11202,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:89)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(45, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(46, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(44, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -11352,11 +11217,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 43);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 41);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 44);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 42);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -11436,7 +11301,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] kernel: g_a_softmax (gpt_block.ccn)
+  // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11444,13 +11309,13 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -11469,11 +11334,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -11481,8 +11346,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -11490,30 +11355,30 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [overlapped] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11521,13 +11386,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -11547,8 +11411,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -11561,8 +11425,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -11756,21 +11620,21 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
   float* const v_t13_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t14_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_p = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_at = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
@@ -11791,16 +11655,16 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [default] layernorm n1s (gpt_block.ccn:118)
+  // [default] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [default] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [default] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11844,23 +11708,23 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11904,14 +11768,14 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:125)
+  // [default] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11936,7 +11800,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] kernel: t14_a (gpt_block.ccn)
+  // [default] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11944,11 +11808,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -11963,11 +11827,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -11977,14 +11841,14 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [default] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:126)
+  // [default] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [default] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11992,12 +11856,12 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -12017,7 +11881,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -12029,24 +11893,24 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [default] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [default] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [default] matmul ap (gpt_block.ccn:128)
-  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:129)
+  // [default] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [default] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [default] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:130)
+  // [default] kernel: x1 (gpt_block.ccn:132)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12093,13 +11957,13 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:131)
+  // [default] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:133)
+  // [default] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:134)
+  // [default] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12141,11 +12005,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:135)
+  // [default] matmul mp (gpt_block.ccn:137)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:136)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:138)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:137)
+  // [default] kernel: y (gpt_block.ccn:139)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12273,21 +12137,21 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
   float* const v_t13_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t14_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_p = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_n2 = a.output<float>(9);
@@ -12302,16 +12166,16 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [fused] layernorm n1s (gpt_block.ccn:118)
+  // [fused] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12355,23 +12219,23 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [fused] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12415,14 +12279,14 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:125)
+  // [fused] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12447,7 +12311,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] kernel: t14_a (gpt_block.ccn)
+  // [fused] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12455,11 +12319,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -12474,11 +12338,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -12488,14 +12352,14 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [fused] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:126)
+  // [fused] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [fused] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12503,12 +12367,12 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -12528,7 +12392,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -12540,22 +12404,22 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [fused] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [fused] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [fused] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:128)
-  coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:146)
+  // [fused] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [fused] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [fused] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [fused] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:148)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -12634,9 +12498,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:133)
+  // [fused] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:134)
+  // [fused] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12678,9 +12542,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:135)
+  // [fused] matmul mp (gpt_block.ccn:137)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:147)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:149)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -12830,21 +12694,21 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
   float* const v_t13_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t14_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_p = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_x1 = a.output<float>(8);
@@ -12861,16 +12725,16 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped] layernorm n1s (gpt_block.ccn:118)
+  // [overlapped] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:119)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:120)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:121)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12914,23 +12778,23 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12974,14 +12838,14 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:125)
+  // [overlapped] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13006,7 +12870,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t14_a (gpt_block.ccn)
+  // [overlapped] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13014,11 +12878,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -13033,11 +12897,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -13047,14 +12911,14 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [overlapped] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:126)
+  // [overlapped] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13062,12 +12926,12 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -13087,7 +12951,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -13099,32 +12963,32 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [overlapped] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:154)
+  // [overlapped] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:156)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       coconet::cuda::join(ctx.stream, sctx.stream, 16);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:153)
+  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:155)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13196,14 +13060,14 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 17);
-  // [overlapped] layernorm n2s (gpt_block.ccn:131)
+  // [overlapped] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:132)
+  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:133)
+  // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:134)
+  // [overlapped] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13245,7 +13109,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:156)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:158)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13257,7 +13121,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:157)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13411,21 +13275,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_t12_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t12_s), "t12_s");
   float* const v_t13_s = coconet::cuda::scratch<float>(8, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t13_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t13_s), "t13_s");
-  float* const v_s = a.output<float>(5);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
-  float* const v_t14_a = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t14_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_a), "t14_a");
-  float* const v_t15_a = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t15_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t15_a), "t15_a");
+  float* const v_s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s");
+  float* const v_t14_p = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t14_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t14_p), "t14_p");
+  float* const v_p = a.output<float>(5);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.output<float>(6);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
-  float* const v_t16_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
+  float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
+  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
-  float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_x1 = a.output<float>(8);
@@ -13442,11 +13306,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:118)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:166)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:168)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -13460,7 +13324,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13504,23 +13368,23 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:122)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13564,14 +13428,14 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:125)
+  // [overlapped_both] kernel: s (gpt_block.ccn:126)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13596,7 +13460,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] kernel: t14_a (gpt_block.ccn)
+  // [overlapped_both] kernel: t14_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13604,11 +13468,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_t14_a;
+        coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -13623,11 +13487,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_t14_a[u] = coconet::from_compute<float>(x_t14_a);
+          const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
+          out_t14_p[u] = coconet::from_compute<float>(x_t14_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
         }
-        coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
+        coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -13637,14 +13501,14 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_t14_a = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_t14_a[i] = coconet::from_compute<float>(x_t14_a);
+        const float x_t14_p = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
+        v_t14_p[i] = coconet::from_compute<float>(x_t14_p);
       }
     });
   }
-  // [overlapped_both] softmax t15_a (gpt_block.ccn)
-  coconet::cuda::softmax<float>(v_t14_a, v_t15_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:126)
+  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped_both] kernel: a (gpt_block.ccn:128)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13652,12 +13516,12 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -13677,7 +13541,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_t15_a[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
           out_a[u] = coconet::from_compute<float>(x_a);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
@@ -13689,32 +13553,32 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
       }
     });
   }
-  // [overlapped_both] matmul t16_o (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_a, v_v, v_t16_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped_both] transpose t17_o (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_t16_o, v_t17_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:127)
-  coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:127)", ctx);
-  // [overlapped_both] reshape t18_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:168)
+  // [overlapped_both] matmul t15_o (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped_both] transpose t16_o (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape t17_ap (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:170)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
     for (int ob = 0; ob < 2; ++ob) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
-      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
       coconet::cuda::join(ctx.stream, sctx.stream, 18);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:167)
+  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:169)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13786,10 +13650,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 19);
-  // [overlapped_both] layernorm n2s (gpt_block.ccn:131)
+  // [overlapped_both] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   }
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
+  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -13802,7 +13666,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:134)
+  // [overlapped_both] kernel: h (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13844,7 +13708,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:171)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:173)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13856,7 +13720,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:170)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:172)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13986,8 +13850,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k", stream);
   float* const v_v = a.tensor<float>(19);
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
-  float* const v_s = a.tensor<float>(20);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
+  float* const v_p = a.tensor<float>(20);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.tensor<float>(21);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_o = a.tensor<float>(22);
@@ -14007,128 +13871,124 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
-  float* const v_a_where = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(5, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(6, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(4, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(8, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(9, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2s = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(14, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(15, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(17, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(19, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(20, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(18, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(36, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(38, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(36, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(37, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(41, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(42, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(43, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(44, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(45, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(46, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(44, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(49, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(47, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(50, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(48, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -14142,65 +14002,17 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  // [default] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:125)
+  // [default] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [default] reshape k_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] reshape v_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose s_transpose (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] kernel: a_where (gpt_block.ccn:126)
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_a_where;
-        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv3 = rest % L3; rest /= L3;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const int64_t c3 = cv3;
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
-          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
-        }
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
-      }
-    });
-  }
-  // [default] softmax a_softmax (gpt_block.ccn:126)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [default] kernel: h_add (gpt_block.ccn:134)
+  // [default] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] kernel: h_add (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14429,7 +14241,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [default] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] kernel: g_a_softmax (gpt_block.ccn)
+  // [default] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14437,13 +14249,13 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -14462,11 +14274,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -14474,8 +14286,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -14483,30 +14295,30 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [default] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [default] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [default] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14514,13 +14326,12 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -14540,8 +14351,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -14554,8 +14365,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
@@ -14737,8 +14548,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k", stream);
   float* const v_v = a.tensor<float>(19);
   COCONET_PARAM(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v", stream);
-  float* const v_s = a.tensor<float>(20);
-  COCONET_PARAM(v_s, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s), "s", stream);
+  float* const v_p = a.tensor<float>(20);
+  COCONET_PARAM(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p", stream);
   float* const v_a = a.tensor<float>(21);
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_o = a.tensor<float>(22);
@@ -14758,128 +14569,124 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
-  float* const v_a_where = coconet::cuda::scratch<float>(2, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_where), "a_where");
-  float* const v_a_softmax = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a_softmax), "a_softmax");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(5, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(6, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(4, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(5, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(8, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(9, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(7, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(14, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(15, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(17, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(19, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(20, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
+  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(18, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_a_softmax = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_g_a_softmax, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a_softmax), "g_a_softmax");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(36, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(38, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape = coconet::cuda::scratch<float>(36, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(37, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(41, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_k_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(42, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(43, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(44, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(45, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(46, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(44, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(49, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(47, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(50, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(48, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -14893,65 +14700,17 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
-  // [backward] reshape qm_reshape (gpt_block.ccn:120)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:120)", ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:125)
+  // [backward] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [backward] reshape k_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] reshape v_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] transpose s_transpose (gpt_block.ccn:126)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] kernel: a_where (gpt_block.ccn:126)
-  {
-    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
-    const int64_t L2 = S_S;
-    const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
-        coconet::cuda::Vec<float, 4> out_a_where;
-        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv3 = rest % L3; rest /= L3;
-          cv2 = rest % L2; rest /= L2;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c2 = cv2;
-          const int64_t c3 = cv3;
-          const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(in_s[u])) : float(-std::numeric_limits<float>::infinity())));
-          out_a_where[u] = coconet::from_compute<float>(x_a_where);
-          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
-        }
-        coconet::cuda::store<4>(v_a_where + i0, out_a_where);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)c0;
-        (void)c1;
-        const float x_a_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(coconet::to_compute(v_s[i])) : float(-std::numeric_limits<float>::infinity())));
-        v_a_where[i] = coconet::from_compute<float>(x_a_where);
-      }
-    });
-  }
-  // [backward] softmax a_softmax (gpt_block.ccn:126)
-  coconet::cuda::softmax<float>(v_a_where, v_a_softmax, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:128)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:128)", ctx);
-  // [backward] kernel: h_add (gpt_block.ccn:134)
+  // [backward] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [backward] kernel: h_add (gpt_block.ccn:136)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15041,16 +14800,16 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 52);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 50);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 51);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 49);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -15084,7 +14843,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -15092,10 +14851,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 53);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 51);
       coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 54);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 52);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -15198,7 +14957,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] kernel: g_a_softmax (gpt_block.ccn)
+  // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15206,13 +14965,13 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
-      const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      const float k4_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
-        coconet::cuda::Vec<float, 4> out_g_a_softmax;
+        coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
           const int64_t i = i0;
@@ -15231,11 +14990,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-          out_g_a_softmax[u] = coconet::from_compute<float>(x_g_a_softmax);
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
         }
-        coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
         int64_t rest = i;
@@ -15243,8 +15002,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
-        v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
       }
     });
   }
@@ -15252,30 +15011,30 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const int64_t i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
+          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
       for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
+        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
     });
   }
   // [backward] sum_keep g_rows (gpt_block.ccn)
   coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
-  // [backward] kernel: g_a_where, g_s, g_s_matmul (gpt_block.ccn)
+  // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -15283,13 +15042,12 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
-    COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
       for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
-        const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
-        const auto in_s = coconet::cuda::load<4>(v_s + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -15309,8 +15067,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
           const int64_t c1 = cv1;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
-          const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(in_a_softmax[u]) * (coconet::to_compute(in_g_a_softmax[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
           const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
           out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
           if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
@@ -15323,8 +15081,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         const int64_t c2 = rest % L2; rest /= L2;
         const int64_t c1 = rest % L1; rest /= L1;
         const int64_t c0 = rest;
-        const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
-        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
         const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k6_g_s_matmul);
         v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
       }
