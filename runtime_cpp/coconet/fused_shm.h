@@ -111,16 +111,16 @@ inline size_t shm_double_bytes() {
 
 // Collectives run through a shared window in this process (the module's _shm_runs(): tests
 // see which algorithm a call took).
-inline std::atomic<int64_t>& shm_runs() {
+COCONET_STATE std::atomic<int64_t>& shm_runs() COCONET_STATE_BODY({
   static std::atomic<int64_t> n{0};
   return n;
-}
+})
 
 // Hierarchical collectives run in this process (the module's _hier_runs()).
-inline std::atomic<int64_t>& hier_runs() {
+COCONET_STATE std::atomic<int64_t>& hier_runs() COCONET_STATE_BODY({
   static std::atomic<int64_t> n{0};
   return n;
-}
+})
 
 // True unless the call (CallArgs::fused, e.g. schedule "zero@p2p") or, when the call does not
 // say, COCONET_FUSED asks for point-to-point (or the group has one rank).
