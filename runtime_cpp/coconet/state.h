@@ -4,7 +4,8 @@
 // thread-local) that every piece of code of the process must share: the threads per rank and
 // their hook (comm.h), the key of the Comm cache (so every module and unit finds the same
 // communicators and shared windows), the counters the Python side reads (fused_shm.h), the
-// batch a thread runs in and the batch's worker threads (turns.h). Three ways to build them:
+// batch a thread runs in and its place there (turns.h: the binding sets them, the unit's code
+// reads them). Three ways to build them:
 //
 //   * COCONET_DEFINES_RUNTIME (runtime.cpp): defined here, not inline, with default visibility:
 //     the one definition of the process. coconetc's cached CPU builds compile runtime.cpp into
@@ -21,7 +22,12 @@
 //
 // Everything else in the headers is either per call or may be per shared object without harm:
 // per-thread scratch memory (one per allocation site anyway), values read from the environment
-// (the same in every copy), the MPI_Ops of 16-bit floats (one per copy, created once each).
+// (the same in every copy), the MPI_Ops of 16-bit floats (one per copy, created once each),
+// init_threads' flag (what it sets is the state above), the batch's worker threads (Workers,
+// turns.h: only the binding runs batches, one pool per module as before). The BLAS and OpenMP
+// thread pools are the shared libraries' own (OpenBLAS, libgomp: one per process). A unit is
+// never unmapped, so the state's callbacks (the BLAS hook, the Comm cache's delete callback)
+// stay valid for the process's life.
 #pragma once
 
 // COCONET_SHARED: what the compiled runtime defines for every shared object of the process (the
