@@ -1,11 +1,12 @@
 // coconet runtime: the Python binding of a generated CPU module, compiled once per machine and
 // linked into every module (entries.h). It exposes the module's functions (its table,
 // coconet_module_entries) and what the Python side reads besides: CallArgs, _batch, _shm_runs,
-// _hier_runs, _units. The Python side (coconetc/runtime) checks every argument on every rank
+// _hier_runs, _units, _map. The Python side (coconetc/runtime) checks every argument on every rank
 // before it calls, so nothing here validates user input. A lazy table's function (entries.h) is
 // mapped from its unit's shared object on its first call (dlopen, dlsym), with the GIL held, so
 // two threads never map one twice; a unit that is missing or does not load raises RuntimeError
-// naming its file on that call.
+// naming its file on that call. The Python side maps a call's unit in its checks (_map), before
+// the ranks agree on the call, so that such an error is raised on every rank.
 #define COCONET_LINKS_RUNTIME  // the runtime's state is the compiled runtime's (state.h)
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
@@ -91,6 +92,8 @@ PYBIND11_MODULE(coconet_bound, m) {
   m.def("_hier_runs", [] { return coconet::hier_runs().load(); },
         "collectives run hierarchically (groups over several nodes) in this process");
   m.def("_units", &units, "the shared objects of this module's units mapped in this process");
+  m.def("_map", [](const std::string& name) { function(coconet::entry_index(*coconet_module_entries(), name)); },
+        "maps the unit of function NAME now (a call's checks: a unit that does not load raises on every rank)");
   m.def("_batch", [](const std::string& name, const std::vector<coconet::CallArgs>& calls) {
     Fn f = function(coconet::entry_index(*coconet_module_entries(), name));
     py::gil_scoped_release release;
