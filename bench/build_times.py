@@ -1,14 +1,15 @@
 """Build times of generated modules (CPU backend), each in a fresh process as a user meets them:
 
-  * the compiled runtime (the Python binding, the collectives' instantiations), once per machine
-    (every module links it);
-  * each example built cold (`coconetc compile FILE`: its units not yet in the cache), then again
+  * the compiled runtime (the Python binding; the runtime library: the process's runtime state
+    and the collectives' instantiations), once per machine (every module and unit links it);
+  * each example built cold (`coconetc compile FILE`: its units not yet in the cache, each
+    compiled and linked into a shared object of its own), then again
     warm (everything cached); then `coconetc.load` in fresh processes (the time of the call,
     after `import coconetc`): the first load (the module built, the file parsed, planned and
     generated, its record written) and a warm load (the record read: runtime/warm.py), the
     median of 5 processes, and the median time of `import coconetc`;
   * tp_mlp.ccn after one schedule is changed (chunks=2 -> 3) and after one is added: one unit
-    compiles, the table and the link;
+    compiles and links, then the table and the module's link;
   * tp_mlp.ccn with its derived programs (as coconetc.torch.function loads it) in f32 and bf16.
 
 Targets (issue 38, this 2-core machine): tp_mlp cold within 15 s, a changed schedule within 8 s,
@@ -86,7 +87,7 @@ def main() -> None:
     env = {**os.environ, "COCONET_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
     rows: list[tuple[str, float, float, float, float, float]] = []
     out: dict = {"cpus": os.cpu_count(), "runtime_s": wall([sys.executable, "-c", RUNTIME], env)}
-    print(f"the compiled runtime (binding and instantiations), once per machine: {out['runtime_s']:.1f} s", flush=True)
+    print(f"the compiled runtime (binding, runtime library), once per machine: {out['runtime_s']:.1f} s", flush=True)
     for name in names:
         path = EXAMPLES / name
         cold = wall([COCONETC, "compile", str(path)], env)

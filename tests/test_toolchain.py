@@ -102,6 +102,35 @@ def test_manifest_is_written_last_and_checked(tmp_path: Path) -> None:
     assert artifacts.verified(out, "m") is None
 
 
+def test_manifest_covers_the_units(tmp_path: Path) -> None:
+    """The shared objects of a module's units (in the objects cache, listed by the build in
+    UNITS_FILE) are in its manifest: one edited or deleted makes the module unverified, and the
+    next build removes an edited one first, so that the build makes it again."""
+    unit = tmp_path / "objects" / "unit-k.so"
+    calls: list = []
+
+    def run(src: Path, build: Path, log) -> None:
+        calls.append(build)
+        (build / "m.so").write_bytes(b"\x7fELF" + b"x" * 1000)
+        if not unit.exists():  # as cached_object: made only when it is not there
+            unit.parent.mkdir(exist_ok=True)
+            unit.write_bytes(b"unit" * 100)
+        (build / artifacts.UNITS_FILE).write_text(f"{unit}\n")
+
+    out = tmp_path / "m"
+    so = artifacts.build("m", {"module.cpp": "text"}, out, run)
+    [rec] = json.loads((out / artifacts.MANIFEST).read_text())["units"]
+    assert rec["path"] == str(unit) and rec["size"] == 400 and artifacts.verified(out, "m") == so
+    unit.write_bytes(b"unit" * 99 + b"tinu")  # the same size, other bytes
+    assert artifacts.verified(out, "m") is None
+    assert artifacts.build("m", {"module.cpp": "text"}, out, run) == so and len(calls) == 2
+    assert unit.read_bytes() == b"unit" * 100, "the edited unit was removed and made again"
+    unit.unlink()
+    assert artifacts.verified(out, "m") is None
+    artifacts.build("m", {"module.cpp": "text"}, out, run)
+    assert len(calls) == 3 and unit.exists() and artifacts.verified(out, "m") == so
+
+
 def test_a_killed_builds_folder_is_swept(tmp_path: Path) -> None:
     out = tmp_path / "m"
     old, new = out / ".build-old", out / ".build-new"
@@ -174,6 +203,91 @@ def test_truncated_cached_module_is_rebuilt(tmp_path: Path, cache_env: dict) -> 
     so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
     assert _done(_load(path, 1.0, cache_env)) == "BUILT"
     assert _done(_load(path, 1.0, cache_env)) == "CACHED"
+
+
+LAZY = textwrap.dedent("""
+    import json, subprocess, sys
+    import numpy as np
+    import coconetc
+
+    def mapped(what):
+        return sorted({line.split()[-1] for line in open("/proc/self/maps") if what in line})
+
+    mod = coconetc.load(sys.argv[1], log=lambda m: None)
+    out = {"import": mapped("/unit-"), "runtime": mapped("/libccnrt-")}
+    rng = np.random.default_rng(1)
+    n = 1000
+    g, w = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    m, v = rng.random(n).astype(np.float32), rng.random(n).astype(np.float32)
+    ref = [x.astype(np.float64) for x in (g, w, m, v)]
+    for step in (1.0, 2.0):
+        mod.adam(g=g, w=w, m=m, v=v, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-6, step=step, schedule=sys.argv[2])
+        rg, rw, rm, rv = ref
+        rm = 0.9 * rm + 0.1 * rg
+        rv = 0.99 * rv + 0.01 * rg * rg
+        rw = rw - 0.01 * (rm / (1 - 0.9 ** step)) / (np.sqrt(rv / (1 - 0.99 ** step)) + 1e-6)
+        ref = [rg, rw, rm, rv]
+    out["call"] = mapped("/unit-")
+    out["runtime_after"] = mapped("/libccnrt-")
+    out["ext"] = sorted(mod.ext._units())
+    out["symbols"] = subprocess.run(["nm", "-D", "--defined-only", out["call"][0]], capture_output=True,
+                                    text=True, check=True).stdout if out["call"] else ""
+    out["error"] = max(float(np.abs(x - r).max()) for x, r in zip((w, m, v), ref[1:]))
+    print(json.dumps(out))
+""")
+
+
+def test_a_call_maps_only_its_unit(cache_env: dict) -> None:
+    """Importing a module of several schedules maps none of its units' shared objects (nor
+    builds anything: examples/adam.ccn is in the session's cache); a call maps exactly the one
+    its schedule runs (the schedule's function is in it), from the module's manifest, beside
+    the one runtime library every unit links; and it computes Adam (NumPy, in f64)."""
+    adam = REPO / "examples" / "adam.ccn"
+    toolchain.compile(load_source(adam.read_text(), str(adam)), "cpu")  # (built once per session)
+    res = subprocess.run([sys.executable, "-c", LAZY, str(adam), "zero"], env=cache_env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["import"] == [], "importing the module maps no unit"
+    assert len(out["call"]) == 1 and out["ext"] == out["call"], out
+    assert " T coconet_unit_adam__zero" in out["symbols"] and "adam__default" not in out["symbols"]
+    [folder] = {Path(p).parent for p in [*out["call"], *out["runtime"]]}
+    assert len(out["runtime"]) == 1 and out["runtime_after"] == out["runtime"], "one runtime library"
+    assert folder.name == "objects"
+    manifests = [json.loads(m.read_text()) for m in Path(cache_env[probes.ENV_CACHE]).glob("ccn_adam_*/manifest.json")]
+    assert any(out["call"][0] in [u["path"] for u in m["units"]] and len(m["units"]) == 4 for m in manifests)
+    assert out["error"] < 1e-5, out["error"]
+
+
+UNIT_GONE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import numpy as np
+    import coconetc
+    mod = coconetc.load(sys.argv[1], log=lambda m: None)
+    [manifest] = Path(sys.argv[2]).glob(f"ccn_{Path(sys.argv[1]).stem}_*/manifest.json")
+    [unit] = [u["path"] for u in json.loads(manifest.read_text())["units"]]
+    Path(unit).unlink()
+    try:
+        mod.scale(x=np.ones(5, np.float32), a=2.0)
+    except RuntimeError as e:
+        print(json.dumps({"unit": unit, "error": str(e)}))
+""")
+
+
+@pytest.mark.slow
+def test_a_missing_unit_raises_on_its_call_and_is_rebuilt(tmp_path: Path, cache_env: dict) -> None:
+    """A unit's shared object deleted after the module was loaded: its call raises RuntimeError
+    naming the file; the next load finds the module unverified and builds it again (the unit
+    linked again from its cached object), and the call runs."""
+    name = _fresh("gone")
+    path = _program(tmp_path, name, 1.0)
+    res = subprocess.run([sys.executable, "-c", UNIT_GONE, str(path), cache_env[probes.ENV_CACHE]], env=cache_env,
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["unit"] in out["error"] and "scale__default" in out["error"], out
+    assert _done(_load(path, 1.0, cache_env)) == "BUILT" and Path(out["unit"]).exists()
 
 
 @pytest.mark.slow

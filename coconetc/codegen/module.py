@@ -47,9 +47,15 @@ def lay_out(templates: Path, source: str, mod: SourceFile, module_name: str, fun
 
 
 def lay_out_units(templates: Path, source: str, mod: SourceFile, funcs: dict[tuple[str, str], Function],
-                  headers: list[str]) -> dict[str, str]:
+                  headers: list[str], **extra: object) -> dict[str, str]:
     """Function name -> its own translation unit, from the template `source`.j2 (one function
-    each, with the headers it includes)."""
+    each, with the headers it includes); extra: what the template reads besides."""
     template = _env(templates).get_template(f"{source}.j2")
     file = Path(mod.file).name
-    return {f.name: template.render(version=__version__, file=file, f=f, headers=headers) for f in funcs.values()}
+    return {f.name: template.render(version=__version__, file=file, f=f, headers=headers, **extra)
+            for f in funcs.values()}
+
+
+def lay_out_file(templates: Path, source: str, file: str, **ctx: object) -> str:
+    """The template `source`.j2 filled in with CTX, coconetc's version and FILE (the .ccn file's name)."""
+    return _env(templates).get_template(f"{source}.j2").render(version=__version__, file=file, **ctx)

@@ -71,6 +71,16 @@ class Backend:
         backends': or the torch.distributed PROCESS_GROUP)."""
         return comm
 
+    def map_function(self, fn: Any, label: ScheduleLabel) -> None:
+        """Maps the shared object of LABEL's function now, among the call's checks (a CPU module
+        that coconetc built maps each unit on its first call: runtime_cpp/coconet/bind.cpp), so
+        that a unit missing or failing to load raises RuntimeError on every rank after the
+        exchange, not on this rank alone inside the call. A module without units (CMake, CUDA)
+        has nothing to map."""
+        map_unit = getattr(fn.ext, "_map", None)
+        if map_unit is not None:
+            map_unit(fn.function_name(label.name))
+
     # --- a call's arguments ------------------------------------------------------------------
     def check(self, p: Program, kwargs: dict, extra: tuple = (), *, tensors_only: bool = False) -> dict:
         """This rank's arguments checked (checks.py); extra: the call's (device, stream) on CUDA."""

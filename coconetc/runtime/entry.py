@@ -98,6 +98,7 @@ def enter(fn: Any, backend: Any, schedule: str | None, comm: Any, groups: Any, k
             what = call_name(fn, schedule or DEFAULT)
             label = parse(schedule)
             p = fn.program_of(label)
+            backend.map_function(fn, label)
             check_groups(fn.name, groups)
             values = backend.check(p, kwargs, extra)
             if backend.torch_tensors and any(is_torch(v) or (isinstance(v, (list, tuple)) and any(map(is_torch, v)))

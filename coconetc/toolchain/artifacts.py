@@ -1,9 +1,11 @@
 """Built modules on disk, written so that nobody ever loads half of one.
 
 A module's folder holds its sources, `build/<module>*.so` and `manifest.json` (the .so's file
-name, size and sha256), written last. A module counts as built only when its manifest is there
-and the .so matches it; anything else (a build that died, a truncated or edited .so, a folder
-from an older coconetc) is built again. A build runs in a fresh temporary folder beside the
+name, size and sha256, and those of the shared objects of its units that it maps when called,
+which live in the objects cache: toolchain/commands.py cpu_units), written last. A module counts as built only when its manifest is there
+and the .so and its units match it; anything else (a build that died, a truncated or edited .so
+or unit, a unit deleted, a folder from an older coconetc) is built again (a unit that does not
+match is removed first, so that the build makes it again). A build runs in a fresh temporary folder beside the
 module's; the .so is renamed into place, then the manifest (each an atomic rename). Ranks on one
 node that ask for the same module at once take a file lock: one builds, the others wait and
 load what it built; ranks that share no lock (other nodes) each build in their own temporary
@@ -25,6 +27,7 @@ from typing import Any
 from coconetc.toolchain.probes import BuildError
 
 MANIFEST = "manifest.json"
+UNITS_FILE = "units.txt"  # a build's list of the units' shared objects (absolute paths, one a line)
 STALE_S = 24 * 3600  # a temporary build folder this old was left by a build that was killed
 Run = Callable[[Path, Path, Any], None]  # (source folder, build folder, log): builds the module
 
@@ -60,17 +63,42 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _matches(path: Path, size: int, sha256: str) -> bool:
+    try:
+        return path.stat().st_size == size and _sha256(path) == sha256
+    except OSError:
+        return False
+
+
+def _record(path: Path) -> dict[str, Any]:
+    return {"path": str(path), "size": path.stat().st_size, "sha256": _sha256(path)}
+
+
 def verified(out_dir: Path, module: str) -> Path | None:
-    """The module's .so when its manifest is there and the file matches it (name, size,
-    sha256); None otherwise (not built, or partial or corrupt: build it again)."""
+    """The module's .so when its manifest is there and the file and its units match it (name,
+    size, sha256); None otherwise (not built, or partial or corrupt: build it again)."""
     try:
         m = json.loads((out_dir / MANIFEST).read_text())
         so = out_dir / "build" / m["so"]
-        if m.get("module") != module or so.stat().st_size != m["size"] or _sha256(so) != m["sha256"]:
+        if m.get("module") != module or not _matches(so, m["size"], m["sha256"]):
+            return None
+        if not all(_matches(Path(u["path"]), u["size"], u["sha256"]) for u in m.get("units", [])):
             return None
         return so
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _drop_broken_units(out_dir: Path) -> None:
+    """Removes the units of the module's manifest that do not match it (truncated, edited), so
+    that the build makes them again instead of finding them in the objects cache."""
+    try:
+        units = json.loads((out_dir / MANIFEST).read_text()).get("units", [])
+        for u in units:
+            if not _matches(Path(u["path"]), u["size"], u["sha256"]):
+                Path(u["path"]).unlink(missing_ok=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
 
 
 def build(module: str, files: dict[str, str], out_dir: Path, run: Run, log=None) -> Path:
@@ -86,6 +114,7 @@ def build(module: str, files: dict[str, str], out_dir: Path, run: Run, log=None)
         so = verified(out_dir, module)  # built by whoever held the lock before us
         if so is not None:
             return so
+        _drop_broken_units(out_dir)
         (out_dir / MANIFEST).unlink(missing_ok=True)
         _sweep(out_dir)
         for name, text in files.items():
@@ -113,7 +142,9 @@ def _build_fresh(module: str, out_dir: Path, run: Run, log) -> Path:
         final = out_dir / "build" / hits[0].name
         final.parent.mkdir(exist_ok=True)
         os.replace(hits[0], final)
-        manifest = {"module": module, "so": final.name, "size": final.stat().st_size, "sha256": _sha256(final)}
+        units = (tmp / UNITS_FILE).read_text().split() if (tmp / UNITS_FILE).exists() else []
+        manifest = {"module": module, "so": final.name, "size": final.stat().st_size, "sha256": _sha256(final),
+                    "units": [_record(Path(u)) for u in units]}
         write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1))
         return final
     finally:

@@ -1,6 +1,21 @@
-"""The compiler commands: CMake (CPU modules, CUDA modules with nvcc) and the MPI C++ compiler
-(the host emulation of a CUDA module). The only place in coconetc that starts a compiler. Each
-builds the sources in `src` into the build folder `build` (absolute paths both)."""
+"""The compiler commands: the MPI C++ compiler (CPU modules, the host emulation of a CUDA module)
+and CMake with nvcc (CUDA modules). The only place in coconetc that starts a compiler. Each
+builds the sources in `src` into the build folder `build` (absolute paths both).
+
+A CPU module that coconetc builds (cpu_units) is loaded in pieces: each unit (one per program x
+schedule x dtype) is a shared object of its own, cached by content, and the module's .so holds
+only a lazy table and the Python binding, which map a unit (dlopen, dlsym) on its function's
+first call; importing the module maps none of them. The runtime's state must stay one per
+process (communicators and their cache, shared windows, the thread counts and BLAS threads,
+the batch a thread runs in, the counters tests read): it lives in one shared library compiled
+once per machine, libccnrt-<key>.so in the objects cache (runtime_cpp/coconet/runtime.cpp),
+which the module and every unit link by run path, so the dynamic loader maps it once and all
+reach the one instance (runtime_cpp/coconet/state.h lists the state and says how the headers
+declare it). The other way, the module exporting the state to the units, would need the units
+linked against one module (they are shared between modules) or loaded RTLD_GLOBAL (a symbol
+clash between modules); a library of its own keeps each unit independent of the module that maps
+it. `coconetc compile --emit-only` and CMake builds stay one translation unit (module.cpp, a
+linked table, runtime.cpp compiled into the module)."""
 
 from __future__ import annotations
 
@@ -79,17 +94,40 @@ def _in_parallel(jobs: Sequence[Callable[[], Path]]) -> list[Path]:
 
 def cpu_runtime(key_parts: list[str], log: Log | None) -> list[Path]:
     """The compiled part of the CPU runtime, once per machine (its key: the compiler, the
-    runtime headers, the tools, Python and pybind11): the Python binding (coconet/bind.cpp) and
-    the runtime's instantiations (coconet/runtime.cpp), the objects every CPU module links."""
+    runtime headers, the tools, Python and pybind11): the Python binding (coconet/bind.cpp), an
+    object every CPU module links, and the runtime library (coconet/runtime.cpp: the process's
+    state and the collectives' instantiations, coconet/state.h), libccnrt-<key>.so, which every
+    module and every unit links."""
     tc = toolchain()
     cmd = [tc.mpicxx, *_cpu_flags(), *_python_includes()]
-    jobs = []
-    for name, what in (("bind.cpp", "the Python binding"), ("runtime.cpp", "the runtime")):
-        text = (runtime_dir() / "coconet" / name).read_text()
-        key = artifacts.content_key([*key_parts, *cmd, text, name])
-        jobs.append(functools.partial(artifacts.cached_object, _objects_dir(), key, ".cpp", text,
-                                      _compiled(cmd, f"compiling {what} (once per machine)", log)))
-    return _in_parallel(jobs)
+    text = (runtime_dir() / "coconet" / "bind.cpp").read_text()
+    binding = functools.partial(artifacts.cached_object, _objects_dir(),
+                                artifacts.content_key([*key_parts, *cmd, text, "bind.cpp"]), ".cpp", text,
+                                _compiled(cmd, "compiling the Python binding (once per machine)", log))
+    return _in_parallel([binding, functools.partial(_runtime_library, key_parts, log)])
+
+
+def _runtime_library(key_parts: list[str], log: Log | None) -> Path:
+    tc = toolchain()
+    cmd = [tc.mpicxx, *_cpu_flags(), "-shared"]
+    text = (runtime_dir() / "coconet" / "runtime.cpp").read_text()
+    key = f"libccnrt-{artifacts.content_key([*key_parts, *cmd, *_blas(), text, 'runtime.cpp'])}"
+
+    def go(source: Path, lib: Path) -> None:
+        _steps([("compiling the runtime (once per machine)",
+                 [*cmd, str(source), *_blas(), "-o", str(lib), f"-Wl,-soname,{key}.so"])], source, log, quiet=True)
+    return artifacts.cached_object(_objects_dir(), key, ".cpp", text, go, product=".so")
+
+
+def _blas() -> list[str]:
+    """Linking the BLAS library (a run path to its folder)."""
+    lib = Path(toolchain().blas_lib)
+    return [f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"]
+
+
+def _runtime_link(library: Path) -> list[str]:
+    """Linking the runtime library (cpu_runtime; a run path to the objects cache)."""
+    return [f"-L{library.parent}", f"-l:{library.name}", f"-Wl,-rpath,{library.parent}"]
 
 
 def cpu_header(key_parts: list[str], log: Log | None) -> Path:
@@ -109,31 +147,46 @@ def cpu_header(key_parts: list[str], log: Log | None) -> Path:
     return folder
 
 
-def cpu_units(name: str, table: str, units: dict[str, str], key_parts: list[str], libs: Libs,
-              libs_key: str) -> artifacts.Run:
-    """A CPU module NAME built from its units (function name -> translation unit), each compiled
-    on its own and cached by content (a new or changed schedule compiles one), and its table,
-    linked with the compiled runtime (cpu_runtime) into NAME.so. key_parts: what every object depends on
-    besides its text (the compiler, the runtime headers, the tools); libs_key: the extern
-    libraries' (their headers, for the units)."""
-    def run(src: Path, build: Path, log: Log | None) -> None:
+def cpu_units(name: str, src: cpu.Sources, key_parts: list[str], libs: Libs, libs_key: str) -> artifacts.Run:
+    """A CPU module NAME built from its units (src.units: function name -> translation unit):
+    each compiled on its own and linked into a shared object of its own, both cached by content
+    (a new or changed schedule compiles and links one; a unit two modules share is built once),
+    and NAME.so: the module's lazy table of them (cpu.lazy_table) and the binding, which map a
+    unit on its function's first call (runtime_cpp/coconet/entries.h). The module and every unit
+    link the runtime library (cpu_runtime), so the process holds one runtime state however many
+    units it maps (runtime_cpp/coconet/state.h). The units' shared objects are listed in
+    UNITS_FILE of the build folder, for the module's manifest (artifacts.py). key_parts: what
+    every object depends on besides its text (the compiler, the runtime headers, the tools);
+    libs_key: the extern libraries' (their headers, for the units)."""
+    def run(out: Path, build: Path, log: Log | None) -> None:
         tc = toolchain()
-        runtime = cpu_runtime(key_parts, log)
+        binding, library = cpu_runtime(key_parts, log)
         cmd = [tc.mpicxx, f"-I{cpu_header(key_parts, log)}", *_cpu_flags(libs.include_dirs)]
-        jobs = [functools.partial(artifacts.cached_object, _objects_dir(),
-                                  artifacts.content_key([*key_parts, libs_key, *cmd, text]), ".cpp", text,
-                                  _compiled(cmd, f"compiling {fn}", log)) for fn, text in units.items()]
-        objects = _in_parallel(jobs)
+        link = [*_runtime_link(library), *_blas(), "-Wl,--no-undefined", *(f"-L{d}" for d in libs.library_dirs),
+                *(f"-Wl,-rpath,{d}" for d in libs.library_dirs), *_libraries(libs)]
+        jobs = [functools.partial(_unit, fn, text, [*key_parts, libs_key], cmd, link, log)
+                for fn, text in src.units.items()]
+        units = dict(zip(src.units, map(str, _in_parallel(jobs))))
         build.mkdir(parents=True, exist_ok=True)
-        artifacts.write_atomic(build / "table.cpp", table)
-        blas_dir = str(Path(tc.blas_lib).parent)
-        link = [*cmd, "-shared", str(build / "table.cpp"), *map(str, objects), *map(str, runtime),
-                "-o", str(build / f"{name}.so"), f"-L{blas_dir}", f"-l:{Path(tc.blas_lib).name}",
-                f"-Wl,-rpath,{blas_dir}", "-Wl,-Bsymbolic-functions",
-                *(f"-L{d}" for d in libs.library_dirs), *(f"-Wl,-rpath,{d}" for d in libs.library_dirs),
-                *_libraries(libs)]
-        _steps([("linking", link)], src / "module.cpp", log, quiet=True)
+        artifacts.write_atomic(build / "table.cpp", cpu.lazy_table(src, units))
+        artifacts.write_atomic(build / artifacts.UNITS_FILE, "\n".join(units.values()))
+        module = [*cmd, "-shared", str(build / "table.cpp"), str(binding), "-o", str(build / f"{name}.so"),
+                  *_runtime_link(library), *_blas(), "-Wl,-Bsymbolic-functions"]
+        _steps([("linking", module)], out / "module.cpp", log, quiet=True)
     return run
+
+
+def _unit(fn: str, text: str, key_parts: list[str], cmd: list[str], link: list[str], log: Log | None) -> Path:
+    """The shared object of unit FN (its text TEXT): its object compiled with CMD, then linked
+    with CMD and LINK (the libraries), each cached by content in the objects cache."""
+    obj = artifacts.cached_object(_objects_dir(), artifacts.content_key([*key_parts, *cmd, text]), ".cpp", text,
+                                  _compiled(cmd, f"compiling {fn}", log))
+    line = [*cmd, "-shared", str(obj), *link]
+
+    def go(_: Path, so: Path) -> None:
+        _steps([(f"linking {fn}", [*line, "-o", str(so)])], obj, log, quiet=True)
+    return artifacts.cached_object(_objects_dir(), f"unit-{artifacts.content_key(line)}", ".link", " ".join(line), go,
+                                   product=".so")
 
 
 def _blas_headers(include: str, build: Path) -> Path:

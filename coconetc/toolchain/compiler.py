@@ -168,8 +168,7 @@ WAYS: dict[str, Way] = {
         generate=lambda mod, o, libs, name: cpu.generate(mod, name, libs),
         files=lambda src: {"module.cpp": src.cpp, "CMakeLists.txt": src.cmake},
         key=lambda o: [compiler_hash(), f"cpu|{os.environ.get('CXXFLAGS', '')}", toolchain().key()],
-        command=lambda name, src, parts, o, libs, libs_key: commands.cpu_units(name, src.table, src.units, parts,
-                                                                                libs, libs_key),
+        command=lambda name, src, parts, o, libs, libs_key: commands.cpu_units(name, src, parts, libs, libs_key),
         externs="cpp", cpu_extra=True),
     Target.CUDA: Way(
         generate=lambda mod, o, libs, name: cuda.generate(mod, name, _archs(o), True, libs),

@@ -108,16 +108,17 @@ struct RoundPlan {
 
 // ---- allreduce -------------------------------------------------------------------------------
 
-// The shared-memory allreduce of fused_shm.h (included at the end of this file): false when
+// The shared-memory allreduce of fused_shm.h (included at the end of this file; instantiated
+// once, in the compiled runtime: COCONET_SHARED, state.h): false when
 // the group is not on one node or the message is small (then MPI's allreduce runs instead).
 template <class T>
-bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm);
+COCONET_SHARED bool allreduce_shm(Op op, const T* in, T* out, int64_t count, Comm& comm);
 // ... its reduce-scatter of a [outer, n, inner] tensor (false: MPI's runs instead) ...
 template <class T>
-bool reduce_scatter_shm(Op op, const Segments<const T>& in, T* out_slice, Shape3 s, Comm& comm);
+COCONET_SHARED bool reduce_scatter_shm(Op op, const Segments<const T>& in, T* out_slice, Shape3 s, Comm& comm);
 // ... and its allgather (false: MPI's runs instead).
 template <class T>
-bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm);
+COCONET_SHARED bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm);
 
 // out = in reduced over the group (in == out allowed).  Result replicated on every rank.
 template <class T>

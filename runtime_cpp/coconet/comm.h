@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "state.h"
 
 namespace coconet {
 
@@ -28,15 +29,15 @@ namespace coconet {
 // first Comm made, as the cores divided among the ranks of its communicator on this node.
 // Counting those ranks is a collective over the caller's communicator, never MPI_COMM_WORLD: a
 // call on a sub-communicator must not wait for ranks outside it.
-inline std::atomic<int>& process_threads() {
+COCONET_STATE std::atomic<int>& process_threads() COCONET_STATE_BODY({
   static std::atomic<int> n{0};
   return n;
-}
+})
 // Called once when process_threads() is first set (module.h: sizes the BLAS thread pool).
-inline void (*&on_threads_set())(int) {
+COCONET_STATE void (*&on_threads_set())(int) COCONET_STATE_BODY({
   static void (*f)(int) = nullptr;
   return f;
-}
+})
 
 // ---- nodes ---------------------------------------------------------------------------------
 //
@@ -493,14 +494,14 @@ inline int comm_cache_delete(MPI_Comm, int, void* value, void*) {
 }
 
 // The process-wide attribute key of the cache.
-inline int comm_cache_keyval() {
+COCONET_STATE int comm_cache_keyval() COCONET_STATE_BODY({
   static int keyval = [] {
     int k = MPI_KEYVAL_INVALID;
     COCONET_MPI(MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, comm_cache_delete, &k, nullptr));
     return k;
   }();
   return keyval;
-}
+})
 
 // The Comm for `base` split into `groups` groups, created on first use (collective then).
 inline Comm& cached_comm(MPI_Comm base, int groups = 1) {

@@ -111,16 +111,16 @@ inline size_t shm_double_bytes() {
 
 // Collectives run through a shared window in this process (the module's _shm_runs(): tests
 // see which algorithm a call took).
-inline std::atomic<int64_t>& shm_runs() {
+COCONET_STATE std::atomic<int64_t>& shm_runs() COCONET_STATE_BODY({
   static std::atomic<int64_t> n{0};
   return n;
-}
+})
 
 // Hierarchical collectives run in this process (the module's _hier_runs()).
-inline std::atomic<int64_t>& hier_runs() {
+COCONET_STATE std::atomic<int64_t>& hier_runs() COCONET_STATE_BODY({
   static std::atomic<int64_t> n{0};
   return n;
-}
+})
 
 // True unless the call (CallArgs::fused, e.g. schedule "zero@p2p") or, when the call does not
 // say, COCONET_FUSED asks for point-to-point (or the group has one rank).
@@ -680,10 +680,12 @@ bool allgather_shm(const T* in_slice, T* out, Shape3 s, Comm& comm) {
 // a unit's compile time (a bf16 all-reduce several seconds). A generated unit defines
 // COCONET_LINKS_RUNTIME; code that uses the headers alone (runtime_cpp/tests) instantiates them
 // itself.
-#define COCONET_SHM_COLLECTIVES(T, EXTERN)                                                      \
-  EXTERN template bool allreduce_shm<T>(Op, const T*, T*, int64_t, Comm&);                    \
-  EXTERN template bool reduce_scatter_shm<T>(Op, const Segments<const T>&, T*, Shape3, Comm&); \
-  EXTERN template bool allgather_shm<T>(const T*, T*, Shape3, Comm&);
+// (COCONET_SHARED on each instantiation too: the types half and bfloat16 are hidden, which would
+// make their instantiations hidden, out of the units' reach.)
+#define COCONET_SHM_COLLECTIVES(T, EXTERN)                                                                     \
+  EXTERN template COCONET_SHARED bool allreduce_shm<T>(Op, const T*, T*, int64_t, Comm&);                    \
+  EXTERN template COCONET_SHARED bool reduce_scatter_shm<T>(Op, const Segments<const T>&, T*, Shape3, Comm&); \
+  EXTERN template COCONET_SHARED bool allgather_shm<T>(const T*, T*, Shape3, Comm&);
 #define COCONET_EACH_DTYPE(X) X(float) X(double) X(half) X(bfloat16) X(int32_t) X(int64_t)
 #ifdef COCONET_LINKS_RUNTIME
 #define COCONET_EXTERN_SHM_COLLECTIVES(T) COCONET_SHM_COLLECTIVES(T, extern)

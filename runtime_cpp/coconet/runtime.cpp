@@ -1,7 +1,11 @@
-// coconet runtime: what the headers leave to one translation unit, compiled once per machine and
-// linked into every CPU module beside its binding (bind.cpp): the collectives through the
-// shared-memory window for every dtype (fused_shm.h, COCONET_SHM_COLLECTIVES). A generated unit
-// includes the headers with COCONET_LINKS_RUNTIME defined, so it does not instantiate them again.
+// coconet runtime: what the headers leave to one translation unit, compiled once per machine:
+// the process-wide state (state.h: defined here, once) and the collectives through the
+// shared-memory window for every dtype (fused_shm.h, COCONET_SHM_COLLECTIVES). coconetc's cached
+// builds make it a shared library every module and every unit links (state.h says why); a CMake
+// build links it into the module beside the binding (bind.cpp). A generated unit includes the
+// headers with COCONET_LINKS_RUNTIME defined, so it neither instantiates these again nor holds
+// a copy of the state.
+#define COCONET_DEFINES_RUNTIME
 #include "coconet/module.h"
 
 namespace coconet {

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "state.h"
+
 namespace coconet {
 
 class Batch {
@@ -99,14 +101,14 @@ class Batch {
 
 // The batch the calling thread's call belongs to (nullptr outside run_batch), and its place
 // (0 outside a batch).
-inline Batch*& current_batch() {
+COCONET_STATE Batch*& current_batch() COCONET_STATE_BODY({
   static thread_local Batch* b = nullptr;
   return b;
-}
-inline int& batch_slot() {
+})
+COCONET_STATE int& batch_slot() COCONET_STATE_BODY({
   static thread_local int s = 0;
   return s;
-}
+})
 
 // Worker threads kept for the process, one per place in a batch, so that each keeps its
 // thread-local state (the CPU's scratch memory, module.h) from one step to the next.

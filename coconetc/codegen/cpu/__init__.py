@@ -1,9 +1,11 @@
 """The CPU backend: one C++ unit per (program, schedule) of a file, the module's table of them
 and its CMakeLists, each function rendered by render.py, the module laid out by
-codegen/module.py. coconetc's own builds compile each unit on its own and cache it by content
-(toolchain/commands.py: cpu_units), so a new schedule compiles one unit; `module.cpp` is the
-units and the table in one file (the same text), for a build system to compile with the compiled
-runtime (runtime_cpp/coconet/bind.cpp and runtime.cpp)."""
+codegen/module.py. coconetc's own builds compile each unit on its own into a shared object
+cached by content (toolchain/commands.py: cpu_units), so a new schedule compiles one unit, and
+link the module from a lazy table of them (lazy_table: each unit mapped on its function's first
+call, coconet/entries.h); `module.cpp` is the units and the linked table in one file (the same
+text), for a build system to compile with the compiled runtime (runtime_cpp/coconet/bind.cpp
+and runtime.cpp)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from coconetc.codegen.base import Function
 from coconetc.codegen.cpu.render import render
 from coconetc.codegen.extern_libs import Libs
-from coconetc.codegen.module import functions, lay_out, lay_out_units
+from coconetc.codegen.module import functions, lay_out, lay_out_file, lay_out_units
 from coconetc.sourcefile import SourceFile
 
 # The compile options of a CPU module's units and of its binding (CMakeLists.txt.j2 renders them
@@ -21,6 +23,7 @@ from coconetc.sourcefile import SourceFile
 CXX_FLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fno-math-errno", "-Wall", "-Wno-unused-variable",
              "-Wno-unused-but-set-variable")
 TEMPLATES = Path(__file__).parent / "templates"
+UNIT_SYMBOL = "coconet_unit_"  # + the function's name: its extern "C" name in its unit's shared object
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Sources:
     units: dict[str, str]  # function name -> its translation unit
     cmake: str
     functions: dict[tuple[str, str], Function]  # (program, schedule) -> lowered function
+    file: str = ""  # the .ccn file's name (the tables' docstring)
 
     @property
     def cpp(self) -> str:
@@ -42,5 +46,12 @@ def generate(mod: SourceFile, module_name: str, libs: Libs | None = None) -> Sou
     libs = libs or Libs.of(mod.file, bool(mod.externs))
     table, cmake = lay_out(TEMPLATES, "module.cpp", mod, module_name, funcs, mod.extern_headers(), libs,
                            cxx_flags=" ".join(CXX_FLAGS))
-    units = lay_out_units(TEMPLATES, "unit.cpp", mod, funcs, mod.extern_headers())
-    return Sources(module_name, table, units, cmake, funcs)
+    units = lay_out_units(TEMPLATES, "unit.cpp", mod, funcs, mod.extern_headers(), symbol_prefix=UNIT_SYMBOL)
+    return Sources(module_name, table, units, cmake, funcs, Path(mod.file).name)
+
+
+def lazy_table(src: Sources, unit_files: dict[str, str]) -> str:
+    """The module's lazy table (coconet/entries.h): each function (name -> the path of its unit's
+    shared object) mapped by the binding on its first call."""
+    return lay_out_file(TEMPLATES, "lazy_table.cpp", src.file, module=src.module, units=list(unit_files.items()),
+                        symbol_prefix=UNIT_SYMBOL)

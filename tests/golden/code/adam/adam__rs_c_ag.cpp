@@ -82,3 +82,6 @@ void adam__rs_c_ag(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_adam__rs_c_ag(const coconet::CallArgs& a) { coconet_gen::adam__rs_c_ag(a); }

@@ -57,3 +57,6 @@ void adam__zero(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_adam__zero(const coconet::CallArgs& a) { coconet_gen::adam__zero(a); }

@@ -109,3 +109,6 @@ void adamw__sliced(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_adamw__sliced(const coconet::CallArgs& a) { coconet_gen::adamw__sliced(a); }

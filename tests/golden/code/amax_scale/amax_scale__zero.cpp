@@ -95,3 +95,6 @@ void amax_scale__zero(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_amax_scale__zero(const coconet::CallArgs& a) { coconet_gen::amax_scale__zero(a); }

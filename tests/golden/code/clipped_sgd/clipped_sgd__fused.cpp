@@ -68,3 +68,6 @@ void clipped_sgd__fused(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_clipped_sgd__fused(const coconet::CallArgs& a) { coconet_gen::clipped_sgd__fused(a); }

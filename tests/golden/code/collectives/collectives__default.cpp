@@ -128,3 +128,6 @@ void collectives__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_collectives__default(const coconet::CallArgs& a) { coconet_gen::collectives__default(a); }

@@ -96,3 +96,6 @@ void conv_layer__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_conv_layer__default(const coconet::CallArgs& a) { coconet_gen::conv_layer__default(a); }

@@ -49,3 +49,6 @@ void conv_tp__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_conv_tp__default(const coconet::CallArgs& a) { coconet_gen::conv_tp__default(a); }

@@ -52,3 +52,6 @@ void conv_tp__rs_c_ag(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_conv_tp__rs_c_ag(const coconet::CallArgs& a) { coconet_gen::conv_tp__rs_c_ag(a); }

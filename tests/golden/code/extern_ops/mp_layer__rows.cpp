@@ -56,3 +56,6 @@ void mp_layer__rows(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_mp_layer__rows(const coconet::CallArgs& a) { coconet_gen::mp_layer__rows(a); }

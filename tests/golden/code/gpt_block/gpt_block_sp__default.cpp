@@ -313,3 +313,6 @@ void gpt_block_sp__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_gpt_block_sp__default(const coconet::CallArgs& a) { coconet_gen::gpt_block_sp__default(a); }

@@ -60,3 +60,6 @@ void attn_out__fused(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_attn_out__fused(const coconet::CallArgs& a) { coconet_gen::attn_out__fused(a); }

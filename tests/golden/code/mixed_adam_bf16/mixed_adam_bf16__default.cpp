@@ -95,3 +95,6 @@ void mixed_adam_bf16__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_mixed_adam_bf16__default(const coconet::CallArgs& a) { coconet_gen::mixed_adam_bf16__default(a); }

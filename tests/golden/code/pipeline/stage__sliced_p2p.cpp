@@ -63,3 +63,6 @@ void stage__sliced_p2p(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_stage__sliced_p2p(const coconet::CallArgs& a) { coconet_gen::stage__sliced_p2p(a); }

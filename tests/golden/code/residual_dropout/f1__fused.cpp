@@ -50,3 +50,6 @@ void f1__fused(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_f1__fused(const coconet::CallArgs& a) { coconet_gen::f1__fused(a); }

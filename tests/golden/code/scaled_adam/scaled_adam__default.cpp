@@ -165,3 +165,6 @@ void scaled_adam__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_scaled_adam__default(const coconet::CallArgs& a) { coconet_gen::scaled_adam__default(a); }

@@ -44,3 +44,6 @@ void sgd__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_sgd__default(const coconet::CallArgs& a) { coconet_gen::sgd__default(a); }

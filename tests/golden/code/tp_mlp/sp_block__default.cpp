@@ -108,3 +108,6 @@ void sp_block__default(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_sp_block__default(const coconet::CallArgs& a) { coconet_gen::sp_block__default(a); }

@@ -122,3 +122,6 @@ void tp_mlp_grad__split_overlapped(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_tp_mlp_grad__split_overlapped(const coconet::CallArgs& a) { coconet_gen::tp_mlp_grad__split_overlapped(a); }

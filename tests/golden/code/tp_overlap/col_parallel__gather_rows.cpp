@@ -34,3 +34,6 @@ void col_parallel__gather_rows(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_col_parallel__gather_rows(const coconet::CallArgs& a) { coconet_gen::col_parallel__gather_rows(a); }

@@ -38,3 +38,6 @@ void row_parallel__rs_seq(const coconet::CallArgs& a) {
 }
 
 }  // namespace coconet_gen
+
+// The function as a lazy table finds it in this unit's shared object (coconet/entries.h).
+extern "C" __attribute__((visibility("default"))) void coconet_unit_row_parallel__rs_seq(const coconet::CallArgs& a) { coconet_gen::row_parallel__rs_seq(a); }
