@@ -140,8 +140,8 @@ def _write(tmp: Path, name: str, text: str) -> Path:
     return f
 
 
-def _launch(ranks: int, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = mpiexec.environment(ranks)
+def _launch(ranks: int, args: list[str], timeout: float = 600, **extra: str) -> subprocess.CompletedProcess:
+    env = {**mpiexec.environment(ranks), **extra}
     cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -187,6 +187,13 @@ def test_cpu_backend_matches_interpreter(cache, tmp_path_factory):
     _check(_launch(3, ["cpu", str(f), *_sizes(**EMPTY)]), len(mod.programs))
 
 
+def _index_counts(out: str) -> tuple[int, int]:
+    """(kernels launched with 32-bit indices, with 64-bit) of the worker's COUNTS line."""
+    found = re.findall(r"^COUNTS index32=(\d+) index64=(\d+)$", out, re.MULTILINE)
+    assert len(found) == 1, out
+    return int(found[0][0]), int(found[0][1])
+
+
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 def test_cuda_emulation_matches_interpreter(cache, tmp_path_factory):
     from coconetc import toolchain
@@ -194,8 +201,14 @@ def test_cuda_emulation_matches_interpreter(cache, tmp_path_factory):
     mod = load_file(f)
     assert not mod.plans or all(not p.unsupported(Target.EMULATED) for p in mod.plans.values())
     toolchain.compile(mod, Target.EMULATED, toolchain.Options(log=lambda msg: None))
-    for ranks in (1, 3):
-        _check(_launch(ranks, ["emulate", str(f), *_sizes()]), len(EMULATED))
+    # the kernels' indices: 32-bit where every index fits (on one rank), 64-bit where the limit
+    # says none does (on three: COCONET_EMULATE_INDEX32_LIMIT=0 stands for sizes past 2^31)
+    res = _launch(1, ["emulate", str(f), *_sizes()])
+    _check(res, len(EMULATED))
+    assert _index_counts(res.stdout)[0] >= 10 and _index_counts(res.stdout)[1] == 0, res.stdout
+    res = _launch(3, ["emulate", str(f), *_sizes()], COCONET_EMULATE_INDEX32_LIMIT="0")
+    _check(res, len(EMULATED))
+    assert _index_counts(res.stdout)[0] == 0 and _index_counts(res.stdout)[1] >= 10, res.stdout
     _check(_launch(3, ["emulate", str(f), *_sizes(**EMPTY)]), len(EMULATED))
     # the column sums (a block a tile of 32 columns, 16 row lanes) over more than one tile and
     # more rows than lanes (B * S = 54 rows, H = 37 and M = 35 columns), the row means over 37

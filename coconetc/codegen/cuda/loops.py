@@ -95,7 +95,7 @@ class CudaKernels:
         if launch is None:
             def launch(V: int, ok: str) -> str:
                 return (f"coconet::cuda::launch_threads<{V}>({k.n}, {ok}, stream, "
-                        f"[=] __device__ (const coconet::cuda::Thread<{V}>& th) {{")
+                        f"[=] __device__ (const auto& th) {{")  # th: a Thread<V, I>, I int32_t or int64_t
         if vec is None:
             self.w.emit(f"{ind}{launch(1, 'false')}")
         else:
@@ -106,7 +106,7 @@ class CudaKernels:
             self.w.emit(f"{ind}  {line}")
         if vec is not None:
             self._vector_loop(t, k, items, outs, coords, *vec, ind + "  ")
-        self.w.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
+        self.w.emit(f"{ind}  for (const auto {k.var} : th.elements()) {{"
                   + ("  // past the last whole vector, or all when not aligned" if vec else ""))
         load = self.idx.loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
@@ -131,10 +131,11 @@ class CudaKernels:
 
     def with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
         """The body, after the element's coordinates c0.. from i (the L<k> in scope) when it
-        needs them (those it does not use (void)-ed)."""
+        needs them (those it does not use (void)-ed), divided out in i's type (int32_t where the
+        launch chose it: every extent is below the element count)."""
         if not coords:
             return body
-        out = ["int64_t rest = i;", *coord_lines(range(t.ndim))]
+        out = ["auto rest = i;", *coord_lines(range(t.ndim), ext="decltype(rest)(L{k})")]
         out += [f"(void)c{d};" for d in range(t.ndim) if not re.search(rf"\bc{d}\b", " ".join(body))]
         return out + (["(void)rest;"] if t.ndim == 0 else []) + body
 
@@ -196,7 +197,7 @@ class CudaKernels:
         """Whole groups of V elements: each operand loaded as one vector, the element math of
         the V lanes unrolled, each stored value written as one vector."""
         v0 = f"{k.var}0"
-        self.w.emit(f"{ind}for (const int64_t {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
+        self.w.emit(f"{ind}for (const auto {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
                   "load or store per operand")
         for name, ptr in ptrs.items():
             if name in k.vloads:
@@ -223,7 +224,7 @@ class CudaKernels:
                 self.w.emit(f"{ind}  {line}")
         self.w.emit(f"{ind}  COCONET_UNROLL")
         self.w.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
-        for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
+        for line in (*_indices((f"const auto {k.var} = {v0} + u;", *k.defs), body), *body):
             self.w.emit(f"{ind}    {line}")
         self.w.emit(f"{ind}  }}")
         for line in self._vector_stores(k, outs, stored, V, ptrs, v0):

@@ -133,8 +133,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -146,7 +146,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -155,10 +155,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -193,8 +193,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -206,7 +206,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -215,10 +215,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -240,21 +240,21 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -269,8 +269,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -283,7 +283,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -293,11 +293,11 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -317,10 +317,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -335,7 +335,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -347,11 +347,11 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -378,10 +378,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -394,7 +394,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_x1[u] = coconet::from_compute<float>(x_x1);
@@ -402,10 +402,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -426,8 +426,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -439,7 +439,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -448,10 +448,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -472,10 +472,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_R(v_mt, 0, S_B * S_S * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -488,7 +488,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_y[u] = coconet::from_compute<float>(x_y);
@@ -496,10 +496,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -631,8 +631,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -644,7 +644,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -653,10 +653,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -691,8 +691,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -704,7 +704,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -713,10 +713,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -738,21 +738,21 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -767,8 +767,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -781,7 +781,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -791,11 +791,11 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -815,10 +815,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -833,7 +833,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -845,11 +845,11 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -890,14 +890,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -920,8 +920,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -933,7 +933,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -942,10 +942,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -980,14 +980,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -1121,8 +1121,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1134,7 +1134,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -1143,10 +1143,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1181,8 +1181,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1194,7 +1194,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -1203,10 +1203,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1228,21 +1228,21 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -1257,8 +1257,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1271,7 +1271,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -1281,11 +1281,11 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1305,10 +1305,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1323,7 +1323,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -1335,11 +1335,11 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -1390,14 +1390,14 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -1424,8 +1424,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1437,7 +1437,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -1446,10 +1446,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1494,14 +1494,14 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -1649,8 +1649,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1662,7 +1662,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -1671,10 +1671,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1709,8 +1709,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1722,7 +1722,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -1731,10 +1731,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1756,21 +1756,21 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -1785,8 +1785,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1799,7 +1799,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -1809,11 +1809,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1833,10 +1833,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1851,7 +1851,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -1863,11 +1863,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -1894,10 +1894,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -1912,7 +1912,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -1923,10 +1923,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -1947,8 +1947,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1960,7 +1960,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -1969,10 +1969,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1993,10 +1993,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_mt, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -2011,7 +2011,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -2022,10 +2022,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_y[i] = coconet::from_compute<float>(x_y);
@@ -2159,8 +2159,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2172,7 +2172,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -2181,10 +2181,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2219,8 +2219,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2232,7 +2232,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -2241,10 +2241,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2266,21 +2266,21 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -2295,8 +2295,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2309,7 +2309,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -2319,11 +2319,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2343,10 +2343,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2361,7 +2361,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -2373,11 +2373,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -2418,10 +2418,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -2437,7 +2437,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -2449,11 +2449,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -2483,8 +2483,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2496,7 +2496,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -2505,10 +2505,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2542,10 +2542,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -2561,7 +2561,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -2573,11 +2573,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -2717,8 +2717,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2730,7 +2730,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -2739,10 +2739,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2777,8 +2777,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2790,7 +2790,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -2799,10 +2799,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2824,21 +2824,21 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -2853,8 +2853,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2867,7 +2867,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -2877,11 +2877,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2901,10 +2901,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2919,7 +2919,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -2931,11 +2931,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -2985,10 +2985,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -3004,7 +3004,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3016,11 +3016,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -3049,8 +3049,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3062,7 +3062,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -3071,10 +3071,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3118,10 +3118,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -3137,7 +3137,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3149,11 +3149,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -3306,8 +3306,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3319,7 +3319,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -3328,10 +3328,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3366,8 +3366,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3379,7 +3379,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -3388,10 +3388,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3413,21 +3413,21 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -3442,8 +3442,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3456,7 +3456,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -3466,11 +3466,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3490,10 +3490,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3508,7 +3508,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -3520,11 +3520,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -3574,10 +3574,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -3593,7 +3593,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3605,11 +3605,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -3647,8 +3647,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3660,7 +3660,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -3669,10 +3669,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3716,10 +3716,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -3735,7 +3735,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3747,11 +3747,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -4003,8 +4003,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4016,7 +4016,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
@@ -4025,10 +4025,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4063,8 +4063,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4076,7 +4076,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -4085,10 +4085,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4114,9 +4114,9 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_s, out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4129,7 +4129,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -4142,11 +4142,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_s + i0, out_s);
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4168,10 +4168,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4186,7 +4186,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -4198,11 +4198,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -4229,10 +4229,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -4245,7 +4245,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1_add = coconet::round_to<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
           const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
@@ -4255,10 +4255,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4281,8 +4281,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4294,7 +4294,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -4306,10 +4306,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4325,21 +4325,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -4356,22 +4356,22 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -4392,21 +4392,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -4421,21 +4421,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -4470,10 +4470,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4488,7 +4488,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -4500,11 +4500,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -4516,21 +4516,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -4547,9 +4547,9 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -4566,7 +4566,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -4580,11 +4580,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -4642,22 +4642,22 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -4676,21 +4676,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -4936,8 +4936,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4949,7 +4949,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
@@ -4958,10 +4958,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4996,8 +4996,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5009,7 +5009,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -5018,10 +5018,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5047,9 +5047,9 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_s, out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5062,7 +5062,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -5075,11 +5075,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_s + i0, out_s);
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5101,10 +5101,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5119,7 +5119,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -5131,11 +5131,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -5162,10 +5162,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -5178,7 +5178,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1_add = coconet::round_to<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
           const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
@@ -5188,10 +5188,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5214,8 +5214,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5227,7 +5227,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -5239,10 +5239,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5258,21 +5258,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -5289,22 +5289,22 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -5342,21 +5342,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -5371,21 +5371,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -5420,10 +5420,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5438,7 +5438,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -5450,11 +5450,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -5466,21 +5466,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -5497,9 +5497,9 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -5516,7 +5516,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -5530,11 +5530,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -5592,22 +5592,22 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -5626,21 +5626,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -5909,8 +5909,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5922,7 +5922,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
@@ -5931,10 +5931,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5969,8 +5969,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5982,7 +5982,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -5991,10 +5991,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6020,9 +6020,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_s, out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6035,7 +6035,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -6048,11 +6048,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_s + i0, out_s);
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6074,10 +6074,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6092,7 +6092,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6104,11 +6104,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -6135,10 +6135,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -6153,7 +6153,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6166,10 +6166,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
         const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
@@ -6192,8 +6192,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6205,7 +6205,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -6217,10 +6217,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6239,10 +6239,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6256,7 +6256,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6267,10 +6267,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
@@ -6290,22 +6290,22 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -6326,21 +6326,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -6358,10 +6358,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6375,7 +6375,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6386,10 +6386,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
@@ -6427,10 +6427,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6445,7 +6445,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6457,11 +6457,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -6473,21 +6473,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -6504,9 +6504,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -6523,7 +6523,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6537,11 +6537,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -6599,22 +6599,22 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -6633,21 +6633,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -6935,8 +6935,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6948,7 +6948,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
@@ -6957,10 +6957,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6995,8 +6995,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7008,7 +7008,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -7017,10 +7017,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -7046,9 +7046,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_s, out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7061,7 +7061,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -7074,11 +7074,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_s + i0, out_s);
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -7100,10 +7100,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7118,7 +7118,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7130,11 +7130,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -7184,10 +7184,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_RA(v_bo), COCONET_R(v_x, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x + lo, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x + lo, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_at = coconet::cuda::load<4>(red + j0);
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -7203,7 +7203,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -7217,11 +7217,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1_add = coconet::round_to<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
           const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
@@ -7252,8 +7252,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7265,7 +7265,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -7277,10 +7277,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -7299,10 +7299,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7316,7 +7316,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7327,10 +7327,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
@@ -7359,22 +7359,22 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -7404,21 +7404,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -7436,10 +7436,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7453,7 +7453,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7464,10 +7464,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
@@ -7505,10 +7505,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7523,7 +7523,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7535,11 +7535,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -7551,21 +7551,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -7582,9 +7582,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -7601,7 +7601,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7615,11 +7615,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -7677,22 +7677,22 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -7711,21 +7711,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -8006,8 +8006,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8019,7 +8019,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
@@ -8028,10 +8028,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8066,8 +8066,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8079,7 +8079,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -8088,10 +8088,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8117,9 +8117,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_s, v_a_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_s, out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8132,7 +8132,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -8145,11 +8145,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_s + i0, out_s);
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8171,10 +8171,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8189,7 +8189,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8201,11 +8201,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_a_softmax[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -8232,10 +8232,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -8250,7 +8250,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8263,10 +8263,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
         const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
@@ -8289,8 +8289,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8302,7 +8302,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -8314,10 +8314,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8336,10 +8336,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8353,7 +8353,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8364,10 +8364,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
@@ -8396,22 +8396,22 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -8441,21 +8441,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -8473,10 +8473,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8490,7 +8490,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8501,10 +8501,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
@@ -8542,10 +8542,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k9_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8560,7 +8560,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8572,11 +8572,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_a_softmax), int64_t(k10_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -8588,21 +8588,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -8619,9 +8619,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -8638,7 +8638,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8652,11 +8652,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -8714,22 +8714,22 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -8748,21 +8748,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -8912,8 +8912,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8925,7 +8925,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -8934,10 +8934,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8972,8 +8972,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8985,7 +8985,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -8994,10 +8994,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9019,21 +9019,21 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -9048,8 +9048,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9062,7 +9062,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -9072,11 +9072,11 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9096,10 +9096,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9114,7 +9114,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -9126,11 +9126,11 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -9157,10 +9157,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -9173,7 +9173,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_x1[u] = coconet::from_compute<float>(x_x1);
@@ -9181,10 +9181,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9205,8 +9205,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9218,7 +9218,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -9227,10 +9227,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9251,10 +9251,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_R(v_mt, 0, S_B * S_S * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -9267,7 +9267,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_y[u] = coconet::from_compute<float>(x_y);
@@ -9275,10 +9275,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9411,8 +9411,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9424,7 +9424,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -9433,10 +9433,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9471,8 +9471,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9484,7 +9484,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -9493,10 +9493,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9518,21 +9518,21 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -9547,8 +9547,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9561,7 +9561,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -9571,11 +9571,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9595,10 +9595,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9613,7 +9613,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -9625,11 +9625,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -9670,14 +9670,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -9700,8 +9700,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9713,7 +9713,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -9722,10 +9722,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9760,14 +9760,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -9902,8 +9902,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9915,7 +9915,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -9924,10 +9924,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9962,8 +9962,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9975,7 +9975,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -9984,10 +9984,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -10009,21 +10009,21 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -10038,8 +10038,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10052,7 +10052,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -10062,11 +10062,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_a + i0, out_t15_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -10086,10 +10086,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t16_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t16_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t16_a = coconet::cuda::load<4>(v_t16_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10104,7 +10104,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -10116,11 +10116,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t16_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -10171,14 +10171,14 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -10205,8 +10205,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t20_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t20_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t20_h = coconet::cuda::load<4>(v_t20_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10218,7 +10218,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t20_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -10227,10 +10227,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -10275,14 +10275,14 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -10511,8 +10511,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10525,7 +10525,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -10535,11 +10535,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -10562,8 +10562,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = S_S;
       const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
       COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
           coconet::cuda::Vec<float, 4> out_h_add;
           int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10575,7 +10575,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t i = i0 + u;
+            const auto i = i0 + u;
             (void)i;
             const int64_t c2 = cv2;
             const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -10584,10 +10584,10 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         }
-        for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           (void)c0;
           (void)c1;
@@ -10603,21 +10603,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -10634,22 +10634,22 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -10670,21 +10670,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -10699,21 +10699,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -10748,10 +10748,10 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10766,7 +10766,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -10778,11 +10778,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -10794,21 +10794,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -10825,9 +10825,9 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -10844,7 +10844,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -10858,11 +10858,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -10920,22 +10920,22 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -10954,21 +10954,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -11191,8 +11191,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11205,7 +11205,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -11215,11 +11215,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11242,8 +11242,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = S_S;
       const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
       COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
           coconet::cuda::Vec<float, 4> out_h_add;
           int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11255,7 +11255,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t i = i0 + u;
+            const auto i = i0 + u;
             (void)i;
             const int64_t c2 = cv2;
             const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -11264,10 +11264,10 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         }
-        for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           (void)c0;
           (void)c1;
@@ -11283,21 +11283,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -11314,22 +11314,22 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -11367,21 +11367,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -11396,21 +11396,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -11445,10 +11445,10 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11463,7 +11463,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -11475,11 +11475,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -11491,21 +11491,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -11522,9 +11522,9 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -11541,7 +11541,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -11555,11 +11555,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -11617,22 +11617,22 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -11651,21 +11651,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -11809,8 +11809,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11822,7 +11822,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -11831,10 +11831,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11869,8 +11869,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11882,7 +11882,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -11891,10 +11891,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11916,21 +11916,21 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -11945,8 +11945,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11959,7 +11959,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -11969,11 +11969,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11993,10 +11993,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12011,7 +12011,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12023,11 +12023,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -12054,10 +12054,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -12072,7 +12072,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12083,10 +12083,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -12107,8 +12107,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12120,7 +12120,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -12129,10 +12129,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12153,10 +12153,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_mt, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -12171,7 +12171,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12182,10 +12182,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_y[i] = coconet::from_compute<float>(x_y);
@@ -12320,8 +12320,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12333,7 +12333,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -12342,10 +12342,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12380,8 +12380,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12393,7 +12393,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -12402,10 +12402,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12427,21 +12427,21 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -12456,8 +12456,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12470,7 +12470,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -12480,11 +12480,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12504,10 +12504,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12522,7 +12522,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12534,11 +12534,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -12579,10 +12579,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -12598,7 +12598,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -12610,11 +12610,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -12644,8 +12644,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12657,7 +12657,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -12666,10 +12666,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12703,10 +12703,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -12722,7 +12722,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -12734,11 +12734,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -12879,8 +12879,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12892,7 +12892,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -12901,10 +12901,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12939,8 +12939,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12952,7 +12952,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -12961,10 +12961,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12986,21 +12986,21 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -13015,8 +13015,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13029,7 +13029,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -13039,11 +13039,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13063,10 +13063,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13081,7 +13081,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -13093,11 +13093,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -13147,10 +13147,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -13166,7 +13166,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13178,11 +13178,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -13211,8 +13211,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13224,7 +13224,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -13233,10 +13233,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13280,10 +13280,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -13299,7 +13299,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13311,11 +13311,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -13469,8 +13469,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13482,7 +13482,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -13491,10 +13491,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13529,8 +13529,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13542,7 +13542,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -13551,10 +13551,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13576,21 +13576,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -13605,8 +13605,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_a;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13619,7 +13619,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -13629,11 +13629,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_a + i0, out_t14_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13653,10 +13653,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_t15_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t15_a, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t15_a = coconet::cuda::load<4>(v_t15_a + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13671,7 +13671,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -13683,11 +13683,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_t15_a[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -13737,10 +13737,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -13756,7 +13756,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13768,11 +13768,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -13810,8 +13810,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13823,7 +13823,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -13832,10 +13832,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13879,10 +13879,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -13898,7 +13898,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13910,11 +13910,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -14159,8 +14159,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14173,7 +14173,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -14183,11 +14183,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -14208,8 +14208,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14221,7 +14221,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -14230,10 +14230,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -14250,10 +14250,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14267,7 +14267,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14278,10 +14278,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
@@ -14301,22 +14301,22 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -14337,21 +14337,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -14369,10 +14369,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14386,7 +14386,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14397,10 +14397,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
@@ -14438,10 +14438,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14456,7 +14456,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14468,11 +14468,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -14484,21 +14484,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -14515,9 +14515,9 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -14534,7 +14534,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14548,11 +14548,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -14610,22 +14610,22 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -14644,21 +14644,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -14910,8 +14910,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_a_where), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_a_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14924,7 +14924,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -14934,11 +14934,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a_where + i0, out_a_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -14959,8 +14959,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14972,7 +14972,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -14981,10 +14981,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -15001,10 +15001,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -15018,7 +15018,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -15029,10 +15029,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
@@ -15061,22 +15061,22 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -15106,21 +15106,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -15138,10 +15138,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -15155,7 +15155,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -15166,10 +15166,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
@@ -15207,10 +15207,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_a_softmax), stream, [=] __device__ (const auto& th) {
       const float k4_g_a_softmax = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_a_softmax = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_a_softmax;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -15225,7 +15225,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -15237,11 +15237,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_a_softmax + i0, out_g_a_softmax);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_softmax = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_a_softmax), int64_t(k5_g_a_softmax), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_a_softmax[i] = coconet::from_compute<float>(x_g_a_softmax);
@@ -15253,21 +15253,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a_softmax, v_a_softmax, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_a_softmax[u]) * coconet::to_compute(in_a_softmax[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_a_softmax[i]) * coconet::to_compute(v_a_softmax[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -15284,9 +15284,9 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_a_softmax, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_a_softmax, v_g_a_softmax, v_s, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a_softmax = coconet::cuda::load<4>(v_a_softmax + i0);
         const auto in_g_a_softmax = coconet::cuda::load<4>(v_g_a_softmax + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
@@ -15303,7 +15303,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -15317,11 +15317,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_a_where = coconet::round_to<float>(coconet::to_compute(v_a_softmax[i]) * (coconet::to_compute(v_g_a_softmax[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_a_where) : float(0.0f)));
@@ -15379,22 +15379,22 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -15413,21 +15413,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
