@@ -343,53 +343,79 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   // [default] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-  {
+  {  // and the column sums d_b_proj of g_y_add
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t n = S_B * S_S * S_H;
+    const int64_t n = S_B * S_S * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_d_b_proj(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_d_b_proj = part_d_b_proj.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+          v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          cs_d_b_proj[col] += x_g_y_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_y_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_y_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
+      COCONET_IVDEP
+      for (int64_t col = 0; col < cols; ++col) part_d_b_proj[col] += part_d_b_proj[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_d_b_proj[col] = coconet::from_compute<float>(part_d_b_proj[col]);
   }
   // [default] sum_lead d_b_proj (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_y_add, v_d_b_proj, S_B * S_S, S_H);
+  // d_b_proj: summed by the loop that computes g_y_add (plan: column sums)
   // [default] matmul_nt g_h (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_y_add, v_w_proj, v_g_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   // [default] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_y_add, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [default] loop: g_h_add (gpt_block.ccn)
-  {
+  {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
+    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), cols = coconet::slice_range(S_F, comm.size, comm.rank).size(), rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_d_b_fc(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_d_b_fc = part_d_b_fc.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+          cs_d_b_fc[col] += x_g_h_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
+      COCONET_IVDEP
+      for (int64_t col = 0; col < cols; ++col) part_d_b_fc[col] += part_d_b_fc[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
   // [default] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [default] matmul_nt g_n2_part (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_h_add, v_w_fc, v_g_n2_part, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [default] matmul_tn d_w_fc (gpt_block.ccn)
@@ -425,27 +451,40 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   // [default] loop: g_x1_add (gpt_block.ccn)
   const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-  {
+  {  // and the column sums d_bo of g_x1_add
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
-    const int64_t n = S_B * S_S * S_H;
+    const int64_t n = S_B * S_S * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_d_bo(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_d_bo = part_d_bo.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          cs_d_bo[col] += x_g_x1_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
+      COCONET_IVDEP
+      for (int64_t col = 0; col < cols; ++col) part_d_bo[col] += part_d_bo[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_d_bo[col] = coconet::from_compute<float>(part_d_bo[col]);
   }
   // [default] sum_lead d_bo (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_x1_add, v_d_bo, S_B * S_S, S_H);
+  // d_bo: summed by the loop that computes g_x1_add (plan: column sums)
   // [default] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_x1_add, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [default] matmul_tn g_ap_reshape (gpt_block.ccn)

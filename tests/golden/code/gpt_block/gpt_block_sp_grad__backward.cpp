@@ -357,43 +357,48 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   // [backward] loop: g_y_add (gpt_block.ccn)
   const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-  {
+  {  // and the column sums g_b_proj_part of g_y_add
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_g_b_proj_part(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const int64_t c2 = col;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          cs_g_b_proj_part[col] += x_g_y_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_y_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_y_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      }
+      for (int64_t col = 0; col < cols; ++col) part_g_b_proj_part[col] += part_g_b_proj_part[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -406,27 +411,40 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   // [backward] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [backward] loop: g_h_add (gpt_block.ccn)
-  {
+  {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
+    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), cols = coconet::slice_range(S_F, comm.size, comm.rank).size(), rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_d_b_fc(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_d_b_fc = part_d_b_fc.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+          cs_d_b_fc[col] += x_g_h_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
+      COCONET_IVDEP
+      for (int64_t col = 0; col < cols; ++col) part_d_b_fc[col] += part_d_b_fc[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -467,43 +485,48 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   // [backward] loop: g_x1_add (gpt_block.ccn)
   const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-  {
+  {  // and the column sums g_bo_part of g_x1_add
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_g_bo_part(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_g_bo_part = part_g_bo_part.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const int64_t c2 = col;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          cs_g_bo_part[col] += x_g_x1_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_x1_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_x1_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      }
+      for (int64_t col = 0; col < cols; ++col) part_g_bo_part[col] += part_g_bo_part[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_g_bo_part[col] = coconet::from_compute<float>(part_g_bo_part[col]);
   }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [backward] allgather g_allgather4 (gpt_block.ccn)
   coconet::allgather(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, comm);
   // [backward] matmul_nt g_o (gpt_block.ccn)
