@@ -63,6 +63,11 @@ program ln_eps(x: f32[M, H] sliced(0), gamma: f32[H] replicated, beta: f32[H] re
     return y
 }
 
+program bias_rows(x: f32[M, H] sliced(0), b: f32[H] replicated) {
+    y = relu(x * x + b)
+    return y
+}
+
 program conv_dp(x: f32[5, 2, 5, 4] sliced(0), k: f32[3, 2, 3, 3] replicated, bias: f32[3, 1, 1] replicated) {
     y = conv2d(x, k, stride=1, padding=1)
     a = gelu(y + bias)
@@ -81,13 +86,15 @@ EXAMPLES = [("tp_overlap.ccn", ("row_parallel", "col_parallel")), ("layernorm.cc
 OPS = {"matmul_nt", "matmul_tn", "sum_lead", "sum_keep", "mean_last", "layernorm_dx", "layernorm_dgamma", "conv2d_dx",
        "conv2d_dw"}
 # every operation above, once (ln_eps: a differentiated eps keeps layernorm's backward in pieces, mean_last)
-EMULATED = ("mlp", "bias_seq", "scale_rows", "scale", "attn_out", "ln_eps", "conv_tp")
+# (bias_rows: its bias gradient summed by the loop computing its input, no weight GEMM to fuse it
+# in: plan/colsums.py on both backends)
+EMULATED = ("mlp", "bias_seq", "scale_rows", "scale", "attn_out", "ln_eps", "conv_tp", "bias_rows")
 # also in f16 and bf16 (built with the f32 ones): the widened GEMM path, 16-bit sums, and
 # layernorm's backward (attn_out: layernorm_dx and layernorm_dgamma compute the row statistics in
 # f32 inside the call, as the interpreter does; the pieces they replace stored a mean in f16/bf16
 # where the interpreter kept it in f32, and h - mean's cancellation made that differ by 0.1 to 0.4,
 # so attn_out was left out until then).
-HALF = {"f16": ("mlp", "attn_out", "conv_tp"), "bf16": ("mlp", "attn_out", "conv_tp")}
+HALF = {"f16": ("mlp", "attn_out", "conv_tp", "bias_rows"), "bf16": ("mlp", "attn_out", "conv_tp")}
 
 
 def _programs(dtype: str):

@@ -13,10 +13,12 @@ it computes them, so g is not read a second time. The rule, in one place (colsum
 - no unit between them writes G or reads or writes the sum.
 
 Where (ColSum.on): the CPU always (codegen/cpu/loops.py: blocks of rows, each block's partial
-sums in the compute type, added in block order: deterministic whatever the threads); CUDA never
-yet: there the bias gradient is the weight-gradient GEMM's BGRADA epilogue where plan/epilogue.py
-finds one (its GEMM reads G anyway), and otherwise the sum_lead kernel on its own. A backend that
-runs the sum in the loop renders the sum_lead unit as nothing."""
+sums in the compute type, added in block order: deterministic whatever the threads); CUDA where
+the weight-gradient GEMM does not produce the sum already (plan/epilogue.py's bgrad, fused on
+cuda: its GEMM reads G anyway) and it is the loop's only column sum there (cuda/grad.cuh
+colsum_rows: a block a range of rows, its threads striding the columns, per-block partial sums
+added in block order; one element at a time, no vector path). A backend that runs the sum in the
+loop renders the sum_lead unit as nothing."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from dataclasses import replace
 
 from coconetc.plan.units import Buffer, ColSum, Library, Loop, Unit, _touches
 
-ON = ("cpu",)
+ON = ("cpu", "cuda")  # the backends that can add a loop's column sums (a benchmark may narrow it)
 
 
 def colsum_of(units: list[Unit], i: int, buffers: dict[str, Buffer], skip: set[int]) -> int:
@@ -69,12 +71,16 @@ def _writes(u: Unit, name: str) -> bool:
 def with_colsums(units: list[Unit], buffers: dict[str, Buffer], skip: set[int]) -> list[Unit]:
     """UNITS with each sum_lead the rule accepts carried by its loop (Loop.colsums)."""
     out = list(units)
+    gemm = {u.epilogue.split(" -> ")[1] for u in units if isinstance(u, Library) and u.epilogue.startswith("bgrad(")
+            and "cuda" in u.fused}  # sums a GEMM's BGRADA epilogue produces on cuda
     for i in range(len(out)):
         j = colsum_of(out, i, buffers, skip)
         if j >= 0:
             u, loop = out[i], out[j]
             assert isinstance(u, Library) and isinstance(loop, Loop)
-            out[j] = replace(loop, colsums=(*loop.colsums, ColSum(u.args[0], u.dst, ON)))
+            on = tuple(b for b in ON if b == "cpu" or b == "cuda" and u.dst not in gemm and
+                       not any("cuda" in c.on for c in loop.colsums))
+            out[j] = replace(loop, colsums=(*loop.colsums, ColSum(u.args[0], u.dst, on)))
     return out
 
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.notes import Notes
-from coconetc.codegen.emit import CTYPE
+from coconetc.codegen.emit import COMPUTE, CTYPE
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
-from coconetc.plan.units import Let, Loop
+from coconetc.plan.units import ColSum, Let, Loop
 from coconetc.plan.vectors import loop_width
 
 Items = pointwise.Items
@@ -254,6 +254,10 @@ class CudaKernels:
 
     def render_loop(self, u: Loop) -> None:
         """A Loop unit: one kernel, or one per piece of the scattered tensors it reads or stores."""
+        sums = [c for c in u.colsums if "cuda" in c.on]
+        if sums:
+            self._colsum_loop(u, sums[0])
+            return
         self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], loop_width(self.w.plan, u),
                    u.seg_dst)
 
@@ -271,6 +275,33 @@ class CudaKernels:
             self._loop_head(t, coords)
             self.notes.access(t, items, lets, "0", n, {}, "  ")
             self.kernel(t, Kernel(n), lets, items, coords, width, "  ")
+            self.w.emit("}")
+
+    def _colsum_loop(self, u: Loop, c: ColSum) -> None:
+        """A loop that also adds up the column sums of one of its values (Loop.colsums,
+        plan/colsums.py): coconet::cuda::colsum_rows (grad.cuh) calls the lambda once per element
+        (the Lets, the element math and the stores of the element path), which returns the value
+        summed; one element at a time (no vector path)."""
+        t = u.type
+        items = [(i.name, i.expr, i.store) for i in u.items]
+        with self.w.saved_consts():
+            ld = self.w.ldims(t)
+            n = _prod(ld)
+            coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+            self._loop_head(t, coords)
+            self.notes.access(t, items, u.lets, "0", n, {}, "  ")
+            ct = COMPUTE[self.w.types[c.value].dtype]
+            self.w.emit(f"  coconet::cuda::colsum_rows<{ct}>(({n}) / std::max<int64_t>(1, {ld[-1]}), {ld[-1]}, "
+                        f"v_{c.dst}, stream, [=] __device__ (const int64_t i, const int64_t col) -> {ct} {{"
+                        f"  // and {c.dst} = the column sums of {c.value}")
+            for line in pointwise.lets(self.w, u.lets):
+                self.w.emit(f"    {line}")
+            outs = {name: [(f"v_{name}[i]", None)] for name, _, stored in items if stored}
+            body = self.body(t, items, {}, self.idx.loader(t), outs, lambda target, name: target)
+            body = self.with_coords(t, coords, body) + ["(void)col;", f"return x_{c.value};"]
+            for line in body:
+                self.w.emit(f"    {line}")
+            self.w.emit("  });")
             self.w.emit("}")
 
     def _loop_head(self, t: TType, coords: bool) -> None:

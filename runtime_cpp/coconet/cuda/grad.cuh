@@ -11,6 +11,8 @@
 //   layernorm_dgamma       a block a strided set of rows, its per-column partial sums in scratch,
 //                          then a thread a column adds the blocks' partials (deterministic)
 //   conv2d_dx, conv2d_dw   one thread per result element
+//   colsum_rows            a loop's values and their column sums: a block a range of rows, then a
+//                          thread a column adds the blocks' partial sums (plan/colsums.py)
 //                          (all accumulating in the compute type)
 #pragma once
 
@@ -274,6 +276,48 @@ void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t
     sum_lead<T>(B, db, M, N, c);
     matmul_tn<T>(A, B, C, M, K, N, c.stream);
   }
+}
+
+// A pointwise loop that also adds up the column sums of one of its values (plan/colsums.py,
+// Loop.colsums): f(i, col) computes element i = row * cols + col (storing what the loop stores)
+// and returns the value whose column sums go to out[cols]. Block b takes the rows [b rb, (b+1) rb),
+// its threads striding the columns (a warp: 32 adjacent elements of a row, coalesced), each adding
+// its columns' values over the block's rows in the compute type C; part[b, col] (scratch) is
+// written once, then a thread a column adds the blocks' parts in block order (deterministic, no
+// atomics). The caller has declared the loop's accesses (COCONET_ACCESS): the partial sums are
+// added to them.
+constexpr int kColSumBlocks = 256;
+constexpr int kColSumSite = -3;  // the scratch() site of the partial sums (runtime sites are >= 0)
+
+template <class C, class F>
+__global__ void colsum_rows_kernel(int64_t rows, int64_t cols, int64_t rb, C* part, F f) {
+  const int64_t r0 = int64_t(blockIdx.x) * rb, r1 = r0 + rb < rows ? r0 + rb : rows;
+  for (int64_t col = threadIdx.x; col < cols; col += blockDim.x) {
+    C acc = 0;
+    for (int64_t row = r0; row < r1; ++row) acc += f(row * cols + col, col);
+    part[int64_t(blockIdx.x) * cols + col] = acc;
+  }
+}
+
+template <class C, class T, class F>
+void colsum_rows(int64_t rows, int64_t cols, T* out, cudaStream_t s, F f) {
+  if (cols <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, kColSumBlocks));
+  const int64_t rb = (rows + blocks - 1) / blocks;
+  C* part = scratch<C>(kColSumSite, blocks * cols);
+  COCONET_ACCESS_ALSO(COCONET_W(part, 0, blocks * cols));
+  void (*kernel)(int64_t, int64_t, int64_t, C*, F) = colsum_rows_kernel<C, F>;
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, s, rows, cols, rb, part, f);
+  COCONET_CUDA(cudaGetLastError());
+  COCONET_ACCESS(COCONET_R(part, 0, blocks * cols), COCONET_W(out, 0, cols));
+  launch(cols, s, [=] __device__(int64_t col) {
+    C t = 0;
+    for (int64_t b = 0; b < blocks; ++b) t += part[b * cols + col];
+    out[col] = from_compute<T>(t);
+  });
 }
 
 }  // namespace cuda

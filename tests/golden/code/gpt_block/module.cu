@@ -5289,29 +5289,15 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:89)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -6239,46 +6225,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_h (gpt_block.ccn)
@@ -6358,46 +6319,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [default] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_o (gpt_block.ccn)
@@ -7299,46 +7235,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:186)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -7359,29 +7270,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:187)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -7436,46 +7333,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [overlapped] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [overlapped] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
@@ -8336,46 +8208,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -8396,29 +8243,15 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -8473,46 +8306,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
@@ -11314,29 +11122,15 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:89)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -14250,46 +14044,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_h (gpt_block.ccn)
@@ -14369,46 +14138,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [default] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_o (gpt_block.ccn)
@@ -15001,46 +14745,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:197)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
@@ -15061,29 +14780,15 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:198)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -15138,46 +14843,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        auto rest = i;
-        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)

@@ -1033,29 +1033,15 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1184,29 +1170,15 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1337,29 +1309,15 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1645,29 +1603,15 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -2242,29 +2186,15 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -2935,29 +2865,15 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3079,29 +2995,15 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3225,29 +3127,15 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
