@@ -54,7 +54,13 @@ class CudaRenderer:
 
     def render(self) -> Function:
         assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
-        return dispatch.function(self.w, self._declare, self.unit)
+        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check)
+
+    def _reshape_check(self, u: Library) -> None:
+        """A reshape's check of its sizes alone (x == y: no copy), before the units run."""
+        args = library_calls.call_args(self.w, u)
+        ct = CTYPE[self.w.types[u.dst].dtype]
+        self.w.emit(f"coconet::cuda::reshape<{ct}>({', '.join([args[1], *args[1:]])}, ctx);  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
         if u is self.fused_loop:  # rendered by its matmul (epilogue)
