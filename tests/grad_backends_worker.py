@@ -7,7 +7,8 @@ interpreter on rank 0.
     emulate FILE [SYM=N]...   the CUDA module under the host emulation
 (SYM=N: the size of a size symbol in every program that has it)
 
-Prints `MATCH <program>` or `MISMATCH <program> <problems>` per program (rank 0)."""
+Prints `MATCH <program>` or `MISMATCH <program> <problems>` per program (rank 0); under the
+emulation then `COUNTS index32=N index64=M`: rank 0's kernels launched with 32- and 64-bit indices."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def main(comm) -> int:
         if rank == 0:
             print(f"MATCH {name}" if not problems else f"MISMATCH {name} {problems[:4]}", flush=True)
         bad += bool(problems)
+    if backend == "emulate" and rank == 0:
+        c = mod.ext.emulation_counts()
+        print(f"COUNTS index32={c['index32_kernels']} index64={c['index64_kernels']}", flush=True)
     return 1 if bad else 0
 
 

@@ -32,7 +32,7 @@ def test_sgd_fused_renders_a_chunk_pipeline_and_nccl(example):
     assert "coconet::cuda::pipeline<float>" in text
     assert "reduce_chunk<float>(ncclSum, v_g" in text
     assert "gather_chunk<float>(v_agw" in text
-    assert "for (const int64_t j : th.elements())" in text  # the chunk's kernel
+    assert "for (const auto j : th.elements())" in text  # the chunk's kernel (its index type the launch's)
     default = "\n".join(src.functions[("sgd", "default")].body)
     assert "coconet::cuda::allreduce<float>(ncclSum, v_g" in default
     assert "coconet::cuda::launch_threads<4>(" in default

@@ -72,10 +72,10 @@ def test_tp_mlp_listing_bytes_flops_bound():
     # the kernels as the generated code names them: the function's extended lambdas in order
     fn = "tp_mlp__default"
     assert doc["function"] == fn
-    lam = f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)::{{lambda(coconet::cuda::Thread<4> const&)#"
+    lam = f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)::{{lambda(auto:1 const&)#"  # generic: int32 or int64
     assert h["kernels"] == [lam + "1}"] and y["kernels"] == [lam + "2}"]
     body = _function((ROOT / "tests/golden/code/tp_mlp/module.cu").read_text(), fn)
-    assert len(re.findall(r"\[=\] __device__ \(const coconet::cuda::Thread<4>& th\)", body)) == 2
+    assert len(re.findall(r"\[=\] __device__ \(const auto& th\)", body)) == 2
 
 
 def test_adam_listing_bytes_and_bound():
@@ -87,7 +87,7 @@ def test_adam_listing_bytes_and_bound():
     assert (k["read"], k["written"], k["flops"]) == (4 * N * F32, 3 * N * F32, 0)
     assert k["bound_s"] == pytest.approx(7 * N * F32 / 3350e9)
     assert k["kernels"] == ["coconet_gen::adam__default(coconet::cuda::CallArgs const&)::"
-                            "{lambda(coconet::cuda::Thread<4> const&)#1}"]
+                            "{lambda(auto:1 const&)#1}"]
     # the all-reduce: its input, what it receives (2 (R-1)/R of it) and its output
     assert (ar["read"], ar["written"]) == (N * F32 + 2 * (R - 1) / R * N * F32, N * F32)
     assert "nccl" in ar["libraries"] and ar["kernels"] == []
@@ -113,8 +113,8 @@ def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
 
 
 def _lambda(fn: str, k: int) -> str:
-    lam = f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)::{{lambda(coconet::cuda::Thread<4> const&)#{k}}}"
-    return f"void coconet::cuda::threads_kernel<4, {lam}>(long, bool, {lam})"
+    lam = f"coconet_gen::{fn}(coconet::cuda::CallArgs const&)::{{lambda(auto:1 const&)#{k}}}"  # as nvcc names it
+    return f"void coconet::cuda::threads_kernel<4, int, {lam}>(int, bool, {lam})"
 
 
 GEMM = "sm90_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4"

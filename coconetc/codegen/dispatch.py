@@ -16,17 +16,47 @@ from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, 
                                  Unit)
 
 
-def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None]) -> Function:
+def function(w: Writer, declare: Callable[[Buffer], None], unit: Callable[[Unit], None],
+             check: Callable[[Library], None] | None = None) -> Function:
     """The function, laid out the same way by every backend: the size symbols, each buffer
-    of the plan declared, each unit rendered."""
+    of the plan declared, the reshapes' checks where a unit computes into an output's memory
+    before its reshape would check the sizes (check(u): the backend's text), each unit rendered."""
     for i, sym in enumerate(w.sig.sizes):
         w.emit(f"const int64_t S_{sym} = a.sizes[{i}];")
-    for b in w.plan.buffers:
+    for b in _declaration_order(w.plan.buffers):
         declare(b)
+    if check is not None and any(reshape_into_output(w, b) for b in w.plan.buffers):
+        w.emit("// every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory")
+        for u in w.plan.units:
+            if isinstance(u, Library) and u.op == "reshape":
+                check(u)
     for u in w.plan.units:
         unit(u)
     comment = f"program {w.plan.program}, schedule {w.plan.schedule} ({w.file})"
     return Function(w.fn, comment, w.lines, w.sig)
+
+
+def _declaration_order(buffers) -> list[Buffer]:
+    """The buffers in plan order, except that one held in another's memory (Buffer.same_as)
+    comes after that one (a reshape's source held in the output it is reshaped into)."""
+    out: list[Buffer] = []
+    done: set[str] = set()
+    waiting = list(buffers)
+    while waiting:
+        b = next(x for x in waiting if not x.same_as or x.same_as in done or
+                 x.same_as not in {y.name for y in waiting})
+        waiting.remove(b)
+        out.append(b)
+        done.add(b.name)
+    return out
+
+
+def reshape_into_output(w: Writer, b: Buffer) -> Library | None:
+    """For a buffer held in an output's memory (plan/targets.py: a returned reshape's source),
+    the reshape unit; None otherwise."""
+    if not b.same_as or next(x for x in w.plan.buffers if x.name == b.same_as).kind != "output":
+        return None
+    return next(u for u in w.plan.units if isinstance(u, Library) and u.op == "reshape" and u.args[0] == b.name)
 
 
 def declare(w: Writer, b: Buffer) -> bool:
@@ -34,7 +64,10 @@ def declare(w: Writer, b: Buffer) -> bool:
     an output, an in-place update, a view inside a gathered result, a reshape of its source held
     in the source's memory); False for the others."""
     ct = CTYPE[b.type.dtype]
-    if b.same_as:
+    if b.same_as and reshape_into_output(w, b) is not None:
+        w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // reshaped into the output {b.same_as}: computed in its "
+               "memory, no copy")
+    elif b.same_as:
         w.emit(f"{ct}* const v_{b.name} = v_{b.same_as};  // a reshape of {b.same_as}: its memory, no copy")
     elif b.kind == "output":
         w.emit(f"{ct}* const v_{b.name} = a.output<{ct}>({w.sig.outputs.index(b.of)});")

@@ -153,8 +153,8 @@ class Indexing:
         return " + ".join(terms) or "0"
 
 
-def coord_lines(dims: range, var: str = "c", decl: str = "const int64_t ") -> list[str]:
+def coord_lines(dims: range, var: str = "c", decl: str = "const int64_t ", ext: str = "L{k}") -> list[str]:
     """The coordinates c<k> (var<k>, declared with decl), k in dims (highest first), divided out
-    of `rest` (the L<k> in scope)."""
-    return [f"{decl}{var}0 = rest;" if k == 0 else f"{decl}{var}{k} = rest % L{k}; rest /= L{k};"
-            for k in reversed(dims)]
+    of `rest` by the extents (ext: the text of extent k, the L<k> in scope by default)."""
+    return [f"{decl}{var}0 = rest;" if k == 0 else
+            f"{decl}{var}{k} = rest % {ext.format(k=k)}; rest /= {ext.format(k=k)};" for k in reversed(dims)]

@@ -21,6 +21,7 @@ from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Program, Ref, 
 from coconetc.ir.rewrite import depends_on, retype
 from coconetc.ir.types import TType
 from coconetc.plan import attention
+from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fused_spec,
                                            gather_spec, op_of, overlap_spec, same_elements, stage_of)
@@ -124,9 +125,10 @@ class _Planner:
             self._group(g)
         self._write_back()
         self.out = with_epilogues(self.out, self.buffers)
+        calls = attention.find(self.out, self.buffers)
+        self.out = with_colsums(self.out, self.buffers, {i for a in calls if "cpu" in a.fused for i in a.members})
         params = tuple(q.name for q in p.params if not q.scalar) + tuple(q.name for q in p.params if q.scalar)
-        return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out),
-                    attention=attention.find(self.out, self.buffers))
+        return Plan(p.name, self.schedule, params, tuple(self.buffers.values()), tuple(self.out), attention=calls)
 
     def _groups(self) -> list:
         """What runs as one piece: an overlap, a fused collective (with the members that wait

@@ -6,10 +6,11 @@ Deterministic: the same plan prints the same text."""
 from __future__ import annotations
 
 from coconetc.ir import printer
-from coconetc.plan.epilogue import BACKENDS
+from coconetc.plan.colsums import fused_sums
+from coconetc.plan.epilogue import BACKENDS, parts
 from coconetc.plan.targets import TARGETS
 from coconetc.plan.vectors import loop_width, phase_width, symmetric_width
-from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
+from coconetc.plan.units import (Algorithm, Attention, Buffer, Chunking, ColSum, Collective, Copy, Fused, GatherChunks, Item, Let, Library, Loop,
                                  GatherMatmul, Overlap, Partials, Plan, Reduce, Require, Strategy, Unit)
 
 
@@ -83,23 +84,40 @@ def _vectors(width: int) -> str:
     return f"vectors of {width} elements" if width else "one element at a time"
 
 
-def _fused_on(u: Library) -> str:
-    """Where a matmul's epilogue is fused (Library.fused, plan/epilogue.py)."""
-    apart = "the sum_lead runs on its own" if u.epilogue.startswith("bgrad(") else "the loop runs after the GEMM"
-    return "; ".join(f"{b}: {'fused in the GEMM' if b in u.fused else apart}" for b in BACKENDS)
+def _fused_on(plan: Plan, u: Library) -> str:
+    """Where a matmul's epilogue is fused (Library.fused, plan/epilogue.py); a bias gradient not
+    fused in the GEMM may be summed by the loop computing its input (plan/colsums.py)."""
+    def apart(b: str) -> str:
+        if not u.epilogue.startswith("bgrad("):
+            return "the loop runs after the GEMM"
+        return "summed by the loop computing it" if parts(u.epilogue)[2] in fused_sums(plan.units, b) \
+            else "the sum_lead runs on its own"
+    return "; ".join(f"{b}: {'fused in the GEMM' if b in u.fused else apart(b)}" for b in BACKENDS)
+
+
+def _colsum_on(plan: Plan, c: ColSum) -> str:
+    """Where a loop's column sums are added (Loop.colsums, plan/colsums.py): in the loop, in a
+    GEMM's bgrad epilogue, or by the sum_lead on its own."""
+    gemm = {b for u in plan.units if isinstance(u, Library) and u.epilogue.startswith("bgrad(")
+            and u.epilogue.endswith(f"-> {c.dst}") for b in u.fused}
+
+    def where(b: str) -> str:
+        return "in this loop" if b in c.on else "in the GEMM's bgrad epilogue" if b in gemm else "the sum_lead on its own"
+    return "; ".join(f"{b}: {where(b)}" for b in BACKENDS)
 
 
 def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
     if isinstance(u, Loop):
         dst = f" into {u.seg_dst}'s segments" if u.seg_dst else ""
+        sums = [f"{ind}        column sums {c.dst} = sum_lead({c.value}) ({_colsum_on(plan, c)})" for c in u.colsums]
         return [f"{ind}{_at(u.line)} loop over {u.type}{dst}: {_items(u.items)}{_lets(u.lets)}",
-                f"{ind}        on cuda: {_vectors(loop_width(plan, u))}"]
+                f"{ind}        on cuda: {_vectors(loop_width(plan, u))}", *sums]
     if isinstance(u, Reduce):
         cross = f" + {'sum' if u.op in ('sum', 'norm', 'segment_norm') else u.op} across ranks" if u.cross_rank else ""
         return [f"{ind}{_at(u.line)} reduce {u.dst} = {u.op}({u.src}){cross}"]
     if isinstance(u, Library):
         attrs = "".join(f", {k}={v}" for k, v in u.attrs)
-        epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(u)})"] if u.epilogue else []
+        epi = [f"{ind}        epilogue {u.epilogue} ({_fused_on(plan, u)})"] if u.epilogue else []
         return [f"{ind}{_at(u.line)} library {u.dst} = {u.op}({', '.join(u.args)}{attrs})", *epi]
     if isinstance(u, Collective):
         return [f"{ind}{_at(u.line)} collective {u.dst} = {_coll(u)}"]

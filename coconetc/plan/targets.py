@@ -89,7 +89,9 @@ def _reshape_views(plan: Plan) -> dict[str, str]:
     """The reshapes whose result needs no copy (Buffer.same_as): row-major order is kept, so
     the result is its source's memory, read as another shape. Where: a top-level reshape whose
     result is private scratch (not in a shared window, read by no collective) and whose source
-    is a scratch value or a parameter that nothing updates in place; every backend."""
+    is a scratch value or a parameter that nothing updates in place; or whose result is an
+    output and whose source is private scratch read by no collective (then the source is held in
+    the output's memory); every backend."""
     kinds = {b.name: b for b in plan.buffers}
     updated = {b.of for b in plan.buffers if b.kind in ("alias", "view", "into")}
     sent = {n for u in _every(plan.units) for n in _collective_reads(u)}
@@ -101,6 +103,12 @@ def _reshape_views(plan: Plan) -> dict[str, str]:
         if dst.kind == "scratch" and not dst.shared and not dst.unallocated and dst.name not in sent \
                 and src.kind in ("scratch", "param") and src.name not in updated and src.type.dtype == dst.type.dtype:
             views[dst.name] = src.name
+        elif dst.kind == "output" and src.kind == "scratch" and not src.shared and not src.unallocated \
+                and src.name not in sent and src.name not in views and src.type.dtype == dst.type.dtype:
+            # the other way: a returned reshape (a saving forward's saved value) whose source is
+            # computed straight into the output's memory; the renderers check the reshape's sizes
+            # before anything runs (dispatch.function), so a source larger than the output raises
+            views[src.name] = dst.name
     return views
 
 

@@ -67,16 +67,28 @@ class Item:
 
 
 @dataclass(frozen=True)
+class ColSum:
+    """dst = sum_lead(value): the column sums (over every leading dim) of one of a loop's items,
+    accumulated by the loop as it computes the item, on the backends `on` (plan/colsums.py);
+    elsewhere the sum_lead unit computes dst on its own."""
+
+    value: str
+    dst: str
+    on: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Loop:
     """Pointwise work over the elements of `type` (this rank's part): one pass computing
     every item, intermediates in registers. seg_dst: the single item is stored into that
-    scattered parameter's segments."""
+    scattered parameter's segments. colsums: column sums of items the loop also computes."""
 
     type: TType
     items: tuple[Item, ...]
     lets: tuple[Let, ...] = ()
     seg_dst: str = ""
     line: int = 0
+    colsums: tuple[ColSum, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -471,7 +483,7 @@ def _touches(u: Unit, names: set[str]) -> bool:
     from coconetc.ir.expr import refs
     if isinstance(u, Loop):
         return any(_item_touches(i, names) for i in u.items) or \
-            any(names.intersection(refs(x.expr)) for x in u.lets)
+            any(names.intersection(refs(x.expr)) for x in u.lets) or any(c.dst in names for c in u.colsums)
     if isinstance(u, Reduce):
         return bool({u.dst, u.src} & names)
     if isinstance(u, Library):

@@ -219,8 +219,9 @@ _LAMBDA = re.compile(r"\[[=&][^\]\n]*\]\s*(?:__device__\s*|__host__\s*|mutable\s
 
 def _signature(params: str) -> str:
     """A lambda's parameter list from the source (`const T& th, int64_t q`) as a demangled name
-    writes it (`T const&, long`)."""
-    out = []
+    writes it (`T const&, long`; a generic lambda's k-th `auto` as `auto:k`)."""
+    out: list[str] = []
+    autos = 0
     for p in _split_top(params):
         p = p.strip()
         if not p:
@@ -231,6 +232,9 @@ def _signature(params: str) -> str:
         p = p.rstrip("&").strip()
         if p.startswith("const "):
             p = p[len("const "):] + " const"
+        if p.split()[0] == "auto":
+            autos += 1
+            p = p.replace("auto", f"auto:{autos}", 1)
         out.append(p.replace("int64_t", "long") + ("&" if ref else ""))
     return ", ".join(out)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod
-from coconetc.codegen.emit import CTYPE, emit
+from coconetc.codegen.emit import COMPUTE, CTYPE, emit
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.codegen.pointwise import lets
 from coconetc.ir.nodes import Expr, Ref, walk
@@ -16,6 +16,7 @@ from coconetc.plan.units import Let, Loop
 
 
 _prod = prod
+COLSUM_BLOCK = 1 << 16  # elements of a column-sum loop's block of rows (256 KiB of f32: in L2)
 
 
 class CpuLoops:
@@ -30,7 +31,73 @@ class CpuLoops:
 
     def render_loop(self, u: Loop) -> None:
         self.render_lets(u.lets)
+        if any("cpu" in c.on for c in u.colsums):
+            self._colsum_loop(u)
+            return
         self._loop_items(u.type, [(i.name, i.expr, i.store) for i in u.items], u.seg_dst or None)
+
+    def _colsum_loop(self, u: Loop) -> None:
+        """A loop that also adds up the column sums of some of its items (Loop.colsums,
+        plan/colsums.py): blocks of COLSUM_BLOCK elements' whole rows, each block's rows in
+        order, each element's value added into its block's partial sum of its column (in the
+        compute type, beside the store, so the item is not read again); the blocks in parallel
+        (OpenMP) or in turn, then the partial sums added in block order: the same result
+        whatever the threads."""
+        t = u.type
+        sums = [c for c in u.colsums if "cpu" in c.on]
+        items = [(i.name, i.expr, i.store) for i in u.items]
+        coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+        base = self.idx.loader(t)
+        stored = {name for name, _, st in items if st}
+        body = pointwise.values(self.idx, items, {}, lambda name: (t, base),
+                                lambda name: [f"v_{name}[i]"] if name in stored else [], lambda name: t.dtype)
+        body += [f"cs_{c.dst}[col] += x_{c.value};" for c in sums]
+        last, ld = t.ndim - 1, self.w.ldims(t)
+        w = self.w
+        w.emit("{  // and the column sums " + ", ".join(f"{c.dst} of {c.value}" for c in sums))
+        for line in self.idx.loop_head(t, coords):
+            w.emit(f"  {line}")
+        w.emit(f"  const int64_t n = {_prod(ld)}, cols = {ld[-1]}, rows = cols > 0 ? n / cols : 0;")
+        w.emit(f"  const int64_t rb = std::max<int64_t>(1, int64_t({COLSUM_BLOCK}) / std::max<int64_t>(1, cols));"
+               "  // rows a block")
+        w.emit("  const int64_t nb = (rows + rb - 1) / rb;")
+        for c in sums:
+            w.emit(f"  std::vector<{COMPUTE[w.types[c.value].dtype]}> part_{c.dst}(size_t(std::max<int64_t>(nb, 1) * cols));")
+        w.emit("  auto block = [&](int64_t blk) {")
+        for c in sums:
+            w.emit(f"    {COMPUTE[w.types[c.value].dtype]}* const cs_{c.dst} = part_{c.dst}.data() + blk * cols;")
+        w.emit("    for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {")
+        if coords:
+            w.emit("      int64_t rest = row;")
+            for line in coord_lines(range(last)):
+                w.emit(f"      {line}")
+            w.emit("      (void)rest;")
+        w.emit("      COCONET_IVDEP")
+        w.emit("      for (int64_t col = 0; col < cols; ++col) {")
+        w.emit("        const int64_t i = row * cols + col;")
+        if coords:
+            w.emit(f"        const int64_t c{last} = col;")
+        for line in body:
+            w.emit(f"        {line}")
+        w.emit("      }")
+        w.emit("    }")
+        w.emit("  };")
+        w.emit("#ifdef _OPENMP")
+        w.emit("  if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {")
+        w.emit("#pragma omp parallel for num_threads(coconet::omp_threads())")
+        w.emit("    for (int64_t blk = 0; blk < nb; ++blk) block(blk);")
+        w.emit("  } else")
+        w.emit("#endif")
+        w.emit("  for (int64_t blk = 0; blk < nb; ++blk) block(blk);")
+        for c in sums:
+            ct = CTYPE[w.types[c.dst].dtype]
+            w.emit("  for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order")
+            w.emit("    COCONET_IVDEP")
+            w.emit(f"    for (int64_t col = 0; col < cols; ++col) part_{c.dst}[col] += part_{c.dst}[blk * cols + col];")
+            w.emit("  }")
+            w.emit(f"  for (int64_t col = 0; col < cols; ++col) v_{c.dst}[col] = "
+                   f"coconet::from_compute<{ct}>(part_{c.dst}[col]);")
+        w.emit("}")
 
     def _reads_scattered(self, exprs: list[Expr], regs: set[str]) -> bool:
         """Whether EXPRS read a scattered parameter (not one of the loop's own values REGS)."""

@@ -24,6 +24,7 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
+from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import fused_loop
 from coconetc.ir.rng_keys import site_key
 from coconetc.plan.units import (Attention, Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan,
@@ -42,11 +43,18 @@ class CpuRenderer:
         self.fusion = CpuFused(self.w, self.idx, self.loops, self.unit)
         self.overlaps = CpuOverlap(self.w, self.fusion, self.unit)
         self.fused_loop: Loop | None = None
+        self.colsums = fused_sums(plan.units, "cpu")  # sum_leads the loops compute (plan/colsums.py)
         self.attention = {id(plan.units[i]): (a, i == a.members[-1])
                           for a in plan.attention if "cpu" in a.fused for i in a.members}
 
     def render(self) -> Function:
-        return dispatch.function(self.w, self._declare, self.unit)
+        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check)
+
+    def _reshape_check(self, u: Library) -> None:
+        """A reshape's check of its sizes alone (x == y: no copy), before the units run."""
+        args = library_calls.call_args(self.w, u)
+        ct = CTYPE[self.w.types[u.dst].dtype]
+        self.w.emit(f"coconet::reshape<{ct}>({', '.join([args[1], *args[1:]])});  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
         if u is self.fused_loop:  # rendered by its matmul (epilogue)
@@ -164,6 +172,9 @@ class CpuRenderer:
             return
         ct = CTYPE[self.w.types[u.dst].dtype]
         if self._epilogue(u, ct):
+            return
+        if u.op == "sum_lead" and u.dst in self.colsums:
+            self.w.emit(f"// {u.dst}: summed by the loop that computes {u.args[0]} (plan: column sums)")
             return
         if u.op in library_calls.OPS:  # gemm.h, kernels.h, grad.h
             self.w.emit(f"coconet::{u.op}<{ct}>({', '.join(library_calls.call_args(self.w, u))});")

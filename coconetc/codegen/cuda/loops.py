@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from coconetc.codegen import pointwise
 from coconetc.codegen.base import Writer, prod as _prod
 from coconetc.codegen.cuda.notes import Notes
-from coconetc.codegen.emit import CTYPE
+from coconetc.codegen.emit import COMPUTE, CTYPE
 from coconetc.codegen.indexing import Indexing, coord_lines
 from coconetc.ir.nodes import Expr, Ref, walk
 from coconetc.ir.types import TType
-from coconetc.plan.units import Let, Loop
+from coconetc.plan.units import ColSum, Let, Loop
 from coconetc.plan.vectors import loop_width
 
 Items = pointwise.Items
@@ -95,7 +95,7 @@ class CudaKernels:
         if launch is None:
             def launch(V: int, ok: str) -> str:
                 return (f"coconet::cuda::launch_threads<{V}>({k.n}, {ok}, stream, "
-                        f"[=] __device__ (const coconet::cuda::Thread<{V}>& th) {{")
+                        f"[=] __device__ (const auto& th) {{")  # th: a Thread<V, I>, I int32_t or int64_t
         if vec is None:
             self.w.emit(f"{ind}{launch(1, 'false')}")
         else:
@@ -106,7 +106,7 @@ class CudaKernels:
             self.w.emit(f"{ind}  {line}")
         if vec is not None:
             self._vector_loop(t, k, items, outs, coords, *vec, ind + "  ")
-        self.w.emit(f"{ind}  for (const int64_t {k.var} : th.elements()) {{"
+        self.w.emit(f"{ind}  for (const auto {k.var} : th.elements()) {{"
                   + ("  // past the last whole vector, or all when not aligned" if vec else ""))
         load = self.idx.loader(t)
         local = {name: text for name, (text, _) in k.regs.items()}
@@ -131,10 +131,11 @@ class CudaKernels:
 
     def with_coords(self, t: TType, coords: bool, body: list[str]) -> list[str]:
         """The body, after the element's coordinates c0.. from i (the L<k> in scope) when it
-        needs them (those it does not use (void)-ed)."""
+        needs them (those it does not use (void)-ed), divided out in i's type (int32_t where the
+        launch chose it: every extent is below the element count)."""
         if not coords:
             return body
-        out = ["int64_t rest = i;", *coord_lines(range(t.ndim))]
+        out = ["auto rest = i;", *coord_lines(range(t.ndim), ext="decltype(rest)(L{k})")]
         out += [f"(void)c{d};" for d in range(t.ndim) if not re.search(rf"\bc{d}\b", " ".join(body))]
         return out + (["(void)rest;"] if t.ndim == 0 else []) + body
 
@@ -196,7 +197,7 @@ class CudaKernels:
         """Whole groups of V elements: each operand loaded as one vector, the element math of
         the V lanes unrolled, each stored value written as one vector."""
         v0 = f"{k.var}0"
-        self.w.emit(f"{ind}for (const int64_t {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
+        self.w.emit(f"{ind}for (const auto {v0} : th.vectors()) {{  // {V} elements at a time, one aligned vector "
                   "load or store per operand")
         for name, ptr in ptrs.items():
             if name in k.vloads:
@@ -223,7 +224,7 @@ class CudaKernels:
                 self.w.emit(f"{ind}  {line}")
         self.w.emit(f"{ind}  COCONET_UNROLL")
         self.w.emit(f"{ind}  for (int u = 0; u < {V}; ++u) {{")
-        for line in (*_indices((f"const int64_t {k.var} = {v0} + u;", *k.defs), body), *body):
+        for line in (*_indices((f"const auto {k.var} = {v0} + u;", *k.defs), body), *body):
             self.w.emit(f"{ind}    {line}")
         self.w.emit(f"{ind}  }}")
         for line in self._vector_stores(k, outs, stored, V, ptrs, v0):
@@ -253,6 +254,10 @@ class CudaKernels:
 
     def render_loop(self, u: Loop) -> None:
         """A Loop unit: one kernel, or one per piece of the scattered tensors it reads or stores."""
+        sums = [c for c in u.colsums if "cuda" in c.on]
+        if sums:
+            self._colsum_loop(u, sums[0])
+            return
         self._loop(u.type, u.lets, [(i.name, i.expr, i.store) for i in u.items], loop_width(self.w.plan, u),
                    u.seg_dst)
 
@@ -270,6 +275,33 @@ class CudaKernels:
             self._loop_head(t, coords)
             self.notes.access(t, items, lets, "0", n, {}, "  ")
             self.kernel(t, Kernel(n), lets, items, coords, width, "  ")
+            self.w.emit("}")
+
+    def _colsum_loop(self, u: Loop, c: ColSum) -> None:
+        """A loop that also adds up the column sums of one of its values (Loop.colsums,
+        plan/colsums.py): coconet::cuda::colsum_rows (grad.cuh) calls the lambda once per element
+        (the Lets, the element math and the stores of the element path), which returns the value
+        summed; one element at a time (no vector path)."""
+        t = u.type
+        items = [(i.name, i.expr, i.store) for i in u.items]
+        with self.w.saved_consts():
+            ld = self.w.ldims(t)
+            n = _prod(ld)
+            coords = self.idx.needs_coords(t, [e for _, e, _ in items], {name for name, _, _ in items})
+            self._loop_head(t, coords)
+            self.notes.access(t, items, u.lets, "0", n, {}, "  ")
+            ct = COMPUTE[self.w.types[c.value].dtype]
+            self.w.emit(f"  coconet::cuda::colsum_rows<{ct}>(({n}) / std::max<int64_t>(1, {ld[-1]}), {ld[-1]}, "
+                        f"v_{c.dst}, stream, [=] __device__ (const int64_t i, const int64_t col) -> {ct} {{"
+                        f"  // and {c.dst} = the column sums of {c.value}")
+            for line in pointwise.lets(self.w, u.lets):
+                self.w.emit(f"    {line}")
+            outs = {name: [(f"v_{name}[i]", None)] for name, _, stored in items if stored}
+            body = self.body(t, items, {}, self.idx.loader(t), outs, lambda target, name: target)
+            body = self.with_coords(t, coords, body) + ["(void)col;", f"return x_{c.value};"]
+            for line in body:
+                self.w.emit(f"    {line}")
+            self.w.emit("  });")
             self.w.emit("}")
 
     def _loop_head(self, t: TType, coords: bool) -> None:

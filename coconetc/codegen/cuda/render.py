@@ -27,6 +27,7 @@ from coconetc.codegen.extern import extern_call
 from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.reductions import reduction
 from coconetc.ir import ops
+from coconetc.plan.colsums import fused_sums
 from coconetc.plan.epilogue import fused_loop, parts
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Library, Loop, Overlap, Plan, Reduce,
                                  Require, Unit)
@@ -49,10 +50,17 @@ class CudaRenderer:
         # the sum_leads a later matmul_tn computes as its bias-gradient epilogue (plan/epilogue.py)
         self.bgrad_sums = {parts(u.epilogue)[2] for u in plan.units if isinstance(u, Library)
                            and u.epilogue.startswith("bgrad(") and "cuda" in u.fused}
+        self.colsums = fused_sums(plan.units, "cuda")  # the sum_leads loops compute (plan/colsums.py)
 
     def render(self) -> Function:
         assert not self.w.plan.unsupported("cuda"), self.w.plan.unsupported("cuda")  # generate() leaves those out
-        return dispatch.function(self.w, self._declare, self.unit)
+        return dispatch.function(self.w, self._declare, self.unit, self._reshape_check)
+
+    def _reshape_check(self, u: Library) -> None:
+        """A reshape's check of its sizes alone (x == y: no copy), before the units run."""
+        args = library_calls.call_args(self.w, u)
+        ct = CTYPE[self.w.types[u.dst].dtype]
+        self.w.emit(f"coconet::cuda::reshape<{ct}>({', '.join([args[1], *args[1:]])}, ctx);  // {u.dst}'s check")
 
     def unit(self, u: Unit) -> None:
         if u is self.fused_loop:  # rendered by its matmul (epilogue)
@@ -171,6 +179,9 @@ class CudaRenderer:
         sum_lead as nothing; False when they are rendered as two units."""
         if u.op == "sum_lead" and u.dst in self.bgrad_sums:
             self.w.emit(f"// {u.dst}: the bias-gradient epilogue of the cublasLtMatmul of a matmul_tn below")
+            return True
+        if u.op == "sum_lead" and u.dst in self.colsums:
+            self.w.emit(f"// {u.dst}: summed by the loop that computes {u.args[0]} (plan: column sums)")
             return True
         if "cuda" not in u.fused:
             return False

@@ -80,12 +80,14 @@ PYBIND11_MODULE(coconet_bound, m) {
     py::gil_scoped_release release;
     COCONET_CUDA(cudaDeviceSynchronize());
   });
-  m.def("emulation_counts", []() {  // pointwise kernels launched on the vector path or not, vector accesses
+  m.def("emulation_counts", []() {  // pointwise kernels launched on the vector path or not, vector accesses, kernels with 32- or 64-bit indices
     const auto& c = coconet::cuda::emu::counts();
     py::dict d;
     d["vector_kernels"] = c.vector_kernels.load();
     d["scalar_kernels"] = c.scalar_kernels.load();
     d["vector_accesses"] = c.vector_accesses.load();
+    d["index32_kernels"] = c.index32_kernels.load();
+    d["index64_kernels"] = c.index64_kernels.load();
     return d;
   });
 #endif

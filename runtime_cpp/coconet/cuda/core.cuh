@@ -29,6 +29,9 @@
 #define COCONET_UNROLL _Pragma("unroll")
 #define COCONET_VECTOR_ACCESS(p, bytes)
 #define COCONET_COUNT_KERNEL(vector)
+#define COCONET_COUNT_INDEX(bits)
+// The largest index a kernel with 32-bit indices may form (pointwise.cuh: index32)
+#define COCONET_INDEX32_LIMIT() int64_t(INT32_MAX)
 #endif
 
 #include <cstdint>

@@ -85,6 +85,7 @@ namespace cuda {
 namespace emu {
 struct Counts {
   std::atomic<int64_t> vector_kernels{0}, scalar_kernels{0}, vector_accesses{0};
+  std::atomic<int64_t> index32_kernels{0}, index64_kernels{0};  // kernels launched with 32- or 64-bit indices
 };
 inline Counts& counts() {
   static Counts c;
@@ -103,5 +104,23 @@ inline void vector_access(const void* p, size_t bytes) {
 #define COCONET_VECTOR_ACCESS(p, bytes) ::coconet::cuda::emu::vector_access((p), (bytes))
 #define COCONET_COUNT_KERNEL(vector) \
   ((vector) ? ::coconet::cuda::emu::counts().vector_kernels : ::coconet::cuda::emu::counts().scalar_kernels) += 1
+#define COCONET_COUNT_INDEX(bits) \
+  ((bits) == 32 ? ::coconet::cuda::emu::counts().index32_kernels : ::coconet::cuda::emu::counts().index64_kernels) += 1
+// The largest index a kernel with 32-bit indices may form: INT32_MAX, or with
+// COCONET_EMULATE_INDEX32_LIMIT=k, k (so that a test takes the 64-bit path at a size it can allocate).
+namespace coconet {
+namespace cuda {
+namespace emu {
+inline int64_t index32_limit() {
+  static const int64_t limit = [] {
+    const char* e = std::getenv("COCONET_EMULATE_INDEX32_LIMIT");
+    return e && *e ? int64_t(std::atoll(e)) : int64_t(INT32_MAX);
+  }();
+  return limit;
+}
+}  // namespace emu
+}  // namespace cuda
+}  // namespace coconet
+#define COCONET_INDEX32_LIMIT() ::coconet::cuda::emu::index32_limit()
 // The NCCL device API subset symmetric.cuh uses (symmetric memory, LSA pointers and barriers).
 #include "emulate_nccl_device.h"

@@ -4,12 +4,15 @@
 // Included at the end of runtime.cuh.
 //
 //   matmul_nt, matmul_tn   cuBLAS with a transposed operand (gemm_trans, runtime.cuh)
-//   sum_lead, sum_keep     a block a tile of 32 columns, 16 row lanes (sum_mid)
+//   sum_lead, sum_keep     a block a tile of 32 columns, 16 row lanes (sum_mid), 32-bit indices
+//                          where they fit
 //   mean_last              a block a row
 //   layernorm_dx           a block a row (pointwise.h layernorm_dx_of, as layernorm_row_block)
 //   layernorm_dgamma       a block a strided set of rows, its per-column partial sums in scratch,
 //                          then a thread a column adds the blocks' partials (deterministic)
 //   conv2d_dx, conv2d_dw   one thread per result element
+//   colsum_rows            a loop's values and their column sums: a block a range of rows, then a
+//                          thread a column adds the blocks' partial sums (plan/colsums.py)
 //                          (all accumulating in the compute type)
 #pragma once
 
@@ -36,18 +39,18 @@ void matmul_tn(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t N, cu
 // a chain of 4096 dependent loads on few blocks: about a millisecond whatever the width.
 constexpr int kColTile = 32, kRowLanes = 16;
 
-template <class T>
-__global__ void sum_mid_kernel(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner) {
+template <class T, class I>
+__global__ void sum_mid_kernel(const T* x, T* out, I outer, I mid, I inner) {
   using A = compute_t<T>;
   __shared__ A part[kRowLanes][kColTile + 1];
   const int t = threadIdx.x % kColTile, r = threadIdx.x / kColTile;
-  const int64_t tiles = (inner + kColTile - 1) / kColTile;
-  for (int64_t b = blockIdx.x; b < outer * tiles; b += gridDim.x) {
-    const int64_t o = b / tiles, j = (b % tiles) * kColTile + t;
+  const I tiles = (inner + kColTile - 1) / kColTile;
+  for (I b = blockIdx.x; b < outer * tiles; b += I(gridDim.x)) {
+    const I o = b / tiles, j = (b % tiles) * kColTile + t;
     A acc = 0;
     if (j < inner) {
       const T* col = x + o * mid * inner + j;
-      for (int64_t m = r; m < mid; m += kRowLanes) acc += to_compute(col[m * inner]);
+      for (I m = r; m < mid; m += kRowLanes) acc += to_compute(col[m * inner]);
     }
     part[r][t] = acc;
     __syncthreads();
@@ -60,6 +63,9 @@ __global__ void sum_mid_kernel(const T* x, T* out, int64_t outer, int64_t mid, i
   }
 }
 
+// The sums over the middle dim, indexed in int32_t where every index the kernel forms fits (an
+// element; a row lane's step past the last row, kRowLanes rows; a tile past the last, the grid
+// and a tile), else int64_t.
 template <class T>
 void sum_mid(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner, const Ctx& c) {
   const int64_t work = outer * ((inner + kColTile - 1) / kColTile);
@@ -69,8 +75,18 @@ void sum_mid(const T* x, T* out, int64_t outer, int64_t mid, int64_t inner, cons
   }
   COCONET_ACCESS(COCONET_R(x, 0, outer * mid * inner), COCONET_W(out, 0, outer * inner));
   const int64_t blocks = std::min<int64_t>(work, 65535);
-  void (*kernel)(const T*, T*, int64_t, int64_t, int64_t) = sum_mid_kernel<T>;
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kColTile * kRowLanes, 0, c.stream, x, out, outer, mid, inner);
+  const int64_t most = std::max(outer * mid * inner, work * kColTile);
+  if (index32(most, (kRowLanes + 1) * inner + (blocks + 1) * kColTile)) {
+    COCONET_COUNT_INDEX(32);
+    void (*kernel)(const T*, T*, int32_t, int32_t, int32_t) = sum_mid_kernel<T, int32_t>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kColTile * kRowLanes, 0, c.stream, x, out, int32_t(outer),
+                   int32_t(mid), int32_t(inner));
+  } else {
+    COCONET_COUNT_INDEX(64);
+    void (*kernel)(const T*, T*, int64_t, int64_t, int64_t) = sum_mid_kernel<T, int64_t>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kColTile * kRowLanes, 0, c.stream, x, out, outer, mid,
+                   inner);
+  }
   COCONET_CUDA(cudaGetLastError());
 }
 
@@ -92,9 +108,11 @@ template <class T>
 void mean_last(const T* x, T* out, int64_t rows, int64_t h, const Ctx& c) {
   using A = compute_t<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_W(out, 0, rows));
-  launch_rows<A>(rows, c.stream, [=] __device__(int64_t r, A* part) {
+  launch_rows<A>(rows, rows * h, c.stream, [=] __device__(auto r, A* part) {
+    using I = decltype(r);
+    const T* const xr = x + r * I(h);
     A acc = 0;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) acc += to_compute(x[r * h + j]);
+    for (I j = threadIdx.x; j < I(h); j += I(blockDim.x)) acc += to_compute(xr[j]);
     const A total = block_sum(part, acc);
     if (threadIdx.x == 0) out[r] = from_compute<T>(static_cast<A>(total / static_cast<A>(h)));
   });
@@ -108,7 +126,11 @@ void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int
   using C = compute_t<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * h), COCONET_R(gamma, 0, h), COCONET_R(g, 0, rows * h),
                  COCONET_W(dx, 0, rows * h));
-  launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
+  launch_rows<C>(rows, rows * h, c.stream, [=] __device__(auto r, C* part) {
+    using I = decltype(r);
+    const T* const xr = x + r * I(h);
+    const T* const gr = g + r * I(h);
+    T* const dxr = dx + r * I(h);
     const auto sum = [&](auto f) {
       C s = 0;
       for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += f(j);
@@ -117,9 +139,9 @@ void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int
     const auto each = [&](auto f) {
       for (int64_t j = threadIdx.x; j < h; j += blockDim.x) f(j);
     };
-    layernorm_dx_of([&](int64_t j) { return C(to_compute(x[r * h + j])); }, gamma,
-                    [&](int64_t j) { return C(to_compute(g[r * h + j])); }, static_cast<C>(eps), h, sum, each,
-                    [&](int64_t j, C v) { dx[r * h + j] = from_compute<T>(v); });
+    layernorm_dx_of([&](int64_t j) { return C(to_compute(xr[j])); }, gamma,
+                    [&](int64_t j) { return C(to_compute(gr[j])); }, static_cast<C>(eps), h, sum, each,
+                    [&](int64_t j, C v) { dxr[j] = from_compute<T>(v); });
   });
 }
 
@@ -254,6 +276,48 @@ void matmul_tn_bgrad(const T* A, const T* B, T* C, int64_t M, int64_t K, int64_t
     sum_lead<T>(B, db, M, N, c);
     matmul_tn<T>(A, B, C, M, K, N, c.stream);
   }
+}
+
+// A pointwise loop that also adds up the column sums of one of its values (plan/colsums.py,
+// Loop.colsums): f(i, col) computes element i = row * cols + col (storing what the loop stores)
+// and returns the value whose column sums go to out[cols]. Block b takes the rows [b rb, (b+1) rb),
+// its threads striding the columns (a warp: 32 adjacent elements of a row, coalesced), each adding
+// its columns' values over the block's rows in the compute type C; part[b, col] (scratch) is
+// written once, then a thread a column adds the blocks' parts in block order (deterministic, no
+// atomics). The caller has declared the loop's accesses (COCONET_ACCESS): the partial sums are
+// added to them.
+constexpr int kColSumBlocks = 256;
+constexpr int kColSumSite = -3;  // the scratch() site of the partial sums (runtime sites are >= 0)
+
+template <class C, class F>
+__global__ void colsum_rows_kernel(int64_t rows, int64_t cols, int64_t rb, C* part, F f) {
+  const int64_t r0 = int64_t(blockIdx.x) * rb, r1 = r0 + rb < rows ? r0 + rb : rows;
+  for (int64_t col = threadIdx.x; col < cols; col += blockDim.x) {
+    C acc = 0;
+    for (int64_t row = r0; row < r1; ++row) acc += f(row * cols + col, col);
+    part[int64_t(blockIdx.x) * cols + col] = acc;
+  }
+}
+
+template <class C, class T, class F>
+void colsum_rows(int64_t rows, int64_t cols, T* out, cudaStream_t s, F f) {
+  if (cols <= 0) {
+    COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
+    return;
+  }
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(rows, kColSumBlocks));
+  const int64_t rb = (rows + blocks - 1) / blocks;
+  C* part = scratch<C>(kColSumSite, blocks * cols);
+  COCONET_ACCESS_ALSO(COCONET_W(part, 0, blocks * cols));
+  void (*kernel)(int64_t, int64_t, int64_t, C*, F) = colsum_rows_kernel<C, F>;
+  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, s, rows, cols, rb, part, f);
+  COCONET_CUDA(cudaGetLastError());
+  COCONET_ACCESS(COCONET_R(part, 0, blocks * cols), COCONET_W(out, 0, cols));
+  launch(cols, s, [=] __device__(int64_t col) {
+    C t = 0;
+    for (int64_t b = 0; b < blocks; ++b) t += part[b * cols + col];
+    out[col] = from_compute<T>(t);
+  });
 }
 
 }  // namespace cuda

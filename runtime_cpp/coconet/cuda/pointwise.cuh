@@ -16,12 +16,13 @@ namespace cuda {
 // groups of V elements (th.vectors(): one vector load or store per operand), then the tail past
 // the last whole group one element at a time (th.elements(), which is everything otherwise).
 
-// lo, lo + step, ... below hi, for a range-for in device code.
-struct Strided {
-  int64_t lo, hi, step;
+// lo, lo + step, ... below hi, for a range-for in device code (I: the index type, as the kernel's).
+template <class I>
+struct StridedOf {
+  I lo, hi, step;
   struct It {
-    int64_t i, step;
-    COCONET_HD int64_t operator*() const { return i; }
+    I i, step;
+    COCONET_HD I operator*() const { return i; }
     COCONET_HD It& operator++() {
       i += step;
       return *this;
@@ -31,17 +32,23 @@ struct Strided {
   COCONET_HD It begin() const { return It{lo, step}; }
   COCONET_HD It end() const { return It{hi, step}; }
 };
+using Strided = StridedOf<int64_t>;
 
 // One thread's share of the elements [0, n) of a pointwise kernel (see above; the symmetric
-// kernel's SymThread offers the same two loops over its block's tiles).
-template <int V>
+// kernel's SymThread offers the same two loops over its block's tiles), indexed in I: int32_t where
+// every index the kernel forms fits (launch_threads decides), else int64_t. `index` names I for the
+// kernel's lambda (generic: one body for both).
+template <int V, class I = int64_t>
 struct Thread {
-  int64_t n = 0, first = 0, stride = 1;
+  using index = I;
+  I n = 0, first = 0, stride = 1;
   bool vec = false;
   // the first element of each whole group of V elements this thread takes (none unless vec)
-  COCONET_HD Strided vectors() const { return vec ? Strided{first * V, n / V * V, stride * V} : Strided{0, 0, 1}; }
+  COCONET_HD StridedOf<I> vectors() const {
+    return vec ? StridedOf<I>{I(first * V), I(n / V * V), I(stride * V)} : StridedOf<I>{0, 0, 1};
+  }
   // the elements it takes one at a time: those past the last whole group, or all of them
-  COCONET_HD Strided elements() const { return Strided{(vec ? n / V * V : 0) + first, n, stride}; }
+  COCONET_HD StridedOf<I> elements() const { return StridedOf<I>{I((vec ? n / V * V : 0) + first), n, stride}; }
 };
 
 // V elements of T held in registers, aligned as one vector access (V * sizeof(T) bytes, at most 16).
@@ -82,10 +89,15 @@ COCONET_HD inline bool aligned(const T* p, const Rest*... rest) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * V) == 0 && aligned<V>(rest...);
 }
 
-template <int V, class F>
-__global__ void threads_kernel(int64_t n, bool vec, F f) {
-  f(Thread<V>{n, blockIdx.x * int64_t(blockDim.x) + threadIdx.x, int64_t(gridDim.x) * blockDim.x, vec});
+template <int V, class I, class F>
+__global__ void threads_kernel(I n, bool vec, F f) {
+  f(Thread<V, I>{n, I(blockIdx.x) * I(blockDim.x) + I(threadIdx.x), I(gridDim.x) * I(blockDim.x), vec});
 }
+
+// Whether a kernel over [0, n) whose threads step by `stride` elements may index in int32_t: every
+// index it forms (an element, or one step past the last) is below n + stride. Decided at each
+// launch; COCONET_INDEX32_LIMIT() is INT32_MAX (the emulation's may be set lower, to test both).
+inline bool index32(int64_t n, int64_t stride) { return n + stride <= COCONET_INDEX32_LIMIT(); }
 
 // This device's multiprocessors (asked once per device).
 inline int sm_count() {
@@ -99,10 +111,11 @@ inline int sm_count() {
   });
 }
 
-// f(th) once per thread of a grid over [0, n) on stream s (th: a Thread<V>); vec: every operand is
-// aligned<V> (the vector path). Blocks of 256 threads, as many as the work needs but at most 32
-// per multiprocessor (4 waves of 8 resident blocks), so that a thread takes several vectors and
-// its Lets are computed once for all of them.
+// f(th) once per thread of a grid over [0, n) on stream s (th: a Thread<V, I>, f generic over I:
+// int32_t where index32 allows, else int64_t); vec: every operand is aligned<V> (the vector path).
+// Blocks of 256 threads, as many as the work needs but at most 32 per multiprocessor (4 waves of 8
+// resident blocks), so that a thread takes several vectors and its Lets are computed once for all
+// of them.
 template <int V, class F>
 void launch_threads(int64_t n, bool vec, cudaStream_t s, F f) {
   if (n <= 0) {
@@ -113,9 +126,16 @@ void launch_threads(int64_t n, bool vec, cudaStream_t s, F f) {
   const int threads = 256;
   const int64_t work = vec ? (n + V - 1) / V : n;
   const int64_t blocks = std::min<int64_t>((work + threads - 1) / threads, int64_t(sm_count()) * 32);
-  void (*kernel)(int64_t, bool, F) = threads_kernel<V, F>;
   COCONET_COUNT_KERNEL(vec);
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), threads, 0, s, n, vec, f);
+  if (index32(n, blocks * threads * V)) {
+    COCONET_COUNT_INDEX(32);
+    void (*kernel)(int32_t, bool, F) = threads_kernel<V, int32_t, F>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), threads, 0, s, int32_t(n), vec, f);
+  } else {
+    COCONET_COUNT_INDEX(64);
+    void (*kernel)(int64_t, bool, F) = threads_kernel<V, int64_t, F>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), threads, 0, s, n, vec, f);
+  }
   COCONET_CUDA(cudaGetLastError());
 }
 

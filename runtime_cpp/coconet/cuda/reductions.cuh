@@ -153,21 +153,36 @@ template <class E>
 COCONET_HD inline double eps_value(const E* eps) { return double(to_compute(eps[0])); }
 
 // f(row, part) for row in [0, rows): a block of kRowThreads threads a row (the grid striding the
-// rows), part the block's shared scratch for block_sum (in type A).
-template <class A, class F>
-__global__ void rows_kernel(int64_t rows, F f) {
+// rows), part the block's shared scratch for block_sum (in type A). The row is an I: int32_t where
+// every index the rows' kernel forms fits (extent: the elements of its rows, 0 when not known:
+// int64_t), else int64_t; f takes either (generic, or an int64_t parameter).
+template <class A, class I, class F>
+__global__ void rows_kernel(I rows, F f) {
   __shared__ A part[kRowThreads];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) f(r, part);
+  for (I r = blockIdx.x; r < rows; r += I(gridDim.x)) f(r, part);
 }
 template <class A, class F>
-void launch_rows(int64_t rows, cudaStream_t s, F f) {
+void launch_rows(int64_t rows, int64_t extent, cudaStream_t s, F f) {
   if (rows <= 0) {
     COCONET_ACCESS();  // (emulation) no kernel: its declared ranges go with it
     return;
   }
-  void (*kernel)(int64_t, F) = rows_kernel<A, F>;
-  COCONET_LAUNCH(kernel, static_cast<unsigned>(std::min<int64_t>(rows, 65535)), kRowThreads, 0, s, rows, f);
+  const int64_t blocks = std::min<int64_t>(rows, 65535);
+  // the largest index: a row past the last (+ the grid), an element past the row's end (+ a block)
+  if (extent > 0 && index32(std::max(rows, extent), blocks + kRowThreads)) {
+    COCONET_COUNT_INDEX(32);
+    void (*kernel)(int32_t, F) = rows_kernel<A, int32_t, F>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, s, int32_t(rows), f);
+  } else {
+    COCONET_COUNT_INDEX(64);
+    void (*kernel)(int64_t, F) = rows_kernel<A, int64_t, F>;
+    COCONET_LAUNCH(kernel, static_cast<unsigned>(blocks), kRowThreads, 0, s, rows, f);
+  }
   COCONET_CUDA(cudaGetLastError());
+}
+template <class A, class F>
+void launch_rows(int64_t rows, cudaStream_t s, F f) {
+  launch_rows<A>(rows, 0, s, f);
 }
 
 // One row of a layernorm over the last dim, by the block's threads striding it (coalesced):
@@ -194,9 +209,11 @@ __device__ void layernorm_row_block(const T* xr, const T* g, const T* b, C eps, 
 template <class T, class EPS>
 void layernorm_rows(const T* x, const T* g, const T* b, EPS eps, int64_t rows, int64_t H, T* y, const Ctx& c) {
   using C = compute_t<T>;
-  launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
-    layernorm_row_block(x + r * H, g, b, static_cast<C>(eps_value(eps)), H, part,
-                        [&](int64_t j, C v) { y[r * H + j] = from_compute<T>(v); });
+  launch_rows<C>(rows, rows * H, c.stream, [=] __device__(auto r, C* part) {
+    using I = decltype(r);
+    T* const yr = y + r * I(H);
+    layernorm_row_block(x + r * I(H), g, b, static_cast<C>(eps_value(eps)), H, part,
+                        [&](int64_t j, C v) { yr[j] = from_compute<T>(v); });
   });
 }
 
@@ -232,8 +249,10 @@ template <class T>
 void softmax(const T* x, T* y, int64_t rows, int64_t H, const Ctx& c) {
   using C = compute_t<T>;
   COCONET_ACCESS(COCONET_R(x, 0, rows * H), COCONET_W(y, 0, rows * H));
-  launch_rows<C>(rows, c.stream, [=] __device__(int64_t r, C* part) {
-    const T* xr = x + r * H;
+  launch_rows<C>(rows, rows * H, c.stream, [=] __device__(auto r, C* part) {
+    using I = decltype(r);
+    const T* xr = x + r * I(H);
+    T* const yr = y + r * I(H);
     const auto largest = [&](auto f) {
       C m = -std::numeric_limits<C>::infinity();
       for (int64_t j = threadIdx.x; j < H; j += blockDim.x) m = max_step(m, f(j));
@@ -248,7 +267,7 @@ void softmax(const T* x, T* y, int64_t rows, int64_t H, const Ctx& c) {
       for (int64_t j = threadIdx.x; j < H; j += blockDim.x) f(j);
     };
     softmax_of<C>([&](int64_t j) { return to_compute(xr[j]); }, largest, total, each,
-                  [&](int64_t j, C v) { y[r * H + j] = from_compute<T>(v); });
+                  [&](int64_t j, C v) { yr[j] = from_compute<T>(v); });
   });
 }
 

@@ -40,7 +40,7 @@ void adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, 0, S_N), COCONET_R(v_g1, 0, S_N), COCONET_R(v_v, 0, S_N), COCONET_R(v_w, 0, S_N), COCONET_W(v_m1, 0, S_N), COCONET_W(v_v1, 0, S_N), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_m1 = coconet::to_compute(v_beta1[0]);
       const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
       const float k2_v1 = coconet::to_compute(v_beta2[0]);
@@ -49,7 +49,7 @@ void adam__default(const coconet::cuda::CallArgs& a) {
       const float k5_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k6_w1 = coconet::to_compute(v_lr[0]);
       const float k7_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -57,7 +57,7 @@ void adam__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_g1[u]));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -72,7 +72,7 @@ void adam__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(v_g1[i]));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i]) + k3_v1 * coconet::to_compute(v_g1[i]) * coconet::to_compute(v_g1[i]));
@@ -124,7 +124,7 @@ void adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_v, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_v1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m + off * int64_t(1), v_rs, v_v + off * int64_t(1), v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m + off * int64_t(1), v_rs, v_v + off * int64_t(1), v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_m1 = coconet::to_compute(v_beta1[0]);
       const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
       const float k2_v1 = coconet::to_compute(v_beta2[0]);
@@ -133,7 +133,7 @@ void adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       const float k5_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k6_w1 = coconet::to_compute(v_lr[0]);
       const float k7_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + off * int64_t(1) + i0);
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + off * int64_t(1) + i0);
@@ -141,7 +141,7 @@ void adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -156,7 +156,7 @@ void adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k1_m1 * coconet::to_compute(v_rs[i]));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(v_v[i + off * int64_t(1)]) + k3_v1 * coconet::to_compute(v_rs[i]) * coconet::to_compute(v_rs[i]));
@@ -215,7 +215,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
       const float k5_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k6_w1 = coconet::to_compute(v_lr[0]);
       const float k7_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_rs = th.vreduce(i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -223,7 +223,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -239,7 +239,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
         if (static_cast<const void*>(th.out) != static_cast<const void*>(v_w1)) coconet::cuda::store<4>(th.out + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float red_v = th.reduce(i);
         const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(red_v));
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -272,7 +272,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(v_m, lo, hi), COCONET_R(v_v, lo, hi), COCONET_R(v_w, off * int64_t(1) + lo, off * int64_t(1) + hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_m1, lo, hi), COCONET_W(v_v1, lo, hi), COCONET_W(v_w1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m + lo, red, v_v + lo, v_w + off * int64_t(1) + lo, v_m1 + lo, v_v1 + lo, v_w1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m + lo, red, v_v + lo, v_w + off * int64_t(1) + lo, v_m1 + lo, v_v1 + lo, v_w1 + lo), stream, [=] __device__ (const auto& th) {
         const float k0_m1 = coconet::to_compute(v_beta1[0]);
         const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
         const float k2_v1 = coconet::to_compute(v_beta2[0]);
@@ -281,7 +281,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
         const float k5_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
         const float k6_w1 = coconet::to_compute(v_lr[0]);
         const float k7_w1 = coconet::to_compute(v_eps[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_m = coconet::cuda::load<4>(v_m + lo + j0);
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           const auto in_v = coconet::cuda::load<4>(v_v + lo + j0);
@@ -289,7 +289,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
@@ -305,7 +305,7 @@ void adam__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_v1 + lo + j0, out_v1);
           coconet::cuda::store<4>(v_w1 + lo + j0, out_w1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(red[j]));
           v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -368,7 +368,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
       const float k5_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k6_w1 = coconet::to_compute(v_lr[0]);
       const float k7_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + off * int64_t(1) + i0);
         const auto in_rs = th.vreduce(i0);
         const auto in_v = coconet::cuda::load<4>(v_v + off * int64_t(1) + i0);
@@ -376,7 +376,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -392,7 +392,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
         if (static_cast<const void*>(th.out) != static_cast<const void*>(v_w1)) coconet::cuda::store<4>(th.out + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float red_v = th.reduce(i);
         const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k1_m1 * coconet::to_compute(red_v));
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -425,7 +425,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(v_m, off * int64_t(1) + lo, off * int64_t(1) + hi), COCONET_R(v_v, off * int64_t(1) + lo, off * int64_t(1) + hi), COCONET_R(v_w, off * int64_t(1) + lo, off * int64_t(1) + hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_m1, lo, hi), COCONET_W(v_v1, lo, hi), COCONET_W(v_w1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m + off * int64_t(1) + lo, red, v_v + off * int64_t(1) + lo, v_w + off * int64_t(1) + lo, v_m1 + lo, v_v1 + lo, v_w1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m + off * int64_t(1) + lo, red, v_v + off * int64_t(1) + lo, v_w + off * int64_t(1) + lo, v_m1 + lo, v_v1 + lo, v_w1 + lo), stream, [=] __device__ (const auto& th) {
         const float k0_m1 = coconet::to_compute(v_beta1[0]);
         const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
         const float k2_v1 = coconet::to_compute(v_beta2[0]);
@@ -434,7 +434,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
         const float k5_vh = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
         const float k6_w1 = coconet::to_compute(v_lr[0]);
         const float k7_w1 = coconet::to_compute(v_eps[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_m = coconet::cuda::load<4>(v_m + off * int64_t(1) + lo + j0);
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           const auto in_v = coconet::cuda::load<4>(v_v + off * int64_t(1) + lo + j0);
@@ -442,7 +442,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
           coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
@@ -458,7 +458,7 @@ void adam__fused(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_v1 + lo + j0, out_v1);
           coconet::cuda::store<4>(v_w1 + lo + j0, out_w1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k1_m1 * coconet::to_compute(red[j]));
           v_m1[i] = coconet::from_compute<float>(x_m1);

@@ -48,20 +48,20 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t0_c, 0, 1), COCONET_W(v_c, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const auto& th) {
       const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_c;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_c = coconet::round_to<float>(k0_c);
           out_c[u] = coconet::from_compute<float>(x_c);
         }
         coconet::cuda::store<4>(v_c + i0, out_c);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_c = coconet::round_to<float>(k0_c);
         v_c[i] = coconet::from_compute<float>(x_c);
       }
@@ -72,7 +72,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g1, 0, S_N), COCONET_R(v_m, 0, S_N), COCONET_R(v_v, 0, S_N), COCONET_R(v_w, 0, S_N), COCONET_R(v_c, 0, 1), COCONET_W(v_m1, 0, S_N), COCONET_W(v_v1, 0, S_N), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_m, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_m, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k1_gc = coconet::to_compute(v_c[0]);
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -83,7 +83,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
       const float k9_w1 = coconet::to_compute(v_eps[0]);
       const float k10_w1 = coconet::to_compute(v_wd[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -91,7 +91,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(in_g1[u]));
           const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * x_gc);
@@ -107,7 +107,7 @@ void adamw__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_g1[i]));
         const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * x_gc);
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -168,20 +168,20 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t0_c, 0, 1), COCONET_W(v_c, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const auto& th) {
       const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_c;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_c = coconet::round_to<float>(k0_c);
           out_c[u] = coconet::from_compute<float>(x_c);
         }
         coconet::cuda::store<4>(v_c + i0, out_c);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_c = coconet::round_to<float>(k0_c);
         v_c[i] = coconet::from_compute<float>(x_c);
       }
@@ -192,7 +192,7 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_m, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_v, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_c, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_v1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_m + off * int64_t(1), v_v + off * int64_t(1), v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_m + off * int64_t(1), v_v + off * int64_t(1), v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k1_gc = coconet::to_compute(v_c[0]);
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -203,7 +203,7 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
       const float k9_w1 = coconet::to_compute(v_eps[0]);
       const float k10_w1 = coconet::to_compute(v_wd[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_m = coconet::cuda::load<4>(v_m + off * int64_t(1) + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + off * int64_t(1) + i0);
@@ -211,7 +211,7 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(in_rs[u]));
           const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * x_gc);
@@ -227,7 +227,7 @@ void adamw__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
         const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k3_m1 * x_gc);
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -290,20 +290,20 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t0_c, 0, 1), COCONET_W(v_c, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const auto& th) {
       const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_c;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_c = coconet::round_to<float>(k0_c);
           out_c[u] = coconet::from_compute<float>(x_c);
         }
         coconet::cuda::store<4>(v_c + i0, out_c);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_c = coconet::round_to<float>(k0_c);
         v_c[i] = coconet::from_compute<float>(x_c);
       }
@@ -314,7 +314,7 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_m, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_v, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_c, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_v1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_m, v_v, v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_m, v_v, v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k1_gc = coconet::to_compute(v_c[0]);
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -325,7 +325,7 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
       const float k9_w1 = coconet::to_compute(v_eps[0]);
       const float k10_w1 = coconet::to_compute(v_wd[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -333,7 +333,7 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(in_rs[u]));
           const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * x_gc);
@@ -349,7 +349,7 @@ void adamw__sliced(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
         const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * x_gc);
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -407,19 +407,19 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
     (void)off;
     COCONET_ACCESS(COCONET_W(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
     coconet::cuda::fused_symmetric<float, float, 4>(ncclSum, v_g, S_N, int64_t(1), static_cast<float*>(nullptr), v_rs, ctx, coconet::cuda::aligned<4>(v_rs), [=] __device__ (const coconet::cuda::SymThread<float, float, 4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = th.vreduce(i0);
         coconet::cuda::Vec<float, 4> out_rs;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_rs = coconet::round_to<float>(coconet::to_compute(in_rs[u]));
           out_rs[u] = coconet::from_compute<float>(x_rs);
         }
         coconet::cuda::store<4>(v_rs + i0, out_rs);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float red_v = th.reduce(i);
         const float x_rs = coconet::round_to<float>(coconet::to_compute(red_v));
         v_rs[i] = coconet::from_compute<float>(x_rs);
@@ -447,13 +447,13 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_rs, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_rs + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_rs + lo), stream, [=] __device__ (const auto& th) {
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_rs;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_rs = coconet::round_to<float>(coconet::to_compute(in_rs[u]));
@@ -461,7 +461,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_rs + lo + j0, out_rs);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_rs = coconet::round_to<float>(coconet::to_compute(red[j]));
           v_rs[i] = coconet::from_compute<float>(x_rs);
@@ -483,20 +483,20 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t0_c, 0, 1), COCONET_W(v_c, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_c), stream, [=] __device__ (const auto& th) {
       const float k0_c = coconet::minimum<float>(coconet::to_compute(v_maxnorm[0]) / (coconet::to_compute(v_t0_c[0]) + 1e-06f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_c;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_c = coconet::round_to<float>(k0_c);
           out_c[u] = coconet::from_compute<float>(x_c);
         }
         coconet::cuda::store<4>(v_c + i0, out_c);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_c = coconet::round_to<float>(k0_c);
         v_c[i] = coconet::from_compute<float>(x_c);
       }
@@ -507,7 +507,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_m, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_v, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_c, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_v1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_m, v_v, v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_m, v_v, v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k1_gc = coconet::to_compute(v_c[0]);
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -518,7 +518,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
       const float k9_w1 = coconet::to_compute(v_eps[0]);
       const float k10_w1 = coconet::to_compute(v_wd[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -526,7 +526,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(in_rs[u]));
           const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * x_gc);
@@ -542,7 +542,7 @@ void adamw__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gc = coconet::round_to<float>(k1_gc * coconet::to_compute(v_rs[i]));
         const float x_m1 = coconet::round_to<float>(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * x_gc);
         v_m1[i] = coconet::from_compute<float>(x_m1);

@@ -41,20 +41,20 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g1, 0, S_N), COCONET_W(v_t0_a, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_t0_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_t0_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         coconet::cuda::Vec<float, 4> out_t0_a;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t0_a = coconet::round_to<float>(std::abs(coconet::to_compute(in_g1[u])));
           out_t0_a[u] = coconet::from_compute<float>(x_t0_a);
         }
         coconet::cuda::store<4>(v_t0_a + i0, out_t0_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t0_a = coconet::round_to<float>(std::abs(coconet::to_compute(v_g1[i])));
         v_t0_a[i] = coconet::from_compute<float>(x_t0_a);
       }
@@ -67,20 +67,20 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_a, 0, 1), COCONET_W(v_s, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::minimum<float>(coconet::to_compute(v_clip[0]) / (coconet::to_compute(v_a[0]) + 1e-12f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -91,20 +91,20 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, 0, S_N), COCONET_R(v_g1, 0, S_N), COCONET_R(v_w, 0, S_N), COCONET_R(v_a, 0, 1), COCONET_R(v_s, 0, 1), COCONET_W(v_m1, 0, S_N), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_w, v_m1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_g1, v_w, v_m1, v_w1), stream, [=] __device__ (const auto& th) {
       const bool k1_m1 = coconet::to_compute(v_a[0]) <= 3e+38f;
       const float k2_m1 = coconet::to_compute(v_beta[0]);
       const float k3_m1 = (1.0f - coconet::to_compute(v_beta[0])) * coconet::to_compute(v_s[0]);
       const bool k4_w1 = coconet::to_compute(v_a[0]) <= 3e+38f;
       const float k5_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         const auto in_w = coconet::cuda::load<4>(v_w + i0);
         coconet::cuda::Vec<float, 4> out_m1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * coconet::to_compute(in_g1[u])) : float(coconet::to_compute(in_m[u]))));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -114,7 +114,7 @@ void amax_scale__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_m1 + i0, out_m1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_g1[i])) : float(coconet::to_compute(v_m[i]))));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(v_w[i]) - k5_w1 * x_m1) : float(coconet::to_compute(v_w[i]))));
@@ -161,20 +161,20 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_t0_a, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_t0_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_t0_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_t0_a;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t0_a = coconet::round_to<float>(std::abs(coconet::to_compute(in_rs[u])));
           out_t0_a[u] = coconet::from_compute<float>(x_t0_a);
         }
         coconet::cuda::store<4>(v_t0_a + i0, out_t0_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t0_a = coconet::round_to<float>(std::abs(coconet::to_compute(v_rs[i])));
         v_t0_a[i] = coconet::from_compute<float>(x_t0_a);
       }
@@ -187,20 +187,20 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_a, 0, 1), COCONET_W(v_s, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::minimum<float>(coconet::to_compute(v_clip[0]) / (coconet::to_compute(v_a[0]) + 1e-12f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -211,20 +211,20 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_a, 0, 1), COCONET_R(v_s, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m + off * int64_t(1), v_rs, v_w + off * int64_t(1), v_m1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m + off * int64_t(1), v_rs, v_w + off * int64_t(1), v_m1, v_w1), stream, [=] __device__ (const auto& th) {
       const bool k1_m1 = coconet::to_compute(v_a[0]) <= 3e+38f;
       const float k2_m1 = coconet::to_compute(v_beta[0]);
       const float k3_m1 = (1.0f - coconet::to_compute(v_beta[0])) * coconet::to_compute(v_s[0]);
       const bool k4_w1 = coconet::to_compute(v_a[0]) <= 3e+38f;
       const float k5_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + off * int64_t(1) + i0);
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_w = coconet::cuda::load<4>(v_w + off * int64_t(1) + i0);
         coconet::cuda::Vec<float, 4> out_m1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * coconet::to_compute(in_rs[u])) : float(coconet::to_compute(in_m[u]))));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -234,7 +234,7 @@ void amax_scale__rs_a_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_m1 + i0, out_m1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k3_m1 * coconet::to_compute(v_rs[i])) : float(coconet::to_compute(v_m[i + off * int64_t(1)]))));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(v_w[i + off * int64_t(1)]) - k5_w1 * x_m1) : float(coconet::to_compute(v_w[i + off * int64_t(1)]))));
@@ -284,12 +284,12 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
     (void)off;
     COCONET_ACCESS(COCONET_W(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_t0_a, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
     coconet::cuda::fused_symmetric<float, float, 4>(ncclSum, v_g, S_N, int64_t(1), static_cast<float*>(nullptr), v_rs, ctx, coconet::cuda::aligned<4>(v_rs, v_t0_a), [=] __device__ (const coconet::cuda::SymThread<float, float, 4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = th.vreduce(i0);
         coconet::cuda::Vec<float, 4> out_rs, out_t0_a;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_rs = coconet::round_to<float>(coconet::to_compute(in_rs[u]));
           out_rs[u] = coconet::from_compute<float>(x_rs);
@@ -299,7 +299,7 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_rs + i0, out_rs);
         coconet::cuda::store<4>(v_t0_a + i0, out_t0_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float red_v = th.reduce(i);
         const float x_rs = coconet::round_to<float>(coconet::to_compute(red_v));
         v_rs[i] = coconet::from_compute<float>(x_rs);
@@ -329,13 +329,13 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_rs, lo, hi), COCONET_W(v_t0_a, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_rs + lo, v_t0_a + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_rs + lo, v_t0_a + lo), stream, [=] __device__ (const auto& th) {
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_rs, out_t0_a;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_rs = coconet::round_to<float>(coconet::to_compute(in_rs[u]));
@@ -346,7 +346,7 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_rs + lo + j0, out_rs);
           coconet::cuda::store<4>(v_t0_a + lo + j0, out_t0_a);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_rs = coconet::round_to<float>(coconet::to_compute(red[j]));
           v_rs[i] = coconet::from_compute<float>(x_rs);
@@ -370,20 +370,20 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_a, 0, 1), COCONET_W(v_s, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::minimum<float>(coconet::to_compute(v_clip[0]) / (coconet::to_compute(v_a[0]) + 1e-12f), 1.0f);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -394,20 +394,20 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_a, 0, 1), COCONET_R(v_s, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m, v_rs, v_w + off * int64_t(1), v_m1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m, v_rs, v_w + off * int64_t(1), v_m1, v_w1), stream, [=] __device__ (const auto& th) {
       const bool k1_m1 = coconet::to_compute(v_a[0]) <= 3e+38f;
       const float k2_m1 = coconet::to_compute(v_beta[0]);
       const float k3_m1 = (1.0f - coconet::to_compute(v_beta[0])) * coconet::to_compute(v_s[0]);
       const bool k4_w1 = coconet::to_compute(v_a[0]) <= 3e+38f;
       const float k5_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_w = coconet::cuda::load<4>(v_w + off * int64_t(1) + i0);
         coconet::cuda::Vec<float, 4> out_m1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * coconet::to_compute(in_rs[u])) : float(coconet::to_compute(in_m[u]))));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -417,7 +417,7 @@ void amax_scale__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_m1 + i0, out_m1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_rs[i])) : float(coconet::to_compute(v_m[i]))));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_w1 = coconet::round_to<float>(((k4_w1) ? float(coconet::to_compute(v_w[i + off * int64_t(1)]) - k5_w1 * x_m1) : float(coconet::to_compute(v_w[i + off * int64_t(1)]))));

@@ -34,20 +34,20 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g1, 0, S_N), COCONET_W(v_gc, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_gc), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_gc), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         coconet::cuda::Vec<float, 4> out_gc;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gc = coconet::round_to<float>(coconet::to_compute(in_g1[u]) * 0.5f);
           out_gc[u] = coconet::from_compute<float>(x_gc);
         }
         coconet::cuda::store<4>(v_gc + i0, out_gc);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gc = coconet::round_to<float>(coconet::to_compute(v_g1[i]) * 0.5f);
         v_gc[i] = coconet::from_compute<float>(x_gc);
       }
@@ -60,23 +60,23 @@ void clipped_sgd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w, 0, S_N), COCONET_R(v_gc, 0, S_N), COCONET_R(v_t0_w1, 0, 1), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w, v_gc, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w, v_gc, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_w1 = coconet::to_compute(v_lr[0]);
       const float k1_w1 = coconet::to_compute(v_t0_w1[0]) + 0.001f;
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(v_w + i0);
         const auto in_gc = coconet::cuda::load<4>(v_gc + i0);
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k0_w1 * coconet::to_compute(in_gc[u]) / k1_w1);
           out_w1[u] = coconet::from_compute<float>(x_w1);
         }
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k0_w1 * coconet::to_compute(v_gc[i]) / k1_w1);
         v_w1[i] = coconet::from_compute<float>(x_w1);
       }
@@ -113,12 +113,12 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
     (void)off;
     COCONET_ACCESS(COCONET_W(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_gc, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
     coconet::cuda::fused_symmetric<float, float, 4>(ncclSum, v_g, S_N, int64_t(1), static_cast<float*>(nullptr), v_rs, ctx, coconet::cuda::aligned<4>(v_rs, v_gc), [=] __device__ (const coconet::cuda::SymThread<float, float, 4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = th.vreduce(i0);
         coconet::cuda::Vec<float, 4> out_rs, out_gc;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_rs = coconet::round_to<float>(coconet::to_compute(in_rs[u]));
           out_rs[u] = coconet::from_compute<float>(x_rs);
@@ -128,7 +128,7 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_rs + i0, out_rs);
         coconet::cuda::store<4>(v_gc + i0, out_gc);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float red_v = th.reduce(i);
         const float x_rs = coconet::round_to<float>(coconet::to_compute(red_v));
         v_rs[i] = coconet::from_compute<float>(x_rs);
@@ -158,13 +158,13 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_rs, lo, hi), COCONET_W(v_gc, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_rs + lo, v_gc + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_rs + lo, v_gc + lo), stream, [=] __device__ (const auto& th) {
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_rs, out_gc;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_rs = coconet::round_to<float>(coconet::to_compute(in_rs[u]));
@@ -175,7 +175,7 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_rs + lo + j0, out_rs);
           coconet::cuda::store<4>(v_gc + lo + j0, out_gc);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_rs = coconet::round_to<float>(coconet::to_compute(red[j]));
           v_rs[i] = coconet::from_compute<float>(x_rs);
@@ -199,23 +199,23 @@ void clipped_sgd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_gc, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_t0_w1, 0, 1), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w + off * int64_t(1), v_gc, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w + off * int64_t(1), v_gc, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_w1 = coconet::to_compute(v_lr[0]);
       const float k1_w1 = coconet::to_compute(v_t0_w1[0]) + 0.001f;
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(v_w + off * int64_t(1) + i0);
         const auto in_gc = coconet::cuda::load<4>(v_gc + i0);
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k0_w1 * coconet::to_compute(in_gc[u]) / k1_w1);
           out_w1[u] = coconet::from_compute<float>(x_w1);
         }
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(v_gc[i]) / k1_w1);
         v_w1[i] = coconet::from_compute<float>(x_w1);
       }

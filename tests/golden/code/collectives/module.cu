@@ -67,20 +67,20 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t0_n, 0, 1), COCONET_R(v_t1_n, 0, 1), COCONET_W(v_n, 0, int64_t(1)));
-    coconet::cuda::launch_threads<2>(int64_t(1), coconet::cuda::aligned<2>(v_n), stream, [=] __device__ (const coconet::cuda::Thread<2>& th) {
+    coconet::cuda::launch_threads<2>(int64_t(1), coconet::cuda::aligned<2>(v_n), stream, [=] __device__ (const auto& th) {
       const double k0_n = coconet::to_compute(v_t0_n[0]) + coconet::to_compute(v_t1_n[0]);
-      for (const int64_t i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<double, 2> out_n;
         COCONET_UNROLL
         for (int u = 0; u < 2; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const double x_n = coconet::round_to<double>(k0_n);
           out_n[u] = coconet::from_compute<double>(x_n);
         }
         coconet::cuda::store<2>(v_n + i0, out_n);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const double x_n = coconet::round_to<double>(k0_n);
         v_n[i] = coconet::from_compute<double>(x_n);
       }
@@ -103,21 +103,21 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_f, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_sl, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_t2_g, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<2>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<2>(v_f, v_sl, v_t2_g), stream, [=] __device__ (const coconet::cuda::Thread<2>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<2>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<2>(v_f, v_sl, v_t2_g), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
         const auto in_f = coconet::cuda::load<2>(v_f + i0);
         const auto in_sl = coconet::cuda::load<2>(v_sl + i0);
         coconet::cuda::Vec<double, 2> out_t2_g;
         COCONET_UNROLL
         for (int u = 0; u < 2; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const double x_t2_g = coconet::round_to<double>(coconet::to_compute(in_f[u]) * 2.0 + coconet::to_compute(in_sl[u]));
           out_t2_g[u] = coconet::from_compute<double>(x_t2_g);
         }
         coconet::cuda::store<2>(v_t2_g + i0, out_t2_g);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const double x_t2_g = coconet::round_to<double>(coconet::to_compute(v_f[i]) * 2.0 + coconet::to_compute(v_sl[i]));
         v_t2_g[i] = coconet::from_compute<double>(x_t2_g);
       }
@@ -134,20 +134,20 @@ void collectives__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_y, 0, S_N), COCONET_W(v_t3_q, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_y, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_y, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_y = coconet::cuda::load<4>(v_y + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_q = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_y[u])) / 2.0f);
           out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_q = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_y[i])) / 2.0f);
         v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
       }
@@ -218,20 +218,20 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t0_n, 0, 1), COCONET_R(v_t1_n, 0, 1), COCONET_W(v_n, 0, int64_t(1)));
-    coconet::cuda::launch_threads<2>(int64_t(1), coconet::cuda::aligned<2>(v_n), stream, [=] __device__ (const coconet::cuda::Thread<2>& th) {
+    coconet::cuda::launch_threads<2>(int64_t(1), coconet::cuda::aligned<2>(v_n), stream, [=] __device__ (const auto& th) {
       const double k0_n = coconet::to_compute(v_t0_n[0]) + coconet::to_compute(v_t1_n[0]);
-      for (const int64_t i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<double, 2> out_n;
         COCONET_UNROLL
         for (int u = 0; u < 2; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const double x_n = coconet::round_to<double>(k0_n);
           out_n[u] = coconet::from_compute<double>(x_n);
         }
         coconet::cuda::store<2>(v_n + i0, out_n);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const double x_n = coconet::round_to<double>(k0_n);
         v_n[i] = coconet::from_compute<double>(x_n);
       }
@@ -256,21 +256,21 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_f, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_sl, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_t2_g, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<2>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<2>(v_f, v_sl, v_t2_g), stream, [=] __device__ (const coconet::cuda::Thread<2>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<2>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<2>(v_f, v_sl, v_t2_g), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 2 elements at a time, one aligned vector load or store per operand
         const auto in_f = coconet::cuda::load<2>(v_f + i0);
         const auto in_sl = coconet::cuda::load<2>(v_sl + i0);
         coconet::cuda::Vec<double, 2> out_t2_g;
         COCONET_UNROLL
         for (int u = 0; u < 2; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const double x_t2_g = coconet::round_to<double>(coconet::to_compute(in_f[u]) * 2.0 + coconet::to_compute(in_sl[u]));
           out_t2_g[u] = coconet::from_compute<double>(x_t2_g);
         }
         coconet::cuda::store<2>(v_t2_g + i0, out_t2_g);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const double x_t2_g = coconet::round_to<double>(coconet::to_compute(v_f[i]) * 2.0 + coconet::to_compute(v_sl[i]));
         v_t2_g[i] = coconet::from_compute<double>(x_t2_g);
       }
@@ -287,20 +287,20 @@ void collectives__split_max(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_y, 0, S_N), COCONET_W(v_t3_q, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_y, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_y, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_y = coconet::cuda::load<4>(v_y + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_q = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_y[u])) / 2.0f);
           out_t3_q[u] = coconet::from_compute<float>(x_t3_q);
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_q = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_y[i])) / 2.0f);
         v_t3_q[i] = coconet::from_compute<float>(x_t3_q);
       }

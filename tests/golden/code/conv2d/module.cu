@@ -48,8 +48,8 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1));
     const int64_t L3 = (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1));
     COCONET_ACCESS(COCONET_R(v_y, 0, coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1))), COCONET_RA(v_bias), COCONET_W(v_a, 0, coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1))));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1)), coconet::cuda::aligned<4>(v_y, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size() * S_O * (((S_H + int64_t(2)) - int64_t(3)) + int64_t(1)) * (((S_W + int64_t(2)) - int64_t(3)) + int64_t(1)), coconet::cuda::aligned<4>(v_y, v_a), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_y = coconet::cuda::load<4>(v_y + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0;  // the first lane's coordinates, stepped by each lane
@@ -63,7 +63,7 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c1 = cv1;
           const float x_a = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_y[u]) + coconet::to_compute(v_bias[c1 * int64_t(1) * int64_t(1)])));
@@ -72,11 +72,11 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c2;
@@ -93,22 +93,22 @@ void conv_layer__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_bias, 0, S_O * int64_t(1) * int64_t(1)), COCONET_R(v_gsum, 0, S_O * int64_t(1) * int64_t(1)), COCONET_W(v_nb, 0, S_O * int64_t(1) * int64_t(1)));
-    coconet::cuda::launch_threads<4>(S_O * int64_t(1) * int64_t(1), coconet::cuda::aligned<4>(v_bias, v_gsum, v_nb), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_O * int64_t(1) * int64_t(1), coconet::cuda::aligned<4>(v_bias, v_gsum, v_nb), stream, [=] __device__ (const auto& th) {
       const float k0_nb = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_bias = coconet::cuda::load<4>(v_bias + i0);
         const auto in_gsum = coconet::cuda::load<4>(v_gsum + i0);
         coconet::cuda::Vec<float, 4> out_nb;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_nb = coconet::round_to<float>(coconet::to_compute(in_bias[u]) - k0_nb * coconet::to_compute(in_gsum[u]));
           out_nb[u] = coconet::from_compute<float>(x_nb);
         }
         coconet::cuda::store<4>(v_nb + i0, out_nb);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_nb = coconet::round_to<float>(coconet::to_compute(v_bias[i]) - k0_nb * coconet::to_compute(v_gsum[i]));
         v_nb[i] = coconet::from_compute<float>(x_nb);
       }
@@ -148,20 +148,20 @@ void conv_tp__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_y, 0, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))), COCONET_W(v_out, 0, S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))));
-    coconet::cuda::launch_threads<4>(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), coconet::cuda::aligned<4>(v_y, v_out), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N * S_O * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), coconet::cuda::aligned<4>(v_y, v_out), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_y = coconet::cuda::load<4>(v_y + i0);
         coconet::cuda::Vec<float, 4> out_out;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_out = coconet::round_to<float>(coconet::relu(coconet::to_compute(in_y[u])));
           out_out[u] = coconet::from_compute<float>(x_out);
         }
         coconet::cuda::store<4>(v_out + i0, out_out);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_out = coconet::round_to<float>(coconet::relu(coconet::to_compute(v_y[i])));
         v_out[i] = coconet::from_compute<float>(x_out);
       }
@@ -201,20 +201,20 @@ void conv_tp__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_O, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_rs, 0, S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))), COCONET_W(v_out, 0, S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1))));
-    coconet::cuda::launch_threads<4>(S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), coconet::cuda::aligned<4>(v_rs, v_out), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N * coconet::slice_range(S_O, comm.size, comm.rank).size() * ((((S_H + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)) * ((((S_W + int64_t(2)) - int64_t(3)) / int64_t(2)) + int64_t(1)), coconet::cuda::aligned<4>(v_rs, v_out), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_out;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_out = coconet::round_to<float>(coconet::relu(coconet::to_compute(in_rs[u])));
           out_out[u] = coconet::from_compute<float>(x_out);
         }
         coconet::cuda::store<4>(v_out + i0, out_out);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_out = coconet::round_to<float>(coconet::relu(coconet::to_compute(v_rs[i])));
         v_out[i] = coconet::from_compute<float>(x_out);
       }

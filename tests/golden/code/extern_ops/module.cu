@@ -45,21 +45,21 @@ void mp_layer__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_r, 0, S_B * S_H), COCONET_R(v_t0_h, 0, S_B * S_H), COCONET_W(v_h, 0, S_B * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_H, coconet::cuda::aligned<4>(v_r, v_t0_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_H, coconet::cuda::aligned<4>(v_r, v_t0_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_r = coconet::cuda::load<4>(v_r + i0);
         const auto in_t0_h = coconet::cuda::load<4>(v_t0_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h = coconet::round_to<float>(coconet::to_compute(in_r[u]) + 0.5f * coconet::to_compute(in_t0_h[u]));
           out_h[u] = coconet::from_compute<float>(x_h);
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h = coconet::round_to<float>(coconet::to_compute(v_r[i]) + 0.5f * coconet::to_compute(v_t0_h[i]));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
@@ -105,21 +105,21 @@ void mp_layer__rows(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_r, off * S_H + 0, off * S_H + coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H), COCONET_W(v_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_r + off * S_H, v_t0_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_r + off * S_H, v_t0_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_r = coconet::cuda::load<4>(v_r + off * S_H + i0);
         const auto in_t0_h = coconet::cuda::load<4>(v_t0_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h = coconet::round_to<float>(coconet::to_compute(in_r[u]) + 0.5f * coconet::to_compute(in_t0_h[u]));
           out_h[u] = coconet::from_compute<float>(x_h);
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h = coconet::round_to<float>(coconet::to_compute(v_r[i + off * S_H]) + 0.5f * coconet::to_compute(v_t0_h[i]));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
@@ -182,21 +182,21 @@ void mp_layer__rows_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_B, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_r, off * S_H + 0, off * S_H + coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H), COCONET_W(v_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_r + off * S_H, v_t0_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_r + off * S_H, v_t0_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_r = coconet::cuda::load<4>(v_r + off * S_H + i0);
         const auto in_t0_h = coconet::cuda::load<4>(v_t0_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h = coconet::round_to<float>(coconet::to_compute(in_r[u]) + 0.5f * coconet::to_compute(in_t0_h[u]));
           out_h[u] = coconet::from_compute<float>(x_h);
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h = coconet::round_to<float>(coconet::to_compute(v_r[i + off * S_H]) + 0.5f * coconet::to_compute(v_t0_h[i]));
         v_h[i] = coconet::from_compute<float>(x_h);
       }

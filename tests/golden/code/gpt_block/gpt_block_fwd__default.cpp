@@ -61,18 +61,29 @@ void gpt_block_fwd__default(const coconet::CallArgs& a) {
   float* const v_p = a.output<float>(5);
   float* const v_a = a.output<float>(6);
   float* const v_t16_o = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t17_o = coconet::scratch<float, 11>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_o = a.output<float>(7);
+  float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::shared_scratch<float, 12>(comm, S_B * S_S * S_H);
-  float* const v_at = coconet::scratch<float, 13>(S_B * S_S * S_H);
+  float* const v_ap = coconet::shared_scratch<float, 11>(comm, S_B * S_S * S_H);
+  float* const v_at = coconet::scratch<float, 12>(S_B * S_S * S_H);
   float* const v_x1 = a.output<float>(8);
   float* const v_n2 = a.output<float>(9);
-  float* const v_t19_h = coconet::scratch<float, 14>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_t19_h = coconet::scratch<float, 13>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = a.output<float>(10);
-  float* const v_mp = coconet::shared_scratch<float, 15>(comm, S_B * S_S * S_H);
-  float* const v_mt = coconet::scratch<float, 16>(S_B * S_S * S_H);
+  float* const v_mp = coconet::shared_scratch<float, 14>(comm, S_B * S_S * S_H);
+  float* const v_mt = coconet::scratch<float, 15>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");  // t0_q's check
+  coconet::reshape<float>(v_t2_q, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");  // t2_q's check
+  coconet::reshape<float>(v_t4_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)");  // t4_q's check
+  coconet::reshape<float>(v_t5_k, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");  // t5_k's check
+  coconet::reshape<float>(v_t7_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)");  // t7_k's check
+  coconet::reshape<float>(v_t8_v, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");  // t8_v's check
+  coconet::reshape<float>(v_t10_v, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");  // t10_v's check
+  coconet::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");  // t12_v's check
+  coconet::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)");  // o's check
+  coconet::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)");  // t18_ap's check
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1);
   // [default] reshape t0_q (gpt_block.ccn)

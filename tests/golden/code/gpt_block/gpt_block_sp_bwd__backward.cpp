@@ -73,54 +73,69 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   float* const v_g_bo_part = coconet::shared_scratch<float, 15>(comm, S_H);
   float* const v_g_allgather4 = coconet::scratch<float, 16>(S_B * S_S * S_H);
   float* const v_g_o = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  float* const v_g_ap_reshape = coconet::scratch<float, 18>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
   float* const v_d_wo = a.output<float>(8);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_p = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 32>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 33>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_a = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t4_g_q = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t5_g_s_transpose = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 32>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::scratch<float, 34>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bv = a.output<float>(7);
-  float* const v_g_n1_part = coconet::scratch<float, 35>(S_B * S_S * S_H);
-  float* const v_g_v_reshape = coconet::scratch<float, 36>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::scratch<float, 33>(S_B * S_S * S_H);
   float* const v_d_wv = a.output<float>(6);
-  float* const v_g_k_reshape2 = coconet::scratch<float, 37>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::scratch<float, 34>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 38>(S_B * S_S * S_H);
-  float* const v_g_k_reshape = coconet::scratch<float, 39>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_n1_part2 = coconet::scratch<float, 35>(S_B * S_S * S_H);
   float* const v_d_wk = a.output<float>(5);
-  float* const v_g_q_reshape2 = coconet::scratch<float, 40>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::scratch<float, 36>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::scratch<float, 41>(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_bq = a.output<float>(4);
-  float* const v_g_n1_part3 = coconet::scratch<float, 42>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 43>(S_B * S_S * S_H);
-  float* const v_g_qm_reshape = coconet::scratch<float, 44>(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::scratch<float, 37>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 38>(S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
-  float* const v_g_n1s = coconet::scratch<float, 45>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 46>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::scratch<float, 39>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::scratch<float, 40>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 47>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 48>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 41>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 42>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
   float* const v_d_bo = a.output<float>(9);
   float* const v_d_ln1_w = a.output<float>(1);
   float* const v_d_ln1_b = a.output<float>(2);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");  // qm_reshape's check
+  coconet::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)");  // k_reshape's check
+  coconet::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)");  // v_reshape's check
+  coconet::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)");  // ap_reshape's check
+  coconet::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wo's check
+  coconet::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_o_transpose's check
+  coconet::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_v_add's check
+  coconet::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bv's check
+  coconet::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wv's check
+  coconet::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_k_matmul's check
+  coconet::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wk's check
+  coconet::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // g_q_add's check
+  coconet::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_bq's check
+  coconet::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");  // d_wq's check
   // [backward] reshape qm_reshape (gpt_block.ccn:121)
   coconet::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");
   // [backward] reshape k_reshape (gpt_block.ccn:123)
@@ -170,43 +185,48 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   // [backward] loop: g_y_add (gpt_block.ccn)
   const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-  {
+  {  // and the column sums g_b_proj_part of g_y_add
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_g_b_proj_part(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_g_b_proj_part = part_g_b_proj_part.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const int64_t c2 = col;
+          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+          cs_g_b_proj_part[col] += x_g_y_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_y_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_y_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      }
+      for (int64_t col = 0; col < cols; ++col) part_g_b_proj_part[col] += part_g_b_proj_part[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_g_b_proj_part[col] = coconet::from_compute<float>(part_g_b_proj_part[col]);
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -219,27 +239,40 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   // [backward] matmul_tn d_w_proj (gpt_block.ccn)
   coconet::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [backward] loop: g_h_add (gpt_block.ccn)
-  {
+  {  // and the column sums d_b_fc of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
+    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), cols = coconet::slice_range(S_F, comm.size, comm.rank).size(), rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_d_b_fc(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_d_b_fc = part_d_b_fc.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+          cs_d_b_fc[col] += x_g_h_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
+      COCONET_IVDEP
+      for (int64_t col = 0; col < cols; ++col) part_d_b_fc[col] += part_d_b_fc[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_d_b_fc[col] = coconet::from_compute<float>(part_d_b_fc[col]);
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
@@ -280,43 +313,48 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   // [backward] loop: g_x1_add (gpt_block.ccn)
   const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
   const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-  {
+  {  // and the column sums g_bo_part of g_x1_add
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_g_bo_part(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_g_bo_part = part_g_bo_part.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        int64_t rest = row;
+        const int64_t c1 = rest % L1; rest /= L1;
+        const int64_t c0 = rest;
+        (void)rest;
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const int64_t c2 = col;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          cs_g_bo_part[col] += x_g_x1_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t rest = i;
-      const int64_t c2 = rest % L2; rest /= L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      v_g_x1_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    for (int64_t i0 = int64_t(0), e0; i0 < n; i0 = e0) {
-      int64_t rest = i0 / L2;
-      const int64_t j0 = i0 - rest * L2;
-      const int64_t c1 = rest % L1; rest /= L1;
-      const int64_t c0 = rest;
-      (void)rest;
-      e0 = std::min<int64_t>(n, i0 + (L2 - j0));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
       COCONET_IVDEP
-      for (int64_t i = i0; i < e0; ++i) {
-        const int64_t c2 = j0 + (i - i0);
-        v_g_x1_add[i] = coconet::from_compute<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      }
+      for (int64_t col = 0; col < cols; ++col) part_g_bo_part[col] += part_g_bo_part[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_g_bo_part[col] = coconet::from_compute<float>(part_g_bo_part[col]);
   }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [backward] allgather g_allgather4 (gpt_block.ccn)
   coconet::allgather(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, comm);
   // [backward] matmul_nt g_o (gpt_block.ccn)

@@ -133,8 +133,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -146,7 +146,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -155,10 +155,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -193,8 +193,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -206,7 +206,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -215,10 +215,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -240,21 +240,21 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -269,8 +269,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -283,7 +283,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -293,11 +293,11 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -317,10 +317,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -335,7 +335,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -347,11 +347,11 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -378,10 +378,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -394,7 +394,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_x1[u] = coconet::from_compute<float>(x_x1);
@@ -402,10 +402,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -426,8 +426,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -439,7 +439,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -448,10 +448,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -472,10 +472,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_R(v_mt, 0, S_B * S_S * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -488,7 +488,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_y[u] = coconet::from_compute<float>(x_y);
@@ -496,10 +496,10 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -631,8 +631,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -644,7 +644,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -653,10 +653,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -691,8 +691,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -704,7 +704,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -713,10 +713,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -738,21 +738,21 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -767,8 +767,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -781,7 +781,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -791,11 +791,11 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -815,10 +815,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -833,7 +833,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -845,11 +845,11 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -890,14 +890,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -920,8 +920,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -933,7 +933,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -942,10 +942,10 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -980,14 +980,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -1121,8 +1121,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1134,7 +1134,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -1143,10 +1143,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1181,8 +1181,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1194,7 +1194,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -1203,10 +1203,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1228,21 +1228,21 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -1257,8 +1257,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1271,7 +1271,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -1281,11 +1281,11 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1305,10 +1305,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1323,7 +1323,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -1335,11 +1335,11 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -1390,14 +1390,14 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -1424,8 +1424,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1437,7 +1437,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -1446,10 +1446,10 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1494,14 +1494,14 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -1649,8 +1649,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1662,7 +1662,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -1671,10 +1671,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1709,8 +1709,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1722,7 +1722,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -1731,10 +1731,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1756,21 +1756,21 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -1785,8 +1785,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1799,7 +1799,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -1809,11 +1809,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1833,10 +1833,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1851,7 +1851,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -1863,11 +1863,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -1894,10 +1894,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -1912,7 +1912,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -1923,10 +1923,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -1947,8 +1947,8 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1960,7 +1960,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -1969,10 +1969,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1993,10 +1993,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_mt, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -2011,7 +2011,7 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -2022,10 +2022,10 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_y[i] = coconet::from_compute<float>(x_y);
@@ -2159,8 +2159,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2172,7 +2172,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -2181,10 +2181,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2219,8 +2219,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2232,7 +2232,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -2241,10 +2241,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2266,21 +2266,21 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -2295,8 +2295,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2309,7 +2309,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -2319,11 +2319,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2343,10 +2343,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2361,7 +2361,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -2373,11 +2373,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -2418,10 +2418,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -2437,7 +2437,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -2449,11 +2449,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -2483,8 +2483,8 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2496,7 +2496,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -2505,10 +2505,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2542,10 +2542,10 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -2561,7 +2561,7 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -2573,11 +2573,11 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -2717,8 +2717,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2730,7 +2730,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -2739,10 +2739,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2777,8 +2777,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2790,7 +2790,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -2799,10 +2799,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2824,21 +2824,21 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -2853,8 +2853,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2867,7 +2867,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -2877,11 +2877,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2901,10 +2901,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2919,7 +2919,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -2931,11 +2931,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -2985,10 +2985,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -3004,7 +3004,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3016,11 +3016,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -3049,8 +3049,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3062,7 +3062,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -3071,10 +3071,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3118,10 +3118,10 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -3137,7 +3137,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3149,11 +3149,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -3306,8 +3306,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3319,7 +3319,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -3328,10 +3328,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3366,8 +3366,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3379,7 +3379,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -3388,10 +3388,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3413,21 +3413,21 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -3442,8 +3442,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3456,7 +3456,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -3466,11 +3466,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3490,10 +3490,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3508,7 +3508,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -3520,11 +3520,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -3574,10 +3574,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -3593,7 +3593,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3605,11 +3605,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -3647,8 +3647,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3660,7 +3660,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -3669,10 +3669,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3716,10 +3716,10 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -3735,7 +3735,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -3747,11 +3747,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -3905,79 +3905,73 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
   float* const v_g_o = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(33, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(48, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(47, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(49, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(48, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(51, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(49, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(50, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(54, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1 = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -3985,6 +3979,27 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_q_reshape3, v_q_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape3's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
   // [default] reshape q_reshape (gpt_block.ccn:38)
@@ -4001,8 +4016,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4014,7 +4029,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
@@ -4023,10 +4038,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4061,8 +4076,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4074,7 +4089,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -4083,10 +4098,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4112,9 +4127,9 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4127,7 +4142,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -4138,11 +4153,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4163,10 +4178,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4181,7 +4196,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -4193,11 +4208,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -4224,10 +4239,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -4240,7 +4255,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1_add = coconet::round_to<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
           const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
@@ -4250,10 +4265,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4276,8 +4291,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4289,7 +4304,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -4301,10 +4316,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4320,21 +4335,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -4351,22 +4366,22 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -4387,21 +4402,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -4416,21 +4431,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -4465,10 +4480,10 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k9_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4483,7 +4498,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -4495,11 +4510,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -4511,21 +4526,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -4542,9 +4557,9 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -4560,7 +4575,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -4574,11 +4589,11 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -4636,22 +4651,22 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -4670,21 +4685,21 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -4832,79 +4847,73 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
   float* const v_g_o = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(32, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(47, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(46, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(48, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(47, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(50, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(51, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(48, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(49, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(53, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(50, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(55, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
+  float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(51, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(52, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1 = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(54, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -4912,6 +4921,27 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_q_reshape3, v_q_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape3's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [overlapped] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
   // [overlapped] reshape q_reshape (gpt_block.ccn:38)
@@ -4928,8 +4958,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_q_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape2), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_q_matmul, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_q_matmul = coconet::cuda::load<4>(v_q_matmul + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -4941,7 +4971,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_q_matmul[u]) + coconet::to_compute(v_q_reshape2[c2 * int64_t(1)]));
@@ -4950,10 +4980,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -4988,8 +5018,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5001,7 +5031,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -5010,10 +5040,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5039,9 +5069,9 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5054,7 +5084,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -5065,11 +5095,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5090,10 +5120,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5108,7 +5138,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -5120,11 +5150,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -5151,10 +5181,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -5167,7 +5197,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1_add = coconet::round_to<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
           const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
@@ -5177,10 +5207,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5203,8 +5233,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5216,7 +5246,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -5228,10 +5258,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5247,21 +5277,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -5278,35 +5308,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(63, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(64, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -5316,11 +5332,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 61);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 55);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 62);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 56);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -5331,21 +5347,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -5360,21 +5376,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -5409,10 +5425,10 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k9_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5427,7 +5443,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -5439,11 +5455,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -5455,21 +5471,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -5486,9 +5502,9 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -5504,7 +5520,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -5518,11 +5534,11 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -5580,22 +5596,22 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -5614,21 +5630,21 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -5785,85 +5801,79 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(57, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(57, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(62, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(64, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(67, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(70, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(64, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(71, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(65, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -5877,6 +5887,27 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [default] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [default] reshape qm_reshape (gpt_block.ccn:121)
@@ -5895,8 +5926,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5908,7 +5939,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
@@ -5917,10 +5948,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -5955,8 +5986,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -5968,7 +5999,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -5977,10 +6008,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6006,9 +6037,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6021,7 +6052,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -6032,11 +6063,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6057,10 +6088,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6075,7 +6106,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6087,11 +6118,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -6118,10 +6149,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -6136,7 +6167,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6149,10 +6180,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
         const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
@@ -6175,8 +6206,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6188,7 +6219,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -6200,10 +6231,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6222,46 +6253,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_h (gpt_block.ccn)
@@ -6273,22 +6279,22 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -6309,21 +6315,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -6341,46 +6347,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [default] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_o (gpt_block.ccn)
@@ -6410,10 +6391,10 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k9_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6428,7 +6409,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6440,11 +6421,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -6456,21 +6437,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -6487,9 +6468,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -6505,7 +6486,7 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -6519,11 +6500,11 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -6581,22 +6562,22 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -6615,21 +6596,21 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -6796,85 +6777,79 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_g_o = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(40, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(56, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(58, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(61, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(62, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(58, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(63, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(64, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(66, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(67, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(69, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(63, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(70, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(64, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -6888,6 +6863,27 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [overlapped] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped] reshape qm_reshape (gpt_block.ccn:121)
@@ -6896,12 +6892,12 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 72);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 66);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 71);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 65);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
@@ -6915,8 +6911,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6928,7 +6924,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
@@ -6937,10 +6933,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -6975,8 +6971,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -6988,7 +6984,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -6997,10 +6993,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -7026,9 +7022,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7041,7 +7037,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -7052,11 +7048,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -7077,10 +7073,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7095,7 +7091,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7107,11 +7103,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -7134,7 +7130,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 73);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 67);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -7147,8 +7143,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(75, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(76, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(69, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(70, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -7161,10 +7157,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_RA(v_bo), COCONET_R(v_x, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x + lo, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x + lo, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_at = coconet::cuda::load<4>(red + j0);
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -7180,7 +7176,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -7194,11 +7190,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1_add = coconet::round_to<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
           const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
@@ -7209,11 +7205,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 616, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 568, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 74);
+    coconet::cuda::join(sctx.stream, ctx.stream, 68);
   // [overlapped] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
@@ -7229,8 +7225,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7242,7 +7238,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -7254,10 +7250,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -7276,56 +7272,31 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 79);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 73);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 78);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 72);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -7336,29 +7307,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:189)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -7367,10 +7324,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 80);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);
       coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 81);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 75);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -7381,21 +7338,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -7413,46 +7370,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [overlapped] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [overlapped] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
@@ -7482,10 +7414,10 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k9_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7500,7 +7432,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7512,11 +7444,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -7528,21 +7460,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -7559,9 +7491,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -7577,7 +7509,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -7591,11 +7523,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -7653,22 +7585,22 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -7687,21 +7619,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -7870,85 +7802,79 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(55, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(57, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(59, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(60, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(57, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(62, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(63, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(64, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(65, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(66, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(67, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(68, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(69, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(70, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(64, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(71, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(65, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -7962,6 +7888,27 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [backward] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [backward] reshape qm_reshape (gpt_block.ccn:121)
@@ -7980,8 +7927,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_q_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -7993,7 +7940,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
@@ -8002,10 +7949,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_q_add + i0, out_q_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8040,8 +7987,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
         coconet::cuda::Vec<float, 4> out_v_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8053,7 +8000,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
@@ -8062,10 +8009,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v_add + i0, out_v_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8091,9 +8038,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
         coconet::cuda::Vec<float, 4> out_p_where;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8106,7 +8053,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -8117,11 +8064,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_p_where + i0, out_p_where);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8142,10 +8089,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8160,7 +8107,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8172,11 +8119,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -8203,10 +8150,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_at, v_x, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -8221,7 +8168,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8234,10 +8181,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1_add = coconet::round_to<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
         const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
@@ -8260,8 +8207,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8273,7 +8220,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -8285,10 +8232,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8307,56 +8254,31 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 73);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 67);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 72);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 66);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -8367,29 +8289,15 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -8398,10 +8306,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 68);
       coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 75);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 69);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -8412,21 +8320,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -8444,46 +8352,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
@@ -8513,10 +8396,10 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k9_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8531,7 +8414,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8543,11 +8426,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -8559,21 +8442,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -8590,9 +8473,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -8608,7 +8491,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -8622,11 +8505,11 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -8684,22 +8567,22 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -8718,21 +8601,21 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -8843,29 +8726,39 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * S_S * S_H) * sizeof(*v_at), "at");
   float* const v_x1 = a.output<float>(8);
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(14, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t0_q's check
+  coconet::cuda::reshape<float>(v_t2_q, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t2_q's check
+  coconet::cuda::reshape<float>(v_t4_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t4_q's check
+  coconet::cuda::reshape<float>(v_t5_k, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // t5_k's check
+  coconet::cuda::reshape<float>(v_t7_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // t7_k's check
+  coconet::cuda::reshape<float>(v_t8_v, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t8_v's check
+  coconet::cuda::reshape<float>(v_t10_v, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t10_v's check
+  coconet::cuda::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t12_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // t18_ap's check
   // [default] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
   // [default] reshape t0_q (gpt_block.ccn)
@@ -8882,8 +8775,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8895,7 +8788,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -8904,10 +8797,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8942,8 +8835,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -8955,7 +8848,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -8964,10 +8857,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -8989,21 +8882,21 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -9018,8 +8911,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9032,7 +8925,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -9042,11 +8935,11 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9066,10 +8959,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9084,7 +8977,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -9096,11 +8989,11 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -9127,10 +9020,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_at, 0, S_B * S_S * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -9143,7 +9036,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::dropout<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_x1[u] = coconet::from_compute<float>(x_x1);
@@ -9151,10 +9044,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9175,8 +9068,8 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9188,7 +9081,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -9197,10 +9090,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9221,10 +9114,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * S_S * S_H), COCONET_R(v_mt, 0, S_B * S_S * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -9237,7 +9130,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x1[u]) + coconet::dropout<float>(coconet::to_compute(in_mt[u]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_y[u] = coconet::from_compute<float>(x_y);
@@ -9245,10 +9138,10 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9346,25 +9239,35 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_ag_x1 = a.output<float>(8);
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_t19_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t0_q's check
+  coconet::cuda::reshape<float>(v_t2_q, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t2_q's check
+  coconet::cuda::reshape<float>(v_t4_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t4_q's check
+  coconet::cuda::reshape<float>(v_t5_k, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // t5_k's check
+  coconet::cuda::reshape<float>(v_t7_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // t7_k's check
+  coconet::cuda::reshape<float>(v_t8_v, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t8_v's check
+  coconet::cuda::reshape<float>(v_t10_v, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t10_v's check
+  coconet::cuda::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t12_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // t18_ap's check
   // [fused] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
   // [fused] reshape t0_q (gpt_block.ccn)
@@ -9381,8 +9284,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9394,7 +9297,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -9403,10 +9306,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9441,8 +9344,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9454,7 +9357,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -9463,10 +9366,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9488,21 +9391,21 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -9517,8 +9420,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9531,7 +9434,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -9541,11 +9444,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9565,10 +9468,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9583,7 +9486,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -9595,11 +9498,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -9625,8 +9528,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(15, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(16, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(14, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(15, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
@@ -9640,14 +9543,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -9656,7 +9559,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
@@ -9670,8 +9573,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9683,7 +9586,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -9692,10 +9595,10 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9715,8 +9618,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(18, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(19, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(17, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(18, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
@@ -9730,14 +9633,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -9746,7 +9649,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 160, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
   }
 }
 
@@ -9837,25 +9740,35 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t16_o = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t16_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t16_o), "t16_o");
-  float* const v_t17_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t17_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t17_o), "t17_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t17_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t18_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_ag_x1 = a.output<float>(8);
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_t19_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
   float* const v_h = a.output<float>(10);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_q, v_t0_q, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t0_q's check
+  coconet::cuda::reshape<float>(v_t2_q, v_t2_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t2_q's check
+  coconet::cuda::reshape<float>(v_t4_q, v_t4_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // t4_q's check
+  coconet::cuda::reshape<float>(v_t5_k, v_t5_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // t5_k's check
+  coconet::cuda::reshape<float>(v_t7_k, v_t7_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // t7_k's check
+  coconet::cuda::reshape<float>(v_t8_v, v_t8_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t8_v's check
+  coconet::cuda::reshape<float>(v_t10_v, v_t10_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t10_v's check
+  coconet::cuda::reshape<float>(v_t12_v, v_t12_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // t12_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t18_ap, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // t18_ap's check
   // [overlapped] layernorm n1 (gpt_block.ccn:36)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * S_S, S_H, v_n1, ctx);
   // [overlapped] reshape t0_q (gpt_block.ccn)
@@ -9872,8 +9785,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t1_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t2_q), COCONET_W(v_t3_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t1_q, v_t3_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t1_q = coconet::cuda::load<4>(v_t1_q + i0);
         coconet::cuda::Vec<float, 4> out_t3_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9885,7 +9798,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t3_q = coconet::round_to<float>(coconet::to_compute(in_t1_q[u]) + coconet::to_compute(v_t2_q[c2 * int64_t(1)]));
@@ -9894,10 +9807,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t3_q + i0, out_t3_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9932,8 +9845,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t9_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t10_v), COCONET_W(v_t11_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t9_v, v_t11_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t9_v = coconet::cuda::load<4>(v_t9_v + i0);
         coconet::cuda::Vec<float, 4> out_t11_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -9945,7 +9858,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t11_v = coconet::round_to<float>(coconet::to_compute(in_t9_v[u]) + coconet::to_compute(v_t10_v[c2 * int64_t(1)]));
@@ -9954,10 +9867,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t11_v + i0, out_t11_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -9979,21 +9892,21 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t14_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t14_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t14_s = coconet::cuda::load<4>(v_t14_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t14_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t14_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -10008,8 +9921,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t15_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t15_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t15_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10022,7 +9935,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -10032,11 +9945,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t15_p + i0, out_t15_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -10056,10 +9969,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10074,7 +9987,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -10086,11 +9999,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -10113,7 +10026,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 15);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -10126,8 +10039,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(17, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(18, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(16, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(17, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -10141,14 +10054,14 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_x1, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_x), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_x1[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_x1);
@@ -10157,11 +10070,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 152, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 144, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 16);
+    coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
@@ -10175,8 +10088,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10188,7 +10101,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -10197,10 +10110,10 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -10217,7 +10130,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 20);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -10230,8 +10143,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(22, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(23, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(21, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(22, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -10245,14 +10158,14 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ag_y, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_ag_x1), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_ag_x1[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_ag_y[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_y);
@@ -10261,11 +10174,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 192, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 184, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 21);
+    coconet::cuda::join(sctx.stream, ctx.stream, 20);
   }
 }
 
@@ -10380,79 +10293,73 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
   float* const v_g_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(13, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(29, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(31, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(34, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(36, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(41, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -10460,6 +10367,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [default] reshape q_reshape (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   // [default] reshape k_reshape (gpt_block.ccn:40)
@@ -10480,8 +10402,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = S_S;
       const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
       COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
           coconet::cuda::Vec<float, 4> out_h_add;
           int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10493,7 +10415,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t i = i0 + u;
+            const auto i = i0 + u;
             (void)i;
             const int64_t c2 = cv2;
             const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -10502,10 +10424,10 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         }
-        for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           (void)c0;
           (void)c1;
@@ -10521,21 +10443,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -10552,22 +10474,22 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -10588,21 +10510,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -10617,21 +10539,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -10666,10 +10588,10 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k4_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -10684,7 +10606,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -10696,11 +10618,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -10712,21 +10634,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -10743,9 +10665,9 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -10761,7 +10683,7 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -10775,11 +10697,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -10837,22 +10759,22 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -10871,21 +10793,21 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -11007,79 +10929,73 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
   float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(12, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(28, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(30, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(33, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
+  float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(38, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(40, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -11087,6 +11003,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:40)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [overlapped] reshape q_reshape (gpt_block.ccn:38)
   coconet::cuda::reshape<float>(v_wq, v_q_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:38)", ctx);
   // [overlapped] reshape k_reshape (gpt_block.ccn:40)
@@ -11107,8 +11038,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = S_S;
       const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
       COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
+        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
           coconet::cuda::Vec<float, 4> out_h_add;
           int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11120,7 +11051,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t i = i0 + u;
+            const auto i = i0 + u;
             (void)i;
             const int64_t c2 = cv2;
             const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -11129,10 +11060,10 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         }
-        for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           (void)c0;
           (void)c1;
@@ -11148,21 +11079,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_W(v_g_y_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const auto& th) {
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         coconet::cuda::Vec<float, 4> out_g_y_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
           out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
         }
         coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(i)));
         v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
       }
@@ -11179,35 +11110,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(44, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -11217,11 +11134,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 41);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 42);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -11232,21 +11149,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -11261,21 +11178,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1_add, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const auto& th) {
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
           out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
         }
         coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(i)));
         v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
       }
@@ -11310,10 +11227,10 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k4_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11328,7 +11245,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -11340,11 +11257,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -11356,21 +11273,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -11387,9 +11304,9 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -11405,7 +11322,7 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -11419,11 +11336,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -11481,22 +11398,22 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -11515,21 +11432,21 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -11630,18 +11547,17 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_at = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_at = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_at, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_at), "at");
   float* const v_x1 = a.output<float>(8);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2s = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
@@ -11649,12 +11565,23 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
   float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
   // [default] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
@@ -11673,8 +11600,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11686,7 +11613,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -11695,10 +11622,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11733,8 +11660,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11746,7 +11673,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -11755,10 +11682,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11780,21 +11707,21 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -11809,8 +11736,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11823,7 +11750,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -11833,11 +11760,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -11857,10 +11784,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11875,7 +11802,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -11887,11 +11814,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -11918,10 +11845,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_at, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_bo), COCONET_W(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x, v_at, v_x1), stream, [=] __device__ (const auto& th) {
       const float k3_x1 = coconet::to_compute(v_pdrop[0]);
       const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_at = coconet::cuda::load<4>(v_at + i0);
         coconet::cuda::Vec<float, 4> out_x1;
@@ -11936,7 +11863,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -11947,10 +11874,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_x1 + i0, out_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(v_at[i]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -11971,8 +11898,8 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -11984,7 +11911,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -11993,10 +11920,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12017,10 +11944,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_mt, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b_proj), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_x1, v_mt, v_y), stream, [=] __device__ (const auto& th) {
       const float k5_y = coconet::to_compute(v_pdrop[0]);
       const int64_t k6_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x1 = coconet::cuda::load<4>(v_x1 + i0);
         const auto in_mt = coconet::cuda::load<4>(v_mt + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -12035,7 +11962,7 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12046,10 +11973,10 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(v_mt[i]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
         v_y[i] = coconet::from_compute<float>(x_y);
@@ -12147,12 +12074,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
@@ -12162,10 +12088,21 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
   float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
   // [fused] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
@@ -12184,8 +12121,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12197,7 +12134,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -12206,10 +12143,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12244,8 +12181,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12257,7 +12194,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -12266,10 +12203,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12291,21 +12228,21 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -12320,8 +12257,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12334,7 +12271,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -12344,11 +12281,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12368,10 +12305,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12386,7 +12323,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12398,11 +12335,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -12428,8 +12365,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(15, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(16, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(14, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(15, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
@@ -12443,10 +12380,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -12462,7 +12399,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -12474,11 +12411,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -12496,7 +12433,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
   // [fused] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -12508,8 +12445,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12521,7 +12458,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -12530,10 +12467,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12553,8 +12490,8 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(18, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(19, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(17, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(18, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
@@ -12567,10 +12504,10 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -12586,7 +12523,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -12598,11 +12535,11 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -12611,7 +12548,7 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 160, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
   }
 }
 
@@ -12704,16 +12641,15 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_x1 = a.output<float>(8);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2s = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
@@ -12721,10 +12657,21 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
   float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
   // [overlapped] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
@@ -12743,8 +12690,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12756,7 +12703,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -12765,10 +12712,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12803,8 +12750,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12816,7 +12763,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -12825,10 +12772,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12850,21 +12797,21 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -12879,8 +12826,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12893,7 +12840,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -12903,11 +12850,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -12927,10 +12874,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -12945,7 +12892,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -12957,11 +12904,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -12984,7 +12931,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 16);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 15);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -12997,8 +12944,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(18, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(19, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(17, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(18, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -13011,10 +12958,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -13030,7 +12977,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13042,11 +12989,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -13055,11 +13002,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 160, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 152, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 17);
+    coconet::cuda::join(sctx.stream, ctx.stream, 16);
   // [overlapped] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
@@ -13075,8 +13022,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13088,7 +13035,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -13097,10 +13044,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13117,7 +13064,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 21);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 20);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -13130,8 +13077,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(23, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(24, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(22, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(23, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -13144,10 +13091,10 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -13163,7 +13110,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13175,11 +13122,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -13188,11 +13135,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 200, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 192, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 22);
+    coconet::cuda::join(sctx.stream, ctx.stream, 21);
   }
 }
 
@@ -13285,16 +13232,15 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a", stream);
   float* const v_t15_o = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t15_o, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t15_o), "t15_o");
-  float* const v_t16_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
-  COCONET_BUFFER(v_t16_o, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_t16_o), "t16_o");
   float* const v_o = a.output<float>(7);
   COCONET_PARAM(v_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_o), "o", stream);
+  float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_ap = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
   float* const v_x1 = a.output<float>(8);
   COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2s = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_n2s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
@@ -13302,10 +13248,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
   float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
   // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
@@ -13314,12 +13271,12 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 17);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 16);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 16);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 15);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
@@ -13333,8 +13290,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t1_q), COCONET_W(v_t2_q, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_t2_q), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
         coconet::cuda::Vec<float, 4> out_t2_q;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13346,7 +13303,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t2_q = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_t1_q[c2 * int64_t(1)]));
@@ -13355,10 +13312,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t2_q + i0, out_t2_q);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13393,8 +13350,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_t8_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_t9_v), COCONET_W(v_t10_v, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t8_v, v_t10_v), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t8_v = coconet::cuda::load<4>(v_t8_v + i0);
         coconet::cuda::Vec<float, 4> out_t10_v;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13406,7 +13363,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_t10_v = coconet::round_to<float>(coconet::to_compute(in_t8_v[u]) + coconet::to_compute(v_t9_v[c2 * int64_t(1)]));
@@ -13415,10 +13372,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t10_v + i0, out_t10_v);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13440,21 +13397,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_t13_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_t13_s, v_s), stream, [=] __device__ (const auto& th) {
       const float k0_s = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_t13_s = coconet::cuda::load<4>(v_t13_s + i0);
         coconet::cuda::Vec<float, 4> out_s;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_s = coconet::round_to<float>(coconet::to_compute(in_t13_s[u]) * k0_s);
           out_s[u] = coconet::from_compute<float>(x_s);
         }
         coconet::cuda::store<4>(v_s + i0, out_s);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_s = coconet::round_to<float>(coconet::to_compute(v_t13_s[i]) * k0_s);
         v_s[i] = coconet::from_compute<float>(x_s);
       }
@@ -13469,8 +13426,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t14_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s, v_t14_p), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_t14_p;
         int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13483,7 +13440,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const int64_t c3 = cv3;
@@ -13493,11 +13450,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_t14_p + i0, out_t14_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13517,10 +13474,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
       const float k1_a = coconet::to_compute(v_pdrop[0]);
       const int64_t k2_a = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_a;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13535,7 +13492,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -13547,11 +13504,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_a + i0, out_a);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_a[i] = coconet::from_compute<float>(x_a);
@@ -13574,7 +13531,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 18);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 17);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -13587,8 +13544,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(20, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(21, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(19, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(20, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -13601,10 +13558,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
         const int64_t k4_x1 = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
           const auto in_at = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_x1;
@@ -13620,7 +13577,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13632,11 +13589,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]), double(k3_x1), int64_t(k4_x1), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_x1[i] = coconet::from_compute<float>(x_x1);
@@ -13645,11 +13602,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 176, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 168, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 19);
+    coconet::cuda::join(sctx.stream, ctx.stream, 18);
   // [overlapped_both] layernorm n2s (gpt_block.ccn:133)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   }
@@ -13657,12 +13614,12 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 24);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 23);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 23);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 22);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -13674,8 +13631,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -13687,7 +13644,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
@@ -13696,10 +13653,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -13716,7 +13673,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 25);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 24);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -13729,8 +13686,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(27, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(28, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(26, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(27, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -13743,10 +13700,10 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
       COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_b_proj), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_y, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x1 + lo, red, v_y + lo), stream, [=] __device__ (const auto& th) {
         const float k5_y = coconet::to_compute(v_pdrop[0]);
         const int64_t k6_y = coconet::to_compute(v_seed[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_x1 = coconet::cuda::load<4>(v_x1 + lo + j0);
           const auto in_mt = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_y;
@@ -13762,7 +13719,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -13774,11 +13731,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_y + lo + j0, out_y);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_y = coconet::round_to<float>(coconet::to_compute(v_x1[i]) + coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b_proj[c2 * int64_t(1)]), double(k5_y), int64_t(k6_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
           v_y[i] = coconet::from_compute<float>(x_y);
@@ -13787,11 +13744,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 232, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 224, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 26);
+    coconet::cuda::join(sctx.stream, ctx.stream, 25);
   }
 }
 
@@ -13910,85 +13867,79 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(18, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(36, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(37, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(44, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(47, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(41, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(48, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(42, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -14002,6 +13953,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [default] reshape qm_reshape (gpt_block.ccn:121)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
   // [default] reshape k_reshape (gpt_block.ccn:123)
@@ -14020,8 +13986,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14033,7 +13999,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -14042,10 +14008,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -14062,46 +14028,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [default] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [default] allgather g_allgather2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_y_add, v_g_allgather2, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_h (gpt_block.ccn)
@@ -14113,22 +14054,22 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -14149,21 +14090,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -14181,46 +14122,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [default] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [default] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [default] matmul_nt g_o (gpt_block.ccn)
@@ -14250,10 +14166,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k4_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14268,7 +14184,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14280,11 +14196,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -14296,21 +14212,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -14327,9 +14243,9 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -14345,7 +14261,7 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14359,11 +14275,11 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -14421,22 +14337,22 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -14455,21 +14371,21 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -14608,85 +14524,79 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
   float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
-  float* const v_g_ap_reshape = coconet::cuda::scratch<float>(18, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_ap_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H) * sizeof(*v_g_ap_reshape), "g_ap_reshape");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
-  float* const v_g_v_reshape2 = coconet::cuda::scratch<float>(34, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape2, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape2), "g_v_reshape2");
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
-  float* const v_g_v_reshape = coconet::cuda::scratch<float>(36, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_v_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_v_reshape), "g_v_reshape");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(37, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
-  float* const v_g_k_reshape = coconet::cuda::scratch<float>(39, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_k_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_k_reshape), "g_k_reshape");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
-  float* const v_g_q_reshape = coconet::cuda::scratch<float>(41, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_q_reshape, size_t(coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_q_reshape), "g_q_reshape");
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(42, S_B * S_S * S_H);
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(43, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
-  float* const v_g_qm_reshape = coconet::cuda::scratch<float>(44, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
-  COCONET_BUFFER(v_g_qm_reshape, size_t(S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_qm_reshape), "g_qm_reshape");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
-  float* const v_g_n1s = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(47, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(41, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(48, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(42, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -14700,6 +14610,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
   // [backward] reshape qm_reshape (gpt_block.ccn:121)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
   // [backward] reshape k_reshape (gpt_block.ccn:123)
@@ -14718,8 +14643,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14731,7 +14656,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
@@ -14740,10 +14665,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -14760,56 +14685,31 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_y_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
       const float k0_g_y_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k1_g_y_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        coconet::cuda::Vec<float, 4> out_g_y_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_d_y[u]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_y_add[u] = coconet::from_compute<float>(x_g_y_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_y_add + i0, out_g_y_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k0_g_y_add), int64_t(k1_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
     });
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_y_add, v_g_b_proj_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
   // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 50);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 44);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 49);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 43);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -14820,29 +14720,15 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b_fc, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
   // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -14851,10 +14737,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 51);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 45);
       coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 52);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 46);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -14865,21 +14751,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
         coconet::cuda::Vec<float, 4> out_g_x1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
           out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
         }
         coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
         v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
       }
@@ -14897,46 +14783,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_g_x1_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
       const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
       const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1_add;
-        int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
-        {
-          const int64_t i = i0;
-          int64_t rest = i;
-          cv2 = rest % L2; rest /= L2;
-          cv1 = rest % L1; rest /= L1;
-          cv0 = rest;
-          (void)rest;
-        }
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const int64_t c0 = cv0;
-          const int64_t c1 = cv1;
-          const int64_t c2 = cv2;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_x1[u]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          out_g_x1_add[u] = coconet::from_compute<float>(x_g_x1_add);
-          if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
-        }
-        coconet::cuda::store<4>(v_g_x1_add + i0, out_g_x1_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      }
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+      (void)col;
+      return x_g_x1_add;
     });
   }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
   // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
   coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
@@ -14966,10 +14827,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
       const float k4_g_p = coconet::to_compute(v_pdrop[0]);
       const int64_t k5_g_p = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
         coconet::cuda::Vec<float, 4> out_g_p;
         int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -14984,7 +14845,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -14996,11 +14857,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_p + i0, out_g_p);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k4_g_p), int64_t(k5_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
         v_g_p[i] = coconet::from_compute<float>(x_g_p);
@@ -15012,21 +14873,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         coconet::cuda::Vec<float, 4> out_t3_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
           out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
         }
         coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
         v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
       }
@@ -15043,9 +14904,9 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t L2 = S_S;
     const int64_t L3 = S_S;
     COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
       const float k6_g_s_matmul = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         coconet::cuda::Vec<float, 4> out_g_s_matmul;
@@ -15061,7 +14922,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -15075,11 +14936,11 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c3 = rest % L3; rest /= L3;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
         const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
@@ -15137,22 +14998,22 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
         const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
         const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
         coconet::cuda::Vec<float, 4> out_g_n1_part4;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
           out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
         }
         coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
         v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
       }
@@ -15171,21 +15032,21 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
         const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }

@@ -57,16 +57,16 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_m = p_m.at(pc);
     COCONET_ACCESS(COCONET_R(sp_m, 0, pc.size), COCONET_R(v_g1, b0, b0 + pc.size), COCONET_W(v_m1, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_m, v_g1 + b0, v_m1 + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_m, v_g1 + b0, v_m1 + b0), stream, [=] __device__ (const auto& th) {
       const float k0_m1 = coconet::to_compute(v_beta1[0]);
       const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(sp_m + q0);
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + b0 + q0);
         coconet::cuda::Vec<float, 4> out_m1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_g1[u]));
@@ -74,7 +74,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_m1 + b0 + q0, out_m1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(sp_m[q]) + k1_m1 * coconet::to_compute(v_g1[i]));
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -90,16 +90,16 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_v = p_v.at(pc);
     COCONET_ACCESS(COCONET_R(sp_v, 0, pc.size), COCONET_R(v_g1, b0, b0 + pc.size), COCONET_W(v_v1, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_v, v_g1 + b0, v_v1 + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_v, v_g1 + b0, v_v1 + b0), stream, [=] __device__ (const auto& th) {
       const float k2_v1 = coconet::to_compute(v_beta2[0]);
       const float k3_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v = coconet::cuda::load<4>(sp_v + q0);
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + b0 + q0);
         coconet::cuda::Vec<float, 4> out_v1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(in_v[u]) + k3_v1 * coconet::to_compute(in_g1[u]) * coconet::to_compute(in_g1[u]));
@@ -107,7 +107,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v1 + b0 + q0, out_v1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(sp_v[q]) + k3_v1 * coconet::to_compute(v_g1[i]) * coconet::to_compute(v_g1[i]));
         v_v1[i] = coconet::from_compute<float>(x_v1);
@@ -123,19 +123,19 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(v_m1, b0, b0 + pc.size), COCONET_R(v_v1, b0, b0 + pc.size), COCONET_R(sp_w, 0, pc.size), COCONET_W(v_r, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(v_m1 + b0, v_v1 + b0, sp_w, v_r + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(v_m1 + b0, v_v1 + b0, sp_w, v_r + b0), stream, [=] __device__ (const auto& th) {
       const float k4_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k6_r = coconet::to_compute(v_eps[0]);
       const float k7_r = coconet::to_compute(v_wd[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m1 = coconet::cuda::load<4>(v_m1 + b0 + q0);
         const auto in_v1 = coconet::cuda::load<4>(v_v1 + b0 + q0);
         const auto in_w = coconet::cuda::load<4>(sp_w + q0);
         coconet::cuda::Vec<float, 4> out_r;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_r = coconet::round_to<float>(coconet::to_compute(in_m1[u]) / k4_r / (std::sqrt(coconet::to_compute(in_v1[u]) / k5_r) + k6_r) + k7_r * coconet::to_compute(in_w[u]));
@@ -143,7 +143,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_r + b0 + q0, out_r);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_r = coconet::round_to<float>(coconet::to_compute(v_m1[i]) / k4_r / (std::sqrt(coconet::to_compute(v_v1[i]) / k5_r) + k6_r) + k7_r * coconet::to_compute(sp_w[q]));
         v_r[i] = coconet::from_compute<float>(x_r);
@@ -163,9 +163,9 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(sp_w, 0, pc.size), COCONET_R(v_t0_w1, b0, b0 + pc.size), COCONET_R(v_t1_w1, b0, b0 + pc.size), COCONET_R(v_r, b0, b0 + pc.size), COCONET_W(sp_w, 0, pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_w, v_t0_w1 + b0, v_t1_w1 + b0, v_r + b0, sp_w), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_w, v_t0_w1 + b0, v_t1_w1 + b0, v_r + b0, sp_w), stream, [=] __device__ (const auto& th) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(sp_w + q0);
         const auto in_t0_w1 = coconet::cuda::load<4>(v_t0_w1 + b0 + q0);
         const auto in_t1_w1 = coconet::cuda::load<4>(v_t1_w1 + b0 + q0);
@@ -173,7 +173,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k8_w1 * (coconet::to_compute(in_t0_w1[u]) / coconet::to_compute(in_t1_w1[u])) * coconet::to_compute(in_r[u]));
@@ -181,7 +181,7 @@ void lamb__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(sp_w + q0, out_w1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(sp_w[q]) - k8_w1 * (coconet::to_compute(v_t0_w1[i]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));
         sp_w[q] = coconet::from_compute<float>(x_w1);
@@ -246,16 +246,16 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_m = p_m.at(pc);
     COCONET_ACCESS(COCONET_R(sp_m, 0, pc.size), COCONET_R(v_rs, b0, b0 + pc.size), COCONET_W(v_m1, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_m, v_rs + b0, v_m1 + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_m, v_rs + b0, v_m1 + b0), stream, [=] __device__ (const auto& th) {
       const float k0_m1 = coconet::to_compute(v_beta1[0]);
       const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(sp_m + q0);
         const auto in_rs = coconet::cuda::load<4>(v_rs + b0 + q0);
         coconet::cuda::Vec<float, 4> out_m1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
@@ -263,7 +263,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_m1 + b0 + q0, out_m1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(sp_m[q]) + k1_m1 * coconet::to_compute(v_rs[i]));
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -279,16 +279,16 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_v = p_v.at(pc);
     COCONET_ACCESS(COCONET_R(sp_v, 0, pc.size), COCONET_R(v_rs, b0, b0 + pc.size), COCONET_W(v_v1, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_v, v_rs + b0, v_v1 + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_v, v_rs + b0, v_v1 + b0), stream, [=] __device__ (const auto& th) {
       const float k2_v1 = coconet::to_compute(v_beta2[0]);
       const float k3_v1 = 1.0f - coconet::to_compute(v_beta2[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_v = coconet::cuda::load<4>(sp_v + q0);
         const auto in_rs = coconet::cuda::load<4>(v_rs + b0 + q0);
         coconet::cuda::Vec<float, 4> out_v1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(in_v[u]) + k3_v1 * coconet::to_compute(in_rs[u]) * coconet::to_compute(in_rs[u]));
@@ -296,7 +296,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_v1 + b0 + q0, out_v1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_v1 = coconet::round_to<float>(k2_v1 * coconet::to_compute(sp_v[q]) + k3_v1 * coconet::to_compute(v_rs[i]) * coconet::to_compute(v_rs[i]));
         v_v1[i] = coconet::from_compute<float>(x_v1);
@@ -312,19 +312,19 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(v_m1, b0, b0 + pc.size), COCONET_R(v_v1, b0, b0 + pc.size), COCONET_R(sp_w, 0, pc.size), COCONET_W(v_r, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(v_m1 + b0, v_v1 + b0, sp_w, v_r + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(v_m1 + b0, v_v1 + b0, sp_w, v_r + b0), stream, [=] __device__ (const auto& th) {
       const float k4_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k6_r = coconet::to_compute(v_eps[0]);
       const float k7_r = coconet::to_compute(v_wd[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m1 = coconet::cuda::load<4>(v_m1 + b0 + q0);
         const auto in_v1 = coconet::cuda::load<4>(v_v1 + b0 + q0);
         const auto in_w = coconet::cuda::load<4>(sp_w + q0);
         coconet::cuda::Vec<float, 4> out_r;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_r = coconet::round_to<float>(coconet::to_compute(in_m1[u]) / k4_r / (std::sqrt(coconet::to_compute(in_v1[u]) / k5_r) + k6_r) + k7_r * coconet::to_compute(in_w[u]));
@@ -332,7 +332,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_r + b0 + q0, out_r);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_r = coconet::round_to<float>(coconet::to_compute(v_m1[i]) / k4_r / (std::sqrt(coconet::to_compute(v_v1[i]) / k5_r) + k6_r) + k7_r * coconet::to_compute(sp_w[q]));
         v_r[i] = coconet::from_compute<float>(x_r);
@@ -352,9 +352,9 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(sp_w, 0, pc.size), COCONET_R(v_t0_w1, off * int64_t(1) + b0, off * int64_t(1) + b0 + pc.size), COCONET_R(v_t1_w1, b0, b0 + pc.size), COCONET_R(v_r, b0, b0 + pc.size), COCONET_W(v_w1, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_w, v_t0_w1 + off * int64_t(1) + b0, v_t1_w1 + b0, v_r + b0, v_w1 + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_w, v_t0_w1 + off * int64_t(1) + b0, v_t1_w1 + b0, v_r + b0, v_w1 + b0), stream, [=] __device__ (const auto& th) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(sp_w + q0);
         const auto in_t0_w1 = coconet::cuda::load<4>(v_t0_w1 + off * int64_t(1) + b0 + q0);
         const auto in_t1_w1 = coconet::cuda::load<4>(v_t1_w1 + b0 + q0);
@@ -362,7 +362,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k8_w1 * (coconet::to_compute(in_t0_w1[u]) / coconet::to_compute(in_t1_w1[u])) * coconet::to_compute(in_r[u]));
@@ -370,7 +370,7 @@ void lamb__rs_c_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_w1 + b0 + q0, out_w1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(sp_w[q]) - k8_w1 * (coconet::to_compute(v_t0_w1[i + off * int64_t(1)]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));
         v_w1[i] = coconet::from_compute<float>(x_w1);
@@ -445,7 +445,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
       const int64_t b0 = pc.offset;
       float* const sp_w = p_w.at(pc);
       COCONET_ACCESS(COCONET_R(v_m, lo + b0, lo + b0 + pc.size), COCONET_R(v_v, lo + b0, lo + b0 + pc.size), COCONET_R(sp_w, 0, pc.size), COCONET_W(v_m1, lo + b0, lo + b0 + pc.size), COCONET_W(v_v1, lo + b0, lo + b0 + pc.size), COCONET_W(v_r, lo + b0, lo + b0 + pc.size), COCONET_R(red, b0, b0 + pc.size));
-      coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(v_m + lo + b0, red + b0, v_v + lo + b0, sp_w, v_m1 + lo + b0, v_v1 + lo + b0, v_r + lo + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(v_m + lo + b0, red + b0, v_v + lo + b0, sp_w, v_m1 + lo + b0, v_v1 + lo + b0, v_r + lo + b0), stream, [=] __device__ (const auto& th) {
         const float k0_m1 = coconet::to_compute(v_beta1[0]);
         const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
         const float k2_v1 = coconet::to_compute(v_beta2[0]);
@@ -454,7 +454,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
         const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
         const float k6_r = coconet::to_compute(v_eps[0]);
         const float k7_r = coconet::to_compute(v_wd[0]);
-        for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_m = coconet::cuda::load<4>(v_m + lo + b0 + q0);
           const auto in_rs = coconet::cuda::load<4>(red + b0 + q0);
           const auto in_v = coconet::cuda::load<4>(v_v + lo + b0 + q0);
@@ -462,7 +462,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::Vec<float, 4> out_m1, out_v1, out_r;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t q = q0 + u;
+            const auto q = q0 + u;
             const int64_t j = b0 + q;
             const int64_t i = lo + j;
             (void)i;
@@ -477,7 +477,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_v1 + lo + b0 + q0, out_v1);
           coconet::cuda::store<4>(v_r + lo + b0 + q0, out_r);
         }
-        for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t j = b0 + q;
           const int64_t i = lo + j;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(red[j]));
@@ -506,9 +506,9 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
     const int64_t b0 = pc.offset;
     float* const sp_w = p_w.at(pc);
     COCONET_ACCESS(COCONET_R(sp_w, 0, pc.size), COCONET_R(v_t0_w1, b0, b0 + pc.size), COCONET_R(v_t1_w1, b0, b0 + pc.size), COCONET_R(v_r, b0, b0 + pc.size), COCONET_W(v_w1, b0, b0 + pc.size));
-    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_w, v_t0_w1 + b0, v_t1_w1 + b0, v_r + b0, v_w1 + b0), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(pc.size, coconet::cuda::aligned<4>(sp_w, v_t0_w1 + b0, v_t1_w1 + b0, v_r + b0, v_w1 + b0), stream, [=] __device__ (const auto& th) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto q0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(sp_w + q0);
         const auto in_t0_w1 = coconet::cuda::load<4>(v_t0_w1 + b0 + q0);
         const auto in_t1_w1 = coconet::cuda::load<4>(v_t1_w1 + b0 + q0);
@@ -516,7 +516,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t q = q0 + u;
+          const auto q = q0 + u;
           const int64_t i = b0 + q;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k8_w1 * (coconet::to_compute(in_t0_w1[u]) / coconet::to_compute(in_t1_w1[u])) * coconet::to_compute(in_r[u]));
@@ -524,7 +524,7 @@ void lamb__zero(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_w1 + b0 + q0, out_w1);
       }
-      for (const int64_t q : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto q : th.elements()) {  // past the last whole vector, or all when not aligned
         const int64_t i = b0 + q;
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(sp_w[q]) - k8_w1 * (coconet::to_compute(v_t0_w1[i]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));
         v_w1[i] = coconet::from_compute<float>(x_w1);
@@ -589,7 +589,7 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(v_m, lo, hi), COCONET_R(v_v, lo, hi), COCONET_R(v_w, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_m1, lo, hi), COCONET_W(v_v1, lo, hi), COCONET_W(v_r, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m + lo, red, v_v + lo, v_w + lo, v_m1 + lo, v_v1 + lo, v_r + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_m + lo, red, v_v + lo, v_w + lo, v_m1 + lo, v_v1 + lo, v_r + lo), stream, [=] __device__ (const auto& th) {
         const float k0_m1 = coconet::to_compute(v_beta1[0]);
         const float k1_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
         const float k2_v1 = coconet::to_compute(v_beta2[0]);
@@ -598,7 +598,7 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
         const float k5_r = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
         const float k6_r = coconet::to_compute(v_eps[0]);
         const float k7_r = coconet::to_compute(v_wd[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_m = coconet::cuda::load<4>(v_m + lo + j0);
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           const auto in_v = coconet::cuda::load<4>(v_v + lo + j0);
@@ -606,7 +606,7 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
           coconet::cuda::Vec<float, 4> out_m1, out_v1, out_r;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(in_m[u]) + k1_m1 * coconet::to_compute(in_rs[u]));
@@ -620,7 +620,7 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_v1 + lo + j0, out_v1);
           coconet::cuda::store<4>(v_r + lo + j0, out_r);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_m1 = coconet::round_to<float>(k0_m1 * coconet::to_compute(v_m[i]) + k1_m1 * coconet::to_compute(red[j]));
           v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -644,9 +644,9 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_t0_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_t1_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_r, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w, v_t0_w1, v_t1_w1, v_r, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w, v_t0_w1, v_t1_w1, v_r, v_w1), stream, [=] __device__ (const auto& th) {
       const float k8_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(v_w + i0);
         const auto in_t0_w1 = coconet::cuda::load<4>(v_t0_w1 + i0);
         const auto in_t1_w1 = coconet::cuda::load<4>(v_t1_w1 + i0);
@@ -654,14 +654,14 @@ void lamb__zero_w(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k8_w1 * (coconet::to_compute(in_t0_w1[u]) / coconet::to_compute(in_t1_w1[u])) * coconet::to_compute(in_r[u]));
           out_w1[u] = coconet::from_compute<float>(x_w1);
         }
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k8_w1 * (coconet::to_compute(v_t0_w1[i]) / coconet::to_compute(v_t1_w1[i])) * coconet::to_compute(v_r[i]));
         v_w1[i] = coconet::from_compute<float>(x_w1);
       }

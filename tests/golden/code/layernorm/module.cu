@@ -43,8 +43,8 @@ void attn_out__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b), COCONET_R(v_r, 0, S_B * S_S * S_H), COCONET_W(v_h, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_r, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_r, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         const auto in_r = coconet::cuda::load<4>(v_r + i0);
         coconet::cuda::Vec<float, 4> out_h;
@@ -57,7 +57,7 @@ void attn_out__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b[c2 * int64_t(1)]) + coconet::to_compute(in_r[u]));
@@ -66,10 +66,10 @@ void attn_out__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -121,8 +121,8 @@ void attn_out__seq_sliced(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_rs, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b), COCONET_RA(v_r), COCONET_W(v_h, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -136,7 +136,7 @@ void attn_out__seq_sliced(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -147,10 +147,10 @@ void attn_out__seq_sliced(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_h = coconet::round_to<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c2 * int64_t(1)]) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
         v_h[i] = coconet::from_compute<float>(x_h);
@@ -214,8 +214,8 @@ void attn_out__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_RA(v_b), COCONET_RA(v_r), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_h, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_h + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_h + lo), stream, [=] __device__ (const auto& th) {
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_h;
           int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -230,7 +230,7 @@ void attn_out__fused(const coconet::cuda::CallArgs& a) {
           }
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const int64_t c0 = cv0;
@@ -242,11 +242,11 @@ void attn_out__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_h + lo + j0, out_h);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_h = coconet::round_to<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b[c2 * int64_t(1)]) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
           v_h[i] = coconet::from_compute<float>(x_h);

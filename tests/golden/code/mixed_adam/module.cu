@@ -44,7 +44,7 @@ void mixed_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g1, 0, S_N), COCONET_R(v_m, 0, S_N), COCONET_R(v_v, 0, S_N), COCONET_R(v_w, 0, S_N), COCONET_W(v_m1, 0, S_N), COCONET_W(v_v1, 0, S_N), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_m, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_m, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_gf = coconet::to_compute(v_scale[0]);
       const float k1_m1 = coconet::to_compute(v_beta1[0]);
       const float k2_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -54,7 +54,7 @@ void mixed_adam__default(const coconet::cuda::CallArgs& a) {
       const float k6_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k7_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k8_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -62,7 +62,7 @@ void mixed_adam__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_g1[u])) / k0_gf);
           const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(in_m[u]) + k2_m1 * x_gf);
@@ -76,7 +76,7 @@ void mixed_adam__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
         const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(v_m[i]) + k2_m1 * x_gf);
         v_m1[i] = coconet::from_compute<float>(x_m1);
@@ -92,20 +92,20 @@ void mixed_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w1, 0, S_N), COCONET_W(v_h1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w1 = coconet::cuda::load<4>(v_w1 + i0);
         coconet::cuda::Vec<coconet::half, 4> out_h1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(in_w1[u])));
           out_h1[u] = coconet::from_compute<coconet::half>(x_h1);
         }
         coconet::cuda::store<4>(v_h1 + i0, out_h1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
         v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
       }
@@ -157,7 +157,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
       const float k6_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k7_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k8_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = th.vreduce(i0);
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -166,7 +166,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<coconet::half, 4> out_h1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_rs[u])) / k0_gf);
           const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(in_m[u]) + k2_m1 * x_gf);
@@ -184,7 +184,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h1 + i0, out_h1);
         if (static_cast<const void*>(th.out) != static_cast<const void*>(v_h1)) coconet::cuda::store<4>(th.out + i0, out_h1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const coconet::half red_v = th.reduce(i);
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(red_v)) / k0_gf);
         const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(v_m[i]) + k2_m1 * x_gf);
@@ -218,7 +218,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(v_m, lo, hi), COCONET_R(v_v, lo, hi), COCONET_R(v_w, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_m1, lo, hi), COCONET_W(v_v1, lo, hi), COCONET_W(v_w1, lo, hi), COCONET_W(v_h1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_m + lo, v_v + lo, v_w + lo, v_m1 + lo, v_v1 + lo, v_w1 + lo, v_h1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_m + lo, v_v + lo, v_w + lo, v_m1 + lo, v_v1 + lo, v_w1 + lo, v_h1 + lo), stream, [=] __device__ (const auto& th) {
         const float k0_gf = coconet::to_compute(v_scale[0]);
         const float k1_m1 = coconet::to_compute(v_beta1[0]);
         const float k2_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -228,7 +228,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
         const float k6_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
         const float k7_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
         const float k8_w1 = coconet::to_compute(v_eps[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           const auto in_m = coconet::cuda::load<4>(v_m + lo + j0);
           const auto in_v = coconet::cuda::load<4>(v_v + lo + j0);
@@ -237,7 +237,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::Vec<coconet::half, 4> out_h1;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_rs[u])) / k0_gf);
@@ -255,7 +255,7 @@ void mixed_adam__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_w1 + lo + j0, out_w1);
           coconet::cuda::store<4>(v_h1 + lo + j0, out_h1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(red[j])) / k0_gf);
           const float x_m1 = coconet::round_to<float>(k1_m1 * coconet::to_compute(v_m[i]) + k2_m1 * x_gf);

@@ -45,9 +45,9 @@ void mlp_out__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b), COCONET_R(v_r, 0, S_B * S_S * S_H), COCONET_W(v_out, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<8>(S_B * S_S * S_H, coconet::cuda::aligned<8>(v_s, v_r, v_out), stream, [=] __device__ (const coconet::cuda::Thread<8>& th) {
+    coconet::cuda::launch_threads<8>(S_B * S_S * S_H, coconet::cuda::aligned<8>(v_s, v_r, v_out), stream, [=] __device__ (const auto& th) {
       const int64_t k0_out = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 8 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 8 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<8>(v_s + i0);
         const auto in_r = coconet::cuda::load<8>(v_r + i0);
         coconet::cuda::Vec<coconet::half, 8> out_out;
@@ -60,7 +60,7 @@ void mlp_out__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 8; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_out = coconet::round_to<coconet::half>(coconet::dropout<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.1, int64_t(k0_out), 1353655628u /* out#0 */, static_cast<uint64_t>(i)) + coconet::to_compute(in_r[u]));
           out_out[u] = coconet::from_compute<coconet::half>(x_out);
@@ -68,10 +68,10 @@ void mlp_out__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<8>(v_out + i0, out_out);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -141,13 +141,13 @@ void mlp_out__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ago, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_b), COCONET_RA(v_r), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const int64_t k0_out = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_out = coconet::round_to<coconet::half>(coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.1, int64_t(k0_out), 1353655628u /* out#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
           v_ago[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<coconet::half>(x_out);
@@ -213,13 +213,13 @@ void mlp_out__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_ago, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_b), COCONET_RA(v_r), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const int64_t k0_out = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_out = coconet::round_to<coconet::half>(coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.1, int64_t(k0_out), 1353655628u /* out#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
           v_ago[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<coconet::half>(x_out);
@@ -271,9 +271,9 @@ void mlp_out__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_rs, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b), COCONET_RA(v_r), COCONET_W(v_out, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<8>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<8>(v_rs, v_out), stream, [=] __device__ (const coconet::cuda::Thread<8>& th) {
+    coconet::cuda::launch_threads<8>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<8>(v_rs, v_out), stream, [=] __device__ (const auto& th) {
       const int64_t k0_out = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 8 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 8 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<8>(v_rs + i0);
         coconet::cuda::Vec<coconet::half, 8> out_out;
         int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
@@ -287,7 +287,7 @@ void mlp_out__rs_c_ag(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 8; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -298,10 +298,10 @@ void mlp_out__rs_c_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<8>(v_out + i0, out_out);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_out = coconet::round_to<coconet::half>(coconet::dropout<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.1, int64_t(k0_out), 1353655628u /* out#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))) + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
         v_out[i] = coconet::from_compute<coconet::half>(x_out);
@@ -358,9 +358,9 @@ void mlp_out__overlap_ar(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b), COCONET_R(v_r, 0, S_B * S_S * S_H), COCONET_W(v_out, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<8>(S_B * S_S * S_H, coconet::cuda::aligned<8>(v_s, v_r, v_out), stream, [=] __device__ (const coconet::cuda::Thread<8>& th) {
+    coconet::cuda::launch_threads<8>(S_B * S_S * S_H, coconet::cuda::aligned<8>(v_s, v_r, v_out), stream, [=] __device__ (const auto& th) {
       const int64_t k0_out = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 8 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 8 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<8>(v_s + i0);
         const auto in_r = coconet::cuda::load<8>(v_r + i0);
         coconet::cuda::Vec<coconet::half, 8> out_out;
@@ -373,7 +373,7 @@ void mlp_out__overlap_ar(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 8; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_out = coconet::round_to<coconet::half>(coconet::dropout<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.1, int64_t(k0_out), 1353655628u /* out#0 */, static_cast<uint64_t>(i)) + coconet::to_compute(in_r[u]));
           out_out[u] = coconet::from_compute<coconet::half>(x_out);
@@ -381,10 +381,10 @@ void mlp_out__overlap_ar(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<8>(v_out + i0, out_out);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;

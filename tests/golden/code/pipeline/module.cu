@@ -37,8 +37,8 @@ void stage__default(const coconet::cuda::CallArgs& a) {
     const int64_t L0 = S_B;
     const int64_t L1 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_H), COCONET_RA(v_b), COCONET_R(v_r, 0, S_B * S_H), COCONET_W(v_h, 0, S_B * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_H, coconet::cuda::aligned<4>(v_s, v_r, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_H, coconet::cuda::aligned<4>(v_s, v_r, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         const auto in_r = coconet::cuda::load<4>(v_r + i0);
         coconet::cuda::Vec<float, 4> out_h;
@@ -51,7 +51,7 @@ void stage__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c1 = cv1;
           const float x_h = coconet::round_to<float>(coconet::relu(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b[c1 * int64_t(1)])) + coconet::to_compute(in_r[u]));
@@ -60,9 +60,9 @@ void stage__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         const float x_h = coconet::round_to<float>(coconet::relu(coconet::to_compute(v_s[i]) + coconet::to_compute(v_b[c1 * int64_t(1)])) + coconet::to_compute(v_r[i]));
@@ -105,8 +105,8 @@ void stage__sliced_p2p(const coconet::cuda::CallArgs& a) {
     const int64_t L0 = coconet::slice_range(S_B, comm.size, comm.rank).size();
     const int64_t L1 = S_H;
     COCONET_ACCESS(COCONET_R(v_rs, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b), COCONET_R(v_r, off * S_H + 0, off * S_H + coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H), COCONET_W(v_h, 0, coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_r + off * S_H, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_B, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_r + off * S_H, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_r = coconet::cuda::load<4>(v_r + off * S_H + i0);
         coconet::cuda::Vec<float, 4> out_h;
@@ -119,7 +119,7 @@ void stage__sliced_p2p(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c1 = cv1;
           const float x_h = coconet::round_to<float>(coconet::relu(coconet::to_compute(in_rs[u]) + coconet::to_compute(v_b[c1 * int64_t(1)])) + coconet::to_compute(in_r[u]));
@@ -128,9 +128,9 @@ void stage__sliced_p2p(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         const float x_h = coconet::round_to<float>(coconet::relu(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b[c1 * int64_t(1)])) + coconet::to_compute(v_r[i + off * S_H]));

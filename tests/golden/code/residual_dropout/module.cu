@@ -38,9 +38,9 @@ void f1__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b), COCONET_R(v_r, 0, S_B * S_S * S_H), COCONET_W(v_h, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_r, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_r, v_h), stream, [=] __device__ (const auto& th) {
       const int64_t k0_h = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         const auto in_r = coconet::cuda::load<4>(v_r + i0);
         coconet::cuda::Vec<float, 4> out_h;
@@ -53,7 +53,7 @@ void f1__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.25, int64_t(k0_h), 3277332420u /* h#0 */, static_cast<uint64_t>(i)) * 2.0f + coconet::to_compute(in_r[u]));
           out_h[u] = coconet::from_compute<float>(x_h);
@@ -61,10 +61,10 @@ void f1__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -117,13 +117,13 @@ void f1__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_agh, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_b), COCONET_RA(v_r), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
         const int64_t k0_h = coconet::to_compute(v_seed[0]);
-        for (const int64_t j : th.elements()) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_h = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_b[c2 * int64_t(1)]), 0.25, int64_t(k0_h), 3277332420u /* h#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))) * 2.0f + coconet::to_compute(v_r[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]));
           v_agh[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_h);

@@ -52,21 +52,21 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g1, 0, S_N), COCONET_W(v_gf, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_gf), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_g1, v_gf), stream, [=] __device__ (const auto& th) {
       const float k0_gf = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         coconet::cuda::Vec<float, 4> out_gf;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_g1[u])) / k0_gf);
           out_gf[u] = coconet::from_compute<float>(x_gf);
         }
         coconet::cuda::store<4>(v_gf + i0, out_gf);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_g1[i])) / k0_gf);
         v_gf[i] = coconet::from_compute<float>(x_gf);
       }
@@ -77,20 +77,20 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_gf, 0, S_N), COCONET_W(v_t0_bad, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_gf, v_t0_bad), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_gf, v_t0_bad), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_gf = coconet::cuda::load<4>(v_gf + i0);
         coconet::cuda::Vec<float, 4> out_t0_bad;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t0_bad = coconet::round_to<float>(((std::abs(coconet::to_compute(in_gf[u])) < 3e+38f) ? float(0.0f) : float(1.0f)));
           out_t0_bad[u] = coconet::from_compute<float>(x_t0_bad);
         }
         coconet::cuda::store<4>(v_t0_bad + i0, out_t0_bad);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t0_bad = coconet::round_to<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
         v_t0_bad[i] = coconet::from_compute<float>(x_t0_bad);
       }
@@ -103,7 +103,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, 0, S_N), COCONET_R(v_gf, 0, S_N), COCONET_R(v_v, 0, S_N), COCONET_R(v_w, 0, S_N), COCONET_R(v_bad, 0, 1), COCONET_W(v_m1, 0, S_N), COCONET_W(v_v1, 0, S_N), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_gf, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_m, v_gf, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const bool k1_m1 = coconet::to_compute(v_bad[0]) > 0.0f;
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -115,7 +115,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
       const float k9_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k10_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k11_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_gf = coconet::cuda::load<4>(v_gf + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -123,7 +123,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(in_m[u])) : float(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * coconet::to_compute(in_gf[u]))));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -136,7 +136,7 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i])) : float(k5_v1 * coconet::to_compute(v_v[i]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
@@ -151,20 +151,20 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w1, 0, S_N), COCONET_W(v_h1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w1 = coconet::cuda::load<4>(v_w1 + i0);
         coconet::cuda::Vec<coconet::half, 4> out_h1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(in_w1[u])));
           out_h1[u] = coconet::from_compute<coconet::half>(x_h1);
         }
         coconet::cuda::store<4>(v_h1 + i0, out_h1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
         v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
       }
@@ -175,20 +175,20 @@ void scaled_adam__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_bad, 0, 1), COCONET_W(v_newscale, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_newscale), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_newscale), stream, [=] __device__ (const auto& th) {
       const float k12_newscale = ((coconet::to_compute(v_bad[0]) > 0.0f) ? float(coconet::to_compute(v_scale[0]) * 0.5f) : float(coconet::to_compute(v_scale[0])));
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_newscale;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_newscale = coconet::round_to<float>(k12_newscale);
           out_newscale[u] = coconet::from_compute<float>(x_newscale);
         }
         coconet::cuda::store<4>(v_newscale + i0, out_newscale);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_newscale = coconet::round_to<float>(k12_newscale);
         v_newscale[i] = coconet::from_compute<float>(x_newscale);
       }
@@ -248,21 +248,21 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_gf, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_gf), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_rs, v_gf), stream, [=] __device__ (const auto& th) {
       const float k0_gf = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_gf;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_rs[u])) / k0_gf);
           out_gf[u] = coconet::from_compute<float>(x_gf);
         }
         coconet::cuda::store<4>(v_gf + i0, out_gf);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(v_rs[i])) / k0_gf);
         v_gf[i] = coconet::from_compute<float>(x_gf);
       }
@@ -273,20 +273,20 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_gf, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_t0_bad, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_gf, v_t0_bad), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_gf, v_t0_bad), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_gf = coconet::cuda::load<4>(v_gf + i0);
         coconet::cuda::Vec<float, 4> out_t0_bad;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_t0_bad = coconet::round_to<float>(((std::abs(coconet::to_compute(in_gf[u])) < 3e+38f) ? float(0.0f) : float(1.0f)));
           out_t0_bad[u] = coconet::from_compute<float>(x_t0_bad);
         }
         coconet::cuda::store<4>(v_t0_bad + i0, out_t0_bad);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_t0_bad = coconet::round_to<float>(((std::abs(coconet::to_compute(v_gf[i])) < 3e+38f) ? float(0.0f) : float(1.0f)));
         v_t0_bad[i] = coconet::from_compute<float>(x_t0_bad);
       }
@@ -299,7 +299,7 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_gf, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_v, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_bad, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_v1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m + off * int64_t(1), v_gf, v_v + off * int64_t(1), v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m + off * int64_t(1), v_gf, v_v + off * int64_t(1), v_w + off * int64_t(1), v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const bool k1_m1 = coconet::to_compute(v_bad[0]) > 0.0f;
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -311,7 +311,7 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
       const float k9_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k10_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k11_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + off * int64_t(1) + i0);
         const auto in_gf = coconet::cuda::load<4>(v_gf + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + off * int64_t(1) + i0);
@@ -319,7 +319,7 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(in_m[u])) : float(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * coconet::to_compute(in_gf[u]))));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -332,7 +332,7 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i + off * int64_t(1)])) : float(k2_m1 * coconet::to_compute(v_m[i + off * int64_t(1)]) + k3_m1 * coconet::to_compute(v_gf[i]))));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i + off * int64_t(1)])) : float(k5_v1 * coconet::to_compute(v_v[i + off * int64_t(1)]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
@@ -347,20 +347,20 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_h1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w1 = coconet::cuda::load<4>(v_w1 + i0);
         coconet::cuda::Vec<coconet::half, 4> out_h1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(in_w1[u])));
           out_h1[u] = coconet::from_compute<coconet::half>(x_h1);
         }
         coconet::cuda::store<4>(v_h1 + i0, out_h1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
         v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
       }
@@ -371,20 +371,20 @@ void scaled_adam__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_bad, 0, 1), COCONET_W(v_newscale, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_newscale), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_newscale), stream, [=] __device__ (const auto& th) {
       const float k12_newscale = ((coconet::to_compute(v_bad[0]) > 0.0f) ? float(coconet::to_compute(v_scale[0]) * 0.5f) : float(coconet::to_compute(v_scale[0])));
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_newscale;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_newscale = coconet::round_to<float>(k12_newscale);
           out_newscale[u] = coconet::from_compute<float>(x_newscale);
         }
         coconet::cuda::store<4>(v_newscale + i0, out_newscale);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_newscale = coconet::round_to<float>(k12_newscale);
         v_newscale[i] = coconet::from_compute<float>(x_newscale);
       }
@@ -446,12 +446,12 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
     COCONET_ACCESS(COCONET_W(v_gf, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_t0_bad, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
     coconet::cuda::fused_symmetric<coconet::half, coconet::half, 4>(ncclSum, v_g, S_N, int64_t(1), static_cast<coconet::half*>(nullptr), static_cast<coconet::half*>(nullptr), ctx, coconet::cuda::aligned<4>(v_gf, v_t0_bad), [=] __device__ (const coconet::cuda::SymThread<coconet::half, coconet::half, 4>& th) {
       const float k0_gf = coconet::to_compute(v_scale[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = th.vreduce(i0);
         coconet::cuda::Vec<float, 4> out_gf, out_t0_bad;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_rs[u])) / k0_gf);
           out_gf[u] = coconet::from_compute<float>(x_gf);
@@ -461,7 +461,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_gf + i0, out_gf);
         coconet::cuda::store<4>(v_t0_bad + i0, out_t0_bad);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const coconet::half red_v = th.reduce(i);
         const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(red_v)) / k0_gf);
         v_gf[i] = coconet::from_compute<float>(x_gf);
@@ -491,14 +491,14 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_gf, lo, hi), COCONET_W(v_t0_bad, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_gf + lo, v_t0_bad + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_gf + lo, v_t0_bad + lo), stream, [=] __device__ (const auto& th) {
         const float k0_gf = coconet::to_compute(v_scale[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_gf, out_t0_bad;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(in_rs[u])) / k0_gf);
@@ -509,7 +509,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
           coconet::cuda::store<4>(v_gf + lo + j0, out_gf);
           coconet::cuda::store<4>(v_t0_bad + lo + j0, out_t0_bad);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_gf = coconet::round_to<float>(coconet::cast_to<float>(coconet::to_compute(red[j])) / k0_gf);
           v_gf[i] = coconet::from_compute<float>(x_gf);
@@ -531,7 +531,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_m, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_gf, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_v, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_w, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_bad, 0, 1), COCONET_W(v_m1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_v1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m, v_gf, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_m, v_gf, v_v, v_w, v_m1, v_v1, v_w1), stream, [=] __device__ (const auto& th) {
       const bool k1_m1 = coconet::to_compute(v_bad[0]) > 0.0f;
       const float k2_m1 = coconet::to_compute(v_beta1[0]);
       const float k3_m1 = 1.0f - coconet::to_compute(v_beta1[0]);
@@ -543,7 +543,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
       const float k9_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta1[0]), coconet::to_compute(v_step[0]));
       const float k10_w1 = 1.0f - coconet::power<float>(coconet::to_compute(v_beta2[0]), coconet::to_compute(v_step[0]));
       const float k11_w1 = coconet::to_compute(v_eps[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_m = coconet::cuda::load<4>(v_m + i0);
         const auto in_gf = coconet::cuda::load<4>(v_gf + i0);
         const auto in_v = coconet::cuda::load<4>(v_v + i0);
@@ -551,7 +551,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::Vec<float, 4> out_m1, out_v1, out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(in_m[u])) : float(k2_m1 * coconet::to_compute(in_m[u]) + k3_m1 * coconet::to_compute(in_gf[u]))));
           out_m1[u] = coconet::from_compute<float>(x_m1);
@@ -564,7 +564,7 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_v1 + i0, out_v1);
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_m1 = coconet::round_to<float>(((k1_m1) ? float(coconet::to_compute(v_m[i])) : float(k2_m1 * coconet::to_compute(v_m[i]) + k3_m1 * coconet::to_compute(v_gf[i]))));
         v_m1[i] = coconet::from_compute<float>(x_m1);
         const float x_v1 = coconet::round_to<float>(((k4_v1) ? float(coconet::to_compute(v_v[i])) : float(k5_v1 * coconet::to_compute(v_v[i]) + k6_v1 * coconet::to_compute(v_gf[i]) * coconet::to_compute(v_gf[i]))));
@@ -579,20 +579,20 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_h1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w1, v_h1), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w1 = coconet::cuda::load<4>(v_w1 + i0);
         coconet::cuda::Vec<coconet::half, 4> out_h1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(in_w1[u])));
           out_h1[u] = coconet::from_compute<coconet::half>(x_h1);
         }
         coconet::cuda::store<4>(v_h1 + i0, out_h1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_h1 = coconet::round_to<coconet::half>(coconet::cast_to<coconet::half>(coconet::to_compute(v_w1[i])));
         v_h1[i] = coconet::from_compute<coconet::half>(x_h1);
       }
@@ -605,20 +605,20 @@ void scaled_adam__zero(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_bad, 0, 1), COCONET_W(v_newscale, 0, int64_t(1)));
-    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_newscale), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(int64_t(1), coconet::cuda::aligned<4>(v_newscale), stream, [=] __device__ (const auto& th) {
       const float k12_newscale = ((coconet::to_compute(v_bad[0]) > 0.0f) ? float(coconet::to_compute(v_scale[0]) * 0.5f) : float(coconet::to_compute(v_scale[0])));
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         coconet::cuda::Vec<float, 4> out_newscale;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_newscale = coconet::round_to<float>(k12_newscale);
           out_newscale[u] = coconet::from_compute<float>(x_newscale);
         }
         coconet::cuda::store<4>(v_newscale + i0, out_newscale);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_newscale = coconet::round_to<float>(k12_newscale);
         v_newscale[i] = coconet::from_compute<float>(x_newscale);
       }

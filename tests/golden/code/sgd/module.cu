@@ -30,22 +30,22 @@ void sgd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w, 0, S_N), COCONET_R(v_g1, 0, S_N), COCONET_W(v_w1, 0, S_N));
-    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w, v_g1, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_N, coconet::cuda::aligned<4>(v_w, v_g1, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(v_w + i0);
         const auto in_g1 = coconet::cuda::load<4>(v_g1 + i0);
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k0_w1 * coconet::to_compute(in_g1[u]));
           out_w1[u] = coconet::from_compute<float>(x_w1);
         }
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i]) - k0_w1 * coconet::to_compute(v_g1[i]));
         v_w1[i] = coconet::from_compute<float>(x_w1);
       }
@@ -75,13 +75,13 @@ void sgd__fused(const coconet::cuda::CallArgs& a) {
     COCONET_ACCESS(COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
     coconet::cuda::fused_symmetric<float, float, 4>(ncclSum, v_g, S_N, int64_t(1), v_agw, static_cast<float*>(nullptr), ctx, coconet::cuda::aligned<4>(v_w + off * int64_t(1), v_w1), [=] __device__ (const coconet::cuda::SymThread<float, float, 4>& th) {
       const float k0_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(v_w + off * int64_t(1) + i0);
         const auto in_rs = th.vreduce(i0);
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k0_w1 * coconet::to_compute(in_rs[u]));
           out_w1[u] = coconet::from_compute<float>(x_w1);
@@ -89,7 +89,7 @@ void sgd__fused(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
         if (static_cast<const void*>(th.out) != static_cast<const void*>(v_w1)) coconet::cuda::store<4>(th.out + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float red_v = th.reduce(i);
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(red_v));
         v_w1[i] = coconet::from_compute<float>(x_w1);
@@ -116,15 +116,15 @@ void sgd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;
       (void)off;
       COCONET_ACCESS(COCONET_R(v_w, off * int64_t(1) + lo, off * int64_t(1) + hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_w1, lo, hi));
-      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_w + off * int64_t(1) + lo, red, v_w1 + lo), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_w + off * int64_t(1) + lo, red, v_w1 + lo), stream, [=] __device__ (const auto& th) {
         const float k0_w1 = coconet::to_compute(v_lr[0]);
-        for (const int64_t j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
           const auto in_w = coconet::cuda::load<4>(v_w + off * int64_t(1) + lo + j0);
           const auto in_rs = coconet::cuda::load<4>(red + j0);
           coconet::cuda::Vec<float, 4> out_w1;
           COCONET_UNROLL
           for (int u = 0; u < 4; ++u) {
-            const int64_t j = j0 + u;
+            const auto j = j0 + u;
             const int64_t i = lo + j;
             (void)i;
             const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k0_w1 * coconet::to_compute(in_rs[u]));
@@ -132,7 +132,7 @@ void sgd__fused(const coconet::cuda::CallArgs& a) {
           }
           coconet::cuda::store<4>(v_w1 + lo + j0, out_w1);
         }
-        for (const int64_t j : th.elements()) {  // past the last whole vector, or all when not aligned
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
           const int64_t i = lo + j;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(red[j]));
           v_w1[i] = coconet::from_compute<float>(x_w1);
@@ -170,22 +170,22 @@ void sgd__rs_c_ag(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_N, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_w, off * int64_t(1) + 0, off * int64_t(1) + coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_R(v_rs, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()), COCONET_W(v_w1, 0, coconet::slice_range(S_N, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w + off * int64_t(1), v_rs, v_w1), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(coconet::slice_range(S_N, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_w + off * int64_t(1), v_rs, v_w1), stream, [=] __device__ (const auto& th) {
       const float k0_w1 = coconet::to_compute(v_lr[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_w = coconet::cuda::load<4>(v_w + off * int64_t(1) + i0);
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_w1;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_w1 = coconet::round_to<float>(coconet::to_compute(in_w[u]) - k0_w1 * coconet::to_compute(in_rs[u]));
           out_w1[u] = coconet::from_compute<float>(x_w1);
         }
         coconet::cuda::store<4>(v_w1 + i0, out_w1);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_w1 = coconet::round_to<float>(coconet::to_compute(v_w[i + off * int64_t(1)]) - k0_w1 * coconet::to_compute(v_rs[i]));
         v_w1[i] = coconet::from_compute<float>(x_w1);
       }

@@ -48,8 +48,8 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -61,7 +61,7 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -70,10 +70,10 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -94,8 +94,8 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -107,7 +107,7 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -116,10 +116,10 @@ void tp_mlp__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -169,8 +169,8 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -182,7 +182,7 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -191,10 +191,10 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -232,8 +232,8 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -245,7 +245,7 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -254,10 +254,10 @@ void tp_mlp__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -310,8 +310,8 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -323,7 +323,7 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -332,10 +332,10 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -356,8 +356,8 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_rs, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_y;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -369,7 +369,7 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_rs[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -378,10 +378,10 @@ void tp_mlp__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -434,8 +434,8 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -447,7 +447,7 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -456,10 +456,10 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -480,8 +480,8 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -494,7 +494,7 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -503,10 +503,10 @@ void tp_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -556,8 +556,8 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -569,7 +569,7 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -578,10 +578,10 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -619,8 +619,8 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -633,7 +633,7 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -642,10 +642,10 @@ void tp_block__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -709,8 +709,8 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -722,7 +722,7 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -731,10 +731,10 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -755,9 +755,9 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_rs, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b2), COCONET_R(v_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_x, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_x, v_y), stream, [=] __device__ (const auto& th) {
       const int64_t k0_y = coconet::to_compute(v_seed[0]);
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -772,7 +772,7 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c0 = cv0;
           const int64_t c1 = cv1;
@@ -783,10 +783,10 @@ void sp_block__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         const float x_y = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_rs[i]) + coconet::to_compute(v_b2[c2 * int64_t(1)]), 0.1, int64_t(k0_y), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))) + coconet::to_compute(v_x[i]));
         v_y[i] = coconet::from_compute<float>(x_y);
@@ -849,8 +849,8 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -862,7 +862,7 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -874,10 +874,10 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -899,22 +899,22 @@ void tp_mlp_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -983,8 +983,8 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -996,7 +996,7 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -1008,10 +1008,10 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1033,29 +1033,15 @@ void tp_mlp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1134,8 +1120,8 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1147,7 +1133,7 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -1159,10 +1145,10 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1184,29 +1170,15 @@ void tp_mlp_grad__overlapped_h(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1287,8 +1259,8 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1300,7 +1272,7 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -1312,10 +1284,10 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1337,29 +1309,15 @@ void tp_mlp_grad__split_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -1435,8 +1393,8 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1448,7 +1406,7 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -1460,10 +1418,10 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1485,22 +1443,22 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -1517,21 +1475,21 @@ void tp_block_grad__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_g_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_g_x = coconet::cuda::load<4>(v_g_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_g_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -1595,8 +1553,8 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1608,7 +1566,7 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -1620,10 +1578,10 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1645,29 +1603,15 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -1704,12 +1648,12 @@ void tp_block_grad__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_agx, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_d_y), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
-        for (const int64_t j : th.elements()) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_d_y[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::to_compute(red[j]));
           v_agx[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_d_x);
@@ -1768,8 +1712,8 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1781,7 +1725,7 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -1790,10 +1734,10 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1814,8 +1758,8 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -1828,7 +1772,7 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -1837,10 +1781,10 @@ void tp_block_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1890,8 +1834,8 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -1903,7 +1847,7 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -1912,10 +1856,10 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -1953,8 +1897,8 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_x, 0, S_B * S_S * S_H), COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_x, v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_x = coconet::cuda::load<4>(v_x + i0);
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
@@ -1967,7 +1911,7 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_x[u]) + coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -1976,10 +1920,10 @@ void tp_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2044,8 +1988,8 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2057,7 +2001,7 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -2066,10 +2010,10 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2089,22 +2033,22 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -2121,21 +2065,21 @@ void tp_block_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_g_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_x, v_d_x), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_g_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
         const auto in_g_x = coconet::cuda::load<4>(v_g_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_g_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_g_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
@@ -2197,8 +2141,8 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2210,7 +2154,7 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -2219,10 +2163,10 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2242,29 +2186,15 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [fused] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [fused] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:86)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
@@ -2301,12 +2231,12 @@ void tp_block_bwd__fused(const coconet::cuda::CallArgs& a) {
       const int64_t L2 = S_H;
       const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_agx, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_RA(v_d_y), COCONET_R(red, 0, hi - (lo)));
-      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const coconet::cuda::Thread<1>& th) {
-        for (const int64_t j : th.elements()) {
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
+        for (const auto j : th.elements()) {
           const int64_t i = lo + j;
-          int64_t rest = i;
-          const int64_t c2 = rest % L2; rest /= L2;
-          const int64_t c1 = rest % L1; rest /= L1;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
           const int64_t c0 = rest;
           const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_d_y[c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1)]) + coconet::to_compute(red[j]));
           v_agx[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_d_x);
@@ -2365,8 +2295,8 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2378,7 +2308,7 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -2387,10 +2317,10 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2411,8 +2341,8 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2424,7 +2354,7 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -2433,10 +2363,10 @@ void tp_mlp_fwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2486,8 +2416,8 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2499,7 +2429,7 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -2508,10 +2438,10 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2549,8 +2479,8 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_s, 0, S_B * S_S * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_s, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_s = coconet::cuda::load<4>(v_s + i0);
         coconet::cuda::Vec<float, 4> out_y;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2562,7 +2492,7 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_s[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -2571,10 +2501,10 @@ void tp_mlp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2627,8 +2557,8 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2640,7 +2570,7 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)])));
@@ -2649,10 +2579,10 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h + i0, out_h);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2673,8 +2603,8 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
     const int64_t L2 = S_H;
     COCONET_ACCESS(COCONET_R(v_rs, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_RA(v_b2), COCONET_W(v_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_y), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_rs, v_y), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_rs = coconet::cuda::load<4>(v_rs + i0);
         coconet::cuda::Vec<float, 4> out_y;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2686,7 +2616,7 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_y = coconet::round_to<float>(coconet::to_compute(in_rs[u]) + coconet::to_compute(v_b2[c2 * int64_t(1)]));
@@ -2695,10 +2625,10 @@ void tp_mlp_fwd__rs_ag(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_y + i0, out_y);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2763,8 +2693,8 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2776,7 +2706,7 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -2785,10 +2715,10 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2808,22 +2738,22 @@ void tp_mlp_bwd__default(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
         const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
         const auto in_h = coconet::cuda::load<4>(v_h + i0);
         coconet::cuda::Vec<float, 4> out_g_h_add;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
           out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
         }
         coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
         const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
         v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
       }
@@ -2890,8 +2820,8 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -2903,7 +2833,7 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -2912,10 +2842,10 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -2935,29 +2865,15 @@ void tp_mlp_bwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3034,8 +2950,8 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3047,7 +2963,7 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -3056,10 +2972,10 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3079,29 +2995,15 @@ void tp_mlp_bwd__overlapped_h(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [overlapped_h] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped_h] overlap g_x_part -> d_x: 2 chunks along dim 2 (tp_mlp.ccn:48)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
@@ -3180,8 +3082,8 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
     COCONET_ACCESS(COCONET_R(v_a, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b1), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_a, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_a = coconet::cuda::load<4>(v_a + i0);
         coconet::cuda::Vec<float, 4> out_h_add;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
@@ -3193,7 +3095,7 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
         }
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
+          const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
           const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_a[u]) + coconet::to_compute(v_b1[c2 * int64_t(1)]));
@@ -3202,10 +3104,10 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
         }
         coconet::cuda::store<4>(v_h_add + i0, out_h_add);
       }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        int64_t rest = i;
-        const int64_t c2 = rest % L2; rest /= L2;
-        const int64_t c1 = rest % L1; rest /= L1;
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
@@ -3225,29 +3127,15 @@ void tp_mlp_bwd__split_overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_g_h, v_h_add, v_h, v_g_h_add), stream, [=] __device__ (const coconet::cuda::Thread<4>& th) {
-      for (const int64_t i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_h = coconet::cuda::load<4>(v_g_h + i0);
-        const auto in_h_add = coconet::cuda::load<4>(v_h_add + i0);
-        const auto in_h = coconet::cuda::load<4>(v_h + i0);
-        coconet::cuda::Vec<float, 4> out_g_h_add;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = i0 + u;
-          (void)i;
-          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(in_g_h[u]) * (((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(in_h[u]) / ((coconet::to_compute(in_h_add[u]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(in_h_add[u]))))) + coconet::to_compute(in_h_add[u]) * (std::exp(coconet::to_compute(in_h_add[u]) * coconet::to_compute(in_h_add[u]) * -0.5f) * 0.3989422804014327f)));
-          out_g_h_add[u] = coconet::from_compute<float>(x_g_h_add);
-        }
-        coconet::cuda::store<4>(v_g_h_add + i0, out_g_h_add);
-      }
-      for (const int64_t i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-        v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
-      }
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b1, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b1 = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
     });
   }
   // [split_overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::cuda::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), ctx);
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [split_overlapped] overlap g_x_part -> rs: 2 chunks along dim 0 (tp_mlp.ccn:57)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream

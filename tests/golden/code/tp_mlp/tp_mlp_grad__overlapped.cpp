@@ -83,27 +83,40 @@ void tp_mlp_grad__overlapped(const coconet::CallArgs& a) {
   // [overlapped] matmul_tn d_w2 (tp_mlp.ccn)
   coconet::matmul_tn<float>(v_h, v_d_y, v_d_w2, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
   // [overlapped] loop: g_h_add (tp_mlp.ccn)
-  {
+  {  // and the column sums d_b1 of g_h_add
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size();
+    const int64_t n = S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), cols = coconet::slice_range(S_F, comm.size, comm.rank).size(), rows = cols > 0 ? n / cols : 0;
+    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
+    const int64_t nb = (rows + rb - 1) / rb;
+    std::vector<float> part_d_b1(size_t(std::max<int64_t>(nb, 1) * cols));
+    auto block = [&](int64_t blk) {
+      float* const cs_d_b1 = part_d_b1.data() + blk * cols;
+      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
+        COCONET_IVDEP
+        for (int64_t col = 0; col < cols; ++col) {
+          const int64_t i = row * cols + col;
+          const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+          v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+          cs_d_b1[col] += x_g_h_add;
+        }
+      }
+    };
   #ifdef _OPENMP
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
-    }
+      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
     } else
   #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_h_add[i] = coconet::from_compute<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
+    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
+      COCONET_IVDEP
+      for (int64_t col = 0; col < cols; ++col) part_d_b1[col] += part_d_b1[blk * cols + col];
     }
-    }
+    for (int64_t col = 0; col < cols; ++col) v_d_b1[col] = coconet::from_compute<float>(part_d_b1[col]);
   }
   // [overlapped] sum_lead d_b1 (tp_mlp.ccn)
-  coconet::sum_lead<float>(v_g_h_add, v_d_b1, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // d_b1: summed by the loop that computes g_h_add (plan: column sums)
   // [overlapped] overlap g_x_part -> d_x: 2 chunks along dim 1 (tp_mlp.ccn:43)
   coconet::PackedChunks<float> pk_g_x_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
