@@ -255,7 +255,8 @@ def test_a_call_maps_only_its_unit(cache_env: dict) -> None:
     assert len(out["runtime"]) == 1 and out["runtime_after"] == out["runtime"], "one runtime library"
     assert folder.name == "objects"
     manifests = [json.loads(m.read_text()) for m in Path(cache_env[probes.ENV_CACHE]).glob("ccn_adam_*/manifest.json")]
-    assert any(out["call"][0] in [u["path"] for u in m["units"]] and len(m["units"]) == 4 for m in manifests)
+    assert any(out["call"][0] in [u["path"] for u in m.get("units", [])] and len(m.get("units", [])) == 4
+               for m in manifests)  # (a module built before lazy loading, in a cache kept, lists none)
     assert out["error"] < 1e-5, out["error"]
 
 
