@@ -15,7 +15,6 @@ literal inf, transpose, reshape and batched matmul.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -444,18 +443,6 @@ def _block_text(programs: str = BLOCK) -> str:
     return "\n".join(texts)
 
 
-@pytest.fixture(scope="module")
-def cache(request):
-    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    yield
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
-
-
 def _launch(ranks: int, args: list[str], programs: int = 2 * len(load_source(BLOCK).programs)) -> None:
     cmd = mpiexec.command(ranks, [sys.executable, WORKER, *args])
     res = subprocess.run(cmd, env=mpiexec.environment(ranks), capture_output=True, text=True, timeout=600)
@@ -480,7 +467,7 @@ def _half_attention() -> str:
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_cpu_backend_matches_interpreter(cache, tmp_path):
+def test_cpu_backend_matches_interpreter(tmp_path):
     from coconetc.runtime.loader import compile_cpu
     f = tmp_path / "block_cpu.ccn"
     f.write_text(_block_text() + "\n" + _half_attention())
@@ -510,7 +497,7 @@ except ValueError as err:
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_compiled_heads_that_do_not_divide_raise_on_every_rank(cache, tmp_path):
+def test_compiled_heads_that_do_not_divide_raise_on_every_rank(tmp_path):
     """2 heads of a dim of 6 over 4 ranks: each rank's slice of 2 columns is not whole heads."""
     from coconetc.runtime.loader import compile_cpu
     f = tmp_path / "heads.ccn"
@@ -563,7 +550,7 @@ print(f"rank {r} max error {max(float(e) for e in errs):.3g}", flush=True)
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=pytest.mark.slow)])
-def test_torch_function_of_the_attention_matches_torch_on_two_ranks(cache, tmp_path, backend):
+def test_torch_function_of_the_attention_matches_torch_on_two_ranks(tmp_path, backend):
     """coconetc.torch.function over the head-parallel attention (the forward saving its values,
     the derived backward): outputs and every gradient in its layout against one process of
     torch's scaled_dot_product_attention and autograd (cuda: the CUDA module under the host
@@ -583,7 +570,7 @@ def test_torch_function_of_the_attention_matches_torch_on_two_ranks(cache, tmp_p
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_matches_interpreter(cache, tmp_path):
+def test_cuda_emulation_matches_interpreter(tmp_path):
     from coconetc import toolchain
     f = tmp_path / "block_cuda.ccn"
     f.write_text(_block_text())

@@ -9,7 +9,6 @@ emulation. The programs of each backend share one file, so one build."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -160,18 +159,6 @@ def _check(res: subprocess.CompletedProcess, programs: int) -> None:
     assert len(lines) == programs and all(ln.startswith("MATCH ") for ln in lines), log
 
 
-@pytest.fixture(scope="module")
-def cache(request):
-    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    yield
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
-
-
 def _sizes(**small: int) -> list[str]:
     return [f"{k}={v}" for k, v in {**SIZES, **small}.items()]
 
@@ -182,7 +169,7 @@ EMPTY = {"S": 2, "M": 2, "K": 2}
 
 
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_cpu_backend_matches_interpreter(cache, tmp_path_factory):
+def test_cpu_backend_matches_interpreter(tmp_path_factory):
     """Every program in f32 and f64 (and HALF in f16 and bf16): one file, one build."""
     from coconetc.runtime.loader import compile_cpu
     text = "\n".join([grad_text("f32"), grad_text("f64"), *(grad_text(dt, progs) for dt, progs in HALF.items())])
@@ -202,7 +189,7 @@ def _index_counts(out: str) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
-def test_cuda_emulation_matches_interpreter(cache, tmp_path_factory):
+def test_cuda_emulation_matches_interpreter(tmp_path_factory):
     from coconetc import toolchain
     f = _write(tmp_path_factory.mktemp("grad"), "grads_cuda.ccn", grad_text("f32", EMULATED))
     mod = load_file(f)

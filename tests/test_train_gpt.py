@@ -16,7 +16,6 @@ Tiny sizes and 3 steps (`make test` time); the script's defaults train 20 steps.
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,18 +32,6 @@ SCRIPT = ROOT / "examples" / "train_gpt.py"
 TINY = ["--steps", "3", "--layers", "1", "--hidden", "16", "--heads", "2", "--ffn", "2", "--vocab", "32",
         "--seq", "8"]
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def cache(request):
-    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    yield
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 def _train(cwd: Path, ranks: int, mode: str) -> subprocess.CompletedProcess:
@@ -94,14 +81,14 @@ def _check(res: subprocess.CompletedProcess, modes: list[str], ranks: int) -> di
 
 @pytest.mark.slow
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_tensor_and_sequence_parallel_gpt_trains_like_one_process(cache, tmp_path):
+def test_tensor_and_sequence_parallel_gpt_trains_like_one_process(tmp_path):
     modes = ["tp"] + (["sp"] if "gpt_block_sp" in load_file(SCRIPT.with_name("gpt_block.ccn")).programs else [])
     _check(_train(tmp_path, 2, ",".join(modes)), modes, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(probes.missing_cpu_extra(), reason="needs the 'cpu' extra")
-def test_tensor_x_data_parallel_gpt_trains_like_one_process(cache, tmp_path):
+def test_tensor_x_data_parallel_gpt_trains_like_one_process(tmp_path):
     res = _train(tmp_path, 4, "tp_dp")
     _check(res, ["tp_dp"], 4)
     assert "tensor parallel over 2 ranks x data parallel over 2 groups" in res.stdout, res.stdout
