@@ -168,6 +168,52 @@ def test_cuda_renders_the_accumulation_in_the_chunk_pipeline():
 EMU_CASES = [*CASES, ("amax_scale.ccn", "amax_scale", ("rs_a_ag", "zero")), ("clipped_sgd.ccn", "clipped_sgd", ("fused",))]
 
 
+# layernorm's backward as a derived program writes it (g_x1 = d_y + layernorm_dx(x1, ln2_w, g_n2s,
+# eps) in examples/gpt_block.ccn's grad(gpt_block_sp)): a row-wise phase of the fused
+# reduce-scatter, the expression around layernorm_dx computed on each element of the row
+LN_DX = """program lnd(y: f32[B, S, H] local, x: f32[B, S, H] sliced(1), gamma: f32[H] replicated,
+            d: f32[B, S, H] sliced(1), seed: i64) {
+    g = reducescatter(sum, y, dim=1)
+    gx = d + layernorm_dx(x, gamma, g, 1e-5)
+    gd = dropout(gx, 0.25, seed)
+    a = allgather(gd)
+    return a, gx
+}
+
+schedule fused for lnd {
+    f = fuse(g, gx, gd, a)
+}
+"""
+LN_DX_SIZES = ["--size", "B=2", "--size", "S=5", "--size", "H=3"]
+
+
+def test_a_row_wise_phase_holds_layernorm_dx():
+    """The fused reduce-scatter computes layernorm_dx (and what is added to it) on each chunk's
+    whole rows as they arrive, the dropout on the chunk, and gathers it piece by piece."""
+    import coconetc.autodiff  # noqa: F401  (registers layernorm_dx)
+    f = next(u for u in _load(LN_DX).plans[("lnd", "fused")].units if isinstance(u, Fused))
+    assert [p.kind for p in f.phases] == ["rows", "pointwise"] and str(f.rows) == "H"
+    assert f.gather == "a" and f.after == ()
+    text = show(_load(LN_DX).plans[("lnd", "fused")])
+    assert "per chunk (rows): gx = d + layernorm_dx(x, gamma, g, 1e-05)" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
+def test_layernorm_dx_in_a_row_wise_phase_equals_the_interpreter(tmp_path):
+    """LN_DX compiled, in chunks of 4 elements (rounded up to 2 rows of 3), S = 5 (uneven slices:
+    3 + 2 on 2 ranks, 2 + 2 + 1 on 3): CPU on 2 and 3 ranks, CUDA under the host emulation on 3,
+    against the interpreter."""
+    path = tmp_path / "lnd.ccn"
+    path.write_text(LN_DX)
+    for ranks in (2, 3):
+        out = _run(["run", str(path), "-s", "all", "--ranks", str(ranks), *LN_DX_SIZES], {"COCONET_CHUNK": "4"})
+        assert out.count("matches the interpreter on every rank") == 2, out
+    out = _run(["run", str(path), "-s", "all", "--backend", "cuda", "--emulate", "--ranks", "3", *LN_DX_SIZES],
+               {"COCONET_CUDA_CHUNK": "4"})
+    assert out.count("matches the interpreter on every rank") == 2, out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(probes.emulation_missing() is not None, reason=probes.emulation_missing() or "")
 @pytest.mark.parametrize("algo", ["pipeline", "auto"])

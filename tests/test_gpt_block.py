@@ -272,7 +272,9 @@ def test_schedules_match_the_program_with_dropout():
 def test_sp_schedules_fuse_the_layernorm_and_its_allgather_into_the_reduce_scatter():
     """gpt_block_sp's schedules as the plan runs them: attention's reduce-scatter, x1, ln_2 and
     the all-gather of n2 one fused collective (under `overlapped`, inside the overlap of the
-    matmul that feeds it), the MLP's reduce-scatter fused with y."""
+    matmul that feeds it), the MLP's reduce-scatter fused with y; in the derived program's
+    schedules, the reduce-scatter of g_n2s fused with ln_2's backward (layernorm_dx), the
+    dropout's and the all-gather of g_x1_add."""
     mod = load_source(EXAMPLE.read_text())
     from coconetc.plan.show import show as show_plan
     fused = show_plan(mod.plans[("gpt_block_sp", "fused")])
@@ -283,9 +285,23 @@ def test_sp_schedules_fuse_the_layernorm_and_its_allgather_into_the_reduce_scatt
     over = re.sub(r"\bt\d+_", "t_", show_plan(mod.plans[("gpt_block_sp", "overlapped")]))  # temporaries' numbers
     assert "overlap ap = matmul(o, t_ap) in 2 chunks along dim 0 (rows in place) -> fused f1 per chunk" in over
     assert "overlap mp = matmul(h, w_proj) in 2 chunks along dim 0 (rows in place) -> fused f2 per chunk" in over
-    # inside the overlap, the row-wise layernorm and the all-gather run after the last block
-    after = over[over.index("fused f1"):over.index("library hm = matmul(n2, w_fc)")]
-    assert "after all chunks:" in after and "collective n2 = allgather(n2s)" in after
+    # inside the overlap too, each block's chunks of whole rows are layernormed and gathered as
+    # they arrive (nothing waits for the last block)
+    inside = over[over.index("fused f1"):over.index("library hm = matmul(n2, w_fc)")]
+    assert "per chunk (rows): n2s (register) = layernorm(x1, ln2_w, ln2_b, 1e-05)" in inside, inside
+    assert "per chunk: n2 = allgather(n2s) as each piece is computed" in inside and "after all chunks" not in inside
+    # the derived program's mirror: ln_2's backward (the residual's gradient added) a row-wise
+    # phase of the reduce-scatter of g_n2s, then the dropout's backward and the all-gather that
+    # attention's c_proj backward reads, overlapped with the matmul_nt that makes g_n2_part
+    for grad in ("overlapped", "backward"):
+        text = show_plan(mod.plans[("gpt_block_sp_grad", grad)])
+        f3 = text[text.index("-> fused f3 per chunk"):text.index("library g_o = matmul_nt(g_allgather4")]
+        for line in ("overlap g_n2_part = matmul_nt(g_h_add, w_fc) in 2 chunks along dim 0 (rows in place) -> fused f3",
+                     "per chunk (rows): g_x1 = d_y + layernorm_dx(x1, ln2_w, g_n2s, 1e-05)",
+                     "per chunk (pointwise): g_x1_add = dropout(g_x1,",
+                     "per chunk: g_allgather4 = allgather(g_x1_add) as each piece is computed"):
+            assert line in (text if line.startswith("overlap") else f3), f"{grad}: {line}\n{text}"
+        assert "after all chunks" not in f3, f3
     both = re.sub(r"\bt\d+_", "t_", show_plan(mod.plans[("gpt_block_sp", "overlapped_both")]))
     for line in ("overlap n1 = allgather(n1s) in 2 chunks along dim 0 (rows in place) -> qm = matmul(n1, t_qm) "
                  "per chunk, as it arrives",

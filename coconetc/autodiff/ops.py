@@ -268,7 +268,7 @@ DEFS = (
     ops.OpDef("mean_last", "tensor", ops.X, _mean_last, ops.ROWS, numpy=_np_mean_last,
               doc="the mean over the last dim, kept as a dim of size 1"),
     ops.OpDef("layernorm_dx", "tensor", (ops.Arg("x"), ops.Arg("gamma"), ops.Arg("g"), ops.Arg("eps", literal="f32")),
-              _ln_dx, ops.ROWS, numpy=_np_ln_dx, fusable=False, cost=ops.Cost(14, 1),
+              _ln_dx, ops.ROWS, numpy=_np_ln_dx, cost=ops.Cost(14, 1),
               doc="layernorm's input gradient (g: the result's cotangent), per row over the last dim"),
     ops.OpDef("layernorm_dgamma", "tensor", (ops.Arg("x"), ops.Arg("g"), ops.Arg("eps", literal="f32")),
               _ln_dgamma, ops.NEVER, numpy=_np_ln_dgamma, fusable=False, cost=ops.Cost(10, inner=True),

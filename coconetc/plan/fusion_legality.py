@@ -101,7 +101,7 @@ def fused_spec(p: Program, fusion: Fusion, scattered: set[str], rows_ok: bool = 
         if updated.get(s.name) in waiting:  # it would update a parameter they read, before them
             waiting |= {r.name for r in walk(s.expr) if isinstance(r, Ref)}
             continue
-        if rows_ok and _row_stage(s, first, inside, scattered):
+        if rows_ok and _row_stage(p, s, first, inside, scattered):
             rows = first.type.shape[-1]
         elif not _chunkable_stage(p, s, first, inside, scattered):
             waiting |= {r.name for r in walk(s.expr) if isinstance(r, Ref)}
@@ -225,15 +225,63 @@ def _arg_name(s: Stage) -> str:
     return a.name
 
 
-def _row_stage(s: Stage, first: Stage, inside: dict, scattered: set[str]) -> bool:
-    """layernorm(x, gamma, beta, eps) of a value of the fused chunk, over its last dim: with
-    chunks of whole rows, each chunk's rows are normalized as soon as they are computed."""
-    e = s.expr
-    if not (isinstance(e, Op) and e.op == "layernorm" and s.type == first.type and first.type.ndim >= 1):
+# The row-wise operations a fused collective's row-wise phase holds: over the last dim, with
+# chunks of whole rows each row is computed as soon as the chunk's rows are.
+ROW_OPS = ("layernorm", "layernorm_dx")
+
+
+def row_op(e) -> Op | None:
+    """The row-wise operation of a stage's expression: a layernorm as the whole stage, or one
+    layernorm_dx inside a pointwise expression (a derived program's g_x = d_y + layernorm_dx(...),
+    the rest computed on each element of the row as it is computed); None otherwise."""
+    if isinstance(e, Op) and e.op == "layernorm":
+        return e
+    found = [n for n in walk(e) if isinstance(n, Op) and n.op not in POINTWISE]
+    if len(found) != 1 or found[0].op != "layernorm_dx":
+        return None
+    return found[0] if not any(isinstance(n, Op) and n.op == "dropout" for n in walk(e)) else None
+
+
+# The name a row-wise phase's renderers give the row operation's value in the expression around it.
+ROW_VALUE = "@row"
+
+
+def substitute(e, old: Op, new: Ref):
+    """e with its subexpression `old` (the very node) replaced by `new`."""
+    if e is old:
+        return new
+    if isinstance(e, Op):
+        return replace(e, args=tuple(substitute(a, old, new) for a in e.args))
+    return e
+
+
+def _row_stage(p: Program, s: Stage, first: Stage, inside: dict, scattered: set[str]) -> bool:
+    """layernorm(x, gamma, beta, eps) of a value of the fused chunk, over its last dim, or
+    layernorm_dx(x, gamma, g, eps) of a cotangent g of the chunk (x a value from before the
+    fusion), inside a pointwise expression of values from before the fusion at its own
+    elements: with chunks of whole rows, each chunk's rows are computed as soon as they are."""
+    e = row_op(s.expr)
+    if e is None or s.type != first.type or first.type.ndim < 1:
         return False
-    x, g, b, eps = e.args
-    return (isinstance(x, Ref) and x.name in inside and not scattered & {n.name for n in walk(e) if isinstance(n, Ref)}
-            and all(isinstance(a, Ref) and a.name not in inside for a in (g, b))
+    refs = {n.name for n in walk(s.expr) if isinstance(n, Ref)}
+    fusion = p.fusion_of(s.name)
+    members = set(fusion.stages) if fusion is not None else set()
+    if scattered & refs or any(n in members and n not in inside for n in refs):
+        return False  # (a member that waits for every chunk: not computed yet)
+    if e.op == "layernorm":
+        x, g, b, eps = e.args
+        row_in, outside = x, (g, b)
+    else:
+        x, g, eps = e.args[0], e.args[2], e.args[3]
+        row_in, outside = g, (x, e.args[1])
+        wrapper = [n for n in walk(s.expr) if isinstance(n, Ref)
+                   and not any(n is m for a in e.args for m in walk(a))]
+        if any(n.name in inside or not same_elements(n.type, s.type) for n in wrapper):
+            return False
+        if isinstance(x, Ref) and not same_elements(x.type, s.type):
+            return False
+    return (isinstance(row_in, Ref) and row_in.name in inside
+            and all(isinstance(a, Ref) and a.name not in inside for a in outside)
             and (isinstance(eps, Const) or (isinstance(eps, Ref) and eps.name not in inside)))
 
 
@@ -251,8 +299,8 @@ def _why_not_chunkable(p: Program, s: Stage, first: Stage, inside: dict, scatter
         if isinstance(n, Op) and n.op not in POINTWISE:
             if not {r.name for r in walk(n) if isinstance(r, Ref)} & (members | set(inside)):
                 continue  # reads nothing of the fusion: computed before the fused collective
-            if n.op == "layernorm" and not rows_ok:
-                return "a layernorm inside an overlapped fused collective"
+            if n.op in ROW_OPS and not rows_ok:
+                return f"a {n.op} inside a fusion whose chunks are not whole rows"
             return f"{n.op} needs every chunk first"
         if isinstance(n, Ref) and n.name in scattered and s.type.ndim != 1:
             return f"it reads the scattered '{n.name}' as a {s.type.ndim}-d value"
@@ -284,7 +332,7 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
                                f"'{y.name}' into an allreduce or a reducescatter along another dim; "
                                f"here dim={o.dim} into {op}" +
                                (f" along dim {coll.type.layout.dim}" if op == "reducescatter" else ""))
-        fused = fused_spec(p, fusion, scattered, rows_ok=False)
+        fused = fused_spec(p, fusion, scattered, rows_ok=True)
     elif op not in ("allreduce", "reducescatter", "allgather"):
         raise PlanError.at(o.span, f"overlap: chunks of a matmul go to an allreduce, a "
                            f"reducescatter or an allgather; '{coll.name}' is {op}")

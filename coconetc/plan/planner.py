@@ -24,7 +24,7 @@ from coconetc.plan import attention
 from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fused_spec,
-                                           gather_spec, op_of, overlap_spec, same_elements, stage_of)
+                                           gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap,
@@ -703,7 +703,9 @@ def _unit_reads(u: Unit) -> set[str]:
 
 
 def _is_rows(s: Stage) -> bool:
-    return isinstance(s.expr, Op) and s.expr.op == "layernorm"
+    """A fused collective's row-wise stage (fusion_legality.row_op: only those join a fusion's
+    computes with a row-wise operation in them)."""
+    return row_op(s.expr) is not None
 
 
 def _phases(computes: list[Stage]) -> list[list[Stage]]:

@@ -55,7 +55,8 @@ from dataclasses import replace
 
 from coconetc.errors import NOWHERE, Diagnostic, Span
 from coconetc.ir import ops
-from coconetc.ir.nodes import Op, Ref, walk
+from coconetc.ir.nodes import Ref, walk
+from coconetc.plan.fusion_legality import row_op
 from coconetc.plan.units import (Algorithm, Buffer, Choice, ChunkElems, Chunking, Collective, Fused, Gap, GatherAfter,
                                  GatherMatmul, Library, Overlap, Partials, Plan, Reduce, Strategy, Unit)
 
@@ -252,9 +253,11 @@ def _fused_problems(u: Fused, kinds: dict[str, str]) -> list[str]:
     for p in u.phases:
         if p.kind != "rows":
             continue
-        x = p.items[0].expr.args[0] if isinstance(p.items[0].expr, Op) else None
-        if (not isinstance(x, Ref) or (x.name != u.collective and kinds.get(x.name) in (None, "register"))
-                or u.type.layout.dim == u.type.ndim - 1):
+        e = row_op(p.items[0].expr)
+        read = ([] if e is None else [e.args[0]] if e.op == "layernorm"
+                else [n for n in walk(p.items[0].expr) if isinstance(n, Ref) and n.type.ndim > 0])
+        if (not read or any(not isinstance(x, Ref) or (x.name != u.collective and kinds.get(x.name) in (None, "register"))
+                            for x in read) or u.type.layout.dim == u.type.ndim - 1):
             return ["a row-wise phase reading a value kept in registers, or sliced along its rows, is not in "
                     "the CUDA backend yet"]
     if kinds.get(u.collective) not in ("register", "scratch", "output", "alias"):

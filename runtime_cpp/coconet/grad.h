@@ -97,20 +97,28 @@ struct RowLoop {
   }
 };
 
+// layernorm's input gradient of one row of h elements by one thread (pointwise.h layernorm_dx_of,
+// its sums in RowLoop's lanes): x(j) and dy(j) read element j in C, out(j, v) takes its value v in
+// C. The library call below, and a CPU fused collective's row-wise phase (codegen/cpu/fused.py).
+template <class C, class X, class G, class D, class Out>
+inline void layernorm_dx_row_by(X x, const G* gamma, D dy, C eps, int64_t h, Out out) {
+  const RowLoop<C> row{h};
+  const auto sum = [&](auto f) { return row.sum(f); };
+  const auto each = [&](auto f) { row.each(f); };
+  layernorm_dx_of(x, gamma, dy, eps, h, sum, each, out);
+}
+
 // dx[r, :] = layernorm's input gradient of row r (pointwise.h layernorm_dx_of: the row's statistics
 // as the forward's, then dx in one more pass) from x[rows, h], gamma[h] and g[rows, h].
 template <class T>
 void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h) {
   using C = compute_t<T>;
-  const RowLoop<C> row{h};
-  const auto sum = [&](auto f) { return row.sum(f); };
-  const auto each = [&](auto f) { row.each(f); };
   for (int64_t r = 0; r < rows; ++r) {
     const T *xr = x + r * h, *gr = g + r * h;
     T* dr = dx + r * h;
-    layernorm_dx_of(
+    layernorm_dx_row_by(
         [&](int64_t j) { return C(to_compute(xr[j])); }, gamma, [&](int64_t j) { return C(to_compute(gr[j])); },
-        static_cast<C>(eps), h, sum, each, [&](int64_t j, C v) { dr[j] = from_compute<T>(v); });
+        static_cast<C>(eps), h, [&](int64_t j, C v) { dr[j] = from_compute<T>(v); });
   }
 }
 

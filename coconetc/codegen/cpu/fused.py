@@ -15,6 +15,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Op, Ref, walk
+from coconetc.plan.fusion_legality import ROW_VALUE, row_op, substitute
 from coconetc.plan.units import Collective, Fused, GatherAfter, Item, Loop, Phase, Reduce, Unit
 
 
@@ -192,6 +193,9 @@ class CpuFused:
 
     def _chunk_rows(self, u: Fused, item: Item, d0: int) -> None:
         assert isinstance(item.expr, Op)
+        if item.expr.op != "layernorm":
+            self._chunk_rows_dx(u, item, d0)
+            return
         x, g, b, eps = item.expr.args
         t = self.w.types[item.name]
         C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
@@ -207,6 +211,38 @@ class CpuFused:
             self.w.emit(f"      v_{item.name}[row + j] = coconet::from_compute<{T}>(y);")
         if u.gathered == item.name and d0 != 0:
             self.w.emit(f"      v_{u.gather}[gb + (row + j - lo)] = coconet::from_compute<{T}>(y);")
+        self.w.emit("    });")
+        self.w.emit("  }")
+
+    def _chunk_rows_dx(self, u: Fused, item: Item, d0: int) -> None:
+        """A row-wise phase whose stage is a pointwise expression of one layernorm_dx (plan/
+        fusion_legality.row_op): each row's input gradient (grad.h layernorm_dx_row_by), rounded
+        to the storage type as the library call's result, then the expression around it at each
+        element of the row (codegen/pointwise.py values, as a pointwise phase's)."""
+        e = row_op(item.expr)
+        assert e is not None, item
+        x, gamma, g, eps = e.args
+        assert isinstance(x, Ref) and isinstance(gamma, Ref) and isinstance(g, Ref)
+        t = self.w.types[item.name]
+        C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
+        H = self.w.ldims(t)[-1]
+
+        def at(r: Ref, idx: str) -> str:
+            return f"red[{idx} - lo]" if r.name == u.collective else f"coconet::to_compute(v_{r.name}[{idx}])"
+        self.w.emit(f"  for (int64_t row = lo; row < hi; row += {H}) {{  // layernorm_dx in {item.name}, row by row")
+        self.w.emit(f"    coconet::layernorm_dx_row_by([&](int64_t j) {{ return {C}({at(x, 'row + j')}); }}, v_{gamma.name}, "
+                    f"[&](int64_t j) {{ return {C}({at(g, 'row + j')}); }}, static_cast<{C}>({layernorm_eps(eps)}), "
+                    f"{H}, [&](int64_t j, {C} v) {{")
+        self.w.emit("      const int64_t i = row + j;")
+        self.w.emit(f"      const {C} dx_ = coconet::round_to<{T}>(v);")
+        stores = [f"v_{item.name}[i]"] if item.store else []
+        if u.gathered == item.name and d0 != 0:
+            stores.append(f"v_{u.gather}[gb + (i - lo)]")
+        read = lambda name: (self.w.types[name], self.idx.loader(self.w.types[name]))  # noqa: E731
+        rest = substitute(item.expr, e, Ref(ROW_VALUE, e.type))
+        for line in pointwise.values(self.idx, [(item.name, rest, item.store)], {ROW_VALUE: "dx_", u.collective: "red[i - lo]"},
+                                     read, lambda name: stores):
+            self.w.emit(f"      {line}")
         self.w.emit("    });")
         self.w.emit("  }")
 

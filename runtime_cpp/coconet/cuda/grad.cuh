@@ -118,9 +118,26 @@ void mean_last(const T* x, T* out, int64_t rows, int64_t h, const Ctx& c) {
   });
 }
 
+// layernorm's input gradient of one row of h elements by the calling block (pointwise.h
+// layernorm_dx_of, the block's threads striding the row and block_sum adding their parts, as
+// layernorm_row_block): x(j) and dy(j) read element j in C, out(j, v) takes its value v; part: the
+// block's scratch of launch_rows. The kernel below, and a fused collective's row-wise phase
+// (codegen/cuda/fused.py).
+template <class C, class X, class G, class D, class Out>
+__device__ inline void layernorm_dx_row_block(X x, const G* gamma, D dy, C eps, int64_t h, C* part, Out out) {
+  const auto sum = [&](auto f) {
+    C s = 0;
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += f(j);
+    return block_sum(part, s);
+  };
+  const auto each = [&](auto f) {
+    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) f(j);
+  };
+  layernorm_dx_of(x, gamma, dy, eps, h, sum, each, out);
+}
+
 // dx[r, :] = layernorm's input gradient of row r from x[rows, h], gamma[h] and g[rows, h]: a block a
-// row (launch_rows), pointwise.h's layernorm_dx_of with the block's threads striding the row and
-// block_sum adding their parts, as layernorm_row_block.
+// row (launch_rows, layernorm_dx_row_block).
 template <class T>
 void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int64_t rows, int64_t h, const Ctx& c) {
   using C = compute_t<T>;
@@ -131,17 +148,9 @@ void layernorm_dx(const T* x, const T* gamma, const T* g, T* dx, double eps, int
     const T* const xr = x + r * I(h);
     const T* const gr = g + r * I(h);
     T* const dxr = dx + r * I(h);
-    const auto sum = [&](auto f) {
-      C s = 0;
-      for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += f(j);
-      return block_sum(part, s);
-    };
-    const auto each = [&](auto f) {
-      for (int64_t j = threadIdx.x; j < h; j += blockDim.x) f(j);
-    };
-    layernorm_dx_of([&](int64_t j) { return C(to_compute(xr[j])); }, gamma,
-                    [&](int64_t j) { return C(to_compute(gr[j])); }, static_cast<C>(eps), h, sum, each,
-                    [&](int64_t j, C v) { dxr[j] = from_compute<T>(v); });
+    layernorm_dx_row_block([&](int64_t j) { return C(to_compute(xr[j])); }, gamma,
+                           [&](int64_t j) { return C(to_compute(gr[j])); }, static_cast<C>(eps), h, part,
+                           [&](int64_t j, C v) { dxr[j] = from_compute<T>(v); });
   });
 }
 

@@ -63,58 +63,57 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   float* const v_g_h_add = coconet::scratch<float, 7>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_d_b_fc = a.output<float>(13);
   float* const v_g_n2_part = coconet::scratch<float, 8>(S_B * S_S * S_H);
-  float* const v_g_n2s = coconet::scratch<float, 9>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_allgather4 = coconet::scratch<float, 9>(S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_x1_add = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n2s = coconet::scratch<float, 12>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_w_fc = a.output<float>(12);
-  float* const v_t0_g_x1 = coconet::scratch<float, 10>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_x1 = coconet::scratch<float, 11>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 12>(comm, S_H);
-  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 13>(comm, S_H);
-  float* const v_g_x1_add = coconet::scratch<float, 14>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_ln2_w_part = coconet::shared_scratch<float, 13>(comm, S_H);
+  float* const v_g_ln2_b_part = coconet::shared_scratch<float, 14>(comm, S_H);
   float* const v_g_bo_part = coconet::shared_scratch<float, 15>(comm, S_H);
-  float* const v_g_allgather4 = coconet::scratch<float, 16>(S_B * S_S * S_H);
-  float* const v_g_o = coconet::scratch<float, 17>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::scratch<float, 16>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   float* const v_d_wo = a.output<float>(8);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t1_g_a = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_a = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t2_g_v = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_v = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_p = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t3_g_rows = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_g_rows = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
-  float* const v_g_s_matmul = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  float* const v_t4_g_q = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_q = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_t5_g_s_transpose = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_s_transpose = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  float* const v_g_k = coconet::scratch<float, 31>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  float* const v_g_v_reshape3 = coconet::scratch<float, 32>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_o_matmul = coconet::scratch<float, 17>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t0_g_a = coconet::scratch<float, 18>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_a = coconet::scratch<float, 19>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t1_g_v = coconet::scratch<float, 20>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_v = coconet::scratch<float, 21>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_p = coconet::scratch<float, 22>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_rows = coconet::scratch<float, 23>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_rows = coconet::scratch<float, 24>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_s_matmul = coconet::scratch<float, 25>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_q = coconet::scratch<float, 26>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::scratch<float, 27>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_s_transpose = coconet::scratch<float, 28>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::scratch<float, 29>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_k = coconet::scratch<float, 30>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v_reshape3 = coconet::scratch<float, 31>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::scratch<float, 33>(S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::scratch<float, 32>(S_B * S_S * S_H);
   float* const v_d_wv = a.output<float>(6);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::scratch<float, 34>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::scratch<float, 33>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::scratch<float, 35>(S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::scratch<float, 34>(S_B * S_S * S_H);
   float* const v_d_wk = a.output<float>(5);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::scratch<float, 36>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::scratch<float, 35>(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::scratch<float, 37>(S_B * S_S * S_H);
-  float* const v_g_n1_part4 = coconet::scratch<float, 38>(S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::scratch<float, 36>(S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::scratch<float, 37>(S_B * S_S * S_H);
   float* const v_d_wq = a.output<float>(3);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::scratch<float, 39>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  float* const v_t6_d_x = coconet::scratch<float, 40>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::scratch<float, 38>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_t5_d_x = coconet::scratch<float, 39>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_d_x = a.output<float>(0);
-  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 41>(comm, S_H);
-  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 42>(comm, S_H);
+  float* const v_g_ln1_w_part = coconet::shared_scratch<float, 40>(comm, S_H);
+  float* const v_g_ln1_b_part = coconet::shared_scratch<float, 41>(comm, S_H);
   float* const v_d_b_proj = a.output<float>(15);
   float* const v_d_ln2_w = a.output<float>(10);
   float* const v_d_ln2_b = a.output<float>(11);
@@ -227,7 +226,7 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allgather(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, comm, channel);
@@ -273,90 +272,65 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
+  const int64_t off_f3 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H);
     ov.progress();
   }, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
-    return coconet::start_reduce_scatter(coconet::Op::sum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, comm, channel);
+    const int64_t base = r.begin * S_S * S_H, count = r.size() * S_S * S_H;
+    auto compute = [&, base](int64_t gb0, int64_t ge0, const float* red) {
+      const int64_t gb = gb0 + base, ge = ge0 + base;
+  const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
+  const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+    const int64_t row_ = gb / (S_S * S_H);
+    const int64_t lo = row_ * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H + (gb - row_ * (S_S * S_H)) - off_f3, hi = lo + (ge - gb);
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+    (void)off; (void)hi;
+    coconet::keep_chunk(v_g_n2s + lo, red, hi - lo);
+    COCONET_IVDEP
+      for (int64_t i = lo; i < hi; ++i) {
+        const float x_g_n2s = coconet::round_to<float>(red[i - lo]);
+      }
+    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm_dx in g_x1, row by row
+      coconet::layernorm_dx_row_by([&](int64_t j) { return float(coconet::to_compute(v_x1[row + j])); }, v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+        const int64_t i = row + j;
+        const float dx_ = coconet::round_to<float>(v);
+        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + dx_);
+        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+      });
+    }
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    for (int64_t i0 = lo, e0; i0 < hi; i0 = e0) {
+      int64_t rest = i0 / L2;
+      const int64_t j0 = i0 - rest * L2;
+      const int64_t c1 = rest % L1; rest /= L1;
+      const int64_t c0 = rest;
+      (void)rest;
+      e0 = std::min<int64_t>(hi, i0 + (L2 - j0));
+      COCONET_IVDEP
+      for (int64_t i = i0; i < e0; ++i) {
+        const int64_t c2 = j0 + (i - i0);
+        const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+        v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+        v_g_allgather4[gb + (i - lo)] = coconet::from_compute<float>(x_g_x1_add);
+      }
+    }
+    };
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_g_n2_part + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_g_allgather4 + base, count)});
   });
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [backward] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [backward] loop: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    }
-  }
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [backward] loop: g_x1_add (gpt_block.ccn)
-  const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-  const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-  {  // and the column sums g_bo_part of g_x1_add
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, cols = S_H, rows = cols > 0 ? n / cols : 0;
-    const int64_t rb = std::max<int64_t>(1, int64_t(65536) / std::max<int64_t>(1, cols));  // rows a block
-    const int64_t nb = (rows + rb - 1) / rb;
-    std::vector<float> part_g_bo_part(size_t(std::max<int64_t>(nb, 1) * cols));
-    auto block = [&](int64_t blk) {
-      float* const cs_g_bo_part = part_g_bo_part.data() + blk * cols;
-      for (int64_t row = blk * rb, end = std::min<int64_t>(rows, (blk + 1) * rb); row < end; ++row) {
-        int64_t rest = row;
-        const int64_t c1 = rest % L1; rest /= L1;
-        const int64_t c0 = rest;
-        (void)rest;
-        COCONET_IVDEP
-        for (int64_t col = 0; col < cols; ++col) {
-          const int64_t i = row * cols + col;
-          const int64_t c2 = col;
-          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-          cs_g_bo_part[col] += x_g_x1_add;
-        }
-      }
-    };
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-      for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    } else
-  #endif
-    for (int64_t blk = 0; blk < nb; ++blk) block(blk);
-    for (int64_t blk = 1; blk < nb; ++blk) {  // block 0's partial sums += the others', in block order
-      COCONET_IVDEP
-      for (int64_t col = 0; col < cols; ++col) part_g_bo_part[col] += part_g_bo_part[blk * cols + col];
-    }
-    for (int64_t col = 0; col < cols; ++col) v_g_bo_part[col] = coconet::from_compute<float>(part_g_bo_part[col]);
-  }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
-  // [backward] allgather g_allgather4 (gpt_block.ccn)
-  coconet::allgather(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, comm);
+  coconet::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -367,17 +341,17 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // t1_g_a: part of the backward attention call (plan: attention)
+  // t0_g_a: part of the backward attention call (plan: attention)
   // g_a: part of the backward attention call (plan: attention)
-  // t2_g_v: part of the backward attention call (plan: attention)
+  // t1_g_v: part of the backward attention call (plan: attention)
   // g_v: part of the backward attention call (plan: attention)
   // g_p: part of the backward attention call (plan: attention)
-  // t3_g_rows: part of the backward attention call (plan: attention)
+  // t2_g_rows: part of the backward attention call (plan: attention)
   // g_rows: part of the backward attention call (plan: attention)
   // g_p_where, g_s, g_s_matmul: part of the backward attention call (plan: attention)
-  // t4_g_q: part of the backward attention call (plan: attention)
+  // t3_g_q: part of the backward attention call (plan: attention)
   // g_q: part of the backward attention call (plan: attention)
-  // t5_g_s_transpose: part of the backward attention call (plan: attention)
+  // t4_g_s_transpose: part of the backward attention call (plan: attention)
   // g_s_transpose: part of the backward attention call (plan: attention)
   // g_k: part of the backward attention call (plan: attention)
   coconet::attention_bwd<float>(v_q, v_k, v_v, static_cast<float*>(nullptr), v_p, v_a, v_g_o_matmul, v_g_q, v_g_k, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_HD, int64_t(0), double(coconet::to_compute(v_scale[0])), double(coconet::to_compute(v_pdrop[0])), int64_t(v_seed[0]), 4037809751u /* a#0 */, coconet::AttentionIndex{coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_NH, coconet::slice_range(S_NH, comm.size, comm.rank).begin, int64_t(1)}, true, true);
@@ -441,8 +415,8 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)");
   // [backward] reducescatter g_n1s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, comm);
-  // [backward] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
+  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [backward] loop: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -452,14 +426,14 @@ void gpt_block_sp_bwd__backward(const coconet::CallArgs& a) {
     if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
   #pragma omp parallel for num_threads(coconet::omp_threads())
     for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
+      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
     }
     } else
   #endif
     {
     COCONET_IVDEP
     for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
+      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
     }
     }
   }

@@ -66,12 +66,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::scratch<float, 12>(S_B * S_S * S_H);
-  float* const v_x1 = a.output<float>(8);
-  float* const v_n2s = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_n2 = a.output<float>(9);
+  float* const v_x1 = a.output<float>(8);
   float* const v_hm = a.output<float>(10);
   float* const v_h = a.output<float>(11);
-  float* const v_mp = coconet::scratch<float, 14>(S_B * S_S * S_H);
+  float* const v_mp = coconet::scratch<float, 13>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");  // t0_qm's check
@@ -237,13 +236,15 @@ void gpt_block_sp_fwd__overlapped(const coconet::CallArgs& a) {
         v_x1[i] = coconet::from_compute<float>(x_x1);
       }
     }
+    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm n2s, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_x1[row + j]); }, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+        const float y = coconet::round_to<float>(v);
+        v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
+      });
+    }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute, {});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
   });
-  // [overlapped] layernorm n2s (gpt_block.ccn:133)
-  coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s);
-  // [overlapped] allgather n2 (gpt_block.ccn:134)
-  coconet::allgather(v_n2s, v_n2, S_B, S_S, S_H, comm);
   // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   // [overlapped] loop: h (gpt_block.ccn:136)

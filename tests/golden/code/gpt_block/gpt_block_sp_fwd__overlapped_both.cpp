@@ -243,11 +243,15 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a) {
         v_x1[i] = coconet::from_compute<float>(x_x1);
       }
     }
+    for (int64_t row = lo; row < hi; row += S_H) {  // layernorm n2s, row by row
+      coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_x1[row + j]); }, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
+        const float y = coconet::round_to<float>(v);
+        v_n2s[row + j] = coconet::from_compute<float>(y);
+      });
+    }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::overlap_task_chunk_elems(count, comm.size), compute, {});
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {});
   });
-  // [overlapped_both] layernorm n2s (gpt_block.ccn:133)
-  coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s);
   // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   const auto* const bp_hm = coconet::gemm_prepare_b<float>(v_w_fc, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size());
   const int64_t bld_hm = coconet::gemm_b_ld<float>(coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size());

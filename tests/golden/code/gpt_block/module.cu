@@ -2685,17 +2685,15 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_x1 = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_hm = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_mp = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -2958,21 +2956,21 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 26);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 25);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:155)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
     const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
     (void)base_f1;
-    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(28, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(29, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(27, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(28, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -2984,6 +2982,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L0 = S_B;
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
       coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -3026,18 +3025,23 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
+        });
+      });
     };
-    auto gather = [&](int64_t) {};
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 240, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 232, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 27);
-  // [overlapped] layernorm n2s (gpt_block.ccn:133)
-  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
-  coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+    coconet::cuda::join(sctx.stream, ctx.stream, 26);
   }
   // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -3091,7 +3095,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 31);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 30);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -3104,8 +3108,8 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(33, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(34, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(32, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(33, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -3162,11 +3166,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 280, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 272, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 32);
+    coconet::cuda::join(sctx.stream, ctx.stream, 31);
   }
 }
 
@@ -3551,13 +3555,13 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:169)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
     const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
     (void)base_f1;
-    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
     float* const red0_f1 = coconet::cuda::scratch<float>(30, nred_f1);
@@ -3615,6 +3619,15 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b), COCONET_W(v_n2s, lo, hi));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2s[i] = coconet::from_compute<float>(x_n2s);
+        });
+      });
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
@@ -3623,8 +3636,6 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 29);
-  // [overlapped_both] layernorm n2s (gpt_block.ccn:133)
-  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   }
   // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
@@ -6729,127 +6740,123 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_x1 = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2s = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h_add = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
-  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(26, S_H);
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(25, S_H);
   COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
-  float* const v_g_allgather2 = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
-  float* const v_g_h = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_n2s = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(34, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
   float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(35, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(36, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
-  float* const v_g_bo_part = coconet::cuda::scratch<float>(37, S_H);
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(36, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(37, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t0_g_a = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t0_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t0_g_a), "t0_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_v = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t1_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t1_g_v), "t1_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t2_g_rows = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_rows), "t2_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t3_g_q = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t3_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t3_g_q), "t3_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t4_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t4_g_s_transpose), "t4_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(58, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(63, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(61, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(64, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(62, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -6888,16 +6895,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped] reshape qm_reshape (gpt_block.ccn:121)
   coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:185)
+  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:187)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 66);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 64);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 65);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 63);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
@@ -7122,7 +7129,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:130)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:187)
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:189)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7130,21 +7137,21 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 67);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 65);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1 (rows rb of dim 0) (gpt_block.ccn:186)
+  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:188)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
     const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
     (void)base_f1;
-    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(69, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(70, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(67, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(68, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -7156,6 +7163,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L0 = S_B;
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_RA(v_bo), COCONET_R(v_x, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
       coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x + lo, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
@@ -7202,18 +7210,23 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
+        });
+      });
     };
-    auto gather = [&](int64_t) {};
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 568, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 552, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 68);
-  // [overlapped] layernorm n2s (gpt_block.ccn:133)
-  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
-  coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+    coconet::cuda::join(sctx.stream, ctx.stream, 66);
   }
   // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -7287,16 +7300,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
+  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:190)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 73);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 71);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 72);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 70);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -7316,77 +7329,115 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:189)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:192)
   {
-    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
-    cctx.stream = ctx.comm_stream;
-    for (int i = 0; i < 2; ++i) {
-      const coconet::Range r = coconet::slice_range(S_B, 2, i);
-      if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 74);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 72);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:191)
+  {
+    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f3;
+    const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
+    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
+    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
+    float* const red0_f3 = coconet::cuda::scratch<float>(74, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(75, nred_f3);
+  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
+  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
+      COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_g_n2s + lo), stream, [=] __device__ (const auto& th) {
+        const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_g_n2s;
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
+            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
+          }
+          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          (void)c2;
+          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
+          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
+        }
+      });
+      COCONET_ACCESS(COCONET_RA(v_ln2_w), COCONET_R(v_d_y, lo, hi), COCONET_R(red, 0, hi - lo), COCONET_R(v_x1, lo, hi), COCONET_W(v_g_x1, lo, hi));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm_dx in g_x1, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_dx_row_block([&](int64_t j) { return float(coconet::to_compute(v_x1[row + j])); }, v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float dx_ = coconet::round_to<float>(v);
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + dx_);
+          v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+        });
+      });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_g_allgather4, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_g_x1, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_x1_add, lo, hi));
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
+        const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j : th.elements()) {
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          v_g_allgather4[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_g_x1_add);
+        }
+      });
+    };
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_g_allgather4, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
+    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
+    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 608, reduce_to, compute_keep, gather, source);
+  }
+      }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 75);
+    coconet::cuda::join(sctx.stream, ctx.stream, 73);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
   // [overlapped] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: g_x1_add (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
-      const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      auto rest = i;
-      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-      const int64_t c0 = rest;
-      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      (void)col;
-      return x_g_x1_add;
-    });
-  }
   // [overlapped] sum_lead g_bo_part (gpt_block.ccn)
-  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
-  // [overlapped] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -7397,14 +7448,14 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose t1_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped] transpose t0_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] transpose t2_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped] transpose t1_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7455,33 +7506,33 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] kernel: t3_g_rows (gpt_block.ccn)
+  // [overlapped] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t2_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t2_g_rows), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
-        coconet::cuda::Vec<float, 4> out_t3_g_rows;
+        coconet::cuda::Vec<float, 4> out_t2_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
-          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
+          const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
+          out_t2_g_rows[u] = coconet::from_compute<float>(x_t2_g_rows);
         }
-        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
+        coconet::cuda::store<4>(v_t2_g_rows + i0, out_t2_g_rows);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
-        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
+        const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
+        v_t2_g_rows[i] = coconet::from_compute<float>(x_t2_g_rows);
       }
     });
   }
   // [overlapped] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [overlapped] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -7536,14 +7587,14 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] transpose t4_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped] transpose t3_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose t5_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped] transpose t4_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [overlapped] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [overlapped] transpose g_v_reshape3 (gpt_block.ccn)
@@ -7612,29 +7663,29 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [overlapped] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
+        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
@@ -7782,99 +7833,97 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   float* const v_g_n2_part = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_n2s = coconet::cuda::scratch<float>(35, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(34, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(35, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(36, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(36, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(37, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(37, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_g_bo_part = coconet::cuda::scratch<float>(38, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(39, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(40, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(39, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t0_g_a = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t0_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t0_g_a), "t0_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_v = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t1_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t1_g_v), "t1_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t2_g_rows = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_rows), "t2_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t3_g_q = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t3_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t3_g_q), "t3_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t4_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t4_g_s_transpose), "t4_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(52, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(54, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(53, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(55, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(56, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(57, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(59, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(58, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(59, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(61, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(60, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(61, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(63, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(62, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(64, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(63, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(65, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(64, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -8269,16 +8318,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 67);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 66);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 66);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 65);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -8298,77 +8347,115 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
   {
-    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
-    cctx.stream = ctx.comm_stream;
-    for (int i = 0; i < 2; ++i) {
-      const coconet::Range r = coconet::slice_range(S_B, 2, i);
-      if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 68);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 67);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:203)
+  {
+    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f3;
+    const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
+    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
+    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
+    float* const red0_f3 = coconet::cuda::scratch<float>(69, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(70, nred_f3);
+  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
+  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
+      COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_g_n2s + lo), stream, [=] __device__ (const auto& th) {
+        const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_g_n2s;
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
+            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
+          }
+          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          (void)c2;
+          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
+          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
+        }
+      });
+      COCONET_ACCESS(COCONET_RA(v_ln2_w), COCONET_R(v_d_y, lo, hi), COCONET_R(red, 0, hi - lo), COCONET_R(v_x1, lo, hi), COCONET_W(v_g_x1, lo, hi));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm_dx in g_x1, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_dx_row_block([&](int64_t j) { return float(coconet::to_compute(v_x1[row + j])); }, v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float dx_ = coconet::round_to<float>(v);
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + dx_);
+          v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+        });
+      });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_g_allgather4, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_g_x1, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_x1_add, lo, hi));
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
+        const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j : th.elements()) {
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          v_g_allgather4[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_g_x1_add);
+        }
+      });
+    };
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_g_allgather4, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
+    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
+    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 568, reduce_to, compute_keep, gather, source);
+  }
+      }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 69);
+    coconet::cuda::join(sctx.stream, ctx.stream, 68);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_x1_add (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
-      const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
-      auto rest = i;
-      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-      const int64_t c0 = rest;
-      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      (void)col;
-      return x_g_x1_add;
-    });
-  }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
-  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -8379,14 +8466,14 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose t1_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] transpose t0_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] transpose t2_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t1_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8437,33 +8524,33 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] kernel: t3_g_rows (gpt_block.ccn)
+  // [backward] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t2_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t2_g_rows), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
-        coconet::cuda::Vec<float, 4> out_t3_g_rows;
+        coconet::cuda::Vec<float, 4> out_t2_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
-          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
+          const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
+          out_t2_g_rows[u] = coconet::from_compute<float>(x_t2_g_rows);
         }
-        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
+        coconet::cuda::store<4>(v_t2_g_rows + i0, out_t2_g_rows);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
-        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
+        const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
+        v_t2_g_rows[i] = coconet::from_compute<float>(x_t2_g_rows);
       }
     });
   }
   // [backward] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -8518,14 +8605,14 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] transpose t4_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] transpose t3_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose t5_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
@@ -8594,29 +8681,29 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [backward] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
+        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
@@ -12647,17 +12734,15 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_x1 = a.output<float>(8);
-  COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
+  float* const v_x1 = a.output<float>(8);
+  COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_hm = a.output<float>(10);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
   float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -12931,21 +13016,21 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 15);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:155)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
     const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
     (void)base_f1;
-    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(17, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(18, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(16, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(17, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -12957,6 +13042,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const int64_t L0 = S_B;
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
       coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -12999,18 +13085,23 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
+        });
+      });
     };
-    auto gather = [&](int64_t) {};
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 152, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 144, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 16);
-  // [overlapped] layernorm n2s (gpt_block.ccn:133)
-  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [overlapped] allgather n2 (NCCL) (gpt_block.ccn:134)
-  coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
+    coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
   // [overlapped] matmul hm (gpt_block.ccn:135)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -13064,7 +13155,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 20);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -13077,8 +13168,8 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(22, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(23, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(21, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(22, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -13135,11 +13226,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 192, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 184, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 21);
+    coconet::cuda::join(sctx.stream, ctx.stream, 20);
   }
 }
 
@@ -13535,13 +13626,13 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1 (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:169)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
     const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
     (void)base_f1;
-    const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
     float* const red0_f1 = coconet::cuda::scratch<float>(19, nred_f1);
@@ -13599,6 +13690,15 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
+      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b), COCONET_W(v_n2s, lo, hi));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2s[i] = coconet::from_compute<float>(x_n2s);
+        });
+      });
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
@@ -13607,8 +13707,6 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 18);
-  // [overlapped_both] layernorm n2s (gpt_block.ccn:133)
-  coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
   }
   // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
   {
@@ -14504,99 +14602,97 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   float* const v_g_n2_part = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
-  float* const v_g_n2s = coconet::cuda::scratch<float>(9, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_n2s = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t0_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
-  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(12, S_H);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(13, S_H);
   COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
-  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(13, S_H);
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(14, S_H);
   COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_g_bo_part = coconet::cuda::scratch<float>(15, S_H);
   COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
-  float* const v_g_allgather4 = coconet::cuda::scratch<float>(16, S_B * S_S * S_H);
-  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
-  float* const v_g_o = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(16, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t0_g_a = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t0_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t0_g_a), "t0_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t1_g_v = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t1_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t1_g_v), "t1_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
-  COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_t2_g_rows = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_rows), "t2_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
-  COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t3_g_q = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t3_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t3_g_q), "t3_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(27, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
-  COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(28, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t4_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t4_g_s_transpose), "t4_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(29, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(30, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(32, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(33, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(36, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(35, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
   float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1s = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  float* const v_g_n1s = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_t6_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
-  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(41, S_H);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(40, S_H);
   COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
-  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(42, S_H);
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(41, S_H);
   COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
@@ -14700,16 +14796,16 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:199)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 44);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 43);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 43);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 42);  // chunk i has arrived
       coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
@@ -14729,77 +14825,115 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:200)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
   {
-    coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
-    cctx.stream = ctx.comm_stream;
-    for (int i = 0; i < 2; ++i) {
-      const coconet::Range r = coconet::slice_range(S_B, 2, i);
-      if (r.empty()) continue;
-      coconet::cuda::matmul_nt<float>(v_g_h_add + r.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + r.begin * S_S * S_H, r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 45);
-      coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part + r.begin * S_S * S_H, v_g_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, r.size() * int64_t(1), S_S, S_H, cctx);
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob < 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
+      if (rb.empty()) continue;
+      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 44);  // this block's rows are computed
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:203)
+  {
+    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f3;
+    const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
+    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
+    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
+    float* const red0_f3 = coconet::cuda::scratch<float>(46, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(47, nred_f3);
+  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
+  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
+      COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_g_n2s + lo), stream, [=] __device__ (const auto& th) {
+        const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_g_n2s;
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
+            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
+          }
+          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          (void)c2;
+          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
+          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
+        }
+      });
+      COCONET_ACCESS(COCONET_RA(v_ln2_w), COCONET_R(v_d_y, lo, hi), COCONET_R(red, 0, hi - lo), COCONET_R(v_x1, lo, hi), COCONET_W(v_g_x1, lo, hi));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm_dx in g_x1, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_dx_row_block([&](int64_t j) { return float(coconet::to_compute(v_x1[row + j])); }, v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float dx_ = coconet::round_to<float>(v);
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + dx_);
+          v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+        });
+      });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_g_allgather4, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_g_x1, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_x1_add, lo, hi));
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
+        const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j : th.elements()) {
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          v_g_allgather4[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_g_x1_add);
+        }
+      });
+    };
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_g_allgather4, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
+    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
+    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 384, reduce_to, compute_keep, gather, source);
+  }
+      }
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 46);
+    coconet::cuda::join(sctx.stream, ctx.stream, 45);
   }
   // [backward] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
   // [backward] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln2_b_part (gpt_block.ccn)
   coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: g_x1_add (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t L0 = S_B;
-    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
-    const int64_t L2 = S_H;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_bo_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_bo_part = the column sums of g_x1_add
-      const float k2_g_x1_add = coconet::to_compute(v_pdrop[0]);
-      const int64_t k3_g_x1_add = coconet::to_compute(v_seed[0]);
-      auto rest = i;
-      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-      const int64_t c0 = rest;
-      const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k2_g_x1_add), int64_t(k3_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
-      v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
-      (void)col;
-      return x_g_x1_add;
-    });
-  }
   // [backward] sum_lead g_bo_part (gpt_block.ccn)
-  // g_bo_part: summed by the loop that computes g_x1_add (plan: column sums)
-  // [backward] allgather g_allgather4 (NCCL) (gpt_block.ccn)
-  coconet::cuda::allgather<float>(v_g_x1_add, v_g_allgather4, S_B, S_S, S_H, ctx);
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] matmul_nt g_o (gpt_block.ccn)
   coconet::cuda::matmul_nt<float>(v_g_allgather4, v_ap_reshape, v_g_o, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [backward] matmul_tn g_ap_reshape (gpt_block.ccn)
@@ -14810,14 +14944,14 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [backward] transpose g_o_matmul (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose t1_g_a (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_v, v_t1_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [backward] transpose t0_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_a (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_o_matmul, v_t1_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] transpose t2_g_v (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_a, v_t2_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [backward] transpose t1_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_v (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t2_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [backward] kernel: g_p (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14868,33 +15002,33 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] kernel: t3_g_rows (gpt_block.ccn)
+  // [backward] kernel: t2_g_rows (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t3_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t3_g_rows), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t2_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t2_g_rows), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
         const auto in_p = coconet::cuda::load<4>(v_p + i0);
-        coconet::cuda::Vec<float, 4> out_t3_g_rows;
+        coconet::cuda::Vec<float, 4> out_t2_g_rows;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
-          out_t3_g_rows[u] = coconet::from_compute<float>(x_t3_g_rows);
+          const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
+          out_t2_g_rows[u] = coconet::from_compute<float>(x_t2_g_rows);
         }
-        coconet::cuda::store<4>(v_t3_g_rows + i0, out_t3_g_rows);
+        coconet::cuda::store<4>(v_t2_g_rows + i0, out_t2_g_rows);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_t3_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
-        v_t3_g_rows[i] = coconet::from_compute<float>(x_t3_g_rows);
+        const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
+        v_t2_g_rows[i] = coconet::from_compute<float>(x_t2_g_rows);
       }
     });
   }
   // [backward] sum_keep g_rows (gpt_block.ccn)
-  coconet::cuda::sum_keep<float>(v_t3_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
   // [backward] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
@@ -14949,14 +15083,14 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] transpose t4_g_q (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_s_transpose, v_t4_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [backward] transpose t3_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] matmul g_q (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_g_s_matmul, v_t4_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose t5_g_s_transpose (gpt_block.ccn)
-  coconet::cuda::transpose<float>(v_q, v_t5_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [backward] transpose t4_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [backward] matmul g_s_transpose (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_t5_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
   // [backward] transpose g_k (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
   // [backward] transpose g_v_reshape3 (gpt_block.ccn)
@@ -15025,29 +15159,29 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
-  // [backward] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] kernel: d_x (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
         const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
+        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
         coconet::cuda::Vec<float, 4> out_d_x;
         COCONET_UNROLL
         for (int u = 0; u < 4; ++u) {
           const auto i = i0 + u;
           (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
           out_d_x[u] = coconet::from_compute<float>(x_d_x);
         }
         coconet::cuda::store<4>(v_d_x + i0, out_d_x);
       }
       for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
         v_d_x[i] = coconet::from_compute<float>(x_d_x);
       }
     });
