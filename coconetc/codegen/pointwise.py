@@ -7,12 +7,14 @@ layernorm_of, which the CPU library call and the CUDA block per row share)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from coconetc.codegen.base import Writer
 from coconetc.codegen.emit import COMPUTE, CTYPE, Load, emit, literal
 from coconetc.codegen.indexing import Indexing
 from coconetc.ir.nodes import Const, Expr, Ref
 from coconetc.ir.types import TType
+from coconetc.plan.fusion_legality import ROW_VALUE, row_op, substitute
 from coconetc.plan.units import Let
 
 Items = list[tuple[str, Expr, bool]]  # (name, its expression per element, stored)
@@ -55,6 +57,42 @@ def layernorm_eps(eps: Expr) -> str:
     if isinstance(eps, Const):
         return literal(eps.value, "f64")
     return f"double(coconet::to_compute(v_{eps.name}[0]))" if isinstance(eps, Ref) else ""
+
+
+@dataclass(frozen=True)
+class RowDx:
+    """A fused collective's row-wise stage that is a pointwise expression of one layernorm_dx
+    (plan/fusion_legality.row_op), as both backends lay it out: the call's operands, the compute
+    and storage types C and T, the row's length H, and `rest`, the expression around the call
+    with the call's value in ROW_VALUE (the register dx_: the call's result rounded to T, as the
+    library call stores it)."""
+
+    x: Ref
+    gamma: Ref
+    g: Ref
+    eps: str
+    C: str
+    T: str
+    H: str
+    rest: Expr
+
+    @classmethod
+    def of(cls, item_name: str, expr: Expr, w: Writer) -> RowDx:
+        e = row_op(expr)
+        assert e is not None, item_name
+        x, gamma, g, eps = e.args
+        assert isinstance(x, Ref) and isinstance(gamma, Ref) and isinstance(g, Ref)
+        t = w.types[item_name]
+        return cls(x, gamma, g, layernorm_eps(eps), COMPUTE[t.dtype], CTYPE[t.dtype], w.ldims(t)[-1],
+                   substitute(expr, e, Ref(ROW_VALUE, e.type)))
+
+    def at(self, r: Ref, idx: str, collective: str) -> str:
+        """R's element IDX in C: the reduced chunk `red` for the collective's own value."""
+        return f"red[{idx} - lo]" if r.name == collective else f"coconet::to_compute(v_{r.name}[{idx}])"
+
+    def element(self, col: str) -> list[str]:
+        """The element's index i and its register dx_, inside the call's `(col, v)` lambda."""
+        return [f"const int64_t i = row + {col};", f"const {self.C} dx_ = coconet::round_to<{self.T}>(v);"]
 
 
 def layernorm_row(C: str, H: str, xj: str, gamma: str, beta: str, eps: str) -> str:

@@ -15,7 +15,7 @@ from coconetc.codegen.indexing import Indexing
 from coconetc.codegen.pointwise import layernorm_eps, layernorm_row
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Op, Ref, walk
-from coconetc.plan.fusion_legality import ROW_VALUE, row_op, substitute
+from coconetc.plan.fusion_legality import ROW_VALUE
 from coconetc.plan.units import Collective, Fused, GatherAfter, Item, Loop, Phase, Reduce, Unit
 
 
@@ -219,28 +219,19 @@ class CpuFused:
         fusion_legality.row_op): each row's input gradient (grad.h layernorm_dx_row_by), rounded
         to the storage type as the library call's result, then the expression around it at each
         element of the row (codegen/pointwise.py values, as a pointwise phase's)."""
-        e = row_op(item.expr)
-        assert e is not None, item
-        x, gamma, g, eps = e.args
-        assert isinstance(x, Ref) and isinstance(gamma, Ref) and isinstance(g, Ref)
-        t = self.w.types[item.name]
-        C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
-        H = self.w.ldims(t)[-1]
-
-        def at(r: Ref, idx: str) -> str:
-            return f"red[{idx} - lo]" if r.name == u.collective else f"coconet::to_compute(v_{r.name}[{idx}])"
-        self.w.emit(f"  for (int64_t row = lo; row < hi; row += {H}) {{  // layernorm_dx in {item.name}, row by row")
-        self.w.emit(f"    coconet::layernorm_dx_row_by([&](int64_t j) {{ return {C}({at(x, 'row + j')}); }}, v_{gamma.name}, "
-                    f"[&](int64_t j) {{ return {C}({at(g, 'row + j')}); }}, static_cast<{C}>({layernorm_eps(eps)}), "
-                    f"{H}, [&](int64_t j, {C} v) {{")
-        self.w.emit("      const int64_t i = row + j;")
-        self.w.emit(f"      const {C} dx_ = coconet::round_to<{T}>(v);")
+        r = pointwise.RowDx.of(item.name, item.expr, self.w)
+        C, c = r.C, u.collective
+        self.w.emit(f"  for (int64_t row = lo; row < hi; row += {r.H}) {{  // layernorm_dx in {item.name}, row by row")
+        self.w.emit(f"    coconet::layernorm_dx_row_by([&](int64_t j) {{ return {C}({r.at(r.x, 'row + j', c)}); }}, "
+                    f"v_{r.gamma.name}, [&](int64_t j) {{ return {C}({r.at(r.g, 'row + j', c)}); }}, "
+                    f"static_cast<{C}>({r.eps}), {r.H}, [&](int64_t j, {C} v) {{")
+        for line in r.element("j"):
+            self.w.emit(f"      {line}")
         stores = [f"v_{item.name}[i]"] if item.store else []
         if u.gathered == item.name and d0 != 0:
             stores.append(f"v_{u.gather}[gb + (i - lo)]")
         read = lambda name: (self.w.types[name], self.idx.loader(self.w.types[name]))  # noqa: E731
-        rest = substitute(item.expr, e, Ref(ROW_VALUE, e.type))
-        for line in pointwise.values(self.idx, [(item.name, rest, item.store)], {ROW_VALUE: "dx_", u.collective: "red[i - lo]"},
+        for line in pointwise.values(self.idx, [(item.name, r.rest, item.store)], {ROW_VALUE: "dx_", u.collective: "red[i - lo]"},
                                      read, lambda name: stores):
             self.w.emit(f"      {line}")
         self.w.emit("    });")

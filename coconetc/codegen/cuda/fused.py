@@ -17,7 +17,7 @@ from coconetc.codegen import pointwise
 from coconetc.codegen.pointwise import layernorm_eps
 from coconetc.codegen.reductions import reduction
 from coconetc.ir.nodes import Expr, Op, Ref, walk
-from coconetc.plan.fusion_legality import ROW_VALUE, row_op, substitute
+from coconetc.plan.fusion_legality import ROW_VALUE
 from coconetc.plan.units import Algorithm, Fused, Reduce, Unit
 from coconetc.plan.vectors import phase_width, symmetric_width
 
@@ -384,18 +384,10 @@ class CudaFused:
         fusion_legality.row_op): a block per row of the chunk (grad.cuh layernorm_dx_row_block),
         each element's input gradient rounded to the storage type as the library call's result,
         then the expression around it (codegen/pointwise.py values)."""
-        e = row_op(item.expr)
-        assert e is not None, item
-        x, gamma, g, eps = e.args
-        assert isinstance(x, Ref) and isinstance(gamma, Ref) and isinstance(g, Ref)
-        t = self.w.types[item.name]
-        C, T = COMPUTE[t.dtype], CTYPE[t.dtype]
-        H = self.w.ldims(t)[-1]
-
-        def at(r: Ref, idx: str) -> str:
-            return f"red[{idx} - lo]" if r.name == u.collective else f"coconet::to_compute(v_{r.name}[{idx}])"
-        spans = [f"COCONET_RA(v_{gamma.name})"]
-        for r in sorted({n.name for n in walk(item.expr) if isinstance(n, Ref)} - {gamma.name}):
+        rd = pointwise.RowDx.of(item.name, item.expr, self.w)
+        t, C, H, c = self.w.types[item.name], rd.C, rd.H, u.collective
+        spans = [f"COCONET_RA(v_{rd.gamma.name})"]
+        for r in sorted({n.name for n in walk(item.expr) if isinstance(n, Ref)} - {rd.gamma.name}):
             if r == u.collective:
                 spans.append("COCONET_R(red, 0, hi - lo)")
             elif self.w.types[r].ndim > 0:
@@ -408,19 +400,18 @@ class CudaFused:
         self.w.emit(f"    coconet::cuda::launch_rows<{C}>((hi - lo) / ({H}), stream, [=] __device__ (int64_t q, {C}* part) {{"
                     f"  // layernorm_dx in {item.name}, a block per row")
         self.w.emit(f"      const int64_t row = lo + q * ({H});")
-        self.w.emit(f"      coconet::cuda::layernorm_dx_row_block([&](int64_t j) {{ return {C}({at(x, 'row + j')}); }}, "
-                    f"v_{gamma.name}, [&](int64_t j) {{ return {C}({at(g, 'row + j')}); }}, "
-                    f"static_cast<{C}>({layernorm_eps(eps)}), {H}, part, [&](int64_t c, {C} v) {{")
-        self.w.emit("        const int64_t i = row + c;")
-        self.w.emit(f"        const {C} dx_ = coconet::round_to<{T}>(v);")
+        self.w.emit(f"      coconet::cuda::layernorm_dx_row_block([&](int64_t j) {{ return {C}({rd.at(rd.x, 'row + j', c)}); }}, "
+                    f"v_{rd.gamma.name}, [&](int64_t j) {{ return {C}({rd.at(rd.g, 'row + j', c)}); }}, "
+                    f"static_cast<{C}>({rd.eps}), {H}, part, [&](int64_t c, {C} v) {{")
+        for line in rd.element("c"):
+            self.w.emit(f"        {line}")
         stores = [f"v_{item.name}[i]"] if item.store else []
         if gathered:
             gg = self.w.gdims(self.w.types[u.gather])
             d = u.dim
             stores.append(f"v_{u.gather}[(i / gm_ * {gg[d]} + off) * {_prod(gg[d + 1:])} + i % gm_]")
-        rest = substitute(item.expr, e, Ref(ROW_VALUE, e.type))
         regs = {ROW_VALUE: "dx_", u.collective: "red[i - lo]"}
-        for line in pointwise.values(self.idx, [(item.name, rest, item.store)], regs,
+        for line in pointwise.values(self.idx, [(item.name, rd.rest, item.store)], regs,
                                      lambda name: (t, self.idx.loader(t)), lambda name: stores):
             self.w.emit(f"        {line}")
         self.w.emit("      });")
