@@ -324,20 +324,10 @@ def test_a_fused_collective_cannot_feed_an_overlapped_matmul_yet():
 
 
 # --- compiled, against the interpreter ----------------------------------------------------------
-@pytest.fixture(scope="module")
-def cache(request):
-    """The session's build cache (as tests/test_cpu_backend.py), so the ranks only import."""
-    old = os.environ.get(probes.ENV_CACHE)
-    os.environ[probes.ENV_CACHE] = str(request.config.cache.mkdir("coconet-build"))
-    yield
-    if old is None:
-        os.environ.pop(probes.ENV_CACHE, None)
-    else:
-        os.environ[probes.ENV_CACHE] = old
 
 
 @pytest.fixture(scope="module")
-def f64_file(request, cache) -> Path:
+def f64_file(request) -> Path:
     """The f64 example at one path for every compiled test here (a module is
     named and cached by its file): the CPU jobs, the CUDA emulation and coconetc.torch.function
     load the same modules, one for each program with its derived programs."""
