@@ -37,7 +37,8 @@ RUN_JOBS = Path(__file__).with_name("run_jobs_worker.py")
 COCONETC = str(Path(sys.executable).parent / "coconetc")
 PROGRAMS = {"sp": ["default", "rows"], "tok": ["default", "pieces"], "four": ["default", "packed"],
             "bc": ["default", "rows"], "spmlp": ["default", "both"], "spmlp_grad": ["default", "both"],
-            "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"]}
+            "defer": ["default", "ov"], "bmm": ["default", "rows", "packed"], "fed": ["default", "both"],
+            "fed_grad": ["default", "both"]}
 SIZES = {  # ranks -> sizes: uneven slices on 2 and 3 ranks; on 3, chunks and slices that are empty
     2: dict(B=3, S=5, H=4, F=6, T=7, C=5, G=3, M=3, K=5, N=4),
     3: dict(B=1, S=2, H=3, F=4, T=2, C=2, G=1, M=2, K=2, N=3),
@@ -55,7 +56,11 @@ def test_the_plan_shows_how_each_gather_is_cut():
             ("four", "packed"): "in 2 chunks along dim 2 (each chunk packed)",
             ("bc", "rows"): "overlap g = broadcast(x, root=1) in 3 chunks along dim 0 (rows in place)",
             ("spmlp_grad", "both"): "overlap g_allgather2 = allgather(d_y) in 2 chunks along dim 0 (rows in place) -> "
-                                    "g_h = matmul_nt(g_allgather2, w2) per chunk"}
+                                    "g_h = matmul_nt(g_allgather2, w2) per chunk",
+            ("fed", "both"): "then m = matmul(g, w) per chunk, as its rows of g are gathered (chunk i while chunk "
+                             "i+1's fused collective is in flight)",
+            ("fed_grad", "both"): "then d_o = matmul_nt(g_allgather2, wo) per chunk, as its rows of g_allgather2 are "
+                                  "gathered"}
     for (prog, sched), text in want.items():
         res = _cli("show", str(FILE), "-p", prog, "-s", sched, "--format", "plan")
         assert res.returncode == 0 and text in res.stdout, res.stdout + res.stderr
@@ -232,18 +237,47 @@ program rsag(x: f32[B, S, H] sliced(1), u: f32[B, S, H] local, w: f32[H, F] slic
 
 
 def test_a_fuse_of_an_overlapped_stage_is_refused_with_advice_that_is_accepted():
-    """A fuse written after an overlap that names one of its members: the other way, the
-    gather is left out of the fusion (a fused collective cannot feed an overlapped matmul yet);
-    the usual way, the overlap is written on the fusion. Following the advice is accepted."""
-    cases = [("overlap(g, m, chunks=2)\n    f = fuse(r, z, g)", "'g' is overlapped with its matmul",
-              "leave 'g' out", "overlap(g, m, chunks=2)\n    f = fuse(r, z)"),
-             ("overlap(p, t, chunks=2)\n    f = fuse(t, q)", "'t' is already overlapped",
-              "f = fuse(t, q) and then overlap(p, f, chunks=2)", "f = fuse(t, q)\n    overlap(p, f, chunks=2)")]
-    for bad, why, advice, good in cases:
+    """A fuse written after an overlap that names one of its members (the usual way): the
+    overlap is written on the fusion. A fused all-gather overlapped with its matmul, the fusion
+    not overlapped with a matmul that makes its input: leave the gather out. Following the advice
+    is accepted."""
+    cases = [("overlap(p, t, chunks=2)\n    f = fuse(t, q)", "'t' is already overlapped",
+              "f = fuse(t, q) and then overlap(p, f, chunks=2)", "f = fuse(t, q)\n    overlap(p, f, chunks=2)", "fuse("),
+             ("overlap(g, m, chunks=2)\n    f = fuse(r, z, g)", "only inside the fusion's own overlap",
+              "remove overlap(g, m, chunks=2), or leave 'g' out of 'f'", "overlap(g, m, chunks=2)\n    f = fuse(r, z)",
+              "overlap(")]
+    for bad, why, advice, good, at in cases:
         src = RSAG + f"schedule s for rsag {{\n    {bad}\n}}\n"
         with pytest.raises(CompileError) as err:
             load_source(src, "t.ccn")
         d = err.value.diagnostics[0]
         assert why in d.message and advice in d.message, d.message
-        assert d.span.line == src.count("\n", 0, src.index("fuse(")) + 1
+        assert d.span.line == src.count("\n", 0, src.index(at)) + 1
         load_source(RSAG + f"schedule s for rsag {{\n    {good}\n}}\n", "t.ccn")
+
+
+@pytest.mark.parametrize("bad, message, good", [
+    ("f = fuse(at, x1, n, g)\n    overlap(g, m, chunks=2)",
+     "'g' is gathered by the fused collective 'f', which takes it chunk for chunk to 'm' only inside the fusion's own "
+     "overlap: overlap the fusion with the matmul that makes its input, with the same chunks: overlap(ap, f, chunks=2)",
+     "f = fuse(at, x1, n, g)\n    overlap(g, m, chunks=2)\n    overlap(ap, f, chunks=2)"),
+    ("f = fuse(at, x1, n, g)\n    overlap(ap, f, chunks=2)\n    overlap(g, m, chunks=3)",
+     "'g' is gathered by the fused collective 'f' in the 2 blocks of rows (dim 0) of its overlap with 'ap', and 'm' "
+     "multiplies it block for block: overlap(g, m, chunks=2)",
+     "f = fuse(at, x1, n, g)\n    overlap(ap, f, chunks=2)\n    overlap(g, m, chunks=2)"),
+])
+def test_a_fused_gather_feeds_its_matmul_only_block_for_block(bad, message, good):
+    """A fused collective's all-gather overlapped with the matmul that reads it (fed): refused at
+    that overlap, located, where the fusion is not overlapped with its producer or its blocks
+    differ; the advice, followed, is accepted and plans the matmul inside the fusion's overlap."""
+    src = FILE.read_text()
+    head = src[src.index("program fed("):src.index("schedule both for fed")]
+    with pytest.raises(CompileError) as err:
+        load_source(head + f"schedule s for fed {{\n    {bad}\n}}\n", "t.ccn")
+    d = err.value.diagnostics[0]
+    assert message in d.message, d.message
+    text = head + f"schedule s for fed {{\n    {bad}\n}}\n"
+    assert text.splitlines()[d.span.line - 1].strip().startswith("overlap(g, m"), d.span
+    from coconetc.plan.show import show as show_plan
+    mod = load_source(head + f"schedule s for fed {{\n    {good}\n}}\n", "t.ccn")
+    assert "then m = matmul(g, w) per chunk" in show_plan(mod.plans[("fed", "s")])

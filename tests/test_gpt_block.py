@@ -161,7 +161,7 @@ def _grad_of(blk: Block, name: str) -> np.ndarray:
 # every schedule of each program and its derived program (compiled: each job's)
 JOBS = {"gpt_block": ["default", "fused", "overlapped"], "gpt_block_grad": ["default", "overlapped"],
         "gpt_block_sp": ["default", "fused", "overlapped", "overlapped_both"],
-        "gpt_block_sp_grad": ["default", "overlapped", "backward"]}
+        "gpt_block_sp_grad": ["default", "overlapped", "backward", "overlapped_both"]}
 
 
 def _f64() -> str:
@@ -305,22 +305,21 @@ def test_sp_schedules_fuse_the_layernorm_and_its_allgather_into_the_reduce_scatt
     both = re.sub(r"\bt\d+_", "t_", show_plan(mod.plans[("gpt_block_sp", "overlapped_both")]))
     for line in ("overlap n1 = allgather(n1s) in 2 chunks along dim 0 (rows in place) -> qm = matmul(n1, t_qm) "
                  "per chunk, as it arrives",
-                 "overlap n2 = allgather(n2s) in 2 chunks along dim 0 (rows in place) -> hm = matmul(n2, w_fc) "
-                 "per chunk, as it arrives",
                  "overlap ap = matmul(o, t_ap) in 2 chunks along dim 0 (rows in place) -> fused f1 per chunk",
+                 "per chunk: n2 = allgather(n2s) as each piece is computed",
+                 "then hm = matmul(n2, w_fc) per chunk, as its rows of n2 are gathered (chunk i while chunk i+1's "
+                 "fused collective is in flight)",
                  "overlap mp = matmul(h, w_proj) in 2 chunks along dim 0 (rows in place) -> fused f2 per chunk"):
         assert line in both, line
-
-
-def test_a_fused_collective_cannot_feed_an_overlapped_matmul_yet():
-    """The limit overlapped_both works around (its all-gather of n2 is not fused into attention's
-    reduce-scatter): refused at the overlap, located."""
-    src = EXAMPLE.read_text() + "schedule both for gpt_block_sp {\n    f1 = fuse(at, x1, n2s, n2)\n    overlap(n2, hm, chunks=2)\n}\n"
-    with pytest.raises(CompileError) as err:
-        load_source(src, "gpt_block.ccn")
-    d = err.value.diagnostics[0]
-    assert (d.span.line, d.span.col) == (len(src.splitlines()) - 1, 13), str(err.value)
-    assert d.message == "overlap on 'n2': a fused collective cannot feed an overlapped matmul yet", d.message
+    # every collective overlapped with a matmul: no collective, fused collective or matmul of
+    # the block's linear layers left on its own
+    grad = show_plan(mod.plans[("gpt_block_sp_grad", "overlapped_both")])
+    for line in ("then hm = matmul(n2, w_fc) per chunk", "then g_o = matmul_nt(g_allgather4, ap_reshape) per chunk"):
+        assert line in grad, line
+    from coconetc.plan.units import Collective, Fused, Library
+    units = mod.plans[("gpt_block_sp", "overlapped_both")].units
+    assert not [u for u in units if isinstance(u, (Collective, Fused))], both
+    assert not [u for u in units if isinstance(u, Library) and u.dst in ("qm", "ap", "hm", "mp")], both
 
 
 # --- compiled, against the interpreter ----------------------------------------------------------

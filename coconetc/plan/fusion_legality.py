@@ -49,6 +49,7 @@ class OverlapSpec:
     direct: bool  # chunks along dim 0: contiguous rows of every buffer
     fused: FusedSpec | None
     span: Span | None = None
+    then: GatherSpec | None = None  # the matmul fed by the fused collective's gather (Overlap.then)
 
 
 @dataclass
@@ -337,6 +338,52 @@ def overlap_spec(p: Program, o: Overlap, scattered: set[str]) -> OverlapSpec:
         raise PlanError.at(o.span, f"overlap: chunks of a matmul go to an allreduce, a "
                            f"reducescatter or an allgather; '{coll.name}' is {op}")
     return OverlapSpec(y, coll, o.chunks, o.dim, direct, fused, o.span)
+
+
+def fed_matmul(p: Program, ov: OverlapSpec, into: dict[str, Overlap], scattered: set[str]) -> GatherSpec | None:
+    """overlap(g, y) where g is the allgather of the fused collective that ov overlaps with its
+    matmul: y multiplied block for block with ov's blocks of rows, each as soon as its fused
+    collective is done (Overlap.then). The blocks must be the same: ov's chunks, along dim 0."""
+    fusion = ov.fused.fusion if ov.fused is not None else None
+    g = next((stage_of(p, n) for n in fusion.stages if n in into), None) if fusion is not None else None
+    if g is None:
+        return None
+    assert ov.fused is not None and fusion is not None
+    o, y = into[g.name], ov.producer
+    spec = gather_spec(p, o, scattered)
+    if ov.fused.gather is None or ov.fused.gather.name != g.name:
+        raise PlanError.at(o.span, f"overlap: the fused collective '{fusion.name}' gathers '{g.name}' only after "
+                           f"every chunk (what it gathers waits for all of them), so '{spec.consumer.name}' cannot "
+                           f"take it chunk by chunk: remove this overlap")
+    if g.type.shape[0] != y.type.shape[0]:
+        raise PlanError.at(o.span, f"overlap: '{g.name}' ({g.type}) and '{y.name}' ({y.type}), whose overlap with "
+                           f"'{fusion.name}' makes it, have different dim 0s, so '{spec.consumer.name}' cannot take "
+                           f"it block for block: remove this overlap")
+    if o.chunks != ov.chunks or o.dim != 0:
+        raise PlanError.at(o.span, f"overlap: '{g.name}' is gathered by the fused collective '{fusion.name}' in "
+                           f"the {ov.chunks} blocks of rows (dim 0) of its overlap with '{y.name}', and "
+                           f"'{spec.consumer.name}' multiplies it block for block: "
+                           f"overlap({g.name}, {spec.consumer.name}, chunks={ov.chunks})")
+    return spec
+
+
+def unfed_matmul(p: Program, fusion: Fusion, into: dict[str, Overlap]) -> None:
+    """A fusion not overlapped with its matmul whose allgather is overlapped with the matmul
+    that reads it: a PlanError advising the overlap that feeds it (fed_matmul)."""
+    g = next((n for n in fusion.stages if n in into), None)
+    if g is None:
+        return
+    o = into[g]
+    colls = [stage_of(p, n) for n in fusion.stages if stage_of(p, n).kind == "collective"]
+    src = op_of(colls[0]).args[0]
+    made = p.stage(src.name) if isinstance(src, Ref) else None
+    if made is not None and isinstance(made.expr, Op) and made.expr.op in ("matmul", "matmul_nt"):
+        how = (f"overlap the fusion with the matmul that makes its input, with the same chunks: "
+               f"overlap({made.name}, {fusion.name}, chunks={o.chunks})")
+    else:
+        how = f"remove overlap({g}, {o.consumer}, chunks={o.chunks}), or leave '{g}' out of '{fusion.name}'"
+    raise PlanError.at(o.span, f"overlap: '{g}' is gathered by the fused collective '{fusion.name}', which "
+                       f"takes it chunk for chunk to '{o.consumer}' only inside the fusion's own overlap: {how}")
 
 
 def gather_spec(p: Program, o: Overlap, scattered: set[str]) -> GatherSpec:

@@ -23,8 +23,9 @@ from coconetc.ir.types import TType
 from coconetc.plan import attention
 from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
-from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fused_spec,
-                                           gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of)
+from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fed_matmul,
+                                           fused_spec, gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of,
+                                           unfed_matmul)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
 from coconetc.plan.units import (Buffer, Collective, Copy, Fused, GatherMatmul, Item, Let, Library, Loop, Overlap,
@@ -140,7 +141,7 @@ class _Planner:
         into = {o.producer: o for o in p.overlaps if stage_of(p, o.producer).kind == "collective"}
         overlaps = {o.producer: o for o in p.overlaps if o.producer not in into}
         waiting: dict[str, GatherSpec] = {}  # a gather whose matmul still waits for an operand
-        for s in self.order:
+        for i, s in enumerate(self.order):
             late = next((w for w in waiting.values() if w.collective.name in reads(s.expr)), None)
             if late is not None:
                 if s.name != late.consumer.name:
@@ -164,18 +165,33 @@ class _Planner:
                 continue
             if s.name in overlaps:
                 ov = overlap_spec(p, overlaps[s.name], self.scattered)
+                ov.then = fed_matmul(p, ov, into, self.scattered)
                 groups.append(ov)
                 done.update((s.name, ov.collective.name))
                 if ov.fused is not None:
                     done.update(ov.fused.fusion.stages)
+                if ov.then is not None:
+                    self._fed_after(ov.then, done | {x.name for x in self.order[:i]})
+                    done.add(ov.then.consumer.name)
                 continue
             fusion = p.fusion_of(s.name)
             if fusion is not None:
+                unfed_matmul(p, fusion, into)
                 groups.append(self._fusion_group(fusion))
                 done.update(fusion.stages)
                 continue
             self._chain_or_single(groups, s)
         return groups
+
+    def _fed_after(self, then: GatherSpec, done: set[str]) -> None:
+        """The matmul an overlap's fused collective feeds runs inside that overlap: its other
+        operands must be computed before the overlap starts (DONE: the stages before it)."""
+        y, g = then.consumer, then.collective
+        late = sorted(n for n in reads(y.expr) if self.p.stage(n) is not None and n != g.name and n not in done)
+        if late:
+            raise PlanError.at(then.span, f"overlap: '{y.name}' reads {', '.join(map(repr, late))}, computed after "
+                               f"the overlap whose fused collective gathers '{g.name}': compute "
+                               f"{'it' if len(late) == 1 else 'them'} before it")
 
     def _fusion_group(self, fusion: Fusion):
         spec = fused_spec(self.p, fusion, self.scattered, rows_ok=True)
@@ -599,8 +615,19 @@ class _Planner:
             self._place(c)
         else:
             fused = self._fused(ov.fused, overlapped=True)
+        then = self._fed(ov.then) if ov.then is not None else None
         self.out.append(Overlap(y.name, a, b, c.name, op_of(c).op, op_of(c).attr("op") or "", ov.chunks,
-                                ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(y).op))
+                                ov.dim, ov.direct, fused, keep, _line(ov.span), op_of(y).op, then))
+
+    def _fed(self, gs: GatherSpec) -> GatherMatmul:
+        """The matmul a fused collective's gather feeds inside its overlap (Overlap.then): the
+        gather itself is the fused collective's (placed by _fused)."""
+        g, y = gs.collective, gs.consumer
+        x = op_of(g).args[0]
+        b = self._materialize(op_of(y).args[1], y.name)
+        self._place(y)
+        gather = Collective(g.name, "allgather", x.name if isinstance(x, Ref) else "", "", line=_line(g.span))
+        return GatherMatmul(gather, y.name, b, gs.chunks, gs.dim, gs.how, op_of(y).op, _line(gs.span))
 
     def _gather_matmul(self, gs: GatherSpec) -> None:
         g, y = gs.collective, gs.consumer

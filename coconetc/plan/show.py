@@ -138,7 +138,10 @@ def _unit(plan: Plan, u: Unit, ind: str) -> list[str]:
             f"dim {u.dim} ({how}){'' if u.keep_producer else ' (not kept)'} -> ")
     if u.fused is None:
         return [head + f"{u.collective} = {u.op}({u.reduce + ', ' if u.reduce else ''}{u.producer}) per chunk"]
-    return [head + f"fused {u.fused.name} per chunk"] + _fused(plan, u.fused, ind + "  ")
+    then = [] if u.then is None else [
+        f"{ind}  {_at(u.then.line)} then {u.then.consumer} = {u.then.gemm}({u.then.a}, {u.then.b}) per chunk, as its "
+        f"rows of {u.then.a} are gathered (chunk i while chunk i+1's fused collective is in flight)"]
+    return [head + f"fused {u.fused.name} per chunk"] + _fused(plan, u.fused, ind + "  ") + then
 
 
 def _coll(u: Collective) -> str:

@@ -311,7 +311,11 @@ class Overlap:
     computed, while the next chunk computes. direct: chunks along dim 0 are contiguous rows of
     every buffer; otherwise each chunk is packed for its collective and its result unpacked into
     place. A chunk along a leading dim reads a block of a's rows; along the last dim, a block of
-    b's columns (matmul) or rows (matmul_nt)."""
+    b's columns (matmul) or rows (matmul_nt). then: the matmul that reads the fused
+    collective's gathered value (overlap(g, y) with g in the fusion: async-TP's all-gather-matmul
+    after a fused reduce-scatter), chunk i's rows of it multiplied as soon as chunk i's fused
+    collective is done, while chunk i+1's is in flight (direct chunks along dim 0 only: chunk
+    i's rows of the gathered value are chunk i's rows of the producer)."""
 
     producer: str
     a: str
@@ -326,6 +330,7 @@ class Overlap:
     keep_producer: bool = True  # the producer's full value is read later
     line: int = 0
     gemm: str = "matmul"  # the producer's operation: matmul or matmul_nt
+    then: GatherMatmul | None = None  # the matmul fed by the fused collective's gather, chunk by chunk
 
 
 @dataclass(frozen=True)
@@ -498,7 +503,7 @@ def _touches(u: Unit, names: set[str]) -> bool:
             any(_touches(a, names) for a in u.after)
     if isinstance(u, Overlap):
         return bool({u.producer, u.a, u.b, u.collective} & names) or \
-            (u.fused is not None and _touches(u.fused, names))
+            (u.fused is not None and _touches(u.fused, names)) or (u.then is not None and _touches(u.then, names))
     if isinstance(u, GatherMatmul):
         return bool({u.gather.src, u.gather.dst, u.consumer, u.b} & names)
     return False

@@ -80,10 +80,7 @@ class _Verifier:
             self.overlap(u)
         elif isinstance(u, GatherMatmul):
             self.unit(u.gather)
-            self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
-            if self.type(u.a).layout.sliced or u.dim >= self.type(u.a).ndim - 1:
-                self.fail(f"overlap {u.a} -> {u.consumer}: chunks along dim {u.dim} of {self.type(u.a)}")
-            self.write([u.consumer])
+            self.gather_matmul(u)
         else:
             assert isinstance(u, Require)
 
@@ -152,6 +149,12 @@ class _Verifier:
                 self.items(ph.items, (), u.type, where, local)
                 local |= {it.name for it in ph.items}
 
+    def gather_matmul(self, u: GatherMatmul) -> None:
+        self.read([u.a, u.b], f"overlap {u.a} -> {u.consumer}")
+        if self.type(u.a).layout.sliced or u.dim >= self.type(u.a).ndim - 1:
+            self.fail(f"overlap {u.a} -> {u.consumer}: chunks along dim {u.dim} of {self.type(u.a)}")
+        self.write([u.consumer])
+
     def overlap(self, u: Overlap) -> None:
         where = f"overlap {u.producer}"
         self.read([u.a, u.b], where)
@@ -164,5 +167,10 @@ class _Verifier:
         else:
             self.collective(u.op, self.type(u.producer), self.type(u.collective), u.collective)
             self.write([u.collective])
+        if u.then is not None:  # its gather is the fused collective's
+            if u.fused is None or u.fused.gather != u.then.a or not u.direct or u.then.chunks != u.chunks \
+                    or u.then.dim != 0 or self.type(u.then.a).shape[0] != self.type(u.producer).shape[0]:
+                self.fail(f"overlap {u.producer}: its fused collective does not gather {u.then.a} block for block")
+            self.gather_matmul(u.then)
         if not u.keep_producer:
             self.written.discard(u.producer)

@@ -145,11 +145,9 @@ def _check_members(p: Program, stages: list[Stage], d: Fuse) -> None:
         o = next((o for o in p.overlaps if s.name in (o.producer, o.consumer)), None)
         if o is None:
             continue
-        text = f"overlap({o.producer}, {o.consumer}, chunks={o.chunks})"
         if o.producer == s.name and s.kind == "collective":  # the other way: a gather feeding a matmul
-            raise ScheduleError(span_of(d, s.name), "fuse", s.name,
-                                f"'{s.name}' is overlapped with its matmul ({text}), and a fused collective "
-                                "cannot feed an overlapped matmul yet; " + _without(p, d, {s.name}, f"leave '{s.name}' out"))
+            continue  # (the fused collective's gather feeds it chunk by chunk: plan/planner.py)
+        text = f"overlap({o.producer}, {o.consumer}, chunks={o.chunks})"
         name = d.name or "f"
         raise ScheduleError(span_of(d, s.name), "fuse", s.name,
                             f"'{s.name}' is already overlapped ({text}): fuse first, then overlap the fusion: "
@@ -400,10 +398,9 @@ def _overlap_into(p: Program, d: OverlapD, coll: Stage) -> Program:
     The consumer is a matmul (or a derived program's matmul_nt) whose left operand is g; the
     chunks are blocks along a dim of g before its last (the contracted one): a leading dim
     other than the one an allgather gathers, or, when that is dim 0, pieces of every rank's
-    slice of dim 0 (chunk i: piece i of each rank's rows)."""
-    if p.fusion_of(coll.name) is not None:
-        raise ScheduleError(span_of(d, d.producer), "overlap", d.producer,
-                            "a fused collective cannot feed an overlapped matmul yet")
+    slice of dim 0 (chunk i: piece i of each rank's rows). An allgather of a fusion (a fused
+    reduce-scatter's) feeds the matmul chunk for chunk with the fused collective's own overlap
+    (plan/planner.py)."""
     cons = p.stage(d.consumer)
     if cons is None or not (isinstance(cons.expr, Op) and cons.expr.op in OVERLAP_GEMMS):
         raise ScheduleError(span_of(d, d.consumer), "overlap", d.consumer,

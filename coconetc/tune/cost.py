@@ -353,6 +353,8 @@ class _Counter:
         gemm = self.library(Library(u.producer, "matmul", (u.a, u.b)))
         comm = (self.fused(u.fused, flat=True) if u.fused is not None
                 else self.collective(u.op, u.producer, u.collective, flat=True))
+        if u.then is not None:  # the fed matmul hides the next block's communication too
+            gemm.add(self.library(Library(u.then.consumer, u.then.gemm, (u.then.a, u.then.b))))
         return _pipelined(gemm, comm, u.chunks)
 
 

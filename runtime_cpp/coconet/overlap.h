@@ -338,6 +338,31 @@ void overlap(int chunks, Produce produce, Start start) {
   ov.wait_all();
 }
 
+// overlap(y, f) and overlap(g, z) with g gathered by the fused collective f (a matmul, its fused
+// reduce-scatter + compute + all-gather, and the matmul that reads the gathered value, all in the
+// same blocks of rows): produce(i) and start(i, channel) as overlap() does; chunk i-1's task is
+// waited for after chunk i's is started, and consume(i - 1, ov) multiplies its rows while chunk
+// i's task is in flight (tested between its row blocks), so each block's GEMM, communication
+// and consuming GEMM run in a pipeline.
+template <class Produce, class Start, class Consume>
+void overlap_through(int chunks, Produce produce, Start start, Consume consume) {
+  Overlap ov;
+  for (int i = 0; i < chunks; ++i) {
+    abort_on_exception("overlap producer", [&] { produce(i, ov); });
+    ov.add(start(i, i + 1));
+    ov.progress();
+    if (i > 0) {
+      ov.wait_through(static_cast<size_t>(i - 1));
+      abort_on_exception("overlap consumer", [&] { consume(i - 1, ov); });
+    }
+  }
+  if (chunks > 0) {
+    ov.wait_through(static_cast<size_t>(chunks - 1));
+    abort_on_exception("overlap consumer", [&] { consume(chunks - 1, ov); });
+  }
+  ov.wait_all();
+}
+
 // overlap(g, y) the other way (a collective's result consumed chunk by chunk: all-gather-matmul):
 // start(i, channel) returns chunk i's communication as a Task; chunk i+1's is started before
 // chunk i is waited for, and consume(i, ov) (chunk i's GEMM) runs as soon as chunk i has

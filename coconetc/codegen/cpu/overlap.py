@@ -46,7 +46,10 @@ class CpuOverlap:
             # in row blocks with the communication in flight progressed between them (gemm_steps)
             self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
             self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
-        self.w.emit(f"coconet::overlap({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
+        if u.then is not None and u.then.gemm == "matmul":  # the fed matmul's b, prepared once too
+            self._prepare_b(u.then, ct)
+        driver = "overlap" if u.then is None else "overlap_through"  # (then: a third stage per chunk)
+        self.w.emit(f"coconet::{driver}({u.chunks}, [&](int i, coconet::Overlap& ov) {{")
         self.w.emit(f"  const coconet::Range r = {chunk};")
         if steps:
             self.w.emit(f"  coconet::gemm_steps<{ct}>(r.size() * {per_row}, {N}, {K}, v_{u.a} + r.begin * {per_row} * {K}, "
@@ -60,7 +63,7 @@ class CpuOverlap:
         self.w.emit("}, [&](int i, int channel) {")
         self.w.emit(f"  const coconet::Range r = {chunk};")
         if u.fused is not None:
-            self._overlap_fused_task(u, ly)
+            self._overlap_fused_task(u, ly, chunk)
             return
         lc = self.w.ldims(self.w.types[u.collective])
         src, dst = f"v_{y} + r.begin * {_prod(ly[1:])}", f"v_{u.collective} + r.begin * {_prod(lc[1:])}"
@@ -72,7 +75,7 @@ class CpuOverlap:
                                            "channel);"}))
         self.w.emit("});")
 
-    def _overlap_fused_task(self, u: Overlap, ly: list[str]) -> None:
+    def _overlap_fused_task(self, u: Overlap, ly: list[str], block: str) -> None:
         """Chunk i of the matmul's rows goes through its own fused collective (a task of
         overlap.h): the fusion's computation runs on each reduced piece of that chunk, and the
         gathered value is sent as soon as it is computed. Indices inside the callback are made
@@ -98,6 +101,12 @@ class CpuOverlap:
         assert not progress, f.name  # (the plan: no progress pieces of rows in a task)
         self.w.emit(f"  return coconet::{start}<{ct}>({op}, coconet::Segments<const {ct}>::one(v_{y} + base, count), "
                   f"{shape_arg}comm, channel, {chunk}, compute{extra});")
+        if u.then is not None:  # chunk i's rows of the gathered value, multiplied once its task is done
+            t = u.then
+            rows_per, cols = _prod(self.w.ldims(self.w.types[t.a])[1:-1]), self.w.ldims(self.w.types[t.consumer])[-1]
+            self.w.emit("}, [&](int i, coconet::Overlap& ov) {")
+            self.w.emit(f"  const coconet::Range r = {block};")
+            self._gemm_rows(t, ct, f"r.begin * {rows_per}", f"r.size() * {rows_per}", cols, "  ")
         self.w.emit("});")
 
     def _overlap_packed(self, u: Overlap) -> None:
@@ -145,12 +154,10 @@ class CpuOverlap:
         """The other way (overlap.h overlap_into): chunk i's allgather or broadcast started
         (non-blocking) before chunk i-1 is multiplied; chunk i's rows of the consumer multiplied
         as soon as it has arrived, the next chunk's communication tested between row blocks."""
-        c, y, g = u.gather, u.consumer, dispatch.gather_chunk(self.w, u)
+        c, g = u.gather, dispatch.gather_chunk(self.w, u)
         ct = CTYPE[self.w.types[c.dst].dtype]
-        if u.gemm == "matmul":  # b prepared once (f16/bf16 widened once, not once per chunk)
-            K, N = self.w.ldims(self.w.types[u.b])
-            self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
-            self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
+        if u.gemm == "matmul":
+            self._prepare_b(u, ct)
         if u.how == GatherChunks.PACKED:
             self.w.emit(f"coconet::PackedChunks<{ct}> pk_{c.dst}({u.chunks}, {g.x_outer}, {g.n}, {g.x_inner});")
         self.w.emit(f"coconet::overlap_into({u.chunks}, [&](int i, int channel) {{")
@@ -185,6 +192,13 @@ class CpuOverlap:
             self._gemm_rows(u, ct, f"(o * {g.n} + r.begin) * {g.rows_per}", f"r.size() * {g.rows_per}", g.cols, "    ")
             self.w.emit("  }")
         self.w.emit("});")
+
+    def _prepare_b(self, u: GatherMatmul, ct: str) -> None:
+        """A consuming matmul's b prepared once (f16/bf16 widened once, not once per chunk)."""
+        K, N = self.w.ldims(self.w.types[u.b])
+        y = u.consumer
+        self.w.emit(f"const auto* const bp_{y} = coconet::gemm_prepare_b<{ct}>(v_{u.b}, {K}, {N}, {N});")
+        self.w.emit(f"const int64_t bld_{y} = coconet::gemm_b_ld<{ct}>({N}, {N});")
 
     def _gemm_rows(self, u: GatherMatmul, ct: str, first: str, count: str, cols: str, ind: str) -> None:
         """`count` rows of the consumer from row `first`, the next chunk's communication tested

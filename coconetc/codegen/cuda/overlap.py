@@ -75,22 +75,47 @@ class CudaOverlap:
         layout = self.fusion.partials_begin(f)  # on the call's stream, before the first block's event
         self.w.emit("  coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream")
         self.w.emit("  sctx.stream = coconet::cuda::side_stream();")
-        self.w.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
-        self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
-        self.w.emit("    if (rb.empty()) continue;")
+        if u.then is None:
+            self.w.emit(f"  for (int ob = 0; ob < {u.chunks}; ++ob) {{")
+            self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob);")
+            self.w.emit("    if (rb.empty()) continue;")
+        else:  # one more pass: block ob-1's rows of the fed matmul after block ob's GEMM
+            gathered = self.w.site()
+            self.w.emit(f"  for (int ob = 0; ob <= {u.chunks}; ++ob) {{")
+            self.w.emit(f"    const coconet::Range rb = coconet::slice_range({rows}, {u.chunks}, ob < {u.chunks} ? ob : 0);")
+            self.w.emit(f"    const bool here = ob < {u.chunks} && !rb.empty();")
+            self.w.emit("    if (here) {")
         self._gemm(ct, library_calls.overlap_rows(self.w, u, f"rb.begin * {per_row}", f"rb.size() * {per_row}",
                                             f"v_{y} + rb.begin * {_prod(ly[1:])}"), "    ")
         self.w.emit(f"    coconet::cuda::join(ctx.stream, sctx.stream, {ev});  // this block's rows are computed")
+        if u.then is not None:
+            self.w.emit("    }")
+            self._fed_rows(u.then, ct, u.chunks, rows, gathered)
+            self.w.emit("    if (!here) continue;")
         self.w.emit("    {")
         self.w.emit("    const coconet::cuda::Ctx& ctx = sctx;")
         self.w.emit("    const cudaStream_t stream = ctx.stream;")
         self.w.comment(f.line, f"fused collective {f.name}: {', '.join(f.members)} (rows rb of dim 0)")
         self.fusion.render_fused(f, ("rb.begin", "rb.end"), layout)
         self.w.emit("    }")
+        if u.then is not None:
+            self.w.emit(f"    coconet::cuda::mark(sctx.stream, {gathered});  // block ob's rows of {u.then.a} are gathered")
         self.w.emit("  }")
         self.w.emit(f"  coconet::cuda::join(sctx.stream, ctx.stream, {done});")
         self.fusion.after_chunks(f, layout)  # what waits for every chunk of every block, on the call's stream
         self.w.emit("}")
+
+    def _fed_rows(self, t: GatherMatmul, ct: str, chunks: int, rows: str, gathered: int) -> None:
+        """Block ob-1's rows of the matmul fed by the fused collective's gather (Overlap.then), on
+        the call's stream once that block's fused collective is done (its mark on the side stream),
+        queued after block ob's GEMM and before block ob's fused collective, which thus runs
+        while they multiply."""
+        rows_per, cols = _prod(self.w.ldims(self.w.types[t.a])[1:-1]), self.w.ldims(self.w.types[t.consumer])[-1]
+        self.w.emit(f"    const coconet::Range rp = coconet::slice_range({rows}, {chunks}, ob > 0 ? ob - 1 : 0);")
+        self.w.emit("    if (ob > 0 && !rp.empty()) {")
+        self.w.emit(f"      coconet::cuda::wait_mark({gathered}, ctx.stream);  // block ob-1's fused collective is done")
+        self._gemm_rows(t, ct, f"rp.begin * {rows_per}", f"rp.size() * {rows_per}", cols, "      ")
+        self.w.emit("    }")
 
     def _overlap_packed(self, u: Overlap, ct: str, op: str, ly, lc, ev: int) -> None:
         y, c = u.producer, u.collective

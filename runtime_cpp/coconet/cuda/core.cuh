@@ -209,6 +209,12 @@ inline void join(cudaStream_t s, cudaStream_t waiter, int site) {
   COCONET_CUDA(cudaStreamWaitEvent(waiter, e, 0));
 }
 
+// mark() records what has been queued on `s` so far at `site`; wait_mark() makes `waiter` wait for
+// the last such record (a join split in two: the waiter's wait is queued later, after other work
+// of its own, and waits only for what `s` had queued at the mark).
+inline void mark(cudaStream_t s, int site) { COCONET_CUDA(cudaEventRecord(event(site), s)); }
+inline void wait_mark(int site, cudaStream_t waiter) { COCONET_CUDA(cudaStreamWaitEvent(waiter, event(site), 0)); }
+
 // A second compute stream (per device, made once): an overlap's fused collective runs its kernels
 // there while the call's stream computes the next block of the matmul.
 inline cudaStream_t side_stream() {

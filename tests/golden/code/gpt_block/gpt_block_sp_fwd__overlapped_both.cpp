@@ -66,12 +66,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a) {
   float* const v_t16_o = v_o;  // reshaped into the output o: computed in its memory, no copy
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::scratch<float, 12>(S_B * S_S * S_H);
-  float* const v_x1 = a.output<float>(8);
-  float* const v_n2s = coconet::scratch<float, 13>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
   float* const v_n2 = a.output<float>(9);
+  float* const v_x1 = a.output<float>(8);
   float* const v_hm = a.output<float>(10);
   float* const v_h = a.output<float>(11);
-  float* const v_mp = coconet::scratch<float, 14>(S_B * S_S * S_H);
+  float* const v_mp = coconet::scratch<float, 13>(S_B * S_S * S_H);
   float* const v_y = a.output<float>(0);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
   coconet::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)");  // t0_qm's check
@@ -212,7 +211,9 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a) {
   const int64_t off_f1 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   const auto* const bp_ap = coconet::gemm_prepare_b<float>(v_t17_ap, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, S_H);
   const int64_t bld_ap = coconet::gemm_b_ld<float>(S_H, S_H);
-  coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
+  const auto* const bp_hm = coconet::gemm_prepare_b<float>(v_w_fc, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size());
+  const int64_t bld_hm = coconet::gemm_b_ld<float>(coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size());
+  coconet::overlap_through(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_o + r.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), bp_ap, bld_ap, v_ap + r.begin * S_S * S_H, S_H, coconet::kOverlapSteps, [&] { ov.progress(); });
   }, [&](int i, int channel) {
@@ -246,18 +247,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::CallArgs& a) {
     for (int64_t row = lo; row < hi; row += S_H) {  // layernorm n2s, row by row
       coconet::layernorm_row_by([&](int64_t j) { return coconet::to_compute(v_x1[row + j]); }, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, [&](int64_t j, float v) {
         const float y = coconet::round_to<float>(v);
-        v_n2s[row + j] = coconet::from_compute<float>(y);
+        v_n2[gb + (row + j - lo)] = coconet::from_compute<float>(y);
       });
     }
     };
-    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {});
-  });
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
-  const auto* const bp_hm = coconet::gemm_prepare_b<float>(v_w_fc, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size());
-  const int64_t bld_hm = coconet::gemm_b_ld<float>(coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size());
-  coconet::overlap_into(2, [&](int i, int channel) {
-    const coconet::Range r = coconet::slice_range(S_B, 2, i);
-    return coconet::start_allgather(v_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n2 + r.begin * S_S * S_H, r.size(), S_S, S_H, comm, channel);
+    return coconet::start_fused_rs_compute_ag<float>(coconet::Op::sum, coconet::Segments<const float>::one(v_ap + base, count), coconet::Shape3{r.size() * int64_t(1), S_S, S_H}, comm, channel, coconet::round_up(coconet::overlap_task_chunk_elems(count, comm.size), S_H), compute, {coconet::gather_target(v_n2 + base, count)});
   }, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     coconet::gemm_steps<float>(r.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, v_n2 + (r.begin * S_S) * S_H, S_H, bp_hm, bld_hm, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::kOverlapSteps, [&] { ov.progress(); });

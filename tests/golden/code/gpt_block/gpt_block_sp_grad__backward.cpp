@@ -418,7 +418,7 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:219)
   coconet::overlap_into(2, [&](int i, int channel) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);
     return coconet::start_allgather(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, comm, channel);
@@ -464,7 +464,7 @@ void gpt_block_sp_grad__backward(const coconet::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:221)
   const int64_t off_f3 = coconet::slice_range(S_S, comm.size, comm.rank).begin * S_H;
   coconet::overlap(2, [&](int i, coconet::Overlap& ov) {
     const coconet::Range r = coconet::slice_range(S_B, 2, i);

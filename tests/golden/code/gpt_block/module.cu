@@ -3269,17 +3269,15 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
-  float* const v_n2s = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
-  float* const v_n2 = coconet::cuda::scratch<float>(22, S_B * S_S * S_H);
+  float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_hm = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_x1 = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_hm = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
-  float* const v_h = coconet::cuda::scratch<float>(24, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
-  float* const v_mp = coconet::cuda::scratch<float>(25, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -3291,12 +3289,12 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 27);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 26);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 26);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 25);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
@@ -3547,15 +3545,23 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
-    for (int ob = 0; ob < 2; ++ob) {
-      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
-      if (rb.empty()) continue;
+    for (int ob = 0; ob <= 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
+      const bool here = ob < 2 && !rb.empty();
+      if (here) {
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 28);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 27);  // this block's rows are computed
+      }
+      const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
+      if (ob > 0 && !rp.empty()) {
+        coconet::cuda::wait_mark(29, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
+      if (!here) continue;
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:169)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3577,6 +3583,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L0 = S_B;
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
       coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -3619,36 +3626,24 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
-      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b), COCONET_W(v_n2s, lo, hi));
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
       coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
         const int64_t row = lo + q * (S_H);
         coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
           const int64_t i = row + c;
           const float x_n2s = coconet::round_to<float>(v);
-          v_n2s[i] = coconet::from_compute<float>(x_n2s);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
         });
       });
     };
-    auto gather = [&](int64_t) {};
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 256, reduce_to, compute, gather, source);
   }
       }
+      coconet::cuda::mark(sctx.stream, 29);  // block ob's rows of n2 are gathered
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 29);
-  }
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
-  {
-    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
-    cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 34);  // its source is computed
-    for (int i = 0; i < 2; ++i) {
-      const coconet::Range r = coconet::slice_range(S_B, 2, i);
-      if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 33);  // chunk i has arrived
-      coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 28);
   }
   // [overlapped_both] kernel: h (gpt_block.ccn:136)
   {
@@ -3700,7 +3695,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 35);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 33);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -3713,8 +3708,8 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(37, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(38, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(35, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(36, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -3771,11 +3766,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 312, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 296, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 36);
+    coconet::cuda::join(sctx.stream, ctx.stream, 34);
   }
 }
 
@@ -7708,6 +7703,1083 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
 }
 
+// program gpt_block_sp_grad, schedule overlapped_both (gpt_block.ccn)
+void gpt_block_sp_grad__overlapped_both(const coconet::cuda::CallArgs& a) {
+  const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
+  const coconet::cuda::Group comm = ctx.group;  // captured by kernels: slice offsets
+  const cudaStream_t stream = ctx.stream;
+  (void)comm; (void)stream;
+  const int64_t S_B = a.sizes[0];
+  const int64_t S_F = a.sizes[1];
+  const int64_t S_H = a.sizes[2];
+  const int64_t S_HD = a.sizes[3];
+  const int64_t S_NH = a.sizes[4];
+  const int64_t S_S = a.sizes[5];
+  float* const v_x = a.tensor<float>(0);
+  COCONET_PARAM(v_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x), "x", stream);
+  float* const v_ln1_w = a.tensor<float>(1);
+  COCONET_PARAM(v_ln1_w, size_t(S_H) * sizeof(*v_ln1_w), "ln1_w", stream);
+  float* const v_ln1_b = a.tensor<float>(2);
+  COCONET_PARAM(v_ln1_b, size_t(S_H) * sizeof(*v_ln1_b), "ln1_b", stream);
+  float* const v_wq = a.tensor<float>(3);
+  COCONET_PARAM(v_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wq), "wq", stream);
+  float* const v_bq = a.tensor<float>(4);
+  COCONET_PARAM(v_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bq), "bq", stream);
+  float* const v_wk = a.tensor<float>(5);
+  COCONET_PARAM(v_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wk), "wk", stream);
+  float* const v_wv = a.tensor<float>(6);
+  COCONET_PARAM(v_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_wv), "wv", stream);
+  float* const v_bv = a.tensor<float>(7);
+  COCONET_PARAM(v_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_bv), "bv", stream);
+  float* const v_wo = a.tensor<float>(8);
+  COCONET_PARAM(v_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_wo), "wo", stream);
+  float* const v_bo = a.tensor<float>(9);
+  COCONET_PARAM(v_bo, size_t(S_H) * sizeof(*v_bo), "bo", stream);
+  float* const v_ln2_w = a.tensor<float>(10);
+  COCONET_PARAM(v_ln2_w, size_t(S_H) * sizeof(*v_ln2_w), "ln2_w", stream);
+  float* const v_ln2_b = a.tensor<float>(11);
+  COCONET_PARAM(v_ln2_b, size_t(S_H) * sizeof(*v_ln2_b), "ln2_b", stream);
+  float* const v_w_fc = a.tensor<float>(12);
+  COCONET_PARAM(v_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_w_fc), "w_fc", stream);
+  float* const v_b_fc = a.tensor<float>(13);
+  COCONET_PARAM(v_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_b_fc), "b_fc", stream);
+  float* const v_w_proj = a.tensor<float>(14);
+  COCONET_PARAM(v_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_w_proj), "w_proj", stream);
+  float* const v_b_proj = a.tensor<float>(15);
+  COCONET_PARAM(v_b_proj, size_t(S_H) * sizeof(*v_b_proj), "b_proj", stream);
+  const coconet::cuda::Scalar<float> v_scale{float(a.scalars[0])};
+  const coconet::cuda::Scalar<float> v_pdrop{float(a.scalars[1])};
+  const coconet::cuda::Scalar<int64_t> v_seed{int64_t(a.iscalars[2])};
+  float* const v_d_y = a.tensor<float>(16);
+  COCONET_PARAM(v_d_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_y), "d_y", stream);
+  float* const v_n1s = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n1s), "n1s");
+  float* const v_qm_reshape = v_wq;  // a reshape of wq: its memory, no copy
+  float* const v_n1 = coconet::cuda::scratch<float>(2, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n1, size_t(S_B * S_S * S_H) * sizeof(*v_n1), "n1");
+  float* const v_qm = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_qm, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_qm), "qm");
+  float* const v_q_reshape = v_bq;  // a reshape of bq: its memory, no copy
+  float* const v_q_add = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_q_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_q_add), "q_add");
+  float* const v_q_reshape2 = v_q_add;  // a reshape of q_add: its memory, no copy
+  float* const v_q = coconet::cuda::scratch<float>(5, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_q), "q");
+  float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
+  float* const v_k_matmul = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_k_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_k_matmul), "k_matmul");
+  float* const v_k_reshape2 = v_k_matmul;  // a reshape of k_matmul: its memory, no copy
+  float* const v_k = coconet::cuda::scratch<float>(7, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_k), "k");
+  float* const v_v_reshape = v_wv;  // a reshape of wv: its memory, no copy
+  float* const v_v_matmul = coconet::cuda::scratch<float>(8, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_matmul, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_matmul), "v_matmul");
+  float* const v_v_reshape2 = v_bv;  // a reshape of bv: its memory, no copy
+  float* const v_v_add = coconet::cuda::scratch<float>(9, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_v_add, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_v_add), "v_add");
+  float* const v_v_reshape3 = v_v_add;  // a reshape of v_add: its memory, no copy
+  float* const v_v = coconet::cuda::scratch<float>(10, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_v), "v");
+  float* const v_s_transpose = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
+  float* const v_s_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_s_matmul), "s_matmul");
+  float* const v_p_where = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p_where, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p_where), "p_where");
+  float* const v_p = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_p), "p");
+  float* const v_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_a), "a");
+  float* const v_o_matmul = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_o_matmul), "o_matmul");
+  float* const v_o_transpose = coconet::cuda::scratch<float>(17, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_o_transpose, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_o_transpose), "o_transpose");
+  float* const v_o = v_o_transpose;  // a reshape of o_transpose: its memory, no copy
+  float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
+  float* const v_ap = coconet::cuda::scratch<float>(18, S_B * S_S * S_H);
+  COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
+  float* const v_n2 = coconet::cuda::scratch<float>(19, S_B * S_S * S_H);
+  COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
+  float* const v_x1 = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
+  float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
+  float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
+  float* const v_g_y_add = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_y_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_y_add), "g_y_add");
+  float* const v_g_b_proj_part = coconet::cuda::scratch<float>(25, S_H);
+  COCONET_BUFFER(v_g_b_proj_part, size_t(S_H) * sizeof(*v_g_b_proj_part), "g_b_proj_part");
+  float* const v_g_allgather2 = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather2, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather2), "g_allgather2");
+  float* const v_g_h = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
+  float* const v_d_w_proj = a.output<float>(14);
+  COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
+  float* const v_g_h_add = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
+  float* const v_d_b_fc = a.output<float>(13);
+  COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
+  float* const v_g_allgather4 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_allgather4, size_t(S_B * S_S * S_H) * sizeof(*v_g_allgather4), "g_allgather4");
+  float* const v_g_x1 = coconet::cuda::scratch<float>(31, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1), "g_x1");
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(32, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_x1_add, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
+  float* const v_g_n2s = coconet::cuda::scratch<float>(33, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n2s), "g_n2s");
+  float* const v_g_o = coconet::cuda::scratch<float>(34, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
+  float* const v_d_w_fc = a.output<float>(12);
+  COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
+  float* const v_g_ln2_w_part = coconet::cuda::scratch<float>(35, S_H);
+  COCONET_BUFFER(v_g_ln2_w_part, size_t(S_H) * sizeof(*v_g_ln2_w_part), "g_ln2_w_part");
+  float* const v_g_ln2_b_part = coconet::cuda::scratch<float>(36, S_H);
+  COCONET_BUFFER(v_g_ln2_b_part, size_t(S_H) * sizeof(*v_g_ln2_b_part), "g_ln2_b_part");
+  float* const v_g_bo_part = coconet::cuda::scratch<float>(37, S_H);
+  COCONET_BUFFER(v_g_bo_part, size_t(S_H) * sizeof(*v_g_bo_part), "g_bo_part");
+  float* const v_d_wo = a.output<float>(8);
+  COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
+  float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
+  float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(38, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
+  float* const v_t0_g_a = coconet::cuda::scratch<float>(39, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t0_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t0_g_a), "t0_g_a");
+  float* const v_g_a = coconet::cuda::scratch<float>(40, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
+  float* const v_t1_g_v = coconet::cuda::scratch<float>(41, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t1_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t1_g_v), "t1_g_v");
+  float* const v_g_v = coconet::cuda::scratch<float>(42, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
+  float* const v_g_p = coconet::cuda::scratch<float>(43, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
+  float* const v_t2_g_rows = coconet::cuda::scratch<float>(44, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_t2_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_rows), "t2_g_rows");
+  float* const v_g_rows = coconet::cuda::scratch<float>(45, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(46, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
+  float* const v_t3_g_q = coconet::cuda::scratch<float>(47, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_t3_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t3_g_q), "t3_g_q");
+  float* const v_g_q = coconet::cuda::scratch<float>(48, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
+  float* const v_t4_g_s_transpose = coconet::cuda::scratch<float>(49, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_t4_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t4_g_s_transpose), "t4_g_s_transpose");
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(50, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
+  float* const v_g_k = coconet::cuda::scratch<float>(51, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(52, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
+  float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
+  float* const v_d_bv = a.output<float>(7);
+  COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
+  float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(53, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
+  float* const v_d_wv = a.output<float>(6);
+  COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
+  float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(54, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
+  float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(55, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
+  float* const v_d_wk = a.output<float>(5);
+  COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
+  float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
+  float* const v_g_q_reshape2 = coconet::cuda::scratch<float>(56, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  COCONET_BUFFER(v_g_q_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape2), "g_q_reshape2");
+  float* const v_g_q_add = v_g_q_reshape2;  // a reshape of g_q_reshape2: its memory, no copy
+  float* const v_d_bq = a.output<float>(4);
+  COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
+  float* const v_g_q_reshape = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(57, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(58, S_B * S_S * S_H);
+  COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
+  float* const v_d_wq = a.output<float>(3);
+  COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
+  float* const v_g_qm_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
+  float* const v_g_n1s = coconet::cuda::scratch<float>(59, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_g_n1s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_g_n1s), "g_n1s");
+  float* const v_t5_d_x = coconet::cuda::scratch<float>(60, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
+  COCONET_BUFFER(v_t5_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_t5_d_x), "t5_d_x");
+  float* const v_d_x = a.output<float>(0);
+  COCONET_PARAM(v_d_x, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_x), "d_x", stream);
+  float* const v_g_ln1_w_part = coconet::cuda::scratch<float>(61, S_H);
+  COCONET_BUFFER(v_g_ln1_w_part, size_t(S_H) * sizeof(*v_g_ln1_w_part), "g_ln1_w_part");
+  float* const v_g_ln1_b_part = coconet::cuda::scratch<float>(62, S_H);
+  COCONET_BUFFER(v_g_ln1_b_part, size_t(S_H) * sizeof(*v_g_ln1_b_part), "g_ln1_b_part");
+  float* const v_d_b_proj = a.output<float>(15);
+  COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
+  float* const v_d_ln2_w = a.output<float>(10);
+  COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
+  float* const v_d_ln2_b = a.output<float>(11);
+  COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
+  float* const v_d_bo = a.output<float>(9);
+  COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
+  float* const v_d_ln1_w = a.output<float>(1);
+  COCONET_PARAM(v_d_ln1_w, size_t(S_H) * sizeof(*v_d_ln1_w), "d_ln1_w", stream);
+  float* const v_d_ln1_b = a.output<float>(2);
+  COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
+  // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
+  coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
+  coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
+  coconet::cuda::reshape<float>(v_d_bv, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bv's check
+  coconet::cuda::reshape<float>(v_d_wv, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wv's check
+  coconet::cuda::reshape<float>(v_g_k_matmul, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_k_matmul's check
+  coconet::cuda::reshape<float>(v_d_wk, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wk's check
+  coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
+  coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
+  coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
+  // [overlapped_both] reshape qm_reshape (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  {
+    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
+    cctx.stream = ctx.comm_stream;
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 64);  // its source is computed
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 63);  // chunk i has arrived
+      coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+    }
+  }
+  // [overlapped_both] reshape q_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] kernel: q_add (gpt_block.ccn:122)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_qm, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_q_reshape), COCONET_W(v_q_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_qm, v_q_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_qm = coconet::cuda::load<4>(v_qm + i0);
+        coconet::cuda::Vec<float, 4> out_q_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_q_add = coconet::round_to<float>(coconet::to_compute(in_qm[u]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+          out_q_add[u] = coconet::from_compute<float>(x_q_add);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_q_add + i0, out_q_add);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_q_add = coconet::round_to<float>(coconet::to_compute(v_qm[i]) + coconet::to_compute(v_q_reshape[c2 * int64_t(1)]));
+        v_q_add[i] = coconet::from_compute<float>(x_q_add);
+      }
+    });
+  }
+  // [overlapped_both] reshape q_reshape2 (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:122)
+  coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] reshape k_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] matmul k_matmul (gpt_block.ccn:123)
+  coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape k_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:123)
+  coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] reshape v_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] matmul v_matmul (gpt_block.ccn:124)
+  coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape v_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] kernel: v_add (gpt_block.ccn:124)
+  {
+    const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_v_matmul, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()), COCONET_RA(v_v_reshape2), COCONET_W(v_v_add, 0, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_v_matmul, v_v_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_v_matmul = coconet::cuda::load<4>(v_v_matmul + i0);
+        coconet::cuda::Vec<float, 4> out_v_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_v_add = coconet::round_to<float>(coconet::to_compute(in_v_matmul[u]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+          out_v_add[u] = coconet::from_compute<float>(x_v_add);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_v_add + i0, out_v_add);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_v_add = coconet::round_to<float>(coconet::to_compute(v_v_matmul[i]) + coconet::to_compute(v_v_reshape2[c2 * int64_t(1)]));
+        v_v_add[i] = coconet::from_compute<float>(x_v_add);
+      }
+    });
+  }
+  // [overlapped_both] reshape v_reshape3 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:124)
+  coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] transpose s_transpose (gpt_block.ccn:126)
+  coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped_both] matmul s_matmul (gpt_block.ccn:126)
+  coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped_both] kernel: s, p_where (gpt_block.ccn:126)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_p_where, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_s_matmul, v_p_where), stream, [=] __device__ (const auto& th) {
+      const float k0_s = coconet::to_compute(v_scale[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_s_matmul = coconet::cuda::load<4>(v_s_matmul + i0);
+        coconet::cuda::Vec<float, 4> out_p_where;
+        int64_t cv3 = 0, cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_s = coconet::round_to<float>(coconet::to_compute(in_s_matmul[u]) * k0_s);
+          const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+          out_p_where[u] = coconet::from_compute<float>(x_p_where);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) cv2 = 0; }
+        }
+        coconet::cuda::store<4>(v_p_where + i0, out_p_where);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_s = coconet::round_to<float>(coconet::to_compute(v_s_matmul[i]) * k0_s);
+        const float x_p_where = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_s) : float(-std::numeric_limits<float>::infinity())));
+        v_p_where[i] = coconet::from_compute<float>(x_p_where);
+      }
+    });
+  }
+  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
+  // [overlapped_both] kernel: a (gpt_block.ccn:128)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_a), stream, [=] __device__ (const auto& th) {
+      const float k1_a = coconet::to_compute(v_pdrop[0]);
+      const int64_t k2_a = coconet::to_compute(v_seed[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        coconet::cuda::Vec<float, 4> out_a;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_p[u]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_a[u] = coconet::from_compute<float>(x_a);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_a + i0, out_a);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_a = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_p[i]), double(k1_a), int64_t(k2_a), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_a[i] = coconet::from_compute<float>(x_a);
+      }
+    });
+  }
+  // [overlapped_both] matmul o_matmul (gpt_block.ccn:129)
+  coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped_both] transpose o_transpose (gpt_block.ccn:129)
+  coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:129)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape ap_reshape (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:204)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob <= 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
+      const bool here = ob < 2 && !rb.empty();
+      if (here) {
+      coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_ap_reshape, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 65);  // this block's rows are computed
+      }
+      const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
+      if (ob > 0 && !rp.empty()) {
+        coconet::cuda::wait_mark(67, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
+      if (!here) continue;
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped_both] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:203)
+  {
+    const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f1 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f1;
+    const int64_t ch_f1 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0) + S_H - 1) / S_H * S_H;
+    const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
+    const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
+    float* const red0_f1 = coconet::cuda::scratch<float>(68, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(69, nred_f1);
+  COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
+  COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f1 + k * ch_f1, hi = std::min(lo + ch_f1, mine_f1);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
+      COCONET_ACCESS(COCONET_RA(v_bo), COCONET_R(v_x, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_x + lo, v_x1 + lo), stream, [=] __device__ (const auto& th) {
+        const float k3_x1_dropout = coconet::to_compute(v_pdrop[0]);
+        const int64_t k4_x1_dropout = coconet::to_compute(v_seed[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_at = coconet::cuda::load<4>(red + j0);
+          const auto in_x = coconet::cuda::load<4>(v_x + lo + j0);
+          coconet::cuda::Vec<float, 4> out_x1;
+          int64_t cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+          {
+            const int64_t j = j0;
+            const int64_t i = lo + j;
+            int64_t rest = i;
+            cv2 = rest % L2; rest /= L2;
+            cv1 = rest % L1; rest /= L1;
+            cv0 = rest;
+            (void)rest;
+          }
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const int64_t c0 = cv0;
+            const int64_t c1 = cv1;
+            const int64_t c2 = cv2;
+            const float x_x1_add = coconet::round_to<float>(coconet::to_compute(in_at[u]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
+            const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+            const float x_x1 = coconet::round_to<float>(coconet::to_compute(in_x[u]) + x_x1_dropout);
+            out_x1[u] = coconet::from_compute<float>(x_x1);
+            if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } }
+          }
+          coconet::cuda::store<4>(v_x1 + lo + j0, out_x1);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          const float x_x1_add = coconet::round_to<float>(coconet::to_compute(red[j]) + coconet::to_compute(v_bo[c2 * int64_t(1)]));
+          const float x_x1_dropout = coconet::round_to<float>(coconet::dropout<float>(x_x1_add, double(k3_x1_dropout), int64_t(k4_x1_dropout), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          const float x_x1 = coconet::round_to<float>(coconet::to_compute(v_x[i]) + x_x1_dropout);
+          v_x1[i] = coconet::from_compute<float>(x_x1);
+        }
+      });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float x_n2s = coconet::round_to<float>(v);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
+        });
+      });
+    };
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
+    auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 560, reduce_to, compute, gather, source);
+  }
+      }
+      coconet::cuda::mark(sctx.stream, 67);  // block ob's rows of n2 are gathered
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 66);
+  }
+  // [overlapped_both] kernel: h_add, h (gpt_block.ccn:136)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add, out_h;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
+          out_h[u] = coconet::from_compute<float>(x_h);
+          if (++cv2 == L2) cv2 = 0;
+        }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+        coconet::cuda::store<4>(v_h + i0, out_h);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
+        v_h[i] = coconet::from_compute<float>(x_h);
+      }
+    });
+  }
+  // [overlapped_both] kernel: g_y_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+    const int64_t L2 = S_H;
+    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_y_add, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::colsum_rows<float>((S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) / std::max<int64_t>(1, S_H), S_H, v_g_b_proj_part, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and g_b_proj_part = the column sums of g_y_add
+      const float k5_g_y_add = coconet::to_compute(v_pdrop[0]);
+      const int64_t k6_g_y_add = coconet::to_compute(v_seed[0]);
+      auto rest = i;
+      const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+      const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+      const int64_t c0 = rest;
+      const float x_g_y_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_d_y[i]), double(k5_g_y_add), int64_t(k6_g_y_add), 2521596063u /* y#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+      v_g_y_add[i] = coconet::from_compute<float>(x_g_y_add);
+      (void)col;
+      return x_g_y_add;
+    });
+  }
+  // [overlapped_both] sum_lead g_b_proj_part (gpt_block.ccn)
+  // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
+  // [overlapped_both] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:206)
+  {
+    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
+    cctx.stream = ctx.comm_stream;
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 72);  // its source is computed
+    for (int i = 0; i < 2; ++i) {
+      const coconet::Range r = coconet::slice_range(S_B, 2, i);
+      if (r.empty()) continue;
+      coconet::cuda::allgather<float>(v_g_y_add + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_g_allgather2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 71);  // chunk i has arrived
+      coconet::cuda::matmul_nt<float>(v_g_allgather2 + (r.begin * S_S) * S_H, v_w_proj, v_g_h + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+    }
+  }
+  // [overlapped_both] matmul_tn d_w_proj (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_h, v_g_allgather2, v_d_w_proj, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+  // [overlapped_both] kernel: g_h_add (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_R(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_g_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::colsum_rows<float>((S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) / std::max<int64_t>(1, coconet::slice_range(S_F, comm.size, comm.rank).size()), coconet::slice_range(S_F, comm.size, comm.rank).size(), v_d_b_fc, stream, [=] __device__ (const int64_t i, const int64_t col) -> float {  // and d_b_fc = the column sums of g_h_add
+      const float x_g_h_add = coconet::round_to<float>(coconet::to_compute(v_g_h[i]) * (((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(0.5f) : float(coconet::to_compute(v_h[i]) / ((coconet::to_compute(v_h_add[i]) == 0.0f) ? float(1.0f) : float(coconet::to_compute(v_h_add[i]))))) + coconet::to_compute(v_h_add[i]) * (std::exp(coconet::to_compute(v_h_add[i]) * coconet::to_compute(v_h_add[i]) * -0.5f) * 0.3989422804014327f)));
+      v_g_h_add[i] = coconet::from_compute<float>(x_g_h_add);
+      (void)col;
+      return x_g_h_add;
+    });
+  }
+  // [overlapped_both] sum_lead d_b_fc (gpt_block.ccn)
+  // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
+  // [overlapped_both] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:208)
+  {
+    coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
+    sctx.stream = coconet::cuda::side_stream();
+    for (int ob = 0; ob <= 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
+      const bool here = ob < 2 && !rb.empty();
+      if (here) {
+      coconet::cuda::matmul_nt<float>(v_g_h_add + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, v_g_n2_part + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
+      coconet::cuda::join(ctx.stream, sctx.stream, 73);  // this block's rows are computed
+      }
+      const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
+      if (ob > 0 && !rp.empty()) {
+        coconet::cuda::wait_mark(75, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::matmul_nt<float>(v_g_allgather4 + (rp.begin * S_S) * S_H, v_ap_reshape, v_g_o + (rp.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+      }
+      if (!here) continue;
+      {
+      const coconet::cuda::Ctx& ctx = sctx;
+      const cudaStream_t stream = ctx.stream;
+  // [overlapped_both] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:207)
+  {
+    const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
+    const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
+    const int64_t most_f3 = (rb.end - rb.begin) * coconet::slice_chunk(S_S, comm.size) * S_H;
+    (void)base_f3;
+    const int64_t ch_f3 = (coconet::cuda::chunk_elems(comm.size == 1 ? most_f3 : 0) + S_H - 1) / S_H * S_H;
+    const int64_t chunks_f3 = (most_f3 + ch_f3 - 1) / ch_f3;
+    const int64_t nred_f3 = comm.size == 1 ? 0 : ch_f3;  // one rank: no chunk buffers
+    float* const red0_f3 = coconet::cuda::scratch<float>(76, nred_f3);
+    float* const red1_f3 = coconet::cuda::scratch<float>(77, nred_f3);
+  COCONET_BUFFER(red0_f3, size_t(nred_f3) * sizeof(*red0_f3), "red0 (chunk buffer 0 of fused f3)");
+  COCONET_BUFFER(red1_f3, size_t(nred_f3) * sizeof(*red1_f3), "red1 (chunk buffer 1 of fused f3)");
+    auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_g_n2_part, red, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto compute = [&](int64_t k, float* red) {
+      const int64_t lo = base_f3 + k * ch_f3, hi = std::min(lo + ch_f3, mine_f3);
+      if (hi <= lo) return;
+      const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;
+      (void)off;
+      const int64_t L0 = S_B;
+      const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
+      const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
+      COCONET_ACCESS(COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_n2s, lo, hi));
+      coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(red, v_g_n2s + lo), stream, [=] __device__ (const auto& th) {
+        const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+          const auto in_g_n2s = coconet::cuda::load<4>(red + j0);
+          coconet::cuda::Vec<float, 4> out_g_n2s;
+          COCONET_UNROLL
+          for (int u = 0; u < 4; ++u) {
+            const auto j = j0 + u;
+            const int64_t i = lo + j;
+            (void)i;
+            const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(in_g_n2s[u]));
+            out_g_n2s[u] = coconet::from_compute<float>(x_g_n2s);
+          }
+          coconet::cuda::store<4>(v_g_n2s + lo + j0, out_g_n2s);
+        }
+        for (const auto j : th.elements()) {  // past the last whole vector, or all when not aligned
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          (void)c0;
+          (void)c1;
+          (void)c2;
+          const float x_g_n2s = coconet::round_to<float>(coconet::to_compute(red[j]));
+          v_g_n2s[i] = coconet::from_compute<float>(x_g_n2s);
+        }
+      });
+      COCONET_ACCESS(COCONET_RA(v_ln2_w), COCONET_R(v_d_y, lo, hi), COCONET_R(red, 0, hi - lo), COCONET_R(v_x1, lo, hi), COCONET_W(v_g_x1, lo, hi));
+      coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm_dx in g_x1, a block per row
+        const int64_t row = lo + q * (S_H);
+        coconet::cuda::layernorm_dx_row_block([&](int64_t j) { return float(coconet::to_compute(v_x1[row + j])); }, v_ln2_w, [&](int64_t j) { return float(red[row + j - lo]); }, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
+          const int64_t i = row + c;
+          const float dx_ = coconet::round_to<float>(v);
+          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + dx_);
+          v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
+        });
+      });
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_g_allgather4, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_g_x1, lo, hi), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_g_x1_add, lo, hi));
+      coconet::cuda::launch_threads<1>(hi - lo, false, stream, [=] __device__ (const auto& th) {
+        const float k7_g_x1_add = coconet::to_compute(v_pdrop[0]);
+        const int64_t k8_g_x1_add = coconet::to_compute(v_seed[0]);
+        for (const auto j : th.elements()) {
+          const int64_t i = lo + j;
+          auto rest = i;
+          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+          const int64_t c0 = rest;
+          const float x_g_x1_add = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_x1[i]), double(k7_g_x1_add), int64_t(k8_g_x1_add), 3235606137u /* x1#0 */, static_cast<uint64_t>(c0 * S_S * S_H + (c1 + off) * S_H + c2 * int64_t(1))));
+          v_g_x1_add[i] = coconet::from_compute<float>(x_g_x1_add);
+          v_g_allgather4[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_g_x1_add);
+        }
+      });
+    };
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_g_allgather4, S_B, S_S, S_H, k, ch_f3, ctx, rb.begin, rb.end); };
+    auto keep = [&](int64_t k, float* red) { const int64_t lo = base_f3 + k * ch_f3; coconet::cuda::copy<float>(red, v_g_n2s + lo, std::min(ch_f3, mine_f3 - lo), ctx); };
+    auto compute_keep = [&](int64_t k, auto* red) { keep(k, red); compute(k, red); };
+    auto source = [&](int64_t k) { return v_g_n2_part + base_f3 + k * ch_f3; };  // one rank: chunk k's own elements
+    coconet::cuda::pipeline<float>(chunks_f3, red0_f3, red1_f3, ctx, 624, reduce_to, compute_keep, gather, source);
+  }
+      }
+      coconet::cuda::mark(sctx.stream, 75);  // block ob's rows of g_allgather4 are gathered
+    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 74);
+  }
+  // [overlapped_both] matmul_tn d_w_fc (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped_both] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped_both] sum_lead g_ln2_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n2s, v_g_ln2_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped_both] sum_lead g_bo_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_x1_add, v_g_bo_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped_both] matmul_tn g_ap_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_o, v_g_allgather4, v_g_ap_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [overlapped_both] reshape d_wo (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_ap_reshape, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] reshape g_o_transpose (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_o, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] transpose g_o_matmul (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_o_transpose, v_g_o_matmul, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
+  // [overlapped_both] transpose t0_g_a (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_v, v_t0_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped_both] matmul g_a (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_o_matmul, v_t0_g_a, v_g_a, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
+  // [overlapped_both] transpose t1_g_v (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_a, v_t1_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped_both] matmul g_v (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t1_g_v, v_g_o_matmul, v_g_v, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped_both] kernel: g_p (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_g_a, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_a, v_g_p), stream, [=] __device__ (const auto& th) {
+      const float k9_g_p = coconet::to_compute(v_pdrop[0]);
+      const int64_t k10_g_p = coconet::to_compute(v_seed[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_a = coconet::cuda::load<4>(v_g_a + i0);
+        coconet::cuda::Vec<float, 4> out_g_p;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(in_g_a[u]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+          out_g_p[u] = coconet::from_compute<float>(x_g_p);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_g_p + i0, out_g_p);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_g_p = coconet::round_to<float>(coconet::dropout<float>(coconet::to_compute(v_g_a[i]), double(k9_g_p), int64_t(k10_g_p), 4037809751u /* a#0 */, static_cast<uint64_t>(c0 * S_NH * S_S * S_S + (c1 + off) * S_S * S_S + c2 * S_S + c3 * int64_t(1))));
+        v_g_p[i] = coconet::from_compute<float>(x_g_p);
+      }
+    });
+  }
+  // [overlapped_both] kernel: t2_g_rows (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_W(v_t2_g_rows, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_g_p, v_p, v_t2_g_rows), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        coconet::cuda::Vec<float, 4> out_t2_g_rows;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(in_g_p[u]) * coconet::to_compute(in_p[u]));
+          out_t2_g_rows[u] = coconet::from_compute<float>(x_t2_g_rows);
+        }
+        coconet::cuda::store<4>(v_t2_g_rows + i0, out_t2_g_rows);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_t2_g_rows = coconet::round_to<float>(coconet::to_compute(v_g_p[i]) * coconet::to_compute(v_p[i]));
+        v_t2_g_rows[i] = coconet::from_compute<float>(x_t2_g_rows);
+      }
+    });
+  }
+  // [overlapped_both] sum_keep g_rows (gpt_block.ccn)
+  coconet::cuda::sum_keep<float>(v_t2_g_rows, v_g_rows, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, int64_t(1), ctx);
+  // [overlapped_both] kernel: g_p_where, g_s, g_s_matmul (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = coconet::slice_range(S_NH, comm.size, comm.rank).size();
+    const int64_t L2 = S_S;
+    const int64_t L3 = S_S;
+    COCONET_ACCESS(COCONET_R(v_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_R(v_g_p, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S), COCONET_RA(v_g_rows), COCONET_W(v_g_s_matmul, 0, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S, coconet::cuda::aligned<4>(v_p, v_g_p, v_g_s_matmul), stream, [=] __device__ (const auto& th) {
+      const float k11_g_s_matmul = coconet::to_compute(v_scale[0]);
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_p = coconet::cuda::load<4>(v_p + i0);
+        const auto in_g_p = coconet::cuda::load<4>(v_g_p + i0);
+        coconet::cuda::Vec<float, 4> out_g_s_matmul;
+        int64_t cv3 = 0, cv2 = 0, cv1 = 0, cv0 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv3 = rest % L3; rest /= L3;
+          cv2 = rest % L2; rest /= L2;
+          cv1 = rest % L1; rest /= L1;
+          cv0 = rest;
+          (void)rest;
+        }
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c0 = cv0;
+          const int64_t c1 = cv1;
+          const int64_t c2 = cv2;
+          const int64_t c3 = cv3;
+          const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(in_p[u]) * (coconet::to_compute(in_g_p[u]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+          const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
+          const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
+          out_g_s_matmul[u] = coconet::from_compute<float>(x_g_s_matmul);
+          if (++cv3 == L3) { cv3 = 0; if (++cv2 == L2) { cv2 = 0; if (++cv1 == L1) { cv1 = 0; ++cv0; } } }
+        }
+        coconet::cuda::store<4>(v_g_s_matmul + i0, out_g_s_matmul);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c3 = rest % decltype(rest)(L3); rest /= decltype(rest)(L3);
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        const float x_g_p_where = coconet::round_to<float>(coconet::to_compute(v_p[i]) * (coconet::to_compute(v_g_p[i]) - coconet::to_compute(v_g_rows[c0 * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1) + c1 * S_S * int64_t(1) + c2 * int64_t(1)])));
+        const float x_g_s = coconet::round_to<float>((((c3 <= c2 + int64_t(0))) ? float(x_g_p_where) : float(0.0f)));
+        const float x_g_s_matmul = coconet::round_to<float>(x_g_s * k11_g_s_matmul);
+        v_g_s_matmul[i] = coconet::from_compute<float>(x_g_s_matmul);
+      }
+    });
+  }
+  // [overlapped_both] transpose t3_g_q (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_s_transpose, v_t3_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped_both] matmul g_q (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_g_s_matmul, v_t3_g_q, v_g_q, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
+  // [overlapped_both] transpose t4_g_s_transpose (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_q, v_t4_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
+  // [overlapped_both] matmul g_s_transpose (gpt_block.ccn)
+  coconet::cuda::matmul<float>(v_t4_g_s_transpose, v_g_s_matmul, v_g_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, S_S, S_S, S_HD * S_S, S_S * S_S, stream);
+  // [overlapped_both] transpose g_k (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_s_transpose, v_g_k, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, int64_t(1), S_S, int64_t(1), ctx);
+  // [overlapped_both] transpose g_v_reshape3 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_v, v_g_v_reshape3, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape g_v_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape3, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] sum_lead g_v_reshape2 (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_v_add, v_g_v_reshape2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [overlapped_both] reshape d_bv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape2, v_d_bv, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] matmul_nt g_n1_part (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_v_add, v_v_reshape, v_g_n1_part, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [overlapped_both] matmul_tn g_v_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_v_add, v_g_v_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape d_wv (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_v_reshape, v_d_wv, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] transpose g_k_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_k, v_g_k_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape g_k_matmul (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape2, v_g_k_matmul, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] matmul_nt g_n1_part2 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_k_matmul, v_k_reshape, v_g_n1_part2, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [overlapped_both] matmul_tn g_k_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_k_matmul, v_g_k_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape d_wk (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_k_reshape, v_d_wk, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] transpose g_q_reshape2 (gpt_block.ccn)
+  coconet::cuda::transpose<float>(v_g_q, v_g_q_reshape2, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
+  // [overlapped_both] reshape g_q_add (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape2, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] sum_lead g_q_reshape (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_q_add, v_g_q_reshape, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), ctx);
+  // [overlapped_both] reshape d_bq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_q_reshape, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] matmul_nt g_n1_part3 (gpt_block.ccn)
+  coconet::cuda::matmul_nt<float>(v_g_q_add, v_qm_reshape, v_g_n1_part3, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
+  // [overlapped_both] kernel: g_n1_part4 (gpt_block.ccn)
+  {
+    const int64_t off = int64_t(0);  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_n1_part, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part2, 0, S_B * S_S * S_H), COCONET_R(v_g_n1_part3, 0, S_B * S_S * S_H), COCONET_W(v_g_n1_part4, 0, S_B * S_S * S_H));
+    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_n1_part, v_g_n1_part2, v_g_n1_part3, v_g_n1_part4), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_n1_part = coconet::cuda::load<4>(v_g_n1_part + i0);
+        const auto in_g_n1_part2 = coconet::cuda::load<4>(v_g_n1_part2 + i0);
+        const auto in_g_n1_part3 = coconet::cuda::load<4>(v_g_n1_part3 + i0);
+        coconet::cuda::Vec<float, 4> out_g_n1_part4;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(in_g_n1_part[u]) + coconet::to_compute(in_g_n1_part2[u]) + coconet::to_compute(in_g_n1_part3[u]));
+          out_g_n1_part4[u] = coconet::from_compute<float>(x_g_n1_part4);
+        }
+        coconet::cuda::store<4>(v_g_n1_part4 + i0, out_g_n1_part4);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_g_n1_part4 = coconet::round_to<float>(coconet::to_compute(v_g_n1_part[i]) + coconet::to_compute(v_g_n1_part2[i]) + coconet::to_compute(v_g_n1_part3[i]));
+        v_g_n1_part4[i] = coconet::from_compute<float>(x_g_n1_part4);
+      }
+    });
+  }
+  // [overlapped_both] matmul_tn g_qm_reshape (gpt_block.ccn)
+  coconet::cuda::matmul_tn<float>(v_n1, v_g_q_add, v_g_qm_reshape, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
+  // [overlapped_both] reshape d_wq (gpt_block.ccn)
+  coconet::cuda::reshape<float>(v_g_qm_reshape, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);
+  // [overlapped_both] reducescatter g_n1s (NCCL) (gpt_block.ccn)
+  coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
+  // [overlapped_both] layernorm_dx t5_d_x (gpt_block.ccn)
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped_both] kernel: d_x (gpt_block.ccn)
+  {
+    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
+    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
+        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
+        coconet::cuda::Vec<float, 4> out_d_x;
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
+          out_d_x[u] = coconet::from_compute<float>(x_d_x);
+        }
+        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
+        v_d_x[i] = coconet::from_compute<float>(x_d_x);
+      }
+    });
+  }
+  // [overlapped_both] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
+  coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped_both] sum_lead g_ln1_b_part (gpt_block.ccn)
+  coconet::cuda::sum_lead<float>(v_g_n1s, v_g_ln1_b_part, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
+  // [overlapped_both] allreduce d_b_proj (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_b_proj_part, v_d_b_proj, S_H, ctx);
+  // [overlapped_both] allreduce d_ln2_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_w_part, v_d_ln2_w, S_H, ctx);
+  // [overlapped_both] allreduce d_ln2_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln2_b_part, v_d_ln2_b, S_H, ctx);
+  // [overlapped_both] allreduce d_bo (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_bo_part, v_d_bo, S_H, ctx);
+  // [overlapped_both] allreduce d_ln1_w (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_w_part, v_d_ln1_w, S_H, ctx);
+  // [overlapped_both] allreduce d_ln1_b (NCCL) (gpt_block.ccn)
+  coconet::cuda::allreduce<float>(ncclSum, v_g_ln1_b_part, v_d_ln1_b, S_H, ctx);
+}
+
 // program gpt_block_sp_grad, schedule backward (gpt_block.ccn)
 void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   const coconet::cuda::Ctx ctx = coconet::cuda::context(a);
@@ -8318,7 +9390,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:219)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -8347,7 +9419,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:221)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -8359,7 +9431,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:203)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:220)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13329,17 +14401,15 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_t17_ap = v_wo;  // a reshape of wo: its memory, no copy
   float* const v_ap = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_ap, size_t(S_B * S_S * S_H) * sizeof(*v_ap), "ap");
-  float* const v_x1 = a.output<float>(8);
-  COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
-  float* const v_n2s = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H);
-  COCONET_BUFFER(v_n2s, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_n2s), "n2s");
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
+  float* const v_x1 = a.output<float>(8);
+  COCONET_PARAM(v_x1, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_hm = a.output<float>(10);
   COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
   float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
@@ -13362,12 +14432,12 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 16);  // its source is computed
+    coconet::cuda::join(ctx.stream, ctx.comm_stream, 15);  // its source is computed
     for (int i = 0; i < 2; ++i) {
       const coconet::Range r = coconet::slice_range(S_B, 2, i);
       if (r.empty()) continue;
       coconet::cuda::allgather<float>(v_n1s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n1 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 15);  // chunk i has arrived
+      coconet::cuda::join(ctx.comm_stream, ctx.stream, 14);  // chunk i has arrived
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_t0_qm, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
@@ -13618,15 +14688,23 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
-    for (int ob = 0; ob < 2; ++ob) {
-      const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
-      if (rb.empty()) continue;
+    for (int ob = 0; ob <= 2; ++ob) {
+      const coconet::Range rb = coconet::slice_range(S_B, 2, ob < 2 ? ob : 0);
+      const bool here = ob < 2 && !rb.empty();
+      if (here) {
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t17_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 17);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 16);  // this block's rows are computed
+      }
+      const coconet::Range rp = coconet::slice_range(S_B, 2, ob > 0 ? ob - 1 : 0);
+      if (ob > 0 && !rp.empty()) {
+        coconet::cuda::wait_mark(18, ctx.stream);  // block ob-1's fused collective is done
+        coconet::cuda::matmul<float>(v_n2 + (rp.begin * S_S) * S_H, v_w_fc, v_hm + (rp.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), rp.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+      }
+      if (!here) continue;
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:169)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13648,6 +14726,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const int64_t L0 = S_B;
       const int64_t L1 = coconet::slice_range(S_S, comm.size, comm.rank).size();
       const int64_t L2 = S_H;
+      const int64_t gm_ = coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this rank's part of one outer index
       COCONET_ACCESS(COCONET_R(v_x, lo, hi), COCONET_RA(v_bo), COCONET_R(red, 0, hi - (lo)), COCONET_W(v_x1, lo, hi));
       coconet::cuda::launch_threads<4>(hi - lo, coconet::cuda::aligned<4>(v_x + lo, red, v_x1 + lo), stream, [=] __device__ (const auto& th) {
         const float k3_x1 = coconet::to_compute(v_pdrop[0]);
@@ -13690,36 +14769,24 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
           v_x1[i] = coconet::from_compute<float>(x_x1);
         }
       });
-      COCONET_ACCESS(COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b), COCONET_W(v_n2s, lo, hi));
+      COCONET_ACCESS_RUNS(coconet::cuda::runs_w(v_n2, S_B, S_S, S_H, coconet::slice_range(S_S, comm.size, comm.rank), lo, hi), COCONET_R(v_x1, lo, hi), COCONET_RA(v_ln2_w), COCONET_RA(v_ln2_b));
       coconet::cuda::launch_rows<float>((hi - lo) / (S_H), stream, [=] __device__ (int64_t q, float* part) {  // layernorm n2s, a block per row
         const int64_t row = lo + q * (S_H);
         coconet::cuda::layernorm_row_block(v_x1 + row, v_ln2_w, v_ln2_b, static_cast<float>(1e-05), S_H, part, [&](int64_t c, float v) {
           const int64_t i = row + c;
           const float x_n2s = coconet::round_to<float>(v);
-          v_n2s[i] = coconet::from_compute<float>(x_n2s);
+          v_n2[(i / gm_ * S_S + off) * S_H + i % gm_] = coconet::from_compute<float>(x_n2s);
         });
       });
     };
-    auto gather = [&](int64_t) {};
+    auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_n2, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 168, reduce_to, compute, gather, source);
   }
       }
+      coconet::cuda::mark(sctx.stream, 18);  // block ob's rows of n2 are gathered
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 18);
-  }
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
-  {
-    coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
-    cctx.stream = ctx.comm_stream;
-    coconet::cuda::join(ctx.stream, ctx.comm_stream, 23);  // its source is computed
-    for (int i = 0; i < 2; ++i) {
-      const coconet::Range r = coconet::slice_range(S_B, 2, i);
-      if (r.empty()) continue;
-      coconet::cuda::allgather<float>(v_n2s + r.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, v_n2 + r.begin * S_S * S_H, r.size(), S_S, S_H, cctx);
-      coconet::cuda::join(ctx.comm_stream, ctx.stream, 22);  // chunk i has arrived
-      coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-    }
+    coconet::cuda::join(sctx.stream, ctx.stream, 17);
   }
   // [overlapped_both] kernel: h (gpt_block.ccn:136)
   {
@@ -13771,7 +14838,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 24);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 22);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
@@ -13784,8 +14851,8 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(26, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(27, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(24, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(25, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -13842,11 +14909,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t) {};
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 224, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 208, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 25);
+    coconet::cuda::join(sctx.stream, ctx.stream, 23);
   }
 }
 
@@ -14796,7 +15863,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:219)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -14825,7 +15892,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:221)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14837,7 +15904,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:203)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:220)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -15219,6 +16286,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_grad__overlapped", &coconet_gen::gpt_block_grad__overlapped},
       {"gpt_block_sp_grad__default", &coconet_gen::gpt_block_sp_grad__default},
       {"gpt_block_sp_grad__overlapped", &coconet_gen::gpt_block_sp_grad__overlapped},
+      {"gpt_block_sp_grad__overlapped_both", &coconet_gen::gpt_block_sp_grad__overlapped_both},
       {"gpt_block_sp_grad__backward", &coconet_gen::gpt_block_sp_grad__backward},
       {"gpt_block_fwd__default", &coconet_gen::gpt_block_fwd__default},
       {"gpt_block_fwd__fused", &coconet_gen::gpt_block_fwd__fused},
@@ -15232,7 +16300,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_sp_bwd__default", &coconet_gen::gpt_block_sp_bwd__default},
       {"gpt_block_sp_bwd__backward", &coconet_gen::gpt_block_sp_bwd__backward},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::cuda::CallArgs> entries{"gpt_block.ccn", table, 23};
+  static const coconet::Entries<coconet::cuda::CallArgs> entries{"gpt_block.ccn", table, 24};
   return &entries;
 }
 

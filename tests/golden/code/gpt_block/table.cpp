@@ -19,6 +19,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a);
 void gpt_block_grad__overlapped(const coconet::CallArgs& a);
 void gpt_block_sp_grad__default(const coconet::CallArgs& a);
 void gpt_block_sp_grad__overlapped(const coconet::CallArgs& a);
+void gpt_block_sp_grad__overlapped_both(const coconet::CallArgs& a);
 void gpt_block_sp_grad__backward(const coconet::CallArgs& a);
 void gpt_block_fwd__default(const coconet::CallArgs& a);
 void gpt_block_fwd__fused(const coconet::CallArgs& a);
@@ -46,6 +47,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_grad__overlapped", &coconet_gen::gpt_block_grad__overlapped},
       {"gpt_block_sp_grad__default", &coconet_gen::gpt_block_sp_grad__default},
       {"gpt_block_sp_grad__overlapped", &coconet_gen::gpt_block_sp_grad__overlapped},
+      {"gpt_block_sp_grad__overlapped_both", &coconet_gen::gpt_block_sp_grad__overlapped_both},
       {"gpt_block_sp_grad__backward", &coconet_gen::gpt_block_sp_grad__backward},
       {"gpt_block_fwd__default", &coconet_gen::gpt_block_fwd__default},
       {"gpt_block_fwd__fused", &coconet_gen::gpt_block_fwd__fused},
@@ -59,7 +61,7 @@ extern "C" __attribute__((visibility("hidden"))) const coconet::Entries<coconet:
       {"gpt_block_sp_bwd__default", &coconet_gen::gpt_block_sp_bwd__default},
       {"gpt_block_sp_bwd__backward", &coconet_gen::gpt_block_sp_bwd__backward},
       {nullptr, nullptr}};
-  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 23};
+  static const coconet::Entries<coconet::CallArgs> entries{"gpt_block.ccn", table, 24};
   return &entries;
 }
 
