@@ -25,6 +25,7 @@ from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fed_matmul,
                                            fused_spec, gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of,
+                                           substitute,
                                            unfed_matmul)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
@@ -472,6 +473,17 @@ class _Planner:
             return replace(e, args=tuple(self._scalars_out(a, stage, lets, refs_too) for a in e.args))
         return e
 
+    def _row_operands(self, c: Stage) -> Expr:
+        """A row-wise stage's expression with the row operation's operands from before the fusion
+        (layernorm's gamma and beta, layernorm_dx's x and gamma) that are expressions, not values,
+        computed into temporaries before the fused collective (a beta written `0.0 * ln_w`)."""
+        e = row_op(c.expr)
+        assert e is not None, c.name
+        outside = (1, 2) if e.op == "layernorm" else (0, 1)
+        args = tuple(Ref(self._materialize(a, c.name), a.type) if i in outside and not isinstance(a, Ref) else a
+                     for i, a in enumerate(e.args))
+        return substitute(c.expr, e, replace(e, args=args)) if args != e.args else c.expr
+
     def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
         """Is a value read outside these stages (so it must be stored)?"""
         return (any(u.name not in members for u in self.p.users(name))
@@ -502,7 +514,7 @@ class _Planner:
         else:
             self._buffer(coll.name, coll.type, "register", line=_line(coll.span))
         # what a chunk's stages compute from outside the fusion (norm(w), ...) comes first
-        exprs = {c.name: c.expr if _is_rows(c) else self._hoist(c.expr, c.name) for c in f.computes}
+        exprs = {c.name: self._row_operands(c) if _is_rows(c) else self._hoist(c.expr, c.name) for c in f.computes}
         lets: list[Let] = []
         phases = []
         for ph in _phases(f.computes):
