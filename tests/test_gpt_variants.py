@@ -230,3 +230,16 @@ def test_a_layernorm_beta_computed_from_gamma_is_computed_before_the_fused_colle
     got = np.concatenate([r.outputs["n"] for r in run(mod.schedule("ln_beta", "overlapped").ir,
                                                       _parts(inputs, 2, sliced))], axis=1)
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_layernorm_without_a_beta_says_how_to_write_one():
+    """`layernorm(x, w, 0.0, eps)`, what a user writing nanoGPT's bias=False tries first, is
+    refused at the 0.0, saying what to write instead (which gpt_nobias does)."""
+    from coconetc.errors import CompileError
+    src = "program p(x: f32[B, H] replicated, w: f32[H] replicated) {\n    y = layernorm(x, w, 0.0, 1e-5)\n    return y\n}\n"
+    with pytest.raises(CompileError) as e:
+        load_source(src)
+    d = e.value.diagnostics[0]
+    assert (d.span.line, d.span.col) == (2, 25), str(e.value)
+    assert ("layernorm's gamma/beta must have shape [H]; a layernorm without a bias (nanoGPT's bias=False) takes a "
+            "beta of zeros of that shape: `0.0 * w`") in str(e.value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, CompileError, Span
-from coconetc.ir.nodes import POINTWISE, Const, Fusion, Op, Overlap, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, TType
 from coconetc.plan.units import GatherChunks
 
@@ -247,7 +247,7 @@ def row_op(e) -> Op | None:
 ROW_VALUE = "@row"
 
 
-def substitute(e, old: Op, new: Ref):
+def substitute(e, old: Op, new: Expr):
     """e with its subexpression `old` (the very node) replaced by `new`."""
     if e is old:
         return new
