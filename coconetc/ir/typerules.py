@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from coconetc.errors import CompileError, Diagnostic, Span
-from coconetc.ir.expr import Const, Expr
+from coconetc.ir.expr import Const, Expr, Ref
 from coconetc.ir.types import (BITS, FLOATS, LOCAL, REPLICATED, Dim, Layout, TType, dim_op, eval_dim,
                                sliced)
 
@@ -215,7 +215,12 @@ def layernorm(name: str, args: Sequence[Expr], attrs: Attrs, span: Span) -> TTyp
         raise TypeErr(span, "layernorm needs a tensor")
     for g in (gamma, beta):
         if g.type.shape != t.shape[-1:]:
-            raise TypeErr(g.span or span, f"layernorm's gamma/beta must have shape [{t.shape[-1]}]")
+            hint = ""
+            if g is beta and g.type.shape == () and gamma.type.shape == t.shape[-1:]:  # (no bias meant)
+                zeros = f"0.0 * {gamma.name}" if isinstance(gamma, Ref) else "0.0 * gamma"
+                hint = (f"; a layernorm without a bias (nanoGPT's bias=False) takes a beta of zeros of that "
+                        f"shape: `{zeros}`")
+            raise TypeErr(g.span or span, f"layernorm's gamma/beta must have shape [{t.shape[-1]}]{hint}")
         if g.type.layout != REPLICATED:
             raise TypeErr(g.span or span, "layernorm's gamma/beta must be replicated")
     if eps.type.shape != ():

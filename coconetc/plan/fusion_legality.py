@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coconetc.errors import NOWHERE, CompileError, Span
-from coconetc.ir.nodes import POINTWISE, Const, Fusion, Op, Overlap, Program, Ref, Stage, walk
+from coconetc.ir.nodes import POINTWISE, Const, Expr, Fusion, Op, Overlap, Program, Ref, Stage, walk
 from coconetc.ir.types import Dim, TType
 from coconetc.plan.units import GatherChunks
 
@@ -247,7 +247,7 @@ def row_op(e) -> Op | None:
 ROW_VALUE = "@row"
 
 
-def substitute(e, old: Op, new: Ref):
+def substitute(e, old: Op, new: Expr):
     """e with its subexpression `old` (the very node) replaced by `new`."""
     if e is old:
         return new
@@ -260,7 +260,9 @@ def _row_stage(p: Program, s: Stage, first: Stage, inside: dict, scattered: set[
     """layernorm(x, gamma, beta, eps) of a value of the fused chunk, over its last dim, or
     layernorm_dx(x, gamma, g, eps) of a cotangent g of the chunk (x a value from before the
     fusion), inside a pointwise expression of values from before the fusion at its own
-    elements: with chunks of whole rows, each chunk's rows are computed as soon as they are."""
+    elements: with chunks of whole rows, each chunk's rows are computed as soon as they are.
+    gamma, beta (layernorm_dx's x, gamma) may be expressions of values from before the fusion
+    (a beta written `0.0 * ln_w`): the planner computes them before the fused collective."""
     e = row_op(s.expr)
     if e is None or s.type != first.type or first.type.ndim < 1:
         return False
@@ -282,7 +284,7 @@ def _row_stage(p: Program, s: Stage, first: Stage, inside: dict, scattered: set[
         if isinstance(x, Ref) and not same_elements(x.type, s.type):
             return False
     return (isinstance(row_in, Ref) and row_in.name in inside
-            and all(isinstance(a, Ref) and a.name not in inside for a in outside)
+            and all(not any(isinstance(n, Ref) and n.name in inside for n in walk(a)) for a in outside)
             and (isinstance(eps, Const) or (isinstance(eps, Ref) and eps.name not in inside)))
 
 

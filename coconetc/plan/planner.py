@@ -25,6 +25,7 @@ from coconetc.plan.colsums import with_colsums
 from coconetc.plan.epilogue import with_epilogues
 from coconetc.plan.fusion_legality import (REDUCE_UNIT, FusedSpec, GatherSpec, OverlapSpec, PlanError, fed_matmul,
                                            fused_spec, gather_spec, op_of, overlap_spec, row_op, same_elements, stage_of,
+                                           substitute,
                                            unfed_matmul)
 from coconetc.plan.targets import decide, diagnostics
 from coconetc.plan.verify import verify
@@ -73,19 +74,57 @@ def execution_order(p: Program) -> list[Stage]:
     kept."""
     order: list[Stage] = []
     pending: list[Stage] = []
+    early = _read_by_fusions(p)
+    placed: set[str] = set()
     for s in p.stages:
+        if s.name in placed:
+            continue
         if s.kind == "collective" and p.fusion_of(s.name) is None:
             pending.append(s)
             continue
         fusion = p.fusion_of(s.name)
         need = reads(s.expr)
+        ahead = early.get(s.name, [])
         if fusion is not None:
             need = {n for m in fusion.stages for n in reads(stage_of(p, m).expr)}
+        need |= {n for x in ahead for n in reads(x.expr)}
         needed = _pending_needed(pending, need)
         order += needed
         pending = [x for x in pending if x not in needed]
+        for x in ahead:  # (computed before the fusion's first member)
+            if x.name not in placed:
+                order.append(x)
+                placed.add(x.name)
         order.append(s)
+        placed.add(s.name)
     return order + pending
+
+
+def _read_by_fusions(p: Program) -> dict[str, list[Stage]]:
+    """For each fusion, the stages between its members in program order that its members read
+    (directly or through one another) and that read no member or stage computed after the
+    fusion starts: a layernorm's beta computed from its gamma (`0.0 * ln_w`) between the
+    residual it normalizes and the layernorm. They run before the fusion's first member (or the
+    matmul whose overlap it is), as what a fusion reads must; keyed by that first stage."""
+    out: dict[str, list[Stage]] = {}
+    index = {s.name: i for i, s in enumerate(p.stages)}
+    for fusion in p.fusions:
+        members = set(fusion.stages)
+        starts = members | {o.producer for o in p.overlaps if o.consumer in members | {fusion.name}}
+        first = min(index[m] for m in starts if m in index)
+        need = {n for m in members for n in reads(stage_of(p, m).expr)} - members
+        later = p.stages[first + 1:]
+        for s in reversed(later):  # what the members read, through the stages between them
+            if s.name in need and s.name not in members:
+                need |= reads(s.expr)
+        chosen: set[str] = set()
+        for s in later:  # those computed from values ready before the fusion starts
+            if (s.name in need and s.name not in members and s.kind != "collective"
+                    and all(index.get(n, -1) < first or n in chosen for n in reads(s.expr))):
+                chosen.add(s.name)
+        if chosen:
+            out[p.stages[first].name] = [s for s in p.stages if s.name in chosen]
+    return out
 
 
 def _pending_needed(pending: list[Stage], need: set[str]) -> list[Stage]:
@@ -434,6 +473,17 @@ class _Planner:
             return replace(e, args=tuple(self._scalars_out(a, stage, lets, refs_too) for a in e.args))
         return e
 
+    def _row_operands(self, c: Stage) -> Expr:
+        """A row-wise stage's expression with the row operation's operands from before the fusion
+        (layernorm's gamma and beta, layernorm_dx's x and gamma) that are expressions, not values,
+        computed into temporaries before the fused collective (a beta written `0.0 * ln_w`)."""
+        e = row_op(c.expr)
+        assert e is not None, c.name
+        outside = (1, 2) if e.op == "layernorm" else (0, 1)
+        args = tuple(Ref(self._materialize(a, c.name), a.type) if i in outside and not isinstance(a, Ref) else a
+                     for i, a in enumerate(e.args))
+        return substitute(c.expr, e, replace(e, args=args)) if args != e.args else c.expr
+
     def _needed_after(self, name: str, members: tuple[str, ...]) -> bool:
         """Is a value read outside these stages (so it must be stored)?"""
         return (any(u.name not in members for u in self.p.users(name))
@@ -464,7 +514,7 @@ class _Planner:
         else:
             self._buffer(coll.name, coll.type, "register", line=_line(coll.span))
         # what a chunk's stages compute from outside the fusion (norm(w), ...) comes first
-        exprs = {c.name: c.expr if _is_rows(c) else self._hoist(c.expr, c.name) for c in f.computes}
+        exprs = {c.name: self._row_operands(c) if _is_rows(c) else self._hoist(c.expr, c.name) for c in f.computes}
         lets: list[Let] = []
         phases = []
         for ph in _phases(f.computes):
