@@ -483,3 +483,31 @@ def test_contract_section_6_loads() -> None:
     assert {"adam", "lamb", "mlp_out", "stage"} <= set(mod.programs)
     assert set(mod.schedules["adam"]) == {"rs_c_ag", "zero"}
     assert set(mod.schedules["mlp_out"]) == {"overlapped"}
+
+
+def test_threads_parse_at_once_each_with_its_own_parser() -> None:
+    """The parser's post-lexer keeps the state of the parse in progress (the brackets still
+    open, for 'is never closed'), so each thread has its own parser: files loaded at once from
+    a thread pool (tests/test_cpu_backend.py's builds) parsed as they are, and a syntax error
+    in one thread names its own bracket."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coconetc.frontend import parser
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(parser._parser()))
+    t.start()
+    t.join()
+    assert parser._parser() is parser._parser() and other[0] is not parser._parser()
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    texts = [(f.read_text(), str(f)) for f in sorted(examples.glob("*.ccn"))]
+    bad = "program p(x: f32[N] local) {\n    y = (x + 1\n}\n"
+
+    def one(i: int):
+        if i % 7 == 0:
+            with pytest.raises(CompileError, match=r"'\(' is never closed \(found '\}' at line 3\)"):
+                parser.parse(bad, "bad.ccn")
+            return None
+        return parser.parse(*texts[i % len(texts)]).programs
+    with ThreadPoolExecutor(4) as pool:
+        assert all(r is None or r for r in pool.map(one, range(8 * len(texts))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from functools import cache
 from typing import Any
@@ -61,12 +62,28 @@ class _DropNewlinesInBrackets:
             yield tok
 
 
-@cache
+_THREAD = threading.local()
+
+
 def _parser() -> lark.Lark:
-    text = grammar_file().read_text()
+    """This thread's parser: its post-lexer keeps the state of the parse in progress (and of the
+    last one, for the syntax error's message), so threads parsing at once (coconetc.load from a
+    thread pool) each need their own."""
+    p = getattr(_THREAD, "parser", None)
+    if p is None:
+        p = _THREAD.parser = _new_parser()
+    return p
+
+
+def _new_parser() -> lark.Lark:
     # cache=True: Lark keeps the analysed grammar in a temp file, keyed by its text and options
-    return lark.Lark(text, parser="lalr", lexer="contextual", postlex=_DropNewlinesInBrackets(), cache=True,
+    return lark.Lark(_grammar(), parser="lalr", lexer="contextual", postlex=_DropNewlinesInBrackets(), cache=True,
                      propagate_positions=True, maybe_placeholders=True)
+
+
+@cache
+def _grammar() -> str:
+    return grammar_file().read_text()
 
 
 _TOKEN_WORDS = {
