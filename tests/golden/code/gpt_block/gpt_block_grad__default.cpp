@@ -252,8 +252,7 @@ void gpt_block_grad__default(const coconet::CallArgs& a) {
   coconet::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:41)");
   // [default] transpose v (gpt_block.ccn:41)
   coconet::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD);
-  // [default] transpose s_transpose (gpt_block.ccn:43)
-  coconet::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1));
+  // s_transpose: part of the forward attention call (plan: attention)
   // s_matmul: part of the forward attention call (plan: attention)
   // s, p_where: part of the forward attention call (plan: attention)
   // p: part of the forward attention call (plan: attention)
