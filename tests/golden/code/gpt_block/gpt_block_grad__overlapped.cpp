@@ -68,7 +68,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   float* const v_at = coconet::scratch<float, 18>(S_B * S_S * S_H);
   float* const v_x1 = coconet::scratch<float, 19>(S_B * S_S * S_H);
   float* const v_n2 = coconet::scratch<float, 20>(S_B * S_S * S_H);
-  float* const v_h_matmul = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_hm = coconet::scratch<float, 21>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h_add = coconet::scratch<float, 22>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_h = coconet::scratch<float, 23>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   float* const v_g_y_add = coconet::scratch<float, 24>(S_B * S_S * S_H);
@@ -314,9 +314,9 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
-  coconet::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
-  // [overlapped] loop: h_add, h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
+  // [overlapped] loop: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -332,7 +332,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
       const int64_t c2 = rest % L2; rest /= L2;
       const int64_t c1 = rest % L1; rest /= L1;
       const int64_t c0 = rest;
-      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+      const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
@@ -350,7 +350,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
       COCONET_IVDEP
       for (int64_t i = i0; i < e0; ++i) {
         const int64_t c2 = j0 + (i - i0);
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
       v_h_add[i] = coconet::from_compute<float>(x_h_add);
       const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
       v_h[i] = coconet::from_compute<float>(x_h);
@@ -434,7 +434,7 @@ void gpt_block_grad__overlapped(const coconet::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   coconet::PackedChunks<float> pk_g_n2_part(2, S_B, S_S, S_H);
   coconet::overlap(2, [&](int i) {
     const coconet::Range r = coconet::slice_range(S_S, 2, i);

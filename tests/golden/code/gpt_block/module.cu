@@ -107,8 +107,8 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(21, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t19_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
+  float* const v_hm = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(24, S_B * S_S * S_H);
@@ -416,19 +416,19 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -442,7 +442,7 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -455,16 +455,16 @@ void gpt_block__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:52)
+  // [default] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce mt (NCCL) (gpt_block.ccn:53)
+  // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:54)
+  // [default] kernel: y (gpt_block.ccn:55)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -607,8 +607,8 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t19_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
@@ -866,7 +866,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -910,19 +910,19 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
   }
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [fused] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:51)
+  // [fused] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -936,7 +936,7 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -949,14 +949,14 @@ void gpt_block__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:52)
+  // [fused] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1097,8 +1097,8 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_t19_h = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h");
   float* const v_mp = coconet::cuda::scratch<float>(23, S_B * S_S * S_H);
@@ -1354,7 +1354,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -1366,7 +1366,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:75)
+  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:76)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1414,19 +1414,19 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -1440,7 +1440,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -1453,12 +1453,12 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -1470,7 +1470,7 @@ void gpt_block__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:79)
+  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:80)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -1631,16 +1631,16 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mt, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [default] layernorm n1s (gpt_block.ccn:119)
+  // [default] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1684,23 +1684,23 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -1744,14 +1744,14 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:126)
+  // [default] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1822,9 +1822,9 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:127)
+  // [default] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:128)
+  // [default] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1878,15 +1878,15 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:132)
+  // [default] kernel: x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1933,13 +1933,13 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:133)
+  // [default] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:135)
+  // [default] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:136)
+  // [default] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -1981,11 +1981,11 @@ void gpt_block_sp__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:137)
+  // [default] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:138)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:139)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:139)
+  // [default] kernel: y (gpt_block.ccn:140)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2141,16 +2141,16 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [fused] layernorm n1s (gpt_block.ccn:119)
+  // [fused] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2194,23 +2194,23 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2254,14 +2254,14 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [fused] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [fused] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:126)
+  // [fused] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2332,9 +2332,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] softmax p (gpt_block.ccn:127)
+  // [fused] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:128)
+  // [fused] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2388,13 +2388,13 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [fused] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:148)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2473,9 +2473,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 216, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:135)
+  // [fused] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:136)
+  // [fused] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2517,9 +2517,9 @@ void gpt_block_sp__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:137)
+  // [fused] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:149)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -2697,16 +2697,16 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2750,23 +2750,23 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -2810,14 +2810,14 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:126)
+  // [overlapped] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2888,9 +2888,9 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:127)
+  // [overlapped] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:128)
+  // [overlapped] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -2944,11 +2944,11 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:156)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -2960,7 +2960,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:156)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3043,9 +3043,9 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 26);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:135)
+  // [overlapped] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:136)
+  // [overlapped] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3087,7 +3087,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:158)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3099,7 +3099,7 @@ void gpt_block_sp__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:157)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:158)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3283,11 +3283,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:168)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -3301,7 +3301,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3345,23 +3345,23 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -3405,14 +3405,14 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:126)
+  // [overlapped_both] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3483,9 +3483,9 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  // [overlapped_both] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:128)
+  // [overlapped_both] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3539,11 +3539,11 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:170)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3555,7 +3555,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:170)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3637,7 +3637,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 29);
   }
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
+  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:172)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -3650,7 +3650,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:136)
+  // [overlapped_both] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -3692,7 +3692,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:173)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:174)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -3704,7 +3704,7 @@ void gpt_block_sp__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:172)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:173)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -3878,8 +3878,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_h_matmul = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -4292,19 +4292,19 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul h_matmul (gpt_block.ccn:51)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -4318,7 +4318,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
           out_h_add[u] = coconet::from_compute<float>(x_h_add);
           const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
           out_h[u] = coconet::from_compute<float>(x_h);
@@ -4334,7 +4334,7 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
         v_h_add[i] = coconet::from_compute<float>(x_h_add);
         const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
         v_h[i] = coconet::from_compute<float>(x_h);
@@ -4821,8 +4821,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_BUFFER(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1");
   float* const v_n2 = coconet::cuda::scratch<float>(20, S_B * S_S * S_H);
   COCONET_BUFFER(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2");
-  float* const v_h_matmul = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
+  float* const v_hm = coconet::cuda::scratch<float>(21, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  COCONET_BUFFER(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm");
   float* const v_h_add = coconet::cuda::scratch<float>(22, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
   float* const v_h = coconet::cuda::scratch<float>(23, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
@@ -5234,19 +5234,19 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h_add, out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -5260,7 +5260,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
           out_h_add[u] = coconet::from_compute<float>(x_h_add);
           const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
           out_h[u] = coconet::from_compute<float>(x_h);
@@ -5276,7 +5276,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
         v_h_add[i] = coconet::from_compute<float>(x_h_add);
         const float x_h = coconet::round_to<float>(coconet::gelu(x_h_add));
         v_h[i] = coconet::from_compute<float>(x_h);
@@ -5328,7 +5328,7 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -5899,16 +5899,16 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -5919,17 +5919,17 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [default] layernorm n1s (gpt_block.ccn:119)
+  // [default] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [default] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [default] matmul qm (gpt_block.ccn:121)
+  // [default] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] kernel: q_add (gpt_block.ccn:122)
+  // [default] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -5971,25 +5971,25 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose q (gpt_block.ccn:122)
+  // [default] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] matmul k_matmul (gpt_block.ccn:123)
+  // [default] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose k (gpt_block.ccn:123)
+  // [default] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] matmul v_matmul (gpt_block.ccn:124)
+  // [default] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [default] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] kernel: v_add (gpt_block.ccn:124)
+  // [default] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6031,15 +6031,15 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose v (gpt_block.ccn:124)
+  // [default] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:126)
+  // [default] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] matmul s_matmul (gpt_block.ccn:126)
+  // [default] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s, p_where (gpt_block.ccn:126)
+  // [default] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6088,9 +6088,9 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:127)
+  // [default] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:128)
+  // [default] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6140,19 +6140,19 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul o_matmul (gpt_block.ccn:129)
+  // [default] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [default] transpose o_transpose (gpt_block.ccn:129)
+  // [default] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] matmul ap (gpt_block.ccn:130)
+  // [default] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [default] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:132)
+  // [default] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6203,13 +6203,13 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:133)
+  // [default] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:135)
+  // [default] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h_add, h (gpt_block.ccn:136)
+  // [default] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6871,16 +6871,16 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -6891,11 +6891,11 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:119)
+  // [overlapped] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:187)
+  // [overlapped] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:188)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -6908,9 +6908,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n1 + (r.begin * S_S) * S_H, v_qm_reshape, v_qm + (r.begin * S_S) * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] kernel: q_add (gpt_block.ccn:122)
+  // [overlapped] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -6952,25 +6952,25 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:122)
+  // [overlapped] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] matmul k_matmul (gpt_block.ccn:123)
+  // [overlapped] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:123)
+  // [overlapped] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] matmul v_matmul (gpt_block.ccn:124)
+  // [overlapped] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [overlapped] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] kernel: v_add (gpt_block.ccn:124)
+  // [overlapped] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7012,15 +7012,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:124)
+  // [overlapped] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [overlapped] transpose s_transpose (gpt_block.ccn:126)
+  // [overlapped] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [overlapped] matmul s_matmul (gpt_block.ccn:126)
+  // [overlapped] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s, p_where (gpt_block.ccn:126)
+  // [overlapped] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7069,9 +7069,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:127)
+  // [overlapped] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:128)
+  // [overlapped] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7121,15 +7121,15 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] matmul o_matmul (gpt_block.ccn:129)
+  // [overlapped] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [overlapped] transpose o_transpose (gpt_block.ccn:129)
+  // [overlapped] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [overlapped] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:189)
+  // [overlapped] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [overlapped] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:190)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7141,7 +7141,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:188)
+  // [overlapped] fused collective f1: at, x1_add, x1_dropout, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:189)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7228,9 +7228,9 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 66);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:135)
+  // [overlapped] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h_add, h (gpt_block.ccn:136)
+  // [overlapped] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -7300,7 +7300,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:190)
+  // [overlapped] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:191)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -7329,7 +7329,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:192)
+  // [overlapped] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:193)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -7341,7 +7341,7 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:191)
+  // [overlapped] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:192)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -7938,16 +7938,16 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape's check
-  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // q_reshape2's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape2's check
-  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape3's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape's check
+  coconet::cuda::reshape<float>(v_q_reshape2, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // q_reshape2's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape2, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape2, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape2's check
+  coconet::cuda::reshape<float>(v_v_reshape3, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape3's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -7958,17 +7958,17 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [backward] layernorm n1s (gpt_block.ccn:119)
+  // [backward] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [backward] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [backward] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [backward] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
-  // [backward] matmul qm (gpt_block.ccn:121)
+  // [backward] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_qm_reshape, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape q_reshape (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] kernel: q_add (gpt_block.ccn:122)
+  // [backward] reshape q_reshape (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_bq, v_q_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] kernel: q_add (gpt_block.ccn:123)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8010,25 +8010,25 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape q_reshape2 (gpt_block.ccn:122)
-  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [backward] transpose q (gpt_block.ccn:122)
+  // [backward] reshape q_reshape2 (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_q_add, v_q_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [backward] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_q_reshape2, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] matmul k_matmul (gpt_block.ccn:123)
+  // [backward] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] matmul k_matmul (gpt_block.ccn:124)
   coconet::cuda::matmul<float>(v_n1, v_k_reshape, v_k_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape k_reshape2 (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] transpose k (gpt_block.ccn:123)
+  // [backward] reshape k_reshape2 (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_k_matmul, v_k_reshape2, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_k_reshape2, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] matmul v_matmul (gpt_block.ccn:124)
+  // [backward] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] matmul v_matmul (gpt_block.ccn:125)
   coconet::cuda::matmul<float>(v_n1, v_v_reshape, v_v_matmul, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
-  // [backward] reshape v_reshape2 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] kernel: v_add (gpt_block.ccn:124)
+  // [backward] reshape v_reshape2 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_bv, v_v_reshape2, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] kernel: v_add (gpt_block.ccn:125)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8070,15 +8070,15 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] reshape v_reshape3 (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] transpose v (gpt_block.ccn:124)
+  // [backward] reshape v_reshape3 (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_v_add, v_v_reshape3, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_v_reshape3, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:126)
+  // [backward] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] matmul s_matmul (gpt_block.ccn:126)
+  // [backward] matmul s_matmul (gpt_block.ccn:127)
   coconet::cuda::matmul<float>(v_q, v_s_transpose, v_s_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [backward] kernel: s, p_where (gpt_block.ccn:126)
+  // [backward] kernel: s, p_where (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8127,9 +8127,9 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] softmax p (gpt_block.ccn:127)
+  // [backward] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_p_where, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [backward] kernel: a (gpt_block.ccn:128)
+  // [backward] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8179,19 +8179,19 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] matmul o_matmul (gpt_block.ccn:129)
+  // [backward] matmul o_matmul (gpt_block.ccn:130)
   coconet::cuda::matmul<float>(v_a, v_v, v_o_matmul, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
-  // [backward] transpose o_transpose (gpt_block.ccn:129)
+  // [backward] transpose o_transpose (gpt_block.ccn:130)
   coconet::cuda::transpose<float>(v_o_matmul, v_o_transpose, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [backward] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [backward] matmul ap (gpt_block.ccn:130)
+  // [backward] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_o_transpose, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
+  // [backward] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [backward] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_ap_reshape, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [backward] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [backward] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:132)
+  // [backward] kernel: x1_add, x1_dropout, x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8242,13 +8242,13 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [backward] layernorm n2s (gpt_block.ccn:133)
+  // [backward] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [backward] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [backward] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [backward] matmul hm (gpt_block.ccn:135)
+  // [backward] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [backward] kernel: h_add, h (gpt_block.ccn:136)
+  // [backward] kernel: h_add, h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -8318,7 +8318,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:203)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -8347,7 +8347,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:205)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -8359,7 +8359,7 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:203)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:204)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -8825,13 +8825,13 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(13, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
-  float* const v_h = a.output<float>(10);
+  float* const v_hm = a.output<float>(10);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
-  float* const v_mt = coconet::cuda::scratch<float>(15, S_B * S_S * S_H);
+  float* const v_mt = coconet::cuda::scratch<float>(14, S_B * S_S * S_H);
   COCONET_BUFFER(v_mt, size_t(S_B * S_S * S_H) * sizeof(*v_mt), "mt");
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * S_S * S_H) * sizeof(*v_y), "y", stream);
@@ -9145,19 +9145,19 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
   }
   // [default] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [default] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:51)
+  // [default] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [default] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -9171,7 +9171,7 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -9184,16 +9184,16 @@ void gpt_block_fwd__default(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:52)
+  // [default] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] allreduce mt (NCCL) (gpt_block.ccn:53)
+  // [default] allreduce mt (NCCL) (gpt_block.ccn:54)
   coconet::cuda::allreduce<float>(ncclSum, v_mp, v_mt, S_B * S_S * S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:54)
+  // [default] kernel: y (gpt_block.ccn:55)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
     (void)off;
@@ -9336,11 +9336,11 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
-  float* const v_h = a.output<float>(10);
+  float* const v_hm = a.output<float>(10);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
@@ -9606,7 +9606,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
   // [fused] matmul ap (gpt_block.ccn:47)
   coconet::cuda::matmul<float>(v_o, v_t18_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:64)
+  // [fused] fused collective f1: rs1, x1, ag_x1 (gpt_block.ccn:65)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -9615,8 +9615,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(14, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(15, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(13, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(14, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx); };
@@ -9646,23 +9646,23 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 120, reduce_to, compute, gather, source);
   }
   // [fused] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [fused] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:51)
+  // [fused] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [fused] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -9676,7 +9676,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -9689,14 +9689,14 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:52)
+  // [fused] matmul mp (gpt_block.ccn:53)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:67)
+  // [fused] fused collective f2: rs2, y, ag_y (gpt_block.ccn:68)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -9705,8 +9705,8 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(17, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(18, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(16, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(17, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx); };
@@ -9736,7 +9736,7 @@ void gpt_block_fwd__fused(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 152, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 144, reduce_to, compute, gather, source);
   }
 }
 
@@ -9837,11 +9837,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_ag_x1, size_t(S_B * S_S * S_H) * sizeof(*v_ag_x1), "ag_x1", stream);
   float* const v_n2 = a.output<float>(9);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_t19_h = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_t19_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_t19_h), "t19_h");
-  float* const v_h = a.output<float>(10);
+  float* const v_hm = a.output<float>(10);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.output<float>(11);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_mp = coconet::cuda::scratch<float>(13, S_B * S_S * S_H);
+  float* const v_mp = coconet::cuda::scratch<float>(12, S_B * S_S * S_H);
   COCONET_BUFFER(v_mp, size_t(S_B * S_S * S_H) * sizeof(*v_mp), "mp");
   float* const v_ag_y = a.output<float>(0);
   COCONET_PARAM(v_ag_y, size_t(S_B * S_S * S_H) * sizeof(*v_ag_y), "ag_y", stream);
@@ -10105,7 +10105,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_t17_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:46)", ctx);
   // [overlapped] reshape t18_ap (gpt_block.ccn)
   coconet::cuda::reshape<float>(v_wo, v_t18_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:76)
+  // [overlapped] overlap ap -> rs1: 2 chunks along dim 0 (gpt_block.ccn:77)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -10113,11 +10113,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_o + rb.begin * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), v_t18_ap, v_ap + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 14);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 13);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:75)
+  // [overlapped] fused collective f1: rs1, x1, ag_x1 (rows rb of dim 0) (gpt_block.ccn:76)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -10126,8 +10126,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f1 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f1 : 0);
     const int64_t chunks_f1 = (most_f1 + ch_f1 - 1) / ch_f1;
     const int64_t nred_f1 = comm.size == 1 ? 0 : ch_f1;  // one rank: no chunk buffers
-    float* const red0_f1 = coconet::cuda::scratch<float>(16, nred_f1);
-    float* const red1_f1 = coconet::cuda::scratch<float>(17, nred_f1);
+    float* const red0_f1 = coconet::cuda::scratch<float>(15, nred_f1);
+    float* const red1_f1 = coconet::cuda::scratch<float>(16, nred_f1);
   COCONET_BUFFER(red0_f1, size_t(nred_f1) * sizeof(*red0_f1), "red0 (chunk buffer 0 of fused f1)");
   COCONET_BUFFER(red1_f1, size_t(nred_f1) * sizeof(*red1_f1), "red1 (chunk buffer 1 of fused f1)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_ap, red, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
@@ -10157,27 +10157,27 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_x1, S_B, S_S, S_H, k, ch_f1, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 144, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 136, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 15);
+    coconet::cuda::join(sctx.stream, ctx.stream, 14);
   }
   // [overlapped] layernorm n2 (gpt_block.ccn:50)
   coconet::cuda::layernorm<float>(v_ag_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * S_S, S_H, v_n2, ctx);
-  // [overlapped] matmul t19_h (gpt_block.ccn)
-  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_t19_h, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:51)
+  // [overlapped] matmul hm (gpt_block.ccn:51)
+  coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
+  // [overlapped] kernel: h (gpt_block.ccn:52)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
     const int64_t L0 = S_B;
     const int64_t L1 = S_S;
     const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-    COCONET_ACCESS(COCONET_R(v_t19_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_t19_h, v_h), stream, [=] __device__ (const auto& th) {
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h), stream, [=] __device__ (const auto& th) {
       for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_t19_h = coconet::cuda::load<4>(v_t19_h + i0);
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
         coconet::cuda::Vec<float, 4> out_h;
         int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
         {
@@ -10191,7 +10191,7 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
           const auto i = i0 + u;
           (void)i;
           const int64_t c2 = cv2;
-          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_t19_h[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+          const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
           out_h[u] = coconet::from_compute<float>(x_h);
           if (++cv2 == L2) cv2 = 0;
         }
@@ -10204,12 +10204,12 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
         const int64_t c0 = rest;
         (void)c0;
         (void)c1;
-        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_t19_h[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
+        const float x_h = coconet::round_to<float>(coconet::gelu(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)])));
         v_h[i] = coconet::from_compute<float>(x_h);
       }
     });
   }
-  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:80)
+  // [overlapped] overlap mp -> rs2: 2 chunks along dim 0 (gpt_block.ccn:81)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -10217,11 +10217,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       const coconet::Range rb = coconet::slice_range(S_B, 2, ob);
       if (rb.empty()) continue;
       coconet::cuda::matmul<float>(v_h + rb.begin * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_proj, v_mp + rb.begin * S_S * S_H, rb.size() * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, sctx.stream, 19);  // this block's rows are computed
+      coconet::cuda::join(ctx.stream, sctx.stream, 18);  // this block's rows are computed
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:79)
+  // [overlapped] fused collective f2: rs2, y, ag_y (rows rb of dim 0) (gpt_block.ccn:80)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -10230,8 +10230,8 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     const int64_t ch_f2 = coconet::cuda::chunk_elems(comm.size == 1 ? most_f2 : 0);
     const int64_t chunks_f2 = (most_f2 + ch_f2 - 1) / ch_f2;
     const int64_t nred_f2 = comm.size == 1 ? 0 : ch_f2;  // one rank: no chunk buffers
-    float* const red0_f2 = coconet::cuda::scratch<float>(21, nred_f2);
-    float* const red1_f2 = coconet::cuda::scratch<float>(22, nred_f2);
+    float* const red0_f2 = coconet::cuda::scratch<float>(20, nred_f2);
+    float* const red1_f2 = coconet::cuda::scratch<float>(21, nred_f2);
   COCONET_BUFFER(red0_f2, size_t(nred_f2) * sizeof(*red0_f2), "red0 (chunk buffer 0 of fused f2)");
   COCONET_BUFFER(red1_f2, size_t(nred_f2) * sizeof(*red1_f2), "red1 (chunk buffer 1 of fused f2)");
     auto reduce_to = [&](int64_t k, float* red) { coconet::cuda::reduce_chunk<float>(ncclSum, v_mp, red, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
@@ -10261,11 +10261,11 @@ void gpt_block_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     };
     auto gather = [&](int64_t k) { coconet::cuda::gather_chunk<float>(v_ag_y, S_B, S_S, S_H, k, ch_f2, ctx, rb.begin, rb.end); };
     auto source = [&](int64_t k) { return v_mp + base_f2 + k * ch_f2; };  // one rank: chunk k's own elements
-    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 184, reduce_to, compute, gather, source);
+    coconet::cuda::pipeline<float>(chunks_f2, red0_f2, red1_f2, ctx, 176, reduce_to, compute, gather, source);
   }
       }
     }
-    coconet::cuda::join(sctx.stream, ctx.stream, 20);
+    coconet::cuda::join(sctx.stream, ctx.stream, 19);
   }
 }
 
@@ -10334,9 +10334,11 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.tensor<float>(24);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_h = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(25);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.tensor<float>(26);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(26);
+  float* const v_d_y = a.tensor<float>(27);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
@@ -10344,109 +10346,107 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
-  float* const v_g_n2_part = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2_part = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2_part), "g_n2_part");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_g_n2 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(11, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(12, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(26, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(31, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(35, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -10479,52 +10479,48 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [default] matmul h_matmul (gpt_block.ccn:51)
-  if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
-    coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-    {
-      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = S_S;
-      const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-      COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
-        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
-          coconet::cuda::Vec<float, 4> out_h_add;
-          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t i = i0;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const auto i = i0 + u;
-            (void)i;
-            const int64_t c2 = cv2;
-            const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-            out_h_add[u] = coconet::from_compute<float>(x_h_add);
-            if (++cv2 == L2) cv2 = 0;
-          }
-          coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+  // [default] kernel: h_add (gpt_block.ccn:52)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
         }
-        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-          auto rest = i;
-          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-          const int64_t c0 = rest;
-          (void)c0;
-          (void)c1;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          if (++cv2 == L2) cv2 = 0;
         }
-      });
-    }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+      }
+    });
   }
-  // kernel h_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   // [default] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -10971,9 +10967,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   COCONET_PARAM(v_x1, size_t(S_B * S_S * S_H) * sizeof(*v_x1), "x1", stream);
   float* const v_n2 = a.tensor<float>(24);
   COCONET_PARAM(v_n2, size_t(S_B * S_S * S_H) * sizeof(*v_n2), "n2", stream);
-  float* const v_h = a.tensor<float>(25);
+  float* const v_hm = a.tensor<float>(25);
+  COCONET_PARAM(v_hm, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_hm), "hm", stream);
+  float* const v_h = a.tensor<float>(26);
   COCONET_PARAM(v_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h), "h", stream);
-  float* const v_d_y = a.tensor<float>(26);
+  float* const v_d_y = a.tensor<float>(27);
   COCONET_PARAM(v_d_y, size_t(S_B * S_S * S_H) * sizeof(*v_d_y), "d_y", stream);
   float* const v_q_reshape = v_wq;  // a reshape of wq: its memory, no copy
   float* const v_k_reshape = v_wk;  // a reshape of wk: its memory, no copy
@@ -10981,108 +10979,106 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_s_transpose = coconet::cuda::scratch<float>(1, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_s_transpose), "s_transpose");
   float* const v_ap_reshape = v_wo;  // a reshape of wo: its memory, no copy
-  float* const v_h_matmul = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
-  COCONET_BUFFER(v_h_matmul, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_matmul), "h_matmul");
-  float* const v_h_add = coconet::cuda::scratch<float>(3, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_h_add = coconet::cuda::scratch<float>(2, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_h_add), "h_add");
-  float* const v_g_y_add = coconet::cuda::scratch<float>(4, S_B * S_S * S_H);
+  float* const v_g_y_add = coconet::cuda::scratch<float>(3, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_y_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_y_add), "g_y_add");
   float* const v_d_b_proj = a.output<float>(15);
   COCONET_PARAM(v_d_b_proj, size_t(S_H) * sizeof(*v_d_b_proj), "d_b_proj", stream);
-  float* const v_g_h = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h = coconet::cuda::scratch<float>(4, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h), "g_h");
   float* const v_d_w_proj = a.output<float>(14);
   COCONET_PARAM(v_d_w_proj, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size() * S_H) * sizeof(*v_d_w_proj), "d_w_proj", stream);
-  float* const v_g_h_add = coconet::cuda::scratch<float>(6, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
+  float* const v_g_h_add = coconet::cuda::scratch<float>(5, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_h_add, size_t(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_g_h_add), "g_h_add");
   float* const v_d_b_fc = a.output<float>(13);
   COCONET_PARAM(v_d_b_fc, size_t(coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_b_fc), "d_b_fc", stream);
   // g_n2_part: only as packed chunks of its overlap
-  float* const v_g_n2 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
+  float* const v_g_n2 = coconet::cuda::scratch<float>(6, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n2), "g_n2");
   float* const v_d_w_fc = a.output<float>(12);
   COCONET_PARAM(v_d_w_fc, size_t(S_H * coconet::slice_range(S_F, comm.size, comm.rank).size()) * sizeof(*v_d_w_fc), "d_w_fc", stream);
-  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
+  float* const v_t0_g_x1 = coconet::cuda::scratch<float>(7, S_B * S_S * S_H);
   COCONET_BUFFER(v_t0_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_t0_g_x1), "t0_g_x1");
-  float* const v_g_x1 = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
+  float* const v_g_x1 = coconet::cuda::scratch<float>(8, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1), "g_x1");
   float* const v_d_ln2_w = a.output<float>(10);
   COCONET_PARAM(v_d_ln2_w, size_t(S_H) * sizeof(*v_d_ln2_w), "d_ln2_w", stream);
   float* const v_d_ln2_b = a.output<float>(11);
   COCONET_PARAM(v_d_ln2_b, size_t(S_H) * sizeof(*v_d_ln2_b), "d_ln2_b", stream);
-  float* const v_g_x1_add = coconet::cuda::scratch<float>(10, S_B * S_S * S_H);
+  float* const v_g_x1_add = coconet::cuda::scratch<float>(9, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_x1_add, size_t(S_B * S_S * S_H) * sizeof(*v_g_x1_add), "g_x1_add");
   float* const v_d_bo = a.output<float>(9);
   COCONET_PARAM(v_d_bo, size_t(S_H) * sizeof(*v_d_bo), "d_bo", stream);
-  float* const v_g_o = coconet::cuda::scratch<float>(11, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
+  float* const v_g_o = coconet::cuda::scratch<float>(10, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size());
   COCONET_BUFFER(v_g_o, size_t(S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size()) * sizeof(*v_g_o), "g_o");
   float* const v_d_wo = a.output<float>(8);
   COCONET_PARAM(v_d_wo, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H) * sizeof(*v_d_wo), "d_wo", stream);
   float* const v_g_ap_reshape = v_d_wo;  // reshaped into the output d_wo: computed in its memory, no copy
   float* const v_g_o_transpose = v_g_o;  // a reshape of g_o: its memory, no copy
-  float* const v_g_o_matmul = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_o_matmul = coconet::cuda::scratch<float>(11, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_o_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_o_matmul), "g_o_matmul");
-  float* const v_t1_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t1_g_a = coconet::cuda::scratch<float>(12, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t1_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t1_g_a), "t1_g_a");
-  float* const v_g_a = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_a = coconet::cuda::scratch<float>(13, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_a, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_a), "g_a");
-  float* const v_t2_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t2_g_v = coconet::cuda::scratch<float>(14, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t2_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t2_g_v), "t2_g_v");
-  float* const v_g_v = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_v = coconet::cuda::scratch<float>(15, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_v, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_v), "g_v");
-  float* const v_g_p = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_p = coconet::cuda::scratch<float>(16, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_p, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_p), "g_p");
-  float* const v_t3_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_t3_g_rows = coconet::cuda::scratch<float>(17, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_t3_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_t3_g_rows), "t3_g_rows");
-  float* const v_g_rows = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
+  float* const v_g_rows = coconet::cuda::scratch<float>(18, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1));
   COCONET_BUFFER(v_g_rows, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * int64_t(1)) * sizeof(*v_g_rows), "g_rows");
-  float* const v_g_s_matmul = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
+  float* const v_g_s_matmul = coconet::cuda::scratch<float>(19, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S);
   COCONET_BUFFER(v_g_s_matmul, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_S) * sizeof(*v_g_s_matmul), "g_s_matmul");
-  float* const v_t4_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_t4_g_q = coconet::cuda::scratch<float>(20, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_t4_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_t4_g_q), "t4_g_q");
-  float* const v_g_q = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_q = coconet::cuda::scratch<float>(21, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_q, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_q), "g_q");
-  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_t5_g_s_transpose = coconet::cuda::scratch<float>(22, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_t5_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_t5_g_s_transpose), "t5_g_s_transpose");
-  float* const v_g_s_transpose = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
+  float* const v_g_s_transpose = coconet::cuda::scratch<float>(23, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S);
   COCONET_BUFFER(v_g_s_transpose, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_S) * sizeof(*v_g_s_transpose), "g_s_transpose");
-  float* const v_g_k = coconet::cuda::scratch<float>(25, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
+  float* const v_g_k = coconet::cuda::scratch<float>(24, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD);
   COCONET_BUFFER(v_g_k, size_t(S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S * S_HD) * sizeof(*v_g_k), "g_k");
-  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(26, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_v_reshape3 = coconet::cuda::scratch<float>(25, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_v_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_v_reshape3), "g_v_reshape3");
   float* const v_g_v_add = v_g_v_reshape3;  // a reshape of g_v_reshape3: its memory, no copy
   float* const v_d_bv = a.output<float>(7);
   COCONET_PARAM(v_d_bv, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bv), "d_bv", stream);
   float* const v_g_v_reshape2 = v_d_bv;  // reshaped into the output d_bv: computed in its memory, no copy
-  float* const v_g_n1_part = coconet::cuda::scratch<float>(27, S_B * S_S * S_H);
+  float* const v_g_n1_part = coconet::cuda::scratch<float>(26, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part), "g_n1_part");
   float* const v_d_wv = a.output<float>(6);
   COCONET_PARAM(v_d_wv, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wv), "d_wv", stream);
   float* const v_g_v_reshape = v_d_wv;  // reshaped into the output d_wv: computed in its memory, no copy
-  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(28, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_k_reshape2 = coconet::cuda::scratch<float>(27, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_k_reshape2, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_k_reshape2), "g_k_reshape2");
   float* const v_g_k_matmul = v_g_k_reshape2;  // a reshape of g_k_reshape2: its memory, no copy
-  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(29, S_B * S_S * S_H);
+  float* const v_g_n1_part2 = coconet::cuda::scratch<float>(28, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part2, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part2), "g_n1_part2");
   float* const v_d_wk = a.output<float>(5);
   COCONET_PARAM(v_d_wk, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wk), "d_wk", stream);
   float* const v_g_k_reshape = v_d_wk;  // reshaped into the output d_wk: computed in its memory, no copy
-  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(30, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
+  float* const v_g_q_reshape3 = coconet::cuda::scratch<float>(29, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD);
   COCONET_BUFFER(v_g_q_reshape3, size_t(S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_g_q_reshape3), "g_q_reshape3");
   float* const v_g_q_add = v_g_q_reshape3;  // a reshape of g_q_reshape3: its memory, no copy
   float* const v_d_bq = a.output<float>(4);
   COCONET_PARAM(v_d_bq, size_t(coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_bq), "d_bq", stream);
   float* const v_g_q_reshape2 = v_d_bq;  // reshaped into the output d_bq: computed in its memory, no copy
-  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
+  float* const v_g_n1_part3 = coconet::cuda::scratch<float>(30, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part3, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part3), "g_n1_part3");
-  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
+  float* const v_g_n1_part4 = coconet::cuda::scratch<float>(31, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1_part4, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1_part4), "g_n1_part4");
   float* const v_d_wq = a.output<float>(3);
   COCONET_PARAM(v_d_wq, size_t(S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD) * sizeof(*v_d_wq), "d_wq", stream);
   float* const v_g_q_reshape = v_d_wq;  // reshaped into the output d_wq: computed in its memory, no copy
-  float* const v_g_n1 = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
+  float* const v_g_n1 = coconet::cuda::scratch<float>(32, S_B * S_S * S_H);
   COCONET_BUFFER(v_g_n1, size_t(S_B * S_S * S_H) * sizeof(*v_g_n1), "g_n1");
-  float* const v_t6_d_x = coconet::cuda::scratch<float>(34, S_B * S_S * S_H);
+  float* const v_t6_d_x = coconet::cuda::scratch<float>(33, S_B * S_S * S_H);
   COCONET_BUFFER(v_t6_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_t6_d_x), "t6_d_x");
   float* const v_d_x = a.output<float>(0);
   COCONET_PARAM(v_d_x, size_t(S_B * S_S * S_H) * sizeof(*v_d_x), "d_x", stream);
@@ -11115,52 +11111,48 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] reshape ap_reshape (gpt_block.ccn:47)
   coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:47)", ctx);
-  // [overlapped] matmul h_matmul (gpt_block.ccn:51)
-  if (!coconet::cuda::matmul_epilogue<float>(v_n2, v_w_fc, v_h_add, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), v_b_fc, nullptr, 1.0f, stream)) {  // h_matmul = matmul, then bias(b_fc) -> h_add
-    coconet::cuda::matmul<float>(v_n2, v_w_fc, v_h_matmul, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-    {
-      const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
-      (void)off;
-      const int64_t L0 = S_B;
-      const int64_t L1 = S_S;
-      const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
-      COCONET_ACCESS(COCONET_R(v_h_matmul, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
-      coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_h_matmul, v_h_add), stream, [=] __device__ (const auto& th) {
-        for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-          const auto in_h_matmul = coconet::cuda::load<4>(v_h_matmul + i0);
-          coconet::cuda::Vec<float, 4> out_h_add;
-          int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
-          {
-            const int64_t i = i0;
-            int64_t rest = i;
-            cv2 = rest % L2; rest /= L2;
-            (void)rest;
-          }
-          COCONET_UNROLL
-          for (int u = 0; u < 4; ++u) {
-            const auto i = i0 + u;
-            (void)i;
-            const int64_t c2 = cv2;
-            const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_h_matmul[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-            out_h_add[u] = coconet::from_compute<float>(x_h_add);
-            if (++cv2 == L2) cv2 = 0;
-          }
-          coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+  // [overlapped] kernel: h_add (gpt_block.ccn:52)
+  {
+    const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
+    (void)off;
+    const int64_t L0 = S_B;
+    const int64_t L1 = S_S;
+    const int64_t L2 = coconet::slice_range(S_F, comm.size, comm.rank).size();
+    COCONET_ACCESS(COCONET_R(v_hm, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()), COCONET_RA(v_b_fc), COCONET_W(v_h_add, 0, S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size()));
+    coconet::cuda::launch_threads<4>(S_B * S_S * coconet::slice_range(S_F, comm.size, comm.rank).size(), coconet::cuda::aligned<4>(v_hm, v_h_add), stream, [=] __device__ (const auto& th) {
+      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
+        const auto in_hm = coconet::cuda::load<4>(v_hm + i0);
+        coconet::cuda::Vec<float, 4> out_h_add;
+        int64_t cv2 = 0;  // the first lane's coordinates, stepped by each lane
+        {
+          const int64_t i = i0;
+          int64_t rest = i;
+          cv2 = rest % L2; rest /= L2;
+          (void)rest;
         }
-        for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-          auto rest = i;
-          const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
-          const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
-          const int64_t c0 = rest;
-          (void)c0;
-          (void)c1;
-          const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_h_matmul[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
-          v_h_add[i] = coconet::from_compute<float>(x_h_add);
+        COCONET_UNROLL
+        for (int u = 0; u < 4; ++u) {
+          const auto i = i0 + u;
+          (void)i;
+          const int64_t c2 = cv2;
+          const float x_h_add = coconet::round_to<float>(coconet::to_compute(in_hm[u]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+          out_h_add[u] = coconet::from_compute<float>(x_h_add);
+          if (++cv2 == L2) cv2 = 0;
         }
-      });
-    }
+        coconet::cuda::store<4>(v_h_add + i0, out_h_add);
+      }
+      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
+        auto rest = i;
+        const int64_t c2 = rest % decltype(rest)(L2); rest /= decltype(rest)(L2);
+        const int64_t c1 = rest % decltype(rest)(L1); rest /= decltype(rest)(L1);
+        const int64_t c0 = rest;
+        (void)c0;
+        (void)c1;
+        const float x_h_add = coconet::round_to<float>(coconet::to_compute(v_hm[i]) + coconet::to_compute(v_b_fc[c2 * int64_t(1)]));
+        v_h_add[i] = coconet::from_compute<float>(x_h_add);
+      }
+    });
   }
-  // kernel h_add: the epilogue of the cublasLtMatmul above (or, where cuBLASLt refuses it, run there after the GEMM)
   // [overlapped] kernel: g_y_add (gpt_block.ccn)
   {
     const int64_t off = int64_t(0);  // this rank's slice offset
@@ -11206,12 +11198,12 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   }
   // [overlapped] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:90)
+  // [overlapped] overlap g_n2_part -> g_n2: 2 chunks along dim 1 (gpt_block.ccn:91)
   {
     coconet::cuda::Ctx cctx = ctx;  // collectives on the comm stream
     cctx.stream = ctx.comm_stream;
-    float* const P_all = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
-    float* const Q_all = coconet::cuda::scratch<float>(38, S_B * S_S * S_H);
+    float* const P_all = coconet::cuda::scratch<float>(36, S_B * S_S * S_H);
+    float* const Q_all = coconet::cuda::scratch<float>(37, S_B * S_S * S_H);
   COCONET_BUFFER(P_all, size_t(S_B * S_S * S_H) * sizeof(*P_all), "packed chunks of g_n2_part");
   COCONET_BUFFER(Q_all, size_t(S_B * S_S * S_H) * sizeof(*Q_all), "packed chunks of g_n2");
     for (int i = 0; i < 2; ++i) {
@@ -11221,11 +11213,11 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
       float* const Q = Q_all + S_B * r.begin * S_H;
       for (int64_t o = 0; o < S_B; ++o)
         coconet::cuda::matmul_nt<float>(v_g_h_add + (o * S_S + r.begin) * int64_t(1) * coconet::slice_range(S_F, comm.size, comm.rank).size(), v_w_fc, P + o * r.size() * S_H, r.size() * int64_t(1), coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-      coconet::cuda::join(ctx.stream, ctx.comm_stream, 35);
+      coconet::cuda::join(ctx.stream, ctx.comm_stream, 34);
       coconet::cuda::allreduce<float>(ncclSum, P, Q, S_B * r.size() * S_H, cctx);
       coconet::cuda::unpack<float>(Q, v_g_n2, S_B, S_S, S_H, r, ctx.comm_stream);
     }
-    coconet::cuda::join(ctx.comm_stream, ctx.stream, 36);
+    coconet::cuda::join(ctx.comm_stream, ctx.stream, 35);
   }
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
@@ -11659,26 +11651,26 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [default] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [default] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [default] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [default] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [default] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [default] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11722,23 +11714,23 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [default] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [default] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [default] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [default] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [default] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -11782,14 +11774,14 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
     });
   }
   // [default] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [default] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [default] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [default] kernel: s (gpt_block.ccn:126)
+  // [default] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11860,9 +11852,9 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] softmax p (gpt_block.ccn:127)
+  // [default] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [default] kernel: a (gpt_block.ccn:128)
+  // [default] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11916,15 +11908,15 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [default] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [default] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [default] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [default] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter at (NCCL) (gpt_block.ccn:131)
+  // [default] reducescatter at (NCCL) (gpt_block.ccn:132)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_ap, v_at, S_B, S_S, S_H, ctx);
-  // [default] kernel: x1 (gpt_block.ccn:132)
+  // [default] kernel: x1 (gpt_block.ccn:133)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -11971,13 +11963,13 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] layernorm n2s (gpt_block.ccn:133)
+  // [default] layernorm n2s (gpt_block.ccn:134)
   coconet::cuda::layernorm<float>(v_x1, v_ln2_w, v_ln2_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n2s, ctx);
-  // [default] allgather n2 (NCCL) (gpt_block.ccn:134)
+  // [default] allgather n2 (NCCL) (gpt_block.ccn:135)
   coconet::cuda::allgather<float>(v_n2s, v_n2, S_B, S_S, S_H, ctx);
-  // [default] matmul hm (gpt_block.ccn:135)
+  // [default] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [default] kernel: h (gpt_block.ccn:136)
+  // [default] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12019,11 +12011,11 @@ void gpt_block_sp_fwd__default(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [default] matmul mp (gpt_block.ccn:137)
+  // [default] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [default] reducescatter mt (NCCL) (gpt_block.ccn:138)
+  // [default] reducescatter mt (NCCL) (gpt_block.ccn:139)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_mp, v_mt, S_B, S_S, S_H, ctx);
-  // [default] kernel: y (gpt_block.ccn:139)
+  // [default] kernel: y (gpt_block.ccn:140)
   {
     const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12180,26 +12172,26 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [fused] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [fused] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [fused] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [fused] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [fused] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [fused] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [fused] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [fused] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12243,23 +12235,23 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [fused] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [fused] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [fused] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [fused] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [fused] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [fused] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [fused] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12303,14 +12295,14 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     });
   }
   // [fused] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [fused] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [fused] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [fused] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [fused] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [fused] kernel: s (gpt_block.ccn:126)
+  // [fused] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12381,9 +12373,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] softmax p (gpt_block.ccn:127)
+  // [fused] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [fused] kernel: a (gpt_block.ccn:128)
+  // [fused] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12437,13 +12429,13 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [fused] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [fused] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [fused] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [fused] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [fused] matmul ap (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [fused] matmul ap (gpt_block.ccn:131)
   coconet::cuda::matmul<float>(v_o, v_t17_ap, v_ap, S_B * S_S, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:148)
+  // [fused] fused collective f1: at, x1, n2s, n2 (gpt_block.ccn:149)
   {
     const int64_t base_f1 = 0;
     const int64_t mine_f1 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -12522,9 +12514,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
     auto source = [&](int64_t k) { return v_ap + base_f1 + k * ch_f1; };  // one rank: chunk k's own elements
     coconet::cuda::pipeline<float>(chunks_f1, red0_f1, red1_f1, ctx, 128, reduce_to, compute, gather, source);
   }
-  // [fused] matmul hm (gpt_block.ccn:135)
+  // [fused] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [fused] kernel: h (gpt_block.ccn:136)
+  // [fused] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12566,9 +12558,9 @@ void gpt_block_sp_fwd__fused(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [fused] matmul mp (gpt_block.ccn:137)
+  // [fused] matmul mp (gpt_block.ccn:138)
   coconet::cuda::matmul<float>(v_h, v_w_proj, v_mp, S_B * S_S, coconet::slice_range(S_F, comm.size, comm.rank).size(), S_H, stream);
-  // [fused] fused collective f2: mt, y (gpt_block.ccn:149)
+  // [fused] fused collective f2: mt, y (gpt_block.ccn:150)
   {
     const int64_t base_f2 = 0;
     const int64_t mine_f2 = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -12747,26 +12739,26 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [overlapped] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [overlapped] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
-  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:120)
+  // [overlapped] allgather n1 (NCCL) (gpt_block.ccn:121)
   coconet::cuda::allgather<float>(v_n1s, v_n1, S_B, S_S, S_H, ctx);
   // [overlapped] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped] matmul qm (gpt_block.ccn:121)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped] matmul qm (gpt_block.ccn:122)
   coconet::cuda::matmul<float>(v_n1, v_t0_qm, v_qm, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12810,23 +12802,23 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -12870,14 +12862,14 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped] kernel: s (gpt_block.ccn:126)
+  // [overlapped] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -12948,9 +12940,9 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] softmax p (gpt_block.ccn:127)
+  // [overlapped] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped] kernel: a (gpt_block.ccn:128)
+  // [overlapped] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13004,11 +12996,11 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:156)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:157)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13020,7 +13012,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:155)
+  // [overlapped] fused collective f1: at, x1, n2s, n2 (rows rb of dim 0) (gpt_block.ccn:156)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13103,9 +13095,9 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 15);
   }
-  // [overlapped] matmul hm (gpt_block.ccn:135)
+  // [overlapped] matmul hm (gpt_block.ccn:136)
   coconet::cuda::matmul<float>(v_n2, v_w_fc, v_hm, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
-  // [overlapped] kernel: h (gpt_block.ccn:136)
+  // [overlapped] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13147,7 +13139,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:158)
+  // [overlapped] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:159)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13159,7 +13151,7 @@ void gpt_block_sp_fwd__overlapped(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:157)
+  // [overlapped] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:158)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13344,21 +13336,21 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   float* const v_y = a.output<float>(0);
   COCONET_PARAM(v_y, size_t(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H) * sizeof(*v_y), "y", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // t0_qm's check
-  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t1_q's check
-  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t3_q's check
-  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t4_k's check
-  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t6_k's check
-  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t7_v's check
-  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t9_v's check
-  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t11_v's check
-  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);  // o's check
-  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // t17_ap's check
-  // [overlapped_both] layernorm n1s (gpt_block.ccn:119)
+  coconet::cuda::reshape<float>(v_t0_qm, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // t0_qm's check
+  coconet::cuda::reshape<float>(v_t1_q, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t1_q's check
+  coconet::cuda::reshape<float>(v_t3_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // t3_q's check
+  coconet::cuda::reshape<float>(v_t4_k, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t4_k's check
+  coconet::cuda::reshape<float>(v_t6_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // t6_k's check
+  coconet::cuda::reshape<float>(v_t7_v, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t7_v's check
+  coconet::cuda::reshape<float>(v_t9_v, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t9_v's check
+  coconet::cuda::reshape<float>(v_t11_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // t11_v's check
+  coconet::cuda::reshape<float>(v_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // o's check
+  coconet::cuda::reshape<float>(v_t17_ap, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // t17_ap's check
+  // [overlapped_both] layernorm n1s (gpt_block.ccn:120)
   coconet::cuda::layernorm<float>(v_x, v_ln1_w, v_ln1_b, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_n1s, ctx);
   // [overlapped_both] reshape t0_qm (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:168)
+  coconet::cuda::reshape<float>(v_wq, v_t0_qm, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [overlapped_both] overlap allgather n1 -> qm: 2 chunks along dim 0 (rows) (gpt_block.ccn:169)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -13372,7 +13364,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
   }
   // [overlapped_both] reshape t1_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  coconet::cuda::reshape<float>(v_bq, v_t1_q, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
   // [overlapped_both] kernel: t2_q (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13416,23 +13408,23 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t3_q (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
-  // [overlapped_both] transpose q (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_t2_q, v_t3_q, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  // [overlapped_both] transpose q (gpt_block.ccn:123)
   coconet::cuda::transpose<float>(v_t3_q, v_q, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t4_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
+  coconet::cuda::reshape<float>(v_wk, v_t4_k, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
   // [overlapped_both] matmul t5_k (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t4_k, v_t5_k, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t6_k (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [overlapped_both] transpose k (gpt_block.ccn:123)
+  coconet::cuda::reshape<float>(v_t5_k, v_t6_k, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [overlapped_both] transpose k (gpt_block.ccn:124)
   coconet::cuda::transpose<float>(v_t6_k, v_k, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] reshape t7_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_wv, v_t7_v, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] matmul t8_v (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_n1, v_t7_v, v_t8_v, S_B * S_S, S_H, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), stream);
   // [overlapped_both] reshape t9_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  coconet::cuda::reshape<float>(v_bv, v_t9_v, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_NH * S_HD, (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
   // [overlapped_both] kernel: t10_v (gpt_block.ccn)
   {
     const int64_t off = coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).begin;  // this rank's slice offset
@@ -13476,14 +13468,14 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     });
   }
   // [overlapped_both] reshape t11_v (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [overlapped_both] transpose v (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_t10_v, v_t11_v, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [overlapped_both] transpose v (gpt_block.ccn:125)
   coconet::cuda::transpose<float>(v_t11_v, v_v, S_B, S_S, int64_t(1), coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_HD, ctx);
   // [overlapped_both] transpose t12_s (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_k, v_t12_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
   // [overlapped_both] matmul t13_s (gpt_block.ccn)
   coconet::cuda::matmul<float>(v_q, v_t12_s, v_t13_s, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_HD, S_S, S_S * S_HD, S_HD * S_S, stream);
-  // [overlapped_both] kernel: s (gpt_block.ccn:126)
+  // [overlapped_both] kernel: s (gpt_block.ccn:127)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13554,9 +13546,9 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] softmax p (gpt_block.ccn:127)
+  // [overlapped_both] softmax p (gpt_block.ccn:128)
   coconet::cuda::softmax<float>(v_t14_p, v_p, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_S, S_S, ctx);
-  // [overlapped_both] kernel: a (gpt_block.ccn:128)
+  // [overlapped_both] kernel: a (gpt_block.ccn:129)
   {
     const int64_t off = coconet::slice_range(S_NH, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13610,11 +13602,11 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
   coconet::cuda::matmul<float>(v_a, v_v, v_t15_o, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, S_S, S_HD, S_S * S_S, S_S * S_HD, stream);
   // [overlapped_both] transpose t16_o (gpt_block.ccn)
   coconet::cuda::transpose<float>(v_t15_o, v_t16_o, S_B, coconet::slice_range(S_NH, comm.size, comm.rank).size(), int64_t(1), S_S, S_HD, ctx);
-  // [overlapped_both] reshape o (gpt_block.ccn:129)
-  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:129)", ctx);
+  // [overlapped_both] reshape o (gpt_block.ccn:130)
+  coconet::cuda::reshape<float>(v_t16_o, v_o, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
   // [overlapped_both] reshape t17_ap (gpt_block.ccn)
-  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:170)
+  coconet::cuda::reshape<float>(v_wo, v_t17_ap, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [overlapped_both] overlap ap -> at: 2 chunks along dim 0 (gpt_block.ccn:171)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13626,7 +13618,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:169)
+  // [overlapped_both] fused collective f1: at, x1, n2s (rows rb of dim 0) (gpt_block.ccn:170)
   {
     const int64_t base_f1 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f1 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -13708,7 +13700,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
     }
     coconet::cuda::join(sctx.stream, ctx.stream, 18);
   }
-  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:171)
+  // [overlapped_both] overlap allgather n2 -> hm: 2 chunks along dim 0 (rows) (gpt_block.ccn:172)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -13721,7 +13713,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       coconet::cuda::matmul<float>(v_n2 + (r.begin * S_S) * S_H, v_w_fc, v_hm + (r.begin * S_S) * coconet::slice_range(S_F, comm.size, comm.rank).size(), r.size() * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
     }
   }
-  // [overlapped_both] kernel: h (gpt_block.ccn:136)
+  // [overlapped_both] kernel: h (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -13763,7 +13755,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       }
     });
   }
-  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:173)
+  // [overlapped_both] overlap mp -> mt: 2 chunks along dim 0 (gpt_block.ccn:174)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -13775,7 +13767,7 @@ void gpt_block_sp_fwd__overlapped_both(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:172)
+  // [overlapped_both] fused collective f2: mt, y (rows rb of dim 0) (gpt_block.ccn:173)
   {
     const int64_t base_f2 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f2 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
@@ -14052,10 +14044,10 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -14066,17 +14058,17 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [default] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [default] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [default] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [default] transpose s_transpose (gpt_block.ccn:126)
+  // [default] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [default] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [default] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [default] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [default] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [default] kernel: h_add (gpt_block.ccn:136)
+  // [default] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [default] kernel: h_add (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14707,10 +14699,10 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   float* const v_d_ln1_b = a.output<float>(2);
   COCONET_PARAM(v_d_ln1_b, size_t(S_H) * sizeof(*v_d_ln1_b), "d_ln1_b", stream);
   // every reshape's sizes checked first, in order: a reshape's source is computed in an output's memory
-  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);  // qm_reshape's check
-  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);  // k_reshape's check
-  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // v_reshape's check
-  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);  // ap_reshape's check
+  coconet::cuda::reshape<float>(v_qm_reshape, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);  // qm_reshape's check
+  coconet::cuda::reshape<float>(v_k_reshape, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);  // k_reshape's check
+  coconet::cuda::reshape<float>(v_v_reshape, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);  // v_reshape's check
+  coconet::cuda::reshape<float>(v_ap_reshape, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);  // ap_reshape's check
   coconet::cuda::reshape<float>(v_d_wo, v_d_wo, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size() * S_H, (S_NH * S_HD) * S_H, S_NH * S_HD * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wo's check
   coconet::cuda::reshape<float>(v_g_o_transpose, v_g_o_transpose, S_B * S_S * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_B * S_S * (S_NH * S_HD), S_B * S_S * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_o_transpose's check
   coconet::cuda::reshape<float>(v_g_v_add, v_g_v_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_v_add's check
@@ -14721,17 +14713,17 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   coconet::cuda::reshape<float>(v_g_q_add, v_g_q_add, S_B * S_S * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_B * S_S * S_NH * S_HD, S_B * S_S * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // g_q_add's check
   coconet::cuda::reshape<float>(v_d_bq, v_d_bq, coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), (S_NH * S_HD), S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_bq's check
   coconet::cuda::reshape<float>(v_d_wq, v_d_wq, S_H * coconet::slice_range((S_NH * S_HD), comm.size, comm.rank).size(), S_H * (S_NH * S_HD), S_H * S_NH * S_HD, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn)", ctx);  // d_wq's check
-  // [backward] reshape qm_reshape (gpt_block.ccn:121)
-  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:121)", ctx);
-  // [backward] reshape k_reshape (gpt_block.ccn:123)
-  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:123)", ctx);
-  // [backward] reshape v_reshape (gpt_block.ccn:124)
-  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
-  // [backward] transpose s_transpose (gpt_block.ccn:126)
+  // [backward] reshape qm_reshape (gpt_block.ccn:122)
+  coconet::cuda::reshape<float>(v_wq, v_qm_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:122)", ctx);
+  // [backward] reshape k_reshape (gpt_block.ccn:124)
+  coconet::cuda::reshape<float>(v_wk, v_k_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:124)", ctx);
+  // [backward] reshape v_reshape (gpt_block.ccn:125)
+  coconet::cuda::reshape<float>(v_wv, v_v_reshape, S_H * coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD, S_H * S_NH * S_HD, S_H * (S_NH * S_HD), (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:125)", ctx);
+  // [backward] transpose s_transpose (gpt_block.ccn:127)
   coconet::cuda::transpose<float>(v_k, v_s_transpose, S_B * coconet::slice_range(S_NH, comm.size, comm.rank).size(), S_S, int64_t(1), S_HD, int64_t(1), ctx);
-  // [backward] reshape ap_reshape (gpt_block.ccn:130)
-  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:130)", ctx);
-  // [backward] kernel: h_add (gpt_block.ccn:136)
+  // [backward] reshape ap_reshape (gpt_block.ccn:131)
+  coconet::cuda::reshape<float>(v_wo, v_ap_reshape, coconet::slice_range(S_NH, comm.size, comm.rank).size() * S_HD * S_H, S_NH * S_HD * S_H, (S_NH * S_HD) * S_H, (S_NH * S_HD), S_NH, S_HD, int64_t(comm.size), "reshape (gpt_block.ccn:131)", ctx);
+  // [backward] kernel: h_add (gpt_block.ccn:137)
   {
     const int64_t off = coconet::slice_range(S_F, comm.size, comm.rank).begin;  // this rank's slice offset
     (void)off;
@@ -14796,7 +14788,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead g_b_proj_part (gpt_block.ccn)
   // g_b_proj_part: summed by the loop that computes g_y_add (plan: column sums)
-  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:202)
+  // [backward] overlap allgather g_allgather2 -> g_h: 2 chunks along dim 0 (rows) (gpt_block.ccn:203)
   {
     coconet::cuda::Ctx cctx = ctx;  // the gather's chunks on the comm stream
     cctx.stream = ctx.comm_stream;
@@ -14825,7 +14817,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   }
   // [backward] sum_lead d_b_fc (gpt_block.ccn)
   // d_b_fc: summed by the loop that computes g_h_add (plan: column sums)
-  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:204)
+  // [backward] overlap g_n2_part -> g_n2s: 2 chunks along dim 0 (gpt_block.ccn:205)
   {
     coconet::cuda::Ctx sctx = ctx;  // the fused collective's kernels on a side stream
     sctx.stream = coconet::cuda::side_stream();
@@ -14837,7 +14829,7 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
       {
       const coconet::cuda::Ctx& ctx = sctx;
       const cudaStream_t stream = ctx.stream;
-  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:203)
+  // [backward] fused collective f3: g_n2s, g_x1, g_x1_add, g_allgather4 (rows rb of dim 0) (gpt_block.ccn:204)
   {
     const int64_t base_f3 = rb.begin * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;  // this block of rows of this rank's part
     const int64_t mine_f3 = rb.end * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
