@@ -154,3 +154,30 @@ def test_cpu_epilogue_over_blocks_of_rows_matches_the_interpreter(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "matches the interpreter on every rank" in out.stdout, out.stdout + out.stderr
+
+
+LN = ("program p(x: f32[M, H] replicated, gamma: f32[H] replicated, beta: f32[H] replicated) {\n"
+      "    y = x + layernorm(x, gamma, beta, 1e-5)\n    return y\n}\n")
+
+
+def test_layernorm_dx_carries_the_residual_added_after_it():
+    """A pre-layernorm residual's backward, d_x = d_y + layernorm_dx(x, gamma, d_y): the row-wise
+    call writes d_x, d_y added to each row (grad.h / cuda/grad.cuh layernorm_dx's `add`), on both
+    targets; any other loop after it (here a product) runs on its own. Compiled against the
+    interpreter: tests/test_grad_backends.py (layernorm.ccn's attn_out, CPU and CUDA emulated)
+    and tests/test_gpt_block.py."""
+    from coconetc.ir.nodes import Op
+    from coconetc.plan.units import Item, Loop
+    from coconetc.sourcefile import with_grads
+    plan = with_grads(load_source(LN, "p.ccn"), ["p"]).plans[("p_grad", "default")]
+    u = _matmul(plan, "t0_d_x")
+    assert (u.op, u.epilogue, u.fused) == ("layernorm_dx", "residual(d_y) -> d_x", ("cpu", "cuda"))
+    assert "epilogue residual(d_y) -> d_x (cpu: fused in the call; cuda: fused in the call)" in show(plan)
+    units = [replace(v, epilogue="", fused=()) if isinstance(v, Library) else v for v in plan.units]
+    i = units.index(next(v for v in units if isinstance(v, Library) and v.dst == "t0_d_x"))
+    loop = units[i + 1]
+    assert isinstance(loop, Loop) and isinstance(loop.items[0].expr, Op)
+    buffers = {b.name: b for b in plan.buffers}
+    assert epilogue_of(units, i, buffers) == ("residual(d_y) -> d_x", "")
+    units[i + 1] = replace(loop, items=(Item("d_x", replace(loop.items[0].expr, op="mul")),))
+    assert epilogue_of(units, i, buffers) == ("", "the loop computes d_x from 't0_d_x' as no residual")

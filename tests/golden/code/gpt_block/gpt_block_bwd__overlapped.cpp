@@ -264,27 +264,8 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size());
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H);
-  // [overlapped] loop: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // loop g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -411,27 +392,8 @@ void gpt_block_bwd__overlapped(const coconet::CallArgs& a) {
   // [overlapped] allreduce g_n1 (gpt_block.ccn)
   coconet::allreduce(coconet::Op::sum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, comm);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H);
-  // [overlapped] loop: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * S_S * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // loop d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)

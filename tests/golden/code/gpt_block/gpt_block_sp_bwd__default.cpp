@@ -274,27 +274,8 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
   // [default] reducescatter g_n2s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, comm);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_g_x1[i] = coconet::from_compute<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // loop g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
@@ -431,27 +412,8 @@ void gpt_block_sp_bwd__default(const coconet::CallArgs& a) {
   // [default] reducescatter g_n1s (gpt_block.ccn)
   coconet::reduce_scatter(coconet::Op::sum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, comm);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
-  // [default] loop: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    const int64_t n = S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H;
-  #ifdef _OPENMP
-    if (n > coconet::kParallelMin && coconet::omp_threads() > 1) {
-  #pragma omp parallel for num_threads(coconet::omp_threads())
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    } else
-  #endif
-    {
-    COCONET_IVDEP
-    for (int64_t i = 0; i < n; ++i) {
-      v_d_x[i] = coconet::from_compute<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-    }
-    }
-  }
+  coconet::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // loop d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)

@@ -4407,32 +4407,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
@@ -4690,32 +4666,8 @@ void gpt_block_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
@@ -5352,32 +5304,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -5635,32 +5563,8 @@ void gpt_block_grad__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
@@ -6320,32 +6224,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
@@ -6601,32 +6481,8 @@ void gpt_block_sp_grad__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -7664,32 +7520,8 @@ void gpt_block_sp_grad__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [overlapped] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [overlapped] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [overlapped] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -8682,32 +8514,8 @@ void gpt_block_sp_grad__backward(const coconet::cuda::CallArgs& a) {
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -10587,32 +10395,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n2 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n2_part, v_g_n2, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln2_b (gpt_block.ccn)
@@ -10870,32 +10654,8 @@ void gpt_block_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [default] sum_lead d_ln1_b (gpt_block.ccn)
@@ -11222,32 +10982,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] matmul_tn d_w_fc (gpt_block.ccn)
   coconet::cuda::matmul_tn<float>(v_n2, v_g_h_add, v_d_w_fc, S_B * S_S, S_H, coconet::slice_range(S_F, comm.size, comm.rank).size(), stream);
   // [overlapped] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_t0_g_x1, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * S_S * S_H), COCONET_R(v_t0_g_x1, 0, S_B * S_S * S_H), COCONET_W(v_g_x1, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2, v_g_x1, 1e-05, S_B * S_S, S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln2_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2, v_d_ln2_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln2_b (gpt_block.ccn)
@@ -11505,32 +11241,8 @@ void gpt_block_bwd__overlapped(const coconet::cuda::CallArgs& a) {
   // [overlapped] allreduce g_n1 (NCCL) (gpt_block.ccn)
   coconet::cuda::allreduce<float>(ncclSum, v_g_n1_part4, v_g_n1, S_B * S_S * S_H, ctx);
   // [overlapped] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_t6_d_x, 1e-05, S_B * S_S, S_H, ctx);
-  // [overlapped] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = int64_t(0);  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * S_S * S_H), COCONET_R(v_t6_d_x, 0, S_B * S_S * S_H), COCONET_W(v_d_x, 0, S_B * S_S * S_H));
-    coconet::cuda::launch_threads<4>(S_B * S_S * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1, v_d_x, 1e-05, S_B * S_S, S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [overlapped] layernorm_dgamma d_ln1_w (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1, v_d_ln1_w, 1e-05, S_B * S_S, S_H, ctx);
   // [overlapped] sum_lead d_ln1_b (gpt_block.ccn)
@@ -14174,32 +13886,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n2s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n2_part, v_g_n2s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t0_g_x1 (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_t0_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: g_x1 (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_d_y, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t0_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_d_y, v_t0_g_x1, v_g_x1), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_d_y = coconet::cuda::load<4>(v_d_y + i0);
-        const auto in_t0_g_x1 = coconet::cuda::load<4>(v_t0_g_x1 + i0);
-        coconet::cuda::Vec<float, 4> out_g_x1;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(in_d_y[u]) + coconet::to_compute(in_t0_g_x1[u]));
-          out_g_x1[u] = coconet::from_compute<float>(x_g_x1);
-        }
-        coconet::cuda::store<4>(v_g_x1 + i0, out_g_x1);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_g_x1 = coconet::round_to<float>(coconet::to_compute(v_d_y[i]) + coconet::to_compute(v_t0_g_x1[i]));
-        v_g_x1[i] = coconet::from_compute<float>(x_g_x1);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x1, v_ln2_w, v_g_n2s, v_g_x1, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_d_y);  // t0_g_x1, then residual(d_y) -> g_x1
+  // kernel g_x1: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln2_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x1, v_g_n2s, v_g_ln2_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln2_b_part (gpt_block.ccn)
@@ -14455,32 +14143,8 @@ void gpt_block_sp_bwd__default(const coconet::cuda::CallArgs& a) {
   // [default] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [default] layernorm_dx t6_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t6_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [default] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t6_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t6_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t6_d_x = coconet::cuda::load<4>(v_t6_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t6_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t6_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t6_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [default] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [default] sum_lead g_ln1_b_part (gpt_block.ccn)
@@ -15152,32 +14816,8 @@ void gpt_block_sp_bwd__backward(const coconet::cuda::CallArgs& a) {
   // [backward] reducescatter g_n1s (NCCL) (gpt_block.ccn)
   coconet::cuda::reduce_scatter<float>(ncclSum, v_g_n1_part4, v_g_n1s, S_B, S_S, S_H, ctx);
   // [backward] layernorm_dx t5_d_x (gpt_block.ccn)
-  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_t5_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
-  // [backward] kernel: d_x (gpt_block.ccn)
-  {
-    const int64_t off = coconet::slice_range(S_S, comm.size, comm.rank).begin;  // this rank's slice offset
-    (void)off;
-    COCONET_ACCESS(COCONET_R(v_g_x1, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_R(v_t5_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H), COCONET_W(v_d_x, 0, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H));
-    coconet::cuda::launch_threads<4>(S_B * coconet::slice_range(S_S, comm.size, comm.rank).size() * S_H, coconet::cuda::aligned<4>(v_g_x1, v_t5_d_x, v_d_x), stream, [=] __device__ (const auto& th) {
-      for (const auto i0 : th.vectors()) {  // 4 elements at a time, one aligned vector load or store per operand
-        const auto in_g_x1 = coconet::cuda::load<4>(v_g_x1 + i0);
-        const auto in_t5_d_x = coconet::cuda::load<4>(v_t5_d_x + i0);
-        coconet::cuda::Vec<float, 4> out_d_x;
-        COCONET_UNROLL
-        for (int u = 0; u < 4; ++u) {
-          const auto i = i0 + u;
-          (void)i;
-          const float x_d_x = coconet::round_to<float>(coconet::to_compute(in_g_x1[u]) + coconet::to_compute(in_t5_d_x[u]));
-          out_d_x[u] = coconet::from_compute<float>(x_d_x);
-        }
-        coconet::cuda::store<4>(v_d_x + i0, out_d_x);
-      }
-      for (const auto i : th.elements()) {  // past the last whole vector, or all when not aligned
-        const float x_d_x = coconet::round_to<float>(coconet::to_compute(v_g_x1[i]) + coconet::to_compute(v_t5_d_x[i]));
-        v_d_x[i] = coconet::from_compute<float>(x_d_x);
-      }
-    });
-  }
+  coconet::cuda::layernorm_dx<float>(v_x, v_ln1_w, v_g_n1s, v_d_x, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx, v_g_x1);  // t5_d_x, then residual(g_x1) -> d_x
+  // kernel d_x: the epilogue of the layernorm_dx above
   // [backward] layernorm_dgamma g_ln1_w_part (gpt_block.ccn)
   coconet::cuda::layernorm_dgamma<float>(v_x, v_g_n1s, v_g_ln1_w_part, 1e-05, S_B * coconet::slice_range(S_S, comm.size, comm.rank).size(), S_H, ctx);
   // [backward] sum_lead g_ln1_b_part (gpt_block.ccn)
