@@ -5,7 +5,8 @@ have the GEMM write the finished value.
 
 The rule, in one place (epilogue_of):
 - the unit is a Library matmul, matmul_nt or matmul_tn writing a scratch buffer (not a
-  parameter, an output or an update's source);
+  parameter, an output or an update's source), or a matmul writing an output (a saving
+  forward's saved product, handed back as well);
 - the next unit is a Loop over exactly the matmul's result type (shape and layout) with one
   stored item, and no other unit of the plan reads or writes the matmul's result;
 - the item's expression is one of, with R the matmul's result read exactly once:
@@ -18,11 +19,13 @@ Where the epilogue is fused is decided here too (fused_on, Library.fused), and t
 only read it:
 - cpu: a matmul whose right operand is 2-d (one GEMM over the rows of every leading dim of
   the left), the loop of at least 2 dims, writing no scattered parameter's segments and reading
-  none: one blocked pass (codegen/cpu/loops.py render_epilogue);
+  none: one blocked pass (codegen/cpu/loops.py render_epilogue), which writes the matmul's
+  result whole too (so an output result is fused there: gpt_block_fwd's saved hm);
 - cuda: the same matmuls in f32, f16 or bf16, with the epilogue bias, residual or scale by a
   literal or a scalar parameter (its value on the host): one cublasLtMatmul (cuda/blas.cuh
   matmul_epilogue: CUBLASLT_EPILOGUE_BIAS, beta = 1 with C the residual, alpha the scale; where
-  cuBLASLt refuses it at run time, the GEMM and then the loop, as unfused).
+  cuBLASLt refuses it at run time, the GEMM and then the loop, as unfused); not an output
+  result (cuBLASLt writes the loop's value only).
   gelu_bias is not fused on CUDA: cuBLASLt's GELU is the tanh approximation, the language's
   gelu is the exact x * Phi(x) (runtime_cpp/coconet/pointwise.h), so the loop runs after the GEMM;
 elsewhere (batched matmuls, matmul_nt/tn) the loop runs after the GEMM.
@@ -79,7 +82,7 @@ def epilogue_of(units: tuple[Unit, ...] | list[Unit], i: int, buffers: dict[str,
     if not (isinstance(u, Library) and u.op in GEMMS + ROWWISE):
         return "", "not a matmul"
     r = u.dst
-    if buffers[r].kind != "scratch":
+    if buffers[r].kind != "scratch" and not (buffers[r].kind == "output" and u.op == "matmul"):
         return "", f"'{r}' is not a scratch value but a {buffers[r].kind}"
     if i + 1 >= len(units) or not isinstance(units[i + 1], Loop):
         return "", f"the unit after '{r}' is not a pointwise loop"
@@ -166,8 +169,9 @@ def fused_on(u: Library, epilogue: str, loop: Loop, buffers: dict[str, Buffer]) 
         return ()
     kind, operand, _ = parts(epilogue)
     on = ["cpu"]
-    if loop.type.dtype in CUDA_DTYPES and (kind in ("bias", "residual") or kind == "scale" and (
-            _number(operand) or operand in buffers and buffers[operand].kind == "scalar")):
+    cuda_kind = kind in ("bias", "residual") or kind == "scale" and (
+        _number(operand) or operand in buffers and buffers[operand].kind == "scalar")
+    if buffers[u.dst].kind == "scratch" and loop.type.dtype in CUDA_DTYPES and cuda_kind:
         on.append("cuda")
     return tuple(on)
 
